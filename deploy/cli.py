@@ -1,0 +1,43 @@
+"""The `pdserve` command line: one entry point, one subcommand per job.
+
+Each package owns its subcommands through an ``add_parser(subparsers)``
+function; this module only wires them together, so that ``pdserve --help``
+lists everything and every subcommand has its own ``--help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from engine import cli as engine_cli
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2, no traceback."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Prefill/decode-disaggregated LLM serving with an OpenAI-compatible API.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    engine_cli.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (CliError, ValueError, FileNotFoundError, NotImplementedError) as exc:
+        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
