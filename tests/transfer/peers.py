@@ -104,7 +104,7 @@ def main() -> None:
         serve_raw(role[4:], cfg)
     else:
         from tests.transfer.engine_peers import serve_engine
-        serve_engine(role[7:], cfg, reply, events_reply)
+        serve_engine(role[7:], cfg, reply)
 
 
 if __name__ == "__main__":
