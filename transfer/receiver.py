@@ -38,6 +38,7 @@ class KVReceiver(TransferThread):
     """Accepts prefilled KV into blocks this decode server reserved."""
 
     role = "decode"
+    busy_wait_s = 0.0005  # NIXL: how often notices are looked for while KV is expected
 
     def __init__(self, backend: Backend, cache: torch.Tensor, layout: KVLayout, *, name: str,
                  model: str, cancel_grace_s: float = 1.0) -> None:

@@ -15,8 +15,6 @@ The prefill server calls ``release(request)`` on its engine for every id that
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
@@ -33,6 +31,9 @@ from transfer.layout import KVLayout, check_compatible
 from transfer.messages import Ack, Cancel, CancelAck, Done, Hello, decode, encode
 from transfer.plan import CopyPlan, make_plan, staging_layout
 from transfer.session import TransferThread, cache_as_layout, chunk_hint
+
+
+ACK_GRACE_S = 1.0  # past its lease, how long a sent Done may wait for the receiver's Ack
 
 
 @dataclass
@@ -55,6 +56,7 @@ class KVSender(TransferThread):
     """Pushes prefilled KV into decode servers' reserved blocks."""
 
     role = "prefill"
+    wait_on_commands = True
 
     def __init__(self, backend: Backend, cache: torch.Tensor, layout: KVLayout, *, name: str,
                  model: str, checksum: str = "sampled") -> None:
@@ -67,6 +69,7 @@ class KVSender(TransferThread):
         self._staging: dict[str, torch.Tensor] = {}  # dtype -> converted mirror of the cache
         self._out: dict[str, _Out] = {}
         self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._stats = {"writes": 0, "ranges": 0, "bytes": 0, "post_s": 0.0}
         backend.register("kv", self._cache)
         super().__init__(backend, name)
 
@@ -105,6 +108,11 @@ class KVSender(TransferThread):
     def abort(self, transfer_id: str) -> None:
         """Drop a transfer (request aborted): nothing more is written."""
         self._submit(("abort", transfer_id))
+
+    def stats(self) -> dict:
+        """Layer writes posted, their ranges and bytes, and the transfer
+        thread's seconds spent planning, converting and posting them."""
+        return dict(self._stats)
 
     # -- transfer thread -------------------------------------------------
     def _handle(self, cmd: tuple) -> None:
@@ -151,6 +159,7 @@ class KVSender(TransferThread):
         out = self._out.get(tid)
         if out is None or out.failed or start >= end:
             return
+        t0 = time.perf_counter()
         dst = self._peers[out.peer].layout
         key = (start, end, src_ids.tobytes())
         plan: CopyPlan | None = out.plans.get(key)
@@ -171,6 +180,10 @@ class KVSender(TransferThread):
         except (TransferError, ValueError) as exc:
             out.failed = str(exc)
             return
+        self._stats["writes"] += 1
+        self._stats["ranges"] += plan.num_ranges
+        self._stats["bytes"] += plan.layer_nbytes
+        self._stats["post_s"] += time.perf_counter() - t0
         out.src_ids = src_ids if out.src_ids is None or len(src_ids) >= len(out.src_ids) else out.src_ids
         out.token_start = start if out.token_start < 0 else min(out.token_start, start)
         out.token_end = max(out.token_end, end)
@@ -187,8 +200,9 @@ class KVSender(TransferThread):
                 out.inflight = [h for h in out.inflight if not self.backend.write_done(h)]
             except TransferError as exc:
                 out.failed, out.inflight = str(exc), []
-            if not out.failed and not out.noticed and now > out.deadline:
-                out.failed = "lease expired before the transfer finished"
+            if not out.failed and now > out.deadline + (ACK_GRACE_S if out.noticed else 0.0):
+                out.failed = ("no answer to the Done notice" if out.noticed
+                              else "lease expired before the transfer finished")
             if out.failed and not out.inflight:
                 self._end(out, False, out.failed)
                 continue

@@ -91,6 +91,10 @@ class TransferThread:
     role = ""
     busy_wait_s = 0.0002
     idle_wait_s = 0.002
+    # Where the thread sleeps between rounds: on its command queue (a sender:
+    # the engine's pushes wake it at once) or in the backend (a receiver: the
+    # ZeroMQ poller wakes it when data arrives; NIXL can only sleep).
+    wait_on_commands = False
 
     def __init__(self, backend: Backend, name: str) -> None:
         self.backend = backend
@@ -133,20 +137,16 @@ class TransferThread:
         try:
             busy = False
             while True:
-                cmds = []
-                while True:
-                    try:
-                        cmds.append(self._cmds.get_nowait())
-                    except queue.Empty:
-                        break
+                wait = self.busy_wait_s if busy else self.idle_wait_s
+                cmds = self._drain(wait if self.wait_on_commands else 0.0)
+                if _STOP in cmds:
+                    return
                 for cmd in cmds:
-                    if cmd is _STOP:
-                        return
                     self._handle(cmd)
-                busy = self._progress(time.monotonic())
-                wait = 0.0 if cmds else (self.busy_wait_s if busy else self.idle_wait_s)
-                for item in self.backend.poll(wait):
+                timeout = 0.0 if cmds or self.wait_on_commands else wait
+                for item in self.backend.poll(timeout):
                     self._on_incoming(item)
+                busy = self._progress(time.monotonic())
         except BaseException as exc:  # reported by poll(); the thread must not die silently
             log.exception("%s transfer thread %s died", self.role, self.name)
             self._error = exc
@@ -155,6 +155,17 @@ class TransferThread:
                 self.backend.close()
             except Exception:
                 log.exception("closing the %s backend", self.backend.kind)
+
+    def _drain(self, timeout_s: float) -> list:
+        """Queued commands; waits up to ``timeout_s`` for the first one."""
+        cmds = []
+        try:
+            cmds.append(self._cmds.get(timeout=timeout_s) if timeout_s > 0 else self._cmds.get_nowait())
+            while True:
+                cmds.append(self._cmds.get_nowait())
+        except queue.Empty:
+            pass
+        return cmds
 
     def _handle(self, cmd: tuple) -> None:
         raise NotImplementedError

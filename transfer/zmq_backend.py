@@ -72,9 +72,9 @@ class ZmqBackend(Backend):
             self._poller.register(self._router, zmq.POLLIN)
 
     def register(self, region: str, tensor) -> None:
+        if tensor.is_cuda:
+            raise NotImplementedError("the zmq transfer backend moves CPU caches only; use nixl for CUDA")
         self._regions[region] = region_bytes(tensor)
-        if region == "kv" and tensor.is_cuda:
-            raise NotImplementedError("zmq backend: CUDA caches are not supported yet; use nixl")
 
     def metadata(self) -> bytes:
         return msgspec.msgpack.encode({"name": self.name, "endpoint": self.endpoint})

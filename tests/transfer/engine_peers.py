@@ -13,6 +13,7 @@ import sys
 import time
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.transfer.helpers import backend_options
 from transfer.backend import make_backend
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
@@ -34,7 +35,7 @@ class PrefillSide:
         self.engine = LLMEngine(EngineConfig(model=cfg["model"], block_size=spec["block_size"],
                                              num_blocks=64, mode="prefill", num_threads=1),
                                 layer_hook=self._hook)
-        backend = make_backend(cfg["backend"], spec["name"])
+        backend = make_backend(cfg["backend"], spec["name"], **backend_options(cfg["backend"], None, "send"))
         self.kv = KVSender(backend, self.engine.cache.kv, layout_of(self.engine), name=spec["name"],
                            model="tiny")
 
@@ -69,8 +70,7 @@ class DecodeSide:
     def __init__(self, cfg: dict, spec: dict) -> None:
         self.engine = LLMEngine(EngineConfig(model=cfg["model"], block_size=spec["block_size"],
                                              num_blocks=64, mode="decode", num_threads=1))
-        opts = {"endpoint": "tcp://127.0.0.1:0"} if cfg["backend"] == "zmq" else {}
-        backend = make_backend(cfg["backend"], spec["name"], **opts)
+        backend = make_backend(cfg["backend"], spec["name"], **backend_options(cfg["backend"], None, "recv"))
         self.kv = KVReceiver(backend, self.engine.cache.kv, layout_of(self.engine), name=spec["name"],
                              model="tiny")
         self.rids: dict[str, str] = {}

@@ -14,12 +14,13 @@ from transfer.sender import KVSender
 from transfer.session import Events
 
 
-def backend_options(kind: str, hub: InprocHub, role: str) -> dict:
+def backend_options(kind: str, hub: InprocHub | None, role: str) -> dict:
+    """Loopback settings for tests: a free port for zmq receivers, lo for UCX."""
     if kind == "inproc":
         return {"hub": hub}
-    if kind == "zmq" and role == "recv":
-        return {"endpoint": "tcp://127.0.0.1:0"}
-    return {}
+    if kind == "zmq":
+        return {"endpoint": "tcp://127.0.0.1:0"} if role == "recv" else {}
+    return {"ucx_net_devices": "lo"}
 
 
 def make_sender(kind, hub, name, layout: KVLayout, cache=None, **kw) -> KVSender:

@@ -22,6 +22,7 @@ import msgspec
 import numpy as np
 import torch
 
+from tests.transfer.helpers import backend_options
 from transfer.backend import make_backend
 from transfer.copy import region_bytes
 from transfer.layout import KVLayout
@@ -41,8 +42,7 @@ def seeded_cache(layout: KVLayout, seed: int) -> torch.Tensor:
 
 
 def backend_for(cfg: dict):
-    opts = {"endpoint": "tcp://127.0.0.1:0"} if cfg["backend"] == "zmq" and cfg["role"] == "recv" else {}
-    return make_backend(cfg["backend"], cfg["name"], **opts)
+    return make_backend(cfg["backend"], cfg["name"], **backend_options(cfg["backend"], None, cfg["role"]))
 
 
 def events_reply(side, timeout_s: float) -> None:

@@ -104,3 +104,15 @@ def test_killed_receiver_makes_the_sender_fail_not_hang(pair, backend):
     assert [f[0] for f in got["failed"]] == [tid], got
     assert "lease" not in got["failed"][0][1]
     assert got["elapsed"] < 10
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sender_meets_a_restarted_receiver_of_the_same_name_afresh(pair, backend, tmp_path):
+    _, old, _ = pair(backend)
+    old.kill()
+    send, recv, peer = pair(backend)  # a new receiver process, same name, fresh hello
+    assert recv.pid != old.pid
+    tid = recv.ask(op="expect", blocks=DST_BLOCKS, lease=20)["tid"]
+    send.ask(op="send", tid=tid, peer=peer, src_blocks=SRC_BLOCKS, dst_blocks=DST_BLOCKS, start=0,
+             end=TOKENS, first_token=3, lease=20)
+    assert recv.ask(op="wait", timeout=20)["completed"] == [[tid, 3]]
