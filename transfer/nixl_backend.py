@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import time
 
 import msgspec
@@ -47,6 +48,14 @@ MAX_PREPPED_DESCS = 1 << 21
 class _Region:
     def __init__(self, addr: int, nbytes: int, dev: int, mem: str) -> None:
         self.addr, self.nbytes, self.dev, self.mem = addr, nbytes, dev, mem
+
+
+def _nixl_logs_to_stderr() -> None:
+    """nixl's Python logger writes to stdout, which belongs to our programs'
+    output (``bench --json``); move it to stderr."""
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
 
 
 def _descs(region: _Region, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -75,6 +84,7 @@ class NixlBackend(Backend):
                 os.environ[var] = value  # UCX reads its settings only from the environment
             elif var in os.environ:
                 log.info("%s=%s from the environment", var, os.environ[var])
+        _nixl_logs_to_stderr()
         self.name = name
         try:
             self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
