@@ -28,9 +28,9 @@ class ServedModel:
     @classmethod
     def load(cls, name: str, folder: str, max_model_len: int | None = None) -> ServedModel:
         tokenizer = AutoTokenizer.from_pretrained(folder)
-        if max_model_len is None:
-            config = AutoConfig.from_pretrained(folder)
-            max_model_len = int(config.max_position_embeddings)
+        # the same rule as the engine: the configured length, capped by the model's
+        limit = int(AutoConfig.from_pretrained(folder).max_position_embeddings)
+        max_model_len = min(max_model_len or limit, limit)
         return cls(name=name, root=folder, max_model_len=max_model_len, tokenizer=tokenizer)
 
     def check_name(self, requested: str) -> None:

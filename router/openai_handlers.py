@@ -13,6 +13,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import anyio
+
 from router import api_responses as out
 from router.api_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router.dispatch import Dispatcher, Session
@@ -125,7 +127,9 @@ class OpenAIHandlers:
                 count = delta.completion_tokens
             return "".join(parts), reason, count
         finally:
-            await session.close()
+            # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
+            with anyio.CancelScope(shield=True):
+                await session.close()
 
     async def chat(self, req: ChatCompletionRequest, request_id: str):
         p = self.prepare_chat(req, request_id)
@@ -180,7 +184,9 @@ class OpenAIHandlers:
             yield sse_event(exc.body())
             yield DONE
         finally:
-            await session.close()
+            # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
+            with anyio.CancelScope(shield=True):
+                await session.close()
 
     async def _completion_stream(self, p: Prepared, req: CompletionRequest, session: Session) -> AsyncIterator[str]:
         usage_field = None if req.include_usage else {"usage"}
@@ -200,4 +206,6 @@ class OpenAIHandlers:
             yield sse_event(exc.body())
             yield DONE
         finally:
-            await session.close()
+            # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
+            with anyio.CancelScope(shield=True):
+                await session.close()
