@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 
 from fastapi import FastAPI
@@ -11,7 +12,7 @@ from starlette.background import BackgroundTask
 
 from decode_server.service import DecodeService, Refused
 from server_common.worker_replies import RefusedReply
-from server_common.worker_requests import AbortRequest, GenerateRequest
+from server_common.worker_requests import AbortRequest, GenerateRequest, KVHello
 
 
 def create_app(service: DecodeService) -> FastAPI:
@@ -38,6 +39,15 @@ def create_app(service: DecodeService) -> FastAPI:
         # task covers a client that left before the first line was sent.
         return StreamingResponse(service.events(first, active), media_type="application/x-ndjson",
                                  background=BackgroundTask(service.close, req.request_id))
+
+    @app.post("/kv/hello")
+    async def kv_hello(req: KVHello) -> JSONResponse:
+        """Transfer handshake from a prefill server: its hello in, ours back (base64 msgpack)."""
+        try:
+            answer = await service.accept_sender(base64.b64decode(req.hello, validate=True))
+        except (ValueError, TimeoutError, RuntimeError) as exc:
+            return JSONResponse(RefusedReply(error=str(exc), code="incompatible_peer").model_dump(), status_code=400)
+        return JSONResponse(KVHello(hello=base64.b64encode(answer).decode()).model_dump())
 
     @app.post("/abort")
     async def abort(req: AbortRequest) -> JSONResponse:

@@ -8,8 +8,9 @@ A remote request's life on D (all engine state changes on the engine thread)::
                   +-- no room: 503 at once
 
 ``_awaiting`` (transfer id -> request id) is touched only on the engine
-thread, so exactly one of "KV arrived", "lease expired" and "client left"
-wins for each reservation; the others find nothing to do.
+thread, so exactly one of "KV arrived", "transfer failed / lease expired"
+(both reported by the receiver) and "client left" wins for each
+reservation; the others find nothing to do.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -40,6 +40,7 @@ from server_common.worker_replies import (
 from server_common.worker_requests import GenerateRequest, SamplingSpec
 
 log = logging.getLogger(__name__)
+BACKSTOP_S = 5.0
 
 
 class Refused(Exception):
@@ -73,7 +74,8 @@ class DecodeService:
         self.engine = EngineThread(engine, self._emit, settings.name)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot)
         self._receiver = receiver
-        self._awaiting: dict[str, str] = {}  # engine thread only
+        self._awaiting: dict[str, str] = {}  # transfer id -> request id; engine thread only
+        self._cancelling: dict[str, str] = {}  # cancelled, waiting for the receiver to confirm; engine thread only
         self._active: dict[str, Active] = {}  # event loop only
         self._hub: StreamHub | None = None
 
@@ -82,12 +84,17 @@ class DecodeService:
         self._hub = StreamHub(asyncio.get_running_loop())
         self.engine.start()
         if self._receiver is not None:
-            self._receiver.start(self._on_kv_complete)
+            self._receiver.start(self._on_transfer_ended)
 
     async def stop(self) -> None:
         if self._receiver is not None:
             self._receiver.close()
         self.engine.stop()
+
+    async def accept_sender(self, hello: bytes) -> bytes:
+        if self._receiver is None:
+            raise ValueError(f"{self.settings.name} is a colocated server: it takes no KV transfers")
+        return await asyncio.to_thread(self._receiver.accept, hello)
 
     # ---- requests -------------------------------------------------------------
     async def open(self, req: GenerateRequest) -> tuple[ReservationEvent, Active]:
@@ -121,27 +128,28 @@ class DecodeService:
 
     async def _reserve(self, req: GenerateRequest, sampling: SamplingParams, active: Active) -> Reservation:
         rid, lease_s = req.request_id, self.settings.lease_s
-        transfer_id = f"{self.settings.name}-{uuid.uuid4().hex}"
         deadline = time.time() + lease_s
         receiver = self._receiver
 
-        def reserve(e: LLMEngine) -> tuple[list[int], dict]:
+        def reserve(e: LLMEngine) -> tuple[list[int], str]:
             block_ids = e.reserve(rid, req.prompt_token_ids, sampling)
             try:
-                target = receiver.expect(transfer_id, block_ids, len(req.prompt_token_ids), deadline)
+                transfer_id = receiver.expect(block_ids, lease_s)
             except BaseException:
                 e.abort(rid)
                 raise
             self._awaiting[transfer_id] = rid
-            return block_ids, target
+            return block_ids, transfer_id
 
-        block_ids, target = await self.engine.run(reserve)
+        block_ids, transfer_id = await self.engine.run(reserve)
         active.transfer_id = transfer_id
-        active.lease = asyncio.get_running_loop().call_later(lease_s, self._lease_expired, transfer_id)
+        # The receiver enforces the lease; this backstop only guards against a transfer layer that never reports.
+        active.lease = asyncio.get_running_loop().call_later(lease_s + BACKSTOP_S, self._backstop, transfer_id)
         self.metrics.requests.labels(outcome="reserved").inc()
         return Reservation(instance=self.settings.name, request_id=rid, transfer_id=transfer_id,
                            block_ids=block_ids, block_size=self.settings.engine.block_size,
-                           num_tokens=len(req.prompt_token_ids), lease_deadline=deadline, kv_target=target)
+                           num_tokens=len(req.prompt_token_ids), lease_deadline=deadline,
+                           kv_target=receiver.target())
 
     async def events(self, first: ReservationEvent, active: Active) -> AsyncIterator[str]:
         """NDJSON lines: the reservation, then tokens until finished (or an error)."""
@@ -192,38 +200,46 @@ class DecodeService:
             self._hub.publish(out.request_id, TokensEvent(token_ids=out.new_token_ids, finish_reason=reason))
 
     def _drop(self, e: LLMEngine, request_id: str, transfer_id: str | None) -> None:
+        """The request's client left. A reservation still waiting for KV is cancelled
+        first and freed once the receiver reports the id ended (no write can land)."""
         if transfer_id is not None and self._awaiting.pop(transfer_id, None) is not None:
+            self._cancelling[transfer_id] = request_id
             self._receiver.cancel(transfer_id)
+            return
         e.abort(request_id)
 
-    def _on_kv_complete(self, transfer_id: str, first_token: int | None, error: str | None) -> None:
-        """Called on the receiver's thread when a transfer ended (ok or not)."""
-        self.engine.call(lambda e: self._admit(e, transfer_id, first_token, error))
+    def _on_transfer_ended(self, transfer_id: str, first_token: int | None, error: str | None) -> None:
+        """Called on the adapter's thread when a transfer ended (ok or not)."""
+        self.engine.call(lambda e: self._transfer_ended(e, transfer_id, first_token, error))
 
-    def _admit(self, e: LLMEngine, transfer_id: str, first_token: int | None, error: str | None) -> None:
+    def _transfer_ended(self, e: LLMEngine, transfer_id: str, first_token: int | None, error: str | None) -> None:
+        cancelled = self._cancelling.pop(transfer_id, None)
+        if cancelled is not None:
+            e.abort(cancelled)
+            return
         rid = self._awaiting.pop(transfer_id, None)
         if rid is None:
-            log.info("discarding completion of unknown or expired transfer %s", transfer_id)
-            self.metrics.transfer_failed.inc()
+            log.info("ignoring the end of unknown transfer %s", transfer_id)
             return
         if error is not None or first_token is None:
             e.abort(rid)
-            self.metrics.transfer_failed.inc()
-            self._hub.publish(rid, ErrorEvent(message=f"KV transfer failed: {error}", code="transfer_failed"))
+            expired = "lease" in (error or "")
+            (self.metrics.lease_expired if expired else self.metrics.transfer_failed).inc()
+            self._hub.publish(rid, ErrorEvent(message=f"KV transfer failed: {error}; blocks freed",
+                                              code="lease_expired" if expired else "transfer_failed"))
             return
         self._emit([e.admit_remote(rid, first_token)])
 
-    def _lease_expired(self, transfer_id: str) -> None:
+    def _backstop(self, transfer_id: str) -> None:
         def expire(e: LLMEngine) -> None:
-            rid = self._awaiting.pop(transfer_id, None)
+            rid = self._awaiting.pop(transfer_id, None) or self._cancelling.pop(transfer_id, None)
             if rid is None:
-                return  # the KV arrived in time
-            self._receiver.cancel(transfer_id)
+                return  # ended normally
+            log.error("transfer %s never ended; freeing request %s without the receiver", transfer_id, rid)
             e.abort(rid)
             self.metrics.lease_expired.inc()
-            self._hub.publish(rid, ErrorEvent(
-                message=f"no KV arrived within the {self.settings.lease_s:g} s lease; blocks freed",
-                code="lease_expired"))
+            self._hub.publish(rid, ErrorEvent(message="no KV arrived within the lease; blocks freed",
+                                              code="lease_expired"))
 
         self.engine.call(expire)
 

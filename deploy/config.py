@@ -79,7 +79,7 @@ class RouterConfig(Strict):
 
 
 class TransferConfig(Strict):
-    backend: Literal["zmq", "nixl", "inprocess"] = "zmq"
+    backend: Literal["zmq", "nixl"] = "zmq"  # transfer's in-process backend is for tests inside one process
     timeout_s: float = Field(default=10.0, gt=0)
 
 

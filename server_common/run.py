@@ -16,6 +16,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 
 def setup_logging(level: str, name: str) -> None:
     logging.basicConfig(level=level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    if level != "debug":  # one line per health check and per request is noise
+        logging.getLogger("httpx").setLevel(logging.WARNING)
 
 
 def load_server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]):

@@ -53,3 +53,10 @@ class AbortRequest(Strict):
     """POST /abort on either server: drop the request whatever its state."""
 
     request_id: str = Field(min_length=1, max_length=200)
+
+
+class KVHello(Strict):
+    """POST /kv/hello on a decode server, and its answer: a transfer handshake
+    message (msgpack bytes made by ``transfer``), base64-encoded."""
+
+    hello: str = Field(max_length=1 << 20)
