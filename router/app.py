@@ -25,6 +25,27 @@ from router.settings import RouterSettings
 from router.worker_client import WorkerClient
 
 
+DISCONNECT_POLL_S = 0.25
+
+
+async def until_disconnect(request: Request, work):
+    """Run ``work``; cancel it (its ``finally`` aborts the request on the servers)
+    if the client goes away first. Streams notice a disconnect by themselves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise OpenAIError(499, "client closed the request")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
 def create_app(settings: RouterSettings, model: ServedModel | None = None, client=None) -> FastAPI:
     """``model`` and ``client`` (a WorkerClient look-alike) may be given by unit tests."""
     model = model or ServedModel.load(settings.served_model_name, settings.model_path, settings.max_model_len)
@@ -68,7 +89,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         metrics.inflight.inc()
         status = 500
         try:
-            session, result = await call(request_id_of(request))
+            session, result = await until_disconnect(request, call(request_id_of(request)))
             status = 200
         except OpenAIError as exc:
             status = exc.status

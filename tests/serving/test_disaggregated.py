@@ -122,3 +122,11 @@ def test_models_lists_the_tiny_model_with_its_folder(served, tiny_model):
     models = served.client().models.list().data
     assert [(m.id, m.root) for m in models] == [("tiny", tiny_model)]
     assert models[0].max_model_len == MAX_MODEL_LEN
+
+
+def test_client_giving_up_on_a_whole_answer_frees_its_blocks(served):
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(f"{served.router_url}/v1/completions", json=body)
+    served.wait_idle(timeout=1.5)
