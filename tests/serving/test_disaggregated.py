@@ -130,3 +130,16 @@ def test_client_giving_up_on_a_whole_answer_frees_its_blocks(served):
         with pytest.raises(httpx.ReadTimeout):
             http.post(f"{served.router_url}/v1/completions", json=body)
     served.wait_idle(timeout=1.5)
+
+
+def test_seeded_sampling_across_prefill_and_decode_equals_the_engine_alone(served, tiny_model):
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    prompt = PROMPTS[3]
+    params = dict(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_blocks=64, num_threads=1))
+    (offline,) = engine.generate([prompt], SamplingParams(**params))
+    client = served.client()
+    answers = [client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0.9, top_p=0.95,
+                                         seed=1234, extra_body={"top_k": 50}).choices[0].text for _ in range(2)]
+    assert answers == [offline.text, offline.text]
