@@ -1,4 +1,4 @@
-"""2P1D, 1P2D and colocated clusters: greedy answers equal transformers."""
+"""2P1D, 1P2D, 1P1D over NIXL, and colocated clusters: greedy answers equal transformers."""
 
 from __future__ import annotations
 
@@ -11,17 +11,20 @@ from tests.serving.oracle import PROMPTS, expected_chat, expected_completion
 
 pytestmark = pytest.mark.integration
 
+# layout -> (config, overrides, the servers the work must spread over, their counter)
 LAYOUTS = {
-    "2p1d": ("p0", "p1"),  # prefill block sizes 16 and 8, decode 32
-    "1p2d": ("d0", "d1"),  # prefill 16, decode block sizes 32 and 8
-    "colocated": ("c0",),
+    "2p1d": ("2p1d", {}, ("p0", "p1"), "prefilled"),  # prefill block sizes 16 and 8, decode 32
+    "1p2d": ("1p2d", {}, ("d0", "d1"), "reserved"),  # prefill 16, decode block sizes 32 and 8
+    "1p1d-nixl": ("tiny-1p1d", {"transfer": {"backend": "nixl"}}, ("p0",), "prefilled"),  # block sizes 4 and 16
+    "colocated": ("colocated", {}, ("c0",), "local_prefill"),
 }
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def cluster(request, tmp_path_factory, tiny_model):
-    c = start_cluster(tmp_path_factory, request.param, tiny_model)
-    c.layout = request.param
+    template, changes, servers, counter = LAYOUTS[request.param]
+    c = start_cluster(tmp_path_factory, template, tiny_model, changes)
+    c.spread = servers, counter
     yield c
     c.stop()
 
@@ -36,9 +39,9 @@ def test_concurrent_greedy_answers_equal_transformers_on_every_server(served, ti
                                                                 temperature=0) for p in prompts))
 
     assert [r.choices[0].text for r in asyncio.run(run())] == expected
-    role = {"2p1d": "prefilled", "1p2d": "reserved", "colocated": "local_prefill"}[served.layout]
-    for name in LAYOUTS[served.layout]:  # the policy spread the work over every server of the role
-        assert served.metric(name, f'pdserve_requests_total{{outcome="{role}"}}') >= 1, name
+    servers, counter = served.spread
+    for name in servers:  # the policy spread the work over every server of the role
+        assert served.metric(name, f'pdserve_requests_total{{outcome="{counter}"}}') >= 1, name
 
 
 def test_streamed_chat_equals_transformers(served, tiny_model):
