@@ -79,26 +79,34 @@ class Session:
             self._queue.put_nowait(exc)
 
     async def _run_prefill(self) -> None:
+        """Hand prompt + reservation to a prefill server. One that cannot be
+        connected to never saw the request, so the next one is tried."""
         reservation = self.reservation
         assert reservation is not None
-        candidates = self._dispatcher.prefill_policy.order(self._dispatcher.registry.healthy("prefill"))
-        if not candidates:
-            self._queue.put_nowait(WorkerFailed(self.decode, "no healthy prefill server", "no_prefill"))
-            return
-        worker = self.prefill = candidates[0]
         req = PrefillRequest(request_id=self.request_id, prompt_token_ids=self._prompt,
                              sampling=self._sampling, reservation=reservation)
-        worker.inflight += 1
-        worker.inflight_tokens += len(self._prompt)
-        try:
-            self.prefill_result = await self._dispatcher.client.prefill(worker, req)
-        except (WorkerFailed, WorkerUnreachable) as exc:
-            if isinstance(exc, WorkerUnreachable):
-                self._dispatcher.registry.mark_down(worker, str(exc))
-            self._queue.put_nowait(exc)
-        finally:
-            worker.inflight -= 1
-            worker.inflight_tokens -= len(self._prompt)
+        registry = self._dispatcher.registry
+        candidates = self._dispatcher.prefill_policy.order(registry.healthy("prefill"))
+        error: Exception = WorkerFailed(self.decode, "no healthy prefill server", "no_prefill")
+        for worker in candidates:
+            self.prefill = worker
+            worker.inflight += 1
+            worker.inflight_tokens += len(self._prompt)
+            try:
+                self.prefill_result = await self._dispatcher.client.prefill(worker, req)
+                return
+            except WorkerUnreachable as exc:
+                registry.mark_down(worker, str(exc))
+                error = exc
+                if not exc.never_connected:
+                    break
+            except WorkerFailed as exc:
+                error = exc
+                break
+            finally:
+                worker.inflight -= 1
+                worker.inflight_tokens -= len(self._prompt)
+        self._queue.put_nowait(error)
 
     async def close(self) -> None:
         """Release everything; aborts on both servers unless the request finished."""

@@ -35,9 +35,12 @@ class NoRoom(Exception):
 
 
 class WorkerUnreachable(Exception):
-    def __init__(self, worker: Worker, reason: str) -> None:
+    """``never_connected``: the request cannot have reached the worker, so another one may take it."""
+
+    def __init__(self, worker: Worker, reason: str, never_connected: bool = False) -> None:
         super().__init__(f"{worker.role} server {worker.name} unreachable: {reason}")
         self.worker = worker
+        self.never_connected = never_connected
 
 
 class WorkerFailed(Exception):
@@ -140,7 +143,7 @@ class WorkerClient:
                 headers={"content-type": "application/json"}, timeout=self._prefill_timeout,
             )
         except httpx.HTTPError as exc:
-            raise WorkerUnreachable(worker, repr(exc)) from exc
+            raise WorkerUnreachable(worker, repr(exc), isinstance(exc, httpx.ConnectError)) from exc
         if resp.status_code != 200:
             raise WorkerFailed(worker, f"HTTP {resp.status_code}: {_reason(resp)}")
         return PrefillResult.model_validate_json(resp.content)

@@ -114,3 +114,22 @@ def test_health_checks_take_a_worker_out_and_bring_it_back():
 
     assert asyncio.run(run()) == (True, False)
     assert worker.healthy and (worker.free_blocks, worker.queue_depth, worker.queued_tokens) == (7, 2, 30)
+
+
+def test_prefill_server_that_cannot_be_connected_to_is_skipped():
+    class FirstPrefillDown(FakeWorkerClient):
+        async def prefill(self, worker, req):
+            if worker.name == "p0":
+                raise WorkerUnreachable(worker, "connection refused", never_connected=True)
+            return await super().prefill(worker, req)
+
+    workers = [Worker("p0", "prefill", "u"), Worker("p1", "prefill", "u"), Worker("d0", "decode", "u")]
+    fake = FirstPrefillDown(reply=[4, 5], delay=0.02)
+    registry, dispatcher = make(fake, workers)
+
+    async def run():
+        return await drain(await dispatcher.start("r4", [1, 2], SAMPLING))
+
+    assert asyncio.run(run()) == [[4], [5]]
+    assert [name for name, _ in fake.prefills] == ["p1"]
+    assert [w.name for w in registry.healthy("prefill")] == ["p1"]
