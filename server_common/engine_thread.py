@@ -77,6 +77,8 @@ class EngineThread:
             fut.set_exception(RuntimeError(f"engine thread is not running: {self.error!r}"))
             return fut
         self._calls.put((fn, fut))
+        if self._thread.ident is not None and not self._thread.is_alive():
+            self._fail_pending()  # it died between the check and the put
         return fut
 
     async def run(self, fn: Callable[[LLMEngine], T]) -> T:
