@@ -21,15 +21,18 @@ def run(args: argparse.Namespace) -> int:
     from decode_server.app import create_app
     from decode_server.service import DecodeService
     from engine import LLMEngine
+    from server_common.faults import FaultInjector
     from server_common.run import load_server_settings, serve, setup_logging
 
     setup_logging(args.log_level, args.name)
     settings = load_server_settings(args, ("decode", "colocated"))
     engine = LLMEngine(settings.engine)
+    faults = FaultInjector() if settings.fault_injection else None
     receiver = None
     if settings.role == "decode":
         from server_common.kv_adapter import make_receiver
 
-        receiver = make_receiver(settings, engine)
-    serve(create_app(DecodeService(settings, engine, receiver)), settings.host, settings.port, args.log_level)
+        receiver = make_receiver(settings, engine, faults)
+    serve(create_app(DecodeService(settings, engine, receiver, faults)), settings.host, settings.port,
+          args.log_level)
     return 0

@@ -10,6 +10,7 @@ block size and thread count comes from this one file. Example (see configs/)::
     router: {port: 8000, policy: round_robin, local_prefill_threshold: 0}
     transfer: {backend: zmq}
     lease_s: 30
+    recovery: {prefill_failure: retry, lease_expiry: fail, checksum_failure: fail}
     prefill: [{name: p0, port: 8100, block_size: 16}]
     decode:  [{name: d0, port: 8200, block_size: 32}]
 
@@ -73,9 +74,27 @@ class RouterConfig(Strict):
     policy: Literal["round_robin", "least_loaded"] = "round_robin"
     local_prefill_threshold: int = Field(default=0, ge=0)
     health_interval_s: float = Field(default=2.0, gt=0)
+    health_backoff_max_s: float = Field(default=8.0, gt=0)  # a down worker is polled at doubling intervals up to this
     queue_timeout_s: float = Field(default=10.0, ge=0)
     prefill_timeout_s: float = Field(default=120.0, gt=0)
     api_keys: list[str] = Field(default_factory=list)
+
+
+class RecoveryConfig(Strict):
+    """What happens when a step of a request fails before its first token.
+
+    ``prefill_failure`` (router; a prefill server failed, or the decode server
+    reported the KV never arrived intact): ``retry`` once more on another
+    prefill server, or on the decode server itself when there is none;
+    ``local`` once more on the decode server; ``fail`` with a clear error.
+    ``lease_expiry`` / ``checksum_failure`` (decode server): ``fail`` the
+    request (the router may then recover it as above) or prefill it ``local``ly
+    at once. Either way the reserved blocks are freed first.
+    """
+
+    prefill_failure: Literal["retry", "local", "fail"] = "retry"
+    lease_expiry: Literal["fail", "local"] = "fail"
+    checksum_failure: Literal["fail", "local"] = "fail"
 
 
 class TransferConfig(Strict):
@@ -95,6 +114,9 @@ class ClusterConfig(Strict):
     engine: EngineDefaults = EngineDefaults()
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
+    # Test hook, off by default: servers mount /admin/faults to inject faults deterministically.
+    fault_injection: bool = False
     prefill: list[Instance] = Field(default_factory=list)
     decode: list[Instance] = Field(default_factory=list)
     colocated: list[Instance] = Field(default_factory=list)
@@ -162,6 +184,7 @@ class ClusterConfig(Strict):
             port=r.port, policy=r.policy, local_prefill_threshold=r.local_prefill_threshold,
             health_interval=r.health_interval_s, queue_timeout=r.queue_timeout_s,
             prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len, api_keys=tuple(r.api_keys),
+            health_backoff_max=r.health_backoff_max_s, prefill_failure=self.recovery.prefill_failure,
         )
 
     def server_settings(self, name: str, model_path: Path):
@@ -186,6 +209,8 @@ class ClusterConfig(Strict):
         return ServerSettings(
             name=name, role=role, engine=engine, host=self.host, port=inst.port, kv_port=inst.transfer_port,
             transfer_backend=self.transfer.backend, lease_s=self.lease_s, transfer_timeout_s=self.transfer.timeout_s,
+            lease_expiry=self.recovery.lease_expiry, checksum_failure=self.recovery.checksum_failure,
+            fault_injection=self.fault_injection,
         )
 
 

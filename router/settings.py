@@ -26,3 +26,5 @@ class RouterSettings:
     prefill_timeout: float = 120.0
     max_model_len: int | None = None  # None: the model config's max_position_embeddings
     api_keys: tuple[str, ...] = ()  # empty: no auth
+    health_backoff_max: float = 8.0
+    prefill_failure: str = "retry"  # retry | local | fail (deploy.config.RecoveryConfig)

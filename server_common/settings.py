@@ -22,6 +22,9 @@ class ServerSettings:
     transfer_backend: str = "zmq"
     lease_s: float = 30.0
     transfer_timeout_s: float = 10.0
+    lease_expiry: str = "fail"  # fail | local (deploy.config.RecoveryConfig)
+    checksum_failure: str = "fail"  # fail | local
+    fault_injection: bool = False  # mount /admin/faults (tests only)
 
     @property
     def url(self) -> str:
