@@ -50,10 +50,11 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     """``model`` and ``client`` (a WorkerClient look-alike) may be given by unit tests."""
     model = model or ServedModel.load(settings.served_model_name, settings.model_path, settings.max_model_len)
     registry = WorkerRegistry([Worker(w.name, w.role, w.url) for w in settings.workers],
-                              interval=settings.health_interval)
+                              interval=settings.health_interval, backoff_max=settings.health_backoff_max)
     metrics = RouterMetrics(registry)
     dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
-                                         queue_timeout=settings.queue_timeout)
+                                         queue_timeout=settings.queue_timeout,
+                                         prefill_failure=settings.prefill_failure)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -61,7 +62,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         async with httpx.AsyncClient(limits=limits) as http:
             worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout)
             dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),
-                                    worker_client, dispatch_settings)
+                                    worker_client, dispatch_settings, metrics.recovery)
             app.state.handlers = OpenAIHandlers(model, dispatcher, metrics)
             health_task = asyncio.create_task(registry.run(http)) if client is None else None
             try:
