@@ -103,6 +103,16 @@ class Cluster:
                 if pending:
                     stop.wait(0.2)
 
+    def restart(self, name: str) -> Proc:
+        """Start process ``name`` again once it has exited (fault tests kill servers on purpose)."""
+        old = next(p for p in self.procs if p.name == name)
+        if old.popen.poll() is None:
+            raise LaunchError(f"{old.role} {name} is still running (pid {old.popen.pid})")
+        self.procs.remove(old)
+        command = "decode" if old.role == "colocated" else old.role
+        args = ["router"] if old.role == "router" else [command, "--name", name]
+        return self._spawn(old.role, name, old.url, args)
+
     def first_dead(self) -> Proc | None:
         return next((p for p in self.procs if p.popen.poll() is not None), None)
 
