@@ -182,7 +182,7 @@ class DecodeService:
             while True:
                 event = await active.queue.get()
                 yield event.model_dump_json() + "\n"
-                if isinstance(event, ErrorEvent) or getattr(event, "finish_reason", None) is not None:
+                if isinstance(event, ErrorEvent) or (isinstance(event, TokensEvent) and event.finish_reason):
                     active.finished = True
                     return
         finally:

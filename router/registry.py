@@ -74,7 +74,7 @@ class WorkerRegistry:
             resp = await client.get(f"{worker.url}/health", timeout=max(1.0, self.interval))
             resp.raise_for_status()
             worker.apply_health(resp.json())
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # no answer, or not a health report
             worker.failures += 1
             if worker.failures >= self.unhealthy_after and worker.healthy:
                 log.warning("worker %s (%s) unhealthy: %s", worker.name, worker.url, exc)
@@ -89,7 +89,7 @@ class WorkerRegistry:
         """Seconds to the worker's next check: ``interval`` while it answers, then doubling."""
         if worker.failures == 0:
             return self.interval
-        return min(self.interval * 2 ** (worker.failures - 1), self.backoff_max)
+        return min(self.interval * 2 ** min(worker.failures - 1, 30), self.backoff_max)
 
     async def run(self, client: httpx.AsyncClient) -> None:
         """Poll forever, each worker on its own schedule (cancel the task to stop)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from router.dispatch import DispatchSettings, Dispatcher
@@ -205,3 +206,34 @@ def test_health_checks_back_off_while_a_worker_is_down():
         w.failures = failures
         delays.append(registry.next_check_in(w))
     assert delays == [0.5, 0.5, 1.0, 2.0, 3.0, 3.0]
+    w.failures = 100_000  # a worker down for days
+    assert registry.next_check_in(w) == 3.0
+
+
+def test_the_health_watch_takes_a_dead_worker_out_and_brings_it_back_after_a_restart():
+    state = {"up": True, "checks": 0}
+
+    def handler(request):
+        state["checks"] += 1
+        if not state["up"]:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, json={"kv_blocks": {"free": 3}})
+
+    registry = WorkerRegistry(workers(0, 1), interval=0.02, backoff_max=0.08)
+    d0 = registry.workers[0]
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            watch = asyncio.create_task(registry.run(client))
+            state["up"] = False
+            await asyncio.sleep(0.5)
+            down, checks_while_down = d0.healthy, state["checks"]
+            state["up"] = True
+            await asyncio.sleep(0.2)
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            return down, checks_while_down
+
+    down, checks = asyncio.run(run())
+    assert not down and d0.healthy and d0.free_blocks == 3
+    assert checks < 0.5 / 0.02 / 2  # backed off: far fewer checks than one per interval
