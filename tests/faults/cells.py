@@ -43,6 +43,7 @@ class CellResult:
     router_ok: bool = False
     seconds: float = 0.0
     evidence: str = ""  # what shows the fault really happened
+    fault_seen: bool = False
 
     def count(self, kind: str) -> int:
         return sum(o.kind == kind for o in self.outcomes)
@@ -101,20 +102,23 @@ async def apply_fault(c: FaultCluster, client: Client, calls: list[Call], fault:
     return []
 
 
-def evidence(c: FaultCluster, fault: str, before: dict, result: CellResult) -> str:
+def evidence(c: FaultCluster, fault: str, before: dict, result: CellResult, killed: list[str]) -> tuple[str, bool]:
+    """What shows the fault really happened, and whether it did."""
     p, d = c.prefill[0], c.decode[0]
     if fault == "drop_notice":
-        return f"notices dropped: {c.faults(p)['injected']['notices_dropped'] - before['dropped']}"
+        dropped = c.faults(p)["injected"]["notices_dropped"] - before["dropped"]
+        return f"notices dropped: {dropped}", dropped > 0
     if fault == "delay_notice":
-        return (f"notices delayed: {c.faults(p)['injected']['notices_delayed'] - before['delayed']}, "
-                f"late ones discarded on D: {discarded(c) - before['discarded']:.0f}")
+        delayed = c.faults(p)["injected"]["notices_delayed"] - before["delayed"]
+        late = discarded(c) - before["discarded"]
+        return f"notices delayed: {delayed}, late ones discarded on D: {late:.0f}", delayed > 0 and late > 0
     if fault == "corrupt_block":
+        corrupted = c.faults(d)["injected"]["writes_corrupted"] - before["corrupted"]
         failures = c.metric(d, "pdserve_checksum_failures_total") - before["checksum"]
-        return f"writes corrupted: {c.faults(d)['injected']['writes_corrupted'] - before['corrupted']}, " \
-               f"checksum failures on {d}: {failures:.0f}"
+        return f"writes corrupted: {corrupted}, checksum failures on {d}: {failures:.0f}", failures > 0
     if fault == "client_disconnect":
-        return f"hung up: {result.count('left')}"
-    return f"{p if fault == 'kill_prefill' else d} killed and restarted"
+        return f"hung up: {result.count('left')}", result.count("left") > 0
+    return f"{', '.join(killed)} killed and restarted", bool(killed)
 
 
 def discarded(c: FaultCluster) -> float:
@@ -142,7 +146,7 @@ async def run_cell(c: FaultCluster, layout: str, fault: str, stage: str, expecte
             await asyncio.to_thread(c.wait_back, killed)
         if fault == "delay_notice" and before["delayed"] < c.faults(p)["injected"]["notices_delayed"]:
             await until(lambda: discarded(c) > before["discarded"], c.lease_s + MARGIN_S, "late notice discarded")
-        result.evidence = evidence(c, fault, before, result)
+        result.evidence, result.fault_seen = evidence(c, fault, before, result, killed)
         c.disarm_all()
         result.leaked, _ = await asyncio.to_thread(c.leaked_blocks, c.lease_s + MARGIN_S)
         check = client.start(expected_prompt(expected), stream=False)

@@ -11,6 +11,7 @@ from tests.faults.client import MAX_TOKENS, PROMPTS
 from tests.serving.oracle import expected_completion
 
 RESULTS = pytest.StashKey[list]()
+FOLDER = pytest.StashKey[object]()
 COLUMNS = ("layout", "fault", "stage", "requests", "correct", "clear_errors", "left", "wrong", "leaked_blocks",
            "router_ok", "seconds", "evidence")
 
@@ -20,8 +21,9 @@ def pytest_configure(config) -> None:
 
 
 @pytest.fixture(scope="session")
-def matrix(pytestconfig) -> list[dict]:
+def matrix(pytestconfig, tmp_path_factory) -> list[dict]:
     """Append one row per cell."""
+    pytestconfig.stash[FOLDER] = tmp_path_factory.mktemp("fault-matrix", numbered=False)
     return pytestconfig.stash[RESULTS]
 
 
@@ -44,8 +46,7 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     rows = config.stash.get(RESULTS, [])
     if not rows:
         return
-    folder = config._tmp_path_factory.getbasetemp() / "fault-matrix"
-    folder.mkdir(exist_ok=True)
+    folder = config.stash[FOLDER]
     table = markdown(rows)
     (folder / "matrix.md").write_text(table + "\n")
     (folder / "matrix.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -18,7 +18,7 @@ import asyncio
 
 import pytest
 
-from tests.faults.cells import FAULTS, STAGES, run_cell
+from tests.faults.cells import FAULTS, MARGIN_S, STAGES, run_cell
 from tests.faults.harness import FaultCluster, fault_config
 
 pytestmark = pytest.mark.integration
@@ -50,7 +50,6 @@ def test_every_request_ends_right_and_no_block_leaks(cluster, fault, stage, expe
     assert not wrong, wrong
     assert result.leaked == 0
     assert result.router_ok
-    slow = [o for o in result.outcomes if o.kind != "left" and o.seconds > cluster.lease_s + 4.0]
+    slow = [o for o in result.outcomes if o.kind != "left" and o.seconds > cluster.lease_s + MARGIN_S]
     assert not slow, slow
-    if fault not in ("kill_prefill", "kill_decode"):
-        assert not result.evidence.split(": ")[1].startswith("0"), result.evidence  # the fault really happened
+    assert result.fault_seen, result.evidence
