@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bench import cli as bench_cli
 from engine import cli as engine_cli
 
 
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     engine_cli.add_parser(subparsers)
+    bench_cli.add_parser(subparsers)
     return parser
 
 
