@@ -1,0 +1,84 @@
+"""Paged attention over the KV cache, on plain torch ops (CPU and CUDA).
+
+KV cache memory order, one tensor per engine (see ``engine.kv_cache``)::
+
+    kv[layer, 0 = K | 1 = V, block, slot_in_block, kv_head, head_dim]   (NHD)
+
+A token at position p of a request lives in block ``block_ids[p // block_size]``
+at slot ``p % block_size``; its flat slot index is ``block * block_size + slot``.
+
+A step's tokens are flattened into one batch: decode rows first (one query
+token each), then prefill chunks. Every layer first writes the step's new K/V
+through the slot mapping, then attends:
+
+- decodes: K/V gathered by block table into [batch, kv_heads, len, dim]; the
+  query heads are viewed as [batch, kv_heads, group, dim] so grouped-query
+  attention is one batched matmul with no repeat_interleave;
+- prefill chunks: one causal attention per chunk over cached prefix + new
+  tokens, so chunked prefill computes exactly what one-shot prefill does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    query_start: int  # row of the chunk's first token in the flattened batch
+    query_len: int
+    context_start: int  # tokens already in the cache before this chunk
+    block_ids: torch.Tensor  # blocks covering context_start + query_len tokens
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot per token
+    num_decodes: int
+    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    prefills: list[PrefillSpan]
+
+
+def write_kv(cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store a step's new keys and values into one layer's blocks."""
+    _, _, block_size, heads, dim = cache_layer.shape
+    cache_layer[0].view(-1, heads, dim).index_copy_(0, slot_mapping, k)
+    cache_layer[1].view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """q: [tokens, q_heads, dim]; k, v: the step's new [tokens, kv_heads, dim]."""
+    num_kv_heads, head_dim = k.shape[1], k.shape[2]
+    group = q.shape[1] // num_kv_heads
+    out = torch.empty_like(q)
+    cache_k, cache_v = cache_layer[0], cache_layer[1]
+    if meta.num_decodes:
+        n = meta.num_decodes
+        table = meta.decode_block_table
+        keys = cache_k[table].flatten(1, 2).transpose(1, 2)  # [n, kv_heads, len, dim]
+        values = cache_v[table].flatten(1, 2).transpose(1, 2)
+        query = q[:n].view(n, num_kv_heads, group, head_dim)
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=scale)
+        out[:n] = attn.reshape(n, -1, head_dim)
+    for span in meta.prefills:
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, q_heads, len, dim]
+        if span.context_start == 0:
+            keys = k[rows].transpose(0, 1).unsqueeze(0)
+            values = v[rows].transpose(0, 1).unsqueeze(0)
+            attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            total = span.context_start + span.query_len
+            keys = cache_k[span.block_ids].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
+            values = cache_v[span.block_ids].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
+            positions = torch.arange(total, device=q.device)
+            mask = positions[None, :] <= (positions[span.context_start :, None])
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[rows] = attn[0].transpose(0, 1)
+    return out

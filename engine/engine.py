@@ -1,0 +1,176 @@
+"""The engine: model + KV cache + scheduler, stepped by its owner.
+
+A step is three lines: plan = schedule(); tokens = runner.run(plan);
+outputs = scheduler.update(plan, tokens). The engine is not thread-safe: a
+server owns it from one engine thread.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.loader import head_dim_of, load_model
+from engine.request import Request, SamplingParams, StepOutput
+from engine.runner import ModelRunner, RoPE
+from engine.scheduler import Scheduler, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Token positions [start, end) of a request whose K/V a step just computed."""
+
+    request_id: str
+    block_ids: list[int]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+LayerHook = Callable[[int, list[PrefillChunk]], None]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, layer_hook: LayerHook | None = None) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        device = config.torch_device
+        self.model, self.hf_config = load_model(config.model, config.torch_dtype, device)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
+        self.eos_token_ids = _eos_token_ids(config.model, self.hf_config)
+        limit = self.hf_config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        cfg = self.hf_config
+        head_dim = head_dim_of(cfg)
+        num_blocks = config.num_blocks or KVCache.blocks_for_bytes(
+            config.kv_cache_bytes, cfg.num_hidden_layers, config.block_size, cfg.num_key_value_heads, head_dim,
+            config.torch_dtype,
+        )
+        self.cache = KVCache(
+            cfg.num_hidden_layers, num_blocks, config.block_size, cfg.num_key_value_heads, head_dim,
+            config.torch_dtype, device,
+        )
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                chunked_prefill=config.chunked_prefill,
+                max_model_len=self.max_model_len,
+                mode=config.mode,
+                eos_token_ids=self.eos_token_ids,
+            ),
+            BlockManager(num_blocks, config.block_size),
+        )
+        rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
+        self.runner = ModelRunner(self.model, self.cache, rope, device)
+        self.layer_hook = layer_hook
+
+    # ---- requests ----------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, sampling))
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> list[int]:
+        """Decode mode: reserve blocks for a prompt whose KV another engine writes."""
+        return self.scheduler.reserve(self._new_request(request_id, prompt_token_ids, sampling))
+
+    def admit_remote(self, request_id: str, first_token_id: int) -> StepOutput:
+        """Decode mode: the prompt's KV is in the reserved blocks; continue decoding."""
+        return self.scheduler.admit_remote(request_id, first_token_id)
+
+    def abort(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Prefill mode: the held blocks of a prefilled request may be reused."""
+        self.scheduler.release(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def block_counts(self) -> dict[str, int]:
+        return self.scheduler.block_counts()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    # ---- stepping ----------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        tokens = self.runner.run(plan, self._layer_callback(plan))
+        return self.scheduler.update(plan, tokens)
+
+    def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
+        """Offline generation of a batch of prompts (text or token ids)."""
+        ids = [f"generate-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts):
+            tokens = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
+            self.add_request(request_id, tokens, sampling)
+        outputs: dict[str, list[int]] = {i: [] for i in ids}
+        reasons: dict[str, str] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                outputs[out.request_id] += out.new_token_ids
+                if out.finished:
+                    reasons[out.request_id] = out.finish_reason
+        return [
+            GenerationResult(outputs[i], self.tokenizer.decode(outputs[i], skip_special_tokens=True), reasons[i])
+            for i in ids
+        ]
+
+    # ---- helpers ---------------------------------------------------------------
+    def _new_request(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> Request:
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; the context holds {self.max_model_len} "
+                "including at least one generated token"
+            )
+        return Request(request_id, list(prompt), sampling)
+
+    def _layer_callback(self, plan) -> Callable[[int], None] | None:
+        if self.layer_hook is None:
+            return None
+        chunks = [
+            PrefillChunk(c.request.request_id, list(c.request.block_ids), c.start, c.start + c.num_tokens)
+            for c in plan.chunks
+        ]
+        hook = self.layer_hook
+        return lambda layer: hook(layer, chunks)
+
+
+def _eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
+    ids: list[int] = []
+    for value in (getattr(hf_config, "eos_token_id", None), _generation_eos(model_dir)):
+        if value is None:
+            continue
+        ids += value if isinstance(value, list) else [value]
+    return tuple(dict.fromkeys(ids))
+
+
+def _generation_eos(model_dir: str):
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("eos_token_id")

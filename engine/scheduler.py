@@ -1,0 +1,238 @@
+"""Continuous-batching scheduler: pure Python, produces a plan per step.
+
+Each step has a token budget. Running requests go first (decodes and the
+rest of chunked prompts), then waiting requests in arrival order, while the
+budget, the running-sequence cap and the free blocks allow. When a running
+request cannot get the block it needs, the most recently started running
+request is preempted: its blocks are freed and it is recomputed later from
+its prompt and the tokens it already produced (recompute, not swap).
+
+Requests whose KV is written by someone else are parked in
+WAITING_FOR_REMOTE_KV with their blocks reserved and never scheduled until
+``admit_remote`` marks the prompt computed; from then on they are ordinary
+running requests. In prefill mode a request stops once its prompt is
+computed and its first token sampled; it keeps its blocks (PREFILLED) until
+``release``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.request import NoCapacityError, Request, RequestStatus, StepOutput
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    chunked_prefill: bool
+    max_model_len: int
+    mode: str
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Compute tokens ``[start, start + num_tokens)`` of ``request``; sample if ``sample``."""
+
+    request: Request
+    start: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class SchedulePlan:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.parked: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV and PREFILLED
+        self.requests: dict[str, Request] = {}
+
+    # ---- admission -------------------------------------------------------
+    def add(self, request: Request) -> None:
+        assert request.request_id not in self.requests, request.request_id
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve(self, request: Request) -> list[int]:
+        """Reserve blocks for prompt + first token; the request waits for remote KV."""
+        assert request.request_id not in self.requests, request.request_id
+        needed = self.blocks.blocks_needed(request.num_prompt_tokens + 1)
+        if not self.blocks.can_allocate(needed):
+            raise NoCapacityError(f"{needed} KV blocks needed, {self.blocks.num_free} free")
+        request.block_ids = self.blocks.allocate(needed)
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        self.parked[request.request_id] = request
+        return list(request.block_ids)
+
+    def admit_remote(self, request_id: str, first_token_id: int) -> StepOutput:
+        request = self.parked.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise KeyError(f"no reservation waiting for remote KV with id {request_id!r}")
+        del self.parked[request_id]
+        request.num_computed = request.num_prompt_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return self._append_token(request, first_token_id)
+
+    # ---- one step ---------------------------------------------------------
+    def schedule(self) -> SchedulePlan:
+        plan = SchedulePlan()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks)
+            if num_new == 0:
+                index += 1
+                continue
+            if not self._grow_or_preempt(request, request.num_computed + num_new, plan):
+                break  # the request itself was preempted; everything after it too
+            plan.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+            index += 1
+        if plan.preempted:
+            return plan  # blocks are short: admit nothing new this step
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks)
+            if num_new == 0 or not self.blocks.grow(request.block_ids, request.num_computed + num_new):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.chunks.append(self._chunk(request, num_new))
+            budget -= num_new
+        return plan
+
+    def update(self, plan: SchedulePlan, sampled: dict[str, int]) -> list[StepOutput]:
+        outputs = []
+        for chunk in plan.chunks:
+            request = chunk.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            request.num_computed = chunk.start + chunk.num_tokens
+            if not chunk.sample:
+                continue
+            token = sampled[request.request_id]
+            if self.config.mode == "prefill":
+                request.output_token_ids.append(token)
+                self.running.remove(request)
+                request.status = RequestStatus.PREFILLED
+                self.parked[request.request_id] = request
+                outputs.append(StepOutput(request.request_id, [token], True, "prefilled", list(request.block_ids)))
+            else:
+                outputs.append(self._append_token(request, token))
+        return outputs
+
+    # ---- endings ------------------------------------------------------------
+    def abort(self, request_id: str) -> bool:
+        """Drop a request in any state and free its blocks. False if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self.parked.pop(request_id, None)
+        self._finish(request, "abort")
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a prefilled request held for its transfer."""
+        request = self.parked.get(request_id)
+        if request is None or request.status is not RequestStatus.PREFILLED:
+            raise KeyError(f"no prefilled request with id {request_id!r}")
+        del self.parked[request_id]
+        self._finish(request, "prefilled")
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def block_counts(self) -> dict[str, int]:
+        reserved = sum(len(r.block_ids) for r in self.parked.values())
+        used = self.blocks.num_used
+        return {"free": self.blocks.num_free, "reserved": reserved, "running": used - reserved}
+
+    def check_integrity(self) -> None:
+        self.blocks.check_integrity()
+        held = [b for r in self.requests.values() for b in r.block_ids]
+        assert len(held) == len(set(held)), "a block is owned by two requests"
+        assert len(held) == self.blocks.num_used, f"{len(held)} blocks owned, {self.blocks.num_used} used"
+        counts = self.block_counts()
+        assert counts["free"] + counts["reserved"] + counts["running"] == self.blocks.num_blocks
+
+    # ---- helpers -------------------------------------------------------------
+    def _num_new_tokens(self, request: Request, budget: int, first_in_plan: bool) -> int:
+        remaining = request.num_tokens - request.num_computed
+        if remaining <= budget:
+            return remaining
+        if self.config.chunked_prefill or first_in_plan:
+            return budget  # without chunking, an oversized prompt still runs alone
+        return 0
+
+    def _chunk(self, request: Request, num_new: int) -> ScheduledChunk:
+        start = request.num_computed
+        return ScheduledChunk(request, start, num_new, sample=start + num_new == request.num_tokens)
+
+    def _grow_or_preempt(self, request: Request, num_tokens: int, plan: SchedulePlan) -> bool:
+        while not self.blocks.grow(request.block_ids, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim)
+            plan.preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+        request.num_computed = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _append_token(self, request: Request, token: int) -> StepOutput:
+        request.output_token_ids.append(token)
+        reason = self._stop_reason(request, token)
+        if reason is not None:
+            self.running.remove(request)
+            self._finish(request, reason)
+            return StepOutput(request.request_id, [token], True, reason)
+        return StepOutput(request.request_id, [token], False)
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        sampling = request.sampling
+        if not sampling.ignore_eos and token in self.config.eos_token_ids:
+            return "stop"
+        if token in sampling.stop_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= sampling.max_tokens:
+            return "length"
+        if request.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, request: Request, reason: str) -> None:
+        self.blocks.free(request.block_ids)
+        request.block_ids = []
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = request.finish_reason or reason
+        del self.requests[request.request_id]
