@@ -8,16 +8,20 @@ Two kinds, mirroring the engine's modes:
   requests join ``running`` when their KV has arrived.
 * :class:`PrefillInstance` prefills prompts and hands them off.
 
-Scheduling follows the engine: continuous batching, a token budget per
-step (``max_num_batched_tokens``), ``max_num_seqs`` running, FIFO, chunked
-prefill. Policy ``mixed`` puts decodes first and fills the rest of the
-budget with prefill chunks in the same step (vLLM v1); ``prefill_first``
-runs a prefill-only step whenever a prompt waits and a decode-only step
-otherwise (nano-vllm).
+Scheduling follows the engine's scheduler: a token budget per step
+(``max_num_batched_tokens``); running requests first, in order (one token
+per decode, the next chunk of a prompt), then waiting ones in arrival order
+while the budget, ``max_num_seqs`` and free blocks allow; without chunked
+prefill a prompt over the budget still runs when it is first in the step.
+That is policy ``mixed`` (as vLLM v1). ``prefill_first`` (nano-vllm) runs
+prefill-only steps while prompts wait and decode-only steps otherwise.
 
 KV blocks: a request holds ceil((prompt + output) / block_size) blocks from
-admission (D: from reservation) until it finishes. Reserving the worst case
-means no preemption is ever needed, so the simulator does not model it.
+admission (D: from reservation) until it finishes. The engine allocates as
+tokens grow and preempts (recompute) when it runs out; reserving the worst
+case up front never needs preemption, so the simulator does not model it.
+The two agree whenever the cache is not the bottleneck; near capacity the
+simulator admits fewer requests than the engine does.
 """
 
 from __future__ import annotations
@@ -101,20 +105,29 @@ class _Instance:
         if self.free_blocks is not None:
             self.free_blocks += self.spec.blocks_for(req.prompt_len + req.output_len)
 
-    def _prefill_work(self, budget: int, slots: int, now: float) -> list[tuple[SimRequest, int]]:
-        """Continue running prompts, then admit waiting ones, within budget."""
+    def _running_work(self, budget: int, decodes: bool, prefills: bool) -> list[tuple[SimRequest, int]]:
+        """Running requests in order, as the engine does: 1 token per decode,
+        the next chunk of a prompt, until the budget is spent."""
         work = []
         for req in self.running:
             if budget <= 0:
                 break
-            if req.prefilling:
-                n = self._chunk(req, budget)
-                if n:
-                    work.append((req, n))
-                    budget -= n
-        while self.waiting and budget > 0 and slots > 0:
+            if req.prefilling and prefills:
+                n = self._chunk(req, budget, first=not work)
+            elif not req.prefilling and decodes:
+                n = 1
+            else:
+                continue
+            if n:
+                work.append((req, n))
+                budget -= n
+        return work
+
+    def _admit_waiting(self, work: list, budget: int, now: float) -> list[tuple[SimRequest, int]]:
+        """Then waiting requests in arrival order, while budget, seats and blocks allow."""
+        while self.waiting and budget > 0 and len(self.running) < self.spec.max_num_seqs:
             req = self.waiting[0]
-            n = self._chunk(req, budget)
+            n = self._chunk(req, budget, first=not work)
             if not n or not self.try_allocate(req):
                 break
             self.waiting.popleft()
@@ -122,14 +135,14 @@ class _Instance:
             req.prefill_start = now
             work.append((req, n))
             budget -= n
-            slots -= 1
         return work
 
-    def _chunk(self, req: SimRequest, budget: int) -> int:
+    def _chunk(self, req: SimRequest, budget: int, first: bool) -> int:
         left = req.prompt_len - req.num_computed
         if left <= budget:
             return left
-        return budget if self.spec.chunked_prefill else 0
+        # Without chunking an oversized prompt still runs, alone, budget by budget.
+        return budget if self.spec.chunked_prefill or first else 0
 
     def plan_step(self, now: float) -> StepPlan | None:
         raise NotImplementedError
@@ -155,17 +168,15 @@ class ServingInstance(_Instance):
         self.inbox: list[SimRequest] = []  # KV arrived, admitted at the next step boundary
 
     def plan_step(self, now: float) -> StepPlan | None:
-        spec = self.spec
-        decodes = [r for r in self.running if not r.prefilling]
-        prefills = any(r.prefilling for r in self.running) or bool(self.waiting)
-        if spec.policy == "prefill_first" and prefills:
-            work = self._prefill_work(spec.max_num_batched_tokens, spec.max_num_seqs - len(self.running), now)
+        budget = self.spec.max_num_batched_tokens
+        if self.spec.policy == "prefill_first" and (self.waiting or any(r.prefilling for r in self.running)):
+            work = self._running_work(budget, decodes=False, prefills=True)
+            work = self._admit_waiting(work, budget - sum(n for _, n in work), now)
             if work:
                 return self._cost(work)
-        work = [(r, 1) for r in decodes[: spec.max_num_batched_tokens]]
-        if spec.policy == "mixed":
-            slots = spec.max_num_seqs - len(self.running)
-            work += self._prefill_work(spec.max_num_batched_tokens - len(work), slots, now)
+        work = self._running_work(budget, decodes=True, prefills=self.spec.policy == "mixed")
+        if self.spec.policy == "mixed":
+            work = self._admit_waiting(work, budget - sum(n for _, n in work), now)
         return self._cost(work) if work else None
 
     def load(self) -> int:
@@ -176,7 +187,9 @@ class PrefillInstance(_Instance):
     """A prefill server: prefill-only steps; requests leave when done."""
 
     def plan_step(self, now: float) -> StepPlan | None:
-        work = self._prefill_work(self.spec.max_num_batched_tokens, self.spec.max_num_seqs - len(self.running), now)
+        budget = self.spec.max_num_batched_tokens
+        work = self._running_work(budget, decodes=False, prefills=True)
+        work = self._admit_waiting(work, budget - sum(n for _, n in work), now)
         return self._cost(work) if work else None
 
     def queued_tokens(self) -> int:

@@ -101,10 +101,6 @@ class Simulation:
         if not inst.can_hold(req):
             self.fail(req, "exceeds KV capacity")
             return
-        prefiller = inst.spec if local else self.layout.prefill[0]
-        if not prefiller.chunked_prefill and req.prompt_len > prefiller.max_num_batched_tokens:
-            self.fail(req, "prompt exceeds max_num_batched_tokens without chunked prefill")
-            return
         if local:
             inst.waiting.append(req)
             self.kick(inst)

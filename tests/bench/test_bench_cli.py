@@ -14,13 +14,19 @@ def parser():
     return p
 
 
-@pytest.mark.parametrize("argv", [["bench", "serve"], ["bench", "compare"], ["bench", "transfer"],
-                                  ["bench", "engine"], ["plan"]])
+@pytest.mark.parametrize("argv", [["bench", "serve"], ["bench", "compare"], ["bench", "transfer"], ["plan"]])
 def test_every_command_has_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         parser().parse_args([*argv, "--help"])
     assert exit_.value.code == 0
     assert "usage: pdserve" in capsys.readouterr().out
+
+
+def test_bench_engine_hands_every_argument_to_the_engine_bench():
+    args = parser().parse_args(["bench", "engine", "--help"])
+    assert args.engine_argv == ["--help"]
+    args = parser().parse_args(["bench", "engine", "--threads", "2", "--json", "x.json"])
+    assert args.engine_argv == ["--threads", "2", "--json", "x.json"]
 
 
 def test_bench_serve_runs_against_an_endpoint_and_writes_json_and_plots(fake_openai_url, tmp_path, capsys):

@@ -78,9 +78,11 @@ def test_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
     assert times(r) == [round(0.138 + 0.138 + 0.054, 6)]
 
 
-def test_prompt_over_budget_without_chunking_fails_cleanly():
-    (r,) = simulate(colocated(max_num_batched_tokens=128, chunked_prefill=False), reqs((300, 1)), [0.0]).records
-    assert not r.ok and "max_num_batched_tokens" in r.error
+def test_prompt_over_budget_without_chunking_runs_alone_budget_by_budget():
+    layout = colocated(max_num_batched_tokens=128, chunked_prefill=False)
+    a, b = simulate(layout, reqs((300, 1), (10, 1)), [0.0, 0.0]).records
+    # 128 + 128 tokens alone (138 ms each), then A's last 44 with B's 10 (64 ms).
+    assert times(a) == times(b) == [round(0.138 + 0.138 + 0.064, 6)]
 
 
 def test_decode_without_free_blocks_queues_the_reservation_until_one_finishes():
