@@ -66,28 +66,39 @@ class StepSample:
     seconds: float
 
 
-def fit_step_cost(samples: list[StepSample]) -> StepCost:
+def fit_step_cost(samples: list[StepSample], robust: bool = True) -> StepCost:
     """Least squares with non-negative coefficients, weighted by 1/time.
 
     Relative weighting keeps short decode steps as well fitted as long
-    prefills. Negative coefficients are dropped and the rest refitted
-    (an active-set NNLS, enough for four unknowns).
+    prefills. Negative coefficients are dropped and the rest refitted (an
+    active-set NNLS, enough for four unknowns). ``robust``: samples far off
+    the first fit (a step slowed by another process on a shared machine)
+    are dropped and the rest refitted once.
     """
     if len(samples) < 4:
         raise ValueError(f"need at least 4 step samples to fit, got {len(samples)}")
     x = np.array([[1.0, s.new_tokens, s.attn_pairs, s.seqs] for s in samples], dtype=float)
     y = np.array([s.seconds for s in samples], dtype=float)
+    coef = _nnls_relative(x, y)
+    if robust:
+        rel = np.abs(x @ coef - y) / np.maximum(y, 1e-9)
+        keep = rel <= 3 * np.median(rel) + 0.05
+        if keep.sum() >= 4 and not keep.all():
+            coef = _nnls_relative(x[keep], y[keep])
+    return StepCost(*(float(c) for c in coef))
+
+
+def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     w = 1.0 / np.maximum(y, 1e-9)
     active = [0, 1, 2, 3]
     coef = np.zeros(4)
     while active:
         sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
         if (sol >= 0).all():
-            coef[:] = 0.0
             coef[active] = sol
             break
         active.pop(int(np.argmin(sol)))
-    return StepCost(*(float(c) for c in coef))
+    return coef
 
 
 def fit_error(cost: StepCost, samples: list[StepSample]) -> float:

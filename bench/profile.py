@@ -133,44 +133,60 @@ def _prompt(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
     return [int(t) for t in rng.integers(3, max(4, vocab - 1), size=length)]
 
 
-def measure_steps(engine, grid: ProfileGrid, seed: int = 0) -> list[StepSample]:
-    """Prefill, decode and mixed step samples on one engine (colocated mode)."""
+def measure_steps(engine, grid: ProfileGrid, threads: list[int], seed: int = 0) -> dict[int, list[StepSample]]:
+    """Prefill, decode and mixed step samples per thread count (colocated mode).
+
+    Every scenario runs once per thread count back to back, so all counts
+    see the same background load on a shared machine.
+    """
+    import torch
+
     from engine import SamplingParams
 
     rng = np.random.default_rng(seed)
     vocab = engine.hf_config.vocab_size
     limit = engine.max_model_len - 2
     counter = iter(range(10**9))
-    samples: list[StepSample] = []
+    samples: dict[int, list[StepSample]] = {t: [] for t in threads}
 
     def add(length: int, max_tokens: int) -> None:
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         engine.add_request(f"profile-{next(counter)}", _prompt(rng, min(length, limit), vocab), sampling)
 
-    def drain(record: bool) -> None:
+    def drain(into: list[StepSample] | None) -> None:
         while engine.has_unfinished():
             sample = timed_step(engine)
-            if record and sample is not None:
-                samples.append(sample)
+            if into is not None and sample is not None:
+                into.append(sample)
 
-    add(16, 2)
-    drain(record=False)  # warm-up
-    for _ in range(grid.repeats):
-        for length in grid.prefill_lengths:
-            add(length, 1)
-            drain(record=True)
-    for batch in grid.decode_batches:
-        for context in grid.decode_contexts:
-            for _ in range(batch):
-                add(context, grid.decode_steps + 1)
-            drain(record=True)  # the batched prefill steps are samples too
-    # Mixed steps: a prompt joining a running decode batch.
-    batch, context = grid.decode_batches[-1], grid.decode_contexts[0]
-    for _ in range(batch):
-        add(context, grid.decode_steps + 2)
-    timed_step(engine)
-    add(grid.prefill_lengths[len(grid.prefill_lengths) // 2], 1)
-    drain(record=True)
+    def prefill(length: int, into) -> None:
+        add(length, 1)
+        drain(into)
+
+    def decode(batch: int, context: int, into) -> None:
+        for _ in range(batch):
+            add(context, grid.decode_steps + 1)
+        drain(into)  # the batched prefill steps are samples too
+
+    def mixed(into) -> None:
+        # A prompt joining a running decode batch.
+        for _ in range(grid.decode_batches[-1]):
+            add(grid.decode_contexts[0], grid.decode_steps + 2)
+        timed_step(engine)
+        add(grid.prefill_lengths[len(grid.prefill_lengths) // 2], 1)
+        drain(into)
+
+    scenarios = [lambda into, n=n: prefill(n, into) for _ in range(grid.repeats) for n in grid.prefill_lengths]
+    scenarios += [lambda into, b=b, c=c: decode(b, c, into)
+                  for b in grid.decode_batches for c in grid.decode_contexts]
+    scenarios.append(mixed)
+    for count in threads:
+        torch.set_num_threads(count)
+        prefill(16, None)  # warm-up
+    for scenario in scenarios:
+        for count in threads:
+            torch.set_num_threads(count)
+            scenario(samples[count])
     return samples
 
 
@@ -250,16 +266,14 @@ def profile_engine(
     element = torch.tensor([], dtype=cache.dtype).element_size()
     kv_bytes = cache.num_layers * 2 * cache.num_kv_heads * cache.head_dim * element
     info = machine_info()
-    costs, errors, all_samples = {}, {}, {}
-    for count in threads:
-        torch.set_num_threads(count)
-        start = time.perf_counter()
-        samples = measure_steps(engine, grid)
+    start = time.perf_counter()
+    all_samples = measure_steps(engine, grid, threads)
+    costs, errors = {}, {}
+    for count, samples in all_samples.items():
         costs[count] = fit_step_cost(samples)
         errors[count] = fit_error(costs[count], samples)
-        all_samples[count] = samples
-        progress(f"threads={count}: {len(samples)} steps in {time.perf_counter() - start:.1f}s, "
-                 f"fit error {100 * errors[count]:.1f}%: {costs[count]}")
+        progress(f"threads={count}: {len(samples)} steps, fit error {100 * errors[count]:.1f}%: {costs[count]}")
+    progress(f"profiled in {time.perf_counter() - start:.1f}s")
     layer_bytes = kv_bytes // cache.num_layers * 512
     bandwidth, latency = measure_zmq_transfer(layer_bytes)
     progress(f"transfer: zmq loopback {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us")

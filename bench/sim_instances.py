@@ -88,14 +88,18 @@ class _Instance:
         self.busy_until: float | None = None  # end of the step in flight
         self.busy_seconds = 0.0
 
+    def tokens_held(self, req: SimRequest) -> int:
+        """KV tokens a request holds here: its whole sequence (worst case)."""
+        return req.prompt_len + req.output_len
+
     def can_hold(self, req: SimRequest) -> bool:
         """Whether the request could ever fit this instance's KV cache."""
-        return self.spec.kv_blocks is None or self.spec.blocks_for(req.prompt_len + req.output_len) <= self.spec.kv_blocks
+        return self.spec.kv_blocks is None or self.spec.blocks_for(self.tokens_held(req)) <= self.spec.kv_blocks
 
     def try_allocate(self, req: SimRequest) -> bool:
         if self.free_blocks is None:
             return True
-        need = self.spec.blocks_for(req.prompt_len + req.output_len)
+        need = self.spec.blocks_for(self.tokens_held(req))
         if need > self.free_blocks:
             return False
         self.free_blocks -= need
@@ -103,7 +107,7 @@ class _Instance:
 
     def release(self, req: SimRequest) -> None:
         if self.free_blocks is not None:
-            self.free_blocks += self.spec.blocks_for(req.prompt_len + req.output_len)
+            self.free_blocks += self.spec.blocks_for(self.tokens_held(req))
 
     def _running_work(self, budget: int, decodes: bool, prefills: bool) -> list[tuple[SimRequest, int]]:
         """Running requests in order, as the engine does: 1 token per decode,
@@ -184,7 +188,14 @@ class ServingInstance(_Instance):
 
 
 class PrefillInstance(_Instance):
-    """A prefill server: prefill-only steps; requests leave when done."""
+    """A prefill server: prefill-only steps; requests leave when done.
+
+    A prefilled request keeps its blocks (prompt + first token) until its
+    KV has reached D, as the engine's PREFILLED state does until release.
+    """
+
+    def tokens_held(self, req: SimRequest) -> int:
+        return req.prompt_len + 1
 
     def plan_step(self, now: float) -> StepPlan | None:
         budget = self.spec.max_num_batched_tokens

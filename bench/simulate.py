@@ -75,6 +75,7 @@ class Simulation:
         self.events: list[tuple[float, int, str, object]] = []
         self.seq = itertools.count()
         self.decode_of: dict[int, ServingInstance] = {}
+        self.prefill_of: dict[int, PrefillInstance] = {}
         self.now = 0.0
 
     def push(self, when: float, kind: str, payload: object) -> None:
@@ -98,7 +99,7 @@ class Simulation:
     def on_arrival(self, req: SimRequest) -> None:
         local = self.layout.colocated or req.prompt_len < self.layout.local_prefill_below
         inst = min(self.serving, key=lambda s: (s.load(), s.name))
-        if not inst.can_hold(req):
+        if not inst.can_hold(req) or not (local or any(p.can_hold(req) for p in self.prefill)):
             self.fail(req, "exceeds KV capacity")
             return
         if local:
@@ -118,6 +119,7 @@ class Simulation:
 
     def on_to_prefill(self, req: SimRequest) -> None:
         inst = min(self.prefill, key=lambda p: (p.queued_tokens(), p.name))
+        self.prefill_of[req.index] = inst
         inst.waiting.append(req)
         self.kick(inst)
 
@@ -153,6 +155,9 @@ class Simulation:
         self.kick(inst)
 
     def on_kv(self, req: SimRequest) -> None:
+        prefill = self.prefill_of.pop(req.index)
+        prefill.release(req)  # the transfer is done: P's blocks are free again
+        self.kick(prefill)
         inst = self.decode_of[req.index]
         inst.inbox.append(req)
         self.kick(inst)

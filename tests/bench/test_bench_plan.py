@@ -120,3 +120,14 @@ def test_a_file_that_is_not_a_profile_is_a_clear_error(tmp_path):
     (tmp_path / "x.json").write_text('{"model": 1}')
     with pytest.raises(ValueError, match="not a pdserve profile"):
         Profile.load(tmp_path / "x.json")
+
+
+def test_fit_ignores_a_step_slowed_down_by_another_process():
+    truth = StepCost(0.004, 2e-4, 3e-8, 1e-3)
+    shapes = [(n, chunk_attn_pairs(0, n), 1) for n in (16, 64, 128, 512, 1024, 2048)]
+    shapes += [(b, b * (c + 1), b) for b in (1, 4, 8, 32) for c in (64, 512)]
+    samples = [StepSample(n, a, s, truth.step_time(n, a, s)) for n, a, s in shapes]
+    samples[3] = StepSample(*shapes[3], 5 * truth.step_time(*shapes[3]))
+    fit = fit_step_cost(samples)
+    assert fit.per_token == pytest.approx(truth.per_token, rel=1e-3)
+    assert fit.base == pytest.approx(truth.base, rel=1e-3)

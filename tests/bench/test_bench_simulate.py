@@ -94,6 +94,15 @@ def test_decode_without_free_blocks_queues_the_reservation_until_one_finishes():
     assert b.ttft == pytest.approx(0.129 + 0.030)
 
 
+def test_prefill_holds_its_blocks_until_the_kv_reached_decode():
+    # P has 2 blocks of 16; a 20-token prompt holds ceil(21 / 16) = 2 until its transfer ends.
+    layout = Layout("1p1d", serving=(InstanceSpec(COST),), prefill=(InstanceSpec(COST, kv_blocks=2),),
+                    transfer=TransferCost(1, 1e18, latency=0.1))
+    a, b = simulate(layout, reqs((20, 1), (20, 1)), [0.0, 0.0]).records
+    assert times(a) == [0.130]
+    assert times(b) == [0.130 + 0.030 + 0.100]
+
+
 def test_request_larger_than_the_whole_cache_fails_instead_of_waiting_forever():
     (r,) = simulate(colocated(kv_blocks=1, block_size=16), reqs((20, 10)), [0.0]).records
     assert not r.ok and r.error == "exceeds KV capacity"
