@@ -30,11 +30,11 @@ from bench.costmodel import StepCost, StepSample, TransferCost, chunk_attn_pairs
 
 @dataclass(frozen=True)
 class ProfileGrid:
-    prefill_lengths: tuple[int, ...] = (32, 128, 512, 1024, 2048)
-    decode_batches: tuple[int, ...] = (1, 4, 16, 32)
-    decode_contexts: tuple[int, ...] = (64, 512)
+    prefill_lengths: tuple[int, ...] = (32, 256, 1024, 2048)
+    decode_batches: tuple[int, ...] = (1, 8, 24)
+    decode_contexts: tuple[int, ...] = (64, 384)
     decode_steps: int = 6
-    repeats: int = 2
+    repeats: int = 1
 
     @classmethod
     def quick(cls) -> ProfileGrid:

@@ -1,0 +1,136 @@
+"""The markdown report of ``bench compare``: headline ratios, planner vs
+measured, idle TTFT with the transfer time it hid, and plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.metrics import Summary
+from bench.report import plot_latency_cdfs, plot_tpot_over_time, stats_row
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    if a is None or b is None or b == 0:
+        return "-"
+    return f"{a / b:.2f}x"
+
+
+def _num(v: float | None, digits: int = 1) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def _err(pred: float | None, meas: float | None) -> str:
+    if pred is None or meas is None or meas == 0:
+        return "-"
+    return f"{100 * (pred - meas) / meas:+.0f}%"
+
+
+def headline_rows(base: Summary, other: Summary) -> list[tuple[str, float | None, float | None]]:
+    """(metric, colocated, xPyD): the rows of the headline table."""
+    return [
+        ("goodput (req/s)", base.goodput, other.goodput),
+        ("SLO attainment (%)", _pct(base.slo_attainment), _pct(other.slo_attainment)),
+        ("p99 TPOT (ms)", base.tpot.p99, other.tpot.p99),
+        ("mean TPOT (ms)", base.tpot.mean, other.tpot.mean),
+        ("mean TTFT (ms)", base.ttft.mean, other.ttft.mean),
+        ("p99 TTFT (ms)", base.ttft.p99, other.ttft.p99),
+        ("throughput (req/s)", base.request_throughput, other.request_throughput),
+        ("output tokens/s", base.output_token_throughput, other.output_token_throughput),
+        ("failed requests", float(base.failed), float(other.failed)),
+    ]
+
+
+def _pct(v: float | None) -> float | None:
+    return None if v is None else 100 * v
+
+
+def hidden_transfer(ttft_equal_ms: float | None, ttft_colocated_ms: float | None,
+                    transfer_s: float | None) -> tuple[float | None, float | None]:
+    """(exposed ms, hidden fraction) of the KV transfer on an idle cluster.
+
+    With P as fast as the colocated engine, what 1P1D adds to TTFT is the
+    part of the transfer not overlapped with compute, plus one extra hop;
+    all of it is charged to the transfer, so the hidden fraction is a lower
+    bound.
+    """
+    if ttft_equal_ms is None or ttft_colocated_ms is None or not transfer_s:
+        return None, None
+    exposed = max(0.0, ttft_equal_ms - ttft_colocated_ms)
+    return exposed, max(0.0, 1.0 - exposed / (1000 * transfer_s))
+
+
+def write_report(out: Path, runs: list, meta: dict) -> Path:
+    by = {(r.layout, r.scenario.name): r for r in runs}
+    xname = meta["layout"]
+    scenarios = list(dict.fromkeys(r.scenario.name for r in runs))
+    lines = [f"# Colocated vs {xname}: measured on the same cores", ""]
+    lines += [f"- model: `{meta['model']}`; cores {meta['cpus']}; torch threads: colocated "
+              f"{meta['threads']['colocated']} in one engine, {xname} {meta['threads'][xname]} per instance",
+              f"- command: `{meta['command']}` ({meta['wall_s'] / 60:.1f} min)",
+              "- load average (1 min) before/after each run is listed per run: other work on the machine "
+              "shows there.", ""]
+    lines += ["## Headline", "", f"| scenario | metric | colocated | {xname} | {xname} / colocated |",
+              "|---|---|---|---|---|"]
+    for name in scenarios:
+        base, other = by.get(("colocated", name)), by.get((xname, name))
+        if base is None or other is None or base.scenario.idle:
+            continue
+        for metric, a, b in headline_rows(base.measured, other.measured):
+            lines.append(f"| {name} | {metric} | {_num(a, 3 if 'req/s' in metric else 1)} | "
+                         f"{_num(b, 3 if 'req/s' in metric else 1)} | {_ratio(b, a)} |")
+    lines += ["", "## Planner vs measured (means)", "",
+              "| scenario | layout | TTFT predicted | TTFT measured | error | TPOT predicted | TPOT measured "
+              "| error | goodput predicted | goodput measured |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        p, m = r.predicted, r.measured
+        if p is None:
+            continue
+        lines.append(f"| {r.scenario.name} | {r.layout} | {_num(p.ttft.mean)} | {_num(m.ttft.mean)} | "
+                     f"{_err(p.ttft.mean, m.ttft.mean)} | {_num(p.tpot.mean)} | {_num(m.tpot.mean)} | "
+                     f"{_err(p.tpot.mean, m.tpot.mean)} | {_num(p.goodput, 3)} | {_num(m.goodput, 3)} |")
+    lines += _idle_section(runs, xname)
+    lines += ["", "## Runs", ""]
+    for name in scenarios:
+        group = [r for r in runs if r.scenario.name == name]
+        s = group[0].scenario
+        arrivals = f"Poisson {s.rate:g} req/s" if s.rate else f"concurrency {s.concurrency}"
+        lines += [f"### {name}", "", f"{s.description}. Workload `{s.workload}`, {s.num_requests} requests, "
+                  f"{arrivals}; SLO TTFT {_num(s.slo_ttft_ms, 0)} ms, TPOT {_num(s.slo_tpot_ms, 0)} ms.", "",
+                  "| layout | done/failed | TTFT ms mean/p50/p90/p99 | TPOT ms mean/p50/p90/p99 | ITL p99 | "
+                  "E2E mean | load avg |", "|---|---|---|---|---|---|---|"]
+        for r in group:
+            m = r.measured
+            lines.append(f"| {r.layout} | {m.completed}/{m.failed} | {stats_row(m.ttft)} | {stats_row(m.tpot)} | "
+                         f"{_num(m.itl.p99)} | {_num(m.e2e.mean)} | {r.loadavg[0]:.1f} -> {r.loadavg[1]:.1f} |")
+        runs_by_layout = {r.layout: r.records for r in group}
+        cdf = plot_latency_cdfs(runs_by_layout, out / f"{name}-latency_cdf.png")
+        tpot = plot_tpot_over_time(runs_by_layout, out / f"{name}-tpot_over_time.png")
+        lines += ["", f"![latency CDFs]({cdf.name}) ![TPOT over time]({tpot.name})", ""]
+    path = out / "report.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _idle_section(runs: list, xname: str) -> list[str]:
+    idle = [r for r in runs if r.scenario.idle]
+    if not idle:
+        return []
+    base = next((r for r in idle if r.layout == "colocated"), None)
+    lines = ["", "## Idle TTFT, 2048-token prompt", "",
+             "| layout | TTFT mean (ms) | predicted | vs colocated | KV transfer per request (ms, P metrics) |",
+             "|---|---|---|---|---|"]
+    for r in idle:
+        transfer = max(r.transfer.values()) if r.transfer else None
+        lines.append(f"| {r.layout} | {_num(r.measured.ttft.mean)} | {_num(r.predicted.ttft.mean if r.predicted else None)} "
+                     f"| {_ratio(r.measured.ttft.mean, base.measured.ttft.mean if base else None)} "
+                     f"| {_num(1000 * transfer if transfer else None)} |")
+    equal = next((r for r in idle if r.layout.startswith(xname + "-P")), None)
+    same = next((r for r in idle if r.layout == xname), None)
+    ref = equal or same
+    if base and ref and ref.transfer:
+        exposed, hidden = hidden_transfer(ref.measured.ttft.mean, base.measured.ttft.mean, max(ref.transfer.values()))
+        lines += ["", f"At equal prefill compute ({ref.layout}), {xname} adds {_num(exposed)} ms to TTFT over "
+                  f"colocated, for a KV transfer of {_num(1000 * max(ref.transfer.values()))} ms: at least "
+                  f"{_num(100 * hidden if hidden is not None else None, 0)}% of the transfer was hidden behind "
+                  "the prefill compute (layer-wise pushes)."]
+    return lines
