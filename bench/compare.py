@@ -11,7 +11,9 @@ One run, one machine, the same cores for both sides:
    TTFT is compared at equal prefill compute (what is left is the transfer
    and the extra hop);
 4. simulate each measured run (same lengths, same send times) with the
-   planner and write ``report.md``, ``results.json`` and plots.
+   planner, calibrated per layout by a few tiny probe requests (the
+   server's fixed per-step and per-request costs, which the engine profile
+   cannot see), and write ``report.md``, ``results.json`` and plots.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -35,8 +38,8 @@ from bench.profile import Profile, ProfileGrid, profile_engine
 from bench.prompts import PromptBuilder, load_tokenizer
 from bench.scenarios import EngineKnobs, Scenario, cluster_config, parse_rates, select
 from bench.serve import request_source, run_benchmark
-from bench.simulate import simulate
-from bench.workload import RequestSpec
+from bench.simulate import Layout, simulate
+from bench.workload import RequestSpec, Workload
 
 
 @dataclass
@@ -50,6 +53,35 @@ class Run:
     predicted: Summary | None
     transfer: dict | None = None  # idle runs on xPyD: mean transfer seconds, per P
     loadavg: tuple[float, float] = (0.0, 0.0)
+    calibration: dict | None = None  # the live cluster's fixed overheads the prediction used
+
+
+PROBE = Scenario("probe", "8-token prompts, 16 tokens out, one at a time", Workload.single("8", "16"),
+                 num_requests=5, concurrency=1, idle=True)
+
+
+def calibrate(layout: Layout, records: list[RequestRecord]) -> tuple[Layout, dict]:
+    """Adds the live cluster's fixed costs, measured with tiny requests, to a layout.
+
+    The profile times bare engine steps; a server adds a per-step cost (engine
+    thread, queues, streaming) and a per-request cost (HTTP, tokenization,
+    routing, the extra hop of a disaggregated request). Both are read off
+    probe requests too small for compute to matter: the TPOT gap goes into
+    every step's base cost, then the TTFT gap left into ``ingress``.
+    """
+    done = [r for r in records if r.ok and r.tpot is not None]
+    if not done:
+        return layout, {"step_ms": 0.0, "request_ms": 0.0}
+    bare = replace(layout, overheads=Overheads())
+    step_gap = max(0.0, statistics.median(r.tpot for r in done) - predict(bare, PROBE, done).tpot.mean / 1000)
+
+    def slower(spec):
+        return replace(spec, cost=replace(spec.cost, base=spec.cost.base + step_gap))
+
+    stepped = replace(bare, serving=tuple(map(slower, bare.serving)), prefill=tuple(map(slower, bare.prefill)))
+    request_gap = max(0.0, statistics.median(r.ttft for r in done) - predict(stepped, PROBE, done).ttft.mean / 1000)
+    calibrated = replace(stepped, overheads=Overheads(ingress=request_gap))
+    return calibrated, {"step_ms": 1000 * step_gap, "request_ms": 1000 * request_gap}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,6 +150,10 @@ def run_layout(name: str, cand: Candidate, scenarios: list[Scenario], ctx: dict,
     cluster = launch(config_path, out_dir / f"run-{name}", ctx["cpus"], ctx["launch_timeout"])
     runs = []
     try:
+        probe = measure(cluster.url, cluster.model, PROBE, ctx["builder"], ctx["seed"])
+        layout, calibration = calibrate(ctx["layout_for"](cand, prefill_threads), probe)
+        print(f"   calibration: +{calibration['step_ms']:.1f} ms per step, "
+              f"+{calibration['request_ms']:.1f} ms per request", flush=True)
         for scenario in scenarios:
             print(f"-- {name} / {scenario.name}: {scenario.description}", flush=True)
             load0 = os.getloadavg()[0]
@@ -129,10 +165,9 @@ def run_layout(name: str, cand: Candidate, scenarios: list[Scenario], ctx: dict,
             if scenario.idle and cand.num_prefill:
                 transfer = _transfer_means(s0, cluster.scrape("pdserve_transfer_seconds_sum"),
                                            n0, cluster.scrape("pdserve_transfer_seconds_count"))
-            layout = ctx["layout_for"](cand, prefill_threads)
             measured = summarize(records, None, scenario.slo_ttft_ms, scenario.slo_tpot_ms)
             runs.append(Run(name, scenario, records, measured, predict(layout, scenario, records), transfer,
-                            (load0, os.getloadavg()[0])))
+                            (load0, os.getloadavg()[0]), calibration))
     finally:
         killed = cluster.stop()
         if killed:
@@ -162,13 +197,10 @@ def run(args: argparse.Namespace) -> int:
         profile.save(out / "profile.json")
     settings = EngineSettings(knobs.block_size, knobs.kv_cache_bytes, knobs.max_num_seqs,
                               knobs.max_num_batched_tokens)
-    overheads = Overheads(0.002, 0.0005, 0.003)
-
-    def layout_for(c: Candidate, prefill_threads: int | None):
-        layout = build_layout(c, profile, settings, overheads)
+    def layout_for(c: Candidate, prefill_threads: int | None) -> Layout:
+        layout = build_layout(c, profile, settings, Overheads())
         if prefill_threads is not None:
-            spec = settings.spec(profile, prefill_threads)
-            layout = type(layout)(layout.name, layout.serving, (spec,) * c.num_prefill, layout.transfer, overheads)
+            layout = replace(layout, prefill=(settings.spec(profile, prefill_threads),) * c.num_prefill)
         return layout
 
     ctx = {"out": out, "model": model, "knobs": knobs, "cpus": cpus, "launch_timeout": args.launch_timeout,
@@ -186,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
     (out / "results.json").write_text(json.dumps(
         {"meta": meta, "runs": [{"layout": r.layout, "scenario": r.scenario.name, "measured": r.measured.to_json(),
                                  "predicted": r.predicted.to_json() if r.predicted else None,
-                                 "transfer": r.transfer, "loadavg": r.loadavg,
+                                 "transfer": r.transfer, "loadavg": r.loadavg, "calibration": r.calibration,
                                  "requests": [x.to_json() for x in r.records]} for r in runs]}, indent=1) + "\n")
     print(report.read_text())
     print(f"report: {report}")

@@ -88,6 +88,11 @@ def write_report(out: Path, runs: list, meta: dict) -> Path:
         lines.append(f"| {r.scenario.name} | {r.layout} | {_num(p.ttft.mean)} | {_num(m.ttft.mean)} | "
                      f"{_err(p.ttft.mean, m.ttft.mean)} | {_num(p.tpot.mean)} | {_num(m.tpot.mean)} | "
                      f"{_err(p.tpot.mean, m.tpot.mean)} | {_num(p.goodput, 3)} | {_num(m.goodput, 3)} |")
+    calib = {r.layout: r.calibration for r in runs if r.calibration}
+    if calib:
+        lines += ["", "Predictions use the profile plus each live cluster's fixed costs, measured with tiny "
+                  "probe requests: " + "; ".join(f"{k} +{v['step_ms']:.1f} ms/step, +{v['request_ms']:.1f} "
+                                                 "ms/request" for k, v in calib.items()) + "."]
     lines += _idle_section(runs, xname)
     lines += ["", "## Runs", ""]
     for name in scenarios:

@@ -7,8 +7,9 @@ Definitions (the ones vLLM's and SGLang's serving benchmarks use):
 
 * TTFT: first token arrival - request start.
 * E2E: end of the response - request start.
-* TPOT: (last token arrival - first token arrival) / (output tokens - 1);
-  undefined for a one-token answer.
+* TPOT: (end - first token arrival) / (output tokens - 1), as vLLM's
+  benchmark computes it (robust when a server sends several tokens in one
+  chunk); undefined for a one-token answer.
 * ITL: the gap between two consecutive token events (SSE chunks carrying
   text) of one request; every gap of every request is one sample.
 * Percentiles: numpy's default linear interpolation between closest ranks,
@@ -62,7 +63,7 @@ class RequestRecord:
     def tpot(self) -> float | None:
         if not self.ok or self.output_tokens < 2 or not self.token_times:
             return None
-        return (self.token_times[-1] - self.token_times[0]) / (self.output_tokens - 1)
+        return (self.end - self.token_times[0]) / (self.output_tokens - 1)
 
     @property
     def itls(self) -> list[float]:

@@ -115,3 +115,24 @@ def test_report_has_headline_ratios_planner_errors_and_idle_transfer(tmp_path):
     assert "| prefill-heavy | 1P1D | 200.0 | 300.0 | -33% |" in text
     assert "at least 75% of the transfer was hidden" in text
     assert (tmp_path / "prefill-heavy-latency_cdf.png").is_file()
+
+
+def test_calibration_reads_fixed_step_and_request_costs_off_probe_requests():
+    from bench.compare import PROBE, calibrate
+
+    layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
+    # Bare engine: prefill of 8 tokens 13 ms, decode step 6 ms. The live server
+    # shows TTFT 20 + 13 ms... and TPOT 6 + 4 ms.
+    step, request = 0.004, 0.020
+    recs = []
+    for i in range(3):
+        first = i + request + 0.013 + step
+        n = PROBE.workload.classes[0].output.upper
+        recs.append(RequestRecord(i, 8, n, start=float(i), end=first + (0.006 + step) * (n - 1), ok=True,
+                                  output_tokens=n, token_times=[first]))
+    calibrated, found = calibrate(layout, recs)
+    assert found["step_ms"] == pytest.approx(4.0)
+    assert found["request_ms"] == pytest.approx(20.0)
+    again = predict(calibrated, PROBE, recs)
+    assert again.ttft.mean == pytest.approx(1000 * (request + 0.013 + step))
+    assert again.tpot.mean == pytest.approx(10.0)
