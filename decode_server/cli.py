@@ -1,0 +1,35 @@
+"""`pdserve decode`: one decode (or colocated) server from a cluster config."""
+
+from __future__ import annotations
+
+import argparse
+
+from server_common.run import add_server_arguments
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "decode", help="run one decode (or colocated) server of a cluster config",
+        description="Run the decode or colocated instance NAME of a cluster config: engine thread, KV "
+                    "receiver and the HTTP control plane (/generate, /abort, /health, /metrics).",
+    )
+    add_server_arguments(p)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from decode_server.app import create_app
+    from decode_server.service import DecodeService
+    from engine import LLMEngine
+    from server_common.run import load_server_settings, serve, setup_logging
+
+    setup_logging(args.log_level, args.name)
+    settings = load_server_settings(args, ("decode", "colocated"))
+    engine = LLMEngine(settings.engine)
+    receiver = None
+    if settings.role == "decode":
+        from server_common.kv_adapter import make_receiver
+
+        receiver = make_receiver(settings, engine)
+    serve(create_app(DecodeService(settings, engine, receiver)), settings.host, settings.port, args.log_level)
+    return 0

@@ -1,0 +1,251 @@
+"""The decode server's logic: reservations, leases, remote KV, token streams.
+
+A remote request's life on D (all engine state changes on the engine thread)::
+
+    /generate --reserve--> WAITING_FOR_REMOTE_KV --KV complete, verified--> RUNNING --> finished
+                  |               |  lease expires / transfer failed / client left
+                  |               +--> aborted: blocks FREE, error event
+                  +-- no room: 503 at once
+
+``_awaiting`` (transfer id -> request id) is touched only on the engine
+thread, so exactly one of "KV arrived", "transfer failed / lease expired"
+(both reported by the receiver) and "client left" wins for each
+reservation; the others find nothing to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import anyio
+
+from engine import LLMEngine, NoCapacityError, SamplingParams, StepOutput
+from server_common.engine_thread import EngineThread
+from server_common.kv_port import KVReceiverPort
+from server_common.metrics import ServerMetrics
+from server_common.settings import ServerSettings
+from server_common.streams import StreamHub
+from server_common.worker_replies import (
+    ErrorEvent,
+    HealthReport,
+    KVBlocks,
+    Reservation,
+    ReservationEvent,
+    TokensEvent,
+)
+from server_common.worker_requests import GenerateRequest, SamplingSpec
+
+log = logging.getLogger(__name__)
+BACKSTOP_S = 5.0
+
+
+class Refused(Exception):
+    """The request cannot start here; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str, code: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+
+
+def engine_sampling(spec: SamplingSpec) -> SamplingParams:
+    return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
+                          top_k=spec.top_k, seed=spec.seed, ignore_eos=spec.ignore_eos)
+
+
+@dataclass
+class Active:
+    request_id: str
+    queue: asyncio.Queue
+    transfer_id: str | None = None
+    lease: asyncio.TimerHandle | None = None
+    finished: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+
+class DecodeService:
+    def __init__(self, settings: ServerSettings, engine: LLMEngine, receiver: KVReceiverPort | None) -> None:
+        if settings.role == "decode" and receiver is None:
+            raise ValueError("a decode server needs a KV receiver")
+        self.settings = settings
+        self.engine = EngineThread(engine, self._emit, settings.name)
+        self.metrics = ServerMetrics(lambda: self.engine.snapshot)
+        self._receiver = receiver
+        self._awaiting: dict[str, str] = {}  # transfer id -> request id; engine thread only
+        self._cancelling: dict[str, str] = {}  # cancelled, waiting for the receiver to confirm; engine thread only
+        self._active: dict[str, Active] = {}  # event loop only
+        self._hub: StreamHub | None = None
+
+    # ---- lifecycle ------------------------------------------------------------
+    async def start(self) -> None:
+        self._hub = StreamHub(asyncio.get_running_loop())
+        self.engine.start()
+        if self._receiver is not None:
+            self._receiver.start(self._on_transfer_ended)
+
+    async def stop(self) -> None:
+        if self._receiver is not None:
+            self._receiver.close()
+        self.engine.stop()
+
+    async def accept_sender(self, hello: bytes) -> bytes:
+        if self._receiver is None:
+            raise ValueError(f"{self.settings.name} is a colocated server: it takes no KV transfers")
+        return await asyncio.to_thread(self._receiver.accept, hello)
+
+    # ---- requests -------------------------------------------------------------
+    async def open(self, req: GenerateRequest) -> tuple[ReservationEvent, Active]:
+        """Admit a request: reserve blocks (remote prefill) or queue it (local prefill)."""
+        rid = req.request_id
+        if rid in self._active:
+            raise Refused(409, f"request id {rid!r} is already active", "duplicate_request")
+        if not self.engine.alive:
+            raise Refused(503, "engine is not running", "engine_down", retry_after=5)
+        sampling = engine_sampling(req.sampling)
+        local = req.local_prefill or self.settings.role == "colocated"
+        active = Active(rid, self._hub.open(rid))
+        self._active[rid] = active
+        try:
+            if local:
+                await self.engine.run(lambda e: e.add_request(rid, req.prompt_token_ids, sampling))
+                self.metrics.requests.labels(outcome="local_prefill").inc()
+                return ReservationEvent(reservation=None), active
+            reservation = await self._reserve(req, sampling, active)
+            return ReservationEvent(reservation=reservation), active
+        except NoCapacityError as exc:
+            self._forget(active)
+            self.metrics.requests.labels(outcome="no_room").inc()
+            raise Refused(503, str(exc), "no_room", retry_after=1) from exc
+        except ValueError as exc:
+            self._forget(active)
+            raise Refused(400, str(exc), "bad_request") from exc
+        except BaseException:
+            self._forget(active)
+            raise
+
+    async def _reserve(self, req: GenerateRequest, sampling: SamplingParams, active: Active) -> Reservation:
+        rid, lease_s = req.request_id, self.settings.lease_s
+        deadline = time.time() + lease_s
+        receiver = self._receiver
+
+        def reserve(e: LLMEngine) -> tuple[list[int], str]:
+            block_ids = e.reserve(rid, req.prompt_token_ids, sampling)
+            try:
+                transfer_id = receiver.expect(block_ids, lease_s)
+            except BaseException:
+                e.abort(rid)
+                raise
+            self._awaiting[transfer_id] = rid
+            return block_ids, transfer_id
+
+        block_ids, transfer_id = await self.engine.run(reserve)
+        active.transfer_id = transfer_id
+        # The receiver enforces the lease; this backstop only guards against a transfer layer that never reports.
+        active.lease = asyncio.get_running_loop().call_later(lease_s + BACKSTOP_S, self._backstop, transfer_id)
+        self.metrics.requests.labels(outcome="reserved").inc()
+        return Reservation(instance=self.settings.name, request_id=rid, transfer_id=transfer_id,
+                           block_ids=block_ids, block_size=self.settings.engine.block_size,
+                           num_tokens=len(req.prompt_token_ids), lease_deadline=deadline,
+                           kv_target=receiver.target())
+
+    async def events(self, first: ReservationEvent, active: Active) -> AsyncIterator[str]:
+        """NDJSON lines: the reservation, then tokens until finished (or an error)."""
+        try:
+            yield first.model_dump_json() + "\n"
+            while True:
+                event = await active.queue.get()
+                yield event.model_dump_json() + "\n"
+                if isinstance(event, ErrorEvent) or event.finish_reason is not None:
+                    active.finished = True
+                    return
+        finally:
+            # Shielded: after a disconnect the scope is cancelled and any await would raise at once.
+            with anyio.CancelScope(shield=True):
+                await self.close(active.request_id)
+
+    async def close(self, request_id: str) -> None:
+        """Idempotent end of a request: frees whatever it still holds on the engine."""
+        active = self._active.pop(request_id, None)
+        if active is None:
+            return
+        self._hub.close(request_id)
+        if active.lease is not None:
+            active.lease.cancel()
+        if active.finished:
+            self.metrics.requests.labels(outcome="finished").inc()
+            return
+        self.metrics.requests.labels(outcome="aborted").inc()
+        await asyncio.wrap_future(self.engine.call(lambda e: self._drop(e, request_id, active.transfer_id)))
+
+    async def abort(self, request_id: str) -> bool:
+        """Drop a request (router's /abort); its open stream ends with an error event."""
+        active = self._active.get(request_id)
+        if active is not None:
+            active.queue.put_nowait(ErrorEvent(message="aborted by request", code="aborted"))
+        await self.close(request_id)
+        return active is not None
+
+    def _forget(self, active: Active) -> None:
+        self._active.pop(active.request_id, None)
+        self._hub.close(active.request_id)
+
+    # ---- engine-thread callbacks ------------------------------------------------
+    def _emit(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            self.metrics.tokens.inc(len(out.new_token_ids))
+            reason = out.finish_reason if out.finished else None
+            self._hub.publish(out.request_id, TokensEvent(token_ids=out.new_token_ids, finish_reason=reason))
+
+    def _drop(self, e: LLMEngine, request_id: str, transfer_id: str | None) -> None:
+        """The request's client left. A reservation still waiting for KV is cancelled
+        first and freed once the receiver reports the id ended (no write can land)."""
+        if transfer_id is not None and self._awaiting.pop(transfer_id, None) is not None:
+            self._cancelling[transfer_id] = request_id
+            self._receiver.cancel(transfer_id)
+            return
+        e.abort(request_id)
+
+    def _on_transfer_ended(self, transfer_id: str, first_token: int | None, error: str | None) -> None:
+        """Called on the adapter's thread when a transfer ended (ok or not)."""
+        self.engine.call(lambda e: self._transfer_ended(e, transfer_id, first_token, error))
+
+    def _transfer_ended(self, e: LLMEngine, transfer_id: str, first_token: int | None, error: str | None) -> None:
+        cancelled = self._cancelling.pop(transfer_id, None)
+        if cancelled is not None:
+            e.abort(cancelled)
+            return
+        rid = self._awaiting.pop(transfer_id, None)
+        if rid is None:
+            log.info("ignoring the end of unknown transfer %s", transfer_id)
+            return
+        if error is not None or first_token is None:
+            e.abort(rid)
+            expired = "lease" in (error or "")
+            (self.metrics.lease_expired if expired else self.metrics.transfer_failed).inc()
+            self._hub.publish(rid, ErrorEvent(message=f"KV transfer failed: {error}; blocks freed",
+                                              code="lease_expired" if expired else "transfer_failed"))
+            return
+        self._emit([e.admit_remote(rid, first_token)])
+
+    def _backstop(self, transfer_id: str) -> None:
+        def expire(e: LLMEngine) -> None:
+            rid = self._awaiting.pop(transfer_id, None) or self._cancelling.pop(transfer_id, None)
+            if rid is None:
+                return  # ended normally
+            log.error("transfer %s never ended; freeing request %s without the receiver", transfer_id, rid)
+            e.abort(rid)
+            self.metrics.lease_expired.inc()
+            self._hub.publish(rid, ErrorEvent(message="no KV arrived within the lease; blocks freed",
+                                              code="lease_expired"))
+
+        self.engine.call(expire)
+
+    # ---- status ---------------------------------------------------------------
+    def health(self) -> HealthReport:
+        s = self.engine.snapshot
+        return HealthReport(role=self.settings.role, instance=self.settings.name,
+                            kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running),
+                            queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=len(self._active))

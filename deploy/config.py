@@ -1,0 +1,239 @@
+"""The cluster config: one YAML file describes an xPyD (or colocated) cluster.
+
+Loaded strictly: an unknown key or a bad value stops the start with one line
+naming the file, the key and the value. Each process derives its own frozen
+settings from it (``router_settings``, ``server_settings``), so every port,
+block size and thread count comes from this one file. Example (see configs/)::
+
+    model: smollm2            # a local Hugging Face folder, or tiny / smollm2
+    engine: {num_threads: 1}  # defaults for every instance
+    router: {port: 8000, policy: round_robin, local_prefill_threshold: 0}
+    transfer: {backend: zmq}
+    lease_s: 30
+    prefill: [{name: p0, port: 8100, block_size: 16}]
+    decode:  [{name: d0, port: 8200, block_size: 32}]
+
+A colocated cluster lists ``colocated:`` instances instead of prefill/decode.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from deploy.models import is_builtin, resolve_model
+from router.settings import RouterSettings, WorkerSpec
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names file, key and value."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+
+
+class EngineDefaults(Strict):
+    """Engine settings every instance inherits unless it overrides them."""
+
+    block_size: int = Field(default=16, ge=1, le=256)
+    num_threads: int | None = Field(default=None, ge=1)
+    device: str | None = None  # default: the cluster's device
+    kv_cache_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
+    num_blocks: int | None = Field(default=None, ge=1)
+    max_num_seqs: int = Field(default=64, ge=1)
+    max_num_batched_tokens: int = Field(default=2048, ge=1)
+    chunked_prefill: bool = True
+
+
+class Instance(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    port: int = Field(ge=1, le=65535)
+    kv_port: int | None = Field(default=None, ge=1, le=65535)  # default: port + 1
+    block_size: int | None = Field(default=None, ge=1, le=256)
+    num_threads: int | None = Field(default=None, ge=1)
+    device: str | None = None
+    kv_cache_bytes: int | None = Field(default=None, ge=1)
+    num_blocks: int | None = Field(default=None, ge=1)
+    max_num_seqs: int | None = Field(default=None, ge=1)
+    max_num_batched_tokens: int | None = Field(default=None, ge=1)
+
+    @property
+    def transfer_port(self) -> int:
+        return self.kv_port if self.kv_port is not None else self.port + 1
+
+
+class RouterConfig(Strict):
+    port: int = Field(default=8000, ge=1, le=65535)
+    policy: Literal["round_robin", "least_loaded"] = "round_robin"
+    local_prefill_threshold: int = Field(default=0, ge=0)
+    health_interval_s: float = Field(default=2.0, gt=0)
+    queue_timeout_s: float = Field(default=10.0, ge=0)
+    prefill_timeout_s: float = Field(default=120.0, gt=0)
+    api_keys: list[str] = Field(default_factory=list)
+
+
+class TransferConfig(Strict):
+    backend: Literal["zmq", "nixl"] = "zmq"  # transfer's in-process backend is for tests inside one process
+    timeout_s: float = Field(default=10.0, gt=0)
+
+
+class ClusterConfig(Strict):
+    model: str
+    served_model_name: str | None = None
+    model_cache: str = "~/.cache/pdserve/models"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    host: str = "127.0.0.1"
+    max_model_len: int | None = Field(default=None, ge=2)
+    lease_s: float = Field(default=30.0, gt=0)
+    engine: EngineDefaults = EngineDefaults()
+    router: RouterConfig = RouterConfig()
+    transfer: TransferConfig = TransferConfig()
+    prefill: list[Instance] = Field(default_factory=list)
+    decode: list[Instance] = Field(default_factory=list)
+    colocated: list[Instance] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> ClusterConfig:
+        if self.colocated and (self.prefill or self.decode):
+            raise ValueError("list either colocated instances or prefill and decode instances, not both")
+        if not self.colocated and not (self.prefill and self.decode):
+            raise ValueError("a cluster needs at least one prefill and one decode instance (or colocated ones)")
+        names = [i.name for i in self.instances()]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"instance names must be unique, repeated: {dup}")
+        ports = [self.router.port] + [p for i in self.instances() for p in (i.port, i.transfer_port)]
+        dup_ports = sorted({p for p in ports if ports.count(p) > 1})
+        if dup_ports:
+            raise ValueError(f"ports must be unique (router, instance port and kv_port = port + 1 by "
+                             f"default), repeated: {dup_ports}")
+        return self
+
+    # ---- derived ------------------------------------------------------------
+    @property
+    def mode(self) -> str:
+        return "colocated" if self.colocated else "disaggregated"
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model if is_builtin(self.model) else Path(self.model).name
+
+    def instances(self) -> list[Instance]:
+        return [*self.prefill, *self.decode, *self.colocated]
+
+    def role_of(self, name: str) -> str:
+        for role in ("prefill", "decode", "colocated"):
+            if any(i.name == name for i in getattr(self, role)):
+                return role
+        raise ConfigError(f"no instance named {name!r} (have {[i.name for i in self.instances()]})")
+
+    def instance(self, name: str) -> Instance:
+        self.role_of(name)
+        return next(i for i in self.instances() if i.name == name)
+
+    def url_of(self, instance: Instance) -> str:
+        return f"http://{self.host}:{instance.port}"
+
+    @property
+    def router_url(self) -> str:
+        return f"http://{self.host}:{self.router.port}"
+
+    def model_path(self) -> Path:
+        """The model folder, built first if it is a built-in model not built yet."""
+        return resolve_model(self.model, self.model_cache)
+
+    def router_settings(self, model_path: Path) -> RouterSettings:
+        workers = tuple(
+            WorkerSpec(i.name, "prefill" if i in self.prefill else "decode", self.url_of(i))
+            for i in self.instances()
+        )
+        r = self.router
+        return RouterSettings(
+            model_path=str(model_path), served_model_name=self.model_name, workers=workers, host=self.host,
+            port=r.port, policy=r.policy, local_prefill_threshold=r.local_prefill_threshold,
+            health_interval=r.health_interval_s, queue_timeout=r.queue_timeout_s,
+            prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len, api_keys=tuple(r.api_keys),
+        )
+
+    def server_settings(self, name: str, model_path: Path):
+        from engine import EngineConfig
+        from server_common.settings import ServerSettings
+
+        role = self.role_of(name)
+        inst = self.instance(name)
+        d = self.engine
+
+        def pick(field: str):
+            value = getattr(inst, field)
+            return getattr(d, field) if value is None else value
+
+        engine = EngineConfig(
+            model=str(model_path), dtype=self.dtype, device=inst.device or d.device or self.device,
+            block_size=pick("block_size"), num_blocks=pick("num_blocks"), kv_cache_bytes=pick("kv_cache_bytes"),
+            max_num_seqs=pick("max_num_seqs"), max_num_batched_tokens=pick("max_num_batched_tokens"),
+            chunked_prefill=d.chunked_prefill, max_model_len=self.max_model_len, num_threads=pick("num_threads"),
+            mode=role,
+        )
+        return ServerSettings(
+            name=name, role=role, engine=engine, host=self.host, port=inst.port, kv_port=inst.transfer_port,
+            transfer_backend=self.transfer.backend, lease_s=self.lease_s, transfer_timeout_s=self.transfer.timeout_s,
+        )
+
+
+def _where(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _lookup(data, loc: tuple):
+    for part in loc:
+        try:
+            data = data[part]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
+
+
+def parse_config(data: object, source: str) -> ClusterConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return ClusterConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+            key = _where(loc)
+            if err["type"] == "extra_forbidden":
+                lines.append(f"{source}: unknown key {key!r} (value {err['input']!r})")
+            elif err["type"] == "missing":
+                lines.append(f"{source}: missing key {key!r}")
+            elif not loc:
+                lines.append(f"{source}: {err['msg'].removeprefix('Value error, ')}")
+            else:
+                lines.append(f"{source}: bad value {_lookup(data, loc)!r} for {key!r}: {err['msg']}")
+        raise ConfigError("\n".join(lines)) from None
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    return parse_config(data, str(path))

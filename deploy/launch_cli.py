@@ -1,0 +1,24 @@
+"""`pdserve launch CONFIG`: start a whole cluster on this machine."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "launch", help="start every process of a cluster config and the router",
+        description="Start the prefill, decode (or colocated) servers and the router of CONFIG, wait until "
+                    "all are healthy, print the OpenAI endpoint and write RUN_DIR/cluster.json. Ctrl-C or "
+                    "SIGTERM (or any process dying) stops everything.",
+    )
+    p.add_argument("config", help="cluster YAML file, e.g. configs/1p1d.yaml")
+    p.add_argument("--run-dir", default=None, help="folder for cluster.json and logs (default runs/<time>)")
+    p.add_argument("--health-timeout", type=float, default=600.0, help="seconds to wait for each stage")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from deploy.launcher import launch
+
+    return launch(args.config, args.run_dir, args.health_timeout)

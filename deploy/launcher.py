@@ -1,0 +1,167 @@
+"""Start a whole cluster from one config, watch it, stop it cleanly.
+
+Order: build the model if it is a built-in one not built yet, start every
+prefill/decode/colocated server, wait until each answers /health, start the
+router, wait for it, write ``RUN_DIR/cluster.json`` and print the endpoint.
+Then watch: Ctrl-C, SIGTERM or any process exiting stops every process
+(SIGTERM, then SIGKILL after a grace period). Each process logs to
+``RUN_DIR/<name>.log``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from deploy.config import ClusterConfig, load_config
+
+GRACE_S = 10.0
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+@dataclass
+class Proc:
+    role: str
+    name: str
+    url: str
+    log: Path
+    popen: subprocess.Popen
+
+    def describe(self) -> dict:
+        return {"role": self.role, "name": self.name, "pid": self.popen.pid, "url": self.url, "log": str(self.log)}
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+class Cluster:
+    def __init__(self, config_path: Path, cluster: ClusterConfig, run_dir: Path) -> None:
+        self.config_path = config_path.resolve()
+        self.cluster = cluster
+        self.run_dir = run_dir
+        self.procs: list[Proc] = []
+
+    def _spawn(self, role: str, name: str, url: str, args: list[str]) -> Proc:
+        log = self.run_dir / f"{name}.log"
+        cmd = [sys.executable, "-m", "deploy.cli", *args, "--config", str(self.config_path)]
+        # Children import this very checkout, whatever the working directory or installed copy.
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        with open(log, "ab") as out:
+            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                     start_new_session=True)  # our signals reach it only through us
+        proc = Proc(role, name, url, log, popen)
+        self.procs.append(proc)
+        return proc
+
+    def start_servers(self) -> list[Proc]:
+        started = []
+        for role in ("prefill", "decode", "colocated"):
+            command = "prefill" if role == "prefill" else "decode"
+            for inst in getattr(self.cluster, role):
+                started.append(self._spawn(role, inst.name, self.cluster.url_of(inst), [command, "--name", inst.name]))
+        return started
+
+    def start_router(self) -> Proc:
+        return self._spawn("router", "router", self.cluster.router_url, ["router"])
+
+    def wait_healthy(self, procs: list[Proc], timeout: float, stop: threading.Event) -> None:
+        pending = list(procs)
+        deadline = time.monotonic() + timeout
+        with httpx.Client(timeout=2.0) as client:
+            while pending:
+                for proc in list(pending):
+                    code = proc.popen.poll()
+                    if code is not None:
+                        raise LaunchError(f"{proc.role} {proc.name} exited with status {code} while starting; "
+                                          f"last lines of {proc.log}:\n{proc.log_tail()}")
+                    try:
+                        if client.get(f"{proc.url}/health").status_code == 200:
+                            pending.remove(proc)
+                    except httpx.HTTPError:
+                        pass
+                if stop.is_set():
+                    raise KeyboardInterrupt
+                if time.monotonic() > deadline:
+                    names = ", ".join(p.name for p in pending)
+                    raise LaunchError(f"not healthy after {timeout:.0f} s: {names} (see logs in {self.run_dir})")
+                if pending:
+                    stop.wait(0.2)
+
+    def first_dead(self) -> Proc | None:
+        return next((p for p in self.procs if p.popen.poll() is not None), None)
+
+    def stop_all(self) -> None:
+        """Router first (no new work), then the servers; SIGKILL after the grace period."""
+        for proc in sorted(self.procs, key=lambda p: p.role != "router"):
+            if proc.popen.poll() is None:
+                proc.popen.terminate()
+        deadline = time.monotonic() + GRACE_S
+        for proc in self.procs:
+            try:
+                proc.popen.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.popen.kill()
+                proc.popen.wait()
+
+    def write_manifest(self) -> Path:
+        path = self.run_dir / "cluster.json"
+        manifest = {"config": str(self.config_path), "router_url": self.cluster.router_url,
+                    "model": self.cluster.model_name, "launcher_pid": os.getpid(),
+                    "processes": [p.describe() for p in self.procs]}
+        path.write_text(json.dumps(manifest, indent=2) + "\n")
+        return path
+
+
+def launch(config_path: str | Path, run_dir: str | Path | None = None, health_timeout: float = 600.0) -> int:
+    config_path = Path(config_path)
+    cluster = load_config(config_path)
+    run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stop = threading.Event()
+    previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
+    started = time.monotonic()
+    c = Cluster(config_path, cluster, run_dir)
+    try:
+        print(f"pdserve: model {cluster.model!r} ...", flush=True)
+        model = cluster.model_path()
+        print(f"pdserve: model folder {model} ({time.monotonic() - started:.1f} s)", flush=True)
+        c.wait_healthy(c.start_servers(), health_timeout, stop)
+        c.wait_healthy([c.start_router()], health_timeout, stop)
+        manifest = c.write_manifest()
+        print(f"pdserve: {cluster.mode} cluster up in {time.monotonic() - started:.1f} s; "
+              f"OpenAI endpoint {cluster.router_url}/v1 (model {cluster.model_name!r})\n"
+              f"pdserve: processes and pids in {manifest}; logs in {run_dir}; Ctrl-C stops everything", flush=True)
+        while not stop.wait(0.2):
+            dead = c.first_dead()
+            if dead is not None:
+                print(f"pdserve: {dead.role} {dead.name} exited with status {dead.popen.returncode}; stopping "
+                      f"the cluster. Last lines of {dead.log}:\n{dead.log_tail()}", file=sys.stderr, flush=True)
+                return 1
+        print("pdserve: stopping", flush=True)
+        return 0
+    except KeyboardInterrupt:
+        print("pdserve: interrupted; stopping", flush=True)
+        return 130
+    except LaunchError as exc:
+        print(f"pdserve launch: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        c.stop_all()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

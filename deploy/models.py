@@ -1,0 +1,55 @@
+"""Model folders: a local path, or a built-in name built on first use.
+
+Built-in models are built into ``<model_cache>/<name>`` through a temporary
+folder that is renamed into place when complete, so a process that finds the
+folder can trust it, and two processes building at once do no harm.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILTIN_MODELS = ("tiny", "smollm2")
+MARKER = "pdserve_model.json"  # written last by engine.make_model
+
+
+def is_builtin(model: str) -> bool:
+    return model in BUILTIN_MODELS
+
+
+def resolve_model(model: str, cache_dir: str | Path) -> Path:
+    """The folder for ``model``, building a built-in one if it is not there yet."""
+    if not is_builtin(model):
+        folder = Path(model).expanduser().resolve()
+        if not (folder / "config.json").is_file():
+            raise FileNotFoundError(f"model folder {folder} has no config.json")
+        return folder
+    folder = Path(cache_dir).expanduser().resolve() / model
+    if (folder / MARKER).is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{model}-", dir=folder.parent))
+    try:
+        build_builtin(model, tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not (folder / MARKER).is_file():  # not a concurrent builder's finished copy
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def build_builtin(model: str, out: Path) -> None:
+    from engine.make_model import make_smollm2, make_tiny
+
+    if model == "tiny":
+        make_tiny(out)
+    elif model == "smollm2":
+        make_smollm2(out)
+    else:
+        raise ValueError(f"unknown built-in model {model!r} (expected one of {BUILTIN_MODELS})")

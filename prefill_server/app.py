@@ -1,0 +1,50 @@
+"""The prefill server's HTTP control plane: thin routes over ``PrefillService``."""
+
+from __future__ import annotations
+
+import contextlib
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from prefill_server.service import PrefillFailed, PrefillService
+from server_common.worker_replies import RefusedReply
+from server_common.worker_requests import AbortRequest, PrefillRequest
+
+
+def create_app(service: PrefillService) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title=f"pdserve prefill server {service.settings.name}", lifespan=lifespan)
+
+    @app.post("/prefill")
+    async def prefill(req: PrefillRequest) -> JSONResponse:
+        """Answers once the KV is in the decode server's blocks and the notice is sent."""
+        try:
+            result = await service.prefill(req)
+        except PrefillFailed as exc:
+            return JSONResponse(RefusedReply(error=exc.message, code=exc.code).model_dump(), status_code=exc.status)
+        return JSONResponse(result.model_dump())
+
+    @app.post("/abort")
+    async def abort(req: AbortRequest) -> JSONResponse:
+        return JSONResponse({"request_id": req.request_id, "aborted": await service.abort(req.request_id)})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not service.engine.alive:
+            return JSONResponse({"status": "engine_down", "error": repr(service.engine.error)}, status_code=503)
+        return JSONResponse(service.health().model_dump())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,131 @@
+"""The router's FastAPI app: thin routes over ``OpenAIHandlers``."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.background import BackgroundTask
+
+from router.api_requests import ChatCompletionRequest, CompletionRequest
+from router.dispatch import DispatchSettings, Dispatcher
+from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
+from router.metrics import RouterMetrics
+from router.model import ServedModel
+from router.openai_handlers import OpenAIHandlers
+from router.policies import make_policy
+from router.registry import Worker, WorkerRegistry
+from router.settings import RouterSettings
+from router.worker_client import WorkerClient
+
+
+DISCONNECT_POLL_S = 0.25
+
+
+async def until_disconnect(request: Request, work):
+    """Run ``work``; cancel it (its ``finally`` aborts the request on the servers)
+    if the client goes away first. Streams notice a disconnect by themselves."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                raise OpenAIError(499, "client closed the request")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+def create_app(settings: RouterSettings, model: ServedModel | None = None, client=None) -> FastAPI:
+    """``model`` and ``client`` (a WorkerClient look-alike) may be given by unit tests."""
+    model = model or ServedModel.load(settings.served_model_name, settings.model_path, settings.max_model_len)
+    registry = WorkerRegistry([Worker(w.name, w.role, w.url) for w in settings.workers],
+                              interval=settings.health_interval)
+    metrics = RouterMetrics(registry)
+    dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
+                                         queue_timeout=settings.queue_timeout)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        async with httpx.AsyncClient(limits=limits) as http:
+            worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout)
+            dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),
+                                    worker_client, dispatch_settings)
+            app.state.handlers = OpenAIHandlers(model, dispatcher, metrics)
+            health_task = asyncio.create_task(registry.run(http)) if client is None else None
+            try:
+                yield
+            finally:
+                if health_task is not None:
+                    health_task.cancel()
+                    await asyncio.gather(health_task, return_exceptions=True)
+
+    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.add_middleware(RequestIdMiddleware)
+    install_error_handlers(app)
+
+    def check_auth(request: Request) -> None:
+        if not settings.api_keys:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not any(hmac.compare_digest(token, key) for key in settings.api_keys):
+            raise OpenAIError(401, "missing or invalid API key", code="invalid_api_key")
+
+    async def respond(request: Request, endpoint: str, call) -> Response:
+        check_auth(request)
+        started = time.monotonic()
+        metrics.inflight.inc()
+        status = 500
+        try:
+            session, result = await until_disconnect(request, call(request_id_of(request)))
+            status = 200
+        except OpenAIError as exc:
+            status = exc.status
+            raise
+        finally:
+            metrics.inflight.dec()
+            metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+            metrics.e2e.observe(time.monotonic() - started)
+        if session is None:
+            return JSONResponse(result.model_dump())
+        # session.close is idempotent: the stream closes it in `finally`, the
+        # background task covers a client that left before the first chunk.
+        return StreamingResponse(result, media_type="text/event-stream", background=BackgroundTask(session.close),
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await respond(request, "chat", lambda rid: request.app.state.handlers.chat(req, rid))
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await respond(request, "completions", lambda rid: request.app.state.handlers.completion(req, rid))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        check_auth(request)
+        return JSONResponse(request.app.state.handlers.models().model_dump())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        workers = [{"name": w.name, "role": w.role, "url": w.url, "healthy": w.healthy} for w in registry.workers]
+        ok = bool(registry.healthy("decode"))
+        return JSONResponse({"status": "ok" if ok else "degraded", "workers": workers}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,152 @@
+"""OpenAI-shaped errors: one exception type, the JSON body and the handlers.
+
+Every error the router returns looks like OpenAI's::
+
+    {"error": {"message": "...", "type": "invalid_request_error",
+               "param": "messages", "code": null}}
+
+with the matching HTTP status, and every response carries ``X-Request-Id``
+(500s repeat it in the message so a user can quote it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "internal_server_error",
+    503: "service_unavailable",
+}
+
+
+class OpenAIError(Exception):
+    """An error to show the client, with its HTTP status."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_body(status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error"),
+            "param": param,
+            "code": code,
+        }
+    }
+
+
+def request_id_of(request: Request) -> str:
+    """The id of this HTTP request, made on first use (see ``RequestIdMiddleware``)."""
+    state = request.scope.setdefault("state", {})
+    if "request_id" not in state:
+        state["request_id"] = new_request_id()
+    return state["request_id"]
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+class RequestIdMiddleware:
+    """Pure ASGI middleware (no buffering, so SSE and disconnects still work)
+    that gives each request an id and echoes it in ``X-Request-Id``."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state = scope.setdefault("state", {})
+        state.setdefault("request_id", new_request_id())
+        header = (b"x-request-id", state["request_id"].encode())
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = dict(message, headers=[*message.get("headers", []), header])
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def error_response(exc: OpenAIError) -> JSONResponse:
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | None]:
+    """First pydantic error as 'field: message' and the field's dotted path."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {first.get('msg', '')}", None
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid value")
+    if param is None:
+        return f"invalid request body: {msg}", None
+    return f"{param}: {msg}", param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map every error the app can raise to OpenAI's shape."""
+
+    async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = describe_validation_error(exc)
+        return error_response(OpenAIError(400, message, param=param))
+
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        return error_response(OpenAIError(exc.status_code, message))
+
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        rid = request_id_of(request)
+        log.exception("request %s failed", rid)
+        return error_response(OpenAIError(500, f"internal server error (request id {rid})"))
+
+    app.add_exception_handler(OpenAIError, on_openai_error)
+    app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)

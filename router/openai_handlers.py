@@ -1,0 +1,211 @@
+"""The OpenAI endpoints' logic, between the thin routes and the dispatcher.
+
+Each handler validates and tokenizes, opens a dispatch ``Session`` (so that
+"no room" or a dead cluster is an HTTP status, not a broken stream), then
+either collects the whole answer or returns an async iterator of SSE events.
+The session is closed in ``finally`` on every path, so a client that goes
+away or a stop string aborts the request on the servers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import anyio
+
+from router import api_responses as out
+from router.api_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.dispatch import Dispatcher, Session
+from router.errors import OpenAIError
+from router.metrics import RouterMetrics
+from router.model import ServedModel
+from router.sse import DONE, sse_event
+from router.textstream import IncrementalDetokenizer, StopMatcher
+from server_common.worker_requests import SamplingSpec
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+    finish_reason: str | None  # "stop" | "length" on the last delta
+    completion_tokens: int
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to dispatch."""
+
+    request_id: str
+    endpoint: str
+    prompt: list[int]
+    sampling: SamplingSpec
+    stops: list[str]
+
+
+def sampling_spec(req: SamplingFields, max_tokens: int) -> SamplingSpec:
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(0, req.top_k or 0),
+        seed=req.seed,
+        ignore_eos=req.ignore_eos,
+    )
+
+
+class OpenAIHandlers:
+    def __init__(self, model: ServedModel, dispatcher: Dispatcher, metrics: RouterMetrics) -> None:
+        self.model = model
+        self.dispatcher = dispatcher
+        self.metrics = metrics
+
+    def models(self) -> out.ModelList:
+        m = self.model
+        return out.ModelList(data=[out.ModelCard(id=m.name, created=m.created, root=m.root,
+                                                 max_model_len=m.max_model_len)])
+
+    # ---- preparing ---------------------------------------------------------
+
+    def prepare_chat(self, req: ChatCompletionRequest, request_id: str) -> Prepared:
+        self.model.check_name(req.model)
+        req.check_supported()
+        prompt = self.model.encode_chat(req.template_messages(), req.add_generation_prompt)
+        max_tokens = self.model.check_fits(len(prompt), req.max_new_tokens(), "messages")
+        return Prepared(request_id, "chat", prompt, sampling_spec(req, max_tokens), req.stop_strings())
+
+    def prepare_completion(self, req: CompletionRequest, request_id: str) -> Prepared:
+        self.model.check_name(req.model)
+        req.check_supported()
+        prompt = self.model.encode_prompt(req.single_prompt())
+        max_tokens = self.model.check_fits(len(prompt), req.max_tokens, "prompt")
+        return Prepared(request_id, "completions", prompt, sampling_spec(req, max_tokens), req.stop_strings())
+
+    # ---- running -----------------------------------------------------------
+
+    async def open(self, p: Prepared) -> Session:
+        session = await self.dispatcher.start(p.request_id, p.prompt, p.sampling)
+        self.metrics.prompt_tokens.inc(len(p.prompt))
+        if session.reservation is None:
+            self.metrics.local_prefills.inc()
+        return session
+
+    async def text_deltas(self, p: Prepared, session: Session) -> AsyncIterator[TextDelta]:
+        """Detokenized, stop-string-cut text; the last delta carries the finish reason."""
+        detok = IncrementalDetokenizer(self.model.tokenizer, p.prompt)
+        stops = StopMatcher(p.stops)
+        count = 0
+        started = time.monotonic()
+        async for event in session.deltas():
+            if count == 0 and event.token_ids:
+                self.metrics.ttft.observe(time.monotonic() - started)
+            count += len(event.token_ids)
+            text = stops.push(detok.push(event.token_ids))
+            if not stops.stopped and event.finish_reason is not None:
+                text += stops.push(detok.flush())
+                text += stops.flush()
+            if stops.stopped:
+                yield TextDelta(text, "stop", count)
+                break
+            if event.finish_reason == "abort":
+                raise OpenAIError(500, f"request {p.request_id} was aborted by the decode server")
+            if event.finish_reason is not None:
+                yield TextDelta(text, event.finish_reason, count)
+                break
+            if text:
+                yield TextDelta(text, None, count)
+        self.metrics.completion_tokens.inc(count)
+
+    async def collect(self, p: Prepared) -> tuple[str, str, int]:
+        session = await self.open(p)
+        try:
+            parts, reason, count = [], "length", 0
+            async for delta in self.text_deltas(p, session):
+                parts.append(delta.text)
+                reason = delta.finish_reason or reason
+                count = delta.completion_tokens
+            return "".join(parts), reason, count
+        finally:
+            # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
+            with anyio.CancelScope(shield=True):
+                await session.close()
+
+    async def chat(self, req: ChatCompletionRequest, request_id: str):
+        p = self.prepare_chat(req, request_id)
+        if req.stream:
+            session = await self.open(p)
+            return session, self._chat_stream(p, req, session)
+        text, reason, count = await self.collect(p)
+        return None, out.ChatCompletion(
+            id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name,
+            choices=[out.ChatChoice(message=out.AssistantMessage(content=text), finish_reason=reason)],
+            usage=out.Usage.of(len(p.prompt), count),
+        )
+
+    async def completion(self, req: CompletionRequest, request_id: str):
+        p = self.prepare_completion(req, request_id)
+        if req.stream:
+            session = await self.open(p)
+            return session, self._completion_stream(p, req, session)
+        text, reason, count = await self.collect(p)
+        return None, out.Completion(
+            id=f"cmpl-{request_id}", created=int(time.time()), model=self.model.name,
+            choices=[out.CompletionChoice(text=text, finish_reason=reason)],
+            usage=out.Usage.of(len(p.prompt), count),
+        )
+
+    # ---- streams -----------------------------------------------------------
+
+    async def _chat_stream(self, p: Prepared, req: ChatCompletionRequest, session: Session) -> AsyncIterator[str]:
+        usage_field = None if req.include_usage else {"usage"}
+
+        def chunk(delta: out.Delta, finish_reason=None) -> str:
+            c = out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name,
+                                        choices=[out.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+            return sse_event(c, exclude=usage_field)
+
+        created = int(time.time())
+        count = 0
+        try:
+            yield chunk(out.Delta(role="assistant", content=""))
+            async for d in self.text_deltas(p, session):
+                count = d.completion_tokens
+                if d.text:
+                    yield chunk(out.Delta(content=d.text))
+                if d.finish_reason:
+                    yield chunk(out.Delta(), d.finish_reason)
+            if req.include_usage:
+                yield sse_event(out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created,
+                                                        model=self.model.name, choices=[],
+                                                        usage=out.Usage.of(len(p.prompt), count)))
+            yield DONE
+        except OpenAIError as exc:
+            yield sse_event(exc.body())
+            yield DONE
+        finally:
+            # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
+            with anyio.CancelScope(shield=True):
+                await session.close()
+
+    async def _completion_stream(self, p: Prepared, req: CompletionRequest, session: Session) -> AsyncIterator[str]:
+        usage_field = None if req.include_usage else {"usage"}
+        created = int(time.time())
+        count = 0
+        try:
+            async for d in self.text_deltas(p, session):
+                count = d.completion_tokens
+                c = out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
+                                   choices=[out.CompletionChoice(text=d.text, finish_reason=d.finish_reason)])
+                yield sse_event(c, exclude=usage_field)
+            if req.include_usage:
+                yield sse_event(out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
+                                               choices=[], usage=out.Usage.of(len(p.prompt), count)))
+            yield DONE
+        except OpenAIError as exc:
+            yield sse_event(exc.body())
+            yield DONE
+        finally:
+            # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
+            with anyio.CancelScope(shield=True):
+                await session.close()

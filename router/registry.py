@@ -1,0 +1,87 @@
+"""The workers the router knows, their health and load.
+
+Workers come from config. A background task polls each one's ``GET /health``
+every ``interval`` seconds: a worker that fails ``unhealthy_after`` checks in a
+row (or a request's connection) is taken out of rotation; the next successful
+check brings it back. The same poll refreshes the load a worker reports (free
+KV blocks, queue depth, queued prompt tokens) for the least-loaded policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import httpx
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    name: str
+    role: str  # "prefill" | "decode"
+    url: str  # http://host:port, no trailing slash
+    healthy: bool = True
+    failures: int = 0  # consecutive failed health checks
+    # reported by the worker's /health
+    free_blocks: int = 0
+    queue_depth: int = 0
+    queued_tokens: int = 0
+    # this router's own view, updated per request
+    inflight: int = 0
+    inflight_tokens: int = 0
+
+    def apply_health(self, report: dict) -> None:
+        blocks = report.get("kv_blocks", {})
+        self.free_blocks = int(blocks.get("free", 0))
+        self.queue_depth = int(report.get("queue_depth", 0))
+        self.queued_tokens = int(report.get("queued_tokens", 0))
+
+
+class WorkerRegistry:
+    def __init__(self, workers: list[Worker], *, interval: float = 2.0, unhealthy_after: int = 2) -> None:
+        names = [w.name for w in workers]
+        assert len(names) == len(set(names)), f"duplicate worker names: {names}"
+        self.workers = workers
+        self.interval = interval
+        self.unhealthy_after = unhealthy_after
+
+    def healthy(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role and w.healthy]
+
+    def of_role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers if w.role == role]
+
+    def mark_down(self, worker: Worker, reason: str) -> None:
+        """A request could not reach the worker: out of rotation until a health check passes."""
+        if worker.healthy:
+            log.warning("worker %s (%s) taken out: %s", worker.name, worker.url, reason)
+        worker.healthy = False
+        worker.failures = max(worker.failures, self.unhealthy_after)
+
+    async def check_once(self, client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(self._check(client, w) for w in self.workers))
+
+    async def _check(self, client: httpx.AsyncClient, worker: Worker) -> None:
+        try:
+            resp = await client.get(f"{worker.url}/health", timeout=max(1.0, self.interval))
+            resp.raise_for_status()
+            worker.apply_health(resp.json())
+        except (httpx.HTTPError, ValueError) as exc:
+            worker.failures += 1
+            if worker.failures >= self.unhealthy_after and worker.healthy:
+                log.warning("worker %s (%s) unhealthy: %s", worker.name, worker.url, exc)
+                worker.healthy = False
+            return
+        if not worker.healthy:
+            log.info("worker %s (%s) healthy again", worker.name, worker.url)
+        worker.failures = 0
+        worker.healthy = True
+
+    async def run(self, client: httpx.AsyncClient) -> None:
+        """Poll forever (cancel the task to stop)."""
+        while True:
+            await self.check_once(client)
+            await asyncio.sleep(self.interval)

@@ -1,0 +1,164 @@
+"""Thin adapter from the servers' KV ports to transfer's KVSender/KVReceiver.
+
+What it adds: building the backend and layout from the server's settings,
+a poller thread that turns ``poll()`` results into callbacks, and the
+handshake (the prefill server posts its hello to the decode server's
+``/kv/hello`` and connects with the answer). Hellos are msgpack bytes made
+by ``transfer``; they cross HTTP base64-encoded, never pickled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import threading
+
+import httpx
+
+from engine import LLMEngine
+from server_common.kv_port import ReceiverEnded, SenderEnded
+from server_common.settings import ServerSettings
+
+log = logging.getLogger(__name__)
+POLL_INTERVAL_S = 0.002
+
+
+def _layout(engine: LLMEngine):
+    from transfer.layout import KVLayout
+
+    c = engine.cache
+    return KVLayout.for_engine_cache(num_layers=c.num_layers, num_blocks=c.num_blocks, block_size=c.block_size,
+                                     num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=c.dtype)
+
+
+def _backend(settings: ServerSettings, listen: bool):
+    from transfer.backend import make_backend
+
+    kind = settings.transfer_backend
+    if kind == "zmq":
+        endpoint = f"tcp://{settings.host}:{settings.kv_port}" if listen else None
+        return make_backend("zmq", settings.name, endpoint=endpoint, connect_timeout_s=settings.transfer_timeout_s)
+    return make_backend(kind, settings.name)
+
+
+class _Poller:
+    """Calls ``handle(events)`` with each non-empty ``poll()`` result, on its own thread."""
+
+    def __init__(self, side, name: str, handle) -> None:
+        self._side, self._handle = side, handle
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-poll-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_INTERVAL_S):
+            try:
+                events = self._side.poll()
+            except RuntimeError:
+                log.exception("transfer thread died")
+                return
+            if events.completed or events.failed:
+                self._handle(events)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(2.0)
+
+
+class ReceiverAdapter:
+    def __init__(self, settings: ServerSettings, engine: LLMEngine) -> None:
+        from transfer.receiver import KVReceiver
+
+        self._settings = settings
+        self._receiver = KVReceiver(_backend(settings, listen=True), engine.cache.kv, _layout(engine),
+                                    name=settings.name, model=engine.config.model)
+        self._poller: _Poller | None = None
+
+    def start(self, on_ended: ReceiverEnded) -> None:
+        def handle(events) -> None:
+            for c in events.completed:
+                on_ended(c.transfer_id, c.first_token, None)
+            for f in events.failed:
+                on_ended(f.transfer_id, None, f.reason)
+
+        self._poller = _Poller(self._receiver, self._settings.name, handle)
+
+    def accept(self, sender_hello: bytes) -> bytes:
+        return self._receiver.accept(sender_hello, timeout_s=self._settings.transfer_timeout_s)
+
+    def expect(self, block_ids: list[int], lease_s: float) -> str:
+        return self._receiver.expect(block_ids, lease_s)
+
+    def target(self) -> dict:
+        return {"peer": self._settings.name, "hello_url": f"{self._settings.url}/kv/hello"}
+
+    def cancel(self, transfer_id: str) -> None:
+        self._receiver.cancel(transfer_id)
+
+    def close(self) -> None:
+        if self._poller is not None:
+            self._poller.stop()
+        self._receiver.close()
+
+
+class SenderAdapter:
+    def __init__(self, settings: ServerSettings, engine: LLMEngine) -> None:
+        from transfer.sender import KVSender
+
+        self._settings = settings
+        self._sender = KVSender(_backend(settings, listen=False), engine.cache.kv, _layout(engine),
+                                name=settings.name, model=engine.config.model)
+        self._peers: dict[str, asyncio.Task] = {}  # event loop only
+        self._poller: _Poller | None = None
+
+    def start(self, on_ended: SenderEnded) -> None:
+        def handle(events) -> None:
+            for c in events.completed:
+                on_ended(c.transfer_id, None)
+            for f in events.failed:
+                on_ended(f.transfer_id, f.reason)
+
+        self._poller = _Poller(self._sender, self._settings.name, handle)
+
+    async def ensure_peer(self, target: dict) -> str:
+        """Handshake once per decode server (concurrent callers share it); a failed one is retried next time."""
+        peer = target["peer"]
+        task = self._peers.get(peer)
+        if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
+            task = self._peers[peer] = asyncio.ensure_future(self._handshake(target))
+        return await asyncio.shield(task)
+
+    async def _handshake(self, target: dict) -> str:
+        hello = base64.b64encode(self._sender.hello()).decode()
+        async with httpx.AsyncClient(timeout=self._settings.transfer_timeout_s) as client:
+            resp = await client.post(target["hello_url"], json={"hello": hello})
+        if resp.status_code != 200:
+            raise RuntimeError(f"decode server {target['peer']} refused the handshake: {resp.text[:300]}")
+        answer = base64.b64decode(resp.json()["hello"])
+        return await asyncio.to_thread(self._sender.connect, answer, self._settings.transfer_timeout_s)
+
+    def begin(self, transfer_id: str, peer: str, dst_block_ids: list[int], lease_s: float) -> None:
+        self._sender.begin(transfer_id, peer, dst_block_ids, lease_s)
+
+    def push_layer(self, transfer_id: str, layer: int, src_block_ids: list[int], start: int, end: int) -> None:
+        self._sender.push_layer(transfer_id, layer, src_block_ids, start, end)
+
+    def finish(self, transfer_id: str, first_token: int) -> None:
+        self._sender.finish(transfer_id, first_token)
+
+    def abort(self, transfer_id: str) -> None:
+        self._sender.abort(transfer_id)
+
+    def close(self) -> None:
+        if self._poller is not None:
+            self._poller.stop()
+        self._sender.close()
+
+
+def make_receiver(settings: ServerSettings, engine: LLMEngine) -> ReceiverAdapter:
+    return ReceiverAdapter(settings, engine)
+
+
+def make_sender(settings: ServerSettings, engine: LLMEngine) -> SenderAdapter:
+    return SenderAdapter(settings, engine)

@@ -1,0 +1,66 @@
+"""The small transfer interface the servers are written against.
+
+``transfer/`` (KV layouts, copy plans, NIXL/ZeroMQ backends, KVSender and
+KVReceiver with their own transfer threads) sits behind these two protocols;
+``server_common.kv_adapter`` is the thin adapter. The servers never see a
+backend, a byte offset or a wire frame, and no call here blocks on the network
+except the one-time handshake.
+
+Decode side::
+
+    hello_back = receiver.accept(prefill_hello)        # once per prefill server (POST /kv/hello)
+    tid = receiver.expect(block_ids, lease_s)          # engine thread, right after engine.reserve
+    receiver.cancel(tid)                               # client gone: on_ended follows
+    on_ended(tid, first_token, None) | on_ended(tid, None, reason)   # from the adapter's thread
+
+The decode server frees a reservation's blocks only once ``on_ended`` reported
+its id: with one-sided writes a cancelled transfer may still land until every
+sender confirmed it stopped. The receiver enforces the lease itself.
+
+Prefill side::
+
+    peer = await sender.ensure_peer(target)            # handshake with the decode server, cached
+    sender.begin(tid, peer, dst_block_ids, lease_s)    # engine thread
+    sender.push_layer(tid, layer, src_block_ids, start, end)   # engine layer_hook: queued, not sent inline
+    sender.finish(tid, first_token)                    # the notice goes once the writes landed
+    sender.abort(tid)
+    on_ended(tid, None) | on_ended(tid, reason)        # then the prefill server releases the blocks
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+ReceiverEnded = Callable[[str, int | None, str | None], None]
+SenderEnded = Callable[[str, str | None], None]
+
+
+class KVReceiverPort(Protocol):
+    def start(self, on_ended: ReceiverEnded) -> None: ...
+
+    def accept(self, sender_hello: bytes) -> bytes: ...
+
+    def expect(self, block_ids: list[int], lease_s: float) -> str: ...
+
+    def target(self) -> dict: ...
+
+    def cancel(self, transfer_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class KVSenderPort(Protocol):
+    def start(self, on_ended: SenderEnded) -> None: ...
+
+    async def ensure_peer(self, target: dict) -> str: ...
+
+    def begin(self, transfer_id: str, peer: str, dst_block_ids: list[int], lease_s: float) -> None: ...
+
+    def push_layer(self, transfer_id: str, layer: int, src_block_ids: list[int], start: int, end: int) -> None: ...
+
+    def finish(self, transfer_id: str, first_token: int) -> None: ...
+
+    def abort(self, transfer_id: str) -> None: ...
+
+    def close(self) -> None: ...

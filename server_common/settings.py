@@ -1,0 +1,28 @@
+"""One frozen settings object per prefill/decode server process (from deploy.config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """``role`` is prefill, decode or colocated (a decode server that never
+    receives remote KV). ``kv_port`` is the transfer backend's listening port
+    on a decode server."""
+
+    name: str
+    role: str
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8200
+    kv_port: int = 8201
+    transfer_backend: str = "zmq"
+    lease_s: float = 30.0
+    transfer_timeout_s: float = 10.0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"

@@ -1,0 +1,92 @@
+"""Prefill/decode servers -> router: JSON replies and stream events.
+
+The decode server's ``/generate`` answers with newline-delimited JSON, one
+``DecodeEvent`` a line: first a ``reservation`` (``reservation`` is null when
+the server prefills locally), then ``tokens`` events, the last one with a
+``finish_reason``; or an ``error`` event that ends the stream.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+
+class Reply(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Reservation(Reply):
+    """Blocks a decode server holds for one request until its KV arrives.
+
+    ``kv_target`` is the transfer layer's own description of where to write
+    (layout, address, agent); the router passes it through untouched.
+    ``lease_deadline`` is Unix time: after it the decode server frees the
+    blocks and fails the request.
+    """
+
+    instance: str
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    block_size: int
+    num_tokens: int
+    lease_deadline: float
+    kv_target: dict
+
+
+class ReservationEvent(Reply):
+    type: Literal["reservation"] = "reservation"
+    reservation: Reservation | None
+
+
+class TokensEvent(Reply):
+    type: Literal["tokens"] = "tokens"
+    token_ids: list[int]
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+
+
+class ErrorEvent(Reply):
+    type: Literal["error"] = "error"
+    message: str
+    code: str  # "lease_expired", "transfer_failed", "internal", ...
+
+
+DecodeEvent = Annotated[ReservationEvent | TokensEvent | ErrorEvent, Field(discriminator="type")]
+DECODE_EVENT = TypeAdapter(DecodeEvent)
+
+
+class PrefillResult(Reply):
+    """Reply to POST /prefill once the KV is written and the notice sent."""
+
+    request_id: str
+    first_token_id: int
+    num_tokens: int
+    transfer_bytes: int
+    seconds: float
+
+
+class KVBlocks(Reply):
+    free: int
+    reserved: int
+    running: int
+
+
+class HealthReport(Reply):
+    """GET /health on either server."""
+
+    status: Literal["ok"] = "ok"
+    role: Literal["prefill", "decode", "colocated"]
+    instance: str
+    kv_blocks: KVBlocks
+    queue_depth: int
+    queued_tokens: int
+    num_requests: int
+
+
+class RefusedReply(Reply):
+    """Body of a 503 (no room) or 4xx from a server, next to Retry-After."""
+
+    error: str
+    code: str

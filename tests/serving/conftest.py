@@ -1,0 +1,33 @@
+"""Fixtures for the serving tests. Each integration module defines a module-scoped
+``cluster`` (real processes); tests use ``served``, which checks afterwards that
+every server is back to zero reserved and running KV blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.serving.cluster import Cluster, make_config
+
+
+def start_cluster(tmp_path_factory, template: str, model: str, changes: dict | None = None) -> Cluster:
+    folder = tmp_path_factory.mktemp(template)
+    return Cluster(make_config(folder, template, model, changes), folder)
+
+
+THRESHOLD = 12  # 1P1D: prompts shorter than this are prefilled on the decode server
+MAX_MODEL_LEN = 1024
+
+
+@pytest.fixture(scope="package")
+def one_p_one_d(tmp_path_factory, tiny_model):
+    """configs/tiny-1p1d.yaml (P block size 4, D block size 16), shared by several modules."""
+    c = start_cluster(tmp_path_factory, "tiny-1p1d", tiny_model,
+                      {"max_model_len": MAX_MODEL_LEN, "router": {"local_prefill_threshold": THRESHOLD}})
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def served(cluster: Cluster):
+    yield cluster
+    cluster.wait_idle(3.0)

@@ -1,0 +1,94 @@
+"""Test doubles for the router's unit tests only: a byte-level tokenizer and a
+WorkerClient look-alike that answers from a script. Integration tests use the
+real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.pre_tokenizers import ByteLevel
+from transformers import PreTrainedTokenizerFast
+
+from router.worker_client import NoRoom
+from server_common.worker_replies import PrefillResult, Reservation, TokensEvent
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def make_byte_tokenizer(folder: Path, max_position_embeddings: int = 256) -> Path:
+    """One token per UTF-8 byte (so multi-byte characters span tokens), plus <|eos|>."""
+    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
+    vocab["<|eos|>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings":
+                                                    max_position_embeddings}))
+    return folder
+
+
+@dataclass
+class FakeStream:
+    worker: object
+    reservation: Reservation | None
+    events_to_send: list[TokensEvent]
+    delay: float = 0.0
+    closed: bool = False
+
+    async def events(self):
+        for event in self.events_to_send:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            yield event
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class FakeWorkerClient:
+    """Answers every request with ``reply`` (token ids), one token per event."""
+
+    reply: list[int]
+    finish_reason: str = "stop"
+    full: set[str] = field(default_factory=set)  # decode workers that answer NoRoom
+    delay: float = 0.0
+    opened: list[tuple[str, object]] = field(default_factory=list)
+    prefills: list[tuple[str, object]] = field(default_factory=list)
+    aborts: list[tuple[str, str]] = field(default_factory=list)
+    streams: list[FakeStream] = field(default_factory=list)
+
+    async def open_decode(self, worker, req):
+        if worker.name in self.full:
+            raise NoRoom(worker, 2.0)
+        self.opened.append((worker.name, req))
+        reservation = None
+        if not req.local_prefill:
+            reservation = Reservation(instance=worker.name, request_id=req.request_id, transfer_id="t-" +
+                                      req.request_id, block_ids=[0], block_size=16,
+                                      num_tokens=len(req.prompt_token_ids), lease_deadline=0.0, kv_target={})
+        n = min(len(self.reply), req.sampling.max_tokens)
+        events = [TokensEvent(token_ids=[t]) for t in self.reply[:n]]
+        reason = self.finish_reason if n == len(self.reply) else "length"
+        events[-1] = TokensEvent(token_ids=events[-1].token_ids, finish_reason=reason)
+        stream = FakeStream(worker, reservation, events, self.delay)
+        self.streams.append(stream)
+        return stream
+
+    async def prefill(self, worker, req):
+        self.prefills.append((worker.name, req))
+        return PrefillResult(request_id=req.request_id, first_token_id=self.reply[0],
+                             num_tokens=len(req.prompt_token_ids), transfer_bytes=0, seconds=0.0)
+
+    async def abort(self, worker, request_id):
+        self.aborts.append((worker.name, request_id))

@@ -1,0 +1,96 @@
+"""Cluster config: strict loading with messages naming file, key and value."""
+
+from pathlib import Path
+
+import pytest
+
+from deploy.config import ConfigError, load_config, parse_config
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+BASE = {"model": "tiny", "prefill": [{"name": "p0", "port": 9100}],
+        "decode": [{"name": "d0", "port": 9200, "block_size": 32}]}
+
+
+def error_of(data) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, "c.yaml")
+    return str(info.value)
+
+
+@pytest.mark.parametrize("name", ["1p1d", "2p1d", "1p2d", "colocated", "tiny-1p1d"])
+def test_shipped_configs_load(name):
+    cluster = load_config(CONFIGS / f"{name}.yaml")
+    assert cluster.router.port == 8000
+    assert cluster.instances()
+
+
+def test_default_config_is_smollm2_with_different_block_sizes():
+    cluster = load_config(CONFIGS / "1p1d.yaml")
+    assert cluster.model == "smollm2" and cluster.device == "cpu"
+    assert cluster.prefill[0].block_size != cluster.decode[0].block_size
+
+
+def test_unknown_key_names_file_key_and_value():
+    assert error_of({**BASE, "decode": [{"name": "d0", "port": 9200, "block_sise": 32}]}) == \
+        "c.yaml: unknown key 'decode[0].block_sise' (value 32)"
+
+
+def test_bad_value_names_file_key_and_value():
+    msg = error_of({**BASE, "router": {"policy": "random"}})
+    assert msg.startswith("c.yaml: bad value 'random' for 'router.policy'")
+    assert "round_robin" in msg
+
+
+def test_mistyped_port_and_missing_model_are_reported():
+    assert "bad value 'abc' for 'prefill[0].port'" in error_of({**BASE, "prefill": [{"name": "p0", "port": "abc"}]})
+    assert error_of({"prefill": BASE["prefill"], "decode": BASE["decode"]}) == "c.yaml: missing key 'model'"
+
+
+def test_ports_must_be_unique_including_the_default_kv_port():
+    msg = error_of({**BASE, "decode": [{"name": "d0", "port": 9101}]})
+    assert "[9101]" in msg
+
+
+def test_a_cluster_is_either_colocated_or_prefill_plus_decode():
+    assert "not both" in error_of({**BASE, "colocated": [{"name": "c0", "port": 9300}]})
+    assert "at least one prefill" in error_of({"model": "tiny", "decode": BASE["decode"]})
+
+
+def test_unreadable_and_invalid_yaml_files_are_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.yaml: cannot read"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_config(bad)
+
+
+def test_instance_overrides_win_over_engine_defaults(tmp_path):
+    cluster = parse_config({**BASE, "engine": {"num_threads": 3, "block_size": 8},
+                            "prefill": [{"name": "p0", "port": 9100, "num_threads": 1, "device": "cpu"}]}, "c.yaml")
+    p = cluster.server_settings("p0", tmp_path)
+    d = cluster.server_settings("d0", tmp_path)
+    assert (p.engine.num_threads, p.engine.block_size, p.engine.mode) == (1, 8, "prefill")
+    assert (d.engine.num_threads, d.engine.block_size, d.engine.mode) == (3, 32, "decode")
+    assert (p.port, p.kv_port, d.kv_port) == (9100, 9101, 9201)
+
+
+def test_router_settings_list_every_worker_with_its_role(tmp_path):
+    cluster = parse_config({**BASE, "router": {"port": 9000, "policy": "least_loaded",
+                                               "local_prefill_threshold": 32}}, "c.yaml")
+    r = cluster.router_settings(tmp_path)
+    assert [(w.name, w.role, w.url) for w in r.workers] == [
+        ("p0", "prefill", "http://127.0.0.1:9100"), ("d0", "decode", "http://127.0.0.1:9200")]
+    assert (r.port, r.policy, r.local_prefill_threshold, r.served_model_name) == (9000, "least_loaded", 32, "tiny")
+
+
+def test_colocated_instances_are_decode_workers_for_the_router(tmp_path):
+    cluster = parse_config({"model": "/models/m", "colocated": [{"name": "c0", "port": 9300}]}, "c.yaml")
+    assert cluster.mode == "colocated" and cluster.model_name == "m"
+    assert [w.role for w in cluster.router_settings(tmp_path).workers] == ["decode"]
+    assert cluster.server_settings("c0", tmp_path).engine.mode == "colocated"
+
+
+def test_unknown_instance_name_is_an_error():
+    with pytest.raises(ConfigError, match="no instance named 'x'"):
+        parse_config(BASE, "c.yaml").role_of("x")

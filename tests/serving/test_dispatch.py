@@ -1,0 +1,135 @@
+"""The dispatcher and the worker registry against scripted workers (no servers)."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from router.dispatch import DispatchSettings, Dispatcher
+from router.errors import OpenAIError
+from router.policies import RoundRobin
+from router.registry import Worker, WorkerRegistry
+from router.worker_client import WorkerUnreachable
+from server_common.worker_requests import SamplingSpec
+from tests.serving.fakes import FakeWorkerClient
+
+SAMPLING = SamplingSpec(max_tokens=4, temperature=0)
+
+
+def make(fake, workers=None, **settings):
+    workers = workers or [Worker("p0", "prefill", "http://p0"), Worker("d0", "decode", "http://d0")]
+    registry = WorkerRegistry(workers)
+    return registry, Dispatcher(registry, RoundRobin(), RoundRobin(), fake, DispatchSettings(**settings))
+
+
+async def drain(session):
+    try:
+        return [e.token_ids for e in [x async for x in session.deltas()]]
+    finally:
+        await session.close()
+
+
+def test_failed_prefill_ends_the_request_with_500_and_aborts_the_decode_server():
+    class FailingPrefill(FakeWorkerClient):
+        async def prefill(self, worker, req):
+            raise WorkerUnreachable(worker, "connection refused")
+
+    fake = FailingPrefill(reply=[1, 2, 3], delay=0.05)
+    registry, dispatcher = make(fake)
+
+    async def run():
+        session = await dispatcher.start("r1", [5, 6], SAMPLING)
+        with pytest.raises(OpenAIError) as info:
+            await drain(session)
+        return info.value
+
+    err = asyncio.run(run())
+    assert err.status == 500 and "p0" in err.message and "r1" in err.message
+    assert ("d0", "r1") in fake.aborts
+    assert not registry.workers[0].healthy  # taken out until a health check passes
+    assert registry.workers[1].inflight == 0
+
+
+def test_unreachable_decode_server_is_skipped_and_marked_down():
+    class OneDown(FakeWorkerClient):
+        async def open_decode(self, worker, req):
+            if worker.name == "d0":
+                raise WorkerUnreachable(worker, "refused")
+            return await super().open_decode(worker, req)
+
+    workers = [Worker("p0", "prefill", "u"), Worker("d0", "decode", "u"), Worker("d1", "decode", "u")]
+    fake = OneDown(reply=[7, 8])
+    registry, dispatcher = make(fake, workers)
+
+    async def run():
+        return await drain(await dispatcher.start("r2", [1], SAMPLING))
+
+    assert asyncio.run(run()) == [[7], [8]]
+    assert [w.name for w in registry.healthy("decode")] == ["d1"]
+    assert fake.opened[0][0] == "d1"
+
+
+def test_no_room_anywhere_waits_up_to_the_queue_timeout_then_503():
+    fake = FakeWorkerClient(reply=[1], full={"d0"})
+    _, dispatcher = make(fake, queue_timeout=0.2, retry_interval=0.05)
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        with pytest.raises(OpenAIError) as info:
+            await dispatcher.start("r3", [1], SAMPLING)
+        return info.value, loop.time() - start
+
+    err, waited = asyncio.run(run())
+    assert err.status == 503 and err.retry_after == 2.0
+    assert 0.2 <= waited < 1.0
+
+
+def test_colocated_cluster_always_prefills_locally():
+    fake = FakeWorkerClient(reply=[1])
+    _, dispatcher = make(fake, [Worker("c0", "decode", "u")], local_prefill_threshold=0)
+    assert dispatcher.wants_local_prefill(10_000)
+
+
+def test_health_checks_take_a_worker_out_and_bring_it_back():
+    state = {"up": False}
+
+    def handler(request):
+        if not state["up"]:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, json={"kv_blocks": {"free": 7}, "queue_depth": 2, "queued_tokens": 30})
+
+    worker = Worker("d0", "decode", "http://d0")
+    registry = WorkerRegistry([worker], unhealthy_after=2)
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            await registry.check_once(client)
+            first = worker.healthy
+            await registry.check_once(client)
+            second = worker.healthy
+            state["up"] = True
+            await registry.check_once(client)
+            return first, second
+
+    assert asyncio.run(run()) == (True, False)
+    assert worker.healthy and (worker.free_blocks, worker.queue_depth, worker.queued_tokens) == (7, 2, 30)
+
+
+def test_prefill_server_that_cannot_be_connected_to_is_skipped():
+    class FirstPrefillDown(FakeWorkerClient):
+        async def prefill(self, worker, req):
+            if worker.name == "p0":
+                raise WorkerUnreachable(worker, "connection refused", never_connected=True)
+            return await super().prefill(worker, req)
+
+    workers = [Worker("p0", "prefill", "u"), Worker("p1", "prefill", "u"), Worker("d0", "decode", "u")]
+    fake = FirstPrefillDown(reply=[4, 5], delay=0.02)
+    registry, dispatcher = make(fake, workers)
+
+    async def run():
+        return await drain(await dispatcher.start("r4", [1, 2], SAMPLING))
+
+    assert asyncio.run(run()) == [[4], [5]]
+    assert [name for name, _ in fake.prefills] == ["p1"]
+    assert [w.name for w in registry.healthy("prefill")] == ["p1"]

@@ -1,0 +1,185 @@
+"""The router's own logic against a scripted WorkerClient (no servers)."""
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from router.app import create_app
+from router.model import ServedModel
+from router.settings import RouterSettings, WorkerSpec
+from tests.serving.fakes import FakeWorkerClient, make_byte_tokenizer
+
+WORKERS = (WorkerSpec("p0", "prefill", "http://p0"), WorkerSpec("d0", "decode", "http://d0"),
+           WorkerSpec("d1", "decode", "http://d1"))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_byte_tokenizer(tmp_path_factory.mktemp("bytetok"), max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    return ServedModel.load("tiny", str(model_dir))
+
+
+def make_client(model, fake, **overrides):
+    settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS,
+                              queue_timeout=0.1, **overrides)
+    return TestClient(create_app(settings, model=model, client=fake), raise_server_exceptions=False)
+
+
+def reply_ids(model, text):
+    return model.tokenizer(text)["input_ids"]
+
+
+def chat_body(**kw):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def sse_payloads(text):
+    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_chat_non_streamed_goes_decode_first_then_prefill(model):
+    fake = FakeWorkerClient(reply=reply_ids(model, "héllo"))
+    with make_client(model, fake) as c:
+        r = c.post("/v1/chat/completions", json=chat_body(temperature=0))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "héllo"}
+    assert body["choices"][0]["finish_reason"] == "stop"
+    prompt = model.encode_chat([{"role": "user", "content": "hi"}])
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6, "total_tokens": len(prompt) + 6}
+    (d_name, greq), = fake.opened
+    (p_name, preq), = fake.prefills
+    assert d_name == "d0" and p_name == "p0"
+    assert greq.prompt_token_ids == prompt and not greq.local_prefill
+    assert greq.sampling.temperature == 0 and greq.sampling.max_tokens == 64 - len(prompt)
+    assert preq.reservation.transfer_id == f"t-{greq.request_id}"
+    assert fake.aborts == []
+    assert r.headers["x-request-id"].startswith("req-")
+
+
+def test_chat_stream_has_role_chunk_content_finish_and_usage(model):
+    fake = FakeWorkerClient(reply=reply_ids(model, "ok€"))
+    with make_client(model, fake) as c:
+        r = c.post("/v1/chat/completions", json=chat_body(stream=True, stream_options={"include_usage": True}))
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("text/event-stream")
+    chunks = sse_payloads(r.text)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+    assert text == "ok€"
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert all(ch["usage"] is None for ch in chunks[:-1])
+
+
+def test_completion_stream_without_usage_option_has_no_usage_field(model):
+    fake = FakeWorkerClient(reply=reply_ids(model, "abc"), finish_reason="length")
+    with make_client(model, fake) as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "stream": True, "max_tokens": 3})
+    chunks = sse_payloads(r.text)
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == "abc"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in ch for ch in chunks)
+
+
+def test_stop_string_ends_the_request_and_aborts_it_on_both_servers(model):
+    fake = FakeWorkerClient(reply=reply_ids(model, "one, two, three"))
+    with make_client(model, fake) as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "count", "stop": [", t"]})
+    body = r.json()
+    assert body["choices"][0]["text"] == "one"
+    assert body["choices"][0]["finish_reason"] == "stop"
+    rid = fake.opened[0][1].request_id
+    assert sorted(fake.aborts) == [("d0", rid), ("p0", rid)]
+
+
+def test_short_prompt_is_prefilled_on_decode_below_threshold(model):
+    fake = FakeWorkerClient(reply=reply_ids(model, "a"))
+    with make_client(model, fake, local_prefill_threshold=10) as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "short"})
+        assert r.status_code == 200
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "a prompt longer than ten"})
+        assert r.status_code == 200
+    assert [req.local_prefill for _, req in fake.opened] == [True, False]
+    assert len(fake.prefills) == 1
+
+
+def test_full_decode_server_is_skipped_and_all_full_is_503_with_retry_after(model):
+    fake = FakeWorkerClient(reply=reply_ids(model, "a"), full={"d0"})
+    with make_client(model, fake) as c:
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 200
+        assert fake.opened[0][0] == "d1"
+        fake.full.add("d1")
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+    assert r.status_code == 503
+    assert r.headers["retry-after"] == "2"
+    assert r.json()["error"]["type"] == "service_unavailable"
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        (chat_body(n=2), 400, "n"),
+        (chat_body(logprobs=True), 400, "logprobs"),
+        (chat_body(messages=[]), 400, "messages"),
+        (chat_body(max_tokens=10**6), 400, "max_tokens"),
+        (chat_body(max_tokens=0), 400, "max_tokens"),
+        (chat_body(temperature="hot"), 400, "temperature"),
+        (chat_body(model="gpt-9"), 404, "model"),
+        (chat_body(messages=[{"role": "user", "content": "x" * 100}]), 400, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}]}, 400, "model"),
+        (chat_body(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages.0.role"),
+    ],
+)
+def test_bad_chat_requests_get_openai_shaped_errors(model, body, status, param):
+    fake = FakeWorkerClient(reply=[1])
+    with make_client(model, fake) as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["param"] == param
+    assert err["message"] and err["type"]
+    assert fake.opened == []
+
+
+def test_bad_completion_requests_get_400(model):
+    fake = FakeWorkerClient(reply=[1])
+    with make_client(model, fake) as c:
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True}).status_code == 400
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 2}).status_code == 400
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": ""}).status_code == 400
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": [99999]}).status_code == 400
+        r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    assert fake.opened == []
+
+
+def test_models_lists_the_folder_as_root_and_unknown_route_is_404(model):
+    with make_client(model, FakeWorkerClient(reply=[1])) as c:
+        data = c.get("/v1/models").json()["data"]
+        assert [(m["id"], m["root"], m["max_model_len"]) for m in data] == [("tiny", model.root, 64)]
+        r = c.get("/v1/nothing")
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_api_key_is_required_when_configured(model):
+    with make_client(model, FakeWorkerClient(reply=[1]), api_keys=("sekret",)) as c:
+        assert c.get("/v1/models").status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer nope"}).status_code == 401
+        assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+def test_metrics_count_requests(model):
+    with make_client(model, FakeWorkerClient(reply=reply_ids(model, "hi"))) as c:
+        c.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+        text = c.get("/metrics").text
+    assert 'pdserve_router_requests_total{endpoint="completions",status="200"} 1.0' in text
+    assert 'pdserve_router_worker_healthy{role="decode",worker="d0"} 1.0' in text

@@ -1,0 +1,174 @@
+"""KVSender -> KVReceiver in one process: conversions, TP, and everything a
+receiver must refuse."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tests.transfer.conftest import nixl_available
+from tests.transfer.helpers import make_receiver, make_sender, meet, push_all, wait_events
+from tests.transfer.oracle import expected_after_copy
+from transfer.copy import region_bytes
+from transfer.inproc import InprocBackend, InprocHub
+from transfer.layout import IncompatiblePeer, KVLayout
+from transfer.messages import Done, encode
+
+KINDS = ["inproc", "zmq", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(),
+                                                                        reason="nixl not installed"))]
+
+
+def layout(bs=16, blocks=16, dtype="float32", **kw) -> KVLayout:
+    return KVLayout.for_engine_cache(num_layers=3, num_blocks=blocks, block_size=bs, num_kv_heads=kw.pop(
+        "heads", 4), head_dim=8, dtype=dtype, **kw)
+
+
+def expected(sender, src_layout, src_blocks, end, receiver_layout, dst_blocks, base=None):
+    """The receiver cache we must see: the sender's cache converted, copied
+    over ``base`` (zeros by default)."""
+    staging = sender._cache.to(getattr(torch, receiver_layout.dtype))
+    if base is None:
+        base = np.zeros(receiver_layout.total_bytes, dtype=np.uint8)
+    return expected_after_copy(region_bytes(staging).numpy(), src_layout.replace(dtype=receiver_layout.dtype),
+                               src_blocks, 0, end, base, receiver_layout, dst_blocks)
+
+
+@pytest.fixture
+def hub():
+    return InprocHub()
+
+
+@pytest.fixture
+def closing():
+    sides = []
+    yield lambda side: sides.append(side) or side
+    for side in sides:
+        side.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_prefill_arrives_converted_exactly(kind, hub, closing):
+    src, dst = layout(16, dtype="bfloat16"), layout(32, blocks=8).replace(order="HND")
+    sender = closing(make_sender(kind, hub, "P", src, checksum="all"))
+    receiver = closing(make_receiver(kind, hub, "D", dst))
+    peer = meet(sender, receiver)
+    tid = receiver.expect([6, 2], lease_s=10)
+    sender.begin(tid, peer, [6, 2], lease_s=10)
+    push_all(sender, tid, src, [3, 0, 9], 0, 20, finish=False)      # chunk 1
+    push_all(sender, tid, src, [3, 0, 9], 20, 41, first_token=99)   # chunk 2
+    got = wait_events(receiver)
+    assert [(c.transfer_id, c.first_token) for c in got.completed] == [(tid, 99)], got
+    assert [c.transfer_id for c in wait_events(sender).completed] == [tid]
+    np.testing.assert_array_equal(region_bytes(receiver._cache).numpy(),
+                                  expected(sender, src, [3, 0, 9], 41, dst, [6, 2]))
+
+
+def test_two_tp_prefill_ranks_fill_one_decode_rank(hub, closing):
+    ranks = [layout(16, heads=2, tp_rank=r, tp_size=2) for r in (0, 1)]
+    dst = layout(64, blocks=4)
+    receiver = closing(make_receiver("inproc", hub, "D", dst))
+    senders = [closing(make_sender("inproc", hub, f"P{r}", ranks[r])) for r in (0, 1)]
+    peers = [meet(s, receiver) for s in senders]
+    tid = receiver.expect([1], lease_s=10, num_senders=2)
+    senders[0].begin(tid, peers[0], [1], 10)
+    push_all(senders[0], tid, ranks[0], [4, 5], 0, 30, first_token=5)
+    assert wait_events(receiver, timeout_s=0.3).completed == []  # one rank is not enough
+    senders[1].begin(tid, peers[1], [1], 10)
+    push_all(senders[1], tid, ranks[1], [7, 2], 0, 30, first_token=5)
+    assert [c.transfer_id for c in wait_events(receiver).completed] == [tid]
+    want = expected(senders[0], ranks[0], [4, 5], 30, dst, [1])
+    want = expected(senders[1], ranks[1], [7, 2], 30, dst, [1], base=want)
+    np.testing.assert_array_equal(region_bytes(receiver._cache).numpy(), want)
+
+
+def test_one_prefill_rank_splits_heads_over_two_decode_ranks(hub, closing):
+    src = layout(16)
+    dsts = [layout(16, blocks=6, heads=2, tp_rank=r, tp_size=2) for r in (0, 1)]
+    sender = closing(make_sender("inproc", hub, "P", src))
+    receivers = [closing(make_receiver("inproc", hub, f"D{r}", dsts[r])) for r in (0, 1)]
+    for r in (0, 1):
+        peer = meet(sender, receivers[r])
+        tid = receivers[r].expect([5 - r], lease_s=10)
+        sender.begin(tid, peer, [5 - r], 10)
+        push_all(sender, tid, src, [2], 0, 16)
+        assert [c.transfer_id for c in wait_events(receivers[r]).completed] == [tid]
+        np.testing.assert_array_equal(region_bytes(receivers[r]._cache).numpy(),
+                                      expected(sender, src, [2], 16, dsts[r], [5 - r]))
+
+
+def test_transfer_id_the_receiver_never_issued_is_dropped_and_counted(hub, closing):
+    src = layout()
+    sender, receiver = closing(make_sender("inproc", hub, "P", src)), closing(make_receiver("inproc", hub, "D", src))
+    peer = meet(sender, receiver)
+    sender.begin("D-forged", peer, [0], 10)
+    push_all(sender, "D-forged", src, [1], 0, 16)
+    failed = wait_events(sender).failed
+    assert [(f.transfer_id, f.reason) for f in failed] == [("D-forged", "unknown or expired transfer id")]
+    assert receiver.counters()["dropped_unknown"] == 3 + 1  # three layers and the Done notice
+    assert not region_bytes(receiver._cache).numpy().any()
+
+
+def test_transfer_arriving_after_its_lease_expired_is_dropped(hub, closing):
+    src = layout()
+    sender, receiver = closing(make_sender("inproc", hub, "P", src)), closing(make_receiver("inproc", hub, "D", src))
+    peer = meet(sender, receiver)
+    tid = receiver.expect([0], lease_s=0.05)
+    assert [f.reason for f in wait_events(receiver).failed] == ["lease expired before the KV arrived"]
+    sender.begin(tid, peer, [0], 10)
+    push_all(sender, tid, src, [1], 0, 16)
+    assert wait_events(sender).failed  # refused (cancelled or unknown id), never applied
+    assert receiver.counters()["dropped_unknown"] == 0
+    assert not region_bytes(receiver._cache).numpy().any()
+
+
+def rogue_pair(hub, closing, dst):
+    """A receiver and a bare backend that breaks the protocol at will."""
+    receiver = closing(make_receiver("inproc", hub, "D", dst))
+    rogue = InprocBackend("rogue", hub)
+    rogue.register("kv", torch.ones(dst.shape))
+    receiver.accept(make_sender("inproc", InprocHub(), "rogue", dst).hello())
+    rogue.connect("D", receiver.backend.metadata())
+    return receiver, rogue
+
+
+def test_checksum_mismatch_is_refused(hub, closing):
+    dst = layout()
+    receiver, rogue = rogue_pair(hub, closing, dst)
+    tid = receiver.expect([2], lease_s=10)
+    off = np.array([dst.chunk_offsets(0, 2)]), np.array([dst.block_bytes])
+    rogue.write("D", tid, 0, "kv", off[0], off[0], off[1])
+    rogue.send_notice("D", encode(Done(tid, "rogue", 1, 0, 16, (0, 1, 2, 3), 12345, "all")))
+    (failed,) = wait_events(receiver).failed
+    assert failed.transfer_id == tid and failed.reason.startswith("checksum mismatch")
+    assert receiver.counters()["checksum_failures"] == 1
+
+
+def test_write_outside_the_reserved_blocks_fails_the_transfer_and_is_not_applied(hub, closing):
+    dst = layout()
+    receiver, rogue = rogue_pair(hub, closing, dst)
+    tid = receiver.expect([2], lease_s=10)
+    rogue.write("D", tid, 0, "kv", np.array([0]), np.array([dst.chunk_offsets(0, 3)]),
+                np.array([dst.block_bytes]))
+    (failed,) = wait_events(receiver).failed
+    assert failed.reason == "'rogue' wrote outside the reserved blocks"
+    assert not region_bytes(receiver._cache).numpy().any()
+
+
+def test_cancel_reports_the_transfer_failed(hub, closing):
+    src = layout()
+    sender, receiver = closing(make_sender("inproc", hub, "P", src)), closing(make_receiver("inproc", hub, "D", src))
+    peer = meet(sender, receiver)
+    tid = receiver.expect([0], lease_s=10)
+    sender.begin(tid, peer, [0], 10)
+    receiver.cancel(tid, "client disconnected")
+    assert [f.reason for f in wait_events(receiver).failed] == ["client disconnected"]
+    (failed,) = wait_events(sender).failed  # the Cancel may overtake begin(): both are refusals
+    assert failed.transfer_id == tid and failed.reason.startswith("cancelled by the receiver")
+
+
+def test_incompatible_prefill_is_refused_with_both_values(hub, closing):
+    receiver = closing(make_receiver("inproc", hub, "D", layout()))
+    sender = closing(make_sender("inproc", hub, "P", layout().replace(num_layers=2)))
+    with pytest.raises(IncompatiblePeer, match="num_layers: decode has 3, prefill has 2"):
+        receiver.accept(sender.hello())

@@ -1,0 +1,130 @@
+"""The one small interface every byte mover implements.
+
+A backend is owned by exactly one thread (the sender's or receiver's transfer
+thread): NIXL agents are not safe to share between threads, so nothing here
+locks. Regions are registered once; peers are connected from the metadata
+bytes they publish (msgpack, never pickle).
+
+Two kinds of backend:
+
+* one-sided (NIXL): ``write`` puts bytes straight into the peer's registered
+  region; the receiver only ever sees notices (``poll`` returns NoticeIn).
+* message (ZeroMQ, in-process): ``write`` sends a header and one packed frame;
+  the receiver's ``poll`` returns WriteIn and the receiver decides, by
+  transfer id and reserved blocks, whether to ``apply`` it.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+BACKENDS = ("nixl", "zmq", "inproc")
+
+
+class TransferError(RuntimeError):
+    """A write or notice failed (peer gone, transport error)."""
+
+
+@dataclass
+class NoticeIn:
+    peer: str
+    payload: bytes
+
+
+@dataclass
+class WriteIn:
+    """A message-backend write, not yet applied. ``data`` is only valid until
+    the next ``poll`` (it may live in a reused staging buffer)."""
+
+    peer: str
+    transfer_id: str
+    layer: int
+    dst_offsets: np.ndarray
+    lengths: np.ndarray
+    data: Any
+
+
+@dataclass
+class PeerLost:
+    """The transport saw a peer go away (message backends only)."""
+
+    peer: str
+
+
+class Backend(abc.ABC):
+    kind: str = ""
+    one_sided: bool = False
+
+    @abc.abstractmethod
+    def register(self, region: str, tensor) -> None:
+        """Register a contiguous tensor under a name ("kv", "staging:bfloat16")."""
+
+    @abc.abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs to connect to us (includes registered regions)."""
+
+    @abc.abstractmethod
+    def connect(self, peer: str, metadata: bytes) -> None:
+        """(Re)connect to a peer from its metadata; a restarted peer with the
+        same name is connected afresh."""
+
+    def prepare(self, peer: str, region: str, chunk_bytes: int) -> None:
+        """Hint: writes from ``region`` to ``peer`` are mostly whole chunks of
+        ``chunk_bytes`` at multiples of it on both sides (NIXL prepares
+        descriptor lists; others ignore it)."""
+
+    @abc.abstractmethod
+    def write(self, peer: str, transfer_id: str, layer: int, region: str,
+              src_offsets: np.ndarray, dst_offsets: np.ndarray, lengths: np.ndarray) -> Any:
+        """Start writing ranges of a local region into the peer's "kv" region;
+        returns a handle for ``write_done``. Raises TransferError."""
+
+    @abc.abstractmethod
+    def write_done(self, handle: Any) -> bool:
+        """True once the write has landed (and the handle is released);
+        raises TransferError when it failed."""
+
+    @abc.abstractmethod
+    def send_notice(self, peer: str, payload: bytes) -> None:
+        """Send a small message, ordered after this side's completed writes."""
+
+    @abc.abstractmethod
+    def poll(self, timeout_s: float = 0.0) -> list[NoticeIn | WriteIn | PeerLost]:
+        """What arrived; may wait up to ``timeout_s`` when the transport can."""
+
+    def apply(self, write: WriteIn) -> None:
+        """Scatter an accepted WriteIn into the local "kv" region."""
+        raise NotImplementedError(f"{self.kind} backend writes one-sided")
+
+    @abc.abstractmethod
+    def disconnect(self, peer: str) -> None:
+        """Forget a peer (its agent, sockets, prepared lists)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release everything; the backend is unusable afterwards."""
+
+
+def make_backend(kind: str, name: str, **options) -> Backend:
+    """Build a backend by its config name. Options per kind:
+    nixl: ucx_tls, ucx_net_devices; zmq: endpoint (receiver bind address),
+    host; inproc: hub (an InprocHub shared by both sides)."""
+    if kind == "nixl":
+        try:
+            from transfer.nixl_backend import NixlBackend
+        except ImportError as exc:
+            raise TransferError(
+                f"transfer backend 'nixl' needs the nixl package ({exc}); install nixl==1.5.1 "
+                f"or set the transfer backend to 'zmq'") from exc
+        return NixlBackend(name, **options)
+    if kind == "zmq":
+        from transfer.zmq_backend import ZmqBackend
+        return ZmqBackend(name, **options)
+    if kind == "inproc":
+        from transfer.inproc import InprocBackend
+        return InprocBackend(name, **options)
+    raise ValueError(f"transfer backend {kind!r} is not one of {BACKENDS}")

@@ -1,0 +1,177 @@
+"""`pdserve bench transfer`: KV-shaped transfer bandwidth against memcpy.
+
+A receiver process (spawned here, talked to with raw bytes over a pipe: JSON,
+no pickle) reserves contiguous blocks; this process pushes every layer of a
+full cache through KVSender, as a prefill server would, and times from the
+first push to the receiver's Ack (its checksum verified). memcpy is a
+single-threaded ``copy_`` of the same bytes between two warm buffers, in the
+same run. Also reported: one-block latency (one 16-token block, all layers,
+push to Ack) and the posting overhead per layer (the engine thread's
+``push_layer`` call, and the transfer thread's plan + post of one layer).
+
+Wire into the CLI with ``add_arguments(parser)`` and ``run(args) -> int``;
+or ``python -m transfer.bench --backend nixl --json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+
+import torch
+
+from transfer.backend import make_backend
+from transfer.layout import KVLayout
+from transfer.receiver import KVReceiver
+from transfer.sender import KVSender
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--backend", choices=("nixl", "zmq"), default="nixl")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--layers", type=int, default=28)
+    parser.add_argument("--blocks", type=int, default=256, help="blocks moved per transfer")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--scatter", action="store_true",
+                        help="decode blocks in random order (no contiguous runs to merge)")
+    parser.add_argument("--endpoint", default="tcp://127.0.0.1:0", help="zmq receiver bind address")
+    parser.add_argument("--ucx-tls", default="auto",
+                        help="UCX_TLS for nixl: auto (cma,tcp without CUDA), a list, or '' for UCX's choice")
+    parser.add_argument("--ucx-net-devices", default="lo", help="UCX_NET_DEVICES for nixl (lo: one host)")
+
+
+def _layout(args) -> KVLayout:
+    return KVLayout.for_engine_cache(num_layers=args.layers, num_blocks=args.blocks, block_size=args.block_size,
+                                     num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+
+
+def _backend(args, name: str, role: str):
+    if args.backend == "zmq":
+        return make_backend("zmq", name, **({"endpoint": args.endpoint} if role == "recv" else {}))
+    return make_backend("nixl", name, ucx_tls=args.ucx_tls or None, ucx_net_devices=args.ucx_net_devices or None)
+
+
+def _receiver_main(conn, args_dict: dict) -> None:
+    """The decode side, in its own process: answers JSON requests on ``conn``."""
+    torch.set_num_threads(1)
+    args = argparse.Namespace(**args_dict)
+    layout = _layout(args)
+    cache = torch.ones(layout.shape, dtype=getattr(torch, layout.dtype))  # ones: pages touched
+    receiver = KVReceiver(_backend(args, "bench-decode", "recv"), cache, layout, name="bench-decode",
+                          model="bench")
+    conn.send_bytes(receiver.accept(conn.recv_bytes()))
+    while True:
+        cmd = json.loads(conn.recv_bytes())
+        if cmd["op"] == "quit":
+            receiver.close()
+            conn.send_bytes(b"{}")
+            return
+        tid = receiver.expect(cmd["blocks"], lease_s=60)
+        receiver.poll()
+        conn.send_bytes(json.dumps({"tid": tid}).encode())
+
+
+def _ask(conn, **cmd) -> dict:
+    conn.send_bytes(json.dumps(cmd).encode())
+    return json.loads(conn.recv_bytes())
+
+
+def _transfer(conn, sender: KVSender, peer: str, layout: KVLayout, num_blocks: int,
+              scatter: bool = False) -> tuple[float, float]:
+    """One transfer of ``num_blocks`` blocks: (seconds to Ack, seconds in push_layer calls)."""
+    blocks = list(range(num_blocks))
+    dst_blocks = torch.randperm(num_blocks).tolist() if scatter else blocks
+    tid = _ask(conn, op="expect", blocks=dst_blocks)["tid"]
+    sender.begin(tid, peer, dst_blocks, lease_s=60)
+    end = num_blocks * layout.block_size
+    t0 = time.perf_counter()
+    for layer in range(layout.num_layers):
+        sender.push_layer(tid, layer, blocks, 0, end)
+    pushed = time.perf_counter() - t0
+    sender.finish(tid, 0)
+    while True:
+        ev = sender.poll()
+        if ev.failed:
+            raise RuntimeError(f"bench transfer failed: {ev.failed[0].reason}")
+        if ev.completed:
+            return time.perf_counter() - t0, pushed
+        time.sleep(0.0002)
+
+
+def _memcpy_gbps(nbytes: int, iters: int) -> float:
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.zeros(nbytes, dtype=torch.uint8)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the transfer moves bytes on one thread too
+    try:
+        dst.copy_(src)
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return nbytes / min(times) / 1e9
+
+
+def run(args) -> int:
+    layout = _layout(args)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(child, vars(args)), daemon=True)
+    proc.start()
+    cache = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
+    sender = KVSender(_backend(args, "bench-prefill", "send"), cache, layout, name="bench-prefill", model="bench")
+    try:
+        parent.send_bytes(sender.hello())
+        peer = sender.connect(parent.recv_bytes())
+        _transfer(parent, sender, peer, layout, args.blocks)  # warm-up: connection, page faults
+        runs = [_transfer(parent, sender, peer, layout, args.blocks, args.scatter) for _ in range(args.iters)]
+        before = sender.stats()
+        small = [_transfer(parent, sender, peer, layout, 1)[0] for _ in range(max(args.iters, 5))]
+        after = sender.stats()
+        stats = {k: after[k] - before[k] for k in after}  # posting overhead: one-block writes
+        _ask(parent, op="quit")
+    finally:
+        sender.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    nbytes = layout.total_bytes
+    gbps = nbytes / min(t for t, _ in runs) / 1e9
+    memcpy = _memcpy_gbps(nbytes, args.iters)
+    result = {
+        "backend": args.backend, "bytes": nbytes, "gbps": round(gbps, 3), "memcpy_gbps": round(memcpy, 3),
+        "ratio": round(gbps / memcpy, 3),
+        "median_gbps": round(nbytes / statistics.median(t for t, _ in runs) / 1e9, 3),
+        "one_block_ms": round(statistics.median(small) * 1e3, 3),
+        "push_layer_us": round(statistics.median(p for _, p in runs) / layout.num_layers * 1e6, 2),
+        "post_layer_us": round(stats["post_s"] / max(stats["writes"], 1) * 1e6, 2),
+        "scatter": args.scatter,
+        "ucx_tls": args.ucx_tls if args.backend == "nixl" else None,
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>18}: {value}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench transfer", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

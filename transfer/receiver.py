@@ -1,0 +1,204 @@
+"""KVReceiver: the decode side. It issues transfer ids for reserved blocks,
+checks what arrives, and reports transfers that ended.
+
+    decode server                        transfer thread (owns the backend)
+    -------------                        ----------------------------------
+    tid = expect(block_ids, lease_s) ──▶ registry (id, blocks, deadline)
+                                         WriteIn: known id and reserved blocks?
+                                                  apply : drop and count
+                                         Done: checksum over our blocks? Ack
+    poll() ◀── completed(tid, first_token) / failed(tid, reason)
+
+Contract for the server: free a reservation's blocks only after ``poll``
+reported its id (completed, failed or cancelled). With NIXL the prefill side
+writes one-sided, so an expired or cancelled id is first announced to every
+connected sender (Cancel) and reported failed once they all answered that
+nothing of it is in flight (CancelAck), or after ``cancel_grace_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgspec
+import numpy as np
+import torch
+
+from transfer.backend import Backend, NoticeIn, PeerLost, TransferError, WriteIn
+from transfer.copy import region_bytes
+from transfer.integrity import Expected, TransferRegistry, checksum_positions, kv_checksum
+from transfer.layout import KVLayout, check_compatible
+from transfer.messages import Ack, Cancel, CancelAck, Done, Hello, decode, encode
+from transfer.plan import ranges_inside
+from transfer.session import TransferThread, cache_as_layout
+
+
+class KVReceiver(TransferThread):
+    """Accepts prefilled KV into blocks this decode server reserved."""
+
+    role = "decode"
+    busy_wait_s = 0.0005  # NIXL: how often notices are looked for while KV is expected
+
+    def __init__(self, backend: Backend, cache: torch.Tensor, layout: KVLayout, *, name: str,
+                 model: str, cancel_grace_s: float = 1.0) -> None:
+        self._layout, self._model = layout, model
+        self._cache = cache_as_layout(cache, layout)
+        self._region = region_bytes(self._cache)
+        self._grace = cancel_grace_s
+        self._lock = threading.Lock()  # the registry: expect() runs on the server's thread
+        self._registry = TransferRegistry(name)
+        self._senders: set[str] = set()
+        self._cancel_acks: dict[str, set[str]] = {}
+        backend.register("kv", self._cache)
+        super().__init__(backend, name)
+
+    # -- called from the server's threads ---------------------------------
+    def accept(self, sender_hello: bytes, timeout_s: float = 30.0) -> bytes:
+        """First meeting with a prefill server: check compatibility (raises
+        IncompatiblePeer naming both values), connect back for notices, and
+        return our hello for it to ``connect`` with."""
+        hello = msgspec.msgpack.decode(sender_hello, type=Hello)
+        check_compatible(self._model, self._layout, hello.model, hello.layout, "decode", hello.role)
+        if hello.backend != self.backend.kind:
+            raise ValueError(f"prefill uses transfer backend {hello.backend!r}, decode {self.backend.kind!r}")
+        done = threading.Event()
+        errors: list[BaseException] = []
+        self._submit(("accept", hello, done, errors))
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"accepting {hello.name!r} took over {timeout_s} s")
+        if errors:
+            raise errors[0]
+        return self.hello()
+
+    def expect(self, block_ids, lease_s: float, num_senders: int = 1) -> str:
+        """Issue a transfer id for ``block_ids`` (reserved by the engine),
+        valid for ``lease_s`` seconds; ``num_senders`` prefill ranks (TP) must
+        each send a verified Done before it completes."""
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self._layout.num_blocks):
+            raise ValueError(f"block ids outside [0, {self._layout.num_blocks}): {ids.tolist()}")
+        with self._lock:
+            return self._registry.issue(ids, lease_s, num_senders)
+
+    def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
+        """Stop waiting (client gone, request aborted); ``poll`` reports it
+        failed once no write can still land."""
+        self._submit(("cancel", transfer_id, reason))
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._registry.counters)
+
+    # -- transfer thread -------------------------------------------------
+    def _handle(self, cmd: tuple) -> None:
+        if cmd[0] == "accept":
+            _, hello, done, errors = cmd
+            try:
+                self.backend.connect(hello.name, hello.backend_meta)
+                self._senders.add(hello.name)
+            except Exception as exc:
+                errors.append(exc)
+            done.set()
+        elif cmd[0] == "cancel":
+            with self._lock:
+                entry = self._registry.peek(cmd[1])
+            if entry is not None and not entry.cancelling:
+                self._start_cancel(entry, cmd[2], time.monotonic())
+
+    def _progress(self, now: float) -> bool:
+        with self._lock:
+            overdue = self._registry.overdue(now)
+            cancelling = self._registry.cancelling()
+            active = bool(self._registry.active())
+        for entry in overdue:
+            self._start_cancel(entry, "lease expired before the KV arrived", now)
+        for entry in cancelling:
+            acks = self._cancel_acks.get(entry.transfer_id, set())
+            if self._senders <= acks or now >= entry.cancel_deadline:
+                self._end(entry, False, entry.cancelling)
+        return active
+
+    def _start_cancel(self, entry: Expected, reason: str, now: float) -> None:
+        entry.cancelling, entry.cancel_deadline = reason, now + self._grace
+        self._cancel_acks[entry.transfer_id] = set()
+        for peer in list(self._senders):
+            self._send_quietly(peer, Cancel(entry.transfer_id))
+        if not self.backend.one_sided:
+            self._end(entry, False, reason)  # we apply writes ourselves: none can land now
+
+    def _end(self, entry: Expected, ok: bool, reason: str, first_token: int | None = None) -> None:
+        with self._lock:
+            self._registry.end(entry.transfer_id, ok)
+        self._cancel_acks.pop(entry.transfer_id, None)
+        if ok:
+            self._events.complete(entry.transfer_id, first_token)
+        else:
+            self._events.fail(entry.transfer_id, reason)
+
+    def _on_incoming(self, item) -> None:
+        if isinstance(item, WriteIn):
+            self._on_write(item)
+        elif isinstance(item, PeerLost):
+            self._senders.discard(item.peer)
+        elif isinstance(item, NoticeIn):
+            try:
+                msg = decode(item.payload)
+            except msgspec.DecodeError:
+                return
+            if isinstance(msg, Done):
+                self._on_done(item.peer, msg)
+            elif isinstance(msg, CancelAck):
+                if msg.transfer_id in self._cancel_acks:
+                    self._cancel_acks[msg.transfer_id].add(item.peer)
+
+    def _on_write(self, write: WriteIn) -> None:
+        with self._lock:
+            entry = self._registry.get(write.transfer_id)
+        if entry is None or entry.cancelling:
+            return
+        if not ranges_inside(self._layout, entry.block_ids, write.dst_offsets, write.lengths):
+            self._bump("dropped_out_of_bounds")
+            self._end(entry, False, f"{write.peer!r} wrote outside the reserved blocks")
+            return
+        self.backend.apply(write)
+
+    def _on_done(self, peer: str, done: Done) -> None:
+        with self._lock:
+            entry = self._registry.get(done.transfer_id)
+        if entry is None or entry.cancelling:
+            self._send_quietly(peer, Ack(done.transfer_id, False, "unknown or expired transfer id"))
+            return
+        ok, reason = self._verify(entry, done)
+        self._send_quietly(peer, Ack(done.transfer_id, ok, reason))
+        if not ok:
+            self._bump("checksum_failures")
+            self._end(entry, False, reason)
+            return
+        entry.done[done.sender] = done
+        if len(entry.done) >= entry.num_senders:
+            self._end(entry, True, "", done.first_token)
+
+    def _verify(self, entry: Expected, done: Done) -> tuple[bool, str]:
+        capacity = len(entry.block_ids) * self._layout.block_size
+        if not 0 <= done.token_start <= done.token_end <= capacity:
+            return False, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots"
+        if not set(done.heads) <= set(self._layout.head_ids):
+            return False, f"heads {done.heads} are not held here"
+        pos = checksum_positions(done.transfer_id, self._layout.block_size, done.token_start,
+                                 done.token_end, done.checksum_mode)
+        got = kv_checksum(self._region, self._layout, entry.block_ids, pos, done.heads)
+        if got != done.checksum:
+            return False, f"checksum mismatch (sent {done.checksum:#x}, received {got:#x})"
+        return True, ""
+
+    def _bump(self, counter: str) -> None:
+        with self._lock:
+            counters = self._registry.counters
+            counters[counter] = counters.get(counter, 0) + 1
+
+    def _send_quietly(self, peer: str, msg) -> None:
+        try:
+            self.backend.send_notice(peer, encode(msg))
+        except TransferError:
+            pass  # a sender that is gone cannot be waiting for this

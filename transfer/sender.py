@@ -1,0 +1,270 @@
+"""KVSender: the prefill side. The engine thread queues work; one transfer
+thread owns the backend and moves it.
+
+    engine thread                       transfer thread (owns the backend)
+    -------------                       ----------------------------------
+    begin(tid, peer, dst_blocks, lease) ─┐
+    push_layer(tid, layer, blocks, s, e) ├─queue─▶ plan (cached per chunk),
+    finish(tid, first_token)            ─┘         convert dtype, post write,
+                                                   progress, wait writes, send
+    poll() ◀── done / failed ids ◀──────────────── Done notice, wait for Ack
+
+The prefill server calls ``release(request)`` on its engine for every id that
+``poll`` reports done or failed: the blocks are no longer read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import torch
+
+from transfer.backend import Backend, NoticeIn, PeerLost, TransferError
+from transfer.copy import region_bytes
+from transfer.integrity import CHECKSUM_MODES, checksum_positions, kv_checksum
+from transfer.layout import KVLayout, check_compatible
+from transfer.messages import Ack, Cancel, CancelAck, Done, Hello, decode, encode
+from transfer.plan import CopyPlan, make_plan, staging_layout
+from transfer.session import TransferThread, cache_as_layout, chunk_hint
+
+
+ACK_GRACE_S = 1.0  # past its lease, how long a sent Done may wait for the receiver's Ack
+
+
+@dataclass
+class _Out:
+    tid: str
+    peer: str
+    dst_ids: np.ndarray
+    deadline: float
+    plans: dict = field(default_factory=dict)
+    inflight: list = field(default_factory=list)
+    src_ids: np.ndarray | None = None
+    token_start: int = -1
+    token_end: int = 0
+    first_token: int | None = None
+    noticed: bool = False
+    failed: str = ""
+
+
+class KVSender(TransferThread):
+    """Pushes prefilled KV into decode servers' reserved blocks."""
+
+    role = "prefill"
+    wait_on_commands = True
+
+    def __init__(self, backend: Backend, cache: torch.Tensor, layout: KVLayout, *, name: str,
+                 model: str, checksum: str = "sampled") -> None:
+        if checksum not in CHECKSUM_MODES:
+            raise ValueError(f"checksum {checksum!r} is not one of {CHECKSUM_MODES}")
+        self._cache = cache_as_layout(cache, layout)
+        self._layout, self._model = layout, model
+        self._checksum = checksum
+        self._peers: dict[str, Hello] = {}
+        self._staging: dict[str, torch.Tensor] = {}  # dtype -> converted mirror of the cache
+        self._out: dict[str, _Out] = {}
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._stats = {"writes": 0, "ranges": 0, "bytes": 0, "post_s": 0.0}
+        backend.register("kv", self._cache)
+        super().__init__(backend, name)
+
+    # -- called from any thread ------------------------------------------
+    def connect(self, peer_hello: bytes, timeout_s: float = 30.0) -> str:
+        """Meet a decode server (its ``KVReceiver.accept`` answer); returns its
+        name. Raises IncompatiblePeer naming both values."""
+        hello = msgspec.msgpack.decode(peer_hello, type=Hello)
+        check_compatible(self._model, self._layout, hello.model, hello.layout, "prefill", hello.role)
+        if hello.backend != self.backend.kind:
+            raise ValueError(f"decode uses transfer backend {hello.backend!r}, prefill {self.backend.kind!r}")
+        fut: Future = Future()
+        self._submit(("connect", hello, fut))
+        fut.result(timeout_s)
+        return hello.name
+
+    def begin(self, transfer_id: str, peer: str, dst_block_ids, lease_s: float) -> None:
+        """Start a transfer into ``peer``'s reserved ``dst_block_ids``; writes
+        stop when ``lease_s`` runs out."""
+        self._submit(("begin", transfer_id, peer, np.asarray(dst_block_ids, dtype=np.int64),
+                      time.monotonic() + lease_s))
+
+    def push_layer(self, transfer_id: str, layer: int, src_block_ids, start: int, end: int) -> None:
+        """Queue layer ``layer`` of tokens [start, end) (already in the cache)."""
+        event = None
+        if self._cache.is_cuda:  # the write must not start before the layer's kernels finish
+            event = torch.cuda.Event()
+            event.record()
+        self._submit(("push", transfer_id, layer, np.asarray(src_block_ids, dtype=np.int64),
+                      start, end, event))
+
+    def finish(self, transfer_id: str, first_token: int) -> None:
+        """All layers are pushed: send the Done notice once they landed."""
+        self._submit(("finish", transfer_id, int(first_token)))
+
+    def abort(self, transfer_id: str) -> None:
+        """Drop a transfer (request aborted): nothing more is written."""
+        self._submit(("abort", transfer_id))
+
+    def stats(self) -> dict:
+        """Layer writes posted, their ranges and bytes, and the transfer
+        thread's seconds spent planning, converting and posting them."""
+        return dict(self._stats)
+
+    # -- transfer thread -------------------------------------------------
+    def _handle(self, cmd: tuple) -> None:
+        kind = cmd[0]
+        if kind == "connect":
+            self._connect(cmd[1], cmd[2])
+        elif kind == "begin":
+            _, tid, peer, dst_ids, deadline = cmd
+            if tid in self._cancelled:
+                self._events.fail(tid, "cancelled by the receiver before it started")
+            elif peer not in self._peers:
+                self._events.fail(tid, f"not connected to {peer!r}")
+            else:
+                self._out[tid] = _Out(tid, peer, dst_ids, deadline)
+        elif kind == "push":
+            self._push(*cmd[1:])
+        elif kind == "finish":
+            out = self._out.get(cmd[1])
+            if out is not None:
+                out.first_token = cmd[2]
+        elif kind == "abort":
+            out = self._out.get(cmd[1])
+            if out is not None and not out.failed:
+                out.failed = "aborted"
+
+    def _connect(self, hello: Hello, fut: Future) -> None:
+        try:
+            self.backend.connect(hello.name, hello.backend_meta)
+            region = "kv"
+            if hello.layout.dtype != self._layout.dtype:
+                region = f"staging:{hello.layout.dtype}"
+                if hello.layout.dtype not in self._staging:
+                    mirror = torch.empty_like(self._cache, dtype=getattr(torch, hello.layout.dtype))
+                    self._staging[hello.layout.dtype] = mirror
+                    self.backend.register(region, mirror)
+            src = staging_layout(self._layout, hello.layout.dtype)
+            self.backend.prepare(hello.name, region, chunk_hint(src, hello.layout))
+            self._peers[hello.name] = hello
+            fut.set_result(hello.name)
+        except Exception as exc:
+            fut.set_exception(exc)
+
+    def _push(self, tid, layer, src_ids, start, end, event) -> None:
+        out = self._out.get(tid)
+        if out is None or out.failed or start >= end:
+            return
+        t0 = time.perf_counter()
+        dst = self._peers[out.peer].layout
+        key = (start, end, src_ids.tobytes())
+        plan: CopyPlan | None = out.plans.get(key)
+        try:
+            if plan is None:
+                plan = make_plan(staging_layout(self._layout, dst.dtype), src_ids, start, end,
+                                 dst, out.dst_ids)
+                out.plans[key] = plan
+            if event is not None:
+                event.synchronize()
+            region = "kv"
+            if dst.dtype != self._layout.dtype:
+                region = f"staging:{dst.dtype}"
+                used = src_ids[start // self._layout.block_size:(end - 1) // self._layout.block_size + 1]
+                self._convert(dst.dtype, layer, torch.from_numpy(used))
+            if plan.num_ranges:
+                out.inflight.append(self.backend.write(out.peer, tid, layer, region, *plan.layer(layer)))
+        except (TransferError, ValueError) as exc:
+            out.failed = str(exc)
+            return
+        self._stats["writes"] += 1
+        self._stats["ranges"] += plan.num_ranges
+        self._stats["bytes"] += plan.layer_nbytes
+        self._stats["post_s"] += time.perf_counter() - t0
+        out.src_ids = src_ids if out.src_ids is None or len(src_ids) >= len(out.src_ids) else out.src_ids
+        out.token_start = start if out.token_start < 0 else min(out.token_start, start)
+        out.token_end = max(out.token_end, end)
+
+    def _convert(self, dtype: str, layer: int, blocks: torch.Tensor) -> None:
+        src, dst = self._cache[layer], self._staging[dtype][layer]
+        dim = 0 if self._layout.kv_fused else 1  # the block axis inside a layer
+        dst.index_copy_(dim, blocks.to(src.device), src.index_select(dim, blocks.to(src.device)).to(dst.dtype))
+
+    def _progress(self, now: float) -> bool:
+        busy = False
+        for out in list(self._out.values()):
+            try:
+                out.inflight = [h for h in out.inflight if not self.backend.write_done(h)]
+            except TransferError as exc:
+                out.failed, out.inflight = str(exc), []
+            if not out.failed and now > out.deadline + (ACK_GRACE_S if out.noticed else 0.0):
+                out.failed = ("no answer to the Done notice" if out.noticed
+                              else "lease expired before the transfer finished")
+            if out.failed and not out.inflight:
+                self._end(out, False, out.failed)
+                continue
+            if out.first_token is not None and not out.inflight and not out.noticed:
+                self._send_done(out)
+            busy = busy or bool(out.inflight) or out.noticed
+        return busy
+
+    def _send_done(self, out: _Out) -> None:
+        dst = self._peers[out.peer].layout
+        start = max(out.token_start, 0)
+        pos = checksum_positions(out.tid, dst.block_size, start, out.token_end, self._checksum)
+        heads = tuple(h for h in self._layout.head_ids if h in set(dst.head_ids))
+        src = staging_layout(self._layout, dst.dtype)
+        region = region_bytes(self._staging.get(dst.dtype, self._cache))
+        checksum = kv_checksum(region, src, out.src_ids if out.src_ids is not None else [], pos, heads)
+        done = Done(out.tid, self.name, out.first_token, start, out.token_end, heads, checksum,
+                    self._checksum)
+        try:
+            self.backend.send_notice(out.peer, encode(done))
+            out.noticed = True
+        except TransferError as exc:
+            out.failed = str(exc)
+
+    def _on_incoming(self, item) -> None:
+        if isinstance(item, PeerLost):
+            for out in self._out.values():
+                if out.peer == item.peer and not out.failed:
+                    out.failed = f"decode peer {item.peer!r} is gone"
+            return
+        if not isinstance(item, NoticeIn):
+            return
+        try:
+            msg = decode(item.payload)
+        except msgspec.DecodeError:
+            return
+        if isinstance(msg, Ack):
+            out = self._out.get(msg.transfer_id)
+            if out is not None and out.noticed:
+                self._end(out, msg.ok, msg.reason or "refused by the receiver")
+        elif isinstance(msg, Cancel):
+            self._cancelled[msg.transfer_id] = None
+            while len(self._cancelled) > 4096:
+                self._cancelled.popitem(last=False)
+            out = self._out.get(msg.transfer_id)
+            if out is not None:  # answered by _end, once nothing of it is in flight
+                out.failed = out.failed or "cancelled by the receiver"
+            else:
+                self._send_quietly(item.peer, CancelAck(msg.transfer_id, self.name))
+
+    def _end(self, out: _Out, ok: bool, reason: str) -> None:
+        del self._out[out.tid]
+        if out.tid in self._cancelled:
+            self._send_quietly(out.peer, CancelAck(out.tid, self.name))
+        if ok:
+            self._events.complete(out.tid)
+        else:
+            self._events.fail(out.tid, reason)
+
+    def _send_quietly(self, peer: str, msg) -> None:
+        try:
+            self.backend.send_notice(peer, encode(msg))
+        except TransferError:
+            pass  # that peer is gone; it cannot be waiting for us
+

@@ -1,0 +1,225 @@
+"""ZeroMQ backend: for machines without NIXL.
+
+Sockets (every endpoint comes from config)::
+
+    sender  DEALER(identity=sender name) --connect--> ROUTER(bind endpoint)  receiver
+            frames: [WriteHeader][dst offsets int64][lengths int64][payload]
+                    [Done]                  acks and cancels come back on the
+                                            same connection, ROUTER -> identity
+
+The sender gathers one layer's ranges into one packed frame (a view of the
+cache, no copy, when the plan is a single range) and sends it with
+``copy=False``. The receiver ``recv_into``s the payload into a preallocated
+staging buffer and the receiver scatters it into the cache with numpy fancy
+indexing, after checking the transfer id and the reserved blocks.
+
+Sends never block the transfer thread: with ``IMMEDIATE`` a frame is only
+queued on a live connection, otherwise it waits in an ordered outbox until
+``connect_timeout_s``; a monitor socket reports a dropped connection.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import msgspec
+import numpy as np
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from transfer.backend import Backend, NoticeIn, PeerLost, TransferError, WriteIn
+from transfer.copy import gather, region_bytes, scatter
+from transfer.messages import WriteHeader, decode, encode
+
+
+class _Peer:
+    def __init__(self, sock, monitor) -> None:
+        self.sock = sock
+        self.monitor = monitor
+        self.outbox: deque[tuple[list, float]] = deque()  # (frames, give-up time)
+        self.failed = ""
+
+
+class ZmqBackend(Backend):
+    kind = "zmq"
+    one_sided = False
+
+    def __init__(self, name: str, endpoint: str | None = None, connect_timeout_s: float = 5.0) -> None:
+        """``endpoint``: where a receiver binds its ROUTER (``tcp://127.0.0.1:5601``;
+        port 0 picks a free one, see ``endpoint``). Senders need none."""
+        self.name = name
+        self._ctx = zmq.Context(io_threads=1)
+        self._timeout = connect_timeout_s
+        self._regions: dict[str, object] = {}
+        self._peers: dict[str, _Peer] = {}
+        self._poller = zmq.Poller()
+        self._staging = np.empty(0, dtype=np.uint8)
+        self.endpoint = None
+        self._router = None
+        if endpoint:
+            self._router = self._ctx.socket(zmq.ROUTER)
+            self._router.setsockopt(zmq.LINGER, 0)
+            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown identity -> error, not silence
+            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted sender takes over its name
+            self._router.setsockopt(zmq.RCVHWM, 0)
+            host, _, port = endpoint.rpartition(":")
+            if port == "0":
+                self._router.bind_to_random_port(host)
+            else:
+                self._router.bind(endpoint)
+            self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self._poller.register(self._router, zmq.POLLIN)
+
+    def register(self, region: str, tensor) -> None:
+        if tensor.is_cuda:
+            raise NotImplementedError("the zmq transfer backend moves CPU caches only; use nixl for CUDA")
+        self._regions[region] = region_bytes(tensor)
+
+    def metadata(self) -> bytes:
+        return msgspec.msgpack.encode({"name": self.name, "endpoint": self.endpoint})
+
+    def connect(self, peer: str, metadata: bytes) -> None:
+        meta = msgspec.msgpack.decode(metadata)
+        if meta["name"] != peer:
+            raise ValueError(f"metadata is for {meta['name']!r}, not {peer!r}")
+        self.disconnect(peer)
+        if not meta["endpoint"]:
+            return  # a sender: we answer it through our ROUTER by identity
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, 64)
+        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        sock.connect(meta["endpoint"])
+        self._peers[peer] = _Peer(sock, monitor)
+        self._poller.register(sock, zmq.POLLIN)
+        self._poller.register(monitor, zmq.POLLIN)
+
+    def _enqueue(self, peer: str, frames: list) -> None:
+        state = self._peers.get(peer)
+        if state is None:
+            raise TransferError(f"not connected to {peer!r}")
+        if state.failed:
+            raise TransferError(state.failed)
+        state.outbox.append((frames, time.monotonic() + self._timeout))
+        self._flush(state)
+
+    def _flush(self, state: _Peer) -> None:
+        while state.outbox and not state.failed:
+            frames, give_up = state.outbox[0]
+            try:
+                state.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if time.monotonic() > give_up:
+                    state.failed = f"peer unreachable for {self._timeout:.1f} s"
+                return
+            state.outbox.popleft()
+
+    def write(self, peer, transfer_id, layer, region, src_offsets, dst_offsets, lengths):
+        src_offsets = np.ascontiguousarray(src_offsets, dtype=np.int64)
+        lengths = np.ascontiguousarray(lengths, dtype=np.int64)
+        data = gather(self._regions[region], src_offsets, lengths) if len(lengths) != 1 else \
+            self._regions[region].numpy()[src_offsets[0]:src_offsets[0] + lengths[0]]
+        header = encode(WriteHeader(transfer_id, layer, len(lengths), int(lengths.sum())))
+        frames = [header, np.ascontiguousarray(dst_offsets, dtype=np.int64).tobytes(),
+                  lengths.tobytes(), data]
+        self._enqueue(peer, frames)
+        return self._peers[peer]
+
+    def write_done(self, handle: _Peer) -> bool:
+        self._flush(handle)
+        if handle.failed:
+            raise TransferError(handle.failed)
+        return not handle.outbox
+
+    def send_notice(self, peer: str, payload: bytes) -> None:
+        if peer in self._peers:
+            self._enqueue(peer, [payload])
+            return
+        if self._router is None:
+            raise TransferError(f"not connected to {peer!r}")
+        try:
+            self._router.send_multipart([peer.encode(), payload], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: that sender is gone
+            raise TransferError(f"cannot reach {peer!r}: {exc}") from exc
+
+    def poll(self, timeout_s: float = 0.0):
+        out: list = []
+        for state in self._peers.values():
+            self._flush(state)
+        ready = dict(self._poller.poll(timeout_s * 1000.0))
+        for peer, state in list(self._peers.items()):
+            if state.monitor in ready:
+                recv_monitor_message(state.monitor)
+                state.failed = state.failed or f"connection to {peer!r} dropped"
+                out.append(PeerLost(peer))
+            while state.sock in ready and state.sock.poll(0):
+                out.append(NoticeIn(peer, state.sock.recv()))
+                self._discard_rest(state.sock)
+        if self._router in ready:
+            out.extend(self._recv_router())
+        return out
+
+    def _recv_router(self) -> list:
+        """Notices until the first write (its payload lives in the staging buffer)."""
+        out: list = []
+        while self._router.poll(0):
+            peer = self._router.recv().decode(errors="replace")
+            head = self._router.recv()
+            if not self._router.getsockopt(zmq.RCVMORE):
+                out.append(NoticeIn(peer, head))
+                continue
+            write = self._recv_write(peer, head)
+            if write is not None:
+                out.append(write)
+                return out
+        return out
+
+    def _recv_write(self, peer: str, head: bytes) -> WriteIn | None:
+        try:
+            msg = decode(head)
+            offsets = np.frombuffer(self._router.recv(), dtype=np.int64)
+            lengths = np.frombuffer(self._router.recv(), dtype=np.int64)
+        except (msgspec.DecodeError, ValueError):
+            self._discard_rest(self._router)
+            return None
+        if (not isinstance(msg, WriteHeader) or len(offsets) != msg.num_ranges
+                or len(lengths) != msg.num_ranges or int(lengths.sum()) != msg.nbytes
+                or not self._router.getsockopt(zmq.RCVMORE)):
+            self._discard_rest(self._router)
+            return None
+        if len(self._staging) < msg.nbytes:
+            self._staging = np.empty(msg.nbytes, dtype=np.uint8)
+        got = self._router.recv_into(self._staging[:msg.nbytes]) if msg.nbytes else \
+            len(self._router.recv())
+        self._discard_rest(self._router)
+        if got != msg.nbytes:
+            return None
+        return WriteIn(peer, msg.transfer_id, msg.layer, offsets, lengths, self._staging[:msg.nbytes])
+
+    @staticmethod
+    def _discard_rest(sock) -> None:
+        while sock.getsockopt(zmq.RCVMORE):
+            sock.recv()
+
+    def apply(self, write: WriteIn) -> None:
+        scatter(self._regions["kv"], write.dst_offsets, write.lengths, write.data)
+
+    def disconnect(self, peer: str) -> None:
+        state = self._peers.pop(peer, None)
+        if state is None:
+            return
+        for sock in (state.sock, state.monitor):
+            self._poller.unregister(sock)
+        state.sock.disable_monitor()
+        state.monitor.close(linger=0)
+        state.sock.close(linger=0)
+
+    def close(self) -> None:
+        for peer in list(self._peers):
+            self.disconnect(peer)
+        if self._router is not None:
+            self._router.close(linger=0)
+        self._ctx.term()
