@@ -85,7 +85,8 @@ def calibrate(layout: Layout, records: list[RequestRecord]) -> tuple[Layout, dic
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", metavar="DIR", help="model folder (default: build the ~90M benchmark model)")
+    p.add_argument("--model", metavar="DIR",
+                   help="model folder (default: build the ~90M benchmark model, answering in text)")
     p.add_argument("--layout", default="1p1d", help="the disaggregated layout, xPyD (default 1p1d)")
     p.add_argument("--cpus", metavar="LIST", help="cores for both sides, e.g. 0,1 (default: all allowed)")
     p.add_argument("--scenarios", metavar="LIST", help="prefill-heavy,short,idle-2k (default: all)")
@@ -101,13 +102,39 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def benchmark_model(cache: Path) -> str:
-    """The lead's ~90M benchmark model (bench.engine_bench.BENCH_SPEC), built once."""
+    """The lead's ~90M benchmark model (engine_bench.BENCH_SPEC), made to answer in text.
+
+    BENCH_SPEC has a 16384-id vocabulary but its tokenizer knows ~620 tokens,
+    so greedy decoding mostly picks ids with no text and the router streams
+    nothing to time. Zeroing the (tied) embedding rows past the tokenizer
+    makes those logits exactly 0, below the largest real one: same shapes,
+    same compute per step, answers that decode to text.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
     from bench.engine_bench import BENCH_SPEC
     from engine.make_model import make_tiny
 
-    folder = cache / "bench90m"
-    if not (folder / "pdserve_model.json").is_file():
-        make_tiny(folder, BENCH_SPEC)
+    folder = cache / "bench90m-text"
+    if (folder / "bench_text_model.json").is_file():
+        return str(folder)
+    tmp = cache / "bench90m-text.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_tiny(tmp, BENCH_SPEC)
+    known = len(AutoTokenizer.from_pretrained(str(tmp), local_files_only=True))
+    weights = load_file(str(tmp / "model.safetensors"))
+    table = weights["model.embed_tokens.weight"]
+    with torch.no_grad():
+        table[known:] = 0
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "bench_text_model.json").write_text(json.dumps({"spec": "engine_bench.BENCH_SPEC",
+                                                           "zeroed_embedding_rows_from": known}) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
     return str(folder)
 
 

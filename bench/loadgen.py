@@ -96,14 +96,20 @@ class LoadResult:
     duration_s: float
 
 
-def _chunk_text(obj: dict, chat: bool) -> str | None:
+def _is_token_event(obj: dict, chat: bool) -> bool:
+    """Whether an SSE chunk carries generated output (its arrival is timed).
+
+    As vLLM's benchmark: any completions chunk with a choice counts, even with
+    empty text (a token whose bytes are not a whole character yet); for chat,
+    a delta with content, but not the opening role-only delta.
+    """
     choices = obj.get("choices") or []
     if not choices:
-        return None
-    choice = choices[0]
-    if chat:
-        return (choice.get("delta") or {}).get("content")
-    return choice.get("text")
+        return False
+    if not chat:
+        return "text" in choices[0]
+    delta = choices[0].get("delta") or {}
+    return delta.get("content") is not None and not (delta.get("role") and not delta.get("content"))
 
 
 async def send_request(
@@ -135,7 +141,7 @@ async def send_request(
                     if obj.get("usage"):
                         rec.output_tokens = int(obj["usage"].get("completion_tokens") or 0)
                         rec.server_prompt_tokens = obj["usage"].get("prompt_tokens")
-                    if _chunk_text(obj, chat):
+                    if _is_token_event(obj, chat):
                         rec.token_times.append(now)
                         events += 1
                     choices = obj.get("choices") or []

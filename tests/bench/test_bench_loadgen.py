@@ -22,6 +22,8 @@ def fake_server(token_delay=0.002, seen=None):
         chat = "messages" in body
 
         async def stream():
+            if chat:
+                yield f"data: {json.dumps({'choices': [{'delta': {'role': 'assistant', 'content': ''}}]})}\n\n".encode()
             for i in range(body["max_tokens"]):
                 await asyncio.sleep(token_delay)
                 if prompt == "broken" and i == 1:
@@ -30,7 +32,8 @@ def fake_server(token_delay=0.002, seen=None):
                     yield b"data: {not json\n\n"
                     return
                 last = i == body["max_tokens"] - 1
-                choice = ({"delta": {"content": f" w{i}"}} if chat else {"text": f" w{i}"})
+                text = "" if prompt == "partial" and i == 1 else f" w{i}"  # half a character
+                choice = ({"delta": {"content": text}} if chat else {"text": text})
                 choice["finish_reason"] = "length" if last else None
                 yield f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
             usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}
@@ -83,6 +86,13 @@ def test_chat_endpoint_sends_messages_and_reads_deltas():
     result = run(cfg(endpoint=CHAT, concurrency=1, num_requests=2), fake_server(seen=seen))
     assert seen[0]["messages"] == [{"role": "user", "content": "hello"}]
     assert all(r.ok and len(r.token_times) == 4 for r in result.records)
+
+
+def test_a_token_with_empty_text_is_still_timed_but_the_chat_role_chunk_is_not():
+    for endpoint in ("/v1/completions", CHAT):
+        result = run(cfg(endpoint=endpoint, concurrency=1, num_requests=1), fake_server(), src=source(["partial"]))
+        (r,) = result.records
+        assert r.ok and len(r.token_times) == 4 and r.output_tokens == 4
 
 
 def test_server_errors_are_counted_per_request_and_never_stop_the_run():
