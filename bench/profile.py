@@ -4,8 +4,8 @@ For each torch thread count it times real engine steps (prefill-only steps
 of several prompt lengths, decode steps of several batch sizes and
 contexts, and a few mixed steps) and fits :class:`bench.costmodel.StepCost`
 to them. It also records the KV bytes per token and the KV transfer
-bandwidth: from ``transfer.bench`` once that is merged, else a ZeroMQ
-loopback measurement of one layer's KV per message.
+bandwidth: from ``transfer.bench`` (the real sender and receiver over
+ZeroMQ, this model's KV layout), else a raw ZeroMQ loopback measurement.
 
 Steps are timed as the engine runs them (schedule, run, update) through the
 engine's public ``scheduler`` and ``runner``, so each sample knows exactly
@@ -18,6 +18,8 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -235,6 +237,26 @@ def measure_zmq_transfer(message_bytes: int, count: int = 32, pings: int = 20) -
         ctx.term()
 
 
+def measure_transfer_bench(num_layers: int, kv_heads: int, head_dim: int, dtype: str,
+                           backend: str = "zmq") -> tuple[float, float] | None:
+    """(bandwidth bytes/s, latency s) from ``transfer.bench``: the real sender
+    and receiver, a 512-token KV of this model's layout; None when it fails.
+
+    Latency is its one-block (16 tokens, all layers, push to Ack) time.
+    """
+    cmd = [sys.executable, "-m", "transfer.bench", "--backend", backend, "--json", "--layers", str(num_layers),
+           "--kv-heads", str(kv_heads), "--head-dim", str(head_dim), "--dtype", dtype, "--blocks", "32",
+           "--block-size", "16"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        result = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+    except (subprocess.TimeoutExpired, json.JSONDecodeError, IndexError):
+        result = None
+    if not result:
+        return None
+    return float(result["median_gbps"]) * 1e9, float(result["one_block_ms"]) / 1000
+
+
 def machine_info() -> dict:
     import torch
 
@@ -274,9 +296,13 @@ def profile_engine(
         errors[count] = fit_error(costs[count], samples)
         progress(f"threads={count}: {len(samples)} steps, fit error {100 * errors[count]:.1f}%: {costs[count]}")
     progress(f"profiled in {time.perf_counter() - start:.1f}s")
-    layer_bytes = kv_bytes // cache.num_layers * 512
-    bandwidth, latency = measure_zmq_transfer(layer_bytes)
-    progress(f"transfer: zmq loopback {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e6:.0f} us")
+    measured = measure_transfer_bench(cache.num_layers, cache.num_kv_heads, cache.head_dim, dtype)
+    if measured is not None:
+        (bandwidth, latency), source = measured, "transfer.bench zmq (median, 512 tokens)"
+    else:
+        bandwidth, latency = measure_zmq_transfer(kv_bytes // cache.num_layers * 512)
+        source = "raw zmq loopback (transfer.bench unavailable)"
+    progress(f"transfer: {source}: {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e3:.2f} ms")
     info["loadavg_1m_after"] = os.getloadavg()[0]
     return Profile(model, dtype, device, cache.num_layers, kv_bytes, costs, errors, bandwidth, latency,
-                   "zmq loopback (transfer.bench not merged)", all_samples, info)
+                   source, all_samples, info)
