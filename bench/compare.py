@@ -8,8 +8,8 @@ One run, one machine, the same cores for both sides:
    cluster config with free ports, ``pdserve launch`` it pinned to
    ``--cpus``, run every scenario against its router, stop it by pid;
 3. the idle-2k scenario also runs on 1P1D with P given every core, so its
-   TTFT is compared at equal prefill compute (what is left is the transfer
-   and the extra hop);
+   TTFT can be compared at equal prefill compute (on a machine with spare
+   cores; here P and D then oversubscribe them);
 4. simulate each measured run (same lengths, same send times) with the
    planner, calibrated per layout by a few tiny probe requests (the
    server's fixed per-step and per-request costs, which the engine profile
@@ -51,7 +51,7 @@ class Run:
     records: list[RequestRecord]
     measured: Summary
     predicted: Summary | None
-    transfer: dict | None = None  # idle runs on xPyD: mean transfer seconds, per P
+    transfer: dict | None = None  # idle runs on xPyD, per P: accept-to-ack span (s), KV bytes
     loadavg: tuple[float, float] = (0.0, 0.0)
     calibration: dict | None = None  # the live cluster's fixed overheads the prediction used
 
@@ -155,13 +155,18 @@ def predict(layout, scenario: Scenario, records: list[RequestRecord]) -> Summary
     return summarize(result.records, duration, scenario.slo_ttft_ms, scenario.slo_tpot_ms)
 
 
-def _transfer_means(before: dict[str, float], after: dict[str, float],
-                    before_n: dict[str, float], after_n: dict[str, float]) -> dict[str, float]:
+TRANSFER_METRICS = ("pdserve_transfer_seconds_sum", "pdserve_transfer_seconds_count", "pdserve_transfer_bytes_total")
+
+
+def _transfer_summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
+    """Per prefill server: mean accept-to-ack seconds and KV bytes per request."""
     out = {}
-    for name in after:
-        count = after_n.get(name, 0.0) - before_n.get(name, 0.0)
-        if count > 0:
-            out[name] = (after[name] - before.get(name, 0.0)) / count
+    seconds, count, nbytes = TRANSFER_METRICS
+    for name, total in after[count].items():
+        n = total - before[count].get(name, 0.0)
+        if n > 0:
+            out[name] = {"span_s": (after[seconds][name] - before[seconds].get(name, 0.0)) / n,
+                         "bytes": (after[nbytes].get(name, 0.0) - before[nbytes].get(name, 0.0)) / n}
     return out
 
 
@@ -185,13 +190,11 @@ def run_layout(name: str, cand: Candidate, scenarios: list[Scenario], ctx: dict,
             print(f"-- {name} / {scenario.name}: {scenario.description}", flush=True)
             load0 = os.getloadavg()[0]
             if scenario.idle and cand.num_prefill:
-                s0, n0 = (cluster.scrape("pdserve_transfer_seconds_sum"),
-                          cluster.scrape("pdserve_transfer_seconds_count"))
+                before = {m: cluster.scrape(m) for m in TRANSFER_METRICS}
             records = measure(cluster.url, cluster.model, scenario, ctx["builder"], ctx["seed"])
             transfer = None
             if scenario.idle and cand.num_prefill:
-                transfer = _transfer_means(s0, cluster.scrape("pdserve_transfer_seconds_sum"),
-                                           n0, cluster.scrape("pdserve_transfer_seconds_count"))
+                transfer = _transfer_summary(before, {m: cluster.scrape(m) for m in TRANSFER_METRICS})
             measured = summarize(records, None, scenario.slo_ttft_ms, scenario.slo_tpot_ms)
             runs.append(Run(name, scenario, records, measured, predict(layout, scenario, records), transfer,
                             (load0, os.getloadavg()[0]), calibration))
@@ -238,7 +241,11 @@ def run(args: argparse.Namespace) -> int:
     idle = [s for s in scenarios if s.idle]
     if idle and cand.threads < len(cpus):
         runs += run_layout(f"{cand.name}-P{len(cpus)}t", cand, idle, ctx, prefill_threads=len(cpus))
-    meta = {"model": model, "cpus": cpus, "layout": cand.name, "threads": {"colocated": len(cpus),
+    transfer = profile.transfer_cost()
+    meta = {"model": model, "cpus": cpus, "transfer": {"bandwidth": transfer.bandwidth, "source": profile.transfer_source,
+                                                      "tail_2k_s": {t: transfer.arrival(2048, 0.0, c) - c for t in
+                                                                    (cand.threads, len(cpus))
+                                                                    for c in [profile.cost(t).prefill_time(2048)]}}, "layout": cand.name, "threads": {"colocated": len(cpus),
             cand.name: cand.threads}, "profile": {k: v for k, v in profile.to_json().items() if k != "samples"},
             "wall_s": time.time() - started, "command": "pdserve " + " ".join(sys.argv[1:])}
     report = write_report(out, runs, meta)

@@ -36,7 +36,7 @@ class ProfileGrid:
     decode_batches: tuple[int, ...] = (1, 8, 24)
     decode_contexts: tuple[int, ...] = (64, 384)
     decode_steps: int = 6
-    repeats: int = 1
+    repeats: int = 3
 
     @classmethod
     def quick(cls) -> ProfileGrid:
@@ -129,6 +129,18 @@ def timed_step(engine) -> StepSample | None:
     pairs = sum(chunk_attn_pairs(c.start, c.start + c.num_tokens) for c in plan.chunks)
     seqs = sum(1 for c in plan.chunks if c.sample)
     return StepSample(new, pairs, seqs, seconds)
+
+
+def median_by_shape(samples: list[StepSample]) -> list[StepSample]:
+    """One sample per step shape, at the median time of its repeats.
+
+    On a shared machine a repeat can be several times slower; the median
+    keeps typical contention in and drops the freak ones.
+    """
+    groups: dict[tuple[int, int, int], list[float]] = {}
+    for s in samples:
+        groups.setdefault((s.new_tokens, s.attn_pairs, s.seqs), []).append(s.seconds)
+    return [StepSample(*shape, statistics.median(times)) for shape, times in groups.items()]
 
 
 def _prompt(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
@@ -292,7 +304,7 @@ def profile_engine(
     all_samples = measure_steps(engine, grid, threads)
     costs, errors = {}, {}
     for count, samples in all_samples.items():
-        costs[count] = fit_step_cost(samples)
+        costs[count] = fit_step_cost(median_by_shape(samples))
         errors[count] = fit_error(costs[count], samples)
         progress(f"threads={count}: {len(samples)} steps, fit error {100 * errors[count]:.1f}%: {costs[count]}")
     progress(f"profiled in {time.perf_counter() - start:.1f}s")

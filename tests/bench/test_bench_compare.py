@@ -6,7 +6,7 @@ import pytest
 
 from bench.cluster import cpu_list, free_port_pairs
 from bench.compare import Run, predict
-from bench.compare_report import hidden_transfer, write_report
+from bench.compare_report import wire_ms, write_report
 from bench.costmodel import Overheads, StepCost
 from bench.metrics import RequestRecord, summarize
 from bench.plan import Candidate, EngineSettings, build_layout
@@ -67,10 +67,9 @@ def test_free_port_pairs_are_distinct_and_leave_room_for_the_kv_port():
     assert len(set(used)) == 8
 
 
-def test_hidden_transfer_is_what_the_equal_compute_ttft_does_not_show():
-    assert hidden_transfer(1010.0, 1000.0, 0.040) == (10.0, pytest.approx(0.75))
-    assert hidden_transfer(990.0, 1000.0, 0.040) == (0.0, 1.0)
-    assert hidden_transfer(None, 1000.0, 0.04) == (None, None)
+def test_wire_time_is_bytes_over_bandwidth():
+    assert wire_ms(50e6, 0.5e9) == pytest.approx(100.0)
+    assert wire_ms(None, 1e9) is None
 
 
 def idle_scenario():
@@ -105,15 +104,17 @@ def test_report_has_headline_ratios_planner_errors_and_idle_transfer(tmp_path):
         Run("1P1D", heavy, pd, s(pd, heavy), s(co, heavy), None, (1.0, 1.0)),
         Run("colocated", idle, [record(0, 1.0, 0.01)], s([record(0, 1.0, 0.01)], idle), None),
         Run("1P1D-P2t", idle, [record(0, 1.01, 0.01)], s([record(0, 1.01, 0.01)], idle), None,
-            {"p0": 0.040}),
+            {"p0": {"span_s": 1.0, "bytes": 50e6}}),
     ]
     meta = {"model": "m", "cpus": [0, 1], "layout": "1P1D", "threads": {"colocated": 2, "1P1D": 1},
-            "wall_s": 60, "command": "pdserve bench compare"}
+            "wall_s": 60, "command": "pdserve bench compare",
+            "transfer": {"bandwidth": 0.5e9, "source": "test", "tail_2k_s": {1: 0.008}}}
     text = write_report(tmp_path, runs, meta).read_text()
     assert "| prefill-heavy | goodput (req/s) | 0.500 | 1.000 | 2.00x |" in text
     assert "| prefill-heavy | p99 TPOT (ms) | 99.2 | 20.0 | 0.20x |" in text
     assert "| prefill-heavy | 1P1D | 200.0 | 300.0 | -33% |" in text
-    assert "at least 75% of the transfer was hidden" in text
+    assert "| 1P1D-P2t | 1010.0 | - | 1.01x | 50.00 | 100.0 | 1000.0 |" in text
+    assert "exposed tail of a 2048-token prompt at 8.0 ms (P with 1 thread)" in text
     assert (tmp_path / "prefill-heavy-latency_cdf.png").is_file()
 
 

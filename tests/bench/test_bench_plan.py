@@ -131,3 +131,11 @@ def test_fit_ignores_a_step_slowed_down_by_another_process():
     fit = fit_step_cost(samples)
     assert fit.per_token == pytest.approx(truth.per_token, rel=1e-3)
     assert fit.base == pytest.approx(truth.base, rel=1e-3)
+
+
+def test_repeated_step_shapes_are_fitted_at_their_median_time():
+    from bench.profile import median_by_shape
+
+    samples = [StepSample(10, 55, 1, t) for t in (0.010, 0.011, 0.050)] + [StepSample(1, 20, 1, 0.002)]
+    assert sorted(median_by_shape(samples), key=lambda s: s.new_tokens) == [
+        StepSample(1, 20, 1, 0.002), StepSample(10, 55, 1, 0.011)]
