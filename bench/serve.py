@@ -129,9 +129,10 @@ def run(args: argparse.Namespace) -> int:
     if not isinstance(extra, dict):
         raise ValueError("--extra-body must be a JSON object")
     model, root = args.model, None
-    if model is None or args.tokenizer is None:
-        found, root = discover_model(args.url, args.api_key) if model is None else (model, None)
-        model = model or found
+    if model is None:
+        model, root = discover_model(args.url, args.api_key)
+    elif args.tokenizer is None and not args.dataset:
+        root = discover_model(args.url, args.api_key)[1]  # the tokenizer of the served model
     tokenizer_dir = args.tokenizer or (root if root and Path(root).is_dir() else None)
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
     if args.dataset:

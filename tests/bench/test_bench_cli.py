@@ -14,7 +14,7 @@ def parser():
     return p
 
 
-@pytest.mark.parametrize("argv", [["bench", "serve"], ["bench", "compare"], ["bench", "transfer"], ["plan"]])
+@pytest.mark.parametrize("argv", [["bench", "serve"], ["bench", "compare"], ["plan"]])
 def test_every_command_has_help(argv, capsys):
     with pytest.raises(SystemExit) as exit_:
         parser().parse_args([*argv, "--help"])
@@ -22,11 +22,20 @@ def test_every_command_has_help(argv, capsys):
     assert "usage: pdserve" in capsys.readouterr().out
 
 
-def test_bench_engine_hands_every_argument_to_the_engine_bench():
-    args = parser().parse_args(["bench", "engine", "--help"])
-    assert args.engine_argv == ["--help"]
-    args = parser().parse_args(["bench", "engine", "--threads", "2", "--json", "x.json"])
-    assert args.engine_argv == ["--threads", "2", "--json", "x.json"]
+@pytest.mark.parametrize("command", ["engine", "transfer"])
+def test_bench_engine_and_transfer_hand_every_argument_to_their_own_parsers(command):
+    args = parser().parse_args(["bench", command, "--help"])
+    assert args.argv == ["--help"]
+    args = parser().parse_args(["bench", command, "--threads", "2", "--json", "x.json"])
+    assert args.argv == ["--threads", "2", "--json", "x.json"]
+
+
+def test_bench_transfer_help_is_the_transfer_benchmarks_own(capsys):
+    args = parser().parse_args(["bench", "transfer", "--help"])
+    with pytest.raises(SystemExit) as exit_:
+        args.func(args)
+    assert exit_.value.code == 0
+    assert "usage: pdserve bench transfer" in capsys.readouterr().out
 
 
 def test_bench_serve_runs_against_an_endpoint_and_writes_json_and_plots(fake_openai_url, tmp_path, capsys):
