@@ -60,7 +60,10 @@ def write_kv(cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, hnd: bool) -> torch.Tensor:
     """Blocks ``table`` [..., nblocks] of one layer's K or V as [..., heads, tokens, dim]."""
-    blocks = cache[table]  # [..., nblocks, S, H, D] (NHD) or [..., nblocks, H, S, D] (HND)
+    # index_select rather than cache[table]: advanced indexing splits even a tiny
+    # gather across threads, which stalls for milliseconds on a busy CPU.
+    blocks = cache.index_select(0, table.reshape(-1)).view(*table.shape, *cache.shape[1:])
+    # blocks: [..., nblocks, S, H, D] (NHD) or [..., nblocks, H, S, D] (HND)
     lead = blocks.dim() - 4
     if hnd:
         return blocks.movedim(lead + 1, lead).flatten(lead + 1, lead + 2)

@@ -77,8 +77,8 @@ class ModelRunner:
         if num_decodes:
             self._decode_tables(chunks[:num_decodes], meta)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        cos = self.rope.cos[pos].unsqueeze(1)
-        sin = self.rope.sin[pos].unsqueeze(1)
+        cos = self.rope.cos.index_select(0, pos).unsqueeze(1)
+        sin = self.rope.sin.index_select(0, pos).unsqueeze(1)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         logits = self.model(ids, cos, sin, self.cache.kv, meta, rows, on_layer)
