@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from decode_server.service import DecodeService, Refused
+from server_common.guard import install_guard
 from server_common.worker_replies import RefusedReply
 from server_common.worker_requests import AbortRequest, GenerateRequest, KVHello
 
@@ -25,6 +26,8 @@ def create_app(service: DecodeService) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title=f"pdserve {service.settings.role} server {service.settings.name}", lifespan=lifespan)
+
+    install_guard(app, service.settings.internal_secret, service.drain)
 
     @app.post("/generate")
     async def generate(req: GenerateRequest) -> Response:

@@ -31,5 +31,6 @@ def run(args: argparse.Namespace) -> int:
         from server_common.kv_adapter import make_receiver
 
         receiver = make_receiver(settings, engine)
-    serve(create_app(DecodeService(settings, engine, receiver)), settings.host, settings.port, args.log_level)
+    service = DecodeService(settings, engine, receiver)
+    serve(create_app(service), settings.host, settings.port, args.log_level, service.drain, settings.drain_timeout_s)
     return 0

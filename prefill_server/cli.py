@@ -28,5 +28,5 @@ def run(args: argparse.Namespace) -> int:
     settings = load_server_settings(args, ("prefill",))
     engine = LLMEngine(settings.engine)
     service = PrefillService(settings, engine, make_sender(settings, engine))
-    serve(create_app(service), settings.host, settings.port, args.log_level)
+    serve(create_app(service), settings.host, settings.port, args.log_level, service.drain, settings.drain_timeout_s)
     return 0

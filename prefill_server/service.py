@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from decode_server.service import engine_sampling
 from engine import LLMEngine, PrefillChunk, StepOutput
 from server_common.engine_thread import EngineThread
+from server_common.guard import Drain
 from server_common.kv_port import KVSenderPort
 from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
@@ -69,6 +70,7 @@ class PrefillService:
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
         self._pending = 0  # requests between /prefill and their answer (event loop only)
+        self.drain = Drain(lambda: self._pending)  # draining: new prefills are refused, pending ones finish
 
     async def start(self) -> None:
         self.engine.start()
@@ -79,6 +81,9 @@ class PrefillService:
         self.engine.stop()
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        if self.drain.draining:
+            self.metrics.requests.labels(outcome="draining").inc()
+            raise PrefillFailed(503, f"{self.settings.name} is draining: it takes no new prefills", "draining")
         self._pending += 1
         try:
             result = await self._prefill(req)
@@ -176,6 +181,7 @@ class PrefillService:
 
     def health(self) -> HealthReport:
         s = self.engine.snapshot
-        return HealthReport(role="prefill", instance=self.settings.name,
+        return HealthReport(status="draining" if self.drain.draining else "ok", role="prefill",
+                            instance=self.settings.name,
                             kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running),
                             queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=self._pending)

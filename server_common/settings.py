@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import EngineConfig
 
@@ -22,6 +22,8 @@ class ServerSettings:
     transfer_backend: str = "zmq"
     lease_s: float = 30.0
     transfer_timeout_s: float = 10.0
+    drain_timeout_s: float = 30.0  # on SIGTERM: the longest to wait for requests in flight
+    internal_secret: str | None = field(default=None, repr=False)  # required on internal calls; never logged
 
     @property
     def url(self) -> str:
