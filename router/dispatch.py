@@ -17,10 +17,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from router.admission import Admission, AdmissionSettings
 from router.errors import OpenAIError
 from router.policies import Policy
 from router.registry import Worker, WorkerRegistry
 from router.worker_client import DecodeStream, NoRoom, WorkerClient, WorkerFailed, WorkerUnreachable
+from server_common.guard import Drain
 from server_common.worker_replies import PrefillResult, TokensEvent
 from server_common.worker_requests import GenerateRequest, PrefillRequest, SamplingSpec
 
@@ -30,13 +32,12 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DispatchSettings:
     local_prefill_threshold: int = 0  # prompts shorter than this are prefilled on D
-    queue_timeout: float = 10.0  # how long to wait for room on some decode server
-    retry_interval: float = 0.05
+    no_room_cooldown: float = 0.2  # after a decode server said "no room", skip it this long (or until a slot frees)
 
 
 class Session:
     def __init__(self, dispatcher: Dispatcher, request_id: str, prompt: list[int], sampling: SamplingSpec,
-                 decode: Worker, stream: DecodeStream) -> None:
+                 decode: Worker, stream: DecodeStream, prefill_slot: bool = False) -> None:
         self.request_id = request_id
         self.decode = decode
         self.prefill: Worker | None = None
@@ -50,6 +51,18 @@ class Session:
         self._tasks: list[asyncio.Task] = []
         self._finished = False
         self._closed = False
+        self._prefill_slot = prefill_slot  # one of the dispatcher's prefills_pending, released once
+
+    def _release_prefill_slot(self) -> None:
+        if self._prefill_slot:
+            self._prefill_slot = False
+            self._dispatcher.prefill_ended()
+
+    async def _prefill_then_release(self) -> None:
+        try:
+            await self._run_prefill()
+        finally:
+            self._release_prefill_slot()
 
     async def deltas(self) -> AsyncIterator[TokensEvent]:
         """Token events up to and including the one with a finish_reason.
@@ -58,7 +71,7 @@ class Session:
         """
         self._tasks.append(asyncio.create_task(self._pump_decode()))
         if self.reservation is not None:
-            self._tasks.append(asyncio.create_task(self._run_prefill()))
+            self._tasks.append(asyncio.create_task(self._prefill_then_release()))
         while True:
             item = await self._queue.get()
             if isinstance(item, BaseException):
@@ -118,6 +131,8 @@ class Session:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._stream.aclose()
         self.decode.inflight -= 1
+        self._release_prefill_slot()
+        self._dispatcher.session_ended(self)
         if not self._finished:
             client = self._dispatcher.client
             aborts = [client.abort(self.decode, self.request_id)]
@@ -128,12 +143,35 @@ class Session:
 
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, decode_policy: Policy, prefill_policy: Policy,
-                 client: WorkerClient, settings: DispatchSettings) -> None:
+                 client: WorkerClient, settings: DispatchSettings, admission: Admission | None = None,
+                 drain: Drain | None = None) -> None:
         self.registry = registry
         self.decode_policy = decode_policy
         self.prefill_policy = prefill_policy
         self.client = client
         self.settings = settings
+        self.admission = admission or Admission(AdmissionSettings())
+        self.drain = drain  # the router's own: once draining, no new session starts
+        self.sessions = 0  # sessions open now (a draining router waits for 0)
+        self.prefills_pending = 0  # sessions admitted for a prefill server whose prefill has not ended
+
+    def session_ended(self, session: Session) -> None:
+        """A session released its decode slot: wake the waiting room."""
+        self.sessions -= 1
+        session.decode.full_until = 0.0  # its blocks were freed: worth asking again
+        self.admission.slot_freed()
+
+    def _claim(self, worker: Worker, prefill_slot: bool) -> None:
+        worker.inflight += 1
+        self.prefills_pending += prefill_slot
+
+    def _unclaim(self, worker: Worker, prefill_slot: bool) -> None:
+        worker.inflight -= 1
+        self.prefills_pending -= prefill_slot
+
+    def prefill_ended(self) -> None:
+        self.prefills_pending -= 1
+        self.admission.slot_freed()
 
     def wants_local_prefill(self, num_prompt_tokens: int) -> bool:
         """No prefill servers at all (colocated), or a prompt short enough for D."""
@@ -142,35 +180,72 @@ class Dispatcher:
         return num_prompt_tokens < self.settings.local_prefill_threshold
 
     async def start(self, request_id: str, prompt: list[int], sampling: SamplingSpec) -> Session:
-        """Open the decode stream (reservation first). Raises OpenAIError 503 when no
-        decode server has room within ``queue_timeout``."""
+        """Open the decode stream (reservation first).
+
+        Raises OpenAIError 503 when no decode server is in rotation or the router
+        is shutting down, and 429
+        (with Retry-After) when every one is at its in-flight limit or full and
+        the waiting room is full or the wait too long (see ``router.admission``).
+        """
+        if self.drain is not None and self.drain.draining:
+            raise OpenAIError(503, "the router is shutting down; retry later", code="draining",
+                              retry_after=self.admission.settings.retry_after)
         req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                               local_prefill=self.wants_local_prefill(len(prompt)))
-        deadline = time.monotonic() + self.settings.queue_timeout
-        retry_after = 1.0
-        while True:
-            candidates = self.decode_policy.order(self.registry.healthy("decode"))
-            if not candidates:
-                raise OpenAIError(503, "no healthy decode server", retry_after=1)
-            for worker in candidates:
-                worker.inflight += 1
-                try:
-                    stream = await self.client.open_decode(worker, req)
-                except NoRoom as exc:
-                    worker.inflight -= 1
-                    retry_after = exc.retry_after
-                    continue
-                except WorkerUnreachable as exc:
-                    worker.inflight -= 1
-                    self.registry.mark_down(worker, str(exc))
-                    continue
-                except WorkerFailed as exc:
-                    worker.inflight -= 1
-                    raise OpenAIError(500, f"{exc} (request id {request_id})") from exc
-                except BaseException:
-                    worker.inflight -= 1
-                    raise
-                return Session(self, request_id, prompt, sampling, worker, stream)
-            if time.monotonic() >= deadline:
-                raise OpenAIError(503, "all decode servers are full; retry later", retry_after=retry_after)
-            await asyncio.sleep(self.settings.retry_interval)
+        session = None
+        if not self.admission.waiting:  # nobody waits ahead of this one: try at once
+            session = await self._try_open(req)
+        if session is not None:
+            return session
+        async with self.admission.waiting_room() as wait:
+            while True:
+                await wait()
+                session = await self._try_open(req)
+                if session is not None:
+                    return session
+
+    def _prefill_is_full(self) -> bool:
+        """Every prefill server in rotation has a limit and together they are at it."""
+        limits = [w.max_inflight for w in self.registry.healthy("prefill")]
+        if not limits or None in limits:
+            return False  # none in rotation is the prefill call's own error; no limit, no slot
+        return self.prefills_pending >= sum(limits)
+
+    async def _try_open(self, req: GenerateRequest) -> Session | None:
+        """A session on the first decode server in policy order that takes it; None when all are full.
+
+        A request for a prefill server also needs one of their slots, claimed
+        here with the decode slot so that no prefill server is sent more than
+        its share and no reservation is made that could not be prefilled soon.
+        """
+        in_rotation = self.registry.healthy("decode")
+        if not in_rotation:
+            raise OpenAIError(503, "no healthy decode server", retry_after=1)
+        prefill_slot = not req.local_prefill
+        if prefill_slot and self._prefill_is_full():
+            return None
+        now = time.monotonic()
+        for worker in self.decode_policy.order([w for w in in_rotation if w.has_room(now)]):
+            self._claim(worker, prefill_slot)
+            try:
+                stream = await self.client.open_decode(worker, req)
+            except NoRoom:
+                self._unclaim(worker, prefill_slot)
+                worker.full_until = time.monotonic() + self.settings.no_room_cooldown
+                continue
+            except WorkerUnreachable as exc:
+                self._unclaim(worker, prefill_slot)
+                self.registry.mark_down(worker, str(exc))
+                continue
+            except WorkerFailed as exc:
+                self._unclaim(worker, prefill_slot)
+                raise OpenAIError(500, f"{exc} (request id {req.request_id})") from exc
+            except BaseException:
+                self._unclaim(worker, prefill_slot)
+                raise
+            if prefill_slot and stream.reservation is None:  # the decode server prefills it itself
+                self.prefills_pending -= 1
+                prefill_slot = False
+            self.sessions += 1
+            return Session(self, req.request_id, req.prompt_token_ids, req.sampling, worker, stream, prefill_slot)
+        return None
