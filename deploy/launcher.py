@@ -3,8 +3,14 @@
 Order: build the model if it is a built-in one not built yet, start every
 prefill/decode/colocated server, wait until each answers /health, start the
 router, wait for it, write ``RUN_DIR/cluster.json`` and print the endpoint.
-Then watch: Ctrl-C, SIGTERM or any process exiting stops every process
-(SIGTERM, then SIGKILL after a grace period). Each process logs to
+Then watch: Ctrl-C, SIGTERM or any process failing stops every process.
+A server stopped by someone else's SIGTERM drains first and exits cleanly;
+that is an operator's choice, not a failure, so the cluster keeps serving as
+long as the router and at least one server of each role remain.
+
+Stopping drains: the router first (new requests get 503, those in flight
+finish), then the servers (nothing is in flight on them by then); each gets
+``drain_timeout_s`` plus a grace period before SIGKILL. Each process logs to
 ``RUN_DIR/<name>.log``.
 """
 
@@ -56,6 +62,7 @@ class Cluster:
         self.cluster = cluster
         self.run_dir = run_dir
         self.procs: list[Proc] = []
+        self.stopped: set[str] = set()  # servers that drained and stopped on someone else's SIGTERM
 
     def _spawn(self, role: str, name: str, url: str, args: list[str]) -> Proc:
         log = self.run_dir / f"{name}.log"
@@ -104,15 +111,32 @@ class Cluster:
                     stop.wait(0.2)
 
     def first_dead(self) -> Proc | None:
-        return next((p for p in self.procs if p.popen.poll() is not None), None)
+        """The first process whose exit stops the cluster (see the module docstring)."""
+        for proc in self.procs:
+            code = proc.popen.poll()
+            if code is None:
+                continue
+            drained = proc.role != "router" and code in (0, -signal.SIGTERM)
+            if not drained or not any(p.popen.poll() is None for p in self.procs if p.role == proc.role):
+                return proc
+            if proc.name not in self.stopped:
+                self.stopped.add(proc.name)
+                print(f"pdserve: {proc.role} {proc.name} drained and stopped; the cluster keeps serving", flush=True)
+        return None
 
     def stop_all(self) -> None:
-        """Router first (no new work), then the servers; SIGKILL after the grace period."""
-        for proc in sorted(self.procs, key=lambda p: p.role != "router"):
+        """Router first (it drains), then the servers; SIGKILL after drain timeout + grace."""
+        patience = self.cluster.drain_timeout_s + GRACE_S
+        self._stop([p for p in self.procs if p.role == "router"], patience)
+        self._stop([p for p in self.procs if p.role != "router"], patience)
+
+    @staticmethod
+    def _stop(procs: list[Proc], patience: float) -> None:
+        for proc in procs:
             if proc.popen.poll() is None:
                 proc.popen.terminate()
-        deadline = time.monotonic() + GRACE_S
-        for proc in self.procs:
+        deadline = time.monotonic() + patience
+        for proc in procs:
             try:
                 proc.popen.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
