@@ -27,7 +27,7 @@ from typing import Literal
 import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
 
-from deploy.config_security import SECRET_KEYS, ConfigError, SecurityConfig, Strict, is_loopback
+from deploy.config_security import ConfigError, SecurityConfig, Strict, is_loopback, looks_secret
 from deploy.models import is_builtin, resolve_model
 from router.settings import RouterSettings, WorkerSpec
 
@@ -251,7 +251,7 @@ def parse_config(data: object, source: str) -> ClusterConfig:
         for err in exc.errors():
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
             key = _where(loc)
-            secret = any(part in SECRET_KEYS for part in loc)
+            secret = looks_secret(loc)
             if err["type"] == "extra_forbidden":
                 value = "(hidden)" if secret else repr(err["input"])
                 lines.append(f"{source}: unknown key {key!r} (value {value})")

@@ -11,7 +11,13 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-SECRET_KEYS = ("security", "api_keys")  # values under these keys are never echoed in config errors
+SECRET_WORDS = ("secret", "key", "token", "password")  # a config error never echoes a value under such a key
+
+
+def looks_secret(loc: tuple) -> bool:
+    """Whether a config location (``("router", "api_keys", 0)``) may hold a secret, typos included."""
+    names = [str(part).lower() for part in loc if isinstance(part, str)]
+    return names[:1] == ["security"] or any(word in name for name in names for word in SECRET_WORDS)
 
 
 class ConfigError(ValueError):
