@@ -124,22 +124,23 @@ class Cluster:
                 print(f"pdserve: {proc.role} {proc.name} drained and stopped; the cluster keeps serving", flush=True)
         return None
 
-    def stop_all(self) -> None:
-        """Router first (it drains), then the servers; SIGKILL after drain timeout + grace."""
+    def stop_all(self, hurry: threading.Event) -> None:
+        """Router first (it drains), then the servers; SIGKILL after drain timeout + grace, or at once
+        once ``hurry`` is set (a second Ctrl-C)."""
         patience = self.cluster.drain_timeout_s + GRACE_S
-        self._stop([p for p in self.procs if p.role == "router"], patience)
-        self._stop([p for p in self.procs if p.role != "router"], patience)
+        self._stop([p for p in self.procs if p.role == "router"], patience, hurry)
+        self._stop([p for p in self.procs if p.role != "router"], patience, hurry)
 
     @staticmethod
-    def _stop(procs: list[Proc], patience: float) -> None:
+    def _stop(procs: list[Proc], patience: float, hurry: threading.Event) -> None:
         for proc in procs:
             if proc.popen.poll() is None:
                 proc.popen.terminate()
         deadline = time.monotonic() + patience
         for proc in procs:
-            try:
-                proc.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while proc.popen.poll() is None and time.monotonic() < deadline and not hurry.wait(0.05):
+                pass
+            if proc.popen.poll() is None:
                 proc.popen.kill()
                 proc.popen.wait()
 
@@ -186,6 +187,11 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
         print(f"pdserve launch: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        c.stop_all()
+        hurry = threading.Event()
+        for sig in previous:
+            signal.signal(sig, lambda *_: hurry.set())
+        if any(p.popen.poll() is None for p in c.procs):
+            print(f"pdserve: draining (up to {cluster.drain_timeout_s:g} s); Ctrl-C again stops at once", flush=True)
+        c.stop_all(hurry)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
