@@ -43,6 +43,7 @@ class EngineDefaults(Strict):
     max_num_seqs: int = Field(default=64, ge=1)
     max_num_batched_tokens: int = Field(default=2048, ge=1)
     chunked_prefill: bool = True
+    kv_layout: Literal["NHD", "HND"] = "NHD"
 
 
 class Instance(Strict):
@@ -56,6 +57,7 @@ class Instance(Strict):
     num_blocks: int | None = Field(default=None, ge=1)
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    kv_layout: Literal["NHD", "HND"] | None = None
     host: str | None = None  # the interface it binds to and others reach it at (default: the cluster's host)
     max_inflight: int | None = Field(default=None, ge=1)  # router's in-flight limit for it (see RouterConfig)
 
@@ -216,7 +218,7 @@ class ClusterConfig(Strict):
             block_size=pick("block_size"), num_blocks=pick("num_blocks"), kv_cache_bytes=pick("kv_cache_bytes"),
             max_num_seqs=pick("max_num_seqs"), max_num_batched_tokens=pick("max_num_batched_tokens"),
             chunked_prefill=d.chunked_prefill, max_model_len=self.max_model_len, num_threads=pick("num_threads"),
-            mode=role,
+            mode=role, kv_layout=pick("kv_layout"),
         )
         return ServerSettings(
             name=name, role=role, engine=engine, host=self.host_of(inst), port=inst.port, kv_port=inst.transfer_port,

@@ -3,6 +3,7 @@
 KV cache memory order, one tensor per engine (see ``engine.kv_cache``)::
 
     kv[layer, 0 = K | 1 = V, block, slot_in_block, kv_head, head_dim]   (NHD)
+    kv[layer, 0 = K | 1 = V, block, kv_head, slot_in_block, head_dim]   (HND)
 
 A token at position p of a request lives in block ``block_ids[p // block_size]``
 at slot ``p % block_size``; its flat slot index is ``block * block_size + slot``.
@@ -41,13 +42,29 @@ class AttentionMetadata:
     decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
     prefills: list[PrefillSpan]
+    hnd: bool = False  # the cache's memory order inside a block
 
 
-def write_kv(cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store a step's new keys and values into one layer's blocks."""
-    _, _, block_size, heads, dim = cache_layer.shape
-    cache_layer[0].view(-1, heads, dim).index_copy_(0, slot_mapping, k)
-    cache_layer[1].view(-1, heads, dim).index_copy_(0, slot_mapping, v)
+    heads, dim = k.shape[1], k.shape[2]
+    if meta.hnd:
+        block_size = cache_layer.shape[3]
+        blocks, slots = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+        cache_layer[0][blocks, :, slots] = k
+        cache_layer[1][blocks, :, slots] = v
+        return
+    cache_layer[0].view(-1, heads, dim).index_copy_(0, meta.slot_mapping, k)
+    cache_layer[1].view(-1, heads, dim).index_copy_(0, meta.slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, hnd: bool) -> torch.Tensor:
+    """Blocks ``table`` [..., nblocks] of one layer's K or V as [..., heads, tokens, dim]."""
+    blocks = cache[table]  # [..., nblocks, S, H, D] (NHD) or [..., nblocks, H, S, D] (HND)
+    lead = blocks.dim() - 4
+    if hnd:
+        return blocks.movedim(lead + 1, lead).flatten(lead + 1, lead + 2)
+    return blocks.flatten(lead, lead + 1).transpose(lead, lead + 1)
 
 
 def paged_attention(
@@ -61,8 +78,8 @@ def paged_attention(
     if meta.num_decodes:
         n = meta.num_decodes
         table = meta.decode_block_table
-        keys = cache_k[table].flatten(1, 2).transpose(1, 2)  # [n, kv_heads, len, dim]
-        values = cache_v[table].flatten(1, 2).transpose(1, 2)
+        keys = _gather(cache_k, table, meta.hnd)  # [n, kv_heads, len, dim]
+        values = _gather(cache_v, table, meta.hnd)
         query = q[:n].view(n, num_kv_heads, group, head_dim)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=scale)
         out[:n] = attn.reshape(n, -1, head_dim)
@@ -75,8 +92,8 @@ def paged_attention(
             attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             total = span.context_start + span.query_len
-            keys = cache_k[span.block_ids].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
-            values = cache_v[span.block_ids].flatten(0, 1)[:total].transpose(0, 1).unsqueeze(0)
+            keys = _gather(cache_k, span.block_ids, meta.hnd)[:, :total].unsqueeze(0)
+            values = _gather(cache_v, span.block_ids, meta.hnd)[:, :total].unsqueeze(0)
             positions = torch.arange(total, device=q.device)
             mask = positions[None, :] <= (positions[span.context_start :, None])
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)

@@ -8,6 +8,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODES = ("colocated", "prefill", "decode")
+KV_LAYOUTS = ("NHD", "HND")
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     mode: str = "colocated"
+    kv_layout: str = "NHD"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -47,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len {self.max_model_len} must be at least 2")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads {self.num_threads} must be at least 1")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise ValueError(f"kv_layout {self.kv_layout!r} is not one of {list(KV_LAYOUTS)}")
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is not one of {list(MODES)}")
 

@@ -63,7 +63,7 @@ class LLMEngine:
         )
         self.cache = KVCache(
             cfg.num_hidden_layers, num_blocks, config.block_size, cfg.num_key_value_heads, head_dim,
-            config.torch_dtype, device,
+            config.torch_dtype, device, order=config.kv_layout,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(

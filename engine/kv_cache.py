@@ -2,14 +2,21 @@
 
 ::
 
+    NHD (default):
     kv: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-          layer     K|V   block     slot (token)  head          dim      (NHD)
+          layer     K|V   block     slot (token)  head          dim
+
+    HND:
+    kv: [num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]
+          layer     K|V   block     head          slot (token)  dim
 
 One layer's K (or V) for all blocks is a single contiguous region, and one
 block of one layer's K is ``block_size * num_kv_heads * head_dim`` contiguous
 elements, so a transfer layer can address any (layer, K/V, block) by byte
-offset: ``((layer * 2 + kv) * num_blocks + block) * block_bytes``.
-One contiguous allocation also means one memory registration for NIXL.
+offset: ``((layer * 2 + kv) * num_blocks + block) * block_bytes``; inside a
+block the order is NHD or HND. One contiguous allocation also means one memory
+registration for NIXL. NHD keeps a token's heads together (cheap slot writes);
+HND keeps a head's tokens together, the order many GPU attention kernels read.
 """
 
 from __future__ import annotations
@@ -27,16 +34,18 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        order: str = "NHD",
     ) -> None:
+        assert order in ("NHD", "HND"), order
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.kv = torch.zeros(
-            (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device
-        )
+        self.order = order
+        inner = (block_size, num_kv_heads) if order == "NHD" else (num_kv_heads, block_size)
+        self.kv = torch.zeros((num_layers, 2, num_blocks, *inner, head_dim), dtype=dtype, device=device)
 
     @property
     def block_bytes(self) -> int:

@@ -60,7 +60,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        write_kv(cache_layer, k, v, meta.slot_mapping)
+        write_kv(cache_layer, k, v, meta)
         out = paged_attention(q, k, v, cache_layer, meta, self.scale)
         return self.o_proj(out.view(n, self.q_size))
 

@@ -72,6 +72,7 @@ class ModelRunner:
             decode_block_table=None,
             decode_mask=None,
             prefills=prefills,
+            hnd=self.cache.order == "HND",
         )
         if num_decodes:
             self._decode_tables(chunks[:num_decodes], meta)

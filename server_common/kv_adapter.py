@@ -30,7 +30,8 @@ def _layout(engine: LLMEngine):
 
     c = engine.cache
     return KVLayout.for_engine_cache(num_layers=c.num_layers, num_blocks=c.num_blocks, block_size=c.block_size,
-                                     num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=c.dtype)
+                                     num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=c.dtype,
+                                     order=c.order)
 
 
 def _backend(settings: ServerSettings, listen: bool):

@@ -105,9 +105,11 @@ class KVLayout:
         tp_rank: int = 0,
         tp_size: int = 1,
         num_kv_heads_total: int | None = None,
+        order: str = "NHD",
     ) -> "KVLayout":
         """Layout of the engine's cache tensor
-        ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]``.
+        ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (``order="NHD"``)
+        or ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` (``"HND"``).
 
         ``num_kv_heads`` is what this rank holds; ``num_kv_heads_total`` is the
         model's count (defaults to ``num_kv_heads * tp_size``, or the model's
@@ -123,7 +125,7 @@ class KVLayout:
         return cls(
             num_layers=num_layers, num_kv_heads_total=total, head_ids=heads,
             head_dim=head_dim, block_size=block_size, num_blocks=num_blocks,
-            dtype=dtype_name(dtype), order="NHD", kv_fused=False,
+            dtype=dtype_name(dtype), order=order, kv_fused=False,
             tp_rank=tp_rank, tp_size=tp_size)
 
     def replace(self, **changes) -> "KVLayout":

@@ -17,16 +17,20 @@ def engine(path, **kw) -> LLMEngine:
 
 
 def copy_prompt_kv(src: LLMEngine, src_blocks, dst: LLMEngine, dst_blocks, num_tokens: int) -> None:
-    """Token by token, as a disaggregated transfer would place it."""
+    """Token by token, as a disaggregated transfer would place it (source NHD; destination NHD or HND)."""
     sb, db = src.cache.block_size, dst.cache.block_size
     for p in range(num_tokens):
-        dst.cache.kv[:, :, dst_blocks[p // db], p % db] = src.cache.kv[:, :, src_blocks[p // sb], p % sb]
+        value = src.cache.kv[:, :, src_blocks[p // sb], p % sb]  # [layers, 2, heads, dim]
+        if dst.cache.order == "HND":
+            dst.cache.kv[:, :, dst_blocks[p // db], :, p % db] = value
+        else:
+            dst.cache.kv[:, :, dst_blocks[p // db], p % db] = value
 
 
-@pytest.mark.parametrize("src_bs,dst_bs", [(16, 32), (64, 16), (1, 16)])
-def test_request_admitted_with_kv_from_another_engine_continues_exactly(tiny_model, src_bs, dst_bs):
+@pytest.mark.parametrize("src_bs,dst_bs,dst_layout", [(16, 32, "NHD"), (64, 16, "NHD"), (1, 16, "NHD"), (16, 8, "HND")])
+def test_request_admitted_with_kv_from_another_engine_continues_exactly(tiny_model, src_bs, dst_bs, dst_layout):
     prefill = engine(tiny_model, block_size=src_bs, mode="prefill", num_blocks=128)
-    decode = engine(tiny_model, block_size=dst_bs, mode="decode")
+    decode = engine(tiny_model, block_size=dst_bs, mode="decode", kv_layout=dst_layout)
     sampling = SamplingParams(max_tokens=12, temperature=0)
     dst_blocks = decode.reserve("r", PROMPT, sampling)
     assert len(dst_blocks) == -(-(len(PROMPT) + 1) // dst_bs)

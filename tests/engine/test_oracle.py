@@ -28,10 +28,11 @@ def test_reference_outputs_are_not_degenerate(model_and_reference):
     assert len({tuple(r) for r in reference}) == len(reference)
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "oneshot"])
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "single"])
-def test_greedy_tokens_equal_transformers(model_and_reference, block_size, chunked, batched):
+def test_greedy_tokens_equal_transformers(model_and_reference, block_size, chunked, batched, kv_layout):
     path, reference = model_and_reference
     engine = LLMEngine(
         EngineConfig(
@@ -41,6 +42,7 @@ def test_greedy_tokens_equal_transformers(model_and_reference, block_size, chunk
             max_num_batched_tokens=24 if chunked else 4096,
             chunked_prefill=chunked,
             num_threads=1,
+            kv_layout=kv_layout,
         )
     )
     sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0)

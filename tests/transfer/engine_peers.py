@@ -24,7 +24,7 @@ def layout_of(engine: LLMEngine) -> KVLayout:
     c = engine.cache
     return KVLayout.for_engine_cache(num_layers=c.num_layers, num_blocks=c.num_blocks,
                                      block_size=c.block_size, num_kv_heads=c.num_kv_heads,
-                                     head_dim=c.head_dim, dtype=c.dtype)
+                                     head_dim=c.head_dim, dtype=c.dtype, order=c.order)
 
 
 class PrefillSide:
@@ -69,7 +69,8 @@ class DecodeSide:
 
     def __init__(self, cfg: dict, spec: dict) -> None:
         self.engine = LLMEngine(EngineConfig(model=cfg["model"], block_size=spec["block_size"],
-                                             num_blocks=64, mode="decode", num_threads=1))
+                                             num_blocks=64, mode="decode", num_threads=1,
+                                             kv_layout=spec.get("kv_layout", "NHD")))
         backend = make_backend(cfg["backend"], spec["name"], **backend_options(cfg["backend"], None, "recv"))
         self.kv = KVReceiver(backend, self.engine.cache.kv, layout_of(self.engine), name=spec["name"],
                              model="tiny")

@@ -2,8 +2,8 @@
 in another process; decoding continues and the greedy tokens equal
 transformers ``generate`` on the same model.
 
-Block sizes differ both ways (16 -> 32, 64 -> 16). The engine's cache is NHD
-only, so NHD -> HND is proven on raw caches (test_two_process_raw.py).
+Block sizes differ both ways (16 -> 32, 64 -> 16), and an NHD prefill cache
+writes into an HND decode cache (16 NHD -> 8 HND).
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from tests.transfer.procs import Peer
 pytestmark = pytest.mark.integration
 PROMPT = [(11 * i) % 400 + 5 for i in range(45)]
 MAX_TOKENS = 10
-PAIRS = [("P16", 16, "D32", 32), ("P64", 64, "D16", 16)]
+# (prefill name, block size, decode name, block size, decode cache order)
+PAIRS = [("P16", 16, "D32", 32, "NHD"), ("P64", 64, "D16", 16, "NHD"), ("P16h", 16, "D8h", 8, "HND")]
 
 
 @pytest.mark.parametrize("backend", [
@@ -27,13 +28,14 @@ def test_prefill_engine_pushes_into_decode_engine_and_tokens_match_transformers(
     want = hf_greedy(tiny_model, PROMPT, MAX_TOKENS)
     started = [
         Peer("engine-prefill", {"backend": backend, "model": tiny_model,
-                                "engines": [{"name": f"{p}-{backend}", "block_size": pb} for p, pb, _, _ in PAIRS]}),
+                                "engines": [{"name": f"{p}-{backend}", "block_size": pb} for p, pb, _, _, _ in PAIRS]}),
         Peer("engine-decode", {"backend": backend, "model": tiny_model,
-                               "engines": [{"name": f"{d}-{backend}", "block_size": db} for _, _, d, db in PAIRS]}),
+                               "engines": [{"name": f"{d}-{backend}", "block_size": db, "kv_layout": order}
+                                           for _, _, d, db, order in PAIRS]}),
     ]
     prefill, decode = started
     try:
-        for p, _, d, _ in PAIRS:
+        for p, _, d, _, _ in PAIRS:
             p, d = f"{p}-{backend}", f"{d}-{backend}"
             answer = decode.ask(op="accept", engine=d, hello=prefill.first["hellos"][p])
             peer = prefill.ask(op="connect", engine=p, hello=answer["reply"])["peer"]
