@@ -27,9 +27,10 @@ from typing import Literal
 import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
 
-from deploy.config_security import ConfigError, SecurityConfig, Strict, is_loopback, looks_secret
+from deploy.config_security import ConfigError, SecurityConfig, Strict, looks_secret
 from deploy.models import is_builtin, resolve_model
 from router.settings import RouterSettings, WorkerSpec
+from server_common.guard import is_loopback
 
 
 class EngineDefaults(Strict):

@@ -6,7 +6,6 @@ Split from ``deploy.config`` to keep files small; ``deploy.config`` re-exports
 
 from __future__ import annotations
 
-import ipaddress
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
@@ -26,15 +25,6 @@ class ConfigError(ValueError):
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: assume other machines can reach it
 
 
 class SecurityConfig(Strict):

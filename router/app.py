@@ -25,7 +25,7 @@ from router.policies import make_policy
 from router.registry import Worker, WorkerRegistry
 from router.settings import RouterSettings
 from router.worker_client import WorkerClient
-from server_common.guard import Drain, auth_headers, bearer_token, token_matches
+from server_common.guard import Drain, auth_headers, bearer_token, is_loopback, token_matches
 
 
 DISCONNECT_POLL_S = 0.25
@@ -99,10 +99,15 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
             raise OpenAIError(401, "missing or invalid API key", code="invalid_api_key")
 
     def check_admin(request: Request) -> None:
-        if not settings.internal_secret:
+        """The internal secret when there is one, else an API key; with neither, callers on this machine only."""
+        if settings.internal_secret:
+            if not token_matches(bearer_token(request.headers.get("authorization", "")), [settings.internal_secret]):
+                raise OpenAIError(401, "admin calls need the cluster's internal secret", code="invalid_api_key")
+        elif settings.api_keys:
             check_auth(request)
-        elif not token_matches(bearer_token(request.headers.get("authorization", "")), [settings.internal_secret]):
-            raise OpenAIError(401, "admin calls need the cluster's internal secret", code="invalid_api_key")
+        elif request.client is None or not is_loopback(request.client.host):
+            raise OpenAIError(403, "admin calls from other machines need security.internal_secret in the config",
+                              code="forbidden")
 
     add_admin_routes(app, registry, check_admin)
 

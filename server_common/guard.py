@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import json
 import time
 from collections.abc import Callable, Iterable
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or "localhost") is this machine only; a host name counts as reachable."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def bearer_token(authorization: str) -> str:

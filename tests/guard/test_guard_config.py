@@ -42,6 +42,7 @@ def test_secrets_are_not_in_any_repr(tmp_path):
     assert server.internal_secret == SECRET
     for obj in (cluster, router, server):
         assert SECRET not in repr(obj) and SECRET not in str(obj)
+    assert SECRET not in cluster.model_dump_json()
 
 
 def test_internal_servers_on_other_interfaces_need_a_secret(tmp_path):

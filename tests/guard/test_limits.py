@@ -1,5 +1,5 @@
-"""Request limits and the no-pickle rule, without servers: 413 for large bodies,
-400 for prompts and max_tokens over their caps, nothing unpickled anywhere."""
+"""The router's guards without servers: 413 for large bodies, 400 for prompts and
+max_tokens over their caps, who may call the admin routes; nothing unpickled anywhere."""
 
 from __future__ import annotations
 
@@ -67,6 +67,18 @@ def test_the_router_applies_the_caps_in_openai_shape(model):
     assert long_prompt.status_code == 400 and long_prompt.json()["error"]["param"] == "prompt"
     assert default_max.status_code == 200 and default_max.json()["usage"]["completion_tokens"] == 1
     assert big_max.status_code == 400 and big_max.json()["error"]["param"] == "max_tokens"
+
+
+def test_admin_routes_need_the_secret_or_a_key_or_a_caller_on_this_machine(model):
+    with client(model) as c:  # TestClient's caller is "testclient", not a loopback address
+        refused = c.post("/admin/workers/d0/drain")
+    assert refused.status_code == 403 and "internal_secret" in refused.json()["error"]["message"]
+    with client(model, internal_secret="s" * 16, api_keys=("k",)) as c:
+        assert c.get("/admin/workers", headers={"authorization": "Bearer k"}).status_code == 401
+        drained = c.post("/admin/workers/d0/drain", headers={"authorization": "Bearer " + "s" * 16})
+        unknown = c.post("/admin/workers/d9/drain", headers={"authorization": "Bearer " + "s" * 16})
+    assert drained.status_code == 200 and drained.json()["draining"] and not drained.json()["in_rotation"]
+    assert unknown.status_code == 404 and "d9" in unknown.json()["error"]["message"]
 
 
 def test_bearer_tokens_are_parsed_and_compared_exactly():
