@@ -20,9 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from router.errors import OpenAIError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,23 @@ class Admission:
         self.waiting = 0  # requests in the waiting room now
         self.refused = 0  # requests answered 429 so far
         self._freed = asyncio.Event()
+
+    async def admit(self, attempt: Callable[[], Awaitable[T | None]]) -> T:
+        """``attempt()`` until it returns a result (None: no slot free now).
+
+        A request tries at once unless others already wait, in which case it
+        queues behind them; waiting means the waiting room (429 when full or
+        when the wait runs out)."""
+        if not self.waiting:
+            result = await attempt()
+            if result is not None:
+                return result
+        async with self.waiting_room() as wait:
+            while True:
+                await wait()
+                result = await attempt()
+                if result is not None:
+                    return result
 
     def slot_freed(self) -> None:
         """Wake every waiter (in the order they started waiting) to try again."""

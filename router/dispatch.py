@@ -192,17 +192,7 @@ class Dispatcher:
                               retry_after=self.admission.settings.retry_after)
         req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                               local_prefill=self.wants_local_prefill(len(prompt)))
-        session = None
-        if not self.admission.waiting:  # nobody waits ahead of this one: try at once
-            session = await self._try_open(req)
-        if session is not None:
-            return session
-        async with self.admission.waiting_room() as wait:
-            while True:
-                await wait()
-                session = await self._try_open(req)
-                if session is not None:
-                    return session
+        return await self.admission.admit(lambda: self._try_open(req))
 
     def _prefill_is_full(self) -> bool:
         """Every prefill server in rotation has a limit and together they are at it."""
