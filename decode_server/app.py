@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from decode_server.service import DecodeService, Refused
+from server_common.fault_routes import add_fault_routes
 from server_common.guard import install_guard
 from server_common.worker_replies import RefusedReply
 from server_common.worker_requests import AbortRequest, GenerateRequest, KVHello
@@ -66,4 +67,6 @@ def create_app(service: DecodeService) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if service.faults is not None:  # config fault_injection: true (tests only)
+        add_fault_routes(app, service.faults)
     return app

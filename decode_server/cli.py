@@ -21,16 +21,18 @@ def run(args: argparse.Namespace) -> int:
     from decode_server.app import create_app
     from decode_server.service import DecodeService
     from engine import LLMEngine
+    from server_common.faults import FaultInjector
     from server_common.run import load_server_settings, serve, setup_logging
 
     setup_logging(args.log_level, args.name)
     settings = load_server_settings(args, ("decode", "colocated"))
     engine = LLMEngine(settings.engine)
+    faults = FaultInjector() if settings.fault_injection else None
     receiver = None
     if settings.role == "decode":
         from server_common.kv_adapter import make_receiver
 
-        receiver = make_receiver(settings, engine)
-    service = DecodeService(settings, engine, receiver)
+        receiver = make_receiver(settings, engine, faults)
+    service = DecodeService(settings, engine, receiver, faults)
     serve(create_app(service), settings.host, settings.port, args.log_level, service.drain, settings.drain_timeout_s)
     return 0

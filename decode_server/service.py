@@ -3,8 +3,10 @@
 A remote request's life on D (all engine state changes on the engine thread)::
 
     /generate --reserve--> WAITING_FOR_REMOTE_KV --KV complete, verified--> RUNNING --> finished
-                  |               |  lease expires / transfer failed / client left
+                  |               |  lease expires / checksum mismatch / transfer failed / client left
                   |               +--> aborted: blocks FREE, error event
+                  |               +--> (lease_expiry / checksum_failure: local) blocks FREE, then
+                  |                    prefilled here like a local request: reprefill event, tokens
                   +-- no room: 503 at once
 
 ``_awaiting`` (transfer id -> request id) is touched only on the engine
@@ -25,6 +27,7 @@ import anyio
 
 from engine import LLMEngine, NoCapacityError, SamplingParams, StepOutput
 from server_common.engine_thread import EngineThread
+from server_common.faults import FaultInjector
 from server_common.guard import Drain
 from server_common.kv_port import KVReceiverPort
 from server_common.metrics import ServerMetrics
@@ -34,6 +37,7 @@ from server_common.worker_replies import (
     ErrorEvent,
     HealthReport,
     KVBlocks,
+    ReprefillEvent,
     Reservation,
     ReservationEvent,
     TokensEvent,
@@ -57,6 +61,22 @@ def engine_sampling(spec: SamplingSpec) -> SamplingParams:
                           top_k=spec.top_k, seed=spec.seed, ignore_eos=spec.ignore_eos)
 
 
+@dataclass(frozen=True)
+class Awaiting:
+    """A reservation waiting for remote KV: what a local re-prefill needs."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: SamplingParams
+
+
+def failure_kind(code: str | None, error: str | None) -> str:
+    """The error code a failed transfer gets on the stream (transfer's code; text for old callers)."""
+    if code is None:
+        code = "lease_expired" if "lease" in (error or "") else "failed"
+    return {"lease_expired": "lease_expired", "checksum_mismatch": "checksum_failed"}.get(code, "transfer_failed")
+
+
 @dataclass
 class Active:
     request_id: str
@@ -68,14 +88,18 @@ class Active:
 
 
 class DecodeService:
-    def __init__(self, settings: ServerSettings, engine: LLMEngine, receiver: KVReceiverPort | None) -> None:
+    def __init__(self, settings: ServerSettings, engine: LLMEngine, receiver: KVReceiverPort | None,
+                 faults: FaultInjector | None = None) -> None:
         if settings.role == "decode" and receiver is None:
             raise ValueError("a decode server needs a KV receiver")
         self.settings = settings
+        self.faults = faults
         self.engine = EngineThread(engine, self._emit, settings.name)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot)
+        if receiver is not None:
+            self.metrics.watch_transfers(receiver.counters)
         self._receiver = receiver
-        self._awaiting: dict[str, str] = {}  # transfer id -> request id; engine thread only
+        self._awaiting: dict[str, Awaiting] = {}  # transfer id -> reservation; engine thread only
         self._cancelling: dict[str, str] = {}  # cancelled, waiting for the receiver to confirm; engine thread only
         self._active: dict[str, Active] = {}  # event loop only
         self._hub: StreamHub | None = None
@@ -143,7 +167,7 @@ class DecodeService:
             except BaseException:
                 e.abort(rid)
                 raise
-            self._awaiting[transfer_id] = rid
+            self._awaiting[transfer_id] = Awaiting(rid, req.prompt_token_ids, sampling)
             return block_ids, transfer_id
 
         block_ids, transfer_id = await self.engine.run(reserve)
@@ -163,7 +187,7 @@ class DecodeService:
             while True:
                 event = await active.queue.get()
                 yield event.model_dump_json() + "\n"
-                if isinstance(event, ErrorEvent) or event.finish_reason is not None:
+                if isinstance(event, ErrorEvent) or (isinstance(event, TokensEvent) and event.finish_reason):
                     active.finished = True
                     return
         finally:
@@ -199,6 +223,8 @@ class DecodeService:
 
     # ---- engine-thread callbacks ------------------------------------------------
     def _emit(self, outputs: list[StepOutput]) -> None:
+        if self.faults is not None:
+            self.faults.step_delay()
         for out in outputs:
             self.metrics.tokens.inc(len(out.new_token_ids))
             reason = out.finish_reason if out.finished else None
@@ -213,31 +239,47 @@ class DecodeService:
             return
         e.abort(request_id)
 
-    def _on_transfer_ended(self, transfer_id: str, first_token: int | None, error: str | None) -> None:
+    def _on_transfer_ended(self, transfer_id: str, first_token: int | None, error: str | None,
+                           code: str | None = None) -> None:
         """Called on the adapter's thread when a transfer ended (ok or not)."""
-        self.engine.call(lambda e: self._transfer_ended(e, transfer_id, first_token, error))
+        self.engine.call(lambda e: self._transfer_ended(e, transfer_id, first_token, error, code))
 
-    def _transfer_ended(self, e: LLMEngine, transfer_id: str, first_token: int | None, error: str | None) -> None:
+    def _transfer_ended(self, e: LLMEngine, transfer_id: str, first_token: int | None, error: str | None,
+                        code: str | None) -> None:
         cancelled = self._cancelling.pop(transfer_id, None)
         if cancelled is not None:
             e.abort(cancelled)
             return
-        rid = self._awaiting.pop(transfer_id, None)
-        if rid is None:
+        pending = self._awaiting.pop(transfer_id, None)
+        if pending is None:
             log.info("ignoring the end of unknown transfer %s", transfer_id)
             return
-        if error is not None or first_token is None:
-            e.abort(rid)
-            expired = "lease" in (error or "")
-            (self.metrics.lease_expired if expired else self.metrics.transfer_failed).inc()
-            self._hub.publish(rid, ErrorEvent(message=f"KV transfer failed: {error}; blocks freed",
-                                              code="lease_expired" if expired else "transfer_failed"))
+        if error is None and first_token is not None:
+            self._emit([e.admit_remote(pending.request_id, first_token)])
             return
-        self._emit([e.admit_remote(rid, first_token)])
+        e.abort(pending.request_id)  # the receiver reported the id: no write can land in these blocks now
+        self._remote_kv_failed(e, pending, failure_kind(code, error), error)
+
+    def _remote_kv_failed(self, e: LLMEngine, pending: Awaiting, kind: str, error: str | None) -> None:
+        """The blocks are free. Fail the request, or prefill it here (recovery config)."""
+        counter = {"lease_expired": self.metrics.lease_expired, "checksum_failed": self.metrics.checksum_failures}
+        counter.get(kind, self.metrics.transfer_failed).inc()
+        action = {"lease_expired": self.settings.lease_expiry,
+                  "checksum_failed": self.settings.checksum_failure}.get(kind, "fail")
+        rid = pending.request_id
+        if action == "local":
+            log.warning("request %s: remote KV failed (%s: %s); prefilling it here", rid, kind, error)
+            e.add_request(rid, pending.prompt, pending.sampling)
+            self.metrics.reprefills.labels(cause=kind).inc()
+            self._hub.publish(rid, ReprefillEvent(message=f"remote KV failed ({error}); prefilling locally",
+                                                  code=kind))
+            return
+        self._hub.publish(rid, ErrorEvent(message=f"KV transfer failed: {error}; blocks freed", code=kind))
 
     def _backstop(self, transfer_id: str) -> None:
         def expire(e: LLMEngine) -> None:
-            rid = self._awaiting.pop(transfer_id, None) or self._cancelling.pop(transfer_id, None)
+            pending = self._awaiting.pop(transfer_id, None)
+            rid = pending.request_id if pending is not None else self._cancelling.pop(transfer_id, None)
             if rid is None:
                 return  # ended normally
             log.error("transfer %s never ended; freeing request %s without the receiver", transfer_id, rid)
@@ -253,5 +295,5 @@ class DecodeService:
         s = self.engine.snapshot
         return HealthReport(status="draining" if self.drain.draining else "ok",
                             role=self.settings.role, instance=self.settings.name,
-                            kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running),
+                            kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),
                             queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=len(self._active))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from bench import cli as bench_cli
 from decode_server import cli as decode_cli
 from deploy import launch_cli
 from engine import cli as engine_cli
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     router_cli.add_parser(subparsers)
     prefill_cli.add_parser(subparsers)
     decode_cli.add_parser(subparsers)
+    bench_cli.add_parser(subparsers)
     return parser
 
 

@@ -10,6 +10,7 @@ block size and thread count comes from this one file. Example (see configs/)::
     router: {port: 8000, policy: round_robin, local_prefill_threshold: 0}
     transfer: {backend: zmq}
     lease_s: 30
+    recovery: {prefill_failure: retry, lease_expiry: fail, checksum_failure: fail}
     prefill: [{name: p0, port: 8100, block_size: 16}]
     decode:  [{name: d0, port: 8200, block_size: 32}]
 
@@ -82,6 +83,7 @@ class RouterConfig(Strict):
     policy: Literal["round_robin", "least_loaded"] = "round_robin"
     local_prefill_threshold: int = Field(default=0, ge=0)
     health_interval_s: float = Field(default=2.0, gt=0)
+    health_backoff_max_s: float = Field(default=8.0, gt=0)  # a down worker is polled at doubling intervals up to this
     queue_timeout_s: float = Field(default=10.0, ge=0)
     max_queued_requests: int = Field(default=128, ge=0)
     retry_after_s: float = Field(default=1.0, gt=0)
@@ -91,6 +93,23 @@ class RouterConfig(Strict):
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
     api_keys: list[SecretStr] = Field(default_factory=list)
+
+
+class RecoveryConfig(Strict):
+    """What happens when a step of a request fails before its first token.
+
+    ``prefill_failure`` (router; a prefill server failed, or the decode server
+    reported the KV never arrived intact): ``retry`` once more on another
+    prefill server, or on the decode server itself when there is none;
+    ``local`` once more on the decode server; ``fail`` with a clear error.
+    ``lease_expiry`` / ``checksum_failure`` (decode server): ``fail`` the
+    request (the router may then recover it as above) or prefill it ``local``ly
+    at once. Either way the reserved blocks are freed first.
+    """
+
+    prefill_failure: Literal["retry", "local", "fail"] = "retry"
+    lease_expiry: Literal["fail", "local"] = "fail"
+    checksum_failure: Literal["fail", "local"] = "fail"
 
 
 class TransferConfig(Strict):
@@ -112,6 +131,9 @@ class ClusterConfig(Strict):
     engine: EngineDefaults = EngineDefaults()
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
+    recovery: RecoveryConfig = RecoveryConfig()
+    # Test hook, off by default: servers mount /admin/faults to inject faults deterministically.
+    fault_injection: bool = False
     prefill: list[Instance] = Field(default_factory=list)
     decode: list[Instance] = Field(default_factory=list)
     colocated: list[Instance] = Field(default_factory=list)
@@ -199,7 +221,8 @@ class ClusterConfig(Strict):
             retry_after=r.retry_after_s, prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len,
             max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
             drain_timeout=self.drain_timeout_s, api_keys=tuple(k.get_secret_value() for k in r.api_keys),
-            internal_secret=self.security.secret(),
+            internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
+            prefill_failure=self.recovery.prefill_failure,
         )
 
     def server_settings(self, name: str, model_path: Path):
@@ -224,7 +247,9 @@ class ClusterConfig(Strict):
         return ServerSettings(
             name=name, role=role, engine=engine, host=self.host_of(inst), port=inst.port, kv_port=inst.transfer_port,
             transfer_backend=self.transfer.backend, lease_s=self.lease_s, transfer_timeout_s=self.transfer.timeout_s,
-            drain_timeout_s=self.drain_timeout_s, internal_secret=self.security.secret(),
+            lease_expiry=self.recovery.lease_expiry, checksum_failure=self.recovery.checksum_failure,
+            fault_injection=self.fault_injection, drain_timeout_s=self.drain_timeout_s,
+            internal_secret=self.security.secret(),
         )
 
 

@@ -110,6 +110,16 @@ class Cluster:
                 if pending:
                     stop.wait(0.2)
 
+    def restart(self, name: str) -> Proc:
+        """Start process ``name`` again once it has exited (fault tests kill servers on purpose)."""
+        old = next(p for p in self.procs if p.name == name)
+        if old.popen.poll() is None:
+            raise LaunchError(f"{old.role} {name} is still running (pid {old.popen.pid})")
+        self.procs.remove(old)
+        command = "decode" if old.role == "colocated" else old.role
+        args = ["router"] if old.role == "router" else [command, "--name", name]
+        return self._spawn(old.role, name, old.url, args)
+
     def first_dead(self) -> Proc | None:
         """The first process whose exit stops the cluster (see the module docstring)."""
         for proc in self.procs:
@@ -124,9 +134,10 @@ class Cluster:
                 print(f"pdserve: {proc.role} {proc.name} drained and stopped; the cluster keeps serving", flush=True)
         return None
 
-    def stop_all(self, hurry: threading.Event) -> None:
+    def stop_all(self, hurry: threading.Event | None = None) -> None:
         """Router first (it drains), then the servers; SIGKILL after drain timeout + grace, or at once
         once ``hurry`` is set (a second Ctrl-C)."""
+        hurry = hurry or threading.Event()
         patience = self.cluster.drain_timeout_s + GRACE_S
         self._stop([p for p in self.procs if p.role == "router"], patience, hurry)
         self._stop([p for p in self.procs if p.role != "router"], patience, hurry)

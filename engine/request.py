@@ -11,6 +11,7 @@ decoding. A request whose KV was written by a prefill server is admitted with
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 
@@ -63,6 +64,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)  # for the age of the blocks it holds
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefill_server.service import PrefillFailed, PrefillService
+from server_common.fault_routes import add_fault_routes
 from server_common.guard import install_guard
 from server_common.worker_replies import RefusedReply
 from server_common.worker_requests import AbortRequest, PrefillRequest
@@ -50,4 +51,6 @@ def create_app(service: PrefillService) -> FastAPI:
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    if service.faults is not None:  # config fault_injection: true (tests only)
+        add_fault_routes(app, service.faults)
     return app

@@ -9,6 +9,11 @@ sender is told to finish: once the writes landed it sends the completion
 notice (first token, checksum) and the decode server acknowledges it. Only
 when the sender reports the transfer ended are the blocks released and the
 HTTP call answered. Jobs are touched on the engine thread only.
+
+An abort stops the job at once: the engine drops the request, the sender
+drops its queued writes and ends the transfer, and the id is remembered so
+that a /prefill for it still on its way (the router aborts as soon as its
+client leaves) is refused instead of computed for nothing.
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from decode_server.service import engine_sampling
 from engine import LLMEngine, PrefillChunk, StepOutput
 from server_common.engine_thread import EngineThread
+from server_common.faults import FaultInjector
 from server_common.guard import Drain
 from server_common.kv_port import KVSenderPort
 from server_common.metrics import ServerMetrics
@@ -29,6 +36,10 @@ from server_common.worker_replies import HealthReport, KVBlocks, PrefillResult
 from server_common.worker_requests import PrefillRequest
 
 log = logging.getLogger(__name__)
+REMEMBER_ABORTED = 4096
+# The sender's failure codes that mean the decode server ended the transfer: it tells
+# the router the outcome on its own stream, so the router need not act on ours.
+DECODE_DECIDED = {"refused": "decode_refused", "cancelled": "decode_cancelled", "lease_expired": "lease_expired"}
 
 
 class PrefillFailed(Exception):
@@ -60,8 +71,10 @@ class Job:
 
 
 class PrefillService:
-    def __init__(self, settings: ServerSettings, engine: LLMEngine, sender: KVSenderPort) -> None:
+    def __init__(self, settings: ServerSettings, engine: LLMEngine, sender: KVSenderPort,
+                 faults: FaultInjector | None = None) -> None:
         self.settings = settings
+        self.faults = faults
         engine.layer_hook = self._on_layer
         self.engine = EngineThread(engine, self._on_outputs, settings.name)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot)
@@ -69,6 +82,7 @@ class PrefillService:
         self._bytes_per_token = engine.cache.bytes_per_token
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
+        self._aborted: OrderedDict[str, None] = OrderedDict()  # recently aborted request ids; engine thread only
         self._pending = 0  # requests between /prefill and their answer (event loop only)
         self.drain = Drain(lambda: self._pending)  # draining: new prefills are refused, pending ones finish
 
@@ -98,6 +112,8 @@ class PrefillService:
     async def _prefill(self, req: PrefillRequest) -> PrefillResult:
         loop = asyncio.get_running_loop()
         rid, res = req.request_id, req.reservation
+        if self.faults is not None:
+            await self.faults.hold()
         try:
             peer = await self._sender.ensure_peer(res.kv_target)
         except Exception as exc:
@@ -111,6 +127,8 @@ class PrefillService:
         def add(e: LLMEngine) -> None:
             if rid in self._jobs:
                 raise PrefillFailed(409, f"request id {rid!r} is already active", "duplicate_request")
+            if rid in self._aborted:
+                raise PrefillFailed(409, f"request {rid} was aborted", "aborted")
             e.add_request(rid, req.prompt_token_ids, sampling)  # ValueError: nothing to undo
             self._sender.begin(res.transfer_id, peer, res.block_ids, lease_s)
             self._jobs[rid] = job
@@ -132,6 +150,9 @@ class PrefillService:
         the transfer id, so whatever they carry is never used."""
         job = self._jobs.pop(request_id, None)
         e.abort(request_id)
+        self._aborted[request_id] = None
+        while len(self._aborted) > REMEMBER_ABORTED:
+            self._aborted.popitem(last=False)
         if job is None:
             return False
         self._by_transfer.pop(job.transfer_id, None)
@@ -144,6 +165,8 @@ class PrefillService:
             job = self._jobs.get(chunk.request_id)
             if job is not None:
                 self._sender.push_layer(job.transfer_id, layer, chunk.block_ids, chunk.start, chunk.end)
+        if self.faults is not None:
+            self.faults.stall(layer)
 
     def _on_outputs(self, outputs: list[StepOutput]) -> None:
         for out in outputs:
@@ -155,11 +178,11 @@ class PrefillService:
             job.first_token = out.new_token_ids[0]
             self._sender.finish(job.transfer_id, job.first_token)
 
-    def _on_transfer_ended(self, transfer_id: str, error: str | None) -> None:
+    def _on_transfer_ended(self, transfer_id: str, error: str | None, code: str | None = None) -> None:
         """Called on the adapter's thread."""
-        self.engine.call(lambda e: self._transfer_ended(e, transfer_id, error))
+        self.engine.call(lambda e: self._transfer_ended(e, transfer_id, error, code))
 
-    def _transfer_ended(self, e: LLMEngine, transfer_id: str, error: str | None) -> None:
+    def _transfer_ended(self, e: LLMEngine, transfer_id: str, error: str | None, code: str | None) -> None:
         rid = self._by_transfer.pop(transfer_id, None)
         job = self._jobs.pop(rid, None) if rid is not None else None
         if job is None:
@@ -170,7 +193,8 @@ class PrefillService:
             e.abort(rid)  # failed before the prompt was done (decode side cancelled, peer gone)
         if error is not None:
             self.metrics.transfer_failed.inc()
-            job.resolve(PrefillFailed(502, f"KV transfer to the decode server failed: {error}", "transfer_failed"))
+            job.resolve(PrefillFailed(502, f"KV transfer to the decode server failed: {error}",
+                                      DECODE_DECIDED.get(code or "", "transfer_failed")))
             return
         seconds = time.monotonic() - job.started
         nbytes = job.num_tokens * self._bytes_per_token
@@ -183,5 +207,5 @@ class PrefillService:
         s = self.engine.snapshot
         return HealthReport(status="draining" if self.drain.draining else "ok", role="prefill",
                             instance=self.settings.name,
-                            kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running),
+                            kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),
                             queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=self._pending)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from router.errors import OpenAIError
+from router.registry import Worker
 
 T = TypeVar("T")
 
@@ -42,13 +43,48 @@ def overloaded(message: str, retry_after: float) -> OpenAIError:
 
 
 class Admission:
-    """The waiting room. Not thread-safe: event loop only."""
+    """Slots given out and the waiting room. Not thread-safe: event loop only.
+
+    A decode slot is ``Worker.inflight`` of a decode server (one per request
+    attempt); a prefill slot is one of ``prefills_pending`` (one per admitted
+    request until its first prefill ended), checked against the sum of the
+    prefill servers' limits."""
 
     def __init__(self, settings: AdmissionSettings) -> None:
         self.settings = settings
         self.waiting = 0  # requests in the waiting room now
         self.refused = 0  # requests answered 429 so far
+        self.sessions = 0  # admitted requests not closed yet (a draining router waits for 0)
+        self.prefills_pending = 0  # admitted requests for a prefill server whose first prefill has not ended
         self._freed = asyncio.Event()
+
+    # ---- slots ------------------------------------------------------------------
+    def prefill_is_full(self, prefill_workers: list[Worker]) -> bool:
+        """Every prefill server in rotation has a limit and together they are at it."""
+        limits = [w.max_inflight for w in prefill_workers]
+        if not limits or None in limits:
+            return False  # none in rotation is the prefill call's own error; no limit, no slot
+        return self.prefills_pending >= sum(limits)
+
+    def claim(self, worker: Worker, prefill_slot: bool) -> None:
+        worker.inflight += 1
+        self.prefills_pending += prefill_slot
+
+    def unclaim(self, worker: Worker, prefill_slot: bool) -> None:
+        worker.inflight -= 1
+        self.prefills_pending -= prefill_slot
+
+    def decode_freed(self, worker: Worker) -> None:
+        """An attempt ended on ``worker``: its blocks are free, so ask it again and wake the waiters."""
+        worker.inflight -= 1
+        worker.full_until = 0.0
+        self.slot_freed()
+
+    def prefill_ended(self) -> None:
+        self.prefills_pending -= 1
+        self.slot_freed()
+
+    # ---- waiting ----------------------------------------------------------------
 
     async def admit(self, attempt: Callable[[], Awaitable[T | None]]) -> T:
         """``attempt()`` until it returns a result (None: no slot free now).

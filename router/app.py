@@ -57,11 +57,12 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     """
     model = model or ServedModel.load(settings.served_model_name, settings.model_path, settings.max_model_len)
     registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight) for w in settings.workers],
-                              interval=settings.health_interval)
+                              interval=settings.health_interval, backoff_max=settings.health_backoff_max)
     admission = Admission(AdmissionSettings(max_queued=settings.max_queued, timeout=settings.queue_timeout,
                                             retry_after=settings.retry_after))
     metrics = RouterMetrics(registry, admission)
-    dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold)
+    dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
+                                         prefill_failure=settings.prefill_failure)
     limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
 
     @contextlib.asynccontextmanager
@@ -70,7 +71,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         async with httpx.AsyncClient(limits=limits_http, headers=auth_headers(settings.internal_secret)) as http:
             worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout)
             dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),
-                                    worker_client, dispatch_settings, admission, drain)
+                                    worker_client, dispatch_settings, metrics.recovery, admission, drain)
             app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits)
             health_task = asyncio.create_task(registry.run(http)) if client is None else None
             try:
@@ -82,12 +83,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
 
-    def in_flight() -> int:
-        """Requests with a session or waiting for one: what a drain waits for."""
-        handlers = getattr(app.state, "handlers", None)
-        return 0 if handlers is None else handlers.dispatcher.sessions + admission.waiting
-
-    app.state.drain = drain = Drain(in_flight)
+    # What a drain waits for: requests with a session or waiting for one.
+    app.state.drain = drain = Drain(lambda: admission.sessions + admission.waiting)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 too, has an id
     install_error_handlers(app)

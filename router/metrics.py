@@ -10,6 +10,19 @@ from router.registry import WorkerRegistry
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+class RecoveryMetrics:
+    """What went wrong with requests and what the router did about it."""
+
+    def __init__(self, r: CollectorRegistry) -> None:
+        self.failures = Counter("pdserve_router_step_failures", "Failed steps of requests by stage and code",
+                                ["stage", "code"], registry=r)
+        self.retries = Counter("pdserve_router_retries", "Requests started over after a failure before their "
+                               "first token, by action (retry: another prefill server, local: on the decode server)",
+                               ["action", "cause"], registry=r)
+        self.reprefills = Counter("pdserve_router_decode_reprefills", "Requests a decode server prefilled itself "
+                                  "after the remote KV failed", ["cause"], registry=r)
+
+
 class RouterMetrics:
     def __init__(self, workers: WorkerRegistry, admission: Admission | None = None) -> None:
         self.registry = CollectorRegistry()
@@ -23,6 +36,7 @@ class RouterMetrics:
         self.e2e = Histogram("pdserve_router_request_seconds", "Request latency", buckets=LATENCY_BUCKETS, registry=r)
         self.local_prefills = Counter("pdserve_router_local_prefills", "Requests prefilled on the decode server",
                                       registry=r)
+        self.recovery = RecoveryMetrics(r)
         healthy = Gauge("pdserve_router_worker_healthy", "1 when the worker is in rotation", ["worker", "role"],
                         registry=r)
         for w in workers.workers:

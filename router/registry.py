@@ -1,10 +1,13 @@
 """The workers the router knows, their health and load.
 
-Workers come from config. A background task polls each one's ``GET /health``
-every ``interval`` seconds: a worker that fails ``unhealthy_after`` checks in a
-row (or a request's connection) is taken out of rotation; the next successful
-check brings it back. The same poll refreshes the load a worker reports (free
-KV blocks, queue depth, queued prompt tokens) for the least-loaded policy.
+Workers come from config. A background task per worker polls its
+``GET /health`` every ``interval`` seconds: a worker that fails
+``unhealthy_after`` checks in a row (or a request's connection) is taken out
+of rotation; the next successful check brings it back. While a worker fails,
+its checks back off (interval, 2x, 4x, ... up to ``backoff_max``) so a dead
+worker costs little, and a restarted one is back within ``backoff_max``. The
+same poll refreshes the load a worker reports (free KV blocks, queue depth,
+queued prompt tokens) for the least-loaded policy.
 
 A draining worker (drained through the router's admin endpoint, or one that
 reports ``status: draining`` because it was told to drain or got SIGTERM) is
@@ -61,12 +64,14 @@ class Worker:
 
 
 class WorkerRegistry:
-    def __init__(self, workers: list[Worker], *, interval: float = 2.0, unhealthy_after: int = 2) -> None:
+    def __init__(self, workers: list[Worker], *, interval: float = 2.0, unhealthy_after: int = 2,
+                 backoff_max: float = 8.0) -> None:
         names = [w.name for w in workers]
         assert len(names) == len(set(names)), f"duplicate worker names: {names}"
         self.workers = workers
         self.interval = interval
         self.unhealthy_after = unhealthy_after
+        self.backoff_max = max(backoff_max, interval)
 
     def healthy(self, role: str) -> list[Worker]:
         """Workers of ``role`` in rotation: healthy and not draining."""
@@ -93,7 +98,7 @@ class WorkerRegistry:
             resp = await client.get(f"{worker.url}/health", timeout=max(1.0, self.interval))
             resp.raise_for_status()
             worker.apply_health(resp.json())
-        except (httpx.HTTPError, ValueError) as exc:
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # no answer, or not a health report
             worker.failures += 1
             if worker.failures >= self.unhealthy_after and worker.healthy:
                 log.warning("worker %s (%s) unhealthy: %s", worker.name, worker.url, exc)
@@ -104,8 +109,17 @@ class WorkerRegistry:
         worker.failures = 0
         worker.healthy = True
 
+    def next_check_in(self, worker: Worker) -> float:
+        """Seconds to the worker's next check: ``interval`` while it answers, then doubling."""
+        if worker.failures == 0:
+            return self.interval
+        return min(self.interval * 2 ** min(worker.failures - 1, 30), self.backoff_max)
+
     async def run(self, client: httpx.AsyncClient) -> None:
-        """Poll forever (cancel the task to stop)."""
+        """Poll forever, each worker on its own schedule (cancel the task to stop)."""
+        await asyncio.gather(*(self._watch(client, w) for w in self.workers))
+
+    async def _watch(self, client: httpx.AsyncClient, worker: Worker) -> None:
         while True:
-            await self.check_once(client)
-            await asyncio.sleep(self.interval)
+            await self._check(client, worker)
+            await asyncio.sleep(self.next_check_in(worker))

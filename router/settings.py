@@ -28,6 +28,8 @@ class RouterSettings:
     retry_after: float = 1.0  # seconds, in the Retry-After of a 429
     prefill_timeout: float = 120.0
     max_model_len: int | None = None  # None: the model config's max_position_embeddings
+    health_backoff_max: float = 8.0
+    prefill_failure: str = "retry"  # retry | local | fail (deploy.config.RecoveryConfig)
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     max_prompt_tokens: int | None = None  # longer prompts get 400 (None: only the context length limits them)
     max_tokens: int | None = None  # larger max_tokens gets 400; a request without one gets at most this

@@ -19,6 +19,7 @@ from server_common.worker_replies import (
     DECODE_EVENT,
     ErrorEvent,
     PrefillResult,
+    ReprefillEvent,
     Reservation,
     ReservationEvent,
     TokensEvent,
@@ -58,6 +59,15 @@ def _reason(resp: httpx.Response) -> str:
         return resp.text[:200] or f"HTTP {resp.status_code}"
 
 
+def _code(resp: httpx.Response) -> str:
+    """The ``code`` of a server's RefusedReply ("worker_error" when there is none)."""
+    try:
+        code = resp.json().get("code")
+    except (ValueError, AttributeError):
+        return "worker_error"
+    return code if isinstance(code, str) and code else "worker_error"
+
+
 class DecodeStream:
     """One open ``/generate`` stream; ``reservation`` is its first event."""
 
@@ -75,16 +85,17 @@ class DecodeStream:
             raise WorkerFailed(self.worker, f"expected a reservation first, got {event.type}")
         self.reservation = event.reservation
 
-    async def events(self) -> AsyncIterator[TokensEvent]:
-        """Token events until the one with a finish_reason; raises on error or a cut stream."""
+    async def events(self) -> AsyncIterator[TokensEvent | ReprefillEvent]:
+        """Token events until the one with a finish_reason (a reprefill event may come
+        before the first); raises on an error event or a cut stream."""
         while True:
             event = await self._next_event()
             if isinstance(event, ErrorEvent):
                 raise WorkerFailed(self.worker, event.message, event.code)
-            if not isinstance(event, TokensEvent):
+            if not isinstance(event, (TokensEvent, ReprefillEvent)):
                 raise WorkerFailed(self.worker, f"unexpected {event.type} event")
             yield event
-            if event.finish_reason is not None:
+            if isinstance(event, TokensEvent) and event.finish_reason is not None:
                 return
 
     async def _next_event(self):
@@ -147,7 +158,7 @@ class WorkerClient:
         if resp.status_code == 503:  # draining or engine down: it did not take the request, another one may
             raise WorkerUnreachable(worker, f"refused: {_reason(resp)}", never_connected=True)
         if resp.status_code != 200:
-            raise WorkerFailed(worker, f"HTTP {resp.status_code}: {_reason(resp)}")
+            raise WorkerFailed(worker, f"HTTP {resp.status_code}: {_reason(resp)}", _code(resp))
         return PrefillResult.model_validate_json(resp.content)
 
     async def abort(self, worker: Worker, request_id: str) -> None:

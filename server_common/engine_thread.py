@@ -35,6 +35,9 @@ class Snapshot:
     queue_depth: int = 0  # requests waiting to be scheduled
     queued_tokens: int = 0  # prompt tokens not computed yet
     num_requests: int = 0  # requests the engine holds in any state
+    total: int = 0  # blocks in the cache
+    # (state, arrival time.monotonic(), blocks) of every request holding blocks; state: reserved | running
+    holders: tuple[tuple[str, float, int], ...] = ()
 
 
 def take_snapshot(engine: LLMEngine) -> Snapshot:
@@ -46,6 +49,9 @@ def take_snapshot(engine: LLMEngine) -> Snapshot:
         queue_depth=len(sched.waiting),
         queued_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed) for r in pending),
         num_requests=len(sched.requests),
+        total=sched.blocks.num_blocks,
+        holders=tuple(("reserved" if r.request_id in sched.parked else "running", r.arrival_time, len(r.block_ids))
+                      for r in sched.requests.values() if r.block_ids),
     )
 
 

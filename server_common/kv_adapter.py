@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import secrets
 import threading
 
 import httpx
 
 from engine import LLMEngine
+from server_common.faults import FaultInjector
 from server_common.guard import auth_headers
 from server_common.kv_port import ReceiverEnded, SenderEnded
 from server_common.settings import ServerSettings
@@ -34,14 +36,20 @@ def _layout(engine: LLMEngine):
                                      order=c.order)
 
 
-def _backend(settings: ServerSettings, listen: bool):
+def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | None):
     from transfer.backend import make_backend
 
     kind = settings.transfer_backend
     if kind == "zmq":
         endpoint = f"tcp://{settings.host}:{settings.kv_port}" if listen else None
-        return make_backend("zmq", settings.name, endpoint=endpoint, connect_timeout_s=settings.transfer_timeout_s)
-    return make_backend(kind, settings.name)
+        backend = make_backend("zmq", settings.name, endpoint=endpoint, connect_timeout_s=settings.transfer_timeout_s)
+    else:
+        backend = make_backend(kind, settings.name)
+    if faults is None:
+        return backend
+    from server_common.fault_backend import FaultyBackend
+
+    return FaultyBackend(backend, faults)
 
 
 class _Poller:
@@ -69,12 +77,14 @@ class _Poller:
 
 
 class ReceiverAdapter:
-    def __init__(self, settings: ServerSettings, engine: LLMEngine) -> None:
+    def __init__(self, settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None) -> None:
         from transfer.receiver import KVReceiver
 
         self._settings = settings
-        self._receiver = KVReceiver(_backend(settings, listen=True), engine.cache.kv, _layout(engine),
-                                    name=settings.name, model=engine.config.model)
+        self._receiver = KVReceiver(_backend(settings, listen=True, faults=faults), engine.cache.kv,
+                                    _layout(engine), name=settings.name, model=engine.config.model)
+        # Changes with every start: a prefill server that sees a new epoch meets this server afresh.
+        self._epoch = secrets.token_hex(8)
         self._poller: _Poller | None = None
 
     def start(self, on_ended: ReceiverEnded) -> None:
@@ -82,7 +92,7 @@ class ReceiverAdapter:
             for c in events.completed:
                 on_ended(c.transfer_id, c.first_token, None)
             for f in events.failed:
-                on_ended(f.transfer_id, None, f.reason)
+                on_ended(f.transfer_id, None, f.reason, f.code)
 
         self._poller = _Poller(self._receiver, self._settings.name, handle)
 
@@ -93,10 +103,13 @@ class ReceiverAdapter:
         return self._receiver.expect(block_ids, lease_s)
 
     def target(self) -> dict:
-        return {"peer": self._settings.name, "hello_url": f"{self._settings.url}/kv/hello"}
+        return {"peer": self._settings.name, "hello_url": f"{self._settings.url}/kv/hello", "epoch": self._epoch}
 
     def cancel(self, transfer_id: str) -> None:
         self._receiver.cancel(transfer_id)
+
+    def counters(self) -> dict[str, int]:
+        return self._receiver.counters()
 
     def close(self) -> None:
         if self._poller is not None:
@@ -105,13 +118,13 @@ class ReceiverAdapter:
 
 
 class SenderAdapter:
-    def __init__(self, settings: ServerSettings, engine: LLMEngine) -> None:
+    def __init__(self, settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None) -> None:
         from transfer.sender import KVSender
 
         self._settings = settings
-        self._sender = KVSender(_backend(settings, listen=False), engine.cache.kv, _layout(engine),
+        self._sender = KVSender(_backend(settings, listen=False, faults=faults), engine.cache.kv, _layout(engine),
                                 name=settings.name, model=engine.config.model)
-        self._peers: dict[str, asyncio.Task] = {}  # event loop only
+        self._peers: dict[str, tuple[str, asyncio.Task]] = {}  # peer -> (its epoch, handshake); event loop only
         self._poller: _Poller | None = None
 
     def start(self, on_ended: SenderEnded) -> None:
@@ -119,16 +132,20 @@ class SenderAdapter:
             for c in events.completed:
                 on_ended(c.transfer_id, None)
             for f in events.failed:
-                on_ended(f.transfer_id, f.reason)
+                on_ended(f.transfer_id, f.reason, f.code)
 
         self._poller = _Poller(self._sender, self._settings.name, handle)
 
     async def ensure_peer(self, target: dict) -> str:
-        """Handshake once per decode server (concurrent callers share it); a failed one is retried next time."""
-        peer = target["peer"]
-        task = self._peers.get(peer)
+        """Handshake once per decode server start (concurrent callers share it): a failed one is
+        retried next time, and a restarted decode server (new epoch) is met again, which
+        replaces the connection to its dead predecessor."""
+        peer, epoch = target["peer"], target.get("epoch", "")
+        known = self._peers.get(peer)
+        task = known[1] if known is not None and known[0] == epoch else None
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = self._peers[peer] = asyncio.ensure_future(self._handshake(target))
+            task = asyncio.ensure_future(self._handshake(target))
+            self._peers[peer] = (epoch, task)
         return await asyncio.shield(task)
 
     async def _handshake(self, target: dict) -> str:
@@ -159,9 +176,9 @@ class SenderAdapter:
         self._sender.close()
 
 
-def make_receiver(settings: ServerSettings, engine: LLMEngine) -> ReceiverAdapter:
-    return ReceiverAdapter(settings, engine)
+def make_receiver(settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None) -> ReceiverAdapter:
+    return ReceiverAdapter(settings, engine, faults)
 
 
-def make_sender(settings: ServerSettings, engine: LLMEngine) -> SenderAdapter:
-    return SenderAdapter(settings, engine)
+def make_sender(settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None) -> SenderAdapter:
+    return SenderAdapter(settings, engine, faults)

@@ -11,7 +11,8 @@ Decode side::
     hello_back = receiver.accept(prefill_hello)        # once per prefill server (POST /kv/hello)
     tid = receiver.expect(block_ids, lease_s)          # engine thread, right after engine.reserve
     receiver.cancel(tid)                               # client gone: on_ended follows
-    on_ended(tid, first_token, None) | on_ended(tid, None, reason)   # from the adapter's thread
+    on_ended(tid, first_token, None) | on_ended(tid, None, reason, code)   # from the adapter's thread
+    receiver.counters()                                # issued, dropped_expired, checksum_failures, ...
 
 The decode server frees a reservation's blocks only once ``on_ended`` reported
 its id: with one-sided writes a cancelled transfer may still land until every
@@ -24,7 +25,10 @@ Prefill side::
     sender.push_layer(tid, layer, src_block_ids, start, end)   # engine layer_hook: queued, not sent inline
     sender.finish(tid, first_token)                    # the notice goes once the writes landed
     sender.abort(tid)
-    on_ended(tid, None) | on_ended(tid, reason)        # then the prefill server releases the blocks
+    on_ended(tid, None) | on_ended(tid, reason, code)  # then the prefill server releases the blocks
+
+``code`` is ``transfer.session.Failed.code`` (lease_expired, checksum_mismatch,
+cancelled, refused, peer_lost, ...); callers treat a missing one as "failed".
 """
 
 from __future__ import annotations
@@ -32,8 +36,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-ReceiverEnded = Callable[[str, int | None, str | None], None]
-SenderEnded = Callable[[str, str | None], None]
+ReceiverEnded = Callable[..., None]  # (transfer_id, first_token, error[, code])
+SenderEnded = Callable[..., None]  # (transfer_id, error[, code])
 
 
 class KVReceiverPort(Protocol):
@@ -46,6 +50,8 @@ class KVReceiverPort(Protocol):
     def target(self) -> dict: ...
 
     def cancel(self, transfer_id: str) -> None: ...
+
+    def counters(self) -> dict[str, int]: ...
 
     def close(self) -> None: ...
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from server_common.engine_thread import Snapshot
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+AGE_BUCKETS = ((1.0, "lt_1s"), (10.0, "1s_10s"), (60.0, "10s_60s"), (float("inf"), "ge_60s"))
+DISCARDED = (("dropped_expired", "expired"), ("dropped_unknown", "unknown"), ("dropped_out_of_bounds", "out_of_bounds"))
 
 
 class ServerMetrics:
@@ -26,6 +30,7 @@ class ServerMetrics:
         Gauge("pdserve_engine_requests", "Requests the engine holds", registry=r).set_function(
             lambda: snapshot().num_requests)
         Gauge("pdserve_torch_threads", "torch CPU threads", registry=r).set_function(torch.get_num_threads)
+        r.register(_BlockAges(snapshot))
         self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Tokens produced", registry=r)
         self.transfer_bytes = Counter("pdserve_transfer_bytes", "KV bytes transferred", registry=r)
@@ -34,3 +39,48 @@ class ServerMetrics:
         self.lease_expired = Counter("pdserve_lease_expired", "Reservations freed at lease expiry", registry=r)
         self.transfer_failed = Counter("pdserve_transfer_failed", "Transfers that failed or were refused",
                                        registry=r)
+        self.checksum_failures = Counter("pdserve_checksum_failures", "Transfers refused: KV checksum mismatch",
+                                         registry=r)
+        self.reprefills = Counter("pdserve_reprefills", "Requests prefilled locally after their remote KV failed",
+                                  ["cause"], registry=r)
+
+    def watch_transfers(self, counters: Callable[[], dict[str, int]]) -> None:
+        """Export a KV receiver's counters: writes and notices discarded by transfer id."""
+        self.registry.register(_Discarded(counters))
+
+
+class _BlockAges:
+    """pdserve_kv_blocks_by_age{state,age} and the oldest holder's age per state: a
+    reservation or request that never ends shows up here long before the cache fills."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self):
+        now = time.monotonic()
+        by_age = GaugeMetricFamily("pdserve_kv_blocks_by_age", "Held KV blocks by state and age of their request",
+                                   labels=["state", "age"])
+        oldest = GaugeMetricFamily("pdserve_kv_oldest_block_seconds", "Age of the oldest request holding blocks",
+                                   labels=["state"])
+        for state in ("reserved", "running"):
+            ages = [(now - arrival, n) for s, arrival, n in self._snapshot().holders if s == state]
+            low = 0.0
+            for high, label in AGE_BUCKETS:
+                by_age.add_metric([state, label], sum(n for age, n in ages if low <= age < high))
+                low = high
+            oldest.add_metric([state], max((age for age, _ in ages), default=0.0))
+        yield by_age
+        yield oldest
+
+
+class _Discarded:
+    def __init__(self, counters: Callable[[], dict[str, int]]) -> None:
+        self._counters = counters
+
+    def collect(self):
+        counts = self._counters()
+        family = CounterMetricFamily("pdserve_transfers_discarded",
+                                     "KV writes and notices dropped by transfer id, never applied", labels=["reason"])
+        for key, reason in DISCARDED:
+            family.add_metric([reason], counts.get(key, 0))
+        yield family

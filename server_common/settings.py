@@ -22,6 +22,9 @@ class ServerSettings:
     transfer_backend: str = "zmq"
     lease_s: float = 30.0
     transfer_timeout_s: float = 10.0
+    lease_expiry: str = "fail"  # fail | local (deploy.config.RecoveryConfig)
+    checksum_failure: str = "fail"  # fail | local
+    fault_injection: bool = False  # mount /admin/faults (tests only)
     drain_timeout_s: float = 30.0  # on SIGTERM: the longest to wait for requests in flight
     internal_secret: str | None = field(default=None, repr=False)  # required on internal calls; never logged
 

@@ -3,7 +3,9 @@
 The decode server's ``/generate`` answers with newline-delimited JSON, one
 ``DecodeEvent`` a line: first a ``reservation`` (``reservation`` is null when
 the server prefills locally), then ``tokens`` events, the last one with a
-``finish_reason``; or an ``error`` event that ends the stream.
+``finish_reason``; or an ``error`` event that ends the stream. A ``reprefill``
+event says the remote KV failed (lease, checksum) and the server computes the
+prompt itself: the prefill server's part is over, tokens follow.
 """
 
 from __future__ import annotations
@@ -50,10 +52,16 @@ class TokensEvent(Reply):
 class ErrorEvent(Reply):
     type: Literal["error"] = "error"
     message: str
-    code: str  # "lease_expired", "transfer_failed", "internal", ...
+    code: str  # "lease_expired", "checksum_failed", "transfer_failed", "aborted", ...
 
 
-DecodeEvent = Annotated[ReservationEvent | TokensEvent | ErrorEvent, Field(discriminator="type")]
+class ReprefillEvent(Reply):
+    type: Literal["reprefill"] = "reprefill"
+    message: str
+    code: str  # why the remote KV was given up: "lease_expired" | "checksum_failed"
+
+
+DecodeEvent = Annotated[ReservationEvent | TokensEvent | ErrorEvent | ReprefillEvent, Field(discriminator="type")]
 DECODE_EVENT = TypeAdapter(DecodeEvent)
 
 
@@ -71,6 +79,7 @@ class KVBlocks(Reply):
     free: int
     reserved: int
     running: int
+    total: int = 0  # free + reserved + running when nothing leaks
 
 
 class HealthReport(Reply):

@@ -39,6 +39,7 @@ class Expected:
     done: dict[str, Done] = field(default_factory=dict)  # sender name -> notice
     senders_seen: set[str] = field(default_factory=set)
     cancelling: str = ""  # reason, once a cancel was sent to the senders
+    cancel_code: str = ""  # its Failed.code
     cancel_deadline: float = 0.0
 
 

@@ -104,7 +104,7 @@ class KVReceiver(TransferThread):
             with self._lock:
                 entry = self._registry.peek(cmd[1])
             if entry is not None and not entry.cancelling:
-                self._start_cancel(entry, cmd[2], time.monotonic())
+                self._start_cancel(entry, cmd[2], time.monotonic(), "cancelled")
 
     def _progress(self, now: float) -> bool:
         with self._lock:
@@ -112,29 +112,30 @@ class KVReceiver(TransferThread):
             cancelling = self._registry.cancelling()
             active = bool(self._registry.active())
         for entry in overdue:
-            self._start_cancel(entry, "lease expired before the KV arrived", now)
+            self._start_cancel(entry, "lease expired before the KV arrived", now, "lease_expired")
         for entry in cancelling:
             acks = self._cancel_acks.get(entry.transfer_id, set())
             if self._senders <= acks or now >= entry.cancel_deadline:
-                self._end(entry, False, entry.cancelling)
+                self._end(entry, False, entry.cancelling, code=entry.cancel_code)
         return active
 
-    def _start_cancel(self, entry: Expected, reason: str, now: float) -> None:
-        entry.cancelling, entry.cancel_deadline = reason, now + self._grace
+    def _start_cancel(self, entry: Expected, reason: str, now: float, code: str) -> None:
+        entry.cancelling, entry.cancel_code, entry.cancel_deadline = reason, code, now + self._grace
         self._cancel_acks[entry.transfer_id] = set()
         for peer in list(self._senders):
             self._send_quietly(peer, Cancel(entry.transfer_id))
         if not self.backend.one_sided:
-            self._end(entry, False, reason)  # we apply writes ourselves: none can land now
+            self._end(entry, False, reason, code=code)  # we apply writes ourselves: none can land now
 
-    def _end(self, entry: Expected, ok: bool, reason: str, first_token: int | None = None) -> None:
+    def _end(self, entry: Expected, ok: bool, reason: str, first_token: int | None = None,
+             code: str = "failed") -> None:
         with self._lock:
             self._registry.end(entry.transfer_id, ok)
         self._cancel_acks.pop(entry.transfer_id, None)
         if ok:
             self._events.complete(entry.transfer_id, first_token)
         else:
-            self._events.fail(entry.transfer_id, reason)
+            self._events.fail(entry.transfer_id, reason, code)
 
     def _on_incoming(self, item) -> None:
         if isinstance(item, WriteIn):
@@ -159,7 +160,7 @@ class KVReceiver(TransferThread):
             return
         if not ranges_inside(self._layout, entry.block_ids, write.dst_offsets, write.lengths):
             self._bump("dropped_out_of_bounds")
-            self._end(entry, False, f"{write.peer!r} wrote outside the reserved blocks")
+            self._end(entry, False, f"{write.peer!r} wrote outside the reserved blocks", code="out_of_bounds")
             return
         self.backend.apply(write)
 
@@ -169,28 +170,30 @@ class KVReceiver(TransferThread):
         if entry is None or entry.cancelling:
             self._send_quietly(peer, Ack(done.transfer_id, False, "unknown or expired transfer id"))
             return
-        ok, reason = self._verify(entry, done)
+        ok, reason, code = self._verify(entry, done)
         self._send_quietly(peer, Ack(done.transfer_id, ok, reason))
         if not ok:
-            self._bump("checksum_failures")
-            self._end(entry, False, reason)
+            if code == "checksum_mismatch":
+                self._bump("checksum_failures")
+            self._end(entry, False, reason, code=code)
             return
         entry.done[done.sender] = done
         if len(entry.done) >= entry.num_senders:
             self._end(entry, True, "", done.first_token)
 
-    def _verify(self, entry: Expected, done: Done) -> tuple[bool, str]:
+    def _verify(self, entry: Expected, done: Done) -> tuple[bool, str, str]:
+        """(ok, reason, Failed.code)."""
         capacity = len(entry.block_ids) * self._layout.block_size
         if not 0 <= done.token_start <= done.token_end <= capacity:
-            return False, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots"
+            return False, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots", "bad_notice"
         if not set(done.heads) <= set(self._layout.head_ids):
-            return False, f"heads {done.heads} are not held here"
+            return False, f"heads {done.heads} are not held here", "bad_notice"
         pos = checksum_positions(done.transfer_id, self._layout.block_size, done.token_start,
                                  done.token_end, done.checksum_mode)
         got = kv_checksum(self._region, self._layout, entry.block_ids, pos, done.heads)
         if got != done.checksum:
-            return False, f"checksum mismatch (sent {done.checksum:#x}, received {got:#x})"
-        return True, ""
+            return False, f"checksum mismatch (sent {done.checksum:#x}, received {got:#x})", "checksum_mismatch"
+        return True, "", ""
 
     def _bump(self, counter: str) -> None:
         with self._lock:

@@ -50,6 +50,12 @@ class _Out:
     first_token: int | None = None
     noticed: bool = False
     failed: str = ""
+    code: str = ""  # Failed.code, set with ``failed``
+
+    def fail(self, reason: str, code: str) -> None:
+        """The first failure wins; the transfer ends once nothing is in flight."""
+        if not self.failed:
+            self.failed, self.code = reason, code
 
 
 class KVSender(TransferThread):
@@ -115,6 +121,14 @@ class KVSender(TransferThread):
         return dict(self._stats)
 
     # -- transfer thread -------------------------------------------------
+    def _handle_all(self, cmds: list) -> None:
+        """An abort also drops the pushes queued before it and not posted yet:
+        its request is gone, so nothing more of it is read or sent."""
+        aborted = {cmd[1] for cmd in cmds if cmd[0] == "abort"}
+        for cmd in cmds:
+            if not (cmd[0] == "push" and cmd[1] in aborted):
+                self._handle(cmd)
+
     def _handle(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "connect":
@@ -122,9 +136,9 @@ class KVSender(TransferThread):
         elif kind == "begin":
             _, tid, peer, dst_ids, deadline = cmd
             if tid in self._cancelled:
-                self._events.fail(tid, "cancelled by the receiver before it started")
+                self._events.fail(tid, "cancelled by the receiver before it started", "cancelled")
             elif peer not in self._peers:
-                self._events.fail(tid, f"not connected to {peer!r}")
+                self._events.fail(tid, f"not connected to {peer!r}", "transport")
             else:
                 self._out[tid] = _Out(tid, peer, dst_ids, deadline)
         elif kind == "push":
@@ -135,8 +149,8 @@ class KVSender(TransferThread):
                 out.first_token = cmd[2]
         elif kind == "abort":
             out = self._out.get(cmd[1])
-            if out is not None and not out.failed:
-                out.failed = "aborted"
+            if out is not None:
+                out.fail("aborted", "aborted")
 
     def _connect(self, hello: Hello, fut: Future) -> None:
         try:
@@ -178,7 +192,7 @@ class KVSender(TransferThread):
             if plan.num_ranges:
                 out.inflight.append(self.backend.write(out.peer, tid, layer, region, *plan.layer(layer)))
         except (TransferError, ValueError) as exc:
-            out.failed = str(exc)
+            out.fail(str(exc), "transport")
             return
         self._stats["writes"] += 1
         self._stats["ranges"] += plan.num_ranges
@@ -199,12 +213,15 @@ class KVSender(TransferThread):
             try:
                 out.inflight = [h for h in out.inflight if not self.backend.write_done(h)]
             except TransferError as exc:
-                out.failed, out.inflight = str(exc), []
+                out.fail(str(exc), "transport")
+                out.inflight = []
             if not out.failed and now > out.deadline + (ACK_GRACE_S if out.noticed else 0.0):
-                out.failed = ("no answer to the Done notice" if out.noticed
-                              else "lease expired before the transfer finished")
+                if out.noticed:
+                    out.fail("no answer to the Done notice", "no_ack")
+                else:
+                    out.fail("lease expired before the transfer finished", "lease_expired")
             if out.failed and not out.inflight:
-                self._end(out, False, out.failed)
+                self._end(out, False, out.failed, out.code)
                 continue
             if out.first_token is not None and not out.inflight and not out.noticed:
                 self._send_done(out)
@@ -225,13 +242,13 @@ class KVSender(TransferThread):
             self.backend.send_notice(out.peer, encode(done))
             out.noticed = True
         except TransferError as exc:
-            out.failed = str(exc)
+            out.fail(str(exc), "transport")
 
     def _on_incoming(self, item) -> None:
         if isinstance(item, PeerLost):
             for out in self._out.values():
-                if out.peer == item.peer and not out.failed:
-                    out.failed = f"decode peer {item.peer!r} is gone"
+                if out.peer == item.peer:
+                    out.fail(f"decode peer {item.peer!r} is gone", "peer_lost")
             return
         if not isinstance(item, NoticeIn):
             return
@@ -242,25 +259,25 @@ class KVSender(TransferThread):
         if isinstance(msg, Ack):
             out = self._out.get(msg.transfer_id)
             if out is not None and out.noticed:
-                self._end(out, msg.ok, msg.reason or "refused by the receiver")
+                self._end(out, msg.ok, msg.reason or "refused by the receiver", "refused")
         elif isinstance(msg, Cancel):
             self._cancelled[msg.transfer_id] = None
             while len(self._cancelled) > 4096:
                 self._cancelled.popitem(last=False)
             out = self._out.get(msg.transfer_id)
             if out is not None:  # answered by _end, once nothing of it is in flight
-                out.failed = out.failed or "cancelled by the receiver"
+                out.fail("cancelled by the receiver", "cancelled")
             else:
                 self._send_quietly(item.peer, CancelAck(msg.transfer_id, self.name))
 
-    def _end(self, out: _Out, ok: bool, reason: str) -> None:
+    def _end(self, out: _Out, ok: bool, reason: str, code: str) -> None:
         del self._out[out.tid]
         if out.tid in self._cancelled:
             self._send_quietly(out.peer, CancelAck(out.tid, self.name))
         if ok:
             self._events.complete(out.tid)
         else:
-            self._events.fail(out.tid, reason)
+            self._events.fail(out.tid, reason, code)
 
     def _send_quietly(self, peer: str, msg) -> None:
         try:

@@ -28,8 +28,15 @@ class Completed:
 
 @dataclass(frozen=True)
 class Failed:
+    """``code`` says why, for the server to act on (``reason`` is for people):
+    receiver: lease_expired, cancelled, checksum_mismatch, bad_notice,
+    out_of_bounds; sender: aborted, cancelled (the receiver cancelled it),
+    refused (the receiver refused the KV), peer_lost, lease_expired, no_ack,
+    transport."""
+
     transfer_id: str
     reason: str
+    code: str = "failed"
 
 
 @dataclass
@@ -51,9 +58,9 @@ class TransferEvents:
         with self._lock:
             self._events.completed.append(Completed(tid, first_token))
 
-    def fail(self, tid: str, reason: str) -> None:
+    def fail(self, tid: str, reason: str, code: str = "failed") -> None:
         with self._lock:
-            self._events.failed.append(Failed(tid, reason))
+            self._events.failed.append(Failed(tid, reason, code))
 
     def drain(self) -> Events:
         with self._lock:
@@ -141,8 +148,7 @@ class TransferThread:
                 cmds = self._drain(wait if self.wait_on_commands else 0.0)
                 if _STOP in cmds:
                     return
-                for cmd in cmds:
-                    self._handle(cmd)
+                self._handle_all(cmds)
                 timeout = 0.0 if cmds or self.wait_on_commands else wait
                 for item in self.backend.poll(timeout):
                     self._on_incoming(item)
@@ -166,6 +172,10 @@ class TransferThread:
         except queue.Empty:
             pass
         return cmds
+
+    def _handle_all(self, cmds: list) -> None:
+        for cmd in cmds:
+            self._handle(cmd)
 
     def _handle(self, cmd: tuple) -> None:
         raise NotImplementedError

@@ -115,6 +115,9 @@ class ZmqBackend(Backend):
                 if time.monotonic() > give_up:
                     state.failed = f"peer unreachable for {self._timeout:.1f} s"
                 return
+            except zmq.ZMQError as exc:  # e.g. the socket was closed by a reconnect
+                state.failed = f"send failed: {exc}"
+                return
             state.outbox.popleft()
 
     def write(self, peer, transfer_id, layer, region, src_offsets, dst_offsets, lengths):
@@ -211,6 +214,7 @@ class ZmqBackend(Backend):
         state = self._peers.pop(peer, None)
         if state is None:
             return
+        state.failed = state.failed or f"disconnected from {peer!r}"  # handles still held fail cleanly
         for sock in (state.sock, state.monitor):
             self._poller.unregister(sock)
         state.sock.disable_monitor()

@@ -24,7 +24,7 @@ def make(workers, admission=AdmissionSettings(), drain=None, local_prefill_thres
     fake = FakeWorkerClient(reply=[1, 2])
     dispatcher = Dispatcher(registry, RoundRobin(), RoundRobin(), fake,
                             DispatchSettings(local_prefill_threshold=local_prefill_threshold),
-                            Admission(admission), drain)
+                            admission=Admission(admission), drain=drain)
     return registry, fake, dispatcher
 
 
@@ -75,7 +75,7 @@ def test_a_waiter_gets_the_slot_a_finished_request_frees_without_polling():
         await finish(second)
 
     asyncio.run(run())
-    assert workers[1].inflight == 0 and dispatcher.sessions == 0
+    assert workers[1].inflight == 0 and dispatcher.admission.sessions == 0
 
 
 def test_waiting_longer_than_the_timeout_is_a_429():
@@ -101,7 +101,7 @@ def test_a_prefill_slot_frees_when_the_prefill_ends_not_when_the_request_does():
         local = await dispatcher.start("r2", [1], SAMPLING)  # prefilled on d0: no prefill slot needed
         waiter = asyncio.create_task(dispatcher.start("r3", [1, 2, 3], SAMPLING))
         await asyncio.sleep(0.01)
-        assert not waiter.done() and dispatcher.prefills_pending == 1
+        assert not waiter.done() and dispatcher.admission.prefills_pending == 1
         deltas = first.deltas()
         await anext(deltas)  # r1's prefill ran; its decode goes on
         third = await asyncio.wait_for(waiter, 1.0)
@@ -113,7 +113,7 @@ def test_a_prefill_slot_frees_when_the_prefill_ends_not_when_the_request_does():
 
     asyncio.run(run())
     assert [req.request_id for _, req in fake.prefills] == ["r1", "r3"]
-    assert dispatcher.prefills_pending == 0 and dispatcher.sessions == 0
+    assert dispatcher.admission.prefills_pending == 0 and dispatcher.admission.sessions == 0
 
 
 def test_draining_workers_get_no_new_requests_and_none_left_is_503():

@@ -35,6 +35,9 @@ class ScriptedReceiver:
     def cancel(self, transfer_id: str) -> None:
         self.cancelled.append(transfer_id)
 
+    def counters(self) -> dict[str, int]:
+        return {"dropped_expired": 2}
+
     def close(self) -> None:
         pass
 

@@ -21,7 +21,7 @@ def make(fake, workers=None, admission=None, **settings):
     workers = workers or [Worker("p0", "prefill", "http://p0"), Worker("d0", "decode", "http://d0")]
     registry = WorkerRegistry(workers)
     return registry, Dispatcher(registry, RoundRobin(), RoundRobin(), fake, DispatchSettings(**settings),
-                                Admission(admission or AdmissionSettings()))
+                                admission=Admission(admission or AdmissionSettings()))
 
 
 async def drain(session):
@@ -37,7 +37,7 @@ def test_failed_prefill_ends_the_request_with_500_and_aborts_the_decode_server()
             raise WorkerUnreachable(worker, "connection refused")
 
     fake = FailingPrefill(reply=[1, 2, 3], delay=0.05)
-    registry, dispatcher = make(fake)
+    registry, dispatcher = make(fake, prefill_failure="fail")
 
     async def run():
         session = await dispatcher.start("r1", [5, 6], SAMPLING)

@@ -1,0 +1,73 @@
+"""``pdserve bench ...`` and ``pdserve plan``: registration only.
+
+``serve``, ``compare`` and ``plan`` take their arguments from their modules'
+``add_arguments`` (light imports: no torch until a command runs).
+``transfer`` and ``engine`` belong to other packages that parse their own
+arguments in ``main(argv)``: everything after the command name, ``--help``
+included, is handed to them, so ``pdserve --help`` does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _passthrough(sub, name: str, help_: str, description: str, main) -> None:
+    # prefix_chars="+" makes this parser treat "--threads" as a plain word to pass along.
+    parser = sub.add_parser(name, help=help_, description=description, add_help=False, prefix_chars="+")
+    parser.add_argument("argv", nargs="*", help=argparse.SUPPRESS)
+    parser.set_defaults(func=lambda args: main(args.argv))
+
+
+def _run_transfer_bench(argv: list[str]) -> int:
+    from transfer import bench as transfer_bench
+
+    return transfer_bench.main(argv)
+
+
+def _run_engine_bench(argv: list[str]) -> int:
+    from bench import engine_bench
+
+    return engine_bench.main(argv)
+
+
+def add_parser(subparsers) -> None:
+    from bench import compare, plan, serve
+
+    bench = subparsers.add_parser(
+        "bench", help="load tests and comparisons",
+        description="Benchmarks: load-test an endpoint, compare colocated vs disaggregated "
+                    "layouts, measure KV transfer, time the engine.",
+    )
+    sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND", required=True)
+
+    p = sub.add_parser(
+        "serve", help="load-test an OpenAI-compatible endpoint",
+        description="Streams OpenAI-API requests to --url and reports TTFT, TPOT, ITL, E2E, "
+                    "throughput and goodput. Bounded by --num-requests or --duration.",
+    )
+    serve.add_arguments(p)
+    p.set_defaults(func=serve.run)
+
+    p = sub.add_parser(
+        "compare", help="colocated vs xPyD on the same cores and workloads",
+        description="Starts the colocated baseline and an xPyD layout with pdserve launch on the same "
+                    "cores, runs the same workloads against each, and writes a markdown report with "
+                    "plots, ratios and the planner's predictions next to the measurements.",
+    )
+    compare.add_arguments(p)
+    p.set_defaults(func=compare.run)
+
+    _passthrough(sub, "transfer", "KV transfer bandwidth and latency (transfer.bench; --help for its options)",
+                 "Measures the KV transfer backends; all arguments go to transfer.bench.", _run_transfer_bench)
+    _passthrough(sub, "engine", "offline engine throughput vs transformers (bench.engine_bench)",
+                 "Times the engine without HTTP; all arguments go to bench.engine_bench.", _run_engine_bench)
+
+    p = subparsers.add_parser(
+        "plan", help="profile the engine and recommend an xPyD layout",
+        description="Profiles the model on this machine (or reads a saved profile), simulates "
+                    "colocated and xPyD layouts for a workload and recommends x and y with "
+                    "predicted TTFT, TPOT and goodput.",
+    )
+    plan.add_arguments(p)
+    p.set_defaults(func=plan.run)

@@ -1,0 +1,259 @@
+"""``pdserve bench compare``: the colocated baseline vs an xPyD layout, measured.
+
+One run, one machine, the same cores for both sides:
+
+1. profile the model (or load ``--profile``) for the planner's predictions;
+2. for each layout (colocated with every core in one engine, then the
+   xPyD layout with the cores split between its instances), write a
+   cluster config with free ports, ``pdserve launch`` it pinned to
+   ``--cpus``, run every scenario against its router, stop it by pid;
+3. the idle-2k scenario also runs on 1P1D with P given every core, so its
+   TTFT can be compared at equal prefill compute (on a machine with spare
+   cores; here P and D then oversubscribe them);
+4. simulate each measured run (same lengths, same send times) with the
+   planner, calibrated per layout by a few tiny probe requests (the
+   server's fixed per-step and per-request costs, which the engine profile
+   cannot see), and write ``report.md``, ``results.json`` and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import yaml
+
+from bench.cluster import cpu_list, free_port_pairs, launch
+from bench.costmodel import Overheads
+from bench.loadgen import LoadConfig
+from bench.metrics import RequestRecord, Summary, summarize
+from bench.plan import Candidate, EngineSettings, build_layout
+from bench.profile import Profile, ProfileGrid, profile_engine
+from bench.prompts import PromptBuilder, load_tokenizer
+from bench.scenarios import EngineKnobs, Scenario, cluster_config, parse_rates, select
+from bench.serve import request_source, run_benchmark
+from bench.simulate import Layout, simulate
+from bench.workload import RequestSpec, Workload
+
+
+@dataclass
+class Run:
+    """One scenario measured on one layout, with the planner's prediction."""
+
+    layout: str
+    scenario: Scenario
+    records: list[RequestRecord]
+    measured: Summary
+    predicted: Summary | None
+    transfer: dict | None = None  # idle runs on xPyD, per P: accept-to-ack span (s), KV bytes
+    loadavg: tuple[float, float] = (0.0, 0.0)
+    calibration: dict | None = None  # the live cluster's fixed overheads the prediction used
+
+
+PROBE = Scenario("probe", "8-token prompts, 16 tokens out, one at a time", Workload.single("8", "16"),
+                 num_requests=5, concurrency=1, idle=True)
+
+
+def calibrate(layout: Layout, records: list[RequestRecord]) -> tuple[Layout, dict]:
+    """Adds the live cluster's fixed costs, measured with tiny requests, to a layout.
+
+    The profile times bare engine steps; a server adds a per-step cost (engine
+    thread, queues, streaming) and a per-request cost (HTTP, tokenization,
+    routing, the extra hop of a disaggregated request). Both are read off
+    probe requests too small for compute to matter: the TPOT gap goes into
+    every step's base cost, then the TTFT gap left into ``ingress``.
+    """
+    done = [r for r in records if r.ok and r.tpot is not None]
+    if not done:
+        return layout, {"step_ms": 0.0, "request_ms": 0.0}
+    bare = replace(layout, overheads=Overheads())
+    step_gap = max(0.0, statistics.median(r.tpot for r in done) - predict(bare, PROBE, done).tpot.mean / 1000)
+
+    def slower(spec):
+        return replace(spec, cost=replace(spec.cost, base=spec.cost.base + step_gap))
+
+    stepped = replace(bare, serving=tuple(map(slower, bare.serving)), prefill=tuple(map(slower, bare.prefill)))
+    request_gap = max(0.0, statistics.median(r.ttft for r in done) - predict(stepped, PROBE, done).ttft.mean / 1000)
+    calibrated = replace(stepped, overheads=Overheads(ingress=request_gap))
+    return calibrated, {"step_ms": 1000 * step_gap, "request_ms": 1000 * request_gap}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", metavar="DIR",
+                   help="model folder (default: build the ~90M benchmark model, answering in text)")
+    p.add_argument("--layout", default="1p1d", help="the disaggregated layout, xPyD (default 1p1d)")
+    p.add_argument("--cpus", metavar="LIST", help="cores for both sides, e.g. 0,1 (default: all allowed)")
+    p.add_argument("--scenarios", metavar="LIST", help="prefill-heavy,short,idle-2k (default: all)")
+    p.add_argument("--rate", action="append", metavar="NAME=R", help="override a scenario's arrival rate")
+    p.add_argument("--scale", type=float, default=1.0, help="multiply request counts (default 1)")
+    p.add_argument("--profile", metavar="FILE", help="saved profile for predictions (default: profile now)")
+    p.add_argument("--quick-profile", action="store_true", help="profile with the small grid")
+    p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per instance (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--out", default="runs/compare", help="report folder (default runs/compare)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds for a cluster to come up")
+
+
+def benchmark_model(cache: Path) -> str:
+    """The lead's ~90M benchmark model (engine_bench.BENCH_SPEC), made to answer in text.
+
+    BENCH_SPEC has a 16384-id vocabulary but its tokenizer knows ~620 tokens,
+    so greedy decoding mostly picks ids with no text and the router streams
+    nothing to time. Zeroing the (tied) embedding rows past the tokenizer
+    makes those logits exactly 0, below the largest real one: same shapes,
+    same compute per step, answers that decode to text.
+    """
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoTokenizer
+
+    from bench.engine_bench import BENCH_SPEC
+    from engine.make_model import make_tiny
+
+    folder = cache / "bench90m-text"
+    if (folder / "bench_text_model.json").is_file():
+        return str(folder)
+    tmp = cache / "bench90m-text.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_tiny(tmp, BENCH_SPEC)
+    known = len(AutoTokenizer.from_pretrained(str(tmp), local_files_only=True))
+    weights = load_file(str(tmp / "model.safetensors"))
+    table = weights["model.embed_tokens.weight"]
+    with torch.no_grad():
+        table[known:] = 0
+    save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "bench_text_model.json").write_text(json.dumps({"spec": "engine_bench.BENCH_SPEC",
+                                                           "zeroed_embedding_rows_from": known}) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return str(folder)
+
+
+def measure(url: str, model: str, scenario: Scenario, builder: PromptBuilder, seed: int) -> list[RequestRecord]:
+    config = LoadConfig(url=url, model=model, concurrency=scenario.concurrency, rate=scenario.rate,
+                        num_requests=scenario.num_requests, request_timeout=600.0, seed=seed)
+    source = request_source(scenario.workload, builder, "tokens", seed)
+    return run_benchmark(config, source, warmup=1, progress=True).records
+
+
+def predict(layout, scenario: Scenario, records: list[RequestRecord]) -> Summary:
+    """The planner's simulation of exactly the requests sent, at their send times."""
+    specs = [RequestSpec(i, r.prompt_len, r.max_tokens) for i, r in enumerate(records)]
+    # Idle runs send one request at a time: simulate them far apart.
+    arrivals = [1000.0 * i for i in range(len(records))] if scenario.idle else [r.start for r in records]
+    result = simulate(layout, specs, arrivals)
+    duration = None if scenario.idle else result.duration_s
+    return summarize(result.records, duration, scenario.slo_ttft_ms, scenario.slo_tpot_ms)
+
+
+TRANSFER_METRICS = ("pdserve_transfer_seconds_sum", "pdserve_transfer_seconds_count", "pdserve_transfer_bytes_total")
+
+
+def _transfer_summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
+    """Per prefill server: mean accept-to-ack seconds and KV bytes per request."""
+    out = {}
+    seconds, count, nbytes = TRANSFER_METRICS
+    for name, total in after[count].items():
+        n = total - before[count].get(name, 0.0)
+        if n > 0:
+            out[name] = {"span_s": (after[seconds][name] - before[seconds].get(name, 0.0)) / n,
+                         "bytes": (after[nbytes].get(name, 0.0) - before[nbytes].get(name, 0.0)) / n}
+    return out
+
+
+def run_layout(name: str, cand: Candidate, scenarios: list[Scenario], ctx: dict,
+               prefill_threads: int | None = None) -> list[Run]:
+    """Launches one layout, runs the scenarios against it, stops it."""
+    out_dir: Path = ctx["out"]
+    ports = free_port_pairs(1 + cand.instances)
+    config = cluster_config(cand, ctx["model"], ports, ctx["knobs"], prefill_threads)
+    config_path = out_dir / f"{name}.yaml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    print(f"== {name}: launching {config_path} on cores {ctx['cpus']}", flush=True)
+    cluster = launch(config_path, out_dir / f"run-{name}", ctx["cpus"], ctx["launch_timeout"])
+    runs = []
+    try:
+        probe = measure(cluster.url, cluster.model, PROBE, ctx["builder"], ctx["seed"])
+        layout, calibration = calibrate(ctx["layout_for"](cand, prefill_threads), probe)
+        print(f"   calibration: +{calibration['step_ms']:.1f} ms per step, "
+              f"+{calibration['request_ms']:.1f} ms per request", flush=True)
+        for scenario in scenarios:
+            print(f"-- {name} / {scenario.name}: {scenario.description}", flush=True)
+            load0 = os.getloadavg()[0]
+            if scenario.idle and cand.num_prefill:
+                before = {m: cluster.scrape(m) for m in TRANSFER_METRICS}
+            records = measure(cluster.url, cluster.model, scenario, ctx["builder"], ctx["seed"])
+            transfer = None
+            if scenario.idle and cand.num_prefill:
+                transfer = _transfer_summary(before, {m: cluster.scrape(m) for m in TRANSFER_METRICS})
+            measured = summarize(records, None, scenario.slo_ttft_ms, scenario.slo_tpot_ms)
+            runs.append(Run(name, scenario, records, measured, predict(layout, scenario, records), transfer,
+                            (load0, os.getloadavg()[0]), calibration))
+    finally:
+        killed = cluster.stop()
+        if killed:
+            print(f"warning: had to SIGKILL pids {killed} of {name}", flush=True)
+    return runs
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.compare_report import write_report
+
+    cpus = cpu_list(args.cpus)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    scenarios = select(args.scenarios, args.scale, parse_rates(args.rate))
+    cand = Candidate.parse(args.layout, len(cpus), per_device=False)
+    if cand.num_prefill == 0:
+        raise ValueError(f"--layout {args.layout!r} is colocated; give an xPyD layout such as 1p1d")
+    baseline = Candidate(0, 1, len(cpus))
+    model = args.model or benchmark_model(Path("runs") / "models")
+    knobs = EngineKnobs(kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.profile:
+        profile = Profile.load(args.profile)
+    else:
+        grid = ProfileGrid.quick() if args.quick_profile else ProfileGrid()
+        profile = profile_engine(model, sorted({1, cand.threads, len(cpus)}), grid)
+        profile.save(out / "profile.json")
+    settings = EngineSettings(knobs.block_size, knobs.kv_cache_bytes, knobs.max_num_seqs,
+                              knobs.max_num_batched_tokens)
+    def layout_for(c: Candidate, prefill_threads: int | None) -> Layout:
+        layout = build_layout(c, profile, settings, Overheads())
+        if prefill_threads is not None:
+            layout = replace(layout, prefill=(settings.spec(profile, prefill_threads),) * c.num_prefill)
+        return layout
+
+    ctx = {"out": out, "model": model, "knobs": knobs, "cpus": cpus, "launch_timeout": args.launch_timeout,
+           "builder": PromptBuilder(load_tokenizer(model)), "seed": args.seed, "layout_for": layout_for}
+    started = time.time()
+    runs = run_layout("colocated", baseline, scenarios, ctx)
+    runs += run_layout(cand.name, cand, scenarios, ctx)
+    idle = [s for s in scenarios if s.idle]
+    if idle and cand.threads < len(cpus):
+        runs += run_layout(f"{cand.name}-P{len(cpus)}t", cand, idle, ctx, prefill_threads=len(cpus))
+    transfer = profile.transfer_cost()
+    meta = {"model": model, "cpus": cpus, "transfer": {"bandwidth": transfer.bandwidth, "source": profile.transfer_source,
+                                                      "tail_2k_s": {t: transfer.arrival(2048, 0.0, c) - c for t in
+                                                                    (cand.threads, len(cpus))
+                                                                    for c in [profile.cost(t).prefill_time(2048)]}}, "layout": cand.name, "threads": {"colocated": len(cpus),
+            cand.name: cand.threads}, "profile": {k: v for k, v in profile.to_json().items() if k != "samples"},
+            "wall_s": time.time() - started, "command": "pdserve " + " ".join(sys.argv[1:])}
+    report = write_report(out, runs, meta)
+    (out / "results.json").write_text(json.dumps(
+        {"meta": meta, "runs": [{"layout": r.layout, "scenario": r.scenario.name, "measured": r.measured.to_json(),
+                                 "predicted": r.predicted.to_json() if r.predicted else None,
+                                 "transfer": r.transfer, "loadavg": r.loadavg, "calibration": r.calibration,
+                                 "requests": [x.to_json() for x in r.records]} for r in runs]}, indent=1) + "\n")
+    print(report.read_text())
+    print(f"report: {report}")
+    return 0

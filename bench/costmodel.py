@@ -1,0 +1,160 @@
+"""Cost models the simulator runs on, fitted from measured engine steps.
+
+One engine step (any mix of prefill chunks and decode tokens) costs
+
+    t = base + per_token * new_tokens + per_attn * attn_pairs + per_seq * seqs
+
+* ``new_tokens``: tokens computed this step (prefill chunk tokens + one per
+  decode); the linear layers scale with it.
+* ``attn_pairs``: (query, key) pairs attention touches; a prefill chunk of
+  positions [s, e) touches e(e+1)/2 - s(s+1)/2, a decode at context L
+  touches L + 1. This is the quadratic term of long prompts and the
+  context term of decode.
+* ``seqs``: sequences that sample a token this step (the LM head and the
+  sampler run once per sequence, not per prompt token).
+
+A KV transfer of n prompt tokens takes ``latency + n * bytes_per_token /
+bandwidth``; pushed layer by layer, all but the last layer's share overlaps
+the prefill compute (see :meth:`TransferCost.arrival`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+def chunk_attn_pairs(start: int, end: int) -> int:
+    """Causal attention pairs of computing positions [start, end)."""
+    return end * (end + 1) // 2 - start * (start + 1) // 2
+
+
+@dataclass(frozen=True)
+class StepCost:
+    base: float
+    per_token: float
+    per_attn: float
+    per_seq: float
+
+    def step_time(self, new_tokens: int, attn_pairs: int, seqs: int) -> float:
+        return self.base + self.per_token * new_tokens + self.per_attn * attn_pairs + self.per_seq * seqs
+
+    def prefill_time(self, prompt_len: int) -> float:
+        """One prompt prefilled in one step."""
+        return self.step_time(prompt_len, chunk_attn_pairs(0, prompt_len), 1)
+
+    def decode_time(self, batch: int, context: int) -> float:
+        """One decode step of ``batch`` sequences of ``context`` tokens each."""
+        return self.step_time(batch, batch * (context + 1), batch)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> StepCost:
+        return cls(**{k: float(data[k]) for k in ("base", "per_token", "per_attn", "per_seq")})
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured step: its features and its wall time."""
+
+    new_tokens: int
+    attn_pairs: int
+    seqs: int
+    seconds: float
+
+
+def fit_step_cost(samples: list[StepSample], robust: bool = True) -> StepCost:
+    """Least squares with non-negative coefficients, weighted by 1/time.
+
+    Relative weighting keeps short decode steps as well fitted as long
+    prefills. Negative coefficients are dropped and the rest refitted (an
+    active-set NNLS, enough for four unknowns). ``robust``: samples far off
+    the first fit (a step slowed by another process on a shared machine)
+    are dropped and the rest refitted once.
+    """
+    if len(samples) < 4:
+        raise ValueError(f"need at least 4 step samples to fit, got {len(samples)}")
+    x = np.array([[1.0, s.new_tokens, s.attn_pairs, s.seqs] for s in samples], dtype=float)
+    y = np.array([s.seconds for s in samples], dtype=float)
+    coef = _nnls_relative(x, y)
+    if robust:
+        rel = np.abs(x @ coef - y) / np.maximum(y, 1e-9)
+        keep = rel <= 3 * np.median(rel) + 0.05
+        if keep.sum() >= 4 and not keep.all():
+            coef = _nnls_relative(x[keep], y[keep])
+    return StepCost(*(float(c) for c in coef))
+
+
+def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    w = 1.0 / np.maximum(y, 1e-9)
+    active = [0, 1, 2, 3]
+    coef = np.zeros(4)
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef
+
+
+def fit_error(cost: StepCost, samples: list[StepSample]) -> float:
+    """Mean relative error of the fitted model on the samples."""
+    errs = [abs(cost.step_time(s.new_tokens, s.attn_pairs, s.seqs) - s.seconds) / s.seconds
+            for s in samples if s.seconds > 0]
+    return float(np.mean(errs)) if errs else 0.0
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    bytes_per_token: int
+    bandwidth: float  # bytes per second
+    latency: float = 0.0  # seconds: completion notice, queueing
+    num_layers: int = 1
+    layerwise: bool = True
+
+    def seconds(self, tokens: int) -> float:
+        return self.latency + tokens * self.bytes_per_token / self.bandwidth
+
+    def arrival(self, tokens: int, compute_start: float, compute_end: float) -> float:
+        """When a prompt's KV is complete on D.
+
+        Layer by layer, layer i's bytes can leave once layer i is computed:
+        the last layer's share follows the end of compute, and the whole
+        transfer cannot finish before the first layer's share started.
+        """
+        wire = tokens * self.bytes_per_token / self.bandwidth
+        if not self.layerwise or self.num_layers <= 1:
+            return compute_end + self.latency + wire
+        first_layer_done = compute_start + (compute_end - compute_start) / self.num_layers
+        done = max(compute_end + wire / self.num_layers, first_layer_done + wire)
+        return done + self.latency
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> TransferCost:
+        return cls(int(data["bytes_per_token"]), float(data["bandwidth"]), float(data.get("latency", 0.0)),
+                   int(data.get("num_layers", 1)), bool(data.get("layerwise", True)))
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Fixed latencies outside the engines (seconds).
+
+    ``ingress``: client to engine (HTTP, tokenization, routing);
+    ``egress``: engine to client per token event; ``pd_hop``: the extra
+    round trip of a disaggregated request (reservation on D, then the call
+    to P) before P can start.
+    """
+
+    ingress: float = 0.0
+    egress: float = 0.0
+    pd_hop: float = 0.0
+
+    def to_json(self) -> dict:
+        return asdict(self)

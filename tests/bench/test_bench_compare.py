@@ -1,0 +1,139 @@
+"""bench compare's pieces that need no running cluster."""
+
+import os
+
+import pytest
+
+from bench.cluster import cpu_list, free_port_pairs
+from bench.compare import Run, predict
+from bench.compare_report import wire_ms, write_report
+from bench.costmodel import Overheads, StepCost
+from bench.metrics import RequestRecord, summarize
+from bench.plan import Candidate, EngineSettings, build_layout
+from bench.scenarios import EngineKnobs, Scenario, cluster_config, default_scenarios, parse_rates, select
+from bench.workload import Workload
+
+from .test_bench_plan import fake_profile
+
+
+def test_generated_configs_give_colocated_every_core_and_split_them_for_1p1d():
+    knobs = EngineKnobs()
+    co = cluster_config(Candidate(0, 1, 2), "/m", [9000, 9002], knobs)
+    assert co["engine"]["num_threads"] == 2 and co["colocated"] == [{"name": "c0", "port": 9002}]
+    assert co["router"]["port"] == 9000 and "prefill" not in co
+    pd = cluster_config(Candidate(1, 1, 1), "/m", [9000, 9002, 9004], knobs, prefill_threads=2)
+    assert pd["engine"]["num_threads"] == 1
+    assert pd["prefill"] == [{"name": "p0", "port": 9002, "num_threads": 2}]
+    assert pd["decode"] == [{"name": "d0", "port": 9004}] and pd["transfer"] == {"backend": "zmq"}
+    with pytest.raises(ValueError, match="needs 3 ports"):
+        cluster_config(Candidate(1, 1, 1), "/m", [9000, 9002], knobs)
+
+
+def test_generated_configs_pass_the_launchers_strict_validation():
+    config = pytest.importorskip("deploy.config", reason="the serving path is not merged yet")
+    for cand in (Candidate(0, 1, 2), Candidate(1, 1, 1), Candidate(2, 1, 1)):
+        data = cluster_config(cand, "tiny", [9000, 9002, 9004, 9006], EngineKnobs())
+        config.parse_config(data, "generated")
+
+
+def test_scenarios_select_scale_and_rate_overrides():
+    names = [s.name for s in default_scenarios()]
+    assert names == ["prefill-heavy", "short", "idle-2k"]
+    (heavy, idle) = select("prefill-heavy,idle-2k", scale=0.5, rates={"prefill-heavy": 0.5})
+    assert heavy.rate == 0.5 and heavy.num_requests == 20
+    assert idle.num_requests == 3 and idle.idle  # idle runs are not scaled
+    with pytest.raises(ValueError, match="unknown scenario"):
+        select("nope")
+    with pytest.raises(ValueError, match="not run"):
+        select("short", rates={"prefill-heavy": 1.0})
+    assert parse_rates(["short=2", "prefill-heavy=0.3"]) == {"short": 2.0, "prefill-heavy": 0.3}
+    with pytest.raises(ValueError, match="NAME=REQ_PER_S"):
+        parse_rates(["short"])
+
+
+def test_cpu_lists_parse_and_stay_within_the_allowed_cores():
+    allowed = sorted(os.sched_getaffinity(0))
+    assert cpu_list(None) == allowed
+    assert cpu_list(f"{allowed[0]}") == [allowed[0]]
+    with pytest.raises(ValueError, match="bad CPU list"):
+        cpu_list("a-b")
+    with pytest.raises(ValueError, match="may not use"):
+        cpu_list("100000")
+
+
+def test_free_port_pairs_are_distinct_and_leave_room_for_the_kv_port():
+    ports = free_port_pairs(4)
+    used = ports + [p + 1 for p in ports]
+    assert len(set(used)) == 8
+
+
+def test_wire_time_is_bytes_over_bandwidth():
+    assert wire_ms(50e6, 0.5e9) == pytest.approx(100.0)
+    assert wire_ms(None, 1e9) is None
+
+
+def idle_scenario():
+    return Scenario("idle-2k", "one at a time", Workload.single("100", "3"), 2, concurrency=1, idle=True)
+
+
+def test_idle_prediction_simulates_each_request_alone():
+    profile = fake_profile()
+    layout = build_layout(Candidate(0, 1, 1), profile, EngineSettings(), Overheads())
+    recs = [RequestRecord(i, 100, 3, start=0.5 * i, ok=True) for i in range(2)]
+    predicted = predict(layout, idle_scenario(), recs)
+    # 5 ms + 100 x 1 ms prefill, each request alone.
+    assert predicted.ttft.mean == pytest.approx(105.0)
+    assert predicted.tpot.mean == pytest.approx(6.0)
+
+
+def record(i, ttft, tpot, n=4):
+    first = i + ttft
+    return RequestRecord(i, 100, n, start=float(i), end=first + tpot * (n - 1), ok=True, output_tokens=n,
+                         token_times=[first + tpot * k for k in range(n)])
+
+
+def test_report_has_headline_ratios_planner_errors_and_idle_transfer(tmp_path):
+    heavy = Scenario("prefill-heavy", "long and short", Workload.single("100", "4"), 2, rate=1.0,
+                     slo_ttft_ms=1000, slo_tpot_ms=50)
+    co = [record(0, 0.2, 0.100), record(1, 0.2, 0.020)]
+    pd = [record(0, 0.3, 0.020), record(1, 0.3, 0.020)]
+    s = lambda recs, sc: summarize(recs, 2.0, sc.slo_ttft_ms, sc.slo_tpot_ms)
+    idle = idle_scenario()
+    runs = [
+        Run("colocated", heavy, co, s(co, heavy), s(co, heavy), None, (1.0, 1.2)),
+        Run("1P1D", heavy, pd, s(pd, heavy), s(co, heavy), None, (1.0, 1.0)),
+        Run("colocated", idle, [record(0, 1.0, 0.01)], s([record(0, 1.0, 0.01)], idle), None),
+        Run("1P1D-P2t", idle, [record(0, 1.01, 0.01)], s([record(0, 1.01, 0.01)], idle), None,
+            {"p0": {"span_s": 1.0, "bytes": 50e6}}),
+    ]
+    meta = {"model": "m", "cpus": [0, 1], "layout": "1P1D", "threads": {"colocated": 2, "1P1D": 1},
+            "wall_s": 60, "command": "pdserve bench compare",
+            "transfer": {"bandwidth": 0.5e9, "source": "test", "tail_2k_s": {1: 0.008}}}
+    text = write_report(tmp_path, runs, meta).read_text()
+    assert "| prefill-heavy | goodput (req/s) | 0.500 | 1.000 | 2.00x |" in text
+    assert "| prefill-heavy | p99 TPOT (ms) | 99.2 | 20.0 | 0.20x |" in text
+    assert "| prefill-heavy | 1P1D | 200.0 | 300.0 | -33% |" in text
+    assert "| 1P1D-P2t | 1010.0 | - | 1.01x | 50.00 | 100.0 | 1000.0 |" in text
+    assert "exposed tail of a 2048-token prompt at 8.0 ms (P with 1 thread)" in text
+    assert (tmp_path / "prefill-heavy-latency_cdf.png").is_file()
+
+
+def test_calibration_reads_fixed_step_and_request_costs_off_probe_requests():
+    from bench.compare import PROBE, calibrate
+
+    layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
+    # Bare engine: prefill of 8 tokens 13 ms, decode step 6 ms. The live server
+    # shows TTFT 20 + 13 ms... and TPOT 6 + 4 ms.
+    step, request = 0.004, 0.020
+    recs = []
+    for i in range(3):
+        first = i + request + 0.013 + step
+        n = PROBE.workload.classes[0].output.upper
+        recs.append(RequestRecord(i, 8, n, start=float(i), end=first + (0.006 + step) * (n - 1), ok=True,
+                                  output_tokens=n, token_times=[first]))
+    calibrated, found = calibrate(layout, recs)
+    assert found["step_ms"] == pytest.approx(4.0)
+    assert found["request_ms"] == pytest.approx(20.0)
+    again = predict(calibrated, PROBE, recs)
+    assert again.ttft.mean == pytest.approx(1000 * (request + 0.013 + step))
+    assert again.tpot.mean == pytest.approx(10.0)

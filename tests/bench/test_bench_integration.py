@@ -1,0 +1,50 @@
+"""The load client against a real tiny cluster on 127.0.0.1 (processes stopped by pid)."""
+
+import argparse
+import json
+import os
+
+import pytest
+import yaml
+
+pytest.importorskip("deploy.launcher", reason="the serving path is not merged yet")
+
+from bench import cli  # noqa: E402
+from bench.cluster import _alive, cpu_list, free_port_pairs, launch  # noqa: E402
+from bench.plan import Candidate  # noqa: E402
+from bench.scenarios import EngineKnobs, cluster_config  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("cand", [Candidate(0, 1, 1), Candidate(1, 1, 1)], ids=["colocated", "1p1d"])
+def test_bench_serve_measures_every_request_of_a_real_cluster(cand, tiny_model, tmp_path, capsys):
+    knobs = EngineKnobs(kv_cache_bytes=8 * 1024 * 1024, max_num_seqs=8, max_num_batched_tokens=256)
+    config = cluster_config(cand, tiny_model, free_port_pairs(1 + cand.instances), knobs)
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cluster = launch(path, tmp_path / "run", cpu_list(None)[:1], timeout=180)
+    try:
+        parser = argparse.ArgumentParser(prog="pdserve")
+        cli.add_parser(parser.add_subparsers(dest="command", required=True))
+        out = tmp_path / "result.json"
+        args = parser.parse_args([
+            "bench", "serve", "--url", cluster.url, "--num-requests", "5", "--concurrency", "2",
+            "--prompt-len", "uniform(8,40)", "--output-len", "6", "--json", str(out), "--no-progress",
+            "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000",
+        ])
+        assert args.func(args) == 0
+    finally:
+        killed = cluster.stop()
+    assert killed == []
+    assert not any(_alive(p["pid"]) for p in cluster.processes())
+    data = json.loads(out.read_text())
+    summary = data["summary"]
+    assert (summary["completed"], summary["failed"], summary["good_requests"]) == (5, 0, 5)
+    for r in data["requests"]:
+        # Text prompts built with the model's tokenizer (found through /v1/models) are exact.
+        assert r["server_prompt_tokens"] == r["prompt_len"] and 8 <= r["prompt_len"] <= 40
+        assert r["output_tokens"] == 6 and r["ttft"] > 0 and r["tpot"] > 0
+        assert len(r["token_times"]) >= 1
+    assert "different prompt length" not in capsys.readouterr().out
+    assert os.path.isfile(tmp_path / "run" / "cluster.json")

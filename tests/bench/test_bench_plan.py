@@ -1,0 +1,141 @@
+"""The planner: candidates, recommendation, the command, and the profiler."""
+
+import json
+
+import pytest
+
+from bench.costmodel import StepCost, StepSample, chunk_attn_pairs, fit_step_cost
+from bench.plan import Candidate, EngineSettings, build_layout, candidates, evaluate, recommend
+from bench.costmodel import Overheads
+from bench.profile import Profile, ProfileGrid, profile_engine
+from bench.workload import Workload
+
+
+def fake_profile(per_token_1=0.001, speedup_2=1.6):
+    """One thread: 5 ms + 1 ms/token; two threads: ``speedup_2`` times faster
+    (1.6x: two CPU threads rarely double a small model's speed)."""
+    one = StepCost(0.005, per_token_1, 0.0, 0.0)
+    two = StepCost(0.005 / speedup_2, per_token_1 / speedup_2, 0.0, 0.0)
+    return Profile("fake", "float32", "cpu", num_layers=4, kv_bytes_per_token=1024, step_costs={1: one, 2: two},
+                   fit_errors={1: 0.0, 2: 0.0}, transfer_bandwidth=1e9, transfer_latency=1e-4,
+                   transfer_source="test")
+
+
+def test_candidates_on_two_cores_are_colocated_split_and_1p1d():
+    assert [(c.name, c.threads) for c in candidates(2)] == [("colocated", 2), ("colocated x2", 1), ("1P1D", 1)]
+    assert [c.name for c in candidates(3)] == ["colocated", "colocated x2", "1P1D", "colocated x3", "1P2D", "2P1D"]
+    assert [c.threads for c in candidates(4, max_instances=2)] == [4, 2, 2]
+    assert {c.threads for c in candidates(4, per_device=True)} == {1}
+
+
+def test_layout_names_parse():
+    assert Candidate.parse("2p1d", 4, False) == Candidate(2, 1, 1)
+    assert Candidate.parse("colocated", 4, False) == Candidate(0, 1, 4)
+    assert Candidate.parse("colocated x2", 4, False) == Candidate(0, 2, 2)
+    with pytest.raises(ValueError, match="only 2 fit"):
+        Candidate.parse("2p1d", 2, False)
+    with pytest.raises(ValueError, match="bad layout"):
+        Candidate.parse("mesh", 2, False)
+
+
+def plan(workload, rate, slo_ttft_ms, slo_tpot_ms, profile=None):
+    profile = profile or fake_profile()
+    layouts = [(c, build_layout(c, profile, EngineSettings(), Overheads())) for c in candidates(2)]
+    preds = evaluate(layouts, workload, rate, 120, slo_ttft_ms, slo_tpot_ms, seed=1)
+    return {p.candidate.name: p for p in preds}, recommend(preds)
+
+
+def test_prefill_heavy_mix_under_tight_tpot_recommends_1p1d():
+    # 1000-token prompts (0.6 s of prefill even on two threads) stall the
+    # short requests' decodes when colocated; on 1P1D they only queue on P.
+    workload = Workload.mix(["0.2:1000:8", "0.8:32:32"])
+    preds, best = plan(workload, rate=1.0, slo_ttft_ms=5000, slo_tpot_ms=10)
+    assert best.candidate.name == "1P1D"
+    assert preds["1P1D"].summary.tpot.p99 < 0.2 * preds["colocated"].summary.tpot.p99
+    assert preds["1P1D"].summary.slo_attainment == 1.0 > preds["colocated"].summary.slo_attainment
+
+
+def test_short_prompts_recommend_colocated_with_every_core():
+    workload = Workload.single("16", "32")
+    preds, best = plan(workload, rate=2.0, slo_ttft_ms=100, slo_tpot_ms=8)
+    assert best.candidate.name == "colocated"
+    assert preds["colocated"].summary.tpot.mean < preds["1P1D"].summary.tpot.mean
+
+
+def test_near_ties_go_to_fewer_instances():
+    workload = Workload.single("16", "4")
+    _, best = plan(workload, rate=0.5, slo_ttft_ms=10_000, slo_tpot_ms=10_000)
+    assert best.candidate.name == "colocated"
+
+
+def test_plan_command_prints_a_table_and_writes_json(tmp_path, capsys):
+    import argparse
+
+    from bench import cli
+
+    path = tmp_path / "profile.json"
+    fake_profile().save(path)
+    p = argparse.ArgumentParser(prog="pdserve")
+    cli.add_parser(p.add_subparsers(dest="command", required=True))
+    args = p.parse_args(["plan", "--profile", str(path), "--cores", "2", "--rate", "1", "--num-requests", "40",
+                         "--mix", "0.2:1000:8", "--mix", "0.8:32:32", "--slo-ttft-ms", "5000", "--slo-tpot-ms", "10",
+                         "--json", str(tmp_path / "plan.json")])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "| 1P1D **(recommended)** |" in out and "| colocated |" in out
+    data = json.loads((tmp_path / "plan.json").read_text())
+    assert data["recommended"] == "1P1D" and len(data["predictions"]) == 3
+
+
+def test_fit_recovers_the_coefficients_of_exact_samples():
+    truth = StepCost(0.004, 2e-4, 3e-8, 1e-3)
+    shapes = [(n, chunk_attn_pairs(0, n), 1) for n in (16, 128, 512, 2048)]
+    shapes += [(b, b * (c + 1), b) for b in (1, 8, 32) for c in (64, 512)]
+    samples = [StepSample(n, a, s, truth.step_time(n, a, s)) for n, a, s in shapes]
+    fit = fit_step_cost(samples)
+    for name in ("base", "per_token", "per_attn", "per_seq"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+
+
+def test_fit_never_returns_negative_costs():
+    samples = [StepSample(n, 0, 1, 0.01 - n * 1e-6) for n in (1, 10, 100, 1000, 2000)]
+    fit = fit_step_cost(samples)
+    assert min(fit.base, fit.per_token, fit.per_attn, fit.per_seq) >= 0
+
+
+def test_profile_of_the_tiny_model_round_trips_through_json(tiny_model, tmp_path):
+    profile = profile_engine(tiny_model, [1], ProfileGrid.quick(), progress=lambda _: None)
+    assert profile.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers, K/V, kv heads, head dim, float32
+    assert profile.num_layers == 2 and profile.transfer_bandwidth > 0
+    cost = profile.cost(1)
+    assert min(cost.base, cost.per_token, cost.per_attn, cost.per_seq) >= 0
+    assert cost.prefill_time(128) > cost.decode_time(1, 16) > 0
+    assert len(profile.samples[1]) >= 10
+    profile.save(tmp_path / "p.json")
+    again = Profile.load(tmp_path / "p.json")
+    assert again.step_costs == profile.step_costs and again.cost(4) == cost
+
+
+def test_a_file_that_is_not_a_profile_is_a_clear_error(tmp_path):
+    (tmp_path / "x.json").write_text('{"model": 1}')
+    with pytest.raises(ValueError, match="not a pdserve profile"):
+        Profile.load(tmp_path / "x.json")
+
+
+def test_fit_ignores_a_step_slowed_down_by_another_process():
+    truth = StepCost(0.004, 2e-4, 3e-8, 1e-3)
+    shapes = [(n, chunk_attn_pairs(0, n), 1) for n in (16, 64, 128, 512, 1024, 2048)]
+    shapes += [(b, b * (c + 1), b) for b in (1, 4, 8, 32) for c in (64, 512)]
+    samples = [StepSample(n, a, s, truth.step_time(n, a, s)) for n, a, s in shapes]
+    samples[3] = StepSample(*shapes[3], 5 * truth.step_time(*shapes[3]))
+    fit = fit_step_cost(samples)
+    assert fit.per_token == pytest.approx(truth.per_token, rel=1e-3)
+    assert fit.base == pytest.approx(truth.base, rel=1e-3)
+
+
+def test_repeated_step_shapes_are_fitted_at_their_median_time():
+    from bench.profile import median_by_shape
+
+    samples = [StepSample(10, 55, 1, t) for t in (0.010, 0.011, 0.050)] + [StepSample(1, 20, 1, 0.002)]
+    assert sorted(median_by_shape(samples), key=lambda s: s.new_tokens) == [
+        StepSample(1, 20, 1, 0.002), StepSample(10, 55, 1, 0.011)]

@@ -1,0 +1,239 @@
+"""The router's recovery rules and the dispatcher acting on them, with scripted
+workers (no servers): what starts over, where, how often, and what fails at once."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from router.dispatch import DispatchSettings, Dispatcher
+from router.errors import OpenAIError
+from router.policies import RoundRobin
+from router.recovery import StepFailed, decide
+from router.registry import Worker, WorkerRegistry
+from router.worker_client import WorkerFailed, WorkerUnreachable
+from server_common.worker_replies import ReprefillEvent
+from server_common.worker_requests import SamplingSpec
+from tests.serving.fakes import FakeStream, FakeWorkerClient
+
+SAMPLING = SamplingSpec(max_tokens=3, temperature=0)
+PREFILL_DOWN = StepFailed("prefill", "p0", "p0 unreachable", "prefill_failed")
+
+
+@pytest.mark.parametrize("mode,other,action", [("retry", True, "retry"), ("retry", False, "local"),
+                                               ("local", True, "local"), ("fail", True, "fail")])
+def test_a_prefill_failure_before_the_first_token_follows_the_configured_mode(mode, other, action):
+    assert decide(mode, PREFILL_DOWN, tokens_sent=False, attempts=1, other_prefill=other).action == action
+
+
+def test_no_second_retry_no_retry_after_tokens_and_never_after_a_decode_failure():
+    assert decide("retry", PREFILL_DOWN, tokens_sent=False, attempts=2, other_prefill=True).action == "fail"
+    assert decide("retry", PREFILL_DOWN, tokens_sent=True, attempts=1, other_prefill=True).action == "fail"
+    decode_down = StepFailed("decode", "d0", "stream broken", "decode_failed")
+    assert decide("local", decode_down, tokens_sent=False, attempts=1, other_prefill=True).action == "fail"
+
+
+def workers(num_prefill: int = 2, num_decode: int = 1) -> list[Worker]:
+    return ([Worker(f"p{i}", "prefill", f"http://p{i}") for i in range(num_prefill)]
+            + [Worker(f"d{i}", "decode", f"http://d{i}") for i in range(num_decode)])
+
+
+def make(fake, ws, mode: str):
+    registry = WorkerRegistry(ws)
+    return registry, Dispatcher(registry, RoundRobin(), RoundRobin(), fake,
+                                DispatchSettings(prefill_failure=mode))
+
+
+async def tokens(dispatcher, rid: str = "r1") -> list[int]:
+    session = await dispatcher.start(rid, [5, 6, 7], SAMPLING)
+    try:
+        return [t for e in [x async for x in session.deltas()] for t in e.token_ids]
+    finally:
+        await session.close()
+
+
+class PrefillFails(FakeWorkerClient):
+    """Prefill servers named in ``failing`` fail after taking the request."""
+
+    def __init__(self, failing: set[str], error=WorkerFailed, code: str = "worker_error", **kw) -> None:
+        super().__init__(**kw)
+        self.failing, self.error, self.code = failing, error, code
+
+    async def prefill(self, worker, req):
+        if worker.name in self.failing:
+            self.prefills.append((worker.name, req))
+            if self.error is WorkerUnreachable:
+                raise WorkerUnreachable(worker, "connection reset")
+            raise WorkerFailed(worker, "HTTP 502: transfer failed", self.code)
+        return await super().prefill(worker, req)
+
+
+def test_prefill_failure_starts_over_once_on_the_other_prefill_server_under_a_new_id():
+    fake = PrefillFails({"p0"}, error=WorkerUnreachable, reply=[1, 2, 3], delay=0.02)
+    registry, dispatcher = make(fake, workers(), "retry")
+    assert asyncio.run(tokens(dispatcher)) == [1, 2, 3]
+    assert [(name, req.request_id) for name, req in fake.prefills] == [("p0", "r1"), ("p1", "r1-retry1")]
+    assert [req.local_prefill for _, req in fake.opened] == [False, False]
+    assert ("d0", "r1") in fake.aborts and ("p0", "r1") in fake.aborts  # the first attempt is freed
+    assert [w.name for w in registry.healthy("prefill")] == ["p1"]
+    assert dispatcher.recovery.retries.labels(action="retry", cause="prefill_failed")._value.get() == 1
+    assert all(w.inflight == 0 for w in registry.workers)
+
+
+def test_prefill_failure_with_no_other_prefill_server_is_prefilled_on_the_decode_server():
+    fake = PrefillFails({"p0"}, reply=[4, 5], delay=0.02)
+    _, dispatcher = make(fake, workers(num_prefill=1), "retry")
+    assert asyncio.run(tokens(dispatcher)) == [4, 5]
+    assert [(req.request_id, req.local_prefill) for _, req in fake.opened] == [("r1", False), ("r1-retry1", True)]
+
+
+def test_prefill_failure_in_fail_mode_is_a_500_naming_server_and_request():
+    fake = PrefillFails({"p0"}, reply=[4, 5], delay=0.05)
+    _, dispatcher = make(fake, workers(), "fail")
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(tokens(dispatcher, "r9"))
+    assert info.value.status == 500 and "p0" in info.value.message and "r9" in info.value.message
+    assert ("d0", "r9") in fake.aborts
+
+
+def test_a_second_failure_is_not_retried_again():
+    fake = PrefillFails({"p0", "p1"}, reply=[4, 5], delay=0.05)
+    _, dispatcher = make(fake, workers(), "retry")
+    with pytest.raises(OpenAIError, match="gave up after 2 attempts"):
+        asyncio.run(tokens(dispatcher))
+    assert [req.request_id for _, req in fake.prefills] == ["r1", "r1-retry1"]
+
+
+def test_when_the_decode_server_decided_the_prefill_failure_is_left_to_its_stream():
+    fake = PrefillFails({"p0"}, code="decode_cancelled", reply=[7, 8], delay=0.05)
+    _, dispatcher = make(fake, workers(), "retry")
+    assert asyncio.run(tokens(dispatcher)) == [7, 8]
+    assert len(fake.opened) == 1  # no new attempt: the decode stream carried on
+
+
+class DecodeSays(FakeWorkerClient):
+    """The first decode stream sends ``first`` (an event or an exception) before its tokens."""
+
+    def __init__(self, first, **kw) -> None:
+        super().__init__(**kw)
+        self.first = first
+
+    async def open_decode(self, worker, req):
+        stream = await super().open_decode(worker, req)
+        if len(self.opened) == 1:
+            return Scripted(stream, self.first)
+        return stream
+
+
+class Scripted(FakeStream):
+    def __init__(self, stream: FakeStream, first) -> None:
+        super().__init__(stream.worker, stream.reservation, stream.events_to_send, stream.delay)
+        self.first = first
+
+    async def events(self):
+        await asyncio.sleep(0.01)
+        if isinstance(self.first, BaseException):
+            raise self.first
+        yield self.first
+        async for event in super().events():
+            yield event
+
+
+class SlowPrefill(FakeWorkerClient):
+    async def prefill(self, worker, req):
+        self.prefills.append((worker.name, req))
+        await asyncio.sleep(10)
+
+
+def test_a_lease_expiry_reported_by_the_decode_server_starts_over():
+    d0 = Worker("d0", "decode", "u")
+    fake = DecodeSays(WorkerFailed(d0, "lease expired before the KV arrived", "lease_expired"), reply=[3, 1])
+    _, dispatcher = make(fake, workers(), "retry")
+    assert asyncio.run(tokens(dispatcher)) == [3, 1]
+    assert [req.request_id for _, req in fake.opened] == ["r1", "r1-retry1"]
+    assert [name for name, _ in fake.prefills] == ["p0", "p1"]
+
+
+def test_a_reprefill_event_abandons_the_prefill_server_and_the_tokens_follow():
+    class Both(DecodeSays, SlowPrefill):
+        pass
+
+    fake = Both(ReprefillEvent(message="lease expired; prefilling locally", code="lease_expired"), reply=[9, 9])
+    _, dispatcher = make(fake, workers(), "fail")
+    assert asyncio.run(tokens(dispatcher)) == [9, 9]
+    assert fake.aborts == [("p0", "r1")]  # P told to drop it; D finished normally
+    assert dispatcher.recovery.reprefills.labels(cause="lease_expired")._value.get() == 1
+
+
+def test_a_decode_failure_fails_at_once_and_tells_the_prefill_server_to_drop_it():
+    class Both(DecodeSays, SlowPrefill):
+        pass
+
+    d0 = Worker("d0", "decode", "u")
+    fake = Both(WorkerUnreachable(d0, "stream broken: connection reset"), reply=[1])
+    registry, dispatcher = make(fake, workers(), "retry")
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(OpenAIError) as info:
+            await tokens(dispatcher)
+        return info.value, loop.time() - started
+
+    err, seconds = asyncio.run(run())
+    assert err.status == 500 and err.code == "decode_failed" and "d0" in err.message
+    assert seconds < 1.0  # not after the prefill server's 10 s
+    assert ("p0", "r1") in fake.aborts and len(fake.opened) == 1
+    assert not registry.workers[2].healthy
+
+
+def test_no_healthy_prefill_server_prefills_locally_unless_recovery_is_fail():
+    ws = workers(num_prefill=1)
+    ws[0].healthy = False
+    _, dispatcher = make(FakeWorkerClient(reply=[1]), ws, "retry")
+    assert dispatcher.wants_local_prefill(100)
+    _, strict = make(FakeWorkerClient(reply=[1]), ws, "fail")
+    assert not strict.wants_local_prefill(100)
+
+
+def test_health_checks_back_off_while_a_worker_is_down():
+    registry = WorkerRegistry(workers(1, 0), interval=0.5, backoff_max=3.0)
+    w = registry.workers[0]
+    delays = []
+    for failures in range(6):
+        w.failures = failures
+        delays.append(registry.next_check_in(w))
+    assert delays == [0.5, 0.5, 1.0, 2.0, 3.0, 3.0]
+    w.failures = 100_000  # a worker down for days
+    assert registry.next_check_in(w) == 3.0
+
+
+def test_the_health_watch_takes_a_dead_worker_out_and_brings_it_back_after_a_restart():
+    state = {"up": True, "checks": 0}
+
+    def handler(request):
+        state["checks"] += 1
+        if not state["up"]:
+            raise httpx.ConnectError("refused")
+        return httpx.Response(200, json={"kv_blocks": {"free": 3}})
+
+    registry = WorkerRegistry(workers(0, 1), interval=0.02, backoff_max=0.08)
+    d0 = registry.workers[0]
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            watch = asyncio.create_task(registry.run(client))
+            state["up"] = False
+            await asyncio.sleep(0.5)
+            down, checks_while_down = d0.healthy, state["checks"]
+            state["up"] = True
+            await asyncio.sleep(0.2)
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+            return down, checks_while_down
+
+    down, checks = asyncio.run(run())
+    assert not down and d0.healthy and d0.free_blocks == 3
+    assert checks < 0.5 / 0.02 / 2  # backed off: far fewer checks than one per interval
