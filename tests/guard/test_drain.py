@@ -33,7 +33,8 @@ LONG_PROMPTS = (PROMPTS[0], PROMPTS[3])  # two, so that the oracle computes two 
 def cluster(tmp_path_factory, tiny_model):
     for prompt in LONG_PROMPTS:  # the oracle's long answers, before the cluster competes for the cores
         expected(tiny_model, prompt, LONG, ignore_eos=True)
-    c = start(tmp_path_factory, "1p2d", tiny_model, {"max_model_len": 1024})
+    # round robin: four requests in a row are two on each decode server, whatever their reported load
+    c = start(tmp_path_factory, "1p2d", tiny_model, {"max_model_len": 1024, "router": {"policy": "round_robin"}})
     yield c
     c.stop()
 
