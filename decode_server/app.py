@@ -12,6 +12,7 @@ from starlette.background import BackgroundTask
 
 from decode_server.service import DecodeService, Refused
 from server_common.fault_routes import add_fault_routes
+from server_common.guard import install_guard
 from server_common.worker_replies import RefusedReply
 from server_common.worker_requests import AbortRequest, GenerateRequest, KVHello
 
@@ -26,6 +27,8 @@ def create_app(service: DecodeService) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title=f"pdserve {service.settings.role} server {service.settings.name}", lifespan=lifespan)
+
+    install_guard(app, service.settings.internal_secret, service.drain)
 
     @app.post("/generate")
     async def generate(req: GenerateRequest) -> Response:

@@ -33,6 +33,6 @@ def run(args: argparse.Namespace) -> int:
         from server_common.kv_adapter import make_receiver
 
         receiver = make_receiver(settings, engine, faults)
-    serve(create_app(DecodeService(settings, engine, receiver, faults)), settings.host, settings.port,
-          args.log_level)
+    service = DecodeService(settings, engine, receiver, faults)
+    serve(create_app(service), settings.host, settings.port, args.log_level, service.drain, settings.drain_timeout_s)
     return 0

@@ -28,6 +28,7 @@ import anyio
 from engine import LLMEngine, NoCapacityError, SamplingParams, StepOutput
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
+from server_common.guard import Drain
 from server_common.kv_port import KVReceiverPort
 from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
@@ -102,6 +103,7 @@ class DecodeService:
         self._cancelling: dict[str, str] = {}  # cancelled, waiting for the receiver to confirm; engine thread only
         self._active: dict[str, Active] = {}  # event loop only
         self._hub: StreamHub | None = None
+        self.drain = Drain(lambda: len(self._active))  # draining: new requests are refused, active ones finish
 
     # ---- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -128,6 +130,9 @@ class DecodeService:
             raise Refused(409, f"request id {rid!r} is already active", "duplicate_request")
         if not self.engine.alive:
             raise Refused(503, "engine is not running", "engine_down", retry_after=5)
+        if self.drain.draining:
+            raise Refused(503, f"{self.settings.name} is draining: it takes no new requests", "draining",
+                          retry_after=1)
         sampling = engine_sampling(req.sampling)
         local = req.local_prefill or self.settings.role == "colocated"
         active = Active(rid, self._hub.open(rid))
@@ -288,6 +293,7 @@ class DecodeService:
     # ---- status ---------------------------------------------------------------
     def health(self) -> HealthReport:
         s = self.engine.snapshot
-        return HealthReport(role=self.settings.role, instance=self.settings.name,
+        return HealthReport(status="draining" if self.drain.draining else "ok",
+                            role=self.settings.role, instance=self.settings.name,
                             kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),
                             queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=len(self._active))

@@ -15,6 +15,9 @@ block size and thread count comes from this one file. Example (see configs/)::
     decode:  [{name: d0, port: 8200, block_size: 32}]
 
 A colocated cluster lists ``colocated:`` instances instead of prefill/decode.
+Overload, limits and security keys (all optional) are described on
+``RouterConfig`` and ``SecurityConfig``; secrets are ``SecretStr`` so no
+repr, log line or config error ever shows them.
 """
 
 from __future__ import annotations
@@ -23,20 +26,12 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, SecretStr, ValidationError, model_validator
 
+from deploy.config_security import ConfigError, SecurityConfig, Strict, looks_secret
 from deploy.models import is_builtin, resolve_model
 from router.settings import RouterSettings, WorkerSpec
-
-
-class ConfigError(ValueError):
-    """A config file that cannot be used; the message names file, key and value."""
-
-
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
+from server_common.guard import is_loopback
 
 
 class EngineDefaults(Strict):
@@ -65,6 +60,8 @@ class Instance(Strict):
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     kv_layout: Literal["NHD", "HND"] | None = None
+    host: str | None = None  # the interface it binds to and others reach it at (default: the cluster's host)
+    max_inflight: int | None = Field(default=None, ge=1)  # router's in-flight limit for it (see RouterConfig)
 
     @property
     def transfer_port(self) -> int:
@@ -72,14 +69,30 @@ class Instance(Strict):
 
 
 class RouterConfig(Strict):
+    """The router. Overload: each worker takes at most ``max_inflight_per_worker``
+    requests at once (default: its engine's ``max_num_seqs``; an instance's
+    ``max_inflight`` overrides); beyond that requests wait, at most
+    ``max_queued_requests`` of them for at most ``queue_timeout_s``, and the
+    rest get 429 with ``Retry-After: retry_after_s``. Limits: bodies over
+    ``max_body_bytes`` get 413, prompts over ``max_prompt_tokens`` and
+    ``max_tokens`` over its cap get 400. ``api_keys``: Bearer keys clients
+    must send (none: no auth)."""
+
     port: int = Field(default=8000, ge=1, le=65535)
+    host: str | None = None  # the router's interface (default: the cluster's host); e.g. 0.0.0.0 to serve others
     policy: Literal["round_robin", "least_loaded"] = "round_robin"
     local_prefill_threshold: int = Field(default=0, ge=0)
     health_interval_s: float = Field(default=2.0, gt=0)
     health_backoff_max_s: float = Field(default=8.0, gt=0)  # a down worker is polled at doubling intervals up to this
     queue_timeout_s: float = Field(default=10.0, ge=0)
+    max_queued_requests: int = Field(default=128, ge=0)
+    retry_after_s: float = Field(default=1.0, gt=0)
+    max_inflight_per_worker: int | None = Field(default=None, ge=1)
     prefill_timeout_s: float = Field(default=120.0, gt=0)
-    api_keys: list[str] = Field(default_factory=list)
+    max_body_bytes: int = Field(default=4 << 20, ge=1024)
+    max_prompt_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    api_keys: list[SecretStr] = Field(default_factory=list)
 
 
 class RecoveryConfig(Strict):
@@ -113,6 +126,8 @@ class ClusterConfig(Strict):
     host: str = "127.0.0.1"
     max_model_len: int | None = Field(default=None, ge=2)
     lease_s: float = Field(default=30.0, gt=0)
+    drain_timeout_s: float = Field(default=30.0, gt=0)  # SIGTERM: the longest a process waits for its requests
+    security: SecurityConfig = SecurityConfig()
     engine: EngineDefaults = EngineDefaults()
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
@@ -138,6 +153,10 @@ class ClusterConfig(Strict):
         if dup_ports:
             raise ValueError(f"ports must be unique (router, instance port and kv_port = port + 1 by "
                              f"default), repeated: {dup_ports}")
+        exposed = [f"{i.name} ({self.host_of(i)})" for i in self.instances() if not is_loopback(self.host_of(i))]
+        if exposed and not self.security.configured:
+            raise ValueError(f"internal servers bind to interfaces other machines can reach: {', '.join(exposed)}; "
+                             "set security.internal_secret (or internal_secret_file) so they refuse strangers")
         return self
 
     # ---- derived ------------------------------------------------------------
@@ -164,12 +183,26 @@ class ClusterConfig(Strict):
         self.role_of(name)
         return next(i for i in self.instances() if i.name == name)
 
+    def host_of(self, instance: Instance) -> str:
+        return instance.host or self.host
+
     def url_of(self, instance: Instance) -> str:
-        return f"http://{self.host}:{instance.port}"
+        return f"http://{self.host_of(instance)}:{instance.port}"
+
+    @property
+    def router_host(self) -> str:
+        return self.router.host or self.host
 
     @property
     def router_url(self) -> str:
-        return f"http://{self.host}:{self.router.port}"
+        return f"http://{self.router_host}:{self.router.port}"
+
+    def max_inflight_of(self, instance: Instance) -> int:
+        if instance.max_inflight is not None:
+            return instance.max_inflight
+        if self.router.max_inflight_per_worker is not None:
+            return self.router.max_inflight_per_worker
+        return instance.max_num_seqs or self.engine.max_num_seqs
 
     def model_path(self) -> Path:
         """The model folder, built first if it is a built-in model not built yet."""
@@ -177,16 +210,19 @@ class ClusterConfig(Strict):
 
     def router_settings(self, model_path: Path) -> RouterSettings:
         workers = tuple(
-            WorkerSpec(i.name, "prefill" if i in self.prefill else "decode", self.url_of(i))
+            WorkerSpec(i.name, "prefill" if i in self.prefill else "decode", self.url_of(i), self.max_inflight_of(i))
             for i in self.instances()
         )
         r = self.router
         return RouterSettings(
-            model_path=str(model_path), served_model_name=self.model_name, workers=workers, host=self.host,
+            model_path=str(model_path), served_model_name=self.model_name, workers=workers, host=self.router_host,
             port=r.port, policy=r.policy, local_prefill_threshold=r.local_prefill_threshold,
-            health_interval=r.health_interval_s, queue_timeout=r.queue_timeout_s,
-            prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len, api_keys=tuple(r.api_keys),
-            health_backoff_max=r.health_backoff_max_s, prefill_failure=self.recovery.prefill_failure,
+            health_interval=r.health_interval_s, queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
+            retry_after=r.retry_after_s, prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len,
+            max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
+            drain_timeout=self.drain_timeout_s, api_keys=tuple(k.get_secret_value() for k in r.api_keys),
+            internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
+            prefill_failure=self.recovery.prefill_failure,
         )
 
     def server_settings(self, name: str, model_path: Path):
@@ -209,10 +245,11 @@ class ClusterConfig(Strict):
             mode=role, kv_layout=pick("kv_layout"),
         )
         return ServerSettings(
-            name=name, role=role, engine=engine, host=self.host, port=inst.port, kv_port=inst.transfer_port,
+            name=name, role=role, engine=engine, host=self.host_of(inst), port=inst.port, kv_port=inst.transfer_port,
             transfer_backend=self.transfer.backend, lease_s=self.lease_s, transfer_timeout_s=self.transfer.timeout_s,
             lease_expiry=self.recovery.lease_expiry, checksum_failure=self.recovery.checksum_failure,
-            fault_injection=self.fault_injection,
+            fault_injection=self.fault_injection, drain_timeout_s=self.drain_timeout_s,
+            internal_secret=self.security.secret(),
         )
 
 
@@ -242,14 +279,17 @@ def parse_config(data: object, source: str) -> ClusterConfig:
         for err in exc.errors():
             loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
             key = _where(loc)
+            secret = looks_secret(loc)
             if err["type"] == "extra_forbidden":
-                lines.append(f"{source}: unknown key {key!r} (value {err['input']!r})")
+                value = "(hidden)" if secret else repr(err["input"])
+                lines.append(f"{source}: unknown key {key!r} (value {value})")
             elif err["type"] == "missing":
                 lines.append(f"{source}: missing key {key!r}")
             elif not loc:
                 lines.append(f"{source}: {err['msg'].removeprefix('Value error, ')}")
             else:
-                lines.append(f"{source}: bad value {_lookup(data, loc)!r} for {key!r}: {err['msg']}")
+                value = "(hidden)" if secret else repr(_lookup(data, loc))
+                lines.append(f"{source}: bad value {value} for {key!r}: {err['msg']}")
         raise ConfigError("\n".join(lines)) from None
 
 

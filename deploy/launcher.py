@@ -3,8 +3,14 @@
 Order: build the model if it is a built-in one not built yet, start every
 prefill/decode/colocated server, wait until each answers /health, start the
 router, wait for it, write ``RUN_DIR/cluster.json`` and print the endpoint.
-Then watch: Ctrl-C, SIGTERM or any process exiting stops every process
-(SIGTERM, then SIGKILL after a grace period). Each process logs to
+Then watch: Ctrl-C, SIGTERM or any process failing stops every process.
+A server stopped by someone else's SIGTERM drains first and exits cleanly;
+that is an operator's choice, not a failure, so the cluster keeps serving as
+long as the router and at least one server of each role remain.
+
+Stopping drains: the router first (new requests get 503, those in flight
+finish), then the servers (nothing is in flight on them by then); each gets
+``drain_timeout_s`` plus a grace period before SIGKILL. Each process logs to
 ``RUN_DIR/<name>.log``.
 """
 
@@ -56,6 +62,7 @@ class Cluster:
         self.cluster = cluster
         self.run_dir = run_dir
         self.procs: list[Proc] = []
+        self.stopped: set[str] = set()  # servers that drained and stopped on someone else's SIGTERM
 
     def _spawn(self, role: str, name: str, url: str, args: list[str]) -> Proc:
         log = self.run_dir / f"{name}.log"
@@ -114,18 +121,37 @@ class Cluster:
         return self._spawn(old.role, name, old.url, args)
 
     def first_dead(self) -> Proc | None:
-        return next((p for p in self.procs if p.popen.poll() is not None), None)
+        """The first process whose exit stops the cluster (see the module docstring)."""
+        for proc in self.procs:
+            code = proc.popen.poll()
+            if code is None:
+                continue
+            drained = proc.role != "router" and code in (0, -signal.SIGTERM)
+            if not drained or not any(p.popen.poll() is None for p in self.procs if p.role == proc.role):
+                return proc
+            if proc.name not in self.stopped:
+                self.stopped.add(proc.name)
+                print(f"pdserve: {proc.role} {proc.name} drained and stopped; the cluster keeps serving", flush=True)
+        return None
 
-    def stop_all(self) -> None:
-        """Router first (no new work), then the servers; SIGKILL after the grace period."""
-        for proc in sorted(self.procs, key=lambda p: p.role != "router"):
+    def stop_all(self, hurry: threading.Event | None = None) -> None:
+        """Router first (it drains), then the servers; SIGKILL after drain timeout + grace, or at once
+        once ``hurry`` is set (a second Ctrl-C)."""
+        hurry = hurry or threading.Event()
+        patience = self.cluster.drain_timeout_s + GRACE_S
+        self._stop([p for p in self.procs if p.role == "router"], patience, hurry)
+        self._stop([p for p in self.procs if p.role != "router"], patience, hurry)
+
+    @staticmethod
+    def _stop(procs: list[Proc], patience: float, hurry: threading.Event) -> None:
+        for proc in procs:
             if proc.popen.poll() is None:
                 proc.popen.terminate()
-        deadline = time.monotonic() + GRACE_S
-        for proc in self.procs:
-            try:
-                proc.popen.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + patience
+        for proc in procs:
+            while proc.popen.poll() is None and time.monotonic() < deadline and not hurry.wait(0.05):
+                pass
+            if proc.popen.poll() is None:
                 proc.popen.kill()
                 proc.popen.wait()
 
@@ -172,6 +198,11 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
         print(f"pdserve launch: error: {exc}", file=sys.stderr, flush=True)
         return 1
     finally:
-        c.stop_all()
+        hurry = threading.Event()
+        for sig in previous:
+            signal.signal(sig, lambda *_: hurry.set())
+        if any(p.popen.poll() is None for p in c.procs):
+            print(f"pdserve: draining (up to {cluster.drain_timeout_s:g} s); Ctrl-C again stops at once", flush=True)
+        c.stop_all(hurry)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -23,9 +23,12 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): dividing logits by them overflows
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` means greedy."""
+    """Per-request sampling. ``temperature == 0`` (or below ``SAMPLING_EPS``) means greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -48,7 +51,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 @dataclass

@@ -30,7 +30,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], indices: list[int
 
 
 def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
-    logits = logits / p.temperature
+    logits = logits.float() / p.temperature  # float32: half-precision logits over a small temperature overflow
     if p.top_k > 0 and p.top_k < logits.shape[-1]:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -38,6 +38,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         sorted_logits, order = torch.sort(logits, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop = cumulative - sorted_logits.softmax(-1) >= p.top_p  # keep the smallest set reaching top_p
+        drop[0] = False  # and always the most likely token: a top_p that rounds to 0 in float32 would drop all
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -10,6 +10,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefill_server.service import PrefillFailed, PrefillService
 from server_common.fault_routes import add_fault_routes
+from server_common.guard import install_guard
 from server_common.worker_replies import RefusedReply
 from server_common.worker_requests import AbortRequest, PrefillRequest
 
@@ -24,6 +25,8 @@ def create_app(service: PrefillService) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title=f"pdserve prefill server {service.settings.name}", lifespan=lifespan)
+
+    install_guard(app, service.settings.internal_secret, service.drain)
 
     @app.post("/prefill")
     async def prefill(req: PrefillRequest) -> JSONResponse:

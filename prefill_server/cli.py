@@ -30,5 +30,5 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(settings.engine)
     faults = FaultInjector() if settings.fault_injection else None
     service = PrefillService(settings, engine, make_sender(settings, engine, faults), faults)
-    serve(create_app(service), settings.host, settings.port, args.log_level)
+    serve(create_app(service), settings.host, settings.port, args.log_level, service.drain, settings.drain_timeout_s)
     return 0

@@ -28,6 +28,7 @@ from decode_server.service import engine_sampling
 from engine import LLMEngine, PrefillChunk, StepOutput
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
+from server_common.guard import Drain
 from server_common.kv_port import KVSenderPort
 from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
@@ -83,6 +84,7 @@ class PrefillService:
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
         self._aborted: OrderedDict[str, None] = OrderedDict()  # recently aborted request ids; engine thread only
         self._pending = 0  # requests between /prefill and their answer (event loop only)
+        self.drain = Drain(lambda: self._pending)  # draining: new prefills are refused, pending ones finish
 
     async def start(self) -> None:
         self.engine.start()
@@ -93,6 +95,9 @@ class PrefillService:
         self.engine.stop()
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
+        if self.drain.draining:
+            self.metrics.requests.labels(outcome="draining").inc()
+            raise PrefillFailed(503, f"{self.settings.name} is draining: it takes no new prefills", "draining")
         self._pending += 1
         try:
             result = await self._prefill(req)
@@ -200,6 +205,7 @@ class PrefillService:
 
     def health(self) -> HealthReport:
         s = self.engine.snapshot
-        return HealthReport(role="prefill", instance=self.settings.name,
+        return HealthReport(status="draining" if self.drain.draining else "ok", role="prefill",
+                            instance=self.settings.name,
                             kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),
                             queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=self._pending)

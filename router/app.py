@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 
 import httpx
@@ -13,9 +12,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
+from router.admin import add_admin_routes
+from router.admission import Admission, AdmissionSettings
 from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.dispatch import DispatchSettings, Dispatcher
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
+from router.limits import BodyLimitMiddleware, RequestLimits
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.openai_handlers import OpenAIHandlers
@@ -23,6 +25,7 @@ from router.policies import make_policy
 from router.registry import Worker, WorkerRegistry
 from router.settings import RouterSettings
 from router.worker_client import WorkerClient
+from server_common.guard import Drain, auth_headers, bearer_token, is_loopback, token_matches
 
 
 DISCONNECT_POLL_S = 0.25
@@ -47,23 +50,29 @@ async def until_disconnect(request: Request, work):
 
 
 def create_app(settings: RouterSettings, model: ServedModel | None = None, client=None) -> FastAPI:
-    """``model`` and ``client`` (a WorkerClient look-alike) may be given by unit tests."""
+    """``model`` and ``client`` (a WorkerClient look-alike) may be given by unit tests.
+
+    ``app.state.drain`` is what SIGTERM starts (``server_common.run.serve``):
+    new requests then get 503, requests in flight or waiting for a slot finish.
+    """
     model = model or ServedModel.load(settings.served_model_name, settings.model_path, settings.max_model_len)
-    registry = WorkerRegistry([Worker(w.name, w.role, w.url) for w in settings.workers],
+    registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight) for w in settings.workers],
                               interval=settings.health_interval, backoff_max=settings.health_backoff_max)
-    metrics = RouterMetrics(registry)
+    admission = Admission(AdmissionSettings(max_queued=settings.max_queued, timeout=settings.queue_timeout,
+                                            retry_after=settings.retry_after))
+    metrics = RouterMetrics(registry, admission)
     dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
-                                         queue_timeout=settings.queue_timeout,
                                          prefill_failure=settings.prefill_failure)
+    limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-        async with httpx.AsyncClient(limits=limits) as http:
+        limits_http = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
+        async with httpx.AsyncClient(limits=limits_http, headers=auth_headers(settings.internal_secret)) as http:
             worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout)
             dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),
-                                    worker_client, dispatch_settings, metrics.recovery)
-            app.state.handlers = OpenAIHandlers(model, dispatcher, metrics)
+                                    worker_client, dispatch_settings, metrics.recovery, admission, drain)
+            app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits)
             health_task = asyncio.create_task(registry.run(http)) if client is None else None
             try:
                 yield
@@ -73,16 +82,31 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                     await asyncio.gather(health_task, return_exceptions=True)
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
-    app.add_middleware(RequestIdMiddleware)
+
+    # What a drain waits for: requests with a session or waiting for one.
+    app.state.drain = drain = Drain(lambda: admission.sessions + admission.waiting)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 too, has an id
     install_error_handlers(app)
 
     def check_auth(request: Request) -> None:
         if not settings.api_keys:
             return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(token, key) for key in settings.api_keys):
+        if not token_matches(bearer_token(request.headers.get("authorization", "")), settings.api_keys):
             raise OpenAIError(401, "missing or invalid API key", code="invalid_api_key")
+
+    def check_admin(request: Request) -> None:
+        """The internal secret when there is one, else an API key; with neither, callers on this machine only."""
+        if settings.internal_secret:
+            if not token_matches(bearer_token(request.headers.get("authorization", "")), [settings.internal_secret]):
+                raise OpenAIError(401, "admin calls need the cluster's internal secret", code="invalid_api_key")
+        elif settings.api_keys:
+            check_auth(request)
+        elif request.client is None or not is_loopback(request.client.host):
+            raise OpenAIError(403, "admin calls from other machines need security.internal_secret in the config",
+                              code="forbidden")
+
+    add_admin_routes(app, registry, check_admin)
 
     async def respond(request: Request, endpoint: str, call) -> Response:
         check_auth(request)
@@ -121,9 +145,11 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        workers = [{"name": w.name, "role": w.role, "url": w.url, "healthy": w.healthy} for w in registry.workers]
-        ok = bool(registry.healthy("decode"))
-        return JSONResponse({"status": "ok" if ok else "degraded", "workers": workers}, status_code=200 if ok else 503)
+        workers = [{"name": w.name, "role": w.role, "url": w.url, "healthy": w.healthy, "in_rotation": w.in_rotation}
+                   for w in registry.workers]
+        ok = bool(registry.healthy("decode")) and not drain.draining
+        status = "draining" if drain.draining else "ok" if ok else "degraded"
+        return JSONResponse({"status": status, "workers": workers}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

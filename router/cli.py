@@ -24,5 +24,6 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "router")
     cluster = load_config(args.config)
     settings = cluster.router_settings(cluster.model_path())
-    serve(create_app(settings), settings.host, settings.port, args.log_level)
+    app = create_app(settings)
+    serve(app, settings.host, settings.port, args.log_level, app.state.drain, settings.drain_timeout)
     return 0

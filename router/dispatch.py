@@ -1,6 +1,8 @@
 """One request's trip through the cluster (DESIGN.md, "The request path").
 
-``Dispatcher.start`` picks a decode server and opens the ``/generate`` stream
+``Dispatcher.start`` admits the request (``router.admission``: a free slot on
+a decode server, and on the prefill servers when it needs one, or a bounded
+wait, or 429), picks a decode server and opens the ``/generate`` stream
 whose first event is the reservation; only then (so a prefill server never
 computes for nothing) does the ``Session`` hand the prompt and the
 reservation to a prefill server. ``Session.deltas`` yields the decode
@@ -26,12 +28,14 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from router.admission import Admission, AdmissionSettings
 from router.errors import OpenAIError
 from router.metrics import RecoveryMetrics
 from router.policies import Policy
 from router.recovery import DECIDED_BY_DECODE, KV_NEVER_ARRIVED, StepFailed, decide
 from router.registry import Worker, WorkerRegistry
 from router.worker_client import DecodeStream, NoRoom, WorkerClient, WorkerFailed, WorkerUnreachable
+from server_common.guard import Drain
 from server_common.worker_replies import PrefillResult, ReprefillEvent, TokensEvent
 from server_common.worker_requests import GenerateRequest, PrefillRequest, SamplingSpec
 
@@ -41,14 +45,13 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class DispatchSettings:
     local_prefill_threshold: int = 0  # prompts shorter than this are prefilled on D
-    queue_timeout: float = 10.0  # how long to wait for room on some decode server
-    retry_interval: float = 0.05
     prefill_failure: str = "retry"  # retry | local | fail (router.recovery)
+    no_room_cooldown: float = 0.2  # after a decode server said "no room", skip it this long (or until a slot frees)
 
 
 class Session:
     def __init__(self, dispatcher: Dispatcher, request_id: str, prompt: list[int], sampling: SamplingSpec,
-                 decode: Worker, stream: DecodeStream) -> None:
+                 decode: Worker, stream: DecodeStream, prefill_slot: bool = False) -> None:
         self.request_id = request_id
         self.attempt_id = request_id  # what the servers call the current attempt
         self.decode: Worker | None = decode
@@ -66,6 +69,19 @@ class Session:
         self._tokens_sent = False
         self._finished = False
         self._closed = False
+        self._prefill_slot = prefill_slot  # one of the admission's prefills_pending, released once
+
+    def _release_prefill_slot(self) -> None:
+        if self._prefill_slot:
+            self._prefill_slot = False
+            self._dispatcher.admission.prefill_ended()
+
+    async def _prefill_then_release(self, queue: asyncio.Queue, attempt_id: str) -> None:
+        """The first prefill holds the slot the request was admitted with; a retry's runs without one."""
+        try:
+            await self._run_prefill(queue, attempt_id)
+        finally:
+            self._release_prefill_slot()
 
     async def deltas(self) -> AsyncIterator[TokensEvent]:
         """Token events up to and including the one with a finish_reason.
@@ -96,7 +112,7 @@ class Session:
         assert self.decode is not None and self._stream is not None
         self._tasks = [asyncio.create_task(self._pump_decode(queue, self.decode, self._stream))]
         if self.reservation is not None:
-            self._tasks.append(asyncio.create_task(self._run_prefill(queue, self.attempt_id)))
+            self._tasks.append(asyncio.create_task(self._prefill_then_release(queue, self.attempt_id)))
         return queue
 
     async def _pump_decode(self, queue: asyncio.Queue, worker: Worker, stream: DecodeStream) -> None:
@@ -186,7 +202,7 @@ class Session:
         if stream is None or self.decode is None:
             return
         await stream.aclose()
-        self.decode.inflight -= 1
+        self._dispatcher.admission.decode_freed(self.decode)
         if not self._finished:
             client = self._dispatcher.client
             aborts = [client.abort(self.decode, self.attempt_id)]
@@ -200,18 +216,23 @@ class Session:
             return
         self._closed = True
         await self._end_attempt()
+        self._release_prefill_slot()
+        self._dispatcher.admission.sessions -= 1
         await asyncio.gather(*self._background, return_exceptions=True)
 
 
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, decode_policy: Policy, prefill_policy: Policy,
-                 client: WorkerClient, settings: DispatchSettings, recovery: RecoveryMetrics | None = None) -> None:
+                 client: WorkerClient, settings: DispatchSettings, recovery: RecoveryMetrics | None = None,
+                 admission: Admission | None = None, drain: Drain | None = None) -> None:
         self.registry = registry
         self.decode_policy = decode_policy
         self.prefill_policy = prefill_policy
         self.client = client
         self.settings = settings
         self.recovery = recovery or RecoveryMetrics(CollectorRegistry())
+        self.admission = admission or Admission(AdmissionSettings())
+        self.drain = drain  # the router's own: once draining, no new session starts
 
     def wants_local_prefill(self, num_prompt_tokens: int) -> bool:
         """No prefill servers at all (colocated), a prompt short enough for D, or
@@ -223,40 +244,59 @@ class Dispatcher:
         return self.settings.prefill_failure != "fail" and not self.registry.healthy("prefill")
 
     async def start(self, request_id: str, prompt: list[int], sampling: SamplingSpec) -> Session:
-        """Open the decode stream (reservation first). Raises OpenAIError 503 when no
-        decode server has room within ``queue_timeout``."""
-        worker, stream = await self.open_stream(request_id, prompt, sampling,
-                                                local=self.wants_local_prefill(len(prompt)))
-        return Session(self, request_id, prompt, sampling, worker, stream)
+        """Admit the request and open its decode stream (reservation first).
 
-    async def open_stream(self, request_id: str, prompt: list[int], sampling: SamplingSpec,
-                          local: bool) -> tuple[Worker, DecodeStream]:
+        Raises OpenAIError 503 when no decode server is in rotation or the router
+        is shutting down, and 429 (with Retry-After) when every one is at its
+        in-flight limit or full and the waiting room is full or the wait too
+        long (see ``router.admission``).
+        """
+        if self.drain is not None and self.drain.draining:
+            raise OpenAIError(503, "the router is shutting down; retry later", code="draining",
+                              retry_after=self.admission.settings.retry_after)
+        local = self.wants_local_prefill(len(prompt))
+        worker, stream = await self.open_stream(request_id, prompt, sampling, local=local, prefill_slot=not local)
+        self.admission.sessions += 1
+        return Session(self, request_id, prompt, sampling, worker, stream,
+                       prefill_slot=not local and stream.reservation is not None)
+
+    async def open_stream(self, request_id: str, prompt: list[int], sampling: SamplingSpec, local: bool,
+                          prefill_slot: bool = False) -> tuple[Worker, DecodeStream]:
+        """A decode stream on the first server in policy order with a free slot that takes it,
+        waiting for one (``Admission.admit``). ``prefill_slot``: also claim one of the prefill
+        servers' slots (a new request; a retry runs its prefill without one)."""
         req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, local_prefill=local)
-        deadline = time.monotonic() + self.settings.queue_timeout
-        retry_after = 1.0
-        while True:
-            candidates = self.decode_policy.order(self.registry.healthy("decode"))
-            if not candidates:
-                raise OpenAIError(503, "no healthy decode server", retry_after=1)
-            for worker in candidates:
-                worker.inflight += 1
-                try:
-                    stream = await self.client.open_decode(worker, req)
-                except NoRoom as exc:
-                    worker.inflight -= 1
-                    retry_after = exc.retry_after
-                    continue
-                except WorkerUnreachable as exc:
-                    worker.inflight -= 1
-                    self.registry.mark_down(worker, str(exc))
-                    continue
-                except WorkerFailed as exc:
-                    worker.inflight -= 1
-                    raise OpenAIError(500, f"{exc} (request id {request_id})") from exc
-                except BaseException:
-                    worker.inflight -= 1
-                    raise
-                return worker, stream
-            if time.monotonic() >= deadline:
-                raise OpenAIError(503, "all decode servers are full; retry later", retry_after=retry_after)
-            await asyncio.sleep(self.settings.retry_interval)
+        return await self.admission.admit(lambda: self._try_open(req, prefill_slot))
+
+    async def _try_open(self, req: GenerateRequest, prefill_slot: bool) -> tuple[Worker, DecodeStream] | None:
+        """None when every decode server in rotation is full (or, with ``prefill_slot``, the prefill
+        servers are). The prefill slot is claimed with the decode slot, so that no prefill server is
+        sent more than its share and no reservation is made that could not be prefilled soon."""
+        in_rotation = self.registry.healthy("decode")
+        if not in_rotation:
+            raise OpenAIError(503, "no healthy decode server", retry_after=1)
+        if prefill_slot and self.admission.prefill_is_full(self.registry.healthy("prefill")):
+            return None
+        now = time.monotonic()
+        for worker in self.decode_policy.order([w for w in in_rotation if w.has_room(now)]):
+            self.admission.claim(worker, prefill_slot)
+            try:
+                stream = await self.client.open_decode(worker, req)
+            except NoRoom:
+                self.admission.unclaim(worker, prefill_slot)
+                worker.full_until = time.monotonic() + self.settings.no_room_cooldown
+                continue
+            except WorkerUnreachable as exc:
+                self.admission.unclaim(worker, prefill_slot)
+                self.registry.mark_down(worker, str(exc))
+                continue
+            except WorkerFailed as exc:
+                self.admission.unclaim(worker, prefill_slot)
+                raise OpenAIError(500, f"{exc} (request id {req.request_id})") from exc
+            except BaseException:
+                self.admission.unclaim(worker, prefill_slot)
+                raise
+            if prefill_slot and stream.reservation is None:  # the decode server prefills it itself
+                self.admission.prefills_pending -= 1
+            return worker, stream
+        return None

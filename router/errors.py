@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     413: "invalid_request_error",
     429: "rate_limit_error",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from router.admission import Admission
 from router.registry import WorkerRegistry
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -23,7 +24,7 @@ class RecoveryMetrics:
 
 
 class RouterMetrics:
-    def __init__(self, workers: WorkerRegistry) -> None:
+    def __init__(self, workers: WorkerRegistry, admission: Admission | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("pdserve_router_requests", "Finished requests", ["endpoint", "status"], registry=r)
@@ -40,3 +41,14 @@ class RouterMetrics:
                         registry=r)
         for w in workers.workers:
             healthy.labels(worker=w.name, role=w.role).set_function(lambda w=w: 1.0 if w.healthy else 0.0)
+        inflight = Gauge("pdserve_router_worker_inflight", "Requests this router has on the worker",
+                         ["worker", "role"], registry=r)
+        draining = Gauge("pdserve_router_worker_draining", "1 when the worker is draining (admin or its own report)",
+                         ["worker", "role"], registry=r)
+        for w in workers.workers:
+            inflight.labels(worker=w.name, role=w.role).set_function(lambda w=w: w.inflight)
+            draining.labels(worker=w.name, role=w.role).set_function(
+                lambda w=w: 1.0 if w.draining or w.reported_draining else 0.0)
+        if admission is not None:
+            Gauge("pdserve_router_waiting_requests", "Requests waiting for a free slot", registry=r).set_function(
+                lambda: admission.waiting)

@@ -19,6 +19,7 @@ from router import api_responses as out
 from router.api_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router.dispatch import Dispatcher, Session
 from router.errors import OpenAIError
+from router.limits import RequestLimits
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.sse import DONE, sse_event
@@ -56,10 +57,12 @@ def sampling_spec(req: SamplingFields, max_tokens: int) -> SamplingSpec:
 
 
 class OpenAIHandlers:
-    def __init__(self, model: ServedModel, dispatcher: Dispatcher, metrics: RouterMetrics) -> None:
+    def __init__(self, model: ServedModel, dispatcher: Dispatcher, metrics: RouterMetrics,
+                 limits: RequestLimits | None = None) -> None:
         self.model = model
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.limits = limits or RequestLimits()
 
     def models(self) -> out.ModelList:
         m = self.model
@@ -72,14 +75,17 @@ class OpenAIHandlers:
         self.model.check_name(req.model)
         req.check_supported()
         prompt = self.model.encode_chat(req.template_messages(), req.add_generation_prompt)
-        max_tokens = self.model.check_fits(len(prompt), req.max_new_tokens(), "messages")
+        tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_new_tokens(), "messages",
+                                                   tokens_param)
         return Prepared(request_id, "chat", prompt, sampling_spec(req, max_tokens), req.stop_strings())
 
     def prepare_completion(self, req: CompletionRequest, request_id: str) -> Prepared:
         self.model.check_name(req.model)
         req.check_supported()
         prompt = self.model.encode_prompt(req.single_prompt())
-        max_tokens = self.model.check_fits(len(prompt), req.max_tokens, "prompt")
+        max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_tokens, "prompt",
+                                                   explicit="max_tokens" in req.model_fields_set)
         return Prepared(request_id, "completions", prompt, sampling_spec(req, max_tokens), req.stop_strings())
 
     # ---- running -----------------------------------------------------------

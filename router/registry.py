@@ -8,12 +8,17 @@ its checks back off (interval, 2x, 4x, ... up to ``backoff_max``) so a dead
 worker costs little, and a restarted one is back within ``backoff_max``. The
 same poll refreshes the load a worker reports (free KV blocks, queue depth,
 queued prompt tokens) for the least-loaded policy.
+
+A draining worker (drained through the router's admin endpoint, or one that
+reports ``status: draining`` because it was told to drain or got SIGTERM) is
+healthy but out of rotation: it gets no new request and finishes its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 
 import httpx
@@ -32,15 +37,30 @@ class Worker:
     free_blocks: int = 0
     queue_depth: int = 0
     queued_tokens: int = 0
+    reported_draining: bool = False  # the worker's /health says "draining"
     # this router's own view, updated per request
     inflight: int = 0
     inflight_tokens: int = 0
+    max_inflight: int | None = None  # per-worker in-flight limit; None: no limit
+    draining: bool = False  # drained through the router's admin endpoint
+    full_until: float = 0.0  # monotonic time until which a "no room" answer is trusted
+
+    @property
+    def in_rotation(self) -> bool:
+        return self.healthy and not self.draining and not self.reported_draining
+
+    def has_room(self, now: float | None = None) -> bool:
+        """Below its in-flight limit and not known to be full."""
+        if self.max_inflight is not None and self.inflight >= self.max_inflight:
+            return False
+        return (time.monotonic() if now is None else now) >= self.full_until
 
     def apply_health(self, report: dict) -> None:
         blocks = report.get("kv_blocks", {})
         self.free_blocks = int(blocks.get("free", 0))
         self.queue_depth = int(report.get("queue_depth", 0))
         self.queued_tokens = int(report.get("queued_tokens", 0))
+        self.reported_draining = report.get("status") == "draining"
 
 
 class WorkerRegistry:
@@ -54,7 +74,11 @@ class WorkerRegistry:
         self.backoff_max = max(backoff_max, interval)
 
     def healthy(self, role: str) -> list[Worker]:
-        return [w for w in self.workers if w.role == role and w.healthy]
+        """Workers of ``role`` in rotation: healthy and not draining."""
+        return [w for w in self.workers if w.role == role and w.in_rotation]
+
+    def find(self, name: str) -> Worker | None:
+        return next((w for w in self.workers if w.name == name), None)
 
     def of_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers if w.role == role]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -10,6 +10,7 @@ class WorkerSpec:
     name: str
     role: str  # "prefill" | "decode"
     url: str
+    max_inflight: int | None = None  # requests this router sends it at once; None: no limit
 
 
 @dataclass(frozen=True)
@@ -22,9 +23,17 @@ class RouterSettings:
     policy: str = "round_robin"  # round_robin | least_loaded
     local_prefill_threshold: int = 0
     health_interval: float = 2.0
-    queue_timeout: float = 10.0
+    queue_timeout: float = 10.0  # the longest a request waits for a free slot before 429
+    max_queued: int = 128  # requests waiting for a slot; one more gets 429 at once
+    retry_after: float = 1.0  # seconds, in the Retry-After of a 429
     prefill_timeout: float = 120.0
     max_model_len: int | None = None  # None: the model config's max_position_embeddings
-    api_keys: tuple[str, ...] = ()  # empty: no auth
     health_backoff_max: float = 8.0
     prefill_failure: str = "retry"  # retry | local | fail (deploy.config.RecoveryConfig)
+    max_body_bytes: int = 4 << 20  # larger request bodies get 413
+    max_prompt_tokens: int | None = None  # longer prompts get 400 (None: only the context length limits them)
+    max_tokens: int | None = None  # larger max_tokens gets 400; a request without one gets at most this
+    drain_timeout: float = 30.0  # on SIGTERM: the longest to wait for requests in flight
+    # Secrets stay out of repr, so a logged settings object shows none.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
+    internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key

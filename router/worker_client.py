@@ -155,6 +155,8 @@ class WorkerClient:
             )
         except httpx.HTTPError as exc:
             raise WorkerUnreachable(worker, repr(exc), isinstance(exc, httpx.ConnectError)) from exc
+        if resp.status_code == 503:  # draining or engine down: it did not take the request, another one may
+            raise WorkerUnreachable(worker, f"refused: {_reason(resp)}", never_connected=True)
         if resp.status_code != 200:
             raise WorkerFailed(worker, f"HTTP {resp.status_code}: {_reason(resp)}", _code(resp))
         return PrefillResult.model_validate_json(resp.content)

@@ -19,6 +19,7 @@ import httpx
 
 from engine import LLMEngine
 from server_common.faults import FaultInjector
+from server_common.guard import auth_headers
 from server_common.kv_port import ReceiverEnded, SenderEnded
 from server_common.settings import ServerSettings
 
@@ -149,7 +150,8 @@ class SenderAdapter:
 
     async def _handshake(self, target: dict) -> str:
         hello = base64.b64encode(self._sender.hello()).decode()
-        async with httpx.AsyncClient(timeout=self._settings.transfer_timeout_s) as client:
+        async with httpx.AsyncClient(timeout=self._settings.transfer_timeout_s,
+                                     headers=auth_headers(self._settings.internal_secret)) as client:
             resp = await client.post(target["hello_url"], json={"hello": hello})
         if resp.status_code != 200:
             raise RuntimeError(f"decode server {target['peer']} refused the handshake: {resp.text[:300]}")

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import signal
 
 import uvicorn
+
+from server_common.guard import Drain
+
+log = logging.getLogger(__name__)
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +36,56 @@ def load_server_settings(args: argparse.Namespace, expected_roles: tuple[str, ..
     return cluster.server_settings(args.name, cluster.model_path())
 
 
-def serve(app, host: str, port: int, log_level: str) -> None:
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
-                timeout_graceful_shutdown=3)
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM drains before shutting down.
+
+    On SIGTERM the app stops taking new work (``drain.draining``: new requests
+    get a clear refusal) while its listener stays open, so calls about work in
+    flight (aborts, KV handshakes, health checks) still arrive; once nothing is
+    in flight, or ``timeout`` passed, uvicorn shuts down as usual. Another
+    signal, or SIGINT, is uvicorn's own handling (a second one forces the exit).
+    """
+
+    def __init__(self, config: uvicorn.Config, drain: Drain, timeout: float) -> None:
+        super().__init__(config)
+        self._drain = drain
+        self._timeout = timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._sigterm_seen = False
+        self._drain_task: asyncio.Task | None = None  # kept so the task is not collected while it runs
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if sig != signal.SIGTERM or self._loop is None or self._sigterm_seen or self.should_exit:
+            super().handle_exit(sig, frame)
+            return
+        self._sigterm_seen = True
+        self._drain.start()
+        self._loop.call_soon_threadsafe(self._begin_drain, sig)
+
+    def _begin_drain(self, sig: int) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain_then_exit(sig))
+
+    async def _drain_then_exit(self, sig: int) -> None:
+        log.info("SIGTERM: draining (%d in flight, up to %.0f s)", self._drain.inflight, self._timeout)
+        if await self._drain.wait_idle(self._timeout):
+            log.info("drained; shutting down")
+        else:
+            log.warning("still %d in flight after %.0f s; shutting down anyway", self._drain.inflight, self._timeout)
+        super().handle_exit(sig, None)
+
+
+def serve(app, host: str, port: int, log_level: str, drain: Drain | None = None, drain_timeout: float = 30.0) -> None:
+    """Run ``app`` until a signal; with ``drain``, SIGTERM drains first (see ``DrainingServer``)."""
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
+                            timeout_graceful_shutdown=3)
+    server = DrainingServer(config, drain, drain_timeout) if drain is not None else uvicorn.Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        raise SystemExit(3)  # as uvicorn.run: the app or the socket failed at start

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine import EngineConfig
 
@@ -25,6 +25,8 @@ class ServerSettings:
     lease_expiry: str = "fail"  # fail | local (deploy.config.RecoveryConfig)
     checksum_failure: str = "fail"  # fail | local
     fault_injection: bool = False  # mount /admin/faults (tests only)
+    drain_timeout_s: float = 30.0  # on SIGTERM: the longest to wait for requests in flight
+    internal_secret: str | None = field(default=None, repr=False)  # required on internal calls; never logged
 
     @property
     def url(self) -> str:

@@ -85,7 +85,7 @@ class KVBlocks(Reply):
 class HealthReport(Reply):
     """GET /health on either server."""
 
-    status: Literal["ok"] = "ok"
+    status: Literal["ok", "draining"] = "ok"  # draining: alive, finishing its requests, taking no new ones
     role: Literal["prefill", "decode", "colocated"]
     instance: str
     kv_blocks: KVBlocks

@@ -5,6 +5,7 @@ import asyncio
 import httpx
 import pytest
 
+from router.admission import Admission, AdmissionSettings
 from router.dispatch import DispatchSettings, Dispatcher
 from router.errors import OpenAIError
 from router.policies import RoundRobin
@@ -16,10 +17,11 @@ from tests.serving.fakes import FakeWorkerClient
 SAMPLING = SamplingSpec(max_tokens=4, temperature=0)
 
 
-def make(fake, workers=None, **settings):
+def make(fake, workers=None, admission=None, **settings):
     workers = workers or [Worker("p0", "prefill", "http://p0"), Worker("d0", "decode", "http://d0")]
     registry = WorkerRegistry(workers)
-    return registry, Dispatcher(registry, RoundRobin(), RoundRobin(), fake, DispatchSettings(**settings))
+    return registry, Dispatcher(registry, RoundRobin(), RoundRobin(), fake, DispatchSettings(**settings),
+                                admission=Admission(admission or AdmissionSettings()))
 
 
 async def drain(session):
@@ -69,9 +71,10 @@ def test_unreachable_decode_server_is_skipped_and_marked_down():
     assert fake.opened[0][0] == "d1"
 
 
-def test_no_room_anywhere_waits_up_to_the_queue_timeout_then_503():
+def test_no_room_anywhere_waits_up_to_the_queue_timeout_then_429():
     fake = FakeWorkerClient(reply=[1], full={"d0"})
-    _, dispatcher = make(fake, queue_timeout=0.2, retry_interval=0.05)
+    _, dispatcher = make(fake, admission=AdmissionSettings(timeout=0.2, poll=0.05, retry_after=2.0),
+                         no_room_cooldown=0.01)
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -81,7 +84,7 @@ def test_no_room_anywhere_waits_up_to_the_queue_timeout_then_503():
         return info.value, loop.time() - start
 
     err, waited = asyncio.run(run())
-    assert err.status == 503 and err.retry_after == 2.0
+    assert err.status == 429 and err.retry_after == 2.0
     assert 0.2 <= waited < 1.0
 
 

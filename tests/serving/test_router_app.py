@@ -112,16 +112,16 @@ def test_short_prompt_is_prefilled_on_decode_below_threshold(model):
     assert len(fake.prefills) == 1
 
 
-def test_full_decode_server_is_skipped_and_all_full_is_503_with_retry_after(model):
+def test_full_decode_server_is_skipped_and_all_full_is_429_with_retry_after(model):
     fake = FakeWorkerClient(reply=reply_ids(model, "a"), full={"d0"})
     with make_client(model, fake) as c:
         assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x"}).status_code == 200
         assert fake.opened[0][0] == "d1"
         fake.full.add("d1")
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
-    assert r.status_code == 503
-    assert r.headers["retry-after"] == "2"
-    assert r.json()["error"]["type"] == "service_unavailable"
+    assert r.status_code == 429
+    assert r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "overloaded"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,62 @@
+"""The cluster config's shared base and its security section.
+
+Split from ``deploy.config`` to keep files small; ``deploy.config`` re-exports
+``ConfigError`` and ``Strict``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+SECRET_WORDS = ("secret", "key", "token", "password")  # a config error never echoes a value under such a key
+
+
+def looks_secret(loc: tuple) -> bool:
+    """Whether a config location (``("router", "api_keys", 0)``) may hold a secret, typos included."""
+    names = [str(part).lower() for part in loc if isinstance(part, str)]
+    return names[:1] == ["security"] or any(word in name for name in names for word in SECRET_WORDS)
+
+
+class ConfigError(ValueError):
+    """A config file that cannot be used; the message names file, key and value."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SecurityConfig(Strict):
+    """``internal_secret`` (or a file holding it): prefill and decode servers
+    refuse every call but /health and /metrics without it (Bearer), the router
+    and the prefill->decode handshake send it, and the router's admin
+    endpoints require it. Required when an internal server binds to an
+    interface other than loopback."""
+
+    internal_secret: SecretStr | None = Field(default=None, min_length=16)
+    internal_secret_file: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SecurityConfig:
+        if self.internal_secret is not None and self.internal_secret_file is not None:
+            raise ValueError("set security.internal_secret or security.internal_secret_file, not both")
+        return self
+
+    @property
+    def configured(self) -> bool:
+        return self.internal_secret is not None or self.internal_secret_file is not None
+
+    def secret(self) -> str | None:
+        if self.internal_secret is not None:
+            return self.internal_secret.get_secret_value()
+        if self.internal_secret_file is None:
+            return None
+        path = Path(self.internal_secret_file).expanduser()
+        try:
+            value = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"security.internal_secret_file {str(path)!r}: cannot read it: {exc.strerror}") from None
+        if len(value) < 16:
+            raise ConfigError(f"security.internal_secret_file {str(path)!r}: the secret must be at least 16 characters")
+        return value

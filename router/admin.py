@@ -1,0 +1,63 @@
+"""The router's admin endpoints: take a worker out of rotation and put it back.
+
+    GET  /admin/workers                  every worker: health, draining, requests in flight, limit
+    POST /admin/workers/{name}/drain     no new request goes to it; its requests in flight finish
+                                         (?wait_s=N: answer once they did, or after N seconds)
+    POST /admin/workers/{name}/resume    back in rotation
+
+A worker can also drain itself (its own ``POST /admin/drain``, or SIGTERM);
+the router then sees ``draining`` in its health report. Admin calls need the
+cluster's internal secret as a Bearer token when one is configured (else an
+API key, when those are configured).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import JSONResponse
+
+from router.errors import OpenAIError
+from router.registry import Worker, WorkerRegistry
+
+WAIT_POLL_S = 0.05
+
+
+def describe(w: Worker) -> dict:
+    return {"name": w.name, "role": w.role, "url": w.url, "healthy": w.healthy, "in_rotation": w.in_rotation,
+            "draining": w.draining, "reported_draining": w.reported_draining, "inflight": w.inflight,
+            "max_inflight": w.max_inflight}
+
+
+def add_admin_routes(app: FastAPI, registry: WorkerRegistry, authorize: Callable[[Request], None]) -> None:
+    def worker(name: str) -> Worker:
+        found = registry.find(name)
+        if found is None:
+            raise OpenAIError(404, f"no worker named {name!r} (have {[w.name for w in registry.workers]})",
+                              param="name")
+        return found
+
+    @app.get("/admin/workers")
+    async def workers(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse({"workers": [describe(w) for w in registry.workers]})
+
+    @app.post("/admin/workers/{name}/drain")
+    async def drain(name: str, request: Request, wait_s: float = Query(0.0, ge=0, le=600)) -> JSONResponse:
+        authorize(request)
+        w = worker(name)
+        w.draining = True
+        deadline = time.monotonic() + wait_s
+        while w.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(WAIT_POLL_S)
+        return JSONResponse(describe(w))
+
+    @app.post("/admin/workers/{name}/resume")
+    async def resume(name: str, request: Request) -> JSONResponse:
+        authorize(request)
+        w = worker(name)
+        w.draining = False
+        return JSONResponse(describe(w))

@@ -1,0 +1,147 @@
+"""Admission control: per-worker in-flight limits and a bounded waiting room.
+
+A request is admitted when some decode server in rotation has a free slot
+(``Worker.inflight < Worker.max_inflight``) and, if it needs a prefill
+server, the prefill servers in rotation have one too. Otherwise it waits
+here, in arrival order, at most ``max_queued`` requests at a time and at
+most ``timeout`` seconds each. A request that finds the waiting room full,
+or waits too long, is refused at once with 429 and a Retry-After: overload is
+a fast, clear answer, never a 5xx, and the router's memory stays bounded by
+(slots + waiting room) requests. 503 is kept for "no server in rotation".
+
+Waiters wake when a slot frees (``slot_freed``: a request ended, so blocks
+were freed too) and at least every ``poll`` seconds, for what the router
+learns only by asking: a worker back in rotation, or a decode server that
+said "no room" (its KV cache was full) and whose short cool-down passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from router.errors import OpenAIError
+from router.registry import Worker
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    max_queued: int = 128  # requests waiting for a slot; one more gets 429 at once
+    timeout: float = 10.0  # the longest a request waits for a slot before 429
+    retry_after: float = 1.0  # seconds, sent in Retry-After with every 429
+    poll: float = 0.25  # waiters also re-try this often (a worker back in rotation, a "no room" cooled down)
+
+
+def overloaded(message: str, retry_after: float) -> OpenAIError:
+    return OpenAIError(429, message, code="overloaded", retry_after=retry_after)
+
+
+class Admission:
+    """Slots given out and the waiting room. Not thread-safe: event loop only.
+
+    A decode slot is ``Worker.inflight`` of a decode server (one per request
+    attempt); a prefill slot is one of ``prefills_pending`` (one per admitted
+    request until its first prefill ended), checked against the sum of the
+    prefill servers' limits."""
+
+    def __init__(self, settings: AdmissionSettings) -> None:
+        self.settings = settings
+        self.waiting = 0  # requests in the waiting room now
+        self.refused = 0  # requests answered 429 so far
+        self.sessions = 0  # admitted requests not closed yet (a draining router waits for 0)
+        self.prefills_pending = 0  # admitted requests for a prefill server whose first prefill has not ended
+        self._freed = asyncio.Event()
+
+    # ---- slots ------------------------------------------------------------------
+    def prefill_is_full(self, prefill_workers: list[Worker]) -> bool:
+        """Every prefill server in rotation has a limit and together they are at it."""
+        limits = [w.max_inflight for w in prefill_workers]
+        if not limits or None in limits:
+            return False  # none in rotation is the prefill call's own error; no limit, no slot
+        return self.prefills_pending >= sum(limits)
+
+    def claim(self, worker: Worker, prefill_slot: bool) -> None:
+        worker.inflight += 1
+        self.prefills_pending += prefill_slot
+
+    def unclaim(self, worker: Worker, prefill_slot: bool) -> None:
+        worker.inflight -= 1
+        self.prefills_pending -= prefill_slot
+
+    def decode_freed(self, worker: Worker) -> None:
+        """An attempt ended on ``worker``: its blocks are free, so ask it again and wake the waiters."""
+        worker.inflight -= 1
+        worker.full_until = 0.0
+        self.slot_freed()
+
+    def prefill_ended(self) -> None:
+        self.prefills_pending -= 1
+        self.slot_freed()
+
+    # ---- waiting ----------------------------------------------------------------
+
+    async def admit(self, attempt: Callable[[], Awaitable[T | None]]) -> T:
+        """``attempt()`` until it returns a result (None: no slot free now).
+
+        A request tries at once unless others already wait, in which case it
+        queues behind them; waiting means the waiting room (429 when full or
+        when the wait runs out)."""
+        if not self.waiting:
+            result = await attempt()
+            if result is not None:
+                return result
+        async with self.waiting_room() as wait:
+            while True:
+                await wait()
+                result = await attempt()
+                if result is not None:
+                    return result
+
+    def slot_freed(self) -> None:
+        """Wake every waiter (in the order they started waiting) to try again."""
+        self._freed.set()
+        self._freed = asyncio.Event()
+
+    @contextlib.asynccontextmanager
+    async def waiting_room(self):
+        """Enter the waiting room for the life of the block, or raise 429 when it is full.
+
+        Yields a ``Wait``: ``await wait()`` sleeps until a slot frees or the
+        poll interval passes, and raises 429 once the request waited ``timeout``.
+        """
+        if self.waiting >= self.settings.max_queued:
+            self.refused += 1
+            raise overloaded(f"the server is overloaded: {self.waiting} requests are already waiting; retry later",
+                             self.settings.retry_after)
+        self.waiting += 1
+        try:
+            yield Wait(self, time.monotonic() + self.settings.timeout)
+        finally:
+            self.waiting -= 1
+
+    async def sleep(self, seconds: float) -> None:
+        """Until a slot frees or ``seconds`` pass."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._freed.wait(), max(0.0, seconds))
+
+
+class Wait:
+    def __init__(self, admission: Admission, deadline: float) -> None:
+        self._admission = admission
+        self._deadline = deadline
+
+    async def __call__(self) -> None:
+        """Sleep until a slot frees or the poll interval passes; 429 once waited too long."""
+        a = self._admission
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            a.refused += 1
+            raise overloaded(f"the server is overloaded: no capacity freed within {a.settings.timeout:g} s; "
+                             "retry later", a.settings.retry_after)
+        await a.sleep(min(left, a.settings.poll))

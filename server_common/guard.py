@@ -1,0 +1,128 @@
+"""What every pdserve process uses to guard itself: bearer checks, the internal
+shared secret, and draining (stop taking work, finish what is in flight).
+
+Internal servers (prefill, decode) accept calls only with
+``Authorization: Bearer <internal secret>`` when the cluster config sets one;
+``/health`` and ``/metrics`` stay open for probes and Prometheus. The secret
+is compared in constant time and never logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import time
+from collections.abc import Callable, Iterable
+
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or "localhost") is this machine only; a host name counts as reachable."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bearer_token(authorization: str) -> str:
+    """The token of an ``Authorization: Bearer TOKEN`` header value ("" when absent)."""
+    scheme, _, token = authorization.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def token_matches(token: str, accepted: Iterable[str]) -> bool:
+    """Constant-time comparison against every accepted value (no early exit on a match)."""
+    hits = [hmac.compare_digest(token.encode(), key.encode()) for key in accepted]
+    return bool(token) and any(hits)
+
+
+def auth_headers(secret: str | None) -> dict[str, str]:
+    """Headers a process sends to an internal server of its cluster."""
+    return {"authorization": f"Bearer {secret}"} if secret else {}
+
+
+class InternalAuthMiddleware:
+    """Pure ASGI: 401 for any call without the cluster's internal secret, except ``open_paths``."""
+
+    def __init__(self, app, secret: str | None, open_paths: frozenset[str] = OPEN_PATHS) -> None:
+        self.app = app
+        self._secret = secret
+        self._open = open_paths
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not self._secret or scope["path"] in self._open:
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers", []))
+        token = bearer_token(headers.get(b"authorization", b"").decode("latin-1"))
+        if token_matches(token, [self._secret]):
+            await self.app(scope, receive, send)
+            return
+        body = json.dumps({"error": "missing or wrong internal secret", "code": "unauthorized"}).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def install_guard(app, secret: str | None, drain: Drain) -> None:
+    """The internal secret on every route but /health and /metrics, and the drain admin routes:
+    ``POST /admin/drain`` (stop taking work, finish what is in flight; /health then says
+    "draining") and ``POST /admin/resume``. Both answer ``{"draining": ..., "inflight": ...}``."""
+    from fastapi.responses import JSONResponse
+
+    app.add_middleware(InternalAuthMiddleware, secret=secret)
+
+    @app.post("/admin/drain")
+    async def admin_drain() -> JSONResponse:
+        drain.start()
+        return JSONResponse(drain.status())
+
+    @app.post("/admin/resume")
+    async def admin_resume() -> JSONResponse:
+        drain.resume()
+        return JSONResponse(drain.status())
+
+
+class Drain:
+    """Draining: refuse new work (the caller checks ``draining``), let the work in flight finish.
+
+    ``inflight`` counts the work in flight; ``wait_idle`` polls it. Started by
+    an admin call or by SIGTERM (``server_common.run``); ``resume`` undoes an
+    admin drain.
+    """
+
+    POLL_S = 0.05
+
+    def __init__(self, inflight: Callable[[], int]) -> None:
+        self._inflight = inflight
+        self.draining = False
+        self.since: float | None = None
+
+    def start(self) -> None:
+        if not self.draining:
+            self.draining, self.since = True, time.monotonic()
+
+    def resume(self) -> None:
+        self.draining, self.since = False, None
+
+    @property
+    def inflight(self) -> int:
+        return self._inflight()
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """True once nothing is in flight; False if ``timeout`` passed first."""
+        deadline = time.monotonic() + timeout
+        while self._inflight() > 0:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(self.POLL_S)
+        return True
+
+    def status(self) -> dict:
+        return {"draining": self.draining, "inflight": self.inflight}
