@@ -29,7 +29,7 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
     c = start(tmp_path_factory, "tiny-1p1d", tiny_model, {
-        "router": {"max_inflight_per_worker": INFLIGHT, "max_queued_requests": QUEUED, "queue_timeout_s": 10,
+        "router": {"max_inflight_per_worker": INFLIGHT, "max_queued_requests": QUEUED, "queue_timeout_s": 30,
                    "retry_after_s": 2},
     })
     yield c
@@ -114,7 +114,9 @@ def test_a_burst_of_ten_times_capacity_gets_429s_and_correct_answers(cluster, ti
         for r in refused:
             assert r.retry_after == "2"
             assert r.body["error"]["type"] == "rate_limit_error" and r.body["error"]["code"] == "overloaded"
-            assert r.seconds < 5.0  # fast: the waiting room is full at once, nobody waits out a timeout
+            # fast: the waiting room is full at once, nobody waits out the 30 s queue timeout
+            # (typically under 1 s; a 240-request burst on a loaded 2-core machine took 5 s)
+            assert r.seconds < 15.0
         assert len(ok) >= CAPACITY and refused, (len(ok), len(refused))
         assert sampler.most <= INFLIGHT
         report.append((len(ok), len(refused), round(max(r.seconds for r in refused), 2), sampler.most))
