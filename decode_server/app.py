@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -12,23 +11,13 @@ from starlette.background import BackgroundTask
 
 from decode_server.service import DecodeService, Refused
 from server_common.fault_routes import add_fault_routes
-from server_common.guard import install_guard
+from server_common.guard import service_app
 from server_common.worker_replies import RefusedReply
 from server_common.worker_requests import AbortRequest, GenerateRequest, KVHello
 
 
 def create_app(service: DecodeService) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await service.start()
-        try:
-            yield
-        finally:
-            await service.stop()
-
-    app = FastAPI(title=f"pdserve {service.settings.role} server {service.settings.name}", lifespan=lifespan)
-
-    install_guard(app, service.settings.internal_secret, service.drain)
+    app = service_app(service, f"pdserve {service.settings.role} server {service.settings.name}")
 
     @app.post("/generate")
     async def generate(req: GenerateRequest) -> Response:

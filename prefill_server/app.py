@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
@@ -10,23 +9,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from prefill_server.service import PrefillFailed, PrefillService
 from server_common.fault_routes import add_fault_routes
-from server_common.guard import install_guard
+from server_common.guard import service_app
 from server_common.worker_replies import RefusedReply
 from server_common.worker_requests import AbortRequest, PrefillRequest
 
 
 def create_app(service: PrefillService) -> FastAPI:
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await service.start()
-        try:
-            yield
-        finally:
-            await service.stop()
-
-    app = FastAPI(title=f"pdserve prefill server {service.settings.name}", lifespan=lifespan)
-
-    install_guard(app, service.settings.internal_secret, service.drain)
+    app = service_app(service, f"pdserve prefill server {service.settings.name}")
 
     @app.post("/prefill")
     async def prefill(req: PrefillRequest) -> JSONResponse:

@@ -10,11 +10,14 @@ is compared in constant time and never logged.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import ipaddress
 import json
 import time
 from collections.abc import Callable, Iterable
+
+from fastapi import FastAPI
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -126,3 +129,22 @@ class Drain:
 
     def status(self) -> dict:
         return {"draining": self.draining, "inflight": self.inflight}
+
+
+def service_app(service, title: str) -> FastAPI:
+    """A server's FastAPI app: the service starts and stops with it, behind the guard.
+
+    ``service`` has async ``start()``/``stop()``, ``settings.internal_secret`` and ``drain``.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.stop()
+
+    app = FastAPI(title=title, lifespan=lifespan)
+    install_guard(app, service.settings.internal_secret, service.drain)
+    return app
