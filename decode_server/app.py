@@ -6,14 +6,12 @@ import base64
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from decode_server.service import DecodeService, Refused
-from server_common.fault_routes import add_fault_routes
 from server_common.guard import service_app
 from server_common.worker_replies import RefusedReply
-from server_common.worker_requests import AbortRequest, GenerateRequest, KVHello
+from server_common.worker_requests import GenerateRequest, KVHello
 
 
 def create_app(service: DecodeService) -> FastAPI:
@@ -41,21 +39,4 @@ def create_app(service: DecodeService) -> FastAPI:
         except (ValueError, TimeoutError, RuntimeError) as exc:
             return JSONResponse(RefusedReply(error=str(exc), code="incompatible_peer").model_dump(), status_code=400)
         return JSONResponse(KVHello(hello=base64.b64encode(answer).decode()).model_dump())
-
-    @app.post("/abort")
-    async def abort(req: AbortRequest) -> JSONResponse:
-        return JSONResponse({"request_id": req.request_id, "aborted": await service.abort(req.request_id)})
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        if not service.engine.alive:
-            return JSONResponse({"status": "engine_down", "error": repr(service.engine.error)}, status_code=503)
-        return JSONResponse(service.health().model_dump())
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    if service.faults is not None:  # config fault_injection: true (tests only)
-        add_fault_routes(app, service.faults)
     return app

@@ -18,6 +18,11 @@ import time
 from collections.abc import Callable, Iterable
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server_common.fault_routes import add_fault_routes
+from server_common.worker_requests import AbortRequest
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -132,9 +137,11 @@ class Drain:
 
 
 def service_app(service, title: str) -> FastAPI:
-    """A server's FastAPI app: the service starts and stops with it, behind the guard.
+    """A server's FastAPI app: the service starts and stops with it, behind the guard,
+    with the routes both servers share.
 
-    ``service`` has async ``start()``/``stop()``, ``settings.internal_secret`` and ``drain``.
+    ``service`` has async ``start()``/``stop()``/``abort(id)``, ``health()``, ``engine``,
+    ``metrics``, ``faults``, ``settings.internal_secret`` and ``drain``.
     """
 
     @contextlib.asynccontextmanager
@@ -147,4 +154,25 @@ def service_app(service, title: str) -> FastAPI:
 
     app = FastAPI(title=title, lifespan=lifespan)
     install_guard(app, service.settings.internal_secret, service.drain)
+    _add_common_routes(app, service)
     return app
+
+
+def _add_common_routes(app: FastAPI, service) -> None:
+    """/abort, /health, /metrics (and /admin/faults when enabled): the same on both servers."""
+    @app.post("/abort")
+    async def abort(req: AbortRequest) -> JSONResponse:
+        return JSONResponse({"request_id": req.request_id, "aborted": await service.abort(req.request_id)})
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not service.engine.alive:
+            return JSONResponse({"status": "engine_down", "error": repr(service.engine.error)}, status_code=503)
+        return JSONResponse(service.health().model_dump())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    if service.faults is not None:  # config fault_injection: true (tests only)
+        add_fault_routes(app, service.faults)
