@@ -57,6 +57,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     first_token: int | None = None  # set once the prompt is computed; the blocks are then held for the transfer
     started: float = field(default_factory=time.monotonic)
+    prefilled: float | None = None  # when the last layer was computed and the first token sampled
 
     def resolve(self, result: PrefillResult | PrefillFailed) -> None:
         def set_it() -> None:
@@ -176,13 +177,16 @@ class PrefillService:
                 continue
             assert out.finish_reason == "prefilled", out
             job.first_token = out.new_token_ids[0]
+            job.prefilled = time.monotonic()
             self._sender.finish(job.transfer_id, job.first_token)
 
     def _on_transfer_ended(self, transfer_id: str, error: str | None, code: str | None = None) -> None:
-        """Called on the adapter's thread."""
-        self.engine.call(lambda e: self._transfer_ended(e, transfer_id, error, code))
+        """Called on the adapter's thread, as soon as the transfer ended."""
+        ended = time.monotonic()
+        self.engine.call(lambda e: self._transfer_ended(e, transfer_id, error, code, ended))
 
-    def _transfer_ended(self, e: LLMEngine, transfer_id: str, error: str | None, code: str | None) -> None:
+    def _transfer_ended(self, e: LLMEngine, transfer_id: str, error: str | None, code: str | None,
+                        ended: float) -> None:
         rid = self._by_transfer.pop(transfer_id, None)
         job = self._jobs.pop(rid, None) if rid is not None else None
         if job is None:
@@ -196,10 +200,12 @@ class PrefillService:
             job.resolve(PrefillFailed(502, f"KV transfer to the decode server failed: {error}",
                                       DECODE_DECIDED.get(code or "", "transfer_failed")))
             return
-        seconds = time.monotonic() - job.started
+        seconds = ended - job.started
         nbytes = job.num_tokens * self._bytes_per_token
         self.metrics.transfer_bytes.inc(nbytes)
         self.metrics.transfer_seconds.observe(seconds)
+        if job.prefilled is not None:
+            self.metrics.transfer_exposed_seconds.observe(max(0.0, ended - job.prefilled))
         job.resolve(PrefillResult(request_id=rid, first_token_id=job.first_token, num_tokens=job.num_tokens,
                                   transfer_bytes=nbytes, seconds=seconds))
 

@@ -36,6 +36,10 @@ class ServerMetrics:
         self.transfer_bytes = Counter("pdserve_transfer_bytes", "KV bytes transferred", registry=r)
         self.transfer_seconds = Histogram("pdserve_transfer_seconds", "Time to transfer one request's KV",
                                           buckets=TRANSFER_BUCKETS, registry=r)
+        self.transfer_exposed_seconds = Histogram(
+            "pdserve_transfer_exposed_seconds",
+            "Prefill end (last layer computed, first token sampled) to the decode server's ack: "
+            "the part of a KV transfer not hidden behind compute", buckets=TRANSFER_BUCKETS, registry=r)
         self.lease_expired = Counter("pdserve_lease_expired", "Reservations freed at lease expiry", registry=r)
         self.transfer_failed = Counter("pdserve_transfer_failed", "Transfers that failed or were refused",
                                        registry=r)

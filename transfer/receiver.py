@@ -38,10 +38,15 @@ class KVReceiver(TransferThread):
     """Accepts prefilled KV into blocks this decode server reserved."""
 
     role = "decode"
-    busy_wait_s = 0.0005  # NIXL: how often notices are looked for while KV is expected
+    busy_wait_s = 0.0005  # one-sided (NIXL): how often notices are looked for while KV is expected
 
     def __init__(self, backend: Backend, cache: torch.Tensor, layout: KVLayout, *, name: str,
                  model: str, cancel_grace_s: float = 1.0) -> None:
+        if not backend.one_sided:
+            # Writes and notices arrive through the backend's poll, which wakes the
+            # thread at once: a short timeout would only spin (and take the GIL from
+            # the engine thread) while a transfer is expected.
+            self.busy_wait_s = self.idle_wait_s
         self._layout, self._model = layout, model
         self._cache = cache_as_layout(cache, layout)
         self._region = region_bytes(self._cache)

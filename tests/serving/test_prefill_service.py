@@ -86,10 +86,15 @@ def test_chunked_prompt_pushes_every_layer_and_holds_blocks_until_the_transfer_e
         assert pushes == [(0, 0, 8), (1, 0, 8), (0, 8, 13), (1, 8, 13)]  # 2 layers, chunks of 8 tokens
         assert service.engine.snapshot.reserved == 4  # 13 tokens in blocks of 4, held for the transfer
         assert not task.done()
+        await asyncio.sleep(0.2)  # the KV still travelling after the prompt was computed
         sender.on_ended("t-a", None)
         result = await task
         assert (result.num_tokens, result.first_token_id) == (13, sender.calls[-1][2])
         assert result.transfer_bytes == 13 * engine.cache.bytes_per_token
+        sample = service.metrics.registry.get_sample_value
+        assert sample("pdserve_transfer_exposed_seconds_count") == 1
+        exposed = sample("pdserve_transfer_exposed_seconds_sum")
+        assert 0.2 <= exposed < sample("pdserve_transfer_seconds_sum") == pytest.approx(result.seconds)
 
     run(engine, scenario)
 
