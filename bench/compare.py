@@ -3,14 +3,17 @@
 One run, one machine, the same cores for both sides:
 
 1. profile the model (or load ``--profile``) for the planner's predictions;
-2. for each layout (colocated with every core in one engine, then the
-   xPyD layout with the cores split between its instances), write a
-   cluster config with free ports, ``pdserve launch`` it pinned to
-   ``--cpus``, run every scenario against its router, stop it by pid;
-3. the idle-2k scenario also runs on 1P1D with P given every core, so its
-   TTFT can be compared at equal prefill compute (on a machine with spare
-   cores; here P and D then oversubscribe them);
-4. simulate each measured run (same lengths, same send times) with the
+2. write a cluster config with free ports for each layout (colocated with
+   every core in one engine; the xPyD layout with the cores split between
+   its instances; for the idle-2k scenario also the xPyD layout with P given
+   every core, so its TTFT is compared at equal prefill compute) and
+   ``pdserve launch`` them all, pinned to ``--cpus``; an idle cluster only
+   wakes for its health checks;
+3. cut every scenario into rounds and send each round to every layout in
+   turn, in ABBA order (A B, then B A): drift on a shared machine falls on
+   both sides alike, instead of on whichever ran second; each layout's
+   rounds are pooled, and per-round ratios show the spread;
+4. stop every cluster by pid; simulate each measured run (same lengths, same send times) with the
    planner, calibrated per layout by a few tiny probe requests (the
    server's fixed per-step and per-request costs, which the engine profile
    cannot see), and write ``report.md``, ``results.json`` and plots.
@@ -24,7 +27,8 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from contextlib import ExitStack
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -54,6 +58,7 @@ class Run:
     transfer: dict | None = None  # idle runs on xPyD, per P: accept-to-ack span (s), KV bytes
     loadavg: tuple[float, float] = (0.0, 0.0)
     calibration: dict | None = None  # the live cluster's fixed overheads the prediction used
+    rounds: list[Summary] = field(default_factory=list)  # each round on its own
 
 
 PROBE = Scenario("probe", "8-token prompts, 16 tokens out, one at a time", Workload.single("8", "16"),
@@ -145,63 +150,131 @@ def measure(url: str, model: str, scenario: Scenario, builder: PromptBuilder, se
     return run_benchmark(config, source, warmup=1, progress=True).records
 
 
-def predict(layout, scenario: Scenario, records: list[RequestRecord]) -> Summary:
+def simulated(layout, scenario: Scenario, records: list[RequestRecord]) -> list[RequestRecord]:
     """The planner's simulation of exactly the requests sent, at their send times."""
     specs = [RequestSpec(i, r.prompt_len, r.max_tokens) for i, r in enumerate(records)]
     # Idle runs send one request at a time: simulate them far apart.
     arrivals = [1000.0 * i for i in range(len(records))] if scenario.idle else [r.start for r in records]
-    result = simulate(layout, specs, arrivals)
-    duration = None if scenario.idle else result.duration_s
-    return summarize(result.records, duration, scenario.slo_ttft_ms, scenario.slo_tpot_ms)
+    return simulate(layout, specs, arrivals).records
 
 
-TRANSFER_METRICS = ("pdserve_transfer_seconds_sum", "pdserve_transfer_seconds_count", "pdserve_transfer_bytes_total")
+def predict(layout, scenario: Scenario, records: list[RequestRecord]) -> Summary:
+    return summarize_pooled([simulated(layout, scenario, records)], scenario)
 
 
-def _transfer_summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
-    """Per prefill server: mean accept-to-ack seconds and KV bytes per request."""
-    out = {}
-    seconds, count, nbytes = TRANSFER_METRICS
-    for name, total in after[count].items():
-        n = total - before[count].get(name, 0.0)
-        if n > 0:
-            out[name] = {"span_s": (after[seconds][name] - before[seconds].get(name, 0.0)) / n,
-                         "bytes": (after[nbytes].get(name, 0.0) - before[nbytes].get(name, 0.0)) / n}
+def shifted(records: list[RequestRecord], dt: float, first_index: int) -> list[RequestRecord]:
+    """Records moved ``dt`` seconds later and renumbered from ``first_index``."""
+    return [replace(r, index=first_index + i, start=r.start + dt, end=r.end + dt,
+                    token_times=[t + dt for t in r.token_times]) for i, r in enumerate(records)]
+
+
+def pooled(rounds: list[list[RequestRecord]]) -> list[RequestRecord]:
+    """Rounds laid end to end on one clock: run_duration of the pool is the sum of
+    the rounds' durations, so rates and goodput come out per second of load."""
+    out: list[RequestRecord] = []
+    for part in rounds:
+        if not part:
+            continue
+        t0 = min(r.start for r in part)
+        end = max((r.end for r in out), default=0.0)
+        out += shifted(part, end - t0, len(out))
     return out
 
 
-def run_layout(name: str, cand: Candidate, scenarios: list[Scenario], ctx: dict,
-               prefill_threads: int | None = None) -> list[Run]:
-    """Launches one layout, runs the scenarios against it, stops it."""
+def summarize_pooled(rounds: list[list[RequestRecord]], scenario: Scenario) -> Summary:
+    return summarize(pooled(rounds), None, scenario.slo_ttft_ms, scenario.slo_tpot_ms)
+
+
+def split_rounds(scenario: Scenario) -> list[Scenario]:
+    """The scenario cut into ``scenario.rounds`` parts (at least one request each)."""
+    k = max(1, min(scenario.rounds, scenario.num_requests))
+    sizes = [scenario.num_requests // k + (1 if i < scenario.num_requests % k else 0) for i in range(k)]
+    return [replace(scenario, num_requests=n) for n in sizes]
+
+
+def round_order(sides: list, k: int) -> list:
+    """ABBA: every side goes first as often as last, so slow drift of the machine
+    (other jobs, heat) falls on every side alike."""
+    return list(sides) if k % 2 == 0 else list(reversed(sides))
+
+
+TRANSFER_METRICS = ("pdserve_transfer_seconds_sum", "pdserve_transfer_seconds_count", "pdserve_transfer_bytes_total",
+                    "pdserve_transfer_exposed_seconds_sum")
+
+
+def _transfer_summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
+    """Per prefill server and request: accept-to-ack seconds, prefill-end-to-ack
+    (exposed) seconds and KV bytes."""
+    out = {}
+    seconds, count, nbytes, exposed = TRANSFER_METRICS
+    delta = lambda metric, name: after[metric].get(name, 0.0) - before[metric].get(name, 0.0)
+    for name in after[count]:
+        n = delta(count, name)
+        if n > 0:
+            out[name] = {"span_s": delta(seconds, name) / n, "exposed_s": delta(exposed, name) / n,
+                         "bytes": delta(nbytes, name) / n}
+    return out
+
+
+@dataclass
+class Side:
+    """One layout of the comparison, launched for the whole run."""
+
+    name: str
+    cand: Candidate
+    prefill_threads: int | None = None
+    idle_only: bool = False
+    cluster: object = None
+    layout: Layout | None = None
+    calibration: dict | None = None
+
+
+def start_side(side: Side, ctx: dict) -> None:
+    """Launches one layout and calibrates its prediction with probe requests."""
     out_dir: Path = ctx["out"]
-    ports = free_port_pairs(1 + cand.instances)
-    config = cluster_config(cand, ctx["model"], ports, ctx["knobs"], prefill_threads)
-    config_path = out_dir / f"{name}.yaml"
+    ports = free_port_pairs(1 + side.cand.instances)
+    config = cluster_config(side.cand, ctx["model"], ports, ctx["knobs"], side.prefill_threads)
+    config_path = out_dir / f"{side.name}.yaml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-    print(f"== {name}: launching {config_path} on cores {ctx['cpus']}", flush=True)
-    cluster = launch(config_path, out_dir / f"run-{name}", ctx["cpus"], ctx["launch_timeout"])
-    runs = []
-    try:
-        probe = measure(cluster.url, cluster.model, PROBE, ctx["builder"], ctx["seed"])
-        layout, calibration = calibrate(ctx["layout_for"](cand, prefill_threads), probe)
-        print(f"   calibration: +{calibration['step_ms']:.1f} ms per step, "
-              f"+{calibration['request_ms']:.1f} ms per request", flush=True)
-        for scenario in scenarios:
-            print(f"-- {name} / {scenario.name}: {scenario.description}", flush=True)
-            load0 = os.getloadavg()[0]
-            if scenario.idle and cand.num_prefill:
-                before = {m: cluster.scrape(m) for m in TRANSFER_METRICS}
-            records = measure(cluster.url, cluster.model, scenario, ctx["builder"], ctx["seed"])
-            transfer = None
-            if scenario.idle and cand.num_prefill:
-                transfer = _transfer_summary(before, {m: cluster.scrape(m) for m in TRANSFER_METRICS})
-            measured = summarize(records, None, scenario.slo_ttft_ms, scenario.slo_tpot_ms)
-            runs.append(Run(name, scenario, records, measured, predict(layout, scenario, records), transfer,
-                            (load0, os.getloadavg()[0]), calibration))
-    finally:
-        killed = cluster.stop()
+    print(f"== {side.name}: launching {config_path} on cores {ctx['cpus']}", flush=True)
+    side.cluster = launch(config_path, out_dir / f"run-{side.name}", ctx["cpus"], ctx["launch_timeout"])
+    probe = measure(side.cluster.url, side.cluster.model, PROBE, ctx["builder"], ctx["seed"])
+    side.layout, side.calibration = calibrate(ctx["layout_for"](side.cand, side.prefill_threads), probe)
+    print(f"   calibration: +{side.calibration['step_ms']:.1f} ms per step, "
+          f"+{side.calibration['request_ms']:.1f} ms per request", flush=True)
+
+
+def stop_side(side: Side) -> None:
+    if side.cluster is not None:
+        killed = side.cluster.stop()
         if killed:
-            print(f"warning: had to SIGKILL pids {killed} of {name}", flush=True)
+            print(f"warning: had to SIGKILL pids {killed} of {side.name}", flush=True)
+
+
+def run_scenario(scenario: Scenario, sides: list[Side], ctx: dict) -> list[Run]:
+    """The scenario's rounds, each sent to every side in ABBA order."""
+    transfers = scenario.idle
+    rounds = {s.name: [] for s in sides}
+    loads = {s.name: [] for s in sides}
+    before = {s.name: {m: s.cluster.scrape(m) for m in TRANSFER_METRICS} for s in sides if transfers}
+    for k, part in enumerate(split_rounds(scenario)):
+        for side in round_order(sides, k):
+            print(f"-- {scenario.name} round {k + 1}: {side.name}", flush=True)
+            load0 = os.getloadavg()[0]
+            rounds[side.name].append(measure(side.cluster.url, side.cluster.model, part, ctx["builder"],
+                                             ctx["seed"] + k))
+            loads[side.name].append((load0, os.getloadavg()[0]))
+    runs = []
+    for side in sides:
+        transfer = None
+        if transfers and side.cand.num_prefill:
+            transfer = _transfer_summary(before[side.name], {m: side.cluster.scrape(m) for m in TRANSFER_METRICS})
+        parts = rounds[side.name]
+        loadavg = (max(a for a, _ in loads[side.name]), max(b for _, b in loads[side.name]))
+        runs.append(Run(side.name, scenario, pooled(parts), summarize_pooled(parts, scenario),
+                        summarize_pooled([simulated(side.layout, scenario, p) for p in parts], scenario),
+                        transfer, loadavg, side.calibration,
+                        [summarize_pooled([p], scenario) for p in parts]))
     return runs
 
 
@@ -236,11 +309,16 @@ def run(args: argparse.Namespace) -> int:
     ctx = {"out": out, "model": model, "knobs": knobs, "cpus": cpus, "launch_timeout": args.launch_timeout,
            "builder": PromptBuilder(load_tokenizer(model)), "seed": args.seed, "layout_for": layout_for}
     started = time.time()
-    runs = run_layout("colocated", baseline, scenarios, ctx)
-    runs += run_layout(cand.name, cand, scenarios, ctx)
-    idle = [s for s in scenarios if s.idle]
-    if idle and cand.threads < len(cpus):
-        runs += run_layout(f"{cand.name}-P{len(cpus)}t", cand, idle, ctx, prefill_threads=len(cpus))
+    sides = [Side("colocated", baseline), Side(cand.name, cand)]
+    if any(s.idle for s in scenarios) and cand.threads < len(cpus):
+        sides.append(Side(f"{cand.name}-P{len(cpus)}t", cand, prefill_threads=len(cpus), idle_only=True))
+    runs: list[Run] = []
+    with ExitStack() as stack:
+        for side in sides:
+            stack.callback(stop_side, side)
+            start_side(side, ctx)
+        for scenario in scenarios:
+            runs += run_scenario(scenario, [s for s in sides if scenario.idle or not s.idle_only], ctx)
     transfer = profile.transfer_cost()
     meta = {"model": model, "cpus": cpus, "transfer": {"bandwidth": transfer.bandwidth, "source": profile.transfer_source,
                                                       "tail_2k_s": {t: transfer.arrival(2048, 0.0, c) - c for t in

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.metrics import Summary
+from bench.metrics import Summary, summarize
 from bench.report import plot_latency_cdfs, plot_tpot_over_time, stats_row
 
 
@@ -40,6 +40,31 @@ def headline_rows(base: Summary, other: Summary) -> list[tuple[str, float | None
     ]
 
 
+def round_ratios(base, other, metric) -> str:
+    """The xPyD/colocated ratio of ``metric(summary)`` in each round, e.g. "2.1x, 1.8x"."""
+    pairs = list(zip(base.rounds, other.rounds))
+    if len(pairs) < 2:
+        return "-"
+    return ", ".join(_ratio(metric(b), metric(a)) for a, b in pairs)
+
+
+ROUND_METRICS = {"goodput (req/s)": lambda m: m.goodput, "p99 TPOT (ms)": lambda m: m.tpot.p99,
+                 "mean TPOT (ms)": lambda m: m.tpot.mean, "mean TTFT (ms)": lambda m: m.ttft.mean}
+TPOT_SLOS_MS = (50, 75, 100, 150, 200, 300)
+
+
+def slo_sweep(base, other) -> list[str]:
+    """Goodput of both layouts for a range of TPOT SLOs (the scenario's TTFT SLO kept)."""
+    s = base.scenario
+    lines = [f"| TPOT SLO (ms) | colocated goodput (req/s) | {other.layout} | ratio |", "|---|---|---|---|"]
+    for slo in sorted(set(TPOT_SLOS_MS) | {s.slo_tpot_ms}):
+        a = summarize(base.records, base.measured.duration_s, s.slo_ttft_ms, slo).goodput
+        b = summarize(other.records, other.measured.duration_s, s.slo_ttft_ms, slo).goodput
+        mark = " (scenario's SLO)" if slo == s.slo_tpot_ms else ""
+        lines.append(f"| {slo:g}{mark} | {_num(a, 3)} | {_num(b, 3)} | {_ratio(b, a)} |")
+    return lines
+
+
 def _pct(v: float | None) -> float | None:
     return None if v is None else 100 * v
 
@@ -61,15 +86,23 @@ def write_report(out: Path, runs: list, meta: dict) -> Path:
               f"- command: `{meta['command']}` ({meta['wall_s'] / 60:.1f} min)",
               "- load average (1 min) before/after each run is listed per run: other work on the machine "
               "shows there.", ""]
-    lines += ["## Headline", "", f"| scenario | metric | colocated | {xname} | {xname} / colocated |",
-              "|---|---|---|---|---|"]
+    lines += ["## Headline", "", "Each scenario ran in rounds sent to the layouts in turn (ABBA); the table pools "
+              "the rounds, the last column gives the ratio in each round on its own.", "",
+              f"| scenario | metric | colocated | {xname} | {xname} / colocated | per round |",
+              "|---|---|---|---|---|---|"]
     for name in scenarios:
         base, other = by.get(("colocated", name)), by.get((xname, name))
         if base is None or other is None or base.scenario.idle:
             continue
         for metric, a, b in headline_rows(base.measured, other.measured):
+            per_round = round_ratios(base, other, ROUND_METRICS[metric]) if metric in ROUND_METRICS else "-"
             lines.append(f"| {name} | {metric} | {_num(a, 3 if 'req/s' in metric else 1)} | "
-                         f"{_num(b, 3 if 'req/s' in metric else 1)} | {_ratio(b, a)} |")
+                         f"{_num(b, 3 if 'req/s' in metric else 1)} | {_ratio(b, a)} | {per_round} |")
+    for name in scenarios:
+        base, other = by.get(("colocated", name)), by.get((xname, name))
+        if base is None or other is None or base.scenario.idle or base.scenario.slo_tpot_ms is None:
+            continue
+        lines += ["", f"### Goodput vs TPOT SLO: {name}", "", *slo_sweep(base, other)]
     lines += ["", "## Planner vs measured (means)", "",
               "| scenario | layout | TTFT predicted | TTFT measured | error | TPOT predicted | TPOT measured "
               "| error | goodput predicted | goodput measured |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -117,20 +150,32 @@ def _idle_section(runs: list, meta: dict) -> list[str]:
     bandwidth = transfer.get("bandwidth")
     lines = ["", "## Idle TTFT, 2048-token prompt", "",
              "| layout | TTFT mean (ms) | predicted | vs colocated | KV per request (MB) | wire time if sent "
-             "after prefill (ms) | P accept-to-ack (ms) |", "|---|---|---|---|---|---|---|"]
+             "after prefill (ms) | P accept-to-ack (ms) | exposed: P prefill end to D ack (ms) | wire time hidden |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in idle:
         t = max(r.transfer.values(), key=lambda v: v["span_s"]) if r.transfer else None
+        wire = wire_ms(t["bytes"] if t else None, bandwidth)
+        exposed = 1000 * t["exposed_s"] if t and "exposed_s" in t else None
         lines.append(
             f"| {r.layout} | {_num(r.measured.ttft.mean)} | {_num(r.predicted.ttft.mean if r.predicted else None)} "
             f"| {_ratio(r.measured.ttft.mean, base.measured.ttft.mean if base else None)} "
-            f"| {_num(t['bytes'] / 1e6 if t else None, 2)} | {_num(wire_ms(t['bytes'] if t else None, bandwidth))} "
-            f"| {_num(1000 * t['span_s'] if t else None)} |")
+            f"| {_num(t['bytes'] / 1e6 if t else None, 2)} | {_num(wire)} "
+            f"| {_num(1000 * t['span_s'] if t else None)} | {_num(exposed)} | {hidden_share(wire, exposed)} |")
     tails = transfer.get("tail_2k_s") or {}
     if bandwidth:
         lines += ["", f"KV bandwidth {bandwidth / 1e9:.2f} GB/s ({transfer.get('source')}). Pushed layer by layer, "
                   "only the last layer's share follows the prefill: the planner puts the exposed tail of a 2048-token "
                   "prompt at " + ", ".join(f"{1000 * v:.1f} ms (P with {k} thread{'s' if int(k) > 1 else ''})"
                                             for k, v in tails.items())
-                  + "; the rest of the wire time is hidden behind compute. The servers' transfer histogram spans "
-                  "accept to ack (queueing and prefill included), so the hidden share is not observed directly."]
+                  + ". The prefill server measures the exposed part itself (histogram "
+                  "`pdserve_transfer_exposed_seconds`: from its last layer computed and first token sampled to the "
+                  "decode server's ack); the hidden share is the wire time less that."]
     return lines
+
+
+def hidden_share(wire: float | None, exposed: float | None) -> str:
+    """How much of the wire time the layer-wise push overlapped with compute."""
+    if wire is None or exposed is None or wire <= 0:
+        return "-"
+    hidden = max(0.0, wire - exposed)
+    return f"{hidden:.1f} ms ({100 * hidden / wire:.0f}%)"

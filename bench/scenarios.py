@@ -24,6 +24,7 @@ class Scenario:
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     idle: bool = False  # one request at a time: TTFT without queueing
+    rounds: int = 2  # parts sent to the layouts in turn (ABBA), so drift hits both alike
 
 
 def default_scenarios() -> tuple[Scenario, ...]:
@@ -44,7 +45,7 @@ def default_scenarios() -> tuple[Scenario, ...]:
             "idle-2k",
             "one 2048-token prompt at a time on an idle cluster: TTFT and the transfer it hides",
             Workload.single("2048", "4"),
-            num_requests=3, concurrency=1, idle=True,
+            num_requests=3, concurrency=1, idle=True, rounds=3,
         ),
     )
 

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from bench.cluster import cpu_list, free_port_pairs
-from bench.compare import Run, predict
+from bench.compare import Run, pooled, predict, round_order, split_rounds
 from bench.compare_report import wire_ms, write_report
 from bench.costmodel import Overheads, StepCost
 from bench.metrics import RequestRecord, summarize
@@ -99,21 +99,27 @@ def test_report_has_headline_ratios_planner_errors_and_idle_transfer(tmp_path):
     pd = [record(0, 0.3, 0.020), record(1, 0.3, 0.020)]
     s = lambda recs, sc: summarize(recs, 2.0, sc.slo_ttft_ms, sc.slo_tpot_ms)
     idle = idle_scenario()
+    # Round 1: colocated meets the 50 ms TPOT SLO with one request of two, 1P1D with both; round 2: both.
+    co_rounds = [s(co, heavy), s([record(0, 0.2, 0.020), record(1, 0.2, 0.020)], heavy)]
+    pd_rounds = [s(pd, heavy), s(pd, heavy)]
     runs = [
-        Run("colocated", heavy, co, s(co, heavy), s(co, heavy), None, (1.0, 1.2)),
-        Run("1P1D", heavy, pd, s(pd, heavy), s(co, heavy), None, (1.0, 1.0)),
+        Run("colocated", heavy, co, s(co, heavy), s(co, heavy), None, (1.0, 1.2), rounds=co_rounds),
+        Run("1P1D", heavy, pd, s(pd, heavy), s(co, heavy), None, (1.0, 1.0), rounds=pd_rounds),
         Run("colocated", idle, [record(0, 1.0, 0.01)], s([record(0, 1.0, 0.01)], idle), None),
         Run("1P1D-P2t", idle, [record(0, 1.01, 0.01)], s([record(0, 1.01, 0.01)], idle), None,
-            {"p0": {"span_s": 1.0, "bytes": 50e6}}),
+            {"p0": {"span_s": 1.0, "exposed_s": 0.030, "bytes": 50e6}}),
     ]
     meta = {"model": "m", "cpus": [0, 1], "layout": "1P1D", "threads": {"colocated": 2, "1P1D": 1},
             "wall_s": 60, "command": "pdserve bench compare",
             "transfer": {"bandwidth": 0.5e9, "source": "test", "tail_2k_s": {1: 0.008}}}
     text = write_report(tmp_path, runs, meta).read_text()
-    assert "| prefill-heavy | goodput (req/s) | 0.500 | 1.000 | 2.00x |" in text
+    assert "| prefill-heavy | goodput (req/s) | 0.500 | 1.000 | 2.00x | 2.00x, 1.00x |" in text
+    # The sweep re-scores the pooled records: at 150 ms colocated's 100 ms request is good too.
+    assert "| 50 (scenario's SLO) | 0.500 | 1.000 | 2.00x |" in text
+    assert "| 150 | 1.000 | 1.000 | 1.00x |" in text
     assert "| prefill-heavy | p99 TPOT (ms) | 99.2 | 20.0 | 0.20x |" in text
     assert "| prefill-heavy | 1P1D | 200.0 | 300.0 | -33% |" in text
-    assert "| 1P1D-P2t | 1010.0 | - | 1.01x | 50.00 | 100.0 | 1000.0 |" in text
+    assert "| 1P1D-P2t | 1010.0 | - | 1.01x | 50.00 | 100.0 | 1000.0 | 30.0 | 70.0 ms (70%) |" in text
     assert "exposed tail of a 2048-token prompt at 8.0 ms (P with 1 thread)" in text
     assert (tmp_path / "prefill-heavy-latency_cdf.png").is_file()
 
@@ -137,3 +143,19 @@ def test_calibration_reads_fixed_step_and_request_costs_off_probe_requests():
     again = predict(calibrated, PROBE, recs)
     assert again.ttft.mean == pytest.approx(1000 * (request + 0.013 + step))
     assert again.tpot.mean == pytest.approx(10.0)
+
+
+def test_rounds_split_evenly_alternate_abba_and_pool_end_to_end():
+    heavy = Scenario("h", "x", Workload.single("100", "4"), 41, rate=1.0, rounds=3)
+    assert [r.num_requests for r in split_rounds(heavy)] == [14, 14, 13]
+    assert [r.num_requests for r in split_rounds(Scenario("i", "x", Workload.single("1", "1"), 2, rounds=3))] == [1, 1]
+    assert [round_order(["A", "B"], k) for k in range(3)] == [["A", "B"], ["B", "A"], ["A", "B"]]
+    # Two rounds, each on its own clock from 5 s: laid end to end, 3 s then 0.3 s of load.
+    one = [record(5, 0.5, 0.1), RequestRecord(6, 100, 4, start=6.0, end=8.0, ok=False, error="x")]
+    two = [record(5, 0.2, 0.1, n=2)]
+    pool = pooled([one, two])
+    assert [r.index for r in pool] == [0, 1, 2]
+    assert [r.start for r in pool] == [0.0, 1.0, 3.0]
+    assert pool[2].token_times == pytest.approx([3.2, 3.3]) and pool[2].end == pytest.approx(3.3)
+    assert summarize(pool).duration_s == pytest.approx(3.3)
+    assert (pool[0].ttft, pool[1].ok) == (pytest.approx(0.5), False)
