@@ -8,8 +8,9 @@ server owns it from one engine thread.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +43,35 @@ class GenerationResult:
 
 
 LayerHook = Callable[[int, list[PrefillChunk]], None]
+
+
+STEP_KINDS = ("prefill", "decode", "mixed")
+
+
+@dataclass
+class EngineCounters:
+    """Running totals since the engine started (read them, diff two reads)."""
+
+    steps: dict[str, int] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0))
+    step_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STEP_KINDS, 0.0))
+    prompt_tokens: int = 0  # computed from a prompt (recomputed ones after a preemption included)
+    decode_tokens: int = 0
+    preemptions: int = 0
+
+    def add(self, plan, seconds: float) -> None:
+        prefill = sum(c.num_tokens for c in plan.chunks if c.start < c.request.num_prompt_tokens
+                      or c.num_tokens > 1)
+        decode = plan.num_tokens - prefill
+        kind = "mixed" if prefill and decode else "prefill" if prefill else "decode"
+        self.steps[kind] += 1
+        self.step_seconds[kind] += seconds
+        self.prompt_tokens += prefill
+        self.decode_tokens += decode
+        self.preemptions += len(plan.preempted)
+
+    def copy(self) -> EngineCounters:
+        return EngineCounters(dict(self.steps), dict(self.step_seconds), self.prompt_tokens, self.decode_tokens,
+                              self.preemptions)
 
 
 class LLMEngine:
@@ -79,6 +109,7 @@ class LLMEngine:
         rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
         self.runner = ModelRunner(self.model, self.cache, rope, device)
         self.layer_hook = layer_hook
+        self.counters = EngineCounters()
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -112,9 +143,13 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         plan = self.scheduler.schedule()
         if not plan.chunks:
+            self.counters.preemptions += len(plan.preempted)
             return []
+        t0 = time.perf_counter()
         tokens = self.runner.run(plan, self._layer_callback(plan))
-        return self.scheduler.update(plan, tokens)
+        outputs = self.scheduler.update(plan, tokens)
+        self.counters.add(plan, time.perf_counter() - t0)
+        return outputs
 
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
         """Offline generation of a batch of prompts (text or token ids)."""

@@ -17,10 +17,11 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engine import LLMEngine, StepOutput
+from engine.engine import EngineCounters
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,6 +39,7 @@ class Snapshot:
     total: int = 0  # blocks in the cache
     # (state, arrival time.monotonic(), blocks) of every request holding blocks; state: reserved | running
     holders: tuple[tuple[str, float, int], ...] = ()
+    counters: EngineCounters = field(default_factory=EngineCounters)  # steps, their seconds, preemptions
 
 
 def take_snapshot(engine: LLMEngine) -> Snapshot:
@@ -52,6 +54,7 @@ def take_snapshot(engine: LLMEngine) -> Snapshot:
         total=sched.blocks.num_blocks,
         holders=tuple(("reserved" if r.request_id in sched.parked else "running", r.arrival_time, len(r.block_ids))
                       for r in sched.requests.values() if r.block_ids),
+        counters=engine.counters.copy(),
     )
 
 

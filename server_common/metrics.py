@@ -31,6 +31,7 @@ class ServerMetrics:
             lambda: snapshot().num_requests)
         Gauge("pdserve_torch_threads", "torch CPU threads", registry=r).set_function(torch.get_num_threads)
         r.register(_BlockAges(snapshot))
+        r.register(_EngineSteps(snapshot))
         self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Tokens produced", registry=r)
         self.transfer_bytes = Counter("pdserve_transfer_bytes", "KV bytes transferred", registry=r)
@@ -75,6 +76,32 @@ class _BlockAges:
             oldest.add_metric([state], max((age for age, _ in ages), default=0.0))
         yield by_age
         yield oldest
+
+
+class _EngineSteps:
+    """The engine's own step counters: how long its prefill, decode and mixed
+    steps take on this machine, and how often it preempts."""
+
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self):
+        c = self._snapshot().counters
+        steps = CounterMetricFamily("pdserve_engine_steps", "Engine steps by kind (prefill, decode, mixed)",
+                                    labels=["kind"])
+        seconds = CounterMetricFamily("pdserve_engine_step_seconds", "Seconds spent in engine steps by kind",
+                                      labels=["kind"])
+        for kind, n in c.steps.items():
+            steps.add_metric([kind], n)
+            seconds.add_metric([kind], c.step_seconds[kind])
+        tokens = CounterMetricFamily("pdserve_engine_tokens", "Tokens computed, prompt or decode", labels=["kind"])
+        tokens.add_metric(["prompt"], c.prompt_tokens)
+        tokens.add_metric(["decode"], c.decode_tokens)
+        yield steps
+        yield seconds
+        yield tokens
+        yield CounterMetricFamily("pdserve_preemptions", "Running requests preempted (freed, recomputed later)",
+                                  value=c.preemptions)
 
 
 class _Discarded:

@@ -80,6 +80,25 @@ def test_preemption_under_block_pressure_still_gives_exact_tokens(tiny_model):
     assert e.block_counts() == {"free": 24, "reserved": 0, "running": 0}
 
 
+def test_step_counters_count_every_computed_token_and_each_preemption(tiny_model):
+    prompts = [[(5 * i + k) % 300 + 3 for i in range(20)] for k in range(4)]
+    sampling = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    roomy = engine(tiny_model, block_size=4, max_num_batched_tokens=64)
+    roomy.generate(prompts, sampling)
+    c = roomy.counters
+    # 4 prompts of 20 tokens, then 15 decode steps each (the first token is sampled by the prefill).
+    assert (c.prompt_tokens, c.decode_tokens, c.preemptions) == (80, 60, 0)
+    # 80 prompt tokens over a 64-token budget: the 4th prompt ends in a step with 3 decodes.
+    assert c.steps == {"prefill": 1, "mixed": 1, "decode": 15}
+    assert all(v > 0 for v in c.step_seconds.values())
+    tight = engine(tiny_model, block_size=4, num_blocks=24, max_num_batched_tokens=64)
+    results = tight.generate(prompts, sampling)
+    c = tight.counters
+    assert c.preemptions >= 1
+    assert c.prompt_tokens + c.decode_tokens > 140  # preempted requests were recomputed
+    assert [r.token_ids for r in results] == [hf_greedy(tiny_model, p, 16, ignore_eos=True) for p in prompts]
+
+
 def test_same_seed_same_text_whatever_the_batch(tiny_model):
     e = engine(tiny_model)
     sampling = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)

@@ -30,6 +30,8 @@ def test_prefill_and_decode_block_sizes_differ(served):
 def test_completions_greedy_equal_transformers(served, tiny_model, stream):
     client = served.client()
     prefilled_before = served.metric("p0", 'pdserve_requests_total{outcome="prefilled"}')
+    counters = {(name, kind): served.metric(name, f'pdserve_engine_tokens_total{{kind="{kind}"}}')
+                for name in ("p0", "d0") for kind in ("prompt", "decode")}
     for prompt in PROMPTS:
         text, count = expected_completion(tiny_model, prompt, 24)
         if stream:
@@ -46,6 +48,14 @@ def test_completions_greedy_equal_transformers(served, tiny_model, stream):
         assert usage.prompt_tokens == len(tokenizer(tiny_model)(prompt)["input_ids"])
         assert finish == ("length" if count == 24 else "stop")
     assert served.metric("p0", 'pdserve_requests_total{outcome="prefilled"}') == prefilled_before + len(PROMPTS)
+    # Every prompt token computed once, on P; D only decodes.
+    grew = {key: served.metric(key[0], f'pdserve_engine_tokens_total{{kind="{key[1]}"}}') - v
+            for key, v in counters.items()}
+    prompt_tokens = sum(len(tokenizer(tiny_model)(p)["input_ids"]) for p in PROMPTS)
+    assert grew == {("p0", "prompt"): prompt_tokens, ("p0", "decode"): 0, ("d0", "prompt"): 0,
+                    ("d0", "decode"): grew[("d0", "decode")]} and grew[("d0", "decode")] > 0
+    assert served.metric("d0", "pdserve_preemptions_total") == 0
+    assert served.metric("d0", 'pdserve_engine_steps_total{kind="decode"}') > 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
