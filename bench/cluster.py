@@ -99,6 +99,28 @@ class RunningCluster:
                 out[proc["name"]] = sum(float(v) for v in pattern.findall(text))
         return out
 
+    def samples(self, prefix: str = "pdserve_") -> dict[str, dict[str, float]]:
+        """Every Prometheus sample starting with ``prefix``, per server name:
+        ``{"d0": {'pdserve_engine_steps_total{kind="decode"}': 812.0, ...}}``."""
+        out: dict[str, dict[str, float]] = {}
+        with httpx.Client(timeout=5.0) as client:
+            for proc in self.processes():
+                if proc["role"] == "router":
+                    continue
+                try:
+                    text = client.get(proc["url"] + "/metrics").text
+                except httpx.HTTPError:
+                    continue
+                values = out.setdefault(proc["name"], {})
+                for line in text.splitlines():
+                    if line.startswith(prefix):
+                        key, _, value = line.rpartition(" ")
+                        try:
+                            values[key] = float(value)
+                        except ValueError:
+                            pass
+        return out
+
     def stop(self) -> list[int]:
         """SIGTERM the launcher (it stops everything); then SIGKILL any pid left.
 

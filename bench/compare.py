@@ -59,34 +59,54 @@ class Run:
     loadavg: tuple[float, float] = (0.0, 0.0)
     calibration: dict | None = None  # the live cluster's fixed overheads the prediction used
     rounds: list[Summary] = field(default_factory=list)  # each round on its own
+    engines: dict = field(default_factory=dict)  # per server: steps, mean step time by kind, preemptions
 
 
 PROBE = Scenario("probe", "8-token prompts, 16 tokens out, one at a time", Workload.single("8", "16"),
                  num_requests=5, concurrency=1, idle=True)
+PROBE_BATCH = Scenario("probe-batch", "8-token prompts, 32 tokens out, four at a time", Workload.single("8", "32"),
+                       num_requests=8, concurrency=4)
 
 
-def calibrate(layout: Layout, records: list[RequestRecord]) -> tuple[Layout, dict]:
+def _tpot(records: list[RequestRecord]) -> float:
+    return statistics.median(r.tpot for r in records)
+
+
+def calibrate(layout: Layout, records: list[RequestRecord],
+              batch_records: list[RequestRecord] | None = None) -> tuple[Layout, dict]:
     """Adds the live cluster's fixed costs, measured with tiny requests, to a layout.
 
     The profile times bare engine steps; a server adds a per-step cost (engine
-    thread, queues, streaming) and a per-request cost (HTTP, tokenization,
-    routing, the extra hop of a disaggregated request). Both are read off
-    probe requests too small for compute to matter: the TPOT gap goes into
-    every step's base cost, then the TTFT gap left into ``ingress``.
+    thread, queues), a per-sequence cost in every step (each stream's token is
+    detokenized, sent as an HTTP chunk and relayed by the router, on the same
+    cores) and a per-request cost (HTTP, tokenization, routing, the extra hop
+    of a disaggregated request). All three are read off probe requests too
+    small for compute to matter: the TPOT gaps one at a time and
+    ``PROBE_BATCH.concurrency`` at a time give the per-step and per-sequence
+    costs (two equations, two unknowns), then the TTFT gap left goes into
+    ``ingress``.
     """
     done = [r for r in records if r.ok and r.tpot is not None]
     if not done:
-        return layout, {"step_ms": 0.0, "request_ms": 0.0}
+        return layout, {"step_ms": 0.0, "seq_ms": 0.0, "request_ms": 0.0}
     bare = replace(layout, overheads=Overheads())
-    step_gap = max(0.0, statistics.median(r.tpot for r in done) - predict(bare, PROBE, done).tpot.mean / 1000)
+    gap1 = _tpot(done) - predict(bare, PROBE, done).tpot.p50 / 1000
+    seq_gap = 0.0
+    batch = [r for r in batch_records or [] if r.ok and r.tpot is not None]
+    if batch:
+        width = PROBE_BATCH.concurrency
+        gap_n = _tpot(batch) - predict(bare, PROBE_BATCH, batch).tpot.p50 / 1000
+        seq_gap = max(0.0, (gap_n - gap1) / (width - 1))
+    step_gap = max(0.0, gap1 - seq_gap)
 
     def slower(spec):
-        return replace(spec, cost=replace(spec.cost, base=spec.cost.base + step_gap))
+        cost = replace(spec.cost, base=spec.cost.base + step_gap, per_seq=spec.cost.per_seq + seq_gap)
+        return replace(spec, cost=cost)
 
     stepped = replace(bare, serving=tuple(map(slower, bare.serving)), prefill=tuple(map(slower, bare.prefill)))
-    request_gap = max(0.0, statistics.median(r.ttft for r in done) - predict(stepped, PROBE, done).ttft.mean / 1000)
+    request_gap = max(0.0, statistics.median(r.ttft for r in done) - predict(stepped, PROBE, done).ttft.p50 / 1000)
     calibrated = replace(stepped, overheads=Overheads(ingress=request_gap))
-    return calibrated, {"step_ms": 1000 * step_gap, "request_ms": 1000 * request_gap}
+    return calibrated, {"step_ms": 1000 * step_gap, "seq_ms": 1000 * seq_gap, "request_ms": 1000 * request_gap}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -216,6 +236,21 @@ def _transfer_summary(before: dict[str, dict[str, float]], after: dict[str, dict
     return out
 
 
+def engine_activity(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
+    """Per server, from its engine counters: steps, mean step time by kind, preemptions."""
+    out = {}
+    for name, now in after.items():
+        was = before.get(name, {})
+        delta = lambda key: now.get(key, 0.0) - was.get(key, 0.0)
+        row = {"preemptions": delta("pdserve_preemptions_total")}
+        for kind in ("prefill", "decode", "mixed"):
+            n = delta(f'pdserve_engine_steps_total{{kind="{kind}"}}')
+            row[f"{kind}_steps"] = n
+            row[f"{kind}_step_ms"] = 1000 * delta(f'pdserve_engine_step_seconds_total{{kind="{kind}"}}') / n if n else None
+        out[name] = row
+    return out
+
+
 @dataclass
 class Side:
     """One layout of the comparison, launched for the whole run."""
@@ -239,9 +274,10 @@ def start_side(side: Side, ctx: dict) -> None:
     print(f"== {side.name}: launching {config_path} on cores {ctx['cpus']}", flush=True)
     side.cluster = launch(config_path, out_dir / f"run-{side.name}", ctx["cpus"], ctx["launch_timeout"])
     probe = measure(side.cluster.url, side.cluster.model, PROBE, ctx["builder"], ctx["seed"])
-    side.layout, side.calibration = calibrate(ctx["layout_for"](side.cand, side.prefill_threads), probe)
-    print(f"   calibration: +{side.calibration['step_ms']:.1f} ms per step, "
-          f"+{side.calibration['request_ms']:.1f} ms per request", flush=True)
+    batch = measure(side.cluster.url, side.cluster.model, PROBE_BATCH, ctx["builder"], ctx["seed"])
+    side.layout, side.calibration = calibrate(ctx["layout_for"](side.cand, side.prefill_threads), probe, batch)
+    print(f"   calibration: +{side.calibration['step_ms']:.1f} ms per step, +{side.calibration['seq_ms']:.1f} ms "
+          f"per sequence in a step, +{side.calibration['request_ms']:.1f} ms per request", flush=True)
 
 
 def stop_side(side: Side) -> None:
@@ -257,6 +293,7 @@ def run_scenario(scenario: Scenario, sides: list[Side], ctx: dict) -> list[Run]:
     rounds = {s.name: [] for s in sides}
     loads = {s.name: [] for s in sides}
     before = {s.name: {m: s.cluster.scrape(m) for m in TRANSFER_METRICS} for s in sides if transfers}
+    engines = {s.name: s.cluster.samples("pdserve_") for s in sides}
     for k, part in enumerate(split_rounds(scenario)):
         for side in round_order(sides, k):
             print(f"-- {scenario.name} round {k + 1}: {side.name}", flush=True)
@@ -270,11 +307,12 @@ def run_scenario(scenario: Scenario, sides: list[Side], ctx: dict) -> list[Run]:
         if transfers and side.cand.num_prefill:
             transfer = _transfer_summary(before[side.name], {m: side.cluster.scrape(m) for m in TRANSFER_METRICS})
         parts = rounds[side.name]
+        activity = engine_activity(engines[side.name], side.cluster.samples("pdserve_"))
         loadavg = (max(a for a, _ in loads[side.name]), max(b for _, b in loads[side.name]))
         runs.append(Run(side.name, scenario, pooled(parts), summarize_pooled(parts, scenario),
                         summarize_pooled([simulated(side.layout, scenario, p) for p in parts], scenario),
                         transfer, loadavg, side.calibration,
-                        [summarize_pooled([p], scenario) for p in parts]))
+                        [summarize_pooled([p], scenario) for p in parts], activity))
     return runs
 
 
@@ -331,6 +369,7 @@ def run(args: argparse.Namespace) -> int:
         {"meta": meta, "runs": [{"layout": r.layout, "scenario": r.scenario.name, "measured": r.measured.to_json(),
                                  "predicted": r.predicted.to_json() if r.predicted else None,
                                  "transfer": r.transfer, "loadavg": r.loadavg, "calibration": r.calibration,
+                                 "engines": r.engines, "rounds": [x.to_json() for x in r.rounds],
                                  "requests": [x.to_json() for x in r.records]} for r in runs]}, indent=1) + "\n")
     print(report.read_text())
     print(f"report: {report}")

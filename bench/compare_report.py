@@ -116,9 +116,11 @@ def write_report(out: Path, runs: list, meta: dict) -> Path:
     calib = {r.layout: r.calibration for r in runs if r.calibration}
     if calib:
         lines += ["", "Predictions use the profile plus each live cluster's fixed costs, measured with tiny "
-                  "probe requests: " + "; ".join(f"{k} +{v['step_ms']:.1f} ms/step, +{v['request_ms']:.1f} "
-                                                 "ms/request" for k, v in calib.items()) + "."]
+                  "probe requests (one at a time, then four at a time): " + "; ".join(
+                      f"{k} +{v['step_ms']:.1f} ms/step, +{v.get('seq_ms', 0.0):.1f} ms per sequence in a step, "
+                      f"+{v['request_ms']:.1f} ms/request" for k, v in calib.items()) + "."]
     lines += _idle_section(runs, meta)
+    lines += _engine_section(runs)
     lines += ["", "## Runs", ""]
     for name in scenarios:
         group = [r for r in runs if r.scenario.name == name]
@@ -179,3 +181,19 @@ def hidden_share(wire: float | None, exposed: float | None) -> str:
         return "-"
     hidden = max(0.0, wire - exposed)
     return f"{hidden:.1f} ms ({100 * hidden / wire:.0f}%)"
+
+
+def _engine_section(runs: list) -> list[str]:
+    """What each engine did during each scenario, from its own step counters."""
+    rows = [(r, name, e) for r in runs for name, e in sorted(r.engines.items())]
+    if not rows:
+        return []
+    lines = ["", "## Engine steps (each server's own counters over the scenario, one warmup request per round included)", "",
+             "| scenario | layout | server | prefill steps, mean ms | decode steps, mean ms | mixed steps, mean ms "
+             "| preemptions |", "|---|---|---|---|---|---|---|"]
+    for r, name, e in rows:
+        cell = lambda kind: (f"{e[kind + '_steps']:.0f}, {_num(e[kind + '_step_ms'])}" if e[kind + "_steps"]
+                             else "-")
+        lines.append(f"| {r.scenario.name} | {r.layout} | {name} | {cell('prefill')} | {cell('decode')} | "
+                     f"{cell('mixed')} | {e['preemptions']:.0f} |")
+    return lines

@@ -104,7 +104,9 @@ def test_report_has_headline_ratios_planner_errors_and_idle_transfer(tmp_path):
     pd_rounds = [s(pd, heavy), s(pd, heavy)]
     runs = [
         Run("colocated", heavy, co, s(co, heavy), s(co, heavy), None, (1.0, 1.2), rounds=co_rounds),
-        Run("1P1D", heavy, pd, s(pd, heavy), s(co, heavy), None, (1.0, 1.0), rounds=pd_rounds),
+        Run("1P1D", heavy, pd, s(pd, heavy), s(co, heavy), None, (1.0, 1.0), rounds=pd_rounds,
+            engines={"d0": {"prefill_steps": 0, "prefill_step_ms": None, "decode_steps": 90, "decode_step_ms": 41.25,
+                            "mixed_steps": 0, "mixed_step_ms": None, "preemptions": 2}}),
         Run("colocated", idle, [record(0, 1.0, 0.01)], s([record(0, 1.0, 0.01)], idle), None),
         Run("1P1D-P2t", idle, [record(0, 1.01, 0.01)], s([record(0, 1.01, 0.01)], idle), None,
             {"p0": {"span_s": 1.0, "exposed_s": 0.030, "bytes": 50e6}}),
@@ -121,6 +123,7 @@ def test_report_has_headline_ratios_planner_errors_and_idle_transfer(tmp_path):
     assert "| prefill-heavy | 1P1D | 200.0 | 300.0 | -33% |" in text
     assert "| 1P1D-P2t | 1010.0 | - | 1.01x | 50.00 | 100.0 | 1000.0 | 30.0 | 70.0 ms (70%) |" in text
     assert "exposed tail of a 2048-token prompt at 8.0 ms (P with 1 thread)" in text
+    assert "| prefill-heavy | 1P1D | d0 | - | 90, 41.2 | - | 2 |" in text
     assert (tmp_path / "prefill-heavy-latency_cdf.png").is_file()
 
 
@@ -159,3 +162,28 @@ def test_rounds_split_evenly_alternate_abba_and_pool_end_to_end():
     assert pool[2].token_times == pytest.approx([3.2, 3.3]) and pool[2].end == pytest.approx(3.3)
     assert summarize(pool).duration_s == pytest.approx(3.3)
     assert (pool[0].ttft, pool[1].ok) == (pytest.approx(0.5), False)
+
+
+def test_calibration_splits_the_tpot_gap_into_per_step_and_per_sequence_costs():
+    from bench.compare import PROBE, PROBE_BATCH, calibrate
+
+    layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
+    bare = [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)]
+    wide = [RequestRecord(i, 8, 32, start=0.0, ok=True) for i in range(PROBE_BATCH.concurrency)]
+    tpot1 = predict(layout, PROBE, bare).tpot.p50 / 1000
+    tpot4 = predict(layout, PROBE_BATCH, wide).tpot.p50 / 1000
+    # The live server: +2 ms per step and +3 ms per sequence in the step.
+    step, seq = 0.002, 0.003
+
+    def live(recs, tpot, width):
+        out = []
+        for r in recs:
+            first = r.start + 0.05
+            n = r.max_tokens
+            out.append(RequestRecord(r.index, r.prompt_len, n, start=r.start, end=first + (tpot + step + seq * width)
+                                     * (n - 1), ok=True, output_tokens=n, token_times=[first]))
+        return out
+
+    _, found = calibrate(layout, live(bare, tpot1, 1), live(wide, tpot4, PROBE_BATCH.concurrency))
+    assert found["seq_ms"] == pytest.approx(3.0)
+    assert found["step_ms"] == pytest.approx(2.0)
