@@ -6,9 +6,12 @@ One engine step (any mix of prefill chunks and decode tokens) costs
 
 * ``new_tokens``: tokens computed this step (prefill chunk tokens + one per
   decode); the linear layers scale with it.
-* ``attn_pairs``: (query, key) pairs attention touches; a prefill chunk of
-  positions [s, e) touches e(e+1)/2 - s(s+1)/2, a decode at context L
-  touches L + 1. This is the quadratic term of long prompts and the
+* ``attn_pairs``: (query, key) pairs the engine's attention computes
+  (:func:`attention_work`): a prompt chunk with nothing cached before it
+  runs causal attention, e(e+1)/2 pairs for positions [0, e); a chunk
+  [s, e) after cached tokens attends over all e keys under a mask,
+  (e - s) * e; a decode batch is padded to its longest context, batch *
+  (longest + 1). This is the quadratic term of long prompts and the
   context term of decode.
 * ``seqs``: sequences that sample a token this step (the LM head and the
   sampler run once per sequence, not per prompt token).
@@ -26,8 +29,19 @@ import numpy as np
 
 
 def chunk_attn_pairs(start: int, end: int) -> int:
-    """Causal attention pairs of computing positions [start, end)."""
-    return end * (end + 1) // 2 - start * (start + 1) // 2
+    """Attention pairs the engine computes for prompt positions [start, end)."""
+    if start == 0:
+        return end * (end + 1) // 2  # causal kernel: the upper triangle is skipped
+    return (end - start) * end  # masked over every key: nothing is skipped
+
+
+def attention_work(prefills: list[tuple[int, int]], decode_contexts: list[int]) -> int:
+    """Pairs one step computes: prompt chunks ``(start, end)``, then decodes whose
+    new token sits at position ``context`` (batched, padded to the longest)."""
+    work = sum(chunk_attn_pairs(s, e) for s, e in prefills)
+    if decode_contexts:
+        work += len(decode_contexts) * (max(decode_contexts) + 1)
+    return work
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.costmodel import StepCost, StepSample, TransferCost, chunk_attn_pairs, fit_error, fit_step_cost
+from bench.costmodel import StepCost, StepSample, TransferCost, attention_work, fit_error, fit_step_cost
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,9 @@ class ProfileGrid:
     @classmethod
     def quick(cls) -> ProfileGrid:
         return cls((16, 64, 128), (1, 4), (16, 64), 3, 1)
+
+
+PROFILE_FORMAT = 2  # 2: attention work as the engine computes it (costmodel.attention_work)
 
 
 @dataclass
@@ -72,6 +75,7 @@ class Profile:
 
     def to_json(self) -> dict:
         return {
+            "format": PROFILE_FORMAT,
             "model": self.model, "dtype": self.dtype, "device": self.device, "num_layers": self.num_layers,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "step_costs": {str(t): c.to_json() for t, c in self.step_costs.items()},
@@ -85,6 +89,9 @@ class Profile:
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:
+        if isinstance(data, dict) and "step_costs" in data and data.get("format", 1) != PROFILE_FORMAT:
+            raise ValueError(f"profile format {data.get('format', 1)}, this pdserve reads {PROFILE_FORMAT} "
+                             "(attention work is counted differently): profile again")
         try:
             return cls(
                 model=data["model"], dtype=data["dtype"], device=data["device"], num_layers=int(data["num_layers"]),
@@ -126,7 +133,9 @@ def timed_step(engine) -> StepSample | None:
     engine.scheduler.update(plan, tokens)
     seconds = time.perf_counter() - start
     new = sum(c.num_tokens for c in plan.chunks)
-    pairs = sum(chunk_attn_pairs(c.start, c.start + c.num_tokens) for c in plan.chunks)
+    is_decode = [c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens for c in plan.chunks]
+    pairs = attention_work([(c.start, c.start + c.num_tokens) for c, d in zip(plan.chunks, is_decode) if not d],
+                           [c.start for c, d in zip(plan.chunks, is_decode) if d])
     seqs = sum(1 for c in plan.chunks if c.sample)
     return StepSample(new, pairs, seqs, seconds)
 

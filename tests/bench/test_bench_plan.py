@@ -122,6 +122,26 @@ def test_a_file_that_is_not_a_profile_is_a_clear_error(tmp_path):
         Profile.load(tmp_path / "x.json")
 
 
+def test_a_profile_counting_attention_the_old_way_is_refused(tiny_model, tmp_path):
+    profile = profile_engine(tiny_model, [1], ProfileGrid.quick(), progress=lambda _: None)
+    data = profile.to_json()
+    del data["format"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="profile format 1, this pdserve reads 2"):
+        Profile.load(tmp_path / "old.json")
+
+
+def test_attention_work_is_what_the_engine_kernels_compute():
+    from bench.costmodel import attention_work
+
+    # A fresh prompt runs the causal kernel (lower triangle); a chunk after cached
+    # tokens runs masked over every key; decodes are padded to the longest context.
+    assert chunk_attn_pairs(0, 4) == 10
+    assert chunk_attn_pairs(4, 6) == 2 * 6
+    assert attention_work([(0, 4), (4, 6)], [9, 2, 5]) == 10 + 12 + 3 * 10
+    assert attention_work([], []) == 0
+
+
 def test_fit_ignores_a_step_slowed_down_by_another_process():
     truth = StepCost(0.004, 2e-4, 3e-8, 1e-3)
     shapes = [(n, chunk_attn_pairs(0, n), 1) for n in (16, 64, 128, 512, 1024, 2048)]
