@@ -3,16 +3,20 @@
 One engine step (any mix of prefill chunks and decode tokens) costs
 
     t = base + per_token * new_tokens + per_attn * attn_pairs + per_seq * seqs
+        + per_key * decode_keys
 
 * ``new_tokens``: tokens computed this step (prefill chunk tokens + one per
   decode); the linear layers scale with it.
-* ``attn_pairs``: (query, key) pairs the engine's attention computes
-  (:func:`attention_work`): a prompt chunk with nothing cached before it
-  runs causal attention, e(e+1)/2 pairs for positions [0, e); a chunk
-  [s, e) after cached tokens attends over all e keys under a mask,
-  (e - s) * e; a decode batch is padded to its longest context, batch *
-  (longest + 1). This is the quadratic term of long prompts and the
-  context term of decode.
+* ``attn_pairs``: (query, key) pairs prompt attention computes
+  (:func:`chunk_attn_pairs`): a chunk with nothing cached before it runs
+  the causal kernel, e(e+1)/2 pairs for positions [0, e); a chunk [s, e)
+  after cached tokens attends over all e keys under a mask, (e - s) * e.
+  The quadratic term of long prompts.
+* ``decode_keys``: keys the decode batch reads from the paged cache
+  (:func:`decode_keys`): gathered block by block and padded to the longest
+  context, batch * (longest + 1). Memory-bound, so it gets its own
+  coefficient (``per_key``): one long context makes every decode step in
+  its batch slower.
 * ``seqs``: sequences that sample a token this step (the LM head and the
   sampler run once per sequence, not per prompt token).
 
@@ -35,13 +39,14 @@ def chunk_attn_pairs(start: int, end: int) -> int:
     return (end - start) * end  # masked over every key: nothing is skipped
 
 
-def attention_work(prefills: list[tuple[int, int]], decode_contexts: list[int]) -> int:
-    """Pairs one step computes: prompt chunks ``(start, end)``, then decodes whose
-    new token sits at position ``context`` (batched, padded to the longest)."""
-    work = sum(chunk_attn_pairs(s, e) for s, e in prefills)
-    if decode_contexts:
-        work += len(decode_contexts) * (max(decode_contexts) + 1)
-    return work
+def prefill_pairs(prefills: list[tuple[int, int]]) -> int:
+    """Pairs one step's prompt chunks ``(start, end)`` compute."""
+    return sum(chunk_attn_pairs(s, e) for s, e in prefills)
+
+
+def decode_keys(contexts: list[int]) -> int:
+    """Keys one decode batch reads: new tokens at positions ``contexts``, padded to the longest."""
+    return len(contexts) * (max(contexts) + 1) if contexts else 0
 
 
 @dataclass(frozen=True)
@@ -50,9 +55,11 @@ class StepCost:
     per_token: float
     per_attn: float
     per_seq: float
+    per_key: float = 0.0
 
-    def step_time(self, new_tokens: int, attn_pairs: int, seqs: int) -> float:
-        return self.base + self.per_token * new_tokens + self.per_attn * attn_pairs + self.per_seq * seqs
+    def step_time(self, new_tokens: int, attn_pairs: int, seqs: int, decode_keys: int = 0) -> float:
+        return (self.base + self.per_token * new_tokens + self.per_attn * attn_pairs + self.per_seq * seqs
+                + self.per_key * decode_keys)
 
     def prefill_time(self, prompt_len: int) -> float:
         """One prompt prefilled in one step."""
@@ -60,14 +67,15 @@ class StepCost:
 
     def decode_time(self, batch: int, context: int) -> float:
         """One decode step of ``batch`` sequences of ``context`` tokens each."""
-        return self.step_time(batch, batch * (context + 1), batch)
+        return self.step_time(batch, 0, batch, batch * (context + 1))
 
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict) -> StepCost:
-        return cls(**{k: float(data[k]) for k in ("base", "per_token", "per_attn", "per_seq")})
+        return cls(**{k: float(data[k]) for k in ("base", "per_token", "per_attn", "per_seq")},
+                   per_key=float(data.get("per_key", 0.0)))
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,11 @@ class StepSample:
     attn_pairs: int
     seqs: int
     seconds: float
+    decode_keys: int = 0
+
+    @property
+    def features(self) -> tuple[int, int, int, int]:
+        return (self.new_tokens, self.attn_pairs, self.seqs, self.decode_keys)
 
 
 def fit_step_cost(samples: list[StepSample], robust: bool = True) -> StepCost:
@@ -85,13 +98,13 @@ def fit_step_cost(samples: list[StepSample], robust: bool = True) -> StepCost:
 
     Relative weighting keeps short decode steps as well fitted as long
     prefills. Negative coefficients are dropped and the rest refitted (an
-    active-set NNLS, enough for four unknowns). ``robust``: samples far off
+    active-set NNLS, enough for five unknowns). ``robust``: samples far off
     the first fit (a step slowed by another process on a shared machine)
     are dropped and the rest refitted once.
     """
     if len(samples) < 4:
         raise ValueError(f"need at least 4 step samples to fit, got {len(samples)}")
-    x = np.array([[1.0, s.new_tokens, s.attn_pairs, s.seqs] for s in samples], dtype=float)
+    x = np.array([[1.0, *s.features] for s in samples], dtype=float)
     y = np.array([s.seconds for s in samples], dtype=float)
     coef = _nnls_relative(x, y)
     if robust:
@@ -104,8 +117,8 @@ def fit_step_cost(samples: list[StepSample], robust: bool = True) -> StepCost:
 
 def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     w = 1.0 / np.maximum(y, 1e-9)
-    active = [0, 1, 2, 3]
-    coef = np.zeros(4)
+    active = [i for i in range(x.shape[1]) if x[:, i].any()]  # a feature no sample has stays 0
+    coef = np.zeros(x.shape[1])
     while active:
         sol, *_ = np.linalg.lstsq(x[:, active] * w[:, None], y * w, rcond=None)
         if (sol >= 0).all():
@@ -117,7 +130,7 @@ def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def fit_error(cost: StepCost, samples: list[StepSample]) -> float:
     """Mean relative error of the fitted model on the samples."""
-    errs = [abs(cost.step_time(s.new_tokens, s.attn_pairs, s.seqs) - s.seconds) / s.seconds
+    errs = [abs(cost.step_time(*s.features) - s.seconds) / s.seconds
             for s in samples if s.seconds > 0]
     return float(np.mean(errs)) if errs else 0.0
 

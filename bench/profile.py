@@ -27,7 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.costmodel import StepCost, StepSample, TransferCost, attention_work, fit_error, fit_step_cost
+from bench.costmodel import (StepCost, StepSample, TransferCost, decode_keys, fit_error, fit_step_cost,
+                             prefill_pairs)
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,14 @@ class ProfileGrid:
     decode_contexts: tuple[int, ...] = (64, 384)
     decode_steps: int = 6
     repeats: int = 3
+    long_context: int = 2048  # decodes next to one sequence this long (padded batches)
 
     @classmethod
     def quick(cls) -> ProfileGrid:
-        return cls((16, 64, 128), (1, 4), (16, 64), 3, 1)
+        return cls((16, 64, 128), (1, 4), (16, 64), 3, 1, 256)
 
 
-PROFILE_FORMAT = 2  # 2: attention work as the engine computes it (costmodel.attention_work)
+PROFILE_FORMAT = 2  # 2: prompt attention as the engine computes it, decode keys read apart (costmodel)
 
 
 @dataclass
@@ -82,7 +84,7 @@ class Profile:
             "fit_errors": {str(t): e for t, e in self.fit_errors.items()},
             "transfer": {"bandwidth": self.transfer_bandwidth, "latency": self.transfer_latency,
                          "source": self.transfer_source},
-            "samples": {str(t): [[s.new_tokens, s.attn_pairs, s.seqs, s.seconds] for s in ss]
+            "samples": {str(t): [[s.new_tokens, s.attn_pairs, s.seqs, s.seconds, s.decode_keys] for s in ss]
                         for t, ss in self.samples.items()},
             "machine": self.machine,
         }
@@ -91,7 +93,7 @@ class Profile:
     def from_json(cls, data: dict) -> Profile:
         if isinstance(data, dict) and "step_costs" in data and data.get("format", 1) != PROFILE_FORMAT:
             raise ValueError(f"profile format {data.get('format', 1)}, this pdserve reads {PROFILE_FORMAT} "
-                             "(attention work is counted differently): profile again")
+                             "(attention is counted differently): profile again")
         try:
             return cls(
                 model=data["model"], dtype=data["dtype"], device=data["device"], num_layers=int(data["num_layers"]),
@@ -134,10 +136,10 @@ def timed_step(engine) -> StepSample | None:
     seconds = time.perf_counter() - start
     new = sum(c.num_tokens for c in plan.chunks)
     is_decode = [c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens for c in plan.chunks]
-    pairs = attention_work([(c.start, c.start + c.num_tokens) for c, d in zip(plan.chunks, is_decode) if not d],
-                           [c.start for c, d in zip(plan.chunks, is_decode) if d])
+    pairs = prefill_pairs([(c.start, c.start + c.num_tokens) for c, d in zip(plan.chunks, is_decode) if not d])
+    keys = decode_keys([c.start for c, d in zip(plan.chunks, is_decode) if d])
     seqs = sum(1 for c in plan.chunks if c.sample)
-    return StepSample(new, pairs, seqs, seconds)
+    return StepSample(new, pairs, seqs, seconds, keys)
 
 
 def median_by_shape(samples: list[StepSample]) -> list[StepSample]:
@@ -148,8 +150,8 @@ def median_by_shape(samples: list[StepSample]) -> list[StepSample]:
     """
     groups: dict[tuple[int, int, int], list[float]] = {}
     for s in samples:
-        groups.setdefault((s.new_tokens, s.attn_pairs, s.seqs), []).append(s.seconds)
-    return [StepSample(*shape, statistics.median(times)) for shape, times in groups.items()]
+        groups.setdefault(s.features, []).append(s.seconds)
+    return [StepSample(n, a, q, statistics.median(times), k) for (n, a, q, k), times in groups.items()]
 
 
 def _prompt(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
@@ -202,7 +204,15 @@ def measure_steps(engine, grid: ProfileGrid, threads: list[int], seed: int = 0) 
     scenarios = [lambda into, n=n: prefill(n, into) for _ in range(grid.repeats) for n in grid.prefill_lengths]
     scenarios += [lambda into, b=b, c=c: decode(b, c, into)
                   for b in grid.decode_batches for c in grid.decode_contexts]
+    def padded(into) -> None:
+        # Short decodes batched with one long context: every one reads as many keys.
+        add(grid.long_context, grid.decode_steps + 1)
+        for _ in range(3):
+            add(grid.decode_contexts[0], grid.decode_steps + 1)
+        drain(into)
+
     scenarios.append(mixed)
+    scenarios.append(padded)
     for count in threads:
         torch.set_num_threads(count)
         prefill(16, None)  # warm-up

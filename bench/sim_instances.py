@@ -30,7 +30,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from bench.costmodel import StepCost, attention_work
+from bench.costmodel import StepCost, decode_keys, prefill_pairs
 
 
 @dataclass(frozen=True)
@@ -153,10 +153,10 @@ class _Instance:
 
     def _cost(self, work: list[tuple[SimRequest, int]]) -> StepPlan:
         tokens = sum(n for _, n in work)
-        pairs = attention_work([(r.num_computed, r.num_computed + n) for r, n in work if r.prefilling],
-                               [r.prompt_len + r.generated - 1 for r, n in work if not r.prefilling])
+        pairs = prefill_pairs([(r.num_computed, r.num_computed + n) for r, n in work if r.prefilling])
+        keys = decode_keys([r.prompt_len + r.generated - 1 for r, n in work if not r.prefilling])
         seqs = sum(1 for r, n in work if not r.prefilling or r.num_computed + n == r.prompt_len)
-        return StepPlan(tuple(work), self.spec.cost.step_time(tokens, pairs, seqs))
+        return StepPlan(tuple(work), self.spec.cost.step_time(tokens, pairs, seqs, keys))
 
     def load(self) -> int:
         return len(self.waiting) + len(self.running)

@@ -1,6 +1,7 @@
 """The planner: candidates, recommendation, the command, and the profiler."""
 
 import json
+from dataclasses import astuple
 
 import pytest
 
@@ -132,14 +133,26 @@ def test_a_profile_counting_attention_the_old_way_is_refused(tiny_model, tmp_pat
 
 
 def test_attention_work_is_what_the_engine_kernels_compute():
-    from bench.costmodel import attention_work
+    from bench.costmodel import decode_keys, prefill_pairs
 
     # A fresh prompt runs the causal kernel (lower triangle); a chunk after cached
     # tokens runs masked over every key; decodes are padded to the longest context.
     assert chunk_attn_pairs(0, 4) == 10
     assert chunk_attn_pairs(4, 6) == 2 * 6
-    assert attention_work([(0, 4), (4, 6)], [9, 2, 5]) == 10 + 12 + 3 * 10
-    assert attention_work([], []) == 0
+    assert prefill_pairs([(0, 4), (4, 6)]) == 10 + 12
+    assert decode_keys([9, 2, 5]) == 3 * 10
+    assert prefill_pairs([]) == decode_keys([]) == 0
+
+
+def test_fit_recovers_a_separate_cost_for_decode_keys():
+    truth = StepCost(base=0.01, per_token=1e-4, per_attn=1e-7, per_seq=5e-4, per_key=2e-6)
+    shapes = [(n, chunk_attn_pairs(0, n), 1, 0) for n in (16, 128, 512, 2048)]
+    shapes += [(b, 0, b, b * (c + 1)) for b in (1, 8, 24) for c in (64, 384, 2048)]
+    samples = [StepSample(n, a, q, truth.step_time(n, a, q, k), k) for n, a, q, k in shapes]
+    fitted = fit_step_cost(samples)
+    for got, want in zip(astuple(fitted), astuple(truth)):
+        assert got == pytest.approx(want, rel=1e-6)
+    assert truth.decode_time(4, 2047) == pytest.approx(0.01 + 4e-4 + 2e-3 + 4 * 2048 * 2e-6)
 
 
 def test_fit_ignores_a_step_slowed_down_by_another_process():
