@@ -184,3 +184,18 @@ def test_incompatible_prefill_is_refused_with_both_values(hub, closing):
     sender = closing(make_sender("inproc", hub, "P", layout().replace(num_layers=2)))
     with pytest.raises(IncompatiblePeer, match="num_layers: decode has 3, prefill has 2"):
         receiver.accept(sender.hello())
+
+
+def test_a_zmq_receiver_waiting_for_kv_sleeps_in_its_poller(hub, closing):
+    """While a transfer is expected the receiver thread must not spin: it held
+    the GIL from the decode engine and a share of a core from the prefill.
+    One second of waiting costs this process a few ms of CPU, not hundreds."""
+    import time
+
+    receiver = closing(make_receiver("zmq", hub, "D", layout()))
+    receiver.expect([1, 2], lease_s=30)
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    time.sleep(1.0)
+    used = time.process_time() - cpu0
+    assert time.monotonic() - wall0 >= 1.0
+    assert used < 0.1, f"{used:.3f} s of CPU in 1 s of waiting for KV"
