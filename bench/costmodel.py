@@ -13,10 +13,9 @@ One engine step (any mix of prefill chunks and decode tokens) costs
   after cached tokens attends over all e keys under a mask, (e - s) * e.
   The quadratic term of long prompts.
 * ``decode_keys``: keys the decode batch reads from the paged cache
-  (:func:`decode_keys`): gathered block by block and padded to the longest
-  context, batch * (longest + 1). Memory-bound, so it gets its own
-  coefficient (``per_key``): one long context makes every decode step in
-  its batch slower.
+  (:func:`decode_keys`): gathered block by block, each group of similar
+  context lengths padded to its longest. Memory-bound, so it gets its own
+  coefficient (``per_key``).
 * ``seqs``: sequences that sample a token this step (the LM head and the
   sampler run once per sequence, not per prompt token).
 
@@ -45,8 +44,12 @@ def prefill_pairs(prefills: list[tuple[int, int]]) -> int:
 
 
 def decode_keys(contexts: list[int]) -> int:
-    """Keys one decode batch reads: new tokens at positions ``contexts``, padded to the longest."""
-    return len(contexts) * (max(contexts) + 1) if contexts else 0
+    """Keys one decode batch reads: new tokens at positions ``contexts``, each
+    group of similar lengths padded to its longest (``engine.attention.decode_groups``)."""
+    from engine.attention import decode_groups
+
+    lengths = sorted(c + 1 for c in contexts)
+    return sum(count * lengths[start + count - 1] for start, count in decode_groups(lengths))
 
 
 @dataclass(frozen=True)

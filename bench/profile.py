@@ -158,7 +158,8 @@ def _prompt(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
     return [int(t) for t in rng.integers(3, max(4, vocab - 1), size=length)]
 
 
-def measure_steps(engine, grid: ProfileGrid, threads: list[int], seed: int = 0) -> dict[int, list[StepSample]]:
+def measure_steps(engine, grid: ProfileGrid, threads: list[int], seed: int = 0,
+                  show_progress: bool = False) -> dict[int, list[StepSample]]:
     """Prefill, decode and mixed step samples per thread count (colocated mode).
 
     Every scenario runs once per thread count back to back, so all counts
@@ -216,7 +217,10 @@ def measure_steps(engine, grid: ProfileGrid, threads: list[int], seed: int = 0) 
     for count in threads:
         torch.set_num_threads(count)
         prefill(16, None)  # warm-up
-    for scenario in scenarios:
+    from tqdm import tqdm
+
+    for scenario in tqdm(scenarios, desc="profiling step shapes", unit="shape", file=sys.stderr,
+                         disable=not show_progress):
         for count in threads:
             torch.set_num_threads(count)
             scenario(samples[count])
@@ -320,7 +324,7 @@ def profile_engine(
     kv_bytes = cache.num_layers * 2 * cache.num_kv_heads * cache.head_dim * element
     info = machine_info()
     start = time.perf_counter()
-    all_samples = measure_steps(engine, grid, threads)
+    all_samples = measure_steps(engine, grid, threads, show_progress=progress is print)
     costs, errors = {}, {}
     for count, samples in all_samples.items():
         costs[count] = fit_step_cost(median_by_shape(samples))

@@ -14,7 +14,10 @@ through the slot mapping, then attends:
 
 - decodes: K/V gathered by block table into [batch, kv_heads, len, dim]; the
   query heads are viewed as [batch, kv_heads, group, dim] so grouped-query
-  attention is one batched matmul with no repeat_interleave;
+  attention is one batched matmul with no repeat_interleave. A batch is
+  padded to its longest context, and the gather is memory-bound, so decodes
+  are sorted by length and cut into groups (:func:`decode_groups`): short
+  contexts do not read 2048 padded keys because one long one is running;
 - prefill chunks: one causal attention per chunk over cached prefix + new
   tokens, so chunked prefill computes exactly what one-shot prefill does.
 """
@@ -36,13 +39,39 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, start + count) of the batch, padded to one length."""
+
+    start: int
+    count: int
+    block_table: torch.Tensor  # [count, max_blocks]
+    mask: torch.Tensor  # [count, 1, 1, max_blocks * block_size], True = attend
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat slot per token
     num_decodes: int
-    decode_block_table: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
     hnd: bool = False  # the cache's memory order inside a block
+
+
+# A decode starts a new group when its context is both twice the group's
+# shortest and this many tokens longer: below that, one more gather and
+# attention call per layer costs more than the padding it saves.
+GROUP_MIN_EXTRA = 256
+
+
+def decode_groups(lengths: list[int]) -> list[tuple[int, int]]:
+    """(start, count) runs of ``lengths`` (sorted ascending) padded together."""
+    groups: list[tuple[int, int]] = []
+    first = 0
+    for i in range(1, len(lengths) + 1):
+        if i == len(lengths) or (lengths[i] > 2 * lengths[first] and lengths[i] - lengths[first] > GROUP_MIN_EXTRA):
+            groups.append((first, i - first))
+            first = i
+    return groups
 
 
 def write_kv(cache_layer: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
@@ -78,14 +107,13 @@ def paged_attention(
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
     cache_k, cache_v = cache_layer[0], cache_layer[1]
-    if meta.num_decodes:
-        n = meta.num_decodes
-        table = meta.decode_block_table
-        keys = _gather(cache_k, table, meta.hnd)  # [n, kv_heads, len, dim]
-        values = _gather(cache_v, table, meta.hnd)
-        query = q[:n].view(n, num_kv_heads, group, head_dim)
-        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=scale)
-        out[:n] = attn.reshape(n, -1, head_dim)
+    for g in meta.decodes:
+        rows = slice(g.start, g.start + g.count)
+        keys = _gather(cache_k, g.block_table, meta.hnd)  # [count, kv_heads, len, dim]
+        values = _gather(cache_v, g.block_table, meta.hnd)
+        query = q[rows].view(g.count, num_kv_heads, group, head_dim)
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask, scale=scale)
+        out[rows] = attn.reshape(g.count, -1, head_dim)
     for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, q_heads, len, dim]

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSpan
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, decode_groups
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampler import sample
@@ -47,7 +47,8 @@ class ModelRunner:
     def run(self, plan: SchedulePlan, on_layer: Callable[[int], None] | None = None) -> dict[str, int]:
         """Computes every chunk of the plan; returns the sampled token per sampling request."""
         bs = self.cache.block_size
-        chunks = sorted(plan.chunks, key=lambda c: c.num_tokens != 1)  # decodes first
+        # Decodes first, shortest context first (decode groups are runs of similar length).
+        chunks = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start if c.num_tokens == 1 else 0))
         num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
         token_ids: list[int] = []
         positions: list[int] = []
@@ -69,8 +70,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
             num_decodes=num_decodes,
-            decode_block_table=None,
-            decode_mask=None,
+            decodes=[],
             prefills=prefills,
             hnd=self.cache.order == "HND",
         )
@@ -93,11 +93,13 @@ class ModelRunner:
 
     def _decode_tables(self, decodes, meta: AttentionMetadata) -> None:
         bs = self.cache.block_size
-        lengths = [c.start + 1 for c in decodes]
-        max_blocks = -(-max(lengths) // bs)
-        table = [c.request.block_ids[: -(-n // bs)] for c, n in zip(decodes, lengths)]
-        table = [t + [0] * (max_blocks - len(t)) for t in table]
-        meta.decode_block_table = torch.tensor(table, dtype=torch.long, device=self.device)
-        span = torch.arange(max_blocks * bs, device=self.device)
-        lens = torch.tensor(lengths, device=self.device)
-        meta.decode_mask = (span[None, :] < lens[:, None])[:, None, None, :]
+        lengths = [c.start + 1 for c in decodes]  # sorted ascending by run()
+        for start, count in decode_groups(lengths):
+            group = lengths[start:start + count]
+            max_blocks = -(-max(group) // bs)
+            table = [c.request.block_ids[: -(-n // bs)] for c, n in zip(decodes[start:start + count], group)]
+            table = [t + [0] * (max_blocks - len(t)) for t in table]
+            span = torch.arange(max_blocks * bs, device=self.device)
+            lens = torch.tensor(group, device=self.device)
+            meta.decodes.append(DecodeGroup(start, count, torch.tensor(table, dtype=torch.long, device=self.device),
+                                            (span[None, :] < lens[:, None])[:, None, None, :]))

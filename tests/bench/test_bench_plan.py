@@ -136,11 +136,12 @@ def test_attention_work_is_what_the_engine_kernels_compute():
     from bench.costmodel import decode_keys, prefill_pairs
 
     # A fresh prompt runs the causal kernel (lower triangle); a chunk after cached
-    # tokens runs masked over every key; decodes are padded to the longest context.
+    # tokens runs masked over every key; decodes are padded to the longest of their group.
     assert chunk_attn_pairs(0, 4) == 10
     assert chunk_attn_pairs(4, 6) == 2 * 6
     assert prefill_pairs([(0, 4), (4, 6)]) == 10 + 12
     assert decode_keys([9, 2, 5]) == 3 * 10
+    assert decode_keys([63, 63, 2047]) == 2 * 64 + 2048  # the long one in a group of its own
     assert prefill_pairs([]) == decode_keys([]) == 0
 
 

@@ -99,6 +99,20 @@ def test_step_counters_count_every_computed_token_and_each_preemption(tiny_model
     assert [r.token_ids for r in results] == [hf_greedy(tiny_model, p, 16, ignore_eos=True) for p in prompts]
 
 
+def test_decodes_of_very_different_lengths_run_in_separate_groups_and_stay_exact(tiny_model):
+    from engine.attention import decode_groups
+
+    # Sorted context lengths: a new group where one is both twice and 256 longer than the group's first.
+    assert decode_groups([5, 9, 200, 250]) == [(0, 4)]
+    assert decode_groups([5, 9, 300, 500, 2000]) == [(0, 2), (2, 2), (4, 1)]
+    assert decode_groups([]) == []
+    prompts = [[(3 * i + k) % 300 + 3 for i in range(n)] for k, n in enumerate((7, 430, 12, 900))]
+    e = engine(tiny_model, block_size=16, num_blocks=128, max_num_batched_tokens=2048)
+    results = e.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [r.token_ids for r in results] == [hf_greedy(tiny_model, p, 6, ignore_eos=True) for p in prompts]
+    assert e.block_counts() == {"free": 128, "reserved": 0, "running": 0}
+
+
 def test_same_seed_same_text_whatever_the_batch(tiny_model):
     e = engine(tiny_model)
     sampling = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
