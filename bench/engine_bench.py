@@ -109,6 +109,33 @@ class Bench:
                 "hf_tok_s": useful / hf_s, "ratio": hf_s / engine_s}
 
 
+    def mixed_context_decode(self, short: int = 64, long: int = 2048, steps: int = 32) -> dict:
+        """Decode steps of 3 short contexts next to 1 long one: padded per group of
+        similar lengths (the engine) vs one batch padded to the longest."""
+        import engine.attention as attention
+
+        def step_time(min_extra: int) -> float:
+            saved, attention.GROUP_MIN_EXTRA = attention.GROUP_MIN_EXTRA, min_extra
+            try:
+                sampling = SamplingParams(max_tokens=steps + 1, temperature=0, ignore_eos=True)
+                for i, n in enumerate((short, short, short, long)):
+                    self.engine.add_request(f"mixed-{min_extra}-{i}", _prompt(n, i), sampling)
+                self.engine.step()  # the prompts
+                times = []
+                while self.engine.has_unfinished():
+                    start = time.perf_counter()
+                    self.engine.step()
+                    times.append(time.perf_counter() - start)
+                return statistics.median(times)
+            finally:
+                attention.GROUP_MIN_EXTRA = saved
+
+        grouped, padded = self._median_pair(lambda: step_time(attention.GROUP_MIN_EXTRA),
+                                            lambda: step_time(1 << 30))
+        return {"contexts": [short] * 3 + [long], "grouped_step_ms": 1000 * grouped,
+                "one_padded_batch_step_ms": 1000 * padded, "ratio": grouped / padded}
+
+
 def peak_rss_smollm2(threads: int) -> dict:
     """Peak RSS of a fresh process that loads SmolLM2 (float32) and generates 32 tokens."""
     code = (
@@ -146,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results["prefill"][-1]), flush=True)
     results["staggered"] = bench.staggered()
     print(json.dumps(results["staggered"]), flush=True)
+    results["mixed_context_decode"] = bench.mixed_context_decode()
+    print(json.dumps(results["mixed_context_decode"]), flush=True)
     if not args.skip_rss:
         results["smollm2"] = peak_rss_smollm2(args.threads)
         print(json.dumps(results["smollm2"]), flush=True)
