@@ -34,7 +34,7 @@ from pathlib import Path
 import yaml
 
 from bench.cluster import cpu_list, free_port_pairs, launch
-from bench.costmodel import Overheads
+from bench.costmodel import Overheads, chunk_attn_pairs
 from bench.loadgen import LoadConfig
 from bench.metrics import RequestRecord, Summary, summarize
 from bench.plan import Candidate, EngineSettings, build_layout
@@ -66,6 +66,8 @@ PROBE = Scenario("probe", "8-token prompts, 16 tokens out, one at a time", Workl
                  num_requests=5, concurrency=1, idle=True)
 PROBE_BATCH = Scenario("probe-batch", "8-token prompts, 32 tokens out, four at a time", Workload.single("8", "32"),
                        num_requests=8, concurrency=4)
+PROBE_PREFILL = Scenario("probe-prefill", "1024-token prompts, 2 tokens out, one at a time",
+                         Workload.single("1024", "2"), num_requests=2, concurrency=1, idle=True)
 
 
 def _tpot(records: list[RequestRecord]) -> float:
@@ -73,7 +75,8 @@ def _tpot(records: list[RequestRecord]) -> float:
 
 
 def calibrate(layout: Layout, records: list[RequestRecord],
-              batch_records: list[RequestRecord] | None = None) -> tuple[Layout, dict]:
+              batch_records: list[RequestRecord] | None = None,
+              prefill_records: list[RequestRecord] | None = None) -> tuple[Layout, dict]:
     """Adds the live cluster's fixed costs, measured with tiny requests, to a layout.
 
     The profile times bare engine steps; a server adds a per-step cost (engine
@@ -84,11 +87,15 @@ def calibrate(layout: Layout, records: list[RequestRecord],
     small for compute to matter: the TPOT gaps one at a time and
     ``PROBE_BATCH.concurrency`` at a time give the per-step and per-sequence
     costs (two equations, two unknowns), then the TTFT gap left goes into
-    ``ingress``.
+    ``ingress``. Last, ``PROBE_PREFILL`` (1024-token prompts) compares the
+    live prefill with the profile's: the engine there shares its cores with
+    the other servers, the router and the load client, which a profile taken
+    alone does not see; the prefilling instances' token and attention costs
+    are scaled by the ratio.
     """
     done = [r for r in records if r.ok and r.tpot is not None]
     if not done:
-        return layout, {"step_ms": 0.0, "seq_ms": 0.0, "request_ms": 0.0}
+        return layout, {"step_ms": 0.0, "seq_ms": 0.0, "request_ms": 0.0, "prefill_scale": 1.0}
     bare = replace(layout, overheads=Overheads())
     gap1 = _tpot(done) - predict(bare, PROBE, done).tpot.p50 / 1000
     seq_gap = 0.0
@@ -106,7 +113,25 @@ def calibrate(layout: Layout, records: list[RequestRecord],
     stepped = replace(bare, serving=tuple(map(slower, bare.serving)), prefill=tuple(map(slower, bare.prefill)))
     request_gap = max(0.0, statistics.median(r.ttft for r in done) - predict(stepped, PROBE, done).ttft.p50 / 1000)
     calibrated = replace(stepped, overheads=Overheads(ingress=request_gap))
-    return calibrated, {"step_ms": 1000 * step_gap, "seq_ms": 1000 * seq_gap, "request_ms": 1000 * request_gap}
+    scale = 1.0
+    long = [r for r in prefill_records or [] if r.ok and r.ttft is not None]
+    if long:
+        n = long[0].prompt_len
+        prefiller = (calibrated.prefill or calibrated.serving)[0].cost
+        compute = prefiller.per_token * n + prefiller.per_attn * chunk_attn_pairs(0, n)
+        gap = statistics.median(r.ttft for r in long) - predict(calibrated, PROBE_PREFILL, long).ttft.p50 / 1000
+        scale = max(0.5, 1.0 + gap / compute) if compute > 0 else 1.0
+
+        def live(spec):
+            return replace(spec, cost=replace(spec.cost, per_token=spec.cost.per_token * scale,
+                                              per_attn=spec.cost.per_attn * scale))
+
+        if calibrated.prefill:
+            calibrated = replace(calibrated, prefill=tuple(map(live, calibrated.prefill)))
+        else:
+            calibrated = replace(calibrated, serving=tuple(map(live, calibrated.serving)))
+    return calibrated, {"step_ms": 1000 * step_gap, "seq_ms": 1000 * seq_gap, "request_ms": 1000 * request_gap,
+                        "prefill_scale": scale}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -275,9 +300,11 @@ def start_side(side: Side, ctx: dict) -> None:
     side.cluster = launch(config_path, out_dir / f"run-{side.name}", ctx["cpus"], ctx["launch_timeout"])
     probe = measure(side.cluster.url, side.cluster.model, PROBE, ctx["builder"], ctx["seed"])
     batch = measure(side.cluster.url, side.cluster.model, PROBE_BATCH, ctx["builder"], ctx["seed"])
-    side.layout, side.calibration = calibrate(ctx["layout_for"](side.cand, side.prefill_threads), probe, batch)
+    long = measure(side.cluster.url, side.cluster.model, PROBE_PREFILL, ctx["builder"], ctx["seed"])
+    side.layout, side.calibration = calibrate(ctx["layout_for"](side.cand, side.prefill_threads), probe, batch, long)
     print(f"   calibration: +{side.calibration['step_ms']:.1f} ms per step, +{side.calibration['seq_ms']:.1f} ms "
-          f"per sequence in a step, +{side.calibration['request_ms']:.1f} ms per request", flush=True)
+          f"per sequence in a step, +{side.calibration['request_ms']:.1f} ms per request, prefill x"
+          f"{side.calibration['prefill_scale']:.2f} of the profile's", flush=True)
 
 
 def stop_side(side: Side) -> None:

@@ -116,9 +116,10 @@ def write_report(out: Path, runs: list, meta: dict) -> Path:
     calib = {r.layout: r.calibration for r in runs if r.calibration}
     if calib:
         lines += ["", "Predictions use the profile plus each live cluster's fixed costs, measured with tiny "
-                  "probe requests (one at a time, then four at a time): " + "; ".join(
+                  "probe requests (one at a time, then four at a time, then 1024-token prompts): " + "; ".join(
                       f"{k} +{v['step_ms']:.1f} ms/step, +{v.get('seq_ms', 0.0):.1f} ms per sequence in a step, "
-                      f"+{v['request_ms']:.1f} ms/request" for k, v in calib.items()) + "."]
+                      f"+{v['request_ms']:.1f} ms/request, prefill x{v.get('prefill_scale', 1.0):.2f} of the profile's "
+                      "(1024-token probes)" for k, v in calib.items()) + "."]
     lines += _idle_section(runs, meta)
     lines += _engine_section(runs)
     lines += ["", "## Runs", ""]

@@ -187,3 +187,27 @@ def test_calibration_splits_the_tpot_gap_into_per_step_and_per_sequence_costs():
     _, found = calibrate(layout, live(bare, tpot1, 1), live(wide, tpot4, PROBE_BATCH.concurrency))
     assert found["seq_ms"] == pytest.approx(3.0)
     assert found["step_ms"] == pytest.approx(2.0)
+
+
+def test_calibration_scales_prefill_compute_to_the_live_cluster():
+    from bench.compare import PROBE, PROBE_PREFILL, calibrate
+    from bench.costmodel import chunk_attn_pairs
+
+    layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
+    probe = [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)]
+    tpot = predict(layout, PROBE, probe).tpot.p50 / 1000
+    ttft = predict(layout, PROBE, probe).ttft.p50 / 1000
+    probe = [RequestRecord(r.index, 8, 16, start=r.start, end=r.start + ttft + 15 * tpot, ok=True, output_tokens=16,
+                           token_times=[r.start + ttft]) for r in probe]
+    long = [RequestRecord(i, 1024, 2, start=float(i), ok=True) for i in range(2)]
+    bare = predict(layout, PROBE_PREFILL, long).ttft.p50 / 1000
+    cost = layout.serving[0].cost
+    compute = cost.per_token * 1024 + cost.per_attn * chunk_attn_pairs(0, 1024)
+    # The live cluster prefills 30% slower than the profile measured alone.
+    long = [RequestRecord(r.index, 1024, 2, start=r.start, end=r.start + bare + 0.3 * compute + tpot, ok=True,
+                          output_tokens=2, token_times=[r.start + bare + 0.3 * compute]) for r in long]
+    calibrated, found = calibrate(layout, probe, None, long)
+    assert (found["step_ms"], found["request_ms"]) == (pytest.approx(0.0, abs=1e-6), pytest.approx(0.0, abs=1e-6))
+    assert found["prefill_scale"] == pytest.approx(1.3)
+    assert calibrated.serving[0].cost.per_token == pytest.approx(1.3 * cost.per_token)
+    assert predict(calibrated, PROBE_PREFILL, long).ttft.p50 / 1000 == pytest.approx(bare + 0.3 * compute)
