@@ -84,21 +84,6 @@ class RunningCluster:
     def processes(self, role: str | None = None) -> list[dict]:
         return [p for p in self.manifest["processes"] if role is None or p["role"] == role]
 
-    def scrape(self, metric: str) -> dict[str, float]:
-        """Sum of a Prometheus sample (all label sets) per server name; 0 when absent."""
-        out = {}
-        with httpx.Client(timeout=5.0) as client:
-            for proc in self.processes():
-                if proc["role"] == "router":
-                    continue
-                try:
-                    text = client.get(proc["url"] + "/metrics").text
-                except httpx.HTTPError:
-                    continue
-                pattern = re.compile(rf"^{re.escape(metric)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.M)
-                out[proc["name"]] = sum(float(v) for v in pattern.findall(text))
-        return out
-
     def samples(self, prefix: str = "pdserve_") -> dict[str, dict[str, float]]:
         """Every Prometheus sample starting with ``prefix``, per server name:
         ``{"d0": {'pdserve_engine_steps_total{kind="decode"}': 812.0, ...}}``."""

@@ -243,21 +243,19 @@ def round_order(sides: list, k: int) -> list:
     return list(sides) if k % 2 == 0 else list(reversed(sides))
 
 
-TRANSFER_METRICS = ("pdserve_transfer_seconds_sum", "pdserve_transfer_seconds_count", "pdserve_transfer_bytes_total",
-                    "pdserve_transfer_exposed_seconds_sum")
-
-
 def _transfer_summary(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
-    """Per prefill server and request: accept-to-ack seconds, prefill-end-to-ack
+    """Per prefill server and request, from two reads of every server's samples
+    (``RunningCluster.samples``): accept-to-ack seconds, prefill-end-to-ack
     (exposed) seconds and KV bytes."""
     out = {}
-    seconds, count, nbytes, exposed = TRANSFER_METRICS
-    delta = lambda metric, name: after[metric].get(name, 0.0) - before[metric].get(name, 0.0)
-    for name in after[count]:
-        n = delta(count, name)
+    for name, now in after.items():
+        was = before.get(name, {})
+        delta = lambda key: now.get(key, 0.0) - was.get(key, 0.0)
+        n = delta("pdserve_transfer_seconds_count")
         if n > 0:
-            out[name] = {"span_s": delta(seconds, name) / n, "exposed_s": delta(exposed, name) / n,
-                         "bytes": delta(nbytes, name) / n}
+            out[name] = {"span_s": delta("pdserve_transfer_seconds_sum") / n,
+                         "exposed_s": delta("pdserve_transfer_exposed_seconds_sum") / n,
+                         "bytes": delta("pdserve_transfer_bytes_total") / n}
     return out
 
 
@@ -316,11 +314,9 @@ def stop_side(side: Side) -> None:
 
 def run_scenario(scenario: Scenario, sides: list[Side], ctx: dict) -> list[Run]:
     """The scenario's rounds, each sent to every side in ABBA order."""
-    transfers = scenario.idle
     rounds = {s.name: [] for s in sides}
     loads = {s.name: [] for s in sides}
-    before = {s.name: {m: s.cluster.scrape(m) for m in TRANSFER_METRICS} for s in sides if transfers}
-    engines = {s.name: s.cluster.samples("pdserve_") for s in sides}
+    before = {s.name: s.cluster.samples() for s in sides}
     for k, part in enumerate(split_rounds(scenario)):
         for side in round_order(sides, k):
             print(f"-- {scenario.name} round {k + 1}: {side.name}", flush=True)
@@ -330,11 +326,10 @@ def run_scenario(scenario: Scenario, sides: list[Side], ctx: dict) -> list[Run]:
             loads[side.name].append((load0, os.getloadavg()[0]))
     runs = []
     for side in sides:
-        transfer = None
-        if transfers and side.cand.num_prefill:
-            transfer = _transfer_summary(before[side.name], {m: side.cluster.scrape(m) for m in TRANSFER_METRICS})
+        after = side.cluster.samples()
+        transfer = _transfer_summary(before[side.name], after) if scenario.idle and side.cand.num_prefill else None
         parts = rounds[side.name]
-        activity = engine_activity(engines[side.name], side.cluster.samples("pdserve_"))
+        activity = engine_activity(before[side.name], after)
         loadavg = (max(a for a, _ in loads[side.name]), max(b for _, b in loads[side.name]))
         runs.append(Run(side.name, scenario, pooled(parts), summarize_pooled(parts, scenario),
                         summarize_pooled([simulated(side.layout, scenario, p) for p in parts], scenario),

@@ -211,3 +211,24 @@ def test_calibration_scales_prefill_compute_to_the_live_cluster():
     assert found["prefill_scale"] == pytest.approx(1.3)
     assert calibrated.serving[0].cost.per_token == pytest.approx(1.3 * cost.per_token)
     assert predict(calibrated, PROBE_PREFILL, long).ttft.p50 / 1000 == pytest.approx(bare + 0.3 * compute)
+
+
+def test_transfer_and_engine_activity_come_from_two_reads_of_the_servers_samples():
+    from bench.compare import _transfer_summary, engine_activity
+
+    before = {"p0": {"pdserve_transfer_seconds_count": 2, "pdserve_transfer_seconds_sum": 5.0,
+                     "pdserve_transfer_exposed_seconds_sum": 0.01, "pdserve_transfer_bytes_total": 100.0,
+                     'pdserve_engine_steps_total{kind="prefill"}': 4, 'pdserve_engine_step_seconds_total{kind="prefill"}': 8},
+              "d0": {}}
+    after = {"p0": {"pdserve_transfer_seconds_count": 5, "pdserve_transfer_seconds_sum": 14.0,
+                    "pdserve_transfer_exposed_seconds_sum": 0.031, "pdserve_transfer_bytes_total": 400.0,
+                    'pdserve_engine_steps_total{kind="prefill"}': 7, 'pdserve_engine_step_seconds_total{kind="prefill"}': 17,
+                    "pdserve_preemptions_total": 1},
+             "d0": {'pdserve_engine_steps_total{kind="decode"}': 10, 'pdserve_engine_step_seconds_total{kind="decode"}': 0.5}}
+    got = _transfer_summary(before, after)
+    assert got.keys() == {"p0"}
+    assert got["p0"] == {"span_s": pytest.approx(3.0), "exposed_s": pytest.approx(0.007), "bytes": pytest.approx(100.0)}
+    activity = engine_activity(before, after)
+    assert activity["p0"]["prefill_steps"] == 3 and activity["p0"]["prefill_step_ms"] == pytest.approx(3000.0)
+    assert activity["p0"]["preemptions"] == 1 and activity["p0"]["decode_step_ms"] is None
+    assert activity["d0"]["decode_steps"] == 10 and activity["d0"]["decode_step_ms"] == pytest.approx(50.0)
