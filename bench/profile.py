@@ -135,9 +135,8 @@ def timed_step(engine) -> StepSample | None:
     engine.scheduler.update(plan, tokens)
     seconds = time.perf_counter() - start
     new = sum(c.num_tokens for c in plan.chunks)
-    is_decode = [c.num_tokens == 1 and c.start >= c.request.num_prompt_tokens for c in plan.chunks]
-    pairs = prefill_pairs([(c.start, c.start + c.num_tokens) for c, d in zip(plan.chunks, is_decode) if not d])
-    keys = decode_keys([c.start for c, d in zip(plan.chunks, is_decode) if d])
+    pairs = prefill_pairs([(c.start, c.start + c.num_tokens) for c in plan.chunks if not c.is_decode])
+    keys = decode_keys([c.start for c in plan.chunks if c.is_decode])
     seqs = sum(1 for c in plan.chunks if c.sample)
     return StepSample(new, pairs, seqs, seconds, keys)
 

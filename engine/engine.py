@@ -59,9 +59,8 @@ class EngineCounters:
     preemptions: int = 0
 
     def add(self, plan, seconds: float) -> None:
-        prefill = sum(c.num_tokens for c in plan.chunks if c.start < c.request.num_prompt_tokens
-                      or c.num_tokens > 1)
-        decode = plan.num_tokens - prefill
+        decode = sum(1 for c in plan.chunks if c.is_decode)
+        prefill = plan.num_tokens - decode
         kind = "mixed" if prefill and decode else "prefill" if prefill else "decode"
         self.steps[kind] += 1
         self.step_seconds[kind] += seconds

@@ -43,6 +43,11 @@ class ScheduledChunk:
     num_tokens: int
     sample: bool
 
+    @property
+    def is_decode(self) -> bool:
+        """One token after the prompt (not a prompt's last token, nor a recomputation)."""
+        return self.num_tokens == 1 and self.start >= self.request.num_prompt_tokens
+
 
 @dataclass
 class SchedulePlan:
