@@ -307,8 +307,10 @@ def profile_engine(
     dtype: str = "float32",
     device: str = "cpu",
     progress=print,
+    bar: bool = True,
 ) -> Profile:
-    """Measures the model at each thread count and fits the cost model."""
+    """Measures the model at each thread count and fits the cost model; ``bar``:
+    a progress bar on stderr while the step shapes are measured."""
     import torch
 
     from engine import EngineConfig, LLMEngine
@@ -323,7 +325,7 @@ def profile_engine(
     kv_bytes = cache.num_layers * 2 * cache.num_kv_heads * cache.head_dim * element
     info = machine_info()
     start = time.perf_counter()
-    all_samples = measure_steps(engine, grid, threads, show_progress=progress is print)
+    all_samples = measure_steps(engine, grid, threads, show_progress=bar)
     costs, errors = {}, {}
     for count, samples in all_samples.items():
         costs[count] = fit_step_cost(median_by_shape(samples))

@@ -105,7 +105,7 @@ def test_fit_never_returns_negative_costs():
 
 
 def test_profile_of_the_tiny_model_round_trips_through_json(tiny_model, tmp_path):
-    profile = profile_engine(tiny_model, [1], ProfileGrid.quick(), progress=lambda _: None)
+    profile = profile_engine(tiny_model, [1], ProfileGrid.quick(), progress=lambda _: None, bar=False)
     assert profile.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers, K/V, kv heads, head dim, float32
     assert profile.num_layers == 2 and profile.transfer_bandwidth > 0
     cost = profile.cost(1)
@@ -124,7 +124,7 @@ def test_a_file_that_is_not_a_profile_is_a_clear_error(tmp_path):
 
 
 def test_a_profile_counting_attention_the_old_way_is_refused(tiny_model, tmp_path):
-    profile = profile_engine(tiny_model, [1], ProfileGrid.quick(), progress=lambda _: None)
+    profile = profile_engine(tiny_model, [1], ProfileGrid.quick(), progress=lambda _: None, bar=False)
     data = profile.to_json()
     del data["format"]
     (tmp_path / "old.json").write_text(json.dumps(data))
