@@ -99,7 +99,3 @@ class PromptBuilder:
             f"could not build a text prompt of exactly {num_tokens} tokens with this "
             "tokenizer; use --prompt-format tokens"
         )
-
-    def build_ids(self, num_tokens: int, rng: np.random.Generator) -> list[int]:
-        """Token ids of a prompt of exactly ``num_tokens`` (sent as a token list)."""
-        return self.build(num_tokens, rng).token_ids

@@ -140,10 +140,6 @@ class Workload:
         rng = np.random.default_rng(seed)
         return [self.sample(i, rng) for i in range(count)]
 
-    @property
-    def max_total_len(self) -> int:
-        return max(c.prompt.upper + c.output.upper for c in self.classes)
-
     def __str__(self) -> str:
         return " + ".join(str(c) for c in self.classes)
 

@@ -1,4 +1,4 @@
-"""The decode server's HTTP control plane: thin routes over ``DecodeService``."""
+"""The decode server's HTTP control plane: thin routes over ``GenerationService``."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
-from decode_server.service import DecodeService, Refused
+from decode_server.service import GenerationService
 from server_common.guard import service_app
-from server_common.worker_replies import RefusedReply
+from server_common.worker_replies import ErrorReply, WorkerError
 from server_common.worker_requests import GenerateRequest, KVHello
+from transfer.outcome import Outcome
 
 
-def create_app(service: DecodeService) -> FastAPI:
+def create_app(service: GenerationService) -> FastAPI:
     app = service_app(service, f"pdserve {service.settings.role} server {service.settings.name}")
 
     @app.post("/generate")
@@ -22,10 +23,9 @@ def create_app(service: DecodeService) -> FastAPI:
         """NDJSON stream: reservation first, then tokens (see server_common.worker_replies)."""
         try:
             first, active = await service.open(req)
-        except Refused as exc:
+        except WorkerError as exc:
             headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else {}
-            body = RefusedReply(error=exc.message, code=exc.code).model_dump()
-            return JSONResponse(body, status_code=exc.status, headers=headers)
+            return JSONResponse(exc.reply().model_dump(mode="json"), status_code=exc.status, headers=headers)
         # close() is idempotent: the stream closes in `finally`, the background
         # task covers a client that left before the first line was sent.
         return StreamingResponse(service.events(first, active), media_type="application/x-ndjson",
@@ -37,6 +37,7 @@ def create_app(service: DecodeService) -> FastAPI:
         try:
             answer = await service.accept_sender(base64.b64decode(req.hello, validate=True))
         except (ValueError, TimeoutError, RuntimeError) as exc:
-            return JSONResponse(RefusedReply(error=str(exc), code="incompatible_peer").model_dump(), status_code=400)
+            reply = ErrorReply(error=str(exc), code=Outcome.INCOMPATIBLE_PEER)
+            return JSONResponse(reply.model_dump(mode="json"), status_code=400)
         return JSONResponse(KVHello(hello=base64.b64encode(answer).decode()).model_dump())
     return app

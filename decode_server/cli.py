@@ -19,7 +19,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from decode_server.app import create_app
-    from decode_server.service import DecodeService
+    from decode_server.service import GenerationService
     from engine import LLMEngine
     from server_common.faults import FaultInjector
     from server_common.run import load_server_settings, serve, setup_logging
@@ -28,11 +28,11 @@ def run(args: argparse.Namespace) -> int:
     settings = load_server_settings(args, ("decode", "colocated"))
     engine = LLMEngine(settings.engine)
     faults = FaultInjector() if settings.fault_injection else None
-    receiver = None
+    make_receiver = None
     if settings.role == "decode":
-        from server_common.kv_adapter import make_receiver
+        from server_common.kv_adapter import receiver_factory
 
-        receiver = make_receiver(settings, engine, faults)
-    service = DecodeService(settings, engine, receiver, faults)
+        make_receiver = receiver_factory(settings, engine, faults)
+    service = GenerationService(settings, engine, make_receiver, faults)
     serve(create_app(service), settings.host, settings.port, args.log_level, service.drain, settings.drain_timeout_s)
     return 0

@@ -9,10 +9,13 @@ A remote request's life on D (all engine state changes on the engine thread)::
                   |                    prefilled here like a local request: reprefill event, tokens
                   +-- no room: 503 at once
 
-``_awaiting`` (transfer id -> request id) is touched only on the engine
-thread, so exactly one of "KV arrived", "transfer failed / lease expired"
-(both reported by the receiver) and "client left" wins for each
-reservation; the others find nothing to do.
+The engine thread takes the receiver's ended transfers between two steps
+(``_collect_transfers``). ``_awaiting`` (transfer id -> request id) is
+touched only on the engine thread, so exactly one of "KV arrived",
+"transfer failed / lease expired" (both reported by the receiver) and
+"client left" wins for each reservation; the others find nothing to do.
+A colocated server is the same service without a receiver: every request
+is prefilled here.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from engine import LLMEngine, NoCapacityError, SamplingParams, StepOutput
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
 from server_common.guard import Drain
-from server_common.kv_port import KVReceiverPort
+from server_common.kv_port import KVReceiverPort, ReceiverFactory
 from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
 from server_common.streams import StreamHub
@@ -41,24 +44,13 @@ from server_common.worker_replies import (
     Reservation,
     ReservationEvent,
     TokensEvent,
+    WorkerError,
 )
-from server_common.worker_requests import GenerateRequest, SamplingSpec
+from server_common.worker_requests import GenerateRequest
+from transfer.outcome import Outcome, TransferEnded
 
 log = logging.getLogger(__name__)
 BACKSTOP_S = 5.0
-
-
-class Refused(Exception):
-    """The request cannot start here; ``status`` is the HTTP status to answer."""
-
-    def __init__(self, status: int, message: str, code: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
-
-
-def engine_sampling(spec: SamplingSpec) -> SamplingParams:
-    return SamplingParams(max_tokens=spec.max_tokens, temperature=spec.temperature, top_p=spec.top_p,
-                          top_k=spec.top_k, seed=spec.seed, ignore_eos=spec.ignore_eos)
 
 
 @dataclass(frozen=True)
@@ -68,13 +60,6 @@ class Awaiting:
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
-
-
-def failure_kind(code: str | None, error: str | None) -> str:
-    """The error code a failed transfer gets on the stream (transfer's code; text for old callers)."""
-    if code is None:
-        code = "lease_expired" if "lease" in (error or "") else "failed"
-    return {"lease_expired": "lease_expired", "checksum_mismatch": "checksum_failed"}.get(code, "transfer_failed")
 
 
 @dataclass
@@ -87,18 +72,23 @@ class Active:
     started: float = field(default_factory=time.monotonic)
 
 
-class DecodeService:
-    def __init__(self, settings: ServerSettings, engine: LLMEngine, receiver: KVReceiverPort | None,
+class GenerationService:
+    """``/generate`` on a decode or colocated server: reserve blocks for a
+    prefill server (or prefill here), then stream the tokens."""
+
+    def __init__(self, settings: ServerSettings, engine: LLMEngine, make_receiver: ReceiverFactory | None,
                  faults: FaultInjector | None = None) -> None:
-        if settings.role == "decode" and receiver is None:
-            raise ValueError("a decode server needs a KV receiver")
+        if (settings.role == "decode") != (make_receiver is not None):
+            raise ValueError("a decode server needs a KV receiver, a colocated one has none")
         self.settings = settings
         self.faults = faults
-        self.engine = EngineThread(engine, self._emit, settings.name)
-        self.metrics = ServerMetrics(lambda: self.engine.snapshot)
-        if receiver is not None:
-            self.metrics.watch_transfers(receiver.counters)
-        self._receiver = receiver
+        self.engine_thread = EngineThread(engine, self._emit, settings.name,
+                                          between_steps=self._collect_transfers if make_receiver else None)
+        self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
+        self._receiver: KVReceiverPort | None = None
+        if make_receiver is not None:
+            self._receiver = make_receiver(self.engine_thread.wake)
+            self.metrics.watch_transfers(self._receiver.counters)
         self._awaiting: dict[str, Awaiting] = {}  # transfer id -> reservation; engine thread only
         self._cancelling: dict[str, str] = {}  # cancelled, waiting for the receiver to confirm; engine thread only
         self._active: dict[str, Active] = {}  # event loop only
@@ -108,14 +98,14 @@ class DecodeService:
     # ---- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
         self._hub = StreamHub(asyncio.get_running_loop())
-        self.engine.start()
         if self._receiver is not None:
-            self._receiver.start(self._on_transfer_ended)
+            self._receiver.start()
+        self.engine_thread.start()
 
     async def stop(self) -> None:
+        self.engine_thread.stop()
         if self._receiver is not None:
             self._receiver.close()
-        self.engine.stop()
 
     async def accept_sender(self, hello: bytes) -> bytes:
         if self._receiver is None:
@@ -127,19 +117,19 @@ class DecodeService:
         """Admit a request: reserve blocks (remote prefill) or queue it (local prefill)."""
         rid = req.request_id
         if rid in self._active:
-            raise Refused(409, f"request id {rid!r} is already active", "duplicate_request")
-        if not self.engine.alive:
-            raise Refused(503, "engine is not running", "engine_down", retry_after=5)
+            raise WorkerError(409, f"request id {rid!r} is already active", Outcome.DUPLICATE_REQUEST)
+        if not self.engine_thread.alive:
+            raise WorkerError(503, "engine is not running", Outcome.ENGINE_DOWN, retry_after=5)
         if self.drain.draining:
-            raise Refused(503, f"{self.settings.name} is draining: it takes no new requests", "draining",
-                          retry_after=1)
-        sampling = engine_sampling(req.sampling)
+            raise WorkerError(503, f"{self.settings.name} is draining: it takes no new requests", Outcome.DRAINING,
+                              retry_after=1)
+        sampling = req.sampling.engine_params()
         local = req.local_prefill or self.settings.role == "colocated"
         active = Active(rid, self._hub.open(rid))
         self._active[rid] = active
         try:
             if local:
-                await self.engine.run(lambda e: e.add_request(rid, req.prompt_token_ids, sampling))
+                await self.engine_thread.run(lambda e: e.add_request(rid, req.prompt_token_ids, sampling))
                 self.metrics.requests.labels(outcome="local_prefill").inc()
                 return ReservationEvent(reservation=None), active
             reservation = await self._reserve(req, sampling, active)
@@ -147,10 +137,10 @@ class DecodeService:
         except NoCapacityError as exc:
             self._forget(active)
             self.metrics.requests.labels(outcome="no_room").inc()
-            raise Refused(503, str(exc), "no_room", retry_after=1) from exc
+            raise WorkerError(503, str(exc), Outcome.NO_ROOM, retry_after=1) from exc
         except ValueError as exc:
             self._forget(active)
-            raise Refused(400, str(exc), "bad_request") from exc
+            raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from exc
         except BaseException:
             self._forget(active)
             raise
@@ -170,7 +160,7 @@ class DecodeService:
             self._awaiting[transfer_id] = Awaiting(rid, req.prompt_token_ids, sampling)
             return block_ids, transfer_id
 
-        block_ids, transfer_id = await self.engine.run(reserve)
+        block_ids, transfer_id = await self.engine_thread.run(reserve)
         active.transfer_id = transfer_id
         # The receiver enforces the lease; this backstop only guards against a transfer layer that never reports.
         active.lease = asyncio.get_running_loop().call_later(lease_s + BACKSTOP_S, self._backstop, transfer_id)
@@ -207,13 +197,13 @@ class DecodeService:
             self.metrics.requests.labels(outcome="finished").inc()
             return
         self.metrics.requests.labels(outcome="aborted").inc()
-        await asyncio.wrap_future(self.engine.call(lambda e: self._drop(e, request_id, active.transfer_id)))
+        await asyncio.wrap_future(self.engine_thread.call(lambda e: self._drop(e, request_id, active.transfer_id)))
 
     async def abort(self, request_id: str) -> bool:
         """Drop a request (router's /abort); its open stream ends with an error event."""
         active = self._active.get(request_id)
         if active is not None:
-            active.queue.put_nowait(ErrorEvent(message="aborted by request", code="aborted"))
+            active.queue.put_nowait(ErrorEvent(message="aborted by request", code=Outcome.ABORTED))
         await self.close(request_id)
         return active is not None
 
@@ -222,7 +212,7 @@ class DecodeService:
         self._hub.close(active.request_id)
 
     # ---- engine-thread callbacks ------------------------------------------------
-    def _emit(self, outputs: list[StepOutput]) -> None:
+    def _emit(self, e: LLMEngine, outputs: list[StepOutput]) -> None:
         if self.faults is not None:
             self.faults.step_delay()
         for out in outputs:
@@ -239,42 +229,42 @@ class DecodeService:
             return
         e.abort(request_id)
 
-    def _on_transfer_ended(self, transfer_id: str, first_token: int | None, error: str | None,
-                           code: str | None = None) -> None:
-        """Called on the adapter's thread when a transfer ended (ok or not)."""
-        self.engine.call(lambda e: self._transfer_ended(e, transfer_id, first_token, error, code))
+    def _collect_transfers(self, e: LLMEngine) -> None:
+        """Between two steps: act on every transfer the receiver saw end."""
+        for ended in self._receiver.take_finished():
+            self._transfer_ended(e, ended)
 
-    def _transfer_ended(self, e: LLMEngine, transfer_id: str, first_token: int | None, error: str | None,
-                        code: str | None) -> None:
-        cancelled = self._cancelling.pop(transfer_id, None)
+    def _transfer_ended(self, e: LLMEngine, ended: TransferEnded) -> None:
+        cancelled = self._cancelling.pop(ended.transfer_id, None)
         if cancelled is not None:
             e.abort(cancelled)
             return
-        pending = self._awaiting.pop(transfer_id, None)
+        pending = self._awaiting.pop(ended.transfer_id, None)
         if pending is None:
-            log.info("ignoring the end of unknown transfer %s", transfer_id)
+            log.info("ignoring the end of unknown transfer %s", ended.transfer_id)
             return
-        if error is None and first_token is not None:
-            self._emit([e.admit_remote(pending.request_id, first_token)])
+        if ended.ok:
+            self._emit(e, [e.admit_remote(pending.request_id, ended.first_token)])
             return
         e.abort(pending.request_id)  # the receiver reported the id: no write can land in these blocks now
-        self._remote_kv_failed(e, pending, failure_kind(code, error), error)
+        self._remote_kv_failed(e, pending, ended.outcome, ended.reason)
 
-    def _remote_kv_failed(self, e: LLMEngine, pending: Awaiting, kind: str, error: str | None) -> None:
+    def _remote_kv_failed(self, e: LLMEngine, pending: Awaiting, outcome: Outcome, reason: str) -> None:
         """The blocks are free. Fail the request, or prefill it here (recovery config)."""
-        counter = {"lease_expired": self.metrics.lease_expired, "checksum_failed": self.metrics.checksum_failures}
-        counter.get(kind, self.metrics.transfer_failed).inc()
-        action = {"lease_expired": self.settings.lease_expiry,
-                  "checksum_failed": self.settings.checksum_failure}.get(kind, "fail")
+        counter = {Outcome.LEASE_EXPIRED: self.metrics.lease_expired,
+                   Outcome.CHECKSUM_MISMATCH: self.metrics.checksum_failures}
+        counter.get(outcome, self.metrics.transfer_failed).inc()
+        action = {Outcome.LEASE_EXPIRED: self.settings.lease_expiry,
+                  Outcome.CHECKSUM_MISMATCH: self.settings.checksum_failure}.get(outcome, "fail")
         rid = pending.request_id
         if action == "local":
-            log.warning("request %s: remote KV failed (%s: %s); prefilling it here", rid, kind, error)
+            log.warning("request %s: remote KV failed (%s: %s); prefilling it here", rid, outcome, reason)
             e.add_request(rid, pending.prompt, pending.sampling)
-            self.metrics.reprefills.labels(cause=kind).inc()
-            self._hub.publish(rid, ReprefillEvent(message=f"remote KV failed ({error}); prefilling locally",
-                                                  code=kind))
+            self.metrics.reprefills.labels(cause=outcome).inc()
+            self._hub.publish(rid, ReprefillEvent(message=f"remote KV failed ({reason}); prefilling locally",
+                                                  code=outcome))
             return
-        self._hub.publish(rid, ErrorEvent(message=f"KV transfer failed: {error}; blocks freed", code=kind))
+        self._hub.publish(rid, ErrorEvent(message=f"KV transfer failed: {reason}; blocks freed", code=outcome))
 
     def _backstop(self, transfer_id: str) -> None:
         def expire(e: LLMEngine) -> None:
@@ -286,13 +276,13 @@ class DecodeService:
             e.abort(rid)
             self.metrics.lease_expired.inc()
             self._hub.publish(rid, ErrorEvent(message="no KV arrived within the lease; blocks freed",
-                                              code="lease_expired"))
+                                              code=Outcome.LEASE_EXPIRED))
 
-        self.engine.call(expire)
+        self.engine_thread.call(expire)
 
     # ---- status ---------------------------------------------------------------
     def health(self) -> HealthReport:
-        s = self.engine.snapshot
+        s = self.engine_thread.stats.scheduler
         return HealthReport(status="draining" if self.drain.draining else "ok",
                             role=self.settings.role, instance=self.settings.name,
                             kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),

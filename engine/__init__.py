@@ -4,11 +4,12 @@ See ``engine.engine.LLMEngine`` for the API the servers use.
 """
 
 from engine.config import EngineConfig
-from engine.engine import GenerationResult, LLMEngine, PrefillChunk
+from engine.engine import EngineStats, GenerationResult, LLMEngine, PrefillChunk
 from engine.request import NoCapacityError, SamplingParams, StepOutput
 
 __all__ = [
     "EngineConfig",
+    "EngineStats",
     "GenerationResult",
     "LLMEngine",
     "NoCapacityError",

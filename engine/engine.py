@@ -22,7 +22,7 @@ from engine.kv_cache import KVCache
 from engine.loader import head_dim_of, load_model
 from engine.request import Request, SamplingParams, StepOutput
 from engine.runner import ModelRunner, RoPE
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class GenerationResult:
 
 
 LayerHook = Callable[[int, list[PrefillChunk]], None]
+
 
 
 STEP_KINDS = ("prefill", "decode", "mixed")
@@ -73,8 +74,16 @@ class EngineCounters:
                               self.preemptions)
 
 
+@dataclass(frozen=True)
+class EngineStats:
+    """A copy of the engine's state for readers on other threads."""
+
+    scheduler: SchedulerStats = field(default_factory=SchedulerStats)
+    counters: EngineCounters = field(default_factory=EngineCounters)
+
+
 class LLMEngine:
-    def __init__(self, config: EngineConfig, layer_hook: LayerHook | None = None) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -107,7 +116,6 @@ class LLMEngine:
         )
         rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
         self.runner = ModelRunner(self.model, self.cache, rope, device)
-        self.layer_hook = layer_hook
         self.counters = EngineCounters()
 
     # ---- requests ----------------------------------------------------------
@@ -138,14 +146,21 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    def stats(self) -> EngineStats:
+        """What /health and /metrics show: blocks by state, queues, step counters (a copy)."""
+        return EngineStats(self.scheduler.stats(), self.counters.copy())
+
     # ---- stepping ----------------------------------------------------------
-    def step(self) -> list[StepOutput]:
+    def step(self, layer_hook: LayerHook | None = None) -> list[StepOutput]:
+        """One step. ``layer_hook(layer, chunks)`` is called as soon as each
+        layer's K/V of the step's prompt chunks is in the cache (a prefill
+        server pushes it to the decode server from there)."""
         plan = self.scheduler.schedule()
         if not plan.chunks:
             self.counters.preemptions += len(plan.preempted)
             return []
         t0 = time.perf_counter()
-        tokens = self.runner.run(plan, self._layer_callback(plan))
+        tokens = self.runner.run(plan, None if layer_hook is None else self._layer_callback(plan, layer_hook))
         outputs = self.scheduler.update(plan, tokens)
         self.counters.add(plan, time.perf_counter() - t0)
         return outputs
@@ -183,14 +198,12 @@ class LLMEngine:
             )
         return Request(request_id, list(prompt), sampling)
 
-    def _layer_callback(self, plan) -> Callable[[int], None] | None:
-        if self.layer_hook is None:
-            return None
+    @staticmethod
+    def _layer_callback(plan, hook: LayerHook) -> Callable[[int], None]:
         chunks = [
             PrefillChunk(c.request.request_id, list(c.request.block_ids), c.start, c.start + c.num_tokens)
             for c in plan.chunks
         ]
-        hook = self.layer_hook
         return lambda layer: hook(layer, chunks)
 
 

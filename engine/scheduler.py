@@ -59,6 +59,19 @@ class SchedulePlan:
         return sum(c.num_tokens for c in self.chunks)
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    free: int = 0
+    reserved: int = 0
+    running: int = 0
+    total: int = 0  # blocks in the cache
+    queue_depth: int = 0  # requests waiting to be scheduled
+    queued_tokens: int = 0  # prompt tokens not computed yet
+    num_requests: int = 0  # requests held in any state
+    # (state, arrival time.monotonic(), blocks) of every request holding blocks; state: reserved | running
+    holders: tuple[tuple[str, float, int], ...] = ()
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
@@ -175,6 +188,19 @@ class Scheduler:
         reserved = sum(len(r.block_ids) for r in self.parked.values())
         used = self.blocks.num_used
         return {"free": self.blocks.num_free, "reserved": reserved, "running": used - reserved}
+
+    def stats(self) -> SchedulerStats:
+        """Blocks by state and queue lengths, for /health and /metrics."""
+        counts = self.block_counts()
+        return SchedulerStats(
+            free=counts["free"], reserved=counts["reserved"], running=counts["running"],
+            total=self.blocks.num_blocks,
+            queue_depth=len(self.waiting),
+            queued_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed) for r in [*self.waiting, *self.running]),
+            num_requests=len(self.requests),
+            holders=tuple(("reserved" if r.request_id in self.parked else "running", r.arrival_time,
+                           len(r.block_ids)) for r in self.requests.values() if r.block_ids),
+        )
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity()

@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from prefill_server.service import PrefillFailed, PrefillService
+from prefill_server.service import PrefillService
 from server_common.guard import service_app
-from server_common.worker_replies import RefusedReply
+from server_common.worker_replies import WorkerError
 from server_common.worker_requests import PrefillRequest
 
 
@@ -20,7 +20,7 @@ def create_app(service: PrefillService) -> FastAPI:
         """Answers once the KV is in the decode server's blocks and the notice is sent."""
         try:
             result = await service.prefill(req)
-        except PrefillFailed as exc:
-            return JSONResponse(RefusedReply(error=exc.message, code=exc.code).model_dump(), status_code=exc.status)
+        except WorkerError as exc:
+            return JSONResponse(exc.reply().model_dump(mode="json"), status_code=exc.status)
         return JSONResponse(result.model_dump())
     return app

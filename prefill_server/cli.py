@@ -22,13 +22,13 @@ def run(args: argparse.Namespace) -> int:
     from prefill_server.app import create_app
     from prefill_server.service import PrefillService
     from server_common.faults import FaultInjector
-    from server_common.kv_adapter import make_sender
+    from server_common.kv_adapter import sender_factory
     from server_common.run import load_server_settings, serve, setup_logging
 
     setup_logging(args.log_level, args.name)
     settings = load_server_settings(args, ("prefill",))
     engine = LLMEngine(settings.engine)
     faults = FaultInjector() if settings.fault_injection else None
-    service = PrefillService(settings, engine, make_sender(settings, engine, faults), faults)
+    service = PrefillService(settings, engine, sender_factory(settings, engine, faults), faults)
     serve(create_app(service), settings.host, settings.port, args.log_level, service.drain, settings.drain_timeout_s)
     return 0

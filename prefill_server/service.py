@@ -1,14 +1,19 @@
 """The prefill server's logic: prefill prompts into decode servers' reservations.
 
 Each ``/prefill`` becomes a job on the engine thread. The engine batches and
-chunks prompts as usual; its ``layer_hook`` queues each layer's freshly
-written K/V of every job with the KV sender right away (its own thread moves
-the bytes), so the transfer of layer i overlaps the compute of layer i+1.
-When the engine reports a prompt "prefilled" (first token sampled), the
-sender is told to finish: once the writes landed it sends the completion
-notice (first token, checksum) and the decode server acknowledges it. Only
-when the sender reports the transfer ended are the blocks released and the
-HTTP call answered. Jobs are touched on the engine thread only.
+chunks prompts as usual; the engine thread's layer hook queues each layer's
+freshly written K/V of every job with the KV sender right away (its own
+thread moves the bytes), so the transfer of layer i overlaps the compute of
+layer i+1. When the engine reports a prompt "prefilled" (first token
+sampled), the sender is told to finish: once the writes landed it sends the
+completion notice (first token, checksum) and the decode server
+acknowledges it. The engine thread takes ended transfers between two steps;
+only then are the blocks released and the HTTP call answered. Jobs are
+touched on the engine thread only.
+
+A failed transfer's outcome goes back to the router unchanged: one in
+``transfer.outcome.DECIDED_BY_DECODE`` means the decode server ended the
+transfer and tells the router on its own stream what happens next.
 
 An abort stops the job at once: the engine drops the request, the sender
 drops its queued writes and ends the transfer, and the id is remembered so
@@ -24,29 +29,19 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from decode_server.service import engine_sampling
 from engine import LLMEngine, PrefillChunk, StepOutput
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
 from server_common.guard import Drain
-from server_common.kv_port import KVSenderPort
+from server_common.kv_port import SenderFactory
 from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
-from server_common.worker_replies import HealthReport, KVBlocks, PrefillResult
+from server_common.worker_replies import HealthReport, KVBlocks, PrefillResult, WorkerError
 from server_common.worker_requests import PrefillRequest
+from transfer.outcome import Outcome, TransferEnded
 
 log = logging.getLogger(__name__)
 REMEMBER_ABORTED = 4096
-# The sender's failure codes that mean the decode server ended the transfer: it tells
-# the router the outcome on its own stream, so the router need not act on ours.
-DECODE_DECIDED = {"refused": "decode_refused", "cancelled": "decode_cancelled", "lease_expired": "lease_expired"}
-
-
-class PrefillFailed(Exception):
-    def __init__(self, status: int, message: str, code: str) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-
 
 @dataclass
 class Job:
@@ -59,11 +54,11 @@ class Job:
     started: float = field(default_factory=time.monotonic)
     prefilled: float | None = None  # when the last layer was computed and the first token sampled
 
-    def resolve(self, result: PrefillResult | PrefillFailed) -> None:
+    def resolve(self, result: PrefillResult | WorkerError) -> None:
         def set_it() -> None:
             if self.done.done():
                 return
-            if isinstance(result, PrefillFailed):
+            if isinstance(result, WorkerError):
                 self.done.set_exception(result)
             else:
                 self.done.set_result(result)
@@ -72,14 +67,14 @@ class Job:
 
 
 class PrefillService:
-    def __init__(self, settings: ServerSettings, engine: LLMEngine, sender: KVSenderPort,
+    def __init__(self, settings: ServerSettings, engine: LLMEngine, make_sender: SenderFactory,
                  faults: FaultInjector | None = None) -> None:
         self.settings = settings
         self.faults = faults
-        engine.layer_hook = self._on_layer
-        self.engine = EngineThread(engine, self._on_outputs, settings.name)
-        self.metrics = ServerMetrics(lambda: self.engine.snapshot)
-        self._sender = sender
+        self.engine_thread = EngineThread(engine, self._on_outputs, settings.name,
+                                          between_steps=self._collect_transfers, layer_hook=self._on_layer)
+        self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
+        self._sender = make_sender(self.engine_thread.wake)
         self._bytes_per_token = engine.cache.bytes_per_token
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
@@ -88,23 +83,23 @@ class PrefillService:
         self.drain = Drain(lambda: self._pending)  # draining: new prefills are refused, pending ones finish
 
     async def start(self) -> None:
-        self.engine.start()
-        self._sender.start(self._on_transfer_ended)
+        self._sender.start()
+        self.engine_thread.start()
 
     async def stop(self) -> None:
+        self.engine_thread.stop()
         self._sender.close()
-        self.engine.stop()
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         if self.drain.draining:
             self.metrics.requests.labels(outcome="draining").inc()
-            raise PrefillFailed(503, f"{self.settings.name} is draining: it takes no new prefills", "draining")
+            raise WorkerError(503, f"{self.settings.name} is draining: it takes no new prefills", Outcome.DRAINING)
         self._pending += 1
         try:
             result = await self._prefill(req)
             self.metrics.requests.labels(outcome="prefilled").inc()
             return result
-        except PrefillFailed as exc:
+        except WorkerError as exc:
             self.metrics.requests.labels(outcome=exc.code).inc()
             raise
         finally:
@@ -118,31 +113,32 @@ class PrefillService:
         try:
             peer = await self._sender.ensure_peer(res.kv_target)
         except Exception as exc:
-            raise PrefillFailed(502, f"cannot connect to decode server {res.instance}: {exc}", "transfer_failed") from exc
+            raise WorkerError(502, f"cannot connect to decode server {res.instance}: {exc}",
+                              Outcome.HANDSHAKE_FAILED) from exc
         lease_s = res.lease_deadline - time.time()
         if lease_s <= 0:
-            raise PrefillFailed(409, f"the reservation on {res.instance} has expired", "lease_expired")
+            raise WorkerError(409, f"the reservation on {res.instance} has expired", Outcome.LEASE_EXPIRED)
         job = Job(rid, res.transfer_id, len(req.prompt_token_ids), loop.create_future(), loop)
-        sampling = engine_sampling(req.sampling)
+        sampling = req.sampling.engine_params()
 
         def add(e: LLMEngine) -> None:
             if rid in self._jobs:
-                raise PrefillFailed(409, f"request id {rid!r} is already active", "duplicate_request")
+                raise WorkerError(409, f"request id {rid!r} is already active", Outcome.DUPLICATE_REQUEST)
             if rid in self._aborted:
-                raise PrefillFailed(409, f"request {rid} was aborted", "aborted")
+                raise WorkerError(409, f"request {rid} was aborted", Outcome.ABORTED)
             e.add_request(rid, req.prompt_token_ids, sampling)  # ValueError: nothing to undo
             self._sender.begin(res.transfer_id, peer, res.block_ids, lease_s)
             self._jobs[rid] = job
             self._by_transfer[res.transfer_id] = rid
 
         try:
-            await self.engine.run(add)
+            await self.engine_thread.run(add)
         except ValueError as exc:
-            raise PrefillFailed(400, str(exc), "bad_request") from exc
+            raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from exc
         return await job.done
 
     async def abort(self, request_id: str) -> bool:
-        return await self.engine.run(lambda e: self._abort(e, request_id))
+        return await self.engine_thread.run(lambda e: self._abort(e, request_id))
 
     # ---- engine thread ---------------------------------------------------------
     def _abort(self, e: LLMEngine, request_id: str) -> bool:
@@ -158,7 +154,7 @@ class PrefillService:
             return False
         self._by_transfer.pop(job.transfer_id, None)
         self._sender.abort(job.transfer_id)
-        job.resolve(PrefillFailed(409, f"request {request_id} was aborted", "aborted"))
+        job.resolve(WorkerError(409, f"request {request_id} was aborted", Outcome.ABORTED))
         return True
 
     def _on_layer(self, layer: int, chunks: list[PrefillChunk]) -> None:
@@ -169,25 +165,24 @@ class PrefillService:
         if self.faults is not None:
             self.faults.stall(layer)
 
-    def _on_outputs(self, outputs: list[StepOutput]) -> None:
+    def _on_outputs(self, e: LLMEngine, outputs: list[StepOutput]) -> None:
         for out in outputs:
             job = self._jobs.get(out.request_id)
             if job is None:
-                self.engine.engine.abort(out.request_id)
+                e.abort(out.request_id)
                 continue
             assert out.finish_reason == "prefilled", out
             job.first_token = out.new_token_ids[0]
             job.prefilled = time.monotonic()
             self._sender.finish(job.transfer_id, job.first_token)
 
-    def _on_transfer_ended(self, transfer_id: str, error: str | None, code: str | None = None) -> None:
-        """Called on the adapter's thread, as soon as the transfer ended."""
-        ended = time.monotonic()
-        self.engine.call(lambda e: self._transfer_ended(e, transfer_id, error, code, ended))
+    def _collect_transfers(self, e: LLMEngine) -> None:
+        """Between two steps: release the blocks of every transfer that ended and answer its call."""
+        for ended in self._sender.take_finished():
+            self._transfer_ended(e, ended)
 
-    def _transfer_ended(self, e: LLMEngine, transfer_id: str, error: str | None, code: str | None,
-                        ended: float) -> None:
-        rid = self._by_transfer.pop(transfer_id, None)
+    def _transfer_ended(self, e: LLMEngine, ended: TransferEnded) -> None:
+        rid = self._by_transfer.pop(ended.transfer_id, None)
         job = self._jobs.pop(rid, None) if rid is not None else None
         if job is None:
             return  # aborted earlier
@@ -195,22 +190,21 @@ class PrefillService:
             e.release(rid)
         else:
             e.abort(rid)  # failed before the prompt was done (decode side cancelled, peer gone)
-        if error is not None:
+        if not ended.ok:
             self.metrics.transfer_failed.inc()
-            job.resolve(PrefillFailed(502, f"KV transfer to the decode server failed: {error}",
-                                      DECODE_DECIDED.get(code or "", "transfer_failed")))
+            job.resolve(WorkerError(502, f"KV transfer to the decode server failed: {ended.reason}", ended.outcome))
             return
-        seconds = ended - job.started
+        seconds = ended.at - job.started
         nbytes = job.num_tokens * self._bytes_per_token
         self.metrics.transfer_bytes.inc(nbytes)
         self.metrics.transfer_seconds.observe(seconds)
         if job.prefilled is not None:
-            self.metrics.transfer_exposed_seconds.observe(max(0.0, ended - job.prefilled))
+            self.metrics.transfer_exposed_seconds.observe(max(0.0, ended.at - job.prefilled))
         job.resolve(PrefillResult(request_id=rid, first_token_id=job.first_token, num_tokens=job.num_tokens,
                                   transfer_bytes=nbytes, seconds=seconds))
 
     def health(self) -> HealthReport:
-        s = self.engine.snapshot
+        s = self.engine_thread.stats.scheduler
         return HealthReport(status="draining" if self.drain.draining else "ok", role="prefill",
                             instance=self.settings.name,
                             kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),

@@ -9,10 +9,16 @@ or waits too long, is refused at once with 429 and a Retry-After: overload is
 a fast, clear answer, never a 5xx, and the router's memory stays bounded by
 (slots + waiting room) requests. 503 is kept for "no server in rotation".
 
-Waiters wake when a slot frees (``slot_freed``: a request ended, so blocks
-were freed too) and at least every ``poll`` seconds, for what the router
-learns only by asking: a worker back in rotation, or a decode server that
-said "no room" (its KV cache was full) and whose short cool-down passed.
+Waiters wake when a slot frees (a request attempt ended, so blocks were
+freed too) and at least every ``poll`` seconds, for what the router learns
+only by asking: a worker back in rotation, or a decode server that said "no
+room" (its KV cache was full) and whose short cool-down passed.
+
+This class is the one owner of the router's load counters: each worker's
+``inflight`` and ``inflight_tokens``, ``full_until``, the prefill slots and
+the count of open sessions. Everyone else claims and releases through it: a
+``Slot`` (one request attempt's claim, released once on every path), a
+``prefilling`` block, ``session_started`` / ``session_ended``.
 """
 
 from __future__ import annotations
@@ -66,23 +72,32 @@ class Admission:
             return False  # none in rotation is the prefill call's own error; no limit, no slot
         return self.prefills_pending >= sum(limits)
 
-    def claim(self, worker: Worker, prefill_slot: bool) -> None:
+    def claim(self, worker: Worker, prefill_slot: bool) -> Slot:
+        """A slot on decode server ``worker``, and one of the prefill slots with ``prefill_slot``."""
         worker.inflight += 1
         self.prefills_pending += prefill_slot
+        return Slot(self, worker, prefill_slot)
 
-    def unclaim(self, worker: Worker, prefill_slot: bool) -> None:
-        worker.inflight -= 1
-        self.prefills_pending -= prefill_slot
+    def no_room(self, worker: Worker, cooldown: float) -> None:
+        """``worker`` said its KV cache is full: skip it for ``cooldown`` s, or until one of its slots frees."""
+        worker.full_until = time.monotonic() + cooldown
 
-    def decode_freed(self, worker: Worker) -> None:
-        """An attempt ended on ``worker``: its blocks are free, so ask it again and wake the waiters."""
-        worker.inflight -= 1
-        worker.full_until = 0.0
-        self.slot_freed()
+    @contextlib.contextmanager
+    def prefilling(self, worker: Worker, num_tokens: int):
+        """A prefill call on ``worker`` for the life of the block (the least-loaded policy reads these)."""
+        worker.inflight += 1
+        worker.inflight_tokens += num_tokens
+        try:
+            yield
+        finally:
+            worker.inflight -= 1
+            worker.inflight_tokens -= num_tokens
 
-    def prefill_ended(self) -> None:
-        self.prefills_pending -= 1
-        self.slot_freed()
+    def session_started(self) -> None:
+        self.sessions += 1
+
+    def session_ended(self) -> None:
+        self.sessions -= 1
 
     # ---- waiting ----------------------------------------------------------------
 
@@ -129,6 +144,45 @@ class Admission:
         """Until a slot frees or ``seconds`` pass."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._freed.wait(), max(0.0, seconds))
+
+
+class Slot:
+    """One request attempt's claim on a decode server (and, for a new request
+    that needs a prefill server, on one of the prefill slots). Each part is
+    given back exactly once, whichever of these runs first."""
+
+    def __init__(self, admission: Admission, worker: Worker, prefill: bool) -> None:
+        self._admission = admission
+        self.worker = worker
+        self._decode_held = True
+        self._prefill_held = prefill
+
+    def release_prefill(self) -> None:
+        """The request's first prefill ended (or it needs none): a prefill slot is free."""
+        if self._prefill_held:
+            self._prefill_held = False
+            self._admission.prefills_pending -= 1
+            self._admission.slot_freed()
+
+    def release(self) -> None:
+        """The attempt ended on its decode server: its blocks are free, so ask that server
+        again and wake the waiters. The prefill slot goes too, if still held."""
+        self.release_prefill()
+        if self._decode_held:
+            self._decode_held = False
+            self.worker.inflight -= 1
+            self.worker.full_until = 0.0
+            self._admission.slot_freed()
+
+    def cancel(self) -> None:
+        """The claim did not become an attempt (the decode server refused or was not reached):
+        give both parts back without waking anyone, since nothing was freed."""
+        if self._decode_held:
+            self._decode_held = False
+            self.worker.inflight -= 1
+        if self._prefill_held:
+            self._prefill_held = False
+            self._admission.prefills_pending -= 1
 
 
 class Wait:

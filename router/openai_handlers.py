@@ -17,7 +17,8 @@ import anyio
 
 from router import api_responses as out
 from router.api_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
-from router.dispatch import Dispatcher, Session
+from router.dispatch import Dispatcher
+from router.session import Session
 from router.errors import OpenAIError
 from router.limits import RequestLimits
 from router.metrics import RouterMetrics

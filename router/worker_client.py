@@ -1,9 +1,10 @@
 """The router's HTTP calls to prefill and decode servers (httpx).
 
-Three outcomes the dispatcher tells apart: ``NoRoom`` (a decode server
-refused a reservation at once: try another one or wait), ``WorkerUnreachable``
-(connection refused/reset: take the worker out of rotation) and
-``WorkerFailed`` (the worker answered, but with an error).
+Every way a call can fail is one ``WorkerFailed`` whose ``outcome`` says
+why, in the servers' own vocabulary (``transfer.outcome.Outcome``): the code
+of a server's ``ErrorReply`` or stream ``ErrorEvent`` as it was sent,
+``UNREACHABLE`` when the connection was refused, reset or timed out, and
+``STREAM_CUT`` / ``WORKER_ERROR`` for answers the router cannot use.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from router.registry import Worker
 from server_common.worker_replies import (
     DECODE_EVENT,
     ErrorEvent,
+    ErrorReply,
     PrefillResult,
     ReprefillEvent,
     Reservation,
@@ -25,47 +27,45 @@ from server_common.worker_replies import (
     TokensEvent,
 )
 from server_common.worker_requests import AbortRequest, GenerateRequest, PrefillRequest
+from transfer.outcome import KV_NEVER_ARRIVED, Outcome
 
 log = logging.getLogger(__name__)
 
 
-class NoRoom(Exception):
-    def __init__(self, worker: Worker, retry_after: float) -> None:
-        super().__init__(f"{worker.name} has no free KV blocks")
-        self.retry_after = retry_after
-
-
-class WorkerUnreachable(Exception):
-    """``never_connected``: the request cannot have reached the worker, so another one may take it."""
-
-    def __init__(self, worker: Worker, reason: str, never_connected: bool = False) -> None:
-        super().__init__(f"{worker.role} server {worker.name} unreachable: {reason}")
-        self.worker = worker
-        self.never_connected = never_connected
-
-
 class WorkerFailed(Exception):
-    def __init__(self, worker: Worker, reason: str, code: str = "worker_error") -> None:
-        super().__init__(f"{worker.role} server {worker.name} failed: {reason}")
-        self.worker = worker
-        self.code = code
+    """A step on one worker failed. ``role`` is the worker's role ("prefill" or
+    "decode"; ``worker`` may be empty when no worker of that role was left);
+    ``never_reached``: the request cannot have reached the worker, so another
+    one may take it; ``retry_after``: the worker's Retry-After, if it sent one."""
+
+    def __init__(self, role: str, worker: str, reason: str, outcome: Outcome, *,
+                 never_reached: bool = False, retry_after: float | None = None) -> None:
+        super().__init__(f"{role} server {worker} failed: {reason}" if worker else reason)
+        self.role, self.worker, self.reason, self.outcome = role, worker, reason, outcome
+        self.never_reached, self.retry_after = never_reached, retry_after
+
+    @classmethod
+    def of(cls, worker: Worker, reason: str, outcome: Outcome, **kw) -> WorkerFailed:
+        return cls(worker.role, worker.name, reason, outcome, **kw)
+
+    @property
+    def stage(self) -> str:
+        """What failed: "prefill" also when the decode server reports that the KV never arrived."""
+        return "prefill" if self.role == "prefill" or self.outcome in KV_NEVER_ARRIVED else "decode"
 
 
-def _reason(resp: httpx.Response) -> str:
+def _unreachable(worker: Worker, exc: httpx.HTTPError, what: str = "") -> WorkerFailed:
+    return WorkerFailed.of(worker, f"unreachable: {what}{exc!r}", Outcome.UNREACHABLE,
+                           never_reached=isinstance(exc, httpx.ConnectError))
+
+
+def _refusal(worker: Worker, resp: httpx.Response, default: Outcome, **kw) -> WorkerFailed:
+    """The server's ErrorReply as a WorkerFailed (``default`` when the body is not one)."""
     try:
-        body = resp.json()
-        return str(body.get("error") or body.get("detail") or body)
-    except ValueError:
-        return resp.text[:200] or f"HTTP {resp.status_code}"
-
-
-def _code(resp: httpx.Response) -> str:
-    """The ``code`` of a server's RefusedReply ("worker_error" when there is none)."""
-    try:
-        code = resp.json().get("code")
-    except (ValueError, AttributeError):
-        return "worker_error"
-    return code if isinstance(code, str) and code else "worker_error"
+        reply = ErrorReply.model_validate_json(resp.content)
+    except ValidationError:
+        return WorkerFailed.of(worker, f"HTTP {resp.status_code}: {resp.text[:200]}", default, **kw)
+    return WorkerFailed.of(worker, f"HTTP {resp.status_code}: {reply.error}", reply.code, **kw)
 
 
 class DecodeStream:
@@ -80,9 +80,9 @@ class DecodeStream:
     async def read_reservation(self) -> None:
         event = await self._next_event()
         if isinstance(event, ErrorEvent):
-            raise WorkerFailed(self.worker, event.message, event.code)
+            raise WorkerFailed.of(self.worker, event.message, event.code)
         if not isinstance(event, ReservationEvent):
-            raise WorkerFailed(self.worker, f"expected a reservation first, got {event.type}")
+            raise WorkerFailed.of(self.worker, f"expected a reservation first, got {event.type}", Outcome.WORKER_ERROR)
         self.reservation = event.reservation
 
     async def events(self) -> AsyncIterator[TokensEvent | ReprefillEvent]:
@@ -91,9 +91,9 @@ class DecodeStream:
         while True:
             event = await self._next_event()
             if isinstance(event, ErrorEvent):
-                raise WorkerFailed(self.worker, event.message, event.code)
+                raise WorkerFailed.of(self.worker, event.message, event.code)
             if not isinstance(event, (TokensEvent, ReprefillEvent)):
-                raise WorkerFailed(self.worker, f"unexpected {event.type} event")
+                raise WorkerFailed.of(self.worker, f"unexpected {event.type} event", Outcome.WORKER_ERROR)
             yield event
             if isinstance(event, TokensEvent) and event.finish_reason is not None:
                 return
@@ -105,11 +105,11 @@ class DecodeStream:
                 line = await anext(self._lines)
             return DECODE_EVENT.validate_json(line)
         except StopAsyncIteration:
-            raise WorkerFailed(self.worker, "stream ended early", "stream_cut") from None
+            raise WorkerFailed.of(self.worker, "stream ended early", Outcome.STREAM_CUT) from None
         except httpx.HTTPError as exc:
-            raise WorkerUnreachable(self.worker, f"stream broken: {exc!r}") from exc
+            raise _unreachable(self.worker, exc, "stream broken: ") from exc
         except ValidationError as exc:
-            raise WorkerFailed(self.worker, f"bad event: {exc}") from exc
+            raise WorkerFailed.of(self.worker, f"bad event: {exc}", Outcome.WORKER_ERROR) from exc
 
     async def aclose(self) -> None:
         await self._response.aclose()
@@ -129,16 +129,14 @@ class WorkerClient:
         try:
             response = await self._http.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise WorkerUnreachable(worker, repr(exc)) from exc
-        if response.status_code == 503:
-            retry_after = float(response.headers.get("retry-after", "1"))
-            await response.aread()
-            await response.aclose()
-            raise NoRoom(worker, retry_after)
+            raise _unreachable(worker, exc) from exc
         if response.status_code != 200:
             await response.aread()
             await response.aclose()
-            raise WorkerFailed(worker, f"HTTP {response.status_code}: {_reason(response)}")
+            if response.status_code == 503:  # no room, draining, engine down: try another, or later
+                raise _refusal(worker, response, Outcome.NO_ROOM, never_reached=True,
+                               retry_after=float(response.headers.get("retry-after", "1")))
+            raise _refusal(worker, response, Outcome.WORKER_ERROR)
         stream = DecodeStream(worker, response, response.aiter_lines())
         try:
             await stream.read_reservation()
@@ -154,12 +152,15 @@ class WorkerClient:
                 headers={"content-type": "application/json"}, timeout=self._prefill_timeout,
             )
         except httpx.HTTPError as exc:
-            raise WorkerUnreachable(worker, repr(exc), isinstance(exc, httpx.ConnectError)) from exc
+            raise _unreachable(worker, exc) from exc
         if resp.status_code == 503:  # draining or engine down: it did not take the request, another one may
-            raise WorkerUnreachable(worker, f"refused: {_reason(resp)}", never_connected=True)
+            raise _refusal(worker, resp, Outcome.ENGINE_DOWN, never_reached=True)
         if resp.status_code != 200:
-            raise WorkerFailed(worker, f"HTTP {resp.status_code}: {_reason(resp)}", _code(resp))
-        return PrefillResult.model_validate_json(resp.content)
+            raise _refusal(worker, resp, Outcome.WORKER_ERROR)
+        try:
+            return PrefillResult.model_validate_json(resp.content)
+        except ValidationError as exc:
+            raise WorkerFailed.of(worker, f"bad reply: {exc}", Outcome.WORKER_ERROR) from exc
 
     async def abort(self, worker: Worker, request_id: str) -> None:
         """Best effort: the worker may already be gone or done with it."""

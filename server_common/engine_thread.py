@@ -1,12 +1,18 @@
 """Runs an LLMEngine on one dedicated thread so HTTP never waits on a step.
 
 The engine is not thread-safe, so everything that touches it runs on this
-thread: other threads (the event loop, the transfer layer's thread) submit
-closures with ``call`` and get a ``concurrent.futures.Future``. Between two
-steps the thread runs every closure submitted so far, so an abort is applied
-before the next step. Each step's outputs go to ``on_outputs``, called on the
-engine thread. After every iteration the thread publishes a ``Snapshot`` that
-/health and /metrics read without touching the engine.
+thread: other threads (the event loop) submit closures with ``call`` and get
+a ``concurrent.futures.Future``. Between two steps the thread runs every
+closure submitted so far (so an abort is applied before the next step), then
+``between_steps(engine)``: the server takes the transfers that ended from its
+KV sender or receiver there, so a finished transfer crosses one thread
+boundary (transfer thread -> engine thread). The transfer thread calls
+``wake()`` when one ends, so an idle engine thread does not sleep through it.
+Each step's outputs go to ``on_outputs(engine, outputs)``, on the engine thread; a
+prefill server's ``layer_hook`` sees each layer's K/V as soon as it is
+computed. After every iteration the thread publishes ``stats`` (an
+``EngineStats`` copy) that /health and /metrics read without touching the
+engine.
 """
 
 from __future__ import annotations
@@ -17,55 +23,29 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from engine import LLMEngine, StepOutput
-from engine.engine import EngineCounters
+from engine import EngineStats, LLMEngine, StepOutput
+from engine.engine import LayerHook
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 IDLE_WAIT_S = 0.05
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    free: int = 0
-    reserved: int = 0
-    running: int = 0
-    queue_depth: int = 0  # requests waiting to be scheduled
-    queued_tokens: int = 0  # prompt tokens not computed yet
-    num_requests: int = 0  # requests the engine holds in any state
-    total: int = 0  # blocks in the cache
-    # (state, arrival time.monotonic(), blocks) of every request holding blocks; state: reserved | running
-    holders: tuple[tuple[str, float, int], ...] = ()
-    counters: EngineCounters = field(default_factory=EngineCounters)  # steps, their seconds, preemptions
-
-
-def take_snapshot(engine: LLMEngine) -> Snapshot:
-    counts = engine.block_counts()
-    sched = engine.scheduler
-    pending = [*sched.waiting, *sched.running]
-    return Snapshot(
-        free=counts["free"], reserved=counts["reserved"], running=counts["running"],
-        queue_depth=len(sched.waiting),
-        queued_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed) for r in pending),
-        num_requests=len(sched.requests),
-        total=sched.blocks.num_blocks,
-        holders=tuple(("reserved" if r.request_id in sched.parked else "running", r.arrival_time, len(r.block_ids))
-                      for r in sched.requests.values() if r.block_ids),
-        counters=engine.counters.copy(),
-    )
+_WAKE = (None, None)  # a queue item that only ends the idle wait
 
 
 class EngineThread:
-    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[StepOutput]], None], name: str) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[LLMEngine, list[StepOutput]], None], name: str, *,
+                 between_steps: Callable[[LLMEngine], None] | None = None,
+                 layer_hook: LayerHook | None = None) -> None:
+        self._engine = engine
         self._on_outputs = on_outputs
-        self._calls: queue.Queue[tuple[Callable[[LLMEngine], Any], Future]] = queue.Queue()
+        self._between_steps = between_steps
+        self._layer_hook = layer_hook
+        self._calls: queue.Queue[tuple[Callable[[LLMEngine], Any], Future] | tuple[None, None]] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
-        self.snapshot = take_snapshot(engine)
+        self.stats: EngineStats = engine.stats()
         self.error: BaseException | None = None  # set if a step failed: the server is broken
 
     def start(self) -> None:
@@ -73,7 +53,12 @@ class EngineThread:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping.set()
+        self.wake()
         self._thread.join(timeout)
+
+    def wake(self) -> None:
+        """From any thread: an idle engine thread looks for work now, not after its idle wait."""
+        self._calls.put(_WAKE)
 
     @property
     def alive(self) -> bool:
@@ -100,9 +85,9 @@ class EngineThread:
         except queue.Empty:
             return
         while True:
-            if fut.set_running_or_notify_cancel():
+            if fut is not None and fut.set_running_or_notify_cancel():
                 try:
-                    fut.set_result(fn(self.engine))
+                    fut.set_result(fn(self._engine))
                 except BaseException as exc:  # handed to the caller, who decides
                     fut.set_exception(exc)
             try:
@@ -111,14 +96,17 @@ class EngineThread:
                 return
 
     def _loop(self) -> None:
+        engine = self._engine
         try:
             while not self._stopping.is_set():
-                self._run_calls(block=not self.engine.has_unfinished())
-                if self.engine.has_unfinished():
-                    outputs = self.engine.step()
+                self._run_calls(block=not engine.has_unfinished())
+                if self._between_steps is not None:
+                    self._between_steps(engine)
+                if engine.has_unfinished():
+                    outputs = engine.step(self._layer_hook)
                     if outputs:
-                        self._on_outputs(outputs)
-                self.snapshot = take_snapshot(self.engine)
+                        self._on_outputs(engine, outputs)
+                self.stats = engine.stats()
         except BaseException as exc:
             log.exception("engine thread died")
             self.error = exc
@@ -131,5 +119,5 @@ class EngineThread:
                 _, fut = self._calls.get_nowait()
             except queue.Empty:
                 return
-            if fut.set_running_or_notify_cancel():
+            if fut is not None and fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("engine thread stopped"))

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import hmac
 import ipaddress
-import json
 import time
 from collections.abc import Callable, Iterable
 
@@ -22,7 +21,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server_common.fault_routes import add_fault_routes
+from server_common.worker_replies import ErrorReply
 from server_common.worker_requests import AbortRequest
+from transfer.outcome import Outcome
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -71,7 +72,7 @@ class InternalAuthMiddleware:
         if token_matches(token, [self._secret]):
             await self.app(scope, receive, send)
             return
-        body = json.dumps({"error": "missing or wrong internal secret", "code": "unauthorized"}).encode()
+        body = ErrorReply(error="missing or wrong internal secret", code=Outcome.UNAUTHORIZED).model_dump_json().encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})
@@ -166,8 +167,8 @@ def _add_common_routes(app: FastAPI, service) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not service.engine.alive:
-            return JSONResponse({"status": "engine_down", "error": repr(service.engine.error)}, status_code=503)
+        if not service.engine_thread.alive:
+            return JSONResponse({"status": "engine_down", "error": repr(service.engine_thread.error)}, status_code=503)
         return JSONResponse(service.health().model_dump())
 
     @app.get("/metrics")

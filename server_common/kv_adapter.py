@@ -1,8 +1,7 @@
 """Thin adapter from the servers' KV ports to transfer's KVSender/KVReceiver.
 
 What it adds: building the backend and layout from the server's settings,
-a poller thread that turns ``poll()`` results into callbacks, and the
-handshake (the prefill server posts its hello to the decode server's
+and the handshake (the prefill server posts its hello to the decode server's
 ``/kv/hello`` and connects with the answer). Hellos are msgpack bytes made
 by ``transfer``; they cross HTTP base64-encoded, never pickled.
 """
@@ -13,18 +12,17 @@ import asyncio
 import base64
 import logging
 import secrets
-import threading
 
 import httpx
 
 from engine import LLMEngine
 from server_common.faults import FaultInjector
 from server_common.guard import auth_headers
-from server_common.kv_port import ReceiverEnded, SenderEnded
+from server_common.kv_port import Notify
 from server_common.settings import ServerSettings
+from transfer.outcome import TransferEnded
 
 log = logging.getLogger(__name__)
-POLL_INTERVAL_S = 0.002
 
 
 def _layout(engine: LLMEngine):
@@ -37,7 +35,7 @@ def _layout(engine: LLMEngine):
 
 
 def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | None):
-    from transfer.backend import make_backend
+    from transfer.registry import make_backend
 
     kind = settings.transfer_backend
     if kind == "zmq":
@@ -52,49 +50,22 @@ def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | Non
     return FaultyBackend(backend, faults)
 
 
-class _Poller:
-    """Calls ``handle(events)`` with each non-empty ``poll()`` result, on its own thread."""
-
-    def __init__(self, side, name: str, handle) -> None:
-        self._side, self._handle = side, handle
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"kv-poll-{name}", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(POLL_INTERVAL_S):
-            try:
-                events = self._side.poll()
-            except RuntimeError:
-                log.exception("transfer thread died")
-                return
-            if events.completed or events.failed:
-                self._handle(events)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(2.0)
-
-
 class ReceiverAdapter:
-    def __init__(self, settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None) -> None:
+    def __init__(self, settings: ServerSettings, engine: LLMEngine, notify: Notify,
+                 faults: FaultInjector | None = None) -> None:
         from transfer.receiver import KVReceiver
 
         self._settings = settings
         self._receiver = KVReceiver(_backend(settings, listen=True, faults=faults), engine.cache.kv,
-                                    _layout(engine), name=settings.name, model=engine.config.model)
+                                    _layout(engine), name=settings.name, model=engine.config.model, notify=notify)
         # Changes with every start: a prefill server that sees a new epoch meets this server afresh.
         self._epoch = secrets.token_hex(8)
-        self._poller: _Poller | None = None
 
-    def start(self, on_ended: ReceiverEnded) -> None:
-        def handle(events) -> None:
-            for c in events.completed:
-                on_ended(c.transfer_id, c.first_token, None)
-            for f in events.failed:
-                on_ended(f.transfer_id, None, f.reason, f.code)
+    def start(self) -> None:
+        self._receiver.start()
 
-        self._poller = _Poller(self._receiver, self._settings.name, handle)
+    def take_finished(self) -> list[TransferEnded]:
+        return self._receiver.take_finished()
 
     def accept(self, sender_hello: bytes) -> bytes:
         return self._receiver.accept(sender_hello, timeout_s=self._settings.transfer_timeout_s)
@@ -112,29 +83,24 @@ class ReceiverAdapter:
         return self._receiver.counters()
 
     def close(self) -> None:
-        if self._poller is not None:
-            self._poller.stop()
         self._receiver.close()
 
 
 class SenderAdapter:
-    def __init__(self, settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None) -> None:
+    def __init__(self, settings: ServerSettings, engine: LLMEngine, notify: Notify,
+                 faults: FaultInjector | None = None) -> None:
         from transfer.sender import KVSender
 
         self._settings = settings
         self._sender = KVSender(_backend(settings, listen=False, faults=faults), engine.cache.kv, _layout(engine),
-                                name=settings.name, model=engine.config.model)
+                                name=settings.name, model=engine.config.model, notify=notify)
         self._peers: dict[str, tuple[str, asyncio.Task]] = {}  # peer -> (its epoch, handshake); event loop only
-        self._poller: _Poller | None = None
 
-    def start(self, on_ended: SenderEnded) -> None:
-        def handle(events) -> None:
-            for c in events.completed:
-                on_ended(c.transfer_id, None)
-            for f in events.failed:
-                on_ended(f.transfer_id, f.reason, f.code)
+    def start(self) -> None:
+        self._sender.start()
 
-        self._poller = _Poller(self._sender, self._settings.name, handle)
+    def take_finished(self) -> list[TransferEnded]:
+        return self._sender.take_finished()
 
     async def ensure_peer(self, target: dict) -> str:
         """Handshake once per decode server start (concurrent callers share it): a failed one is
@@ -171,14 +137,14 @@ class SenderAdapter:
         self._sender.abort(transfer_id)
 
     def close(self) -> None:
-        if self._poller is not None:
-            self._poller.stop()
         self._sender.close()
 
 
-def make_receiver(settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None) -> ReceiverAdapter:
-    return ReceiverAdapter(settings, engine, faults)
+def receiver_factory(settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None):
+    """What a decode server calls with its engine thread's ``wake`` (``kv_port.ReceiverFactory``)."""
+    return lambda notify: ReceiverAdapter(settings, engine, notify, faults)
 
 
-def make_sender(settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None) -> SenderAdapter:
-    return SenderAdapter(settings, engine, faults)
+def sender_factory(settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None):
+    """What a prefill server calls with its engine thread's ``wake`` (``kv_port.SenderFactory``)."""
+    return lambda notify: SenderAdapter(settings, engine, notify, faults)

@@ -6,29 +6,35 @@ KVReceiver with their own transfer threads) sits behind these two protocols;
 backend, a byte offset or a wire frame, and no call here blocks on the network
 except the one-time handshake.
 
+A server builds its side with a factory that takes ``notify`` (the engine
+thread's ``wake``): the transfer thread calls it whenever a transfer ended,
+and the engine thread takes what ended between two steps with
+``take_finished()``, a list of ``transfer.outcome.TransferEnded``.
+
 Decode side::
 
+    receiver = make_receiver(engine_thread.wake); receiver.start()
     hello_back = receiver.accept(prefill_hello)        # once per prefill server (POST /kv/hello)
     tid = receiver.expect(block_ids, lease_s)          # engine thread, right after engine.reserve
-    receiver.cancel(tid)                               # client gone: on_ended follows
-    on_ended(tid, first_token, None) | on_ended(tid, None, reason, code)   # from the adapter's thread
+    receiver.cancel(tid)                               # client gone: its TransferEnded follows
+    receiver.take_finished()                           # engine thread, between steps
     receiver.counters()                                # issued, dropped_expired, checksum_failures, ...
 
-The decode server frees a reservation's blocks only once ``on_ended`` reported
-its id: with one-sided writes a cancelled transfer may still land until every
-sender confirmed it stopped. The receiver enforces the lease itself.
+The decode server frees a reservation's blocks only once ``take_finished``
+reported its id: with one-sided writes a cancelled transfer may still land
+until every sender confirmed it stopped. The receiver enforces the lease itself.
 
 Prefill side::
 
+    sender = make_sender(engine_thread.wake); sender.start()
     peer = await sender.ensure_peer(target)            # handshake with the decode server, cached
     sender.begin(tid, peer, dst_block_ids, lease_s)    # engine thread
-    sender.push_layer(tid, layer, src_block_ids, start, end)   # engine layer_hook: queued, not sent inline
+    sender.push_layer(tid, layer, src_block_ids, start, end)   # engine layer hook: queued, not sent inline
     sender.finish(tid, first_token)                    # the notice goes once the writes landed
     sender.abort(tid)
-    on_ended(tid, None) | on_ended(tid, reason, code)  # then the prefill server releases the blocks
+    sender.take_finished()                             # then the prefill server releases the blocks
 
-``code`` is ``transfer.session.Failed.code`` (lease_expired, checksum_mismatch,
-cancelled, refused, peer_lost, ...); callers treat a missing one as "failed".
+An outcome is a ``transfer.outcome.Outcome``; the servers pass it on unchanged.
 """
 
 from __future__ import annotations
@@ -36,12 +42,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-ReceiverEnded = Callable[..., None]  # (transfer_id, first_token, error[, code])
-SenderEnded = Callable[..., None]  # (transfer_id, error[, code])
+from transfer.outcome import TransferEnded
 
 
 class KVReceiverPort(Protocol):
-    def start(self, on_ended: ReceiverEnded) -> None: ...
+    def start(self) -> None: ...
 
     def accept(self, sender_hello: bytes) -> bytes: ...
 
@@ -51,13 +56,15 @@ class KVReceiverPort(Protocol):
 
     def cancel(self, transfer_id: str) -> None: ...
 
+    def take_finished(self) -> list[TransferEnded]: ...
+
     def counters(self) -> dict[str, int]: ...
 
     def close(self) -> None: ...
 
 
 class KVSenderPort(Protocol):
-    def start(self, on_ended: SenderEnded) -> None: ...
+    def start(self) -> None: ...
 
     async def ensure_peer(self, target: dict) -> str: ...
 
@@ -69,4 +76,11 @@ class KVSenderPort(Protocol):
 
     def abort(self, transfer_id: str) -> None: ...
 
+    def take_finished(self) -> list[TransferEnded]: ...
+
     def close(self) -> None: ...
+
+
+Notify = Callable[[], None]
+ReceiverFactory = Callable[[Notify], KVReceiverPort]
+SenderFactory = Callable[[Notify], KVSenderPort]

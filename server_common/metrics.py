@@ -9,7 +9,7 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from server_common.engine_thread import Snapshot
+from engine import EngineStats
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 AGE_BUCKETS = ((1.0, "lt_1s"), (10.0, "1s_10s"), (60.0, "10s_60s"), (float("inf"), "ge_60s"))
@@ -17,21 +17,22 @@ DISCARDED = (("dropped_expired", "expired"), ("dropped_unknown", "unknown"), ("d
 
 
 class ServerMetrics:
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = r = CollectorRegistry()
+        sched = lambda: stats().scheduler  # noqa: E731
         blocks = Gauge("pdserve_kv_blocks", "KV cache blocks by state", ["state"], registry=r)
-        blocks.labels(state="free").set_function(lambda: snapshot().free)
-        blocks.labels(state="reserved").set_function(lambda: snapshot().reserved)
-        blocks.labels(state="running").set_function(lambda: snapshot().running)
+        blocks.labels(state="free").set_function(lambda: sched().free)
+        blocks.labels(state="reserved").set_function(lambda: sched().reserved)
+        blocks.labels(state="running").set_function(lambda: sched().running)
         Gauge("pdserve_queue_depth", "Requests waiting to be scheduled", registry=r).set_function(
-            lambda: snapshot().queue_depth)
+            lambda: sched().queue_depth)
         Gauge("pdserve_queued_tokens", "Prompt tokens not computed yet", registry=r).set_function(
-            lambda: snapshot().queued_tokens)
+            lambda: sched().queued_tokens)
         Gauge("pdserve_engine_requests", "Requests the engine holds", registry=r).set_function(
-            lambda: snapshot().num_requests)
+            lambda: sched().num_requests)
         Gauge("pdserve_torch_threads", "torch CPU threads", registry=r).set_function(torch.get_num_threads)
-        r.register(_BlockAges(snapshot))
-        r.register(_EngineSteps(snapshot))
+        r.register(_BlockAges(stats))
+        r.register(_EngineSteps(stats))
         self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Tokens produced", registry=r)
         self.transfer_bytes = Counter("pdserve_transfer_bytes", "KV bytes transferred", registry=r)
@@ -58,8 +59,8 @@ class _BlockAges:
     """pdserve_kv_blocks_by_age{state,age} and the oldest holder's age per state: a
     reservation or request that never ends shows up here long before the cache fills."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
-        self._snapshot = snapshot
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
 
     def collect(self):
         now = time.monotonic()
@@ -68,7 +69,7 @@ class _BlockAges:
         oldest = GaugeMetricFamily("pdserve_kv_oldest_block_seconds", "Age of the oldest request holding blocks",
                                    labels=["state"])
         for state in ("reserved", "running"):
-            ages = [(now - arrival, n) for s, arrival, n in self._snapshot().holders if s == state]
+            ages = [(now - arrival, n) for s, arrival, n in self._stats().scheduler.holders if s == state]
             low = 0.0
             for high, label in AGE_BUCKETS:
                 by_age.add_metric([state, label], sum(n for age, n in ages if low <= age < high))
@@ -82,11 +83,11 @@ class _EngineSteps:
     """The engine's own step counters: how long its prefill, decode and mixed
     steps take on this machine, and how often it preempts."""
 
-    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
-        self._snapshot = snapshot
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
 
     def collect(self):
-        c = self._snapshot().counters
+        c = self._stats().counters
         steps = CounterMetricFamily("pdserve_engine_steps", "Engine steps by kind (prefill, decode, mixed)",
                                     labels=["kind"])
         seconds = CounterMetricFamily("pdserve_engine_step_seconds", "Seconds spent in engine steps by kind",

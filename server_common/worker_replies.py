@@ -6,6 +6,11 @@ the server prefills locally), then ``tokens`` events, the last one with a
 ``finish_reason``; or an ``error`` event that ends the stream. A ``reprefill``
 event says the remote KV failed (lease, checksum) and the server computes the
 prompt itself: the prefill server's part is over, tokens follow.
+
+Every failure carries a ``transfer.outcome.Outcome`` code: the transfer
+layer's own code where a transfer failed, passed on unchanged. A server
+raises ``WorkerError`` and its route answers with ``ErrorReply`` (or an
+``ErrorEvent`` on an open stream).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from transfer.outcome import Outcome
 
 
 class Reply(BaseModel):
@@ -52,13 +59,13 @@ class TokensEvent(Reply):
 class ErrorEvent(Reply):
     type: Literal["error"] = "error"
     message: str
-    code: str  # "lease_expired", "checksum_failed", "transfer_failed", "aborted", ...
+    code: Outcome
 
 
 class ReprefillEvent(Reply):
     type: Literal["reprefill"] = "reprefill"
     message: str
-    code: str  # why the remote KV was given up: "lease_expired" | "checksum_failed"
+    code: Outcome  # why the remote KV was given up (lease_expired, checksum_mismatch)
 
 
 DecodeEvent = Annotated[ReservationEvent | TokensEvent | ErrorEvent | ReprefillEvent, Field(discriminator="type")]
@@ -94,8 +101,19 @@ class HealthReport(Reply):
     num_requests: int
 
 
-class RefusedReply(Reply):
-    """Body of a 503 (no room) or 4xx from a server, next to Retry-After."""
+class ErrorReply(Reply):
+    """Body of a 4xx/5xx from a server (503 with a Retry-After header)."""
 
     error: str
-    code: str
+    code: Outcome
+
+
+class WorkerError(Exception):
+    """A server could not do what it was asked; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, status: int, message: str, code: Outcome, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.retry_after = status, message, code, retry_after
+
+    def reply(self) -> ErrorReply:
+        return ErrorReply(error=self.message, code=self.code)

@@ -25,6 +25,14 @@ class SamplingSpec(Strict):
     seed: int | None = None
     ignore_eos: bool = False
 
+    def engine_params(self):
+        """The engine's ``SamplingParams`` (servers only: imported here, so the router,
+        which never calls this, does not import the engine and torch)."""
+        from engine import SamplingParams
+
+        return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=self.seed, ignore_eos=self.ignore_eos)
+
 
 class GenerateRequest(Strict):
     """POST /generate on a decode (or colocated) server.

@@ -1,5 +1,5 @@
 """The transfer layer: prefill writes KV straight into blocks a decode server
-reserved, layer by layer (see ../shared/DESIGN.md and transfer/README.md).
+reserved, layer by layer (see docs/architecture.md and transfer/README.md).
 
 Two halves (STYLE 5): pure planning (``layout``, ``plan``: which byte ranges go
 where) and byte movers behind one interface (``backend``: NIXL, ZeroMQ,
@@ -9,35 +9,31 @@ owns one transfer thread that owns its backend.
 Decode server::
 
     receiver = KVReceiver(make_backend(cfg.backend, name, **opts), engine.cache.kv,
-                          KVLayout.for_engine_cache(...), name=name, model=model_id)
+                          KVLayout.for_engine_cache(...), name=name, model=model_id,
+                          notify=engine_thread.wake)
+    receiver.start()
     reply = receiver.accept(prefill_hello)          # control plane, once per prefill
     blocks = engine.reserve(rid, prompt, sampling)
     tid = receiver.expect(blocks, lease_s)          # goes into the reservation
-    ...each engine-loop turn:
-    ev = receiver.poll()
-    ev.completed -> engine.admit_remote(rid_of[tid], c.first_token)
-    ev.failed    -> engine.abort(rid_of[tid])       # blocks free only now
-    receiver.cancel(tid)                            # client gone: wait for poll()
+    ...between two engine steps:
+    for ended in receiver.take_finished():          # TransferEnded(tid, outcome, reason, first_token)
+        ended.ok -> engine.admit_remote(rid_of[tid], ended.first_token)
+        else     -> engine.abort(rid_of[tid])       # blocks free only now
+    receiver.cancel(tid)                            # client gone: wait for take_finished()
 
 Prefill server::
 
-    sender = KVSender(make_backend(...), engine.cache.kv, layout, name=name, model=model_id)
+    sender = KVSender(make_backend(...), engine.cache.kv, layout, name=name, model=model_id,
+                      notify=engine_thread.wake)
+    sender.start()
     peer = sender.connect(reply)                    # decode's accept() answer
     sender.begin(tid, peer, dst_blocks, lease_s)    # from the reservation
     layer_hook: sender.push_layer(tid, layer, chunk.block_ids, chunk.start, chunk.end)
     prefilled:  sender.finish(tid, first_token)
-    ev = sender.poll(); completed or failed -> engine.release(rid)
+    between two engine steps: sender.take_finished(), ok or not -> engine.release(rid)
+
+Outcomes are ``transfer.outcome.Outcome`` codes, used unchanged by the servers
+and the router. This package imports nothing at import time: the router takes
+``transfer.outcome`` without torch; import the module you need
+(``transfer.receiver``, ``transfer.sender``, ``transfer.layout``, ...).
 """
-
-from transfer.backend import BACKENDS, Backend, TransferError, make_backend
-from transfer.layout import IncompatiblePeer, KVLayout, heads_for_rank
-from transfer.plan import CopyPlan, make_plan, staging_layout
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
-from transfer.session import Completed, Events, Failed
-
-__all__ = [
-    "BACKENDS", "Backend", "Completed", "CopyPlan", "Events", "Failed", "IncompatiblePeer", "KVLayout",
-    "KVReceiver", "KVSender", "TransferError", "heads_for_rank", "make_backend", "make_plan",
-    "staging_layout",
-]

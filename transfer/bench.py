@@ -20,11 +20,12 @@ import json
 import multiprocessing as mp
 import statistics
 import sys
+import threading
 import time
 
 import torch
 
-from transfer.backend import make_backend
+from transfer.registry import make_backend
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
@@ -67,6 +68,7 @@ def _receiver_main(conn, args_dict: dict) -> None:
     cache = torch.ones(layout.shape, dtype=getattr(torch, layout.dtype))  # ones: pages touched
     receiver = KVReceiver(_backend(args, "bench-decode", "recv"), cache, layout, name="bench-decode",
                           model="bench")
+    receiver.start()
     conn.send_bytes(receiver.accept(conn.recv_bytes()))
     while True:
         cmd = json.loads(conn.recv_bytes())
@@ -75,7 +77,7 @@ def _receiver_main(conn, args_dict: dict) -> None:
             conn.send_bytes(b"{}")
             return
         tid = receiver.expect(cmd["blocks"], lease_s=60)
-        receiver.poll()
+        receiver.take_finished()
         conn.send_bytes(json.dumps({"tid": tid}).encode())
 
 
@@ -84,7 +86,7 @@ def _ask(conn, **cmd) -> dict:
     return json.loads(conn.recv_bytes())
 
 
-def _transfer(conn, sender: KVSender, peer: str, layout: KVLayout, num_blocks: int,
+def _transfer(conn, sender: KVSender, ended: threading.Event, peer: str, layout: KVLayout, num_blocks: int,
               scatter: bool = False) -> tuple[float, float]:
     """One transfer of ``num_blocks`` blocks: (seconds to Ack, seconds in push_layer calls)."""
     blocks = list(range(num_blocks))
@@ -98,12 +100,12 @@ def _transfer(conn, sender: KVSender, peer: str, layout: KVLayout, num_blocks: i
     pushed = time.perf_counter() - t0
     sender.finish(tid, 0)
     while True:
-        ev = sender.poll()
-        if ev.failed:
-            raise RuntimeError(f"bench transfer failed: {ev.failed[0].reason}")
-        if ev.completed:
+        ended.wait()
+        ended.clear()
+        for done in sender.take_finished():
+            if not done.ok:
+                raise RuntimeError(f"bench transfer failed: {done.outcome}: {done.reason}")
             return time.perf_counter() - t0, pushed
-        time.sleep(0.0002)
 
 
 def _memcpy_gbps(nbytes: int, iters: int) -> float:
@@ -130,14 +132,17 @@ def run(args) -> int:
     proc = ctx.Process(target=_receiver_main, args=(child, vars(args)), daemon=True)
     proc.start()
     cache = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
-    sender = KVSender(_backend(args, "bench-prefill", "send"), cache, layout, name="bench-prefill", model="bench")
+    ended = threading.Event()
+    sender = KVSender(_backend(args, "bench-prefill", "send"), cache, layout, name="bench-prefill", model="bench",
+                      notify=ended.set)
+    sender.start()
     try:
         parent.send_bytes(sender.hello())
         peer = sender.connect(parent.recv_bytes())
-        _transfer(parent, sender, peer, layout, args.blocks)  # warm-up: connection, page faults
-        runs = [_transfer(parent, sender, peer, layout, args.blocks, args.scatter) for _ in range(args.iters)]
+        _transfer(parent, sender, ended, peer, layout, args.blocks)  # warm-up: connection, page faults
+        runs = [_transfer(parent, sender, ended, peer, layout, args.blocks, args.scatter) for _ in range(args.iters)]
         before = sender.stats()
-        small = [_transfer(parent, sender, peer, layout, 1)[0] for _ in range(max(args.iters, 5))]
+        small = [_transfer(parent, sender, ended, peer, layout, 1)[0] for _ in range(max(args.iters, 5))]
         after = sender.stats()
         stats = {k: after[k] - before[k] for k in after}  # posting overhead: one-block writes
         _ask(parent, op="quit")

@@ -95,9 +95,3 @@ def scatter(region: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, data
         return
     g, idx = _rows(offsets, lengths)
     _row_view(dst, g)[idx] = src[:total].reshape(-1, g)
-
-
-def copy_ranges(src_region: torch.Tensor, dst_region: torch.Tensor, src_offsets, dst_offsets,
-                lengths) -> None:
-    """Apply one layer of a plan between two local regions (tests, in-process)."""
-    scatter(dst_region, dst_offsets, lengths, gather(src_region, src_offsets, lengths))

@@ -24,6 +24,7 @@ import torch
 
 from transfer.layout import KVLayout
 from transfer.messages import Done
+from transfer.outcome import Outcome
 
 CHECKSUM_MODES = ("sampled", "all", "none")
 
@@ -39,7 +40,7 @@ class Expected:
     done: dict[str, Done] = field(default_factory=dict)  # sender name -> notice
     senders_seen: set[str] = field(default_factory=set)
     cancelling: str = ""  # reason, once a cancel was sent to the senders
-    cancel_code: str = ""  # its Failed.code
+    cancel_code: Outcome = Outcome.CANCELLED  # how it ends once the senders confirmed
     cancel_deadline: float = 0.0
 
 

@@ -7,10 +7,11 @@ checks what arrives, and reports transfers that ended.
                                          WriteIn: known id and reserved blocks?
                                                   apply : drop and count
                                          Done: checksum over our blocks? Ack
-    poll() ◀── completed(tid, first_token) / failed(tid, reason)
+    take_finished() ◀── TransferEnded(tid, OK, first_token) / (tid, outcome, reason)
+    (the thread calls ``notify`` after each, so the owner wakes and takes them)
 
-Contract for the server: free a reservation's blocks only after ``poll``
-reported its id (completed, failed or cancelled). With NIXL the prefill side
+Contract for the server: free a reservation's blocks only after
+``take_finished`` reported its id (completed, failed or cancelled). With NIXL the prefill side
 writes one-sided, so an expired or cancelled id is first announced to every
 connected sender (Cancel) and reported failed once they all answered that
 nothing of it is in flight (CancelAck), or after ``cancel_grace_s``.
@@ -20,6 +21,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -30,8 +34,25 @@ from transfer.copy import region_bytes
 from transfer.integrity import Expected, TransferRegistry, checksum_positions, kv_checksum
 from transfer.layout import KVLayout, check_compatible
 from transfer.messages import Ack, Cancel, CancelAck, Done, Hello, decode, encode
+from transfer.outcome import Outcome
 from transfer.plan import ranges_inside
-from transfer.session import TransferThread, cache_as_layout
+from transfer.session import TransferThread, Wake, cache_as_layout
+
+
+@dataclass(frozen=True)
+class Accept:
+    """Command: connect back to a prefill server that sent its hello."""
+
+    hello: Hello
+    done: Future
+
+
+@dataclass(frozen=True)
+class CancelTransfer:
+    """Command: stop waiting for a transfer."""
+
+    transfer_id: str
+    reason: str
 
 
 class KVReceiver(TransferThread):
@@ -41,7 +62,7 @@ class KVReceiver(TransferThread):
     busy_wait_s = 0.0005  # one-sided (NIXL): how often notices are looked for while KV is expected
 
     def __init__(self, backend: Backend, cache: torch.Tensor, layout: KVLayout, *, name: str,
-                 model: str, cancel_grace_s: float = 1.0) -> None:
+                 model: str, cancel_grace_s: float = 1.0, notify: Callable[[], None] | None = None) -> None:
         if not backend.one_sided:
             # Writes and notices arrive through the backend's poll, which wakes the
             # thread at once: a short timeout would only spin (and take the GIL from
@@ -56,7 +77,7 @@ class KVReceiver(TransferThread):
         self._senders: set[str] = set()
         self._cancel_acks: dict[str, set[str]] = {}
         backend.register("kv", self._cache)
-        super().__init__(backend, name)
+        super().__init__(backend, name, notify)
 
     # -- called from the server's threads ---------------------------------
     def accept(self, sender_hello: bytes, timeout_s: float = 30.0) -> bytes:
@@ -67,13 +88,12 @@ class KVReceiver(TransferThread):
         check_compatible(self._model, self._layout, hello.model, hello.layout, "decode", hello.role)
         if hello.backend != self.backend.kind:
             raise ValueError(f"prefill uses transfer backend {hello.backend!r}, decode {self.backend.kind!r}")
-        done = threading.Event()
-        errors: list[BaseException] = []
-        self._submit(("accept", hello, done, errors))
-        if not done.wait(timeout_s):
-            raise TimeoutError(f"accepting {hello.name!r} took over {timeout_s} s")
-        if errors:
-            raise errors[0]
+        done: Future = Future()
+        self._submit(Accept(hello, done))
+        try:
+            done.result(timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"accepting {hello.name!r} took over {timeout_s} s") from None
         return self.hello()
 
     def expect(self, block_ids, lease_s: float, num_senders: int = 1) -> str:
@@ -84,32 +104,34 @@ class KVReceiver(TransferThread):
         if len(ids) and (ids.min() < 0 or ids.max() >= self._layout.num_blocks):
             raise ValueError(f"block ids outside [0, {self._layout.num_blocks}): {ids.tolist()}")
         with self._lock:
-            return self._registry.issue(ids, lease_s, num_senders)
+            tid = self._registry.issue(ids, lease_s, num_senders)
+        self._cmds.put(Wake())  # a resting thread now looks for this transfer's notices
+        return tid
 
     def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
-        """Stop waiting (client gone, request aborted); ``poll`` reports it
-        failed once no write can still land."""
-        self._submit(("cancel", transfer_id, reason))
+        """Stop waiting (client gone, request aborted); ``take_finished``
+        reports it (``Outcome.CANCELLED``) once no write can still land."""
+        self._submit(CancelTransfer(transfer_id, reason))
 
     def counters(self) -> dict[str, int]:
         with self._lock:
             return dict(self._registry.counters)
 
     # -- transfer thread -------------------------------------------------
-    def _handle(self, cmd: tuple) -> None:
-        if cmd[0] == "accept":
-            _, hello, done, errors = cmd
-            try:
-                self.backend.connect(hello.name, hello.backend_meta)
-                self._senders.add(hello.name)
-            except Exception as exc:
-                errors.append(exc)
-            done.set()
-        elif cmd[0] == "cancel":
-            with self._lock:
-                entry = self._registry.peek(cmd[1])
-            if entry is not None and not entry.cancelling:
-                self._start_cancel(entry, cmd[2], time.monotonic(), "cancelled")
+    def _handle(self, cmd) -> None:
+        match cmd:
+            case Accept(hello, done):
+                try:
+                    self.backend.connect(hello.name, hello.backend_meta)
+                    self._senders.add(hello.name)
+                    done.set_result(None)
+                except Exception as exc:
+                    done.set_exception(exc)
+            case CancelTransfer(transfer_id, reason):
+                with self._lock:
+                    entry = self._registry.peek(transfer_id)
+                if entry is not None and not entry.cancelling:
+                    self._start_cancel(entry, reason, time.monotonic(), Outcome.CANCELLED)
 
     def _progress(self, now: float) -> bool:
         with self._lock:
@@ -117,30 +139,30 @@ class KVReceiver(TransferThread):
             cancelling = self._registry.cancelling()
             active = bool(self._registry.active())
         for entry in overdue:
-            self._start_cancel(entry, "lease expired before the KV arrived", now, "lease_expired")
+            self._start_cancel(entry, "lease expired before the KV arrived", now, Outcome.LEASE_EXPIRED)
         for entry in cancelling:
             acks = self._cancel_acks.get(entry.transfer_id, set())
             if self._senders <= acks or now >= entry.cancel_deadline:
-                self._end(entry, False, entry.cancelling, code=entry.cancel_code)
+                self._end(entry, entry.cancel_code, entry.cancelling)
         return active
 
-    def _start_cancel(self, entry: Expected, reason: str, now: float, code: str) -> None:
-        entry.cancelling, entry.cancel_code, entry.cancel_deadline = reason, code, now + self._grace
+    def _tracking(self) -> bool:
+        with self._lock:
+            return bool(self._registry.active())
+
+    def _start_cancel(self, entry: Expected, reason: str, now: float, outcome: Outcome) -> None:
+        entry.cancelling, entry.cancel_code, entry.cancel_deadline = reason, outcome, now + self._grace
         self._cancel_acks[entry.transfer_id] = set()
         for peer in list(self._senders):
             self._send_quietly(peer, Cancel(entry.transfer_id))
         if not self.backend.one_sided:
-            self._end(entry, False, reason, code=code)  # we apply writes ourselves: none can land now
+            self._end(entry, outcome, reason)  # we apply writes ourselves: none can land now
 
-    def _end(self, entry: Expected, ok: bool, reason: str, first_token: int | None = None,
-             code: str = "failed") -> None:
+    def _end(self, entry: Expected, outcome: Outcome, reason: str = "", first_token: int | None = None) -> None:
         with self._lock:
-            self._registry.end(entry.transfer_id, ok)
+            self._registry.end(entry.transfer_id, outcome is Outcome.OK)
         self._cancel_acks.pop(entry.transfer_id, None)
-        if ok:
-            self._events.complete(entry.transfer_id, first_token)
-        else:
-            self._events.fail(entry.transfer_id, reason, code)
+        self._ended(entry.transfer_id, outcome, reason, first_token)
 
     def _on_incoming(self, item) -> None:
         if isinstance(item, WriteIn):
@@ -165,7 +187,7 @@ class KVReceiver(TransferThread):
             return
         if not ranges_inside(self._layout, entry.block_ids, write.dst_offsets, write.lengths):
             self._bump("dropped_out_of_bounds")
-            self._end(entry, False, f"{write.peer!r} wrote outside the reserved blocks", code="out_of_bounds")
+            self._end(entry, Outcome.OUT_OF_BOUNDS, f"{write.peer!r} wrote outside the reserved blocks")
             return
         self.backend.apply(write)
 
@@ -175,30 +197,30 @@ class KVReceiver(TransferThread):
         if entry is None or entry.cancelling:
             self._send_quietly(peer, Ack(done.transfer_id, False, "unknown or expired transfer id"))
             return
-        ok, reason, code = self._verify(entry, done)
-        self._send_quietly(peer, Ack(done.transfer_id, ok, reason))
-        if not ok:
-            if code == "checksum_mismatch":
+        outcome, reason = self._verify(entry, done)
+        self._send_quietly(peer, Ack(done.transfer_id, outcome is Outcome.OK, reason))
+        if outcome is not Outcome.OK:
+            if outcome is Outcome.CHECKSUM_MISMATCH:
                 self._bump("checksum_failures")
-            self._end(entry, False, reason, code=code)
+            self._end(entry, outcome, reason)
             return
         entry.done[done.sender] = done
         if len(entry.done) >= entry.num_senders:
-            self._end(entry, True, "", done.first_token)
+            self._end(entry, Outcome.OK, "", done.first_token)
 
-    def _verify(self, entry: Expected, done: Done) -> tuple[bool, str, str]:
-        """(ok, reason, Failed.code)."""
+    def _verify(self, entry: Expected, done: Done) -> tuple[Outcome, str]:
+        """(outcome, reason)."""
         capacity = len(entry.block_ids) * self._layout.block_size
         if not 0 <= done.token_start <= done.token_end <= capacity:
-            return False, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots", "bad_notice"
+            return Outcome.BAD_NOTICE, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots"
         if not set(done.heads) <= set(self._layout.head_ids):
-            return False, f"heads {done.heads} are not held here", "bad_notice"
+            return Outcome.BAD_NOTICE, f"heads {done.heads} are not held here"
         pos = checksum_positions(done.transfer_id, self._layout.block_size, done.token_start,
                                  done.token_end, done.checksum_mode)
         got = kv_checksum(self._region, self._layout, entry.block_ids, pos, done.heads)
         if got != done.checksum:
-            return False, f"checksum mismatch (sent {done.checksum:#x}, received {got:#x})", "checksum_mismatch"
-        return True, "", ""
+            return Outcome.CHECKSUM_MISMATCH, f"checksum mismatch (sent {done.checksum:#x}, received {got:#x})"
+        return Outcome.OK, ""
 
     def _bump(self, counter: str) -> None:
         with self._lock:

@@ -7,16 +7,18 @@ thread owns the backend and moves it.
     push_layer(tid, layer, blocks, s, e) ├─queue─▶ plan (cached per chunk),
     finish(tid, first_token)            ─┘         convert dtype, post write,
                                                    progress, wait writes, send
-    poll() ◀── done / failed ids ◀──────────────── Done notice, wait for Ack
+    take_finished() ◀── TransferEnded ◀─────────── Done notice, wait for Ack
+                      (``notify`` wakes the engine thread)
 
 The prefill server calls ``release(request)`` on its engine for every id that
-``poll`` reports done or failed: the blocks are no longer read.
+``take_finished`` reports ended, OK or not: the blocks are no longer read.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -29,6 +31,7 @@ from transfer.copy import region_bytes
 from transfer.integrity import CHECKSUM_MODES, checksum_positions, kv_checksum
 from transfer.layout import KVLayout, check_compatible
 from transfer.messages import Ack, Cancel, CancelAck, Done, Hello, decode, encode
+from transfer.outcome import Outcome
 from transfer.plan import CopyPlan, make_plan, staging_layout
 from transfer.session import TransferThread, cache_as_layout, chunk_hint
 
@@ -50,12 +53,47 @@ class _Out:
     first_token: int | None = None
     noticed: bool = False
     failed: str = ""
-    code: str = ""  # Failed.code, set with ``failed``
+    outcome: Outcome = Outcome.OK  # why it failed, set with ``failed``
 
-    def fail(self, reason: str, code: str) -> None:
+    def fail(self, reason: str, outcome: Outcome) -> None:
         """The first failure wins; the transfer ends once nothing is in flight."""
         if not self.failed:
-            self.failed, self.code = reason, code
+            self.failed, self.outcome = reason, outcome
+
+
+@dataclass(frozen=True)
+class Connect:
+    hello: Hello
+    done: Future
+
+
+@dataclass(frozen=True)
+class Begin:
+    transfer_id: str
+    peer: str
+    dst_ids: np.ndarray
+    deadline: float  # time.monotonic()
+
+
+@dataclass(frozen=True)
+class Push:
+    transfer_id: str
+    layer: int
+    src_ids: np.ndarray
+    start: int
+    end: int
+    event: object  # a torch.cuda.Event to wait for on CUDA, else None
+
+
+@dataclass(frozen=True)
+class Finish:
+    transfer_id: str
+    first_token: int
+
+
+@dataclass(frozen=True)
+class Abort:
+    transfer_id: str
 
 
 class KVSender(TransferThread):
@@ -65,7 +103,7 @@ class KVSender(TransferThread):
     wait_on_commands = True
 
     def __init__(self, backend: Backend, cache: torch.Tensor, layout: KVLayout, *, name: str,
-                 model: str, checksum: str = "sampled") -> None:
+                 model: str, checksum: str = "sampled", notify: Callable[[], None] | None = None) -> None:
         if checksum not in CHECKSUM_MODES:
             raise ValueError(f"checksum {checksum!r} is not one of {CHECKSUM_MODES}")
         self._cache = cache_as_layout(cache, layout)
@@ -77,7 +115,7 @@ class KVSender(TransferThread):
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._stats = {"writes": 0, "ranges": 0, "bytes": 0, "post_s": 0.0}
         backend.register("kv", self._cache)
-        super().__init__(backend, name)
+        super().__init__(backend, name, notify)
 
     # -- called from any thread ------------------------------------------
     def connect(self, peer_hello: bytes, timeout_s: float = 30.0) -> str:
@@ -88,15 +126,15 @@ class KVSender(TransferThread):
         if hello.backend != self.backend.kind:
             raise ValueError(f"decode uses transfer backend {hello.backend!r}, prefill {self.backend.kind!r}")
         fut: Future = Future()
-        self._submit(("connect", hello, fut))
+        self._submit(Connect(hello, fut))
         fut.result(timeout_s)
         return hello.name
 
     def begin(self, transfer_id: str, peer: str, dst_block_ids, lease_s: float) -> None:
         """Start a transfer into ``peer``'s reserved ``dst_block_ids``; writes
         stop when ``lease_s`` runs out."""
-        self._submit(("begin", transfer_id, peer, np.asarray(dst_block_ids, dtype=np.int64),
-                      time.monotonic() + lease_s))
+        self._submit(Begin(transfer_id, peer, np.asarray(dst_block_ids, dtype=np.int64),
+                           time.monotonic() + lease_s))
 
     def push_layer(self, transfer_id: str, layer: int, src_block_ids, start: int, end: int) -> None:
         """Queue layer ``layer`` of tokens [start, end) (already in the cache)."""
@@ -104,16 +142,15 @@ class KVSender(TransferThread):
         if self._cache.is_cuda:  # the write must not start before the layer's kernels finish
             event = torch.cuda.Event()
             event.record()
-        self._submit(("push", transfer_id, layer, np.asarray(src_block_ids, dtype=np.int64),
-                      start, end, event))
+        self._submit(Push(transfer_id, layer, np.asarray(src_block_ids, dtype=np.int64), start, end, event))
 
     def finish(self, transfer_id: str, first_token: int) -> None:
         """All layers are pushed: send the Done notice once they landed."""
-        self._submit(("finish", transfer_id, int(first_token)))
+        self._submit(Finish(transfer_id, int(first_token)))
 
     def abort(self, transfer_id: str) -> None:
         """Drop a transfer (request aborted): nothing more is written."""
-        self._submit(("abort", transfer_id))
+        self._submit(Abort(transfer_id))
 
     def stats(self) -> dict:
         """Layer writes posted, their ranges and bytes, and the transfer
@@ -124,33 +161,32 @@ class KVSender(TransferThread):
     def _handle_all(self, cmds: list) -> None:
         """An abort also drops the pushes queued before it and not posted yet:
         its request is gone, so nothing more of it is read or sent."""
-        aborted = {cmd[1] for cmd in cmds if cmd[0] == "abort"}
+        aborted = {cmd.transfer_id for cmd in cmds if isinstance(cmd, Abort)}
         for cmd in cmds:
-            if not (cmd[0] == "push" and cmd[1] in aborted):
+            if not (isinstance(cmd, Push) and cmd.transfer_id in aborted):
                 self._handle(cmd)
 
-    def _handle(self, cmd: tuple) -> None:
-        kind = cmd[0]
-        if kind == "connect":
-            self._connect(cmd[1], cmd[2])
-        elif kind == "begin":
-            _, tid, peer, dst_ids, deadline = cmd
-            if tid in self._cancelled:
-                self._events.fail(tid, "cancelled by the receiver before it started", "cancelled")
-            elif peer not in self._peers:
-                self._events.fail(tid, f"not connected to {peer!r}", "transport")
-            else:
-                self._out[tid] = _Out(tid, peer, dst_ids, deadline)
-        elif kind == "push":
-            self._push(*cmd[1:])
-        elif kind == "finish":
-            out = self._out.get(cmd[1])
-            if out is not None:
-                out.first_token = cmd[2]
-        elif kind == "abort":
-            out = self._out.get(cmd[1])
-            if out is not None:
-                out.fail("aborted", "aborted")
+    def _handle(self, cmd) -> None:
+        match cmd:
+            case Connect(hello, done):
+                self._connect(hello, done)
+            case Begin(tid, peer, dst_ids, deadline):
+                if tid in self._cancelled:
+                    self._ended(tid, Outcome.CANCELLED, "cancelled by the receiver before it started")
+                elif peer not in self._peers:
+                    self._ended(tid, Outcome.TRANSPORT, f"not connected to {peer!r}")
+                else:
+                    self._out[tid] = _Out(tid, peer, dst_ids, deadline)
+            case Push():
+                self._push(cmd)
+            case Finish(tid, first_token):
+                out = self._out.get(tid)
+                if out is not None:
+                    out.first_token = first_token
+            case Abort(tid):
+                out = self._out.get(tid)
+                if out is not None:
+                    out.fail("aborted", Outcome.ABORTED)
 
     def _connect(self, hello: Hello, fut: Future) -> None:
         try:
@@ -169,7 +205,8 @@ class KVSender(TransferThread):
         except Exception as exc:
             fut.set_exception(exc)
 
-    def _push(self, tid, layer, src_ids, start, end, event) -> None:
+    def _push(self, push: Push) -> None:
+        tid, layer, src_ids, start, end = push.transfer_id, push.layer, push.src_ids, push.start, push.end
         out = self._out.get(tid)
         if out is None or out.failed or start >= end:
             return
@@ -182,8 +219,8 @@ class KVSender(TransferThread):
                 plan = make_plan(staging_layout(self._layout, dst.dtype), src_ids, start, end,
                                  dst, out.dst_ids)
                 out.plans[key] = plan
-            if event is not None:
-                event.synchronize()
+            if push.event is not None:
+                push.event.synchronize()
             region = "kv"
             if dst.dtype != self._layout.dtype:
                 region = f"staging:{dst.dtype}"
@@ -192,7 +229,7 @@ class KVSender(TransferThread):
             if plan.num_ranges:
                 out.inflight.append(self.backend.write(out.peer, tid, layer, region, *plan.layer(layer)))
         except (TransferError, ValueError) as exc:
-            out.fail(str(exc), "transport")
+            out.fail(str(exc), Outcome.TRANSPORT)
             return
         self._stats["writes"] += 1
         self._stats["ranges"] += plan.num_ranges
@@ -213,20 +250,23 @@ class KVSender(TransferThread):
             try:
                 out.inflight = [h for h in out.inflight if not self.backend.write_done(h)]
             except TransferError as exc:
-                out.fail(str(exc), "transport")
+                out.fail(str(exc), Outcome.TRANSPORT)
                 out.inflight = []
             if not out.failed and now > out.deadline + (ACK_GRACE_S if out.noticed else 0.0):
                 if out.noticed:
-                    out.fail("no answer to the Done notice", "no_ack")
+                    out.fail("no answer to the Done notice", Outcome.NO_ACK)
                 else:
-                    out.fail("lease expired before the transfer finished", "lease_expired")
+                    out.fail("lease expired before the transfer finished", Outcome.LEASE_EXPIRED)
             if out.failed and not out.inflight:
-                self._end(out, False, out.failed, out.code)
+                self._end(out, out.outcome, out.failed)
                 continue
             if out.first_token is not None and not out.inflight and not out.noticed:
                 self._send_done(out)
             busy = busy or bool(out.inflight) or out.noticed
         return busy
+
+    def _tracking(self) -> bool:
+        return bool(self._out)
 
     def _send_done(self, out: _Out) -> None:
         dst = self._peers[out.peer].layout
@@ -242,13 +282,13 @@ class KVSender(TransferThread):
             self.backend.send_notice(out.peer, encode(done))
             out.noticed = True
         except TransferError as exc:
-            out.fail(str(exc), "transport")
+            out.fail(str(exc), Outcome.TRANSPORT)
 
     def _on_incoming(self, item) -> None:
         if isinstance(item, PeerLost):
             for out in self._out.values():
                 if out.peer == item.peer:
-                    out.fail(f"decode peer {item.peer!r} is gone", "peer_lost")
+                    out.fail(f"decode peer {item.peer!r} is gone", Outcome.PEER_LOST)
             return
         if not isinstance(item, NoticeIn):
             return
@@ -259,25 +299,25 @@ class KVSender(TransferThread):
         if isinstance(msg, Ack):
             out = self._out.get(msg.transfer_id)
             if out is not None and out.noticed:
-                self._end(out, msg.ok, msg.reason or "refused by the receiver", "refused")
+                if msg.ok:
+                    self._end(out, Outcome.OK)
+                else:
+                    self._end(out, Outcome.REFUSED, msg.reason or "refused by the receiver")
         elif isinstance(msg, Cancel):
             self._cancelled[msg.transfer_id] = None
             while len(self._cancelled) > 4096:
                 self._cancelled.popitem(last=False)
             out = self._out.get(msg.transfer_id)
             if out is not None:  # answered by _end, once nothing of it is in flight
-                out.fail("cancelled by the receiver", "cancelled")
+                out.fail("cancelled by the receiver", Outcome.CANCELLED)
             else:
                 self._send_quietly(item.peer, CancelAck(msg.transfer_id, self.name))
 
-    def _end(self, out: _Out, ok: bool, reason: str, code: str) -> None:
+    def _end(self, out: _Out, outcome: Outcome, reason: str = "") -> None:
         del self._out[out.tid]
         if out.tid in self._cancelled:
             self._send_quietly(out.peer, CancelAck(out.tid, self.name))
-        if ok:
-            self._events.complete(out.tid)
-        else:
-            self._events.fail(out.tid, reason, code)
+        self._ended(out.tid, outcome, reason)
 
     def _send_quietly(self, peer: str, msg) -> None:
         try:

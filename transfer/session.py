@@ -8,63 +8,41 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from transfer.backend import Backend
 from transfer.layout import KVLayout, dtype_name
 from transfer.messages import Hello, encode
+from transfer.outcome import Outcome, TransferEnded
 
 log = logging.getLogger(__name__)
-_STOP = ("stop",)
 
 
-@dataclass(frozen=True)
-class Completed:
-    transfer_id: str
-    first_token: int | None = None  # receiver side: the token prefill sampled
+class Finished:
+    """Thread-safe inbox of ended transfers: the transfer thread puts, the
+    owner takes them between its own steps. ``notify`` (if given) is called
+    after each put, so an owner that sleeps while idle wakes at once."""
 
-
-@dataclass(frozen=True)
-class Failed:
-    """``code`` says why, for the server to act on (``reason`` is for people):
-    receiver: lease_expired, cancelled, checksum_mismatch, bad_notice,
-    out_of_bounds; sender: aborted, cancelled (the receiver cancelled it),
-    refused (the receiver refused the KV), peer_lost, lease_expired, no_ack,
-    transport."""
-
-    transfer_id: str
-    reason: str
-    code: str = "failed"
-
-
-@dataclass
-class Events:
-    """What ``poll()`` returns: transfers that ended since the last call."""
-
-    completed: list[Completed] = field(default_factory=list)
-    failed: list[Failed] = field(default_factory=list)
-
-
-class TransferEvents:
-    """Thread-safe inbox of ended transfers (transfer thread -> caller)."""
-
-    def __init__(self) -> None:
+    def __init__(self, notify: Callable[[], None] | None = None) -> None:
         self._lock = threading.Lock()
-        self._events = Events()
+        self._ended: list[TransferEnded] = []
+        self._notify = notify
 
-    def complete(self, tid: str, first_token: int | None = None) -> None:
+    def put(self, ended: TransferEnded) -> None:
         with self._lock:
-            self._events.completed.append(Completed(tid, first_token))
+            self._ended.append(ended)
+        self.wake()
 
-    def fail(self, tid: str, reason: str, code: str = "failed") -> None:
-        with self._lock:
-            self._events.failed.append(Failed(tid, reason, code))
+    def wake(self) -> None:
+        if self._notify is not None:
+            self._notify()
 
-    def drain(self) -> Events:
+    def take(self) -> list[TransferEnded]:
         with self._lock:
-            out, self._events = self._events, Events()
+            out, self._ended = self._ended, []
         return out
 
 
@@ -89,73 +67,108 @@ def chunk_hint(src: KVLayout, dst: KVLayout) -> int:
     return math.gcd(src.block_size, dst.block_size) * src.num_heads * src.vec_bytes
 
 
+@dataclass(frozen=True)
+class Stop:
+    """Command: end the transfer thread."""
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Command: none, only ends a resting thread's wait (a transfer was opened)."""
+
+
 class TransferThread:
-    """Owns a backend on one thread: commands in through a queue, ended
-    transfers out through ``poll``. Subclasses implement ``_handle`` (a
-    command), ``_progress`` (returns True while work is in flight) and
-    ``_on_incoming`` (one item from ``backend.poll``)."""
+    """Owns a backend on one thread: commands in through a queue (small frozen
+    dataclasses, handled with ``match``), ended transfers out through
+    ``take_finished``. Built complete, started by ``start()``. Subclasses
+    implement ``_handle`` (one command), ``_progress`` (returns True while
+    bytes are in flight), ``_tracking`` (True while any transfer is open) and
+    ``_on_incoming`` (one item from ``backend.poll``).
+
+    ``notify`` is called on the transfer thread whenever a transfer ended:
+    the owner (the server's engine thread) wakes and takes the finished ones
+    between two steps, so a result crosses one thread boundary."""
 
     role = ""
-    busy_wait_s = 0.0002
-    idle_wait_s = 0.002
+    busy_wait_s = 0.0002  # bytes in flight: look again soon
+    idle_wait_s = 0.002  # transfers open, nothing in flight: leases still need checking
+    rest_wait_s = 0.1  # no transfer at all: an idle server costs next to no CPU
     # Where the thread sleeps between rounds: on its command queue (a sender:
     # the engine's pushes wake it at once) or in the backend (a receiver: the
     # ZeroMQ poller wakes it when data arrives; NIXL can only sleep).
     wait_on_commands = False
 
-    def __init__(self, backend: Backend, name: str) -> None:
+    def __init__(self, backend: Backend, name: str, notify: Callable[[], None] | None = None) -> None:
         self.backend = backend
         self.name = name
-        self._events = TransferEvents()
+        self._finished = Finished(notify)
         self._cmds: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._closed = False
         self._hello = encode(Hello(self.role, name, self._model, self._layout, backend.kind,
                                    backend.metadata()))
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.role}-{name}", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def hello(self) -> bytes:
         """This side's handshake message (carry it over the control plane)."""
         return self._hello
 
-    def poll(self) -> Events:
-        """Transfers that completed or failed since the last call."""
+    @property
+    def alive(self) -> bool:
+        """The thread runs (or was not started yet) and has not died."""
+        return self._error is None and (self._thread.ident is None or self._thread.is_alive())
+
+    def take_finished(self) -> list[TransferEnded]:
+        """Transfers that ended since the last call. Raises RuntimeError once
+        the transfer thread died: nothing will end any more."""
         if self._error is not None:
             raise RuntimeError(f"{self.role} transfer thread died: {self._error!r}") from self._error
-        return self._events.drain()
+        return self._finished.take()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the thread and release the backend (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        self._cmds.put(_STOP)
+        if self._thread.ident is None:
+            self.backend.close()
+            return
+        self._cmds.put(Stop())
         self._thread.join(timeout_s)
 
-    def _submit(self, cmd: tuple) -> None:
+    def _submit(self, cmd) -> None:
         if self._closed:
             raise RuntimeError(f"{self.role} transfer side {self.name!r} is closed")
         if self._error is not None:
             raise RuntimeError(f"{self.role} transfer thread died: {self._error!r}")
         self._cmds.put(cmd)
 
+    def _ended(self, transfer_id: str, outcome: Outcome, reason: str = "", first_token: int | None = None) -> None:
+        self._finished.put(TransferEnded(transfer_id, outcome, reason, first_token))
+
     def _run(self) -> None:
         try:
-            busy = False
+            busy, tracking = False, False
             while True:
-                wait = self.busy_wait_s if busy else self.idle_wait_s
-                cmds = self._drain(wait if self.wait_on_commands else 0.0)
-                if _STOP in cmds:
+                wait = self.busy_wait_s if busy else self.idle_wait_s if tracking else self.rest_wait_s
+                # Resting (no transfer open), every side sleeps on its commands: opening a transfer wakes it.
+                on_commands = self.wait_on_commands or not (busy or tracking)
+                cmds = self._drain(wait if on_commands else 0.0)
+                if any(isinstance(cmd, Stop) for cmd in cmds):
                     return
-                self._handle_all(cmds)
-                timeout = 0.0 if cmds or self.wait_on_commands else wait
+                self._handle_all([cmd for cmd in cmds if not isinstance(cmd, Wake)])
+                timeout = 0.0 if cmds or on_commands else wait
                 for item in self.backend.poll(timeout):
                     self._on_incoming(item)
                 busy = self._progress(time.monotonic())
-        except BaseException as exc:  # reported by poll(); the thread must not die silently
+                tracking = self._tracking()
+        except BaseException as exc:  # reported by take_finished(); the thread must not die silently
             log.exception("%s transfer thread %s died", self.role, self.name)
             self._error = exc
+            self._finished.wake()  # the owner learns it at once from take_finished()
         finally:
             try:
                 self.backend.close()
@@ -177,10 +190,14 @@ class TransferThread:
         for cmd in cmds:
             self._handle(cmd)
 
-    def _handle(self, cmd: tuple) -> None:
+    def _handle(self, cmd) -> None:
         raise NotImplementedError
 
     def _progress(self, now: float) -> bool:
+        raise NotImplementedError
+
+    def _tracking(self) -> bool:
+        """Any transfer open (leases to check, notices to expect)?"""
         raise NotImplementedError
 
     def _on_incoming(self, item) -> None:

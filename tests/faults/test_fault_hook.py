@@ -15,7 +15,7 @@ from server_common.fault_backend import FaultyBackend
 from server_common.faults import FaultInjector, FaultPlan
 from tests.serving.test_config import BASE, error_of
 from tests.transfer.helpers import make_receiver, push_all, wait_events
-from transfer.backend import make_backend
+from transfer.registry import make_backend
 from transfer.inproc import InprocHub
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
@@ -85,6 +85,7 @@ def pair():
     hub, faults = InprocHub(), FaultInjector()
     backend = FaultyBackend(make_backend("inproc", "P", hub=hub), faults)
     sender = KVSender(backend, torch.randn(LAYOUT.shape), LAYOUT, name="P", model="m")
+    sender.start()
     receiver = make_receiver("inproc", hub, "D", LAYOUT)
     peer = sender.connect(receiver.accept(sender.hello()))
     yield sender, receiver, peer, faults
@@ -104,15 +105,15 @@ def test_a_dropped_notice_leaves_the_reservation_to_its_lease(pair):
     faults.arm(FaultPlan(drop_notices=1))
     transfer(sender, receiver, peer, lease_s=0.3)
     (failed,) = wait_events(receiver).failed
-    assert failed.code == "lease_expired"
-    assert wait_events(sender).failed[0].code == "cancelled"
+    assert failed.outcome == "lease_expired"
+    assert wait_events(sender).failed[0].outcome == "cancelled"
 
 
 def test_a_notice_delayed_past_the_lease_is_discarded_and_counted(pair):
     sender, receiver, peer, faults = pair
     faults.arm(FaultPlan(delay_notices=1, notice_delay_s=0.6))
     transfer(sender, receiver, peer, lease_s=0.3)
-    assert wait_events(receiver).failed[0].code == "lease_expired"
+    assert wait_events(receiver).failed[0].outcome == "lease_expired"
     deadline = time.monotonic() + 3
     while receiver.counters()["dropped_expired"] == 0:
         assert time.monotonic() < deadline, receiver.counters()
@@ -124,13 +125,15 @@ def test_a_write_corrupted_in_transit_fails_the_checksum():
     sender = KVSender(make_backend("inproc", "P", hub=hub), torch.randn(LAYOUT.shape), LAYOUT, name="P", model="m")
     receiver_backend = FaultyBackend(make_backend("inproc", "D", hub=hub), faults)
     receiver = KVReceiver(receiver_backend, torch.zeros(LAYOUT.shape), LAYOUT, name="D", model="m")
+    sender.start()
+    receiver.start()
     try:
         peer = sender.connect(receiver.accept(sender.hello()))
         faults.arm(FaultPlan(corrupt_writes=1))
         transfer(sender, receiver, peer)
         (failed,) = wait_events(receiver).failed
-        assert failed.code == "checksum_mismatch" and receiver.counters()["checksum_failures"] == 1
-        assert wait_events(sender).failed[0].code == "refused"
+        assert failed.outcome == "checksum_mismatch" and receiver.counters()["checksum_failures"] == 1
+        assert wait_events(sender).failed[0].outcome == "refused"
         assert faults.status().injected["writes_corrupted"] == 1
     finally:
         sender.close()

@@ -1,4 +1,4 @@
-"""The fault matrix (issue 6): {kill -9 prefill, kill -9 decode, drop the
+"""The fault matrix: {kill -9 prefill, kill -9 decode, drop the
 completion notice, delay it past the lease, corrupt one block in transit,
 client disconnect} x {before prefill starts, mid-transfer, after the first
 token} x {1P1D, 2P2D}, each with a burst of concurrent requests in flight.

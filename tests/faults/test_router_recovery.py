@@ -11,15 +11,16 @@ import pytest
 from router.dispatch import DispatchSettings, Dispatcher
 from router.errors import OpenAIError
 from router.policies import RoundRobin
-from router.recovery import StepFailed, decide
+from router.recovery import decide
 from router.registry import Worker, WorkerRegistry
-from router.worker_client import WorkerFailed, WorkerUnreachable
+from router.worker_client import WorkerFailed
 from server_common.worker_replies import ReprefillEvent
 from server_common.worker_requests import SamplingSpec
 from tests.serving.fakes import FakeStream, FakeWorkerClient
+from transfer.outcome import Outcome
 
 SAMPLING = SamplingSpec(max_tokens=3, temperature=0)
-PREFILL_DOWN = StepFailed("prefill", "p0", "p0 unreachable", "prefill_failed")
+PREFILL_DOWN = WorkerFailed("prefill", "p0", "unreachable", Outcome.UNREACHABLE)
 
 
 @pytest.mark.parametrize("mode,other,action", [("retry", True, "retry"), ("retry", False, "local"),
@@ -31,8 +32,15 @@ def test_a_prefill_failure_before_the_first_token_follows_the_configured_mode(mo
 def test_no_second_retry_no_retry_after_tokens_and_never_after_a_decode_failure():
     assert decide("retry", PREFILL_DOWN, tokens_sent=False, attempts=2, other_prefill=True).action == "fail"
     assert decide("retry", PREFILL_DOWN, tokens_sent=True, attempts=1, other_prefill=True).action == "fail"
-    decode_down = StepFailed("decode", "d0", "stream broken", "decode_failed")
+    decode_down = WorkerFailed("decode", "d0", "stream broken", Outcome.UNREACHABLE)
     assert decide("local", decode_down, tokens_sent=False, attempts=1, other_prefill=True).action == "fail"
+
+
+@pytest.mark.parametrize("outcome,stage", [(Outcome.LEASE_EXPIRED, "prefill"), (Outcome.CHECKSUM_MISMATCH, "prefill"),
+                                           (Outcome.OUT_OF_BOUNDS, "prefill"), (Outcome.STREAM_CUT, "decode"),
+                                           (Outcome.ABORTED, "decode")])
+def test_a_decode_stream_error_is_a_prefill_failure_exactly_when_the_kv_never_arrived(outcome, stage):
+    assert WorkerFailed("decode", "d0", "it failed", outcome).stage == stage
 
 
 def workers(num_prefill: int = 2, num_decode: int = 1) -> list[Worker]:
@@ -57,28 +65,26 @@ async def tokens(dispatcher, rid: str = "r1") -> list[int]:
 class PrefillFails(FakeWorkerClient):
     """Prefill servers named in ``failing`` fail after taking the request."""
 
-    def __init__(self, failing: set[str], error=WorkerFailed, code: str = "worker_error", **kw) -> None:
+    def __init__(self, failing: set[str], outcome: Outcome = Outcome.PEER_LOST, **kw) -> None:
         super().__init__(**kw)
-        self.failing, self.error, self.code = failing, error, code
+        self.failing, self.outcome = failing, outcome
 
     async def prefill(self, worker, req):
         if worker.name in self.failing:
             self.prefills.append((worker.name, req))
-            if self.error is WorkerUnreachable:
-                raise WorkerUnreachable(worker, "connection reset")
-            raise WorkerFailed(worker, "HTTP 502: transfer failed", self.code)
+            raise WorkerFailed.of(worker, "it failed", self.outcome)
         return await super().prefill(worker, req)
 
 
 def test_prefill_failure_starts_over_once_on_the_other_prefill_server_under_a_new_id():
-    fake = PrefillFails({"p0"}, error=WorkerUnreachable, reply=[1, 2, 3], delay=0.02)
+    fake = PrefillFails({"p0"}, Outcome.UNREACHABLE, reply=[1, 2, 3], delay=0.02)
     registry, dispatcher = make(fake, workers(), "retry")
     assert asyncio.run(tokens(dispatcher)) == [1, 2, 3]
     assert [(name, req.request_id) for name, req in fake.prefills] == [("p0", "r1"), ("p1", "r1-retry1")]
     assert [req.local_prefill for _, req in fake.opened] == [False, False]
     assert ("d0", "r1") in fake.aborts and ("p0", "r1") in fake.aborts  # the first attempt is freed
     assert [w.name for w in registry.healthy("prefill")] == ["p1"]
-    assert dispatcher.recovery.retries.labels(action="retry", cause="prefill_failed")._value.get() == 1
+    assert dispatcher.recovery.retries.labels(action="retry", cause="unreachable")._value.get() == 1
     assert all(w.inflight == 0 for w in registry.workers)
 
 
@@ -107,7 +113,7 @@ def test_a_second_failure_is_not_retried_again():
 
 
 def test_when_the_decode_server_decided_the_prefill_failure_is_left_to_its_stream():
-    fake = PrefillFails({"p0"}, code="decode_cancelled", reply=[7, 8], delay=0.05)
+    fake = PrefillFails({"p0"}, Outcome.CANCELLED, reply=[7, 8], delay=0.05)
     _, dispatcher = make(fake, workers(), "retry")
     assert asyncio.run(tokens(dispatcher)) == [7, 8]
     assert len(fake.opened) == 1  # no new attempt: the decode stream carried on
@@ -149,7 +155,7 @@ class SlowPrefill(FakeWorkerClient):
 
 def test_a_lease_expiry_reported_by_the_decode_server_starts_over():
     d0 = Worker("d0", "decode", "u")
-    fake = DecodeSays(WorkerFailed(d0, "lease expired before the KV arrived", "lease_expired"), reply=[3, 1])
+    fake = DecodeSays(WorkerFailed.of(d0, "lease expired before the KV arrived", Outcome.LEASE_EXPIRED), reply=[3, 1])
     _, dispatcher = make(fake, workers(), "retry")
     assert asyncio.run(tokens(dispatcher)) == [3, 1]
     assert [req.request_id for _, req in fake.opened] == ["r1", "r1-retry1"]
@@ -160,7 +166,7 @@ def test_a_reprefill_event_abandons_the_prefill_server_and_the_tokens_follow():
     class Both(DecodeSays, SlowPrefill):
         pass
 
-    fake = Both(ReprefillEvent(message="lease expired; prefilling locally", code="lease_expired"), reply=[9, 9])
+    fake = Both(ReprefillEvent(message="lease expired; prefilling locally", code=Outcome.LEASE_EXPIRED), reply=[9, 9])
     _, dispatcher = make(fake, workers(), "fail")
     assert asyncio.run(tokens(dispatcher)) == [9, 9]
     assert fake.aborts == [("p0", "r1")]  # P told to drop it; D finished normally
@@ -172,7 +178,7 @@ def test_a_decode_failure_fails_at_once_and_tells_the_prefill_server_to_drop_it(
         pass
 
     d0 = Worker("d0", "decode", "u")
-    fake = Both(WorkerUnreachable(d0, "stream broken: connection reset"), reply=[1])
+    fake = Both(WorkerFailed.of(d0, "unreachable: stream broken: connection reset", Outcome.UNREACHABLE), reply=[1])
     registry, dispatcher = make(fake, workers(), "retry")
 
     async def run():
@@ -183,7 +189,7 @@ def test_a_decode_failure_fails_at_once_and_tells_the_prefill_server_to_drop_it(
         return info.value, loop.time() - started
 
     err, seconds = asyncio.run(run())
-    assert err.status == 500 and err.code == "decode_failed" and "d0" in err.message
+    assert err.status == 500 and err.code == "unreachable" and "d0" in err.message
     assert seconds < 1.0  # not after the prefill server's 10 s
     assert ("p0", "r1") in fake.aborts and len(fake.opened) == 1
     assert not registry.workers[2].healthy

@@ -11,13 +11,16 @@ import pytest
 from prometheus_client import generate_latest
 
 from decode_server.app import create_app
-from decode_server.service import DecodeService
+from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine, SamplingParams
-from prefill_server.service import PrefillFailed, PrefillService
+from prefill_server.service import PrefillService
 from server_common.faults import FaultInjector
 from server_common.settings import ServerSettings
-from tests.serving.test_decode_service import ScriptedReceiver, request
-from tests.serving.test_prefill_service import ScriptedSender, prefill_request
+from server_common.worker_replies import WorkerError
+from tests.serving.scripted import ScriptedReceiver, ScriptedSender, scripted
+from tests.serving.test_decode_service import request
+from tests.serving.test_prefill_service import prefill_request
+from transfer.outcome import DECIDED_BY_DECODE, Outcome
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +41,16 @@ async def wait_for(predicate, timeout: float = 3.0) -> None:
 
 
 def run_decode(engine, scenario, **settings):
-    receiver = ScriptedReceiver()
-    service = DecodeService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0, **settings),
-                            engine, receiver)
+    make_receiver, made = scripted(ScriptedReceiver)
+    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0,
+                                               **settings), engine, make_receiver)
+    (receiver,) = made
 
     async def main():
         await service.start()
         try:
             await scenario(service, receiver)
-            await wait_for(lambda: service.engine.snapshot.free == 8)
+            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 8)
         finally:
             await service.stop()
 
@@ -59,29 +63,29 @@ def sample(metrics: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
 
 
-@pytest.mark.parametrize("code,setting,kind", [("lease_expired", "lease_expiry", "lease_expired"),
-                                               ("checksum_mismatch", "checksum_failure", "checksum_failed")])
-def test_failed_remote_kv_is_prefilled_here_when_configured(decode_engine, code, setting, kind):
+@pytest.mark.parametrize("code,setting", [(Outcome.LEASE_EXPIRED, "lease_expiry"),
+                                          (Outcome.CHECKSUM_MISMATCH, "checksum_failure")])
+def test_failed_remote_kv_is_prefilled_here_when_configured(decode_engine, code, setting):
     expected = decode_engine.generate([list(range(10, 16))], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
 
     async def scenario(service, receiver):
         first, active = await service.open(request("a", max_tokens=3))
-        receiver.on_ended("t0", None, "it failed", code)
+        receiver.end("t0", code, "it failed")
         lines = [line async for line in service.events(first, active)]
-        assert '"type":"reprefill"' in lines[1] and f'"code":"{kind}"' in lines[1]
+        assert '"type":"reprefill"' in lines[1] and f'"code":"{code}"' in lines[1]
         got = [t for line in lines[2:] for t in json.loads(line)["token_ids"]]
         assert got == expected  # the same greedy tokens as a plain local prefill
 
     metrics = run_decode(decode_engine, scenario, **{setting: "local"})
-    assert sample(metrics, f'pdserve_reprefills_total{{cause="{kind}"}}') == 1
+    assert sample(metrics, f'pdserve_reprefills_total{{cause="{code}"}}') == 1
 
 
 def test_checksum_mismatch_fails_the_request_by_default_and_is_counted(decode_engine):
     async def scenario(service, receiver):
         first, active = await service.open(request("b"))
-        receiver.on_ended("t0", None, "checksum mismatch (sent 0x1, received 0x2)", "checksum_mismatch")
+        receiver.end("t0", Outcome.CHECKSUM_MISMATCH, "checksum mismatch (sent 0x1, received 0x2)")
         lines = [line async for line in service.events(first, active)]
-        assert '"type":"error"' in lines[-1] and '"code":"checksum_failed"' in lines[-1]
+        assert '"type":"error"' in lines[-1] and '"code":"checksum_mismatch"' in lines[-1]
 
     metrics = run_decode(decode_engine, scenario)
     assert sample(metrics, "pdserve_checksum_failures_total") == 1
@@ -92,26 +96,27 @@ def test_blocks_by_age_show_a_waiting_reservation(decode_engine):
     async def scenario(service, receiver):
         await service.open(request("c"))
         await asyncio.sleep(1.1)
-        await wait_for(lambda: service.engine.snapshot.reserved == 2)
+        await wait_for(lambda: service.engine_thread.stats.scheduler.reserved == 2)
         text = generate_latest(service.metrics.registry).decode()
         assert sample(text, 'pdserve_kv_blocks_by_age{age="1s_10s",state="reserved"}') == 2
         assert sample(text, 'pdserve_kv_oldest_block_seconds{state="reserved"}') >= 1.0
         assert service.health().kv_blocks.total == 8
         await service.close("c")
-        receiver.on_ended("t0", None, "cancelled", "cancelled")
+        receiver.end("t0", Outcome.CANCELLED, "cancelled")
 
     run_decode(decode_engine, scenario)
 
 
 def run_prefill(engine, scenario):
-    sender = ScriptedSender()
-    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, sender)
+    make_sender, made = scripted(ScriptedSender)
+    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender)
+    (sender,) = made
 
     async def main():
         await service.start()
         try:
             await scenario(service, sender)
-            await wait_for(lambda: service.engine.snapshot.free == 16)
+            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
         finally:
             await service.stop()
 
@@ -122,7 +127,7 @@ def run_prefill(engine, scenario):
 def test_a_prefill_aborted_before_it_arrived_is_refused_without_any_work(prefill_engine):
     async def scenario(service, sender):
         assert not await service.abort("late")  # the router gave up first
-        with pytest.raises(PrefillFailed) as info:
+        with pytest.raises(WorkerError) as info:
             await service.prefill(prefill_request("late", 5))
         assert info.value.code == "aborted"
         assert not [c for c in sender.calls if c[0] == "begin"]
@@ -130,24 +135,26 @@ def test_a_prefill_aborted_before_it_arrived_is_refused_without_any_work(prefill
     run_prefill(prefill_engine, scenario)
 
 
-@pytest.mark.parametrize("code,answer", [("refused", "decode_refused"), ("cancelled", "decode_cancelled"),
-                                         ("peer_lost", "transfer_failed")])
-def test_prefill_failure_says_whether_the_decode_server_decided(prefill_engine, code, answer):
+@pytest.mark.parametrize("code,decided", [(Outcome.REFUSED, True), (Outcome.CANCELLED, True),
+                                          (Outcome.PEER_LOST, False)])
+def test_prefill_failure_passes_the_transfer_outcome_on_unchanged(prefill_engine, code, decided):
+    """The router reads from the code alone whether the decode server decided the transfer's end."""
     async def scenario(service, sender):
         task = asyncio.ensure_future(service.prefill(prefill_request("x", 5)))
         await wait_for(lambda: any(c[0] == "finish" for c in sender.calls))
-        sender.on_ended("t-x", "it failed", code)
-        with pytest.raises(PrefillFailed) as info:
+        sender.end("t-x", code, "it failed")
+        with pytest.raises(WorkerError) as info:
             await task
-        assert (info.value.status, info.value.code) == (502, answer)
+        assert (info.value.status, info.value.code) == (502, code)
+        assert (info.value.code in DECIDED_BY_DECODE) == decided
 
     run_prefill(prefill_engine, scenario)
 
 
 def test_the_admin_fault_routes_exist_only_when_fault_injection_is_on(decode_engine):
     def paths(faults):
-        service = DecodeService(ServerSettings(name="d0", role="decode", engine=decode_engine.config), decode_engine,
-                                ScriptedReceiver(), faults)
+        service = GenerationService(ServerSettings(name="d0", role="decode", engine=decode_engine.config),
+                                    decode_engine, ScriptedReceiver, faults)
         return {route.path for route in create_app(service).routes}
 
     assert not any(p.startswith("/admin/faults") for p in paths(None))  # /admin/drain and /resume always exist

@@ -13,8 +13,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.pre_tokenizers import ByteLevel
 from transformers import PreTrainedTokenizerFast
 
-from router.worker_client import NoRoom
+from router.worker_client import WorkerFailed
 from server_common.worker_replies import PrefillResult, Reservation, TokensEvent
+from transfer.outcome import Outcome
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -61,7 +62,7 @@ class FakeWorkerClient:
 
     reply: list[int]
     finish_reason: str = "stop"
-    full: set[str] = field(default_factory=set)  # decode workers that answer NoRoom
+    full: set[str] = field(default_factory=set)  # decode workers that answer "no room"
     delay: float = 0.0
     opened: list[tuple[str, object]] = field(default_factory=list)
     prefills: list[tuple[str, object]] = field(default_factory=list)
@@ -70,7 +71,7 @@ class FakeWorkerClient:
 
     async def open_decode(self, worker, req):
         if worker.name in self.full:
-            raise NoRoom(worker, 2.0)
+            raise WorkerFailed.of(worker, "no free KV blocks", Outcome.NO_ROOM, never_reached=True, retry_after=2.0)
         self.opened.append((worker.name, req))
         reservation = None
         if not req.local_prefill:

@@ -10,36 +10,13 @@ import time
 
 import pytest
 
-from decode_server.service import DecodeService, Refused
+from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine
 from server_common.settings import ServerSettings
+from server_common.worker_replies import WorkerError
 from server_common.worker_requests import GenerateRequest, SamplingSpec
-
-
-class ScriptedReceiver:
-    def __init__(self) -> None:
-        self.expected: dict[str, list[int]] = {}
-        self.cancelled: list[str] = []
-
-    def start(self, on_ended) -> None:
-        self.on_ended = on_ended
-
-    def expect(self, block_ids, lease_s) -> str:
-        tid = f"t{len(self.expected)}"
-        self.expected[tid] = list(block_ids)
-        return tid
-
-    def target(self) -> dict:
-        return {"peer": "d0", "hello_url": "http://d0/kv/hello"}
-
-    def cancel(self, transfer_id: str) -> None:
-        self.cancelled.append(transfer_id)
-
-    def counters(self) -> dict[str, int]:
-        return {"dropped_expired": 2}
-
-    def close(self) -> None:
-        pass
+from tests.serving.scripted import ScriptedReceiver, scripted
+from transfer.outcome import Outcome
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +37,16 @@ async def wait_for(predicate, timeout: float = 2.0) -> None:
 
 
 def run(engine, scenario):
-    receiver = ScriptedReceiver()
-    service = DecodeService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0),
-                            engine, receiver)
+    make_receiver, made = scripted(ScriptedReceiver)
+    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0),
+                                engine, make_receiver)
+    (receiver,) = made
 
     async def main():
         await service.start()
         try:
             await scenario(service, receiver)
-            await wait_for(lambda: service.engine.snapshot.free == 8)
+            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 8)
         finally:
             await service.stop()
 
@@ -77,7 +55,7 @@ def run(engine, scenario):
 
 
 def blocks(service) -> tuple[int, int, int]:
-    s = service.engine.snapshot
+    s = service.engine_thread.stats.scheduler
     return s.free, s.reserved, s.running
 
 
@@ -87,7 +65,7 @@ def test_reservation_then_kv_then_tokens_until_max_tokens(engine):
         res = first.reservation
         assert (res.transfer_id, res.block_ids, res.block_size, res.num_tokens) == ("t0", [0, 1], 4, 6)
         await wait_for(lambda: blocks(service) == (6, 2, 0))
-        receiver.on_ended("t0", 42, None)
+        receiver.end("t0", Outcome.OK, first_token=42)
         lines = [line async for line in service.events(first, active)]
         assert len(lines) == 1 + 3 and '"token_ids":[42]' in lines[1] and '"finish_reason":"length"' in lines[-1]
 
@@ -97,7 +75,7 @@ def test_reservation_then_kv_then_tokens_until_max_tokens(engine):
 def test_failed_transfer_ends_the_stream_with_an_error_and_frees_the_blocks(engine):
     async def scenario(service, receiver):
         first, active = await service.open(request("b"))
-        receiver.on_ended("t0", None, "lease expired before the KV arrived")
+        receiver.end("t0", Outcome.LEASE_EXPIRED, "lease expired before the KV arrived")
         lines = [line async for line in service.events(first, active)]
         assert '"code":"lease_expired"' in lines[-1]
 
@@ -111,9 +89,9 @@ def test_client_leaving_cancels_and_frees_only_when_the_receiver_confirms(engine
         assert receiver.cancelled == ["t0"]
         await asyncio.sleep(0.1)
         assert blocks(service) == (6, 2, 0)  # a one-sided write may still land
-        receiver.on_ended("t0", None, "cancelled")
+        receiver.end("t0", Outcome.CANCELLED, "cancelled")
         await wait_for(lambda: blocks(service) == (8, 0, 0))
-        receiver.on_ended("t0", 7, None)  # a late completion is ignored
+        receiver.end("t0", Outcome.OK, first_token=7)  # a late completion is ignored
 
     run(engine, scenario)
 
@@ -121,12 +99,12 @@ def test_client_leaving_cancels_and_frees_only_when_the_receiver_confirms(engine
 def test_no_room_is_refused_at_once_with_503(engine):
     async def scenario(service, receiver):
         first, active = await service.open(request("d", n=27))  # 28 tokens: 7 of 8 blocks
-        with pytest.raises(Refused) as info:
+        with pytest.raises(WorkerError) as info:
             await service.open(request("e", n=6))
         assert info.value.status == 503 and info.value.retry_after == 1
         assert await service.abort("d")
         assert receiver.cancelled == ["t0"]
-        receiver.on_ended("t0", None, "cancelled")
+        receiver.end("t0", Outcome.CANCELLED, "cancelled")
 
     run(engine, scenario)
 
@@ -134,10 +112,10 @@ def test_no_room_is_refused_at_once_with_503(engine):
 def test_duplicate_request_id_is_refused(engine):
     async def scenario(service, receiver):
         await service.open(request("f"))
-        with pytest.raises(Refused) as info:
+        with pytest.raises(WorkerError) as info:
             await service.open(request("f"))
         assert info.value.status == 409
         await service.close("f")
-        receiver.on_ended("t0", None, "cancelled")
+        receiver.end("t0", Outcome.CANCELLED, "cancelled")
 
     run(engine, scenario)

@@ -10,7 +10,8 @@ from router.dispatch import DispatchSettings, Dispatcher
 from router.errors import OpenAIError
 from router.policies import RoundRobin
 from router.registry import Worker, WorkerRegistry
-from router.worker_client import WorkerUnreachable
+from router.worker_client import WorkerFailed
+from transfer.outcome import Outcome
 from server_common.worker_requests import SamplingSpec
 from tests.serving.fakes import FakeWorkerClient
 
@@ -34,7 +35,7 @@ async def drain(session):
 def test_failed_prefill_ends_the_request_with_500_and_aborts_the_decode_server():
     class FailingPrefill(FakeWorkerClient):
         async def prefill(self, worker, req):
-            raise WorkerUnreachable(worker, "connection refused")
+            raise WorkerFailed.of(worker, "connection reset", Outcome.UNREACHABLE)
 
     fake = FailingPrefill(reply=[1, 2, 3], delay=0.05)
     registry, dispatcher = make(fake, prefill_failure="fail")
@@ -56,7 +57,7 @@ def test_unreachable_decode_server_is_skipped_and_marked_down():
     class OneDown(FakeWorkerClient):
         async def open_decode(self, worker, req):
             if worker.name == "d0":
-                raise WorkerUnreachable(worker, "refused")
+                raise WorkerFailed.of(worker, "refused", Outcome.UNREACHABLE, never_reached=True)
             return await super().open_decode(worker, req)
 
     workers = [Worker("p0", "prefill", "u"), Worker("d0", "decode", "u"), Worker("d1", "decode", "u")]
@@ -123,7 +124,7 @@ def test_prefill_server_that_cannot_be_connected_to_is_skipped():
     class FirstPrefillDown(FakeWorkerClient):
         async def prefill(self, worker, req):
             if worker.name == "p0":
-                raise WorkerUnreachable(worker, "connection refused", never_connected=True)
+                raise WorkerFailed.of(worker, "connection refused", Outcome.UNREACHABLE, never_reached=True)
             return await super().prefill(worker, req)
 
     workers = [Worker("p0", "prefill", "u"), Worker("p1", "prefill", "u"), Worker("d0", "decode", "u")]

@@ -10,36 +10,12 @@ import time
 import pytest
 
 from engine import EngineConfig, LLMEngine
-from prefill_server.service import PrefillFailed, PrefillService
+from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
-from server_common.worker_replies import Reservation
+from server_common.worker_replies import Reservation, WorkerError
 from server_common.worker_requests import PrefillRequest, SamplingSpec
-
-
-class ScriptedSender:
-    def __init__(self) -> None:
-        self.calls: list[tuple] = []
-
-    def start(self, on_ended) -> None:
-        self.on_ended = on_ended
-
-    async def ensure_peer(self, target: dict) -> str:
-        return target["peer"]
-
-    def begin(self, tid, peer, dst_block_ids, lease_s) -> None:
-        self.calls.append(("begin", tid, peer, list(dst_block_ids)))
-
-    def push_layer(self, tid, layer, src_block_ids, start, end) -> None:
-        self.calls.append(("push", tid, layer, start, end))
-
-    def finish(self, tid, first_token) -> None:
-        self.calls.append(("finish", tid, first_token))
-
-    def abort(self, tid) -> None:
-        self.calls.append(("abort", tid))
-
-    def close(self) -> None:
-        pass
+from tests.serving.scripted import ScriptedSender, scripted
+from transfer.outcome import Outcome
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +39,15 @@ async def wait_for(predicate, timeout: float = 3.0) -> None:
 
 
 def run(engine, scenario):
-    sender = ScriptedSender()
-    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, sender)
+    make_sender, made = scripted(ScriptedSender)
+    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender)
+    (sender,) = made
 
     async def main():
         await service.start()
         try:
             await scenario(service, sender)
-            await wait_for(lambda: service.engine.snapshot.free == 16)
+            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
         finally:
             await service.stop()
 
@@ -84,10 +61,10 @@ def test_chunked_prompt_pushes_every_layer_and_holds_blocks_until_the_transfer_e
         await wait_for(lambda: any(c[0] == "finish" for c in sender.calls))
         pushes = [c[2:] for c in sender.calls if c[0] == "push"]  # (layer, start, end)
         assert pushes == [(0, 0, 8), (1, 0, 8), (0, 8, 13), (1, 8, 13)]  # 2 layers, chunks of 8 tokens
-        assert service.engine.snapshot.reserved == 4  # 13 tokens in blocks of 4, held for the transfer
+        assert service.engine_thread.stats.scheduler.reserved == 4  # 13 tokens in blocks of 4, held for the transfer
         assert not task.done()
         await asyncio.sleep(0.2)  # the KV still travelling after the prompt was computed
-        sender.on_ended("t-a", None)
+        sender.end("t-a", Outcome.OK)
         result = await task
         assert (result.num_tokens, result.first_token_id) == (13, sender.calls[-1][2])
         assert result.transfer_bytes == 13 * engine.cache.bytes_per_token
@@ -103,8 +80,8 @@ def test_failed_transfer_answers_502_and_releases_the_blocks(engine):
     async def scenario(service, sender):
         task = asyncio.ensure_future(service.prefill(prefill_request("b", 5)))
         await wait_for(lambda: any(c[0] == "finish" for c in sender.calls))
-        sender.on_ended("t-b", "checksum mismatch")
-        with pytest.raises(PrefillFailed) as info:
+        sender.end("t-b", Outcome.REFUSED, "checksum mismatch")
+        with pytest.raises(WorkerError) as info:
             await task
         assert info.value.status == 502 and "checksum mismatch" in info.value.message
 
@@ -116,11 +93,11 @@ def test_abort_stops_the_job_and_tells_the_sender(engine):
         task = asyncio.ensure_future(service.prefill(prefill_request("c", 5)))
         await wait_for(lambda: any(c[0] == "begin" for c in sender.calls))
         assert await service.abort("c")
-        with pytest.raises(PrefillFailed) as info:
+        with pytest.raises(WorkerError) as info:
             await task
         assert info.value.code == "aborted"
         assert ("abort", "t-c") in sender.calls
-        sender.on_ended("t-c", "aborted")  # late report: nothing left to do
+        sender.end("t-c", Outcome.ABORTED, "aborted")  # late report: nothing left to do
         assert not await service.abort("c")
 
     run(engine, scenario)
@@ -130,7 +107,7 @@ def test_expired_reservation_is_refused_before_any_work(engine):
     async def scenario(service, sender):
         req = prefill_request("d", 5)
         stale = req.model_copy(update={"reservation": req.reservation.model_copy(update={"lease_deadline": 1.0})})
-        with pytest.raises(PrefillFailed) as info:
+        with pytest.raises(WorkerError) as info:
             await service.prefill(stale)
         assert info.value.code == "lease_expired" and sender.calls == []
 

@@ -14,7 +14,7 @@ import time
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.transfer.helpers import backend_options
-from transfer.backend import make_backend
+from transfer.registry import make_backend
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
@@ -33,11 +33,11 @@ class PrefillSide:
     def __init__(self, cfg: dict, spec: dict) -> None:
         self.tids: dict[str, str] = {}
         self.engine = LLMEngine(EngineConfig(model=cfg["model"], block_size=spec["block_size"],
-                                             num_blocks=64, mode="prefill", num_threads=1),
-                                layer_hook=self._hook)
+                                             num_blocks=64, mode="prefill", num_threads=1))
         backend = make_backend(cfg["backend"], spec["name"], **backend_options(cfg["backend"], None, "send"))
         self.kv = KVSender(backend, self.engine.cache.kv, layout_of(self.engine), name=spec["name"],
                            model="tiny")
+        self.kv.start()
 
     def _hook(self, layer: int, chunks) -> None:
         for chunk in chunks:
@@ -50,14 +50,14 @@ class PrefillSide:
         self.engine.add_request(rid, cmd["prompt"], SamplingParams(max_tokens=1, temperature=0))
         first = None
         while first is None:
-            for out in self.engine.step():
+            for out in self.engine.step(self._hook):
                 if out.finish_reason == "prefilled":
                     first = out.new_token_ids[0]
         self.kv.finish(tid, first)
         deadline, status = time.monotonic() + cmd["lease"], "timeout"
         while time.monotonic() < deadline and status == "timeout":
-            ev = self.kv.poll()
-            status = "completed" if ev.completed else ev.failed[0].reason if ev.failed else status
+            for ended in self.kv.take_finished():
+                status = "completed" if ended.ok else ended.reason
             time.sleep(0.002)
         self.engine.release(rid)  # done or failed: the blocks are no longer read
         self.engine.check_integrity()
@@ -74,6 +74,7 @@ class DecodeSide:
         backend = make_backend(cfg["backend"], spec["name"], **backend_options(cfg["backend"], None, "recv"))
         self.kv = KVReceiver(backend, self.engine.cache.kv, layout_of(self.engine), name=spec["name"],
                              model="tiny")
+        self.kv.start()
         self.rids: dict[str, str] = {}
 
     def reserve(self, cmd: dict) -> dict:
@@ -86,12 +87,10 @@ class DecodeSide:
     def decode(self, cmd: dict) -> dict:
         deadline = time.monotonic() + cmd["timeout"]
         while time.monotonic() < deadline:
-            ev = self.kv.poll()
-            for failed in ev.failed:
-                self.engine.abort(self.rids.pop(failed.transfer_id))
-                return {"error": failed.reason, "blocks": self.engine.block_counts()}
-            if ev.completed:
-                done = ev.completed[0]
+            for done in self.kv.take_finished():
+                if not done.ok:
+                    self.engine.abort(self.rids.pop(done.transfer_id))
+                    return {"error": done.reason, "blocks": self.engine.block_counts()}
                 rid = self.rids.pop(done.transfer_id)
                 tokens = list(self.engine.admit_remote(rid, done.first_token).new_token_ids)
                 while self.engine.has_unfinished():

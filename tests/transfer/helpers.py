@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from transfer.backend import make_backend
+from transfer.registry import make_backend
 from transfer.inproc import InprocHub
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
-from transfer.session import Events
+from transfer.outcome import TransferEnded
 
 
 def backend_options(kind: str, hub: InprocHub | None, role: str) -> dict:
@@ -26,28 +27,45 @@ def backend_options(kind: str, hub: InprocHub | None, role: str) -> dict:
 def make_sender(kind, hub, name, layout: KVLayout, cache=None, **kw) -> KVSender:
     if cache is None:
         cache = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
-    return KVSender(make_backend(kind, name, **backend_options(kind, hub, "send")), cache, layout,
-                    name=name, model=kw.pop("model", "m"), **kw)
+    sender = KVSender(make_backend(kind, name, **backend_options(kind, hub, "send")), cache, layout,
+                      name=name, model=kw.pop("model", "m"), **kw)
+    sender.start()
+    return sender
 
 
 def make_receiver(kind, hub, name, layout: KVLayout, **kw) -> KVReceiver:
     cache = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype))
-    return KVReceiver(make_backend(kind, name, **backend_options(kind, hub, "recv")), cache, layout,
-                      name=name, model=kw.pop("model", "m"), **kw)
+    receiver = KVReceiver(make_backend(kind, name, **backend_options(kind, hub, "recv")), cache, layout,
+                          name=name, model=kw.pop("model", "m"), **kw)
+    receiver.start()
+    return receiver
 
 
 def meet(sender: KVSender, receiver: KVReceiver) -> str:
     return sender.connect(receiver.accept(sender.hello()))
 
 
-def wait_events(side, timeout_s: float = 10.0, count: int = 1) -> Events:
-    """Poll until ``count`` transfers ended (or the timeout)."""
-    got = Events()
+@dataclass
+class Ended:
+    """Transfers a side reported ended, split by outcome."""
+
+    ended: list[TransferEnded] = field(default_factory=list)
+
+    @property
+    def completed(self) -> list[TransferEnded]:
+        return [e for e in self.ended if e.ok]
+
+    @property
+    def failed(self) -> list[TransferEnded]:
+        return [e for e in self.ended if not e.ok]
+
+
+def wait_events(side, timeout_s: float = 10.0, count: int = 1) -> Ended:
+    """Take ended transfers until ``count`` of them arrived (or the deadline)."""
+    got = Ended()
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and len(got.completed) + len(got.failed) < count:
-        ev = side.poll()
-        got.completed += ev.completed
-        got.failed += ev.failed
+    while time.monotonic() < deadline and len(got.ended) < count:
+        got.ended += side.take_finished()
         time.sleep(0.002)
     return got
 

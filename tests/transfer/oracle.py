@@ -4,7 +4,9 @@ logical shape, never the byte-offset arithmetic under test."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
+from transfer.copy import gather, scatter
 from transfer.layout import KVLayout
 
 
@@ -32,3 +34,8 @@ def expected_after_copy(src_buf, src: KVLayout, src_ids, start, end,
             db, ds = dst_ids[p // dst.block_size], p % dst.block_size
             d_view[:, :, db, ds, dh] = s_view[:, :, sb, ss, sh]
     return out
+
+
+def copy_ranges(src_region: torch.Tensor, dst_region: torch.Tensor, src_offsets, dst_offsets, lengths) -> None:
+    """Apply one layer of a plan between two local regions, as a backend would."""
+    scatter(dst_region, dst_offsets, lengths, gather(src_region, src_offsets, lengths))

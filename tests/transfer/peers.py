@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tests.transfer.helpers import backend_options
-from transfer.backend import make_backend
+from transfer.registry import make_backend
 from transfer.copy import region_bytes
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
@@ -50,9 +50,11 @@ def events_reply(side, timeout_s: float) -> None:
     t0 = time.monotonic()
     completed, failed = [], []
     while time.monotonic() - t0 < timeout_s and not (completed or failed):
-        ev = side.poll()
-        completed += [[c.transfer_id, c.first_token] for c in ev.completed]
-        failed += [[f.transfer_id, f.reason] for f in ev.failed]
+        for ended in side.take_finished():
+            if ended.ok:
+                completed.append([ended.transfer_id, ended.first_token])
+            else:
+                failed.append([ended.transfer_id, ended.reason])
         time.sleep(0.002)
     reply(completed=completed, failed=failed, elapsed=time.monotonic() - t0)
 
@@ -68,6 +70,7 @@ def serve_raw(role: str, cfg: dict) -> None:
         cache = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype))
         side = KVReceiver(backend_for(cfg), cache, layout, name=cfg["name"], model="m",
                           cancel_grace_s=cfg.get("grace", 1.0))
+    side.start()
     reply(hello=side.hello().hex(), pid=os.getpid())
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from transfer.backend import TransferError, make_backend
-from transfer.copy import copy_ranges, region_bytes
+from tests.transfer.oracle import copy_ranges
+from transfer.backend import TransferError
+from transfer.copy import region_bytes
 from transfer.integrity import TransferRegistry, checksum_positions, kv_checksum
 from transfer.layout import KVLayout
 from transfer.plan import make_plan
+from transfer.registry import make_backend
 
 
 def test_unknown_and_ended_ids_are_dropped_and_counted_apart():

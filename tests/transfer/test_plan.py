@@ -5,8 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from tests.transfer.oracle import expected_after_copy
-from transfer.copy import copy_ranges, region_bytes
+from tests.transfer.oracle import copy_ranges, expected_after_copy
+from transfer.copy import region_bytes
 from transfer.layout import KVLayout, heads_for_rank
 from transfer.plan import make_plan, ranges_inside, staging_layout
 

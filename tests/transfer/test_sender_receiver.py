@@ -14,6 +14,7 @@ from transfer.copy import region_bytes
 from transfer.inproc import InprocBackend, InprocHub
 from transfer.layout import IncompatiblePeer, KVLayout
 from transfer.messages import Done, encode
+from transfer.sender import Abort, Begin, Push
 
 KINDS = ["inproc", "zmq", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(),
                                                                         reason="nixl not installed"))]
@@ -114,7 +115,7 @@ def test_transfer_arriving_after_its_lease_expired_is_dropped(hub, closing):
     sender, receiver = closing(make_sender("inproc", hub, "P", src)), closing(make_receiver("inproc", hub, "D", src))
     peer = meet(sender, receiver)
     tid = receiver.expect([0], lease_s=0.05)
-    assert [(f.reason, f.code) for f in wait_events(receiver).failed] == [
+    assert [(f.reason, f.outcome) for f in wait_events(receiver).failed] == [
         ("lease expired before the KV arrived", "lease_expired")]
     sender.begin(tid, peer, [0], 10)
     push_all(sender, tid, src, [1], 0, 16)
@@ -142,7 +143,7 @@ def test_checksum_mismatch_is_refused(hub, closing):
     rogue.send_notice("D", encode(Done(tid, "rogue", 1, 0, 16, (0, 1, 2, 3), 12345, "all")))
     (failed,) = wait_events(receiver).failed
     assert failed.transfer_id == tid and failed.reason.startswith("checksum mismatch")
-    assert failed.code == "checksum_mismatch"
+    assert failed.outcome == "checksum_mismatch"
     assert receiver.counters()["checksum_failures"] == 1
 
 
@@ -153,7 +154,7 @@ def test_write_outside_the_reserved_blocks_fails_the_transfer_and_is_not_applied
     rogue.write("D", tid, 0, "kv", np.array([0]), np.array([dst.chunk_offsets(0, 3)]),
                 np.array([dst.block_bytes]))
     (failed,) = wait_events(receiver).failed
-    assert (failed.reason, failed.code) == ("'rogue' wrote outside the reserved blocks", "out_of_bounds")
+    assert (failed.reason, failed.outcome) == ("'rogue' wrote outside the reserved blocks", "out_of_bounds")
     assert not region_bytes(receiver._cache).numpy().any()
 
 
@@ -164,19 +165,21 @@ def test_cancel_reports_the_transfer_failed(hub, closing):
     tid = receiver.expect([0], lease_s=10)
     sender.begin(tid, peer, [0], 10)
     receiver.cancel(tid, "client disconnected")
-    assert [(f.reason, f.code) for f in wait_events(receiver).failed] == [("client disconnected", "cancelled")]
+    assert [(f.reason, f.outcome) for f in wait_events(receiver).failed] == [("client disconnected", "cancelled")]
     (failed,) = wait_events(sender).failed  # the Cancel may overtake begin(): both are refusals
     assert failed.transfer_id == tid and failed.reason.startswith("cancelled by the receiver")
-    assert failed.code == "cancelled"
+    assert failed.outcome == "cancelled"
 
 
 def test_an_abort_drops_the_pushes_queued_with_it(hub, closing):
     sender = closing(make_sender("inproc", hub, "P", layout()))
     handled = []
     sender._handle = handled.append  # only the batching is under test: nothing reaches the backend
-    sender._handle_all([("begin", "t1"), ("push", "t1", 0), ("push", "t2", 0), ("push", "t1", 1),
-                        ("abort", "t1")])
-    assert handled == [("begin", "t1"), ("push", "t2", 0), ("abort", "t1")]
+    ids = np.arange(1)
+    begin, abort = Begin("t1", "D", ids, 0.0), Abort("t1")
+    keep = Push("t2", 0, ids, 0, 1, None)
+    sender._handle_all([begin, Push("t1", 0, ids, 0, 1, None), keep, Push("t1", 1, ids, 0, 1, None), abort])
+    assert handled == [begin, keep, abort]
 
 
 def test_incompatible_prefill_is_refused_with_both_values(hub, closing):

@@ -1,0 +1,214 @@
+"""One request's trip through the cluster once admitted (docs/architecture.md).
+
+A ``Session`` starts with an open decode stream whose first event was the
+reservation; only then (so a prefill server never computes for nothing) does
+it hand the prompt and the reservation to a prefill server. ``deltas``
+yields the decode server's tokens.
+
+A step that fails before the first token may start the request over, once
+(``router.recovery``): the attempt is aborted on both servers (its blocks are
+freed and its transfer id is dead, so nothing still on its way lands
+anywhere) and a new attempt opens under a new id, ``<id>-retry1``. A decode
+failure ends the request at once. ``close`` is idempotent and always runs
+(the HTTP layer calls it in ``finally``): if the request did not finish it
+closes the decode stream and aborts the request on both servers, which free
+its blocks. Every admission slot the session holds is released there too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from router.admission import Admission, Slot
+from router.errors import OpenAIError
+from router.metrics import RecoveryMetrics
+from router.policies import Policy
+from router.recovery import PrefillFailure, decide
+from router.registry import Worker, WorkerRegistry
+from router.worker_client import DecodeStream, WorkerClient, WorkerFailed
+from server_common.worker_replies import PrefillResult, ReprefillEvent, TokensEvent
+from server_common.worker_requests import PrefillRequest, SamplingSpec
+from transfer.outcome import DECIDED_BY_DECODE, Outcome
+
+log = logging.getLogger(__name__)
+
+# (attempt id, prompt, sampling, local) -> an open decode stream and the admission slot it holds
+OpenStream = Callable[[str, list[int], SamplingSpec, bool], Awaitable[tuple[DecodeStream, Slot]]]
+
+
+@dataclass(frozen=True)
+class SessionContext:
+    """What a session works with; the dispatcher builds it once for all sessions."""
+
+    client: WorkerClient
+    registry: WorkerRegistry
+    prefill_policy: Policy
+    admission: Admission
+    recovery: RecoveryMetrics
+    prefill_failure: PrefillFailure
+    open_stream: OpenStream  # for a new attempt (no prefill slot: the first attempt's covers the request)
+
+
+class Session:
+    def __init__(self, ctx: SessionContext, request_id: str, prompt: list[int], sampling: SamplingSpec,
+                 stream: DecodeStream, slot: Slot) -> None:
+        self.request_id = request_id
+        self.attempt_id = request_id  # what the servers call the current attempt
+        self.decode: Worker = stream.worker
+        self.prefill: Worker | None = None
+        self.prefill_result: PrefillResult | None = None
+        self.reservation = stream.reservation  # None: the decode server prefills locally
+        self._ctx = ctx
+        self._prompt = prompt
+        self._sampling = sampling
+        self._stream: DecodeStream | None = stream
+        self._slot = slot  # the current attempt's; the first one also holds the request's prefill slot
+        self._first_slot = slot
+        self._tasks: list[asyncio.Task] = []  # the current attempt's decode pump and prefill call
+        self._background: set[asyncio.Task] = set()  # aborts of an abandoned prefill
+        self._tried_prefill: set[str] = set()
+        self._attempts = 1
+        self._tokens_sent = False
+        self._finished = False
+        self._closed = False
+        ctx.admission.session_started()
+
+    async def deltas(self) -> AsyncIterator[TokensEvent]:
+        """Token events up to and including the one with a finish_reason.
+
+        Raises ``OpenAIError`` (500, naming the worker and the request id) when
+        a step fails and the request cannot start over.
+        """
+        while True:
+            queue = self._start_attempt()
+            failure = None
+            while failure is None:
+                item = await queue.get()
+                if isinstance(item, WorkerFailed):
+                    failure = item
+                elif isinstance(item, ReprefillEvent):
+                    self._prefill_abandoned(item)
+                else:
+                    self._tokens_sent = self._tokens_sent or bool(item.token_ids)
+                    self._finished = item.finish_reason is not None
+                    yield item
+                    if self._finished:
+                        return
+            await self._recover(failure)
+
+    def _start_attempt(self) -> asyncio.Queue:
+        # A fresh queue per attempt: whatever an old attempt's tasks still put goes nowhere.
+        queue: asyncio.Queue = asyncio.Queue()
+        assert self._stream is not None
+        self._tasks = [asyncio.create_task(self._pump_decode(queue, self._stream))]
+        if self.reservation is not None:
+            self._tasks.append(asyncio.create_task(self._prefill_then_release(queue, self.attempt_id)))
+        return queue
+
+    async def _pump_decode(self, queue: asyncio.Queue, stream: DecodeStream) -> None:
+        try:
+            async for event in stream.events():
+                queue.put_nowait(event)
+        except WorkerFailed as exc:
+            if exc.outcome is Outcome.UNREACHABLE:
+                self._ctx.registry.mark_down(stream.worker, str(exc))
+            queue.put_nowait(exc)
+
+    async def _prefill_then_release(self, queue: asyncio.Queue, attempt_id: str) -> None:
+        """The first prefill holds the prefill slot the request was admitted with; a retry's runs without one."""
+        try:
+            await self._run_prefill(queue, attempt_id)
+        finally:
+            self._first_slot.release_prefill()
+
+    async def _run_prefill(self, queue: asyncio.Queue, attempt_id: str) -> None:
+        """Hand prompt + reservation to a prefill server this request has not tried.
+        One that never saw the request (not connected, or refused it at once) is
+        followed by the next one."""
+        reservation = self.reservation
+        assert reservation is not None
+        req = PrefillRequest(request_id=attempt_id, prompt_token_ids=self._prompt,
+                             sampling=self._sampling, reservation=reservation)
+        ctx = self._ctx
+        candidates = [w for w in ctx.prefill_policy.order(ctx.registry.healthy("prefill"))
+                      if w.name not in self._tried_prefill]
+        for worker in candidates:
+            self.prefill = worker
+            self._tried_prefill.add(worker.name)
+            try:
+                with ctx.admission.prefilling(worker, len(self._prompt)):
+                    self.prefill_result = await ctx.client.prefill(worker, req)
+                return
+            except WorkerFailed as exc:
+                if exc.outcome is Outcome.UNREACHABLE or exc.never_reached:
+                    ctx.registry.mark_down(worker, str(exc))
+                if exc.never_reached:
+                    continue
+                if exc.outcome in DECIDED_BY_DECODE:
+                    return  # the decode server ended the transfer; its stream says what happens next
+                queue.put_nowait(exc)
+                return
+        queue.put_nowait(WorkerFailed("prefill", "", "no healthy prefill server", Outcome.NO_PREFILL))
+
+    def _prefill_abandoned(self, event: ReprefillEvent) -> None:
+        """The decode server computes the prompt itself: stop the prefill server's part."""
+        log.warning("request %s: %s computes the prompt itself (%s)", self.attempt_id, self.decode.name, event.code)
+        self._ctx.recovery.reprefills.labels(cause=event.code).inc()
+        for task in self._tasks[1:]:
+            task.cancel()
+        if self.prefill is not None:
+            task = asyncio.create_task(self._ctx.client.abort(self.prefill, self.attempt_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _recover(self, failure: WorkerFailed) -> None:
+        """Start the request over (new attempt) or raise the client's error."""
+        ctx = self._ctx
+        ctx.recovery.failures.labels(stage=failure.stage, code=failure.outcome).inc()
+        other = any(w.name not in self._tried_prefill for w in ctx.registry.healthy("prefill"))
+        decision = decide(ctx.prefill_failure, failure, tokens_sent=self._tokens_sent,
+                          attempts=self._attempts, other_prefill=other)
+        if decision.action == "fail":
+            why = f"; {decision.why}" if decision.why else ""
+            raise OpenAIError(500, f"{failure}{why} (request id {self.request_id})", code=failure.outcome)
+        log.warning("request %s: %s; starting over (%s)", self.attempt_id, failure, decision.action)
+        ctx.recovery.retries.labels(action=decision.action, cause=failure.outcome).inc()
+        await self._end_attempt()
+        self._attempts += 1
+        self.attempt_id = f"{self.request_id}-retry{self._attempts - 1}"
+        self.prefill, self.prefill_result = None, None
+        self._stream, self._slot = await ctx.open_stream(self.attempt_id, self._prompt, self._sampling,
+                                                         decision.action == "local")
+        self.decode = self._stream.worker
+        self.reservation = self._stream.reservation
+
+    async def _end_attempt(self) -> None:
+        """Stop the current attempt's tasks; abort it on both servers unless it finished."""
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        await stream.aclose()
+        self._slot.release()
+        if not self._finished:
+            client = self._ctx.client
+            aborts = [client.abort(self.decode, self.attempt_id)]
+            if self.prefill is not None:
+                aborts.append(client.abort(self.prefill, self.attempt_id))
+            await asyncio.gather(*aborts)
+
+    async def close(self) -> None:
+        """Release everything; aborts on both servers unless the request finished."""
+        if self._closed:
+            return
+        self._closed = True
+        await self._end_attempt()
+        self._first_slot.release_prefill()
+        self._ctx.admission.session_ended()
+        await asyncio.gather(*self._background, return_exceptions=True)
