@@ -26,6 +26,7 @@ from bench.report import stats_row
 from bench.sim_instances import InstanceSpec
 from bench.simulate import Layout, simulate
 from bench.workload import Workload, poisson_arrivals
+from engine.config import DTYPES, EngineConfig
 
 MIB = 1024 * 1024
 
@@ -155,8 +156,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--threads", default=None, metavar="LIST",
                      help="thread counts to profile (default: 1 and --cores, e.g. 1,2)")
     src.add_argument("--quick", action="store_true", help="a small profiling grid (seconds, rougher)")
-    src.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    src.add_argument("--device", default="cpu")
+    src.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES)
+    src.add_argument("--device", default=EngineConfig.device)
     work = p.add_argument_group("workload")
     work.add_argument("--rate", type=float, required=True, metavar="R", help="Poisson arrivals per second")
     work.add_argument("--num-requests", type=int, default=300, metavar="N", help="simulated requests (300)")

@@ -34,6 +34,7 @@ from router.metrics import RecoveryMetrics
 from router.policies import Policy
 from router.recovery import DECIDED_BY_DECODE, KV_NEVER_ARRIVED, StepFailed, decide
 from router.registry import Worker, WorkerRegistry
+from router.settings import PrefillFailure, RouterSettings
 from router.worker_client import DecodeStream, NoRoom, WorkerClient, WorkerFailed, WorkerUnreachable
 from server_common.guard import Drain
 from server_common.worker_replies import PrefillResult, ReprefillEvent, TokensEvent
@@ -44,8 +45,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DispatchSettings:
-    local_prefill_threshold: int = 0  # prompts shorter than this are prefilled on D
-    prefill_failure: str = "retry"  # retry | local | fail (router.recovery)
+    local_prefill_threshold: int = RouterSettings.local_prefill_threshold  # prompts shorter than this: prefilled on D
+    prefill_failure: PrefillFailure = RouterSettings.prefill_failure  # router/recovery.py
     no_room_cooldown: float = 0.2  # after a decode server said "no room", skip it this long (or until a slot frees)
 
 

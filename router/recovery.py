@@ -21,13 +21,16 @@ it computes the prompt itself), so the router waits for that instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import get_args
+
+from router.settings import PrefillFailure
 
 # Error codes on the decode stream meaning "the prompt's KV never arrived intact".
 KV_NEVER_ARRIVED = frozenset({"lease_expired", "checksum_failed", "transfer_failed"})
 # Prefill failure codes meaning "the decode server ended this transfer; its stream says how".
 DECIDED_BY_DECODE = frozenset({"decode_refused", "decode_cancelled", "lease_expired"})
 MAX_ATTEMPTS = 2  # the first try and one more
-MODES = ("retry", "local", "fail")
+MODES = get_args(PrefillFailure)
 
 
 class StepFailed(Exception):
@@ -44,7 +47,7 @@ class Decision:
     why: str = ""  # for "fail": what to tell the client besides the failure itself
 
 
-def decide(mode: str, failure: StepFailed, *, tokens_sent: bool, attempts: int, other_prefill: bool) -> Decision:
+def decide(mode: PrefillFailure, failure: StepFailed, *, tokens_sent: bool, attempts: int, other_prefill: bool) -> Decision:
     """The next move after ``failure``; ``attempts`` made so far, ``other_prefill``: a healthy
     prefill server this request has not tried yet exists."""
     assert mode in MODES, mode
