@@ -23,27 +23,24 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     p.set_defaults(func=run_router)
 
-    p = subparsers.add_parser(
-        "prefill", help="run one prefill server of a cluster config",
-        description="Run the prefill instance NAME of a cluster config: engine thread in prefill mode, KV "
-                    "sender and the HTTP control plane (/prefill, /abort, /health, /metrics).",
+    _add_server_parser(
+        subparsers, "prefill", run_prefill, "run one prefill server of a cluster config",
+        "Run the prefill instance NAME of a cluster config: engine thread in prefill mode, KV "
+        "sender and the HTTP control plane (/prefill, /abort, /health, /metrics).",
     )
-    _add_server_arguments(p)
-    p.set_defaults(func=run_prefill)
-
-    p = subparsers.add_parser(
-        "decode", help="run one decode (or colocated) server of a cluster config",
-        description="Run the decode or colocated instance NAME of a cluster config: engine thread, KV "
-                    "receiver and the HTTP control plane (/generate, /abort, /health, /metrics).",
+    _add_server_parser(
+        subparsers, "decode", run_decode, "run one decode (or colocated) server of a cluster config",
+        "Run the decode or colocated instance NAME of a cluster config: engine thread, KV "
+        "receiver and the HTTP control plane (/generate, /abort, /health, /metrics).",
     )
-    _add_server_arguments(p)
-    p.set_defaults(func=run_decode)
 
 
-def _add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
-    parser.add_argument("--name", required=True, help="this instance's name in the config")
-    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+def _add_server_parser(subparsers, command: str, func, help: str, description: str) -> None:
+    p = subparsers.add_parser(command, help=help, description=description)
+    p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
+    p.add_argument("--name", required=True, help="this instance's name in the config")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.set_defaults(func=func)
 
 
 def run_router(args: argparse.Namespace) -> int:
