@@ -19,12 +19,13 @@ Overload, limits and security keys (all optional) are described on
 ``RouterConfig`` and ``SecurityConfig``; secrets are ``SecretStr`` so no
 repr, log line or config error ever shows them.
 
-No default or choice of values is written here: each is taken from the
-settings object of the process that uses it (``EngineConfig`` in
-engine/config.py, ``ServerSettings`` in server_common/settings.py,
-``RouterSettings`` in router/settings.py), so a key left out means exactly
-what that process does without it. This module only adds the bounds a value
-read from a file must keep.
+The defaults and allowed values of the processes' settings are not written
+here: each is taken from the settings object of the process that uses it
+(``EngineConfig`` in engine/config.py, ``ServerSettings`` in
+server_common/settings.py, ``RouterSettings`` in router/settings.py), so a
+key left out means exactly what that process does without it. This module
+adds only the bounds a value read from a file must keep, and the keys that
+exist only in the cluster file (ports, instance lists, ``model_cache``).
 """
 
 from __future__ import annotations
