@@ -37,13 +37,14 @@ from bench.cluster import cpu_list, free_port_pairs, launch
 from bench.costmodel import Overheads, chunk_attn_pairs
 from bench.loadgen import LoadConfig
 from bench.metrics import RequestRecord, Summary, summarize
-from bench.plan import Candidate, EngineSettings, build_layout
+from bench.plan import MIB, Candidate, EngineSettings, build_layout
 from bench.profile import Profile, ProfileGrid, profile_engine
 from bench.prompts import PromptBuilder, load_tokenizer
 from bench.scenarios import EngineKnobs, Scenario, cluster_config, parse_rates, select
 from bench.serve import request_source, run_benchmark
 from bench.simulate import Layout, simulate
 from bench.workload import RequestSpec, Workload
+from engine.config import EngineConfig
 
 
 @dataclass
@@ -144,8 +145,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scale", type=float, default=1.0, help="multiply request counts (default 1)")
     p.add_argument("--profile", metavar="FILE", help="saved profile for predictions (default: profile now)")
     p.add_argument("--quick-profile", action="store_true", help="profile with the small grid")
-    p.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per instance (default 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--kv-cache-mib", type=int, default=EngineConfig.kv_cache_bytes // MIB,
+                   help="KV cache per instance (default %(default)s)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     p.add_argument("--out", default="runs/compare", help="report folder (default runs/compare)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds for a cluster to come up")
@@ -350,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--layout {args.layout!r} is colocated; give an xPyD layout such as 1p1d")
     baseline = Candidate(0, 1, len(cpus))
     model = args.model or benchmark_model(Path("runs") / "models")
-    knobs = EngineKnobs(kv_cache_bytes=args.kv_cache_mib * 1024 * 1024,
+    knobs = EngineKnobs(kv_cache_bytes=args.kv_cache_mib * MIB,
                         max_num_batched_tokens=args.max_num_batched_tokens)
     if args.profile:
         profile = Profile.load(args.profile)

@@ -26,6 +26,7 @@ from bench.report import stats_row
 from bench.sim_instances import InstanceSpec
 from bench.simulate import Layout, simulate
 from bench.workload import Workload, poisson_arrivals
+from engine.config import DTYPES, EngineConfig
 
 MIB = 1024 * 1024
 
@@ -34,11 +35,11 @@ MIB = 1024 * 1024
 class EngineSettings:
     """Per-instance engine settings the simulated layouts use (engine defaults)."""
 
-    block_size: int = 16
-    kv_cache_bytes: int = 256 * MIB
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    chunked_prefill: bool = True
+    block_size: int = EngineConfig.block_size
+    kv_cache_bytes: int = EngineConfig.kv_cache_bytes
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    chunked_prefill: bool = EngineConfig.chunked_prefill
     policy: str = "mixed"
 
     def spec(self, profile: Profile, threads: int) -> InstanceSpec:
@@ -155,8 +156,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--threads", default=None, metavar="LIST",
                      help="thread counts to profile (default: 1 and --cores, e.g. 1,2)")
     src.add_argument("--quick", action="store_true", help="a small profiling grid (seconds, rougher)")
-    src.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    src.add_argument("--device", default="cpu")
+    src.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES)
+    src.add_argument("--device", default=EngineConfig.device)
     work = p.add_argument_group("workload")
     work.add_argument("--rate", type=float, required=True, metavar="R", help="Poisson arrivals per second")
     work.add_argument("--num-requests", type=int, default=300, metavar="N", help="simulated requests (300)")
@@ -172,10 +173,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cl.add_argument("--gpus", type=int, metavar="N", help="GPUs instead of cores: one instance per GPU")
     cl.add_argument("--max-instances", type=int, metavar="N", help="cap on x + y")
     cl.add_argument("--layouts", metavar="LIST", help="only these, e.g. colocated,1p1d,2p1d")
-    cl.add_argument("--block-size", type=int, default=16)
-    cl.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache per instance (default 256)")
-    cl.add_argument("--max-num-seqs", type=int, default=64)
-    cl.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    cl.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    cl.add_argument("--kv-cache-mib", type=int, default=EngineConfig.kv_cache_bytes // MIB,
+                    help="KV cache per instance (default %(default)s)")
+    cl.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    cl.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
     cl.add_argument("--policy", choices=["mixed", "prefill_first"], default="mixed",
                     help="step composition; the engine's is mixed (default)")
     cl.add_argument("--local-prefill-below", type=int, default=0, metavar="TOKENS",

@@ -29,6 +29,7 @@ import numpy as np
 
 from bench.costmodel import (StepCost, StepSample, TransferCost, decode_keys, fit_error, fit_step_cost,
                              prefill_pairs)
+from engine.config import Dtype, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -304,8 +305,8 @@ def profile_engine(
     model: str,
     threads: list[int],
     grid: ProfileGrid = ProfileGrid(),
-    dtype: str = "float32",
-    device: str = "cpu",
+    dtype: Dtype = EngineConfig.dtype,
+    device: str = EngineConfig.device,
     progress=print,
     bar: bool = True,
 ) -> Profile:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from bench.plan import Candidate
 from bench.workload import Workload
+from engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,10 @@ def parse_rates(items: list[str] | None) -> dict[str, float]:
 class EngineKnobs:
     """Engine settings written into both generated configs."""
 
-    block_size: int = 16
-    kv_cache_bytes: int = 256 * 1024 * 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    block_size: int = EngineConfig.block_size
+    kv_cache_bytes: int = EngineConfig.kv_cache_bytes
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
 
 
 def cluster_config(cand: Candidate, model: str, ports: list[int], knobs: EngineKnobs,

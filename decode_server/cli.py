@@ -1,31 +1,21 @@
-"""`pdserve decode`: one decode (or colocated) server from a cluster config."""
+"""`pdserve decode`'s process: one decode (or colocated) server, from its frozen settings.
+
+deploy/process_cli.py reads the cluster config and calls ``run``; this
+package never reads the config itself.
+"""
 
 from __future__ import annotations
 
-import argparse
-
-from server_common.run import add_server_arguments
+from server_common.settings import ServerSettings
 
 
-def add_parser(subparsers) -> None:
-    p = subparsers.add_parser(
-        "decode", help="run one decode (or colocated) server of a cluster config",
-        description="Run the decode or colocated instance NAME of a cluster config: engine thread, KV "
-                    "receiver and the HTTP control plane (/generate, /abort, /health, /metrics).",
-    )
-    add_server_arguments(p)
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(settings: ServerSettings, log_level: str) -> int:
     from decode_server.app import create_app
     from decode_server.service import GenerationService
     from engine import LLMEngine
     from server_common.faults import FaultInjector
-    from server_common.run import load_server_settings, serve, setup_logging
+    from server_common.run import serve
 
-    setup_logging(args.log_level, args.name)
-    settings = load_server_settings(args, ("decode", "colocated"))
     engine = LLMEngine(settings.engine)
     faults = FaultInjector() if settings.fault_injection else None
     make_receiver = None
@@ -34,5 +24,5 @@ def run(args: argparse.Namespace) -> int:
 
         make_receiver = receiver_factory(settings, engine, faults)
     service = GenerationService(settings, engine, make_receiver, faults)
-    serve(create_app(service), settings.host, settings.port, args.log_level, service.drain, settings.drain_timeout_s)
+    serve(create_app(service), settings.host, settings.port, log_level, service.drain, settings.drain_timeout_s)
     return 0

@@ -11,11 +11,8 @@ import argparse
 import sys
 
 from bench import cli as bench_cli
-from decode_server import cli as decode_cli
-from deploy import launch_cli
+from deploy import launch_cli, process_cli
 from engine import cli as engine_cli
-from prefill_server import cli as prefill_cli
-from router import cli as router_cli
 
 
 class CliError(Exception):
@@ -30,9 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     engine_cli.add_parser(subparsers)
     launch_cli.add_parser(subparsers)
-    router_cli.add_parser(subparsers)
-    prefill_cli.add_parser(subparsers)
-    decode_cli.add_parser(subparsers)
+    process_cli.add_parsers(subparsers)
     bench_cli.add_parser(subparsers)
     return parser
 

@@ -18,34 +18,43 @@ A colocated cluster lists ``colocated:`` instances instead of prefill/decode.
 Overload, limits and security keys (all optional) are described on
 ``RouterConfig`` and ``SecurityConfig``; secrets are ``SecretStr`` so no
 repr, log line or config error ever shows them.
+
+The defaults and allowed values of the processes' settings are not written
+here: each is taken from the settings object of the process that uses it
+(``EngineConfig`` in engine/config.py, ``ServerSettings`` in
+server_common/settings.py, ``RouterSettings`` in router/settings.py), so a
+key left out means exactly what that process does without it. This module
+adds only the bounds a value read from a file must keep, and the keys that
+exist only in the cluster file (ports, instance lists, ``model_cache``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
 
 from deploy.config_security import ConfigError, SecurityConfig, Strict, looks_secret
 from deploy.models import is_builtin, resolve_model
-from router.settings import RouterSettings, WorkerSpec
-from server_common.guard import is_loopback
+from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
+from router.settings import PolicyName, PrefillFailure, RouterSettings, WorkerSpec
+from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
+from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 
 
 class EngineDefaults(Strict):
     """Engine settings every instance inherits unless it overrides them."""
 
-    block_size: int = Field(default=16, ge=1, le=256)
-    num_threads: int | None = Field(default=None, ge=1)
+    block_size: int = Field(default=EngineConfig.block_size, ge=1, le=256)
+    num_threads: int | None = Field(default=EngineConfig.num_threads, ge=1)
     device: str | None = None  # default: the cluster's device
-    kv_cache_bytes: int = Field(default=256 * 1024 * 1024, ge=1)
-    num_blocks: int | None = Field(default=None, ge=1)
-    max_num_seqs: int = Field(default=64, ge=1)
-    max_num_batched_tokens: int = Field(default=2048, ge=1)
-    chunked_prefill: bool = True
-    kv_layout: Literal["NHD", "HND"] = "NHD"
+    kv_cache_bytes: int = Field(default=EngineConfig.kv_cache_bytes, ge=1)
+    num_blocks: int | None = Field(default=EngineConfig.num_blocks, ge=1)
+    max_num_seqs: int = Field(default=EngineConfig.max_num_seqs, ge=1)
+    max_num_batched_tokens: int = Field(default=EngineConfig.max_num_batched_tokens, ge=1)
+    chunked_prefill: bool = EngineConfig.chunked_prefill
+    kv_layout: KvLayout = EngineConfig.kv_layout
 
 
 class Instance(Strict):
@@ -59,7 +68,7 @@ class Instance(Strict):
     num_blocks: int | None = Field(default=None, ge=1)
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    kv_layout: Literal["NHD", "HND"] | None = None
+    kv_layout: KvLayout | None = None
     host: str | None = None  # the interface it binds to and others reach it at (default: the cluster's host)
     max_inflight: int | None = Field(default=None, ge=1)  # router's in-flight limit for it (see RouterConfig)
 
@@ -78,20 +87,20 @@ class RouterConfig(Strict):
     ``max_tokens`` over its cap get 400. ``api_keys``: Bearer keys clients
     must send (none: no auth)."""
 
-    port: int = Field(default=8000, ge=1, le=65535)
+    port: int = Field(default=RouterSettings.port, ge=1, le=65535)
     host: str | None = None  # the router's interface (default: the cluster's host); e.g. 0.0.0.0 to serve others
-    policy: Literal["round_robin", "least_loaded"] = "round_robin"
-    local_prefill_threshold: int = Field(default=0, ge=0)
-    health_interval_s: float = Field(default=2.0, gt=0)
-    health_backoff_max_s: float = Field(default=8.0, gt=0)  # a down worker is polled at doubling intervals up to this
-    queue_timeout_s: float = Field(default=10.0, ge=0)
-    max_queued_requests: int = Field(default=128, ge=0)
-    retry_after_s: float = Field(default=1.0, gt=0)
+    policy: PolicyName = RouterSettings.policy
+    local_prefill_threshold: int = Field(default=RouterSettings.local_prefill_threshold, ge=0)
+    health_interval_s: float = Field(default=RouterSettings.health_interval, gt=0)
+    health_backoff_max_s: float = Field(default=RouterSettings.health_backoff_max, gt=0)
+    queue_timeout_s: float = Field(default=RouterSettings.queue_timeout, ge=0)
+    max_queued_requests: int = Field(default=RouterSettings.max_queued, ge=0)
+    retry_after_s: float = Field(default=RouterSettings.retry_after, gt=0)
     max_inflight_per_worker: int | None = Field(default=None, ge=1)
-    prefill_timeout_s: float = Field(default=120.0, gt=0)
-    max_body_bytes: int = Field(default=4 << 20, ge=1024)
-    max_prompt_tokens: int | None = Field(default=None, ge=1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    prefill_timeout_s: float = Field(default=RouterSettings.prefill_timeout, gt=0)
+    max_body_bytes: int = Field(default=RouterSettings.max_body_bytes, ge=1024)
+    max_prompt_tokens: int | None = Field(default=RouterSettings.max_prompt_tokens, ge=1)
+    max_tokens: int | None = Field(default=RouterSettings.max_tokens, ge=1)
     api_keys: list[SecretStr] = Field(default_factory=list)
 
 
@@ -107,33 +116,33 @@ class RecoveryConfig(Strict):
     at once. Either way the reserved blocks are freed first.
     """
 
-    prefill_failure: Literal["retry", "local", "fail"] = "retry"
-    lease_expiry: Literal["fail", "local"] = "fail"
-    checksum_failure: Literal["fail", "local"] = "fail"
+    prefill_failure: PrefillFailure = RouterSettings.prefill_failure
+    lease_expiry: KvFailureAction = ServerSettings.lease_expiry
+    checksum_failure: KvFailureAction = ServerSettings.checksum_failure
 
 
 class TransferConfig(Strict):
-    backend: Literal["zmq", "nixl"] = "zmq"  # transfer's in-process backend is for tests inside one process
-    timeout_s: float = Field(default=10.0, gt=0)
+    backend: TransferBackendName = ServerSettings.transfer_backend
+    timeout_s: float = Field(default=ServerSettings.transfer_timeout_s, gt=0)
 
 
 class ClusterConfig(Strict):
     model: str
     served_model_name: str | None = None
     model_cache: str = "~/.cache/pdserve/models"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "cpu"
-    host: str = "127.0.0.1"
-    max_model_len: int | None = Field(default=None, ge=2)
-    lease_s: float = Field(default=30.0, gt=0)
-    drain_timeout_s: float = Field(default=30.0, gt=0)  # SIGTERM: the longest a process waits for its requests
+    dtype: Dtype = EngineConfig.dtype
+    device: str = EngineConfig.device
+    host: str = LOOPBACK_HOST
+    max_model_len: int | None = Field(default=EngineConfig.max_model_len, ge=2)
+    lease_s: float = Field(default=ServerSettings.lease_s, gt=0)
+    drain_timeout_s: float = Field(default=DRAIN_TIMEOUT_S, gt=0)  # SIGTERM: the longest a process waits
     security: SecurityConfig = SecurityConfig()
     engine: EngineDefaults = EngineDefaults()
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     # Test hook, off by default: servers mount /admin/faults to inject faults deterministically.
-    fault_injection: bool = False
+    fault_injection: bool = ServerSettings.fault_injection
     prefill: list[Instance] = Field(default_factory=list)
     decode: list[Instance] = Field(default_factory=list)
     colocated: list[Instance] = Field(default_factory=list)
@@ -173,9 +182,11 @@ class ClusterConfig(Strict):
     def instances(self) -> list[Instance]:
         return [*self.prefill, *self.decode, *self.colocated]
 
-    def role_of(self, name: str) -> str:
-        for role in ("prefill", "decode", "colocated"):
-            if any(i.name == name for i in getattr(self, role)):
+    def role_of(self, name: str) -> EngineMode:
+        roles: dict[EngineMode, list[Instance]] = {"prefill": self.prefill, "decode": self.decode,
+                                                   "colocated": self.colocated}
+        for role, instances in roles.items():
+            if any(i.name == name for i in instances):
                 return role
         raise ConfigError(f"no instance named {name!r} (have {[i.name for i in self.instances()]})")
 
@@ -225,10 +236,7 @@ class ClusterConfig(Strict):
             prefill_failure=self.recovery.prefill_failure,
         )
 
-    def server_settings(self, name: str, model_path: Path):
-        from engine import EngineConfig
-        from server_common.settings import ServerSettings
-
+    def server_settings(self, name: str, model_path: Path) -> ServerSettings:
         role = self.role_of(name)
         inst = self.instance(name)
         d = self.engine

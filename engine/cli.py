@@ -7,6 +7,8 @@ import json
 import sys
 import time
 
+from engine.config import DTYPES, EngineConfig
+
 
 def add_parser(subparsers) -> None:
     make = subparsers.add_parser(
@@ -42,9 +44,9 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--block-size", type=int, default=16)
-    gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    gen.add_argument("--device", default="cpu")
+    gen.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    gen.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES)
+    gen.add_argument("--device", default=EngineConfig.device)
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.add_argument("--json", action="store_true", help="print one JSON object with token_ids and text")
     gen.set_defaults(func=run_generate)
@@ -82,7 +84,7 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine import LLMEngine, SamplingParams
 
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed

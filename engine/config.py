@@ -1,14 +1,26 @@
-"""Engine configuration: one frozen object per engine, validated on creation."""
+"""Engine configuration: one frozen object per engine, validated on creation.
+
+``EngineConfig``'s defaults and the ``Literal`` types below are the only place
+these settings are written: the cluster config (deploy/config.py) and the
+command lines take them from here. This module imports no torch, so reading
+them costs a process nothing (``engine/__init__.py`` loads the engine itself
+on first use).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, get_args
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-MODES = ("colocated", "prefill", "decode")
-KV_LAYOUTS = ("NHD", "HND")
+Dtype = Literal["float32", "bfloat16", "float16"]
+EngineMode = Literal["colocated", "prefill", "decode"]  # a server's role is its engine's mode
+KvLayout = Literal["NHD", "HND"]
+DTYPES: tuple[str, ...] = get_args(Dtype)
+MODES: tuple[str, ...] = get_args(EngineMode)
+KV_LAYOUTS: tuple[str, ...] = get_args(KvLayout)
 
 
 @dataclass(frozen=True)
@@ -19,7 +31,7 @@ class EngineConfig:
     """
 
     model: str
-    dtype: str = "float32"
+    dtype: Dtype = "float32"
     device: str = "cpu"
     block_size: int = 16
     num_blocks: int | None = None
@@ -29,8 +41,8 @@ class EngineConfig:
     chunked_prefill: bool = True
     max_model_len: int | None = None
     num_threads: int | None = None
-    mode: str = "colocated"
-    kv_layout: str = "NHD"
+    mode: EngineMode = "colocated"
+    kv_layout: KvLayout = "NHD"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,8 +68,12 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def torch_device(self) -> torch.device:
+        import torch
+
         return torch.device(self.device)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.config import KV_LAYOUTS, KvLayout
+
 
 class KVCache:
     def __init__(
@@ -34,9 +36,9 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
-        order: str = "NHD",
+        order: KvLayout,
     ) -> None:
-        assert order in ("NHD", "HND"), order
+        assert order in KV_LAYOUTS, order
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -32,15 +32,16 @@ from typing import TypeVar
 
 from router.errors import OpenAIError
 from router.registry import Worker
+from router.settings import RouterSettings
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class AdmissionSettings:
-    max_queued: int = 128  # requests waiting for a slot; one more gets 429 at once
-    timeout: float = 10.0  # the longest a request waits for a slot before 429
-    retry_after: float = 1.0  # seconds, sent in Retry-After with every 429
+    max_queued: int = RouterSettings.max_queued  # requests waiting for a slot; one more gets 429 at once
+    timeout: float = RouterSettings.queue_timeout  # the longest a request waits for a slot before 429
+    retry_after: float = RouterSettings.retry_after  # seconds, sent in Retry-After with every 429
     poll: float = 0.25  # waiters also re-try this often (a worker back in rotation, a "no room" cooled down)
 
 

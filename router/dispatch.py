@@ -18,9 +18,9 @@ from router.admission import Admission, AdmissionSettings, Slot
 from router.errors import OpenAIError
 from router.metrics import RecoveryMetrics
 from router.policies import Policy
-from router.recovery import PrefillFailure
 from router.registry import WorkerRegistry
 from router.session import Session, SessionContext
+from router.settings import PrefillFailure, RouterSettings
 from router.worker_client import DecodeStream, WorkerClient, WorkerFailed
 from server_common.guard import Drain
 from server_common.worker_requests import GenerateRequest, SamplingSpec
@@ -34,8 +34,8 @@ TRY_ANOTHER_DECODE = frozenset({Outcome.UNREACHABLE, Outcome.NO_ROOM, Outcome.DR
 
 @dataclass(frozen=True)
 class DispatchSettings:
-    local_prefill_threshold: int = 0  # prompts shorter than this are prefilled on D
-    prefill_failure: PrefillFailure = "retry"  # retry | local | fail (router.recovery)
+    local_prefill_threshold: int = RouterSettings.local_prefill_threshold  # prompts shorter than this: prefilled on D
+    prefill_failure: PrefillFailure = RouterSettings.prefill_failure  # router/recovery.py
     no_room_cooldown: float = 0.2  # after a decode server said "no room", skip it this long (or until a slot frees)
 
 

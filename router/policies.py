@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from router.registry import Worker
+from router.settings import PolicyName
 
 
 class Policy(Protocol):
@@ -50,7 +51,7 @@ class LeastLoaded:
         return (w.inflight + w.queue_depth, -w.free_blocks)
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: PolicyName) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":

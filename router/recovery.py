@@ -24,12 +24,11 @@ itself), so the router waits for that instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
+from router.settings import PrefillFailure
 from router.worker_client import WorkerFailed
 
 MAX_ATTEMPTS = 2  # the first try and one more
-PrefillFailure = Literal["retry", "local", "fail"]
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,15 @@ from dataclasses import dataclass
 
 import httpx
 
+from router.settings import RouterSettings, WorkerRole
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Worker:
     name: str
-    role: str  # "prefill" | "decode"
+    role: WorkerRole
     url: str  # http://host:port, no trailing slash
     healthy: bool = True
     failures: int = 0  # consecutive failed health checks
@@ -64,8 +66,8 @@ class Worker:
 
 
 class WorkerRegistry:
-    def __init__(self, workers: list[Worker], *, interval: float = 2.0, unhealthy_after: int = 2,
-                 backoff_max: float = 8.0) -> None:
+    def __init__(self, workers: list[Worker], *, interval: float = RouterSettings.health_interval,
+                 unhealthy_after: int = 2, backoff_max: float = RouterSettings.health_backoff_max) -> None:
         names = [w.name for w in workers]
         assert len(names) == len(set(names)), f"duplicate worker names: {names}"
         self.workers = workers
@@ -73,14 +75,14 @@ class WorkerRegistry:
         self.unhealthy_after = unhealthy_after
         self.backoff_max = max(backoff_max, interval)
 
-    def healthy(self, role: str) -> list[Worker]:
+    def healthy(self, role: WorkerRole) -> list[Worker]:
         """Workers of ``role`` in rotation: healthy and not draining."""
         return [w for w in self.workers if w.role == role and w.in_rotation]
 
     def find(self, name: str) -> Worker | None:
         return next((w for w in self.workers if w.name == name), None)
 
-    def of_role(self, role: str) -> list[Worker]:
+    def of_role(self, role: WorkerRole) -> list[Worker]:
         return [w for w in self.workers if w.role == role]
 
     def mark_down(self, worker: Worker, reason: str) -> None:

@@ -1,14 +1,27 @@
-"""The router's frozen settings (built from the cluster YAML by deploy.config)."""
+"""The router's frozen settings (built from the cluster YAML by deploy/config.py).
+
+Every router default and ``Literal`` type is written here once: the cluster
+config takes its defaults from ``RouterSettings``, and so do the parts that
+have settings of their own (``AdmissionSettings`` in router/admission.py,
+``DispatchSettings`` in router/dispatch.py, ``WorkerRegistry``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+
+PolicyName = Literal["round_robin", "least_loaded"]  # router/policies.py
+PrefillFailure = Literal["retry", "local", "fail"]  # what a failed prefill leads to (router/recovery.py)
+WorkerRole = Literal["prefill", "decode"]  # a colocated server is a decode server that prefills itself
 
 
 @dataclass(frozen=True)
 class WorkerSpec:
     name: str
-    role: str  # "prefill" | "decode"
+    role: WorkerRole
     url: str
     max_inflight: int | None = None  # requests this router sends it at once; None: no limit
 
@@ -18,22 +31,22 @@ class RouterSettings:
     model_path: str  # local Hugging Face folder (tokenizer, config, chat template)
     served_model_name: str
     workers: tuple[WorkerSpec, ...]
-    host: str = "127.0.0.1"
+    host: str = LOOPBACK_HOST
     port: int = 8000
-    policy: str = "round_robin"  # round_robin | least_loaded
-    local_prefill_threshold: int = 0
-    health_interval: float = 2.0
+    policy: PolicyName = "round_robin"
+    local_prefill_threshold: int = 0  # prompts shorter than this are prefilled on the decode server
+    health_interval: float = 2.0  # seconds between health checks of a worker that answers
     queue_timeout: float = 10.0  # the longest a request waits for a free slot before 429
     max_queued: int = 128  # requests waiting for a slot; one more gets 429 at once
     retry_after: float = 1.0  # seconds, in the Retry-After of a 429
     prefill_timeout: float = 120.0
     max_model_len: int | None = None  # None: the model config's max_position_embeddings
-    health_backoff_max: float = 8.0
-    prefill_failure: str = "retry"  # retry | local | fail (deploy.config.RecoveryConfig)
+    health_backoff_max: float = 8.0  # a down worker is polled at doubling intervals up to this
+    prefill_failure: PrefillFailure = "retry"
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     max_prompt_tokens: int | None = None  # longer prompts get 400 (None: only the context length limits them)
     max_tokens: int | None = None  # larger max_tokens gets 400; a request without one gets at most this
-    drain_timeout: float = 30.0  # on SIGTERM: the longest to wait for requests in flight
+    drain_timeout: float = DRAIN_TIMEOUT_S  # on SIGTERM: the longest to wait for requests in flight
     # Secrets stay out of repr, so a logged settings object shows none.
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key

@@ -26,6 +26,8 @@ from server_common.worker_requests import AbortRequest
 from transfer.outcome import Outcome
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+LOOPBACK_HOST = "127.0.0.1"  # every process binds here unless the cluster config names another interface
+DRAIN_TIMEOUT_S = 30.0  # on SIGTERM: the longest a process waits for its requests in flight
 
 
 def is_loopback(host: str) -> bool:

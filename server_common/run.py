@@ -1,39 +1,26 @@
-"""Starting a server process: config -> settings -> engine -> uvicorn."""
+"""Serving a process's app: logging, and uvicorn with a SIGTERM that drains first.
+
+deploy/process_cli.py reads the cluster config and hands each process its
+settings; nothing here reads the config.
+"""
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 
 import uvicorn
 
-from server_common.guard import Drain
+from server_common.guard import DRAIN_TIMEOUT_S, Drain
 
 log = logging.getLogger(__name__)
-
-
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
-    parser.add_argument("--name", required=True, help="this instance's name in the config")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def setup_logging(level: str, name: str) -> None:
     logging.basicConfig(level=level.upper(), format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
     if level != "debug":  # one line per health check and per request is noise
         logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
-def load_server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]):
-    from deploy.config import ConfigError, load_config
-
-    cluster = load_config(args.config)
-    role = cluster.role_of(args.name)
-    if role not in expected_roles:
-        raise ConfigError(f"{args.config}: instance {args.name!r} is a {role} instance, not {'/'.join(expected_roles)}")
-    return cluster.server_settings(args.name, cluster.model_path())
 
 
 class DrainingServer(uvicorn.Server):
@@ -78,7 +65,8 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, None)
 
 
-def serve(app, host: str, port: int, log_level: str, drain: Drain | None = None, drain_timeout: float = 30.0) -> None:
+def serve(app, host: str, port: int, log_level: str, drain: Drain | None = None,
+          drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
     """Run ``app`` until a signal; with ``drain``, SIGTERM drains first (see ``DrainingServer``)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=3)

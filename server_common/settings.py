@@ -1,10 +1,19 @@
-"""One frozen settings object per prefill/decode server process (from deploy.config)."""
+"""One frozen settings object per prefill/decode server process.
+
+deploy/config.py builds it from the cluster YAML; the defaults and ``Literal``
+types written here are the only copy (the config takes them from here).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from engine import EngineConfig
+from engine.config import EngineConfig, EngineMode
+from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+
+TransferBackendName = Literal["zmq", "nixl"]  # transfer's in-process backend is for tests inside one process
+KvFailureAction = Literal["fail", "local"]  # a lease expired or a checksum failed: fail it, or prefill it on D
 
 
 @dataclass(frozen=True)
@@ -14,18 +23,18 @@ class ServerSettings:
     on a decode server."""
 
     name: str
-    role: str
+    role: EngineMode
     engine: EngineConfig
-    host: str = "127.0.0.1"
+    host: str = LOOPBACK_HOST
     port: int = 8200
     kv_port: int = 8201
-    transfer_backend: str = "zmq"
+    transfer_backend: TransferBackendName = "zmq"
     lease_s: float = 30.0
     transfer_timeout_s: float = 10.0
-    lease_expiry: str = "fail"  # fail | local (deploy.config.RecoveryConfig)
-    checksum_failure: str = "fail"  # fail | local
+    lease_expiry: KvFailureAction = "fail"
+    checksum_failure: KvFailureAction = "fail"
     fault_injection: bool = False  # mount /admin/faults (tests only)
-    drain_timeout_s: float = 30.0  # on SIGTERM: the longest to wait for requests in flight
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
     internal_secret: str | None = field(default=None, repr=False)  # required on internal calls; never logged
 
     @property

@@ -12,6 +12,7 @@ from bench.metrics import RequestRecord, summarize
 from bench.plan import Candidate, EngineSettings, build_layout
 from bench.scenarios import EngineKnobs, Scenario, cluster_config, default_scenarios, parse_rates, select
 from bench.workload import Workload
+from deploy.config import parse_config
 
 from .test_bench_plan import fake_profile
 
@@ -30,10 +31,15 @@ def test_generated_configs_give_colocated_every_core_and_split_them_for_1p1d():
 
 
 def test_generated_configs_pass_the_launchers_strict_validation():
-    config = pytest.importorskip("deploy.config", reason="the serving path is not merged yet")
+    layouts = {}
     for cand in (Candidate(0, 1, 2), Candidate(1, 1, 1), Candidate(2, 1, 1)):
-        data = cluster_config(cand, "tiny", [9000, 9002, 9004, 9006], EngineKnobs())
-        config.parse_config(data, "generated")
+        cluster = parse_config(cluster_config(cand, "tiny", [9000, 9002, 9004, 9006], EngineKnobs()), "generated")
+        layouts[cand.name] = (cluster.mode, [(i.name, cluster.role_of(i.name), i.port) for i in cluster.instances()])
+    assert layouts == {
+        "colocated": ("colocated", [("c0", "colocated", 9002)]),
+        "1P1D": ("disaggregated", [("p0", "prefill", 9002), ("d0", "decode", 9004)]),
+        "2P1D": ("disaggregated", [("p0", "prefill", 9002), ("p1", "prefill", 9004), ("d0", "decode", 9006)]),
+    }
 
 
 def test_scenarios_select_scale_and_rate_overrides():

@@ -7,12 +7,10 @@ import os
 import pytest
 import yaml
 
-pytest.importorskip("deploy.launcher", reason="the serving path is not merged yet")
-
-from bench import cli  # noqa: E402
-from bench.cluster import _alive, cpu_list, free_port_pairs, launch  # noqa: E402
-from bench.plan import Candidate  # noqa: E402
-from bench.scenarios import EngineKnobs, cluster_config  # noqa: E402
+from bench import cli
+from bench.cluster import _alive, cpu_list, free_port_pairs, launch
+from bench.plan import Candidate
+from bench.scenarios import EngineKnobs, cluster_config
 
 pytestmark = pytest.mark.integration
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tests.faults.client import Call, Client, Outcome
 from tests.faults.harness import FaultCluster
+from tests.waiting import until
 
 FAULTS = ("kill_prefill", "kill_decode", "drop_notice", "delay_notice", "corrupt_block", "client_disconnect")
 STAGES = ("before_prefill", "mid_transfer", "after_first_token")
@@ -55,13 +55,6 @@ class CellResult:
                 "seconds": round(self.seconds, 1), "evidence": self.evidence,
                 "not_correct": [f"{o.kind} ({'streamed' if o.stream else 'whole'}, {o.seconds:.1f} s): {o.detail}"
                                 for o in self.outcomes if o.kind != "correct"]}
-
-
-async def until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"not reached within {timeout} s: {what}"
-        await asyncio.sleep(0.02)
 
 
 async def reach_stage(c: FaultCluster, client: Client, stage: str) -> list[Call]:

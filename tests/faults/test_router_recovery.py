@@ -4,6 +4,8 @@ workers (no servers): what starts over, where, how often, and what fails at once
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -17,6 +19,7 @@ from router.worker_client import WorkerFailed
 from server_common.worker_replies import ReprefillEvent
 from server_common.worker_requests import SamplingSpec
 from tests.serving.fakes import FakeStream, FakeWorkerClient
+from tests.waiting import until
 from transfer.outcome import Outcome
 
 SAMPLING = SamplingSpec(max_tokens=3, temperature=0)
@@ -129,17 +132,20 @@ class DecodeSays(FakeWorkerClient):
     async def open_decode(self, worker, req):
         stream = await super().open_decode(worker, req)
         if len(self.opened) == 1:
-            return Scripted(stream, self.first)
+            return Scripted(stream, self.first, prefill_started=lambda: bool(self.prefills))
         return stream
 
 
 class Scripted(FakeStream):
-    def __init__(self, stream: FakeStream, first) -> None:
+    """Sends ``first`` once the prefill server has the request, as a decode server that hears of it then."""
+
+    def __init__(self, stream: FakeStream, first, prefill_started: Callable[[], bool]) -> None:
         super().__init__(stream.worker, stream.reservation, stream.events_to_send, stream.delay)
         self.first = first
+        self.prefill_started = prefill_started
 
     async def events(self):
-        await asyncio.sleep(0.01)
+        await until(self.prefill_started, 5.0, "the prefill call started")
         if isinstance(self.first, BaseException):
             raise self.first
         yield self.first
@@ -217,11 +223,12 @@ def test_health_checks_back_off_while_a_worker_is_down():
 
 
 def test_the_health_watch_takes_a_dead_worker_out_and_brings_it_back_after_a_restart():
-    state = {"up": True, "checks": 0}
+    up = [True]
+    failed_at: list[float] = []  # when each check that found the worker down was made
 
     def handler(request):
-        state["checks"] += 1
-        if not state["up"]:
+        if not up[0]:
+            failed_at.append(time.monotonic())
             raise httpx.ConnectError("refused")
         return httpx.Response(200, json={"kv_blocks": {"free": 3}})
 
@@ -231,15 +238,17 @@ def test_the_health_watch_takes_a_dead_worker_out_and_brings_it_back_after_a_res
     async def run():
         async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
             watch = asyncio.create_task(registry.run(client))
-            state["up"] = False
-            await asyncio.sleep(0.5)
-            down, checks_while_down = d0.healthy, state["checks"]
-            state["up"] = True
-            await asyncio.sleep(0.2)
+            up[0] = False
+            await until(lambda: len(failed_at) >= 6, 5.0, "six checks of the dead worker")
+            down = not d0.healthy
+            up[0] = True
+            await until(lambda: d0.healthy, 5.0, "the worker back in rotation")
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
-            return down, checks_while_down
+            return down
 
-    down, checks = asyncio.run(run())
-    assert not down and d0.healthy and d0.free_blocks == 3
-    assert checks < 0.5 / 0.02 / 2  # backed off: far fewer checks than one per interval
+    assert asyncio.run(run())
+    assert d0.healthy and d0.free_blocks == 3
+    # Backed off: the waits between checks double from the interval up to backoff_max (never shorter).
+    gaps = [round(b - a, 3) for a, b in zip(failed_at[:6], failed_at[1:6])]
+    assert all(gap >= least - 0.001 for gap, least in zip(gaps, [0.02, 0.04, 0.08, 0.08, 0.08], strict=True)), gaps

@@ -15,6 +15,7 @@ from router.registry import Worker, WorkerRegistry
 from server_common.guard import Drain
 from server_common.worker_requests import SamplingSpec
 from tests.serving.fakes import FakeWorkerClient
+from tests.waiting import until
 
 SAMPLING = SamplingSpec(max_tokens=2, temperature=0)
 
@@ -44,7 +45,7 @@ def test_a_full_waiting_room_is_a_429_at_once_with_retry_after():
     async def run():
         first = await dispatcher.start("r1", [1], SAMPLING)
         waiter = asyncio.create_task(dispatcher.start("r2", [1], SAMPLING))
-        await asyncio.sleep(0.01)
+        await until(lambda: dispatcher.admission.waiting == 1, 5.0, "r2 in the waiting room")
         loop = asyncio.get_running_loop()
         started = loop.time()
         with pytest.raises(OpenAIError) as info:
@@ -68,7 +69,7 @@ def test_a_waiter_gets_the_slot_a_finished_request_frees_without_polling():
     async def run():
         first = await dispatcher.start("r1", [1], SAMPLING)
         waiter = asyncio.create_task(dispatcher.start("r2", [1], SAMPLING))
-        await asyncio.sleep(0.01)
+        await until(lambda: dispatcher.admission.waiting == 1, 5.0, "r2 in the waiting room")
         assert not waiter.done() and workers[1].inflight == 1
         await finish(first)
         second = await asyncio.wait_for(waiter, 1.0)  # woken by the freed slot, not by the 60 s poll
@@ -100,7 +101,7 @@ def test_a_prefill_slot_frees_when_the_prefill_ends_not_when_the_request_does():
         first = await dispatcher.start("r1", [1, 2, 3], SAMPLING)  # needs the prefill server
         local = await dispatcher.start("r2", [1], SAMPLING)  # prefilled on d0: no prefill slot needed
         waiter = asyncio.create_task(dispatcher.start("r3", [1, 2, 3], SAMPLING))
-        await asyncio.sleep(0.01)
+        await until(lambda: dispatcher.admission.waiting == 1, 5.0, "r3 in the waiting room")
         assert not waiter.done() and dispatcher.admission.prefills_pending == 1
         deltas = first.deltas()
         await anext(deltas)  # r1's prefill ran; its decode goes on

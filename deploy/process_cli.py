@@ -1,0 +1,77 @@
+"""`pdserve router|prefill|decode --config FILE`: one process of a cluster config.
+
+The cluster YAML is read here, in deploy/, and each process's entry function
+gets only its frozen settings: ``RouterSettings`` for router/cli.py,
+``ServerSettings`` for prefill_server/cli.py and decode_server/cli.py. No
+package below deploy/ reads the cluster config itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+
+
+def add_parsers(subparsers) -> None:
+    p = subparsers.add_parser(
+        "router", help="run the OpenAI-compatible router of a cluster config",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics, "
+                    "dispatching to the config's prefill and decode servers.",
+    )
+    p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.set_defaults(func=run_router)
+
+    _add_server_parser(
+        subparsers, "prefill", run_prefill, "run one prefill server of a cluster config",
+        "Run the prefill instance NAME of a cluster config: engine thread in prefill mode, KV "
+        "sender and the HTTP control plane (/prefill, /abort, /health, /metrics).",
+    )
+    _add_server_parser(
+        subparsers, "decode", run_decode, "run one decode (or colocated) server of a cluster config",
+        "Run the decode or colocated instance NAME of a cluster config: engine thread, KV "
+        "receiver and the HTTP control plane (/generate, /abort, /health, /metrics).",
+    )
+
+
+def _add_server_parser(subparsers, command: str, func, help: str, description: str) -> None:
+    p = subparsers.add_parser(command, help=help, description=description)
+    p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
+    p.add_argument("--name", required=True, help="this instance's name in the config")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.set_defaults(func=func)
+
+
+def run_router(args: argparse.Namespace) -> int:
+    from deploy.config import load_config
+    from router.cli import run
+    from server_common.run import setup_logging
+
+    setup_logging(args.log_level, "router")
+    cluster = load_config(args.config)
+    return run(cluster.router_settings(cluster.model_path()), args.log_level)
+
+
+def run_prefill(args: argparse.Namespace) -> int:
+    from prefill_server.cli import run
+
+    return run(_server_settings(args, ("prefill",)), args.log_level)
+
+
+def run_decode(args: argparse.Namespace) -> int:
+    from decode_server.cli import run
+
+    return run(_server_settings(args, ("decode", "colocated")), args.log_level)
+
+
+def _server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]):
+    from deploy.config import ConfigError, load_config
+    from server_common.run import setup_logging
+
+    setup_logging(args.log_level, args.name)
+    cluster = load_config(args.config)
+    role = cluster.role_of(args.name)
+    if role not in expected_roles:
+        raise ConfigError(f"{args.config}: instance {args.name!r} is a {role} instance, not {'/'.join(expected_roles)}")
+    return cluster.server_settings(args.name, cluster.model_path())
