@@ -70,6 +70,12 @@ class FaultyBackend(Backend):
     def metadata(self) -> bytes:
         return self.inner.metadata()
 
+    def metadata_for(self, peer: str) -> bytes:
+        return self.inner.metadata_for(peer)
+
+    def set_write_limit(self, limit) -> None:
+        self.inner.set_write_limit(limit)
+
     def connect(self, peer: str, metadata: bytes) -> None:
         self.inner.connect(peer, metadata)
 
