@@ -33,6 +33,7 @@ from server_common.kv_port import KVReceiverPort
 from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
 from server_common.streams import StreamHub
+from server_common.vitals import Vitals
 from server_common.worker_replies import (
     ErrorEvent,
     HealthReport,
@@ -96,6 +97,10 @@ class DecodeService:
         self.faults = faults
         self.engine = EngineThread(engine, self._emit, settings.name)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot)
+        self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
+        self.vitals.add(self.engine.problem)
+        if receiver is not None:
+            self.vitals.add(receiver.problem)
         if receiver is not None:
             self.metrics.watch_transfers(receiver.counters)
         self._receiver = receiver

@@ -32,6 +32,7 @@ from server_common.guard import Drain
 from server_common.kv_port import KVSenderPort
 from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
+from server_common.vitals import Vitals
 from server_common.worker_replies import HealthReport, KVBlocks, PrefillResult
 from server_common.worker_requests import PrefillRequest
 
@@ -79,6 +80,10 @@ class PrefillService:
         engine.layer_hook = self._on_layer
         self.engine = EngineThread(engine, self._on_outputs, settings.name)
         self.metrics = ServerMetrics(lambda: self.engine.snapshot)
+        self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
+        self.vitals.add(self.engine.problem)
+        if sender is not None:
+            self.vitals.add(sender.problem)
         self._sender = sender
         self._bytes_per_token = engine.cache.bytes_per_token
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only

@@ -111,6 +111,9 @@ class ReceiverAdapter:
     def counters(self) -> dict[str, int]:
         return self._receiver.counters()
 
+    def problem(self, stuck_after_s: float) -> str | None:
+        return self._receiver.problem(stuck_after_s)
+
     def close(self) -> None:
         if self._poller is not None:
             self._poller.stop()
@@ -169,6 +172,9 @@ class SenderAdapter:
 
     def abort(self, transfer_id: str) -> None:
         self._sender.abort(transfer_id)
+
+    def problem(self, stuck_after_s: float) -> str | None:
+        return self._sender.problem(stuck_after_s)
 
     def close(self) -> None:
         if self._poller is not None:

@@ -38,6 +38,9 @@ class ScriptedReceiver:
     def counters(self) -> dict[str, int]:
         return {"dropped_expired": 2}
 
+    def problem(self, stuck_after_s: float) -> str | None:
+        return None
+
     def close(self) -> None:
         pass
 

@@ -38,6 +38,9 @@ class ScriptedSender:
     def abort(self, tid) -> None:
         self.calls.append(("abort", tid))
 
+    def problem(self, stuck_after_s: float) -> str | None:
+        return None
+
     def close(self) -> None:
         pass
 
