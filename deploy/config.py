@@ -30,6 +30,7 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 
 from deploy.config_security import ConfigError, SecurityConfig, Strict, looks_secret
 from deploy.models import is_builtin, resolve_model
+from deploy.supervisor import RestartConfig
 from router.settings import RouterSettings, WorkerSpec
 from server_common.guard import is_loopback
 
@@ -93,6 +94,10 @@ class RouterConfig(Strict):
     max_prompt_tokens: int | None = Field(default=None, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
     api_keys: list[SecretStr] = Field(default_factory=list)
+    # Slow and greedy clients (router/connections.py): closed past these.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    max_connections_per_client: int = Field(default=256, ge=1)
 
 
 class RecoveryConfig(Strict):
@@ -132,6 +137,7 @@ class ClusterConfig(Strict):
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    restart: RestartConfig = RestartConfig()  # pdserve launch restarts a failed process (deploy/supervisor.py)
     # Test hook, off by default: servers mount /admin/faults to inject faults deterministically.
     fault_injection: bool = False
     prefill: list[Instance] = Field(default_factory=list)
@@ -222,7 +228,8 @@ class ClusterConfig(Strict):
             max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
             drain_timeout=self.drain_timeout_s, api_keys=tuple(k.get_secret_value() for k in r.api_keys),
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
-            prefill_failure=self.recovery.prefill_failure,
+            prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
+            body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
         )
 
     def server_settings(self, name: str, model_path: Path):
@@ -250,6 +257,7 @@ class ClusterConfig(Strict):
             lease_expiry=self.recovery.lease_expiry, checksum_failure=self.recovery.checksum_failure,
             fault_injection=self.fault_injection, drain_timeout_s=self.drain_timeout_s,
             internal_secret=self.security.secret(),
+            decode_peers=tuple((i.name, self.url_of(i)) for i in self.decode),
         )
 
 

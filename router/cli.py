@@ -25,5 +25,6 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_config(args.config)
     settings = cluster.router_settings(cluster.model_path())
     app = create_app(settings)
-    serve(app, settings.host, settings.port, args.log_level, app.state.drain, settings.drain_timeout)
+    serve(app, settings.host, settings.port, args.log_level, app.state.drain, settings.drain_timeout,
+          http=app.state.connections.protocol_class())
     return 0

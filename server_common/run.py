@@ -78,10 +78,12 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, None)
 
 
-def serve(app, host: str, port: int, log_level: str, drain: Drain | None = None, drain_timeout: float = 30.0) -> None:
-    """Run ``app`` until a signal; with ``drain``, SIGTERM drains first (see ``DrainingServer``)."""
+def serve(app, host: str, port: int, log_level: str, drain: Drain | None = None, drain_timeout: float = 30.0,
+          http: type | str = "auto") -> None:
+    """Run ``app`` until a signal; with ``drain``, SIGTERM drains first (see ``DrainingServer``).
+    ``http``: uvicorn's protocol (the router passes ``router.connections``' guarded one)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=3)
+                            timeout_graceful_shutdown=3, http=http)
     server = DrainingServer(config, drain, drain_timeout) if drain is not None else uvicorn.Server(config)
     try:
         server.run()
