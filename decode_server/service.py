@@ -259,9 +259,11 @@ class DecodeService:
         if pending is None:
             log.info("ignoring the end of unknown transfer %s", transfer_id)
             return
-        if error is None and first_token is not None:
+        if error is None and first_token is not None and first_token < e.hf_config.vocab_size:
             self._emit([e.admit_remote(pending.request_id, first_token)])
             return
+        if error is None:  # a notice whose first token no model of ours has
+            error, code = f"first token {first_token} is outside the vocabulary", "bad_notice"
         e.abort(pending.request_id)  # the receiver reported the id: no write can land in these blocks now
         self._remote_kv_failed(e, pending, failure_kind(code, error), error)
 

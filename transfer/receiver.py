@@ -27,7 +27,7 @@ import torch
 
 from transfer.backend import Backend, Dropped, NoticeIn, PeerLost, TransferError, WriteIn
 from transfer.copy import region_bytes
-from transfer.integrity import Expected, TransferRegistry, checksum_positions, kv_checksum
+from transfer.integrity import CHECKSUM_MODES, Expected, TransferRegistry, checksum_positions, kv_checksum
 from transfer.layout import KVLayout, check_compatible
 from transfer.messages import Ack, Cancel, CancelAck, Done, Hello, decode, encode
 from transfer.plan import ranges_inside
@@ -209,6 +209,8 @@ class KVReceiver(TransferThread):
     def _verify(self, entry: Expected, done: Done) -> tuple[bool, str, str]:
         """(ok, reason, Failed.code)."""
         capacity = len(entry.block_ids) * self._layout.block_size
+        if done.checksum_mode not in CHECKSUM_MODES or not 0 <= done.first_token < 1 << 31:
+            return False, "bad checksum mode or first token", "bad_notice"
         if not 0 <= done.token_start <= done.token_end <= capacity:
             return False, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots", "bad_notice"
         if not set(done.heads) <= set(self._layout.head_ids):
