@@ -31,6 +31,7 @@ from server_common.faults import FaultInjector
 from server_common.guard import Drain
 from server_common.kv_port import KVReceiverPort
 from server_common.metrics import ServerMetrics
+from server_common.quota import UnfilledBlocks
 from server_common.settings import ServerSettings
 from server_common.streams import StreamHub
 from server_common.vitals import Vitals
@@ -105,6 +106,7 @@ class DecodeService:
             self.metrics.watch_transfers(receiver.counters)
         self._receiver = receiver
         self._awaiting: dict[str, Awaiting] = {}  # transfer id -> reservation; engine thread only
+        self.unfilled = UnfilledBlocks(settings.max_unfilled_blocks_per_caller)  # engine thread only
         self._cancelling: dict[str, str] = {}  # cancelled, waiting for the receiver to confirm; engine thread only
         self._active: dict[str, Active] = {}  # event loop only
         self._hub: StreamHub | None = None
@@ -128,8 +130,9 @@ class DecodeService:
         return await asyncio.to_thread(self._receiver.accept, hello)
 
     # ---- requests -------------------------------------------------------------
-    async def open(self, req: GenerateRequest) -> tuple[ReservationEvent, Active]:
-        """Admit a request: reserve blocks (remote prefill) or queue it (local prefill)."""
+    async def open(self, req: GenerateRequest, caller: str = "") -> tuple[ReservationEvent, Active]:
+        """Admit a request: reserve blocks (remote prefill) or queue it (local prefill).
+        ``caller`` (its address) is what ``server_common.quota`` counts unfilled blocks by."""
         rid = req.request_id
         if rid in self._active:
             raise Refused(409, f"request id {rid!r} is already active", "duplicate_request")
@@ -147,7 +150,7 @@ class DecodeService:
                 await self.engine.run(lambda e: e.add_request(rid, req.prompt_token_ids, sampling))
                 self.metrics.requests.labels(outcome="local_prefill").inc()
                 return ReservationEvent(reservation=None), active
-            reservation = await self._reserve(req, sampling, active)
+            reservation = await self._reserve(req, sampling, active, caller)
             return ReservationEvent(reservation=reservation), active
         except NoCapacityError as exc:
             self._forget(active)
@@ -160,18 +163,24 @@ class DecodeService:
             self._forget(active)
             raise
 
-    async def _reserve(self, req: GenerateRequest, sampling: SamplingParams, active: Active) -> Reservation:
+    async def _reserve(self, req: GenerateRequest, sampling: SamplingParams, active: Active,
+                       caller: str = "") -> Reservation:
         rid, lease_s = req.request_id, self.settings.lease_s
         deadline = time.time() + lease_s
         receiver = self._receiver
 
         def reserve(e: LLMEngine) -> tuple[list[int], str]:
             block_ids = e.reserve(rid, req.prompt_token_ids, sampling)
+            if not self.unfilled.fits(caller, len(block_ids)):
+                e.abort(rid)
+                raise NoCapacityError(f"this caller already holds {self.unfilled.held(caller)} reserved blocks "
+                                      f"waiting for KV (at most {self.unfilled.limit})")
             try:
                 transfer_id = receiver.expect(block_ids, lease_s)
             except BaseException:
                 e.abort(rid)
                 raise
+            self.unfilled.claim(caller, transfer_id, len(block_ids))
             self._awaiting[transfer_id] = Awaiting(rid, req.prompt_token_ids, sampling)
             return block_ids, transfer_id
 
@@ -238,7 +247,7 @@ class DecodeService:
     def _drop(self, e: LLMEngine, request_id: str, transfer_id: str | None) -> None:
         """The request's client left. A reservation still waiting for KV is cancelled
         first and freed once the receiver reports the id ended (no write can land)."""
-        if transfer_id is not None and self._awaiting.pop(transfer_id, None) is not None:
+        if transfer_id is not None and self._take_awaiting(transfer_id) is not None:
             self._cancelling[transfer_id] = request_id
             self._receiver.cancel(transfer_id)
             return
@@ -255,7 +264,7 @@ class DecodeService:
         if cancelled is not None:
             e.abort(cancelled)
             return
-        pending = self._awaiting.pop(transfer_id, None)
+        pending = self._take_awaiting(transfer_id)
         if pending is None:
             log.info("ignoring the end of unknown transfer %s", transfer_id)
             return
@@ -266,6 +275,11 @@ class DecodeService:
             error, code = f"first token {first_token} is outside the vocabulary", "bad_notice"
         e.abort(pending.request_id)  # the receiver reported the id: no write can land in these blocks now
         self._remote_kv_failed(e, pending, failure_kind(code, error), error)
+
+    def _take_awaiting(self, transfer_id: str) -> Awaiting | None:
+        """The reservation leaves the waiting state: its blocks no longer count as unfilled."""
+        self.unfilled.release(transfer_id)
+        return self._awaiting.pop(transfer_id, None)
 
     def _remote_kv_failed(self, e: LLMEngine, pending: Awaiting, kind: str, error: str | None) -> None:
         """The blocks are free. Fail the request, or prefill it here (recovery config)."""
@@ -285,7 +299,7 @@ class DecodeService:
 
     def _backstop(self, transfer_id: str) -> None:
         def expire(e: LLMEngine) -> None:
-            pending = self._awaiting.pop(transfer_id, None)
+            pending = self._take_awaiting(transfer_id)
             rid = pending.request_id if pending is not None else self._cancelling.pop(transfer_id, None)
             if rid is None:
                 return  # ended normally

@@ -258,6 +258,7 @@ class ClusterConfig(Strict):
             fault_injection=self.fault_injection, drain_timeout_s=self.drain_timeout_s,
             internal_secret=self.security.secret(),
             decode_peers=tuple((i.name, self.url_of(i)) for i in self.decode),
+            max_unfilled_blocks_per_caller=self.security.max_unfilled_blocks_per_caller,
         )
 
 

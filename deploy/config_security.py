@@ -40,6 +40,8 @@ class SecurityConfig(Strict):
 
     internal_secret: SecretStr | None = Field(default=None, min_length=16)
     internal_secret_file: str | None = None
+    # Blocks one caller may hold reserved and not yet filled on a decode server (server_common/quota.py).
+    max_unfilled_blocks_per_caller: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _one_source(self) -> SecurityConfig:

@@ -69,6 +69,7 @@ class EngineThread:
         self.snapshot = take_snapshot(engine)
         self.error: BaseException | None = None  # set if a step failed: the server is broken
         self.last_round = time.monotonic()  # when the loop last went round (between two steps at most)
+        self._stepping = False  # inside engine.step()
 
     def start(self) -> None:
         self._thread.start()
@@ -87,7 +88,7 @@ class EngineThread:
         if self._thread.ident is not None and not self.alive and not self._stopping.is_set():
             return f"engine thread died: {self.error!r}"
         stalled = time.monotonic() - self.last_round
-        if stalled > stuck_after_s and (self.snapshot.num_requests or not self._calls.empty()):
+        if stalled > stuck_after_s and (self._stepping or self.snapshot.num_requests or not self._calls.empty()):
             return f"engine thread made no progress for {stalled:.0f} s with work queued"
         return None
 
@@ -127,7 +128,9 @@ class EngineThread:
             while not self._stopping.is_set():
                 self._run_calls(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
+                    self._stepping = True
                     outputs = self.engine.step()
+                    self._stepping = False
                     if outputs:
                         self._on_outputs(outputs)
                 self.snapshot = take_snapshot(self.engine)
