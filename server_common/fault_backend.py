@@ -49,6 +49,8 @@ class FaultyBackend(Backend):
         self.inner.send_notice(peer, payload)
 
     def poll(self, timeout_s: float = 0.0):
+        if self._faults.take("break_transport"):
+            raise RuntimeError("fault injection: the transport broke")
         while self._delayed and self._delayed[0][0] <= time.monotonic():
             _, peer, payload = self._delayed.popleft()
             try:

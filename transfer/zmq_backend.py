@@ -213,7 +213,7 @@ class ZmqBackend(Backend):
             peer = self._peer_of.get(identity)
             if peer is None or not self._router.getsockopt(zmq.RCVMORE):
                 self._discard_rest(self._router)
-                out.append(Dropped(identity.hex()[:64], "unbound_identity" if peer is None else "malformed"))
+                out.append(Dropped(peer or identity.hex()[:64], "unbound_identity" if peer is None else "malformed"))
                 continue
             head = self._router.recv()
             if not self._router.getsockopt(zmq.RCVMORE):

@@ -1,5 +1,6 @@
 """A 1P1D cluster under `pdserve launch` (restart on, a generated internal
-secret, tight router connection limits) that the attack tests share."""
+secret, tight router connection limits, the fault hook to break a transfer
+thread) that the attack tests share."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ class Target:
 def target(tmp_path_factory, tiny_model):
     folder = tmp_path_factory.mktemp("attacked")
     config = make_config(folder, "tiny-1p1d", tiny_model, {
-        "drain_timeout_s": 5, "restart": {"backoff_s": 0.2},
+        "drain_timeout_s": 5, "restart": {"backoff_s": 0.2}, "fault_injection": True,
         "router": {"header_timeout_s": HEADER_TIMEOUT_S, "max_connections_per_client": MAX_CONNECTIONS}})
     cluster = Cluster(config, folder)
     yield Target(cluster, config)

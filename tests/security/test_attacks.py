@@ -56,13 +56,18 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
-def open_reservation(target, rid: str) -> tuple[httpx.Response, dict]:
-    """A /generate stream on d0 (with the secret, as the router would); its first line."""
-    body = {"request_id": rid, "prompt_token_ids": list(range(3, 40)), "sampling": {"max_tokens": 4}}
-    stream = target.cluster.http.stream("POST", f"{target.cluster.server('d0')['url']}/generate", json=body)
-    resp = stream.__enter__()
-    first = json.loads(next(resp.iter_lines()))
-    return stream, first["reservation"]
+class Reservation:
+    """A /generate stream held open on d0 (with the secret, as the router would): its reservation."""
+
+    def __init__(self, target, rid: str) -> None:
+        body = {"request_id": rid, "prompt_token_ids": list(range(3, 40)), "sampling": {"max_tokens": 4}}
+        self._stream = target.cluster.http.stream("POST", f"{target.cluster.server('d0')['url']}/generate",
+                                                  json=body)
+        self._lines = self._stream.__enter__().iter_lines()  # kept: dropping it would close the stream
+        self.transfer_id = json.loads(next(self._lines))["reservation"]["transfer_id"]
+
+    def close(self) -> None:
+        self._stream.__exit__(None, None, None)
 
 
 def test_an_oversized_write_header_is_dropped_before_allocating_and_the_server_keeps_serving(target, tiny_model):
@@ -73,13 +78,13 @@ def test_an_oversized_write_header_is_dropped_before_allocating_and_the_server_k
                                                                                    target.layout)).decode()})
     assert answer.status_code == 200
     sock = bound_socket(ctx, base64.b64decode(answer.json()["hello"]))
-    stream, reservation = open_reservation(target, "victim")
+    reservation = Reservation(target, "victim")
     try:
         for _ in range(20):  # used to kill the transfer thread at the first one
-            sock.send_multipart(write_frames(reservation["transfer_id"], 0, [0], [16], nbytes=1 << 50))
+            sock.send_multipart(write_frames(reservation.transfer_id, 0, [0], [16], nbytes=1 << 50))
         assert not ping(sock, "sync").ok
     finally:
-        stream.__exit__(None, None, None)
+        reservation.close()
         sock.close()
         ctx.term()
     assert discarded(target, "oversized") - before == 20
@@ -188,3 +193,24 @@ def test_slow_and_piled_up_connections_are_closed_by_the_router(target, tiny_mod
     assert (after["too_many"] - before["too_many"]) + (after["header_timeout"] - before["header_timeout"]) \
         >= MAX_CONNECTIONS + 4
     still_correct(target, tiny_model, n=1)
+
+
+def test_servers_whose_transfer_thread_died_exit_and_are_restarted_by_the_launcher(target, tiny_model):
+    """Last in this module: it restarts both servers."""
+    cluster = target.cluster
+    for name in ("d0", "p0"):
+        armed = cluster.http.post(f"{cluster.server(name)['url']}/admin/faults", json={"break_transport": 1})
+        assert armed.status_code == 200
+
+    def restarted() -> list[dict]:
+        path = cluster.run_dir / "restarts.json"
+        return json.loads(path.read_text())["restarts"] if path.exists() else []
+
+    wait_until(lambda: len([r for r in restarted() if r["back_after_s"] is not None]) == 2, timeout=90)
+    assert sorted((r["name"], r["exit_status"]) for r in restarted()) == [("d0", 70), ("p0", 70)]
+    for name in ("d0", "p0"):
+        log = (cluster.run_dir / f"{name}.log").read_text()
+        assert "transfer thread died: RuntimeError('fault injection: the transport broke')" in log
+        assert "exiting with status 70" in log
+    wait_until(lambda: all(w["healthy"] for w in cluster.http.get(f"{cluster.router_url}/health").json()["workers"]))
+    still_correct(target, tiny_model, n=2)
