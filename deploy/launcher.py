@@ -167,7 +167,9 @@ class Cluster:
         manifest = {"config": str(self.config_path), "router_url": self.cluster.router_url,
                     "model": self.cluster.model_name, "launcher_pid": os.getpid(),
                     "processes": [p.describe() for p in self.procs]}
-        path.write_text(json.dumps(manifest, indent=2) + "\n")
+        tmp = path.with_suffix(".json.tmp")  # rewritten on every restart: readers never see half of it
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, path)
         return path
 
 

@@ -26,6 +26,7 @@ whole cluster, as a launcher without supervision would.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -140,9 +141,12 @@ class Supervisor:
                           "it failed")
 
     def _write(self) -> None:
+        """Atomically (a reader never sees half a file)."""
         path = self._cluster.run_dir / "restarts.json"
-        path.write_text(json.dumps({"counts": self.counts, "restarts": [asdict(r) for r in self.restarts]},
-                                   indent=1) + "\n")
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"counts": self.counts, "restarts": [asdict(r) for r in self.restarts]},
+                                  indent=1) + "\n")
+        os.replace(tmp, path)
 
     def close(self) -> None:
         self._http.close()
