@@ -27,7 +27,8 @@ class ServerSettings:
     fault_injection: bool = False  # mount /admin/faults (tests only)
     drain_timeout_s: float = 30.0  # on SIGTERM: the longest to wait for requests in flight
     internal_secret: str | None = field(default=None, repr=False)  # required on internal calls; never logged
-    decode_peers: tuple[tuple[str, str], ...] = ()  # (name, url) of the cluster's decode servers: handshakes go there only
+    # (name, url) of the cluster's decode servers: a prefill server's handshakes go there only
+    decode_peers: tuple[tuple[str, str], ...] = ()
     max_unfilled_blocks_per_caller: int | None = None  # server_common.quota (None: only the cache bounds it)
     max_body_bytes: int = 16 << 20  # larger bodies get 413 before they are read (a 1M-token prompt fits)
     stuck_after_s: float = 60.0  # /health: a thread with work that made no progress this long is stuck

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import os
 import socket
 import stat

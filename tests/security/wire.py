@@ -14,7 +14,8 @@ ACK_TIMEOUT_MS = 10_000
 
 def sender_hello(name: str, model: str, layout: KVLayout) -> bytes:
     """A prefill-side hello for the ZeroMQ backend, as KVSender makes it."""
-    return encode(Hello("prefill", name, model, layout, "zmq", msgspec.msgpack.encode({"name": name, "endpoint": None})))
+    meta = msgspec.msgpack.encode({"name": name, "endpoint": None})
+    return encode(Hello("prefill", name, model, layout, "zmq", meta))
 
 
 def connect_as(ctx: zmq.Context, endpoint: str, identity: bytes) -> zmq.Socket:
