@@ -4,7 +4,8 @@ kill -9 at random moments (each of the four once, in random order, so that
 for a while no prefill or no decode server may be left).
 Every 200 equals transformers, every failure is a clear error, no request
 hangs past the lease, every killed server is restarted and back in rotation,
-and once idle no block is reserved or running. The counts are printed and
+and once idle no block is reserved or running; stopping the launcher then
+stops every process, restarted ones included. The counts are printed and
 written to RUN_DIR/chaos.json."""
 
 from __future__ import annotations
@@ -141,6 +142,12 @@ def test_kill_9_of_random_servers_under_load_costs_no_wrong_answer_and_no_block(
         assert load.counts["correct"] > 0
         assert load.slowest_s < LEASE_S + 15
         assert sorted(r["name"] for r in restarts(cluster)) == sorted(killed)
+        pids = [p["pid"] for p in manifest(cluster)["processes"]]  # the restarted ones among them
+        cluster.launcher.send_signal(signal.SIGTERM)
+        assert cluster.launcher.wait(30) == 0
+        for pid in pids:  # stopping the launcher still stops every process, restarted or not
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
     finally:
         load._stop.set()
         cluster.stop()
