@@ -34,8 +34,10 @@ from server_common.faults import FaultInjector
 from server_common.guard import Drain
 from server_common.kv_port import KVReceiverPort, ReceiverFactory
 from server_common.metrics import ServerMetrics
+from server_common.quota import UnfilledBlocks
 from server_common.settings import ServerSettings
 from server_common.streams import StreamHub
+from server_common.vitals import Vitals
 from server_common.worker_replies import (
     ErrorEvent,
     HealthReport,
@@ -85,11 +87,15 @@ class GenerationService:
         self.engine_thread = EngineThread(engine, self._emit, settings.name,
                                           between_steps=self._collect_transfers if make_receiver else None)
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
+        self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
+        self.vitals.add(self.engine_thread.problem)
         self._receiver: KVReceiverPort | None = None
         if make_receiver is not None:
             self._receiver = make_receiver(self.engine_thread.wake)
+            self.vitals.add(self._receiver.problem)
             self.metrics.watch_transfers(self._receiver.counters)
         self._awaiting: dict[str, Awaiting] = {}  # transfer id -> reservation; engine thread only
+        self.unfilled = UnfilledBlocks(settings.max_unfilled_blocks_per_caller)  # engine thread only
         self._cancelling: dict[str, str] = {}  # cancelled, waiting for the receiver to confirm; engine thread only
         self._active: dict[str, Active] = {}  # event loop only
         self._hub: StreamHub | None = None
@@ -113,8 +119,9 @@ class GenerationService:
         return await asyncio.to_thread(self._receiver.accept, hello)
 
     # ---- requests -------------------------------------------------------------
-    async def open(self, req: GenerateRequest) -> tuple[ReservationEvent, Active]:
-        """Admit a request: reserve blocks (remote prefill) or queue it (local prefill)."""
+    async def open(self, req: GenerateRequest, caller: str = "") -> tuple[ReservationEvent, Active]:
+        """Admit a request: reserve blocks (remote prefill) or queue it (local prefill).
+        ``caller`` (its address) is what ``server_common.quota`` counts unfilled blocks by."""
         rid = req.request_id
         if rid in self._active:
             raise WorkerError(409, f"request id {rid!r} is already active", Outcome.DUPLICATE_REQUEST)
@@ -132,7 +139,7 @@ class GenerationService:
                 await self.engine_thread.run(lambda e: e.add_request(rid, req.prompt_token_ids, sampling))
                 self.metrics.requests.labels(outcome="local_prefill").inc()
                 return ReservationEvent(reservation=None), active
-            reservation = await self._reserve(req, sampling, active)
+            reservation = await self._reserve(req, sampling, active, caller)
             return ReservationEvent(reservation=reservation), active
         except NoCapacityError as exc:
             self._forget(active)
@@ -145,18 +152,24 @@ class GenerationService:
             self._forget(active)
             raise
 
-    async def _reserve(self, req: GenerateRequest, sampling: SamplingParams, active: Active) -> Reservation:
+    async def _reserve(self, req: GenerateRequest, sampling: SamplingParams, active: Active,
+                       caller: str = "") -> Reservation:
         rid, lease_s = req.request_id, self.settings.lease_s
         deadline = time.time() + lease_s
         receiver = self._receiver
 
         def reserve(e: LLMEngine) -> tuple[list[int], str]:
             block_ids = e.reserve(rid, req.prompt_token_ids, sampling)
+            if not self.unfilled.fits(caller, len(block_ids)):
+                e.abort(rid)
+                raise NoCapacityError(f"this caller already holds {self.unfilled.held(caller)} reserved blocks "
+                                      f"waiting for KV (at most {self.unfilled.limit})")
             try:
                 transfer_id = receiver.expect(block_ids, lease_s)
             except BaseException:
                 e.abort(rid)
                 raise
+            self.unfilled.claim(caller, transfer_id, len(block_ids))
             self._awaiting[transfer_id] = Awaiting(rid, req.prompt_token_ids, sampling)
             return block_ids, transfer_id
 
@@ -223,7 +236,7 @@ class GenerationService:
     def _drop(self, e: LLMEngine, request_id: str, transfer_id: str | None) -> None:
         """The request's client left. A reservation still waiting for KV is cancelled
         first and freed once the receiver reports the id ended (no write can land)."""
-        if transfer_id is not None and self._awaiting.pop(transfer_id, None) is not None:
+        if transfer_id is not None and self._take_awaiting(transfer_id) is not None:
             self._cancelling[transfer_id] = request_id
             self._receiver.cancel(transfer_id)
             return
@@ -239,15 +252,23 @@ class GenerationService:
         if cancelled is not None:
             e.abort(cancelled)
             return
-        pending = self._awaiting.pop(ended.transfer_id, None)
+        pending = self._take_awaiting(ended.transfer_id)
         if pending is None:
             log.info("ignoring the end of unknown transfer %s", ended.transfer_id)
             return
-        if ended.ok:
+        outcome, reason = ended.outcome, ended.reason
+        if ended.ok and ended.first_token < e.hf_config.vocab_size:
             self._emit(e, [e.admit_remote(pending.request_id, ended.first_token)])
             return
+        if ended.ok:  # a notice whose first token no model of ours has
+            outcome, reason = Outcome.BAD_NOTICE, f"first token {ended.first_token} is outside the vocabulary"
         e.abort(pending.request_id)  # the receiver reported the id: no write can land in these blocks now
-        self._remote_kv_failed(e, pending, ended.outcome, ended.reason)
+        self._remote_kv_failed(e, pending, outcome, reason)
+
+    def _take_awaiting(self, transfer_id: str) -> Awaiting | None:
+        """The reservation leaves the waiting state: its blocks no longer count as unfilled."""
+        self.unfilled.release(transfer_id)
+        return self._awaiting.pop(transfer_id, None)
 
     def _remote_kv_failed(self, e: LLMEngine, pending: Awaiting, outcome: Outcome, reason: str) -> None:
         """The blocks are free. Fail the request, or prefill it here (recovery config)."""
@@ -268,7 +289,7 @@ class GenerationService:
 
     def _backstop(self, transfer_id: str) -> None:
         def expire(e: LLMEngine) -> None:
-            pending = self._awaiting.pop(transfer_id, None)
+            pending = self._take_awaiting(transfer_id)
             rid = pending.request_id if pending is not None else self._cancelling.pop(transfer_id, None)
             if rid is None:
                 return  # ended normally

@@ -37,6 +37,7 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 
 from deploy.config_security import ConfigError, SecurityConfig, Strict, looks_secret
 from deploy.models import is_builtin, resolve_model
+from deploy.supervisor import RestartConfig
 from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
 from router.settings import PolicyName, PrefillFailure, RouterSettings, WorkerSpec
 from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
@@ -102,6 +103,10 @@ class RouterConfig(Strict):
     max_prompt_tokens: int | None = Field(default=RouterSettings.max_prompt_tokens, ge=1)
     max_tokens: int | None = Field(default=RouterSettings.max_tokens, ge=1)
     api_keys: list[SecretStr] = Field(default_factory=list)
+    # Slow and greedy clients (router/connections.py): closed past these.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    max_connections_per_client: int = Field(default=256, ge=1)
 
 
 class RecoveryConfig(Strict):
@@ -141,6 +146,7 @@ class ClusterConfig(Strict):
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    restart: RestartConfig = RestartConfig()  # pdserve launch restarts a failed process (deploy/supervisor.py)
     # Test hook, off by default: servers mount /admin/faults to inject faults deterministically.
     fault_injection: bool = ServerSettings.fault_injection
     prefill: list[Instance] = Field(default_factory=list)
@@ -233,7 +239,8 @@ class ClusterConfig(Strict):
             max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
             drain_timeout=self.drain_timeout_s, api_keys=tuple(k.get_secret_value() for k in r.api_keys),
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
-            prefill_failure=self.recovery.prefill_failure,
+            prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
+            body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
         )
 
     def server_settings(self, name: str, model_path: Path) -> ServerSettings:
@@ -258,6 +265,8 @@ class ClusterConfig(Strict):
             lease_expiry=self.recovery.lease_expiry, checksum_failure=self.recovery.checksum_failure,
             fault_injection=self.fault_injection, drain_timeout_s=self.drain_timeout_s,
             internal_secret=self.security.secret(),
+            decode_peers=tuple((i.name, self.url_of(i)) for i in self.decode),
+            max_unfilled_blocks_per_caller=self.security.max_unfilled_blocks_per_caller,
         )
 
 

@@ -3,10 +3,11 @@
 Order: build the model if it is a built-in one not built yet, start every
 prefill/decode/colocated server, wait until each answers /health, start the
 router, wait for it, write ``RUN_DIR/cluster.json`` and print the endpoint.
-Then watch: Ctrl-C, SIGTERM or any process failing stops every process.
-A server stopped by someone else's SIGTERM drains first and exits cleanly;
-that is an operator's choice, not a failure, so the cluster keeps serving as
-long as the router and at least one server of each role remain.
+Then watch: Ctrl-C or SIGTERM stops every process; a process that fails is
+restarted by ``deploy.supervisor`` (config ``restart:``) while the rest keep
+serving. A server stopped by someone else's SIGTERM drains first and exits
+cleanly; that is an operator's choice, not a failure, so the cluster keeps
+serving as long as the router and at least one server of each role remain.
 
 Stopping drains: the router first (new requests get 503, those in flight
 finish), then the servers (nothing is in flight on them by then); each gets
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -29,6 +31,8 @@ from pathlib import Path
 import httpx
 
 from deploy.config import ClusterConfig, load_config
+from deploy.config_security import GENERATED_SECRET_ENV
+from deploy.supervisor import Supervisor
 
 GRACE_S = 10.0
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -120,9 +124,12 @@ class Cluster:
         args = ["router"] if old.role == "router" else [command, "--name", name]
         return self._spawn(old.role, name, old.url, args)
 
-    def first_dead(self) -> Proc | None:
-        """The first process whose exit stops the cluster (see the module docstring)."""
+    def first_dead(self, skip: set[str] = frozenset()) -> Proc | None:
+        """The first process whose exit stops the cluster unless it is restarted (see the module
+        docstring); processes named in ``skip`` (waiting for their restart) are passed over."""
         for proc in self.procs:
+            if proc.name in skip:
+                continue
             code = proc.popen.poll()
             if code is None:
                 continue
@@ -160,8 +167,22 @@ class Cluster:
         manifest = {"config": str(self.config_path), "router_url": self.cluster.router_url,
                     "model": self.cluster.model_name, "launcher_pid": os.getpid(),
                     "processes": [p.describe() for p in self.procs]}
-        path.write_text(json.dumps(manifest, indent=2) + "\n")
+        tmp = path.with_suffix(".json.tmp")  # rewritten on every restart: readers never see half of it
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, path)
         return path
+
+
+def generate_secret(run_dir: Path) -> Path:
+    """A per-cluster internal secret for a config that names none, so that the internal servers
+    always refuse callers other than the router and each other: written to ``RUN_DIR/internal_secret``
+    (mode 0600, never logged); children find it through ``GENERATED_SECRET_ENV``."""
+    path = run_dir / "internal_secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_urlsafe(32) + "\n")
+    os.environ[GENERATED_SECRET_ENV] = str(path)  # inherited by every process this launcher starts
+    return path
 
 
 def launch(config_path: str | Path, run_dir: str | Path | None = None, health_timeout: float = 600.0) -> int:
@@ -169,6 +190,8 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
     cluster = load_config(config_path)
     run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not cluster.security.configured:
+        generate_secret(run_dir)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.monotonic()
@@ -183,8 +206,9 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
         print(f"pdserve: {cluster.mode} cluster up in {time.monotonic() - started:.1f} s; "
               f"OpenAI endpoint {cluster.router_url}/v1 (model {cluster.model_name!r})\n"
               f"pdserve: processes and pids in {manifest}; logs in {run_dir}; Ctrl-C stops everything", flush=True)
+        supervisor = Supervisor(c, cluster.restart)
         while not stop.wait(0.2):
-            dead = c.first_dead()
+            dead = supervisor.tick()
             if dead is not None:
                 print(f"pdserve: {dead.role} {dead.name} exited with status {dead.popen.returncode}; stopping "
                       f"the cluster. Last lines of {dead.log}:\n{dead.log_tail()}", file=sys.stderr, flush=True)

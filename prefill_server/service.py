@@ -36,6 +36,7 @@ from server_common.guard import Drain
 from server_common.kv_port import SenderFactory
 from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
+from server_common.vitals import Vitals
 from server_common.worker_replies import HealthReport, KVBlocks, PrefillResult, WorkerError
 from server_common.worker_requests import PrefillRequest
 from transfer.outcome import Outcome, TransferEnded
@@ -75,6 +76,9 @@ class PrefillService:
                                           between_steps=self._collect_transfers, layer_hook=self._on_layer)
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
         self._sender = make_sender(self.engine_thread.wake)
+        self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
+        self.vitals.add(self.engine_thread.problem)
+        self.vitals.add(self._sender.problem)
         self._bytes_per_token = engine.cache.bytes_per_token
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only

@@ -18,6 +18,7 @@ from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.dispatch import DispatchSettings, Dispatcher
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
 from router.limits import BodyLimitMiddleware, RequestLimits
+from router.connections import ConnectionGuard
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.openai_handlers import OpenAIHandlers
@@ -61,6 +62,9 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     admission = Admission(AdmissionSettings(max_queued=settings.max_queued, timeout=settings.queue_timeout,
                                             retry_after=settings.retry_after))
     metrics = RouterMetrics(registry, admission)
+    # Slow and greedy clients (router.connections): `pdserve router` serves with its protocol class.
+    connections = ConnectionGuard(settings.header_timeout, settings.body_timeout, settings.max_connections_per_client)
+    metrics.registry.register(connections)
     dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
                                          prefill_failure=settings.prefill_failure)
     limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
@@ -85,6 +89,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
 
     # What a drain waits for: requests with a session or waiting for one.
     app.state.drain = drain = Drain(lambda: admission.sessions + admission.waiting)
+    app.state.connections = connections
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 too, has an id
     install_error_handlers(app)

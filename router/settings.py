@@ -47,6 +47,9 @@ class RouterSettings:
     max_prompt_tokens: int | None = None  # longer prompts get 400 (None: only the context length limits them)
     max_tokens: int | None = None  # larger max_tokens gets 400; a request without one gets at most this
     drain_timeout: float = DRAIN_TIMEOUT_S  # on SIGTERM: the longest to wait for requests in flight
+    header_timeout: float = 10.0  # a request's headers must arrive within this (router.connections)
+    body_timeout: float = 30.0  # and its body within this after them
+    max_connections_per_client: int = 256  # open connections from one address
     # Secrets stay out of repr, so a logged settings object shows none.
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key

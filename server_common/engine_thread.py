@@ -21,6 +21,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -47,6 +48,8 @@ class EngineThread:
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self.stats: EngineStats = engine.stats()
         self.error: BaseException | None = None  # set if a step failed: the server is broken
+        self.last_round = time.monotonic()  # when the loop last went round (between two steps at most)
+        self._stepping = False  # inside engine.step()
 
     def start(self) -> None:
         self._thread.start()
@@ -63,6 +66,16 @@ class EngineThread:
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def problem(self, stuck_after_s: float) -> str | None:
+        """Why the engine cannot serve: its thread died, or it has work and went
+        no round (one step at most) for ``stuck_after_s``; None when it works."""
+        if self._thread.ident is not None and not self.alive and not self._stopping.is_set():
+            return f"engine thread died: {self.error!r}"
+        stalled = time.monotonic() - self.last_round
+        if stalled > stuck_after_s and (self._stepping or self.stats.scheduler.num_requests or not self._calls.empty()):
+            return f"engine thread made no progress for {stalled:.0f} s with work queued"
+        return None
 
     def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run ``fn(engine)`` on the engine thread between steps."""
@@ -103,10 +116,13 @@ class EngineThread:
                 if self._between_steps is not None:
                     self._between_steps(engine)
                 if engine.has_unfinished():
+                    self._stepping = True
                     outputs = engine.step(self._layer_hook)
+                    self._stepping = False
                     if outputs:
                         self._on_outputs(engine, outputs)
                 self.stats = engine.stats()
+                self.last_round = time.monotonic()
         except BaseException as exc:
             log.exception("engine thread died")
             self.error = exc

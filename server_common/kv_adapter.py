@@ -50,6 +50,10 @@ def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | Non
     return FaultyBackend(backend, faults)
 
 
+class UnknownPeer(ValueError):
+    """A reservation names a decode server this cluster's config does not list."""
+
+
 class ReceiverAdapter:
     def __init__(self, settings: ServerSettings, engine: LLMEngine, notify: Notify,
                  faults: FaultInjector | None = None) -> None:
@@ -81,6 +85,9 @@ class ReceiverAdapter:
 
     def counters(self) -> dict[str, int]:
         return self._receiver.counters()
+
+    def problem(self, stuck_after_s: float) -> str | None:
+        return self._receiver.problem(stuck_after_s)
 
     def close(self) -> None:
         self._receiver.close()
@@ -115,12 +122,19 @@ class SenderAdapter:
         return await asyncio.shield(task)
 
     async def _handshake(self, target: dict) -> str:
+        """Only with a decode server of this cluster, at the address the cluster config gives it
+        (the reservation's ``hello_url`` is not followed: the secret goes nowhere else), and
+        without echoing what it answered."""
+        peer = target.get("peer")
+        url = dict(self._settings.decode_peers).get(peer) if isinstance(peer, str) else None
+        if url is None:
+            raise UnknownPeer(f"decode server {str(peer)[:64]!r} is not one of this cluster's")
         hello = base64.b64encode(self._sender.hello()).decode()
         async with httpx.AsyncClient(timeout=self._settings.transfer_timeout_s,
                                      headers=auth_headers(self._settings.internal_secret)) as client:
-            resp = await client.post(target["hello_url"], json={"hello": hello})
+            resp = await client.post(f"{url}/kv/hello", json={"hello": hello})
         if resp.status_code != 200:
-            raise RuntimeError(f"decode server {target['peer']} refused the handshake: {resp.text[:300]}")
+            raise RuntimeError(f"decode server {peer} refused the handshake (HTTP {resp.status_code})")
         answer = base64.b64decode(resp.json()["hello"])
         return await asyncio.to_thread(self._sender.connect, answer, self._settings.transfer_timeout_s)
 
@@ -135,6 +149,9 @@ class SenderAdapter:
 
     def abort(self, transfer_id: str) -> None:
         self._sender.abort(transfer_id)
+
+    def problem(self, stuck_after_s: float) -> str | None:
+        return self._sender.problem(stuck_after_s)
 
     def close(self) -> None:
         self._sender.close()

@@ -13,7 +13,9 @@ from engine import EngineStats
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 AGE_BUCKETS = ((1.0, "lt_1s"), (10.0, "1s_10s"), (60.0, "10s_60s"), (float("inf"), "ge_60s"))
-DISCARDED = (("dropped_expired", "expired"), ("dropped_unknown", "unknown"), ("dropped_out_of_bounds", "out_of_bounds"))
+DISCARDED = (("dropped_expired", "expired"), ("dropped_unknown", "unknown"), ("dropped_out_of_bounds", "out_of_bounds"),
+             ("dropped_malformed", "malformed"), ("dropped_oversized", "oversized"),
+             ("dropped_unbound_identity", "unbound_identity"), ("contained_errors", "error"))
 
 
 class ServerMetrics:

@@ -36,6 +36,11 @@ class ServerSettings:
     fault_injection: bool = False  # mount /admin/faults (tests only)
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     internal_secret: str | None = field(default=None, repr=False)  # required on internal calls; never logged
+    # (name, url) of the cluster's decode servers: a prefill server's handshakes go there only
+    decode_peers: tuple[tuple[str, str], ...] = ()
+    max_unfilled_blocks_per_caller: int | None = None  # server_common.quota (None: only the cache bounds it)
+    max_body_bytes: int = 16 << 20  # larger bodies get 413 before they are read (a 1M-token prompt fits)
+    stuck_after_s: float = 60.0  # /health: a thread with work that made no progress this long is stuck
 
     @property
     def url(self) -> str:

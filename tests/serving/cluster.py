@@ -72,7 +72,10 @@ class Cluster:
         self.manifest = json.loads(manifest.read_text())
         self.router_url = self.manifest["router_url"]
         self.servers = [p for p in self.manifest["processes"] if p["role"] != "router"]
-        self.http = httpx.Client(timeout=30)
+        # The secret `pdserve launch` generated when the config names none: internal routes need it.
+        generated = run_dir / "internal_secret"
+        secret = generated.read_text().strip() if generated.exists() else None
+        self.http = httpx.Client(timeout=30, headers={"authorization": f"Bearer {secret}"} if secret else {})
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.router_url}/v1", api_key="test", max_retries=0, **kw)

@@ -28,6 +28,9 @@ class ScriptedEnds:
             out, self._ended = self._ended, []
         return out
 
+    def problem(self, stuck_after_s: float) -> str | None:
+        return None
+
     def close(self) -> None:
         pass
 
