@@ -3,11 +3,17 @@
 Each package owns its subcommands through an ``add_parser(subparsers)``
 function; this module only wires them together, so that ``pdserve --help``
 lists everything and every subcommand has its own ``--help``.
+
+Only argument parsing happens at import: the subcommand modules import torch,
+transformers or uvicorn inside the function that runs the command, so
+``pdserve --help`` and a config error answer in a fraction of a second
+(tests/serving/test_first_minutes.py checks that torch stays out).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from bench import cli as bench_cli
@@ -35,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not sys.stderr.isatty():  # in a log file a progress bar is one endless line of redraws
+        os.environ.setdefault("TQDM_DISABLE", "1")
     try:
         return int(args.func(args) or 0)
     except (CliError, ValueError, FileNotFoundError, NotImplementedError) as exc:
