@@ -50,3 +50,4 @@ class RouterSettings:
     # Secrets stay out of repr, so a logged settings object shows none.
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key
+    launch_id: str | None = None  # workers must report it in /health (None: any); see deploy/launcher.py

@@ -36,6 +36,7 @@ class ServerSettings:
     fault_injection: bool = False  # mount /admin/faults (tests only)
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     internal_secret: str | None = field(default=None, repr=False)  # required on internal calls; never logged
+    launch_id: str | None = None  # reported in /health; from `pdserve launch` (deploy/process_cli.py)
 
     @property
     def url(self) -> str:
