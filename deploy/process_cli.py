@@ -66,13 +66,13 @@ def run_router(args: argparse.Namespace) -> int:
 def run_prefill(args: argparse.Namespace) -> int:
     from prefill_server.cli import run
 
-    return run(_server_settings(args, ("prefill",)), args.log_level)
+    return run(_confined(_server_settings(args, ("prefill",))), args.log_level)
 
 
 def run_decode(args: argparse.Namespace) -> int:
     from decode_server.cli import run
 
-    return run(_server_settings(args, ("decode", "colocated")), args.log_level)
+    return run(_confined(_server_settings(args, ("decode", "colocated"))), args.log_level)
 
 
 def _server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]):
@@ -85,3 +85,14 @@ def _server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]):
     if role not in expected_roles:
         raise ConfigError(f"{args.config}: instance {args.name!r} is a {role} instance, not {'/'.join(expected_roles)}")
     return dataclasses.replace(cluster.server_settings(args.name, cluster.model_path()), launch_id=args.launch_id)
+
+
+def _confined(settings):
+    """``settings``, once a NIXL server's UCX is kept to the interface of its host: UCX reads
+    ``UCX_NET_DEVICES`` when the agent starts and otherwise listens on every interface
+    (transfer/netdev.py)."""
+    if settings.transfer_backend == "nixl":
+        from transfer.netdev import confine_ucx_to
+
+        confine_ucx_to(settings.host)
+    return settings
