@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import io
 import json
+import os
+import re
 import subprocess
 import sys
 import threading
@@ -19,6 +22,7 @@ from deploy.config import load_config
 from deploy.launcher import Cluster as LaunchedCluster
 from deploy.launcher import LaunchError, Proc
 from deploy.ports import busy_ports
+from deploy.progress import Heartbeat, seconds_since_process_start
 from router.registry import Worker, WorkerRegistry
 from tests.serving.cluster import REPO, _alive, make_config
 
@@ -205,3 +209,48 @@ def test_a_port_held_by_another_process_is_named_with_its_holder(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+# ---- what the launcher prints ---------------------------------------------------------------------------
+def test_a_long_step_prints_a_plain_line_every_few_seconds():
+    out = io.StringIO()
+    with Heartbeat("building model 'tiny'", every=0.05, out=out):
+        deadline = time.monotonic() + 10
+        while out.getvalue().count("\n") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    lines = out.getvalue().splitlines()
+    assert len(lines) >= 2
+    assert all(re.fullmatch(r"pdserve: building model 'tiny' \.\.\. \d+ s", line) for line in lines)
+    assert "\r" not in out.getvalue()
+
+
+def test_the_process_start_time_counts_the_interpreter_start():
+    seconds = seconds_since_process_start()
+    assert seconds is not None and 0 < seconds < 3600
+
+
+@pytest.mark.integration
+def test_a_launch_that_fails_while_starting_stops_what_it_started_without_talk_of_draining(tmp_path, tiny_model):
+    config = make_config(tmp_path, "tiny-1p1d", tiny_model)
+    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", str(config), "--run-dir",
+                           str(tmp_path / "run"), "--health-timeout", "0.01"], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("pdserve launch: error: not healthy after 0 s: p0, d0")
+    assert proc.stdout.splitlines()[-1] == "pdserve: stopping the 2 processes started"
+    assert "draining" not in proc.stdout + proc.stderr
+    assert started_with(config) == []
+
+
+def started_with(config) -> list[int]:
+    """Pids of live processes whose command line names ``config``."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                cmdline = open(f"/proc/{entry.name}/cmdline", "rb").read().decode(errors="replace")
+            except OSError:
+                continue
+            if str(config) in cmdline.split("\0") and _alive(int(entry.name)):
+                pids.append(int(entry.name))
+    return pids
