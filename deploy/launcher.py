@@ -1,8 +1,10 @@
 """Start a whole cluster from one config, watch it, stop it cleanly.
 
-Order: build the model if it is a built-in one not built yet, start every
-prefill/decode/colocated server, wait until each answers /health, start the
-router, wait for it, write ``RUN_DIR/cluster.json`` and print the endpoint.
+Order: check that every port the cluster binds is free (``deploy/ports.py``),
+build the model if it is a built-in one not built yet, start every
+prefill/decode/colocated server, wait until each answers /health with this
+launch's nonce, start the router, wait for it, write ``RUN_DIR/cluster.json``
+and print the endpoint.
 Then watch: Ctrl-C, SIGTERM or any process failing stops every process.
 A server stopped by someone else's SIGTERM drains first and exits cleanly;
 that is an operator's choice, not a failure, so the cluster keeps serving as
