@@ -39,7 +39,7 @@ from deploy.config_security import ConfigError, SecurityConfig, Strict, looks_se
 from deploy.models import is_builtin, resolve_model
 from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
 from router.settings import PolicyName, PrefillFailure, RouterSettings, WorkerSpec
-from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
+from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 
 

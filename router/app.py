@@ -25,7 +25,8 @@ from router.policies import make_policy
 from router.registry import Worker, WorkerRegistry
 from router.settings import RouterSettings
 from router.worker_client import WorkerClient
-from server_common.guard import Drain, auth_headers, bearer_token, is_loopback, token_matches
+from server_common.guard import Drain, auth_headers, bearer_token, token_matches
+from server_common.process_defaults import is_loopback
 
 
 DISCONNECT_POLL_S = 0.25

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.config import EngineConfig, EngineMode
-from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST
 
 TransferBackendName = Literal["zmq", "nixl"]  # transfer's in-process backend is for tests inside one process
 KvFailureAction = Literal["fail", "local"]  # a lease expired or a checksum failed: fail it, or prefill it on D
