@@ -307,4 +307,5 @@ class GenerationService:
         return HealthReport(status="draining" if self.drain.draining else "ok",
                             role=self.settings.role, instance=self.settings.name,
                             kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),
-                            queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=len(self._active))
+                            queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=len(self._active),
+                            launch_id=self.settings.launch_id)

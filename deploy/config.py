@@ -40,7 +40,7 @@ from deploy.models import is_builtin, resolve_model
 from deploy.supervisor import RestartConfig
 from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
 from router.settings import PolicyName, PrefillFailure, RouterSettings, WorkerSpec
-from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
+from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_parser(subparsers) -> None:
@@ -21,4 +22,5 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from deploy.launcher import launch
 
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the launcher prints plain progress lines instead (deploy/progress.py)
     return launch(args.config, args.run_dir, args.health_timeout)

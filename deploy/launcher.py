@@ -1,8 +1,10 @@
 """Start a whole cluster from one config, watch it, stop it cleanly.
 
-Order: build the model if it is a built-in one not built yet, start every
-prefill/decode/colocated server, wait until each answers /health, start the
-router, wait for it, write ``RUN_DIR/cluster.json`` and print the endpoint.
+Order: check that every port the cluster binds is free (``deploy/ports.py``),
+build the model if it is a built-in one not built yet, start every
+prefill/decode/colocated server, wait until each answers /health with this
+launch's nonce, start the router, wait for it, write ``RUN_DIR/cluster.json``
+and print the endpoint.
 Then watch: Ctrl-C or SIGTERM stops every process; a process that fails is
 restarted by ``deploy.supervisor`` (config ``restart:``) while the rest keep
 serving. A server stopped by someone else's SIGTERM drains first and exits
@@ -32,6 +34,9 @@ import httpx
 
 from deploy.config import ClusterConfig, load_config
 from deploy.config_security import GENERATED_SECRET_ENV
+from deploy.models import needs_build
+from deploy.ports import busy_ports
+from deploy.progress import Heartbeat, seconds_since_process_start
 from deploy.supervisor import Supervisor
 
 GRACE_S = 10.0
@@ -67,10 +72,13 @@ class Cluster:
         self.run_dir = run_dir
         self.procs: list[Proc] = []
         self.stopped: set[str] = set()  # servers that drained and stopped on someone else's SIGTERM
+        # Every child reports it in /health: an answer without it comes from a process this launch did not start.
+        self.launch_id = secrets.token_hex(8)
 
     def _spawn(self, role: str, name: str, url: str, args: list[str]) -> Proc:
         log = self.run_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "deploy.cli", *args, "--config", str(self.config_path)]
+        cmd = [sys.executable, "-m", "deploy.cli", *args, "--config", str(self.config_path),
+               "--launch-id", self.launch_id]
         # Children import this very checkout, whatever the working directory or installed copy.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         with open(log, "ab") as out:
@@ -102,7 +110,7 @@ class Cluster:
                         raise LaunchError(f"{proc.role} {proc.name} exited with status {code} while starting; "
                                           f"last lines of {proc.log}:\n{proc.log_tail()}")
                     try:
-                        if client.get(f"{proc.url}/health").status_code == 200:
+                        if self._healthy(proc, client.get(f"{proc.url}/health")):
                             pending.remove(proc)
                     except httpx.HTTPError:
                         pass
@@ -113,6 +121,20 @@ class Cluster:
                     raise LaunchError(f"not healthy after {timeout:.0f} s: {names} (see logs in {self.run_dir})")
                 if pending:
                     stop.wait(0.2)
+
+    def _healthy(self, proc: Proc, resp: httpx.Response) -> bool:
+        """True when ``proc`` itself says it is healthy; a LaunchError when another process answers."""
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        report = body if isinstance(body, dict) else {}
+        ours = report.get("launch_id") == self.launch_id and report.get("instance", proc.name) == proc.name
+        if not ours and (resp.status_code == 200 or "launch_id" in report):
+            raise LaunchError(f"{proc.url}/health is answered by a process this launch did not start "
+                              f"(launch {report.get('launch_id')!r}, instance {report.get('instance')!r}), not by "
+                              f"{proc.role} {proc.name} (pid {proc.popen.pid}); is another cluster on its port?")
+        return resp.status_code == 200
 
     def restart(self, name: str) -> Proc:
         """Start process ``name`` again once it has exited (fault tests kill servers on purpose)."""
@@ -186,23 +208,38 @@ def generate_secret(run_dir: Path) -> Path:
 
 
 def launch(config_path: str | Path, run_dir: str | Path | None = None, health_timeout: float = 600.0) -> int:
+    # "up in X s" counts from the process's start: the CLI's own imports are part of the wait.
+    started = time.monotonic() - (seconds_since_process_start() or 0.0)
     config_path = Path(config_path)
     cluster = load_config(config_path)
+    busy = busy_ports(cluster)
+    if busy:  # before anything starts: another cluster's servers would answer our health checks
+        print("pdserve launch: error: " + "\n".join(busy), file=sys.stderr, flush=True)
+        return 1
     run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     if not cluster.security.configured:
         generate_secret(run_dir)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    started = time.monotonic()
     c = Cluster(config_path, cluster, run_dir)
+    up = False
     try:
-        print(f"pdserve: model {cluster.model!r} ...", flush=True)
-        model = cluster.model_path()
+        if needs_build(cluster.model, cluster.model_cache):
+            print(f"pdserve: building model {cluster.model!r} into {cluster.model_cache} (first use only; minutes "
+                  f"on a small CPU)", flush=True)
+            with Heartbeat(f"building model {cluster.model!r}"):
+                model = cluster.model_path()
+            busy = busy_ports(cluster)  # the build took a while: check again
+            if busy:
+                raise LaunchError("\n".join(busy))
+        else:
+            model = cluster.model_path()
         print(f"pdserve: model folder {model} ({time.monotonic() - started:.1f} s)", flush=True)
         c.wait_healthy(c.start_servers(), health_timeout, stop)
         c.wait_healthy([c.start_router()], health_timeout, stop)
         manifest = c.write_manifest()
+        up = True
         print(f"pdserve: {cluster.mode} cluster up in {time.monotonic() - started:.1f} s; "
               f"OpenAI endpoint {cluster.router_url}/v1 (model {cluster.model_name!r})\n"
               f"pdserve: processes and pids in {manifest}; logs in {run_dir}; Ctrl-C stops everything", flush=True)
@@ -225,8 +262,11 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
         hurry = threading.Event()
         for sig in previous:
             signal.signal(sig, lambda *_: hurry.set())
-        if any(p.popen.poll() is None for p in c.procs):
+        running = [p for p in c.procs if p.popen.poll() is None]
+        if running and up:
             print(f"pdserve: draining (up to {cluster.drain_timeout_s:g} s); Ctrl-C again stops at once", flush=True)
+        elif running:
+            print(f"pdserve: stopping the {len(running)} processes started", flush=True)
         c.stop_all(hurry)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

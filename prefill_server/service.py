@@ -212,4 +212,5 @@ class PrefillService:
         return HealthReport(status="draining" if self.drain.draining else "ok", role="prefill",
                             instance=self.settings.name,
                             kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),
-                            queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=self._pending)
+                            queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=self._pending,
+                            launch_id=self.settings.launch_id)

@@ -26,7 +26,8 @@ from router.policies import make_policy
 from router.registry import Worker, WorkerRegistry
 from router.settings import RouterSettings
 from router.worker_client import WorkerClient
-from server_common.guard import Drain, auth_headers, bearer_token, is_loopback, token_matches
+from server_common.guard import Drain, auth_headers, bearer_token, token_matches
+from server_common.process_defaults import is_loopback
 
 
 DISCONNECT_POLL_S = 0.25
@@ -58,7 +59,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     """
     model = model or ServedModel.load(settings.served_model_name, settings.model_path, settings.max_model_len)
     registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight) for w in settings.workers],
-                              interval=settings.health_interval, backoff_max=settings.health_backoff_max)
+                              interval=settings.health_interval, backoff_max=settings.health_backoff_max,
+                              launch_id=settings.launch_id)
     admission = Admission(AdmissionSettings(max_queued=settings.max_queued, timeout=settings.queue_timeout,
                                             retry_after=settings.retry_after))
     metrics = RouterMetrics(registry, admission)
@@ -154,7 +156,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                    for w in registry.workers]
         ok = bool(registry.healthy("decode")) and not drain.draining
         status = "draining" if drain.draining else "ok" if ok else "degraded"
-        return JSONResponse({"status": status, "workers": workers}, status_code=200 if ok else 503)
+        return JSONResponse({"status": status, "workers": workers, "launch_id": settings.launch_id},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -12,6 +12,10 @@ queued prompt tokens) for the least-loaded policy.
 A draining worker (drained through the router's admin endpoint, or one that
 reports ``status: draining`` because it was told to drain or got SIGTERM) is
 healthy but out of rotation: it gets no new request and finishes its own.
+
+With a ``launch_id`` (the router was started by ``pdserve launch``), a worker
+counts as healthy only when its /health reports that same launch and its own
+name: whatever else answers on its port belongs to another cluster.
 """
 
 from __future__ import annotations
@@ -67,13 +71,15 @@ class Worker:
 
 class WorkerRegistry:
     def __init__(self, workers: list[Worker], *, interval: float = RouterSettings.health_interval,
-                 unhealthy_after: int = 2, backoff_max: float = RouterSettings.health_backoff_max) -> None:
+                 unhealthy_after: int = 2, backoff_max: float = RouterSettings.health_backoff_max,
+                 launch_id: str | None = None) -> None:
         names = [w.name for w in workers]
         assert len(names) == len(set(names)), f"duplicate worker names: {names}"
         self.workers = workers
         self.interval = interval
         self.unhealthy_after = unhealthy_after
         self.backoff_max = max(backoff_max, interval)
+        self.launch_id = launch_id
 
     def healthy(self, role: WorkerRole) -> list[Worker]:
         """Workers of ``role`` in rotation: healthy and not draining."""
@@ -99,7 +105,13 @@ class WorkerRegistry:
         try:
             resp = await client.get(f"{worker.url}/health", timeout=max(1.0, self.interval))
             resp.raise_for_status()
-            worker.apply_health(resp.json())
+            report = resp.json()
+            if self.launch_id is not None and (report.get("launch_id"), report.get("instance")) != (
+                    self.launch_id, worker.name):
+                self.mark_down(worker, f"another process answers on its port (launch {report.get('launch_id')!r}, "
+                                       f"instance {report.get('instance')!r})")
+                return
+            worker.apply_health(report)
         except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # no answer, or not a health report
             worker.failures += 1
             if worker.failures >= self.unhealthy_after and worker.healthy:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST
 
 PolicyName = Literal["round_robin", "least_loaded"]  # router/policies.py
 PrefillFailure = Literal["retry", "local", "fail"]  # what a failed prefill leads to (router/recovery.py)
@@ -53,3 +53,4 @@ class RouterSettings:
     # Secrets stay out of repr, so a logged settings object shows none.
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key
+    launch_id: str | None = None  # workers must report it in /health (None: any); see deploy/launcher.py

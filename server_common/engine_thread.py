@@ -7,7 +7,9 @@ closure submitted so far (so an abort is applied before the next step), then
 ``between_steps(engine)``: the server takes the transfers that ended from its
 KV sender or receiver there, so a finished transfer crosses one thread
 boundary (transfer thread -> engine thread). The transfer thread calls
-``wake()`` when one ends, so an idle engine thread does not sleep through it.
+``wake()`` when one ends: with nothing to run the thread sleeps on its call
+queue until a call or a wake arrives (``stop`` sends one too), so an idle
+server costs no CPU.
 Each step's outputs go to ``on_outputs(engine, outputs)``, on the engine thread; a
 prefill server's ``layer_hook`` sees each layer's K/V as soon as it is
 computed. After every iteration the thread publishes ``stats`` (an
@@ -31,7 +33,6 @@ from engine.engine import LayerHook
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-IDLE_WAIT_S = 0.05
 _WAKE = (None, None)  # a queue item that only ends the idle wait
 
 
@@ -60,7 +61,7 @@ class EngineThread:
         self._thread.join(timeout)
 
     def wake(self) -> None:
-        """From any thread: an idle engine thread looks for work now, not after its idle wait."""
+        """From any thread: an idle engine thread looks for work now (it waits for nothing else)."""
         self._calls.put(_WAKE)
 
     @property
@@ -94,7 +95,7 @@ class EngineThread:
 
     def _run_calls(self, block: bool) -> None:
         try:
-            fn, fut = self._calls.get(timeout=IDLE_WAIT_S) if block else self._calls.get_nowait()
+            fn, fut = self._calls.get() if block else self._calls.get_nowait()
         except queue.Empty:
             return
         while True:

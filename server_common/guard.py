@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import time
 from collections.abc import Callable, Iterable
 
@@ -27,18 +26,6 @@ from server_common.worker_requests import AbortRequest
 from transfer.outcome import Outcome
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-LOOPBACK_HOST = "127.0.0.1"  # every process binds here unless the cluster config names another interface
-DRAIN_TIMEOUT_S = 30.0  # on SIGTERM: the longest a process waits for its requests in flight
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or "localhost") is this machine only; a host name counts as reachable."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bearer_token(authorization: str) -> str:

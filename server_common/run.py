@@ -12,7 +12,8 @@ import signal
 
 import uvicorn
 
-from server_common.guard import DRAIN_TIMEOUT_S, Drain
+from server_common.guard import Drain
+from server_common.process_defaults import DRAIN_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 

@@ -99,6 +99,7 @@ class HealthReport(Reply):
     queue_depth: int
     queued_tokens: int
     num_requests: int
+    launch_id: str | None = None  # the nonce of the `pdserve launch` that started it (None: started alone)
 
 
 class ErrorReply(Reply):
