@@ -41,6 +41,7 @@ from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
 from router.settings import PolicyName, PrefillFailure, RouterSettings, WorkerSpec
 from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
+from server_common.tracing import TracingSettings
 
 
 class EngineDefaults(Strict):
@@ -121,6 +122,17 @@ class RecoveryConfig(Strict):
     checksum_failure: KvFailureAction = ServerSettings.checksum_failure
 
 
+class TracingConfig(Strict):
+    """OpenTelemetry traces (off unless ``endpoint`` is set): one trace per request across the
+    router, decode and prefill servers, sent over OTLP/HTTP (server_common/tracing.py)."""
+
+    endpoint: str | None = Field(default=TracingSettings.endpoint, pattern=r"^https?://")  # .../v1/traces
+    sample_ratio: float = Field(default=TracingSettings.sample_ratio, ge=0.0, le=1.0)
+
+    def settings(self) -> TracingSettings:
+        return TracingSettings(endpoint=self.endpoint, sample_ratio=self.sample_ratio)
+
+
 class TransferConfig(Strict):
     backend: TransferBackendName = ServerSettings.transfer_backend
     timeout_s: float = Field(default=ServerSettings.transfer_timeout_s, gt=0)
@@ -141,6 +153,7 @@ class ClusterConfig(Strict):
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    tracing: TracingConfig = TracingConfig()
     # Test hook, off by default: servers mount /admin/faults to inject faults deterministically.
     fault_injection: bool = ServerSettings.fault_injection
     prefill: list[Instance] = Field(default_factory=list)
@@ -233,7 +246,7 @@ class ClusterConfig(Strict):
             max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
             drain_timeout=self.drain_timeout_s, api_keys=tuple(k.get_secret_value() for k in r.api_keys),
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
-            prefill_failure=self.recovery.prefill_failure,
+            prefill_failure=self.recovery.prefill_failure, tracing=self.tracing.settings(),
         )
 
     def server_settings(self, name: str, model_path: Path) -> ServerSettings:
@@ -257,7 +270,7 @@ class ClusterConfig(Strict):
             transfer_backend=self.transfer.backend, lease_s=self.lease_s, transfer_timeout_s=self.transfer.timeout_s,
             lease_expiry=self.recovery.lease_expiry, checksum_failure=self.recovery.checksum_failure,
             fault_injection=self.fault_injection, drain_timeout_s=self.drain_timeout_s,
-            internal_secret=self.security.secret(),
+            internal_secret=self.security.secret(), tracing=self.tracing.settings(),
         )
 
 

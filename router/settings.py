@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.tracing import TracingSettings
 
 PolicyName = Literal["round_robin", "least_loaded"]  # router/policies.py
 PrefillFailure = Literal["retry", "local", "fail"]  # what a failed prefill leads to (router/recovery.py)
@@ -50,3 +51,4 @@ class RouterSettings:
     # Secrets stay out of repr, so a logged settings object shows none.
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key
+    tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set

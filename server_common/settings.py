@@ -11,6 +11,7 @@ from typing import Literal
 
 from engine.config import EngineConfig, EngineMode
 from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.tracing import TracingSettings
 
 TransferBackendName = Literal["zmq", "nixl"]  # transfer's in-process backend is for tests inside one process
 KvFailureAction = Literal["fail", "local"]  # a lease expired or a checksum failed: fail it, or prefill it on D
@@ -36,6 +37,7 @@ class ServerSettings:
     fault_injection: bool = False  # mount /admin/faults (tests only)
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     internal_secret: str | None = field(default=None, repr=False)  # required on internal calls; never logged
+    tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
 
     @property
     def url(self) -> str:

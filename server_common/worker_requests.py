@@ -46,6 +46,7 @@ class GenerateRequest(Strict):
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: SamplingSpec
     local_prefill: bool = False
+    trace: str | None = Field(default=None, max_length=128)  # the router's W3C traceparent (tracing on)
 
 
 class PrefillRequest(Strict):
@@ -55,6 +56,7 @@ class PrefillRequest(Strict):
     prompt_token_ids: list[int] = Field(min_length=1)
     sampling: SamplingSpec
     reservation: Reservation
+    trace: str | None = Field(default=None, max_length=128)  # the router's W3C traceparent (tracing on)
 
 
 class AbortRequest(Strict):
