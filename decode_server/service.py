@@ -36,6 +36,7 @@ from server_common.guard import Drain
 from server_common.kv_port import KVReceiverPort, ReceiverFactory
 from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
+from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
 from server_common.streams import StreamHub
 from server_common.worker_replies import (
@@ -90,6 +91,7 @@ class GenerationService:
                                           between_steps=self._collect_transfers if make_receiver else None)
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
         self.tracing = tracing or Tracing(settings.tracing, f"pdserve-{settings.role}")
+        self.timeline = TimelineLog()
         self._receiver: KVReceiverPort | None = None
         if make_receiver is not None:
             self._receiver = make_receiver(self.engine_thread.wake)
@@ -132,7 +134,7 @@ class GenerationService:
         sampling = req.sampling.engine_params()
         local = req.local_prefill or self.settings.role == "colocated"
         active = Active(rid, self._hub.open(rid),
-                        trace=StreamTrace(self.tracing, req.trace, rid, not local, self.settings.name))
+                        trace=StreamTrace(self.tracing, self.timeline, req.trace, rid, not local, self.settings.name))
         self._active[rid] = active
         try:
             if local:

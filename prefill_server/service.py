@@ -36,6 +36,7 @@ from server_common.guard import Drain
 from server_common.kv_port import SenderFactory
 from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
+from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
 from server_common.worker_replies import HealthReport, KVBlocks, PrefillResult, WorkerError
 from server_common.worker_requests import PrefillRequest
@@ -78,6 +79,7 @@ class PrefillService:
                                           between_steps=self._collect_transfers, layer_hook=self._on_layer)
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
         self.tracing = tracing or Tracing(settings.tracing, "pdserve-prefill")
+        self.timeline = TimelineLog()
         self._sender = make_sender(self.engine_thread.wake)
         self._bytes_per_token = engine.cache.bytes_per_token
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
@@ -153,8 +155,10 @@ class PrefillService:
             self._trace_job(span, job)
 
     def _trace_job(self, span, job: Job) -> None:
-        """The job's stages as spans (tracing on). Its timestamps were written on the engine
-        thread before ``job.done`` was resolved, so they are complete here."""
+        """The job's stages into the timeline log and as spans (tracing on). Its timestamps were
+        written on the engine thread before ``job.done`` was resolved, so they are complete here."""
+        self.timeline.add(job.request_id, received=job.started, computing=job.computing, prefilled=job.prefilled,
+                          transfer_ended=job.ended.at if job.ended else None)
         if span is None or job.computing is None:
             return
         now = time.monotonic()

@@ -153,6 +153,13 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         status = "draining" if drain.draining else "ok" if ok else "degraded"
         return JSONResponse({"status": status, "workers": workers}, status_code=200 if ok else 503)
 
+    @app.get("/debug/timeline")
+    async def timeline(request: Request) -> JSONResponse:
+        """Stage timestamps of the last requests (server_common/timeline_log.py); admin callers only."""
+        check_admin(request)
+        return JSONResponse({"instance": "router", "role": "router",
+                             "requests": request.app.state.handlers.timeline.entries()})
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)

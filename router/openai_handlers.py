@@ -26,6 +26,7 @@ from router.model import ServedModel
 from router.sse import DONE, sse_event
 from router.textstream import IncrementalDetokenizer, StopMatcher
 from router.timeline import RequestTimeline
+from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing, TracingSettings
 from server_common.worker_requests import SamplingSpec
 
@@ -68,6 +69,7 @@ class OpenAIHandlers:
         self.metrics = metrics
         self.limits = limits or RequestLimits()
         self.tracing = tracing or Tracing(TracingSettings(), "pdserve-router")
+        self.timeline = TimelineLog()  # GET /debug/timeline
 
     def models(self) -> out.ModelList:
         m = self.model
@@ -96,7 +98,7 @@ class OpenAIHandlers:
                         self._timeline(request_id, traceparent))
 
     def _timeline(self, request_id: str, traceparent: str | None) -> RequestTimeline:
-        return RequestTimeline(self.metrics, self.tracing, request_id, traceparent)
+        return RequestTimeline(self.metrics, self.tracing, self.timeline, request_id, traceparent)
 
     # ---- running -----------------------------------------------------------
 

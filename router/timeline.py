@@ -12,14 +12,17 @@ from __future__ import annotations
 import time
 
 from router.metrics import RouterMetrics
+from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
 
 
 class RequestTimeline:
-    def __init__(self, metrics: RouterMetrics, tracing: Tracing, request_id: str,
+    def __init__(self, metrics: RouterMetrics, tracing: Tracing, log: TimelineLog, request_id: str,
                  client_traceparent: str | None = None) -> None:
         self._metrics = metrics
         self._tracing = tracing
+        self._log = log
+        self._request_id = request_id
         self.arrived = time.monotonic()
         self._opened: float | None = None
         self._first: float | None = None
@@ -75,6 +78,8 @@ class RequestTimeline:
         if self._closed:
             return
         self._closed = True
+        self._log.add(self._request_id, arrived=self.arrived, opened=self._opened, first_token=self._first,
+                      last_token=self._last)
         if self._first is not None:
             self._tracing.record("router.stream", self._span, self._first, self._last, pdserve__tokens=num_tokens)
         attributes = {}
