@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from decode_server.stream_trace import StreamTrace
 from engine import LLMEngine, NoCapacityError, SamplingParams, StepOutput
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
@@ -36,6 +37,8 @@ from server_common.kv_port import KVReceiverPort, ReceiverFactory
 from server_common.metrics import ServerMetrics
 from server_common.quota import UnfilledBlocks
 from server_common.settings import ServerSettings
+from server_common.timeline_log import TimelineLog
+from server_common.tracing import Tracing
 from server_common.streams import StreamHub
 from server_common.vitals import Vitals
 from server_common.worker_replies import (
@@ -62,6 +65,7 @@ class Awaiting:
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
+    reserved_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -72,6 +76,7 @@ class Active:
     lease: asyncio.TimerHandle | None = None
     finished: bool = False
     started: float = field(default_factory=time.monotonic)
+    trace: StreamTrace | None = None
 
 
 class GenerationService:
@@ -79,7 +84,7 @@ class GenerationService:
     prefill server (or prefill here), then stream the tokens."""
 
     def __init__(self, settings: ServerSettings, engine: LLMEngine, make_receiver: ReceiverFactory | None,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, tracing: Tracing | None = None) -> None:
         if (settings.role == "decode") != (make_receiver is not None):
             raise ValueError("a decode server needs a KV receiver, a colocated one has none")
         self.settings = settings
@@ -89,6 +94,8 @@ class GenerationService:
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
         self.vitals.add(self.engine_thread.problem)
+        self.tracing = tracing or Tracing(settings.tracing, f"pdserve-{settings.role}")
+        self.timeline = TimelineLog()
         self._receiver: KVReceiverPort | None = None
         if make_receiver is not None:
             self._receiver = make_receiver(self.engine_thread.wake)
@@ -109,6 +116,7 @@ class GenerationService:
         self.engine_thread.start()
 
     async def stop(self) -> None:
+        self.tracing.shutdown()
         self.engine_thread.stop()
         if self._receiver is not None:
             self._receiver.close()
@@ -132,7 +140,8 @@ class GenerationService:
                               retry_after=1)
         sampling = req.sampling.engine_params()
         local = req.local_prefill or self.settings.role == "colocated"
-        active = Active(rid, self._hub.open(rid))
+        active = Active(rid, self._hub.open(rid),
+                        trace=StreamTrace(self.tracing, self.timeline, req.trace, rid, not local, self.settings.name))
         self._active[rid] = active
         try:
             if local:
@@ -142,11 +151,11 @@ class GenerationService:
             reservation = await self._reserve(req, sampling, active, caller)
             return ReservationEvent(reservation=reservation), active
         except NoCapacityError as exc:
-            self._forget(active)
+            self._forget(active, Outcome.NO_ROOM)
             self.metrics.requests.labels(outcome="no_room").inc()
             raise WorkerError(503, str(exc), Outcome.NO_ROOM, retry_after=1) from exc
         except ValueError as exc:
-            self._forget(active)
+            self._forget(active, Outcome.BAD_REQUEST)
             raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from exc
         except BaseException:
             self._forget(active)
@@ -189,6 +198,7 @@ class GenerationService:
             yield first.model_dump_json() + "\n"
             while True:
                 event = await active.queue.get()
+                active.trace.event(event)
                 yield event.model_dump_json() + "\n"
                 if isinstance(event, ErrorEvent) or (isinstance(event, TokensEvent) and event.finish_reason):
                     active.finished = True
@@ -204,6 +214,7 @@ class GenerationService:
         if active is None:
             return
         self._hub.close(request_id)
+        active.trace.close()
         if active.lease is not None:
             active.lease.cancel()
         if active.finished:
@@ -220,9 +231,10 @@ class GenerationService:
         await self.close(request_id)
         return active is not None
 
-    def _forget(self, active: Active) -> None:
+    def _forget(self, active: Active, outcome: Outcome = Outcome.CANCELLED) -> None:
         self._active.pop(active.request_id, None)
         self._hub.close(active.request_id)
+        active.trace.close(outcome)
 
     # ---- engine-thread callbacks ------------------------------------------------
     def _emit(self, e: LLMEngine, outputs: list[StepOutput]) -> None:
@@ -258,6 +270,7 @@ class GenerationService:
             return
         outcome, reason = ended.outcome, ended.reason
         if ended.ok and ended.first_token < e.hf_config.vocab_size:
+            self.metrics.kv_wait_seconds.observe(max(0.0, ended.at - pending.reserved_at))
             self._emit(e, [e.admit_remote(pending.request_id, ended.first_token)])
             return
         if ended.ok:  # a notice whose first token no model of ours has
@@ -272,9 +285,7 @@ class GenerationService:
 
     def _remote_kv_failed(self, e: LLMEngine, pending: Awaiting, outcome: Outcome, reason: str) -> None:
         """The blocks are free. Fail the request, or prefill it here (recovery config)."""
-        counter = {Outcome.LEASE_EXPIRED: self.metrics.lease_expired,
-                   Outcome.CHECKSUM_MISMATCH: self.metrics.checksum_failures}
-        counter.get(outcome, self.metrics.transfer_failed).inc()
+        self.metrics.transfer_failures.labels(code=outcome).inc()
         action = {Outcome.LEASE_EXPIRED: self.settings.lease_expiry,
                   Outcome.CHECKSUM_MISMATCH: self.settings.checksum_failure}.get(outcome, "fail")
         rid = pending.request_id
@@ -295,7 +306,7 @@ class GenerationService:
                 return  # ended normally
             log.error("transfer %s never ended; freeing request %s without the receiver", transfer_id, rid)
             e.abort(rid)
-            self.metrics.lease_expired.inc()
+            self.metrics.transfer_failures.labels(code=Outcome.LEASE_EXPIRED).inc()
             self._hub.publish(rid, ErrorEvent(message="no KV arrived within the lease; blocks freed",
                                               code=Outcome.LEASE_EXPIRED))
 

@@ -42,6 +42,7 @@ from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
 from router.settings import PolicyName, PrefillFailure, RouterSettings, WorkerSpec
 from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
+from server_common.tracing import TracingSettings
 
 
 class EngineDefaults(Strict):
@@ -126,6 +127,17 @@ class RecoveryConfig(Strict):
     checksum_failure: KvFailureAction = ServerSettings.checksum_failure
 
 
+class TracingConfig(Strict):
+    """OpenTelemetry traces (off unless ``endpoint`` is set): one trace per request across the
+    router, decode and prefill servers, sent over OTLP/HTTP (server_common/tracing.py)."""
+
+    endpoint: str | None = Field(default=TracingSettings.endpoint, pattern=r"^https?://")  # .../v1/traces
+    sample_ratio: float = Field(default=TracingSettings.sample_ratio, ge=0.0, le=1.0)
+
+    def settings(self) -> TracingSettings:
+        return TracingSettings(endpoint=self.endpoint, sample_ratio=self.sample_ratio)
+
+
 class TransferConfig(Strict):
     backend: TransferBackendName = ServerSettings.transfer_backend
     timeout_s: float = Field(default=ServerSettings.transfer_timeout_s, gt=0)
@@ -147,6 +159,7 @@ class ClusterConfig(Strict):
     transfer: TransferConfig = TransferConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     restart: RestartConfig = RestartConfig()  # pdserve launch restarts a failed process (deploy/supervisor.py)
+    tracing: TracingConfig = TracingConfig()
     # Test hook, off by default: servers mount /admin/faults to inject faults deterministically.
     fault_injection: bool = ServerSettings.fault_injection
     prefill: list[Instance] = Field(default_factory=list)
@@ -241,6 +254,7 @@ class ClusterConfig(Strict):
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
             prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
             body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
+            tracing=self.tracing.settings(),
         )
 
     def server_settings(self, name: str, model_path: Path) -> ServerSettings:
@@ -264,7 +278,7 @@ class ClusterConfig(Strict):
             transfer_backend=self.transfer.backend, lease_s=self.lease_s, transfer_timeout_s=self.transfer.timeout_s,
             lease_expiry=self.recovery.lease_expiry, checksum_failure=self.recovery.checksum_failure,
             fault_injection=self.fault_injection, drain_timeout_s=self.drain_timeout_s,
-            internal_secret=self.security.secret(),
+            internal_secret=self.security.secret(), tracing=self.tracing.settings(),
             decode_peers=tuple((i.name, self.url_of(i)) for i in self.decode),
             max_unfilled_blocks_per_caller=self.security.max_unfilled_blocks_per_caller,
         )

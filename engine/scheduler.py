@@ -68,6 +68,7 @@ class SchedulerStats:
     queue_depth: int = 0  # requests waiting to be scheduled
     queued_tokens: int = 0  # prompt tokens not computed yet
     num_requests: int = 0  # requests held in any state
+    num_running: int = 0  # requests being computed
     # (state, arrival time.monotonic(), blocks) of every request holding blocks; state: reserved | running
     holders: tuple[tuple[str, float, int], ...] = ()
 
@@ -198,6 +199,7 @@ class Scheduler:
             queue_depth=len(self.waiting),
             queued_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed) for r in [*self.waiting, *self.running]),
             num_requests=len(self.requests),
+            num_running=len(self.running),
             holders=tuple(("reserved" if r.request_id in self.parked else "running", r.arrival_time,
                            len(r.block_ids)) for r in self.requests.values() if r.block_ids),
         )

@@ -36,6 +36,8 @@ from server_common.guard import Drain
 from server_common.kv_port import SenderFactory
 from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
+from server_common.timeline_log import TimelineLog
+from server_common.tracing import Tracing
 from server_common.vitals import Vitals
 from server_common.worker_replies import HealthReport, KVBlocks, PrefillResult, WorkerError
 from server_common.worker_requests import PrefillRequest
@@ -53,7 +55,9 @@ class Job:
     loop: asyncio.AbstractEventLoop
     first_token: int | None = None  # set once the prompt is computed; the blocks are then held for the transfer
     started: float = field(default_factory=time.monotonic)
+    computing: float | None = None  # when the first layer of its first chunk was computed
     prefilled: float | None = None  # when the last layer was computed and the first token sampled
+    ended: TransferEnded | None = None  # how and when its transfer ended
 
     def resolve(self, result: PrefillResult | WorkerError) -> None:
         def set_it() -> None:
@@ -69,12 +73,14 @@ class Job:
 
 class PrefillService:
     def __init__(self, settings: ServerSettings, engine: LLMEngine, make_sender: SenderFactory,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, tracing: Tracing | None = None) -> None:
         self.settings = settings
         self.faults = faults
         self.engine_thread = EngineThread(engine, self._on_outputs, settings.name,
                                           between_steps=self._collect_transfers, layer_hook=self._on_layer)
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
+        self.tracing = tracing or Tracing(settings.tracing, "pdserve-prefill")
+        self.timeline = TimelineLog()
         self._sender = make_sender(self.engine_thread.wake)
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
         self.vitals.add(self.engine_thread.problem)
@@ -91,6 +97,7 @@ class PrefillService:
         self.engine_thread.start()
 
     async def stop(self) -> None:
+        self.tracing.shutdown()
         self.engine_thread.stop()
         self._sender.close()
 
@@ -99,17 +106,24 @@ class PrefillService:
             self.metrics.requests.labels(outcome="draining").inc()
             raise WorkerError(503, f"{self.settings.name} is draining: it takes no new prefills", Outcome.DRAINING)
         self._pending += 1
+        span = self.tracing.start("prefill.prefill", self.tracing.parent(req.trace),
+                                  pdserve__request_id=req.request_id, pdserve__instance=self.settings.name,
+                                  pdserve__prompt_tokens=len(req.prompt_token_ids))
+        outcome = Outcome.CANCELLED
         try:
-            result = await self._prefill(req)
+            result = await self._prefill(req, span)
             self.metrics.requests.labels(outcome="prefilled").inc()
+            outcome = Outcome.OK
             return result
         except WorkerError as exc:
             self.metrics.requests.labels(outcome=exc.code).inc()
+            outcome = exc.code
             raise
         finally:
             self._pending -= 1
+            self.tracing.end(span, outcome=outcome)
 
-    async def _prefill(self, req: PrefillRequest) -> PrefillResult:
+    async def _prefill(self, req: PrefillRequest, span) -> PrefillResult:
         loop = asyncio.get_running_loop()
         rid, res = req.request_id, req.reservation
         if self.faults is not None:
@@ -139,7 +153,25 @@ class PrefillService:
             await self.engine_thread.run(add)
         except ValueError as exc:
             raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from exc
-        return await job.done
+        try:
+            return await job.done
+        finally:
+            self._trace_job(span, job)
+
+    def _trace_job(self, span, job: Job) -> None:
+        """The job's stages into the timeline log and as spans (tracing on). Its timestamps were
+        written on the engine thread before ``job.done`` was resolved, so they are complete here."""
+        self.timeline.add(job.request_id, received=job.started, computing=job.computing, prefilled=job.prefilled,
+                          transfer_ended=job.ended.at if job.ended else None)
+        if span is None or job.computing is None:
+            return
+        now = time.monotonic()
+        self.tracing.record("prefill.queue", span, job.started, job.computing)
+        self.tracing.record("prefill.compute", span, job.computing, job.prefilled or now)
+        ended = job.ended
+        self.tracing.record("prefill.kv_transfer", span, job.computing, ended.at if ended else now,
+                            ended.outcome if ended else Outcome.ABORTED, pdserve__transfer_id=job.transfer_id,
+                            pdserve__bytes=job.num_tokens * self._bytes_per_token)
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine_thread.run(lambda e: self._abort(e, request_id))
@@ -165,6 +197,8 @@ class PrefillService:
         for chunk in chunks:
             job = self._jobs.get(chunk.request_id)
             if job is not None:
+                if job.computing is None:
+                    job.computing = time.monotonic()
                 self._sender.push_layer(job.transfer_id, layer, chunk.block_ids, chunk.start, chunk.end)
         if self.faults is not None:
             self.faults.stall(layer)
@@ -178,6 +212,9 @@ class PrefillService:
             assert out.finish_reason == "prefilled", out
             job.first_token = out.new_token_ids[0]
             job.prefilled = time.monotonic()
+            computing = job.computing if job.computing is not None else job.prefilled
+            self.metrics.prefill_queue_seconds.observe(computing - job.started)
+            self.metrics.prefill_compute_seconds.observe(job.prefilled - computing)
             self._sender.finish(job.transfer_id, job.first_token)
 
     def _collect_transfers(self, e: LLMEngine) -> None:
@@ -190,18 +227,23 @@ class PrefillService:
         job = self._jobs.pop(rid, None) if rid is not None else None
         if job is None:
             return  # aborted earlier
+        job.ended = ended
         if job.first_token is not None:
             e.release(rid)
         else:
             e.abort(rid)  # failed before the prompt was done (decode side cancelled, peer gone)
         if not ended.ok:
-            self.metrics.transfer_failed.inc()
+            self.metrics.transfer_failures.labels(code=ended.outcome).inc()
             job.resolve(WorkerError(502, f"KV transfer to the decode server failed: {ended.reason}", ended.outcome))
             return
         seconds = ended.at - job.started
         nbytes = job.num_tokens * self._bytes_per_token
         self.metrics.transfer_bytes.inc(nbytes)
         self.metrics.transfer_seconds.observe(seconds)
+        self.metrics.transfer_request_bytes.observe(nbytes)
+        # The wire runs from the first layer pushed to the decode server's ack (overlapping compute).
+        on_wire = ended.at - (job.computing if job.computing is not None else job.started)
+        self.metrics.transfer_gbps.observe(nbytes / max(on_wire, 1e-9) / 1e9)
         if job.prefilled is not None:
             self.metrics.transfer_exposed_seconds.observe(max(0.0, ended.at - job.prefilled))
         job.resolve(PrefillResult(request_id=rid, first_token_id=job.first_token, num_tokens=job.num_tokens,

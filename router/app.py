@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 import httpx
 from fastapi import FastAPI, Request
@@ -28,6 +27,7 @@ from router.settings import RouterSettings
 from router.worker_client import WorkerClient
 from server_common.guard import Drain, auth_headers, bearer_token, token_matches
 from server_common.process_defaults import is_loopback
+from server_common.tracing import Tracing
 
 
 DISCONNECT_POLL_S = 0.25
@@ -61,15 +61,17 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight) for w in settings.workers],
                               interval=settings.health_interval, backoff_max=settings.health_backoff_max,
                               launch_id=settings.launch_id)
+    metrics = RouterMetrics(registry)
     admission = Admission(AdmissionSettings(max_queued=settings.max_queued, timeout=settings.queue_timeout,
-                                            retry_after=settings.retry_after))
-    metrics = RouterMetrics(registry, admission)
+                                            retry_after=settings.retry_after), on_wait=metrics.queue_time.observe)
+    metrics.watch_admission(admission)
     # Slow and greedy clients (router.connections): `pdserve router` serves with its protocol class.
     connections = ConnectionGuard(settings.header_timeout, settings.body_timeout, settings.max_connections_per_client)
     metrics.registry.register(connections)
     dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
                                          prefill_failure=settings.prefill_failure)
     limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
+    tracing = Tracing(settings.tracing, "pdserve-router")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -78,7 +80,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
             worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout)
             dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),
                                     worker_client, dispatch_settings, metrics.recovery, admission, drain)
-            app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits)
+            app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits, tracing)
             health_task = asyncio.create_task(registry.run(http)) if client is None else None
             try:
                 yield
@@ -86,6 +88,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                 if health_task is not None:
                     health_task.cancel()
                     await asyncio.gather(health_task, return_exceptions=True)
+                tracing.shutdown()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
 
@@ -117,7 +120,6 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
 
     async def respond(request: Request, endpoint: str, call) -> Response:
         check_auth(request)
-        started = time.monotonic()
         metrics.inflight.inc()
         status = 500
         try:
@@ -129,7 +131,6 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         finally:
             metrics.inflight.dec()
             metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-            metrics.e2e.observe(time.monotonic() - started)
         if session is None:
             return JSONResponse(result.model_dump())
         # session.close is idempotent: the stream closes it in `finally`, the
@@ -139,11 +140,12 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await respond(request, "chat", lambda rid: request.app.state.handlers.chat(req, rid))
+        return await respond(request, "chat", lambda rid: request.app.state.handlers.chat(req, rid, request.headers.get("traceparent")))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await respond(request, "completions", lambda rid: request.app.state.handlers.completion(req, rid))
+        return await respond(request, "completions", lambda rid: request.app.state.handlers.completion(
+            req, rid, request.headers.get("traceparent")))
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -158,6 +160,13 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         status = "draining" if drain.draining else "ok" if ok else "degraded"
         return JSONResponse({"status": status, "workers": workers, "launch_id": settings.launch_id},
                             status_code=200 if ok else 503)
+
+    @app.get("/debug/timeline")
+    async def timeline(request: Request) -> JSONResponse:
+        """Stage timestamps of the last requests (server_common/timeline_log.py); admin callers only."""
+        check_admin(request)
+        return JSONResponse({"instance": "router", "role": "router",
+                             "requests": request.app.state.handlers.timeline.entries()})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

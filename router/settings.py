@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.tracing import TracingSettings
 
 PolicyName = Literal["round_robin", "least_loaded"]  # router/policies.py
 PrefillFailure = Literal["retry", "local", "fail"]  # what a failed prefill leads to (router/recovery.py)
@@ -54,3 +55,4 @@ class RouterSettings:
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key
     launch_id: str | None = None  # workers must report it in /health (None: any); see deploy/launcher.py
+    tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set

@@ -233,5 +233,11 @@ def _add_common_routes(app: FastAPI, service) -> None:
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/debug/timeline")
+    async def timeline() -> JSONResponse:
+        """Stage timestamps of the last requests (server_common/timeline_log.py)."""
+        return JSONResponse({"instance": service.settings.name, "role": service.settings.role,
+                             "requests": service.timeline.entries()})
+
     if service.faults is not None:  # config fault_injection: true (tests only)
         add_fault_routes(app, service.faults)

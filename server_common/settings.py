@@ -11,6 +11,7 @@ from typing import Literal
 
 from engine.config import EngineConfig, EngineMode
 from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.tracing import TracingSettings
 
 TransferBackendName = Literal["zmq", "nixl"]  # transfer's in-process backend is for tests inside one process
 KvFailureAction = Literal["fail", "local"]  # a lease expired or a checksum failed: fail it, or prefill it on D
@@ -42,6 +43,7 @@ class ServerSettings:
     max_body_bytes: int = 16 << 20  # larger bodies get 413 before they are read (a 1M-token prompt fits)
     stuck_after_s: float = 60.0  # /health: a thread with work that made no progress this long is stuck
     launch_id: str | None = None  # reported in /health; from `pdserve launch` (deploy/process_cli.py)
+    tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
 
     @property
     def url(self) -> str:

@@ -55,6 +55,7 @@ class GenerateRequest(Strict):
     prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT)
     sampling: SamplingSpec
     local_prefill: bool = False
+    trace: str | None = Field(default=None, max_length=128)  # the router's W3C traceparent (tracing on)
 
 
 class PrefillRequest(Strict):
@@ -64,6 +65,7 @@ class PrefillRequest(Strict):
     prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT)
     sampling: SamplingSpec
     reservation: Reservation
+    trace: str | None = Field(default=None, max_length=128)  # the router's W3C traceparent (tracing on)
 
 
 class AbortRequest(Strict):

@@ -121,7 +121,7 @@ def test_the_prefill_server_never_follows_a_hello_url_it_is_given(target):
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     port = listener.getsockname()[1]
-    before = target.cluster.metric("p0", 'pdserve_requests_total{outcome="transfer_failed"}')
+    before = target.cluster.metric("p0", 'pdserve_requests_total{outcome="handshake_failed"}')
     reservation = {"instance": "evil", "request_id": "r", "transfer_id": "evil-1", "block_ids": [0, 1],
                    "block_size": 16, "num_tokens": 5, "lease_deadline": time.time() + 30,
                    "kv_target": {"peer": "evil", "hello_url": f"http://127.0.0.1:{port}/kv/hello"}}
@@ -134,7 +134,7 @@ def test_the_prefill_server_never_follows_a_hello_url_it_is_given(target):
             listener.accept()  # nobody came: the secret went nowhere
     finally:
         listener.close()
-    assert target.cluster.metric("p0", 'pdserve_requests_total{outcome="transfer_failed"}') - before == 1
+    assert target.cluster.metric("p0", 'pdserve_requests_total{outcome="handshake_failed"}') - before == 1
     target.cluster.wait_idle(5.0)
 
 
