@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from bench import cli as bench_cli
-from deploy import launch_cli, process_cli
+from deploy import launch_cli, process_cli, render_cli
 from engine import cli as engine_cli
 
 
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine_cli.add_parser(subparsers)
     launch_cli.add_parser(subparsers)
     process_cli.add_parsers(subparsers)
+    render_cli.add_parser(subparsers)
     bench_cli.add_parser(subparsers)
     return parser
 

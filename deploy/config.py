@@ -31,11 +31,13 @@ exist only in the cluster file (ports, instance lists, ``model_cache``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
 
 from deploy.config_security import ConfigError, SecurityConfig, Strict, looks_secret
+from deploy.k8s_config import KubernetesConfig
 from deploy.models import is_builtin, resolve_model
 from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
 from router.settings import PolicyName, PrefillFailure, RouterSettings, WorkerSpec
@@ -102,6 +104,44 @@ class RouterConfig(Strict):
     max_prompt_tokens: int | None = Field(default=RouterSettings.max_prompt_tokens, ge=1)
     max_tokens: int | None = Field(default=RouterSettings.max_tokens, ge=1)
     api_keys: list[SecretStr] = Field(default_factory=list)
+    api_keys_file: str | None = None  # instead of api_keys: one key per line (on Kubernetes, a mounted Secret)
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> RouterConfig:
+        if self.api_keys and self.api_keys_file is not None:
+            raise ValueError("set router.api_keys or router.api_keys_file, not both")
+        return self
+
+    def api_key_values(self) -> tuple[str, ...]:
+        if self.api_keys_file is None:
+            return tuple(k.get_secret_value() for k in self.api_keys)
+        path = Path(self.api_keys_file).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"router.api_keys_file {str(path)!r}: cannot read it: {exc.strerror}") from None
+        return tuple(line.strip() for line in lines if line.strip())
+
+
+class DiscoveryConfig(Strict):
+    """How the router finds its workers. ``static``: the instances listed in
+    this file. ``dns``: every ``interval_s`` the router re-resolves each of
+    ``names``; each address is a worker, asked for its role, model and layout
+    (a Kubernetes headless Service resolves to one address per ready pod, and
+    its SRV record ``_http._tcp.NAME`` to each pod's HTTP port: see
+    deploy/k8s.py)."""
+
+    kind: Literal["static", "dns"] = "static"
+    names: list[str] = Field(default_factory=list)
+    interval_s: float = Field(default=5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _names_for_dns(self) -> DiscoveryConfig:
+        if self.kind == "dns" and not self.names:
+            raise ValueError("discovery.kind dns needs discovery.names (the DNS names to re-resolve)")
+        if self.kind == "static" and self.names:
+            raise ValueError("discovery.names is for kind dns; kind static uses the instances listed")
+        return self
 
 
 class RecoveryConfig(Strict):
@@ -141,6 +181,8 @@ class ClusterConfig(Strict):
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()  # read only by `pdserve render k8s`
     # Test hook, off by default: servers mount /admin/faults to inject faults deterministically.
     fault_injection: bool = ServerSettings.fault_injection
     prefill: list[Instance] = Field(default_factory=list)
@@ -231,7 +273,7 @@ class ClusterConfig(Strict):
             health_interval=r.health_interval_s, queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
             retry_after=r.retry_after_s, prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len,
             max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
-            drain_timeout=self.drain_timeout_s, api_keys=tuple(k.get_secret_value() for k in r.api_keys),
+            drain_timeout=self.drain_timeout_s, api_keys=r.api_key_values(),
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
             prefill_failure=self.recovery.prefill_failure,
         )
