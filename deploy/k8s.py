@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,9 @@ MODEL_CACHE = "/opt/pdserve/models"  # where deploy/Dockerfile prebuilds the bui
 GRACE_MARGIN_S = 10  # terminationGracePeriodSeconds = preStop + drain timeout + this
 STARTUP_BUDGET_S = 900  # a server may take this long to load (or build) its model before liveness counts
 PROBE_PATH = "/health"
-LIVENESS_PATH_ROUTER = "/metrics"  # the router's /health is 503 while no decode server is healthy: not a reason to restart it
+# The router's /health answers 503 while no decode server is healthy: a reason to take it
+# out of its Service (readiness), not to restart it (liveness).
+LIVENESS_PATH_ROUTER = "/metrics"
 SUBCOMMAND = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}  # `pdserve <sub>` per role
 
 
@@ -102,14 +105,19 @@ def render(config_path: Path, name: str | None = None, namespace: str | None = N
     names = _Names(cluster_name(Path(config_path), k8s), k8s)
     for inst in cluster.instances():
         names.check(inst)
+    objects_names = [names.statefulset(i) for i in cluster.instances()]
+    clash = sorted({n for n in objects_names if objects_names.count(n) > 1})
+    if clash:
+        raise ValueError(f"{config_path}: instance names that differ only in case, '_' or '.' give one "
+                         f"Kubernetes object name: {clash}; rename them")
     if not is_builtin(cluster.model) and not Path(cluster.model).is_absolute():
         raise ValueError(f"{config_path}: model {cluster.model!r}: on Kubernetes a model folder must be an "
                          "absolute path (inside the image, or on kubernetes.model_pvc)")
     pod_yaml = pod_cluster_yaml(raw, cluster, names)
-    parse_config(yaml.safe_load(pod_yaml), f"{config_path} (rendered for pods)")  # it must load as is
+    pod_data = yaml.safe_load(pod_yaml)
+    parse_config(pod_data, f"{config_path} (rendered for pods)")  # it must load as is
     keys = (SECRET_KEY_INTERNAL, SECRET_KEY_API) if _has_api_keys(cluster) else (SECRET_KEY_INTERNAL,)
-    digest = hashlib.sha256(pod_yaml.encode()).hexdigest()[:16]
-    pods = _PodParts(cluster, k8s, names, keys, digest)
+    pods = _PodParts(cluster, k8s, names, keys, pod_data)
     objects = [names.meta_object("v1", "ConfigMap", names.config_map, names.labels("config"),
                                  data={"cluster.yaml": pod_yaml})]
     objects += [_headless_service(names, role, insts) for role, insts in _roles(cluster).items()]
@@ -138,6 +146,9 @@ class _Names:
         return f"{self.statefulset(inst)}-0.{self.headless(role)}.{self.k8s.namespace}.svc.{self.k8s.cluster_domain}"
 
     def check(self, inst: Instance) -> None:
+        if not (inst.name[0].isalnum() and inst.name[-1].isalnum() and len(inst.name) <= 63):
+            raise ValueError(f"instance {inst.name!r}: on Kubernetes (a label value) a name must start and end "
+                             "with a letter or digit and be at most 63 characters")
         sts = self.statefulset(inst)
         # the pod name (sts-0) and the controller-revision-hash label (sts-<10 chars>) must stay DNS labels
         if len(sts) > 52 or not sts[-1].isalnum():
@@ -193,7 +204,18 @@ class _PodParts:
     k8s: KubernetesConfig
     names: _Names
     secret_keys: tuple[str, ...]
-    config_digest: str
+    pod_data: dict  # the pods' cluster YAML, loaded
+
+    def config_digest(self, instance: str | None) -> str:
+        """A pod annotation that changes when what this pod reads changes, so that
+        `kubectl apply` restarts it then, and only then: a server reads the
+        cluster-wide keys and its own entry (adding an instance restarts no
+        running server); the router reads everything."""
+        data = self.pod_data
+        if instance is not None:
+            data = {k: v for k, v in data.items() if k not in SUBCOMMAND}
+            data["self"] = [e for role in SUBCOMMAND for e in self.pod_data.get(role, []) if e["name"] == instance]
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
     @property
     def grace_s(self) -> int:
@@ -232,9 +254,9 @@ class _PodParts:
             c["startupProbe"] = _probe(PROBE_PATH, period=5, failures=STARTUP_BUDGET_S // 5)
         return c
 
-    def template(self, labels: dict, http_port: int, container: dict) -> dict:
+    def template(self, labels: dict, http_port: int, container: dict, instance: str | None) -> dict:
         annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),
-                       "prometheus.io/path": "/metrics", "pdserve.io/config-sha256": self.config_digest}
+                       "prometheus.io/path": "/metrics", "pdserve.io/config-sha256": self.config_digest(instance)}
         return {"metadata": {"labels": labels, "annotations": annotations},
                 "spec": {"terminationGracePeriodSeconds": self.grace_s, "automountServiceAccountToken": False,
                          "enableServiceLinks": False, "containers": [container], "volumes": self.volumes()}}
@@ -268,7 +290,7 @@ def _statefulset(pods: _PodParts, role: str, inst: Instance) -> dict:
     labels = names.labels(role, inst.name)
     spec = {"serviceName": names.headless(role), "replicas": 1,
             "selector": {"matchLabels": {**names.selector(role), "pdserve.io/instance": inst.name}},
-            "template": pods.template(labels, inst.port, container)}
+            "template": pods.template(labels, inst.port, container, inst.name)}
     return names.meta_object("apps/v1", "StatefulSet", names.statefulset(inst), labels, spec=spec)
 
 
@@ -279,7 +301,7 @@ def _router_deployment(pods: _PodParts) -> dict:
                                {"http": cluster.router.port}, resources, LIVENESS_PATH_ROUTER, startup=True)
     labels = names.labels("router")
     spec = {"replicas": k8s.router_replicas, "selector": {"matchLabels": names.selector("router")},
-            "template": pods.template(labels, cluster.router.port, container)}
+            "template": pods.template(labels, cluster.router.port, container, None)}
     return names.meta_object("apps/v1", "Deployment", names.router, labels, spec=spec)
 
 
