@@ -16,8 +16,10 @@ block size and thread count comes from this one file. Example (see configs/)::
 
 A colocated cluster lists ``colocated:`` instances instead of prefill/decode.
 Overload, limits and security keys (all optional) are described on
-``RouterConfig`` and ``SecurityConfig``; secrets are ``SecretStr`` so no
-repr, log line or config error ever shows them.
+``RouterConfig`` and ``SecurityConfig``, the router's worker discovery on
+``DiscoveryConfig``, and the ``kubernetes:`` section (read only by
+`pdserve render k8s`) in deploy/k8s_config.py; secrets are ``SecretStr`` so
+no repr, log line or config error ever shows them.
 
 The defaults and allowed values of the processes' settings are not written
 here: each is taken from the settings object of the process that uses it

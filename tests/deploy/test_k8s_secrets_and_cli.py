@@ -125,3 +125,25 @@ def test_the_dockerfile_installs_with_the_script_and_exposes_the_default_ports()
     default = parse_config(yaml.safe_load((REPO / "configs" / "1p1d.yaml").read_text()), "1p1d.yaml")
     ports = {default.router.port} | {p for i in default.instances() for p in (i.port, i.transfer_port)}
     assert {int(p) for p in expose.split()} == ports
+
+
+def test_a_pod_gets_its_settings_from_the_rendered_config_and_the_mounted_secret(tmp_path, tiny_model):
+    """What `pdserve decode|router --config /etc/pdserve/config/cluster.yaml` does in a pod, with the
+    Secret's files at a temporary path instead of /etc/pdserve/secrets."""
+    m = render(_config_with_secrets(tmp_path), tmp_path / "out")
+    (cm,) = m.of_kind("ConfigMap")
+    text = cm["data"]["cluster.yaml"].replace(SECRET_DIR, str(tmp_path / "mounted"))
+    (tmp_path / "mounted").mkdir()
+    (tmp_path / "mounted" / "internal-secret").write_text(INTERNAL + "\n")
+    (tmp_path / "mounted" / "api-keys").write_text("\n".join(KEYS) + "\n")
+    cluster = parse_config(yaml.safe_load(text), "ConfigMap")
+    d0 = cluster.server_settings("d0", tiny_model)
+    fqdn = "pdserve-secret-demo-d0-0.pdserve-secret-demo-decode-headless.default.svc.cluster.local"
+    assert (d0.host, d0.port, d0.kv_port, d0.internal_secret) == (fqdn, 8200, 8201, INTERNAL)
+    assert d0.url == f"http://{fqdn}:8200"  # what its reservations advertise
+    router = cluster.router_settings(tiny_model)
+    assert (router.host, router.api_keys, router.internal_secret) == ("0.0.0.0", tuple(KEYS), INTERNAL)
+    assert [(w.name, w.role, w.url) for w in router.workers] == [
+        ("p0", "prefill", "http://pdserve-secret-demo-p0-0.pdserve-secret-demo-prefill-headless"
+                          ".default.svc.cluster.local:8100"),
+        ("d0", "decode", f"http://{fqdn}:8200")]
