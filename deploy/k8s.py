@@ -58,6 +58,11 @@ PROBE_PATH = "/health"
 # The router's /health answers 503 while no decode server is healthy: a reason to take it
 # out of its Service (readiness), not to restart it (liveness).
 LIVENESS_PATH_ROUTER = "/metrics"
+# Pods keep their own PID and IPC namespaces, so UCX's shared-memory, CMA and CUDA IPC
+# transports cannot reach a peer pod even on the same node (transfer/nixl_backend.py's
+# "auto" assumes one host): NIXL pods get transports that cross pods.
+UCX_TLS_CPU = "tcp"
+UCX_TLS_CUDA = "^sm,cma,cuda_ipc"  # UCX's choice (rc, cuda_copy, tcp, ...) minus those
 SUBCOMMAND = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}  # `pdserve <sub>` per role
 
 
@@ -237,9 +242,9 @@ class _PodParts:
         return mounts
 
     def container(self, name: str, command: list[str], ports: dict[str, int], resources: dict,
-                  liveness_path: str, startup: bool) -> dict:
+                  liveness_path: str, startup: bool, env: dict[str, str]) -> dict:
         c = {"name": name, "image": self.k8s.image, "imagePullPolicy": self.k8s.image_pull_policy,
-             "command": command, "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+             "command": command, "env": [{"name": k, "value": v} for k, v in {"PYTHONUNBUFFERED": "1", **env}.items()],
              "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}
                        for port_name, port in ports.items()],
              "resources": resources,
@@ -284,9 +289,12 @@ def _statefulset(pods: _PodParts, role: str, inst: Instance) -> dict:
     resources: dict = {"requests": {"cpu": str(threads), "memory": pods.k8s.memory}}
     if device.startswith("cuda"):
         resources["limits"] = {"nvidia.com/gpu": 1}
+    env = {}
+    if cluster.transfer.backend == "nixl":
+        env["UCX_TLS"] = pods.k8s.ucx_tls or (UCX_TLS_CUDA if device.startswith("cuda") else UCX_TLS_CPU)
     command = ["pdserve", SUBCOMMAND[role], "--config", CONFIG_FILE, "--name", inst.name]
     container = pods.container(role, command, {"http": inst.port, "kv": inst.transfer_port}, resources,
-                               PROBE_PATH, startup=True)
+                               PROBE_PATH, startup=True, env=env)
     labels = names.labels(role, inst.name)
     spec = {"serviceName": names.headless(role), "replicas": 1,
             "selector": {"matchLabels": {**names.selector(role), "pdserve.io/instance": inst.name}},
@@ -298,7 +306,7 @@ def _router_deployment(pods: _PodParts) -> dict:
     cluster, k8s, names = pods.cluster, pods.k8s, pods.names
     resources = {"requests": {"cpu": k8s.router_cpu, "memory": k8s.router_memory}}
     container = pods.container("router", ["pdserve", "router", "--config", CONFIG_FILE],
-                               {"http": cluster.router.port}, resources, LIVENESS_PATH_ROUTER, startup=True)
+                               {"http": cluster.router.port}, resources, LIVENESS_PATH_ROUTER, startup=True, env={})
     labels = names.labels("router")
     spec = {"replicas": k8s.router_replicas, "selector": {"matchLabels": names.selector("router")},
             "template": pods.template(labels, cluster.router.port, container, None)}

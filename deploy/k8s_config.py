@@ -45,3 +45,5 @@ class KubernetesConfig(Strict):
     router_service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     prestop_s: int = Field(default=10, ge=0, le=600)
     model_pvc: str | None = None  # a PersistentVolumeClaim mounted read-only at `model:` when it is a folder
+    # UCX_TLS of server pods with the nixl backend (default: transports that cross pods, see deploy/k8s.py)
+    ucx_tls: str | None = None

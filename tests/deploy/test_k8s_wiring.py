@@ -130,10 +130,10 @@ def test_a_leaving_pod_has_time_to_drain(config, tmp_path):
         assert pod["terminationGracePeriodSeconds"] == int(prestop[1]) + drain + GRACE_MARGIN_S
 
 
-def test_cpu_requests_follow_threads_and_a_cuda_instance_gets_a_gpu(tmp_path):
+def test_cpu_requests_follow_threads_a_cuda_instance_gets_a_gpu_and_nixl_crosses_pods(tmp_path):
     config = tmp_path / "gpu.yaml"
     config.write_text("model: /models/qwen3\nengine: {num_threads: 2}\ndevice: cpu\n"
-                      "security: {internal_secret_file: /nowhere}\n"
+                      "security: {internal_secret_file: /nowhere}\ntransfer: {backend: nixl}\n"
                       "prefill: [{name: p0, port: 8100, device: cuda, num_threads: 4}]\n"
                       "decode: [{name: d0, port: 8200}]\n"
                       "kubernetes: {memory: 12Gi, model_pvc: qwen3-weights, namespace: llm}\n")
@@ -143,6 +143,11 @@ def test_cpu_requests_follow_threads_and_a_cuda_instance_gets_a_gpu(tmp_path):
     assert d0["resources"] == {"requests": {"cpu": "2", "memory": "12Gi"}}
     assert {"name": "model", "mountPath": "/models/qwen3", "readOnly": True} in d0["volumeMounts"]
     assert {o["metadata"]["namespace"] for o in m.objects} == {"llm"}
+    # NIXL between pods: no shared-memory, CMA or CUDA IPC transport (pods do not share those namespaces)
+    assert {"name": "UCX_TLS", "value": "^sm,cma,cuda_ipc"} in p0["env"]
+    assert {"name": "UCX_TLS", "value": "tcp"} in d0["env"]
+    zmq = render(REPO / "configs" / "2p1d.yaml", tmp_path / "zmq")
+    assert all(e["name"] != "UCX_TLS" for w in zmq.workloads() for e in container(w)["env"])
 
 
 def test_adding_an_instance_restarts_no_running_server_but_a_changed_setting_restarts_all(tmp_path):
