@@ -41,8 +41,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from pydantic import ValidationError
 
-from deploy.config import ClusterConfig, Instance, parse_config
+from deploy.config import ClusterConfig, ConfigError, Instance, load_config, parse_config
 from deploy.k8s_config import KubernetesConfig
 from deploy.models import is_builtin
 
@@ -66,24 +67,6 @@ UCX_TLS_CUDA = "^sm,cma,cuda_ipc"  # UCX's choice (rc, cuda_copy, tcp, ...) minu
 SUBCOMMAND = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}  # `pdserve <sub>` per role
 
 
-class _Dumper(yaml.SafeDumper):
-    """Plain YAML for people to read: no anchors, multi-line strings as ``|`` blocks."""
-
-    def ignore_aliases(self, data) -> bool:
-        return True
-
-
-def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
-    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
-
-
-_Dumper.add_representer(str, _str)
-
-
-def to_yaml(obj: dict) -> str:
-    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False)
-
-
 @dataclass(frozen=True)
 class Rendered:
     name: str
@@ -103,10 +86,14 @@ def cluster_name(config_path: Path, k8s: KubernetesConfig) -> str:
 def render(config_path: Path, name: str | None = None, namespace: str | None = None,
            image: str | None = None) -> Rendered:
     """Every object for the cluster YAML at ``config_path``; the arguments override ``kubernetes:``."""
+    cluster = load_config(config_path)  # the loader's messages for a bad file
     raw = yaml.safe_load(Path(config_path).read_text())
-    cluster = parse_config(raw, str(config_path))
     updates = {k: v for k, v in (("name", name), ("namespace", namespace), ("image", image)) if v}
-    k8s = KubernetesConfig.model_validate({**cluster.kubernetes.model_dump(exclude_unset=True), **updates})
+    try:
+        k8s = KubernetesConfig.model_validate({**cluster.kubernetes.model_dump(exclude_unset=True), **updates})
+    except ValidationError as exc:
+        (err,) = exc.errors()[:1]
+        raise ConfigError(f"--{err['loc'][0]} {err['input']!r}: {err['msg']}") from None
     names = _Names(cluster_name(Path(config_path), k8s), k8s)
     for inst in cluster.instances():
         names.check(inst)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+import yaml
+
 HEADER = "# Rendered by `pdserve render k8s` from {source}; edit the cluster YAML and render again.\n"
 
 
@@ -38,7 +40,7 @@ def add_parser(subparsers) -> None:
 def run_k8s(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from deploy.k8s import render, to_yaml
+    from deploy.k8s import render
 
     rendered = render(Path(args.config), name=args.name, namespace=args.namespace, image=args.image)
     out = Path(args.out)
@@ -57,3 +59,21 @@ def run_k8s(args: argparse.Namespace) -> int:
           f"  kubectl -n {rendered.namespace} create secret generic {rendered.secret_name} {keys}\n"
           f"then: kubectl apply -f {out}")
     return 0
+
+
+class _Dumper(yaml.SafeDumper):
+    """Plain YAML for people to read: no anchors, multi-line strings as ``|`` blocks."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def to_yaml(obj: dict) -> str:
+    return yaml.dump(obj, Dumper=_Dumper, sort_keys=False)

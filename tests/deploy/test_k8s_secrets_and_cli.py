@@ -147,3 +147,10 @@ def test_a_pod_gets_its_settings_from_the_rendered_config_and_the_mounted_secret
         ("p0", "prefill", "http://pdserve-secret-demo-p0-0.pdserve-secret-demo-prefill-headless"
                           ".default.svc.cluster.local:8100"),
         ("d0", "decode", f"http://{fqdn}:8200")]
+
+
+def test_a_bad_name_on_the_command_line_is_one_clear_line(tmp_path, capsys):
+    assert main(["render", "k8s", str(CONFIGS[0]), "--out", str(tmp_path / "out"), "--name", "Bad_Name"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdserve render: error: --name 'Bad_Name': String should match pattern")
+    assert len(err.strip().splitlines()) == 1
