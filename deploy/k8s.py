@@ -229,22 +229,24 @@ class _PodParts:
         return mounts
 
     def container(self, name: str, command: list[str], ports: dict[str, int], resources: dict,
-                  liveness_path: str, startup: bool, env: dict[str, str]) -> dict:
-        c = {"name": name, "image": self.k8s.image, "imagePullPolicy": self.k8s.image_pull_policy,
-             "command": command, "env": [{"name": k, "value": v} for k, v in {"PYTHONUNBUFFERED": "1", **env}.items()],
-             "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}
-                       for port_name, port in ports.items()],
-             "resources": resources,
-             "readinessProbe": _probe(PROBE_PATH, period=5, failures=2),
-             "livenessProbe": _probe(liveness_path, period=10, failures=3),
-             # The server drains on SIGTERM (server_common/run.py); the sleep first lets the
-             # router's discovery and the Service drop this pod, so new work goes elsewhere.
-             "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(self.k8s.prestop_s)]}}},
-             "volumeMounts": self.mounts(),
-             "securityContext": {"allowPrivilegeEscalation": False}}
-        if startup:
-            c["startupProbe"] = _probe(PROBE_PATH, period=5, failures=STARTUP_BUDGET_S // 5)
-        return c
+                  liveness_path: str, env: dict[str, str]) -> dict:
+        env = {"PYTHONUNBUFFERED": "1", **env}
+        return {
+            "name": name, "image": self.k8s.image, "imagePullPolicy": self.k8s.image_pull_policy,
+            "command": command, "env": [{"name": k, "value": v} for k, v in env.items()],
+            "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}
+                      for port_name, port in ports.items()],
+            "resources": resources,
+            # loading (or building) the model may take minutes: liveness counts only after this passes
+            "startupProbe": _probe(PROBE_PATH, period=5, failures=STARTUP_BUDGET_S // 5),
+            "readinessProbe": _probe(PROBE_PATH, period=5, failures=2),
+            "livenessProbe": _probe(liveness_path, period=10, failures=3),
+            # The server drains on SIGTERM (server_common/run.py); the sleep first lets the
+            # router's discovery and the Service drop this pod, so new work goes elsewhere.
+            "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(self.k8s.prestop_s)]}}},
+            "volumeMounts": self.mounts(),
+            "securityContext": {"allowPrivilegeEscalation": False},
+        }
 
     def template(self, labels: dict, http_port: int, container: dict, instance: str | None) -> dict:
         annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),
@@ -281,7 +283,7 @@ def _statefulset(pods: _PodParts, role: str, inst: Instance) -> dict:
         env["UCX_TLS"] = pods.k8s.ucx_tls or (UCX_TLS_CUDA if device.startswith("cuda") else UCX_TLS_CPU)
     command = ["pdserve", SUBCOMMAND[role], "--config", CONFIG_FILE, "--name", inst.name]
     container = pods.container(role, command, {"http": inst.port, "kv": inst.transfer_port}, resources,
-                               PROBE_PATH, startup=True, env=env)
+                               PROBE_PATH, env=env)
     labels = names.labels(role, inst.name)
     spec = {"serviceName": names.headless(role), "replicas": 1,
             "selector": {"matchLabels": {**names.selector(role), "pdserve.io/instance": inst.name}},
@@ -293,7 +295,7 @@ def _router_deployment(pods: _PodParts) -> dict:
     cluster, k8s, names = pods.cluster, pods.k8s, pods.names
     resources = {"requests": {"cpu": k8s.router_cpu, "memory": k8s.router_memory}}
     container = pods.container("router", ["pdserve", "router", "--config", CONFIG_FILE],
-                               {"http": cluster.router.port}, resources, LIVENESS_PATH_ROUTER, startup=True, env={})
+                               {"http": cluster.router.port}, resources, LIVENESS_PATH_ROUTER, env={})
     labels = names.labels("router")
     spec = {"replicas": k8s.router_replicas, "selector": {"matchLabels": names.selector("router")},
             "template": pods.template(labels, cluster.router.port, container, None)}
