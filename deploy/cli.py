@@ -27,8 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     engine_cli.add_parser(subparsers)
     launch_cli.add_parser(subparsers)
-    process_cli.add_parsers(subparsers)
     render_cli.add_parser(subparsers)
+    process_cli.add_parsers(subparsers)
     bench_cli.add_parser(subparsers)
     return parser
 
