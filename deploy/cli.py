@@ -17,7 +17,7 @@ import os
 import sys
 
 from bench import cli as bench_cli
-from deploy import launch_cli, process_cli
+from deploy import launch_cli, process_cli, render_cli
 from engine import cli as engine_cli
 
 
@@ -34,6 +34,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     engine_cli.add_parser(subparsers)
     launch_cli.add_parser(subparsers)
+    render_cli.add_parser(subparsers)
     process_cli.add_parsers(subparsers)
     bench_cli.add_parser(subparsers, command)
     return parser

@@ -16,8 +16,10 @@ block size and thread count comes from this one file. Example (see configs/)::
 
 A colocated cluster lists ``colocated:`` instances instead of prefill/decode.
 Overload, limits and security keys (all optional) are described on
-``RouterConfig`` and ``SecurityConfig``; secrets are ``SecretStr`` so no
-repr, log line or config error ever shows them.
+``RouterConfig`` and ``SecurityConfig``, the router's worker discovery on
+``DiscoveryConfig``, and the ``kubernetes:`` section (read only by
+`pdserve render k8s`) in deploy/k8s_config.py; secrets are ``SecretStr`` so
+no repr, log line or config error ever shows them.
 
 The defaults and allowed values of the processes' settings are not written
 here: each is taken from the settings object of the process that uses it
@@ -31,11 +33,13 @@ exist only in the cluster file (ports, instance lists, ``model_cache``).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
 
 from deploy.config_security import ConfigError, SecurityConfig, Strict, looks_secret
+from deploy.k8s_config import KubernetesConfig
 from deploy.models import is_builtin, resolve_model
 from deploy.supervisor import RestartConfig
 from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
@@ -105,9 +109,47 @@ class RouterConfig(Strict):
     max_tokens: int | None = Field(default=RouterSettings.max_tokens, ge=1)
     api_keys: list[SecretStr] = Field(default_factory=list)
     # Slow and greedy clients (router/connections.py): closed past these.
-    header_timeout_s: float = Field(default=10.0, gt=0)
-    body_timeout_s: float = Field(default=30.0, gt=0)
-    max_connections_per_client: int = Field(default=256, ge=1)
+    header_timeout_s: float = Field(default=RouterSettings.header_timeout, gt=0)
+    body_timeout_s: float = Field(default=RouterSettings.body_timeout, gt=0)
+    max_connections_per_client: int = Field(default=RouterSettings.max_connections_per_client, ge=1)
+    api_keys_file: str | None = None  # instead of api_keys: one key per line (on Kubernetes, a mounted Secret)
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> RouterConfig:
+        if self.api_keys and self.api_keys_file is not None:
+            raise ValueError("set router.api_keys or router.api_keys_file, not both")
+        return self
+
+    def api_key_values(self) -> tuple[str, ...]:
+        if self.api_keys_file is None:
+            return tuple(k.get_secret_value() for k in self.api_keys)
+        path = Path(self.api_keys_file).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"router.api_keys_file {str(path)!r}: cannot read it: {exc.strerror}") from None
+        return tuple(line.strip() for line in lines if line.strip())
+
+
+class DiscoveryConfig(Strict):
+    """How the router finds its workers. ``static``: the instances listed in
+    this file. ``dns``: every ``interval_s`` the router re-resolves each of
+    ``names``; each address is a worker, asked for its role, model and layout
+    (a Kubernetes headless Service resolves to one address per ready pod, and
+    its SRV record ``_http._tcp.NAME`` to each pod's HTTP port: see
+    deploy/k8s.py)."""
+
+    kind: Literal["static", "dns"] = "static"
+    names: list[str] = Field(default_factory=list)
+    interval_s: float = Field(default=5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _names_for_dns(self) -> DiscoveryConfig:
+        if self.kind == "dns" and not self.names:
+            raise ValueError("discovery.kind dns needs discovery.names (the DNS names to re-resolve)")
+        if self.kind == "static" and self.names:
+            raise ValueError("discovery.names is for kind dns; kind static uses the instances listed")
+        return self
 
 
 class RecoveryConfig(Strict):
@@ -160,6 +202,8 @@ class ClusterConfig(Strict):
     recovery: RecoveryConfig = RecoveryConfig()
     restart: RestartConfig = RestartConfig()  # pdserve launch restarts a failed process (deploy/supervisor.py)
     tracing: TracingConfig = TracingConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()  # read only by `pdserve render k8s`
     # Test hook, off by default: servers mount /admin/faults to inject faults deterministically.
     fault_injection: bool = ServerSettings.fault_injection
     prefill: list[Instance] = Field(default_factory=list)
@@ -250,7 +294,7 @@ class ClusterConfig(Strict):
             health_interval=r.health_interval_s, queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
             retry_after=r.retry_after_s, prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len,
             max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
-            drain_timeout=self.drain_timeout_s, api_keys=tuple(k.get_secret_value() for k in r.api_keys),
+            drain_timeout=self.drain_timeout_s, api_keys=r.api_key_values(),
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
             prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
             body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
