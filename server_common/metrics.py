@@ -24,6 +24,8 @@ class ServerMetrics:
         blocks.labels(state="free").set_function(lambda: sched().free)
         blocks.labels(state="reserved").set_function(lambda: sched().reserved)
         blocks.labels(state="running").set_function(lambda: sched().running)
+        Gauge("pdserve_kv_blocks_cached", "Prefix-cached blocks with no owner (counted as free: evicted when needed)",
+              registry=r).set_function(lambda: sched().cached)
         Gauge("pdserve_queue_depth", "Requests waiting to be scheduled", registry=r).set_function(
             lambda: sched().queue_depth)
         Gauge("pdserve_queued_tokens", "Prompt tokens not computed yet", registry=r).set_function(
@@ -101,6 +103,11 @@ class _EngineSteps:
         yield steps
         yield seconds
         yield tokens
+        yield CounterMetricFamily("pdserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+                                  value=c.prefix_queries_tokens)
+        yield CounterMetricFamily("pdserve_prefix_cache_hits_tokens",
+                                  "Prompt tokens found in the prefix cache (K/V reused, not computed)",
+                                  value=c.prefix_hits_tokens)
         yield CounterMetricFamily("pdserve_preemptions", "Running requests preempted (freed, recomputed later)",
                                   value=c.preemptions)
 
