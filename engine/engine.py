@@ -137,9 +137,28 @@ class LLMEngine:
         """Queue a request; ``cache_salt`` keeps its cached blocks apart from other salts' (tenants)."""
         self.scheduler.add(self._new_request(request_id, prompt_token_ids, sampling, cache_salt))
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> list[int]:
-        """Decode mode: reserve blocks for a prompt whose KV another engine writes."""
-        return self.scheduler.reserve(self._new_request(request_id, prompt_token_ids, sampling))
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                cache_salt: str | None = None) -> list[int]:
+        """Decode mode: reserve blocks for a prompt whose KV another engine writes.
+
+        The first ``num_cached_tokens(request_id)`` tokens are already in the
+        returned blocks (the cached prefix, pinned for this request): only the
+        rest is to be written.
+        """
+        request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt)
+        block_ids = self.scheduler.reserve(request)
+        if self.config.prefix_caching:
+            self.counters.add_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
+        return block_ids
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens a held request took from the prefix cache when it was last admitted or reserved."""
+        return self.scheduler.requests[request_id].num_cached_tokens
+
+    def cached_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Tokens of this prompt a request admitted now would find cached (nothing is taken)."""
+        probe = Request("probe", list(prompt_token_ids), SamplingParams(), cache_salt=cache_salt)
+        return self.scheduler.cached_prefix_tokens(probe)
 
     def admit_remote(self, request_id: str, first_token_id: int) -> StepOutput:
         """Decode mode: the prompt's KV is in the reserved blocks; continue decoding."""

@@ -100,12 +100,21 @@ class Scheduler:
         self.waiting.append(request)
 
     def reserve(self, request: Request) -> list[int]:
-        """Reserve blocks for prompt + first token; the request waits for remote KV."""
+        """Reserve blocks for prompt + first token; the request waits for remote KV.
+
+        The cached prefix (``request.num_cached_tokens``) is pinned among them:
+        the remote side writes only the tokens after it.
+        """
         assert request.request_id not in self.requests, request.request_id
-        needed = self.blocks.blocks_needed(request.num_prompt_tokens + 1)
+        cached = self._cached_prefix(request)
+        fresh = self.blocks.blocks_needed(request.num_prompt_tokens + 1) - len(cached)
+        needed = fresh + self.blocks.blocks_to_take(cached)
         if not self.blocks.can_allocate(needed):
             raise NoCapacityError(f"{needed} KV blocks needed, {self.blocks.num_free} free")
-        request.block_ids = self.blocks.allocate(needed)
+        self.blocks.take(cached)
+        request.block_ids = cached + self.blocks.allocate(fresh)
+        request.num_cached_tokens = len(cached) * self.blocks.block_size
+        request.num_hashed_blocks = len(cached)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.parked[request.request_id] = request
@@ -254,6 +263,10 @@ class Scheduler:
             plan.prefix_queried += request.num_tokens
             plan.prefix_hits += computed
         return True
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of a request not admitted yet that would be found cached now."""
+        return len(self._cached_prefix(request)) * self.blocks.block_size
 
     def _cached_prefix(self, request: Request) -> list[int]:
         """Cached blocks of the request's longest cached prefix, its last token always left out."""

@@ -124,7 +124,8 @@ class OpenAIHandlers:
                 yield TextDelta(text, None, count)
         self.metrics.completion_tokens.inc(count)
 
-    async def collect(self, p: Prepared) -> tuple[str, str, int]:
+    async def collect(self, p: Prepared) -> tuple[str, str, int, int]:
+        """Text, finish reason, completion tokens, cached prompt tokens."""
         session = await self.open(p)
         try:
             parts, reason, count = [], "length", 0
@@ -132,7 +133,7 @@ class OpenAIHandlers:
                 parts.append(delta.text)
                 reason = delta.finish_reason or reason
                 count = delta.completion_tokens
-            return "".join(parts), reason, count
+            return "".join(parts), reason, count, session.cached_tokens
         finally:
             # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
             with anyio.CancelScope(shield=True):
@@ -143,11 +144,11 @@ class OpenAIHandlers:
         if req.stream:
             session = await self.open(p)
             return session, self._chat_stream(p, req, session)
-        text, reason, count = await self.collect(p)
+        text, reason, count, cached = await self.collect(p)
         return None, out.ChatCompletion(
             id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name,
             choices=[out.ChatChoice(message=out.AssistantMessage(content=text), finish_reason=reason)],
-            usage=out.Usage.of(len(p.prompt), count),
+            usage=out.Usage.of(len(p.prompt), count, cached),
         )
 
     async def completion(self, req: CompletionRequest, request_id: str):
@@ -155,11 +156,11 @@ class OpenAIHandlers:
         if req.stream:
             session = await self.open(p)
             return session, self._completion_stream(p, req, session)
-        text, reason, count = await self.collect(p)
+        text, reason, count, cached = await self.collect(p)
         return None, out.Completion(
             id=f"cmpl-{request_id}", created=int(time.time()), model=self.model.name,
             choices=[out.CompletionChoice(text=text, finish_reason=reason)],
-            usage=out.Usage.of(len(p.prompt), count),
+            usage=out.Usage.of(len(p.prompt), count, cached),
         )
 
     # ---- streams -----------------------------------------------------------
@@ -185,7 +186,7 @@ class OpenAIHandlers:
             if req.include_usage:
                 yield sse_event(out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created,
                                                         model=self.model.name, choices=[],
-                                                        usage=out.Usage.of(len(p.prompt), count)))
+                                                        usage=out.Usage.of(len(p.prompt), count, session.cached_tokens)))
             yield DONE
         except OpenAIError as exc:
             yield sse_event(exc.body())
@@ -207,7 +208,7 @@ class OpenAIHandlers:
                 yield sse_event(c, exclude=usage_field)
             if req.include_usage:
                 yield sse_event(out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
-                                               choices=[], usage=out.Usage.of(len(p.prompt), count)))
+                                               choices=[], usage=out.Usage.of(len(p.prompt), count, session.cached_tokens)))
             yield DONE
         except OpenAIError as exc:
             yield sse_event(exc.body())

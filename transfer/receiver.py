@@ -96,15 +96,19 @@ class KVReceiver(TransferThread):
             raise TimeoutError(f"accepting {hello.name!r} took over {timeout_s} s") from None
         return self.hello()
 
-    def expect(self, block_ids, lease_s: float, num_senders: int = 1) -> str:
+    def expect(self, block_ids, lease_s: float, num_senders: int = 1, writable_from: int = 0) -> str:
         """Issue a transfer id for ``block_ids`` (reserved by the engine),
         valid for ``lease_s`` seconds; ``num_senders`` prefill ranks (TP) must
-        each send a verified Done before it completes."""
+        each send a verified Done before it completes. Writes may touch only
+        ``block_ids[writable_from:]``: the blocks before are a cached prefix
+        that other requests may be reading."""
         ids = np.asarray(block_ids, dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= self._layout.num_blocks):
             raise ValueError(f"block ids outside [0, {self._layout.num_blocks}): {ids.tolist()}")
+        if not 0 <= writable_from < max(len(ids), 1):
+            raise ValueError(f"writable_from {writable_from} is outside the {len(ids)} reserved blocks")
         with self._lock:
-            tid = self._registry.issue(ids, lease_s, num_senders)
+            tid = self._registry.issue(ids, lease_s, num_senders, writable_from=writable_from)
         self._cmds.put(Wake())  # a resting thread now looks for this transfer's notices
         return tid
 
@@ -185,7 +189,7 @@ class KVReceiver(TransferThread):
             entry = self._registry.get(write.transfer_id)
         if entry is None or entry.cancelling:
             return
-        if not ranges_inside(self._layout, entry.block_ids, write.dst_offsets, write.lengths):
+        if not ranges_inside(self._layout, entry.block_ids[entry.writable_from:], write.dst_offsets, write.lengths):
             self._bump("dropped_out_of_bounds")
             self._end(entry, Outcome.OUT_OF_BOUNDS, f"{write.peer!r} wrote outside the reserved blocks")
             return

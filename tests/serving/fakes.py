@@ -45,6 +45,7 @@ class FakeStream:
     events_to_send: list[TokensEvent]
     delay: float = 0.0
     closed: bool = False
+    num_cached_tokens: int = 0
 
     async def events(self):
         for event in self.events_to_send:

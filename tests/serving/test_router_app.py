@@ -54,7 +54,8 @@ def test_chat_non_streamed_goes_decode_first_then_prefill(model):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "héllo"}
     assert body["choices"][0]["finish_reason"] == "stop"
     prompt = model.encode_chat([{"role": "user", "content": "hi"}])
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6, "total_tokens": len(prompt) + 6}
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6, "total_tokens": len(prompt) + 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     (d_name, greq), = fake.opened
     (p_name, preq), = fake.prefills
     assert d_name == "d0" and p_name == "p0"
