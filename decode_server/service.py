@@ -166,7 +166,8 @@ class GenerationService:
         prompt = req.prompt_token_ids
 
         def reserve(e: LLMEngine) -> tuple[list[int], str, int] | None:
-            if e.cached_prefix(prompt) >= len(prompt) - 1:
+            cached = e.cached_prefix(prompt)
+            if cached and cached >= len(prompt) - 1:
                 return None
             block_ids = e.reserve(rid, prompt, sampling)
             cached = e.num_cached_tokens(rid)
