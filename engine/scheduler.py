@@ -14,7 +14,7 @@ running requests. In prefill mode a request stops once its prompt is
 computed and its first token sampled; it keeps its blocks (PREFILLED) until
 ``release``.
 
-Prefix caching (engine/block_manager.py): a waiting request with no blocks
+Prefix caching (engine/prefix_cache.py): a waiting request with no blocks
 first takes the longest run of cached full blocks of its tokens, leaving at
 least its last token to compute so that a token is sampled, and starts with
 ``num_computed`` past them. After each step, every block that became full
@@ -27,7 +27,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager, block_hash, root_hash
+from engine.block_manager import BlockManager
+from engine.prefix_cache import PrefixCache
 from engine.request import NoCapacityError, Request, RequestStatus, StepOutput
 
 
@@ -88,6 +89,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.blocks = block_manager
+        self.prefix = PrefixCache(block_manager, config.prefix_caching, config.cache_salt)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV and PREFILLED
@@ -106,7 +108,7 @@ class Scheduler:
         the remote side writes only the tokens after it.
         """
         assert request.request_id not in self.requests, request.request_id
-        cached = self._cached_prefix(request)
+        cached = self.prefix.lookup(request)
         fresh = self.blocks.blocks_needed(request.num_prompt_tokens + 1) - len(cached)
         needed = fresh + self.blocks.blocks_to_take(cached)
         if not self.blocks.can_allocate(needed):
@@ -126,7 +128,7 @@ class Scheduler:
             raise KeyError(f"no reservation waiting for remote KV with id {request_id!r}")
         del self.parked[request_id]
         request.num_computed = request.num_prompt_tokens
-        self._cache_computed(request)
+        self.prefix.register(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return self._append_token(request, first_token_id)
@@ -168,7 +170,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed = chunk.start + chunk.num_tokens
-            self._cache_computed(request)
+            self.prefix.register(request)
             if not chunk.sample:
                 continue
             token = sampled[request.request_id]
@@ -247,7 +249,7 @@ class Scheduler:
     def _admit_waiting(self, request: Request, budget: int, plan: SchedulePlan) -> bool:
         """Give a waiting request its cached prefix and the blocks for its next chunk, or nothing."""
         assert not request.block_ids and request.num_computed == 0
-        cached = self._cached_prefix(request)
+        cached = self.prefix.lookup(request)
         computed = len(cached) * self.blocks.block_size
         num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks, computed=computed)
         if num_new == 0:
@@ -266,35 +268,7 @@ class Scheduler:
 
     def cached_prefix_tokens(self, request: Request) -> int:
         """Tokens of a request not admitted yet that would be found cached now."""
-        return len(self._cached_prefix(request)) * self.blocks.block_size
-
-    def _cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks of the request's longest cached prefix, its last token always left out."""
-        if not self.config.prefix_caching:
-            return []
-        return self.blocks.match(self._hashes(request, (request.num_tokens - 1) // self.blocks.block_size))
-
-    def _hashes(self, request: Request, num_blocks: int) -> list[int]:
-        """Chained hashes of the request's first ``num_blocks`` full blocks (kept on the request)."""
-        hashes, bs = request.block_hashes, self.blocks.block_size
-        if len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else root_hash(f"{self.config.cache_salt}\0{request.cache_salt or ''}")
-            for i in range(len(hashes), num_blocks):
-                parent = block_hash(parent, request.token_ids(i * bs, (i + 1) * bs))
-                hashes.append(parent)
-        return hashes[:num_blocks]
-
-    def _cache_computed(self, request: Request) -> None:
-        """Register the request's blocks that became full and computed."""
-        if not self.config.prefix_caching:
-            return
-        full = min(request.num_computed // self.blocks.block_size, len(request.block_ids))
-        if full <= request.num_hashed_blocks:
-            return
-        hashes = self._hashes(request, full)
-        for i in range(request.num_hashed_blocks, full):
-            self.blocks.cache(request.block_ids[i], hashes[i])
-        request.num_hashed_blocks = full
+        return len(self.prefix.lookup(request)) * self.blocks.block_size
 
     def _num_new_tokens(self, request: Request, budget: int, first_in_plan: bool, computed: int | None = None) -> int:
         remaining = request.num_tokens - (request.num_computed if computed is None else computed)
