@@ -184,9 +184,9 @@ class OpenAIHandlers:
                 if d.finish_reason:
                     yield chunk(out.Delta(), d.finish_reason)
             if req.include_usage:
+                usage = out.Usage.of(len(p.prompt), count, session.cached_tokens)
                 yield sse_event(out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created,
-                                                        model=self.model.name, choices=[],
-                                                        usage=out.Usage.of(len(p.prompt), count, session.cached_tokens)))
+                                                        model=self.model.name, choices=[], usage=usage))
             yield DONE
         except OpenAIError as exc:
             yield sse_event(exc.body())
@@ -207,8 +207,9 @@ class OpenAIHandlers:
                                    choices=[out.CompletionChoice(text=d.text, finish_reason=d.finish_reason)])
                 yield sse_event(c, exclude=usage_field)
             if req.include_usage:
+                usage = out.Usage.of(len(p.prompt), count, session.cached_tokens)
                 yield sse_event(out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
-                                               choices=[], usage=out.Usage.of(len(p.prompt), count, session.cached_tokens)))
+                                               choices=[], usage=usage))
             yield DONE
         except OpenAIError as exc:
             yield sse_event(exc.body())

@@ -184,3 +184,14 @@ def test_metrics_count_requests(model):
         text = c.get("/metrics").text
     assert 'pdserve_router_requests_total{endpoint="completions",status="200"} 1.0' in text
     assert 'pdserve_router_worker_healthy{role="decode",worker="d0"} 1.0' in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_reports_the_prompt_tokens_the_decode_server_found_cached(model, stream):
+    fake = FakeWorkerClient(reply=reply_ids(model, "abc"), cached_tokens=32)
+    body = {"model": "tiny", "prompt": "x" * 40, "max_tokens": 3, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}
+    with make_client(model, fake) as c:
+        r = c.post("/v1/completions", json=body)
+    usage = sse_payloads(r.text)[-1]["usage"] if stream else r.json()["usage"]
+    assert (usage["prompt_tokens"], usage["prompt_tokens_details"]) == (40, {"cached_tokens": 32})
