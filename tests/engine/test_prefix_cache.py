@@ -1,7 +1,9 @@
 """Prefix caching in the block manager and scheduler: exact block ids, ref counts, hits."""
 
+import pytest
+
 from engine.block_manager import NO_HASH, BlockManager, block_hash, root_hash
-from engine.request import Request, RequestStatus, SamplingParams
+from engine.request import NoCapacityError, Request, RequestStatus, SamplingParams
 from tests.engine.test_scheduler import make, plan_shape
 
 ROOT = root_hash("model|float32")
@@ -188,3 +190,26 @@ def test_remote_kv_is_cached_once_admitted():
     assert plan_shape(s.schedule())[-1] == ("x", 8, 3, True)
     s.check_integrity()
     assert s.requests["r"].status is RequestStatus.RUNNING
+
+
+def test_a_reservation_pins_the_cached_prefix_and_counts_what_it_takes_from_free():
+    s = make(num_blocks=6, block_size=4, mode="decode")
+    s.add(req("a", range(1, 10)))  # blocks 0, 1 full once computed, 2 partial
+    s.update(s.schedule(), {"a": 7})
+    r = req("r", [*range(1, 9), 40, 41])  # 10 tokens + the first: 3 blocks, 2 of them a's
+    assert s.reserve(r) == [0, 1, 3]
+    assert (r.num_cached_tokens, refs(s, [0, 1, 3])) == (8, [2, 2, 1])
+    assert s.block_counts() == {"free": 2, "reserved": 1, "running": 3}  # shared blocks count as running
+    s.abort("a")
+    assert s.block_counts() == {"free": 3, "reserved": 3, "running": 0}
+    s.check_integrity()
+    s.abort("r")
+    assert (s.block_counts()["free"], s.stats().cached) == (6, 2)
+    # 21 tokens + the first: 6 blocks, 2 of them cached with no owner, so all 6 free blocks are used
+    assert s.reserve(req("fits", range(1, 22))) == [0, 1, 2, 3, 4, 5]
+    assert (s.block_counts()["free"], s.stats().cached) == (0, 0)
+    s.abort("fits")
+    with pytest.raises(NoCapacityError):  # 7 blocks needed
+        s.reserve(req("big", range(1, 26)))
+    assert (s.block_counts()["free"], s.stats().cached, "big" in s.requests) == (6, 2, False)
+    s.check_integrity()
