@@ -100,3 +100,27 @@ def test_caching_off_computes_every_prompt_token(tiny_model):
     assert e.generate([BASE], SAMPLING)[0].token_ids == hf_greedy(tiny_model, BASE, 8, ignore_eos=True)
     c = e.stats().counters
     assert (c.prompt_tokens, c.prefix_queries_tokens, c.prefix_hits_tokens, e.stats().scheduler.cached) == (80, 0, 0, 0)
+
+
+@pytest.mark.parametrize("src_bs,dst_bs", [(16, 8), (4, 16)])
+def test_decode_engine_holding_a_prefix_needs_only_the_rest_from_a_prefill_engine(tiny_model, src_bs, dst_bs):
+    prefill = engine(tiny_model, block_size=src_bs, mode="prefill")
+    decode = engine(tiny_model, block_size=dst_bs, mode="decode")
+    decode.generate([BASE[:30]], SAMPLING)  # D now holds BASE's first whole blocks of dst_bs
+    prompt = BASE + tail(7, 6)
+    blocks = decode.reserve("r", prompt, SAMPLING)
+    cached = decode.num_cached_tokens("r")
+    assert cached == 29 // dst_bs * dst_bs and cached > 0
+    prefill.add_request("r", prompt, SAMPLING)
+    (out,) = prefill.step()
+    src, dst = out.block_ids, blocks
+    for p in range(cached, len(prompt)):  # only what D lacks, token by token as the transfer layer places it
+        decode.cache.kv[:, :, dst[p // dst_bs], p % dst_bs] = prefill.cache.kv[:, :, src[p // src_bs], p % src_bs]
+    prefill.release("r")
+    tokens = list(decode.admit_remote("r", out.new_token_ids[0]).new_token_ids)
+    while decode.has_unfinished():
+        tokens += [t for o in decode.step() for t in o.new_token_ids]
+    assert tokens == hf_greedy(tiny_model, prompt, 8, ignore_eos=True)
+    for e in (prefill, decode):
+        e.check_integrity()
+        assert e.block_counts() == {"free": 64, "reserved": 0, "running": 0}
