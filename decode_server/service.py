@@ -9,6 +9,11 @@ A remote request's life on D (all engine state changes on the engine thread)::
                   |                    prefilled here like a local request: reprefill event, tokens
                   +-- no room: 503 at once
 
+With prefix caching, the reservation pins the prompt's cached prefix and says
+how many tokens it holds (``num_cached_tokens``): the prefill server writes
+only the rest. When only the last prompt token is missing, the server
+prefills it itself and no prefill server is involved.
+
 The engine thread takes the receiver's ended transfers between two steps
 (``_collect_transfers``). ``_awaiting`` (transfer id -> request id) is
 touched only on the engine thread, so exactly one of "KV arrived",
@@ -144,12 +149,21 @@ class GenerationService:
                         trace=StreamTrace(self.tracing, self.timeline, req.trace, rid, not local, self.settings.name))
         self._active[rid] = active
         try:
-            if local:
-                await self.engine_thread.run(lambda e: e.add_request(rid, req.prompt_token_ids, sampling))
-                self.metrics.requests.labels(outcome="local_prefill").inc()
-                return ReservationEvent(reservation=None), active
-            reservation = await self._reserve(req, sampling, active, caller)
-            return ReservationEvent(reservation=reservation), active
+            if not local:
+                reservation = await self._reserve(req, sampling, active, caller)
+                if reservation is not None:
+                    return ReservationEvent(reservation=reservation,
+                                            num_cached_tokens=reservation.num_cached_tokens), active
+
+            def add(e: LLMEngine) -> int:
+                cached = e.cached_prefix(req.prompt_token_ids)
+                e.add_request(rid, req.prompt_token_ids, sampling)
+                return cached
+
+            cached = await self.engine_thread.run(add)
+            active.trace.prefilled_here()
+            self.metrics.requests.labels(outcome="local_prefill").inc()
+            return ReservationEvent(reservation=None, num_cached_tokens=cached), active
         except NoCapacityError as exc:
             self._forget(active, Outcome.NO_ROOM)
             self.metrics.requests.labels(outcome="no_room").inc()
@@ -162,35 +176,47 @@ class GenerationService:
             raise
 
     async def _reserve(self, req: GenerateRequest, sampling: SamplingParams, active: Active,
-                       caller: str = "") -> Reservation:
+                       caller: str = "") -> Reservation | None:
+        """Reserve blocks for a prefill server; None when all but the last prompt token is cached here.
+        ``caller`` (its address) is what ``server_common.quota`` counts unfilled blocks by."""
         rid, lease_s = req.request_id, self.settings.lease_s
         deadline = time.time() + lease_s
         receiver = self._receiver
+        prompt = req.prompt_token_ids
 
-        def reserve(e: LLMEngine) -> tuple[list[int], str]:
-            block_ids = e.reserve(rid, req.prompt_token_ids, sampling)
-            if not self.unfilled.fits(caller, len(block_ids)):
+        def reserve(e: LLMEngine) -> tuple[list[int], str, int] | None:
+            cached = e.cached_prefix(prompt)
+            if cached and cached >= len(prompt) - 1:
+                return None
+            block_ids = e.reserve(rid, prompt, sampling)
+            cached = e.num_cached_tokens(rid)
+            writable_from = cached // e.config.block_size
+            unfilled = len(block_ids) - writable_from
+            if not self.unfilled.fits(caller, unfilled):
                 e.abort(rid)
                 raise NoCapacityError(f"this caller already holds {self.unfilled.held(caller)} reserved blocks "
                                       f"waiting for KV (at most {self.unfilled.limit})")
             try:
-                transfer_id = receiver.expect(block_ids, lease_s)
+                transfer_id = receiver.expect(block_ids, lease_s, writable_from=writable_from)
             except BaseException:
                 e.abort(rid)
                 raise
-            self.unfilled.claim(caller, transfer_id, len(block_ids))
-            self._awaiting[transfer_id] = Awaiting(rid, req.prompt_token_ids, sampling)
-            return block_ids, transfer_id
+            self.unfilled.claim(caller, transfer_id, unfilled)
+            self._awaiting[transfer_id] = Awaiting(rid, prompt, sampling)
+            return block_ids, transfer_id, cached
 
-        block_ids, transfer_id = await self.engine_thread.run(reserve)
+        reserved = await self.engine_thread.run(reserve)
+        if reserved is None:
+            return None
+        block_ids, transfer_id, cached = reserved
         active.transfer_id = transfer_id
         # The receiver enforces the lease; this backstop only guards against a transfer layer that never reports.
         active.lease = asyncio.get_running_loop().call_later(lease_s + BACKSTOP_S, self._backstop, transfer_id)
         self.metrics.requests.labels(outcome="reserved").inc()
         return Reservation(instance=self.settings.name, request_id=rid, transfer_id=transfer_id,
                            block_ids=block_ids, block_size=self.settings.engine.block_size,
-                           num_tokens=len(req.prompt_token_ids), lease_deadline=deadline,
-                           kv_target=receiver.target())
+                           num_tokens=len(prompt), lease_deadline=deadline,
+                           kv_target=receiver.target(), num_cached_tokens=cached)
 
     async def events(self, first: ReservationEvent, active: Active) -> AsyncIterator[str]:
         """NDJSON lines: the reservation, then tokens until finished (or an error)."""

@@ -32,6 +32,10 @@ class StreamTrace:
                                    pdserve__request_id=request_id, pdserve__instance=instance,
                                    pdserve__remote_prefill=remote)
 
+    def prefilled_here(self) -> None:
+        """No KV will arrive: this server computes the prompt (all but its last token may be cached)."""
+        self._remote = False
+
     def event(self, event) -> None:
         if self._request_id is None:
             return  # closed

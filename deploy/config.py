@@ -61,6 +61,7 @@ class EngineDefaults(Strict):
     max_num_batched_tokens: int = Field(default=EngineConfig.max_num_batched_tokens, ge=1)
     chunked_prefill: bool = EngineConfig.chunked_prefill
     kv_layout: KvLayout = EngineConfig.kv_layout
+    prefix_caching: bool = EngineConfig.prefix_caching
 
 
 class Instance(Strict):
@@ -315,7 +316,7 @@ class ClusterConfig(Strict):
             block_size=pick("block_size"), num_blocks=pick("num_blocks"), kv_cache_bytes=pick("kv_cache_bytes"),
             max_num_seqs=pick("max_num_seqs"), max_num_batched_tokens=pick("max_num_batched_tokens"),
             chunked_prefill=d.chunked_prefill, max_model_len=self.max_model_len, num_threads=pick("num_threads"),
-            mode=role, kv_layout=pick("kv_layout"),
+            mode=role, kv_layout=pick("kv_layout"), prefix_caching=d.prefix_caching,
         )
         return ServerSettings(
             name=name, role=role, engine=engine, host=self.host_of(inst), port=inst.port, kv_port=inst.transfer_port,

@@ -11,6 +11,10 @@ acknowledges it. The engine thread takes ended transfers between two steps;
 only then are the blocks released and the HTTP call answered. Jobs are
 touched on the engine thread only.
 
+The decode server's cached prefix (``Reservation.num_cached_tokens``) is not
+sent: every layer push starts past it. The prompt is still computed here up
+to what this engine's own prefix cache holds.
+
 A failed transfer's outcome goes back to the router unchanged: one in
 ``transfer.outcome.DECIDED_BY_DECODE`` means the decode server ended the
 transfer and tells the router on its own stream what happens next.
@@ -51,6 +55,7 @@ class Job:
     request_id: str
     transfer_id: str
     num_tokens: int
+    num_cached_tokens: int  # the decode server holds these already: they are not sent
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
     first_token: int | None = None  # set once the prompt is computed; the blocks are then held for the transfer
@@ -136,7 +141,10 @@ class PrefillService:
         lease_s = res.lease_deadline - time.time()
         if lease_s <= 0:
             raise WorkerError(409, f"the reservation on {res.instance} has expired", Outcome.LEASE_EXPIRED)
-        job = Job(rid, res.transfer_id, len(req.prompt_token_ids), loop.create_future(), loop)
+        if res.num_cached_tokens >= len(req.prompt_token_ids):
+            raise WorkerError(400, f"the reservation holds {res.num_cached_tokens} cached tokens of a "
+                              f"{len(req.prompt_token_ids)}-token prompt: nothing to prefill", Outcome.BAD_REQUEST)
+        job = Job(rid, res.transfer_id, len(req.prompt_token_ids), res.num_cached_tokens, loop.create_future(), loop)
         sampling = req.sampling.engine_params()
 
         def add(e: LLMEngine) -> None:
@@ -171,7 +179,8 @@ class PrefillService:
         ended = job.ended
         self.tracing.record("prefill.kv_transfer", span, job.computing, ended.at if ended else now,
                             ended.outcome if ended else Outcome.ABORTED, pdserve__transfer_id=job.transfer_id,
-                            pdserve__bytes=job.num_tokens * self._bytes_per_token)
+                            pdserve__bytes=(job.num_tokens - job.num_cached_tokens) * self._bytes_per_token,
+                            pdserve__cached_tokens=job.num_cached_tokens)
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine_thread.run(lambda e: self._abort(e, request_id))
@@ -199,7 +208,9 @@ class PrefillService:
             if job is not None:
                 if job.computing is None:
                     job.computing = time.monotonic()
-                self._sender.push_layer(job.transfer_id, layer, chunk.block_ids, chunk.start, chunk.end)
+                start = max(chunk.start, job.num_cached_tokens)
+                if start < chunk.end:
+                    self._sender.push_layer(job.transfer_id, layer, chunk.block_ids, start, chunk.end)
         if self.faults is not None:
             self.faults.stall(layer)
 
@@ -237,7 +248,7 @@ class PrefillService:
             job.resolve(WorkerError(502, f"KV transfer to the decode server failed: {ended.reason}", ended.outcome))
             return
         seconds = ended.at - job.started
-        nbytes = job.num_tokens * self._bytes_per_token
+        nbytes = (job.num_tokens - job.num_cached_tokens) * self._bytes_per_token
         self.metrics.transfer_bytes.inc(nbytes)
         self.metrics.transfer_seconds.observe(seconds)
         self.metrics.transfer_request_bytes.observe(nbytes)

@@ -138,7 +138,8 @@ class OpenAIHandlers:
             if text:
                 yield TextDelta(text, None, count)
 
-    async def collect(self, p: Prepared) -> tuple[str, str, int]:
+    async def collect(self, p: Prepared) -> tuple[str, str, int, int]:
+        """Text, finish reason, completion tokens, cached prompt tokens."""
         session = await self.open(p)
         parts, reason, count = [], "length", 0
         try:
@@ -146,7 +147,7 @@ class OpenAIHandlers:
                 parts.append(delta.text)
                 reason = delta.finish_reason or reason
                 count = delta.completion_tokens
-            return "".join(parts), reason, count
+            return "".join(parts), reason, count, session.cached_tokens
         except OpenAIError as exc:
             p.timeline.failed(exc.code or str(exc.status))
             raise
@@ -161,11 +162,11 @@ class OpenAIHandlers:
         if req.stream:
             session = await self.open(p)
             return session, self._chat_stream(p, req, session)
-        text, reason, count = await self.collect(p)
+        text, reason, count, cached = await self.collect(p)
         return None, out.ChatCompletion(
             id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name,
             choices=[out.ChatChoice(message=out.AssistantMessage(content=text), finish_reason=reason)],
-            usage=out.Usage.of(len(p.prompt), count),
+            usage=out.Usage.of(len(p.prompt), count, cached),
         )
 
     async def completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None):
@@ -173,11 +174,11 @@ class OpenAIHandlers:
         if req.stream:
             session = await self.open(p)
             return session, self._completion_stream(p, req, session)
-        text, reason, count = await self.collect(p)
+        text, reason, count, cached = await self.collect(p)
         return None, out.Completion(
             id=f"cmpl-{request_id}", created=int(time.time()), model=self.model.name,
             choices=[out.CompletionChoice(text=text, finish_reason=reason)],
-            usage=out.Usage.of(len(p.prompt), count),
+            usage=out.Usage.of(len(p.prompt), count, cached),
         )
 
     # ---- streams -----------------------------------------------------------
@@ -201,9 +202,9 @@ class OpenAIHandlers:
                 if d.finish_reason:
                     yield chunk(out.Delta(), d.finish_reason)
             if req.include_usage:
+                usage = out.Usage.of(len(p.prompt), count, session.cached_tokens)
                 yield sse_event(out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created,
-                                                        model=self.model.name, choices=[],
-                                                        usage=out.Usage.of(len(p.prompt), count)))
+                                                        model=self.model.name, choices=[], usage=usage))
             yield DONE
         except OpenAIError as exc:
             p.timeline.failed(exc.code or str(exc.status))
@@ -226,8 +227,9 @@ class OpenAIHandlers:
                                    choices=[out.CompletionChoice(text=d.text, finish_reason=d.finish_reason)])
                 yield sse_event(c, exclude=usage_field)
             if req.include_usage:
+                usage = out.Usage.of(len(p.prompt), count, session.cached_tokens)
                 yield sse_event(out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
-                                               choices=[], usage=out.Usage.of(len(p.prompt), count)))
+                                               choices=[], usage=usage))
             yield DONE
         except OpenAIError as exc:
             p.timeline.failed(exc.code or str(exc.status))

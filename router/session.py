@@ -61,6 +61,7 @@ class Session:
         self.prefill: Worker | None = None
         self.prefill_result: PrefillResult | None = None
         self.reservation = stream.reservation  # None: the decode server prefills locally
+        self.cached_tokens = stream.num_cached_tokens  # usage.prompt_tokens_details.cached_tokens
         self._ctx = ctx
         self._prompt = prompt
         self._sampling = sampling
@@ -185,6 +186,7 @@ class Session:
                                                          decision.action == "local", self._trace)
         self.decode = self._stream.worker
         self.reservation = self._stream.reservation
+        self.cached_tokens = self._stream.num_cached_tokens
 
     async def _end_attempt(self) -> None:
         """Stop the current attempt's tasks; abort it on both servers unless it finished."""

@@ -74,6 +74,7 @@ class DecodeStream:
     def __init__(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str]) -> None:
         self.worker = worker
         self.reservation: Reservation | None = None
+        self.num_cached_tokens = 0  # prompt tokens the decode server found in its prefix cache
         self._response = response
         self._lines = lines
 
@@ -84,6 +85,7 @@ class DecodeStream:
         if not isinstance(event, ReservationEvent):
             raise WorkerFailed.of(self.worker, f"expected a reservation first, got {event.type}", Outcome.WORKER_ERROR)
         self.reservation = event.reservation
+        self.num_cached_tokens = event.num_cached_tokens
 
     async def events(self) -> AsyncIterator[TokensEvent | ReprefillEvent]:
         """Token events until the one with a finish_reason (a reprefill event may come

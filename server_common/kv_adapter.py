@@ -74,8 +74,8 @@ class ReceiverAdapter:
     def accept(self, sender_hello: bytes) -> bytes:
         return self._receiver.accept(sender_hello, timeout_s=self._settings.transfer_timeout_s)
 
-    def expect(self, block_ids: list[int], lease_s: float) -> str:
-        return self._receiver.expect(block_ids, lease_s)
+    def expect(self, block_ids: list[int], lease_s: float, writable_from: int = 0) -> str:
+        return self._receiver.expect(block_ids, lease_s, writable_from=writable_from)
 
     def target(self) -> dict:
         return {"peer": self._settings.name, "hello_url": f"{self._settings.url}/kv/hello", "epoch": self._epoch}

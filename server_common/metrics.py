@@ -33,6 +33,8 @@ class ServerMetrics:
         blocks.labels(state="free").set_function(lambda: sched().free)
         blocks.labels(state="reserved").set_function(lambda: sched().reserved)
         blocks.labels(state="running").set_function(lambda: sched().running)
+        Gauge("pdserve_kv_blocks_cached", "Prefix-cached blocks with no owner (counted as free: evicted when needed)",
+              registry=r).set_function(lambda: sched().cached)
         Gauge("pdserve_waiting_requests", "Requests waiting to be scheduled", registry=r).set_function(
             lambda: sched().queue_depth)
         Gauge("pdserve_running_requests", "Requests being computed (prefill or decode)", registry=r).set_function(
@@ -125,6 +127,11 @@ class _EngineSteps:
         yield steps
         yield seconds
         yield tokens
+        yield CounterMetricFamily("pdserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+                                  value=c.prefix_queries_tokens)
+        yield CounterMetricFamily("pdserve_prefix_cache_hits_tokens",
+                                  "Prompt tokens found in the prefix cache (K/V reused, not computed)",
+                                  value=c.prefix_hits_tokens)
         yield CounterMetricFamily("pdserve_preemptions", "Running requests preempted (freed, recomputed later)",
                                   value=c.preemptions)
 

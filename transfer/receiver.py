@@ -99,15 +99,19 @@ class KVReceiver(TransferThread):
         return encode(Hello(self.role, self.name, self._model, self._layout, self.backend.kind,
                             self.backend.metadata_for(hello.name)))
 
-    def expect(self, block_ids, lease_s: float, num_senders: int = 1) -> str:
+    def expect(self, block_ids, lease_s: float, num_senders: int = 1, writable_from: int = 0) -> str:
         """Issue a transfer id for ``block_ids`` (reserved by the engine),
         valid for ``lease_s`` seconds; ``num_senders`` prefill ranks (TP) must
-        each send a verified Done before it completes."""
+        each send a verified Done before it completes. Writes may touch only
+        ``block_ids[writable_from:]``: the blocks before are a cached prefix
+        that other requests may be reading."""
         ids = np.asarray(block_ids, dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= self._layout.num_blocks):
             raise ValueError(f"block ids outside [0, {self._layout.num_blocks}): {ids.tolist()}")
+        if not 0 <= writable_from < max(len(ids), 1):
+            raise ValueError(f"writable_from {writable_from} is outside the {len(ids)} reserved blocks")
         with self._lock:
-            tid = self._registry.issue(ids, lease_s, num_senders)
+            tid = self._registry.issue(ids, lease_s, num_senders, writable_from=writable_from)
         self._cmds.put(Wake())  # a resting thread now looks for this transfer's notices
         return tid
 
@@ -205,7 +209,7 @@ class KVReceiver(TransferThread):
         if write.lengths.sum() != len(write.data) or len(write.dst_offsets) != len(write.lengths):
             self._bump("dropped_malformed")
             return
-        if not ranges_inside(self._layout, entry.block_ids, write.dst_offsets, write.lengths):
+        if not ranges_inside(self._layout, entry.block_ids[entry.writable_from:], write.dst_offsets, write.lengths):
             self._bump("dropped_out_of_bounds")
             self._end(entry, Outcome.OUT_OF_BOUNDS, f"{write.peer!r} wrote outside the reserved blocks")
             return
