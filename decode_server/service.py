@@ -40,6 +40,7 @@ from server_common.faults import FaultInjector
 from server_common.guard import Drain
 from server_common.kv_port import KVReceiverPort, ReceiverFactory
 from server_common.metrics import ServerMetrics
+from server_common.model_id import model_fingerprint
 from server_common.quota import UnfilledBlocks
 from server_common.settings import ServerSettings
 from server_common.timeline_log import TimelineLog
@@ -101,6 +102,7 @@ class GenerationService:
         self.vitals.add(self.engine_thread.problem)
         self.tracing = tracing or Tracing(settings.tracing, f"pdserve-{settings.role}")
         self.timeline = TimelineLog()
+        self._model_id = model_fingerprint(settings.engine.model)  # reported on /health
         self._receiver: KVReceiverPort | None = None
         if make_receiver is not None:
             self._receiver = make_receiver(self.engine_thread.wake)
@@ -345,4 +347,4 @@ class GenerationService:
                             role=self.settings.role, instance=self.settings.name,
                             kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),
                             queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=len(self._active),
-                            launch_id=self.settings.launch_id)
+                            launch_id=self.settings.launch_id, model=self._model_id)

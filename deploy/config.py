@@ -32,8 +32,8 @@ exist only in the cluster file (ports, instance lists, ``model_cache``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
@@ -43,7 +43,7 @@ from deploy.k8s_config import KubernetesConfig
 from deploy.models import is_builtin, resolve_model
 from deploy.supervisor import RestartConfig
 from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
-from router.settings import PolicyName, PrefillFailure, RouterSettings, WorkerSpec
+from router.settings import DiscoveryKind, DiscoverySettings, PolicyName, PrefillFailure, RouterSettings, WorkerSpec
 from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 from server_common.tracing import TracingSettings
@@ -76,7 +76,8 @@ class Instance(Strict):
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     kv_layout: KvLayout | None = None
-    host: str | None = None  # the interface it binds to and others reach it at (default: the cluster's host)
+    host: str | None = None  # the address others reach it at (default: the cluster's host)
+    bind_host: str | None = None  # the address it binds (default: host; 0.0.0.0 for every interface)
     max_inflight: int | None = Field(default=None, ge=1)  # router's in-flight limit for it (see RouterConfig)
 
     @property
@@ -95,7 +96,8 @@ class RouterConfig(Strict):
     must send (none: no auth)."""
 
     port: int = Field(default=RouterSettings.port, ge=1, le=65535)
-    host: str | None = None  # the router's interface (default: the cluster's host); e.g. 0.0.0.0 to serve others
+    host: str | None = None  # the address clients reach the router at (default: the cluster's host)
+    bind_host: str | None = None  # the address it binds (default: host); e.g. 0.0.0.0 to serve others
     policy: PolicyName = RouterSettings.policy
     local_prefill_threshold: int = Field(default=RouterSettings.local_prefill_threshold, ge=0)
     health_interval_s: float = Field(default=RouterSettings.health_interval, gt=0)
@@ -140,12 +142,15 @@ class DiscoveryConfig(Strict):
     its SRV record ``_http._tcp.NAME`` to each pod's HTTP port: see
     deploy/k8s.py)."""
 
-    kind: Literal["static", "dns"] = "static"
-    names: list[str] = Field(default_factory=list)
-    interval_s: float = Field(default=5.0, gt=0)
+    kind: DiscoveryKind = DiscoverySettings.kind
+    names: list[str] = Field(default_factory=list)  # HOST:PORT each
+    interval_s: float = Field(default=DiscoverySettings.interval_s, gt=0)
 
     @model_validator(mode="after")
     def _names_for_dns(self) -> DiscoveryConfig:
+        bad = [n for n in self.names if not re.fullmatch(r"[A-Za-z0-9_.-]+:\d{1,5}", n)]
+        if bad:
+            raise ValueError(f"discovery.names are HOST:PORT (the port the servers' HTTP listens on), got {bad}")
         if self.kind == "dns" and not self.names:
             raise ValueError("discovery.kind dns needs discovery.names (the DNS names to re-resolve)")
         if self.kind == "static" and self.names:
@@ -226,7 +231,8 @@ class ClusterConfig(Strict):
         if dup_ports:
             raise ValueError(f"ports must be unique (router, instance port and kv_port = port + 1 by "
                              f"default), repeated: {dup_ports}")
-        exposed = [f"{i.name} ({self.host_of(i)})" for i in self.instances() if not is_loopback(self.host_of(i))]
+        exposed = [f"{i.name} ({self.bind_host_of(i)})" for i in self.instances()
+                   if not is_loopback(self.bind_host_of(i))]
         if exposed and not self.security.configured:
             raise ValueError(f"internal servers bind to interfaces other machines can reach: {', '.join(exposed)}; "
                              "set security.internal_secret (or internal_secret_file) so they refuse strangers")
@@ -261,12 +267,19 @@ class ClusterConfig(Strict):
     def host_of(self, instance: Instance) -> str:
         return instance.host or self.host
 
+    def bind_host_of(self, instance: Instance) -> str:
+        return instance.bind_host or self.host_of(instance)
+
     def url_of(self, instance: Instance) -> str:
         return f"http://{self.host_of(instance)}:{instance.port}"
 
     @property
     def router_host(self) -> str:
         return self.router.host or self.host
+
+    @property
+    def router_bind_host(self) -> str:
+        return self.router.bind_host or self.router_host
 
     @property
     def router_url(self) -> str:
@@ -284,13 +297,18 @@ class ClusterConfig(Strict):
         return resolve_model(self.model, self.model_cache)
 
     def router_settings(self, model_path: Path) -> RouterSettings:
-        workers = tuple(
+        """With ``discovery.kind: dns`` the router starts with no worker: they join as DNS finds them."""
+        workers = () if self.discovery.kind == "dns" else tuple(
             WorkerSpec(i.name, "prefill" if i in self.prefill else "decode", self.url_of(i), self.max_inflight_of(i))
             for i in self.instances()
         )
         r = self.router
+        discovery = DiscoverySettings(kind=self.discovery.kind, names=tuple(self.discovery.names),
+                                      interval_s=self.discovery.interval_s,
+                                      max_inflight=r.max_inflight_per_worker or self.engine.max_num_seqs)
         return RouterSettings(
             model_path=str(model_path), served_model_name=self.model_name, workers=workers, host=self.router_host,
+            bind_host=self.router.bind_host,
             port=r.port, policy=r.policy, local_prefill_threshold=r.local_prefill_threshold,
             health_interval=r.health_interval_s, queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
             retry_after=r.retry_after_s, prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len,
@@ -299,7 +317,7 @@ class ClusterConfig(Strict):
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
             prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
             body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
-            tracing=self.tracing.settings(),
+            tracing=self.tracing.settings(), discovery=discovery,
         )
 
     def server_settings(self, name: str, model_path: Path) -> ServerSettings:
@@ -319,7 +337,8 @@ class ClusterConfig(Strict):
             mode=role, kv_layout=pick("kv_layout"), prefix_caching=d.prefix_caching,
         )
         return ServerSettings(
-            name=name, role=role, engine=engine, host=self.host_of(inst), port=inst.port, kv_port=inst.transfer_port,
+            name=name, role=role, engine=engine, host=self.host_of(inst), bind_host=inst.bind_host,
+            port=inst.port, kv_port=inst.transfer_port,
             transfer_backend=self.transfer.backend, lease_s=self.lease_s, transfer_timeout_s=self.transfer.timeout_s,
             lease_expiry=self.recovery.lease_expiry, checksum_failure=self.recovery.checksum_failure,
             fault_injection=self.fault_injection, drain_timeout_s=self.drain_timeout_s,

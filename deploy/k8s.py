@@ -181,9 +181,13 @@ def pod_cluster_yaml(raw: dict, cluster: ClusterConfig, names: _Names) -> str:
     data["router"] = {**router, "host": "0.0.0.0"}
     for role, insts in _roles(cluster).items():
         by_name = {i.name: i for i in insts}
-        data[role] = [{**entry, "host": names.pod_fqdn(role, by_name[entry["name"]])} for entry in data[role]]
+        # Bound on every interface of the pod, reached (and advertised) at its stable DNS name.
+        data[role] = [{**entry, "host": names.pod_fqdn(role, by_name[entry["name"]]), "bind_host": "0.0.0.0"}
+                      for entry in data[role]]
     data["model_cache"] = MODEL_CACHE
-    data["discovery"] = {"kind": "dns", "names": [names.headless(role) for role in _roles(cluster)],
+    # HOST:PORT: a headless Service gives addresses, the port is the one each instance of the role serves on.
+    data["discovery"] = {"kind": "dns", "names": [f"{names.headless(role)}:{port}" for role, insts in
+                                                  _roles(cluster).items() for port in sorted({i.port for i in insts})],
                          "interval_s": cluster.discovery.interval_s}
     header = (f"# {names.cluster}: rendered by `pdserve render k8s` for its pods (see deploy/k8s.py).\n"
               "# Secrets are read from the mounted Secret; no value is written here.\n")
@@ -205,7 +209,7 @@ class _PodParts:
         running server); the router reads everything."""
         data = self.pod_data
         if instance is not None:
-            data = {k: v for k, v in data.items() if k not in SUBCOMMAND}
+            data = {k: v for k, v in data.items() if k not in SUBCOMMAND and k != "discovery"}  # the router's
             data["self"] = [e for role in SUBCOMMAND for e in self.pod_data.get(role, []) if e["name"] == instance]
         return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -66,10 +66,12 @@ class Proc:
 
 
 class Cluster:
-    def __init__(self, config_path: Path, cluster: ClusterConfig, run_dir: Path) -> None:
+    def __init__(self, config_path: Path, cluster: ClusterConfig, run_dir: Path,
+                 only: set[str] | None = None) -> None:
         self.config_path = config_path.resolve()
         self.cluster = cluster
         self.run_dir = run_dir
+        self.only = only  # this host's processes of a multi-host cluster (None: all of them)
         self.procs: list[Proc] = []
         self.stopped: set[str] = set()  # servers that drained and stopped on someone else's SIGTERM
         # Every child reports it in /health: an answer without it comes from a process this launch did not start.
@@ -77,8 +79,10 @@ class Cluster:
 
     def _spawn(self, role: str, name: str, url: str, args: list[str]) -> Proc:
         log = self.run_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "deploy.cli", *args, "--config", str(self.config_path),
-               "--launch-id", self.launch_id]
+        cmd = [sys.executable, "-m", "deploy.cli", *args, "--config", str(self.config_path)]
+        if self.only is None or role != "router":
+            # A router of a multi-host cluster sees servers of other launches: it checks no launch id.
+            cmd += ["--launch-id", self.launch_id]
         # Children import this very checkout, whatever the working directory or installed copy.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         with open(log, "ab") as out:
@@ -93,6 +97,8 @@ class Cluster:
         for role in ("prefill", "decode", "colocated"):
             command = "prefill" if role == "prefill" else "decode"
             for inst in getattr(self.cluster, role):
+                if self.only is not None and inst.name not in self.only:
+                    continue
                 started.append(self._spawn(role, inst.name, self.cluster.url_of(inst), [command, "--name", inst.name]))
         return started
 
@@ -195,6 +201,18 @@ class Cluster:
         return path
 
 
+def only_problem(cluster: ClusterConfig, only: set[str]) -> str | None:
+    """Why ``--only`` cannot start these processes, or None."""
+    names = {i.name for i in cluster.instances()} | {"router"}
+    unknown = sorted(only - names)
+    if unknown:
+        return f"--only names {unknown}, which the config does not have (it has {sorted(names)})"
+    if only != names and not cluster.security.configured:
+        return ("a cluster whose processes run on several hosts needs security.internal_secret (or "
+                "internal_secret_file) in the config: a secret generated on one host is not known on the others")
+    return None
+
+
 def generate_secret(run_dir: Path) -> Path:
     """A per-cluster internal secret for a config that names none, so that the internal servers
     always refuse callers other than the router and each other: written to ``RUN_DIR/internal_secret``
@@ -207,12 +225,20 @@ def generate_secret(run_dir: Path) -> Path:
     return path
 
 
-def launch(config_path: str | Path, run_dir: str | Path | None = None, health_timeout: float = 600.0) -> int:
+def launch(config_path: str | Path, run_dir: str | Path | None = None, health_timeout: float = 600.0,
+           only: set[str] | None = None) -> int:
+    """``only``: start just these processes (instance names, ``router``): one host of a multi-host
+    cluster, whose other hosts run the rest with the same config."""
     # "up in X s" counts from the process's start: the CLI's own imports are part of the wait.
     started = time.monotonic() - (seconds_since_process_start() or 0.0)
     config_path = Path(config_path)
     cluster = load_config(config_path)
-    busy = busy_ports(cluster)
+    if only is not None:
+        problem = only_problem(cluster, only)
+        if problem:
+            print(f"pdserve launch: error: {config_path}: {problem}", file=sys.stderr, flush=True)
+            return 2
+    busy = busy_ports(cluster, only)
     if busy:  # before anything starts: another cluster's servers would answer our health checks
         print("pdserve launch: error: " + "\n".join(busy), file=sys.stderr, flush=True)
         return 1
@@ -222,7 +248,7 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
         generate_secret(run_dir)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    c = Cluster(config_path, cluster, run_dir)
+    c = Cluster(config_path, cluster, run_dir, only)
     up = False
     try:
         if needs_build(cluster.model, cluster.model_cache):
@@ -237,12 +263,17 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
             model = cluster.model_path()
         print(f"pdserve: model folder {model} ({time.monotonic() - started:.1f} s)", flush=True)
         c.wait_healthy(c.start_servers(), health_timeout, stop)
-        c.wait_healthy([c.start_router()], health_timeout, stop)
+        if only is None or "router" in only:
+            c.wait_healthy([c.start_router()], health_timeout, stop)
         manifest = c.write_manifest()
         up = True
-        print(f"pdserve: {cluster.mode} cluster up in {time.monotonic() - started:.1f} s; "
-              f"OpenAI endpoint {cluster.router_url}/v1 (model {cluster.model_name!r})\n"
-              f"pdserve: processes and pids in {manifest}; logs in {run_dir}; Ctrl-C stops everything", flush=True)
+        if only is None:
+            print(f"pdserve: {cluster.mode} cluster up in {time.monotonic() - started:.1f} s; "
+                  f"OpenAI endpoint {cluster.router_url}/v1 (model {cluster.model_name!r})", flush=True)
+        else:
+            print(f"pdserve: {', '.join(p.name for p in c.procs)} up in {time.monotonic() - started:.1f} s "
+                  f"(this host's part; the cluster's OpenAI endpoint is {cluster.router_url}/v1)", flush=True)
+        print(f"pdserve: processes and pids in {manifest}; logs in {run_dir}; Ctrl-C stops everything", flush=True)
         supervisor = Supervisor(c, cluster.restart)
         while not stop.wait(0.2):
             dead = supervisor.tick()

@@ -26,18 +26,19 @@ class PortUse:
     host: str
     port: int
     what: str  # e.g. "router", "d0 (HTTP)", "d0 (kv_port)"
+    owner: str = ""  # the process that binds it: "router" or an instance name
 
 
-def ports_of(cluster: ClusterConfig) -> list[PortUse]:
+def ports_of(cluster: ClusterConfig, only: set[str] | None = None) -> list[PortUse]:
     """Every (host, port) the cluster's processes listen on: the router's, each server's HTTP
     port, and the kv_port of each decode server (the ZeroMQ receiver binds it; NIXL's UCX
-    listener takes a port of its own choosing)."""
-    uses = [PortUse(cluster.router_host, cluster.router.port, "router")]
+    listener takes a port of its own choosing). ``only``: of these processes alone."""
+    uses = [PortUse(cluster.router_bind_host, cluster.router.port, "router", "router")]
     for inst in cluster.instances():
-        uses.append(PortUse(cluster.host_of(inst), inst.port, f"{inst.name} (HTTP)"))
+        uses.append(PortUse(cluster.bind_host_of(inst), inst.port, f"{inst.name} (HTTP)", inst.name))
         if inst in cluster.decode and cluster.transfer.backend == "zmq":
-            uses.append(PortUse(cluster.host_of(inst), inst.transfer_port, f"{inst.name} (kv_port)"))
-    return uses
+            uses.append(PortUse(cluster.bind_host_of(inst), inst.transfer_port, f"{inst.name} (kv_port)", inst.name))
+    return [u for u in uses if only is None or u.owner in only]
 
 
 def bind_error(host: str, port: int) -> OSError | None:
@@ -98,10 +99,10 @@ def describe_holder(port: int) -> str:
     return "held by " + ", ".join(f"pid {pid} ({cmd[:120]})" for pid, cmd in found)
 
 
-def busy_ports(cluster: ClusterConfig) -> list[str]:
-    """One line per port the cluster needs that cannot be bound now; empty when all are free."""
+def busy_ports(cluster: ClusterConfig, only: set[str] | None = None) -> list[str]:
+    """One line per port the cluster (``only``: those processes) needs that cannot be bound now."""
     problems = []
-    for use in ports_of(cluster):
+    for use in ports_of(cluster, only):
         exc = bind_error(use.host, use.port)
         if exc is None:
             continue

@@ -94,5 +94,5 @@ def _confined(settings):
     if settings.transfer_backend == "nixl":
         from transfer.netdev import confine_ucx_to
 
-        confine_ucx_to(settings.host)
+        confine_ucx_to(settings.listen_host)
     return settings

@@ -39,6 +39,7 @@ from server_common.faults import FaultInjector
 from server_common.guard import Drain
 from server_common.kv_port import SenderFactory
 from server_common.metrics import ServerMetrics
+from server_common.model_id import model_fingerprint
 from server_common.settings import ServerSettings
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
@@ -86,6 +87,7 @@ class PrefillService:
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
         self.tracing = tracing or Tracing(settings.tracing, "pdserve-prefill")
         self.timeline = TimelineLog()
+        self._model_id = model_fingerprint(settings.engine.model)  # reported on /health
         self._sender = make_sender(self.engine_thread.wake)
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
         self.vitals.add(self.engine_thread.problem)
@@ -182,6 +184,16 @@ class PrefillService:
                             pdserve__bytes=(job.num_tokens - job.num_cached_tokens) * self._bytes_per_token,
                             pdserve__cached_tokens=job.num_cached_tokens)
 
+    # ---- decode peers (the router's discovery) --------------------------------------
+    def add_peer(self, name: str, url: str) -> None:
+        self._sender.add_peer(name, url)
+
+    def forget_peer(self, name: str) -> bool:
+        return self._sender.forget_peer(name)
+
+    def peers(self) -> dict[str, str]:
+        return self._sender.known_peers()
+
     async def abort(self, request_id: str) -> bool:
         return await self.engine_thread.run(lambda e: self._abort(e, request_id))
 
@@ -266,4 +278,4 @@ class PrefillService:
                             instance=self.settings.name,
                             kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),
                             queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=self._pending,
-                            launch_id=self.settings.launch_id)
+                            launch_id=self.settings.launch_id, model=self._model_id)

@@ -15,6 +15,7 @@ from router.admin import add_admin_routes
 from router.admission import Admission, AdmissionSettings
 from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.dispatch import DispatchSettings, Dispatcher
+from router.discovery import Discovery
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
 from router.limits import BodyLimitMiddleware, RequestLimits
 from router.connections import ConnectionGuard
@@ -27,6 +28,7 @@ from router.settings import RouterSettings
 from router.worker_client import WorkerClient
 from server_common.guard import Drain, auth_headers, bearer_token, token_matches
 from server_common.process_defaults import is_loopback
+from server_common.model_id import model_fingerprint
 from server_common.tracing import Tracing
 
 
@@ -81,13 +83,16 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
             dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),
                                     worker_client, dispatch_settings, metrics.recovery, admission, drain)
             app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits, tracing)
-            health_task = asyncio.create_task(registry.run(http)) if client is None else None
+            app.state.discovery = Discovery(registry, http, settings.discovery, model_fingerprint(settings.model_path),
+                                            metrics, settings.drain_timeout)
+            tasks = [asyncio.create_task(registry.run(http)),
+                     asyncio.create_task(app.state.discovery.run())] if client is None else []
             try:
                 yield
             finally:
-                if health_task is not None:
-                    health_task.cancel()
-                    await asyncio.gather(health_task, return_exceptions=True)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
                 tracing.shutdown()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
@@ -116,7 +121,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
             raise OpenAIError(403, "admin calls from other machines need security.internal_secret in the config",
                               code="forbidden")
 
-    add_admin_routes(app, registry, check_admin)
+    add_admin_routes(app, registry, check_admin, lambda: app.state.discovery)
 
     async def respond(request: Request, endpoint: str, call) -> Response:
         check_auth(request)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
 
 from router.admission import Admission
 from router.registry import WorkerRegistry
@@ -60,19 +61,38 @@ class RouterMetrics:
         self.local_prefills = Counter("pdserve_router_local_prefills", "Requests prefilled on the decode server",
                                       registry=r)
         self.recovery = RecoveryMetrics(r)
-        healthy = Gauge("pdserve_router_worker_healthy", "1 when the worker is in rotation", ["worker", "role"],
-                        registry=r)
-        for w in workers.workers:
-            healthy.labels(worker=w.name, role=w.role).set_function(lambda w=w: 1.0 if w.healthy else 0.0)
-        inflight = Gauge("pdserve_router_worker_inflight", "Requests this router has on the worker",
-                         ["worker", "role"], registry=r)
-        draining = Gauge("pdserve_router_worker_draining", "1 when the worker is draining (admin or its own report)",
-                         ["worker", "role"], registry=r)
-        for w in workers.workers:
-            inflight.labels(worker=w.name, role=w.role).set_function(lambda w=w: w.inflight)
-            draining.labels(worker=w.name, role=w.role).set_function(
-                lambda w=w: 1.0 if w.draining or w.reported_draining else 0.0)
+        r.register(_Workers(workers))  # workers join and leave: read at every scrape
+        self.workers_refused = Counter("pdserve_router_workers_refused",
+                                       "Workers discovery found but refused (another model, a name in use, ...)",
+                                       ["reason"], registry=r)
+        self.workers_joined = Counter("pdserve_router_workers_joined", "Workers added at runtime", registry=r)
+        self.workers_left = Counter("pdserve_router_workers_left", "Workers drained and forgotten at runtime",
+                                    registry=r)
 
     def watch_admission(self, admission: Admission) -> None:
         Gauge("pdserve_router_waiting_requests", "Requests waiting for a free slot",
               registry=self.registry).set_function(lambda: admission.waiting)
+
+
+class _Workers:
+    """Each worker's rotation, in-flight and draining state, as the registry holds it now."""
+
+    def __init__(self, workers: WorkerRegistry) -> None:
+        self._workers = workers
+
+    def collect(self):
+        healthy = GaugeMetricFamily("pdserve_router_worker_healthy", "1 when the worker is in rotation",
+                                    labels=["worker", "role"])
+        inflight = GaugeMetricFamily("pdserve_router_worker_inflight", "Requests this router has on the worker",
+                                     labels=["worker", "role"])
+        draining = GaugeMetricFamily("pdserve_router_worker_draining",
+                                     "1 when the worker is draining (admin, its own report, or leaving)",
+                                     labels=["worker", "role"])
+        for w in list(self._workers.workers):
+            labels = [w.name, w.role]
+            healthy.add_metric(labels, 1.0 if w.healthy else 0.0)
+            inflight.add_metric(labels, w.inflight)
+            draining.add_metric(labels, 1.0 if w.draining or w.reported_draining else 0.0)
+        yield healthy
+        yield inflight
+        yield draining

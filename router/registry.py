@@ -1,6 +1,7 @@
 """The workers the router knows, their health and load.
 
-Workers come from config. A background task per worker polls its
+Workers come from config, and join and leave at runtime (``add`` and
+``forget``, called by ``router.discovery``). A background task per worker polls its
 ``GET /health`` every ``interval`` seconds: a worker that fails
 ``unhealthy_after`` checks in a row (or a request's connection) is taken out
 of rotation; the next successful check brings it back. While a worker fails,
@@ -50,6 +51,7 @@ class Worker:
     max_inflight: int | None = None  # per-worker in-flight limit; None: no limit
     draining: bool = False  # drained through the router's admin endpoint
     full_until: float = 0.0  # monotonic time until which a "no room" answer is trusted
+    discovered: bool = False  # joined at runtime (router/discovery.py): another launch may have started it
 
     @property
     def in_rotation(self) -> bool:
@@ -80,6 +82,8 @@ class WorkerRegistry:
         self.unhealthy_after = unhealthy_after
         self.backoff_max = max(backoff_max, interval)
         self.launch_id = launch_id
+        self._client: httpx.AsyncClient | None = None  # set by run(): new workers are watched at once
+        self._watches: dict[str, asyncio.Task] = {}
 
     def healthy(self, role: WorkerRole) -> list[Worker]:
         """Workers of ``role`` in rotation: healthy and not draining."""
@@ -106,8 +110,12 @@ class WorkerRegistry:
             resp = await client.get(f"{worker.url}/health", timeout=max(1.0, self.interval))
             resp.raise_for_status()
             report = resp.json()
-            if self.launch_id is not None and (report.get("launch_id"), report.get("instance")) != (
-                    self.launch_id, worker.name):
+            if worker.discovered:  # started by another launch, maybe: the same instance must answer
+                foreign = report.get("instance") != worker.name
+            else:
+                foreign = self.launch_id is not None and (report.get("launch_id"), report.get("instance")) != (
+                    self.launch_id, worker.name)
+            if foreign:
                 self.mark_down(worker, f"another process answers on its port (launch {report.get('launch_id')!r}, "
                                        f"instance {report.get('instance')!r})")
                 return
@@ -129,9 +137,38 @@ class WorkerRegistry:
             return self.interval
         return min(self.interval * 2 ** min(worker.failures - 1, 30), self.backoff_max)
 
+    def add(self, worker: Worker) -> None:
+        """A worker joins (its health is checked at once when the registry runs)."""
+        if self.find(worker.name) is not None:
+            raise ValueError(f"a worker named {worker.name!r} is already known")
+        self.workers.append(worker)
+        if self._client is not None:
+            self._watches[worker.name] = asyncio.create_task(self._watch(self._client, worker))
+
+    def forget(self, name: str) -> Worker | None:
+        """A worker leaves: no health checks, no requests (callers drain it first)."""
+        worker = self.find(name)
+        if worker is None:
+            return None
+        self.workers.remove(worker)
+        watch = self._watches.pop(name, None)
+        if watch is not None:
+            watch.cancel()
+        return worker
+
     async def run(self, client: httpx.AsyncClient) -> None:
         """Poll forever, each worker on its own schedule (cancel the task to stop)."""
-        await asyncio.gather(*(self._watch(client, w) for w in self.workers))
+        self._client = client
+        for w in self.workers:
+            self._watches[w.name] = asyncio.create_task(self._watch(client, w))
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._client = None
+            watches, self._watches = list(self._watches.values()), {}
+            for task in watches:
+                task.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
 
     async def _watch(self, client: httpx.AsyncClient, worker: Worker) -> None:
         while True:

@@ -27,12 +27,30 @@ class WorkerSpec:
     max_inflight: int | None = None  # requests this router sends it at once; None: no limit
 
 
+DiscoveryKind = Literal["static", "dns"]
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    """How workers join and leave at runtime (router/discovery.py). ``static``: the config's
+    instances, plus what the admin API adds. ``dns``: every ``interval_s`` each ``HOST:PORT`` of
+    ``names`` is re-resolved; every address that answers /health as a worker of this model joins,
+    one that is gone is drained and forgotten."""
+
+    kind: DiscoveryKind = "static"
+    names: tuple[str, ...] = ()
+    interval_s: float = 5.0
+    # a discovered worker's in-flight limit (the config's per-worker limit; None: no limit)
+    max_inflight: int | None = None
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     model_path: str  # local Hugging Face folder (tokenizer, config, chat template)
     served_model_name: str
     workers: tuple[WorkerSpec, ...]
-    host: str = LOOPBACK_HOST
+    host: str = LOOPBACK_HOST  # the address clients reach the router at
+    bind_host: str | None = None  # the address it binds (None: host)
     port: int = 8000
     policy: PolicyName = "round_robin"
     local_prefill_threshold: int = 0  # prompts shorter than this are prefilled on the decode server
@@ -56,3 +74,8 @@ class RouterSettings:
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key
     launch_id: str | None = None  # workers must report it in /health (None: any); see deploy/launcher.py
     tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+
+    @property
+    def listen_host(self) -> str:
+        return self.bind_host or self.host

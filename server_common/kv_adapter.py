@@ -39,8 +39,9 @@ def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | Non
 
     kind = settings.transfer_backend
     if kind == "zmq":
-        endpoint = f"tcp://{settings.host}:{settings.kv_port}" if listen else None
-        backend = make_backend("zmq", settings.name, endpoint=endpoint, connect_timeout_s=settings.transfer_timeout_s)
+        endpoint = f"tcp://{settings.listen_host}:{settings.kv_port}" if listen else None
+        backend = make_backend("zmq", settings.name, endpoint=endpoint, connect_timeout_s=settings.transfer_timeout_s,
+                               advertise_host=settings.host if listen else None)
     else:
         backend = make_backend(kind, settings.name)
     if faults is None:
@@ -51,7 +52,7 @@ def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | Non
 
 
 class UnknownPeer(ValueError):
-    """A reservation names a decode server this cluster's config does not list."""
+    """A reservation names a decode server this cluster neither lists nor was told about by its router."""
 
 
 class ReceiverAdapter:
@@ -102,6 +103,9 @@ class SenderAdapter:
         self._sender = KVSender(_backend(settings, listen=False, faults=faults), engine.cache.kv, _layout(engine),
                                 name=settings.name, model=engine.config.model, notify=notify)
         self._peers: dict[str, tuple[str, asyncio.Task]] = {}  # peer -> (its epoch, handshake); event loop only
+        # Decode servers this prefill server may meet, by name: the config's, and those the router's
+        # discovery announced (POST /admin/peers); event loop only.
+        self._known: dict[str, str] = dict(settings.decode_peers)
 
     def start(self) -> None:
         self._sender.start()
@@ -126,7 +130,7 @@ class SenderAdapter:
         (the reservation's ``hello_url`` is not followed: the secret goes nowhere else), and
         without echoing what it answered."""
         peer = target.get("peer")
-        url = dict(self._settings.decode_peers).get(peer) if isinstance(peer, str) else None
+        url = self._known.get(peer) if isinstance(peer, str) else None
         if url is None:
             raise UnknownPeer(f"decode server {str(peer)[:64]!r} is not one of this cluster's")
         hello = base64.b64encode(self._sender.hello()).decode()
@@ -137,6 +141,22 @@ class SenderAdapter:
             raise RuntimeError(f"decode server {peer} refused the handshake (HTTP {resp.status_code})")
         answer = base64.b64decode(resp.json()["hello"])
         return await asyncio.to_thread(self._sender.connect, answer, self._settings.transfer_timeout_s)
+
+    def add_peer(self, name: str, url: str) -> None:
+        """The router vouches for a decode server that joined (its discovery found it)."""
+        if self._known.get(name) != url:
+            self._peers.pop(name, None)  # a new address: meet it afresh
+        self._known[name] = url
+
+    def forget_peer(self, name: str) -> bool:
+        """A decode server left: no handshake with it any more; its transfer state is released."""
+        known = self._known.pop(name, None) is not None
+        self._peers.pop(name, None)
+        self._sender.forget(name)
+        return known
+
+    def known_peers(self) -> dict[str, str]:
+        return dict(self._known)
 
     def begin(self, transfer_id: str, peer: str, dst_block_ids: list[int], lease_s: float) -> None:
         self._sender.begin(transfer_id, peer, dst_block_ids, lease_s)

@@ -26,7 +26,8 @@ class ServerSettings:
     name: str
     role: EngineMode
     engine: EngineConfig
-    host: str = LOOPBACK_HOST
+    host: str = LOOPBACK_HOST  # the address others reach it at (advertised in reservations and handshakes)
+    bind_host: str | None = None  # the address it binds (None: host; 0.0.0.0: every interface)
     port: int = 8200
     kv_port: int = 8201
     transfer_backend: TransferBackendName = "zmq"
@@ -44,6 +45,11 @@ class ServerSettings:
     stuck_after_s: float = 60.0  # /health: a thread with work that made no progress this long is stuck
     launch_id: str | None = None  # reported in /health; from `pdserve launch` (deploy/process_cli.py)
     tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
+
+    @property
+    def listen_host(self) -> str:
+        """The address it binds (``bind_host``; by default the one others reach it at, ``host``)."""
+        return self.bind_host or self.host
 
     @property
     def url(self) -> str:

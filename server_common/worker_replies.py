@@ -107,6 +107,7 @@ class HealthReport(Reply):
     queued_tokens: int
     num_requests: int
     launch_id: str | None = None  # the nonce of the `pdserve launch` that started it (None: started alone)
+    model: str = ""  # server_common.model_id.model_fingerprint of the folder it serves
 
 
 class ErrorReply(Reply):

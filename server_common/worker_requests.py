@@ -79,3 +79,11 @@ class KVHello(Strict):
     message (msgpack bytes made by ``transfer``), base64-encoded."""
 
     hello: str = Field(max_length=1 << 20)
+
+
+class DecodePeer(Strict):
+    """POST /admin/peers on a prefill server (from the router's discovery): a decode server
+    that joined the cluster, which this prefill server may now hand KV to."""
+
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.-]+$")
+    url: str = Field(min_length=8, max_length=300, pattern=r"^https?://[^/\s]+$")

@@ -63,9 +63,11 @@ class ZmqBackend(Backend):
     kind = "zmq"
     one_sided = False
 
-    def __init__(self, name: str, endpoint: str | None = None, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, name: str, endpoint: str | None = None, connect_timeout_s: float = 5.0,
+                 advertise_host: str | None = None) -> None:
         """``endpoint``: where a receiver binds its ROUTER (``tcp://127.0.0.1:5601``;
-        port 0 picks a free one, see ``endpoint``). Senders need none."""
+        port 0 picks a free one, see ``endpoint``). Senders need none. ``advertise_host``: the
+        address senders reach it at, when that is not the bound one (a wildcard bind, NAT)."""
         self.name = name
         self._ctx = zmq.Context(io_threads=1)
         self._timeout = connect_timeout_s
@@ -89,6 +91,10 @@ class ZmqBackend(Backend):
             else:
                 self._router.bind(endpoint)
             self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            if advertise_host:
+                port = self.endpoint.rpartition(":")[2]
+                self.endpoint = f"tcp://[{advertise_host}]:{port}" if ":" in advertise_host else \
+                    f"tcp://{advertise_host}:{port}"
             self._poller.register(self._router, zmq.POLLIN)
 
     def register(self, region: str, tensor) -> None:

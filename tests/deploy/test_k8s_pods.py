@@ -73,7 +73,8 @@ def pods(tmp_path_factory, tiny_model):
     for i, inst in enumerate(pod_config["prefill"] + pod_config["decode"]):
         addresses[inst["name"]] = f"127.0.1.{i + 1}"
         lines.append(f"{addresses[inst['name']]} {inst['host']}")
-    for name in pod_config["discovery"]["names"]:  # what the headless Services resolve to
+    for entry in pod_config["discovery"]["names"]:  # what the headless Services resolve to
+        name = entry.rpartition(":")[0]
         role = "prefill" if "-prefill-" in name else "decode"
         lines += [f"{addresses[i['name']]} {name}" for i in pod_config[role]]
     hosts = tmp / "hosts"

@@ -143,10 +143,11 @@ def test_a_pod_gets_its_settings_from_the_rendered_config_and_the_mounted_secret
     assert d0.url == f"http://{fqdn}:8200"  # what its reservations advertise
     router = cluster.router_settings(tiny_model)
     assert (router.host, router.api_keys, router.internal_secret) == ("0.0.0.0", tuple(KEYS), INTERNAL)
-    assert [(w.name, w.role, w.url) for w in router.workers] == [
-        ("p0", "prefill", "http://pdserve-secret-demo-p0-0.pdserve-secret-demo-prefill-headless"
-                          ".default.svc.cluster.local:8100"),
-        ("d0", "decode", f"http://{fqdn}:8200")]
+    # No fixed worker list: the router finds them by re-resolving the headless Services (router/discovery.py).
+    assert router.workers == () and router.discovery.kind == "dns"
+    assert router.discovery.names == ("pdserve-secret-demo-prefill-headless:8100",
+                                      "pdserve-secret-demo-decode-headless:8200")
+    assert d0.bind_host == "0.0.0.0" and d0.listen_host == "0.0.0.0"
 
 
 def test_a_bad_name_on_the_command_line_is_one_clear_line(tmp_path, capsys):

@@ -107,7 +107,9 @@ def test_the_router_discovers_workers_by_the_headless_service_names(config, tmp_
     cluster = m.pod_config()
     headless = {s["metadata"]["name"]: s for s in m.of_kind("Service") if s["spec"].get("clusterIP") == "None"}
     assert cluster.discovery.kind == "dns"
-    assert sorted(cluster.discovery.names) == sorted(headless)
+    assert sorted({n.rpartition(":")[0] for n in cluster.discovery.names}) == sorted(headless)
+    ports = {int(n.rpartition(":")[2]) for n in cluster.discovery.names}
+    assert ports == {i.port for i in cluster.instances()}  # every instance is found at its own HTTP port
     for svc in headless.values():
         assert svc["spec"]["publishNotReadyAddresses"] is False  # one address per *ready* pod
     for sts in m.of_kind("StatefulSet"):
