@@ -23,6 +23,7 @@ def test_bench_serve_measures_every_request_of_a_real_cluster(cand, tiny_model, 
     path.write_text(yaml.safe_dump(config))
     cluster = launch(path, tmp_path / "run", cpu_list(None)[:1], timeout=180)
     try:
+        secret_file = tmp_path / "run" / "internal_secret"  # pdserve launch made one: the config names none
         parser = argparse.ArgumentParser(prog="pdserve")
         cli.add_parser(parser.add_subparsers(dest="command", required=True))
         out = tmp_path / "result.json"
@@ -30,10 +31,12 @@ def test_bench_serve_measures_every_request_of_a_real_cluster(cand, tiny_model, 
             "bench", "serve", "--url", cluster.url, "--num-requests", "5", "--concurrency", "2",
             "--prompt-len", "uniform(8,40)", "--output-len", "6", "--json", str(out), "--no-progress",
             "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000", "--timeline", str(tmp_path / "timeline.png"),
+            "--internal-secret-file", str(secret_file),
         ])
         assert args.func(args) == 0
         ids = [r["request_id"] for r in json.loads(out.read_text())["requests"]]
-        stages = timeline.join(timeline.fetch(cluster.url), ids)
+        secret = secret_file.read_text().strip()
+        stages = timeline.join(timeline.fetch(cluster.url, {"Authorization": f"Bearer {secret}"}), ids)
     finally:
         killed = cluster.stop()
     assert killed == []
