@@ -17,7 +17,7 @@ from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.dispatch import DispatchSettings, Dispatcher
 from router.discovery import Discovery
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
-from router.limits import BodyLimitMiddleware, RequestLimits
+from router.limits import RequestLimits, openai_413
 from router.connections import ConnectionGuard
 from router.metrics import RouterMetrics
 from router.model import ServedModel
@@ -26,7 +26,7 @@ from router.policies import make_policy
 from router.registry import Worker, WorkerRegistry
 from router.settings import RouterSettings
 from router.worker_client import WorkerClient
-from server_common.guard import Drain, auth_headers, bearer_token, token_matches
+from server_common.guard import BodyCapMiddleware, Drain, auth_headers, bearer_token, token_matches
 from server_common.process_defaults import is_loopback
 from server_common.model_id import model_fingerprint
 from server_common.tracing import Tracing
@@ -100,7 +100,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     # What a drain waits for: requests with a session or waiting for one.
     app.state.drain = drain = Drain(lambda: admission.sessions + admission.waiting)
     app.state.connections = connections
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BodyCapMiddleware, max_bytes=settings.max_body_bytes, refusal_body=openai_413)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 too, has an id
     install_error_handlers(app)
 

@@ -69,22 +69,19 @@ class InternalAuthMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-def _refusal(status: int, error: str, code: Outcome) -> tuple[dict, bytes]:
-    body = ErrorReply(error=error, code=code).model_dump_json().encode()
-    return ({"type": "http.response.start", "status": status,
-             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                         (b"connection", b"close")]},
-            {"type": "http.response.body", "body": body})
-
-
 class BodyCapMiddleware:
     """Pure ASGI: 413 for a body over ``max_bytes``, refused on its declared
     length before a byte is read, or as soon as the bytes read pass the cap
-    (so a body costs the server at most ``max_bytes`` of memory)."""
+    (so a body costs the server at most ``max_bytes`` of memory). No response
+    is buffered, so streams and disconnects still work. ``refusal_body``: the
+    JSON of the 413 (the router answers in OpenAI's error shape; by default an
+    internal server's ``ErrorReply``)."""
 
-    def __init__(self, app, max_bytes: int) -> None:
+    def __init__(self, app, max_bytes: int, refusal_body: Callable[[str], bytes] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self._refusal_body = refusal_body or (
+            lambda message: ErrorReply(error=message, code=Outcome.TOO_LARGE).model_dump_json().encode())
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -117,8 +114,11 @@ class BodyCapMiddleware:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
-        for message in _refusal(413, f"request body is larger than {self.max_bytes} bytes", Outcome.TOO_LARGE):
-            await send(message)
+        body = self._refusal_body(f"request body is larger than {self.max_bytes} bytes")
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
