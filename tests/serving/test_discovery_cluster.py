@@ -92,7 +92,8 @@ def test_a_decode_server_joins_serves_and_leaves_and_churn_leaves_nothing_behind
         if cycle in (4, 19):
             usage.append(prefill_usage(a))
     (rss5, fds5), (rss20, fds20) = usage
-    assert fds20 <= fds5 + 2, (fds5, fds20)  # one ZeroMQ socket per meeting would add 15 here
+    # One ZeroMQ socket (and its monitor) per meeting would add 30 here; ZeroMQ closes a few lazily.
+    assert fds20 <= fds5 + 4, (fds5, fds20)
     assert rss20 - rss5 < 16 * 1024, (rss5, rss20)  # KiB
     a.wait_idle(5.0)
     b.wait_idle(5.0)
