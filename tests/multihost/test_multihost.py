@@ -121,6 +121,11 @@ class Servers:
                 return float(line.split()[-1])
         return 0.0
 
+    async def total(self, name: str, family: str) -> float:
+        """The sum of a counter's samples over all its labels."""
+        text = (await self.http.get(f"{self.urls[name]}/metrics")).text
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(family + "{"))
+
     async def complete(self, prompt: str) -> httpx.Response:
         return await self.http.post(f"{self.urls['router']}/v1/completions", timeout=60,
                                     json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -163,12 +168,15 @@ async def _answers_and_link(servers: Servers, net: Network, expected: dict[str, 
     for p in prefill:
         assert link[p][1] >= kv[p], f"{p}'s veth sent {link[p][1]} bytes, less than its {kv[p]} KV bytes"
     received = sum(link[d][0] for d in decode)
+    print(f"KV bytes sent by p0, p1: {kv}; veth bytes (rx, tx) meanwhile: {link}")
     assert received >= sum(kv.values()), f"decode veths received {received} < KV {sum(kv.values())}"
 
 
 async def _killed_prefill_under_load(servers: Servers, expected: dict[str, str]) -> None:
     victim = servers.procs["p0"]
     moved = await servers.metric("p0", "pdserve_transfer_bytes_total")
+    recovered_before = (await servers.total("router", "pdserve_router_retries_total")
+                        + await servers.total("router", "pdserve_router_decode_reprefills_total"))
 
     async def kill_mid_load() -> None:
         async def p0_busy() -> bool:
@@ -189,6 +197,10 @@ async def _killed_prefill_under_load(servers: Servers, expected: dict[str, str])
         else:  # a clear error in OpenAI's shape, with its outcome code
             assert reply.status_code >= 500 and reply.json()["error"]["code"], reply.text
     assert ok > len(prompts) // 2, f"only {ok} of {len(prompts)} answered"
+    recovered = (await servers.total("router", "pdserve_router_retries_total")
+                 + await servers.total("router", "pdserve_router_decode_reprefills_total") - recovered_before)
+    print(f"after killing p0 under load: {ok} of {len(prompts)} answered, {recovered:.0f} started over")
+    assert recovered + (len(prompts) - ok) >= 1, "the kill hit no request in flight on p0"
     # And the cluster keeps serving on p1 alone.
     reply = await servers.complete(PROMPTS[0])
     assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == expected[PROMPTS[0]]
