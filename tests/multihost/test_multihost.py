@@ -31,7 +31,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.multihost.netns import Host, Network, NetnsUnavailable
+from tests.multihost.netns import Network, NetnsUnavailable
 from tests.serving.oracle import PROMPTS, expected_completion
 from tests.waiting import POLL_S
 
@@ -86,19 +86,20 @@ def _config(folder: Path, model: str, backend: str, net: Network) -> Path:
 class Servers:
     """The five processes of one case, each in its host, and HTTP to them from the client host."""
 
-    def __init__(self, net: Network, config: Path, logs: Path, backend: str) -> None:
+    def __init__(self, net: Network, config: Path, logs: Path) -> None:
         self.net, self.logs = net, logs
         self.procs = {}
         self.urls = {"router": f"http://{net.hosts['router'].address}:{ROUTER_PORT}"}
+        roles = {"router": "router"}
         for role, entries in INSTANCES.items():
             for name, port, _ in entries:
                 self.urls[name] = f"http://{net.hosts[name].address}:{port}"
+                roles[name] = role
         for name in ("d0", "d1", "p0", "p1", "router"):
             host = net.hosts[name]
             env = dict(os.environ, PYTHONPATH=str(REPO), UCX_TLS="tcp", UCX_NET_DEVICES=host.device)
-            role = "router" if name == "router" else ("prefill" if name.startswith("p") else "decode")
-            argv = [sys.executable, "-m", "deploy.cli", role, "--config", str(config)]
-            argv += [] if role == "router" else ["--name", name]
+            argv = [sys.executable, "-m", "deploy.cli", roles[name], "--config", str(config)]
+            argv += [] if name == "router" else ["--name", name]
             self.procs[name] = net.spawn(host, argv, env=env, cwd=str(REPO), log=logs / f"{name}.log")
         self.http = httpx.AsyncClient(timeout=30, headers={"authorization": f"Bearer {SECRET}"})
 
@@ -221,7 +222,7 @@ def test_cluster_across_hosts(backend, network, tiny_model, expected, tmp_path):
     if backend == "nixl":
         import nixl._api  # noqa: F401  (installed here: a failed import fails this case)
     config = _config(tmp_path, tiny_model, backend, network)
-    servers = Servers(network, config, tmp_path, backend)
+    servers = Servers(network, config, tmp_path)
 
     async def scenario() -> None:
         try:

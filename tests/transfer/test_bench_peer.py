@@ -33,8 +33,9 @@ def test_split_address_takes_host_and_port_and_refuses_anything_else():
 def test_the_sender_names_the_shape_and_the_listener_serves_one_run_then_exits(tmp_path):
     port = free_ports(1)[0]
     bench = [sys.executable, "-m", "transfer.bench", "--backend", "zmq"]
-    receiver = subprocess.Popen([*bench, "--listen", f"127.0.0.1:{port}"], cwd=REPO,
-                                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "recv.log", "wb"))
+    with open(tmp_path / "recv.log", "wb") as log:
+        receiver = subprocess.Popen([*bench, "--listen", f"127.0.0.1:{port}"], cwd=REPO,
+                                    stdout=subprocess.DEVNULL, stderr=log)
     try:
         sender = subprocess.run([*bench, "--peer", f"127.0.0.1:{port}", "--json", *SHAPE], cwd=REPO,
                                 capture_output=True, text=True, timeout=120)
