@@ -9,6 +9,12 @@ same run. Also reported: one-block latency (one 16-token block, all layers,
 push to Ack) and the posting overhead per layer (the engine thread's
 ``push_layer`` call, and the transfer thread's plan + post of one layer).
 
+Across two hosts: ``--listen HOST:PORT`` on the receiving one, ``--peer
+HOST:PORT`` on the sending one (transfer/bench_peer.py); the receiver then
+runs there instead of in a local process, the KV crosses the network on the
+interface of those addresses (NIXL: UCX over TCP unless ``--ucx-tls`` says
+otherwise), and memcpy is still measured by the sender in the same run.
+
 Wire into the CLI with ``add_arguments(parser)`` and ``run(args) -> int``;
 or ``python -m transfer.bench --backend nixl --json``.
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import threading
@@ -25,10 +32,13 @@ import time
 
 import torch
 
+from transfer import bench_peer
 from transfer.registry import make_backend
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
+
+SHAPE_KEYS = bench_peer.SHAPE_KEYS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,10 +53,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--scatter", action="store_true",
                         help="decode blocks in random order (no contiguous runs to merge)")
-    parser.add_argument("--endpoint", default="tcp://127.0.0.1:0", help="zmq receiver bind address")
+    parser.add_argument("--endpoint", default=None,
+                        help="zmq receiver bind address (default: tcp://127.0.0.1:0, or port 0 on the --listen host)")
     parser.add_argument("--ucx-tls", default="auto",
-                        help="UCX_TLS for nixl: auto (cma,tcp without CUDA), a list, or '' for UCX's choice")
-    parser.add_argument("--ucx-net-devices", default="lo", help="UCX_NET_DEVICES for nixl (lo: one host)")
+                        help="UCX_TLS for nixl: auto (cma,tcp without CUDA on one host, tcp across hosts), "
+                             "a list, or '' for UCX's choice")
+    parser.add_argument("--ucx-net-devices", default=None,
+                        help="UCX_NET_DEVICES for nixl (default: lo on one host, across hosts the interface "
+                             "of the --listen address or the one that reaches the --peer)")
+    across = parser.add_mutually_exclusive_group()
+    across.add_argument("--listen", metavar="HOST:PORT",
+                        help="be the receiving host: wait for one `--peer` sender here, then exit")
+    across.add_argument("--peer", metavar="HOST:PORT",
+                        help="be the sending host: the receiver is a `--listen` on another host")
+    parser.add_argument("--peer-timeout", type=float, default=120.0,
+                        help="seconds to keep trying to reach the --peer receiver")
 
 
 def _layout(args) -> KVLayout:
@@ -54,16 +75,57 @@ def _layout(args) -> KVLayout:
                                      num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
 
 
+def _own_address(args) -> str | None:
+    """This host's address on the link to the other host (None: both sides on this machine)."""
+    if args.listen:
+        return bench_peer.split_address(args.listen)[0]
+    if args.peer:
+        return bench_peer.local_address_towards(*bench_peer.split_address(args.peer))
+    return None
+
+
 def _backend(args, name: str, role: str):
+    address = _own_address(args)
     if args.backend == "zmq":
-        return make_backend("zmq", name, **({"endpoint": args.endpoint} if role == "recv" else {}))
-    return make_backend("nixl", name, ucx_tls=args.ucx_tls or None, ucx_net_devices=args.ucx_net_devices or None)
+        if role != "recv":
+            return make_backend("zmq", name)
+        endpoint = args.endpoint or f"tcp://{address or '127.0.0.1'}:0"
+        return make_backend("zmq", name, endpoint=endpoint)
+    ucx_tls, devices = args.ucx_tls, args.ucx_net_devices
+    if address is not None and ucx_tls == "auto" and not torch.cuda.is_available():
+        ucx_tls = "tcp"  # cma would need both processes on one machine
+    if devices is None:
+        from transfer.netdev import interface_of
+
+        devices = "lo" if address is None else interface_of(address)
+    return make_backend("nixl", name, ucx_tls=ucx_tls or None, ucx_net_devices=devices or None)
 
 
 def _receiver_main(conn, args_dict: dict) -> None:
     """The decode side, in its own process: answers JSON requests on ``conn``."""
+    _serve(conn, argparse.Namespace(**args_dict))
+
+
+def _listen(args) -> int:
+    """``--listen``: the decode side on this host, for one ``--peer`` sender, whose first message
+    gives the shape of the cache (bench_peer.SHAPE_KEYS)."""
+    host, port = bench_peer.split_address(args.listen)
+    conn = bench_peer.accept_one(host, port, lambda at: print(f"listening on {at}", file=sys.stderr, flush=True))
+    try:
+        shape = json.loads(conn.recv_bytes())
+        if not isinstance(shape, dict) or set(shape) != set(SHAPE_KEYS):
+            raise ValueError(f"the sender's first message is not a cache shape with keys {SHAPE_KEYS}")
+        args = argparse.Namespace(**{**vars(args), **shape})
+        if _layout(args).total_bytes > bench_peer.MAX_CACHE_BYTES:
+            raise ValueError(f"the sender asks for a cache over {bench_peer.MAX_CACHE_BYTES} bytes")
+        _serve(conn, args)
+    finally:
+        conn.close()
+    return 0
+
+
+def _serve(conn, args) -> None:
     torch.set_num_threads(1)
-    args = argparse.Namespace(**args_dict)
     layout = _layout(args)
     cache = torch.ones(layout.shape, dtype=getattr(torch, layout.dtype))  # ones: pages touched
     receiver = KVReceiver(_backend(args, "bench-decode", "recv"), cache, layout, name="bench-decode",
@@ -126,11 +188,18 @@ def _memcpy_gbps(nbytes: int, iters: int) -> float:
 
 
 def run(args) -> int:
+    if args.listen:
+        return _listen(args)
     layout = _layout(args)
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(child, vars(args)), daemon=True)
-    proc.start()
+    if args.peer:
+        proc = None
+        parent = bench_peer.connect(*bench_peer.split_address(args.peer), timeout_s=args.peer_timeout)
+        parent.send_bytes(json.dumps({key: getattr(args, key) for key in SHAPE_KEYS}).encode())
+    else:
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_receiver_main, args=(child, vars(args)), daemon=True)
+        proc.start()
     cache = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
     ended = threading.Event()
     sender = KVSender(_backend(args, "bench-prefill", "send"), cache, layout, name="bench-prefill", model="bench",
@@ -148,9 +217,12 @@ def run(args) -> int:
         _ask(parent, op="quit")
     finally:
         sender.close()
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
+        if proc is None:
+            parent.close()
+        else:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
     nbytes = layout.total_bytes
     gbps = nbytes / min(t for t, _ in runs) / 1e9
     memcpy = _memcpy_gbps(nbytes, args.iters)
@@ -162,7 +234,9 @@ def run(args) -> int:
         "push_layer_us": round(statistics.median(p for _, p in runs) / layout.num_layers * 1e6, 2),
         "post_layer_us": round(stats["post_s"] / max(stats["writes"], 1) * 1e6, 2),
         "scatter": args.scatter,
-        "ucx_tls": args.ucx_tls if args.backend == "nixl" else None,
+        "ucx_tls": os.environ.get("UCX_TLS") if args.backend == "nixl" else None,
+        "ucx_net_devices": os.environ.get("UCX_NET_DEVICES") if args.backend == "nixl" else None,
+        "peer": args.peer,
     }
     if args.json:
         print(json.dumps(result))
