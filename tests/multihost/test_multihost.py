@@ -11,7 +11,9 @@ memory or CMA would move the bytes without touching the link). The test
 itself talks HTTP from the client host only.
 
 Checks, over ZeroMQ and over NIXL: greedy answers through the router equal
-transformers `generate`; each prefill server's veth sent at least the KV
+transformers `generate`; a third decode server started mid-load on a host of
+its own joins through the router's admin API and takes requests, then leaves
+under load with zero failed requests; each prefill server's veth sent at least the KV
 bytes it reports (``pdserve_transfer_bytes_total``) and the decode servers'
 veths received them; a prefill server killed (SIGKILL) under load has its
 requests retried elsewhere (every answer correct or a clear error, most
@@ -45,6 +47,7 @@ INSTANCES = {"prefill": [("p0", 8100, 4), ("p1", 8110, 4)], "decode": [("d0", 82
 ROUTER_PORT = 8000
 MAX_TOKENS = 12
 START_TIMEOUT_S = 150.0
+JOINER, JOINER_PORT = "d2", 8220  # a decode server the router's config does not list: it joins at runtime
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +57,7 @@ def network():
     except NetnsUnavailable as exc:
         pytest.fail(f"cannot make network namespaces for the multi-host test: {exc}")
     with net:
-        for name in ("router", "client", *(n for role in INSTANCES.values() for n, _, _ in role)):
+        for name in ("router", "client", JOINER, *(n for role in INSTANCES.values() for n, _, _ in role)):
             net.add_host(name)
         net.names({f"{name}.{DOMAIN}": h.address for name, h in net.hosts.items()})
         yield net
@@ -71,15 +74,20 @@ def _config(folder: Path, model: str, backend: str, net: Network) -> Path:
     secret.chmod(0o600)
     data = {
         "model": model, "served_model_name": "tiny", "lease_s": 10,
-        "engine": {"num_threads": 1, "kv_cache_bytes": 16 << 20},
+        # Prefix caching off: the same prompts again must reach a prefill server (and cross the link).
+        "engine": {"num_threads": 1, "kv_cache_bytes": 16 << 20, "prefix_caching": False},
         "router": {"host": net.hosts["router"].address, "port": ROUTER_PORT, "health_interval_s": 0.5},
         "transfer": {"backend": backend},
+        "fault_injection": True,  # p0 holds the prefills it was given, so that its kill hits work in flight
         "security": {"internal_secret_file": str(secret)},
         **{role: [{"name": n, "host": f"{n}.{DOMAIN}", "port": port, "block_size": bs} for n, port, bs in entries]
            for role, entries in INSTANCES.items()},
     }
     path = folder / "cluster.yaml"
     path.write_text(yaml.safe_dump(data))
+    # What the joining host runs: the same cluster plus itself (the router and the others never read it).
+    data["decode"].append({"name": JOINER, "host": f"{JOINER}.{DOMAIN}", "port": JOINER_PORT, "block_size": 16})
+    (folder / "joiner.yaml").write_text(yaml.safe_dump(data))
     return path
 
 
@@ -133,8 +141,9 @@ class Servers:
                                           "temperature": 0})
 
     def stop(self) -> None:
-        for name in ("router", "p0", "p1", "d0", "d1"):  # the router first: nothing new reaches the servers
-            self.net.stop(self.procs[name])
+        for name in ("router", "p0", "p1", "d0", "d1", JOINER):  # the router first: nothing new reaches them
+            if name in self.procs:
+                self.net.stop(self.procs[name])
 
 
 async def _wait_all_healthy(servers: Servers) -> None:
@@ -173,16 +182,55 @@ async def _answers_and_link(servers: Servers, net: Network, expected: dict[str, 
     assert received >= sum(kv.values()), f"decode veths received {received} < KV {sum(kv.values())}"
 
 
+async def _a_decode_server_joins_and_leaves_under_load(servers: Servers, net: Network, config: Path,
+                                                      expected: dict[str, str]) -> None:
+    """d2 starts mid-load on its own host, joins through the router's admin API, takes requests within
+    seconds; then it is removed under load: drained, zero failed requests, forgotten by the prefill servers."""
+    host = net.hosts[JOINER]
+    url = f"http://{host.address}:{JOINER_PORT}"
+    env = dict(os.environ, PYTHONPATH=str(REPO), UCX_TLS="tcp", UCX_NET_DEVICES=host.device)
+    argv = [sys.executable, "-m", "deploy.cli", "decode", "--config", str(config.parent / "joiner.yaml"),
+            "--name", JOINER]
+    load = asyncio.ensure_future(asyncio.gather(*(servers.complete(p) for p in PROMPTS * 3)))
+    servers.procs[JOINER] = net.spawn(host, argv, env=env, cwd=str(REPO), log=servers.logs / f"{JOINER}.log")
+    servers.urls[JOINER] = url
+    await until_async(lambda: servers.healthy(JOINER), START_TIMEOUT_S, f"{JOINER} healthy")
+    joined = await servers.http.post(f"{servers.urls['router']}/admin/workers", json={"url": url})
+    assert joined.status_code == 200 and joined.json()["name"] == JOINER, joined.text
+    reserved = 'pdserve_requests_total{outcome="reserved"}'
+    replies = list(await load)
+    replies += await asyncio.gather(*(servers.complete(p) for p in PROMPTS * 2))
+    assert await servers.metric(JOINER, reserved) > 0, f"{JOINER} got no request after it joined"
+    leaving = asyncio.ensure_future(servers.http.delete(f"{servers.urls['router']}/admin/workers/{JOINER}",
+                                                        timeout=60))
+    replies += await asyncio.gather(*(servers.complete(p) for p in PROMPTS * 2))
+    assert (await leaving).json()["left"]
+    for reply in replies:
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["text"] in expected.values()
+    for p in ("p0", "p1"):
+        peers = (await servers.http.get(f"{servers.urls[p]}/admin/peers")).json()["peers"]
+        assert JOINER not in peers, f"{p} still knows {JOINER}: {peers}"
+    taken = await servers.metric(JOINER, reserved)
+    await asyncio.gather(*(servers.complete(p) for p in PROMPTS))
+    assert await servers.metric(JOINER, reserved) == taken  # nothing new went to it
+    net.stop(servers.procs.pop(JOINER))
+    del servers.urls[JOINER]
+
+
 async def _killed_prefill_under_load(servers: Servers, expected: dict[str, str]) -> None:
     victim = servers.procs["p0"]
-    moved = await servers.metric("p0", "pdserve_transfer_bytes_total")
     recovered_before = (await servers.total("router", "pdserve_router_retries_total")
                         + await servers.total("router", "pdserve_router_decode_reprefills_total"))
 
+    armed = await servers.http.post(f"{servers.urls['p0']}/admin/faults",
+                                    json={"hold_prefill": True, "pause_timeout_s": 60})
+    assert armed.status_code == 200, armed.text
+
     async def kill_mid_load() -> None:
-        async def p0_busy() -> bool:
-            return await servers.metric("p0", "pdserve_transfer_bytes_total") > moved
-        await until_async(p0_busy, 60, "p0 moves KV of the load")
+        async def p0_holds_work() -> bool:
+            return (await servers.http.get(f"{servers.urls['p0']}/admin/faults")).json()["held"] > 0
+        await until_async(p0_holds_work, 60, "p0 holds prefills of the load")
         os.kill(victim.pid, signal.SIGKILL)
 
     prompts = PROMPTS * 6
@@ -228,6 +276,7 @@ def test_cluster_across_hosts(backend, network, tiny_model, expected, tmp_path):
         try:
             await _wait_all_healthy(servers)
             await _answers_and_link(servers, network, expected)
+            await _a_decode_server_joins_and_leaves_under_load(servers, network, config, expected)
             await _killed_prefill_under_load(servers, expected)
             await _all_blocks_free(servers)
         except AssertionError as exc:
