@@ -98,6 +98,8 @@ class RouterConfig(Strict):
     retry_after_s: float = Field(default=RouterSettings.retry_after, gt=0)
     max_inflight_per_worker: int | None = Field(default=None, ge=1)
     prefill_timeout_s: float = Field(default=RouterSettings.prefill_timeout, gt=0)
+    worker_connections: int = Field(default=RouterSettings.worker_connections, ge=1)  # to all workers, at most
+    worker_keepalive: int = Field(default=RouterSettings.worker_keepalive, ge=0)  # idle ones kept for reuse
     max_body_bytes: int = Field(default=RouterSettings.max_body_bytes, ge=1024)
     max_prompt_tokens: int | None = Field(default=RouterSettings.max_prompt_tokens, ge=1)
     max_tokens: int | None = Field(default=RouterSettings.max_tokens, ge=1)
@@ -234,6 +236,7 @@ class ClusterConfig(Strict):
             drain_timeout=self.drain_timeout_s, api_keys=tuple(k.get_secret_value() for k in r.api_keys),
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
             prefill_failure=self.recovery.prefill_failure,
+            worker_connections=r.worker_connections, worker_keepalive=r.worker_keepalive,
         )
 
     def server_settings(self, name: str, model_path: Path) -> ServerSettings:

@@ -17,6 +17,7 @@ from router.admission import Admission, AdmissionSettings
 from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.dispatch import DispatchSettings, Dispatcher
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
+from router.health import PassiveHealth
 from router.limits import BodyLimitMiddleware, RequestLimits
 from router.metrics import RouterMetrics
 from router.model import ServedModel
@@ -64,16 +65,25 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
                                          prefill_failure=settings.prefill_failure)
     limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
+    passive_health = PassiveHealth(registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        limits_http = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-        async with httpx.AsyncClient(limits=limits_http, headers=auth_headers(settings.internal_secret)) as http:
-            worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout)
+        # Requests and health checks on separate clients: a check never waits behind requests for a connection.
+        limits_http = httpx.Limits(max_connections=settings.worker_connections,
+                                   max_keepalive_connections=settings.worker_keepalive)
+        n = len(registry.workers)
+        limits_health = httpx.Limits(max_connections=n, max_keepalive_connections=n)
+        headers = auth_headers(settings.internal_secret)
+        async with httpx.AsyncClient(limits=limits_http, headers=headers) as http, \
+                httpx.AsyncClient(limits=limits_health, headers=headers) as health_http:
+            worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout,
+                                                   answered=passive_health.answered)
             dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),
-                                    worker_client, dispatch_settings, metrics.recovery, admission, drain)
+                                    worker_client, dispatch_settings, metrics.recovery, admission, drain,
+                                    passive_health)
             app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits)
-            health_task = asyncio.create_task(registry.run(http)) if client is None else None
+            health_task = asyncio.create_task(registry.run(health_http)) if client is None else None
             try:
                 yield
             finally:

@@ -1,0 +1,66 @@
+"""The router under load, against stub servers (bench/stubs.py: the internal
+protocol, no model): connections are reused, and a busy cluster stays in
+rotation however slowly it answers health checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from bench.stub_cluster import StubCluster
+
+pytestmark = pytest.mark.integration
+
+BODY = {"model": "stub", "prompt": "hello there", "max_tokens": 4, "stream": True, "temperature": 0,
+        "ignore_eos": True}
+
+
+def sse_events(text: str) -> list[str]:
+    return [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+
+
+def test_a_thousand_sequential_requests_reuse_one_connection_per_server(tmp_path):
+    with StubCluster(tmp_path) as cluster, httpx.Client(base_url=cluster.router_url, timeout=30) as http:
+        for i in range(1000):
+            r = http.post("/v1/completions", json=BODY)
+            assert r.status_code == 200, r.text
+            events = sse_events(r.text)
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        decode, prefill = cluster.stats("decode"), cluster.stats("prefill")
+    assert decode["requests"] == prefill["requests"] == 1000
+    assert decode["aborts"] == prefill["aborts"] == 0
+    # One at a time: one connection each, and a second one to the prefill server at most, when a
+    # request starts while the previous prefill reply (which the router always reads) is still coming.
+    assert decode["connections"] == 1
+    assert prefill["connections"] <= 2
+
+
+def test_a_saturated_1p1d_with_health_checks_that_time_out_serves_every_request(tmp_path):
+    """Both stubs take 30 s to answer /health (the router's checks give up after 1 s); 64
+    requests in flight at a time, the router's limit per worker. Every request is served: no
+    503 "no healthy ... server" while both servers stream tokens and answer prefills."""
+    router = {"health_interval_s": 0.1, "max_inflight_per_worker": 64, "queue_timeout_s": 60}
+    with StubCluster(tmp_path, router=router, token_delay=0.01, health_delay=30.0) as cluster:
+        statuses: list[int] = []
+        errors: list[str] = []
+
+        async def client(http: httpx.AsyncClient, n: int) -> None:
+            for _ in range(n):
+                r = await http.post("/v1/completions", json={**BODY, "max_tokens": 16})
+                statuses.append(r.status_code)
+                if r.status_code != 200 or sse_events(r.text)[-1] != "[DONE]" or '"error"' in r.text:
+                    errors.append(r.text[:200])
+
+        async def load() -> None:
+            limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+            async with httpx.AsyncClient(base_url=cluster.router_url, timeout=120, limits=limits) as http:
+                await asyncio.gather(*(client(http, 6) for _ in range(64)))
+
+        asyncio.run(load())
+        decode = cluster.stats("decode")
+    assert errors == []
+    assert statuses == [200] * 384
+    assert decode["requests"] == 384 and decode["open_streams"] == 0
