@@ -18,6 +18,7 @@ from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.dispatch import DispatchSettings, Dispatcher
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
 from router.health import PassiveHealth
+from router.http_pool import worker_http
 from router.limits import BodyLimitMiddleware, RequestLimits
 from router.metrics import RouterMetrics
 from router.model import ServedModel
@@ -75,8 +76,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         n = len(registry.workers)
         limits_health = httpx.Limits(max_connections=n, max_keepalive_connections=n)
         headers = auth_headers(settings.internal_secret)
-        async with httpx.AsyncClient(limits=limits_http, headers=headers) as http, \
-                httpx.AsyncClient(limits=limits_health, headers=headers) as health_http:
+        async with worker_http(limits_http, headers) as http, worker_http(limits_health, headers) as health_http:
             worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout,
                                                    answered=passive_health.answered)
             dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),

@@ -23,7 +23,7 @@ from router.errors import OpenAIError
 from router.limits import RequestLimits
 from router.metrics import RouterMetrics
 from router.model import ServedModel
-from router.sse import DONE, sse_event
+from router.sse import DONE, ChunkTemplate, sse_event
 from router.textstream import IncrementalDetokenizer, StopMatcher
 from server_common.worker_requests import SamplingSpec
 
@@ -167,21 +167,21 @@ class OpenAIHandlers:
     async def _chat_stream(self, p: Prepared, req: ChatCompletionRequest, session: Session) -> AsyncIterator[str]:
         usage_field = None if req.include_usage else {"usage"}
 
-        def chunk(delta: out.Delta, finish_reason=None) -> str:
-            c = out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name,
-                                        choices=[out.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
-            return sse_event(c, exclude=usage_field)
+        def chunk(delta: out.Delta, finish_reason=None) -> out.ChatCompletionChunk:
+            return out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name,
+                                           choices=[out.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
 
         created = int(time.time())
+        content = ChunkTemplate(lambda text, _: chunk(out.Delta(content=text)), usage_field)
         count = 0
         try:
-            yield chunk(out.Delta(role="assistant", content=""))
+            yield sse_event(chunk(out.Delta(role="assistant", content="")), exclude=usage_field)
             async for d in self.text_deltas(p, session):
                 count = d.completion_tokens
                 if d.text:
-                    yield chunk(out.Delta(content=d.text))
+                    yield content.event(d.text)
                 if d.finish_reason:
-                    yield chunk(out.Delta(), d.finish_reason)
+                    yield sse_event(chunk(out.Delta(), d.finish_reason), exclude=usage_field)
             if req.include_usage:
                 yield sse_event(out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created,
                                                         model=self.model.name, choices=[],
@@ -198,13 +198,14 @@ class OpenAIHandlers:
     async def _completion_stream(self, p: Prepared, req: CompletionRequest, session: Session) -> AsyncIterator[str]:
         usage_field = None if req.include_usage else {"usage"}
         created = int(time.time())
+        chunks = ChunkTemplate(lambda text, reason: out.Completion(
+            id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
+            choices=[out.CompletionChoice(text=text, finish_reason=reason)]), usage_field)
         count = 0
         try:
             async for d in self.text_deltas(p, session):
                 count = d.completion_tokens
-                c = out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
-                                   choices=[out.CompletionChoice(text=d.text, finish_reason=d.finish_reason)])
-                yield sse_event(c, exclude=usage_field)
+                yield chunks.event(d.text, d.finish_reason)
             if req.include_usage:
                 yield sse_event(out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
                                                choices=[], usage=out.Usage.of(len(p.prompt), count)))
