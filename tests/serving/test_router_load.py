@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from bench.stub_cluster import StubCluster
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -64,3 +65,19 @@ def test_a_saturated_1p1d_with_health_checks_that_time_out_serves_every_request(
     assert errors == []
     assert statuses == [200] * 384
     assert decode["requests"] == 384 and decode["open_streams"] == 0
+
+
+def test_a_client_that_leaves_mid_stream_is_aborted_on_both_servers(tmp_path):
+    with StubCluster(tmp_path, token_delay=0.05) as cluster:
+        with httpx.Client(base_url=cluster.router_url, timeout=30) as http:
+            with http.stream("POST", "/v1/completions", json={**BODY, "max_tokens": 200}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))  # one token streamed
+        # The client is gone: the router closes the decode stream and aborts the request on both servers.
+        wait_until(lambda: cluster.stats("decode")["aborts"] == 1 and cluster.stats("prefill")["aborts"] == 1,
+                   30.0, "an abort on both stubs")
+        wait_until(lambda: cluster.stats("decode")["open_streams"] == 0, 30.0, "the decode stream closed")
+        decode, prefill = cluster.stats("decode"), cluster.stats("prefill")
+    assert (decode["requests"], decode["aborts"]) == (1, 1)
+    assert (prefill["requests"], prefill["aborts"]) == (1, 1)
