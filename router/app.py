@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import time
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -71,12 +70,10 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         # Requests and health checks on separate clients: a check never waits behind requests for a connection.
-        limits_http = httpx.Limits(max_connections=settings.worker_connections,
-                                   max_keepalive_connections=settings.worker_keepalive)
-        n = len(registry.workers)
-        limits_health = httpx.Limits(max_connections=n, max_keepalive_connections=n)
         headers = auth_headers(settings.internal_secret)
-        async with worker_http(limits_http, headers) as http, worker_http(limits_health, headers) as health_http:
+        n = len(registry.workers)
+        async with worker_http(settings.worker_connections, settings.worker_keepalive, headers) as http, \
+                worker_http(n, n, headers) as health_http:
             worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout,
                                                    answered=passive_health.answered)
             dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),
