@@ -55,6 +55,7 @@ class Phase:
     e2e_ms: list[float] = field(default_factory=list, repr=False)
     first_chunk_ms: list[float] = field(default_factory=list, repr=False)
     router_cpu_ms: float | None = None  # the router's CPU time over the phase
+    error_kinds: collections.Counter = field(default_factory=collections.Counter, repr=False)
 
     @property
     def rps(self) -> float:
@@ -69,6 +70,8 @@ class Phase:
                "p50_ms": round(self.pct(self.e2e_ms, 50), 3), "p99_ms": round(self.pct(self.e2e_ms, 99), 3),
                "first_chunk_p50_ms": round(self.pct(self.first_chunk_ms, 50), 3),
                "first_chunk_p99_ms": round(self.pct(self.first_chunk_ms, 99), 3)}
+        if self.error_kinds:
+            out["error_kinds"] = dict(self.error_kinds.most_common(5))
         if self.router_cpu_ms is not None:
             out["router_cpu_ms_per_request"] = round(self.router_cpu_ms / max(1, self.requests), 3)
         return out
@@ -141,8 +144,9 @@ async def run_phase(phase: Phase, call, n: int, router_pid: int | None) -> Phase
                 start = time.perf_counter()
                 try:
                     first = await call(http)
-                except (httpx.HTTPError, RuntimeError):
+                except (httpx.HTTPError, RuntimeError) as exc:
                     phase.errors += 1
+                    phase.error_kinds[f"{type(exc).__name__}: {str(exc)[:120]}"] += 1
                     continue
                 phase.e2e_ms.append((time.perf_counter() - start) * 1000)
                 phase.first_chunk_ms.append(first)
@@ -278,6 +282,9 @@ def report(phases: list[Phase], tokens: int) -> dict:
         print(f"{s['target']:8} {s['concurrency']:>4} {s['requests']:>6} {s['errors']:>4} {s['requests_per_s']:>8} "
               f"{s['p50_ms']:>8} {s['p99_ms']:>8} {s['first_chunk_p50_ms']:>8} {s['first_chunk_p99_ms']:>8} "
               f"{s.get('router_cpu_ms_per_request', ''):>10}")
+    for s in rows:
+        for kind, n in s.get("error_kinds", {}).items():
+            print(f"  {s['target']} at {s['concurrency']}: {n} x {kind}")
     print(f"router adds at concurrency 1: p50 {added['p50_ms']} ms, p99 {added['p99_ms']} ms, "
           f"first chunk p50 {added['first_chunk_p50_ms']} ms")
     return {"tokens": tokens, "phases": rows, "added_at_concurrency_1": added, "python": sys.version.split()[0]}
