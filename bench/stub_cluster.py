@@ -38,12 +38,12 @@ def free_ports(n: int) -> list[int]:
 
 class StubCluster:
     """``router`` (dict) is merged into the config's router section; ``token_delay`` and
-    ``health_delay`` go to both stubs (see bench/stubs.py); ``router_pythonpath``
+    ``health_delay`` and ``keep_alive`` (s) go to both stubs (see bench/stubs.py); ``router_pythonpath``
     goes first on the router's PYTHONPATH."""
 
     def __init__(self, folder: Path, *, router: dict | None = None, token_delay: float = 0.0,
                  health_delay: float = 0.0, model: Path | None = None, log_level: str = "warning",
-                 router_pythonpath: str | None = None,
+                 router_pythonpath: str | None = None, keep_alive: float = 5.0,
                  start_timeout: float = 60.0) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
@@ -63,7 +63,8 @@ class StubCluster:
         self.decode_url = f"http://127.0.0.1:{d_port}"
         self.procs: dict[str, subprocess.Popen] = {}
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        stub_args = ["--token-delay", str(token_delay), "--health-delay", str(health_delay)]
+        stub_args = ["--token-delay", str(token_delay), "--health-delay", str(health_delay),
+                     "--keep-alive", str(keep_alive)]
         try:
             for name, role, port in (("p0", "prefill", p_port), ("d0", "decode", d_port)):
                 self._start(name, [sys.executable, "-m", "bench.stubs", role, "--port", str(port), "--name", name,

@@ -183,9 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="instance name (default: the role)")
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds before each token event")
     p.add_argument("--health-delay", type=float, default=0.0, help="seconds before each /health answer")
+    p.add_argument("--keep-alive", type=float, default=5.0,
+                   help="seconds an idle connection stays open (uvicorn's default, as on the real servers)")
     args = p.parse_args(argv)
     app = create_app(args.role, args.name or args.role, args.token_delay, args.health_delay)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_keep_alive=args.keep_alive)
     return 0
 
 

@@ -100,6 +100,7 @@ class RouterConfig(Strict):
     prefill_timeout_s: float = Field(default=RouterSettings.prefill_timeout, gt=0)
     worker_connections: int = Field(default=RouterSettings.worker_connections, ge=1)  # to all workers, at most
     worker_keepalive: int = Field(default=RouterSettings.worker_keepalive, ge=0)  # idle ones kept for reuse
+    worker_keepalive_s: float = Field(default=RouterSettings.worker_keepalive_s, gt=0)  # below the servers' 5 s
     max_body_bytes: int = Field(default=RouterSettings.max_body_bytes, ge=1024)
     max_prompt_tokens: int | None = Field(default=RouterSettings.max_prompt_tokens, ge=1)
     max_tokens: int | None = Field(default=RouterSettings.max_tokens, ge=1)
@@ -237,6 +238,7 @@ class ClusterConfig(Strict):
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
             prefill_failure=self.recovery.prefill_failure,
             worker_connections=r.worker_connections, worker_keepalive=r.worker_keepalive,
+            worker_keepalive_s=r.worker_keepalive_s,
         )
 
     def server_settings(self, name: str, model_path: Path) -> ServerSettings:

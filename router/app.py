@@ -72,8 +72,9 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         # Requests and health checks on separate clients: a check never waits behind requests for a connection.
         headers = auth_headers(settings.internal_secret)
         n = len(registry.workers)
-        async with worker_http(settings.worker_connections, settings.worker_keepalive, headers) as http, \
-                worker_http(n, n, headers) as health_http:
+        keepalive_s = settings.worker_keepalive_s
+        async with worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http, \
+                worker_http(n, n, keepalive_s, headers) as health_http:
             worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout,
                                                    answered=passive_health.answered)
             dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),

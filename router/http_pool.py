@@ -25,9 +25,6 @@ import httpx
 from httpcore._async.interfaces import AsyncConnectionInterface
 
 SWEEP_S = 1.0  # idle connections that expired (timed out, or closed by the server) are closed this often
-# An idle connection is closed by the router after this long: before the servers' own keep-alive
-# timeout (uvicorn's, 5 s) closes it, so that no request is sent on a connection the server is closing.
-KEEPALIVE_S = 2.0
 
 
 class LinearPool(httpcore.AsyncConnectionPool):
@@ -82,11 +79,13 @@ class LinearPool(httpcore.AsyncConnectionPool):
         return closing
 
 
-def worker_http(max_connections: int, max_keepalive: int, headers: dict[str, str]) -> httpx.AsyncClient:
+def worker_http(max_connections: int, max_keepalive: int, keepalive_s: float,
+                headers: dict[str, str]) -> httpx.AsyncClient:
     """An ``httpx.AsyncClient`` for plain-HTTP calls to the workers, on a ``LinearPool``: at most
-    ``max_connections`` open, ``max_keepalive`` of them idle, each idle one for ``KEEPALIVE_S``."""
+    ``max_connections`` open, ``max_keepalive`` of them idle, each idle one for ``keepalive_s``
+    (``RouterSettings.worker_keepalive_s``: below the servers' keep-alive timeout)."""
     limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive,
-                          keepalive_expiry=KEEPALIVE_S)
+                          keepalive_expiry=keepalive_s)
     transport = httpx.AsyncHTTPTransport(limits=limits)
     if httpcore.__version__.startswith("1.") and type(transport._pool) is httpcore.AsyncConnectionPool:
         transport._pool = LinearPool(max_connections=limits.max_connections,
