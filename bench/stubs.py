@@ -73,6 +73,11 @@ class StubStats:
         self.requests = 0
         self.aborts = 0
         self.open_streams = 0
+        self.prefilling = 0
+
+    @property
+    def busy(self) -> bool:
+        return self.open_streams > 0 or self.prefilling > 0
 
     def saw(self, request: Request) -> None:
         if request.client is not None:
@@ -91,7 +96,8 @@ def _token_lines(n: int) -> list[bytes]:
 
 def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: float = 0.0) -> Starlette:
     """A stub server of ``role`` ("decode" or "prefill"); ``token_delay`` s before each token event,
-    ``health_delay`` s before each health answer (a server too busy to answer health checks)."""
+    ``health_delay`` s before each health answer while it serves a request (a server too busy to
+    answer health checks; idle, it answers at once)."""
     stats = StubStats()
     lines_by_count: dict[int, list[bytes]] = {}
     kv_arrived: dict[str, asyncio.Event] = {}  # decode: transfer id -> set by /stub/kv_done
@@ -144,8 +150,12 @@ def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: flo
         req = PrefillRequest.model_validate_json(await request.body())
         if not notify:
             notify.append(httpx.AsyncClient(timeout=10.0))
-        await notify[0].post(req.reservation.kv_target["stub_notify"],
-                             json={"transfer_id": req.reservation.transfer_id})
+        stats.prefilling += 1
+        try:
+            await notify[0].post(req.reservation.kv_target["stub_notify"],
+                                 json={"transfer_id": req.reservation.transfer_id})
+        finally:
+            stats.prefilling -= 1
         result = PrefillResult(request_id=req.request_id, first_token_id=STUB_TOKENS[0],
                                num_tokens=len(req.prompt_token_ids), transfer_bytes=0, seconds=0.0)
         return Response(result.model_dump_json(), media_type="application/json")
@@ -157,7 +167,7 @@ def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: flo
         return JSONResponse({"request_id": req.request_id, "aborted": True})
 
     async def health(request: Request) -> Response:
-        if health_delay:
+        if health_delay and stats.busy:
             await asyncio.sleep(health_delay)
         report = HealthReport(role=role, instance=name, kv_blocks=KVBlocks(free=1000, reserved=0, running=0,
                                                                            total=1000),
@@ -182,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--name", default=None, help="instance name (default: the role)")
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds before each token event")
-    p.add_argument("--health-delay", type=float, default=0.0, help="seconds before each /health answer")
+    p.add_argument("--health-delay", type=float, default=0.0,
+                   help="seconds before each /health answer while serving a request")
     p.add_argument("--keep-alive", type=float, default=5.0,
                    help="seconds an idle connection stays open (uvicorn's default, as on the real servers)")
     args = p.parse_args(argv)
