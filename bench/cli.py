@@ -31,11 +31,22 @@ def _run_engine_bench(argv: list[str]) -> int:
     return engine_bench.main(argv)
 
 
-def add_parser(subparsers) -> None:
+BENCH_HELP = "load tests and comparisons"
+PLAN_HELP = "profile the engine and recommend an xPyD layout"
+
+
+def add_parser(subparsers, command: str | None = None) -> None:
+    """``command`` is the command being run, when known: for any other than ``bench`` and
+    ``plan``, those two are listed by name and help only, which skips their argument
+    definitions' imports (numpy, httpx: a quarter of a second of ``pdserve launch``)."""
+    if command is not None and command not in ("bench", "plan"):
+        subparsers.add_parser("bench", help=BENCH_HELP)
+        subparsers.add_parser("plan", help=PLAN_HELP)
+        return
     from bench import compare, plan, router_bench, serve
 
     bench = subparsers.add_parser(
-        "bench", help="load tests and comparisons",
+        "bench", help=BENCH_HELP,
         description="Benchmarks: load-test an endpoint, compare colocated vs disaggregated "
                     "layouts, measure KV transfer, time the engine.",
     )
@@ -73,7 +84,7 @@ def add_parser(subparsers) -> None:
                  "Times the engine without HTTP; all arguments go to bench.engine_bench.", _run_engine_bench)
 
     p = subparsers.add_parser(
-        "plan", help="profile the engine and recommend an xPyD layout",
+        "plan", help=PLAN_HELP,
         description="Profiles the model on this machine (or reads a saved profile), simulates "
                     "colocated and xPyD layouts for a workload and recommends x and y with "
                     "predicted TTFT, TPOT and goodput.",

@@ -122,6 +122,7 @@ async def send_request(
     finished = False
     try:
         async with client.stream("POST", config.endpoint, json=config.body(req)) as resp:
+            rec.request_id = resp.headers.get("x-request-id")
             if resp.status_code != 200:
                 await resp.aread()
                 rec.error = f"HTTP {resp.status_code}{_error_type(resp.content)}"

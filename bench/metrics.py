@@ -48,6 +48,7 @@ class RequestRecord:
     ok: bool = False
     error: str | None = None
     server_prompt_tokens: int | None = None
+    request_id: str | None = None  # the router's X-Request-Id (joins the servers' timelines)
 
     @property
     def ttft(self) -> float | None:

@@ -56,6 +56,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--slo-tpot-ms", type=float, metavar="MS", help="TPOT SLO for goodput")
     out.add_argument("--json", metavar="FILE", help="write summary and per-request results")
     out.add_argument("--plot-dir", metavar="DIR", help="write latency_cdf.png and tpot_over_time.png")
+    out.add_argument("--timeline", metavar="PNG",
+                     help="draw where each request's time went (router wait, reservation, prefill queue and "
+                          "compute, KV after compute, decode) from the servers' /debug/timeline")
+    out.add_argument("--internal-secret-file", metavar="FILE",
+                     help="the cluster's internal secret, for --timeline when the cluster sets one")
     out.add_argument("--label", default="run", help="name of this run in reports")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -121,6 +126,17 @@ def run_benchmark(config: LoadConfig, source, warmup: int = 0, progress: bool = 
         bar.close()
 
 
+def draw_timeline(args: argparse.Namespace, records) -> str:
+    """Fetch the processes' timelines, draw ``args.timeline``, and say which stage dominated."""
+    from bench import timeline
+
+    secret = Path(args.internal_secret_file).read_text().strip() if args.internal_secret_file else args.api_key
+    stages = timeline.join(timeline.fetch(args.url, {"Authorization": f"Bearer {secret}"} if secret else None),
+                           [r.request_id for r in records if r.ok and r.request_id])
+    path = timeline.plot(stages, args.timeline, title=f"{args.label}: {len(stages)} requests")
+    return f"{timeline.summary_line(stages)}\nplot: {path}"
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         extra = json.loads(args.extra_body)
@@ -162,6 +178,8 @@ def run(args: argparse.Namespace) -> int:
                                       "warmup": args.warmup, "label": args.label}
         write_json(args.json, described, summary, result.records)
         print(f"results: {args.json}")
+    if args.timeline:
+        print(draw_timeline(args, result.records))
     if args.plot_dir:
         runs = {args.label: result.records}
         for path in (plot_latency_cdfs(runs, Path(args.plot_dir) / "latency_cdf.png"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import base64
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
@@ -19,10 +19,10 @@ def create_app(service: GenerationService) -> FastAPI:
     app = service_app(service, f"pdserve {service.settings.role} server {service.settings.name}")
 
     @app.post("/generate")
-    async def generate(req: GenerateRequest) -> Response:
+    async def generate(req: GenerateRequest, request: Request) -> Response:
         """NDJSON stream: reservation first, then tokens (see server_common.worker_replies)."""
         try:
-            first, active = await service.open(req)
+            first, active = await service.open(req, request.client.host if request.client else "")
         except WorkerError as exc:
             headers = {"Retry-After": str(max(1, round(exc.retry_after)))} if exc.retry_after else {}
             return JSONResponse(exc.reply().model_dump(mode="json"), status_code=exc.status, headers=headers)

@@ -24,5 +24,5 @@ def run(settings: ServerSettings, log_level: str) -> int:
 
         make_receiver = receiver_factory(settings, engine, faults)
     service = GenerationService(settings, engine, make_receiver, faults)
-    serve(create_app(service), settings.host, settings.port, log_level, service.drain, settings.drain_timeout_s)
+    serve(create_app(service), settings.listen_host, settings.port, log_level, service.drain, settings.drain_timeout_s)
     return 0

@@ -9,6 +9,11 @@ A remote request's life on D (all engine state changes on the engine thread)::
                   |                    prefilled here like a local request: reprefill event, tokens
                   +-- no room: 503 at once
 
+With prefix caching, the reservation pins the prompt's cached prefix and says
+how many tokens it holds (``num_cached_tokens``): the prefill server writes
+only the rest. When only the last prompt token is missing, the server
+prefills it itself and no prefill server is involved.
+
 The engine thread takes the receiver's ended transfers between two steps
 (``_collect_transfers``). ``_awaiting`` (transfer id -> request id) is
 touched only on the engine thread, so exactly one of "KV arrived",
@@ -28,14 +33,20 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from decode_server.stream_trace import StreamTrace
 from engine import LLMEngine, NoCapacityError, SamplingParams, StepOutput
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
 from server_common.guard import Drain
 from server_common.kv_port import KVReceiverPort, ReceiverFactory
 from server_common.metrics import ServerMetrics
+from server_common.model_id import model_fingerprint
+from server_common.quota import UnfilledBlocks
 from server_common.settings import ServerSettings
+from server_common.timeline_log import TimelineLog
+from server_common.tracing import Tracing
 from server_common.streams import StreamHub
+from server_common.vitals import Vitals
 from server_common.worker_replies import (
     ErrorEvent,
     HealthReport,
@@ -60,6 +71,7 @@ class Awaiting:
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
+    reserved_at: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -70,6 +82,7 @@ class Active:
     lease: asyncio.TimerHandle | None = None
     finished: bool = False
     started: float = field(default_factory=time.monotonic)
+    trace: StreamTrace | None = None
 
 
 class GenerationService:
@@ -77,7 +90,7 @@ class GenerationService:
     prefill server (or prefill here), then stream the tokens."""
 
     def __init__(self, settings: ServerSettings, engine: LLMEngine, make_receiver: ReceiverFactory | None,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, tracing: Tracing | None = None) -> None:
         if (settings.role == "decode") != (make_receiver is not None):
             raise ValueError("a decode server needs a KV receiver, a colocated one has none")
         self.settings = settings
@@ -85,11 +98,18 @@ class GenerationService:
         self.engine_thread = EngineThread(engine, self._emit, settings.name,
                                           between_steps=self._collect_transfers if make_receiver else None)
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
+        self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
+        self.vitals.add(self.engine_thread.problem)
+        self.tracing = tracing or Tracing(settings.tracing, f"pdserve-{settings.role}")
+        self.timeline = TimelineLog()
+        self._model_id = model_fingerprint(settings.engine.model)  # reported on /health
         self._receiver: KVReceiverPort | None = None
         if make_receiver is not None:
             self._receiver = make_receiver(self.engine_thread.wake)
+            self.vitals.add(self._receiver.problem)
             self.metrics.watch_transfers(self._receiver.counters)
         self._awaiting: dict[str, Awaiting] = {}  # transfer id -> reservation; engine thread only
+        self.unfilled = UnfilledBlocks(settings.max_unfilled_blocks_per_caller)  # engine thread only
         self._cancelling: dict[str, str] = {}  # cancelled, waiting for the receiver to confirm; engine thread only
         self._active: dict[str, Active] = {}  # event loop only
         self._hub: StreamHub | None = None
@@ -103,6 +123,7 @@ class GenerationService:
         self.engine_thread.start()
 
     async def stop(self) -> None:
+        self.tracing.shutdown()
         self.engine_thread.stop()
         if self._receiver is not None:
             self._receiver.close()
@@ -113,8 +134,9 @@ class GenerationService:
         return await asyncio.to_thread(self._receiver.accept, hello)
 
     # ---- requests -------------------------------------------------------------
-    async def open(self, req: GenerateRequest) -> tuple[ReservationEvent, Active]:
-        """Admit a request: reserve blocks (remote prefill) or queue it (local prefill)."""
+    async def open(self, req: GenerateRequest, caller: str = "") -> tuple[ReservationEvent, Active]:
+        """Admit a request: reserve blocks (remote prefill) or queue it (local prefill).
+        ``caller`` (its address) is what ``server_common.quota`` counts unfilled blocks by."""
         rid = req.request_id
         if rid in self._active:
             raise WorkerError(409, f"request id {rid!r} is already active", Outcome.DUPLICATE_REQUEST)
@@ -125,50 +147,78 @@ class GenerationService:
                               retry_after=1)
         sampling = req.sampling.engine_params()
         local = req.local_prefill or self.settings.role == "colocated"
-        active = Active(rid, self._hub.open(rid))
+        active = Active(rid, self._hub.open(rid),
+                        trace=StreamTrace(self.tracing, self.timeline, req.trace, rid, not local, self.settings.name))
         self._active[rid] = active
         try:
-            if local:
-                await self.engine_thread.run(lambda e: e.add_request(rid, req.prompt_token_ids, sampling))
-                self.metrics.requests.labels(outcome="local_prefill").inc()
-                return ReservationEvent(reservation=None), active
-            reservation = await self._reserve(req, sampling, active)
-            return ReservationEvent(reservation=reservation), active
+            if not local:
+                reservation = await self._reserve(req, sampling, active, caller)
+                if reservation is not None:
+                    return ReservationEvent(reservation=reservation,
+                                            num_cached_tokens=reservation.num_cached_tokens), active
+
+            def add(e: LLMEngine) -> int:
+                cached = e.cached_prefix(req.prompt_token_ids)
+                e.add_request(rid, req.prompt_token_ids, sampling)
+                return cached
+
+            cached = await self.engine_thread.run(add)
+            active.trace.prefilled_here()
+            self.metrics.requests.labels(outcome="local_prefill").inc()
+            return ReservationEvent(reservation=None, num_cached_tokens=cached), active
         except NoCapacityError as exc:
-            self._forget(active)
+            self._forget(active, Outcome.NO_ROOM)
             self.metrics.requests.labels(outcome="no_room").inc()
             raise WorkerError(503, str(exc), Outcome.NO_ROOM, retry_after=1) from exc
         except ValueError as exc:
-            self._forget(active)
+            self._forget(active, Outcome.BAD_REQUEST)
             raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from exc
         except BaseException:
             self._forget(active)
             raise
 
-    async def _reserve(self, req: GenerateRequest, sampling: SamplingParams, active: Active) -> Reservation:
+    async def _reserve(self, req: GenerateRequest, sampling: SamplingParams, active: Active,
+                       caller: str = "") -> Reservation | None:
+        """Reserve blocks for a prefill server; None when all but the last prompt token is cached here.
+        ``caller`` (its address) is what ``server_common.quota`` counts unfilled blocks by."""
         rid, lease_s = req.request_id, self.settings.lease_s
         deadline = time.time() + lease_s
         receiver = self._receiver
+        prompt = req.prompt_token_ids
 
-        def reserve(e: LLMEngine) -> tuple[list[int], str]:
-            block_ids = e.reserve(rid, req.prompt_token_ids, sampling)
+        def reserve(e: LLMEngine) -> tuple[list[int], str, int] | None:
+            cached = e.cached_prefix(prompt)
+            if cached and cached >= len(prompt) - 1:
+                return None
+            block_ids = e.reserve(rid, prompt, sampling)
+            cached = e.num_cached_tokens(rid)
+            writable_from = cached // e.config.block_size
+            unfilled = len(block_ids) - writable_from
+            if not self.unfilled.fits(caller, unfilled):
+                e.abort(rid)
+                raise NoCapacityError(f"this caller already holds {self.unfilled.held(caller)} reserved blocks "
+                                      f"waiting for KV (at most {self.unfilled.limit})")
             try:
-                transfer_id = receiver.expect(block_ids, lease_s)
+                transfer_id = receiver.expect(block_ids, lease_s, writable_from=writable_from)
             except BaseException:
                 e.abort(rid)
                 raise
-            self._awaiting[transfer_id] = Awaiting(rid, req.prompt_token_ids, sampling)
-            return block_ids, transfer_id
+            self.unfilled.claim(caller, transfer_id, unfilled)
+            self._awaiting[transfer_id] = Awaiting(rid, prompt, sampling)
+            return block_ids, transfer_id, cached
 
-        block_ids, transfer_id = await self.engine_thread.run(reserve)
+        reserved = await self.engine_thread.run(reserve)
+        if reserved is None:
+            return None
+        block_ids, transfer_id, cached = reserved
         active.transfer_id = transfer_id
         # The receiver enforces the lease; this backstop only guards against a transfer layer that never reports.
         active.lease = asyncio.get_running_loop().call_later(lease_s + BACKSTOP_S, self._backstop, transfer_id)
         self.metrics.requests.labels(outcome="reserved").inc()
         return Reservation(instance=self.settings.name, request_id=rid, transfer_id=transfer_id,
                            block_ids=block_ids, block_size=self.settings.engine.block_size,
-                           num_tokens=len(req.prompt_token_ids), lease_deadline=deadline,
-                           kv_target=receiver.target())
+                           num_tokens=len(prompt), lease_deadline=deadline,
+                           kv_target=receiver.target(), num_cached_tokens=cached)
 
     async def events(self, first: ReservationEvent, active: Active) -> AsyncIterator[str]:
         """NDJSON lines: the reservation, then tokens until finished (or an error)."""
@@ -176,6 +226,7 @@ class GenerationService:
             yield first.model_dump_json() + "\n"
             while True:
                 event = await active.queue.get()
+                active.trace.event(event)
                 yield event.model_dump_json() + "\n"
                 if isinstance(event, ErrorEvent) or (isinstance(event, TokensEvent) and event.finish_reason):
                     active.finished = True
@@ -191,6 +242,7 @@ class GenerationService:
         if active is None:
             return
         self._hub.close(request_id)
+        active.trace.close()
         if active.lease is not None:
             active.lease.cancel()
         if active.finished:
@@ -207,9 +259,10 @@ class GenerationService:
         await self.close(request_id)
         return active is not None
 
-    def _forget(self, active: Active) -> None:
+    def _forget(self, active: Active, outcome: Outcome = Outcome.CANCELLED) -> None:
         self._active.pop(active.request_id, None)
         self._hub.close(active.request_id)
+        active.trace.close(outcome)
 
     # ---- engine-thread callbacks ------------------------------------------------
     def _emit(self, e: LLMEngine, outputs: list[StepOutput]) -> None:
@@ -223,7 +276,7 @@ class GenerationService:
     def _drop(self, e: LLMEngine, request_id: str, transfer_id: str | None) -> None:
         """The request's client left. A reservation still waiting for KV is cancelled
         first and freed once the receiver reports the id ended (no write can land)."""
-        if transfer_id is not None and self._awaiting.pop(transfer_id, None) is not None:
+        if transfer_id is not None and self._take_awaiting(transfer_id) is not None:
             self._cancelling[transfer_id] = request_id
             self._receiver.cancel(transfer_id)
             return
@@ -239,21 +292,28 @@ class GenerationService:
         if cancelled is not None:
             e.abort(cancelled)
             return
-        pending = self._awaiting.pop(ended.transfer_id, None)
+        pending = self._take_awaiting(ended.transfer_id)
         if pending is None:
             log.info("ignoring the end of unknown transfer %s", ended.transfer_id)
             return
-        if ended.ok:
+        outcome, reason = ended.outcome, ended.reason
+        if ended.ok and ended.first_token < e.hf_config.vocab_size:
+            self.metrics.kv_wait_seconds.observe(max(0.0, ended.at - pending.reserved_at))
             self._emit(e, [e.admit_remote(pending.request_id, ended.first_token)])
             return
+        if ended.ok:  # a notice whose first token no model of ours has
+            outcome, reason = Outcome.BAD_NOTICE, f"first token {ended.first_token} is outside the vocabulary"
         e.abort(pending.request_id)  # the receiver reported the id: no write can land in these blocks now
-        self._remote_kv_failed(e, pending, ended.outcome, ended.reason)
+        self._remote_kv_failed(e, pending, outcome, reason)
+
+    def _take_awaiting(self, transfer_id: str) -> Awaiting | None:
+        """The reservation leaves the waiting state: its blocks no longer count as unfilled."""
+        self.unfilled.release(transfer_id)
+        return self._awaiting.pop(transfer_id, None)
 
     def _remote_kv_failed(self, e: LLMEngine, pending: Awaiting, outcome: Outcome, reason: str) -> None:
         """The blocks are free. Fail the request, or prefill it here (recovery config)."""
-        counter = {Outcome.LEASE_EXPIRED: self.metrics.lease_expired,
-                   Outcome.CHECKSUM_MISMATCH: self.metrics.checksum_failures}
-        counter.get(outcome, self.metrics.transfer_failed).inc()
+        self.metrics.transfer_failures.labels(code=outcome).inc()
         action = {Outcome.LEASE_EXPIRED: self.settings.lease_expiry,
                   Outcome.CHECKSUM_MISMATCH: self.settings.checksum_failure}.get(outcome, "fail")
         rid = pending.request_id
@@ -268,13 +328,13 @@ class GenerationService:
 
     def _backstop(self, transfer_id: str) -> None:
         def expire(e: LLMEngine) -> None:
-            pending = self._awaiting.pop(transfer_id, None)
+            pending = self._take_awaiting(transfer_id)
             rid = pending.request_id if pending is not None else self._cancelling.pop(transfer_id, None)
             if rid is None:
                 return  # ended normally
             log.error("transfer %s never ended; freeing request %s without the receiver", transfer_id, rid)
             e.abort(rid)
-            self.metrics.lease_expired.inc()
+            self.metrics.transfer_failures.labels(code=Outcome.LEASE_EXPIRED).inc()
             self._hub.publish(rid, ErrorEvent(message="no KV arrived within the lease; blocks freed",
                                               code=Outcome.LEASE_EXPIRED))
 
@@ -286,4 +346,5 @@ class GenerationService:
         return HealthReport(status="draining" if self.drain.draining else "ok",
                             role=self.settings.role, instance=self.settings.name,
                             kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),
-                            queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=len(self._active))
+                            queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=len(self._active),
+                            launch_id=self.settings.launch_id, model=self._model_id)

@@ -16,8 +16,10 @@ block size and thread count comes from this one file. Example (see configs/)::
 
 A colocated cluster lists ``colocated:`` instances instead of prefill/decode.
 Overload, limits and security keys (all optional) are described on
-``RouterConfig`` and ``SecurityConfig``; secrets are ``SecretStr`` so no
-repr, log line or config error ever shows them.
+``RouterConfig`` and ``SecurityConfig``, the router's worker discovery on
+``DiscoveryConfig``, and the ``kubernetes:`` section (read only by
+`pdserve render k8s`) in deploy/k8s_config.py; secrets are ``SecretStr`` so
+no repr, log line or config error ever shows them.
 
 The defaults and allowed values of the processes' settings are not written
 here: each is taken from the settings object of the process that uses it
@@ -30,17 +32,21 @@ exist only in the cluster file (ports, instance lists, ``model_cache``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
 
 from deploy.config_security import ConfigError, SecurityConfig, Strict, looks_secret
+from deploy.k8s_config import KubernetesConfig
 from deploy.models import is_builtin, resolve_model
+from deploy.supervisor import RestartConfig
 from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
-from router.settings import PolicyName, PrefillFailure, RouterSettings, WorkerSpec
-from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
+from router.settings import DiscoveryKind, DiscoverySettings, PolicyName, PrefillFailure, RouterSettings, WorkerSpec
+from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
+from server_common.tracing import TracingSettings
 
 
 class EngineDefaults(Strict):
@@ -55,6 +61,7 @@ class EngineDefaults(Strict):
     max_num_batched_tokens: int = Field(default=EngineConfig.max_num_batched_tokens, ge=1)
     chunked_prefill: bool = EngineConfig.chunked_prefill
     kv_layout: KvLayout = EngineConfig.kv_layout
+    prefix_caching: bool = EngineConfig.prefix_caching
 
 
 class Instance(Strict):
@@ -69,7 +76,8 @@ class Instance(Strict):
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
     kv_layout: KvLayout | None = None
-    host: str | None = None  # the interface it binds to and others reach it at (default: the cluster's host)
+    host: str | None = None  # the address others reach it at (default: the cluster's host)
+    bind_host: str | None = None  # the address it binds (default: host; 0.0.0.0 for every interface)
     max_inflight: int | None = Field(default=None, ge=1)  # router's in-flight limit for it (see RouterConfig)
 
     @property
@@ -88,7 +96,8 @@ class RouterConfig(Strict):
     must send (none: no auth)."""
 
     port: int = Field(default=RouterSettings.port, ge=1, le=65535)
-    host: str | None = None  # the router's interface (default: the cluster's host); e.g. 0.0.0.0 to serve others
+    host: str | None = None  # the address clients reach the router at (default: the cluster's host)
+    bind_host: str | None = None  # the address it binds (default: host); e.g. 0.0.0.0 to serve others
     policy: PolicyName = RouterSettings.policy
     local_prefill_threshold: int = Field(default=RouterSettings.local_prefill_threshold, ge=0)
     health_interval_s: float = Field(default=RouterSettings.health_interval, gt=0)
@@ -105,6 +114,51 @@ class RouterConfig(Strict):
     max_prompt_tokens: int | None = Field(default=RouterSettings.max_prompt_tokens, ge=1)
     max_tokens: int | None = Field(default=RouterSettings.max_tokens, ge=1)
     api_keys: list[SecretStr] = Field(default_factory=list)
+    # Slow and greedy clients (router/connections.py): closed past these.
+    header_timeout_s: float = Field(default=RouterSettings.header_timeout, gt=0)
+    body_timeout_s: float = Field(default=RouterSettings.body_timeout, gt=0)
+    max_connections_per_client: int = Field(default=RouterSettings.max_connections_per_client, ge=1)
+    api_keys_file: str | None = None  # instead of api_keys: one key per line (on Kubernetes, a mounted Secret)
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> RouterConfig:
+        if self.api_keys and self.api_keys_file is not None:
+            raise ValueError("set router.api_keys or router.api_keys_file, not both")
+        return self
+
+    def api_key_values(self) -> tuple[str, ...]:
+        if self.api_keys_file is None:
+            return tuple(k.get_secret_value() for k in self.api_keys)
+        path = Path(self.api_keys_file).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as exc:
+            raise ConfigError(f"router.api_keys_file {str(path)!r}: cannot read it: {exc.strerror}") from None
+        return tuple(line.strip() for line in lines if line.strip())
+
+
+class DiscoveryConfig(Strict):
+    """How the router finds its workers. ``static``: the instances listed in
+    this file. ``dns``: every ``interval_s`` the router re-resolves each of
+    ``names``; each address is a worker, asked for its role, model and layout
+    (a Kubernetes headless Service resolves to one address per ready pod, and
+    its SRV record ``_http._tcp.NAME`` to each pod's HTTP port: see
+    deploy/k8s.py)."""
+
+    kind: DiscoveryKind = DiscoverySettings.kind
+    names: list[str] = Field(default_factory=list)  # HOST:PORT each
+    interval_s: float = Field(default=DiscoverySettings.interval_s, gt=0)
+
+    @model_validator(mode="after")
+    def _names_for_dns(self) -> DiscoveryConfig:
+        bad = [n for n in self.names if not re.fullmatch(r"[A-Za-z0-9_.-]+:\d{1,5}", n)]
+        if bad:
+            raise ValueError(f"discovery.names are HOST:PORT (the port the servers' HTTP listens on), got {bad}")
+        if self.kind == "dns" and not self.names:
+            raise ValueError("discovery.kind dns needs discovery.names (the DNS names to re-resolve)")
+        if self.kind == "static" and self.names:
+            raise ValueError("discovery.names is for kind dns; kind static uses the instances listed")
+        return self
 
 
 class RecoveryConfig(Strict):
@@ -122,6 +176,17 @@ class RecoveryConfig(Strict):
     prefill_failure: PrefillFailure = RouterSettings.prefill_failure
     lease_expiry: KvFailureAction = ServerSettings.lease_expiry
     checksum_failure: KvFailureAction = ServerSettings.checksum_failure
+
+
+class TracingConfig(Strict):
+    """OpenTelemetry traces (off unless ``endpoint`` is set): one trace per request across the
+    router, decode and prefill servers, sent over OTLP/HTTP (server_common/tracing.py)."""
+
+    endpoint: str | None = Field(default=TracingSettings.endpoint, pattern=r"^https?://")  # .../v1/traces
+    sample_ratio: float = Field(default=TracingSettings.sample_ratio, ge=0.0, le=1.0)
+
+    def settings(self) -> TracingSettings:
+        return TracingSettings(endpoint=self.endpoint, sample_ratio=self.sample_ratio)
 
 
 class TransferConfig(Strict):
@@ -144,6 +209,10 @@ class ClusterConfig(Strict):
     router: RouterConfig = RouterConfig()
     transfer: TransferConfig = TransferConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    restart: RestartConfig = RestartConfig()  # pdserve launch restarts a failed process (deploy/supervisor.py)
+    tracing: TracingConfig = TracingConfig()
+    discovery: DiscoveryConfig = DiscoveryConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()  # read only by `pdserve render k8s`
     # Test hook, off by default: servers mount /admin/faults to inject faults deterministically.
     fault_injection: bool = ServerSettings.fault_injection
     prefill: list[Instance] = Field(default_factory=list)
@@ -165,7 +234,8 @@ class ClusterConfig(Strict):
         if dup_ports:
             raise ValueError(f"ports must be unique (router, instance port and kv_port = port + 1 by "
                              f"default), repeated: {dup_ports}")
-        exposed = [f"{i.name} ({self.host_of(i)})" for i in self.instances() if not is_loopback(self.host_of(i))]
+        exposed = [f"{i.name} ({self.bind_host_of(i)})" for i in self.instances()
+                   if not is_loopback(self.bind_host_of(i))]
         if exposed and not self.security.configured:
             raise ValueError(f"internal servers bind to interfaces other machines can reach: {', '.join(exposed)}; "
                              "set security.internal_secret (or internal_secret_file) so they refuse strangers")
@@ -200,12 +270,19 @@ class ClusterConfig(Strict):
     def host_of(self, instance: Instance) -> str:
         return instance.host or self.host
 
+    def bind_host_of(self, instance: Instance) -> str:
+        return instance.bind_host or self.host_of(instance)
+
     def url_of(self, instance: Instance) -> str:
         return f"http://{self.host_of(instance)}:{instance.port}"
 
     @property
     def router_host(self) -> str:
         return self.router.host or self.host
+
+    @property
+    def router_bind_host(self) -> str:
+        return self.router.bind_host or self.router_host
 
     @property
     def router_url(self) -> str:
@@ -223,20 +300,27 @@ class ClusterConfig(Strict):
         return resolve_model(self.model, self.model_cache)
 
     def router_settings(self, model_path: Path) -> RouterSettings:
-        workers = tuple(
+        """With ``discovery.kind: dns`` the router starts with no worker: they join as DNS finds them."""
+        workers = () if self.discovery.kind == "dns" else tuple(
             WorkerSpec(i.name, "prefill" if i in self.prefill else "decode", self.url_of(i), self.max_inflight_of(i))
             for i in self.instances()
         )
         r = self.router
+        discovery = DiscoverySettings(kind=self.discovery.kind, names=tuple(self.discovery.names),
+                                      interval_s=self.discovery.interval_s,
+                                      max_inflight=r.max_inflight_per_worker or self.engine.max_num_seqs)
         return RouterSettings(
             model_path=str(model_path), served_model_name=self.model_name, workers=workers, host=self.router_host,
+            bind_host=self.router.bind_host,
             port=r.port, policy=r.policy, local_prefill_threshold=r.local_prefill_threshold,
             health_interval=r.health_interval_s, queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
             retry_after=r.retry_after_s, prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len,
             max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
-            drain_timeout=self.drain_timeout_s, api_keys=tuple(k.get_secret_value() for k in r.api_keys),
+            drain_timeout=self.drain_timeout_s, api_keys=r.api_key_values(),
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
-            prefill_failure=self.recovery.prefill_failure,
+            prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
+            body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
+            tracing=self.tracing.settings(), discovery=discovery,
             worker_connections=r.worker_connections, worker_keepalive=r.worker_keepalive,
             worker_keepalive_s=r.worker_keepalive_s,
         )
@@ -255,14 +339,17 @@ class ClusterConfig(Strict):
             block_size=pick("block_size"), num_blocks=pick("num_blocks"), kv_cache_bytes=pick("kv_cache_bytes"),
             max_num_seqs=pick("max_num_seqs"), max_num_batched_tokens=pick("max_num_batched_tokens"),
             chunked_prefill=d.chunked_prefill, max_model_len=self.max_model_len, num_threads=pick("num_threads"),
-            mode=role, kv_layout=pick("kv_layout"),
+            mode=role, kv_layout=pick("kv_layout"), prefix_caching=d.prefix_caching,
         )
         return ServerSettings(
-            name=name, role=role, engine=engine, host=self.host_of(inst), port=inst.port, kv_port=inst.transfer_port,
+            name=name, role=role, engine=engine, host=self.host_of(inst), bind_host=inst.bind_host,
+            port=inst.port, kv_port=inst.transfer_port,
             transfer_backend=self.transfer.backend, lease_s=self.lease_s, transfer_timeout_s=self.transfer.timeout_s,
             lease_expiry=self.recovery.lease_expiry, checksum_failure=self.recovery.checksum_failure,
             fault_injection=self.fault_injection, drain_timeout_s=self.drain_timeout_s,
-            internal_secret=self.security.secret(),
+            internal_secret=self.security.secret(), tracing=self.tracing.settings(),
+            decode_peers=tuple((i.name, self.url_of(i)) for i in self.decode),
+            max_unfilled_blocks_per_caller=self.security.max_unfilled_blocks_per_caller,
         )
 
 

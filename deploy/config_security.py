@@ -6,11 +6,15 @@ Split from ``deploy.config`` to keep files small; ``deploy.config`` re-exports
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 SECRET_WORDS = ("secret", "key", "token", "password")  # a config error never echoes a value under such a key
+# Set by ``pdserve launch`` for its children when the config names no secret: the file holding the
+# secret it generated for this cluster (deploy.launcher.generate_secret).
+GENERATED_SECRET_ENV = "PDSERVE_GENERATED_SECRET_FILE"
 
 
 def looks_secret(loc: tuple) -> bool:
@@ -36,6 +40,8 @@ class SecurityConfig(Strict):
 
     internal_secret: SecretStr | None = Field(default=None, min_length=16)
     internal_secret_file: str | None = None
+    # Blocks one caller may hold reserved and not yet filled on a decode server (server_common/quota.py).
+    max_unfilled_blocks_per_caller: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _one_source(self) -> SecurityConfig:
@@ -48,15 +54,21 @@ class SecurityConfig(Strict):
         return self.internal_secret is not None or self.internal_secret_file is not None
 
     def secret(self) -> str | None:
+        """The configured secret; else the one ``pdserve launch`` generated for this cluster; else None."""
         if self.internal_secret is not None:
             return self.internal_secret.get_secret_value()
         if self.internal_secret_file is None:
-            return None
-        path = Path(self.internal_secret_file).expanduser()
-        try:
-            value = path.read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"security.internal_secret_file {str(path)!r}: cannot read it: {exc.strerror}") from None
-        if len(value) < 16:
-            raise ConfigError(f"security.internal_secret_file {str(path)!r}: the secret must be at least 16 characters")
-        return value
+            generated = os.environ.get(GENERATED_SECRET_ENV)
+            return _read_secret("the generated secret file", generated) if generated else None
+        return _read_secret("security.internal_secret_file", self.internal_secret_file)
+
+
+def _read_secret(what: str, file: str) -> str:
+    path = Path(file).expanduser()
+    try:
+        value = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{what} {str(path)!r}: cannot read it: {exc.strerror}") from None
+    if len(value) < 16:
+        raise ConfigError(f"{what} {str(path)!r}: the secret must be at least 16 characters")
+    return value

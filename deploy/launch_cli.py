@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 def add_parser(subparsers) -> None:
@@ -15,10 +16,15 @@ def add_parser(subparsers) -> None:
     p.add_argument("config", help="cluster YAML file, e.g. configs/1p1d.yaml")
     p.add_argument("--run-dir", default=None, help="folder for cluster.json and logs (default runs/<time>)")
     p.add_argument("--health-timeout", type=float, default=600.0, help="seconds to wait for each stage")
+    p.add_argument("--only", metavar="NAME[,NAME...]",
+                   help="start only these processes (instance names, 'router'): one host of a cluster whose "
+                        "other hosts run the rest from the same config")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from deploy.launcher import launch
 
-    return launch(args.config, args.run_dir, args.health_timeout)
+    os.environ.setdefault("TQDM_DISABLE", "1")  # the launcher prints plain progress lines instead (deploy/progress.py)
+    only = {n.strip() for n in args.only.split(",") if n.strip()} if args.only else None
+    return launch(args.config, args.run_dir, args.health_timeout, only)

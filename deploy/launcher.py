@@ -1,12 +1,15 @@
 """Start a whole cluster from one config, watch it, stop it cleanly.
 
-Order: build the model if it is a built-in one not built yet, start every
-prefill/decode/colocated server, wait until each answers /health, start the
-router, wait for it, write ``RUN_DIR/cluster.json`` and print the endpoint.
-Then watch: Ctrl-C, SIGTERM or any process failing stops every process.
-A server stopped by someone else's SIGTERM drains first and exits cleanly;
-that is an operator's choice, not a failure, so the cluster keeps serving as
-long as the router and at least one server of each role remain.
+Order: check that every port the cluster binds is free (``deploy/ports.py``),
+build the model if it is a built-in one not built yet, start every
+prefill/decode/colocated server, wait until each answers /health with this
+launch's nonce, start the router, wait for it, write ``RUN_DIR/cluster.json``
+and print the endpoint.
+Then watch: Ctrl-C or SIGTERM stops every process; a process that fails is
+restarted by ``deploy.supervisor`` (config ``restart:``) while the rest keep
+serving. A server stopped by someone else's SIGTERM drains first and exits
+cleanly; that is an operator's choice, not a failure, so the cluster keeps
+serving as long as the router and at least one server of each role remain.
 
 Stopping drains: the router first (new requests get 503, those in flight
 finish), then the servers (nothing is in flight on them by then); each gets
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -29,6 +33,11 @@ from pathlib import Path
 import httpx
 
 from deploy.config import ClusterConfig, load_config
+from deploy.config_security import GENERATED_SECRET_ENV
+from deploy.models import needs_build
+from deploy.ports import busy_ports
+from deploy.progress import Heartbeat, seconds_since_process_start
+from deploy.supervisor import Supervisor
 
 GRACE_S = 10.0
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -57,16 +66,23 @@ class Proc:
 
 
 class Cluster:
-    def __init__(self, config_path: Path, cluster: ClusterConfig, run_dir: Path) -> None:
+    def __init__(self, config_path: Path, cluster: ClusterConfig, run_dir: Path,
+                 only: set[str] | None = None) -> None:
         self.config_path = config_path.resolve()
         self.cluster = cluster
         self.run_dir = run_dir
+        self.only = only  # this host's processes of a multi-host cluster (None: all of them)
         self.procs: list[Proc] = []
         self.stopped: set[str] = set()  # servers that drained and stopped on someone else's SIGTERM
+        # Every child reports it in /health: an answer without it comes from a process this launch did not start.
+        self.launch_id = secrets.token_hex(8)
 
     def _spawn(self, role: str, name: str, url: str, args: list[str]) -> Proc:
         log = self.run_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "deploy.cli", *args, "--config", str(self.config_path)]
+        if self.only is None or role != "router":
+            # A router of a multi-host cluster sees servers of other launches: it checks no launch id.
+            cmd += ["--launch-id", self.launch_id]
         # Children import this very checkout, whatever the working directory or installed copy.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         with open(log, "ab") as out:
@@ -81,6 +97,8 @@ class Cluster:
         for role in ("prefill", "decode", "colocated"):
             command = "prefill" if role == "prefill" else "decode"
             for inst in getattr(self.cluster, role):
+                if self.only is not None and inst.name not in self.only:
+                    continue
                 started.append(self._spawn(role, inst.name, self.cluster.url_of(inst), [command, "--name", inst.name]))
         return started
 
@@ -98,7 +116,7 @@ class Cluster:
                         raise LaunchError(f"{proc.role} {proc.name} exited with status {code} while starting; "
                                           f"last lines of {proc.log}:\n{proc.log_tail()}")
                     try:
-                        if client.get(f"{proc.url}/health").status_code == 200:
+                        if self._healthy(proc, client.get(f"{proc.url}/health")):
                             pending.remove(proc)
                     except httpx.HTTPError:
                         pass
@@ -110,6 +128,20 @@ class Cluster:
                 if pending:
                     stop.wait(0.2)
 
+    def _healthy(self, proc: Proc, resp: httpx.Response) -> bool:
+        """True when ``proc`` itself says it is healthy; a LaunchError when another process answers."""
+        try:
+            body = resp.json()
+        except ValueError:
+            body = None
+        report = body if isinstance(body, dict) else {}
+        ours = report.get("launch_id") == self.launch_id and report.get("instance", proc.name) == proc.name
+        if not ours and (resp.status_code == 200 or "launch_id" in report):
+            raise LaunchError(f"{proc.url}/health is answered by a process this launch did not start "
+                              f"(launch {report.get('launch_id')!r}, instance {report.get('instance')!r}), not by "
+                              f"{proc.role} {proc.name} (pid {proc.popen.pid}); is another cluster on its port?")
+        return resp.status_code == 200
+
     def restart(self, name: str) -> Proc:
         """Start process ``name`` again once it has exited (fault tests kill servers on purpose)."""
         old = next(p for p in self.procs if p.name == name)
@@ -120,9 +152,12 @@ class Cluster:
         args = ["router"] if old.role == "router" else [command, "--name", name]
         return self._spawn(old.role, name, old.url, args)
 
-    def first_dead(self) -> Proc | None:
-        """The first process whose exit stops the cluster (see the module docstring)."""
+    def first_dead(self, skip: set[str] = frozenset()) -> Proc | None:
+        """The first process whose exit stops the cluster unless it is restarted (see the module
+        docstring); processes named in ``skip`` (waiting for their restart) are passed over."""
         for proc in self.procs:
+            if proc.name in skip:
+                continue
             code = proc.popen.poll()
             if code is None:
                 continue
@@ -160,31 +195,88 @@ class Cluster:
         manifest = {"config": str(self.config_path), "router_url": self.cluster.router_url,
                     "model": self.cluster.model_name, "launcher_pid": os.getpid(),
                     "processes": [p.describe() for p in self.procs]}
-        path.write_text(json.dumps(manifest, indent=2) + "\n")
+        tmp = path.with_suffix(".json.tmp")  # rewritten on every restart: readers never see half of it
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+        os.replace(tmp, path)
         return path
 
 
-def launch(config_path: str | Path, run_dir: str | Path | None = None, health_timeout: float = 600.0) -> int:
+def only_problem(cluster: ClusterConfig, only: set[str]) -> str | None:
+    """Why ``--only`` cannot start these processes, or None."""
+    names = {i.name for i in cluster.instances()} | {"router"}
+    unknown = sorted(only - names)
+    if unknown:
+        return f"--only names {unknown}, which the config does not have (it has {sorted(names)})"
+    if only != names and not cluster.security.configured:
+        return ("a cluster whose processes run on several hosts needs security.internal_secret (or "
+                "internal_secret_file) in the config: a secret generated on one host is not known on the others")
+    return None
+
+
+def generate_secret(run_dir: Path) -> Path:
+    """A per-cluster internal secret for a config that names none, so that the internal servers
+    always refuse callers other than the router and each other: written to ``RUN_DIR/internal_secret``
+    (mode 0600, never logged); children find it through ``GENERATED_SECRET_ENV``."""
+    path = run_dir / "internal_secret"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(secrets.token_urlsafe(32) + "\n")
+    os.environ[GENERATED_SECRET_ENV] = str(path)  # inherited by every process this launcher starts
+    return path
+
+
+def launch(config_path: str | Path, run_dir: str | Path | None = None, health_timeout: float = 600.0,
+           only: set[str] | None = None) -> int:
+    """``only``: start just these processes (instance names, ``router``): one host of a multi-host
+    cluster, whose other hosts run the rest with the same config."""
+    # "up in X s" counts from the process's start: the CLI's own imports are part of the wait.
+    started = time.monotonic() - (seconds_since_process_start() or 0.0)
     config_path = Path(config_path)
     cluster = load_config(config_path)
+    if only is not None:
+        problem = only_problem(cluster, only)
+        if problem:
+            print(f"pdserve launch: error: {config_path}: {problem}", file=sys.stderr, flush=True)
+            return 2
+    busy = busy_ports(cluster, only)
+    if busy:  # before anything starts: another cluster's servers would answer our health checks
+        print("pdserve launch: error: " + "\n".join(busy), file=sys.stderr, flush=True)
+        return 1
     run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not cluster.security.configured:
+        generate_secret(run_dir)
     stop = threading.Event()
     previous = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
-    started = time.monotonic()
-    c = Cluster(config_path, cluster, run_dir)
+    c = Cluster(config_path, cluster, run_dir, only)
+    up = False
     try:
-        print(f"pdserve: model {cluster.model!r} ...", flush=True)
-        model = cluster.model_path()
+        if needs_build(cluster.model, cluster.model_cache):
+            print(f"pdserve: building model {cluster.model!r} into {cluster.model_cache} (first use only; minutes "
+                  f"on a small CPU)", flush=True)
+            with Heartbeat(f"building model {cluster.model!r}"):
+                model = cluster.model_path()
+            busy = busy_ports(cluster)  # the build took a while: check again
+            if busy:
+                raise LaunchError("\n".join(busy))
+        else:
+            model = cluster.model_path()
         print(f"pdserve: model folder {model} ({time.monotonic() - started:.1f} s)", flush=True)
         c.wait_healthy(c.start_servers(), health_timeout, stop)
-        c.wait_healthy([c.start_router()], health_timeout, stop)
+        if only is None or "router" in only:
+            c.wait_healthy([c.start_router()], health_timeout, stop)
         manifest = c.write_manifest()
-        print(f"pdserve: {cluster.mode} cluster up in {time.monotonic() - started:.1f} s; "
-              f"OpenAI endpoint {cluster.router_url}/v1 (model {cluster.model_name!r})\n"
-              f"pdserve: processes and pids in {manifest}; logs in {run_dir}; Ctrl-C stops everything", flush=True)
+        up = True
+        if only is None:
+            print(f"pdserve: {cluster.mode} cluster up in {time.monotonic() - started:.1f} s; "
+                  f"OpenAI endpoint {cluster.router_url}/v1 (model {cluster.model_name!r})", flush=True)
+        else:
+            print(f"pdserve: {', '.join(p.name for p in c.procs)} up in {time.monotonic() - started:.1f} s "
+                  f"(this host's part; the cluster's OpenAI endpoint is {cluster.router_url}/v1)", flush=True)
+        print(f"pdserve: processes and pids in {manifest}; logs in {run_dir}; Ctrl-C stops everything", flush=True)
+        supervisor = Supervisor(c, cluster.restart)
         while not stop.wait(0.2):
-            dead = c.first_dead()
+            dead = supervisor.tick()
             if dead is not None:
                 print(f"pdserve: {dead.role} {dead.name} exited with status {dead.popen.returncode}; stopping "
                       f"the cluster. Last lines of {dead.log}:\n{dead.log_tail()}", file=sys.stderr, flush=True)
@@ -201,8 +293,11 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
         hurry = threading.Event()
         for sig in previous:
             signal.signal(sig, lambda *_: hurry.set())
-        if any(p.popen.poll() is None for p in c.procs):
+        running = [p for p in c.procs if p.popen.poll() is None]
+        if running and up:
             print(f"pdserve: draining (up to {cluster.drain_timeout_s:g} s); Ctrl-C again stops at once", flush=True)
+        elif running:
+            print(f"pdserve: stopping the {len(running)} processes started", flush=True)
         c.stop_all(hurry)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

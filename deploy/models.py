@@ -20,14 +20,26 @@ def is_builtin(model: str) -> bool:
     return model in BUILTIN_MODELS
 
 
+def builtin_folder(model: str, cache_dir: str | Path) -> Path:
+    return Path(cache_dir).expanduser().resolve() / model
+
+
+def needs_build(model: str, cache_dir: str | Path) -> bool:
+    """True for a built-in model not built yet (the first launch converts it: minutes on a small CPU)."""
+    return is_builtin(model) and not (builtin_folder(model, cache_dir) / MARKER).is_file()
+
+
 def resolve_model(model: str, cache_dir: str | Path) -> Path:
     """The folder for ``model``, building a built-in one if it is not there yet."""
     if not is_builtin(model):
         folder = Path(model).expanduser().resolve()
+        if not folder.is_dir():
+            raise FileNotFoundError(f"model folder {folder} does not exist (model: {model!r} in the config; "
+                                    f"a local folder, or one of the built-in models {', '.join(BUILTIN_MODELS)})")
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"model folder {folder} has no config.json")
         return folder
-    folder = Path(cache_dir).expanduser().resolve() / model
+    folder = builtin_folder(model, cache_dir)
     if (folder / MARKER).is_file():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)

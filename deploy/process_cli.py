@@ -9,6 +9,7 @@ package below deploy/ reads the cluster config itself.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
@@ -21,6 +22,7 @@ def add_parsers(subparsers) -> None:
     )
     p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    _add_launch_id(p)
     p.set_defaults(func=run_router)
 
     _add_server_parser(
@@ -40,7 +42,14 @@ def _add_server_parser(subparsers, command: str, func, help: str, description: s
     p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
     p.add_argument("--name", required=True, help="this instance's name in the config")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    _add_launch_id(p)
     p.set_defaults(func=func)
+
+
+def _add_launch_id(parser: argparse.ArgumentParser) -> None:
+    """``--launch-id``: the nonce ``pdserve launch`` gives every process it starts; servers report it
+    in /health and the router accepts only workers that report its own (deploy/launcher.py)."""
+    parser.add_argument("--launch-id", default=None, help=argparse.SUPPRESS)
 
 
 def run_router(args: argparse.Namespace) -> int:
@@ -50,19 +59,20 @@ def run_router(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level, "router")
     cluster = load_config(args.config)
-    return run(cluster.router_settings(cluster.model_path()), args.log_level)
+    settings = dataclasses.replace(cluster.router_settings(cluster.model_path()), launch_id=args.launch_id)
+    return run(settings, args.log_level)
 
 
 def run_prefill(args: argparse.Namespace) -> int:
     from prefill_server.cli import run
 
-    return run(_server_settings(args, ("prefill",)), args.log_level)
+    return run(_confined(_server_settings(args, ("prefill",))), args.log_level)
 
 
 def run_decode(args: argparse.Namespace) -> int:
     from decode_server.cli import run
 
-    return run(_server_settings(args, ("decode", "colocated")), args.log_level)
+    return run(_confined(_server_settings(args, ("decode", "colocated"))), args.log_level)
 
 
 def _server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]):
@@ -74,4 +84,15 @@ def _server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]):
     role = cluster.role_of(args.name)
     if role not in expected_roles:
         raise ConfigError(f"{args.config}: instance {args.name!r} is a {role} instance, not {'/'.join(expected_roles)}")
-    return cluster.server_settings(args.name, cluster.model_path())
+    return dataclasses.replace(cluster.server_settings(args.name, cluster.model_path()), launch_id=args.launch_id)
+
+
+def _confined(settings):
+    """``settings``, once a NIXL server's UCX is kept to the interface of its host: UCX reads
+    ``UCX_NET_DEVICES`` when the agent starts and otherwise listens on every interface
+    (transfer/netdev.py)."""
+    if settings.transfer_backend == "nixl":
+        from transfer.netdev import confine_ucx_to
+
+        confine_ucx_to(settings.listen_host)
+    return settings

@@ -1,23 +1,51 @@
-"""Block manager: pure Python bookkeeping of fixed-size KV blocks.
+"""Block manager: pure Python bookkeeping of fixed-size KV blocks, with a prefix cache.
 
-Blocks are ref-counted so that hash-based prefix caching can share a block
-between requests later (``block_hash`` is kept for that, unused today). Free
-blocks are handed out lowest id first, so a fresh allocation is usually one
-contiguous run of ids: the transfer layer merges contiguous runs into single
-writes.
+Every block is in one of three states::
+
+    FREE          ref_count 0, no hash       in the free heap (lowest id first)
+    CACHED-FREE   ref_count 0, hash set      in the LRU (oldest first), still findable by hash
+    USED          ref_count >= 1             owned by that many requests (hash set if full and computed)
+
+A full block whose K/V is computed is identified by a hash chained over its
+tokens (:func:`block_hash`): the hash of block i covers every token of blocks
+0..i and the salt, so equal hashes mean equal K/V. ``cache`` registers such a
+block; ``match`` finds the longest run of cached blocks for a chain of hashes;
+``take`` gives a request one more reference to each. A block whose last owner
+frees it keeps its hash and goes to the LRU: it still counts as free for
+capacity and is evicted (its hash dropped) only when a fresh block is needed
+and the free heap is empty. Free blocks are handed out lowest id first, so a
+fresh allocation is usually one contiguous run of ids: the transfer layer
+merges contiguous runs into single writes.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+NO_HASH = -1
+
+
+def root_hash(salt: str) -> int:
+    """The parent hash of a chain's first block: everything besides tokens that changes K/V."""
+    return int.from_bytes(hashlib.sha256(salt.encode()).digest()[:8], "little")
+
+
+def block_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """Hash of one full block, chained on its parent's (sha256, 64 bits kept)."""
+    data = parent.to_bytes(8, "little") + array("q", token_ids).tobytes()
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int = -1
+    block_hash: int = NO_HASH
 
 
 class BlockManager:
@@ -28,31 +56,47 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: list[int] = list(range(num_blocks))  # a heap: lowest id first
         self._free_set: set[int] = set(self._free)
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with no owner, oldest first
+        self._by_hash: dict[int, int] = {}  # hash -> block id, for every block holding a hash
+        self.evictions = 0  # cached blocks whose hash was dropped to make room
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that can be handed out now: free ones and cached ones with no owner."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self._lru)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take ``num_blocks`` free blocks (lowest ids first)."""
-        if num_blocks > len(self._free):
-            raise RuntimeError(f"asked for {num_blocks} blocks, {len(self._free)} free")
-        ids = [heapq.heappop(self._free) for _ in range(num_blocks)]
-        for block_id in ids:
-            self._free_set.remove(block_id)
+        """Take ``num_blocks`` fresh blocks: free ones lowest id first, then evict the least recently used."""
+        if num_blocks > self.num_free:
+            raise RuntimeError(f"asked for {num_blocks} blocks, {self.num_free} free")
+        ids = []
+        for _ in range(num_blocks):
+            if self._free:
+                block_id = heapq.heappop(self._free)
+                self._free_set.remove(block_id)
+            else:
+                block_id, _ = self._lru.popitem(last=False)
+                del self._by_hash[self.blocks[block_id].block_hash]
+                self.blocks[block_id].block_hash = NO_HASH
+                self.evictions += 1
             block = self.blocks[block_id]
             assert block.ref_count == 0
             block.ref_count = 1
+            ids.append(block_id)
         return ids
 
     def grow(self, block_ids: list[int], num_tokens: int) -> bool:
@@ -66,20 +110,76 @@ class BlockManager:
         return True
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each block; blocks reaching zero become free."""
-        for block_id in block_ids:
+        """Drop one reference to each block; blocks reaching zero become free (or cached-free).
+
+        The table is walked from its end, so a request's last blocks are the
+        first evicted and its prefix stays findable longest.
+        """
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             assert block.ref_count > 0, f"block {block_id} freed twice"
             block.ref_count -= 1
-            if block.ref_count == 0:
-                block.block_hash = -1
+            if block.ref_count > 0:
+                continue
+            if block.block_hash != NO_HASH:
+                self._lru[block_id] = None
+            else:
                 heapq.heappush(self._free, block_id)
                 self._free_set.add(block_id)
 
+    # ---- prefix cache ---------------------------------------------------------
+    def match(self, hashes: Sequence[int]) -> list[int]:
+        """Block ids of the longest run of ``hashes`` (a chain, first block first) that is cached."""
+        ids = []
+        for h in hashes:
+            block_id = self._by_hash.get(h)
+            if block_id is None:
+                break
+            ids.append(block_id)
+        return ids
+
+    def blocks_to_take(self, cached_ids: Sequence[int]) -> int:
+        """How many free blocks taking ``cached_ids`` uses up (those with no owner now)."""
+        return sum(1 for block_id in cached_ids if self.blocks[block_id].ref_count == 0)
+
+    def take(self, cached_ids: Sequence[int]) -> None:
+        """One more reference to each cached block (out of the LRU if it had no owner)."""
+        for block_id in cached_ids:
+            block = self.blocks[block_id]
+            assert block.block_hash != NO_HASH, f"block {block_id} is not cached"
+            if block.ref_count == 0:
+                del self._lru[block_id]
+            block.ref_count += 1
+
+    def cache(self, block_id: int, h: int) -> bool:
+        """Make a full, computed, owned block findable by hash ``h``.
+
+        False when another block already holds that hash (two requests computed
+        the same prefix at once): this one stays unhashed and is freed as usual.
+        """
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} is not owned"
+        if block.block_hash == h:
+            return True
+        assert block.block_hash == NO_HASH, f"block {block_id} already holds another hash"
+        if h in self._by_hash:
+            return False
+        block.block_hash = h
+        self._by_hash[h] = block_id
+        return True
+
     def check_integrity(self) -> None:
-        """free + used == total, and the free list agrees with the ref counts."""
+        """free + cached-free + used == total, and every list agrees with the ref counts and hashes."""
         assert len(self._free) == len(self._free_set), "duplicate ids in the free list"
+        assert not self._free_set & self._lru.keys(), "a block is both free and cached-free"
         for block in self.blocks:
-            is_free = block.block_id in self._free_set
+            is_free = block.block_id in self._free_set or block.block_id in self._lru
             assert is_free == (block.ref_count == 0), f"block {block.block_id} inconsistent"
-        assert self.num_free + self.num_used == self.num_blocks
+            if block.block_id in self._free_set:
+                assert block.block_hash == NO_HASH, f"free block {block.block_id} holds a hash"
+            if block.block_id in self._lru:
+                assert block.block_hash != NO_HASH, f"cached-free block {block.block_id} holds no hash"
+            if block.block_hash != NO_HASH:
+                assert self._by_hash.get(block.block_hash) == block.block_id, f"block {block.block_id} not indexed"
+        assert len(self._by_hash) == sum(1 for b in self.blocks if b.block_hash != NO_HASH)
+        assert len(self._free) + len(self._lru) + self.num_used == self.num_blocks

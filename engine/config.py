@@ -28,6 +28,7 @@ class EngineConfig:
     """What an engine needs to know; derived values are properties.
 
     ``num_blocks`` wins over ``kv_cache_bytes`` when both are given.
+    ``cache_salt`` is what besides the tokens makes two engines' K/V differ.
     """
 
     model: str
@@ -43,6 +44,7 @@ class EngineConfig:
     num_threads: int | None = None
     mode: EngineMode = "colocated"
     kv_layout: KvLayout = "NHD"
+    prefix_caching: bool = True  # reuse the K/V of cached full blocks (engine/block_manager.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -65,6 +67,10 @@ class EngineConfig:
             raise ValueError(f"kv_layout {self.kv_layout!r} is not one of {list(KV_LAYOUTS)}")
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} is not one of {list(MODES)}")
+
+    @property
+    def cache_salt(self) -> str:
+        return f"{self.model}|{self.dtype}"
 
     @property
     def torch_dtype(self) -> torch.dtype:

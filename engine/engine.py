@@ -27,7 +27,11 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """Token positions [start, end) of a request whose K/V a step just computed."""
+    """Token positions [start, end) of a request whose K/V is in the cache as of a step.
+
+    Usually what the step computed; the first chunk computed after a prefix
+    cache hit starts at 0, so that the reused prefix is sent along with it.
+    """
 
     request_id: str
     block_ids: list[int]
@@ -58,6 +62,12 @@ class EngineCounters:
     prompt_tokens: int = 0  # computed from a prompt (recomputed ones after a preemption included)
     decode_tokens: int = 0
     preemptions: int = 0
+    prefix_queries_tokens: int = 0  # tokens looked up in the prefix cache
+    prefix_hits_tokens: int = 0  # of those, tokens whose K/V was reused, not computed
+
+    def add_prefix_lookup(self, queried: int, hits: int) -> None:
+        self.prefix_queries_tokens += queried
+        self.prefix_hits_tokens += hits
 
     def add(self, plan, seconds: float) -> None:
         decode = sum(1 for c in plan.chunks if c.is_decode)
@@ -68,10 +78,11 @@ class EngineCounters:
         self.prompt_tokens += prefill
         self.decode_tokens += decode
         self.preemptions += len(plan.preempted)
+        self.add_prefix_lookup(plan.prefix_queried, plan.prefix_hits)
 
     def copy(self) -> EngineCounters:
         return EngineCounters(dict(self.steps), dict(self.step_seconds), self.prompt_tokens, self.decode_tokens,
-                              self.preemptions)
+                              self.preemptions, self.prefix_queries_tokens, self.prefix_hits_tokens)
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,8 @@ class LLMEngine:
                 max_model_len=self.max_model_len,
                 mode=config.mode,
                 eos_token_ids=self.eos_token_ids,
+                prefix_caching=config.prefix_caching,
+                cache_salt=config.cache_salt,
             ),
             BlockManager(num_blocks, config.block_size),
         )
@@ -119,12 +132,33 @@ class LLMEngine:
         self.counters = EngineCounters()
 
     # ---- requests ----------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        self.scheduler.add(self._new_request(request_id, prompt_token_ids, sampling))
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        """Queue a request; ``cache_salt`` keeps its cached blocks apart from other salts' (tenants)."""
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, sampling, cache_salt))
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> list[int]:
-        """Decode mode: reserve blocks for a prompt whose KV another engine writes."""
-        return self.scheduler.reserve(self._new_request(request_id, prompt_token_ids, sampling))
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                cache_salt: str | None = None) -> list[int]:
+        """Decode mode: reserve blocks for a prompt whose KV another engine writes.
+
+        The first ``num_cached_tokens(request_id)`` tokens are already in the
+        returned blocks (the cached prefix, pinned for this request): only the
+        rest is to be written.
+        """
+        request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt)
+        block_ids = self.scheduler.reserve(request)
+        if self.config.prefix_caching:
+            self.counters.add_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
+        return block_ids
+
+    def num_cached_tokens(self, request_id: str) -> int:
+        """Prompt tokens a held request took from the prefix cache when it was last admitted or reserved."""
+        return self.scheduler.requests[request_id].num_cached_tokens
+
+    def cached_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Tokens of this prompt a request admitted now would find cached (nothing is taken)."""
+        probe = Request("probe", list(prompt_token_ids), SamplingParams(), cache_salt=cache_salt)
+        return self.scheduler.cached_prefix_tokens(probe)
 
     def admit_remote(self, request_id: str, first_token_id: int) -> StepOutput:
         """Decode mode: the prompt's KV is in the reserved blocks; continue decoding."""
@@ -184,7 +218,8 @@ class LLMEngine:
         ]
 
     # ---- helpers ---------------------------------------------------------------
-    def _new_request(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> Request:
+    def _new_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+                     cache_salt: str | None = None) -> Request:
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.hf_config.vocab_size
@@ -196,12 +231,13 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens; the context holds {self.max_model_len} "
                 "including at least one generated token"
             )
-        return Request(request_id, list(prompt), sampling)
+        return Request(request_id, list(prompt), sampling, cache_salt=cache_salt)
 
     @staticmethod
     def _layer_callback(plan, hook: LayerHook) -> Callable[[int], None]:
         chunks = [
-            PrefillChunk(c.request.request_id, list(c.request.block_ids), c.start, c.start + c.num_tokens)
+            PrefillChunk(c.request.request_id, list(c.request.block_ids),
+                         0 if c.start == c.request.num_cached_tokens else c.start, c.start + c.num_tokens)
             for c in plan.chunks
         ]
         return lambda layer: hook(layer, chunks)

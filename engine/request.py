@@ -6,6 +6,11 @@ phases: a request with ``num_computed < num_tokens - 1`` still has prompt (or
 recomputed) tokens to process, one with ``num_computed == num_tokens - 1`` is
 decoding. A request whose KV was written by a prefill server is admitted with
 ``num_computed == len(prompt)`` and its first token already in the output.
+
+With prefix caching, ``num_computed`` starts past the blocks found in the
+cache (``num_cached_tokens``); ``block_hashes`` are the chained hashes of the
+request's full blocks, computed once from its tokens (engine/block_manager.py),
+and the first ``num_hashed_blocks`` of its blocks are registered in the cache.
 """
 
 from __future__ import annotations
@@ -65,6 +70,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)  # for the age of the blocks it holds
+    cache_salt: str | None = None  # requests with different salts never share cached blocks
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when last admitted
+    block_hashes: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

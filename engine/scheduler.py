@@ -13,14 +13,22 @@ WAITING_FOR_REMOTE_KV with their blocks reserved and never scheduled until
 running requests. In prefill mode a request stops once its prompt is
 computed and its first token sampled; it keeps its blocks (PREFILLED) until
 ``release``.
+
+Prefix caching (engine/prefix_cache.py): a waiting request with no blocks
+first takes the longest run of cached full blocks of its tokens, leaving at
+least its last token to compute so that a token is sampled, and starts with
+``num_computed`` past them. After each step, every block that became full
+and computed is registered by hash; only then can another request find it,
+so no request ever attends over a block someone is still writing.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.prefix_cache import PrefixCache
 from engine.request import NoCapacityError, Request, RequestStatus, StepOutput
 
 
@@ -32,6 +40,8 @@ class SchedulerConfig:
     max_model_len: int
     mode: str
     eos_token_ids: tuple[int, ...]
+    prefix_caching: bool
+    cache_salt: str  # what besides tokens changes K/V (model, dtype): part of every block hash
 
 
 @dataclass(frozen=True)
@@ -53,6 +63,8 @@ class ScheduledChunk:
 class SchedulePlan:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
+    prefix_queried: int = 0  # tokens of the requests admitted this step, looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens found cached (not computed)
 
     @property
     def num_tokens(self) -> int:
@@ -61,13 +73,15 @@ class SchedulePlan:
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    free: int = 0
+    free: int = 0  # cached blocks with no owner included: they are evicted when needed
+    cached: int = 0  # cached blocks with no owner (part of ``free``)
     reserved: int = 0
     running: int = 0
     total: int = 0  # blocks in the cache
     queue_depth: int = 0  # requests waiting to be scheduled
     queued_tokens: int = 0  # prompt tokens not computed yet
     num_requests: int = 0  # requests held in any state
+    num_running: int = 0  # requests being computed
     # (state, arrival time.monotonic(), blocks) of every request holding blocks; state: reserved | running
     holders: tuple[tuple[str, float, int], ...] = ()
 
@@ -76,6 +90,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.blocks = block_manager
+        self.prefix = PrefixCache(block_manager, config.prefix_caching, config.cache_salt)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV and PREFILLED
@@ -88,12 +103,21 @@ class Scheduler:
         self.waiting.append(request)
 
     def reserve(self, request: Request) -> list[int]:
-        """Reserve blocks for prompt + first token; the request waits for remote KV."""
+        """Reserve blocks for prompt + first token; the request waits for remote KV.
+
+        The cached prefix (``request.num_cached_tokens``) is pinned among them:
+        the remote side writes only the tokens after it.
+        """
         assert request.request_id not in self.requests, request.request_id
-        needed = self.blocks.blocks_needed(request.num_prompt_tokens + 1)
+        cached = self.prefix.lookup(request)
+        fresh = self.blocks.blocks_needed(request.num_prompt_tokens + 1) - len(cached)
+        needed = fresh + self.blocks.blocks_to_take(cached)
         if not self.blocks.can_allocate(needed):
             raise NoCapacityError(f"{needed} KV blocks needed, {self.blocks.num_free} free")
-        request.block_ids = self.blocks.allocate(needed)
+        self.blocks.take(cached)
+        request.block_ids = cached + self.blocks.allocate(fresh)
+        request.num_cached_tokens = len(cached) * self.blocks.block_size
+        request.num_hashed_blocks = len(cached)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         self.parked[request.request_id] = request
@@ -105,6 +129,7 @@ class Scheduler:
             raise KeyError(f"no reservation waiting for remote KV with id {request_id!r}")
         del self.parked[request_id]
         request.num_computed = request.num_prompt_tokens
+        self.prefix.register(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return self._append_token(request, first_token_id)
@@ -129,9 +154,9 @@ class Scheduler:
             return plan  # blocks are short: admit nothing new this step
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks)
-            if num_new == 0 or not self.blocks.grow(request.block_ids, request.num_computed + num_new):
+            if not self._admit_waiting(request, budget, plan):
                 break
+            num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -146,6 +171,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             request.num_computed = chunk.start + chunk.num_tokens
+            self.prefix.register(request)
             if not chunk.sample:
                 continue
             token = sampled[request.request_id]
@@ -185,7 +211,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def block_counts(self) -> dict[str, int]:
-        reserved = sum(len(r.block_ids) for r in self.parked.values())
+        """Blocks by state. ``free`` counts cached blocks with no owner; a block shared by a
+        parked and a running request counts as running."""
+        parked = {b for r in self.parked.values() for b in r.block_ids}
+        if parked:
+            parked -= {b for r in self.running for b in r.block_ids}
+        reserved = len(parked)
         used = self.blocks.num_used
         return {"free": self.blocks.num_free, "reserved": reserved, "running": used - reserved}
 
@@ -193,26 +224,56 @@ class Scheduler:
         """Blocks by state and queue lengths, for /health and /metrics."""
         counts = self.block_counts()
         return SchedulerStats(
-            free=counts["free"], reserved=counts["reserved"], running=counts["running"],
+            free=counts["free"], cached=self.blocks.num_cached_free, reserved=counts["reserved"],
+            running=counts["running"],
             total=self.blocks.num_blocks,
             queue_depth=len(self.waiting),
             queued_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed) for r in [*self.waiting, *self.running]),
             num_requests=len(self.requests),
+            num_running=len(self.running),
             holders=tuple(("reserved" if r.request_id in self.parked else "running", r.arrival_time,
                            len(r.block_ids)) for r in self.requests.values() if r.block_ids),
         )
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
-        held = [b for r in self.requests.values() for b in r.block_ids]
-        assert len(held) == len(set(held)), "a block is owned by two requests"
-        assert len(held) == self.blocks.num_used, f"{len(held)} blocks owned, {self.blocks.num_used} used"
+        owners = Counter(b for r in self.requests.values() for b in r.block_ids)
+        for request in self.requests.values():
+            assert len(request.block_ids) == len(set(request.block_ids)), f"{request.request_id} holds a block twice"
+        for block_id, n in owners.items():
+            assert self.blocks.blocks[block_id].ref_count == n, f"block {block_id}: {n} owners"
+        assert len(owners) == self.blocks.num_used, f"{len(owners)} blocks owned, {self.blocks.num_used} used"
         counts = self.block_counts()
         assert counts["free"] + counts["reserved"] + counts["running"] == self.blocks.num_blocks
+        assert self.blocks.num_cached_free <= counts["free"]
 
     # ---- helpers -------------------------------------------------------------
-    def _num_new_tokens(self, request: Request, budget: int, first_in_plan: bool) -> int:
-        remaining = request.num_tokens - request.num_computed
+    def _admit_waiting(self, request: Request, budget: int, plan: SchedulePlan) -> bool:
+        """Give a waiting request its cached prefix and the blocks for its next chunk, or nothing."""
+        assert not request.block_ids and request.num_computed == 0
+        cached = self.prefix.lookup(request)
+        computed = len(cached) * self.blocks.block_size
+        num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks, computed=computed)
+        if num_new == 0:
+            return False
+        fresh = self.blocks.blocks_needed(computed + num_new) - len(cached)
+        if not self.blocks.can_allocate(fresh + self.blocks.blocks_to_take(cached)):
+            return False
+        self.blocks.take(cached)
+        request.block_ids = cached + self.blocks.allocate(fresh)
+        request.num_computed = request.num_cached_tokens = computed
+        request.num_hashed_blocks = len(cached)
+        if self.config.prefix_caching:
+            plan.prefix_queried += request.num_tokens
+            plan.prefix_hits += computed
+        return True
+
+    def cached_prefix_tokens(self, request: Request) -> int:
+        """Tokens of a request not admitted yet that would be found cached now."""
+        return len(self.prefix.lookup(request)) * self.blocks.block_size
+
+    def _num_new_tokens(self, request: Request, budget: int, first_in_plan: bool, computed: int | None = None) -> int:
+        remaining = request.num_tokens - (request.num_computed if computed is None else computed)
         if remaining <= budget:
             return remaining
         if self.config.chunked_prefill or first_in_plan:
@@ -236,7 +297,7 @@ class Scheduler:
         self.running.remove(request)
         self.blocks.free(request.block_ids)
         request.block_ids = []
-        request.num_computed = 0
+        request.num_computed = request.num_hashed_blocks = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 

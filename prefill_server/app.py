@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 from prefill_server.service import PrefillService
 from server_common.guard import service_app
 from server_common.worker_replies import WorkerError
-from server_common.worker_requests import PrefillRequest
+from server_common.worker_requests import DecodePeer, PrefillRequest
 
 
 def create_app(service: PrefillService) -> FastAPI:
@@ -23,4 +23,20 @@ def create_app(service: PrefillService) -> FastAPI:
         except WorkerError as exc:
             return JSONResponse(exc.reply().model_dump(mode="json"), status_code=exc.status)
         return JSONResponse(result.model_dump())
+
+    @app.get("/admin/peers")
+    async def peers() -> JSONResponse:
+        """The decode servers this prefill server may hand KV to (the config's and those announced)."""
+        return JSONResponse({"peers": service.peers()})
+
+    @app.post("/admin/peers")
+    async def add_peer(peer: DecodePeer) -> JSONResponse:
+        """A decode server joined (the router's discovery): KV may now go to it."""
+        service.add_peer(peer.name, peer.url)
+        return JSONResponse({"peers": service.peers()})
+
+    @app.delete("/admin/peers/{name}")
+    async def forget_peer(name: str) -> JSONResponse:
+        """A decode server left: its transfers end and what the transfer layer held for it is released."""
+        return JSONResponse({"forgotten": service.forget_peer(name), "peers": service.peers()})
     return app

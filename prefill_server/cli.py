@@ -20,5 +20,5 @@ def run(settings: ServerSettings, log_level: str) -> int:
     engine = LLMEngine(settings.engine)
     faults = FaultInjector() if settings.fault_injection else None
     service = PrefillService(settings, engine, sender_factory(settings, engine, faults), faults)
-    serve(create_app(service), settings.host, settings.port, log_level, service.drain, settings.drain_timeout_s)
+    serve(create_app(service), settings.listen_host, settings.port, log_level, service.drain, settings.drain_timeout_s)
     return 0

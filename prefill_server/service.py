@@ -11,6 +11,10 @@ acknowledges it. The engine thread takes ended transfers between two steps;
 only then are the blocks released and the HTTP call answered. Jobs are
 touched on the engine thread only.
 
+The decode server's cached prefix (``Reservation.num_cached_tokens``) is not
+sent: every layer push starts past it. The prompt is still computed here up
+to what this engine's own prefix cache holds.
+
 A failed transfer's outcome goes back to the router unchanged: one in
 ``transfer.outcome.DECIDED_BY_DECODE`` means the decode server ended the
 transfer and tells the router on its own stream what happens next.
@@ -35,7 +39,11 @@ from server_common.faults import FaultInjector
 from server_common.guard import Drain
 from server_common.kv_port import SenderFactory
 from server_common.metrics import ServerMetrics
+from server_common.model_id import model_fingerprint
 from server_common.settings import ServerSettings
+from server_common.timeline_log import TimelineLog
+from server_common.tracing import Tracing
+from server_common.vitals import Vitals
 from server_common.worker_replies import HealthReport, KVBlocks, PrefillResult, WorkerError
 from server_common.worker_requests import PrefillRequest
 from transfer.outcome import Outcome, TransferEnded
@@ -48,11 +56,14 @@ class Job:
     request_id: str
     transfer_id: str
     num_tokens: int
+    num_cached_tokens: int  # the decode server holds these already: they are not sent
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
     first_token: int | None = None  # set once the prompt is computed; the blocks are then held for the transfer
     started: float = field(default_factory=time.monotonic)
+    computing: float | None = None  # when the first layer of its first chunk was computed
     prefilled: float | None = None  # when the last layer was computed and the first token sampled
+    ended: TransferEnded | None = None  # how and when its transfer ended
 
     def resolve(self, result: PrefillResult | WorkerError) -> None:
         def set_it() -> None:
@@ -68,13 +79,19 @@ class Job:
 
 class PrefillService:
     def __init__(self, settings: ServerSettings, engine: LLMEngine, make_sender: SenderFactory,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, tracing: Tracing | None = None) -> None:
         self.settings = settings
         self.faults = faults
         self.engine_thread = EngineThread(engine, self._on_outputs, settings.name,
                                           between_steps=self._collect_transfers, layer_hook=self._on_layer)
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
+        self.tracing = tracing or Tracing(settings.tracing, "pdserve-prefill")
+        self.timeline = TimelineLog()
+        self._model_id = model_fingerprint(settings.engine.model)  # reported on /health
         self._sender = make_sender(self.engine_thread.wake)
+        self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
+        self.vitals.add(self.engine_thread.problem)
+        self.vitals.add(self._sender.problem)
         self._bytes_per_token = engine.cache.bytes_per_token
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
@@ -87,6 +104,7 @@ class PrefillService:
         self.engine_thread.start()
 
     async def stop(self) -> None:
+        self.tracing.shutdown()
         self.engine_thread.stop()
         self._sender.close()
 
@@ -95,17 +113,24 @@ class PrefillService:
             self.metrics.requests.labels(outcome="draining").inc()
             raise WorkerError(503, f"{self.settings.name} is draining: it takes no new prefills", Outcome.DRAINING)
         self._pending += 1
+        span = self.tracing.start("prefill.prefill", self.tracing.parent(req.trace),
+                                  pdserve__request_id=req.request_id, pdserve__instance=self.settings.name,
+                                  pdserve__prompt_tokens=len(req.prompt_token_ids))
+        outcome = Outcome.CANCELLED
         try:
-            result = await self._prefill(req)
+            result = await self._prefill(req, span)
             self.metrics.requests.labels(outcome="prefilled").inc()
+            outcome = Outcome.OK
             return result
         except WorkerError as exc:
             self.metrics.requests.labels(outcome=exc.code).inc()
+            outcome = exc.code
             raise
         finally:
             self._pending -= 1
+            self.tracing.end(span, outcome=outcome)
 
-    async def _prefill(self, req: PrefillRequest) -> PrefillResult:
+    async def _prefill(self, req: PrefillRequest, span) -> PrefillResult:
         loop = asyncio.get_running_loop()
         rid, res = req.request_id, req.reservation
         if self.faults is not None:
@@ -118,7 +143,10 @@ class PrefillService:
         lease_s = res.lease_deadline - time.time()
         if lease_s <= 0:
             raise WorkerError(409, f"the reservation on {res.instance} has expired", Outcome.LEASE_EXPIRED)
-        job = Job(rid, res.transfer_id, len(req.prompt_token_ids), loop.create_future(), loop)
+        if res.num_cached_tokens >= len(req.prompt_token_ids):
+            raise WorkerError(400, f"the reservation holds {res.num_cached_tokens} cached tokens of a "
+                              f"{len(req.prompt_token_ids)}-token prompt: nothing to prefill", Outcome.BAD_REQUEST)
+        job = Job(rid, res.transfer_id, len(req.prompt_token_ids), res.num_cached_tokens, loop.create_future(), loop)
         sampling = req.sampling.engine_params()
 
         def add(e: LLMEngine) -> None:
@@ -135,7 +163,36 @@ class PrefillService:
             await self.engine_thread.run(add)
         except ValueError as exc:
             raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from exc
-        return await job.done
+        try:
+            return await job.done
+        finally:
+            self._trace_job(span, job)
+
+    def _trace_job(self, span, job: Job) -> None:
+        """The job's stages into the timeline log and as spans (tracing on). Its timestamps were
+        written on the engine thread before ``job.done`` was resolved, so they are complete here."""
+        self.timeline.add(job.request_id, received=job.started, computing=job.computing, prefilled=job.prefilled,
+                          transfer_ended=job.ended.at if job.ended else None)
+        if span is None or job.computing is None:
+            return
+        now = time.monotonic()
+        self.tracing.record("prefill.queue", span, job.started, job.computing)
+        self.tracing.record("prefill.compute", span, job.computing, job.prefilled or now)
+        ended = job.ended
+        self.tracing.record("prefill.kv_transfer", span, job.computing, ended.at if ended else now,
+                            ended.outcome if ended else Outcome.ABORTED, pdserve__transfer_id=job.transfer_id,
+                            pdserve__bytes=(job.num_tokens - job.num_cached_tokens) * self._bytes_per_token,
+                            pdserve__cached_tokens=job.num_cached_tokens)
+
+    # ---- decode peers (the router's discovery) --------------------------------------
+    def add_peer(self, name: str, url: str) -> None:
+        self._sender.add_peer(name, url)
+
+    def forget_peer(self, name: str) -> bool:
+        return self._sender.forget_peer(name)
+
+    def peers(self) -> dict[str, str]:
+        return self._sender.known_peers()
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine_thread.run(lambda e: self._abort(e, request_id))
@@ -161,7 +218,11 @@ class PrefillService:
         for chunk in chunks:
             job = self._jobs.get(chunk.request_id)
             if job is not None:
-                self._sender.push_layer(job.transfer_id, layer, chunk.block_ids, chunk.start, chunk.end)
+                if job.computing is None:
+                    job.computing = time.monotonic()
+                start = max(chunk.start, job.num_cached_tokens)
+                if start < chunk.end:
+                    self._sender.push_layer(job.transfer_id, layer, chunk.block_ids, start, chunk.end)
         if self.faults is not None:
             self.faults.stall(layer)
 
@@ -174,6 +235,9 @@ class PrefillService:
             assert out.finish_reason == "prefilled", out
             job.first_token = out.new_token_ids[0]
             job.prefilled = time.monotonic()
+            computing = job.computing if job.computing is not None else job.prefilled
+            self.metrics.prefill_queue_seconds.observe(computing - job.started)
+            self.metrics.prefill_compute_seconds.observe(job.prefilled - computing)
             self._sender.finish(job.transfer_id, job.first_token)
 
     def _collect_transfers(self, e: LLMEngine) -> None:
@@ -186,18 +250,23 @@ class PrefillService:
         job = self._jobs.pop(rid, None) if rid is not None else None
         if job is None:
             return  # aborted earlier
+        job.ended = ended
         if job.first_token is not None:
             e.release(rid)
         else:
             e.abort(rid)  # failed before the prompt was done (decode side cancelled, peer gone)
         if not ended.ok:
-            self.metrics.transfer_failed.inc()
+            self.metrics.transfer_failures.labels(code=ended.outcome).inc()
             job.resolve(WorkerError(502, f"KV transfer to the decode server failed: {ended.reason}", ended.outcome))
             return
         seconds = ended.at - job.started
-        nbytes = job.num_tokens * self._bytes_per_token
+        nbytes = (job.num_tokens - job.num_cached_tokens) * self._bytes_per_token
         self.metrics.transfer_bytes.inc(nbytes)
         self.metrics.transfer_seconds.observe(seconds)
+        self.metrics.transfer_request_bytes.observe(nbytes)
+        # The wire runs from the first layer pushed to the decode server's ack (overlapping compute).
+        on_wire = ended.at - (job.computing if job.computing is not None else job.started)
+        self.metrics.transfer_gbps.observe(nbytes / max(on_wire, 1e-9) / 1e9)
         if job.prefilled is not None:
             self.metrics.transfer_exposed_seconds.observe(max(0.0, ended.at - job.prefilled))
         job.resolve(PrefillResult(request_id=rid, first_token_id=job.first_token, num_tokens=job.num_tokens,
@@ -208,4 +277,5 @@ class PrefillService:
         return HealthReport(status="draining" if self.drain.draining else "ok", role="prefill",
                             instance=self.settings.name,
                             kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),
-                            queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=self._pending)
+                            queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=self._pending,
+                            launch_id=self.settings.launch_id, model=self._model_id)

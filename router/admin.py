@@ -1,9 +1,12 @@
-"""The router's admin endpoints: take a worker out of rotation and put it back.
+"""The router's admin endpoints: workers in and out of rotation, joining and leaving.
 
-    GET  /admin/workers                  every worker: health, draining, requests in flight, limit
-    POST /admin/workers/{name}/drain     no new request goes to it; its requests in flight finish
-                                         (?wait_s=N: answer once they did, or after N seconds)
-    POST /admin/workers/{name}/resume    back in rotation
+    GET    /admin/workers                  every worker: health, draining, requests in flight, limit
+    POST   /admin/workers {"url": U}       the worker at U joins (router/discovery.py: asked for its role,
+                                           name and model; 409 when refused, naming why)
+    DELETE /admin/workers/{name}           it leaves: drained (its requests finish), then forgotten
+    POST   /admin/workers/{name}/drain     no new request goes to it; its requests in flight finish
+                                           (?wait_s=N: answer once they did, or after N seconds)
+    POST   /admin/workers/{name}/resume    back in rotation
 
 A worker can also drain itself (its own ``POST /admin/drain``, or SIGTERM);
 the router then sees ``draining`` in its health report. Admin calls need the
@@ -19,9 +22,17 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
 
+from router.discovery import Discovery, JoinRefused
 from router.errors import OpenAIError
 from router.registry import Worker, WorkerRegistry
+
+
+class JoinRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(min_length=8, max_length=300, pattern=r"^https?://[^/\s]+/?$")
 
 WAIT_POLL_S = 0.05
 
@@ -32,7 +43,8 @@ def describe(w: Worker) -> dict:
             "max_inflight": w.max_inflight}
 
 
-def add_admin_routes(app: FastAPI, registry: WorkerRegistry, authorize: Callable[[Request], None]) -> None:
+def add_admin_routes(app: FastAPI, registry: WorkerRegistry, authorize: Callable[[Request], None],
+                     discovery: Callable[[], Discovery]) -> None:
     def worker(name: str) -> Worker:
         found = registry.find(name)
         if found is None:
@@ -44,6 +56,22 @@ def add_admin_routes(app: FastAPI, registry: WorkerRegistry, authorize: Callable
     async def workers(request: Request) -> JSONResponse:
         authorize(request)
         return JSONResponse({"workers": [describe(w) for w in registry.workers]})
+
+    @app.post("/admin/workers")
+    async def join(body: JoinRequest, request: Request) -> JSONResponse:
+        authorize(request)
+        try:
+            worker = await discovery().join(body.url)
+        except JoinRefused as exc:
+            raise OpenAIError(409, str(exc), param="url", code=exc.reason) from None
+        return JSONResponse(describe(worker))
+
+    @app.delete("/admin/workers/{name}")
+    async def leave(name: str, request: Request) -> JSONResponse:
+        authorize(request)
+        worker(name)
+        left = await discovery().leave(name)
+        return JSONResponse(describe(left) | {"left": True})
 
     @app.post("/admin/workers/{name}/drain")
     async def drain(name: str, request: Request, wait_s: float = Query(0.0, ge=0, le=600)) -> JSONResponse:

@@ -57,8 +57,10 @@ class Admission:
     request until its first prefill ended), checked against the sum of the
     prefill servers' limits."""
 
-    def __init__(self, settings: AdmissionSettings) -> None:
+    def __init__(self, settings: AdmissionSettings, on_wait: Callable[[float], None] | None = None) -> None:
+        """``on_wait(seconds)``: called once per admitted request with the time it waited (0: at once)."""
         self.settings = settings
+        self._on_wait = on_wait
         self.waiting = 0  # requests in the waiting room now
         self.refused = 0  # requests answered 429 so far
         self.sessions = 0  # admitted requests not closed yet (a draining router waits for 0)
@@ -111,13 +113,21 @@ class Admission:
         if not self.waiting:
             result = await attempt()
             if result is not None:
+                self._waited(0.0)
                 return result
+        entered = time.monotonic()
         async with self.waiting_room() as wait:
             while True:
                 await wait()
+                waited = time.monotonic() - entered
                 result = await attempt()
                 if result is not None:
+                    self._waited(waited)
                     return result
+
+    def _waited(self, seconds: float) -> None:
+        if self._on_wait is not None:
+            self._on_wait(seconds)
 
     def slot_freed(self) -> None:
         """Wake every waiter (in the order they started waiting) to try again."""

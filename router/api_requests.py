@@ -30,8 +30,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=-1, le=1 << 24)  # the ranges of server_common.worker_requests
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stop: str | list[str] | None = None
     n: int | None = 1
     presence_penalty: float | None = None

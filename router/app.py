@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -15,10 +14,12 @@ from router.admin import add_admin_routes
 from router.admission import Admission, AdmissionSettings
 from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.dispatch import DispatchSettings, Dispatcher
+from router.discovery import Discovery
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
 from router.health import PassiveHealth
 from router.http_pool import worker_http
-from router.limits import BodyLimitMiddleware, RequestLimits
+from router.limits import RequestLimits, openai_413
+from router.connections import ConnectionGuard
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.openai_handlers import OpenAIHandlers
@@ -26,10 +27,14 @@ from router.policies import make_policy
 from router.registry import Worker, WorkerRegistry
 from router.settings import RouterSettings
 from router.worker_client import WorkerClient
-from server_common.guard import Drain, auth_headers, bearer_token, is_loopback, token_matches
+from server_common.guard import BodyCapMiddleware, Drain, auth_headers, bearer_token, token_matches
+from server_common.process_defaults import is_loopback
+from server_common.model_id import model_fingerprint
+from server_common.tracing import Tracing
 
 
 DISCONNECT_POLL_S = 0.25
+HEALTH_CONNECTIONS = 64  # the health checks' own client: at most this many checks at once, each on its own connection
 
 
 async def until_disconnect(request: Request, work):
@@ -58,21 +63,27 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     """
     model = model or ServedModel.load(settings.served_model_name, settings.model_path, settings.max_model_len)
     registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight) for w in settings.workers],
-                              interval=settings.health_interval, backoff_max=settings.health_backoff_max)
+                              interval=settings.health_interval, backoff_max=settings.health_backoff_max,
+                              launch_id=settings.launch_id)
+    metrics = RouterMetrics(registry)
     admission = Admission(AdmissionSettings(max_queued=settings.max_queued, timeout=settings.queue_timeout,
-                                            retry_after=settings.retry_after))
-    metrics = RouterMetrics(registry, admission)
+                                            retry_after=settings.retry_after), on_wait=metrics.queue_time.observe)
+    metrics.watch_admission(admission)
+    # Slow and greedy clients (router.connections): `pdserve router` serves with its protocol class.
+    connections = ConnectionGuard(settings.header_timeout, settings.body_timeout, settings.max_connections_per_client)
+    metrics.registry.register(connections)
     dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
                                          prefill_failure=settings.prefill_failure)
     limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
+    tracing = Tracing(settings.tracing, "pdserve-router")
     passive_health = PassiveHealth(registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         # Requests and health checks on separate clients: a check never waits behind requests for a connection.
         headers = auth_headers(settings.internal_secret)
-        n = len(registry.workers)
         keepalive_s = settings.worker_keepalive_s
+        n = HEALTH_CONNECTIONS  # workers may join at runtime: not sized by today's count
         async with worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http, \
                 worker_http(n, n, keepalive_s, headers) as health_http:
             worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout,
@@ -80,20 +91,25 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
             dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),
                                     worker_client, dispatch_settings, metrics.recovery, admission, drain,
                                     passive_health)
-            app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits)
-            health_task = asyncio.create_task(registry.run(health_http)) if client is None else None
+            app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits, tracing)
+            app.state.discovery = Discovery(registry, http, settings.discovery, model_fingerprint(settings.model_path),
+                                            metrics, settings.drain_timeout)
+            tasks = [asyncio.create_task(registry.run(health_http)),
+                     asyncio.create_task(app.state.discovery.run())] if client is None else []
             try:
                 yield
             finally:
-                if health_task is not None:
-                    health_task.cancel()
-                    await asyncio.gather(health_task, return_exceptions=True)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                tracing.shutdown()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
 
     # What a drain waits for: requests with a session or waiting for one.
     app.state.drain = drain = Drain(lambda: admission.sessions + admission.waiting)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.state.connections = connections
+    app.add_middleware(BodyCapMiddleware, max_bytes=settings.max_body_bytes, refusal_body=openai_413)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 too, has an id
     install_error_handlers(app)
 
@@ -114,11 +130,10 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
             raise OpenAIError(403, "admin calls from other machines need security.internal_secret in the config",
                               code="forbidden")
 
-    add_admin_routes(app, registry, check_admin)
+    add_admin_routes(app, registry, check_admin, lambda: app.state.discovery)
 
     async def respond(request: Request, endpoint: str, call) -> Response:
         check_auth(request)
-        started = time.monotonic()
         metrics.inflight.inc()
         status = 500
         try:
@@ -130,7 +145,6 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         finally:
             metrics.inflight.dec()
             metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-            metrics.e2e.observe(time.monotonic() - started)
         if session is None:
             return JSONResponse(result.model_dump())
         # session.close is idempotent: the stream closes it in `finally`, the
@@ -140,11 +154,12 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await respond(request, "chat", lambda rid: request.app.state.handlers.chat(req, rid))
+        return await respond(request, "chat", lambda rid: request.app.state.handlers.chat(req, rid, request.headers.get("traceparent")))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await respond(request, "completions", lambda rid: request.app.state.handlers.completion(req, rid))
+        return await respond(request, "completions", lambda rid: request.app.state.handlers.completion(
+            req, rid, request.headers.get("traceparent")))
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
@@ -157,7 +172,15 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                    for w in registry.workers]
         ok = bool(registry.healthy("decode")) and not drain.draining
         status = "draining" if drain.draining else "ok" if ok else "degraded"
-        return JSONResponse({"status": status, "workers": workers}, status_code=200 if ok else 503)
+        return JSONResponse({"status": status, "workers": workers, "launch_id": settings.launch_id},
+                            status_code=200 if ok else 503)
+
+    @app.get("/debug/timeline")
+    async def timeline(request: Request) -> JSONResponse:
+        """Stage timestamps of the last requests (server_common/timeline_log.py); admin callers only."""
+        check_admin(request)
+        return JSONResponse({"instance": "router", "role": "router",
+                             "requests": request.app.state.handlers.timeline.entries()})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

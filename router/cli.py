@@ -14,5 +14,6 @@ def run(settings: RouterSettings, log_level: str) -> int:
     from server_common.run import serve
 
     app = create_app(settings)
-    serve(app, settings.host, settings.port, log_level, app.state.drain, settings.drain_timeout)
+    serve(app, settings.listen_host, settings.port, log_level, app.state.drain, settings.drain_timeout,
+          http=app.state.connections.protocol_class())
     return 0

@@ -57,7 +57,8 @@ class Dispatcher:
         self._sessions = SessionContext(
             client=client, registry=registry, health=self.health, prefill_policy=prefill_policy,
             admission=self.admission, recovery=self.recovery, prefill_failure=settings.prefill_failure,
-            open_stream=lambda rid, prompt, sampling, local: self.open_stream(rid, prompt, sampling, local))
+            open_stream=lambda rid, prompt, sampling, local, trace: self.open_stream(rid, prompt, sampling, local,
+                                                                                     trace=trace))
 
     def wants_local_prefill(self, num_prompt_tokens: int) -> bool:
         """No prefill servers at all (colocated), a prompt short enough for D, or
@@ -68,7 +69,8 @@ class Dispatcher:
             return True
         return self.settings.prefill_failure != "fail" and not self.registry.healthy("prefill")
 
-    async def start(self, request_id: str, prompt: list[int], sampling: SamplingSpec) -> Session:
+    async def start(self, request_id: str, prompt: list[int], sampling: SamplingSpec,
+                    trace: str | None = None) -> Session:
         """Admit the request and open its decode stream (reservation first).
 
         Raises OpenAIError 503 when no decode server is in rotation or the router
@@ -80,15 +82,16 @@ class Dispatcher:
             raise OpenAIError(503, "the router is shutting down; retry later", code="draining",
                               retry_after=self.admission.settings.retry_after)
         local = self.wants_local_prefill(len(prompt))
-        stream, slot = await self.open_stream(request_id, prompt, sampling, local, prefill_slot=not local)
-        return Session(self._sessions, request_id, prompt, sampling, stream, slot)
+        stream, slot = await self.open_stream(request_id, prompt, sampling, local, prefill_slot=not local, trace=trace)
+        return Session(self._sessions, request_id, prompt, sampling, stream, slot, trace)
 
     async def open_stream(self, request_id: str, prompt: list[int], sampling: SamplingSpec, local: bool,
-                          prefill_slot: bool = False) -> tuple[DecodeStream, Slot]:
+                          prefill_slot: bool = False, trace: str | None = None) -> tuple[DecodeStream, Slot]:
         """A decode stream on the first server in policy order with a free slot that takes it,
         waiting for one (``Admission.admit``). ``prefill_slot``: also claim one of the prefill
         servers' slots (a new request; a retry runs its prefill without one)."""
-        req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, local_prefill=local)
+        req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, local_prefill=local,
+                              trace=trace)
         return await self.admission.admit(lambda: self._try_open(req, prefill_slot))
 
     async def _try_open(self, req: GenerateRequest, prefill_slot: bool) -> tuple[DecodeStream, Slot] | None:

@@ -16,50 +16,9 @@ from router.errors import OpenAIError, error_body
 from router.model import ServedModel
 
 
-class BodyLimitMiddleware:
-    """Pure ASGI (no buffering of responses, so SSE and disconnects still work)."""
-
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers", [])).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(send)
-            return
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":  # the client left before sending it all
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._refuse(send)
-                return
-            more = message.get("more_body", False)
-        body, replayed = b"".join(chunks), False
-
-        async def replay():
-            nonlocal replayed
-            if replayed:
-                return await receive()  # after the body: disconnect notices
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send) -> None:
-        payload = json.dumps(error_body(413, f"request body is larger than {self.max_bytes} bytes",
-                                        code="request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": payload})
+def openai_413(message: str) -> bytes:
+    """The router's 413 body (server_common.guard.BodyCapMiddleware does the capping)."""
+    return json.dumps(error_body(413, message, code="request_too_large")).encode()
 
 
 @dataclass(frozen=True)

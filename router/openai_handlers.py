@@ -27,6 +27,9 @@ from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.sse import DONE, ChunkTemplate, sse_event
 from router.textstream import IncrementalDetokenizer, StopMatcher
+from router.timeline import RequestTimeline
+from server_common.timeline_log import TimelineLog
+from server_common.tracing import Tracing, TracingSettings
 from server_common.worker_requests import SamplingSpec
 
 
@@ -52,6 +55,7 @@ class Prepared:
     prompt: list[int]
     sampling: SamplingSpec
     stops: list[str]
+    timeline: RequestTimeline
 
 
 def sampling_spec(req: SamplingFields, max_tokens: int) -> SamplingSpec:
@@ -67,11 +71,13 @@ def sampling_spec(req: SamplingFields, max_tokens: int) -> SamplingSpec:
 
 class OpenAIHandlers:
     def __init__(self, model: ServedModel, dispatcher: Dispatcher, metrics: RouterMetrics,
-                 limits: RequestLimits | None = None) -> None:
+                 limits: RequestLimits | None = None, tracing: Tracing | None = None) -> None:
         self.model = model
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.limits = limits or RequestLimits()
+        self.tracing = tracing or Tracing(TracingSettings(), "pdserve-router")
+        self.timeline = TimelineLog()  # GET /debug/timeline
         # One thread: the tokenizer is only ever used by the event loop and this thread, with the same
         # settings (no truncation or padding), so no call changes its state under another.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -89,97 +95,110 @@ class OpenAIHandlers:
 
     # ---- preparing ---------------------------------------------------------
 
-    def prepare_chat(self, req: ChatCompletionRequest, request_id: str) -> Prepared:
+    def prepare_chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
         self.model.check_name(req.model)
         req.check_supported()
         prompt = self.model.encode_chat(req.template_messages(), req.add_generation_prompt)
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_new_tokens(), "messages",
                                                    tokens_param)
-        return Prepared(request_id, "chat", prompt, sampling_spec(req, max_tokens), req.stop_strings())
+        return Prepared(request_id, "chat", prompt, sampling_spec(req, max_tokens), req.stop_strings(),
+                        self._timeline(request_id, traceparent))
 
-    def prepare_completion(self, req: CompletionRequest, request_id: str) -> Prepared:
+    def prepare_completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
         self.model.check_name(req.model)
         req.check_supported()
         prompt = self.model.encode_prompt(req.single_prompt())
         max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_tokens, "prompt",
                                                    explicit="max_tokens" in req.model_fields_set)
-        return Prepared(request_id, "completions", prompt, sampling_spec(req, max_tokens), req.stop_strings())
+        return Prepared(request_id, "completions", prompt, sampling_spec(req, max_tokens), req.stop_strings(),
+                        self._timeline(request_id, traceparent))
+
+    def _timeline(self, request_id: str, traceparent: str | None) -> RequestTimeline:
+        return RequestTimeline(self.metrics, self.tracing, self.timeline, request_id, traceparent)
 
     # ---- running -----------------------------------------------------------
 
     async def open(self, p: Prepared) -> Session:
-        session = await self.dispatcher.start(p.request_id, p.prompt, p.sampling)
-        self.metrics.prompt_tokens.inc(len(p.prompt))
-        if session.reservation is None:
-            self.metrics.local_prefills.inc()
+        try:
+            session = await self.dispatcher.start(p.request_id, p.prompt, p.sampling, p.timeline.traceparent)
+        except OpenAIError as exc:
+            p.timeline.failed(exc.code or str(exc.status))
+            p.timeline.close()
+            raise
+        p.timeline.opened(len(p.prompt), local_prefill=session.reservation is None)
         return session
 
     async def text_deltas(self, p: Prepared, session: Session) -> AsyncIterator[TextDelta]:
         """Detokenized, stop-string-cut text; the last delta carries the finish reason."""
         detok = IncrementalDetokenizer(self.model.tokenizer, p.prompt)
         stops = StopMatcher(p.stops)
+        timing = p.timeline
         count = 0
-        started = time.monotonic()
         async for event in session.deltas():
-            if count == 0 and event.token_ids:
-                self.metrics.ttft.observe(time.monotonic() - started)
+            timing.tokens(len(event.token_ids))
             count += len(event.token_ids)
             text = stops.push(detok.push(event.token_ids))
             if not stops.stopped and event.finish_reason is not None:
                 text += stops.push(detok.flush())
                 text += stops.flush()
             if stops.stopped:
+                timing.finished("stop", count)
                 yield TextDelta(text, "stop", count)
                 break
             if event.finish_reason == "abort":
                 raise OpenAIError(500, f"request {p.request_id} was aborted by the decode server")
             if event.finish_reason is not None:
+                timing.finished(event.finish_reason, count)
                 yield TextDelta(text, event.finish_reason, count)
                 break
             if text:
                 yield TextDelta(text, None, count)
-        self.metrics.completion_tokens.inc(count)
 
-    async def collect(self, p: Prepared) -> tuple[str, str, int]:
+    async def collect(self, p: Prepared) -> tuple[str, str, int, int]:
+        """Text, finish reason, completion tokens, cached prompt tokens."""
         session = await self.open(p)
+        parts, reason, count = [], "length", 0
         try:
-            parts, reason, count = [], "length", 0
             async for delta in self.text_deltas(p, session):
                 parts.append(delta.text)
                 reason = delta.finish_reason or reason
                 count = delta.completion_tokens
-            return "".join(parts), reason, count
+            return "".join(parts), reason, count, session.cached_tokens
+        except OpenAIError as exc:
+            p.timeline.failed(exc.code or str(exc.status))
+            raise
         finally:
             # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
             with anyio.CancelScope(shield=True):
                 await session.close()
+            p.timeline.close(session, count)
 
-    async def chat(self, req: ChatCompletionRequest, request_id: str):
+    async def chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None):
         chars = sum(len(m.text()) for m in req.messages)
-        p = await self._prepare(lambda: self.prepare_chat(req, request_id), chars)
+        p = await self._prepare(lambda: self.prepare_chat(req, request_id, traceparent), chars)
         if req.stream:
             session = await self.open(p)
             return session, self._chat_stream(p, req, session)
-        text, reason, count = await self.collect(p)
+        text, reason, count, cached = await self.collect(p)
         return None, out.ChatCompletion(
             id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name,
             choices=[out.ChatChoice(message=out.AssistantMessage(content=text), finish_reason=reason)],
-            usage=out.Usage.of(len(p.prompt), count),
+            usage=out.Usage.of(len(p.prompt), count, cached),
         )
 
-    async def completion(self, req: CompletionRequest, request_id: str):
+    async def completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None):
         chars = len(req.prompt) if isinstance(req.prompt, str) else sum(len(x) for x in req.prompt
                                                                            if isinstance(x, str))
-        p = await self._prepare(lambda: self.prepare_completion(req, request_id), chars)
+        p = await self._prepare(lambda: self.prepare_completion(req, request_id, traceparent), chars)
         if req.stream:
             session = await self.open(p)
             return session, self._completion_stream(p, req, session)
-        text, reason, count = await self.collect(p)
+        text, reason, count, cached = await self.collect(p)
         return None, out.Completion(
             id=f"cmpl-{request_id}", created=int(time.time()), model=self.model.name,
             choices=[out.CompletionChoice(text=text, finish_reason=reason)],
-            usage=out.Usage.of(len(p.prompt), count),
+            usage=out.Usage.of(len(p.prompt), count, cached),
         )
 
     # ---- streams -----------------------------------------------------------
@@ -203,17 +222,19 @@ class OpenAIHandlers:
                 if d.finish_reason:
                     yield sse_event(chunk(out.Delta(), d.finish_reason), exclude=usage_field)
             if req.include_usage:
+                usage = out.Usage.of(len(p.prompt), count, session.cached_tokens)
                 yield sse_event(out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created,
-                                                        model=self.model.name, choices=[],
-                                                        usage=out.Usage.of(len(p.prompt), count)))
+                                                        model=self.model.name, choices=[], usage=usage))
             yield DONE
         except OpenAIError as exc:
+            p.timeline.failed(exc.code or str(exc.status))
             yield sse_event(exc.body())
             yield DONE
         finally:
             # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
             with anyio.CancelScope(shield=True):
                 await session.close()
+            p.timeline.close(session, count)
 
     async def _completion_stream(self, p: Prepared, req: CompletionRequest, session: Session) -> AsyncIterator[str]:
         usage_field = None if req.include_usage else {"usage"}
@@ -227,13 +248,16 @@ class OpenAIHandlers:
                 count = d.completion_tokens
                 yield chunks.event(d.text, d.finish_reason)
             if req.include_usage:
+                usage = out.Usage.of(len(p.prompt), count, session.cached_tokens)
                 yield sse_event(out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
-                                               choices=[], usage=out.Usage.of(len(p.prompt), count)))
+                                               choices=[], usage=usage))
             yield DONE
         except OpenAIError as exc:
+            p.timeline.failed(exc.code or str(exc.status))
             yield sse_event(exc.body())
             yield DONE
         finally:
             # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
             with anyio.CancelScope(shield=True):
                 await session.close()
+            p.timeline.close(session, count)

@@ -1,6 +1,7 @@
 """The workers the router knows, their health and load.
 
-Workers come from config. A background task per worker polls its
+Workers come from config, and join and leave at runtime (``add`` and
+``forget``, called by ``router.discovery``). A background task per worker polls its
 ``GET /health`` every ``interval`` seconds unless real traffic already showed
 the worker alive within that interval (passive health, router/health.py,
 which also takes a worker out on failed requests): a worker that fails
@@ -16,6 +17,10 @@ queued prompt tokens) for the least-loaded policy.
 A draining worker (drained through the router's admin endpoint, or one that
 reports ``status: draining`` because it was told to drain or got SIGTERM) is
 healthy but out of rotation: it gets no new request and finishes its own.
+
+With a ``launch_id`` (the router was started by ``pdserve launch``), a worker
+counts as healthy only when its /health reports that same launch and its own
+name: whatever else answers on its port belongs to another cluster.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ class Worker:
     max_inflight: int | None = None  # per-worker in-flight limit; None: no limit
     draining: bool = False  # drained through the router's admin endpoint
     full_until: float = 0.0  # monotonic time until which a "no room" answer is trusted
+    discovered: bool = False  # joined at runtime (router/discovery.py): another launch may have started it
 
     @property
     def in_rotation(self) -> bool:
@@ -73,13 +79,17 @@ class Worker:
 
 class WorkerRegistry:
     def __init__(self, workers: list[Worker], *, interval: float = RouterSettings.health_interval,
-                 unhealthy_after: int = 2, backoff_max: float = RouterSettings.health_backoff_max) -> None:
+                 unhealthy_after: int = 2, backoff_max: float = RouterSettings.health_backoff_max,
+                 launch_id: str | None = None) -> None:
         names = [w.name for w in workers]
         assert len(names) == len(set(names)), f"duplicate worker names: {names}"
         self.workers = workers
         self.interval = interval
         self.unhealthy_after = unhealthy_after
         self.backoff_max = max(backoff_max, interval)
+        self.launch_id = launch_id
+        self._client: httpx.AsyncClient | None = None  # set by run(): new workers are watched at once
+        self._watches: dict[str, asyncio.Task] = {}
 
     def healthy(self, role: WorkerRole) -> list[Worker]:
         """Workers of ``role`` in rotation: healthy and not draining."""
@@ -105,7 +115,17 @@ class WorkerRegistry:
         try:
             resp = await client.get(f"{worker.url}/health", timeout=max(1.0, self.interval))
             resp.raise_for_status()
-            worker.apply_health(resp.json())
+            report = resp.json()
+            if worker.discovered:  # started by another launch, maybe: the same instance must answer
+                foreign = report.get("instance") != worker.name
+            else:
+                foreign = self.launch_id is not None and (report.get("launch_id"), report.get("instance")) != (
+                    self.launch_id, worker.name)
+            if foreign:
+                self.mark_down(worker, f"another process answers on its port (launch {report.get('launch_id')!r}, "
+                                       f"instance {report.get('instance')!r})")
+                return
+            worker.apply_health(report)
         except httpx.TimeoutException as exc:
             if worker.inflight == 0:  # idle and silent: a miss; busy: its requests speak for it
                 self._missed(worker, exc)
@@ -135,9 +155,38 @@ class WorkerRegistry:
             return self.interval
         return min(self.interval * 2 ** min(worker.failures - 1, 30), self.backoff_max)
 
+    def add(self, worker: Worker) -> None:
+        """A worker joins (its health is checked at once when the registry runs)."""
+        if self.find(worker.name) is not None:
+            raise ValueError(f"a worker named {worker.name!r} is already known")
+        self.workers.append(worker)
+        if self._client is not None:
+            self._watches[worker.name] = asyncio.create_task(self._watch(self._client, worker))
+
+    def forget(self, name: str) -> Worker | None:
+        """A worker leaves: no health checks, no requests (callers drain it first)."""
+        worker = self.find(name)
+        if worker is None:
+            return None
+        self.workers.remove(worker)
+        watch = self._watches.pop(name, None)
+        if watch is not None:
+            watch.cancel()
+        return worker
+
     async def run(self, client: httpx.AsyncClient) -> None:
         """Poll forever, each worker on its own schedule (cancel the task to stop)."""
-        await asyncio.gather(*(self._watch(client, w) for w in self.workers))
+        self._client = client
+        for w in self.workers:
+            self._watches[w.name] = asyncio.create_task(self._watch(client, w))
+        try:
+            await asyncio.Event().wait()
+        finally:
+            self._client = None
+            watches, self._watches = list(self._watches.values()), {}
+            for task in watches:
+                task.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
 
     async def _watch(self, client: httpx.AsyncClient, worker: Worker) -> None:
         while True:

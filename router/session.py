@@ -36,8 +36,8 @@ from transfer.outcome import DECIDED_BY_DECODE, Outcome
 
 log = logging.getLogger(__name__)
 
-# (attempt id, prompt, sampling, local) -> an open decode stream and the admission slot it holds
-OpenStream = Callable[[str, list[int], SamplingSpec, bool], Awaitable[tuple[DecodeStream, Slot]]]
+# (attempt id, prompt, sampling, local, traceparent) -> an open decode stream and the admission slot it holds
+OpenStream = Callable[[str, list[int], SamplingSpec, bool, str | None], Awaitable[tuple[DecodeStream, Slot]]]
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,18 @@ class SessionContext:
 
 class Session:
     def __init__(self, ctx: SessionContext, request_id: str, prompt: list[int], sampling: SamplingSpec,
-                 stream: DecodeStream, slot: Slot) -> None:
+                 stream: DecodeStream, slot: Slot, trace: str | None = None) -> None:
         self.request_id = request_id
         self.attempt_id = request_id  # what the servers call the current attempt
         self.decode: Worker = stream.worker
         self.prefill: Worker | None = None
         self.prefill_result: PrefillResult | None = None
         self.reservation = stream.reservation  # None: the decode server prefills locally
+        self.cached_tokens = stream.num_cached_tokens  # usage.prompt_tokens_details.cached_tokens
         self._ctx = ctx
         self._prompt = prompt
         self._sampling = sampling
+        self._trace = trace  # the request's traceparent, passed to every server it reaches
         self._stream: DecodeStream | None = stream
         self._slot = slot  # the current attempt's; the first one also holds the request's prefill slot
         self._first_slot = slot
@@ -132,7 +134,7 @@ class Session:
         reservation = self.reservation
         assert reservation is not None
         req = PrefillRequest(request_id=attempt_id, prompt_token_ids=self._prompt,
-                             sampling=self._sampling, reservation=reservation)
+                             sampling=self._sampling, reservation=reservation, trace=self._trace)
         ctx = self._ctx
         candidates = [w for w in ctx.prefill_policy.order(ctx.registry.healthy("prefill"))
                       if w.name not in self._tried_prefill]
@@ -181,9 +183,10 @@ class Session:
         self.attempt_id = f"{self.request_id}-retry{self._attempts - 1}"
         self.prefill, self.prefill_result = None, None
         self._stream, self._slot = await ctx.open_stream(self.attempt_id, self._prompt, self._sampling,
-                                                         decision.action == "local")
+                                                         decision.action == "local", self._trace)
         self.decode = self._stream.worker
         self.reservation = self._stream.reservation
+        self.cached_tokens = self._stream.num_cached_tokens
 
     async def _end_attempt(self) -> None:
         """Stop the current attempt's tasks; abort it on both servers unless it finished."""

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.tracing import TracingSettings
 
 PolicyName = Literal["round_robin", "least_loaded"]  # router/policies.py
 PrefillFailure = Literal["retry", "local", "fail"]  # what a failed prefill leads to (router/recovery.py)
@@ -26,12 +27,30 @@ class WorkerSpec:
     max_inflight: int | None = None  # requests this router sends it at once; None: no limit
 
 
+DiscoveryKind = Literal["static", "dns"]
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    """How workers join and leave at runtime (router/discovery.py). ``static``: the config's
+    instances, plus what the admin API adds. ``dns``: every ``interval_s`` each ``HOST:PORT`` of
+    ``names`` is re-resolved; every address that answers /health as a worker of this model joins,
+    one that is gone is drained and forgotten."""
+
+    kind: DiscoveryKind = "static"
+    names: tuple[str, ...] = ()
+    interval_s: float = 5.0
+    # a discovered worker's in-flight limit (the config's per-worker limit; None: no limit)
+    max_inflight: int | None = None
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     model_path: str  # local Hugging Face folder (tokenizer, config, chat template)
     served_model_name: str
     workers: tuple[WorkerSpec, ...]
-    host: str = LOOPBACK_HOST
+    host: str = LOOPBACK_HOST  # the address clients reach the router at
+    bind_host: str | None = None  # the address it binds (None: host)
     port: int = 8000
     policy: PolicyName = "round_robin"
     local_prefill_threshold: int = 0  # prompts shorter than this are prefilled on the decode server
@@ -52,6 +71,16 @@ class RouterSettings:
     max_prompt_tokens: int | None = None  # longer prompts get 400 (None: only the context length limits them)
     max_tokens: int | None = None  # larger max_tokens gets 400; a request without one gets at most this
     drain_timeout: float = DRAIN_TIMEOUT_S  # on SIGTERM: the longest to wait for requests in flight
+    header_timeout: float = 10.0  # a request's headers must arrive within this (router.connections)
+    body_timeout: float = 30.0  # and its body within this after them
+    max_connections_per_client: int = 256  # open connections from one address
     # Secrets stay out of repr, so a logged settings object shows none.
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key
+    launch_id: str | None = None  # workers must report it in /health (None: any); see deploy/launcher.py
+    tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
+    discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+
+    @property
+    def listen_host(self) -> str:
+        return self.bind_host or self.host

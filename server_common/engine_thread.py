@@ -7,7 +7,9 @@ closure submitted so far (so an abort is applied before the next step), then
 ``between_steps(engine)``: the server takes the transfers that ended from its
 KV sender or receiver there, so a finished transfer crosses one thread
 boundary (transfer thread -> engine thread). The transfer thread calls
-``wake()`` when one ends, so an idle engine thread does not sleep through it.
+``wake()`` when one ends: with nothing to run the thread sleeps on its call
+queue until a call or a wake arrives (``stop`` sends one too), so an idle
+server costs no CPU.
 Each step's outputs go to ``on_outputs(engine, outputs)``, on the engine thread; a
 prefill server's ``layer_hook`` sees each layer's K/V as soon as it is
 computed. After every iteration the thread publishes ``stats`` (an
@@ -21,6 +23,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -30,7 +33,6 @@ from engine.engine import LayerHook
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-IDLE_WAIT_S = 0.05
 _WAKE = (None, None)  # a queue item that only ends the idle wait
 
 
@@ -47,6 +49,8 @@ class EngineThread:
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
         self.stats: EngineStats = engine.stats()
         self.error: BaseException | None = None  # set if a step failed: the server is broken
+        self.last_round = time.monotonic()  # when the loop last went round (between two steps at most)
+        self._stepping = False  # inside engine.step()
 
     def start(self) -> None:
         self._thread.start()
@@ -57,12 +61,22 @@ class EngineThread:
         self._thread.join(timeout)
 
     def wake(self) -> None:
-        """From any thread: an idle engine thread looks for work now, not after its idle wait."""
+        """From any thread: an idle engine thread looks for work now (it waits for nothing else)."""
         self._calls.put(_WAKE)
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def problem(self, stuck_after_s: float) -> str | None:
+        """Why the engine cannot serve: its thread died, or it has work and went
+        no round (one step at most) for ``stuck_after_s``; None when it works."""
+        if self._thread.ident is not None and not self.alive and not self._stopping.is_set():
+            return f"engine thread died: {self.error!r}"
+        stalled = time.monotonic() - self.last_round
+        if stalled > stuck_after_s and (self._stepping or self.stats.scheduler.num_requests or not self._calls.empty()):
+            return f"engine thread made no progress for {stalled:.0f} s with work queued"
+        return None
 
     def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
         """Run ``fn(engine)`` on the engine thread between steps."""
@@ -81,7 +95,7 @@ class EngineThread:
 
     def _run_calls(self, block: bool) -> None:
         try:
-            fn, fut = self._calls.get(timeout=IDLE_WAIT_S) if block else self._calls.get_nowait()
+            fn, fut = self._calls.get() if block else self._calls.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -103,10 +117,13 @@ class EngineThread:
                 if self._between_steps is not None:
                     self._between_steps(engine)
                 if engine.has_unfinished():
+                    self._stepping = True
                     outputs = engine.step(self._layer_hook)
+                    self._stepping = False
                     if outputs:
                         self._on_outputs(engine, outputs)
                 self.stats = engine.stats()
+                self.last_round = time.monotonic()
         except BaseException as exc:
             log.exception("engine thread died")
             self.error = exc

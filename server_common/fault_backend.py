@@ -49,6 +49,8 @@ class FaultyBackend(Backend):
         self.inner.send_notice(peer, payload)
 
     def poll(self, timeout_s: float = 0.0):
+        if self._faults.take("break_transport"):
+            raise RuntimeError("fault injection: the transport broke")
         while self._delayed and self._delayed[0][0] <= time.monotonic():
             _, peer, payload = self._delayed.popleft()
             try:
@@ -69,6 +71,12 @@ class FaultyBackend(Backend):
 
     def metadata(self) -> bytes:
         return self.inner.metadata()
+
+    def metadata_for(self, peer: str) -> bytes:
+        return self.inner.metadata_for(peer)
+
+    def set_write_limit(self, limit) -> None:
+        self.inner.set_write_limit(limit)
 
     def connect(self, peer: str, metadata: bytes) -> None:
         self.inner.connect(peer, metadata)

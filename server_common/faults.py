@@ -13,6 +13,8 @@ releases. Faults and where they act::
     delay_notices n     P  the next n notices leave notice_delay_s late
     corrupt_writes n    D  one byte of each of the next n KV writes received is flipped
     step_delay_s        D  the engine thread sleeps after each step that produced tokens
+    break_transport n   P/D the transfer backend's next n polls raise: the transfer thread dies,
+                            so /health turns 503 and the server exits to be restarted
 
 Holds and stalls end on ``release`` (which also ends ``step_delay_s``) or
 after ``pause_timeout_s``, so a test that forgets one cannot wedge a server. Thread-safe: the event loop, the
@@ -27,7 +29,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
-COUNTERS = ("drop_notices", "delay_notices", "corrupt_writes")
+COUNTERS = ("drop_notices", "delay_notices", "corrupt_writes", "break_transport")
 
 
 class FaultPlan(BaseModel):
@@ -39,6 +41,7 @@ class FaultPlan(BaseModel):
     delay_notices: int = Field(default=0, ge=0)
     notice_delay_s: float = Field(default=0.0, ge=0, le=60)
     corrupt_writes: int = Field(default=0, ge=0)
+    break_transport: int = Field(default=0, ge=0)
     step_delay_s: float = Field(default=0.0, ge=0, le=5)
     pause_timeout_s: float = Field(default=5.0, gt=0, le=60)
 
@@ -58,7 +61,7 @@ class FaultInjector:
         self._held = 0
         self._stalled = False
         self._injected = {"held": 0, "stalled": 0, "notices_dropped": 0, "notices_delayed": 0,
-                          "writes_corrupted": 0}
+                          "writes_corrupted": 0, "transport_broken": 0}
 
     # ---- control (HTTP routes) ---------------------------------------------------
     def arm(self, plan: FaultPlan) -> None:
@@ -80,7 +83,7 @@ class FaultInjector:
 
     # ---- hooks ---------------------------------------------------------------------
     def take(self, counter: str) -> bool:
-        """Consume one armed ``drop_notices`` / ``delay_notices`` / ``corrupt_writes``."""
+        """Consume one armed ``drop_notices`` / ``delay_notices`` / ``corrupt_writes`` / ``break_transport``."""
         assert counter in COUNTERS, counter
         with self._lock:
             left = getattr(self._plan, counter)
@@ -88,7 +91,7 @@ class FaultInjector:
                 return False
             self._plan = self._plan.model_copy(update={counter: left - 1})
             done = {"drop_notices": "notices_dropped", "delay_notices": "notices_delayed",
-                    "corrupt_writes": "writes_corrupted"}[counter]
+                    "corrupt_writes": "writes_corrupted", "break_transport": "transport_broken"}[counter]
             self._injected[done] += 1
             return True
 

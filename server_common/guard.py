@@ -12,11 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import time
 from collections.abc import Callable, Iterable
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -26,18 +26,6 @@ from server_common.worker_requests import AbortRequest
 from transfer.outcome import Outcome
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
-LOOPBACK_HOST = "127.0.0.1"  # every process binds here unless the cluster config names another interface
-DRAIN_TIMEOUT_S = 30.0  # on SIGTERM: the longest a process waits for its requests in flight
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` (an address or "localhost") is this machine only; a host name counts as reachable."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def bearer_token(authorization: str) -> str:
@@ -79,6 +67,66 @@ class InternalAuthMiddleware:
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})
         await send({"type": "http.response.body", "body": body})
+
+
+class BodyCapMiddleware:
+    """Pure ASGI: 413 for a body over ``max_bytes``, refused on its declared
+    length before a byte is read, or as soon as the bytes read pass the cap
+    (so a body costs the server at most ``max_bytes`` of memory). No response
+    is buffered, so streams and disconnects still work. ``refusal_body``: the
+    JSON of the 413 (the router answers in OpenAI's error shape; by default an
+    internal server's ``ErrorReply``)."""
+
+    def __init__(self, app, max_bytes: int, refusal_body: Callable[[str], bytes] | None = None) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+        self._refusal_body = refusal_body or (
+            lambda message: ErrorReply(error=message, code=Outcome.TOO_LARGE).model_dump_json().encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers", [])).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the caller left before sending it all
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(send)
+                return
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: disconnect notices
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send) -> None:
+        body = self._refusal_body(f"request body is larger than {self.max_bytes} bytes")
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 naming each bad field; never the values (a NaN would not even serialise)."""
+    fields = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", ""))} for e in exc.errors()]
+    first = fields[0] if fields else {"loc": [], "msg": "invalid request"}
+    return JSONResponse({"error": f"{'.'.join(first['loc'])}: {first['msg']}", "code": "bad_request",
+                         "fields": fields[:20]}, status_code=422)
 
 
 def install_guard(app, secret: str | None, drain: Drain) -> None:
@@ -144,19 +192,26 @@ def service_app(service, title: str) -> FastAPI:
     with the routes both servers share.
 
     ``service`` has async ``start()``/``stop()``/``abort(id)``, ``health()``, ``engine``,
-    ``metrics``, ``faults``, ``settings.internal_secret`` and ``drain``.
+    ``metrics``, ``faults``, ``settings``, ``drain`` and ``vitals`` (``server_common.vitals``:
+    /health answers 503 while a thread is dead or stuck, and a dead one ends the process).
     """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await service.start()
+        watchdog = asyncio.ensure_future(service.vitals.watch())
         try:
             yield
         finally:
+            watchdog.cancel()
             await service.stop()
 
     app = FastAPI(title=title, lifespan=lifespan)
+    # Added before the guard, so it runs after it: a caller without the secret gets 401 before a byte
+    # of its body is read, one with it no more than the cap.
+    app.add_middleware(BodyCapMiddleware, max_bytes=service.settings.max_body_bytes)
     install_guard(app, service.settings.internal_secret, service.drain)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
     _add_common_routes(app, service)
     return app
 
@@ -169,13 +224,20 @@ def _add_common_routes(app: FastAPI, service) -> None:
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not service.engine_thread.alive:
-            return JSONResponse({"status": "engine_down", "error": repr(service.engine_thread.error)}, status_code=503)
+        problem = service.vitals.problem()  # a dead or stuck engine or transfer thread
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
         return JSONResponse(service.health().model_dump())
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/timeline")
+    async def timeline() -> JSONResponse:
+        """Stage timestamps of the last requests (server_common/timeline_log.py)."""
+        return JSONResponse({"instance": service.settings.name, "role": service.settings.role,
+                             "requests": service.timeline.entries()})
 
     if service.faults is not None:  # config fault_injection: true (tests only)
         add_fault_routes(app, service.faults)

@@ -39,8 +39,9 @@ def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | Non
 
     kind = settings.transfer_backend
     if kind == "zmq":
-        endpoint = f"tcp://{settings.host}:{settings.kv_port}" if listen else None
-        backend = make_backend("zmq", settings.name, endpoint=endpoint, connect_timeout_s=settings.transfer_timeout_s)
+        endpoint = f"tcp://{settings.listen_host}:{settings.kv_port}" if listen else None
+        backend = make_backend("zmq", settings.name, endpoint=endpoint, connect_timeout_s=settings.transfer_timeout_s,
+                               advertise_host=settings.host if listen else None)
     else:
         backend = make_backend(kind, settings.name)
     if faults is None:
@@ -48,6 +49,10 @@ def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | Non
     from server_common.fault_backend import FaultyBackend
 
     return FaultyBackend(backend, faults)
+
+
+class UnknownPeer(ValueError):
+    """A reservation names a decode server this cluster neither lists nor was told about by its router."""
 
 
 class ReceiverAdapter:
@@ -70,8 +75,8 @@ class ReceiverAdapter:
     def accept(self, sender_hello: bytes) -> bytes:
         return self._receiver.accept(sender_hello, timeout_s=self._settings.transfer_timeout_s)
 
-    def expect(self, block_ids: list[int], lease_s: float) -> str:
-        return self._receiver.expect(block_ids, lease_s)
+    def expect(self, block_ids: list[int], lease_s: float, writable_from: int = 0) -> str:
+        return self._receiver.expect(block_ids, lease_s, writable_from=writable_from)
 
     def target(self) -> dict:
         return {"peer": self._settings.name, "hello_url": f"{self._settings.url}/kv/hello", "epoch": self._epoch}
@@ -81,6 +86,9 @@ class ReceiverAdapter:
 
     def counters(self) -> dict[str, int]:
         return self._receiver.counters()
+
+    def problem(self, stuck_after_s: float) -> str | None:
+        return self._receiver.problem(stuck_after_s)
 
     def close(self) -> None:
         self._receiver.close()
@@ -95,6 +103,9 @@ class SenderAdapter:
         self._sender = KVSender(_backend(settings, listen=False, faults=faults), engine.cache.kv, _layout(engine),
                                 name=settings.name, model=engine.config.model, notify=notify)
         self._peers: dict[str, tuple[str, asyncio.Task]] = {}  # peer -> (its epoch, handshake); event loop only
+        # Decode servers this prefill server may meet, by name: the config's, and those the router's
+        # discovery announced (POST /admin/peers); event loop only.
+        self._known: dict[str, str] = dict(settings.decode_peers)
 
     def start(self) -> None:
         self._sender.start()
@@ -115,14 +126,37 @@ class SenderAdapter:
         return await asyncio.shield(task)
 
     async def _handshake(self, target: dict) -> str:
+        """Only with a decode server of this cluster, at the address the cluster config gives it
+        (the reservation's ``hello_url`` is not followed: the secret goes nowhere else), and
+        without echoing what it answered."""
+        peer = target.get("peer")
+        url = self._known.get(peer) if isinstance(peer, str) else None
+        if url is None:
+            raise UnknownPeer(f"decode server {str(peer)[:64]!r} is not one of this cluster's")
         hello = base64.b64encode(self._sender.hello()).decode()
         async with httpx.AsyncClient(timeout=self._settings.transfer_timeout_s,
                                      headers=auth_headers(self._settings.internal_secret)) as client:
-            resp = await client.post(target["hello_url"], json={"hello": hello})
+            resp = await client.post(f"{url}/kv/hello", json={"hello": hello})
         if resp.status_code != 200:
-            raise RuntimeError(f"decode server {target['peer']} refused the handshake: {resp.text[:300]}")
+            raise RuntimeError(f"decode server {peer} refused the handshake (HTTP {resp.status_code})")
         answer = base64.b64decode(resp.json()["hello"])
         return await asyncio.to_thread(self._sender.connect, answer, self._settings.transfer_timeout_s)
+
+    def add_peer(self, name: str, url: str) -> None:
+        """The router vouches for a decode server that joined (its discovery found it)."""
+        if self._known.get(name) != url:
+            self._peers.pop(name, None)  # a new address: meet it afresh
+        self._known[name] = url
+
+    def forget_peer(self, name: str) -> bool:
+        """A decode server left: no handshake with it any more; its transfer state is released."""
+        known = self._known.pop(name, None) is not None
+        self._peers.pop(name, None)
+        self._sender.forget(name)
+        return known
+
+    def known_peers(self) -> dict[str, str]:
+        return dict(self._known)
 
     def begin(self, transfer_id: str, peer: str, dst_block_ids: list[int], lease_s: float) -> None:
         self._sender.begin(transfer_id, peer, dst_block_ids, lease_s)
@@ -135,6 +169,9 @@ class SenderAdapter:
 
     def abort(self, transfer_id: str) -> None:
         self._sender.abort(transfer_id)
+
+    def problem(self, stuck_after_s: float) -> str | None:
+        return self._sender.problem(stuck_after_s)
 
     def close(self) -> None:
         self._sender.close()

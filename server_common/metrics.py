@@ -1,4 +1,8 @@
-"""Prometheus metrics of a prefill or decode server, on a registry of its own."""
+"""Prometheus metrics of a prefill or decode server, on a registry of its own.
+
+Names follow one scheme (README, "Metrics"): ``pdserve_`` first, the unit last
+(``_seconds``, ``_bytes``, ``_tokens``, ``_ratio``), ``_total`` on counters;
+a failure is labelled with its ``transfer.outcome.Outcome`` code."""
 
 from __future__ import annotations
 
@@ -12,8 +16,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from engine import EngineStats
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+BYTES_BUCKETS = tuple(float(1 << k) for k in range(12, 34, 2))  # 4 KiB .. 8 GiB
+GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 AGE_BUCKETS = ((1.0, "lt_1s"), (10.0, "1s_10s"), (60.0, "10s_60s"), (float("inf"), "ge_60s"))
-DISCARDED = (("dropped_expired", "expired"), ("dropped_unknown", "unknown"), ("dropped_out_of_bounds", "out_of_bounds"))
+DISCARDED = (("dropped_expired", "expired"), ("dropped_unknown", "unknown"), ("dropped_out_of_bounds", "out_of_bounds"),
+             ("dropped_malformed", "malformed"), ("dropped_oversized", "oversized"),
+             ("dropped_unbound_identity", "unbound_identity"), ("contained_errors", "error"))
 
 
 class ServerMetrics:
@@ -24,8 +33,14 @@ class ServerMetrics:
         blocks.labels(state="free").set_function(lambda: sched().free)
         blocks.labels(state="reserved").set_function(lambda: sched().reserved)
         blocks.labels(state="running").set_function(lambda: sched().running)
-        Gauge("pdserve_queue_depth", "Requests waiting to be scheduled", registry=r).set_function(
+        Gauge("pdserve_kv_blocks_cached", "Prefix-cached blocks with no owner (counted as free: evicted when needed)",
+              registry=r).set_function(lambda: sched().cached)
+        Gauge("pdserve_waiting_requests", "Requests waiting to be scheduled", registry=r).set_function(
             lambda: sched().queue_depth)
+        Gauge("pdserve_running_requests", "Requests being computed (prefill or decode)", registry=r).set_function(
+            lambda: sched().num_running)
+        Gauge("pdserve_kv_cache_usage_ratio", "Share of KV blocks held (reserved or running)",
+              registry=r).set_function(lambda: 1.0 - sched().free / max(1, sched().total))
         Gauge("pdserve_queued_tokens", "Prompt tokens not computed yet", registry=r).set_function(
             lambda: sched().queued_tokens)
         Gauge("pdserve_engine_requests", "Requests the engine holds", registry=r).set_function(
@@ -38,15 +53,26 @@ class ServerMetrics:
         self.transfer_bytes = Counter("pdserve_transfer_bytes", "KV bytes transferred", registry=r)
         self.transfer_seconds = Histogram("pdserve_transfer_seconds", "Time to transfer one request's KV",
                                           buckets=TRANSFER_BUCKETS, registry=r)
+        self.transfer_request_bytes = Histogram("pdserve_transfer_request_bytes", "KV bytes of one request",
+                                                buckets=BYTES_BUCKETS, registry=r)
+        self.transfer_gbps = Histogram("pdserve_transfer_gigabytes_per_second",
+                                       "One request's KV bytes over its transfer time", buckets=GBPS_BUCKETS,
+                                       registry=r)
+        self.kv_wait_seconds = Histogram("pdserve_kv_wait_seconds",
+                                         "Decode server: reservation made to its KV verified", buckets=STAGE_BUCKETS,
+                                         registry=r)
+        self.prefill_queue_seconds = Histogram("pdserve_prefill_queue_seconds",
+                                               "Prefill server: request received to its first chunk computed",
+                                               buckets=STAGE_BUCKETS, registry=r)
+        self.prefill_compute_seconds = Histogram("pdserve_prefill_compute_seconds",
+                                                 "Prefill server: first chunk to first token sampled",
+                                                 buckets=STAGE_BUCKETS, registry=r)
         self.transfer_exposed_seconds = Histogram(
             "pdserve_transfer_exposed_seconds",
             "Prefill end (last layer computed, first token sampled) to the decode server's ack: "
             "the part of a KV transfer not hidden behind compute", buckets=TRANSFER_BUCKETS, registry=r)
-        self.lease_expired = Counter("pdserve_lease_expired", "Reservations freed at lease expiry", registry=r)
-        self.transfer_failed = Counter("pdserve_transfer_failed", "Transfers that failed or were refused",
-                                       registry=r)
-        self.checksum_failures = Counter("pdserve_checksum_failures", "Transfers refused: KV checksum mismatch",
-                                         registry=r)
+        self.transfer_failures = Counter("pdserve_transfer_failures", "KV transfers that failed, by outcome code",
+                                         ["code"], registry=r)
         self.reprefills = Counter("pdserve_reprefills", "Requests prefilled locally after their remote KV failed",
                                   ["cause"], registry=r)
 
@@ -101,6 +127,11 @@ class _EngineSteps:
         yield steps
         yield seconds
         yield tokens
+        yield CounterMetricFamily("pdserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
+                                  value=c.prefix_queries_tokens)
+        yield CounterMetricFamily("pdserve_prefix_cache_hits_tokens",
+                                  "Prompt tokens found in the prefix cache (K/V reused, not computed)",
+                                  value=c.prefix_hits_tokens)
         yield CounterMetricFamily("pdserve_preemptions", "Running requests preempted (freed, recomputed later)",
                                   value=c.preemptions)
 

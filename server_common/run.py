@@ -12,7 +12,8 @@ import signal
 
 import uvicorn
 
-from server_common.guard import DRAIN_TIMEOUT_S, Drain
+from server_common.guard import Drain
+from server_common.process_defaults import DRAIN_TIMEOUT_S
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,11 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(app, host: str, port: int, log_level: str, drain: Drain | None = None,
-          drain_timeout: float = DRAIN_TIMEOUT_S) -> None:
-    """Run ``app`` until a signal; with ``drain``, SIGTERM drains first (see ``DrainingServer``)."""
+          drain_timeout: float = DRAIN_TIMEOUT_S, http: type | str = "auto") -> None:
+    """Run ``app`` until a signal; with ``drain``, SIGTERM drains first (see ``DrainingServer``).
+    ``http``: uvicorn's protocol (the router passes ``router.connections``' guarded one)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=3)
+                            timeout_graceful_shutdown=3, http=http)
     server = DrainingServer(config, drain, drain_timeout) if drain is not None else uvicorn.Server(config)
     try:
         server.run()

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.config import EngineConfig, EngineMode
-from server_common.guard import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.tracing import TracingSettings
 
 TransferBackendName = Literal["zmq", "nixl"]  # transfer's in-process backend is for tests inside one process
 KvFailureAction = Literal["fail", "local"]  # a lease expired or a checksum failed: fail it, or prefill it on D
@@ -25,7 +26,8 @@ class ServerSettings:
     name: str
     role: EngineMode
     engine: EngineConfig
-    host: str = LOOPBACK_HOST
+    host: str = LOOPBACK_HOST  # the address others reach it at (advertised in reservations and handshakes)
+    bind_host: str | None = None  # the address it binds (None: host; 0.0.0.0: every interface)
     port: int = 8200
     kv_port: int = 8201
     transfer_backend: TransferBackendName = "zmq"
@@ -36,6 +38,18 @@ class ServerSettings:
     fault_injection: bool = False  # mount /admin/faults (tests only)
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     internal_secret: str | None = field(default=None, repr=False)  # required on internal calls; never logged
+    # (name, url) of the cluster's decode servers: a prefill server's handshakes go there only
+    decode_peers: tuple[tuple[str, str], ...] = ()
+    max_unfilled_blocks_per_caller: int | None = None  # server_common.quota (None: only the cache bounds it)
+    max_body_bytes: int = 16 << 20  # larger bodies get 413 before they are read (a 1M-token prompt fits)
+    stuck_after_s: float = 60.0  # /health: a thread with work that made no progress this long is stuck
+    launch_id: str | None = None  # reported in /health; from `pdserve launch` (deploy/process_cli.py)
+    tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
+
+    @property
+    def listen_host(self) -> str:
+        """The address it binds (``bind_host``; by default the one others reach it at, ``host``)."""
+        return self.bind_host or self.host
 
     @property
     def url(self) -> str:

@@ -32,7 +32,10 @@ class Reservation(Reply):
     ``kv_target`` is the transfer layer's own description of where to write
     (layout, address, agent); the router passes it through untouched.
     ``lease_deadline`` is Unix time: after it the decode server frees the
-    blocks and fails the request.
+    blocks and fails the request. The first ``num_cached_tokens`` prompt
+    tokens are already in ``block_ids`` (the decode server's cached prefix,
+    pinned for this request): the prefill server writes only the tokens
+    ``[num_cached_tokens, num_tokens)``.
     """
 
     instance: str
@@ -43,11 +46,15 @@ class Reservation(Reply):
     num_tokens: int
     lease_deadline: float
     kv_target: dict
+    num_cached_tokens: int = Field(default=0, ge=0)
 
 
 class ReservationEvent(Reply):
+    """``num_cached_tokens``: prompt tokens the decode server found in its prefix cache (either path)."""
+
     type: Literal["reservation"] = "reservation"
     reservation: Reservation | None
+    num_cached_tokens: int = Field(default=0, ge=0)
 
 
 class TokensEvent(Reply):
@@ -99,6 +106,8 @@ class HealthReport(Reply):
     queue_depth: int
     queued_tokens: int
     num_requests: int
+    launch_id: str | None = None  # the nonce of the `pdserve launch` that started it (None: started alone)
+    model: str = ""  # server_common.model_id.model_fingerprint of the folder it serves
 
 
 class ErrorReply(Reply):

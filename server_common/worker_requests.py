@@ -1,28 +1,37 @@
 """Router -> prefill/decode servers: JSON bodies of the internal control plane.
 
 Validated strictly (unknown fields refused): both ends are pdserve, so a
-mismatch is a bug to surface, not a client to tolerate.
+mismatch is a bug to surface, not a client to tolerate. Every number is
+finite and ranged (NaN, infinities and 2^63 are refused with 422), so
+nothing a caller sends reaches the engine as a value it cannot hold.
 """
 
 from __future__ import annotations
+
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from server_common.worker_replies import Reservation
 
 
+MAX_TOKENS = 1 << 24  # far above any context a pdserve engine holds
+MAX_PROMPT = 1 << 22
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+
+
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class SamplingSpec(Strict):
     """The engine's SamplingParams, as JSON."""
 
-    max_tokens: int = Field(ge=1)
-    temperature: float = Field(default=1.0, ge=0.0)
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)  # 0 = off
-    seed: int | None = None
+    top_k: int = Field(default=0, ge=0, le=1 << 24)  # 0 = off
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     ignore_eos: bool = False
 
     def engine_params(self):
@@ -43,18 +52,20 @@ class GenerateRequest(Strict):
     """
 
     request_id: str = Field(min_length=1, max_length=200)
-    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT)
     sampling: SamplingSpec
     local_prefill: bool = False
+    trace: str | None = Field(default=None, max_length=128)  # the router's W3C traceparent (tracing on)
 
 
 class PrefillRequest(Strict):
     """POST /prefill on a prefill server: compute this prompt into that reservation."""
 
     request_id: str = Field(min_length=1, max_length=200)
-    prompt_token_ids: list[int] = Field(min_length=1)
+    prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=MAX_PROMPT)
     sampling: SamplingSpec
     reservation: Reservation
+    trace: str | None = Field(default=None, max_length=128)  # the router's W3C traceparent (tracing on)
 
 
 class AbortRequest(Strict):
@@ -68,3 +79,11 @@ class KVHello(Strict):
     message (msgpack bytes made by ``transfer``), base64-encoded."""
 
     hello: str = Field(max_length=1 << 20)
+
+
+class DecodePeer(Strict):
+    """POST /admin/peers on a prefill server (from the router's discovery): a decode server
+    that joined the cluster, which this prefill server may now hand KV to."""
+
+    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.-]+$")
+    url: str = Field(min_length=8, max_length=300, pattern=r"^https?://[^/\s]+$")

@@ -46,6 +46,19 @@ class WriteIn:
 
 
 @dataclass
+class Dropped:
+    """A message-backend frame refused before any of it was applied (and, for a
+    write, before its payload was allocated). ``reason``: malformed (bad header
+    or frames), oversized (more bytes than the transfer's reservation holds),
+    unbound_identity (a connection the authenticated handshake did not bind),
+    unknown_transfer (no live reservation for ``transfer_id``)."""
+
+    peer: str
+    reason: str
+    transfer_id: str = ""
+
+
+@dataclass
 class PeerLost:
     """The transport saw a peer go away (message backends only)."""
 
@@ -63,6 +76,17 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def metadata(self) -> bytes:
         """What a peer needs to connect to us (includes registered regions)."""
+
+    def metadata_for(self, peer: str) -> bytes:
+        """What ``peer`` (connected with ``connect``) needs to connect to us:
+        ``metadata`` plus anything bound to that peer alone (ZeroMQ: the
+        connection identity the receiver assigned it)."""
+        return self.metadata()
+
+    def set_write_limit(self, limit) -> None:
+        """Receivers of message backends: ``limit(transfer_id)`` is the most
+        bytes one write of that transfer may carry (None: no live reservation),
+        checked against a write's header before its payload is read."""
 
     @abc.abstractmethod
     def connect(self, peer: str, metadata: bytes) -> None:
@@ -90,7 +114,7 @@ class Backend(abc.ABC):
         """Send a small message, ordered after this side's completed writes."""
 
     @abc.abstractmethod
-    def poll(self, timeout_s: float = 0.0) -> list[NoticeIn | WriteIn | PeerLost]:
+    def poll(self, timeout_s: float = 0.0) -> list[NoticeIn | WriteIn | PeerLost | Dropped]:
         """What arrived; may wait up to ``timeout_s`` when the transport can."""
 
     def apply(self, write: WriteIn) -> None:

@@ -42,6 +42,7 @@ class Expected:
     cancelling: str = ""  # reason, once a cancel was sent to the senders
     cancel_code: Outcome = Outcome.CANCELLED  # how it ends once the senders confirmed
     cancel_deadline: float = 0.0
+    writable_from: int = 0  # writes may touch block_ids[writable_from:] only (the rest is a shared cached prefix)
 
 
 class TransferRegistry:
@@ -55,12 +56,14 @@ class TransferRegistry:
         self.counters = {"issued": 0, "completed": 0, "failed": 0, "dropped_unknown": 0,
                          "dropped_expired": 0, "checksum_failures": 0}
 
-    def issue(self, block_ids, lease_s: float, num_senders: int = 1, now: float | None = None) -> str:
+    def issue(self, block_ids, lease_s: float, num_senders: int = 1, now: float | None = None,
+              writable_from: int = 0) -> str:
         if lease_s <= 0 or num_senders < 1:
             raise ValueError(f"lease_s={lease_s} and num_senders={num_senders} must be positive")
         tid = f"{self._name}-{secrets.token_hex(8)}"
         now = time.monotonic() if now is None else now
-        self._active[tid] = Expected(tid, tuple(int(b) for b in block_ids), now + lease_s, num_senders)
+        self._active[tid] = Expected(tid, tuple(int(b) for b in block_ids), now + lease_s, num_senders,
+                                     writable_from=writable_from)
         self.counters["issued"] += 1
         return tid
 

@@ -19,7 +19,10 @@ Facts this code relies on (nixl 1.5.1, measured on the CPU dev machine):
   misses dead peers. With CUDA, "auto" leaves UCX to pick (cuda_ipc,
   cuda_copy, rc...). ``ucx_net_devices``: "lo" keeps a single-host cluster on
   loopback (tests, bench, local launcher); multi-host deployments name their
-  NIC (e.g. ``mlx5_0:1``); None lets UCX use every device. A variable already
+  NIC (e.g. ``mlx5_0:1``); None lets UCX use every device, and UCX then opens
+  a TCP listener on each of them. The servers set ``UCX_NET_DEVICES`` to the
+  interface of their configured host before the agent starts
+  (``transfer/netdev.py``), so nothing listens beyond it. A variable already
   set in the environment wins over the config (debugging).
 * Writes use descriptor lists prepared once per (region, chunk size) and
   ``make_prepped_xfer`` with index arrays for whole chunks; the few ranges that

@@ -42,6 +42,7 @@ class Outcome(StrEnum):
     HANDSHAKE_FAILED = "handshake_failed"  # the prefill server could not meet the decode server
     INCOMPATIBLE_PEER = "incompatible_peer"  # the other server runs another model, layout or backend
     UNAUTHORIZED = "unauthorized"  # an internal call without the cluster's internal secret
+    TOO_LARGE = "request_too_large"  # a request body over the server's cap
 
     # -- the router's view of a worker
     UNREACHABLE = "unreachable"  # connection refused or reset

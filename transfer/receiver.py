@@ -29,9 +29,9 @@ import msgspec
 import numpy as np
 import torch
 
-from transfer.backend import Backend, NoticeIn, PeerLost, TransferError, WriteIn
+from transfer.backend import Backend, Dropped, NoticeIn, PeerLost, TransferError, WriteIn
 from transfer.copy import region_bytes
-from transfer.integrity import Expected, TransferRegistry, checksum_positions, kv_checksum
+from transfer.integrity import CHECKSUM_MODES, Expected, TransferRegistry, checksum_positions, kv_checksum
 from transfer.layout import KVLayout, check_compatible
 from transfer.messages import Ack, Cancel, CancelAck, Done, Hello, decode, encode
 from transfer.outcome import Outcome
@@ -77,6 +77,7 @@ class KVReceiver(TransferThread):
         self._senders: set[str] = set()
         self._cancel_acks: dict[str, set[str]] = {}
         backend.register("kv", self._cache)
+        backend.set_write_limit(self._write_limit)
         super().__init__(backend, name, notify)
 
     # -- called from the server's threads ---------------------------------
@@ -94,17 +95,23 @@ class KVReceiver(TransferThread):
             done.result(timeout_s)
         except TimeoutError:
             raise TimeoutError(f"accepting {hello.name!r} took over {timeout_s} s") from None
-        return self.hello()
+        # Ours, with what the backend bound to this sender alone (its ZeroMQ identity).
+        return encode(Hello(self.role, self.name, self._model, self._layout, self.backend.kind,
+                            self.backend.metadata_for(hello.name)))
 
-    def expect(self, block_ids, lease_s: float, num_senders: int = 1) -> str:
+    def expect(self, block_ids, lease_s: float, num_senders: int = 1, writable_from: int = 0) -> str:
         """Issue a transfer id for ``block_ids`` (reserved by the engine),
         valid for ``lease_s`` seconds; ``num_senders`` prefill ranks (TP) must
-        each send a verified Done before it completes."""
+        each send a verified Done before it completes. Writes may touch only
+        ``block_ids[writable_from:]``: the blocks before are a cached prefix
+        that other requests may be reading."""
         ids = np.asarray(block_ids, dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= self._layout.num_blocks):
             raise ValueError(f"block ids outside [0, {self._layout.num_blocks}): {ids.tolist()}")
+        if not 0 <= writable_from < max(len(ids), 1):
+            raise ValueError(f"writable_from {writable_from} is outside the {len(ids)} reserved blocks")
         with self._lock:
-            tid = self._registry.issue(ids, lease_s, num_senders)
+            tid = self._registry.issue(ids, lease_s, num_senders, writable_from=writable_from)
         self._cmds.put(Wake())  # a resting thread now looks for this transfer's notices
         return tid
 
@@ -115,7 +122,15 @@ class KVReceiver(TransferThread):
 
     def counters(self) -> dict[str, int]:
         with self._lock:
-            return dict(self._registry.counters)
+            counters = dict(self._registry.counters)
+        counters["contained_errors"] = self.contained_errors
+        return counters
+
+    def _write_limit(self, transfer_id: str) -> int | None:
+        """The most bytes one write of ``transfer_id`` may carry: one layer's K and V of its blocks."""
+        with self._lock:
+            entry = self._registry.peek(transfer_id)
+        return None if entry is None else 2 * len(entry.block_ids) * self._layout.block_bytes
 
     # -- transfer thread -------------------------------------------------
     def _handle(self, cmd) -> None:
@@ -169,6 +184,12 @@ class KVReceiver(TransferThread):
             self._on_write(item)
         elif isinstance(item, PeerLost):
             self._senders.discard(item.peer)
+        elif isinstance(item, Dropped):
+            if item.reason == "unknown_transfer":
+                with self._lock:
+                    self._registry.get(item.transfer_id)  # counts it as expired or unknown
+            else:
+                self._bump(f"dropped_{item.reason}")
         elif isinstance(item, NoticeIn):
             try:
                 msg = decode(item.payload)
@@ -185,7 +206,10 @@ class KVReceiver(TransferThread):
             entry = self._registry.get(write.transfer_id)
         if entry is None or entry.cancelling:
             return
-        if not ranges_inside(self._layout, entry.block_ids, write.dst_offsets, write.lengths):
+        if write.lengths.sum() != len(write.data) or len(write.dst_offsets) != len(write.lengths):
+            self._bump("dropped_malformed")
+            return
+        if not ranges_inside(self._layout, entry.block_ids[entry.writable_from:], write.dst_offsets, write.lengths):
             self._bump("dropped_out_of_bounds")
             self._end(entry, Outcome.OUT_OF_BOUNDS, f"{write.peer!r} wrote outside the reserved blocks")
             return
@@ -211,6 +235,8 @@ class KVReceiver(TransferThread):
     def _verify(self, entry: Expected, done: Done) -> tuple[Outcome, str]:
         """(outcome, reason)."""
         capacity = len(entry.block_ids) * self._layout.block_size
+        if done.checksum_mode not in CHECKSUM_MODES or not 0 <= done.first_token < 1 << 31:
+            return Outcome.BAD_NOTICE, "bad checksum mode or first token"
         if not 0 <= done.token_start <= done.token_end <= capacity:
             return Outcome.BAD_NOTICE, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots"
         if not set(done.heads) <= set(self._layout.head_ids):

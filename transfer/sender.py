@@ -96,6 +96,13 @@ class Abort:
     transfer_id: str
 
 
+@dataclass(frozen=True)
+class Forget:
+    """Command: a decode server left the cluster; release everything held for it."""
+
+    peer: str
+
+
 class KVSender(TransferThread):
     """Pushes prefilled KV into decode servers' reserved blocks."""
 
@@ -152,6 +159,12 @@ class KVSender(TransferThread):
         """Drop a transfer (request aborted): nothing more is written."""
         self._submit(Abort(transfer_id))
 
+    def forget(self, peer: str) -> None:
+        """A decode server left: its transfers fail (peer_lost) and the backend releases what it
+        held for it (NIXL remote agent and descriptor lists, ZeroMQ socket). A replacement at the
+        same name is met afresh by ``connect``."""
+        self._submit(Forget(peer))
+
     def stats(self) -> dict:
         """Layer writes posted, their ranges and bytes, and the transfer
         thread's seconds spent planning, converting and posting them."""
@@ -187,6 +200,12 @@ class KVSender(TransferThread):
                 out = self._out.get(tid)
                 if out is not None:
                     out.fail("aborted", Outcome.ABORTED)
+            case Forget(peer):
+                for out in self._out.values():
+                    if out.peer == peer:
+                        out.fail(f"decode peer {peer!r} left the cluster", Outcome.PEER_LOST)
+                if self._peers.pop(peer, None) is not None:
+                    self.backend.disconnect(peer)
 
     def _connect(self, hello: Hello, fut: Future) -> None:
         try:

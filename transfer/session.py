@@ -105,6 +105,8 @@ class TransferThread:
         self._cmds: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         self._closed = False
+        self.contained_errors = 0  # incoming items that raised: dropped (transfer thread writes, others read)
+        self.last_round = time.monotonic()  # when the thread last went round its loop (see ``problem``)
         self._hello = encode(Hello(self.role, name, self._model, self._layout, backend.kind,
                                    backend.metadata()))
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.role}-{name}", daemon=True)
@@ -127,6 +129,17 @@ class TransferThread:
         if self._error is not None:
             raise RuntimeError(f"{self.role} transfer thread died: {self._error!r}") from self._error
         return self._finished.take()
+
+    def problem(self, stuck_after_s: float) -> str | None:
+        """Why this side cannot work (its thread died, or went no round for
+        ``stuck_after_s`` while it loops every few milliseconds), or None."""
+        if self._error is not None or (self._thread.ident is not None and not self._thread.is_alive()
+                                       and not self._closed):
+            return f"{self.role} transfer thread died: {self._error!r}"
+        stalled = time.monotonic() - self.last_round
+        if stalled > stuck_after_s:
+            return f"{self.role} transfer thread made no progress for {stalled:.0f} s"
+        return None
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the thread and release the backend (idempotent)."""
@@ -162,9 +175,10 @@ class TransferThread:
                 self._handle_all([cmd for cmd in cmds if not isinstance(cmd, Wake)])
                 timeout = 0.0 if cmds or on_commands else wait
                 for item in self.backend.poll(timeout):
-                    self._on_incoming(item)
+                    self._take(item)
                 busy = self._progress(time.monotonic())
                 tracking = self._tracking()
+                self.last_round = time.monotonic()
         except BaseException as exc:  # reported by take_finished(); the thread must not die silently
             log.exception("%s transfer thread %s died", self.role, self.name)
             self._error = exc
@@ -174,6 +188,15 @@ class TransferThread:
                 self.backend.close()
             except Exception:
                 log.exception("closing the %s backend", self.backend.kind)
+
+    def _take(self, item) -> None:
+        """One incoming item; one that raises is dropped and counted, never fatal to the thread."""
+        try:
+            self._on_incoming(item)
+        except Exception:
+            self.contained_errors += 1
+            log.exception("%s transfer thread %s dropped an incoming %s", self.role, self.name,
+                          type(item).__name__)
 
     def _drain(self, timeout_s: float) -> list:
         """Queued commands; waits up to ``timeout_s`` for the first one."""

@@ -2,10 +2,25 @@
 
 Sockets (every endpoint comes from config)::
 
-    sender  DEALER(identity=sender name) --connect--> ROUTER(bind endpoint)  receiver
+    sender  DEALER(identity=token) --connect--> ROUTER(bind endpoint)  receiver
             frames: [WriteHeader][dst offsets int64][lengths int64][payload]
                     [Done]                  acks and cancels come back on the
                                             same connection, ROUTER -> identity
+
+Identities are bound by the authenticated handshake, never announced: when
+the receiver ``connect``s a sender (from the hello it got over the control
+plane, which needs the internal secret) it draws a random token for it and
+hands it back in ``metadata_for``; the sender's DEALER connects with that
+token as its identity. Frames from any other identity (a process that
+connected on its own, whatever name it claims) are dropped and counted, and
+the ROUTER does not hand an identity in use over to a second connection
+(no ``ROUTER_HANDOVER``), so nobody takes a bound peer's place. A restarted
+sender handshakes again and gets a new token; the old one is forgotten.
+
+Every write header is checked before anything is allocated: its sizes must
+agree with its frames, and its byte count must fit what the transfer's
+reservation holds (``set_write_limit``); anything else is drained from the
+socket and reported as ``Dropped``.
 
 The sender gathers one layer's ranges into one packed frame (a view of the
 cache, no copy, when the plan is a single range) and sends it with
@@ -20,6 +35,7 @@ queued on a live connection, otherwise it waits in an ordered outbox until
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import deque
 
@@ -28,9 +44,11 @@ import numpy as np
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from transfer.backend import Backend, NoticeIn, PeerLost, TransferError, WriteIn
+from transfer.backend import Backend, Dropped, NoticeIn, PeerLost, TransferError, WriteIn
 from transfer.copy import gather, region_bytes, scatter
 from transfer.messages import WriteHeader, decode, encode
+
+MAX_RANGES = 1 << 20  # ranges in one write (a layer of a 64k-token prompt in 1-token blocks is 128k)
 
 
 class _Peer:
@@ -45,9 +63,11 @@ class ZmqBackend(Backend):
     kind = "zmq"
     one_sided = False
 
-    def __init__(self, name: str, endpoint: str | None = None, connect_timeout_s: float = 5.0) -> None:
+    def __init__(self, name: str, endpoint: str | None = None, connect_timeout_s: float = 5.0,
+                 advertise_host: str | None = None) -> None:
         """``endpoint``: where a receiver binds its ROUTER (``tcp://127.0.0.1:5601``;
-        port 0 picks a free one, see ``endpoint``). Senders need none."""
+        port 0 picks a free one, see ``endpoint``). Senders need none. ``advertise_host``: the
+        address senders reach it at, when that is not the bound one (a wildcard bind, NAT)."""
         self.name = name
         self._ctx = zmq.Context(io_threads=1)
         self._timeout = connect_timeout_s
@@ -55,13 +75,15 @@ class ZmqBackend(Backend):
         self._peers: dict[str, _Peer] = {}
         self._poller = zmq.Poller()
         self._staging = np.empty(0, dtype=np.uint8)
+        self._write_limit = lambda transfer_id: None  # no reservation known: every write is refused
+        self._identity_of: dict[str, bytes] = {}  # sender name -> the identity we assigned it (receiver)
+        self._peer_of: dict[bytes, str] = {}  # and back
         self.endpoint = None
         self._router = None
         if endpoint:
             self._router = self._ctx.socket(zmq.ROUTER)
             self._router.setsockopt(zmq.LINGER, 0)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown identity -> error, not silence
-            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)   # a restarted sender takes over its name
             self._router.setsockopt(zmq.RCVHWM, 0)
             host, _, port = endpoint.rpartition(":")
             if port == "0":
@@ -69,25 +91,46 @@ class ZmqBackend(Backend):
             else:
                 self._router.bind(endpoint)
             self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
+            if advertise_host:
+                port = self.endpoint.rpartition(":")[2]
+                self.endpoint = f"tcp://[{advertise_host}]:{port}" if ":" in advertise_host else \
+                    f"tcp://{advertise_host}:{port}"
             self._poller.register(self._router, zmq.POLLIN)
 
     def register(self, region: str, tensor) -> None:
         if tensor.is_cuda:
             raise NotImplementedError("the zmq transfer backend moves CPU caches only; use nixl for CUDA")
         self._regions[region] = region_bytes(tensor)
+        if region == "kv" and self._router is not None:
+            # No frame may be larger than the whole cache: ZeroMQ drops such a connection itself.
+            self._router.setsockopt(zmq.MAXMSGSIZE, max(1 << 20, len(self._regions[region])))
 
     def metadata(self) -> bytes:
         return msgspec.msgpack.encode({"name": self.name, "endpoint": self.endpoint})
 
+    def metadata_for(self, peer: str) -> bytes:
+        return msgspec.msgpack.encode({"name": self.name, "endpoint": self.endpoint,
+                                       "identity": self._identity_of.get(peer, b"")})
+
+    def set_write_limit(self, limit) -> None:
+        self._write_limit = limit
+
     def connect(self, peer: str, metadata: bytes) -> None:
         meta = msgspec.msgpack.decode(metadata)
-        if meta["name"] != peer:
-            raise ValueError(f"metadata is for {meta['name']!r}, not {peer!r}")
+        if not isinstance(meta, dict) or meta.get("name") != peer:
+            raise ValueError(f"metadata is not for {peer!r}")
         self.disconnect(peer)
-        if not meta["endpoint"]:
-            return  # a sender: we answer it through our ROUTER by identity
+        if not meta.get("endpoint"):
+            # A sender: we answer it through our ROUTER, by the identity we assign it now.
+            self._peer_of.pop(self._identity_of.pop(peer, b""), None)
+            identity = secrets.token_hex(16).encode()  # never starts with a zero byte (reserved by ZeroMQ)
+            self._identity_of[peer], self._peer_of[identity] = identity, peer
+            return
+        identity = meta.get("identity")
+        if not isinstance(identity, bytes) or not identity:
+            raise ValueError(f"{peer!r} assigned us no connection identity")
         sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.name.encode())
+        sock.setsockopt(zmq.IDENTITY, identity)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.SNDHWM, 64)
@@ -143,8 +186,11 @@ class ZmqBackend(Backend):
             return
         if self._router is None:
             raise TransferError(f"not connected to {peer!r}")
+        identity = self._identity_of.get(peer)
+        if identity is None:
+            raise TransferError(f"not connected to {peer!r}")
         try:
-            self._router.send_multipart([peer.encode(), payload], flags=zmq.NOBLOCK)
+            self._router.send_multipart([identity, payload], flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: that sender is gone
             raise TransferError(f"cannot reach {peer!r}: {exc}") from exc
 
@@ -169,38 +215,73 @@ class ZmqBackend(Backend):
         """Notices until the first write (its payload lives in the staging buffer)."""
         out: list = []
         while self._router.poll(0):
-            peer = self._router.recv().decode(errors="replace")
+            identity = self._router.recv()
+            peer = self._peer_of.get(identity)
+            if peer is None or not self._router.getsockopt(zmq.RCVMORE):
+                self._discard_rest(self._router)
+                out.append(Dropped(peer or identity.hex()[:64], "unbound_identity" if peer is None else "malformed"))
+                continue
             head = self._router.recv()
             if not self._router.getsockopt(zmq.RCVMORE):
                 out.append(NoticeIn(peer, head))
                 continue
-            write = self._recv_write(peer, head)
-            if write is not None:
-                out.append(write)
+            item = self._recv_write(peer, head)
+            out.append(item)
+            if isinstance(item, WriteIn):
                 return out
         return out
 
-    def _recv_write(self, peer: str, head: bytes) -> WriteIn | None:
+    def _recv_write(self, peer: str, head: bytes) -> WriteIn | Dropped:
+        """One write, its sizes checked before its payload is allocated or read."""
+        msg = self._header(head)
+        if msg is None:
+            self._discard_rest(self._router)
+            return Dropped(peer, "malformed")
+        limit = self._write_limit(msg.transfer_id)
+        if limit is None:
+            self._discard_rest(self._router)
+            return Dropped(peer, "unknown_transfer", msg.transfer_id)
+        if msg.nbytes > limit or msg.num_ranges > MAX_RANGES:
+            self._discard_rest(self._router)
+            return Dropped(peer, "oversized", msg.transfer_id)
+        offsets = self._int64_frame(msg.num_ranges)
+        lengths = self._int64_frame(msg.num_ranges) if offsets is not None else None
+        region = len(self._regions["kv"]) if "kv" in self._regions else 0
+        # Bounded first, so that neither the sum nor offset + length can overflow int64.
+        if (lengths is None or not self._router.getsockopt(zmq.RCVMORE) or (offsets < 0).any()
+                or (offsets > region).any() or (lengths < 0).any() or (lengths > msg.nbytes).any()
+                or int(lengths.sum()) != msg.nbytes):
+            self._discard_rest(self._router)
+            return Dropped(peer, "malformed", msg.transfer_id)
+        if len(self._staging) < msg.nbytes:
+            self._staging = np.empty(msg.nbytes, dtype=np.uint8)  # at most one reservation's layer
+        staged = self._staging[:msg.nbytes]
+        got = self._router.recv_into(staged) if msg.nbytes else len(self._router.recv())
+        more = self._router.getsockopt(zmq.RCVMORE)
+        self._discard_rest(self._router)
+        if got != msg.nbytes or more:  # a longer frame is truncated by recv_into: got says so
+            return Dropped(peer, "malformed", msg.transfer_id)
+        return WriteIn(peer, msg.transfer_id, msg.layer, offsets, lengths, staged)
+
+    @staticmethod
+    def _header(head: bytes) -> WriteHeader | None:
         try:
             msg = decode(head)
-            offsets = np.frombuffer(self._router.recv(), dtype=np.int64)
-            lengths = np.frombuffer(self._router.recv(), dtype=np.int64)
-        except (msgspec.DecodeError, ValueError):
-            self._discard_rest(self._router)
+        except msgspec.DecodeError:
             return None
-        if (not isinstance(msg, WriteHeader) or len(offsets) != msg.num_ranges
-                or len(lengths) != msg.num_ranges or int(lengths.sum()) != msg.nbytes
-                or not self._router.getsockopt(zmq.RCVMORE)):
-            self._discard_rest(self._router)
+        if (not isinstance(msg, WriteHeader) or msg.nbytes < 0 or msg.num_ranges < 0 or msg.layer < 0
+                or not msg.transfer_id):
             return None
-        if len(self._staging) < msg.nbytes:
-            self._staging = np.empty(msg.nbytes, dtype=np.uint8)
-        got = self._router.recv_into(self._staging[:msg.nbytes]) if msg.nbytes else \
-            len(self._router.recv())
-        self._discard_rest(self._router)
-        if got != msg.nbytes:
+        return msg
+
+    def _int64_frame(self, count: int) -> np.ndarray | None:
+        """The next frame as ``count`` int64s, or None (missing, or another size)."""
+        if not self._router.getsockopt(zmq.RCVMORE):
             return None
-        return WriteIn(peer, msg.transfer_id, msg.layer, offsets, lengths, self._staging[:msg.nbytes])
+        frame = self._router.recv(copy=False)
+        if len(frame.buffer) != 8 * count:
+            return None
+        return np.frombuffer(frame.buffer, dtype=np.int64).copy()
 
     @staticmethod
     def _discard_rest(sock) -> None:

@@ -7,7 +7,7 @@ import os
 import pytest
 import yaml
 
-from bench import cli
+from bench import cli, timeline
 from bench.cluster import _alive, cpu_list, free_port_pairs, launch
 from bench.plan import Candidate
 from bench.scenarios import EngineKnobs, cluster_config
@@ -23,15 +23,20 @@ def test_bench_serve_measures_every_request_of_a_real_cluster(cand, tiny_model, 
     path.write_text(yaml.safe_dump(config))
     cluster = launch(path, tmp_path / "run", cpu_list(None)[:1], timeout=180)
     try:
+        secret_file = tmp_path / "run" / "internal_secret"  # pdserve launch made one: the config names none
         parser = argparse.ArgumentParser(prog="pdserve")
         cli.add_parser(parser.add_subparsers(dest="command", required=True))
         out = tmp_path / "result.json"
         args = parser.parse_args([
             "bench", "serve", "--url", cluster.url, "--num-requests", "5", "--concurrency", "2",
             "--prompt-len", "uniform(8,40)", "--output-len", "6", "--json", str(out), "--no-progress",
-            "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000",
+            "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000", "--timeline", str(tmp_path / "timeline.png"),
+            "--internal-secret-file", str(secret_file),
         ])
         assert args.func(args) == 0
+        ids = [r["request_id"] for r in json.loads(out.read_text())["requests"]]
+        secret = secret_file.read_text().strip()
+        stages = timeline.join(timeline.fetch(cluster.url, {"Authorization": f"Bearer {secret}"}), ids)
     finally:
         killed = cluster.stop()
     assert killed == []
@@ -44,5 +49,14 @@ def test_bench_serve_measures_every_request_of_a_real_cluster(cand, tiny_model, 
         assert r["server_prompt_tokens"] == r["prompt_len"] and 8 <= r["prompt_len"] <= 40
         assert r["output_tokens"] == 6 and r["ttft"] > 0 and r["tpot"] > 0
         assert len(r["token_times"]) >= 1
-    assert "different prompt length" not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "different prompt length" not in printed
+    # Every request's time, from the servers' own timings: the prefill stages exist exactly when a
+    # prefill server took part, and the stages of one request follow each other.
+    want = set(timeline.STAGES) if cand.num_prefill else {"router wait", "reservation", "decode"}
+    assert len(stages) == 5 and {r.request_id for r in stages} == set(ids)
+    for req in stages:
+        assert {name for name, _, _ in req.stages} == want, req
+        assert all(a <= b for _, a, b in req.stages)
+    assert "timeline: dominant stage" in printed and (tmp_path / "timeline.png").stat().st_size > 10_000
     assert os.path.isfile(tmp_path / "run" / "cluster.json")

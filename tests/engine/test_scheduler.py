@@ -9,10 +9,12 @@ from engine.scheduler import Scheduler, SchedulerConfig
 EOS = 99
 
 
-def make(num_blocks=8, block_size=4, budget=64, max_seqs=8, chunked=True, mode="colocated", max_len=64):
+def make(num_blocks=8, block_size=4, budget=64, max_seqs=8, chunked=True, mode="colocated", max_len=64,
+         prefix_caching=True):
     config = SchedulerConfig(
         max_num_seqs=max_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked,
         max_model_len=max_len, mode=mode, eos_token_ids=(EOS,),
+        prefix_caching=prefix_caching, cache_salt="model|float32",
     )
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
@@ -100,7 +102,7 @@ def test_running_sequence_cap():
 
 
 def test_preemption_frees_the_newest_request_and_recomputes_it_later():
-    s = make(num_blocks=3, block_size=2)
+    s = make(num_blocks=3, block_size=2, prefix_caching=False)  # with caching, see test_prefix_cache.py
     s.add(req("a", 2, max_tokens=5))
     s.add(req("b", 2, max_tokens=5))
     s.update(s.schedule(), {"a": 1, "b": 1})  # a -> [0], b -> [1]; each has 3 tokens now

@@ -1,9 +1,10 @@
 """A real cluster whose processes a test may kill and restart one by one.
 
-``pdserve launch`` stops the whole cluster when any process dies (what a user
-wants), so fault tests drive the launcher's own ``Cluster`` from the test
-process instead: same commands, same logs under the run dir, every process
-started, killed and stopped by its pid, a killed one restarted under its name.
+``pdserve launch`` restarts a failed process on its own schedule
+(``deploy/supervisor.py``), so fault tests, which kill and restart servers on
+theirs, drive the launcher's own ``Cluster`` from the test process instead:
+same commands, same logs under the run dir, every process started, killed
+and stopped by its pid, a killed one restarted under its name.
 Servers run with ``fault_injection: true`` so the test can arm faults at
 ``/admin/faults`` (``server_common.faults``).
 """

@@ -88,7 +88,7 @@ def test_checksum_mismatch_fails_the_request_by_default_and_is_counted(decode_en
         assert '"type":"error"' in lines[-1] and '"code":"checksum_mismatch"' in lines[-1]
 
     metrics = run_decode(decode_engine, scenario)
-    assert sample(metrics, "pdserve_checksum_failures_total") == 1
+    assert sample(metrics, 'pdserve_transfer_failures_total{code="checksum_mismatch"}') == 1
     assert sample(metrics, 'pdserve_transfers_discarded_total{reason="expired"}') == 2  # the receiver's count
 
 

@@ -56,11 +56,13 @@ def make_config(folder: Path, template: str, model: str, changes: dict | None = 
 
 
 class Cluster:
-    def __init__(self, config: Path, run_dir: Path, start_timeout: float = 180.0) -> None:
+    def __init__(self, config: Path, run_dir: Path, start_timeout: float = 180.0, only: str | None = None,
+                 secret: str | None = None) -> None:
         self.run_dir = run_dir
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.launcher = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "launch", str(config), "--run-dir", str(run_dir)],
+            [sys.executable, "-m", "deploy.cli", "launch", str(config), "--run-dir", str(run_dir),
+             *(["--only", only] if only else [])],
             stdout=open(run_dir / "launcher.log", "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
         manifest = run_dir / "cluster.json"
         deadline = time.monotonic() + start_timeout
@@ -72,7 +74,10 @@ class Cluster:
         self.manifest = json.loads(manifest.read_text())
         self.router_url = self.manifest["router_url"]
         self.servers = [p for p in self.manifest["processes"] if p["role"] != "router"]
-        self.http = httpx.Client(timeout=30)
+        # The secret `pdserve launch` generated when the config names none: internal routes need it.
+        generated = run_dir / "internal_secret"
+        secret = secret or (generated.read_text().strip() if generated.exists() else None)
+        self.http = httpx.Client(timeout=30, headers={"authorization": f"Bearer {secret}"} if secret else {})
 
     def client(self, **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.router_url}/v1", api_key="test", max_retries=0, **kw)

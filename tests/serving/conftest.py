@@ -20,9 +20,14 @@ MAX_MODEL_LEN = 1024
 
 @pytest.fixture(scope="package")
 def one_p_one_d(tmp_path_factory, tiny_model):
-    """configs/tiny-1p1d.yaml (P block size 4, D block size 16), shared by several modules."""
+    """configs/tiny-1p1d.yaml (P block size 4, D block size 16), shared by several modules.
+
+    Prefix caching is off here: these modules send the same prompts again and
+    count the tokens each server computes (test_prefix_disaggregated.py runs
+    a cluster with caching on)."""
     c = start_cluster(tmp_path_factory, "tiny-1p1d", tiny_model,
-                      {"max_model_len": MAX_MODEL_LEN, "router": {"local_prefill_threshold": THRESHOLD}})
+                      {"max_model_len": MAX_MODEL_LEN, "router": {"local_prefill_threshold": THRESHOLD},
+                       "engine": {"prefix_caching": False}})
     yield c
     c.stop()
 

@@ -20,6 +20,7 @@ class FakeStream:
     events_to_send: list[TokensEvent]
     delay: float = 0.0
     closed: bool = False
+    num_cached_tokens: int = 0
 
     async def events(self):
         for event in self.events_to_send:
@@ -39,6 +40,7 @@ class FakeWorkerClient:
     finish_reason: str = "stop"
     full: set[str] = field(default_factory=set)  # decode workers that answer "no room"
     delay: float = 0.0
+    cached_tokens: int = 0  # what each decode stream says it found in its prefix cache
     opened: list[tuple[str, object]] = field(default_factory=list)
     prefills: list[tuple[str, object]] = field(default_factory=list)
     aborts: list[tuple[str, str]] = field(default_factory=list)
@@ -57,7 +59,7 @@ class FakeWorkerClient:
         events = [TokensEvent(token_ids=[t]) for t in self.reply[:n]]
         reason = self.finish_reason if n == len(self.reply) else "length"
         events[-1] = TokensEvent(token_ids=events[-1].token_ids, finish_reason=reason)
-        stream = FakeStream(worker, reservation, events, self.delay)
+        stream = FakeStream(worker, reservation, events, self.delay, num_cached_tokens=self.cached_tokens)
         self.streams.append(stream)
         return stream
 

@@ -28,6 +28,9 @@ class ScriptedEnds:
             out, self._ended = self._ended, []
         return out
 
+    def problem(self, stuck_after_s: float) -> str | None:
+        return None
+
     def close(self) -> None:
         pass
 
@@ -36,11 +39,13 @@ class ScriptedReceiver(ScriptedEnds):
     def __init__(self, notify) -> None:
         super().__init__(notify)
         self.expected: dict[str, list[int]] = {}
+        self.writable_from: dict[str, int] = {}
         self.cancelled: list[str] = []
 
-    def expect(self, block_ids, lease_s) -> str:
+    def expect(self, block_ids, lease_s, writable_from=0) -> str:
         tid = f"t{len(self.expected)}"
         self.expected[tid] = list(block_ids)
+        self.writable_from[tid] = writable_from
         return tid
 
     def target(self) -> dict:

@@ -94,3 +94,10 @@ def test_colocated_instances_are_decode_workers_for_the_router(tmp_path):
 def test_unknown_instance_name_is_an_error():
     with pytest.raises(ConfigError, match="no instance named 'x'"):
         parse_config(BASE, "c.yaml").role_of("x")
+
+
+def test_prefix_caching_is_on_by_default_and_the_engine_section_turns_it_off(tmp_path):
+    on = parse_config(BASE, "c.yaml").server_settings("d0", tmp_path)
+    off = parse_config({**BASE, "engine": {"prefix_caching": False}}, "c.yaml").server_settings("p0", tmp_path)
+    assert (on.engine.prefix_caching, off.engine.prefix_caching) == (True, False)
+    assert "prefix_caching" in error_of({**BASE, "engine": {"prefix_caching": "sometimes"}})

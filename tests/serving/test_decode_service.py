@@ -21,7 +21,10 @@ from transfer.outcome import Outcome
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=8, num_threads=1, mode="decode"))
+    # No prefix caching: the scripted receiver admits reservations whose KV never arrived
+    # (test_prefix_cache_service.py runs with caching on).
+    return LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=8, num_threads=1, mode="decode",
+                                  prefix_caching=False))
 
 
 def request(rid: str, n: int = 6, max_tokens: int = 3) -> GenerateRequest:

@@ -1,4 +1,5 @@
-"""`pdserve launch`: config errors stop it at once; a dying process stops the cluster."""
+"""`pdserve launch`: config errors stop it at once; with restarts off, a dying process stops the cluster
+(restarts on: tests/security/test_chaos.py)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,8 @@ def test_bad_config_stops_the_launch_with_file_key_and_value(tmp_path):
 
 
 @pytest.mark.integration
-def test_a_dying_server_stops_the_whole_cluster(tmp_path, tiny_model):
-    cluster = Cluster(make_config(tmp_path, "colocated", tiny_model), tmp_path)
+def test_with_restarts_off_a_dying_server_stops_the_whole_cluster(tmp_path, tiny_model):
+    cluster = Cluster(make_config(tmp_path, "colocated", tiny_model, {"restart": {"policy": "never"}}), tmp_path)
     try:
         manifest = json.loads((tmp_path / "cluster.json").read_text())
         assert {p["role"] for p in manifest["processes"]} == {"colocated", "router"}

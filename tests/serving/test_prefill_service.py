@@ -21,7 +21,7 @@ from transfer.outcome import Outcome
 @pytest.fixture(scope="module")
 def engine(tiny_model):
     return LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="prefill",
-                                  max_num_batched_tokens=8))
+                                  max_num_batched_tokens=8, prefix_caching=False))
 
 
 def prefill_request(rid: str, n: int) -> PrefillRequest:

@@ -54,7 +54,8 @@ def test_chat_non_streamed_goes_decode_first_then_prefill(model):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "héllo"}
     assert body["choices"][0]["finish_reason"] == "stop"
     prompt = model.encode_chat([{"role": "user", "content": "hi"}])
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6, "total_tokens": len(prompt) + 6}
+    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6, "total_tokens": len(prompt) + 6,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     (d_name, greq), = fake.opened
     (p_name, preq), = fake.prefills
     assert d_name == "d0" and p_name == "p0"
@@ -183,6 +184,17 @@ def test_metrics_count_requests(model):
         text = c.get("/metrics").text
     assert 'pdserve_router_requests_total{endpoint="completions",status="200"} 1.0' in text
     assert 'pdserve_router_worker_healthy{role="decode",worker="d0"} 1.0' in text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_usage_reports_the_prompt_tokens_the_decode_server_found_cached(model, stream):
+    fake = FakeWorkerClient(reply=reply_ids(model, "abc"), cached_tokens=32)
+    body = {"model": "tiny", "prompt": "x" * 40, "max_tokens": 3, "stream": stream,
+            "stream_options": {"include_usage": True} if stream else None}
+    with make_client(model, fake) as c:
+        r = c.post("/v1/completions", json=body)
+    usage = sse_payloads(r.text)[-1]["usage"] if stream else r.json()["usage"]
+    assert (usage["prompt_tokens"], usage["prompt_tokens_details"]) == (40, {"cached_tokens": 32})
 
 
 def test_a_long_prompt_is_tokenized_on_the_tokenizer_thread_into_the_same_tokens(tmp_path):

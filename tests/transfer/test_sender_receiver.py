@@ -202,3 +202,16 @@ def test_a_zmq_receiver_waiting_for_kv_sleeps_in_its_poller(hub, closing):
     used = time.process_time() - cpu0
     assert time.monotonic() - wall0 >= 1.0
     assert used < 0.1, f"{used:.3f} s of CPU in 1 s of waiting for KV"
+
+
+def test_write_into_a_pinned_cached_prefix_block_fails_the_transfer_and_is_not_applied(hub, closing):
+    dst = layout()
+    receiver, rogue = rogue_pair(hub, closing, dst)
+    tid = receiver.expect([3, 2], lease_s=10, writable_from=1)  # block 3 holds a cached prefix others read
+    rogue.write("D", tid, 0, "kv", np.array([0]), np.array([dst.chunk_offsets(0, 3)]),
+                np.array([dst.block_bytes]))
+    (failed,) = wait_events(receiver).failed
+    assert (failed.reason, failed.outcome) == ("'rogue' wrote outside the reserved blocks", "out_of_bounds")
+    assert not region_bytes(receiver._cache).numpy().any()
+    with pytest.raises(ValueError, match="writable_from 2"):
+        receiver.expect([3, 2], lease_s=10, writable_from=2)

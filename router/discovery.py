@@ -1,0 +1,162 @@
+"""Workers joining and leaving at runtime, without a router restart.
+
+Three sources, one path: the config's instances (``static``, added at start),
+DNS names re-resolved every ``interval_s`` (``dns``: a Kubernetes headless
+Service resolves to one address per ready pod), and the admin API
+(``POST /admin/workers {"url"}``, ``DELETE /admin/workers/{name}``).
+
+Joining: the worker is asked for its ``/health``: its role, instance name and
+model (``server_common.model_id``). Another model, a name already in use or
+an answer that is no health report is refused (a log line and
+``pdserve_router_workers_refused{reason}``). A decode server that joins is
+announced to every prefill server (``POST /admin/peers``: only then may they
+hand it KV); a prefill server that joins is told every decode server. The
+worker is routed to once its health checks pass.
+
+Leaving: the worker is drained (no new request goes to it; its requests in
+flight finish, at most ``drain_timeout`` seconds), then forgotten; a decode
+server that left is forgotten by every prefill server too
+(``DELETE /admin/peers/{name}``), which releases what the transfer layer
+held for it (NIXL remote agent and descriptor lists, ZeroMQ socket), so a
+replacement at the same name or address is met afresh and churn does not
+grow memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from router.metrics import RouterMetrics
+from router.registry import Worker, WorkerRegistry
+from router.settings import DiscoverySettings
+
+log = logging.getLogger(__name__)
+ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}
+Resolve = Callable[[str], Awaitable[list[str]]]  # host -> its addresses now
+
+
+class JoinRefused(Exception):
+    def __init__(self, url: str, reason: str, why: str) -> None:
+        super().__init__(f"worker at {url} refused: {why}")
+        self.reason = reason  # the metric label
+
+
+async def resolve_host(host: str) -> list[str]:
+    """Every IPv4/IPv6 address ``host`` resolves to now (empty when it does not resolve)."""
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    return sorted({info[4][0] for info in infos})
+
+
+def url_of(address: str, port: int) -> str:
+    return f"http://[{address}]:{port}" if ":" in address else f"http://{address}:{port}"
+
+
+class Discovery:
+    def __init__(self, registry: WorkerRegistry, http: httpx.AsyncClient, settings: DiscoverySettings,
+                 model_id: str, metrics: RouterMetrics, drain_timeout: float,
+                 resolve: Resolve = resolve_host) -> None:
+        self._registry = registry
+        self._http = http
+        self._settings = settings
+        self._model_id = model_id
+        self._metrics = metrics
+        self._drain_timeout = drain_timeout
+        self._resolve = resolve
+        self._leaving: dict[str, asyncio.Task] = {}
+        self.found: dict[str, str] = {}  # url -> worker name, of the workers DNS found
+
+    # ---- joining ------------------------------------------------------------------------
+    async def join(self, url: str) -> Worker:
+        """Ask the worker at ``url`` who it is and add it; raises ``JoinRefused``."""
+        url = url.rstrip("/")
+        try:
+            report = (await self._http.get(f"{url}/health", timeout=5.0)).json()
+            name, role, model = report["instance"], ROLES[report["role"]], report.get("model", "")
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            raise self._refused(url, "no_health_report", f"no health report ({exc!r})") from None
+        if model != self._model_id:
+            raise self._refused(url, "other_model", f"it serves model {model!r}, this router {self._model_id!r}")
+        known = self._registry.find(name)
+        if known is not None:
+            if known.url == url:
+                return known
+            raise self._refused(url, "name_in_use", f"worker name {name!r} is in use by {known.url}")
+        worker = Worker(name, role, url, max_inflight=self._settings.max_inflight, discovered=True)
+        if role == "decode":
+            await self._tell_prefills("POST", "/admin/peers", {"name": name, "url": url})
+        else:
+            await asyncio.gather(*(self._peer_call(worker, "POST", "/admin/peers", {"name": d.name, "url": d.url})
+                                   for d in self._registry.of_role("decode")))
+        self._registry.add(worker)
+        self._metrics.workers_joined.inc()
+        log.info("worker %s (%s, %s) joined", name, role, url)
+        return worker
+
+    def _refused(self, url: str, reason: str, why: str) -> JoinRefused:
+        self._metrics.workers_refused.labels(reason=reason).inc()
+        log.warning("worker at %s refused: %s", url, why)
+        return JoinRefused(url, reason, why)
+
+    # ---- leaving ------------------------------------------------------------------------
+    async def leave(self, name: str) -> Worker | None:
+        """Drain the worker, then forget it (and, for a decode server, so do the prefill servers)."""
+        worker = self._registry.find(name)
+        if worker is None:
+            return None
+        worker.draining = True
+        deadline = asyncio.get_running_loop().time() + self._drain_timeout
+        while worker.inflight > 0 and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        self._registry.forget(name)
+        if worker.role == "decode":
+            await self._tell_prefills("DELETE", f"/admin/peers/{name}")
+        self._metrics.workers_left.inc()
+        log.info("worker %s (%s) left", name, worker.url)
+        return worker
+
+    # ---- DNS ------------------------------------------------------------------------
+    async def run(self) -> None:
+        """With ``dns``: resolve every name each ``interval_s``; new addresses join, gone ones leave."""
+        if self._settings.kind != "dns":
+            return
+        while True:
+            await self.resolve_once()
+            await asyncio.sleep(self._settings.interval_s)
+
+    async def resolve_once(self) -> None:
+        urls: set[str] = set()
+        for entry in self._settings.names:
+            host, _, port = entry.rpartition(":")
+            urls.update(url_of(a, int(port)) for a in await self._resolve(host))
+        for url in sorted(urls - set(self.found)):
+            try:
+                self.found[url] = (await self.join(url)).name
+            except JoinRefused:
+                pass  # tried again next round: a pod that is not ready yet answers later
+        for url in sorted(set(self.found) - urls):
+            name = self.found.pop(url)
+            if name not in self._leaving:
+                task = asyncio.create_task(self.leave(name))
+                self._leaving[name] = task
+                task.add_done_callback(lambda _, n=name: self._leaving.pop(n, None))
+
+    # ---- helpers ------------------------------------------------------------------------
+    async def _tell_prefills(self, method: str, path: str, body: dict | None = None) -> None:
+        await asyncio.gather(*(self._peer_call(p, method, path, body) for p in self._registry.of_role("prefill")))
+
+    async def _peer_call(self, worker: Worker, method: str, path: str, body: dict | None) -> None:
+        """Best effort: a prefill server that misses it learns a joined decode server when it joins
+        again, and refuses reservations of one it does not know (the router then retries elsewhere)."""
+        try:
+            resp = await self._http.request(method, f"{worker.url}{path}", json=body, timeout=5.0)
+            resp.raise_for_status()
+        except httpx.HTTPError as exc:
+            log.warning("%s %s on %s failed: %r", method, path, worker.name, exc)

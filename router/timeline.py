@@ -1,0 +1,91 @@
+"""One request's timeline at the router: latency histograms and, when tracing
+is on, its spans (server_common/tracing.py).
+
+TTFT and end-to-end latency count from the request's arrival at the router,
+so they include the wait for admission; inter-token latency is the gap
+between two generated tokens (tokens that arrive together share it); time
+per output token is (last token - first token) / (tokens - 1) per request.
+"""
+
+from __future__ import annotations
+
+import time
+
+from router.metrics import RouterMetrics
+from server_common.timeline_log import TimelineLog
+from server_common.tracing import Tracing
+
+
+class RequestTimeline:
+    def __init__(self, metrics: RouterMetrics, tracing: Tracing, log: TimelineLog, request_id: str,
+                 client_traceparent: str | None = None) -> None:
+        self._metrics = metrics
+        self._tracing = tracing
+        self._log = log
+        self._request_id = request_id
+        self.arrived = time.monotonic()
+        self._opened: float | None = None
+        self._first: float | None = None
+        self._last: float | None = None
+        self._outcome: str | None = None
+        self._closed = False
+        self._span = tracing.start("pdserve.request", tracing.parent(client_traceparent), self.arrived,
+                                   pdserve__request_id=request_id)
+
+    @property
+    def traceparent(self) -> str | None:
+        """What the decode and prefill servers get, so that their spans nest under this request."""
+        return self._tracing.traceparent(self._span)
+
+    def opened(self, num_prompt_tokens: int, local_prefill: bool) -> None:
+        """The decode stream is open: admission and the reservation are done."""
+        self._opened = time.monotonic()
+        self._metrics.prompt_tokens.inc(num_prompt_tokens)
+        self._metrics.prompt_tokens_per_request.observe(num_prompt_tokens)
+        if local_prefill:
+            self._metrics.local_prefills.inc()
+        self._tracing.record("router.admission", self._span, self.arrived, self._opened,
+                             pdserve__local_prefill=local_prefill)
+
+    def tokens(self, n: int) -> None:
+        if not n:
+            return
+        now = time.monotonic()
+        if self._first is None:
+            self._first = now
+            self._metrics.ttft.observe(now - self.arrived)
+        else:
+            gap = (now - self._last) / n
+            for _ in range(n):
+                self._metrics.itl.observe(gap)
+        self._last = now
+
+    def finished(self, reason: str, num_tokens: int) -> None:
+        m = self._metrics
+        m.e2e.observe(time.monotonic() - self.arrived)
+        m.completion_tokens.inc(num_tokens)
+        m.generation_tokens_per_request.observe(num_tokens)
+        m.finished.labels(finish_reason=reason).inc()
+        if num_tokens > 1 and self._first is not None:
+            m.tpot.observe((self._last - self._first) / (num_tokens - 1))
+        self._outcome = "ok"
+
+    def failed(self, code: str | None) -> None:
+        self._outcome = str(code or "error")
+
+    def close(self, session=None, num_tokens: int = 0) -> None:
+        """End the request's spans (idempotent): a request neither finished nor failed was cancelled."""
+        if self._closed:
+            return
+        self._closed = True
+        self._log.add(self._request_id, arrived=self.arrived, opened=self._opened, first_token=self._first,
+                      last_token=self._last)
+        if self._first is not None:
+            self._tracing.record("router.stream", self._span, self._first, self._last, pdserve__tokens=num_tokens)
+        attributes = {}
+        if session is not None:
+            attributes = {"pdserve__decode": session.decode.name,
+                          "pdserve__prefill": session.prefill.name if session.prefill else None,
+                          "pdserve__attempts": session.attempt_id}
+        self._tracing.end(self._span, outcome=self._outcome or "cancelled", pdserve__generated_tokens=num_tokens,
+                          **attributes)

@@ -1,0 +1,20 @@
+"""Defaults every pdserve process shares, importable without the HTTP stack:
+the settings modules and the cluster config loader need them, and a config
+error must be reported without first importing fastapi."""
+
+from __future__ import annotations
+
+import ipaddress
+
+LOOPBACK_HOST = "127.0.0.1"  # every process binds here unless the cluster config names another interface
+DRAIN_TIMEOUT_S = 30.0  # on SIGTERM: the longest a process waits for its requests in flight
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or "localhost") is this machine only; a host name counts as reachable."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

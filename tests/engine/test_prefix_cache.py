@@ -1,0 +1,215 @@
+"""Prefix caching in the block manager and scheduler: exact block ids, ref counts, hits."""
+
+import pytest
+
+from engine.block_manager import NO_HASH, BlockManager, block_hash, root_hash
+from engine.request import NoCapacityError, Request, RequestStatus, SamplingParams
+from tests.engine.test_scheduler import make, plan_shape
+
+ROOT = root_hash("model|float32")
+
+
+def req(rid, tokens, max_tokens=8, salt=None):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+                   cache_salt=salt)
+
+
+def refs(s, ids):
+    return [s.blocks.blocks[i].ref_count for i in ids]
+
+
+def run_to_end(s, token=7):
+    while s.has_unfinished():
+        plan = s.schedule()
+        s.update(plan, {c.request.request_id: token for c in plan.chunks if c.sample})
+        s.check_integrity()
+
+
+def test_block_hashes_chain_over_every_earlier_token():
+    a = block_hash(ROOT, [1, 2, 3, 4])
+    assert block_hash(a, [5, 6, 7, 8]) != block_hash(block_hash(ROOT, [1, 2, 3, 9]), [5, 6, 7, 8])
+    assert block_hash(ROOT, [1, 2, 3, 4]) == a
+    assert block_hash(root_hash("model|bfloat16"), [1, 2, 3, 4]) != a
+
+
+def test_cached_block_with_no_owner_counts_as_free_and_is_evicted_last_used_first():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a, b = bm.allocate(2)
+    assert bm.cache(a, 11) and bm.cache(b, 12)
+    bm.free([a, b])  # walked from the end: b becomes least recently used
+    assert (bm.num_free, bm.num_cached_free) == (4, 2)
+    assert bm.match([11, 12, 13]) == [a, b]
+    assert bm.allocate(2) == [2, 3]  # plain free blocks before any eviction
+    assert bm.allocate(1) == [b] and bm.blocks[b].block_hash == NO_HASH
+    assert bm.match([11, 12]) == [a]
+    assert bm.evictions == 1
+    bm.check_integrity()
+
+
+def test_taking_a_cached_block_adds_an_owner_and_the_last_owner_returns_it_to_the_cache():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    (a,) = bm.allocate(1)
+    bm.cache(a, 11)
+    assert bm.blocks_to_take([a]) == 0  # owned: taking it uses no free block
+    bm.take([a])
+    assert bm.blocks[a].ref_count == 2
+    bm.free([a])
+    bm.free([a])
+    assert (bm.num_cached_free, bm.blocks_to_take([a])) == (1, 1)
+    bm.take([a])
+    assert (bm.num_free, bm.blocks[a].ref_count) == (1, 1)
+    bm.check_integrity()
+
+
+def test_a_second_block_with_a_hash_already_cached_stays_uncached():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    a, b = bm.allocate(2)
+    assert bm.cache(a, 11)
+    assert not bm.cache(b, 11)
+    bm.free([a, b])
+    assert (bm.num_cached_free, bm.match([11])) == (1, [a])
+    bm.check_integrity()
+
+
+def test_a_request_reuses_the_full_blocks_of_a_running_one_and_shares_them():
+    s = make(num_blocks=8, block_size=4)
+    s.add(req("a", range(1, 11)))  # 10 tokens: blocks 0, 1 full, 2 partial
+    s.update(s.schedule(), {"a": 50})
+    s.add(req("b", [*range(1, 9), 60, 61, 62]))  # shares a's first 8 tokens
+    plan = s.schedule()
+    assert plan_shape(plan) == [("a", 10, 1, True), ("b", 8, 3, True)]
+    assert (plan.prefix_queried, plan.prefix_hits) == (11, 8)
+    assert s.requests["b"].block_ids == [0, 1, 3]
+    assert refs(s, [0, 1, 2, 3]) == [2, 2, 1, 1]
+    assert s.block_counts() == {"free": 4, "reserved": 0, "running": 4}
+    s.check_integrity()
+    s.update(plan, {"a": 51, "b": 63})  # a computed 11 tokens, b 11: their third blocks are not full
+    s.abort("a")
+    assert refs(s, [0, 1, 2, 3]) == [1, 1, 0, 1] and s.stats().cached == 0
+    s.abort("b")
+    assert s.block_counts() == {"free": 8, "reserved": 0, "running": 0}
+    assert s.stats().cached == 2  # blocks 0 and 1
+    s.check_integrity()
+
+
+def test_the_last_prompt_token_is_always_computed_so_a_token_is_sampled():
+    s = make(num_blocks=8, block_size=4)
+    s.add(req("a", range(1, 9), max_tokens=1))  # exactly two blocks
+    run_to_end(s)
+    s.add(req("b", range(1, 9), max_tokens=1))
+    plan = s.schedule()
+    assert plan_shape(plan) == [("b", 4, 4, True)]  # block 0 reused, block 1 recomputed
+    assert s.requests["b"].block_ids == [0, 2]
+    s.add(req("c", range(1, 10), max_tokens=1))  # one more token: both blocks reused
+    s.update(plan, {"b": 7})
+    plan = s.schedule()
+    assert plan_shape(plan) == [("c", 8, 1, True)]
+    assert s.requests["c"].block_ids == [0, 1, 2]  # b's unhashed copy of block 1 was freed
+    s.check_integrity()
+
+
+def test_a_block_being_written_is_never_shared_identical_prompts_at_once_compute_twice():
+    s = make(num_blocks=8, block_size=4)
+    s.add(req("a", range(1, 10)))
+    s.add(req("b", range(1, 10)))
+    plan = s.schedule()
+    assert plan_shape(plan) == [("a", 0, 9, True), ("b", 0, 9, True)]
+    assert (s.requests["a"].block_ids, s.requests["b"].block_ids) == ([0, 1, 2], [3, 4, 5])
+    s.update(plan, {"a": 7, "b": 7})
+    assert [s.blocks.blocks[i].block_hash != NO_HASH for i in range(6)] == [True, True, False, False, False, False]
+    s.add(req("c", range(1, 10)))
+    assert plan_shape(s.schedule())[-1] == ("c", 8, 1, True)
+    assert s.requests["c"].block_ids[:2] == [0, 1]
+    s.check_integrity()
+
+
+def test_chunked_prefill_makes_each_block_findable_once_its_chunk_is_computed():
+    s = make(num_blocks=8, block_size=4, budget=6)
+    s.add(req("a", range(1, 14)))
+    s.update(s.schedule(), {})  # a: tokens 0..5, block 0 full
+    s.add(req("b", range(1, 14)))
+    plan = s.schedule()
+    assert plan_shape(plan) == [("a", 6, 6, False)]  # b waits: the budget is spent
+    s.update(plan, {})
+    plan = s.schedule()
+    assert plan_shape(plan) == [("a", 12, 1, True), ("b", 12, 1, True)]  # a computed 12 by now: 3 blocks
+    assert s.requests["b"].block_ids[:3] == s.requests["a"].block_ids[:3] == [0, 1, 2]
+    s.check_integrity()
+
+
+def test_eviction_under_pressure_keeps_the_books_straight():
+    s = make(num_blocks=6, block_size=4, max_len=64)
+    for k in range(5):
+        s.add(req(str(k), [k * 10 + i for i in range(1, 13)], max_tokens=4))  # 3 blocks + 1 for decoding
+        run_to_end(s)
+    assert s.blocks.evictions > 0
+    assert s.block_counts() == {"free": 6, "reserved": 0, "running": 0}
+    s.add(req("again", [40 + i for i in range(1, 13)], max_tokens=1))  # the latest prompt: still cached
+    assert plan_shape(s.schedule()) == [("again", 8, 4, True)]
+    s.check_integrity()
+
+
+def test_a_preempted_request_comes_back_on_its_own_cached_blocks():
+    s = make(num_blocks=4, block_size=2)
+    s.add(req("a", [1, 2], max_tokens=5))
+    s.add(req("b", [3, 4, 5], max_tokens=5))
+    s.update(s.schedule(), {"a": 1, "b": 1})  # a -> [0]; b -> [1, 2], 4 tokens
+    s.update(s.schedule(), {"a": 2, "b": 2})  # a -> [0, 3]; b computed 4 tokens: [1, 2] full
+    plan = s.schedule()  # a needs a 3rd block, none left: b is preempted
+    assert plan.preempted == ["b"]
+    assert s.stats().cached == 2
+    s.update(plan, {"a": 3})
+    s.abort("a")
+    plan = s.schedule()
+    assert plan_shape(plan) == [("b", 4, 1, True)]  # prompt + first output token come from the cache
+    assert s.requests["b"].block_ids[:2] == [1, 2]
+    s.check_integrity()
+
+
+def test_different_salts_and_disabled_caching_share_nothing():
+    s = make(num_blocks=8, block_size=4)
+    s.add(req("a", range(1, 10), max_tokens=1, salt="tenant-1"))
+    run_to_end(s)
+    s.add(req("b", range(1, 10), max_tokens=1, salt="tenant-2"))
+    plan = s.schedule()
+    assert (plan_shape(plan), plan.prefix_hits) == ([("b", 0, 9, True)], 0)
+    off = make(num_blocks=8, block_size=4, prefix_caching=False)
+    off.add(req("a", range(1, 10), max_tokens=1))
+    run_to_end(off)
+    off.add(req("b", range(1, 10), max_tokens=1))
+    plan = off.schedule()
+    assert (plan_shape(plan), plan.prefix_queried, off.stats().cached) == ([("b", 0, 9, True)], 0, 0)
+
+
+def test_remote_kv_is_cached_once_admitted():
+    s = make(num_blocks=8, block_size=4, mode="decode")
+    s.reserve(req("r", range(1, 10)))
+    assert s.stats().cached == 0
+    s.admit_remote("r", 42)
+    s.add(req("x", range(1, 12)))
+    assert plan_shape(s.schedule())[-1] == ("x", 8, 3, True)
+    s.check_integrity()
+    assert s.requests["r"].status is RequestStatus.RUNNING
+
+
+def test_a_reservation_pins_the_cached_prefix_and_counts_what_it_takes_from_free():
+    s = make(num_blocks=6, block_size=4, mode="decode")
+    s.add(req("a", range(1, 10)))  # blocks 0, 1 full once computed, 2 partial
+    s.update(s.schedule(), {"a": 7})
+    r = req("r", [*range(1, 9), 40, 41])  # 10 tokens + the first: 3 blocks, 2 of them a's
+    assert s.reserve(r) == [0, 1, 3]
+    assert (r.num_cached_tokens, refs(s, [0, 1, 3])) == (8, [2, 2, 1])
+    assert s.block_counts() == {"free": 2, "reserved": 1, "running": 3}  # shared blocks count as running
+    s.abort("a")
+    assert s.block_counts() == {"free": 3, "reserved": 3, "running": 0}
+    s.check_integrity()
+    s.abort("r")
+    assert (s.block_counts()["free"], s.stats().cached) == (6, 2)
+    # 21 tokens + the first: 6 blocks, 2 of them cached with no owner, so all 6 free blocks are used
+    assert s.reserve(req("fits", range(1, 22))) == [0, 1, 2, 3, 4, 5]
+    assert (s.block_counts()["free"], s.stats().cached) == (0, 0)
+    s.abort("fits")
+    with pytest.raises(NoCapacityError):  # 7 blocks needed
+        s.reserve(req("big", range(1, 26)))
+    assert (s.block_counts()["free"], s.stats().cached, "big" in s.requests) == (6, 2, False)
+    s.check_integrity()

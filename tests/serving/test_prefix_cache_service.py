@@ -1,0 +1,116 @@
+"""Prefix caching in the decode and prefill services, in process, with scripted KV ports:
+the reservation pins D's cached prefix and says so, P sends only what D lacks,
+and D prefills a prompt itself when only its last token is missing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from decode_server.service import GenerationService
+from engine import EngineConfig, LLMEngine
+from prefill_server.service import PrefillService
+from server_common.settings import ServerSettings
+from server_common.worker_replies import Reservation, WorkerError
+from server_common.worker_requests import GenerateRequest, PrefillRequest, SamplingSpec
+from tests.serving.scripted import ScriptedReceiver, ScriptedSender, scripted
+from transfer.outcome import Outcome
+
+PROMPT = list(range(10, 24))  # 14 tokens: 3 full blocks of 4
+
+
+async def wait_for(predicate, timeout: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+def generate(rid: str, prompt: list[int]) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=SamplingSpec(max_tokens=3, temperature=0))
+
+
+def test_decode_reservation_pins_the_cached_prefix_and_an_almost_whole_hit_is_prefilled_here(tiny_model):
+    engine = LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="decode"))
+    make_receiver, made = scripted(ScriptedReceiver)
+    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0),
+                                engine, make_receiver)
+    (receiver,) = made
+
+    async def main():
+        await service.start()
+        try:
+            first, active = await service.open(generate("a", PROMPT))
+            assert (first.num_cached_tokens, first.reservation.block_ids, receiver.writable_from["t0"]) == (
+                0, [0, 1, 2, 3], 0)
+            receiver.end("t0", Outcome.OK, first_token=42)
+            assert len([line async for line in service.events(first, active)]) == 1 + 3
+            # b shares a's first 12 tokens: 3 blocks pinned, only the 2 others are written
+            first, active = await service.open(generate("b", PROMPT[:12] + [300, 301, 302, 303]))
+            res = first.reservation
+            assert (first.num_cached_tokens, res.num_cached_tokens, res.block_ids[:3]) == (12, 12, [0, 1, 2])
+            assert (len(res.block_ids), receiver.writable_from["t1"]) == (5, 3)
+            stats = lambda: service.engine_thread.stats.scheduler  # noqa: E731
+            # a finished: its 4th block (16 computed tokens: full) stays cached, unowned
+            await wait_for(lambda: (stats().reserved, stats().cached, stats().free) == (5, 1, 11))
+            await service.close("b")
+            receiver.end("t1", Outcome.CANCELLED, "cancelled")
+            # c lacks only its last token: no reservation, no prefill server
+            first, active = await service.open(generate("c", PROMPT[:12] + [77]))
+            assert (first.reservation, first.num_cached_tokens, len(receiver.expected)) == (None, 12, 2)
+            assert len([line async for line in service.events(first, active)]) == 1 + 3
+            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
+            counters = service.engine_thread.stats.counters
+            assert (counters.prefix_queries_tokens, counters.prefix_hits_tokens) == (14 + 16 + 13, 24)
+        finally:
+            await service.stop()
+
+    asyncio.run(main())
+    engine.check_integrity()
+
+
+def prefill_request(rid: str, cached: int) -> PrefillRequest:
+    res = Reservation(instance="d0", request_id=rid, transfer_id=f"t-{rid}", block_ids=[3, 4, 5, 6], block_size=4,
+                      num_tokens=len(PROMPT), lease_deadline=time.time() + 30, kv_target={"peer": "d0"},
+                      num_cached_tokens=cached)
+    return PrefillRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=SamplingSpec(max_tokens=4, temperature=0),
+                          reservation=res)
+
+
+def test_prefill_sends_only_what_the_decode_server_lacks_and_reuses_its_own_cache(tiny_model):
+    engine = LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="prefill"))
+    make_sender, made = scripted(ScriptedSender)
+    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender)
+    (sender,) = made
+    per_token = engine.cache.bytes_per_token
+
+    async def prefill(rid: str, cached: int):
+        task = asyncio.ensure_future(service.prefill(prefill_request(rid, cached)))
+        await wait_for(lambda: ("finish", f"t-{rid}") in [c[:2] for c in sender.calls])
+        pushes = [c[2:] for c in sender.calls if c[0] == "push" and c[1] == f"t-{rid}"]  # (layer, start, end)
+        sender.end(f"t-{rid}", Outcome.OK)
+        return pushes, await task
+
+    async def main():
+        await service.start()
+        try:
+            pushes, result = await prefill("a", cached=8)
+            assert pushes == [(0, 8, 14), (1, 8, 14)]
+            assert result.transfer_bytes == 6 * per_token
+            # P holds a's first 12 tokens itself: it computes 2, still sends all D lacks
+            pushes, result = await prefill("b", cached=0)
+            assert pushes == [(0, 0, 14), (1, 0, 14)]
+            assert result.transfer_bytes == 14 * per_token
+            with pytest.raises(WorkerError) as info:
+                await service.prefill(prefill_request("c", cached=14))
+            assert (info.value.status, info.value.code) == (400, Outcome.BAD_REQUEST)
+            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
+            c = service.engine_thread.stats.counters
+            assert (c.prompt_tokens, c.prefix_hits_tokens) == (14 + 2, 12)
+        finally:
+            await service.stop()
+
+    asyncio.run(main())
+    engine.check_integrity()
