@@ -109,7 +109,8 @@ class Dispatcher:
                 stream = await self.client.open_decode(worker, req)
             except WorkerFailed as exc:
                 slot.cancel()
-                if exc.outcome in (Outcome.UNREACHABLE, Outcome.TIMED_OUT):
+                if exc.outcome in (Outcome.UNREACHABLE, Outcome.TIMED_OUT, Outcome.DRAINING, Outcome.ENGINE_DOWN):
+                    # Out of rotation now (or counted): while it is busy, no health check would tell.
                     self.health.failed(worker, exc)
                 elif exc.outcome in TRY_ANOTHER_DECODE:
                     self.admission.no_room(worker, self.settings.no_room_cooldown)
