@@ -1,6 +1,6 @@
 """``pdserve bench ...`` and ``pdserve plan``: registration only.
 
-``serve``, ``compare`` and ``plan`` take their arguments from their modules'
+``serve``, ``compare``, ``router`` and ``plan`` take their arguments from their modules'
 ``add_arguments`` (light imports: no torch until a command runs).
 ``transfer`` and ``engine`` belong to other packages that parse their own
 arguments in ``main(argv)``: everything after the command name, ``--help``
@@ -43,7 +43,7 @@ def add_parser(subparsers, command: str | None = None) -> None:
         subparsers.add_parser("bench", help=BENCH_HELP)
         subparsers.add_parser("plan", help=PLAN_HELP)
         return
-    from bench import compare, plan, serve
+    from bench import compare, plan, router_bench, serve
 
     bench = subparsers.add_parser(
         "bench", help=BENCH_HELP,
@@ -68,6 +68,15 @@ def add_parser(subparsers, command: str | None = None) -> None:
     )
     compare.add_arguments(p)
     p.set_defaults(func=compare.run)
+
+    p = sub.add_parser(
+        "router", help="what the router adds to a request, against stub servers",
+        description="Starts stub prefill and decode servers (no model) behind the router and sends the same "
+                    "streamed load to the decode stub directly and through the router: added p50/p99 latency and "
+                    "time to first chunk at concurrency 1, requests/s at concurrency 64, router CPU per request.",
+    )
+    router_bench.add_arguments(p)
+    p.set_defaults(func=router_bench.run)
 
     _passthrough(sub, "transfer", "KV transfer bandwidth and latency (transfer.bench; --help for its options)",
                  "Measures the KV transfer backends; all arguments go to transfer.bench.", _run_transfer_bench)

@@ -107,6 +107,9 @@ class RouterConfig(Strict):
     retry_after_s: float = Field(default=RouterSettings.retry_after, gt=0)
     max_inflight_per_worker: int | None = Field(default=None, ge=1)
     prefill_timeout_s: float = Field(default=RouterSettings.prefill_timeout, gt=0)
+    worker_connections: int = Field(default=RouterSettings.worker_connections, ge=1)  # to all workers, at most
+    worker_keepalive: int = Field(default=RouterSettings.worker_keepalive, ge=0)  # idle ones kept for reuse
+    worker_keepalive_s: float = Field(default=RouterSettings.worker_keepalive_s, gt=0)  # below the servers' 5 s
     max_body_bytes: int = Field(default=RouterSettings.max_body_bytes, ge=1024)
     max_prompt_tokens: int | None = Field(default=RouterSettings.max_prompt_tokens, ge=1)
     max_tokens: int | None = Field(default=RouterSettings.max_tokens, ge=1)
@@ -318,6 +321,8 @@ class ClusterConfig(Strict):
             prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
             body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
             tracing=self.tracing.settings(), discovery=discovery,
+            worker_connections=r.worker_connections, worker_keepalive=r.worker_keepalive,
+            worker_keepalive_s=r.worker_keepalive_s,
         )
 
     def server_settings(self, name: str, model_path: Path) -> ServerSettings:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -17,6 +16,8 @@ from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.dispatch import DispatchSettings, Dispatcher
 from router.discovery import Discovery
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
+from router.health import PassiveHealth
+from router.http_pool import worker_http
 from router.limits import RequestLimits, openai_413
 from router.connections import ConnectionGuard
 from router.metrics import RouterMetrics
@@ -33,6 +34,7 @@ from server_common.tracing import Tracing
 
 
 DISCONNECT_POLL_S = 0.25
+HEALTH_CONNECTIONS = 64  # the health checks' own client: at most this many checks at once, each on its own connection
 
 
 async def until_disconnect(request: Request, work):
@@ -74,18 +76,25 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                                          prefill_failure=settings.prefill_failure)
     limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
     tracing = Tracing(settings.tracing, "pdserve-router")
+    passive_health = PassiveHealth(registry)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        limits_http = httpx.Limits(max_connections=1000, max_keepalive_connections=100)
-        async with httpx.AsyncClient(limits=limits_http, headers=auth_headers(settings.internal_secret)) as http:
-            worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout)
+        # Requests and health checks on separate clients: a check never waits behind requests for a connection.
+        headers = auth_headers(settings.internal_secret)
+        keepalive_s = settings.worker_keepalive_s
+        n = HEALTH_CONNECTIONS  # workers may join at runtime: not sized by today's count
+        async with worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http, \
+                worker_http(n, n, keepalive_s, headers) as health_http:
+            worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout,
+                                                   answered=passive_health.answered)
             dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),
-                                    worker_client, dispatch_settings, metrics.recovery, admission, drain)
+                                    worker_client, dispatch_settings, metrics.recovery, admission, drain,
+                                    passive_health)
             app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits, tracing)
             app.state.discovery = Discovery(registry, http, settings.discovery, model_fingerprint(settings.model_path),
                                             metrics, settings.drain_timeout)
-            tasks = [asyncio.create_task(registry.run(http)),
+            tasks = [asyncio.create_task(registry.run(health_http)),
                      asyncio.create_task(app.state.discovery.run())] if client is None else []
             try:
                 yield

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from router.admission import Admission, AdmissionSettings, Slot
 from router.errors import OpenAIError
+from router.health import PassiveHealth
 from router.metrics import RecoveryMetrics
 from router.policies import Policy
 from router.registry import WorkerRegistry
@@ -29,7 +30,8 @@ from transfer.outcome import Outcome
 log = logging.getLogger(__name__)
 
 # A decode server that answered with one of these did not take the request: try another one.
-TRY_ANOTHER_DECODE = frozenset({Outcome.UNREACHABLE, Outcome.NO_ROOM, Outcome.DRAINING, Outcome.ENGINE_DOWN})
+TRY_ANOTHER_DECODE = frozenset({Outcome.UNREACHABLE, Outcome.TIMED_OUT, Outcome.NO_ROOM, Outcome.DRAINING,
+                                Outcome.ENGINE_DOWN})
 
 
 @dataclass(frozen=True)
@@ -42,8 +44,10 @@ class DispatchSettings:
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, decode_policy: Policy, prefill_policy: Policy,
                  client: WorkerClient, settings: DispatchSettings, recovery: RecoveryMetrics | None = None,
-                 admission: Admission | None = None, drain: Drain | None = None) -> None:
+                 admission: Admission | None = None, drain: Drain | None = None,
+                 health: PassiveHealth | None = None) -> None:
         self.registry = registry
+        self.health = health or PassiveHealth(registry)
         self.decode_policy = decode_policy
         self.client = client
         self.settings = settings
@@ -51,8 +55,8 @@ class Dispatcher:
         self.drain = drain  # the router's own: once draining, no new session starts
         self.recovery = recovery or RecoveryMetrics(CollectorRegistry())
         self._sessions = SessionContext(
-            client=client, registry=registry, prefill_policy=prefill_policy, admission=self.admission,
-            recovery=self.recovery, prefill_failure=settings.prefill_failure,
+            client=client, registry=registry, health=self.health, prefill_policy=prefill_policy,
+            admission=self.admission, recovery=self.recovery, prefill_failure=settings.prefill_failure,
             open_stream=lambda rid, prompt, sampling, local, trace: self.open_stream(rid, prompt, sampling, local,
                                                                                      trace=trace))
 
@@ -105,8 +109,9 @@ class Dispatcher:
                 stream = await self.client.open_decode(worker, req)
             except WorkerFailed as exc:
                 slot.cancel()
-                if exc.outcome is Outcome.UNREACHABLE:
-                    self.registry.mark_down(worker, str(exc))
+                if exc.outcome in (Outcome.UNREACHABLE, Outcome.TIMED_OUT, Outcome.DRAINING, Outcome.ENGINE_DOWN):
+                    # Out of rotation now (or counted): while it is busy, no health check would tell.
+                    self.health.failed(worker, exc)
                 elif exc.outcome in TRY_ANOTHER_DECODE:
                     self.admission.no_room(worker, self.settings.no_room_cooldown)
                 else:

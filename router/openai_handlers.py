@@ -9,8 +9,10 @@ away or a stop string aborts the request on the servers.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import anyio
@@ -23,12 +25,18 @@ from router.errors import OpenAIError
 from router.limits import RequestLimits
 from router.metrics import RouterMetrics
 from router.model import ServedModel
-from router.sse import DONE, sse_event
+from router.sse import DONE, ChunkTemplate, sse_event
 from router.textstream import IncrementalDetokenizer, StopMatcher
 from router.timeline import RequestTimeline
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing, TracingSettings
 from server_common.worker_requests import SamplingSpec
+
+
+# Prompts longer than this (characters) are templated and tokenized on the handlers' tokenizer thread:
+# a 4,600-token chat prompt takes ~8 ms (SmolLM2's tokenizer), which on the event loop would stall
+# every stream in flight; a short one takes ~1 ms, less than handing it to a thread costs.
+LONG_PROMPT_CHARS = 8192
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,15 @@ class OpenAIHandlers:
         self.limits = limits or RequestLimits()
         self.tracing = tracing or Tracing(TracingSettings(), "pdserve-router")
         self.timeline = TimelineLog()  # GET /debug/timeline
+        # One thread: the tokenizer is only ever used by the event loop and this thread, with the same
+        # settings (no truncation or padding), so no call changes its state under another.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def _prepare(self, prepare: Callable[[], Prepared], prompt_chars: int) -> Prepared:
+        """``prepare()`` on the event loop, or on the tokenizer thread for a long prompt."""
+        if prompt_chars < LONG_PROMPT_CHARS:
+            return prepare()
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)
 
     def models(self) -> out.ModelList:
         m = self.model
@@ -158,7 +175,8 @@ class OpenAIHandlers:
             p.timeline.close(session, count)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None):
-        p = self.prepare_chat(req, request_id, traceparent)
+        chars = sum(len(m.text()) for m in req.messages)
+        p = await self._prepare(lambda: self.prepare_chat(req, request_id, traceparent), chars)
         if req.stream:
             session = await self.open(p)
             return session, self._chat_stream(p, req, session)
@@ -170,7 +188,9 @@ class OpenAIHandlers:
         )
 
     async def completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None):
-        p = self.prepare_completion(req, request_id, traceparent)
+        chars = len(req.prompt) if isinstance(req.prompt, str) else sum(len(x) for x in req.prompt
+                                                                           if isinstance(x, str))
+        p = await self._prepare(lambda: self.prepare_completion(req, request_id, traceparent), chars)
         if req.stream:
             session = await self.open(p)
             return session, self._completion_stream(p, req, session)
@@ -186,21 +206,21 @@ class OpenAIHandlers:
     async def _chat_stream(self, p: Prepared, req: ChatCompletionRequest, session: Session) -> AsyncIterator[str]:
         usage_field = None if req.include_usage else {"usage"}
 
-        def chunk(delta: out.Delta, finish_reason=None) -> str:
-            c = out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name,
-                                        choices=[out.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
-            return sse_event(c, exclude=usage_field)
+        def chunk(delta: out.Delta, finish_reason=None) -> out.ChatCompletionChunk:
+            return out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name,
+                                           choices=[out.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
 
         created = int(time.time())
+        content = ChunkTemplate(lambda text, _: chunk(out.Delta(content=text)), usage_field)
         count = 0
         try:
-            yield chunk(out.Delta(role="assistant", content=""))
+            yield sse_event(chunk(out.Delta(role="assistant", content="")), exclude=usage_field)
             async for d in self.text_deltas(p, session):
                 count = d.completion_tokens
                 if d.text:
-                    yield chunk(out.Delta(content=d.text))
+                    yield content.event(d.text)
                 if d.finish_reason:
-                    yield chunk(out.Delta(), d.finish_reason)
+                    yield sse_event(chunk(out.Delta(), d.finish_reason), exclude=usage_field)
             if req.include_usage:
                 usage = out.Usage.of(len(p.prompt), count, session.cached_tokens)
                 yield sse_event(out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created,
@@ -219,13 +239,14 @@ class OpenAIHandlers:
     async def _completion_stream(self, p: Prepared, req: CompletionRequest, session: Session) -> AsyncIterator[str]:
         usage_field = None if req.include_usage else {"usage"}
         created = int(time.time())
+        chunks = ChunkTemplate(lambda text, reason: out.Completion(
+            id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
+            choices=[out.CompletionChoice(text=text, finish_reason=reason)]), usage_field)
         count = 0
         try:
             async for d in self.text_deltas(p, session):
                 count = d.completion_tokens
-                c = out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
-                                   choices=[out.CompletionChoice(text=d.text, finish_reason=d.finish_reason)])
-                yield sse_event(c, exclude=usage_field)
+                yield chunks.event(d.text, d.finish_reason)
             if req.include_usage:
                 usage = out.Usage.of(len(p.prompt), count, session.cached_tokens)
                 yield sse_event(out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,

@@ -2,9 +2,13 @@
 
 Workers come from config, and join and leave at runtime (``add`` and
 ``forget``, called by ``router.discovery``). A background task per worker polls its
-``GET /health`` every ``interval`` seconds: a worker that fails
-``unhealthy_after`` checks in a row (or a request's connection) is taken out
-of rotation; the next successful check brings it back. While a worker fails,
+``GET /health`` every ``interval`` seconds unless real traffic already showed
+the worker alive within that interval (passive health, router/health.py,
+which also takes a worker out on failed requests): a worker that fails
+``unhealthy_after`` checks in a row is taken out of rotation; the next
+successful check brings it back. A check that times out counts only while
+this router has nothing in flight on the worker: a busy worker answers its
+requests, and a slow health answer is load, not a fault. While a worker fails,
 its checks back off (interval, 2x, 4x, ... up to ``backoff_max``) so a dead
 worker costs little, and a restarted one is back within ``backoff_max``. The
 same poll refreshes the load a worker reports (free KV blocks, queue depth,
@@ -40,6 +44,8 @@ class Worker:
     url: str  # http://host:port, no trailing slash
     healthy: bool = True
     failures: int = 0  # consecutive failed health checks
+    last_seen: float = 0.0  # monotonic time of the last answer to a real call (router/health.py)
+    request_failures: int = 0  # real calls failed in a row (router/health.py)
     # reported by the worker's /health
     free_blocks: int = 0
     queue_depth: int = 0
@@ -120,16 +126,28 @@ class WorkerRegistry:
                                        f"instance {report.get('instance')!r})")
                 return
             worker.apply_health(report)
+        except httpx.TimeoutException as exc:
+            if worker.inflight == 0:  # idle and silent: a miss; busy: its requests speak for it
+                self._missed(worker, exc)
+            return
         except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # no answer, or not a health report
-            worker.failures += 1
-            if worker.failures >= self.unhealthy_after and worker.healthy:
-                log.warning("worker %s (%s) unhealthy: %s", worker.name, worker.url, exc)
-                worker.healthy = False
+            self._missed(worker, exc)
             return
         if not worker.healthy:
             log.info("worker %s (%s) healthy again", worker.name, worker.url)
         worker.failures = 0
         worker.healthy = True
+
+    def _missed(self, worker: Worker, exc: Exception) -> None:
+        worker.failures += 1
+        if worker.failures >= self.unhealthy_after and worker.healthy:
+            log.warning("worker %s (%s) unhealthy: %s", worker.name, worker.url, exc)
+            worker.healthy = False
+
+    def needs_check(self, worker: Worker, now: float | None = None) -> bool:
+        """Failing, or not heard from (by a real call) within the last interval."""
+        now = time.monotonic() if now is None else now
+        return not worker.healthy or worker.failures > 0 or now - worker.last_seen >= self.interval
 
     def next_check_in(self, worker: Worker) -> float:
         """Seconds to the worker's next check: ``interval`` while it answers, then doubling."""
@@ -172,5 +190,6 @@ class WorkerRegistry:
 
     async def _watch(self, client: httpx.AsyncClient, worker: Worker) -> None:
         while True:
-            await self._check(client, worker)
+            if self.needs_check(worker):
+                await self._check(client, worker)
             await asyncio.sleep(self.next_check_in(worker))

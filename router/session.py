@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from router.admission import Admission, Slot
 from router.errors import OpenAIError
+from router.health import PassiveHealth
 from router.metrics import RecoveryMetrics
 from router.policies import Policy
 from router.recovery import PrefillFailure, decide
@@ -45,6 +46,7 @@ class SessionContext:
 
     client: WorkerClient
     registry: WorkerRegistry
+    health: PassiveHealth
     prefill_policy: Policy
     admission: Admission
     recovery: RecoveryMetrics
@@ -115,8 +117,7 @@ class Session:
             async for event in stream.events():
                 queue.put_nowait(event)
         except WorkerFailed as exc:
-            if exc.outcome is Outcome.UNREACHABLE:
-                self._ctx.registry.mark_down(stream.worker, str(exc))
+            self._ctx.health.failed(stream.worker, exc)
             queue.put_nowait(exc)
 
     async def _prefill_then_release(self, queue: asyncio.Queue, attempt_id: str) -> None:
@@ -145,8 +146,7 @@ class Session:
                     self.prefill_result = await ctx.client.prefill(worker, req)
                 return
             except WorkerFailed as exc:
-                if exc.outcome is Outcome.UNREACHABLE or exc.never_reached:
-                    ctx.registry.mark_down(worker, str(exc))
+                ctx.health.failed(worker, exc)
                 if exc.never_reached:
                     continue
                 if exc.outcome in DECIDED_BY_DECODE:

@@ -61,6 +61,11 @@ class RouterSettings:
     prefill_timeout: float = 120.0
     max_model_len: int | None = None  # None: the model config's max_position_embeddings
     health_backoff_max: float = 8.0  # a down worker is polled at doubling intervals up to this
+    worker_connections: int = 1024  # open HTTP connections to all workers together, at most
+    worker_keepalive: int = 256  # idle connections kept open for reuse (beyond it, idle ones close)
+    # How long an idle one stays open: below the servers' own keep-alive timeout (uvicorn's, 5 s), so the
+    # router closes it first and never sends a request on a connection the server is closing.
+    worker_keepalive_s: float = 2.0
     prefill_failure: PrefillFailure = "retry"
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     max_prompt_tokens: int | None = None  # longer prompts get 400 (None: only the context length limits them)

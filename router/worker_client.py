@@ -3,14 +3,24 @@
 Every way a call can fail is one ``WorkerFailed`` whose ``outcome`` says
 why, in the servers' own vocabulary (``transfer.outcome.Outcome``): the code
 of a server's ``ErrorReply`` or stream ``ErrorEvent`` as it was sent,
-``UNREACHABLE`` when the connection was refused, reset or timed out, and
-``STREAM_CUT`` / ``WORKER_ERROR`` for answers the router cannot use.
+``UNREACHABLE`` when the connection was refused or reset, ``TIMED_OUT`` when
+no answer came in time, and ``STREAM_CUT`` / ``WORKER_ERROR`` for answers the
+router cannot use. Every answer is reported to ``answered`` (passive health,
+router/health.py).
+
+Connections are kept alive and reused (the pool is the ``httpx.AsyncClient``
+router/app.py makes): a decode stream is read to its end after its last
+event, so its connection goes back to the pool; a prefill reply is always
+read, even when the caller stops waiting for it (the request finished or was
+aborted), so a cancelled call does not cost a connection. Only a stream
+closed before its end (the client left) closes its connection.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 from pydantic import ValidationError
@@ -54,9 +64,21 @@ class WorkerFailed(Exception):
         return "prefill" if self.role == "prefill" or self.outcome in KV_NEVER_ARRIVED else "decode"
 
 
+# Failures before the request was sent: another worker may take it.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
 def _unreachable(worker: Worker, exc: httpx.HTTPError, what: str = "") -> WorkerFailed:
+    """No answer: ``TIMED_OUT`` when it did not come in time, else ``UNREACHABLE`` (refused, reset)."""
+    if isinstance(exc, httpx.TimeoutException):
+        return WorkerFailed.of(worker, f"timed out: {what}{exc!r}", Outcome.TIMED_OUT,
+                               never_reached=isinstance(exc, NOT_SENT))
     return WorkerFailed.of(worker, f"unreachable: {what}{exc!r}", Outcome.UNREACHABLE,
-                           never_reached=isinstance(exc, httpx.ConnectError))
+                           never_reached=isinstance(exc, NOT_SENT))
+
+
+def _ignore(worker: Worker) -> None:
+    pass
 
 
 def _refusal(worker: Worker, resp: httpx.Response, default: Outcome, **kw) -> WorkerFailed:
@@ -71,12 +93,14 @@ def _refusal(worker: Worker, resp: httpx.Response, default: Outcome, **kw) -> Wo
 class DecodeStream:
     """One open ``/generate`` stream; ``reservation`` is its first event."""
 
-    def __init__(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str]) -> None:
+    def __init__(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str],
+                 answered: Callable[[Worker], None] = _ignore) -> None:
         self.worker = worker
         self.reservation: Reservation | None = None
         self.num_cached_tokens = 0  # prompt tokens the decode server found in its prefix cache
         self._response = response
         self._lines = lines
+        self._answered = answered
 
     async def read_reservation(self) -> None:
         event = await self._next_event()
@@ -96,16 +120,29 @@ class DecodeStream:
                 raise WorkerFailed.of(self.worker, event.message, event.code)
             if not isinstance(event, (TokensEvent, ReprefillEvent)):
                 raise WorkerFailed.of(self.worker, f"unexpected {event.type} event", Outcome.WORKER_ERROR)
-            yield event
             if isinstance(event, TokensEvent) and event.finish_reason is not None:
+                await self._read_to_end()
+                yield event
                 return
+            yield event
+
+    async def _read_to_end(self) -> None:
+        """After the last event the server ends the stream: read that end, so that the
+        connection is idle and goes back to the pool when the response closes."""
+        try:
+            async for _ in self._lines:
+                pass  # nothing follows the last event; a line here would only be ignored
+        except httpx.HTTPError as exc:
+            log.info("decode stream on %s broken after its last event: %r", self.worker.name, exc)
 
     async def _next_event(self):
         try:
             line = ""
             while not line.strip():
                 line = await anext(self._lines)
-            return DECODE_EVENT.validate_json(line)
+            event = DECODE_EVENT.validate_json(line)
+            self._answered(self.worker)
+            return event
         except StopAsyncIteration:
             raise WorkerFailed.of(self.worker, "stream ended early", Outcome.STREAM_CUT) from None
         except httpx.HTTPError as exc:
@@ -118,9 +155,14 @@ class DecodeStream:
 
 
 class WorkerClient:
-    def __init__(self, http: httpx.AsyncClient, *, prefill_timeout: float) -> None:
+    """``answered(worker)`` is called on every answer from a worker (router/health.py)."""
+
+    def __init__(self, http: httpx.AsyncClient, *, prefill_timeout: float,
+                 answered: Callable[[Worker], None] = _ignore) -> None:
         self._http = http
         self._prefill_timeout = prefill_timeout
+        self._answered = answered
+        self._prefills: set[asyncio.Task] = set()  # calls still reading a reply nobody waits for
 
     async def open_decode(self, worker: Worker, req: GenerateRequest) -> DecodeStream:
         """Start ``/generate``; returns once the reservation (first event) is in."""
@@ -139,7 +181,7 @@ class WorkerClient:
                 raise _refusal(worker, response, Outcome.NO_ROOM, never_reached=True,
                                retry_after=float(response.headers.get("retry-after", "1")))
             raise _refusal(worker, response, Outcome.WORKER_ERROR)
-        stream = DecodeStream(worker, response, response.aiter_lines())
+        stream = DecodeStream(worker, response, response.aiter_lines(), self._answered)
         try:
             await stream.read_reservation()
         except BaseException:
@@ -148,6 +190,20 @@ class WorkerClient:
         return stream
 
     async def prefill(self, worker: Worker, req: PrefillRequest) -> PrefillResult:
+        """The prefill server's reply. Cancelling this leaves the call running until its
+        reply is read (the server answers an aborted request at once), so its connection
+        is reused rather than closed halfway through a reply."""
+        call = asyncio.ensure_future(self._prefill(worker, req))
+        self._prefills.add(call)
+        call.add_done_callback(self._prefill_done)
+        return await asyncio.shield(call)
+
+    def _prefill_done(self, call: asyncio.Task) -> None:
+        self._prefills.discard(call)
+        if not call.cancelled():
+            call.exception()  # retrieved: a reply nobody waited for any more is not an error to log
+
+    async def _prefill(self, worker: Worker, req: PrefillRequest) -> PrefillResult:
         try:
             resp = await self._http.post(
                 f"{worker.url}/prefill", content=req.model_dump_json(),
@@ -159,6 +215,7 @@ class WorkerClient:
             raise _refusal(worker, resp, Outcome.ENGINE_DOWN, never_reached=True)
         if resp.status_code != 200:
             raise _refusal(worker, resp, Outcome.WORKER_ERROR)
+        self._answered(worker)
         try:
             return PrefillResult.model_validate_json(resp.content)
         except ValidationError as exc:

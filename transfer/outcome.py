@@ -45,7 +45,8 @@ class Outcome(StrEnum):
     TOO_LARGE = "request_too_large"  # a request body over the server's cap
 
     # -- the router's view of a worker
-    UNREACHABLE = "unreachable"  # connection refused, reset or timed out
+    UNREACHABLE = "unreachable"  # connection refused or reset
+    TIMED_OUT = "timed_out"  # no answer in time (a busy worker, or a hung one; router/health.py tells them apart)
     STREAM_CUT = "stream_cut"  # the decode stream ended before its last token
     WORKER_ERROR = "worker_error"  # an answer the router cannot read
     NO_PREFILL = "no_prefill"  # no prefill server in rotation that this request has not tried

@@ -1,41 +1,16 @@
-"""Test doubles for the router's unit tests only: a byte-level tokenizer and a
-WorkerClient look-alike that answers from a script. Integration tests use the
-real servers."""
+"""Test doubles for the router's unit tests only: a WorkerClient look-alike
+that answers from a script, and the byte-level tokenizer of bench/stubs.py.
+Integration tests use the real servers."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from tokenizers.pre_tokenizers import ByteLevel
-from transformers import PreTrainedTokenizerFast
-
+from bench.stubs import make_byte_tokenizer  # noqa: F401  (the byte-level tokenizer the tests use)
 from router.worker_client import WorkerFailed
 from server_common.worker_replies import PrefillResult, Reservation, TokensEvent
 from transfer.outcome import Outcome
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
-
-
-def make_byte_tokenizer(folder: Path, max_position_embeddings: int = 256) -> Path:
-    """One token per UTF-8 byte (so multi-byte characters span tokens), plus <|eos|>."""
-    vocab = {c: i for i, c in enumerate(sorted(ByteLevel.alphabet()))}
-    vocab["<|eos|>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(folder)
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings":
-                                                    max_position_embeddings}))
-    return folder
 
 
 @dataclass

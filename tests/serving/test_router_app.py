@@ -195,3 +195,29 @@ def test_usage_reports_the_prompt_tokens_the_decode_server_found_cached(model, s
         r = c.post("/v1/completions", json=body)
     usage = sse_payloads(r.text)[-1]["usage"] if stream else r.json()["usage"]
     assert (usage["prompt_tokens"], usage["prompt_tokens_details"]) == (40, {"cached_tokens": 32})
+
+
+def test_a_long_prompt_is_tokenized_on_the_tokenizer_thread_into_the_same_tokens(tmp_path):
+    import asyncio
+    import threading
+
+    from router.api_requests import CompletionRequest
+    from router.metrics import RouterMetrics
+    from router.openai_handlers import LONG_PROMPT_CHARS, OpenAIHandlers
+    from router.registry import WorkerRegistry
+
+    model = ServedModel.load("tiny", str(make_byte_tokenizer(tmp_path, max_position_embeddings=4 * LONG_PROMPT_CHARS)))
+    handlers = OpenAIHandlers(model, dispatcher=None, metrics=RouterMetrics(WorkerRegistry([])))
+    threads = []
+
+    def prepare(text):
+        def run():
+            threads.append(threading.current_thread().name)
+            return handlers.prepare_completion(CompletionRequest(model="tiny", prompt=text, max_tokens=1), "r1")
+        return run
+
+    long_text = "héllo wörld " * (LONG_PROMPT_CHARS // 10)
+    long = asyncio.run(handlers._prepare(prepare(long_text), len(long_text)))
+    short = asyncio.run(handlers._prepare(prepare("hi"), 2))
+    assert long.prompt == reply_ids(model, long_text) and short.prompt == reply_ids(model, "hi")
+    assert threads[0].startswith("tokenize") and threads[1] == threading.main_thread().name

@@ -1,7 +1,7 @@
 import json
 
 from router import api_responses as out
-from router.sse import DONE, sse_event
+from router.sse import DONE, ChunkTemplate, sse_event
 
 
 def test_sse_event_is_one_data_line_and_a_blank_line():
@@ -18,3 +18,16 @@ def test_chunk_keeps_null_finish_reason_and_can_drop_usage():
     assert body["choices"][0]["delta"] == {"role": None, "content": "hi"}
     assert "usage" not in body
     assert json.loads(sse_event(chunk)[6:])["usage"] is None
+
+
+def test_a_chunk_template_writes_what_the_model_would_for_any_text():
+    def make(text, reason):
+        return out.Completion(id="cmpl-1", created=7, model="m", choices=[out.CompletionChoice(text=text,
+                                                                                                 finish_reason=reason)])
+
+    for exclude in ({"usage"}, None):
+        template = ChunkTemplate(make, exclude)
+        for text, reason in [("héllo \"quoted\"\n", None), ("", "stop"), ("\u2028\x00\ufdd0x", "length")]:
+            event = template.event(text, reason)
+            assert event.startswith("data: ") and event.endswith("\n\n")
+            assert json.loads(event[6:]) == json.loads(sse_event(make(text, reason), exclude)[6:])

@@ -1,0 +1,92 @@
+"""Worker health: passive (real calls, router/health.py) and active (router/registry.py)."""
+
+import asyncio
+
+import httpx
+
+from router.health import PassiveHealth
+from router.registry import Worker, WorkerRegistry
+from router.worker_client import WorkerFailed
+from transfer.outcome import Outcome
+
+
+def check_three_times(registry: WorkerRegistry, handler) -> None:
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            for _ in range(3):
+                await registry.check_once(client)
+
+    asyncio.run(run())
+
+
+def slow(request):
+    raise httpx.ReadTimeout("no answer in time")
+
+
+def test_a_busy_worker_whose_health_check_times_out_stays_in_rotation():
+    worker = Worker("d0", "decode", "http://d0")
+    worker.inflight = 3  # this router has requests on it
+    registry = WorkerRegistry([worker], unhealthy_after=2)
+    check_three_times(registry, slow)
+    assert worker.healthy and worker.failures == 0
+    assert registry.healthy("decode") == [worker]
+
+
+def test_an_idle_worker_whose_health_check_times_out_leaves_rotation():
+    worker = Worker("d0", "decode", "http://d0")
+    registry = WorkerRegistry([worker], unhealthy_after=2)
+    check_three_times(registry, slow)
+    assert not worker.healthy and worker.failures == 3
+
+
+def test_a_refused_health_check_counts_even_while_busy():
+    def refused(request):
+        raise httpx.ConnectError("connection refused")
+
+    worker = Worker("d0", "decode", "http://d0")
+    worker.inflight = 3
+    registry = WorkerRegistry([worker], unhealthy_after=2)
+    check_three_times(registry, refused)
+    assert not worker.healthy
+
+
+def test_a_worker_that_answered_a_real_call_within_the_interval_is_not_checked():
+    worker = Worker("d0", "decode", "http://d0")
+    registry = WorkerRegistry([worker], interval=2.0)
+    health = PassiveHealth(registry)
+    assert registry.needs_check(worker)  # never heard from
+    health.answered(worker)
+    now = worker.last_seen
+    assert not registry.needs_check(worker, now + 1.9)
+    assert registry.needs_check(worker, now + 2.0)
+    worker.healthy = False  # a failing worker is checked whatever its traffic
+    assert registry.needs_check(worker, now + 0.1)
+
+
+def test_connection_refused_on_a_real_call_takes_the_worker_out_at_once():
+    worker = Worker("p0", "prefill", "http://p0")
+    health = PassiveHealth(WorkerRegistry([worker]))
+    health.failed(worker, WorkerFailed.of(worker, "refused", Outcome.UNREACHABLE, never_reached=True))
+    assert not worker.healthy
+
+
+def test_real_calls_that_time_out_take_the_worker_out_only_when_nothing_else_answers_in_between():
+    worker = Worker("p0", "prefill", "http://p0")
+    health = PassiveHealth(WorkerRegistry([worker]), failures_to_leave=3)
+    timed_out = WorkerFailed.of(worker, "timed out", Outcome.TIMED_OUT)
+    for _ in range(5):  # two timeouts, then an answer: alive
+        health.failed(worker, timed_out)
+        health.failed(worker, timed_out)
+        health.answered(worker)
+    assert worker.healthy and worker.request_failures == 0
+    for _ in range(3):
+        health.failed(worker, timed_out)
+    assert not worker.healthy
+
+
+def test_a_worker_answering_about_one_request_stays_in_rotation():
+    worker = Worker("d0", "decode", "http://d0")
+    health = PassiveHealth(WorkerRegistry([worker]), failures_to_leave=1)
+    for outcome in (Outcome.NO_ROOM, Outcome.LEASE_EXPIRED, Outcome.CHECKSUM_MISMATCH, Outcome.ABORTED):
+        health.failed(worker, WorkerFailed.of(worker, "about this request", outcome))
+    assert worker.healthy and worker.request_failures == 0
