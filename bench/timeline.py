@@ -11,7 +11,9 @@ cut into stages:
     prefill queue      the prefill server has the prompt -> its first chunk is computed
     prefill compute    first chunk -> first token sampled (all layers computed)
     KV after compute   first token sampled -> the decode server verified the KV
-    decode             KV verified (or the stream opened, prefilled locally) -> last token
+    prefill on D       no prefill server (colocated, a short or cached prompt): the decode server has the
+                       request -> first token (instead of reservation, prefill and KV stages)
+    decode             KV verified (or the first token, prefilled on D) -> last token
 
 Gaps between stages (the router handing the prompt to the prefill server)
 stay blank. The summary names the stage that took the most time over all
@@ -26,8 +28,9 @@ from pathlib import Path
 
 import httpx
 
-STAGES = ("router wait", "reservation", "prefill queue", "prefill compute", "KV after compute", "decode")
-COLORS = ("#9e9e9e", "#8d6e63", "#ffb74d", "#e65100", "#7b1fa2", "#1976d2")
+STAGES = ("router wait", "reservation", "prefill queue", "prefill compute", "KV after compute", "prefill on D",
+          "decode")
+COLORS = ("#9e9e9e", "#8d6e63", "#ffb74d", "#e65100", "#7b1fa2", "#c62828", "#1976d2")
 
 
 @dataclass(frozen=True)
@@ -63,13 +66,15 @@ def join(timelines: dict[str, list[dict]], request_ids: list[str] | None = None)
         if (wanted is not None and rid not in wanted) or "last_token" not in r:
             continue
         d, p = decode.get(rid, {}), prefill.get(rid, {})
+        remote = bool(p) or "kv_arrived" in d
         points = {
             "router wait": (r["arrived"], d.get("reserved", r.get("opened"))),
-            "reservation": (d.get("reserved"), r.get("opened")),
+            "reservation": (d.get("reserved"), r.get("opened")) if remote else (None, None),
             "prefill queue": (p.get("received"), p.get("computing")),
             "prefill compute": (p.get("computing"), p.get("prefilled")),
             "KV after compute": (p.get("prefilled"), d.get("kv_arrived")),
-            "decode": (d.get("kv_arrived") or r.get("opened"), r["last_token"]),
+            "prefill on D": (None, None) if remote else (d.get("reserved"), d.get("first_token")),
+            "decode": (d.get("kv_arrived") or d.get("first_token") or r.get("opened"), r["last_token"]),
         }
         stages = tuple((name, a, b) for name, (a, b) in points.items() if a is not None and b is not None and b >= a)
         out.append(RequestStages(rid, r["arrived"], stages))

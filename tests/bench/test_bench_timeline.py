@@ -32,16 +32,19 @@ def test_stages_are_joined_by_request_id_in_order_of_arrival():
     assert [(n, round(a - T, 2), round(b - T, 2)) for n, a, b in r1.stages] == [
         ("router wait", 0.0, 0.1), ("reservation", 0.1, 0.2), ("prefill queue", 0.25, 0.5),
         ("prefill compute", 0.5, 1.4), ("KV after compute", 1.4, 1.5), ("decode", 1.5, 2.0)]
-    assert [n for n, _, _ in r2.stages] == ["router wait", "reservation", "decode"]
+    # r2 was prefilled on the decode server: its first token splits that from decoding
+    assert [(n, round(a - T, 2), round(b - T, 2)) for n, a, b in r2.stages] == [
+        ("router wait", 0.5, 0.55), ("prefill on D", 0.55, 0.9), ("decode", 0.9, 1.1)]
     assert [r.request_id for r in timeline.join(timelines())] == ["r1", "r2", "r4"]  # r3 never finished
 
 
 def test_the_dominant_stage_is_the_one_with_the_most_time():
     reqs = timeline.join(timelines(), ["r1", "r2"])
     name, share = timeline.dominant(reqs)
-    # r1: 0.1 wait + 0.1 reservation + 0.25 queue + 0.9 compute + 0.1 KV + 0.5 decode; r2: 0.05 + 0.05 + 0.5 decode
-    assert name == "decode" and abs(share - 1.0 / 2.55) < 1e-9
-    assert timeline.summary_line(reqs).startswith("timeline: dominant stage decode (39% of staged time)")
+    # r1: 0.1 wait + 0.1 reservation + 0.25 queue + 0.9 compute + 0.1 KV + 0.5 decode;
+    # r2: 0.05 wait + 0.35 prefill on D + 0.2 decode
+    assert name == "prefill compute" and abs(share - 0.9 / 2.55) < 1e-9
+    assert timeline.summary_line(reqs).startswith("timeline: dominant stage prefill compute (35% of staged time)")
 
 
 def test_the_picture_has_one_bar_per_request(tmp_path):
