@@ -103,7 +103,7 @@ class Dispatcher:
             raise OpenAIError(503, "no healthy decode server", retry_after=1)
         if prefill_slot and self.admission.prefill_is_full(self.registry.healthy("prefill")):
             return None
-        for worker in self.decode_policy.order([w for w in in_rotation if w.has_room()]):
+        for worker in self.decode_policy.order([w for w in in_rotation if w.has_room()], req.prompt_token_ids):
             slot = self.admission.claim(worker, prefill_slot)
             try:
                 stream = await self.client.open_decode(worker, req)
