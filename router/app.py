@@ -79,8 +79,9 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
     tracing = Tracing(settings.tracing, "pdserve-router")
     passive_health = PassiveHealth(registry)
-    # Which block hashes each server holds (router/kv_index.py), kept only when something reads it.
-    kv_index = KvIndex() if settings.policy == "cache_aware" else None
+    # Which block hashes each server holds (router/kv_index.py), kept only when something reads it:
+    # the cache_aware policy, and the local-prefill choice on the uncached length (router/dispatch.py).
+    kv_index = KvIndex() if settings.policy == "cache_aware" or settings.local_prefill_threshold > 0 else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -95,7 +96,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
             dispatcher = Dispatcher(registry, make_policy(settings.policy, kv_index, settings.cache_aware_load_weight),
                                     make_policy(settings.policy, kv_index, settings.cache_aware_load_weight),
                                     worker_client, dispatch_settings, metrics.recovery, admission, drain,
-                                    passive_health)
+                                    passive_health, kv_index)
             app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits, tracing)
             app.state.discovery = Discovery(registry, http, settings.discovery, model_fingerprint(settings.model_path),
                                             metrics, settings.drain_timeout)

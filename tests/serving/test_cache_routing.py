@@ -18,12 +18,16 @@ pytestmark = pytest.mark.integration
 A = [(29 * i) % 400 + 40 for i in range(110)]
 B = [(37 * i) % 400 + 45 for i in range(110)]
 HITS = "pdserve_prefix_cache_hits_tokens_total"
+THRESHOLD = 16  # a prompt whose uncached part on the chosen decode server is shorter: prefilled there
+PREFILLED = 'pdserve_requests_total{outcome="prefilled"}'
+LOCAL = 'pdserve_requests_total{outcome="local_prefill"}'
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
     c = start_cluster(tmp_path_factory, "1p2d", tiny_model,
-                      {"max_model_len": 1024, "router": {"policy": "cache_aware", "kv_events_interval_s": 0.05}})
+                      {"max_model_len": 1024, "router": {"policy": "cache_aware", "kv_events_interval_s": 0.05,
+                                                       "local_prefill_threshold": THRESHOLD}})
     yield c
     c.stop()
 
@@ -71,7 +75,7 @@ def test_requests_sharing_a_prefix_go_to_the_server_holding_it(served, tiny_mode
     assert (index["d0"]["blocks"], index["d1"]["blocks"]) == (115 // 32, 115 // 8)
 
     for i in range(3):
-        suffix = [300 + 7 * i + k for k in range(20)]
+        suffix = [300 + 7 * i + k for k in range(20)]  # 24 tokens uncached: over the threshold
         # 100 shared tokens: d0 holds 3 blocks of 32 of them, d1 12 blocks of 8: 96 either way
         assert complete(c, tiny_model, A[:100] + suffix) == (96, {"d0": 96, "d1": 0})
         assert complete(c, tiny_model, B[:100] + suffix) == (96, {"d0": 0, "d1": 96})
@@ -92,3 +96,17 @@ def test_a_rediscovered_server_is_reloaded_from_its_snapshot_and_routing_stays_e
     after = wait_synced(c)
     assert after["d1"]["blocks"] == before["d1"]["blocks"] and after["d1"]["resyncs"] == 1
     assert complete(c, tiny_model, B[:100] + [9, 8, 7, 6]) == (96, {"d0": 0, "d1": 96})
+
+
+def test_a_request_whose_uncached_part_is_short_is_prefilled_on_the_decode_server_holding_the_rest(
+        served, tiny_model):
+    c = served
+    wait_synced(c)
+    counts = lambda: (c.metric("p0", PREFILLED), c.metric("d0", LOCAL), c.metric("d1", LOCAL))  # noqa: E731
+    before = counts()
+    # 100 + 10 tokens: d0 holds 96 of them (blocks of 32), 14 are left, under the threshold
+    assert complete(c, tiny_model, A[:100] + list(range(440, 450))) == (96, {"d0": 96, "d1": 0})
+    assert counts() == (before[0], before[1] + 1, before[2])
+    # 100 + 30 tokens: 34 left, over it: the prefill server computes them
+    assert complete(c, tiny_model, A[:100] + list(range(450, 480))) == (96, {"d0": 96, "d1": 0})
+    assert counts() == (before[0] + 1, before[1] + 1, before[2])
