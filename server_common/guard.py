@@ -192,7 +192,8 @@ def service_app(service, title: str) -> FastAPI:
     with the routes both servers share.
 
     ``service`` has async ``start()``/``stop()``/``abort(id)``, ``health()``, ``engine``,
-    ``metrics``, ``faults``, ``settings``, ``drain`` and ``vitals`` (``server_common.vitals``:
+    ``metrics``, ``faults``, ``settings``, ``drain``, ``kv_events`` (engine/kv_events.py) and
+    ``vitals`` (``server_common.vitals``:
     /health answers 503 while a thread is dead or stuck, and a dead one ends the process).
     """
 
