@@ -99,3 +99,18 @@ class PromptBuilder:
             f"could not build a text prompt of exactly {num_tokens} tokens with this "
             "tokenizer; use --prompt-format tokens"
         )
+
+    def from_segments(self, segments, seed: int) -> Prompt:
+        """The words of each segment (``bench.prefix_workload.Segment``: a key seeds its words), joined:
+        prompts with equal leading segments share exactly those tokens. Exactly ``num_special`` plus
+        the segments' lengths tokens, or ValueError."""
+        words = []
+        for segment in segments:
+            rng = np.random.default_rng([seed, *segment.key])
+            words.extend(self.pool[i][1] for i in rng.integers(0, len(self.pool), size=segment.length))
+        text = "".join(words)
+        ids = self.tokenizer.encode(text)
+        if len(ids) != self.num_special + len(words):
+            raise ValueError(f"words of this tokenizer did not encode one token each ({len(ids)} tokens for "
+                             f"{len(words)} words); use another tokenizer")
+        return Prompt(text, ids)

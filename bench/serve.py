@@ -15,11 +15,12 @@ import numpy as np
 
 from bench.loadgen import CHAT, LoadConfig, LoadResult, PreparedRequest, run_load
 from bench.metrics import summarize
+from bench.prefix_workload import PrefixWorkload
 from bench.prompts import PromptBuilder, load_tokenizer
 from bench.report import (
     format_summary, plot_latency_cdfs, plot_tpot_over_time, prompt_length_mismatches, write_json,
 )
-from bench.workload import RequestSpec, Workload, load_jsonl
+from bench.workload import LengthDist, RequestSpec, Workload, load_jsonl
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,6 +45,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     work.add_argument("--mix", action="append", metavar="W:PROMPT:OUTPUT",
                       help="a request class (repeat for a mix, e.g. --mix 0.2:2048:16 --mix 0.8:64:128)")
     work.add_argument("--dataset", metavar="FILE", help='JSONL of {"prompt": ..., "max_tokens": N}')
+    work.add_argument("--shared-prefix", type=int, metavar="TOKENS",
+                      help="every prompt starts with one of --prefix-groups shared prefixes of TOKENS tokens, "
+                           "then a question of --prompt-len tokens (bench/prefix_workload.py)")
+    work.add_argument("--prefix-groups", type=int, default=1, metavar="G",
+                      help="distinct shared prefixes, request i takes prefix i %% G (default 1)")
+    work.add_argument("--multi-turn", type=int, metavar="N",
+                      help="chats of N turns: each prompt is the chat's earlier questions and answers "
+                           "(--prompt-len and --output-len tokens each) and a new question")
+    work.add_argument("--conversations", type=int, default=8, metavar="C",
+                      help="chats run side by side with --multi-turn (default 8; keep >= --concurrency)")
     work.add_argument("--prompt-format", choices=["text", "tokens"], default="text",
                       help="send verified exact-length text or token-id lists (default text)")
     work.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
@@ -77,8 +88,22 @@ def discover_model(url: str, api_key: str | None = None) -> tuple[str, str | Non
     return first["id"], first.get("root")
 
 
+def prefix_workload(args: argparse.Namespace) -> PrefixWorkload | None:
+    """The --shared-prefix or --multi-turn workload, if asked for."""
+    if args.shared_prefix is not None and args.multi_turn is not None:
+        raise ValueError("--shared-prefix and --multi-turn are separate workloads: pick one")
+    question, output = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
+    if args.shared_prefix is not None:
+        return PrefixWorkload("shared_prefix", question, output, shared_tokens=args.shared_prefix,
+                              groups=args.prefix_groups)
+    if args.multi_turn is not None:
+        return PrefixWorkload("multi_turn", question, output, turns=args.multi_turn,
+                              conversations=args.conversations)
+    return None
+
+
 def request_source(
-    specs_or_workload: Workload | list[RequestSpec],
+    specs_or_workload: Workload | PrefixWorkload | list[RequestSpec],
     builder: PromptBuilder | None,
     prompt_format: str = "text",
     seed: int = 0,
@@ -92,14 +117,20 @@ def request_source(
         body = prompt.text if prompt_format == "text" else prompt.token_ids
         return PreparedRequest(index, body, prompt.num_tokens, spec.output_len)
 
+    def with_prefixes(index: int) -> PreparedRequest:
+        segments, output_len = specs_or_workload.request(index, seed)
+        prompt = builder.from_segments(segments, seed)
+        body = prompt.text if prompt_format == "text" else prompt.token_ids
+        return PreparedRequest(index, body, prompt.num_tokens, output_len)
+
     def from_file(index: int) -> PreparedRequest:
         spec = specs_or_workload[abs(index) % len(specs_or_workload)]
         return PreparedRequest(index, spec.prompt, spec.prompt_len, spec.output_len)
 
-    if isinstance(specs_or_workload, Workload):
+    if isinstance(specs_or_workload, (Workload, PrefixWorkload)):
         if builder is None:
             raise ValueError("synthetic prompts need a tokenizer: pass --tokenizer DIR")
-        return synthetic
+        return with_prefixes if isinstance(specs_or_workload, PrefixWorkload) else synthetic
     return from_file
 
 
@@ -151,8 +182,11 @@ def run(args: argparse.Namespace) -> int:
         root = discover_model(args.url, args.api_key)[1]  # the tokenizer of the served model
     tokenizer_dir = args.tokenizer or (root if root and Path(root).is_dir() else None)
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
+    prefixed = prefix_workload(args)
     if args.dataset:
         workload = load_jsonl(args.dataset, tokenizer)
+    elif prefixed is not None:
+        workload = prefixed
     else:
         workload = Workload.mix(args.mix) if args.mix else Workload.single(args.prompt_len, args.output_len)
     builder = PromptBuilder(tokenizer) if tokenizer is not None and not args.dataset else None
@@ -173,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
     if mismatches:
         print(f"note: the server counted a different prompt length for {mismatches} request(s)")
     if args.json:
-        described = asdict(config) | {"api_key": None, "workload": str(workload) if isinstance(workload, Workload)
+        described = asdict(config) | {"api_key": None, "workload": str(workload) if isinstance(workload, (Workload, PrefixWorkload))
                                       else args.dataset, "prompt_format": args.prompt_format,
                                       "warmup": args.warmup, "label": args.label}
         write_json(args.json, described, summary, result.records)

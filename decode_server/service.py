@@ -98,6 +98,7 @@ class GenerationService:
         self.engine_thread = EngineThread(engine, self._emit, settings.name,
                                           between_steps=self._collect_transfers if make_receiver else None)
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
+        self.kv_events = engine.scheduler.blocks.events  # thread-safe: read by GET /kv/events
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
         self.vitals.add(self.engine_thread.problem)
         self.tracing = tracing or Tracing(settings.tracing, f"pdserve-{settings.role}")

@@ -100,6 +100,8 @@ class RouterConfig(Strict):
     bind_host: str | None = None  # the address it binds (default: host); e.g. 0.0.0.0 to serve others
     policy: PolicyName = RouterSettings.policy
     local_prefill_threshold: int = Field(default=RouterSettings.local_prefill_threshold, ge=0)
+    cache_aware_load_weight: float = Field(default=RouterSettings.cache_aware_load_weight, ge=0)
+    kv_events_interval_s: float = Field(default=RouterSettings.kv_events_interval, gt=0)
     health_interval_s: float = Field(default=RouterSettings.health_interval, gt=0)
     health_backoff_max_s: float = Field(default=RouterSettings.health_backoff_max, gt=0)
     queue_timeout_s: float = Field(default=RouterSettings.queue_timeout, ge=0)
@@ -313,6 +315,7 @@ class ClusterConfig(Strict):
             model_path=str(model_path), served_model_name=self.model_name, workers=workers, host=self.router_host,
             bind_host=self.router.bind_host,
             port=r.port, policy=r.policy, local_prefill_threshold=r.local_prefill_threshold,
+            cache_aware_load_weight=r.cache_aware_load_weight, kv_events_interval=r.kv_events_interval_s,
             health_interval=r.health_interval_s, queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
             retry_after=r.retry_after_s, prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len,
             max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,

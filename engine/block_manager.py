@@ -27,6 +27,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from engine.kv_events import KvEventLog
+
 NO_HASH = -1
 
 
@@ -49,7 +51,7 @@ class Block:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, events: KvEventLog | None = None) -> None:
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -59,6 +61,7 @@ class BlockManager:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with no owner, oldest first
         self._by_hash: dict[int, int] = {}  # hash -> block id, for every block holding a hash
         self.evictions = 0  # cached blocks whose hash was dropped to make room
+        self.events = events or KvEventLog()  # every hash stored and evicted (engine/kv_events.py)
 
     @property
     def num_free(self) -> int:
@@ -91,6 +94,7 @@ class BlockManager:
             else:
                 block_id, _ = self._lru.popitem(last=False)
                 del self._by_hash[self.blocks[block_id].block_hash]
+                self.events.evicted(self.blocks[block_id].block_hash)
                 self.blocks[block_id].block_hash = NO_HASH
                 self.evictions += 1
             block = self.blocks[block_id]
@@ -166,6 +170,7 @@ class BlockManager:
             return False
         block.block_hash = h
         self._by_hash[h] = block_id
+        self.events.stored(h)
         return True
 
     def check_integrity(self) -> None:

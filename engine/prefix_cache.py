@@ -9,8 +9,28 @@ request's last token, so at least one token is computed and a token sampled.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from engine.block_manager import BlockManager, block_hash, root_hash
 from engine.request import Request
+
+
+def chain_root(engine_salt: str, cache_salt: str | None = None) -> int:
+    """The parent of a chain's first block: the engine's salt (``EngineConfig.cache_salt``:
+    model, dtype) and the request's own ``cache_salt``."""
+    return root_hash(f"{engine_salt}\0{cache_salt or ''}")
+
+
+def chain_hashes(engine_salt: str, token_ids: Sequence[int], block_size: int,
+                 cache_salt: str | None = None) -> list[int]:
+    """The chained hashes of every full block of ``token_ids``, exactly as an engine with
+    that salt and block size computes them. Pure and torch-free: the router calls it too
+    (router/kv_index.py)."""
+    parent, hashes = chain_root(engine_salt, cache_salt), []
+    for i in range(len(token_ids) // block_size):
+        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes
 
 
 class PrefixCache:
@@ -41,7 +61,7 @@ class PrefixCache:
         """Chained hashes of the request's first ``num_blocks`` full blocks (kept on the request)."""
         hashes, bs = request.block_hashes, self.blocks.block_size
         if len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else root_hash(f"{self.salt}\0{request.cache_salt or ''}")
+            parent = hashes[-1] if hashes else chain_root(self.salt, request.cache_salt)
             for i in range(len(hashes), num_blocks):
                 parent = block_hash(parent, request.token_ids(i * bs, (i + 1) * bs))
                 hashes.append(parent)

@@ -85,6 +85,7 @@ class PrefillService:
         self.engine_thread = EngineThread(engine, self._on_outputs, settings.name,
                                           between_steps=self._collect_transfers, layer_hook=self._on_layer)
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
+        self.kv_events = engine.scheduler.blocks.events  # thread-safe: read by GET /kv/events
         self.tracing = tracing or Tracing(settings.tracing, "pdserve-prefill")
         self.timeline = TimelineLog()
         self._model_id = model_fingerprint(settings.engine.model)  # reported on /health

@@ -23,6 +23,8 @@ from router.connections import ConnectionGuard
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.openai_handlers import OpenAIHandlers
+from router.kv_events import KvEventPoller
+from router.kv_index import KvIndex
 from router.policies import make_policy
 from router.registry import Worker, WorkerRegistry
 from router.settings import RouterSettings
@@ -77,6 +79,9 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
     tracing = Tracing(settings.tracing, "pdserve-router")
     passive_health = PassiveHealth(registry)
+    # Which block hashes each server holds (router/kv_index.py), kept only when something reads it:
+    # the cache_aware policy, and the local-prefill choice on the uncached length (router/dispatch.py).
+    kv_index = KvIndex() if settings.policy == "cache_aware" or settings.local_prefill_threshold > 0 else None
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,14 +93,19 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                 worker_http(n, n, keepalive_s, headers) as health_http:
             worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout,
                                                    answered=passive_health.answered)
-            dispatcher = Dispatcher(registry, make_policy(settings.policy), make_policy(settings.policy),
+            dispatcher = Dispatcher(registry, make_policy(settings.policy, kv_index, settings.cache_aware_load_weight),
+                                    make_policy(settings.policy, kv_index, settings.cache_aware_load_weight),
                                     worker_client, dispatch_settings, metrics.recovery, admission, drain,
-                                    passive_health)
+                                    passive_health, kv_index)
             app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits, tracing)
             app.state.discovery = Discovery(registry, http, settings.discovery, model_fingerprint(settings.model_path),
                                             metrics, settings.drain_timeout)
             tasks = [asyncio.create_task(registry.run(health_http)),
                      asyncio.create_task(app.state.discovery.run())] if client is None else []
+            if kv_index is not None and client is None:
+                poller = KvEventPoller(registry, kv_index, health_http, settings.kv_events_interval)
+                tasks.append(asyncio.create_task(poller.run()))
+            app.state.kv_index = kv_index
             try:
                 yield
             finally:
@@ -181,6 +191,15 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         check_admin(request)
         return JSONResponse({"instance": "router", "role": "router",
                              "requests": request.app.state.handlers.timeline.entries()})
+
+    @app.get("/debug/kv_index")
+    async def kv_index_state(request: Request) -> JSONResponse:
+        """What the router knows of each server's cached blocks (router/kv_index.py); admin callers only."""
+        check_admin(request)
+        workers = {} if kv_index is None else {
+            name: {"epoch": idx.epoch, "seq": idx.seq, "blocks": len(idx.hashes), "block_size": idx.block_size,
+                   "resyncs": idx.resyncs} for name, idx in kv_index.workers.items()}
+        return JSONResponse({"enabled": kv_index is not None, "workers": workers})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

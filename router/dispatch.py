@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from router.admission import Admission, AdmissionSettings, Slot
 from router.errors import OpenAIError
 from router.health import PassiveHealth
+from router.kv_index import KvIndex
 from router.metrics import RecoveryMetrics
 from router.policies import Policy
 from router.registry import WorkerRegistry
@@ -45,8 +46,9 @@ class Dispatcher:
     def __init__(self, registry: WorkerRegistry, decode_policy: Policy, prefill_policy: Policy,
                  client: WorkerClient, settings: DispatchSettings, recovery: RecoveryMetrics | None = None,
                  admission: Admission | None = None, drain: Drain | None = None,
-                 health: PassiveHealth | None = None) -> None:
+                 health: PassiveHealth | None = None, kv_index: KvIndex | None = None) -> None:
         self.registry = registry
+        self.kv_index = kv_index  # what each decode server caches (router/kv_index.py); None: not followed
         self.health = health or PassiveHealth(registry)
         self.decode_policy = decode_policy
         self.client = client
@@ -60,12 +62,14 @@ class Dispatcher:
             open_stream=lambda rid, prompt, sampling, local, trace: self.open_stream(rid, prompt, sampling, local,
                                                                                      trace=trace))
 
-    def wants_local_prefill(self, num_prompt_tokens: int) -> bool:
-        """No prefill servers at all (colocated), a prompt short enough for D, or
-        (unless recovery is "fail") no prefill server in rotation right now."""
+    def wants_local_prefill(self, num_uncached_tokens: int) -> bool:
+        """No prefill servers at all (colocated), a prompt whose part the decode server does not
+        hold is short enough for D, or (unless recovery is "fail") no prefill server in rotation
+        right now. ``num_uncached_tokens``: the prompt less what the router's index says the
+        chosen decode server caches (all of it when no index is kept)."""
         if not self.registry.of_role("prefill"):
             return True
-        if num_prompt_tokens < self.settings.local_prefill_threshold:
+        if num_uncached_tokens < self.settings.local_prefill_threshold:
             return True
         return self.settings.prefill_failure != "fail" and not self.registry.healthy("prefill")
 
@@ -81,32 +85,39 @@ class Dispatcher:
         if self.drain is not None and self.drain.draining:
             raise OpenAIError(503, "the router is shutting down; retry later", code="draining",
                               retry_after=self.admission.settings.retry_after)
-        local = self.wants_local_prefill(len(prompt))
-        stream, slot = await self.open_stream(request_id, prompt, sampling, local, prefill_slot=not local, trace=trace)
+        stream, slot = await self.open_stream(request_id, prompt, sampling, None, prefill_slot=True, trace=trace)
         return Session(self._sessions, request_id, prompt, sampling, stream, slot, trace)
 
-    async def open_stream(self, request_id: str, prompt: list[int], sampling: SamplingSpec, local: bool,
+    async def open_stream(self, request_id: str, prompt: list[int], sampling: SamplingSpec, local: bool | None,
                           prefill_slot: bool = False, trace: str | None = None) -> tuple[DecodeStream, Slot]:
         """A decode stream on the first server in policy order with a free slot that takes it,
-        waiting for one (``Admission.admit``). ``prefill_slot``: also claim one of the prefill
-        servers' slots (a new request; a retry runs its prefill without one)."""
-        req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling, local_prefill=local,
-                              trace=trace)
-        return await self.admission.admit(lambda: self._try_open(req, prefill_slot))
+        waiting for one (``Admission.admit``). ``local``: D prefills the prompt itself; None:
+        decided per decode server on the part of the prompt it does not cache
+        (``wants_local_prefill``). ``prefill_slot``: also claim one of the prefill servers'
+        slots when the request needs a prefill server (a new request; a retry runs its
+        prefill without one)."""
+        req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
+                              local_prefill=bool(local), trace=trace)
+        return await self.admission.admit(lambda: self._try_open(req, prefill_slot, local))
 
-    async def _try_open(self, req: GenerateRequest, prefill_slot: bool) -> tuple[DecodeStream, Slot] | None:
+    async def _try_open(self, req: GenerateRequest, prefill_slot: bool,
+                        local: bool | None) -> tuple[DecodeStream, Slot] | None:
         """None when every decode server in rotation is full (or, with ``prefill_slot``, the prefill
         servers are). The prefill slot is claimed with the decode slot, so that no prefill server is
         sent more than its share and no reservation is made that could not be prefilled soon."""
         in_rotation = self.registry.healthy("decode")
         if not in_rotation:
             raise OpenAIError(503, "no healthy decode server", retry_after=1)
-        if prefill_slot and self.admission.prefill_is_full(self.registry.healthy("prefill")):
-            return None
-        for worker in self.decode_policy.order([w for w in in_rotation if w.has_room()]):
-            slot = self.admission.claim(worker, prefill_slot)
+        prefill_full = prefill_slot and self.admission.prefill_is_full(self.registry.healthy("prefill"))
+        prompt = req.prompt_token_ids
+        matched = self.kv_index.matcher(prompt) if self.kv_index is not None else (lambda name: 0)
+        for worker in self.decode_policy.order([w for w in in_rotation if w.has_room()], prompt):
+            here = local if local is not None else self.wants_local_prefill(len(prompt) - matched(worker.name))
+            if not here and prefill_full:  # it would need a prefill server, and they are all busy
+                continue
+            slot = self.admission.claim(worker, prefill_slot and not here)
             try:
-                stream = await self.client.open_decode(worker, req)
+                stream = await self.client.open_decode(worker, req.model_copy(update={"local_prefill": here}))
             except WorkerFailed as exc:
                 slot.cancel()
                 if exc.outcome in (Outcome.UNREACHABLE, Outcome.TIMED_OUT, Outcome.DRAINING, Outcome.ENGINE_DOWN):

@@ -136,7 +136,7 @@ class Session:
         req = PrefillRequest(request_id=attempt_id, prompt_token_ids=self._prompt,
                              sampling=self._sampling, reservation=reservation, trace=self._trace)
         ctx = self._ctx
-        candidates = [w for w in ctx.prefill_policy.order(ctx.registry.healthy("prefill"))
+        candidates = [w for w in ctx.prefill_policy.order(ctx.registry.healthy("prefill"), self._prompt)
                       if w.name not in self._tried_prefill]
         for worker in candidates:
             self.prefill = worker

@@ -14,7 +14,7 @@ from typing import Literal
 from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST
 from server_common.tracing import TracingSettings
 
-PolicyName = Literal["round_robin", "least_loaded"]  # router/policies.py
+PolicyName = Literal["round_robin", "least_loaded", "cache_aware"]  # router/policies.py
 PrefillFailure = Literal["retry", "local", "fail"]  # what a failed prefill leads to (router/recovery.py)
 WorkerRole = Literal["prefill", "decode"]  # a colocated server is a decode server that prefills itself
 
@@ -53,7 +53,9 @@ class RouterSettings:
     bind_host: str | None = None  # the address it binds (None: host)
     port: int = 8000
     policy: PolicyName = "round_robin"
-    local_prefill_threshold: int = 0  # prompts shorter than this are prefilled on the decode server
+    local_prefill_threshold: int = 0  # prompts whose uncached part is shorter than this: prefilled on D
+    cache_aware_load_weight: float = 1.0  # cache_aware policy: how much load counts against a cached prefix
+    kv_events_interval: float = 0.2  # seconds between polls of the servers' block-hash events (router/kv_events.py)
     health_interval: float = 2.0  # seconds between health checks of a worker that answers
     queue_timeout: float = 10.0  # the longest a request waits for a free slot before 429
     max_queued: int = 128  # requests waiting for a slot; one more gets 429 at once

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server_common.fault_routes import add_fault_routes
-from server_common.worker_replies import ErrorReply
+from server_common.worker_replies import ErrorReply, KvBlocksReply, KvEventsReply
 from server_common.worker_requests import AbortRequest
 from transfer.outcome import Outcome
 
@@ -192,7 +192,8 @@ def service_app(service, title: str) -> FastAPI:
     with the routes both servers share.
 
     ``service`` has async ``start()``/``stop()``/``abort(id)``, ``health()``, ``engine``,
-    ``metrics``, ``faults``, ``settings``, ``drain`` and ``vitals`` (``server_common.vitals``:
+    ``metrics``, ``faults``, ``settings``, ``drain``, ``kv_events`` (engine/kv_events.py) and
+    ``vitals`` (``server_common.vitals``:
     /health answers 503 while a thread is dead or stuck, and a dead one ends the process).
     """
 
@@ -217,7 +218,8 @@ def service_app(service, title: str) -> FastAPI:
 
 
 def _add_common_routes(app: FastAPI, service) -> None:
-    """/abort, /health, /metrics (and /admin/faults when enabled): the same on both servers."""
+    """/abort, /health, /metrics, /kv/events, /kv/blocks (and /admin/faults when enabled): the same on
+    both servers."""
     @app.post("/abort")
     async def abort(req: AbortRequest) -> JSONResponse:
         return JSONResponse({"request_id": req.request_id, "aborted": await service.abort(req.request_id)})
@@ -238,6 +240,22 @@ def _add_common_routes(app: FastAPI, service) -> None:
         """Stage timestamps of the last requests (server_common/timeline_log.py)."""
         return JSONResponse({"instance": service.settings.name, "role": service.settings.role,
                              "requests": service.timeline.entries()})
+
+    @app.get("/kv/events")
+    async def kv_events(after: int = 0) -> JSONResponse:
+        """Block hashes stored and evicted after seq ``after`` (for the router's cache index)."""
+        page, engine = service.kv_events.since(after), service.settings.engine
+        return JSONResponse(KvEventsReply(epoch=page.epoch, oldest=page.oldest, last=page.last, events=page.events,
+                                          block_size=engine.block_size, salt=engine.cache_salt,
+                                          enabled=engine.prefix_caching).model_dump(mode="json"))
+
+    @app.get("/kv/blocks")
+    async def kv_blocks() -> JSONResponse:
+        """Every block hash held now: what a reader that lost events starts again from."""
+        snap, engine = service.kv_events.snapshot(), service.settings.engine
+        return JSONResponse(KvBlocksReply(epoch=snap.epoch, seq=snap.seq, hashes=snap.hashes,
+                                          block_size=engine.block_size, salt=engine.cache_salt,
+                                          enabled=engine.prefix_caching).model_dump(mode="json"))
 
     if service.faults is not None:  # config fault_injection: true (tests only)
         add_fault_routes(app, service.faults)

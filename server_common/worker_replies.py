@@ -110,6 +110,33 @@ class HealthReport(Reply):
     model: str = ""  # server_common.model_id.model_fingerprint of the folder it serves
 
 
+class KvEventsReply(Reply):
+    """GET /kv/events?after=SEQ: the block hashes stored and evicted since SEQ (engine/kv_events.py).
+
+    ``oldest`` past SEQ + 1 means events were lost; a new ``epoch`` means a new process:
+    either way the reader takes GET /kv/blocks. ``salt`` and ``block_size`` are what the
+    reader needs to hash a prompt as this server does (engine/prefix_cache.py, ``chain_hashes``)."""
+
+    epoch: str
+    oldest: int
+    last: int
+    events: list[tuple[int, Literal["stored", "evicted"], int]]
+    block_size: int
+    salt: str
+    enabled: bool  # prefix caching on
+
+
+class KvBlocksReply(Reply):
+    """GET /kv/blocks: every block hash held now, current as of event ``seq``."""
+
+    epoch: str
+    seq: int
+    hashes: list[int]
+    block_size: int
+    salt: str
+    enabled: bool
+
+
 class ErrorReply(Reply):
     """Body of a 4xx/5xx from a server (503 with a Retry-After header)."""
 

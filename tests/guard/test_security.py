@@ -59,9 +59,9 @@ def test_health_and_metrics_need_no_key(idle_after):
 
 INTERNAL_CALLS = {
     "decode": [("POST", "/generate"), ("POST", "/abort"), ("POST", "/kv/hello"), ("POST", "/admin/drain"),
-               ("POST", "/admin/resume"), ("GET", "/openapi.json")],
+               ("POST", "/admin/resume"), ("GET", "/openapi.json"), ("GET", "/kv/events"), ("GET", "/kv/blocks")],
     "prefill": [("POST", "/prefill"), ("POST", "/abort"), ("POST", "/admin/drain"), ("POST", "/admin/resume"),
-                ("GET", "/openapi.json")],
+                ("GET", "/openapi.json"), ("GET", "/kv/events"), ("GET", "/kv/blocks")],
 }
 
 

@@ -137,3 +137,33 @@ def test_prefill_server_that_cannot_be_connected_to_is_skipped():
     assert asyncio.run(run()) == [[4], [5]]
     assert [name for name, _ in fake.prefills] == ["p1"]
     assert [w.name for w in registry.healthy("prefill")] == ["p1"]
+
+
+def test_local_prefill_is_decided_on_the_part_the_chosen_decode_server_does_not_cache():
+    """Threshold 20: a 101-token prompt whose first 96 tokens d1 caches has 5 left: d1 prefills it.
+    On d0, which caches nothing, the same prompt goes to the prefill server."""
+    from router.policies import CacheAware
+    from tests.serving.test_kv_index import index_holding
+
+    prompt = list(range(1, 102))
+    index = index_holding({"d1": 24}, prompt)  # 24 blocks of 4
+    workers = [Worker("p0", "prefill", "http://p0"), Worker("d0", "decode", "http://d0"),
+               Worker("d1", "decode", "http://d1")]
+    registry = WorkerRegistry(workers)
+    fake = FakeWorkerClient(reply=[5, 6])
+    dispatcher = Dispatcher(registry, CacheAware(index), RoundRobin(), fake,
+                            DispatchSettings(local_prefill_threshold=20), admission=Admission(AdmissionSettings()),
+                            kv_index=index)
+
+    async def run(request_id):
+        session = await dispatcher.start(request_id, prompt, SAMPLING)
+        await drain(session)
+        await session.close()
+
+    asyncio.run(run("r1"))
+    assert [(name, req.local_prefill) for name, req in fake.opened] == [("d1", True)]
+    assert fake.prefills == [] and dispatcher.admission.prefills_pending == 0
+    registry.find("d1").draining = True  # only d0 left: 101 uncached tokens
+    asyncio.run(run("r2"))
+    assert [(name, req.local_prefill) for name, req in fake.opened[1:]] == [("d0", False)]
+    assert [name for name, _ in fake.prefills] == ["p0"] and dispatcher.admission.prefills_pending == 0
