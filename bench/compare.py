@@ -158,6 +158,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                     help="share of requests that must meet both SLOs (default 90)")
     sw.add_argument("--sweep-requests", type=int, default=None, metavar="N",
                     help="requests per round at each rate (default 12; 4 with --quick)")
+    sw.add_argument("--sweep-rates", metavar="LIST",
+                    help="the rates to climb, e.g. 0.1,0.2,0.4 (default: a ladder per scenario, compare_sweep.LADDERS)")
     sw.add_argument("--time-budget", type=float, default=1500.0, metavar="S",
                     help="seconds for the whole sweep, launch and profile included (default 1500)")
     sw.add_argument("--quick", action="store_true",

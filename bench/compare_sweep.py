@@ -83,13 +83,24 @@ def sweep_all(scenarios: list[Scenario], sides: list, ctx: dict, args, quick: bo
     target = args.attainment / 100
     for i, scenario in enumerate(scenarios):
         start, factor, count = QUICK_LADDER if quick else LADDERS.get(scenario.name, (scenario.rate, 1.5, 6))
-        rates = ladder(start, factor, count)
+        rates = sorted(parse_rate_list(args.sweep_rates)) if args.sweep_rates else ladder(start, factor, count)
         share = (ctx["deadline"] - time.time()) / (len(scenarios) - i)
         s = replace(scenario, num_requests=scenario.rounds * args.sweep_requests)
         print(f"== sweep {scenario.name}: rates {rates}, {args.sweep_requests} requests per round, "
               f"{share / 60:.1f} min", flush=True)
         out.append(sweep_scenario(s, rates, sides, ctx, target, time.time() + share))
     return out
+
+
+def parse_rate_list(text: str) -> list[float]:
+    """``0.1,0.2,0.4`` -> rates (each > 0)."""
+    try:
+        rates = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"bad --sweep-rates {text!r}: use numbers, e.g. 0.1,0.2,0.4") from None
+    if not rates or min(rates) <= 0:
+        raise ValueError(f"bad --sweep-rates {text!r}: give rates > 0")
+    return rates
 
 
 def _fmt(v: float | None, digits: int = 3) -> str:
