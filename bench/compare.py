@@ -153,11 +153,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds for a cluster to come up")
     sw = p.add_argument_group("sweep (bench/compare_sweep.py)")
     sw.add_argument("--sweep", action="store_true",
-                    help="find each layout's highest rate meeting the SLO (default scenarios: prefill-heavy,short)")
+                    help="find each layout's highest rate meeting the SLO (default scenarios: short,prefill-heavy)")
     sw.add_argument("--attainment", type=float, default=90.0, metavar="PCT",
                     help="share of requests that must meet both SLOs (default 90)")
     sw.add_argument("--sweep-requests", type=int, default=None, metavar="N",
-                    help="requests per round at each rate (default 12; 4 with --quick)")
+                    help="requests per round at each rate (default 8; 4 with --quick)")
     sw.add_argument("--sweep-rates", metavar="LIST",
                     help="the rates to climb, e.g. 0.1,0.2,0.4 (default: a ladder per scenario, compare_sweep.LADDERS)")
     sw.add_argument("--time-budget", type=float, default=1500.0, metavar="S",
@@ -357,7 +357,7 @@ def run_sweep(args: argparse.Namespace, scenarios: list[Scenario], sides: list[S
               started: float) -> int:
     from bench.compare_sweep import sweep_all, write_sweep
 
-    args.sweep_requests = args.sweep_requests or (4 if args.quick else 12)
+    args.sweep_requests = args.sweep_requests or (4 if args.quick else 8)
     with ExitStack() as stack:
         for side in sides:
             stack.callback(stop_side, side)
@@ -394,7 +394,9 @@ def run(args: argparse.Namespace) -> int:
 
         scenarios = [QUICK]
     elif sweeping:
-        scenarios = select(args.scenarios or "prefill-heavy,short", args.scale, parse_rates(args.rate))
+        from bench.compare_sweep import DEFAULT_SCENARIOS
+
+        scenarios = select(args.scenarios or DEFAULT_SCENARIOS, args.scale, parse_rates(args.rate))
         if any(s.idle for s in scenarios):
             raise ValueError("--sweep runs open-loop scenarios only; leave out idle-2k")
     else:

@@ -22,8 +22,8 @@ from bench.sweep import SLO_SCALES, attainment, keep_climbing, ladder, max_rate,
 from bench.workload import Workload
 
 # (first rate, factor, rungs) per scenario, sized for the ~90M model on 2 cores.
-LADDERS = {"prefill-heavy": (0.1, 1.5, 6), "short": (1.0, 1.5, 6)}
-REQUESTS_PER_ROUND = 12
+LADDERS = {"prefill-heavy": (0.12, 1.5, 6), "short": (1.0, 1.5, 6)}
+DEFAULT_SCENARIOS = "short,prefill-heavy"  # short first: the time it leaves goes to the slow one
 QUICK = Scenario("quick", "short prompts and answers on the tiny model (CI smoke)",
                  Workload.single("uniform(16,48)", "8"), num_requests=8, slo_ttft_ms=3000, slo_tpot_ms=300)
 QUICK_LADDER = (2.0, 4.0, 2)
