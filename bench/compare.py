@@ -408,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or (tiny_model(Path("runs") / "models") if args.quick else
                            benchmark_model(Path("runs") / "models"))
     knobs = EngineKnobs(kv_cache_bytes=args.kv_cache_mib * MIB,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not sweeping)
     if args.profile:
         profile = Profile.load(args.profile)
     else:

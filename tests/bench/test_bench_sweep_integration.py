@@ -9,6 +9,7 @@ import os
 import signal
 
 import pytest
+import yaml
 
 from bench import cli
 from bench.cluster import _alive, cpu_list
@@ -44,6 +45,9 @@ def test_quick_sweep_writes_curves_and_a_highest_rate_per_layout(tiny_model, tmp
             os.kill(pid, signal.SIGKILL)
     assert left == [] and len(_pids(out)) >= 5  # two routers, C, P and D
 
+    # Every rate sends the same prompts: a prefix cache hit would skip their prefill.
+    for name in LAYOUTS:
+        assert yaml.safe_load((out / f"{name}.yaml").read_text())["engine"]["prefix_caching"] is False
     data = json.loads((out / "sweep.json").read_text())
     assert data["target"] == 0.9
     [quick] = data["scenarios"]
