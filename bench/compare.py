@@ -151,6 +151,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="runs/compare", help="report folder (default runs/compare)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds for a cluster to come up")
+    sw = p.add_argument_group("sweep (bench/compare_sweep.py)")
+    sw.add_argument("--sweep", action="store_true",
+                    help="find each layout's highest rate meeting the SLO (default scenarios: short,prefill-heavy)")
+    sw.add_argument("--attainment", type=float, default=90.0, metavar="PCT",
+                    help="share of requests that must meet both SLOs (default 90)")
+    sw.add_argument("--sweep-requests", type=int, default=None, metavar="N",
+                    help="requests per round at each rate (default 8; 4 with --quick)")
+    sw.add_argument("--sweep-rates", metavar="LIST",
+                    help="the rates to climb, e.g. 0.1,0.2,0.4 (default: a ladder per scenario, compare_sweep.LADDERS)")
+    sw.add_argument("--time-budget", type=float, default=1500.0, metavar="S",
+                    help="seconds for the whole sweep, launch and profile included (default 1500)")
+    sw.add_argument("--quick", action="store_true",
+                    help="CI smoke: a tiny model, short requests, two rates, quick profile (implies --sweep)")
 
 
 def benchmark_model(cache: Path) -> str:
@@ -340,24 +353,66 @@ def run_scenario(scenario: Scenario, sides: list[Side], ctx: dict) -> list[Run]:
     return runs
 
 
+def run_sweep(args: argparse.Namespace, scenarios: list[Scenario], sides: list[Side], ctx: dict,
+              started: float) -> int:
+    from bench.compare_sweep import sweep_all, write_sweep
+
+    args.sweep_requests = args.sweep_requests or (4 if args.quick else 8)
+    with ExitStack() as stack:
+        for side in sides:
+            stack.callback(stop_side, side)
+            start_side(side, ctx)
+        sweeps = sweep_all(scenarios, sides, ctx, args, args.quick)
+    meta = {"model": ctx["model"], "cpus": ctx["cpus"], "wall_s": time.time() - started,
+            "command": "pdserve " + " ".join(sys.argv[1:])}
+    report = write_sweep(ctx["out"], sweeps, [s.name for s in sides], meta, args.attainment / 100)
+    print(report.read_text())
+    print(f"report: {report}")
+    return 0
+
+
+def tiny_model(cache: Path) -> str:
+    """The engine's tiny test model (``engine.make_model.TinySpec``), made once under ``cache``."""
+    from engine.make_model import TinySpec, make_tiny
+
+    folder = cache / "tiny-qwen3"
+    if not (folder / "config.json").is_file():
+        make_tiny(folder, TinySpec())
+    return str(folder)
+
+
 def run(args: argparse.Namespace) -> int:
     from bench.compare_report import write_report
 
+    started = time.time()
     cpus = cpu_list(args.cpus)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    scenarios = select(args.scenarios, args.scale, parse_rates(args.rate))
+    sweeping = args.sweep or args.quick
+    if args.quick:
+        from bench.compare_sweep import QUICK
+
+        scenarios = [QUICK]
+    elif sweeping:
+        from bench.compare_sweep import DEFAULT_SCENARIOS
+
+        scenarios = select(args.scenarios or DEFAULT_SCENARIOS, args.scale, parse_rates(args.rate))
+        if any(s.idle for s in scenarios):
+            raise ValueError("--sweep runs open-loop scenarios only; leave out idle-2k")
+    else:
+        scenarios = select(args.scenarios, args.scale, parse_rates(args.rate))
     cand = Candidate.parse(args.layout, len(cpus), per_device=False)
     if cand.num_prefill == 0:
         raise ValueError(f"--layout {args.layout!r} is colocated; give an xPyD layout such as 1p1d")
     baseline = Candidate(0, 1, len(cpus))
-    model = args.model or benchmark_model(Path("runs") / "models")
+    model = args.model or (tiny_model(Path("runs") / "models") if args.quick else
+                           benchmark_model(Path("runs") / "models"))
     knobs = EngineKnobs(kv_cache_bytes=args.kv_cache_mib * MIB,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_batched_tokens=args.max_num_batched_tokens, prefix_caching=not sweeping)
     if args.profile:
         profile = Profile.load(args.profile)
     else:
-        grid = ProfileGrid.quick() if args.quick_profile else ProfileGrid()
+        grid = ProfileGrid.quick() if args.quick_profile or args.quick else ProfileGrid()
         profile = profile_engine(model, sorted({1, cand.threads, len(cpus)}), grid)
         profile.save(out / "profile.json")
     settings = EngineSettings(knobs.block_size, knobs.kv_cache_bytes, knobs.max_num_seqs,
@@ -369,8 +424,10 @@ def run(args: argparse.Namespace) -> int:
         return layout
 
     ctx = {"out": out, "model": model, "knobs": knobs, "cpus": cpus, "launch_timeout": args.launch_timeout,
-           "builder": PromptBuilder(load_tokenizer(model)), "seed": args.seed, "layout_for": layout_for}
-    started = time.time()
+           "builder": PromptBuilder(load_tokenizer(model)), "seed": args.seed, "layout_for": layout_for,
+           "deadline": started + args.time_budget}
+    if sweeping:
+        return run_sweep(args, scenarios, [Side("colocated", baseline), Side(cand.name, cand)], ctx, started)
     sides = [Side("colocated", baseline), Side(cand.name, cand)]
     if any(s.idle for s in scenarios) and cand.threads < len(cpus):
         sides.append(Side(f"{cand.name}-P{len(cpus)}t", cand, prefill_threads=len(cpus), idle_only=True))

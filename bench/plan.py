@@ -148,6 +148,32 @@ def format_table(predictions: list[Prediction], best: Prediction | None = None) 
     return "\n".join(lines)
 
 
+def max_rates(layouts: list[tuple[Candidate, Layout]], workload: Workload, rates: list[float], num_requests: int,
+              slo_ttft_ms: float | None, slo_tpot_ms: float | None, target: float,
+              seed: int = 0) -> dict[str, tuple[float | None, dict[float, float]]]:
+    """Per layout: the highest of ``rates`` with ``target`` attainment (``bench/sweep.py``:
+    below the first rate missed) and the simulated attainment at each rate."""
+    from bench.sweep import max_rate, predicted_curve
+
+    out = {}
+    for cand, layout in layouts:
+        curve = predicted_curve(layout, workload, rates, num_requests, slo_ttft_ms, slo_tpot_ms, seed)
+        out[cand.name] = (max_rate(curve, target), curve)
+    return out
+
+
+def format_max_rates(found: dict[str, tuple[float | None, dict[float, float]]], target: float,
+                     units: int) -> str:
+    lines = [f"| layout | highest rate at >= {100 * target:g}% (req/s) | per unit | attainment at each rate |",
+             "|---|---|---|---|"]
+    for name, (best, curve) in found.items():
+        top = " (top of the ladder: at least)" if best is not None and best == max(curve) else ""
+        cells = ", ".join(f"{r:.3g}: {100 * (a or 0):.0f}%" for r, a in curve.items())
+        per = "-" if best is None else f"{best / units:.3g}"
+        lines.append(f"| {name} | {'-' if best is None else f'{best:.3g}'}{top} | {per} | {cells} |")
+    return "\n".join(lines)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("profile")
     src.add_argument("--model", metavar="DIR", help="model folder to profile now")
@@ -188,6 +214,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cl.add_argument("--ingress-ms", type=float, default=2.0, help="client to engine (HTTP, tokenize), assumed 2")
     cl.add_argument("--egress-ms", type=float, default=0.5, help="engine to client per token, assumed 0.5")
     cl.add_argument("--pd-hop-ms", type=float, default=3.0, help="extra D-reserve + P-call hop, assumed 3")
+    p.add_argument("--max-rate", action="store_true",
+                   help="also find each layout's highest rate meeting the SLO (a ladder from --rate/4, x1.25)")
+    p.add_argument("--attainment", type=float, default=90.0, metavar="PCT",
+                   help="share of requests meeting both SLOs for --max-rate (default 90)")
     p.add_argument("--json", metavar="FILE", help="write predictions as JSON")
 
 
@@ -234,11 +264,22 @@ def run(args: argparse.Namespace) -> int:
           f"transfer {profile.transfer_bandwidth / 1e9:.2f} GB/s ({profile.transfer_source})")
     print(format_table(preds, best))
     print(f"recommended: {best.candidate.name}")
+    found = None
+    if args.max_rate:
+        from bench.sweep import ladder
+
+        target = args.attainment / 100
+        found = max_rates(layouts, workload, ladder(args.rate / 4, 1.25, 16), args.num_requests,
+                          args.slo_ttft_ms, args.slo_tpot_ms, target, args.seed)
+        print(format_max_rates(found, target, units))
     if args.json:
         data = {"workload": str(workload), "rate": args.rate, "recommended": best.candidate.name,
                 "profile": {k: v for k, v in profile.to_json().items() if k != "samples"},
                 "predictions": [{"layout": p.candidate.name, "threads": p.candidate.threads,
                                  "summary": p.summary.to_json(), "utilization": p.utilization} for p in preds]}
+        if found is not None:
+            data["max_rate"] = {name: {"rate": best, "curve": {str(r): a for r, a in curve.items()}}
+                                for name, (best, curve) in found.items()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         print(f"predictions: {args.json}")

@@ -91,6 +91,8 @@ class EngineKnobs:
     kv_cache_bytes: int = EngineConfig.kv_cache_bytes
     max_num_seqs: int = EngineConfig.max_num_seqs
     max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    # Off for the sweep: every rate sends the same prompts, and a cache hit would skip their prefill.
+    prefix_caching: bool = EngineConfig.prefix_caching
 
 
 def cluster_config(cand: Candidate, model: str, ports: list[int], knobs: EngineKnobs,
@@ -104,7 +106,8 @@ def cluster_config(cand: Candidate, model: str, ports: list[int], knobs: EngineK
     if len(ports) < 1 + cand.instances:
         raise ValueError(f"{cand.name} needs {1 + cand.instances} ports, got {len(ports)}")
     engine = {"num_threads": cand.threads, "block_size": knobs.block_size, "kv_cache_bytes": knobs.kv_cache_bytes,
-              "max_num_seqs": knobs.max_num_seqs, "max_num_batched_tokens": knobs.max_num_batched_tokens}
+              "max_num_seqs": knobs.max_num_seqs, "max_num_batched_tokens": knobs.max_num_batched_tokens,
+              "prefix_caching": knobs.prefix_caching}
     data: dict = {"model": model, "dtype": "float32", "device": "cpu", "engine": engine,
                   "router": {"port": ports[0], "health_interval_s": 1.0}}
     free = iter(ports[1:])

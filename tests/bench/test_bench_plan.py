@@ -173,3 +173,41 @@ def test_repeated_step_shapes_are_fitted_at_their_median_time():
     samples = [StepSample(10, 55, 1, t) for t in (0.010, 0.011, 0.050)] + [StepSample(1, 20, 1, 0.002)]
     assert sorted(median_by_shape(samples), key=lambda s: s.new_tokens) == [
         StepSample(1, 20, 1, 0.002), StepSample(10, 55, 1, 0.011)]
+
+
+def test_planner_finds_1p1d_carries_a_higher_rate_than_colocated_on_a_prefill_heavy_mix():
+    from bench.plan import max_rates
+    from bench.sweep import ladder
+
+    profile = fake_profile()
+    layouts = [(c, build_layout(c, profile, EngineSettings(), Overheads())) for c in candidates(2)
+               if c.name in ("colocated", "1P1D")]
+    workload = Workload.mix(["0.2:1000:8", "0.8:32:32"])
+    found = max_rates(layouts, workload, ladder(0.25, 2.0, 6), 60, 5000, 10, 0.9, seed=1)
+    colocated, split = found["colocated"], found["1P1D"]
+    # Colocated: the more often a 1000-token prefill lands among running decodes, the more
+    # requests miss the 10 ms TPOT; 1P1D keeps every TPOT until P cannot keep up.
+    assert colocated[0] == 1.0 and colocated[1][2.0] < 0.9
+    assert split[0] == 2.0 and split[1][2.0] == 1.0 and split[1][4.0] < 0.9
+    assert list(split[1]) == [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+
+
+def test_plan_command_answers_the_highest_rate_per_layout(tmp_path, capsys):
+    import argparse
+
+    from bench import cli
+
+    path = tmp_path / "profile.json"
+    fake_profile().save(path)
+    p = argparse.ArgumentParser(prog="pdserve")
+    cli.add_parser(p.add_subparsers(dest="command", required=True))
+    args = p.parse_args(["plan", "--profile", str(path), "--cores", "2", "--rate", "1", "--num-requests", "30",
+                         "--layouts", "colocated,1p1d", "--mix", "0.2:1000:8", "--mix", "0.8:32:32",
+                         "--slo-ttft-ms", "5000", "--slo-tpot-ms", "10", "--max-rate",
+                         "--json", str(tmp_path / "plan.json")])
+    assert args.func(args) == 0
+    assert "| layout | highest rate at >= 90% (req/s) |" in capsys.readouterr().out
+    data = json.loads((tmp_path / "plan.json").read_text())["max_rate"]
+    assert set(data) == {"colocated", "1P1D"} and len(data["1P1D"]["curve"]) == 16
+    # 30 requests: colocated misses 90% even at the lowest rung; 1P1D holds up to the 12th (0.25 * 1.25**11).
+    assert data["colocated"]["rate"] is None and data["1P1D"]["rate"] == pytest.approx(0.25 * 1.25 ** 11, rel=1e-5)

@@ -1,0 +1,60 @@
+"""The goodput sweep's search logic (bench/sweep.py) on hand-made attainment curves."""
+
+import pytest
+
+from bench.metrics import RequestRecord
+from bench.sweep import attainment, keep_climbing, ladder, max_rate, ratio
+
+
+def test_ladder_grows_by_the_factor_from_the_first_rate():
+    assert ladder(0.1, 1.5, 4) == [0.1, 0.15, 0.225, 0.3375]
+    assert ladder(2.0, 4.0, 2) == [2.0, 8.0]
+
+
+@pytest.mark.parametrize("start,factor,count", [(0, 2, 3), (1, 1, 3), (1, 2, 0)])
+def test_a_ladder_that_cannot_climb_is_refused(start, factor, count):
+    with pytest.raises(ValueError, match="bad ladder"):
+        ladder(start, factor, count)
+
+
+def test_max_rate_is_the_last_rate_met_before_the_first_miss():
+    curve = {0.1: 1.0, 0.2: 0.95, 0.4: 0.9, 0.8: 0.6}
+    assert max_rate(curve, 0.9) == 0.4
+    assert max_rate(curve, 0.95) == 0.2
+    assert max_rate(curve, 0.5) == 0.8
+
+
+def test_a_lucky_pass_above_a_miss_does_not_count():
+    # Dict order is not rate order: the search sorts.
+    assert max_rate({0.8: 0.95, 0.2: 1.0, 0.4: 0.5}, 0.9) == 0.2
+
+
+def test_no_rate_met_gives_none_and_a_rate_with_no_requests_misses():
+    assert max_rate({0.1: 0.85, 0.2: 0.5}, 0.9) is None
+    assert max_rate({0.1: 1.0, 0.2: None, 0.4: 1.0}, 0.9) == 0.1
+    assert max_rate({}, 0.9) is None
+
+
+def test_the_ladder_climbs_while_some_layout_met_every_rate_so_far():
+    assert keep_climbing({"colocated": {0.1: 0.5}, "1P1D": {0.1: 0.95}}, 0.9)
+    assert not keep_climbing({"colocated": {0.1: 0.5, 0.2: 0.3}, "1P1D": {0.1: 0.95, 0.2: 0.8}}, 0.9)
+    assert not keep_climbing({"colocated": {}, "1P1D": {}}, 0.9)
+
+
+def _record(ttft: float, tpot: float, tokens: int = 3, ok: bool = True) -> RequestRecord:
+    first = 1.0 + ttft
+    times = [first + i * tpot for i in range(tokens)]
+    return RequestRecord(index=0, prompt_len=8, max_tokens=tokens, start=1.0, end=times[-1],
+                         token_times=times, output_tokens=tokens, ok=ok, error=None if ok else "http 500")
+
+
+def test_attainment_scales_both_slos():
+    records = [_record(0.5, 0.05), _record(1.5, 0.05), _record(0.5, 0.15), _record(0.5, 0.05, ok=False)]
+    assert attainment(records, 1000, 100) == 0.25
+    assert attainment(records, 1000, 100, scale=2.0) == 0.75
+    assert attainment(records, 1000, 100, scale=0.4) == 0.0
+
+
+def test_ratio_is_undefined_without_both_sides():
+    assert ratio(0.4, 0.2) == 2.0
+    assert ratio(None, 0.2) is None and ratio(0.4, None) is None and ratio(0.4, 0) is None

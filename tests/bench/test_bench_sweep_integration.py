@@ -1,0 +1,70 @@
+"""``pdserve bench compare --quick`` against real tiny clusters on 127.0.0.1: it runs the
+goodput sweep on both layouts, writes the curves and a report with a highest rate per
+layout, and stops every process it started (pids from each cluster's ``cluster.json``).
+Whether disaggregation wins is not checked here: that needs the real model."""
+
+import argparse
+import json
+import os
+import signal
+
+import pytest
+import yaml
+
+from bench import cli
+from bench.cluster import _alive, cpu_list
+
+pytestmark = pytest.mark.integration
+
+LAYOUTS = ("colocated", "1P1D")
+
+
+def _pids(out) -> list[int]:
+    pids = []
+    for name in LAYOUTS:
+        manifest = out / f"run-{name}" / "cluster.json"
+        if manifest.is_file():
+            pids += [p["pid"] for p in json.loads(manifest.read_text())["processes"]]
+    return pids
+
+
+def test_quick_sweep_writes_curves_and_a_highest_rate_per_layout(tiny_model, tmp_path, capsys):
+    cpus = cpu_list(None)[:2]
+    if len(cpus) < 2:
+        pytest.fail("the sweep compares colocated with 1P1D on the same cores: it needs 2 allowed cores")
+    out = tmp_path / "sweep"
+    parser = argparse.ArgumentParser(prog="pdserve")
+    cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", "compare", "--quick", "--model", tiny_model, "--out", str(out),
+                              "--cpus", ",".join(map(str, cpus)), "--launch-timeout", "180"])
+    try:
+        assert args.func(args) == 0
+    finally:
+        left = [pid for pid in _pids(out) if _alive(pid)]
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert left == [] and len(_pids(out)) >= 5  # two routers, C, P and D
+
+    # Every rate sends the same prompts: a prefix cache hit would skip their prefill.
+    for name in LAYOUTS:
+        assert yaml.safe_load((out / f"{name}.yaml").read_text())["engine"]["prefix_caching"] is False
+    data = json.loads((out / "sweep.json").read_text())
+    assert data["target"] == 0.9
+    [quick] = data["scenarios"]
+    rungs = [g["rate"] for g in quick["rungs"]]
+    assert rungs[0] == 2.0 and set(rungs) <= {2.0, 8.0}
+    for name in LAYOUTS:
+        # Every rung measured on every layout: 2 rounds of 4 requests, none failed.
+        assert [g["measured"][name]["num_requests"] for g in quick["rungs"]] == [8] * len(rungs)
+        assert [g["measured"][name]["failed"] for g in quick["rungs"]] == [0] * len(rungs)
+        assert [len(g["rounds"][name]) for g in quick["rungs"]] == [2] * len(rungs)
+        assert list(quick["curves"][name]) == [str(r) for r in rungs]
+        assert list(quick["predicted_curves"][name]) == [str(r) for r in rungs]
+        assert quick["max_rate"][name] in {None, *rungs}
+        assert quick["predicted_max_rate"][name] in {None, *rungs}
+    report = (out / "sweep.md").read_text()
+    assert report.count("| colocated | ") >= 1 and report.count("| 1P1D | ") >= 1
+    assert "Highest rate with >= 90% of requests meeting both SLOs" in report
+    assert "| scale | colocated | 1P1D | wins |" in report
+    assert (out / "sweep-quick.png").stat().st_size > 20_000
+    assert "report: " in capsys.readouterr().out
