@@ -7,7 +7,7 @@ import pytest
 from bench.cluster import cpu_list, free_port_pairs
 from bench.compare import Run, pooled, predict, round_order, split_rounds
 from bench.compare_report import wire_ms, write_report
-from bench.costmodel import Overheads, StepCost
+from bench.costmodel import Overheads
 from bench.metrics import RequestRecord, summarize
 from bench.plan import Candidate, EngineSettings, build_layout
 from bench.scenarios import EngineKnobs, Scenario, cluster_config, default_scenarios, parse_rates, select
