@@ -28,6 +28,19 @@ class ClusterError(RuntimeError):
     """The cluster did not come up; the message says which process and where its log is."""
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free on 127.0.0.1 now (held together while they are picked)."""
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
 def free_port_pairs(count: int, host: str = "127.0.0.1") -> list[int]:
     """Ports p with p and p + 1 free (a server's HTTP port and its KV port)."""
     found: list[int] = []

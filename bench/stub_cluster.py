@@ -10,7 +10,6 @@ stopped by its pid in ``stop``.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,21 +18,10 @@ from pathlib import Path
 import httpx
 import yaml
 
+from bench.cluster import free_ports
 from bench.stubs import make_byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class StubCluster:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,20 +15,10 @@ import httpx
 import openai
 import yaml
 
+from bench.cluster import free_ports  # noqa: F401  (tests import it from here)
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def merge(base: dict, changes: dict) -> dict:
