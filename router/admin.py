@@ -16,8 +16,6 @@ API key, when those are configured).
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable
 
 from fastapi import FastAPI, Query, Request
@@ -77,10 +75,7 @@ def add_admin_routes(app: FastAPI, registry: WorkerRegistry, authorize: Callable
     async def drain(name: str, request: Request, wait_s: float = Query(0.0, ge=0, le=600)) -> JSONResponse:
         authorize(request)
         w = worker(name)
-        w.draining = True
-        deadline = time.monotonic() + wait_s
-        while w.inflight > 0 and time.monotonic() < deadline:
-            await asyncio.sleep(WAIT_POLL_S)
+        await registry.drain(w, wait_s, WAIT_POLL_S)
         return JSONResponse(describe(w))
 
     @app.post("/admin/workers/{name}/resume")

@@ -111,10 +111,7 @@ class Discovery:
         worker = self._registry.find(name)
         if worker is None:
             return None
-        worker.draining = True
-        deadline = asyncio.get_running_loop().time() + self._drain_timeout
-        while worker.inflight > 0 and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
+        await self._registry.drain(worker, self._drain_timeout)
         self._registry.forget(name)
         if worker.role == "decode":
             await self._tell_prefills("DELETE", f"/admin/peers/{name}")

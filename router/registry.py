@@ -155,6 +155,14 @@ class WorkerRegistry:
             return self.interval
         return min(self.interval * 2 ** min(worker.failures - 1, 30), self.backoff_max)
 
+    @staticmethod
+    async def drain(worker: Worker, timeout: float, poll: float = 0.05) -> None:
+        """Take ``worker`` out of rotation and wait (at most ``timeout`` s) until its requests finished."""
+        worker.draining = True
+        deadline = time.monotonic() + timeout
+        while worker.inflight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(poll)
+
     def add(self, worker: Worker) -> None:
         """A worker joins (its health is checked at once when the registry runs)."""
         if self.find(worker.name) is not None:
