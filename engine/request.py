@@ -29,6 +29,17 @@ class RequestStatus(enum.Enum):
 
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): dividing logits by them overflows
+MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's limit)
+LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinity)
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A grammar the output must match: ``kind`` json_schema (``value`` the schema as JSON),
+    regex, choice (``value`` a JSON list of strings) or lark (an llguidance Lark grammar)."""
+
+    kind: str
+    value: str
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,15 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    n: int = 1  # sequences sampled from one prompt; sequence i draws with seed + i
+    logprobs: int | None = None  # per generated token: the chosen token's log-probability and this many top ones
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -52,7 +72,18 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -94,14 +125,30 @@ class Request:
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability and the ``top`` (token id, log-probability) pairs of
+    the distribution it was drawn from, most likely first (-inf reported as LOGPROB_FLOOR)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class StepOutput:
-    """What one step produced for one request."""
+    """What one step produced for one request.
+
+    ``logprobs``: one entry per new token when the request asked for them.
+    ``prompt_logprobs``: once, with the first token, when asked for: one entry
+    per prompt token, None for the first (nothing precedes it).
+    """
 
     request_id: str
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None = None
     block_ids: list[int] | None = None
+    logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
 
 
 class NoCapacityError(RuntimeError):

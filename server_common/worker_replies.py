@@ -57,10 +57,26 @@ class ReservationEvent(Reply):
     num_cached_tokens: int = Field(default=0, ge=0)
 
 
+class TokenLogprob(Reply):
+    """engine.request.Logprob: a token's log-probability and the top (token id, log-probability)
+    pairs of its distribution, most likely first."""
+
+    logprob: float
+    top: list[tuple[int, float]] = []
+
+
 class TokensEvent(Reply):
+    """Tokens of sequence ``index`` (0 .. n-1); each sequence's last event has a finish_reason,
+    and the stream ends after every sequence's. ``logprobs``: one per token id, when asked for.
+    ``prompt_logprobs``: on the first event of sequence 0 when this server computed the prompt
+    (a remote prefill's come in ``PrefillResult``): one per prompt token, None for the first."""
+
     type: Literal["tokens"] = "tokens"
     token_ids: list[int]
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    index: int = Field(default=0, ge=0)
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class ErrorEvent(Reply):
@@ -87,6 +103,8 @@ class PrefillResult(Reply):
     num_tokens: int
     transfer_bytes: int
     seconds: float
+    first_logprob: TokenLogprob | None = None  # the first token's, when the request asked for logprobs
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for: one per prompt token
 
 
 class KVBlocks(Reply):

@@ -8,7 +8,7 @@ nothing a caller sends reaches the engine as a value it cannot hold.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -17,11 +17,20 @@ from server_common.worker_replies import Reservation
 
 MAX_TOKENS = 1 << 24  # far above any context a pdserve engine holds
 MAX_PROMPT = 1 << 22
+MAX_N = 16  # sequences per request
+MAX_LOGPROBS = 20  # engine.request.MAX_LOGPROBS
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+class StructuredSpec(Strict):
+    """engine.request.StructuredSpec: a grammar the output must match, checked by the router."""
+
+    kind: Literal["json_schema", "regex", "choice", "lark"]
+    value: str = Field(max_length=1 << 20)
 
 
 class SamplingSpec(Strict):
@@ -33,14 +42,33 @@ class SamplingSpec(Strict):
     top_k: int = Field(default=0, ge=0, le=1 << 24)  # 0 = off
     seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     ignore_eos: bool = False
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    logit_bias: tuple[tuple[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]], ...] = Field(
+        default=(), max_length=1 << 16)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    stop_token_ids: tuple[TokenId, ...] = Field(default=(), max_length=1024)
+    structured: StructuredSpec | None = None
 
     def engine_params(self):
         """The engine's ``SamplingParams`` (servers only: imported here, so the router,
         which never calls this, does not import the engine and torch)."""
         from engine import SamplingParams
+        from engine.request import StructuredSpec as EngineStructured
 
+        structured = None if self.structured is None else EngineStructured(self.structured.kind,
+                                                                           self.structured.value)
         return SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=self.seed, ignore_eos=self.ignore_eos)
+                              top_k=self.top_k, seed=self.seed, ignore_eos=self.ignore_eos, n=self.n,
+                              logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, logit_bias=self.logit_bias,
+                              min_tokens=self.min_tokens, stop_token_ids=self.stop_token_ids,
+                              structured=structured)
 
 
 class GenerateRequest(Strict):
