@@ -1,29 +1,46 @@
 """Client -> router: the OpenAI request bodies pdserve accepts.
 
 Fields OpenAI defines but pdserve cannot honour yet (``n`` > 1, ``logprobs``,
-``echo``, penalties, tools, ...) are parsed so that ``check_supported`` can
-refuse them with a clear 400 instead of silently ignoring them. Unknown fields
-are ignored, as vLLM does, so SDKs that send newer arguments keep working.
+``echo``, tools, ...) are parsed with the one value that means "off" as the
+only valid one (``echo: false``), so that asking for them is a clear 400
+instead of being silently ignored, and the published schema says so. Unknown
+fields are ignored, as vLLM does, so SDKs that send newer arguments keep
+working.
+
+Known fields are validated strictly (``strict=True``: ``"0.5"`` is not a
+temperature, ``"true"`` not a boolean; an integer is a valid number), so the
+published JSON schema says exactly what is accepted, and every range is in
+the schema too: a value outside it is a 400 naming the field
+(router/errors.py maps validation errors to OpenAI's shape).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from router.errors import OpenAIError
 
 
+MAX_STOP = 4  # stop sequences, as OpenAI
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI
+MAX_STOP_TOKEN_IDS = 1024  # server_common.worker_requests.SamplingSpec.stop_token_ids
+TokenKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # a token id, in decimal
+NonEmpty = Annotated[str, StringConstraints(min_length=1)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+TokenIdValue = Annotated[int, Field(ge=0, lt=1 << 31)]  # the vocabulary is checked by router.model
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 
 class SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
     stream: bool = False
@@ -32,34 +49,51 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1, le=1 << 24)  # the ranges of server_common.worker_requests
     seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
-    stop: str | list[str] | None = None
-    n: int | None = 1
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    ignore_eos: bool = False  # vLLM extension, handy for benchmarks
+    stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP)] | None = None
+    n: int | None = Field(default=1, ge=1, le=1, description="only 1: more sequences per request are not supported yet")
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    logit_bias: dict[TokenKey, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
+    user: str | None = None  # accepted and ignored: pdserve keeps no per-user state
+    # vLLM extensions
+    ignore_eos: bool = False  # handy for benchmarks
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)  # 1 = off
+    min_tokens: int | None = Field(default=None, ge=0)  # at most the request's max_tokens
+    stop_token_ids: list[TokenIdValue] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+
+    @field_validator("logit_bias", mode="wrap")
+    @classmethod
+    def _one_logit_bias_error(cls, value, handler):
+        """One message naming ``logit_bias`` (pydantic's would name a key inside it)."""
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids (decimal strings) to "
+                             f"numbers in [-100, 100]: {exc.errors()[0]['msg']}") from None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        if len(stops) > 4:
-            raise OpenAIError(400, "at most 4 stop sequences are supported", param="stop")
-        if any(s == "" for s in stops):
-            raise OpenAIError(400, "stop sequences must not be empty", param="stop")
-        return stops
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def check_common(self) -> None:
-        if self.n not in (None, 1):
-            raise OpenAIError(400, "only n=1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise OpenAIError(400, f"{name} is not supported", param=name)
-        if self.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported", param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+
+    def check_tokens(self, vocab_size: int, max_tokens: int) -> None:
+        """What the schema cannot say: token ids within this model's vocabulary, and
+        ``min_tokens`` within the request's budget (``max_tokens`` as filled in)."""
+        for key in self.logit_bias or {}:
+            if int(key) >= vocab_size:
+                raise OpenAIError(400, f"logit_bias names token id {key}, outside the vocabulary "
+                                       f"(0..{vocab_size - 1})", param="logit_bias")
+        for token in self.stop_token_ids or []:
+            if token >= vocab_size:
+                raise OpenAIError(400, f"stop_token_ids has token id {token}, outside the vocabulary "
+                                       f"(0..{vocab_size - 1})", param="stop_token_ids")
+        if self.min_tokens is not None and self.min_tokens > max_tokens:
+            raise OpenAIError(400, f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})",
+                              param="min_tokens")
 
     @property
     def include_usage(self) -> bool:
@@ -69,44 +103,40 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    # one prompt, as text or token ids (a list of prompts holds one: several per request are not supported yet)
+    prompt: (NonEmpty | Annotated[list[TokenIdValue], Field(min_length=1)]
+             | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
+             | Annotated[list[Annotated[list[TokenIdValue], Field(min_length=1)]], Field(min_length=1, max_length=1)])
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = None
-    echo: bool = False
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: None = Field(default=None, description="not supported yet")
+    echo: Literal[False] = Field(default=False, description="not supported yet")
+    best_of: int | None = Field(default=None, ge=1, le=1, description="must equal n")
+    suffix: None = Field(default=None, description="not supported")
 
     def check_supported(self) -> None:
         self.check_common()
-        if self.logprobs is not None:
-            raise OpenAIError(400, "logprobs is not supported", param="logprobs")
-        if self.echo:
-            raise OpenAIError(400, "echo is not supported", param="echo")
-        if self.best_of not in (None, 1):
-            raise OpenAIError(400, "only best_of=1 is supported", param="best_of")
-        if self.suffix:
-            raise OpenAIError(400, "suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != (self.n or 1):
+            raise OpenAIError(400, "best_of must equal n (pdserve returns every sequence it samples)",
+                              param="best_of")
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt of this request, as text or token ids."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise OpenAIError(400, "only one prompt per request is supported", param="prompt")
+        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if isinstance(prompt, (str, list)) and len(prompt) == 0:
-            raise OpenAIError(400, "prompt must not be empty", param="prompt")
         return prompt
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    type: str
-    text: str | None = None
+    """The one kind of content part supported (images and audio are not)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -116,37 +146,29 @@ class ChatMessage(BaseModel):
             return ""
         if isinstance(self.content, str):
             return self.content
-        texts = []
-        for part in self.content:
-            if part.type != "text" or part.text is None:
-                raise OpenAIError(400, f"content parts of type {part.type!r} are not supported", param="messages")
-            texts.append(part.text)
-        return "".join(texts)
+        return "".join(part.text for part in self.content)
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
 
 
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    logprobs: Literal[False] | None = Field(default=None, description="not supported yet")
+    top_logprobs: int | None = Field(default=None, ge=0, le=0, description="not supported yet")
+    tools: list[Any] | None = Field(default=None, max_length=0, description="not supported yet")
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    response_format: TextFormat | None = Field(default=None, description="only type 'text' yet")
     add_generation_prompt: bool = True  # vLLM extension
 
     def check_supported(self) -> None:
         self.check_common()
-        if not self.messages:
-            raise OpenAIError(400, "messages must not be empty", param="messages")
-        if self.logprobs or self.top_logprobs:
-            raise OpenAIError(400, "logprobs is not supported", param="logprobs")
-        if self.tools:
-            raise OpenAIError(400, "tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise OpenAIError(400, "only response_format type 'text' is supported", param="response_format")
 
     def max_new_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""

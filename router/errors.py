@@ -115,15 +115,30 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     errors = exc.errors()
     if not errors:
         return "invalid request", None
-    first = errors[0]
+    # Of the errors about the first field, one from a union member whose type fits the input
+    # ("at most 4 items" for a list of 5 stops, not "should be a string").
+    field = errors[0].get("loc", ())[:2]
+    first = next((e for e in errors if e.get("loc", ())[:2] == field and not e["type"].endswith("_type")),
+                 errors[0])
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg', '')}", None
-    param = ".".join(loc) or None
+    param = ".".join(p for p in loc if not is_union_member(p)) or None
     msg = first.get("msg", "invalid value")
     if param is None:
         return f"invalid request body: {msg}", None
     return f"{param}: {msg}", param
+
+
+UNION_MEMBER_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "constrained-str", "constrained-int"}
+
+
+def is_union_member(part: str) -> bool:
+    """Whether a step of a pydantic error's location names the member of a union that was tried
+    (``prompt.list[int].0``), not a field: the client's ``param`` is the field, ``prompt.0``.
+    Field names in the API are identifiers, so a tag (``list[str]``, ``function-after[...]``)
+    never shadows one."""
+    return part in UNION_MEMBER_TAGS or "[" in part or "-" in part
 
 
 def install_error_handlers(app: FastAPI) -> None:

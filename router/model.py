@@ -33,6 +33,11 @@ class ServedModel:
         max_model_len = min(max_model_len or limit, limit)
         return cls(name=name, root=folder, max_model_len=max_model_len, tokenizer=tokenizer)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may name (prompt, logit_bias, stop_token_ids) are below this."""
+        return len(self.tokenizer)
+
     def check_name(self, requested: str) -> None:
         if requested != self.name:
             raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model",
@@ -53,7 +58,7 @@ class ServedModel:
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
-        vocab = len(self.tokenizer)
+        vocab = self.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise OpenAIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param="prompt")

@@ -59,6 +59,11 @@ class Prepared:
 
 
 def sampling_spec(req: SamplingFields, max_tokens: int) -> SamplingSpec:
+    """The request's sampling fields as the servers take them (validated: see ``SamplingFields``).
+    A field the request leaves out gets SamplingSpec's default, written once there."""
+    given = {name: value for name, value in (
+        ("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty),
+        ("repetition_penalty", req.repetition_penalty), ("min_tokens", req.min_tokens)) if value is not None}
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -66,6 +71,9 @@ def sampling_spec(req: SamplingFields, max_tokens: int) -> SamplingSpec:
         top_k=max(0, req.top_k or 0),
         seed=req.seed,
         ignore_eos=req.ignore_eos,
+        logit_bias=tuple((int(token), bias) for token, bias in (req.logit_bias or {}).items()),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        **given,
     )
 
 
@@ -102,6 +110,7 @@ class OpenAIHandlers:
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_new_tokens(), "messages",
                                                    tokens_param)
+        req.check_tokens(self.model.vocab_size, max_tokens)
         return Prepared(request_id, "chat", prompt, sampling_spec(req, max_tokens), req.stop_strings(),
                         self._timeline(request_id, traceparent))
 
@@ -111,6 +120,7 @@ class OpenAIHandlers:
         prompt = self.model.encode_prompt(req.single_prompt())
         max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_tokens, "prompt",
                                                    explicit="max_tokens" in req.model_fields_set)
+        req.check_tokens(self.model.vocab_size, max_tokens)
         return Prepared(request_id, "completions", prompt, sampling_spec(req, max_tokens), req.stop_strings(),
                         self._timeline(request_id, traceparent))
 

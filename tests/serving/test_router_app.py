@@ -221,3 +221,90 @@ def test_a_long_prompt_is_tokenized_on_the_tokenizer_thread_into_the_same_tokens
     short = asyncio.run(handlers._prepare(prepare("hi"), 2))
     assert long.prompt == reply_ids(model, long_text) and short.prompt == reply_ids(model, "hi")
     assert threads[0].startswith("tokenize") and threads[1] == threading.main_thread().name
+
+
+SAMPLING_FIELDS = {"presence_penalty": 0.5, "frequency_penalty": -1.25, "repetition_penalty": 1.1,
+                   "logit_bias": {"66": 5.0, "3": -100}, "min_tokens": 2, "stop_token_ids": [67, 0], "seed": 7,
+                   "user": "someone", "max_tokens": 3}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/chat/completions", chat_body(**SAMPLING_FIELDS)),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", **SAMPLING_FIELDS}),
+])
+def test_sampling_fields_reach_the_decode_and_prefill_servers(model, path, body):
+    fake = FakeWorkerClient(reply=reply_ids(model, "abc"))
+    with make_client(model, fake) as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 200, r.text
+    (_, greq), = fake.opened
+    (_, preq), = fake.prefills
+    for spec in (greq.sampling, preq.sampling):
+        assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty) == (0.5, -1.25, 1.1)
+        assert spec.logit_bias == ((66, 5.0), (3, -100.0))
+        assert (spec.min_tokens, spec.stop_token_ids, spec.seed, spec.max_tokens) == (2, (67, 0), 7, 3)
+
+
+def test_sampling_fields_left_out_get_the_servers_defaults(model):
+    from server_common.worker_requests import SamplingSpec
+
+    fake = FakeWorkerClient(reply=reply_ids(model, "a"))
+    with make_client(model, fake) as c:
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3}).status_code == 200
+    (_, greq), = fake.opened
+    assert greq.sampling == SamplingSpec(max_tokens=3)
+
+
+VOCAB = 257  # the byte tokenizer: 256 bytes and <|eos|>
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"presence_penalty": "high"}, "presence_penalty"),
+    ({"frequency_penalty": -2.01}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"repetition_penalty": -1.0}, "repetition_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"5": -100.5}}, "logit_bias"),
+    ({"logit_bias": {"five": 1}}, "logit_bias"),
+    ({"logit_bias": {"-1": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": "1"}}, "logit_bias"),
+    ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"logit_bias": [5, 1]}, "logit_bias"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 4, "max_tokens": 3}, "min_tokens"),
+    ({"min_tokens": 1.5}, "min_tokens"),
+    ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+    ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+    ({"stop_token_ids": "1"}, "stop_token_ids"),
+    ({"seed": "7"}, "seed"),
+    ({"seed": 1 << 64}, "seed"),
+    ({"user": 5}, "user"),
+    ({"best_of": 2}, "best_of"),
+    ({"suffix": "tail"}, "suffix"),
+    ({"echo": True}, "echo"),
+    ({"temperature": "0.5"}, "temperature"),
+    ({"stream": "true"}, "stream"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": ""}, "stop"),
+])
+def test_bad_sampling_fields_get_400_naming_the_field(model, fields, param):
+    fake = FakeWorkerClient(reply=[1])
+    with make_client(model, fake) as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", **fields})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["type"]) == (param, "invalid_request_error")
+    assert fake.opened == []
+
+
+def test_best_of_equal_to_n_and_the_limits_of_each_range_are_accepted(model):
+    fake = FakeWorkerClient(reply=reply_ids(model, "a"))
+    edges = {"best_of": 1, "presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 100,
+             "logit_bias": {str(i): -100 if i % 2 else 100 for i in range(VOCAB)},
+             "min_tokens": 16, "stop_token_ids": [VOCAB - 1], "seed": (1 << 64) - 1}
+    with make_client(model, fake) as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", **edges})
+    assert r.status_code == 200, r.text
+    assert len(fake.opened[0][1].sampling.logit_bias) == VOCAB
