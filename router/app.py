@@ -176,6 +176,12 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         check_auth(request)
         return JSONResponse(request.app.state.handlers.models().model_dump())
 
+    @app.get("/v1/models/{model:path}")
+    async def model_card(model: str, request: Request) -> JSONResponse:
+        """The SDK's ``client.models.retrieve(id)``; ids may contain '/' (``org/name``)."""
+        check_auth(request)
+        return JSONResponse(request.app.state.handlers.model_card(model).model_dump())
+
     @app.get("/health")
     async def health() -> JSONResponse:
         workers = [{"name": w.name, "role": w.role, "url": w.url, "healthy": w.healthy, "in_rotation": w.in_rotation}

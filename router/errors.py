@@ -27,6 +27,7 @@ ERROR_TYPES = {
     401: "authentication_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
@@ -155,7 +156,12 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-        return error_response(OpenAIError(exc.status_code, message))
+        response = error_response(OpenAIError(exc.status_code, message))
+        if exc.status_code == 405 and exc.headers:  # Starlette names the route's methods in Allow
+            message = f"{request.method} is not allowed on {request.url.path} (allowed: {exc.headers['Allow']})"
+            response = error_response(OpenAIError(405, message, code="method_not_allowed"))
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
 
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         rid = request_id_of(request)

@@ -97,9 +97,13 @@ class OpenAIHandlers:
         return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)
 
     def models(self) -> out.ModelList:
+        return out.ModelList(data=[self.model_card(self.model.name)])
+
+    def model_card(self, model_id: str) -> out.ModelCard:
+        """The served model's card, or 404 (``model_not_found``) for any other id."""
         m = self.model
-        return out.ModelList(data=[out.ModelCard(id=m.name, created=m.created, root=m.root,
-                                                 max_model_len=m.max_model_len)])
+        m.check_name(model_id)
+        return out.ModelCard(id=m.name, created=m.created, root=m.root, max_model_len=m.max_model_len)
 
     # ---- preparing ---------------------------------------------------------
 

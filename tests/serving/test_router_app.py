@@ -308,3 +308,37 @@ def test_best_of_equal_to_n_and_the_limits_of_each_range_are_accepted(model):
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", **edges})
     assert r.status_code == 200, r.text
     assert len(fake.opened[0][1].sampling.logit_bias) == VOCAB
+
+
+def test_a_model_is_retrieved_by_its_id_and_any_other_id_is_404_model_not_found(model):
+    with make_client(model, FakeWorkerClient(reply=[1])) as c:
+        card = c.get("/v1/models/tiny").json()
+        listed, = c.get("/v1/models").json()["data"]
+        others = [c.get(f"/v1/models/{other}") for other in ("gpt-4o", "org/tiny", "tiny/", "Tiny")]
+    assert card == listed and (card["id"], card["object"], card["root"]) == ("tiny", "model", model.root)
+    for r in others:
+        assert r.status_code == 404, r.text
+        assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_a_model_id_with_a_slash_is_retrieved(model):
+    settings = RouterSettings(model_path=model.root, served_model_name="org/tiny-v2", workers=WORKERS)
+    served = ServedModel.load("org/tiny-v2", model.root)
+    with TestClient(create_app(settings, model=served, client=FakeWorkerClient(reply=[1]))) as c:
+        r = c.get("/v1/models/org/tiny-v2")
+    assert r.status_code == 200 and r.json()["id"] == "org/tiny-v2"
+
+
+@pytest.mark.parametrize("method, path, allow", [
+    ("GET", "/v1/chat/completions", "POST"),
+    ("PUT", "/v1/completions", "POST"),
+    ("POST", "/v1/models", "GET"),
+    ("DELETE", "/v1/models/tiny", "GET"),
+    ("POST", "/health", "GET"),
+])
+def test_a_method_the_route_does_not_allow_is_405_naming_the_allowed_ones(model, method, path, allow):
+    with make_client(model, FakeWorkerClient(reply=[1])) as c:
+        r = c.request(method, path)
+    assert r.status_code == 405 and r.headers["allow"] == allow
+    err = r.json()["error"]
+    assert (err["type"], err["code"]) == ("invalid_request_error", "method_not_allowed") and allow in err["message"]
