@@ -11,7 +11,8 @@
 A worker can also drain itself (its own ``POST /admin/drain``, or SIGTERM);
 the router then sees ``draining`` in its health report. Admin calls need the
 cluster's internal secret as a Bearer token when one is configured (else an
-API key, when those are configured).
+API key, when those are configured). They are left out of the published
+OpenAPI document (router/openapi.py says why).
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ def add_admin_routes(app: FastAPI, registry: WorkerRegistry, authorize: Callable
                               param="name")
         return found
 
-    @app.get("/admin/workers")
+    @app.get("/admin/workers", include_in_schema=False)
     async def workers(request: Request) -> JSONResponse:
         authorize(request)
         return JSONResponse({"workers": [describe(w) for w in registry.workers]})
 
-    @app.post("/admin/workers")
+    @app.post("/admin/workers", include_in_schema=False)
     async def join(body: JoinRequest, request: Request) -> JSONResponse:
         authorize(request)
         try:
@@ -64,21 +65,21 @@ def add_admin_routes(app: FastAPI, registry: WorkerRegistry, authorize: Callable
             raise OpenAIError(409, str(exc), param="url", code=exc.reason) from None
         return JSONResponse(describe(worker))
 
-    @app.delete("/admin/workers/{name}")
+    @app.delete("/admin/workers/{name}", include_in_schema=False)
     async def leave(name: str, request: Request) -> JSONResponse:
         authorize(request)
         worker(name)
         left = await discovery().leave(name)
         return JSONResponse(describe(left) | {"left": True})
 
-    @app.post("/admin/workers/{name}/drain")
+    @app.post("/admin/workers/{name}/drain", include_in_schema=False)
     async def drain(name: str, request: Request, wait_s: float = Query(0.0, ge=0, le=600)) -> JSONResponse:
         authorize(request)
         w = worker(name)
         await registry.drain(w, wait_s, WAIT_POLL_S)
         return JSONResponse(describe(w))
 
-    @app.post("/admin/workers/{name}/resume")
+    @app.post("/admin/workers/{name}/resume", include_in_schema=False)
     async def resume(name: str, request: Request) -> JSONResponse:
         authorize(request)
         w = worker(name)

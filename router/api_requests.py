@@ -18,18 +18,33 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from router.errors import OpenAIError
+from router.openapi import MAX_NEW_TOKENS, TOKEN_ID
 
+
+def _integral(value: Any) -> Any:
+    """JSON's 16.0 is the integer 16 (as JSON Schema says): accepted where an integer is, 16.5 is not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def integer(**bounds: Any) -> Any:
+    """An integer field's type, within ``bounds`` (``ge``, ``lt``, ...): in the type, not in the
+    field's ``Field()``, so that the JSON schema states them (as ``minimum``, ...)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
 MAX_STOP = 4  # stop sequences, as OpenAI
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_STOP_TOKEN_IDS = 1024  # server_common.worker_requests.SamplingSpec.stop_token_ids
-TokenKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$")]  # a token id, in decimal
+# Token ids: their bound below the vocabulary size is checked by router.model and written into the
+# published schema by router.openapi (the marks).
+TokenKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$"),
+                     Field(json_schema_extra={TOKEN_ID: True})]  # a token id, in decimal
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
-TokenIdValue = Annotated[int, Field(ge=0, lt=1 << 31)]  # the vocabulary is checked by router.model
+TokenIdValue = integer(ge=0, lt=1 << 31, json_schema_extra={TOKEN_ID: True})
+NEW_TOKENS = {MAX_NEW_TOKENS: True}  # bounded in the published schema by the context and router.max_tokens
 
 
 class StreamOptions(BaseModel):
@@ -40,17 +55,20 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={
+        # check_common's rule, for the schema: stream_options only with stream true
+        "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+        "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}})
 
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1, le=1 << 24)  # the ranges of server_common.worker_requests
-    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
+    top_k: integer(ge=-1, le=1 << 24) | None = None  # the ranges of server_common.worker_requests
+    seed: integer(ge=-(1 << 63), lt=1 << 64) | None = None
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP)] | None = None
-    n: int | None = Field(default=1, ge=1, le=1, description="only 1: more sequences per request are not supported yet")
+    n: integer(ge=1, le=1) | None = Field(default=1, description="only 1: several sequences are not supported yet")
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[TokenKey, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
@@ -58,7 +76,7 @@ class SamplingFields(BaseModel):
     # vLLM extensions
     ignore_eos: bool = False  # handy for benchmarks
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)  # 1 = off
-    min_tokens: int | None = Field(default=None, ge=0)  # at most the request's max_tokens
+    min_tokens: integer(ge=0) | None = Field(default=None, json_schema_extra=NEW_TOKENS)  # <= the max_tokens
     stop_token_ids: list[TokenIdValue] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
 
     @field_validator("logit_bias", mode="wrap")
@@ -93,7 +111,7 @@ class SamplingFields(BaseModel):
                                        f"(0..{vocab_size - 1})", param="stop_token_ids")
         if self.min_tokens is not None and self.min_tokens > max_tokens:
             raise OpenAIError(400, f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})",
-                              param="min_tokens")
+                              param="min_tokens", code="invalid_value")
 
     @property
     def include_usage(self) -> bool:
@@ -107,10 +125,10 @@ class CompletionRequest(SamplingFields):
     prompt: (NonEmpty | Annotated[list[TokenIdValue], Field(min_length=1)]
              | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
              | Annotated[list[Annotated[list[TokenIdValue], Field(min_length=1)]], Field(min_length=1, max_length=1)])
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: integer(ge=1) | None = Field(default=16, json_schema_extra=NEW_TOKENS)
     logprobs: None = Field(default=None, description="not supported yet")
     echo: Literal[False] = Field(default=False, description="not supported yet")
-    best_of: int | None = Field(default=None, ge=1, le=1, description="must equal n")
+    best_of: integer(ge=1, le=1) | None = Field(default=None, description="must equal n")
     suffix: None = Field(default=None, description="not supported")
 
     def check_supported(self) -> None:
@@ -158,10 +176,10 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: integer(ge=1) | None = Field(default=None, json_schema_extra=NEW_TOKENS)
+    max_completion_tokens: integer(ge=1) | None = Field(default=None, json_schema_extra=NEW_TOKENS)
     logprobs: Literal[False] | None = Field(default=None, description="not supported yet")
-    top_logprobs: int | None = Field(default=None, ge=0, le=0, description="not supported yet")
+    top_logprobs: integer(ge=0, le=0) | None = Field(default=None, description="not supported yet")
     tools: list[Any] | None = Field(default=None, max_length=0, description="not supported yet")
     tool_choice: Any = None
     response_format: TextFormat | None = Field(default=None, description="only type 'text' yet")

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 FinishReason = Literal["stop", "length"]
 
 
-class PromptTokensDetails(BaseModel):
+class Answer(BaseModel):
+    """Every field is always sent (nulls too), so the published schema marks every field required."""
+
+    model_config = ConfigDict(json_schema_serialization_defaults_required=True)
+
+
+class PromptTokensDetails(Answer):
     cached_tokens: int = 0  # prompt tokens whose KV the serving side reused from its prefix cache
 
 
-class Usage(BaseModel):
+class Usage(Answer):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
@@ -29,14 +35,14 @@ class Usage(BaseModel):
         )
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(Answer):
     index: int = 0
     text: str
     logprobs: None = None
     finish_reason: FinishReason | None
 
 
-class Completion(BaseModel):
+class Completion(Answer):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -45,19 +51,19 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
-class AssistantMessage(BaseModel):
+class AssistantMessage(Answer):
     role: Literal["assistant"] = "assistant"
     content: str
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(Answer):
     index: int = 0
     message: AssistantMessage
     logprobs: None = None
     finish_reason: FinishReason | None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(Answer):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int
@@ -66,19 +72,19 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
-class Delta(BaseModel):
+class Delta(Answer):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
+class ChatChunkChoice(Answer):
     index: int = 0
     delta: Delta
     logprobs: None = None
     finish_reason: FinishReason | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(Answer):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -87,7 +93,7 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
-class ModelCard(BaseModel):
+class ModelCard(Answer):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -97,6 +103,6 @@ class ModelCard(BaseModel):
     max_model_len: int
 
 
-class ModelList(BaseModel):
+class ModelList(Answer):
     object: Literal["list"] = "list"
     data: list[ModelCard]

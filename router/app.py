@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
@@ -23,6 +23,8 @@ from router.connections import ConnectionGuard
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.openai_handlers import OpenAIHandlers
+from router import api_responses as out
+from router import openapi
 from router.kv_events import KvEventPoller
 from router.kv_index import KvIndex
 from router.policies import make_policy
@@ -115,6 +117,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                 tracing.shutdown()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
+    openapi.install(app, vocab_size=model.vocab_size, api_keys=bool(settings.api_keys),
+                    max_new_tokens=min(settings.max_tokens or model.max_model_len - 1, model.max_model_len - 1))
 
     # What a drain waits for: requests with a session or waiting for one.
     app.state.drain = drain = Drain(lambda: admission.sessions + admission.waiting)
@@ -162,43 +166,46 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         return StreamingResponse(result, media_type="text/event-stream", background=BackgroundTask(session.close),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=openapi.generation_responses(out.ChatCompletion,
+                                                                             "ChatCompletionChunk"))
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await respond(request, "chat", lambda rid: request.app.state.handlers.chat(req, rid, request.headers.get("traceparent")))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=openapi.generation_responses(out.Completion, "Completion"))
     async def completions(req: CompletionRequest, request: Request) -> Response:
         return await respond(request, "completions", lambda rid: request.app.state.handlers.completion(
             req, rid, request.headers.get("traceparent")))
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=openapi.ok(out.ModelList, "The served model.") | openapi.errors(401, 500))
     async def models(request: Request) -> JSONResponse:
         check_auth(request)
         return JSONResponse(request.app.state.handlers.models().model_dump())
 
-    @app.get("/v1/models/{model:path}")
+    @app.get("/v1/models/{model:path}", responses=openapi.ok(out.ModelCard, "The served model's card.")
+             | openapi.errors(401, 404, 500))
     async def model_card(model: str, request: Request) -> JSONResponse:
         """The SDK's ``client.models.retrieve(id)``; ids may contain '/' (``org/name``)."""
         check_auth(request)
         return JSONResponse(request.app.state.handlers.model_card(model).model_dump())
 
-    @app.get("/health")
+    @app.get("/health", responses=openapi.HEALTH_RESPONSES)
     async def health() -> JSONResponse:
-        workers = [{"name": w.name, "role": w.role, "url": w.url, "healthy": w.healthy, "in_rotation": w.in_rotation}
-                   for w in registry.workers]
+        workers = [openapi.WorkerHealth(name=w.name, role=w.role, url=w.url, healthy=w.healthy,
+                                        in_rotation=w.in_rotation) for w in registry.workers]
         ok = bool(registry.healthy("decode")) and not drain.draining
         status = "draining" if drain.draining else "ok" if ok else "degraded"
-        return JSONResponse({"status": status, "workers": workers, "launch_id": settings.launch_id},
-                            status_code=200 if ok else 503)
+        body = openapi.Health(status=status, workers=workers, launch_id=settings.launch_id)
+        return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
-    @app.get("/debug/timeline")
+    # Admin and debug routes stay out of the published document (router/openapi.py says why).
+    @app.get("/debug/timeline", include_in_schema=False)
     async def timeline(request: Request) -> JSONResponse:
         """Stage timestamps of the last requests (server_common/timeline_log.py); admin callers only."""
         check_admin(request)
         return JSONResponse({"instance": "router", "role": "router",
                              "requests": request.app.state.handlers.timeline.entries()})
 
-    @app.get("/debug/kv_index")
+    @app.get("/debug/kv_index", include_in_schema=False)
     async def kv_index_state(request: Request) -> JSONResponse:
         """What the router knows of each server's cached blocks (router/kv_index.py); admin callers only."""
         check_admin(request)
@@ -207,7 +214,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                    "resyncs": idx.resyncs} for name, idx in kv_index.workers.items()}
         return JSONResponse({"enabled": kv_index is not None, "workers": workers})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
