@@ -34,6 +34,9 @@ def integer(**bounds: Any) -> Any:
     field's ``Field()``, so that the JSON schema states them (as ``minimum``, ...)."""
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
+# The integers JSON carries exactly everywhere (I-JSON, RFC 7493): a seed beyond them would be
+# rounded by many clients, and by the tools that read the published schema.
+JSON_EXACT = (1 << 53) - 1
 MAX_STOP = 4  # stop sequences, as OpenAI
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 MAX_STOP_TOKEN_IDS = 1024  # server_common.worker_requests.SamplingSpec.stop_token_ids
@@ -66,7 +69,7 @@ class SamplingFields(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: integer(ge=-1, le=1 << 24) | None = None  # the ranges of server_common.worker_requests
-    seed: integer(ge=-(1 << 63), lt=1 << 64) | None = None
+    seed: integer(ge=-JSON_EXACT, le=JSON_EXACT) | None = None
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP)] | None = None
     n: integer(ge=1, le=1) | None = Field(default=1, description="only 1: several sequences are not supported yet")
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

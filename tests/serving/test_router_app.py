@@ -279,7 +279,9 @@ VOCAB = 257  # the byte tokenizer: 256 bytes and <|eos|>
     ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
     ({"stop_token_ids": "1"}, "stop_token_ids"),
     ({"seed": "7"}, "seed"),
-    ({"seed": 1 << 64}, "seed"),
+    ({"seed": 1 << 53}, "seed"),
+    ({"seed": -(1 << 53)}, "seed"),
+    ({"seed": 7.5}, "seed"),
     ({"user": 5}, "user"),
     ({"best_of": 2}, "best_of"),
     ({"suffix": "tail"}, "suffix"),
@@ -303,7 +305,7 @@ def test_best_of_equal_to_n_and_the_limits_of_each_range_are_accepted(model):
     fake = FakeWorkerClient(reply=reply_ids(model, "a"))
     edges = {"best_of": 1, "presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 100,
              "logit_bias": {str(i): -100 if i % 2 else 100 for i in range(VOCAB)},
-             "min_tokens": 16, "stop_token_ids": [VOCAB - 1], "seed": (1 << 64) - 1}
+             "min_tokens": 16, "stop_token_ids": [VOCAB - 1], "seed": (1 << 53) - 1, "top_k": 5.0}
     with make_client(model, fake) as c:
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", **edges})
     assert r.status_code == 200, r.text
