@@ -43,6 +43,13 @@ BAD_CHAT = [
     pytest.param({**CHAT, "temperature": 5}, "temperature", id="temperature-out-of-range"),
     pytest.param({**CHAT, "n": 3}, "n", id="n-3"),
     pytest.param({**CHAT, "logprobs": True}, "logprobs", id="logprobs"),
+    pytest.param({**CHAT, "presence_penalty": 3}, "presence_penalty", id="presence-penalty-out-of-range"),
+    pytest.param({**CHAT, "repetition_penalty": 0}, "repetition_penalty", id="repetition-penalty-zero"),
+    pytest.param({**CHAT, "logit_bias": {"1": 500}}, "logit_bias", id="logit-bias-out-of-range"),
+    pytest.param({**CHAT, "logit_bias": {"99999999": 1}}, "logit_bias", id="logit-bias-outside-vocabulary"),
+    pytest.param({**CHAT, "stop_token_ids": [99999999]}, "stop_token_ids", id="stop-token-outside-vocabulary"),
+    pytest.param({**CHAT, "min_tokens": 5}, "min_tokens", id="min-tokens-above-max-tokens"),
+    pytest.param({**CHAT, "temperature": "0.5"}, "temperature", id="temperature-as-a-string"),
 ]
 
 
@@ -67,6 +74,33 @@ def test_prompt_beyond_the_context_gets_400(served):
 def test_echo_is_refused(served):
     assert_openai_error(post(served, "/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True}),
                         400, "echo")
+
+
+@pytest.mark.parametrize("fields", [{"best_of": 2}, {"suffix": "tail"}], ids=["best-of-2", "suffix"])
+def test_best_of_other_than_n_and_suffix_are_refused(served, fields):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 2, **fields}
+    assert_openai_error(post(served, "/v1/completions", json=body), 400, next(iter(fields)))
+
+
+def test_the_servers_take_every_sampling_field_the_router_accepts(served):
+    fields = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
+              "logit_bias": {"5": 3.0, "7": -100}, "min_tokens": 1, "stop_token_ids": [9], "seed": 3,
+              "user": "u-1", "best_of": 1}
+    r = served.client().completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0,
+                                           extra_body=fields)
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+
+
+def test_a_model_is_retrieved_through_the_sdk_and_another_id_is_404(served):
+    assert served.client().models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError) as info:
+        served.client().models.retrieve("org/other")
+    assert info.value.body["code"] == "model_not_found"
+
+
+def test_a_method_the_route_does_not_take_gets_405_with_allow(served):
+    resp = served.http.get(f"{served.router_url}/v1/chat/completions")
+    assert assert_openai_error(resp, 405)["code"] == "method_not_allowed" and resp.headers["allow"] == "POST"
 
 
 def test_unknown_model_gets_404_through_the_sdk(served):
