@@ -22,6 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstr
 
 from router.errors import OpenAIError
 from router.openapi import MAX_NEW_TOKENS, TOKEN_ID
+from server_common.worker_requests import MAX_STOP_TOKEN_IDS
 
 
 def _integral(value: Any) -> Any:
@@ -34,12 +35,12 @@ def integer(**bounds: Any) -> Any:
     field's ``Field()``, so that the JSON schema states them (as ``minimum``, ...)."""
     return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
 
+
 # The integers JSON carries exactly everywhere (I-JSON, RFC 7493): a seed beyond them would be
 # rounded by many clients, and by the tools that read the published schema.
 JSON_EXACT = (1 << 53) - 1
 MAX_STOP = 4  # stop sequences, as OpenAI
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
-MAX_STOP_TOKEN_IDS = 1024  # server_common.worker_requests.SamplingSpec.stop_token_ids
 # Token ids: their bound below the vocabulary size is checked by router.model and written into the
 # published schema by router.openapi (the marks).
 TokenKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$"),

@@ -19,6 +19,7 @@ MAX_TOKENS = 1 << 24  # far above any context a pdserve engine holds
 MAX_PROMPT = 1 << 22
 MAX_N = 16  # sequences per request
 MAX_LOGPROBS = 20  # engine.request.MAX_LOGPROBS
+MAX_STOP_TOKEN_IDS = 1024
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
 
 
@@ -51,7 +52,7 @@ class SamplingSpec(Strict):
     logit_bias: tuple[tuple[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]], ...] = Field(
         default=(), max_length=1 << 16)
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
-    stop_token_ids: tuple[TokenId, ...] = Field(default=(), max_length=1024)
+    stop_token_ids: tuple[TokenId, ...] = Field(default=(), max_length=MAX_STOP_TOKEN_IDS)
     structured: StructuredSpec | None = None
 
     def engine_params(self):

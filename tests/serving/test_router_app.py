@@ -278,6 +278,7 @@ VOCAB = 257  # the byte tokenizer: 256 bytes and <|eos|>
     ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
     ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
     ({"stop_token_ids": "1"}, "stop_token_ids"),
+    ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
     ({"seed": "7"}, "seed"),
     ({"seed": 1 << 53}, "seed"),
     ({"seed": -(1 << 53)}, "seed"),
