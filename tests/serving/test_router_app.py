@@ -78,6 +78,7 @@ def test_chat_stream_has_role_chunk_content_finish_and_usage(model):
     assert text == "ok€"
     assert chunks[-2]["choices"][0]["finish_reason"] == "stop"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert all(ch["usage"] is None for ch in chunks[:-1])
 
 
