@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 import torch
 
-from engine.logits_processing import needs_processing, process_row
+from engine.logits_processing import needs_processing, process_rows
 from engine.request import LOGPROB_FLOOR, SAMPLING_EPS, Logprob, Request, SamplingParams
 
 _SEED_STRIDE = 1_000_003
@@ -28,9 +28,13 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], generator: torch.G
     """Tokens (``request.draws_first_tokens`` of them) and, when asked, their
     log-probabilities for each row of float32 ``logits`` [rows, vocab], which
     are processed in place."""
-    for row, request in enumerate(requests):
-        if needs_processing(request):
-            process_row(logits[row], request, eos_token_ids)
+    processed = [row for row, request in enumerate(requests) if needs_processing(request)]
+    if len(processed) == len(requests):
+        process_rows(logits, requests, eos_token_ids)
+    elif processed:
+        rows = logits[processed]
+        process_rows(rows, [requests[r] for r in processed], eos_token_ids)
+        logits[processed] = rows
     greedy = logits.argmax(dim=-1).tolist()
     tokens: list[list[int]] = []
     for row, request in enumerate(requests):
