@@ -51,12 +51,14 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], generator: torch.G
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: Sequence[int]) -> list[Logprob]:
     """A Logprob per row of ``logprobs`` [rows, vocab]: ``chosen[r]``'s and the ``ks[r]`` most likely."""
     k = max(ks)
-    picked = logprobs.gather(1, chosen[:, None])[:, 0].clamp(min=LOGPROB_FLOOR).tolist()
+    picked = logprobs.gather(1, chosen[:, None])
     if k == 0:
-        return [Logprob(v) for v in picked]
+        return [Logprob(v) for v in picked[:, 0].clamp(min=LOGPROB_FLOOR).tolist()]
     values, ids = logprobs.topk(k, dim=-1)
-    values, ids = values.clamp(min=LOGPROB_FLOOR).tolist(), ids.tolist()
-    return [Logprob(v, tuple(zip(i[:n], t[:n]))) for v, i, t, n in zip(picked, ids, values, ks)]
+    # one copy to the host: [picked, k values, k ids] per row (ids are exact in float64)
+    rows = torch.cat([picked, values], dim=1).clamp(min=LOGPROB_FLOOR).double()
+    rows = torch.cat([rows, ids.double()], dim=1).tolist()
+    return [Logprob(r[0], tuple((int(t), v) for t, v in zip(r[k + 1:k + 1 + n], r[1:1 + n]))) for r, n in zip(rows, ks)]
 
 
 def _logprobs(logits: torch.Tensor, requests: Sequence[Request],

@@ -290,7 +290,8 @@ class Scheduler:
     def _admit_waiting(self, request: Request, budget: int, plan: SchedulePlan) -> bool:
         """Give a waiting request its cached prefix and the blocks for its next chunk, or nothing."""
         assert not request.block_ids and request.num_computed == 0
-        cached = [] if request.wants_prompt_logprobs else self.prefix.lookup(request)
+        looks_up = self.config.prefix_caching and not request.wants_prompt_logprobs
+        cached = self.prefix.lookup(request) if looks_up else []
         computed = len(cached) * self.blocks.block_size
         num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks, computed=computed)
         if num_new == 0:
@@ -302,7 +303,7 @@ class Scheduler:
         request.block_ids = cached + self.blocks.allocate(fresh)
         request.num_computed = request.num_cached_tokens = computed
         request.num_hashed_blocks = len(cached)
-        if self.config.prefix_caching:
+        if looks_up:
             plan.prefix_queried += request.num_tokens
             plan.prefix_hits += computed
         return True

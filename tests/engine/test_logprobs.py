@@ -116,9 +116,10 @@ def test_a_prompt_logprobs_request_computes_its_whole_prompt_despite_the_prefix_
     e = engine(tiny_model)
     prompt = PROMPTS[3]
     e.generate([prompt], SamplingParams(max_tokens=2, temperature=0))  # its full blocks are cached now
-    queried = e.counters.prompt_tokens
+    computed, queried = e.counters.prompt_tokens, e.counters.prefix_queries_tokens
     got = run(e, {"r": (prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))})
-    assert e.counters.prompt_tokens - queried == len(prompt)  # not only the last, uncached block
+    assert e.counters.prompt_tokens - computed == len(prompt)  # not only the last, uncached block
+    assert e.counters.prefix_queries_tokens == queried  # and the cache was not asked
     check_prompt(tiny_model, prompt, 1, got["r"]["prompt"])
 
 
