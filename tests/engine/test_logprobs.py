@@ -123,11 +123,16 @@ def test_a_prompt_logprobs_request_computes_its_whole_prompt_despite_the_prefix_
     check_prompt(tiny_model, prompt, 1, got["r"]["prompt"])
 
 
+def test_bad_logit_bias_is_refused():
+    with pytest.raises(ValueError, match="logit_bias values must be finite"):
+        SamplingParams(logit_bias=((5, float("-inf")),))
+
+
 def test_a_token_of_probability_zero_reports_the_floor_not_minus_infinity(tiny_model):
     e = engine(tiny_model)
     vocab = e.hf_config.vocab_size
     allowed = (5, 6, 7)
-    bias = tuple((t, float("-inf")) for t in range(vocab) if t not in allowed)
+    bias = tuple((t, -1e30) for t in range(vocab) if t not in allowed)  # their probability underflows to 0
     got = run(e, {"r": (PROMPTS[1], SamplingParams(max_tokens=3, temperature=0, logprobs=5, logit_bias=bias))})
     assert set(got["r"]["tokens"]) <= set(allowed)
     for lp in got["r"]["logprobs"]:

@@ -25,3 +25,12 @@ def test_half_precision_logits_over_a_small_temperature_still_sample(dtype):
     params = SamplingParams(temperature=2e-5, top_p=5e-324, top_k=7, seed=3)
     ((tokens, _),) = sample(logits, rows(params), torch.Generator())
     assert tokens == [int(logits.float().argmax())]
+
+
+def test_minus_infinity_log_probabilities_are_reported_as_the_floor():
+    from engine.request import LOGPROB_FLOOR, Logprob
+    from engine.sampler import top_logprobs
+
+    logprobs = torch.tensor([[0.0, float("-inf")]])
+    assert top_logprobs(logprobs, torch.tensor([1]), [2]) == [Logprob(LOGPROB_FLOOR, ((0, 0.0), (1, LOGPROB_FLOOR)))]
+    assert top_logprobs(logprobs, torch.tensor([1]), [0]) == [Logprob(LOGPROB_FLOOR)]
