@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.prefix_cache import PrefixCache
-from engine.sequences import fork_sequence
 from engine.request import ChunkResult, Logprob, NoCapacityError, Request, RequestStatus, StepOutput
+from engine.sequences import fork_sequence
 
 
 @dataclass(frozen=True)
