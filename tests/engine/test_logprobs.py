@@ -152,3 +152,18 @@ def test_prompt_logprobs_survive_a_preemption_mid_prompt(tiny_model):
     for rid, (prompt, sampling) in requests.items():
         check_prompt(tiny_model, prompt, 2, got[rid]["prompt"])
         check_sampled(tiny_model, prompt, sampling, got[rid])
+
+
+def test_requests_asking_for_none_of_it_compute_no_log_softmax_and_no_processing(tiny_model, monkeypatch):
+    from engine import sampler
+
+    calls = []
+    log_softmax, process_rows = torch.log_softmax, sampler.process_rows
+    monkeypatch.setattr(torch, "log_softmax", lambda *a, **k: calls.append("log_softmax") or log_softmax(*a, **k))
+    monkeypatch.setattr(sampler, "process_rows", lambda *a: calls.append("process") or process_rows(*a))
+    e = engine(tiny_model)
+    e.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0))
+    e.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0.7, seed=1))
+    assert calls == []
+    e.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0, logprobs=1, repetition_penalty=1.1))
+    assert calls == ["process", "log_softmax"]
