@@ -68,6 +68,24 @@ def test_n4_greedy_gives_four_copies_of_the_transformers_output(request, path):
     assert_all_free(e)
 
 
+def test_a_prompt_ending_on_a_block_boundary_is_shared_whole_and_nothing_is_copied(tiny_model):
+    prompt = PROMPT[:32]  # 4 full blocks of 8
+    e = engine(tiny_model, prefix_caching=False)
+    e.add_request("r", prompt, SamplingParams(n=3, max_tokens=5, temperature=0, ignore_eos=True))
+    first = e.step()
+    assert [s.block_ids for s in e.scheduler.requests["r"]] == [[0, 1, 2, 3]] * 3
+    assert refs(e, range(5)) == [3, 3, 3, 3, 0]
+    second = e.step()  # each sequence's first decode opens a block of its own
+    assert [s.block_ids for s in e.scheduler.requests["r"]] == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 5], [0, 1, 2, 3, 6]]
+    e.check_integrity()
+    got = {("r", o.index): list(o.new_token_ids) for o in first}
+    for o in second:
+        got["r", o.index] += o.new_token_ids
+    got = collect(e, got)
+    assert got == {("r", i): hf_greedy(tiny_model, prompt, 5, ignore_eos=True) for i in range(3)}
+    assert_all_free(e)
+
+
 def test_n4_seeded_is_reproducible_and_equals_four_requests_seeded_seed_plus_i(tiny_model):
     sampling = SamplingParams(n=4, max_tokens=10, **SEEDED)
     runs = []
@@ -156,13 +174,14 @@ def test_preemption_and_forks_without_room_recompute_and_stay_exact(tiny_model):
     assert_all_free(e)
 
 
-def test_prefill_engine_draws_n_first_tokens_and_a_decode_engine_continues_them_like_one_engine(tiny_model):
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_prefill_engine_draws_n_first_tokens_and_a_decode_engine_continues_them_like_one_engine(tiny_model, layout):
     sampling = SamplingParams(n=4, max_tokens=8, logprobs=1, **SEEDED)
     colocated = engine(tiny_model)
     colocated.add_request("r", PROMPT, sampling)
     want = collect(colocated)
     prefill = engine(tiny_model, mode="prefill")
-    decode = engine(tiny_model, block_size=16, mode="decode")
+    decode = engine(tiny_model, block_size=16, mode="decode", kv_layout=layout)
     blocks = decode.reserve("r", PROMPT, sampling)
     assert blocks == [0, 1, 2]  # 38 tokens: prompt and first token
     prefill.add_request("r", PROMPT, sampling)
