@@ -30,8 +30,8 @@ the prompt's full blocks by reference count and gets its own copy of the
 block holding the prompt's partial last block, written past the prompt. The
 copies are queued in ``block_copies`` for the engine to make right after the
 call that forked, before anything can write into their sources. A fork that
-finds no free block for its copy waits to be recomputed like a preempted
-sequence. Sequences run, are preempted and finish on their own; ``abort``
+finds no free block for its copy, or ``max_num_seqs`` sequences running,
+waits to be recomputed like a preempted sequence. Sequences run, are preempted and finish on their own; ``abort``
 ends them all. ``requests`` maps a request id to its live sequences.
 """
 
@@ -362,9 +362,9 @@ class Scheduler:
 
     def _place_fork(self, child: Request, parent: Request) -> None:
         """Share the parent's full prompt blocks and copy its partial last one; with no
-        free block for the copy, wait to be recomputed."""
+        free block for the copy, or ``max_num_seqs`` running, wait to be recomputed."""
         full, partial = divmod(parent.num_prompt_tokens, self.blocks.block_size)
-        if not self.blocks.can_allocate(1 if partial else 0):
+        if not self.blocks.can_allocate(1 if partial else 0) or len(self.running) >= self.config.max_num_seqs:
             child.status = RequestStatus.WAITING
             self.waiting.appendleft(child)
             return

@@ -174,6 +174,18 @@ def test_preemption_and_forks_without_room_recompute_and_stay_exact(tiny_model):
     assert_all_free(e)
 
 
+def test_forks_beyond_max_num_seqs_wait_and_are_recomputed(tiny_model):
+    e = engine(tiny_model, max_num_seqs=2)
+    e.add_request("r", PROMPT, SamplingParams(n=4, max_tokens=6, temperature=0, ignore_eos=True))
+    first = e.step()
+    seqs = e.scheduler.requests["r"]
+    assert [(s.status.value, len(s.block_ids)) for s in seqs] == [("running", 5), ("running", 5), ("waiting", 0),
+                                                                  ("waiting", 0)]
+    got = collect(e, {("r", o.index): list(o.new_token_ids) for o in first})
+    assert got == {("r", i): hf_greedy(tiny_model, PROMPT, 6, ignore_eos=True) for i in range(4)}
+    assert_all_free(e)
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 def test_prefill_engine_draws_n_first_tokens_and_a_decode_engine_continues_them_like_one_engine(tiny_model, layout):
     sampling = SamplingParams(n=4, max_tokens=8, logprobs=1, **SEEDED)
