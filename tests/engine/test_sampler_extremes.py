@@ -34,3 +34,12 @@ def test_minus_infinity_log_probabilities_are_reported_as_the_floor():
     logprobs = torch.tensor([[0.0, float("-inf")]])
     assert top_logprobs(logprobs, torch.tensor([1]), [2]) == [Logprob(LOGPROB_FLOOR, ((0, 0.0), (1, LOGPROB_FLOOR)))]
     assert top_logprobs(logprobs, torch.tensor([1]), [0]) == [Logprob(LOGPROB_FLOOR)]
+
+
+def test_a_row_with_every_token_masked_samples_like_greedy_instead_of_raising():
+    # min_tokens holds back the only tokens left: every logit is -inf
+    logits = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    masked = dict(min_tokens=3, stop_token_ids=(0, 1, 2, 3))
+    params = [SamplingParams(temperature=0.7, seed=1, **masked), SamplingParams(temperature=0, **masked)]
+    draws = sample(logits.clone(), rows(*params), torch.Generator())
+    assert draws == [([0], None), ([0], None)]
