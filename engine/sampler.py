@@ -7,7 +7,7 @@ tokens of a request with ``n > 1`` are n draws from one row, draw j seeded
 with ``seed + j``: exactly what n requests with seeds seed..seed+n-1 draw.
 
 Each row is first processed (engine/logits_processing.py). Log-probabilities
-are those of the processed row over the temperature (1 when greedy), before
+are those of the processed row over the temperature (1 for temperature 0), before
 top-k/top-p truncation: the distribution the token was drawn from. Rows that
 ask for no processing and no log-probabilities cost what they always did.
 """
@@ -15,6 +15,7 @@ ask for no processing and no log-probabilities cost what they always did.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import torch
 
 from engine.logits_processing import needs_processing, process_rows
