@@ -300,7 +300,7 @@ class GenerationService:
         outcome, reason = ended.outcome, ended.reason
         if ended.ok and ended.first_token < e.hf_config.vocab_size:
             self.metrics.kv_wait_seconds.observe(max(0.0, ended.at - pending.reserved_at))
-            self._emit(e, [e.admit_remote(pending.request_id, ended.first_token)])
+            self._emit(e, e.admit_remote(pending.request_id, [ended.first_token]))
             return
         if ended.ok:  # a notice whose first token no model of ours has
             outcome, reason = Outcome.BAD_NOTICE, f"first token {ended.first_token} is outside the vocabulary"

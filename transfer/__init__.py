@@ -17,7 +17,7 @@ Decode server::
     tid = receiver.expect(blocks, lease_s)          # goes into the reservation
     ...between two engine steps:
     for ended in receiver.take_finished():          # TransferEnded(tid, outcome, reason, first_token)
-        ended.ok -> engine.admit_remote(rid_of[tid], ended.first_token)
+        ended.ok -> engine.admit_remote(rid_of[tid], [ended.first_token])
         else     -> engine.abort(rid_of[tid])       # blocks free only now
     receiver.cancel(tid)                            # client gone: wait for take_finished()
 
