@@ -105,6 +105,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when last admitted
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    grammar: object | None = None  # engine.structured.Grammar when sampling.structured is set
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, decode_groups
+from engine.grammar_mask import apply_grammar_masks
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.sampler import sample
@@ -83,6 +84,7 @@ class ModelRunner:
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         logits = self.model(ids, cos, sin, self.cache.kv, meta, rows, on_layer)
         sampled = [c for c in chunks if c.sample]
+        apply_grammar_masks(logits, [c.request.grammar for c in sampled])
         tokens = sample(
             logits,
             [c.request.sampling for c in sampled],

@@ -24,12 +24,15 @@ so no request ever attends over a block someone is still writing.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.prefix_cache import PrefixCache
 from engine.request import NoCapacityError, Request, RequestStatus, StepOutput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,8 @@ class Scheduler:
             token = sampled[request.request_id]
             if self.config.mode == "prefill":
                 request.output_token_ids.append(token)
+                if request.grammar is not None:
+                    request.grammar.accept(token)  # sampled under its mask: allowed
                 self.running.remove(request)
                 request.status = RequestStatus.PREFILLED
                 self.parked[request.request_id] = request
@@ -303,6 +308,13 @@ class Scheduler:
 
     def _append_token(self, request: Request, token: int) -> StepOutput:
         request.output_token_ids.append(token)
+        if request.grammar is not None and not request.grammar.accept(token):
+            # Only a remote first token can get here (sampled ones obey the mask): fail, never emit invalid output.
+            log.warning("request %s: token %d breaks its grammar: %s", request.request_id, token,
+                        request.grammar.error())
+            self.running.remove(request)
+            self._finish(request, "abort")
+            return StepOutput(request.request_id, [], True, "abort")
         reason = self._stop_reason(request, token)
         if reason is not None:
             self.running.remove(request)
@@ -316,6 +328,8 @@ class Scheduler:
             return "stop"
         if token in sampling.stop_token_ids:
             return "stop"
+        if request.grammar is not None and request.grammar.done:
+            return "stop"  # the grammar accepted EOS: complete, even with ignore_eos
         if len(request.output_token_ids) >= sampling.max_tokens:
             return "length"
         if request.num_tokens >= self.config.max_model_len:
