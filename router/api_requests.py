@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.errors import OpenAIError
+from router.structured import StructuredFields
+from router.tools import template_message
 
 
 class StreamOptions(BaseModel):
@@ -20,8 +22,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields both endpoints share."""
+class SamplingFields(StructuredFields):
+    """Fields both endpoints share (the structured-output ones in router/structured.py)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -110,6 +112,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (router/tools.py)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -134,7 +138,6 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM extension
 
     def check_supported(self) -> None:
@@ -143,10 +146,6 @@ class ChatCompletionRequest(SamplingFields):
             raise OpenAIError(400, "messages must not be empty", param="messages")
         if self.logprobs or self.top_logprobs:
             raise OpenAIError(400, "logprobs is not supported", param="logprobs")
-        if self.tools:
-            raise OpenAIError(400, "tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise OpenAIError(400, "only response_format type 'text' is supported", param="response_format")
 
     def max_new_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""
@@ -154,5 +153,5 @@ class ChatCompletionRequest(SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [template_message(m) for m in self.messages]

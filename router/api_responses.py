@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class PromptTokensDetails(BaseModel):
@@ -50,9 +50,28 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallMessage(BaseModel):
+    """An answer that calls tools (router/tools.py): ``content`` is the text outside the calls, or null."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
 class ChatChoice(BaseModel):
     index: int = 0
-    message: AssistantMessage
+    message: AssistantMessage | ToolCallMessage
     logprobs: None = None
     finish_reason: FinishReason | None
 
@@ -71,9 +90,27 @@ class Delta(BaseModel):
     content: str | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of call ``index``: its first has the id, type and name, the next ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+class ToolCallsDelta(BaseModel):
+    tool_calls: list[ToolCallDelta]
+
+
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: Delta
+    delta: Delta | ToolCallsDelta
     logprobs: None = None
     finish_reason: FinishReason | None = None
 

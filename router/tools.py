@@ -1,0 +1,321 @@
+"""Tools (function calling), in the Hermes/Qwen style the project's chat templates use.
+
+The tools are rendered by the model's chat template (``tools=`` of
+``apply_chat_template``); the model answers each call as::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+``tool_choice``:
+
+- ``auto`` (the default with tools): the answer is parsed for such calls;
+- ``none``: no tools are rendered and nothing is parsed;
+- ``required`` or ``{"type": "function", "function": {"name": ...}}``: a grammar
+  (Lark with the call's JSON schema inside) forces exactly one call, of any
+  tool or of the named one, whose arguments match that tool's parameters.
+
+A call becomes ``{"id": "call_<random>", "type": "function", "function":
+{"name", "arguments"}}`` with ``arguments`` the JSON text the model wrote;
+``content`` is the text outside the calls (null when there is none) and the
+finish reason is ``tool_calls``. Streamed, a call is sent once it is complete:
+a delta with its index, id, type and name (arguments ""), then one with its
+arguments. Text that is not a well-formed call stays content.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from engine.structured import JSON_OPTIONS
+from router import api_responses as out
+from router.errors import OpenAIError
+from server_common.worker_requests import StructuredSpec
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe",
+                                                "parameters": {"type": "object", "properties": {}}}}
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str | None = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    function: FunctionDef | None = None
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request's tools mean for its prompt, its grammar and its answer."""
+
+    tools: list[dict] | None = None  # for the chat template; None renders none
+    parse: bool = False  # look for calls in the answer
+    constraints: list[tuple[str, StructuredSpec]] = field(default_factory=list)  # a forced call's grammar
+
+
+def template_uses_tools(tokenizer) -> bool:
+    """Whether the chat template renders ``tools`` at all (SmolLM2's does not)."""
+    messages = [{"role": "user", "content": "x"}]
+    try:
+        plain = tokenizer.apply_chat_template(messages, tokenize=False)
+        with_tools = tokenizer.apply_chat_template(messages, tools=[_PROBE_TOOL], tokenize=False)
+    except Exception:  # noqa: BLE001 (a template that fails on tools does not support them)
+        return False
+    return plain != with_tools
+
+
+def plan_tools(tools: list[Any] | None, tool_choice: Any, template_has_tools: bool) -> ToolPlan:
+    """Check ``tools`` and ``tool_choice``; 400 naming the field for anything invalid."""
+    if not tools:
+        if tool_choice not in (None, "none"):
+            raise OpenAIError(400, "tool_choice is only allowed when tools are given", param="tool_choice")
+        return ToolPlan()
+    functions = _functions(tools)
+    choice, name = _choice(tool_choice, functions)
+    if choice == "none":
+        return ToolPlan()
+    if not template_has_tools:
+        raise OpenAIError(400, "this model's chat template does not support tools", param="tools")
+    rendered = [{"type": "function", "function": {k: v for k, v in f.model_dump().items()
+                                                  if k != "strict" and v is not None}} for f in functions.values()]
+    if choice == "auto":
+        return ToolPlan(rendered, parse=True)
+    forced = list(functions.values()) if choice == "required" else [functions[name]]
+    spec = StructuredSpec(kind="lark", value=call_grammar(forced))
+    return ToolPlan(rendered, parse=True, constraints=[("tool_choice", spec)])
+
+
+def call_grammar(functions: list[FunctionDef]) -> str:
+    """A Lark grammar for one call of one of ``functions``, its arguments matching its parameters."""
+    options = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": _parameters(f)},
+                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    schema = {"anyOf": options, "x-guidance": JSON_OPTIONS}
+    return f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {json.dumps(schema)}'
+
+
+def template_message(m) -> dict:
+    """A chat message for the template; a call's arguments become an object, as templates expect."""
+    message: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            function = dict(call.get("function") or {})
+            arguments = function.get("arguments")
+            if isinstance(arguments, str):
+                try:
+                    function["arguments"] = json.loads(arguments)
+                except json.JSONDecodeError:
+                    pass  # left as text: the template shows what the client sent
+            calls.append({**call, "function": function})
+        message["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        message["tool_call_id"] = m.tool_call_id
+    if m.name is not None:
+        message["name"] = m.name
+    return message
+
+
+# ---- parsing the answer ------------------------------------------------------------------------
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def parse_call(body: str) -> out.FunctionCall | None:
+    """The call in the text between the tags, or None when it is not ``{"name": str, "arguments": {...}}``."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments"),
+                                                                                           dict):
+        return None
+    return out.FunctionCall(name=call["name"], arguments=_arguments_text(body, call["arguments"]))
+
+
+def _arguments_text(body: str, arguments: dict) -> str:
+    """The arguments as the model wrote them when that text is the object itself, else re-encoded."""
+    start = re.search(r'"arguments"\s*:\s*', body)
+    if start is not None:
+        text = body[start.end():].rstrip()
+        if text.endswith("}"):
+            text = text[:-1].rstrip()
+            try:
+                if json.loads(text) == arguments:
+                    return text
+            except json.JSONDecodeError:
+                pass
+    return json.dumps(arguments, ensure_ascii=False)
+
+
+def split_calls(text: str) -> tuple[str | None, list[out.ToolCall]]:
+    """The whole answer: (content outside the calls or None, the calls)."""
+    parser = ToolCallParser()
+    pieces = list(parser.push(text)) + list(parser.flush())
+    content = "".join(p for p in pieces if isinstance(p, str))
+    calls = [p for p in pieces if isinstance(p, out.ToolCall)]
+    if not calls:
+        return text, []
+    return (content.strip() or None), calls
+
+
+class ToolCallParser:
+    """Text in, pieces out: content text (str) and complete calls (ToolCall), in order.
+
+    Text that could be the start of ``<tool_call>`` is held back until it is
+    known not to be; a call's text is held until its ``</tool_call>``.
+    A call that does not parse is given back as content, tags included.
+    """
+
+    def __init__(self) -> None:
+        self._buf = ""
+        self._in_call = False
+        self.calls = 0
+
+    def push(self, text: str) -> Iterator[str | out.ToolCall]:
+        self._buf += text
+        while True:
+            if self._in_call:
+                end = self._buf.find(CLOSE)
+                if end < 0:
+                    return
+                body, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
+                self._in_call = False
+                call = parse_call(body)
+                if call is None:
+                    yield OPEN + body + CLOSE
+                else:
+                    self.calls += 1
+                    yield out.ToolCall(id=new_call_id(), function=call)
+                continue
+            start = self._buf.find(OPEN)
+            if start >= 0:
+                if start:
+                    yield self._buf[:start]
+                self._buf = self._buf[start + len(OPEN):]
+                self._in_call = True
+                continue
+            keep = _partial_suffix(self._buf, OPEN)
+            ready, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+            if ready:
+                yield ready
+            return
+
+    def flush(self) -> Iterator[str]:
+        """At the end: held text, and an unfinished call, are content."""
+        if self._in_call:
+            yield OPEN + self._buf
+        elif self._buf:
+            yield self._buf
+        self._buf, self._in_call = "", False
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+# ---- checking the request ------------------------------------------------------------------------
+
+def _functions(tools: list[Any]) -> dict[str, FunctionDef]:
+    functions: dict[str, FunctionDef] = {}
+    for i, raw in enumerate(tools):
+        param = f"tools[{i}]"
+        try:
+            tool = ToolDef.model_validate(raw)
+        except ValidationError as exc:
+            raise OpenAIError(400, f"{param}: {exc.errors()[0]['msg']}", param=param) from None
+        if tool.type != "function":
+            raise OpenAIError(400, f"{param}: only tools of type 'function' are supported, got {tool.type!r}",
+                              param=f"{param}.type")
+        f = tool.function
+        if f is None or not f.name:
+            raise OpenAIError(400, f"{param}: a function tool needs function.name", param=f"{param}.function.name")
+        if not NAME.fullmatch(f.name):
+            raise OpenAIError(400, f"{param}: function name {f.name!r} must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                              param=f"{param}.function.name")
+        if f.name in functions:
+            raise OpenAIError(400, f"{param}: the function name {f.name!r} is given twice",
+                              param=f"{param}.function.name")
+        if f.parameters is not None and f.parameters.get("type") != "object":
+            raise OpenAIError(400, f"{param}: function.parameters must be a JSON schema of type 'object'",
+                              param=f"{param}.function.parameters")
+        functions[f.name] = f
+    return functions
+
+
+def _choice(tool_choice: Any, functions: dict[str, FunctionDef]) -> tuple[str, str | None]:
+    """('auto' | 'none' | 'required', None) or ('function', the name of the function to call)."""
+    if tool_choice is None:
+        return "auto", None
+    if tool_choice in ("auto", "none", "required"):
+        return tool_choice, None
+    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
+        name = (tool_choice.get("function") or {}).get("name")
+        if not isinstance(name, str):
+            raise OpenAIError(400, "tool_choice.function.name is required", param="tool_choice")
+        if name not in functions:
+            raise OpenAIError(400, f"tool_choice names the function {name!r}, which is not among the tools",
+                              param="tool_choice")
+        return "function", name
+    raise OpenAIError(400, "tool_choice must be 'auto', 'none', 'required' or "
+                           "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+
+
+def _parameters(f: FunctionDef) -> dict:
+    return f.parameters if f.parameters is not None else {"type": "object", "properties": {}}
+
+
+# ---- answers -------------------------------------------------------------------------------------
+
+def chat_message(text: str, finish_reason: str, plan: ToolPlan) -> tuple[out.AssistantMessage | out.ToolCallMessage,
+                                                                           str]:
+    """The whole answer's message and finish reason: calls parsed when the request had tools."""
+    if not plan.parse:
+        return out.AssistantMessage(content=text), finish_reason
+    content, calls = split_calls(text)
+    if not calls:
+        return out.AssistantMessage(content=text), finish_reason
+    return out.ToolCallMessage(content=content, tool_calls=calls), _finish(finish_reason)
+
+
+class ToolCallStream:
+    """A streamed answer's text through the parser: content pieces and each call's deltas."""
+
+    def __init__(self) -> None:
+        self._parser = ToolCallParser()
+
+    def feed(self, text: str, last: bool) -> list[str | out.ToolCall]:
+        pieces = list(self._parser.push(text))
+        return pieces + list(self._parser.flush()) if last else pieces
+
+    def deltas(self, call: out.ToolCall) -> list[out.ToolCallsDelta]:
+        index = self._parser.calls - 1
+        head = out.ToolCallDelta(index=index, id=call.id, type="function",
+                                 function=out.FunctionCallDelta(name=call.function.name, arguments=""))
+        body = out.ToolCallDelta(index=index, function=out.FunctionCallDelta(arguments=call.function.arguments))
+        return [out.ToolCallsDelta(tool_calls=[head]), out.ToolCallsDelta(tool_calls=[body])]
+
+    def finish_reason(self, reason: str) -> str:
+        return _finish(reason) if self._parser.calls else reason
+
+
+def _finish(reason: str) -> str:
+    return "length" if reason == "length" else "tool_calls"
