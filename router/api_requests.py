@@ -1,7 +1,7 @@
 """Client -> router: the OpenAI request bodies pdserve accepts.
 
 Fields OpenAI defines but pdserve cannot honour yet (``n`` > 1, ``logprobs``,
-``echo``, penalties, tools, ...) are parsed so that ``check_supported`` can
+``echo``, penalties, ...) are parsed so that ``check_supported`` can
 refuse them with a clear 400 instead of silently ignoring them. Unknown fields
 are ignored, as vLLM does, so SDKs that send newer arguments keep working.
 """
