@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from router.errors import OpenAIError
 from router.structured import StructuredFields
-from router.tools import template_message
+from router.tools import EarlierCall, template_message
 
 
 class StreamOptions(BaseModel):
@@ -112,7 +112,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls (router/tools.py)
+    tool_calls: list[EarlierCall] | None = None  # an assistant's earlier calls (router/tools.py)
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:

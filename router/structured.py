@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.structured import compile_grammar
@@ -125,5 +125,5 @@ def _spec(key: str, value, param: str) -> StructuredSpec:
         return StructuredSpec(kind="choice", value=json.dumps(value))
     try:
         return StructuredSpec(kind="lark", value=any_to_lark(value))
-    except GbnfToLarkError as exc:
+    except Exception as exc:  # noqa: BLE001 (GbnfToLarkError, or a bare Exception: "No 'root' rule found")
         raise OpenAIError(400, f"{param}: the grammar is neither Lark nor GBNF: {exc}", param=param) from None

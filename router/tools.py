@@ -59,6 +59,21 @@ class ToolDef(BaseModel):
     function: FunctionDef | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    arguments: str | dict[str, Any]  # OpenAI sends JSON text
+
+
+class EarlierCall(BaseModel):
+    """A call in an assistant message of the conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: str = "function"
+    function: CalledFunction
+
+
 @dataclass(frozen=True)
 class ToolPlan:
     """What a request's tools mean for its prompt, its grammar and its answer."""
@@ -114,14 +129,14 @@ def template_message(m) -> dict:
     if m.tool_calls:
         calls = []
         for call in m.tool_calls:
-            function = dict(call.get("function") or {})
-            arguments = function.get("arguments")
+            arguments = call.function.arguments
             if isinstance(arguments, str):
                 try:
-                    function["arguments"] = json.loads(arguments)
+                    arguments = json.loads(arguments)
                 except json.JSONDecodeError:
                     pass  # left as text: the template shows what the client sent
-            calls.append({**call, "function": function})
+            calls.append({**call.model_dump(exclude_none=True),
+                          "function": {"name": call.function.name, "arguments": arguments}})
         message["tool_calls"] = calls
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id

@@ -162,3 +162,14 @@ def test_the_router_sends_the_servers_the_spec_it_checked(byte_model):
     ((_, prefill),) = fake.prefills
     for sent in (generate, prefill):
         assert (sent.sampling.structured.kind, sent.sampling.structured.value) == ("regex", "[0-9]+")
+
+
+def test_a_malformed_earlier_tool_call_in_the_conversation_is_a_400(byte_model):
+    from tests.serving.fakes import FakeWorkerClient
+    from tests.serving.test_router_app import make_client
+
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": "f"}]}]
+    with make_client(byte_model, FakeWorkerClient(reply=[104])) as c:
+        r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.1.tool_calls.0.function")
