@@ -229,9 +229,8 @@ class OpenAIHandlers:
                 count = d.completion_tokens
                 pieces = [d.text] if calls is None else calls.feed(d.text, d.finish_reason is not None)
                 for piece in pieces:
-                    if isinstance(piece, out.ToolCall):
-                        for delta in calls.deltas(piece):
-                            yield sse_event(chunk(delta), exclude=usage_field)
+                    if isinstance(piece, out.ToolCallsDelta):
+                        yield sse_event(chunk(piece), exclude=usage_field)
                     elif piece:
                         yield content.event(piece)
                 if d.finish_reason:

@@ -18,9 +18,9 @@ The tools are rendered by the model's chat template (``tools=`` of
 A call becomes ``{"id": "call_<random>", "type": "function", "function":
 {"name", "arguments"}}`` with ``arguments`` the JSON text the model wrote;
 ``content`` is the text outside the calls (null when there is none) and the
-finish reason is ``tool_calls``. Streamed, a call is sent once it is complete:
-a delta with its index, id, type and name (arguments ""), then one with its
-arguments. Text that is not a well-formed call stays content.
+finish reason is ``tool_calls``. Streamed as OpenAI does: a delta with the
+call's index, id, type and name (arguments ""), then its arguments text in
+pieces as the model writes them. Text that is not a call stays content.
 """
 
 from __future__ import annotations
@@ -151,72 +151,69 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_call(body: str) -> out.FunctionCall | None:
-    """The call in the text between the tags, or None when it is not ``{"name": str, "arguments": {...}}``."""
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments"),
-                                                                                           dict):
-        return None
-    return out.FunctionCall(name=call["name"], arguments=_arguments_text(body, call["arguments"]))
+# A call's text up to its arguments, once the first character of the arguments is there (so that
+# where the arguments start does not depend on how the text was split).
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
 
 
-def _arguments_text(body: str, arguments: dict) -> str:
-    """The arguments as the model wrote them when that text is the object itself, else re-encoded."""
-    start = re.search(r'"arguments"\s*:\s*', body)
-    if start is not None:
-        text = body[start.end():].rstrip()
-        if text.endswith("}"):
-            text = text[:-1].rstrip()
-            try:
-                if json.loads(text) == arguments:
-                    return text
-            except json.JSONDecodeError:
-                pass
-    return json.dumps(arguments, ensure_ascii=False)
+@dataclass(frozen=True)
+class CallStart:
+    """A call begins: its index among the answer's calls, id and function name."""
+
+    index: int
+    id: str
+    name: str
 
 
-def split_calls(text: str) -> tuple[str | None, list[out.ToolCall]]:
-    """The whole answer: (content outside the calls or None, the calls)."""
-    parser = ToolCallParser()
-    pieces = list(parser.push(text)) + list(parser.flush())
-    content = "".join(p for p in pieces if isinstance(p, str))
-    calls = [p for p in pieces if isinstance(p, out.ToolCall)]
-    if not calls:
-        return text, []
-    return (content.strip() or None), calls
+@dataclass(frozen=True)
+class CallArguments:
+    """More of call ``index``'s arguments text."""
+
+    index: int
+    text: str
+
+
+Piece = str | CallStart | CallArguments
+
+
+def _arguments(text: str) -> str:
+    """The arguments in the text after ``"arguments":``: all but the call's own closing brace."""
+    text = text.rstrip()
+    return text[:-1] if text.endswith("}") else text
 
 
 class ToolCallParser:
-    """Text in, pieces out: content text (str) and complete calls (ToolCall), in order.
+    """Text in, pieces out, in order: content text, and each call as a ``CallStart`` then
+    ``CallArguments`` as its text arrives.
 
     Text that could be the start of ``<tool_call>`` is held back until it is
-    known not to be; a call's text is held until its ``</tool_call>``.
-    A call that does not parse is given back as content, tags included.
+    known not to be. A call whose text begins ``{"name": "...", "arguments":``
+    streams its arguments as they come (all but a closing brace that may be
+    the call's own and trailing blanks are sent at once); any other text
+    between the tags is parsed as a whole at ``</tool_call>``: a JSON object
+    with a name and object arguments is a call, anything else is content,
+    tags included. The same text gives the same pieces however it is split.
     """
 
     def __init__(self) -> None:
         self._buf = ""
         self._in_call = False
+        self._head: re.Match | None = None  # the current call's head, once seen
+        self._sent = 0  # characters of the current call's arguments sent
         self.calls = 0
 
-    def push(self, text: str) -> Iterator[str | out.ToolCall]:
+    def push(self, text: str) -> Iterator[Piece]:
         self._buf += text
         while True:
             if self._in_call:
                 end = self._buf.find(CLOSE)
+                # (not yet closed: hold back what may be the start of the closing tag)
+                body = self._buf[:len(self._buf) - _partial_suffix(self._buf, CLOSE)] if end < 0 else self._buf[:end]
+                yield from self._call_text(body, closed=end >= 0)
                 if end < 0:
                     return
-                body, self._buf = self._buf[:end], self._buf[end + len(CLOSE):]
-                self._in_call = False
-                call = parse_call(body)
-                if call is None:
-                    yield OPEN + body + CLOSE
-                else:
-                    self.calls += 1
-                    yield out.ToolCall(id=new_call_id(), function=call)
+                self._buf = self._buf[end + len(CLOSE):]
+                self._in_call, self._head, self._sent = False, None, 0
                 continue
             start = self._buf.find(OPEN)
             if start >= 0:
@@ -231,13 +228,75 @@ class ToolCallParser:
                 yield ready
             return
 
-    def flush(self) -> Iterator[str]:
-        """At the end: held text, and an unfinished call, are content."""
-        if self._in_call:
+    def flush(self) -> Iterator[Piece]:
+        """At the end: held text is content; an unfinished call with a head keeps its arguments so far."""
+        if self._in_call and self._head is not None:
+            yield from self._send_arguments(self._buf)
+        elif self._in_call:
             yield OPEN + self._buf
         elif self._buf:
             yield self._buf
-        self._buf, self._in_call = "", False
+        self._buf, self._in_call, self._head, self._sent = "", False, None, 0
+
+    def _call_text(self, body: str, closed: bool) -> Iterator[Piece]:
+        if self._head is None:
+            self._head = _HEAD.match(body)
+            if self._head is not None:
+                self.calls += 1
+                yield CallStart(self.calls - 1, new_call_id(), _json_string(self._head.group(1)))
+        if self._head is not None:
+            yield from self._send_arguments(body)
+        elif closed:
+            call = _whole_call(body)
+            if call is None:
+                yield OPEN + body + CLOSE
+            else:
+                self.calls += 1
+                yield CallStart(self.calls - 1, new_call_id(), call[0])
+                yield CallArguments(self.calls - 1, call[1])
+
+    def _send_arguments(self, body: str) -> Iterator[Piece]:
+        arguments = _arguments(body[self._head.end():])
+        if len(arguments) > self._sent:
+            yield CallArguments(self.calls - 1, arguments[self._sent:])
+            self._sent = len(arguments)
+
+
+def _json_string(raw: str) -> str:
+    try:
+        return json.loads(f'"{raw}"')
+    except json.JSONDecodeError:  # a bad escape: the name as written
+        return raw
+
+
+def _whole_call(body: str) -> tuple[str, str] | None:
+    """(name, arguments as JSON) of a call written in another order, or None when it is no call."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments"),
+                                                                                           dict):
+        return None
+    return call["name"], json.dumps(call["arguments"], ensure_ascii=False)
+
+
+def split_calls(text: str) -> tuple[str | None, list[out.ToolCall]]:
+    """The whole answer: (content outside the calls, None when there is none, the calls)."""
+    parser = ToolCallParser()
+    content: list[str] = []
+    calls: list[dict] = []
+    for piece in [*parser.push(text), *parser.flush()]:
+        if isinstance(piece, CallStart):
+            calls.append({"id": piece.id, "name": piece.name, "arguments": ""})
+        elif isinstance(piece, CallArguments):
+            calls[piece.index]["arguments"] += piece.text
+        else:
+            content.append(piece)
+    if not calls:
+        return text, []
+    return ("".join(content).strip() or None), [
+        out.ToolCall(id=c["id"], function=out.FunctionCall(name=c["name"], arguments=c["arguments"])) for c in calls]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -312,24 +371,26 @@ def chat_message(text: str, finish_reason: str, plan: ToolPlan) -> tuple[out.Ass
 
 
 class ToolCallStream:
-    """A streamed answer's text through the parser: content pieces and each call's deltas."""
+    """A streamed answer's text through the parser: content text and the calls' deltas, in order."""
 
     def __init__(self) -> None:
         self._parser = ToolCallParser()
 
-    def feed(self, text: str, last: bool) -> list[str | out.ToolCall]:
+    def feed(self, text: str, last: bool) -> list[str | out.ToolCallsDelta]:
         pieces = list(self._parser.push(text))
-        return pieces + list(self._parser.flush()) if last else pieces
-
-    def deltas(self, call: out.ToolCall) -> list[out.ToolCallsDelta]:
-        index = self._parser.calls - 1
-        head = out.ToolCallDelta(index=index, id=call.id, type="function",
-                                 function=out.FunctionCallDelta(name=call.function.name, arguments=""))
-        body = out.ToolCallDelta(index=index, function=out.FunctionCallDelta(arguments=call.function.arguments))
-        return [out.ToolCallsDelta(tool_calls=[head]), out.ToolCallsDelta(tool_calls=[body])]
+        if last:
+            pieces += self._parser.flush()
+        return [p if isinstance(p, str) else out.ToolCallsDelta(tool_calls=[_delta(p)]) for p in pieces]
 
     def finish_reason(self, reason: str) -> str:
         return _finish(reason) if self._parser.calls else reason
+
+
+def _delta(piece: CallStart | CallArguments) -> out.ToolCallDelta:
+    if isinstance(piece, CallStart):
+        return out.ToolCallDelta(index=piece.index, id=piece.id, type="function",
+                                 function=out.FunctionCallDelta(name=piece.name, arguments=""))
+    return out.ToolCallDelta(index=piece.index, function=out.FunctionCallDelta(arguments=piece.text))
 
 
 def _finish(reason: str) -> str:

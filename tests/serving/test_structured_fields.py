@@ -108,17 +108,32 @@ def test_calls_are_parsed_out_of_the_answer_with_the_text_around_them():
     assert chat_message(text, "stop", ToolPlan())[0].content == text
 
 
+STREAMED = ('Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "<tool"} }\n</tool_call> and '
+            '<tool_call>{"arguments": {}, "name": "f"}</tool_call><tool_call>\n{"name": "g", "arguments": {"a": [1')
+
+
 def test_a_streamed_answer_gives_the_same_calls_and_content_in_any_split():
-    text = 'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "<tool"}}\n</tool_call> bye <tool'
-    for step in (1, 3, 7, len(text)):
+    content, calls = split_calls(STREAMED)
+    assert content == "Hi  and"
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "<tool"} '), ("f", "{}"), ("g", '{"a": [1')]  # the last one was cut short
+    for step in (1, 2, 3, 7, len(STREAMED)):
         stream = ToolCallStream()
         pieces = []
-        for i in range(0, len(text), step):
-            pieces += stream.feed(text[i:i + step], i + step >= len(text))
-        content = "".join(p for p in pieces if isinstance(p, str))
-        calls = [p for p in pieces if not isinstance(p, str)]
-        assert content == "Hi  bye <tool"
-        assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "<tool"}')]
+        for i in range(0, len(STREAMED), step):
+            pieces += stream.feed(STREAMED[i:i + step], i + step >= len(STREAMED))
+        assert "".join(p for p in pieces if isinstance(p, str)) == "Hi  and "
+        streamed: dict[int, list] = {}
+        for p in pieces:
+            if not isinstance(p, str):
+                (d,) = p.tool_calls
+                if d.id is not None:
+                    assert d.index not in streamed and d.type == "function" and d.function.arguments == ""
+                    streamed[d.index] = [d.function.name, ""]
+                streamed[d.index][1] += d.function.arguments
+        assert [tuple(v) for v in streamed.values()] == [(c.function.name, c.function.arguments) for c in calls]
+        fragments = sum(1 for p in pieces if not isinstance(p, str) and p.tool_calls[0].id is None)
+        assert fragments >= (3 if step == len(STREAMED) else 6)  # arguments arrive in pieces
         assert stream.finish_reason("stop") == "tool_calls" and stream.finish_reason("length") == "length"
 
 

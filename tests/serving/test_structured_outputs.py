@@ -183,19 +183,24 @@ def test_forced_tool_calls_validate_and_stream_as_the_same_deltas(served, choice
     jsonschema.validate(json.loads(arguments), PARAMETERS[name])
     assert message.tool_calls[0].id.startswith("call_") and message.tool_calls[0].type == "function"
     calls: dict[int, dict] = {}
-    finish = None
+    finish, fragments = None, 0
     for chunk in client.chat.completions.create(stream=True, **kw):
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
         assert not delta.content
         for d in delta.tool_calls or []:
+            if d.id is None:  # the first delta of a call has its id and name, the next ones argument text
+                fragments += 1
+            else:
+                assert d.index not in calls and d.function.name and d.type == "function"
             call = calls.setdefault(d.index, {"id": d.id, "name": d.function.name, "arguments": ""})
             call["arguments"] += d.function.arguments or ""
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
     assert [(c["name"], c["arguments"]) for c in calls.values()] == [(name, arguments)]
     assert calls[0]["id"].startswith("call_")
+    assert fragments > 1  # the arguments streamed as the model wrote them
 
 
 def test_auto_renders_the_tools_and_a_conversation_with_calls_and_results_is_accepted(served, tiny_model):
