@@ -203,3 +203,24 @@ def test_a_grammar_that_does_not_compile_is_refused_with_the_problem(tiny_model,
     with pytest.raises(ValueError, match=re.escape(message)):
         e.add_request("bad", PROMPT, SamplingParams(max_tokens=4, structured=spec))
     assert not e.has_unfinished() and e.block_counts()["free"] == 64
+
+
+def test_preempted_constrained_requests_resume_their_grammar_and_stay_exact(tiny_model):
+    prompts = [[(5 * i + k) % 300 + 3 for i in range(20)] for k in range(4)]
+    e = engine(tiny_model, block_size=4, num_blocks=24, max_num_batched_tokens=64)
+    sampling = SamplingParams(max_tokens=40, temperature=0, structured=SPECS["json_schema"])
+    for i, p in enumerate(prompts):
+        e.add_request(str(i), p, sampling)
+    outputs = {str(i): [] for i in range(len(prompts))}
+    preempted = []
+    while e.has_unfinished():
+        plan = e.scheduler.schedule()
+        preempted += plan.preempted
+        if plan.chunks:
+            for o in e.scheduler.update(plan, e.runner.run(plan)):
+                outputs[o.request_id] += o.new_token_ids
+        e.check_integrity()
+    assert preempted, "the scenario must exercise preemption"
+    assert [outputs[str(i)] for i in range(4)] == [hf_masked_greedy(tiny_model, p, SPECS["json_schema"], 40)
+                                                   for p in prompts]
+    assert e.block_counts() == {"free": 24, "reserved": 0, "running": 0}
