@@ -26,10 +26,11 @@ from router.limits import RequestLimits
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.sse import DONE, ChunkTemplate, sse_event
-from router.textstream import IncrementalDetokenizer, StopMatcher
 from router.structured import checked_spec
+from router.textstream import IncrementalDetokenizer, StopMatcher
 from router.timeline import RequestTimeline
-from router.tools import ToolCallStream, ToolPlan, chat_message, plan_tools
+from router.tool_calls import ToolCallStream, chat_message
+from router.tools import ToolPlan, plan_tools
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing, TracingSettings
 from server_common.worker_requests import SamplingSpec
@@ -189,7 +190,7 @@ class OpenAIHandlers:
             session = await self.open(p)
             return session, self._chat_stream(p, req, session)
         text, reason, count, cached = await self.collect(p)
-        message, reason = chat_message(text, reason, p.tools)
+        message, reason = chat_message(text, reason, p.tools.parse)
         return None, out.ChatCompletion(
             id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name,
             choices=[out.ChatChoice(message=message, finish_reason=reason)],

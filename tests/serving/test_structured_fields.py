@@ -9,7 +9,8 @@ import pytest
 from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.errors import OpenAIError
 from router.structured import checked_spec
-from router.tools import ToolCallStream, ToolPlan, chat_message, plan_tools, split_calls
+from router.tool_calls import ToolCallStream, chat_message, split_calls
+from router.tools import ToolPlan, plan_tools
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
@@ -101,11 +102,11 @@ def test_calls_are_parsed_out_of_the_answer_with_the_text_around_them():
     assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}'),
                                                                          ("f", "{}")]
     assert all(c.id.startswith("call_") and c.type == "function" for c in calls) and calls[0].id != calls[1].id
-    message, reason = chat_message(text, "stop", ToolPlan(parse=True))
+    message, reason = chat_message(text, "stop", True)
     assert reason == "tool_calls" and message.tool_calls == calls[:0] + message.tool_calls
-    assert chat_message("<tool_call>\nnot json\n</tool_call>", "stop", ToolPlan(parse=True))[0].content == (
+    assert chat_message("<tool_call>\nnot json\n</tool_call>", "stop", True)[0].content == (
         "<tool_call>\nnot json\n</tool_call>")
-    assert chat_message(text, "stop", ToolPlan())[0].content == text
+    assert chat_message(text, "stop", False)[0].content == text
 
 
 STREAMED = ('Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "<tool"} }\n</tool_call> and '
