@@ -28,7 +28,6 @@ from __future__ import annotations
 import json
 
 import llguidance
-import llguidance.hf
 
 KINDS = ("json_schema", "regex", "choice", "lark")
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -115,6 +114,8 @@ class StructuredOutputs:
                  num_threads: int | None = None) -> None:
         self.vocab_size = vocab_size  # the model's logits width (at least the tokenizer's)
         self.eos_token_ids = frozenset(eos_token_ids)
+        import llguidance.hf  # here: it imports transformers, which compile_grammar's callers need not load
+
         self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
                                                       eos_token=list(eos_token_ids))
         self.executor = llguidance.LLExecutor(num_threads=num_threads)
