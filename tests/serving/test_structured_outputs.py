@@ -15,6 +15,7 @@ from tests.engine.oracle import hf_greedy
 from tests.engine.test_structured import hf_masked_greedy
 from tests.serving.conftest import start_cluster
 from tests.serving.oracle import PROMPTS, tokenizer
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -44,11 +45,19 @@ PARAMETERS = {"get_weather": WEATHER, "get_time": TIME}
 @pytest.fixture(scope="module", params=["1p1d", "colocated"])
 def cluster(request, tmp_path_factory, tiny_model):
     if request.param == "1p1d":
-        yield request.getfixturevalue("one_p_one_d")
+        c = request.getfixturevalue("one_p_one_d")
+        in_rotation(c)  # so that the first test's prompt goes to the prefill server, not D alone
+        yield c
         return
     c = start_cluster(tmp_path_factory, "colocated", tiny_model)
+    in_rotation(c)
     yield c
     c.stop()
+
+
+def in_rotation(c) -> None:
+    wait_until(lambda: all(w["healthy"] for w in c.http.get(f"{c.router_url}/health").json()["workers"]), 30,
+               "every server in the router's rotation")
 
 
 def chat_ids(path: str, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
