@@ -298,12 +298,13 @@ class GenerationService:
             log.info("ignoring the end of unknown transfer %s", ended.transfer_id)
             return
         outcome, reason = ended.outcome, ended.reason
-        if ended.ok and ended.first_token < e.hf_config.vocab_size:
+        problem = e.remote_token_problem(pending.request_id, [ended.first_token]) if ended.ok else None
+        if ended.ok and problem is None:
             self.metrics.kv_wait_seconds.observe(max(0.0, ended.at - pending.reserved_at))
             self._emit(e, e.admit_remote(pending.request_id, [ended.first_token]))
             return
-        if ended.ok:  # a notice whose first token no model of ours has
-            outcome, reason = Outcome.BAD_NOTICE, f"first token {ended.first_token} is outside the vocabulary"
+        if ended.ok:  # a first token no model of ours has, or one the request's grammar forbids
+            outcome, reason = Outcome.BAD_NOTICE, problem
         e.abort(pending.request_id)  # the receiver reported the id: no write can land in these blocks now
         self._remote_kv_failed(e, pending, outcome, reason)
 

@@ -23,6 +23,7 @@ from engine.loader import head_dim_of, load_model
 from engine.request import Request, SamplingParams, StepOutput
 from engine.runner import ModelRunner, RoPE
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from engine.structured import StructuredOutputs
 
 
 @dataclass(frozen=True)
@@ -130,6 +131,7 @@ class LLMEngine:
         rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
         self.runner = ModelRunner(self.model, self.cache, rope, device, self.eos_token_ids)
         self.counters = EngineCounters()
+        self._structured: StructuredOutputs | None = None
 
     # ---- requests ----------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -159,6 +161,17 @@ class LLMEngine:
         """Tokens of this prompt a request admitted now would find cached (nothing is taken)."""
         probe = Request("probe", list(prompt_token_ids), SamplingParams(), cache_salt=cache_salt)
         return self.scheduler.cached_prefix_tokens(probe)
+
+    def remote_token_problem(self, request_id: str, first_token_ids: list[int]) -> str | None:
+        """Why a reserved request cannot continue from the first tokens a prefill server sent
+        (one per sequence: outside the vocabulary, or not allowed by its grammar); None when it can."""
+        grammar = self.scheduler.requests[request_id][0].grammar
+        for token_id in first_token_ids:
+            if not 0 <= token_id < self.hf_config.vocab_size:
+                return f"first token {token_id} is outside the vocabulary"
+            if grammar is not None and not grammar.allows(token_id):
+                return f"first token {token_id} is not allowed by the request's structured output grammar"
+        return None
 
     def admit_remote(self, request_id: str, first_token_ids: list[int]) -> list[StepOutput]:
         """Decode mode: the prompt's KV is in the reserved blocks and its first tokens
@@ -242,7 +255,15 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens; the context holds {self.max_model_len} "
                 "including at least one generated token"
             )
-        return Request(request_id, list(prompt), sampling, cache_salt=cache_salt)
+        grammar = None if sampling.structured is None else self._structured_outputs().grammar(sampling.structured)
+        return Request(request_id, list(prompt), sampling, cache_salt=cache_salt, grammar=grammar)
+
+    def _structured_outputs(self) -> StructuredOutputs:
+        """Built on the first request with a grammar (about a second for a large vocabulary), then kept."""
+        if self._structured is None:
+            self._structured = StructuredOutputs(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids,
+                                                 self.config.num_threads)
+        return self._structured
 
     @staticmethod
     def _layer_callback(plan, hook: LayerHook) -> Callable[[int], None]:

@@ -2,7 +2,8 @@
 
 1. ``logit_bias``: added to the named tokens' logits;
 2. ``min_tokens``: until that many tokens were generated, the EOS ids (unless
-   ``ignore_eos``) and ``stop_token_ids`` are set to -inf;
+   ``ignore_eos``) and ``stop_token_ids`` are set to -inf (not once the request's
+   grammar allows nothing but EOS: a complete structured output ends);
 3. ``repetition_penalty`` (Hugging Face's): over the prompt and output tokens,
    positive logits are divided by it, negative ones multiplied;
 4. ``frequency_penalty`` / ``presence_penalty`` (OpenAI's): over the output
@@ -45,7 +46,7 @@ def process_rows(logits: torch.Tensor, requests: Sequence[Request], eos_token_id
         p, output = request.sampling, request.output_token_ids
         if p.logit_bias:
             _add(bias, row, [t for t, _ in p.logit_bias], [b for _, b in p.logit_bias])
-        if len(output) < p.min_tokens:
+        if len(output) < p.min_tokens and not (request.grammar is not None and request.grammar.finishing):
             ids = list(dict.fromkeys([*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]))
             _add(banned, row, ids, [0.0] * len(ids))
         if p.repetition_penalty != 1.0:

@@ -17,9 +17,37 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+# ChatML; with ``tools``, in the Hermes/Qwen style: the tools listed inside <tools></tools> in a
+# system turn, calls answered as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>,
+# tool results sent back in a user turn inside <tool_response></tool_response>.
+# Without tools it renders exactly plain ChatML.
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
+    "{% set offset = 0 %}"
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% set offset = 1 %}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n'"
+    " 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
+    " 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
+    " '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
+    "{% for message in messages[offset:] %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{% if not loop.first or message['content'] %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson) }}{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -125,7 +125,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
     index: int = 0  # the sequence's index among the request's n
-    grammar: object | None = None  # a matcher of ``sampling.structured`` (engine/structured.py), or None
+    grammar: object | None = None  # engine.structured.Grammar when sampling.structured is set, else None
     prompt_logprobs: list[Logprob | None] | None = None  # gathered chunk by chunk until the first output
 
     @property

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, decode_groups
+from engine.grammar_mask import apply_grammar_masks
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
 from engine.request import ChunkResult, Logprob, Request
@@ -103,6 +104,7 @@ class ModelRunner:
         prompt = self._prompt_logprobs(logits, prompt_rows) if prompt_rows else {}
         if sampled:
             picks = logits[[r for _, r in sampled]] if prompt_rows else logits
+            apply_grammar_masks(picks, [c.request.grammar for c, _ in sampled])
             draws = sample(picks, [c.request for c, _ in sampled], self.generator, self.eos_token_ids)
             for (chunk, _), (tokens, logprobs) in zip(sampled, draws):
                 results[chunk.request] = ChunkResult(tokens, logprobs, prompt.pop(chunk.request, None))

@@ -37,6 +37,7 @@ ends them all. ``requests`` maps a request id to its live sequences.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -44,6 +45,8 @@ from engine.block_manager import BlockManager
 from engine.prefix_cache import PrefixCache
 from engine.request import ChunkResult, Logprob, NoCapacityError, Request, RequestStatus, StepOutput
 from engine.sequences import fork_sequence
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,8 @@ class Scheduler:
             prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if self.config.mode == "prefill":
                 request.output_token_ids.append(result.token_ids[0])
+                if request.grammar is not None:
+                    request.grammar.accept(result.token_ids[0])  # sampled under its mask: allowed
                 self.running.remove(request)
                 request.status = RequestStatus.PREFILLED
                 self.parked[request.request_id] = request
@@ -386,13 +391,21 @@ class Scheduler:
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason)
+        if reason == "abort":
+            return StepOutput(request.request_id, [], True, reason, index=request.index)  # never emit it
         return StepOutput(request.request_id, [token], reason is not None, reason,
                           logprobs=None if logprob is None else [logprob], prompt_logprobs=prompt_logprobs,
                           index=request.index)
 
     def _record(self, request: Request, token: int) -> str | None:
-        """Appends a token to a sequence's output; returns why it stops there, if it does."""
+        """Appends a token to a sequence's output and feeds it to its grammar; returns why the
+        sequence stops there, if it does ("abort": the grammar refused it)."""
         request.output_token_ids.append(token)
+        if request.grammar is not None and not request.grammar.accept(token):
+            # Only a remote first token can get here (sampled ones obey the mask): fail, never emit invalid output.
+            log.warning("request %s: token %d breaks its grammar: %s", request.request_id, token,
+                        request.grammar.error())
+            return "abort"
         return self._stop_reason(request, token)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
@@ -401,6 +414,8 @@ class Scheduler:
             return "stop"
         if token in sampling.stop_token_ids:
             return "stop"
+        if request.grammar is not None and request.grammar.done:
+            return "stop"  # the grammar accepted EOS: complete, even with ignore_eos
         if len(request.output_token_ids) >= sampling.max_tokens:
             return "length"
         if request.num_tokens >= self.config.max_model_len:

@@ -49,6 +49,8 @@ NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 TokenIdValue = integer(ge=0, lt=1 << 31, json_schema_extra={TOKEN_ID: True})
 NEW_TOKENS = {MAX_NEW_TOKENS: True}  # bounded in the published schema by the context and router.max_tokens
+from router.structured import StructuredFields
+from router.tools import EarlierCall, template_message
 
 
 class StreamOptions(BaseModel):
@@ -56,8 +58,8 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    """Fields both endpoints share."""
+class SamplingFields(StructuredFields):
+    """Fields both endpoints share (the structured-output ones in router/structured.py)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={
         # check_common's rule, for the schema: stream_options only with stream true
@@ -162,6 +164,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[EarlierCall] | None = None  # an assistant's earlier calls (router/tools.py)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -169,11 +173,6 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
-
-
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-    type: Literal["text"]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -184,9 +183,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: integer(ge=1) | None = Field(default=None, json_schema_extra=NEW_TOKENS)
     logprobs: Literal[False] | None = Field(default=None, description="not supported yet")
     top_logprobs: integer(ge=0, le=0) | None = Field(default=None, description="not supported yet")
-    tools: list[Any] | None = Field(default=None, max_length=0, description="not supported yet")
+    tools: list[Any] | None = None  # checked by router/tools.py
     tool_choice: Any = None
-    response_format: TextFormat | None = Field(default=None, description="only type 'text' yet")
     add_generation_prompt: bool = True  # vLLM extension
 
     def check_supported(self) -> None:
@@ -198,5 +196,5 @@ class ChatCompletionRequest(SamplingFields):
             return self.max_completion_tokens
         return self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [template_message(m) for m in self.messages]

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class Answer(BaseModel):
@@ -56,9 +56,28 @@ class AssistantMessage(Answer):
     content: str
 
 
+class FunctionCall(Answer):
+    name: str
+    arguments: str  # a JSON object, as text
+
+
+class ToolCall(Answer):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallMessage(Answer):
+    """An answer that calls tools (router/tools.py): ``content`` is the text outside the calls, or null."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    tool_calls: list[ToolCall]
+
+
 class ChatChoice(Answer):
     index: int = 0
-    message: AssistantMessage
+    message: AssistantMessage | ToolCallMessage
     logprobs: None = None
     finish_reason: FinishReason | None
 
@@ -77,9 +96,27 @@ class Delta(Answer):
     content: str | None = None
 
 
+class FunctionCallDelta(Answer):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallDelta(Answer):
+    """A piece of call ``index``: its first has the id, type and name, the next ones argument text."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
+class ToolCallsDelta(Answer):
+    tool_calls: list[ToolCallDelta]
+
+
 class ChatChunkChoice(Answer):
     index: int = 0
-    delta: Delta
+    delta: Delta | ToolCallsDelta
     logprobs: None = None
     finish_reason: FinishReason | None = None
 

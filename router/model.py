@@ -15,6 +15,7 @@ from jinja2 import TemplateError
 from transformers import AutoConfig, AutoTokenizer
 
 from router.errors import OpenAIError
+from router.tools import template_uses_tools
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class ServedModel:
     max_model_len: int
     tokenizer: Any
     created: int = field(default_factory=lambda: int(time.time()))
+    tools_in_template: bool = False  # the chat template renders tools (router/tools.py)
 
     @classmethod
     def load(cls, name: str, folder: str, max_model_len: int | None = None) -> ServedModel:
@@ -31,7 +33,8 @@ class ServedModel:
         # the same rule as the engine: the configured length, capped by the model's
         limit = int(AutoConfig.from_pretrained(folder).max_position_embeddings)
         max_model_len = min(max_model_len or limit, limit)
-        return cls(name=name, root=folder, max_model_len=max_model_len, tokenizer=tokenizer)
+        return cls(name=name, root=folder, max_model_len=max_model_len, tokenizer=tokenizer,
+                   tools_in_template=template_uses_tools(tokenizer))
 
     @property
     def vocab_size(self) -> int:
@@ -43,13 +46,14 @@ class ServedModel:
             raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model",
                               code="model_not_found")
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Apply the chat template, then tokenize without adding special tokens again."""
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+        """Apply the chat template (with ``tools`` when given), then tokenize without adding special tokens again."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, tools=tools
             )
         except TemplateError as exc:
             raise OpenAIError(400, f"chat template rejected the messages: {exc}", param="messages") from exc

@@ -26,8 +26,11 @@ from router.limits import RequestLimits
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.sse import DONE, ChunkTemplate, sse_event
+from router.structured import checked_spec
 from router.textstream import IncrementalDetokenizer, StopMatcher
 from router.timeline import RequestTimeline
+from router.tool_calls import ToolCallStream, chat_message
+from router.tools import ToolPlan, plan_tools
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing, TracingSettings
 from server_common.worker_requests import SamplingSpec
@@ -56,6 +59,7 @@ class Prepared:
     sampling: SamplingSpec
     stops: list[str]
     timeline: RequestTimeline
+    tools: ToolPlan = ToolPlan()
 
 
 def sampling_spec(req: SamplingFields, max_tokens: int) -> SamplingSpec:
@@ -110,22 +114,27 @@ class OpenAIHandlers:
     def prepare_chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
         self.model.check_name(req.model)
         req.check_supported()
-        prompt = self.model.encode_chat(req.template_messages(), req.add_generation_prompt)
+        tools = plan_tools(req.tools, req.tool_choice, self.model.tools_in_template)
+        structured = checked_spec(req.structured_constraints() + tools.constraints)
+        prompt = self.model.encode_chat(req.template_messages(), req.add_generation_prompt, tools.tools)
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_new_tokens(), "messages",
                                                    tokens_param)
         req.check_tokens(self.model.vocab_size, max_tokens)
-        return Prepared(request_id, "chat", prompt, sampling_spec(req, max_tokens), req.stop_strings(),
-                        self._timeline(request_id, traceparent))
+        sampling = sampling_spec(req, max_tokens).model_copy(update={"structured": structured})
+        return Prepared(request_id, "chat", prompt, sampling, req.stop_strings(),
+                        self._timeline(request_id, traceparent), tools)
 
     def prepare_completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
         self.model.check_name(req.model)
         req.check_supported()
+        structured = checked_spec(req.structured_constraints())
         prompt = self.model.encode_prompt(req.single_prompt())
         max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_tokens, "prompt",
                                                    explicit="max_tokens" in req.model_fields_set)
         req.check_tokens(self.model.vocab_size, max_tokens)
-        return Prepared(request_id, "completions", prompt, sampling_spec(req, max_tokens), req.stop_strings(),
+        sampling = sampling_spec(req, max_tokens).model_copy(update={"structured": structured})
+        return Prepared(request_id, "completions", prompt, sampling, req.stop_strings(),
                         self._timeline(request_id, traceparent))
 
     def _timeline(self, request_id: str, traceparent: str | None) -> RequestTimeline:
@@ -195,9 +204,10 @@ class OpenAIHandlers:
             session = await self.open(p)
             return session, self._chat_stream(p, req, session)
         text, reason, count, cached = await self.collect(p)
+        message, reason = chat_message(text, reason, p.tools.parse)
         return None, out.ChatCompletion(
             id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name,
-            choices=[out.ChatChoice(message=out.AssistantMessage(content=text), finish_reason=reason)],
+            choices=[out.ChatChoice(message=message, finish_reason=reason)],
             usage=out.Usage.of(len(p.prompt), count, cached),
         )
 
@@ -220,21 +230,27 @@ class OpenAIHandlers:
     async def _chat_stream(self, p: Prepared, req: ChatCompletionRequest, session: Session) -> AsyncIterator[str]:
         usage_field = None if req.include_usage else {"usage"}
 
-        def chunk(delta: out.Delta, finish_reason=None) -> out.ChatCompletionChunk:
+        def chunk(delta: out.Delta | out.ToolCallsDelta, finish_reason=None) -> out.ChatCompletionChunk:
             return out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name,
                                            choices=[out.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
 
         created = int(time.time())
         content = ChunkTemplate(lambda text, _: chunk(out.Delta(content=text)), usage_field)
         count = 0
+        calls = ToolCallStream() if p.tools.parse else None
         try:
             yield sse_event(chunk(out.Delta(role="assistant", content="")), exclude=usage_field)
             async for d in self.text_deltas(p, session):
                 count = d.completion_tokens
-                if d.text:
-                    yield content.event(d.text)
+                pieces = [d.text] if calls is None else calls.feed(d.text, d.finish_reason is not None)
+                for piece in pieces:
+                    if isinstance(piece, out.ToolCallsDelta):
+                        yield sse_event(chunk(piece), exclude=usage_field)
+                    elif piece:
+                        yield content.event(piece)
                 if d.finish_reason:
-                    yield sse_event(chunk(out.Delta(), d.finish_reason), exclude=usage_field)
+                    reason = d.finish_reason if calls is None else calls.finish_reason(d.finish_reason)
+                    yield sse_event(chunk(out.Delta(), reason), exclude=usage_field)
             if req.include_usage:
                 usage = out.Usage.of(len(p.prompt), count, session.cached_tokens)
                 yield sse_event(out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created,

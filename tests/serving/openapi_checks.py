@@ -9,7 +9,11 @@ request the schema allows to be accepted, but a JSON schema cannot state the lim
 counted in tokens after the chat template and the tokenizer ran (the prompt within
 ``router.max_prompt_tokens`` and, with ``max_tokens``, within the context), nor compare two
 fields (``min_tokens`` at most ``max_tokens``). A 400 naming exactly one of those limits
-(``UNSTATED_LIMITS``: its ``param`` and ``code``) passes; any other refusal of valid data fails.
+(``UNSTATED_LIMITS``: its ``param`` and ``code``) passes. So does a 400 naming a parameter
+that carries a grammar (``GRAMMAR_PARAMS``): whether a JSON schema, regex or Lark grammar
+compiles, whether a request names one constraint or two, and whether ``tool_choice`` names
+one of the ``tools`` (or the model's template takes tools at all) is found by compiling and
+comparing, which no JSON schema states. Any other refusal of valid data fails.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ UNSTATED_LIMITS = {
     ("min_tokens", "invalid_value"),  # above the request's max_tokens
 }
 
+GRAMMAR_PARAMS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                  "guided_grammar", "tools", "tool_choice")
+
 
 def pinned(doc: dict, model: str) -> dict:
     """A copy of the router's document whose generation requests name ``model`` and only it."""
@@ -42,7 +49,9 @@ def names_an_unstated_limit(response) -> bool:
     if response.status_code != 400:
         return False
     error = json.loads(response.content)["error"]
-    return (error["param"], error["code"]) in UNSTATED_LIMITS
+    param = error["param"] or ""
+    grammar = param.split(".")[0].split("[")[0] in GRAMMAR_PARAMS
+    return grammar or (param, error["code"]) in UNSTATED_LIMITS
 
 
 def positive_data_accepted_within_unstated_limits(ctx, response, case):
