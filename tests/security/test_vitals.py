@@ -52,8 +52,8 @@ def test_an_incoming_message_that_raises_is_dropped_and_counted_and_the_thread_s
     del receiver._on_done
     tid = receiver.expect([3], lease_s=10)
     sender.begin(tid, peer, [3], lease_s=10)
-    push_all(sender, tid, LAYOUT, [1], 0, 4, first_token=5)
-    assert [(c.transfer_id, c.first_token) for c in wait_events(receiver).completed] == [(tid, 5)]
+    push_all(sender, tid, LAYOUT, [1], 0, 4, first_tokens=(5,))
+    assert [(c.transfer_id, c.first_tokens) for c in wait_events(receiver).completed] == [(tid, (5,))]
 
 
 def test_a_dead_transfer_thread_is_reported_and_ends_the_process(pair):
