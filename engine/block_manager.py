@@ -131,6 +131,13 @@ class BlockManager:
                 heapq.heappush(self._free, block_id)
                 self._free_set.add(block_id)
 
+    def share(self, block_ids: Sequence[int]) -> None:
+        """One more reference to each owned block (sequences of one request share their prompt's)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_count > 0, f"block {block_id} is not owned"
+            block.ref_count += 1
+
     # ---- prefix cache ---------------------------------------------------------
     def match(self, hashes: Sequence[int]) -> list[int]:
         """Block ids of the longest run of ``hashes`` (a chain, first block first) that is cached."""

@@ -128,7 +128,7 @@ class LLMEngine:
             BlockManager(num_blocks, config.block_size),
         )
         rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
-        self.runner = ModelRunner(self.model, self.cache, rope, device)
+        self.runner = ModelRunner(self.model, self.cache, rope, device, self.eos_token_ids)
         self.counters = EngineCounters()
 
     # ---- requests ----------------------------------------------------------
@@ -153,16 +153,20 @@ class LLMEngine:
 
     def num_cached_tokens(self, request_id: str) -> int:
         """Prompt tokens a held request took from the prefix cache when it was last admitted or reserved."""
-        return self.scheduler.requests[request_id].num_cached_tokens
+        return self.scheduler.requests[request_id][0].num_cached_tokens
 
     def cached_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
         """Tokens of this prompt a request admitted now would find cached (nothing is taken)."""
         probe = Request("probe", list(prompt_token_ids), SamplingParams(), cache_salt=cache_salt)
         return self.scheduler.cached_prefix_tokens(probe)
 
-    def admit_remote(self, request_id: str, first_token_id: int) -> StepOutput:
-        """Decode mode: the prompt's KV is in the reserved blocks; continue decoding."""
-        return self.scheduler.admit_remote(request_id, first_token_id)
+    def admit_remote(self, request_id: str, first_token_ids: list[int]) -> list[StepOutput]:
+        """Decode mode: the prompt's KV is in the reserved blocks and its first tokens
+        (one per sequence, ``sampling.n`` of them) were drawn remotely; continue decoding.
+        One output per sequence, with no log-probabilities (the prefill side has them)."""
+        outputs = self.scheduler.admit_remote(request_id, first_token_ids)
+        self.cache.copy_blocks(self.scheduler.take_block_copies())
+        return outputs
 
     def abort(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
@@ -196,25 +200,28 @@ class LLMEngine:
         t0 = time.perf_counter()
         tokens = self.runner.run(plan, None if layer_hook is None else self._layer_callback(plan, layer_hook))
         outputs = self.scheduler.update(plan, tokens)
+        self.cache.copy_blocks(self.scheduler.take_block_copies())  # forks' blocks, before anyone writes there
         self.counters.add(plan, time.perf_counter() - t0)
         return outputs
 
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:
-        """Offline generation of a batch of prompts (text or token ids)."""
+        """Offline generation of a batch of prompts (text or token ids): ``sampling.n``
+        results per prompt, prompt by prompt."""
         ids = [f"generate-{i}" for i in range(len(prompts))]
         for request_id, prompt in zip(ids, prompts):
             tokens = self.tokenizer(prompt).input_ids if isinstance(prompt, str) else list(prompt)
             self.add_request(request_id, tokens, sampling)
-        outputs: dict[str, list[int]] = {i: [] for i in ids}
-        reasons: dict[str, str] = {}
+        keys = [(i, index) for i in ids for index in range(sampling.n)]
+        outputs: dict[tuple[str, int], list[int]] = {key: [] for key in keys}
+        reasons: dict[tuple[str, int], str] = {}
         while self.has_unfinished():
             for out in self.step():
-                outputs[out.request_id] += out.new_token_ids
+                outputs[out.request_id, out.index] += out.new_token_ids
                 if out.finished:
-                    reasons[out.request_id] = out.finish_reason
+                    reasons[out.request_id, out.index] = out.finish_reason
         return [
-            GenerationResult(outputs[i], self.tokenizer.decode(outputs[i], skip_special_tokens=True), reasons[i])
-            for i in ids
+            GenerationResult(outputs[k], self.tokenizer.decode(outputs[k], skip_special_tokens=True), reasons[k])
+            for k in keys
         ]
 
     # ---- helpers ---------------------------------------------------------------
@@ -226,6 +233,10 @@ class LLMEngine:
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        named = [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)
+        bad = [t for t in named if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"logit_bias or stop_token_ids name token ids {bad[:5]} outside the vocabulary")
         if len(prompt) >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {len(prompt)} tokens; the context holds {self.max_model_len} "

@@ -49,6 +49,15 @@ class KVCache:
         inner = (block_size, num_kv_heads) if order == "NHD" else (num_kv_heads, block_size)
         self.kv = torch.zeros((num_layers, 2, num_blocks, *inner, head_dim), dtype=dtype, device=device)
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies every layer's K and V of each (source, destination) block; all sources
+        are read before any destination is written."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.kv.device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.kv.device)
+        self.kv[:, :, dst] = self.kv[:, :, src]
+
     @property
     def block_bytes(self) -> int:
         """Bytes of one block of one layer's K (or V)."""

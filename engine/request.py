@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class RequestStatus(enum.Enum):
@@ -89,9 +89,25 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    def for_sequence(self, index: int) -> SamplingParams:
+        """The sampling of sequence ``index`` of a request: seeded with ``seed + index``."""
+        return self if self.seed is None or index == 0 else replace(self, seed=self.seed + index)
 
-@dataclass
+
+@dataclass(frozen=True)
+class Logprob:
+    """One token's log-probability and the ``top`` (token id, log-probability) pairs of
+    the distribution it was drawn from, most likely first (-inf reported as LOGPROB_FLOOR)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(eq=False)  # identity: two sequences of one request may hold equal tokens
 class Request:
+    """One sequence. A request with ``sampling.n > 1`` becomes n sequences once its
+    first tokens are drawn; they share ``request_id`` and differ in ``index``."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -105,6 +121,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when last admitted
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
+    index: int = 0  # the sequence's index among the request's n
+    grammar: object | None = None  # a matcher of ``sampling.structured`` (engine/structured.py), or None
+    prompt_logprobs: list[Logprob | None] | None = None  # gathered chunk by chunk until the first output
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,6 +133,17 @@ class Request:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The prompt's log-probabilities are still to be computed (and so the whole
+        prompt: such a request never takes blocks from the prefix cache)."""
+        return self.sampling.prompt_logprobs is not None and self.index == 0 and not self.output_token_ids
+
+    @property
+    def draws_first_tokens(self) -> int:
+        """How many tokens the next sample draws: n for a request's first token, else 1."""
+        return self.sampling.n if self.index == 0 and not self.output_token_ids else 1
+
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens ``[start, end)`` of prompt + output without building the whole list."""
         prompt_len = len(self.prompt_token_ids)
@@ -122,15 +152,6 @@ class Request:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len : end - prompt_len]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
-
-
-@dataclass(frozen=True)
-class Logprob:
-    """One token's log-probability and the ``top`` (token id, log-probability) pairs of
-    the distribution it was drawn from, most likely first (-inf reported as LOGPROB_FLOOR)."""
-
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -147,6 +168,23 @@ class StepOutput:
     finished: bool
     finish_reason: str | None = None
     block_ids: list[int] | None = None
+    logprobs: list[Logprob] | None = None
+    prompt_logprobs: list[Logprob | None] | None = None
+    index: int = 0  # the sequence (0..n-1) of a request with ``sampling.n > 1``
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """What the runner computed for one chunk of a plan (engine/runner.py).
+
+    ``token_ids``: the tokens sampled, when the chunk samples: one, or n for
+    the first tokens of a request with ``sampling.n > 1`` (sequence i's at i).
+    ``logprobs``: one per sampled token, when the request asks for them.
+    ``prompt_logprobs``: the prompt entries this chunk's rows gave (None
+    first for position 0), when the request asks for them.
+    """
+
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None
 

@@ -1,4 +1,10 @@
-"""Model runner: a schedule plan in, sampled tokens out. Knows no HTTP, no queues."""
+"""Model runner: a schedule plan in, sampled tokens out. Knows no HTTP, no queues.
+
+The model returns logits only for the rows asked for: each sampling chunk's
+last row and, for a request asking for prompt log-probabilities, every row of
+its prompt chunks (engine/model.py ``logits_rows``), so the prompt's
+log-probabilities come from the same pass that computes its KV.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +15,9 @@ import torch
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, decode_groups
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
-from engine.sampler import sample
-from engine.scheduler import SchedulePlan
+from engine.request import ChunkResult, Logprob, Request
+from engine.sampler import sample, top_logprobs
+from engine.scheduler import ScheduledChunk, SchedulePlan
 
 
 class RoPE:
@@ -35,8 +42,10 @@ class RoPE:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, rope: RoPE, device: torch.device) -> None:
+    def __init__(self, model: CausalLM, cache: KVCache, rope: RoPE, device: torch.device,
+                 eos_token_ids: tuple[int, ...] = ()) -> None:
         self.model = model
+        self.eos_token_ids = eos_token_ids  # masked while a request's min_tokens are not reached
         self.cache = cache
         self.rope = rope
         self.device = device
@@ -44,8 +53,9 @@ class ModelRunner:
         self.generator.seed()
 
     @torch.inference_mode()
-    def run(self, plan: SchedulePlan, on_layer: Callable[[int], None] | None = None) -> dict[str, int]:
-        """Computes every chunk of the plan; returns the sampled token per sampling request."""
+    def run(self, plan: SchedulePlan, on_layer: Callable[[int], None] | None = None) -> dict[Request, ChunkResult]:
+        """Computes every chunk of the plan; returns what each sampling chunk drew and
+        each chunk of a request asking for prompt log-probabilities gave."""
         bs = self.cache.block_size
         # Decodes first, shortest context first (decode groups are runs of similar length).
         chunks = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start if c.num_tokens == 1 else 0))
@@ -55,6 +65,8 @@ class ModelRunner:
         slots: list[int] = []
         prefills: list[PrefillSpan] = []
         logits_rows: list[int] = []
+        sampled: list[tuple[ScheduledChunk, int]] = []  # (chunk, its row of logits)
+        prompt_rows: list[tuple[ScheduledChunk, int, int]] = []  # (chunk, first row of logits, count)
         for chunk in chunks:
             request, start, n = chunk.request, chunk.start, chunk.num_tokens
             row = len(token_ids)
@@ -65,7 +77,12 @@ class ModelRunner:
             if n != 1:
                 blocks = torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long, device=self.device)
                 prefills.append(PrefillSpan(row, n, start, blocks))
+            if request.wants_prompt_logprobs:  # every row but the sampled one predicts a prompt token
+                count = n - 1 if chunk.sample else n
+                prompt_rows.append((chunk, len(logits_rows), count))
+                logits_rows += range(row, row + count)
             if chunk.sample:
+                sampled.append((chunk, len(logits_rows)))
                 logits_rows.append(row + n - 1)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
@@ -82,14 +99,32 @@ class ModelRunner:
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
         logits = self.model(ids, cos, sin, self.cache.kv, meta, rows, on_layer)
-        sampled = [c for c in chunks if c.sample]
-        tokens = sample(
-            logits,
-            [c.request.sampling for c in sampled],
-            [len(c.request.output_token_ids) for c in sampled],
-            self.generator,
-        )
-        return {c.request.request_id: t for c, t in zip(sampled, tokens)}
+        results: dict[Request, ChunkResult] = {}
+        prompt = self._prompt_logprobs(logits, prompt_rows) if prompt_rows else {}
+        if sampled:
+            picks = logits[[r for _, r in sampled]] if prompt_rows else logits
+            draws = sample(picks, [c.request for c, _ in sampled], self.generator, self.eos_token_ids)
+            for (chunk, _), (tokens, logprobs) in zip(sampled, draws):
+                results[chunk.request] = ChunkResult(tokens, logprobs, prompt.pop(chunk.request, None))
+        for request, entries in prompt.items():
+            results[request] = ChunkResult(prompt_logprobs=entries)
+        return results
+
+    def _prompt_logprobs(self, logits: torch.Tensor,
+                         prompt_rows: list[tuple[ScheduledChunk, int, int]]) -> dict[Request, list[Logprob | None]]:
+        """The raw model's log-probabilities of the prompt tokens the chunks' rows predict."""
+        rows = [r for _, first, count in prompt_rows for r in range(first, first + count)]
+        targets = [t for c, _, count in prompt_rows for t in c.request.token_ids(c.start + 1, c.start + 1 + count)]
+        ks = [c.request.sampling.prompt_logprobs for c, _, count in prompt_rows for _ in range(count)]
+        flat = []
+        if rows:
+            logprobs = torch.log_softmax(logits[rows], dim=-1)
+            flat = top_logprobs(logprobs, torch.tensor(targets, dtype=torch.long, device=logits.device), ks)
+        out, at = {}, 0
+        for chunk, _, count in prompt_rows:
+            out[chunk.request] = ([None] if chunk.start == 0 else []) + flat[at:at + count]
+            at += count
+        return out
 
     def _decode_tables(self, decodes, meta: AttentionMetadata) -> None:
         bs = self.cache.block_size

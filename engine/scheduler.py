@@ -19,7 +19,20 @@ first takes the longest run of cached full blocks of its tokens, leaving at
 least its last token to compute so that a token is sampled, and starts with
 ``num_computed`` past them. After each step, every block that became full
 and computed is registered by hash; only then can another request find it,
-so no request ever attends over a block someone is still writing.
+so no request ever attends over a block someone is still writing. A request
+asking for prompt log-probabilities takes nothing from the cache (as vLLM):
+every prompt position's logits must be computed.
+
+A request with ``sampling.n > 1`` is one sequence until its first tokens are
+drawn (n of them, from its last prompt row, or given to ``admit_remote``);
+then sequences 1..n-1 are forked from it (engine/sequences.py): each shares
+the prompt's full blocks by reference count and gets its own copy of the
+block holding the prompt's partial last block, written past the prompt. The
+copies are queued in ``block_copies`` for the engine to make right after the
+call that forked, before anything can write into their sources. A fork that
+finds no free block for its copy waits to be recomputed like a preempted
+sequence. Sequences run, are preempted and finish on their own; ``abort``
+ends them all. ``requests`` maps a request id to its live sequences.
 """
 
 from __future__ import annotations
@@ -29,7 +42,8 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.prefix_cache import PrefixCache
-from engine.request import NoCapacityError, Request, RequestStatus, StepOutput
+from engine.sequences import fork_sequence
+from engine.request import ChunkResult, Logprob, NoCapacityError, Request, RequestStatus, StepOutput
 
 
 @dataclass(frozen=True)
@@ -93,13 +107,14 @@ class Scheduler:
         self.prefix = PrefixCache(block_manager, config.prefix_caching, config.cache_salt)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.parked: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV and PREFILLED
-        self.requests: dict[str, Request] = {}
+        self.parked: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV and PREFILLED (sequence 0 only)
+        self.requests: dict[str, list[Request]] = {}  # request id -> its live sequences
+        self.block_copies: list[tuple[int, int]] = []  # (source, destination) blocks of forks, to copy now
 
     # ---- admission -------------------------------------------------------
     def add(self, request: Request) -> None:
         assert request.request_id not in self.requests, request.request_id
-        self.requests[request.request_id] = request
+        self.requests[request.request_id] = [request]
         self.waiting.append(request)
 
     def reserve(self, request: Request) -> list[int]:
@@ -119,20 +134,25 @@ class Scheduler:
         request.num_cached_tokens = len(cached) * self.blocks.block_size
         request.num_hashed_blocks = len(cached)
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
-        self.requests[request.request_id] = request
+        self.requests[request.request_id] = [request]
         self.parked[request.request_id] = request
         return list(request.block_ids)
 
-    def admit_remote(self, request_id: str, first_token_id: int) -> StepOutput:
+    def admit_remote(self, request_id: str, first_token_ids: list[int]) -> list[StepOutput]:
+        """The prompt's KV is in the reserved blocks and its first tokens (one per
+        sequence) were drawn remotely: the request's sequences start decoding.
+        Their outputs carry no log-probabilities (the remote side has them)."""
         request = self.parked.get(request_id)
         if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             raise KeyError(f"no reservation waiting for remote KV with id {request_id!r}")
+        if len(first_token_ids) != request.sampling.n:
+            raise ValueError(f"{len(first_token_ids)} first tokens for a request of n={request.sampling.n}")
         del self.parked[request_id]
         request.num_computed = request.num_prompt_tokens
         self.prefix.register(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        return self._append_token(request, first_token_id)
+        return self._start_sequences(request, ChunkResult(list(first_token_ids)), None)
 
     # ---- one step ---------------------------------------------------------
     def schedule(self) -> SchedulePlan:
@@ -164,7 +184,8 @@ class Scheduler:
             budget -= num_new
         return plan
 
-    def update(self, plan: SchedulePlan, sampled: dict[str, int]) -> list[StepOutput]:
+    def update(self, plan: SchedulePlan, results: dict[Request, ChunkResult]) -> list[StepOutput]:
+        """Records what the runner computed for the plan (engine/runner.py)."""
         outputs = []
         for chunk in plan.chunks:
             request = chunk.request
@@ -172,31 +193,45 @@ class Scheduler:
                 continue  # aborted while the step ran
             request.num_computed = chunk.start + chunk.num_tokens
             self.prefix.register(request)
+            result = results.get(request)
+            if result is not None and result.prompt_logprobs is not None:
+                request.prompt_logprobs = (request.prompt_logprobs if chunk.start else []) + result.prompt_logprobs
             if not chunk.sample:
                 continue
-            token = sampled[request.request_id]
+            prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if self.config.mode == "prefill":
-                request.output_token_ids.append(token)
+                request.output_token_ids.append(result.token_ids[0])
                 self.running.remove(request)
                 request.status = RequestStatus.PREFILLED
                 self.parked[request.request_id] = request
-                outputs.append(StepOutput(request.request_id, [token], True, "prefilled", list(request.block_ids)))
+                outputs.append(StepOutput(request.request_id, list(result.token_ids), True, "prefilled",
+                                          list(request.block_ids), result.logprobs, prompt_logprobs))
+            elif len(result.token_ids) > 1:
+                outputs += self._start_sequences(request, result, prompt_logprobs)
             else:
-                outputs.append(self._append_token(request, token))
+                outputs.append(self._append_token(request, result.token_ids[0],
+                                                  result.logprobs and result.logprobs[0], prompt_logprobs))
         return outputs
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (source, destination) block copies forks asked for since the last call."""
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     # ---- endings ------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
         """Drop a request in any state and free its blocks. False if unknown."""
-        request = self.requests.get(request_id)
-        if request is None:
+        sequences = self.requests.get(request_id)
+        if sequences is None:
             return False
-        if request in self.waiting:
-            self.waiting.remove(request)
-        if request in self.running:
-            self.running.remove(request)
-        self.parked.pop(request_id, None)
-        self._finish(request, "abort")
+        for request in list(sequences):
+            if request in self.waiting:
+                self.waiting.remove(request)
+            if request in self.running:
+                self.running.remove(request)
+            if self.parked.get(request_id) is request:
+                del self.parked[request_id]
+            self._finish(request, "abort")
         return True
 
     def release(self, request_id: str) -> None:
@@ -231,14 +266,18 @@ class Scheduler:
             queued_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed) for r in [*self.waiting, *self.running]),
             num_requests=len(self.requests),
             num_running=len(self.running),
-            holders=tuple(("reserved" if r.request_id in self.parked else "running", r.arrival_time,
-                           len(r.block_ids)) for r in self.requests.values() if r.block_ids),
+            holders=tuple(("reserved" if self.parked.get(r.request_id) is r else "running", r.arrival_time,
+                           len(r.block_ids)) for r in self.sequences() if r.block_ids),
         )
+
+    def sequences(self) -> list[Request]:
+        """Every live sequence of every request."""
+        return [r for sequences in self.requests.values() for r in sequences]
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
-        owners = Counter(b for r in self.requests.values() for b in r.block_ids)
-        for request in self.requests.values():
+        owners = Counter(b for r in self.sequences() for b in r.block_ids)
+        for request in self.sequences():
             assert len(request.block_ids) == len(set(request.block_ids)), f"{request.request_id} holds a block twice"
         for block_id, n in owners.items():
             assert self.blocks.blocks[block_id].ref_count == n, f"block {block_id}: {n} owners"
@@ -251,7 +290,7 @@ class Scheduler:
     def _admit_waiting(self, request: Request, budget: int, plan: SchedulePlan) -> bool:
         """Give a waiting request its cached prefix and the blocks for its next chunk, or nothing."""
         assert not request.block_ids and request.num_computed == 0
-        cached = self.prefix.lookup(request)
+        cached = [] if request.wants_prompt_logprobs else self.prefix.lookup(request)
         computed = len(cached) * self.blocks.block_size
         num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks, computed=computed)
         if num_new == 0:
@@ -301,14 +340,59 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def _append_token(self, request: Request, token: int) -> StepOutput:
-        request.output_token_ids.append(token)
-        reason = self._stop_reason(request, token)
+    def _start_sequences(self, request: Request, first: ChunkResult,
+                         prompt_logprobs: list[Logprob | None] | None) -> list[StepOutput]:
+        """A request's first tokens, sequence i's at i: sequences 1.. are forked from
+        ``request`` (sequence 0, its prompt computed) before its own token is appended."""
+        outputs = []
+        for index in range(1, len(first.token_ids)):
+            child = fork_sequence(request, index)
+            token = first.token_ids[index]
+            reason = self._record(child, token)
+            if reason is None:
+                self.requests[request.request_id].append(child)
+                self._place_fork(child, request)
+            else:
+                child.status, child.finish_reason = RequestStatus.FINISHED, reason
+            outputs.append(StepOutput(request.request_id, [token], reason is not None, reason,
+                                      logprobs=first.logprobs and [first.logprobs[index]], index=index))
+        own = self._append_token(request, first.token_ids[0], first.logprobs and first.logprobs[0], prompt_logprobs)
+        return [own, *outputs]
+
+    def _place_fork(self, child: Request, parent: Request) -> None:
+        """Share the parent's full prompt blocks and copy its partial last one; with no
+        free block for the copy, wait to be recomputed."""
+        full, partial = divmod(parent.num_prompt_tokens, self.blocks.block_size)
+        if not self.blocks.can_allocate(1 if partial else 0):
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
+            return
+        shared = parent.block_ids[:full]
+        self.blocks.share(shared)
+        child.block_ids = shared + (self.blocks.allocate(1) if partial else [])
+        if partial:
+            self.block_copies.append((parent.block_ids[full], child.block_ids[full]))
+        child.num_computed = parent.num_prompt_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, full)
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+
+    def _append_token(self, request: Request, token: int, logprob: Logprob | None = None,
+                      prompt_logprobs: list[Logprob | None] | None = None) -> StepOutput:
+        reason = self._record(request, token)
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason)
-            return StepOutput(request.request_id, [token], True, reason)
-        return StepOutput(request.request_id, [token], False)
+        return StepOutput(request.request_id, [token], reason is not None, reason,
+                          logprobs=None if logprob is None else [logprob], prompt_logprobs=prompt_logprobs,
+                          index=request.index)
+
+    def _record(self, request: Request, token: int) -> str | None:
+        """Appends a token to a sequence's output; returns why it stops there, if it does."""
+        request.output_token_ids.append(token)
+        return self._stop_reason(request, token)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         sampling = request.sampling
@@ -327,4 +411,7 @@ class Scheduler:
         request.block_ids = []
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or reason
-        del self.requests[request.request_id]
+        sequences = self.requests[request.request_id]
+        sequences.remove(request)
+        if not sequences:
+            del self.requests[request.request_id]

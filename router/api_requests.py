@@ -1,7 +1,6 @@
 """Client -> router: the OpenAI request bodies pdserve accepts.
 
-Fields OpenAI defines but pdserve cannot honour yet (``n`` > 1, ``logprobs``,
-``echo``, penalties, tools, ...) are parsed so that ``check_supported`` can
+Fields OpenAI defines but pdserve cannot honour yet (penalties, tools, ...) are parsed so that ``check_supported`` can
 refuse them with a clear 400 instead of silently ignoring them. Unknown fields
 are ignored, as vLLM does, so SDKs that send newer arguments keep working.
 """
@@ -13,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from router.errors import OpenAIError
+from server_common.worker_requests import MAX_LOGPROBS, MAX_N
 
 
 class StreamOptions(BaseModel):
@@ -33,7 +33,8 @@ class SamplingFields(BaseModel):
     top_k: int | None = Field(default=None, ge=-1, le=1 << 24)  # the ranges of server_common.worker_requests
     seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
     stop: str | list[str] | None = None
-    n: int | None = 1
+    n: int | None = Field(default=1, ge=1, le=MAX_N)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # vLLM extension
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -51,8 +52,6 @@ class SamplingFields(BaseModel):
         return stops
 
     def check_common(self) -> None:
-        if self.n not in (None, 1):
-            raise OpenAIError(400, "only n=1 is supported", param="n")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise OpenAIError(400, f"{name} is not supported", param=name)
@@ -62,41 +61,45 @@ class SamplingFields(BaseModel):
             raise OpenAIError(400, "stream_options is only allowed when stream is true", param="stream_options")
 
     @property
+    def num_sequences(self) -> int:
+        return self.n or 1
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+MAX_PROMPTS = 64  # choices (prompts times n) of one completion request
 
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = None
+    max_tokens: int | None = Field(default=16, ge=0)  # 0: with echo, the scored prompt only
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
         self.check_common()
-        if self.logprobs is not None:
-            raise OpenAIError(400, "logprobs is not supported", param="logprobs")
-        if self.echo:
-            raise OpenAIError(400, "echo is not supported", param="echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens")
         if self.best_of not in (None, 1):
             raise OpenAIError(400, "only best_of=1 is supported", param="best_of")
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported", param="suffix")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request, as text or token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each as text or token ids (a list of them: one choice each)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise OpenAIError(400, "only one prompt per request is supported", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, (str, list)) and len(prompt) == 0:
+        prompts = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if any(len(p) == 0 for p in prompts):
             raise OpenAIError(400, "prompt must not be empty", param="prompt")
-        return prompt
+        if len(prompts) * self.num_sequences > MAX_PROMPTS:
+            raise OpenAIError(400, f"at most {MAX_PROMPTS} choices (prompts times n) per request", param="prompt")
+        return prompts
 
 
 class TextPart(BaseModel):
@@ -131,7 +134,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -141,8 +144,8 @@ class ChatCompletionRequest(SamplingFields):
         self.check_common()
         if not self.messages:
             raise OpenAIError(400, "messages must not be empty", param="messages")
-        if self.logprobs or self.top_logprobs:
-            raise OpenAIError(400, "logprobs is not supported", param="logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
         if self.tools:
             raise OpenAIError(400, "tools are not supported", param="tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):

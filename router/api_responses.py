@@ -29,11 +29,52 @@ class Usage(BaseModel):
         )
 
 
+class TopLogprob(BaseModel):
+    """A token of chat ``logprobs.content[i].top_logprobs``."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A completion choice's ``logprobs`` (the legacy shape): one entry per token; the
+    first echoed prompt token has no log-probability (null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(BaseModel):
+    """vLLM's ``prompt_logprobs`` entry; ``rank`` (1 = most likely) is null for a prompt
+    token outside the top ones asked for."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: per prompt token, token id -> its entry (null for the first token)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension
 
 
 class Completion(BaseModel):
@@ -53,7 +94,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -64,6 +105,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension (one prompt per chat request)
 
 
 class Delta(BaseModel):
@@ -74,7 +116,7 @@ class Delta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -85,6 +127,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension: on the first chunk, when asked for
 
 
 class ModelCard(BaseModel):

@@ -33,3 +33,9 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, ignore_eos: boo
             generation_config=config,
         )
     return out[0, len(prompt):].tolist()
+
+
+def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:
+    """transformers' float32 logits [len(tokens), vocab] of one full forward pass."""
+    with torch.no_grad():
+        return _hf_model(path)(torch.tensor([tokens])).logits[0].float()

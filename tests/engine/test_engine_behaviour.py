@@ -39,7 +39,7 @@ def test_request_admitted_with_kv_from_another_engine_continues_exactly(tiny_mod
     assert out.finish_reason == "prefilled"
     copy_prompt_kv(prefill, out.block_ids, decode, dst_blocks, len(PROMPT))
     prefill.release("r")
-    first = decode.admit_remote("r", out.new_token_ids[0])
+    (first,) = decode.admit_remote("r", out.new_token_ids)
     tokens = list(first.new_token_ids)
     while decode.has_unfinished():
         for o in decode.step():
@@ -132,7 +132,7 @@ def test_prefill_on_one_engine_and_decode_on_another_samples_like_one_engine(tin
     prefill.add_request("r", PROMPT, sampling)
     (out,) = prefill.step()
     copy_prompt_kv(prefill, out.block_ids, decode, blocks, len(PROMPT))
-    tokens = decode.admit_remote("r", out.new_token_ids[0]).new_token_ids
+    tokens = decode.admit_remote("r", out.new_token_ids)[0].new_token_ids
     while decode.has_unfinished():
         tokens += [t for o in decode.step() for t in o.new_token_ids]
     assert tokens == colocated

@@ -4,7 +4,7 @@ import pytest
 
 from engine.block_manager import NO_HASH, BlockManager, block_hash, root_hash
 from engine.request import NoCapacityError, Request, RequestStatus, SamplingParams
-from tests.engine.test_scheduler import make, plan_shape
+from tests.engine.test_scheduler import make, plan_shape, update
 
 ROOT = root_hash("model|float32")
 
@@ -21,7 +21,7 @@ def refs(s, ids):
 def run_to_end(s, token=7):
     while s.has_unfinished():
         plan = s.schedule()
-        s.update(plan, {c.request.request_id: token for c in plan.chunks if c.sample})
+        update(s, plan, {c.request.request_id: token for c in plan.chunks if c.sample})
         s.check_integrity()
 
 
@@ -74,16 +74,16 @@ def test_a_second_block_with_a_hash_already_cached_stays_uncached():
 def test_a_request_reuses_the_full_blocks_of_a_running_one_and_shares_them():
     s = make(num_blocks=8, block_size=4)
     s.add(req("a", range(1, 11)))  # 10 tokens: blocks 0, 1 full, 2 partial
-    s.update(s.schedule(), {"a": 50})
+    update(s, s.schedule(), {"a": 50})
     s.add(req("b", [*range(1, 9), 60, 61, 62]))  # shares a's first 8 tokens
     plan = s.schedule()
     assert plan_shape(plan) == [("a", 10, 1, True), ("b", 8, 3, True)]
     assert (plan.prefix_queried, plan.prefix_hits) == (11, 8)
-    assert s.requests["b"].block_ids == [0, 1, 3]
+    assert s.requests["b"][0].block_ids == [0, 1, 3]
     assert refs(s, [0, 1, 2, 3]) == [2, 2, 1, 1]
     assert s.block_counts() == {"free": 4, "reserved": 0, "running": 4}
     s.check_integrity()
-    s.update(plan, {"a": 51, "b": 63})  # a computed 11 tokens, b 11: their third blocks are not full
+    update(s, plan, {"a": 51, "b": 63})  # a computed 11 tokens, b 11: their third blocks are not full
     s.abort("a")
     assert refs(s, [0, 1, 2, 3]) == [1, 1, 0, 1] and s.stats().cached == 0
     s.abort("b")
@@ -99,12 +99,12 @@ def test_the_last_prompt_token_is_always_computed_so_a_token_is_sampled():
     s.add(req("b", range(1, 9), max_tokens=1))
     plan = s.schedule()
     assert plan_shape(plan) == [("b", 4, 4, True)]  # block 0 reused, block 1 recomputed
-    assert s.requests["b"].block_ids == [0, 2]
+    assert s.requests["b"][0].block_ids == [0, 2]
     s.add(req("c", range(1, 10), max_tokens=1))  # one more token: both blocks reused
-    s.update(plan, {"b": 7})
+    update(s, plan, {"b": 7})
     plan = s.schedule()
     assert plan_shape(plan) == [("c", 8, 1, True)]
-    assert s.requests["c"].block_ids == [0, 1, 2]  # b's unhashed copy of block 1 was freed
+    assert s.requests["c"][0].block_ids == [0, 1, 2]  # b's unhashed copy of block 1 was freed
     s.check_integrity()
 
 
@@ -114,26 +114,26 @@ def test_a_block_being_written_is_never_shared_identical_prompts_at_once_compute
     s.add(req("b", range(1, 10)))
     plan = s.schedule()
     assert plan_shape(plan) == [("a", 0, 9, True), ("b", 0, 9, True)]
-    assert (s.requests["a"].block_ids, s.requests["b"].block_ids) == ([0, 1, 2], [3, 4, 5])
-    s.update(plan, {"a": 7, "b": 7})
+    assert (s.requests["a"][0].block_ids, s.requests["b"][0].block_ids) == ([0, 1, 2], [3, 4, 5])
+    update(s, plan, {"a": 7, "b": 7})
     assert [s.blocks.blocks[i].block_hash != NO_HASH for i in range(6)] == [True, True, False, False, False, False]
     s.add(req("c", range(1, 10)))
     assert plan_shape(s.schedule())[-1] == ("c", 8, 1, True)
-    assert s.requests["c"].block_ids[:2] == [0, 1]
+    assert s.requests["c"][0].block_ids[:2] == [0, 1]
     s.check_integrity()
 
 
 def test_chunked_prefill_makes_each_block_findable_once_its_chunk_is_computed():
     s = make(num_blocks=8, block_size=4, budget=6)
     s.add(req("a", range(1, 14)))
-    s.update(s.schedule(), {})  # a: tokens 0..5, block 0 full
+    update(s, s.schedule(), {})  # a: tokens 0..5, block 0 full
     s.add(req("b", range(1, 14)))
     plan = s.schedule()
     assert plan_shape(plan) == [("a", 6, 6, False)]  # b waits: the budget is spent
-    s.update(plan, {})
+    update(s, plan, {})
     plan = s.schedule()
     assert plan_shape(plan) == [("a", 12, 1, True), ("b", 12, 1, True)]  # a computed 12 by now: 3 blocks
-    assert s.requests["b"].block_ids[:3] == s.requests["a"].block_ids[:3] == [0, 1, 2]
+    assert s.requests["b"][0].block_ids[:3] == s.requests["a"][0].block_ids[:3] == [0, 1, 2]
     s.check_integrity()
 
 
@@ -153,16 +153,16 @@ def test_a_preempted_request_comes_back_on_its_own_cached_blocks():
     s = make(num_blocks=4, block_size=2)
     s.add(req("a", [1, 2], max_tokens=5))
     s.add(req("b", [3, 4, 5], max_tokens=5))
-    s.update(s.schedule(), {"a": 1, "b": 1})  # a -> [0]; b -> [1, 2], 4 tokens
-    s.update(s.schedule(), {"a": 2, "b": 2})  # a -> [0, 3]; b computed 4 tokens: [1, 2] full
+    update(s, s.schedule(), {"a": 1, "b": 1})  # a -> [0]; b -> [1, 2], 4 tokens
+    update(s, s.schedule(), {"a": 2, "b": 2})  # a -> [0, 3]; b computed 4 tokens: [1, 2] full
     plan = s.schedule()  # a needs a 3rd block, none left: b is preempted
     assert plan.preempted == ["b"]
     assert s.stats().cached == 2
-    s.update(plan, {"a": 3})
+    update(s, plan, {"a": 3})
     s.abort("a")
     plan = s.schedule()
     assert plan_shape(plan) == [("b", 4, 1, True)]  # prompt + first output token come from the cache
-    assert s.requests["b"].block_ids[:2] == [1, 2]
+    assert s.requests["b"][0].block_ids[:2] == [1, 2]
     s.check_integrity()
 
 
@@ -185,17 +185,17 @@ def test_remote_kv_is_cached_once_admitted():
     s = make(num_blocks=8, block_size=4, mode="decode")
     s.reserve(req("r", range(1, 10)))
     assert s.stats().cached == 0
-    s.admit_remote("r", 42)
+    s.admit_remote("r", [42])
     s.add(req("x", range(1, 12)))
     assert plan_shape(s.schedule())[-1] == ("x", 8, 3, True)
     s.check_integrity()
-    assert s.requests["r"].status is RequestStatus.RUNNING
+    assert s.requests["r"][0].status is RequestStatus.RUNNING
 
 
 def test_a_reservation_pins_the_cached_prefix_and_counts_what_it_takes_from_free():
     s = make(num_blocks=6, block_size=4, mode="decode")
     s.add(req("a", range(1, 10)))  # blocks 0, 1 full once computed, 2 partial
-    s.update(s.schedule(), {"a": 7})
+    update(s, s.schedule(), {"a": 7})
     r = req("r", [*range(1, 9), 40, 41])  # 10 tokens + the first: 3 blocks, 2 of them a's
     assert s.reserve(r) == [0, 1, 3]
     assert (r.num_cached_tokens, refs(s, [0, 1, 3])) == (8, [2, 2, 1])

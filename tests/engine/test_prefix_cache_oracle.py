@@ -117,7 +117,8 @@ def test_decode_engine_holding_a_prefix_needs_only_the_rest_from_a_prefill_engin
     for p in range(cached, len(prompt)):  # only what D lacks, token by token as the transfer layer places it
         decode.cache.kv[:, :, dst[p // dst_bs], p % dst_bs] = prefill.cache.kv[:, :, src[p // src_bs], p % src_bs]
     prefill.release("r")
-    tokens = list(decode.admit_remote("r", out.new_token_ids[0]).new_token_ids)
+    (first,) = decode.admit_remote("r", out.new_token_ids)
+    tokens = list(first.new_token_ids)
     while decode.has_unfinished():
         tokens += [t for o in decode.step() for t in o.new_token_ids]
     assert tokens == hf_greedy(tiny_model, prompt, 8, ignore_eos=True)

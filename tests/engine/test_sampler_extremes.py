@@ -4,20 +4,24 @@
 import pytest
 import torch
 
-from engine.request import SamplingParams
+from engine.request import Request, SamplingParams
 from engine.sampler import sample
+
+
+def rows(*params: SamplingParams) -> list[Request]:
+    return [Request(str(i), [1], p) for i, p in enumerate(params)]
 
 
 @pytest.mark.parametrize("temperature", [5e-324, 1e-300, 1e-30, 9e-6])
 def test_a_tiny_temperature_is_greedy(temperature):
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 10
     params = [SamplingParams(temperature=temperature, seed=s) for s in (None, 1, 2)]
-    assert sample(logits, params, [0, 0, 0], torch.Generator()) == logits.argmax(-1).tolist()
+    assert sample(logits, rows(*params), torch.Generator()) == [([t], None) for t in logits.argmax(-1).tolist()]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision_logits_over_a_small_temperature_still_sample(dtype):
     logits = (torch.randn(1, 50, generator=torch.Generator().manual_seed(0)) * 20).to(dtype)
     params = SamplingParams(temperature=2e-5, top_p=5e-324, top_k=7, seed=3)
-    (token,) = sample(logits, [params], [0], torch.Generator())
-    assert token == int(logits.float().argmax())
+    ((tokens, _),) = sample(logits, rows(params), torch.Generator())
+    assert tokens == [int(logits.float().argmax())]

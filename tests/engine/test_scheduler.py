@@ -3,7 +3,7 @@
 import pytest
 
 from engine.block_manager import BlockManager
-from engine.request import NoCapacityError, Request, RequestStatus, SamplingParams
+from engine.request import ChunkResult, NoCapacityError, Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 
 EOS = 99
@@ -23,6 +23,11 @@ def req(rid, n, max_tokens=8, **kw):
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
 
 
+def update(s, plan, tokens: dict[str, int]):
+    """``s.update`` with the runner's result for a plan: ``tokens[request id]`` drawn for each sampling chunk."""
+    return s.update(plan, {c.request: ChunkResult([tokens[c.request.request_id]]) for c in plan.chunks if c.sample})
+
+
 def plan_shape(plan):
     return [(c.request.request_id, c.start, c.num_tokens, c.sample) for c in plan.chunks]
 
@@ -33,14 +38,14 @@ def test_prompts_are_prefilled_then_decoded_one_token_per_step():
     s.add(req("b", 3))
     plan = s.schedule()
     assert plan_shape(plan) == [("a", 0, 6, True), ("b", 0, 3, True)]
-    assert s.requests["a"].block_ids == [0, 1] and s.requests["b"].block_ids == [2]
-    s.update(plan, {"a": 10, "b": 11})
+    assert s.requests["a"][0].block_ids == [0, 1] and s.requests["b"][0].block_ids == [2]
+    update(s, plan, {"a": 10, "b": 11})
     plan = s.schedule()
     assert plan_shape(plan) == [("a", 6, 1, True), ("b", 3, 1, True)]
-    assert s.requests["b"].block_ids == [2]  # b's 4th token still fits in its block
-    s.update(plan, {"a": 12, "b": 13})
+    assert s.requests["b"][0].block_ids == [2]  # b's 4th token still fits in its block
+    update(s, plan, {"a": 12, "b": 13})
     assert plan_shape(s.schedule()) == [("a", 7, 1, True), ("b", 4, 1, True)]
-    assert s.requests["b"].block_ids == [2, 3]  # b's 5th token opens a second block
+    assert s.requests["b"][0].block_ids == [2, 3]  # b's 5th token opens a second block
     s.check_integrity()
     assert s.block_counts() == {"free": 4, "reserved": 0, "running": 4}
 
@@ -52,9 +57,9 @@ def test_chunked_prefill_respects_the_token_budget():
     for _ in range(3):
         plan = s.schedule()
         shapes += plan_shape(plan)
-        s.update(plan, {"a": 5})
+        update(s, plan, {"a": 5})
     assert shapes == [("a", 0, 4, False), ("a", 4, 4, False), ("a", 8, 2, True)]
-    assert s.requests["a"].output_token_ids == [5]
+    assert s.requests["a"][0].output_token_ids == [5]
 
 
 def test_without_chunking_a_prompt_waits_for_a_step_with_room():
@@ -69,11 +74,11 @@ def test_eos_max_tokens_and_stop_ids_finish_and_free():
     s.add(req("eos", 4))
     s.add(req("len", 4, max_tokens=2))
     s.add(req("stop", 4, stop_token_ids=(7,)))
-    outs = s.update(s.schedule(), {"eos": EOS, "len": 1, "stop": 7})
+    outs = update(s, s.schedule(), {"eos": EOS, "len": 1, "stop": 7})
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [
         ("eos", True, "stop"), ("len", False, None), ("stop", True, "stop"),
     ]
-    outs = s.update(s.schedule(), {"len": 2})
+    outs = update(s, s.schedule(), {"len": 2})
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("len", True, "length")]
     assert s.block_counts() == {"free": 8, "reserved": 0, "running": 0}
     s.check_integrity()
@@ -82,14 +87,14 @@ def test_eos_max_tokens_and_stop_ids_finish_and_free():
 def test_ignore_eos_keeps_going():
     s = make()
     s.add(req("a", 4, ignore_eos=True))
-    outs = s.update(s.schedule(), {"a": EOS})
+    outs = update(s, s.schedule(), {"a": EOS})
     assert outs[0].finished is False
 
 
 def test_context_limit_finishes_with_length():
     s = make(max_len=6)
     s.add(req("a", 5, max_tokens=100))
-    outs = s.update(s.schedule(), {"a": 1})
+    outs = update(s, s.schedule(), {"a": 1})
     assert (outs[0].finished, outs[0].finish_reason) == (True, "length")
 
 
@@ -105,21 +110,21 @@ def test_preemption_frees_the_newest_request_and_recomputes_it_later():
     s = make(num_blocks=3, block_size=2, prefix_caching=False)  # with caching, see test_prefix_cache.py
     s.add(req("a", 2, max_tokens=5))
     s.add(req("b", 2, max_tokens=5))
-    s.update(s.schedule(), {"a": 1, "b": 1})  # a -> [0], b -> [1]; each has 3 tokens now
+    update(s, s.schedule(), {"a": 1, "b": 1})  # a -> [0], b -> [1]; each has 3 tokens now
     plan = s.schedule()  # a needs block 2 for its 3rd token; b needs one more: none left
     assert plan_shape(plan) == [("a", 2, 1, True)]
     assert plan.preempted == ["b"]
-    b = s.requests["b"]
+    b = s.requests["b"][0]
     assert (b.status, b.block_ids, b.num_computed, b.output_token_ids) == (RequestStatus.WAITING, [], 0, [1])
-    assert s.requests["a"].block_ids == [0, 2]
+    assert s.requests["a"][0].block_ids == [0, 2]
     s.check_integrity()
     assert s.block_counts() == {"free": 1, "reserved": 0, "running": 2}
-    s.update(plan, {"a": 2})
+    update(s, plan, {"a": 2})
     s.abort("a")
     plan = s.schedule()  # b comes back: prompt + its one output token recomputed
     assert plan_shape(plan) == [("b", 0, 3, True)]
-    s.update(plan, {"b": 4})
-    assert s.requests["b"].output_token_ids == [1, 4]
+    update(s, plan, {"b": 4})
+    assert s.requests["b"][0].output_token_ids == [1, 4]
     s.abort("b")
     s.check_integrity()
     assert s.block_counts()["free"] == 3
@@ -131,9 +136,9 @@ def test_reservation_waits_for_remote_kv_then_decodes():
     assert blocks == [0, 1]
     assert s.block_counts() == {"free": 2, "reserved": 2, "running": 0}
     assert s.schedule().chunks == []
-    out = s.admit_remote("r", 42)
+    (out,) = s.admit_remote("r", [42])
     assert (out.new_token_ids, out.finished) == ([42], False)
-    assert s.requests["r"].num_computed == 7
+    assert s.requests["r"][0].num_computed == 7
     assert plan_shape(s.schedule()) == [("r", 7, 1, True)]
     assert s.block_counts() == {"free": 2, "reserved": 0, "running": 2}
     s.check_integrity()
@@ -154,14 +159,14 @@ def test_aborting_a_reservation_frees_its_blocks():
     assert not s.abort("r")
     assert s.block_counts() == {"free": 8, "reserved": 0, "running": 0}
     with pytest.raises(KeyError):
-        s.admit_remote("r", 1)
+        s.admit_remote("r", [1])
     s.check_integrity()
 
 
 def test_prefill_mode_holds_blocks_until_released():
     s = make(mode="prefill")
     s.add(req("p", 6))
-    outs = s.update(s.schedule(), {"p": 9})
+    outs = update(s, s.schedule(), {"p": 9})
     assert [(o.request_id, o.new_token_ids, o.finish_reason, o.block_ids) for o in outs] == [("p", [9], "prefilled", [0, 1])]
     assert s.block_counts() == {"free": 6, "reserved": 2, "running": 0}
     assert not s.has_unfinished()

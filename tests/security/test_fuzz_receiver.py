@@ -61,7 +61,8 @@ def messages(draw, live_tid: str) -> list[bytes]:
     if kind == "notice":
         tid = draw(st.sampled_from([live_tid, "nope", ""]))
         msg = draw(st.sampled_from([
-            Done(tid, "fuzzer", tuple(draw(st.lists(INT64, max_size=20))), draw(INT64), draw(INT64), tuple(draw(st.lists(INT64, max_size=3))),
+            Done(tid, "fuzzer", tuple(draw(st.lists(INT64, max_size=20))), draw(INT64), draw(INT64),
+                 tuple(draw(st.lists(INT64, max_size=3))),
                  draw(st.integers(0, (1 << 64) - 1)), draw(st.sampled_from(["sampled", "all", "none", "x"]))),
             Cancel(tid), CancelAck(tid, "fuzzer")]))
         return [encode(msg)]

@@ -46,7 +46,7 @@ def test_an_incoming_message_that_raises_is_dropped_and_counted_and_the_thread_s
         raise RuntimeError("a bug in handling one notice")
 
     receiver._on_done = broken  # the next Done hits a bug
-    sender.backend.send_notice("D", encode(Done("D-x", "P", 1, 0, 1, (0,), 0, "none")))
+    sender.backend.send_notice("D", encode(Done("D-x", "P", (1,), 0, 1, (0,), 0, "none")))
     wait_until(lambda: receiver.counters()["contained_errors"] == 1)
     assert receiver.problem(stuck_after_s=5.0) is None
     del receiver._on_done

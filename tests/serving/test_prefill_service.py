@@ -66,7 +66,7 @@ def test_chunked_prompt_pushes_every_layer_and_holds_blocks_until_the_transfer_e
         await asyncio.sleep(0.2)  # the KV still travelling after the prompt was computed
         sender.end("t-a", Outcome.OK)
         result = await task
-        assert (result.num_tokens, result.first_token_id) == (13, sender.calls[-1][2])
+        assert (result.num_tokens, result.first_token_ids) == (13, sender.calls[-1][2])
         assert result.transfer_bytes == 13 * engine.cache.bytes_per_token
         sample = service.metrics.registry.get_sample_value
         assert sample("pdserve_transfer_exposed_seconds_count") == 1

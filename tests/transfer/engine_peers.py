@@ -92,7 +92,7 @@ class DecodeSide:
                     self.engine.abort(self.rids.pop(done.transfer_id))
                     return {"error": done.reason, "blocks": self.engine.block_counts()}
                 rid = self.rids.pop(done.transfer_id)
-                tokens = list(self.engine.admit_remote(rid, done.first_tokens[0]).new_token_ids)
+                tokens = [t for o in self.engine.admit_remote(rid, list(done.first_tokens)) for t in o.new_token_ids]
                 while self.engine.has_unfinished():
                     for out in self.engine.step():
                         tokens += out.new_token_ids
