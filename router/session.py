@@ -97,6 +97,7 @@ class Session:
             queue = self._start_attempt()
             wants = self._sampling.logprobs is not None or self._sampling.prompt_logprobs is not None
             held: list[TokensEvent] | None = [] if wants and self.reservation is not None else None
+            result: PrefillResult | None = None  # the prefill server's log-probabilities, once it answered
             seen: set[int] = set()  # sequences whose first event went out
             failure = None
             while failure is None:
@@ -108,12 +109,15 @@ class Session:
                     self._prefill_abandoned(item)
                     events, held = held or [], None  # computed here now: the events carry their own
                 elif isinstance(item, PrefillResult):
-                    events, held = [self._with_prefill_logprobs(e, item, seen) for e in held or []], None
+                    result = item if held is not None else None
+                    events, held = held or [], None
                 elif held is not None:
                     held.append(item)
                     continue
                 else:
                     events = [item]
+                if result is not None:
+                    events = [self._with_prefill_logprobs(e, result, seen) for e in events]
                 for event in events:
                     seen.add(event.index)
                     self._tokens_sent = self._tokens_sent or bool(event.token_ids)

@@ -19,9 +19,10 @@ def text_of(model, token_id: int) -> str:
     return model.tokenizer.decode([token_id])
 
 
-@pytest.mark.parametrize("local", [False, True])
-def test_chat_logprobs_have_every_token_and_its_top_ones_the_first_from_the_prefill_server(model, local):
-    fake = FakeWorkerClient(reply=reply_ids(model, "abc"), finish_reason="length")
+@pytest.mark.parametrize("local, delay", [(False, 0.0), (False, 0.02), (True, 0.0)],
+                         ids=["remote-decode-first", "remote-prefill-result-first", "local"])
+def test_chat_logprobs_have_every_token_and_its_top_ones_the_first_from_the_prefill_server(model, local, delay):
+    fake = FakeWorkerClient(reply=reply_ids(model, "abc"), finish_reason="length", delay=delay)
     with make_client(model, fake, local_prefill_threshold=1000 if local else 0) as c:
         r = sdk(c).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
                                            logprobs=True, top_logprobs=2, max_tokens=3)
