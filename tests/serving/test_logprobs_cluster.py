@@ -170,3 +170,8 @@ def test_a_list_of_prompts_answers_each_as_alone(served, tiny_model):
     want = [tok.decode(hf_greedy(tiny_model, tok(p)["input_ids"], 6), skip_special_tokens=True) for p in prompts]
     assert [c.text for c in r.choices] == [want[0], want[0], want[1], want[1]]
     assert r.usage.prompt_tokens == sum(len(tok(p)["input_ids"]) for p in prompts)
+
+
+def test_every_block_is_free_again_on_every_server(served):
+    served.wait_idle(3.0)
+    assert all(b["free"] == b["total"] for b in served.blocks().values()), served.blocks()
