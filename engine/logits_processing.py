@@ -15,6 +15,7 @@ over the processed logits.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
@@ -30,21 +31,49 @@ def needs_processing(request: Request) -> bool:
     )
 
 
-def process_row(row: torch.Tensor, request: Request, eos_token_ids: Sequence[int]) -> None:
-    """Applies the request's processing to its float32 logits ``row`` [vocab], in place."""
-    p, output, device = request.sampling, request.output_token_ids, row.device
-    if p.logit_bias:
-        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.long, device=device)
-        bias = torch.tensor([b for _, b in p.logit_bias], dtype=row.dtype, device=device)
-        row.index_put_((ids,), bias, accumulate=True)
-    if len(output) < p.min_tokens:
-        banned = [*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]
-        if banned:
-            row[torch.tensor(banned, dtype=torch.long, device=device)] = float("-inf")
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(request.prompt_token_ids + output, dtype=torch.long, device=device).unique()
-        values = row[seen]
-        row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and output:
-        ids, counts = torch.tensor(output, dtype=torch.long, device=device).unique(return_counts=True)
-        row[ids] -= p.frequency_penalty * counts.to(row.dtype) + p.presence_penalty
+def process_rows(logits: torch.Tensor, requests: Sequence[Request], eos_token_ids: Sequence[int]) -> None:
+    """Applies each request's processing to its row of float32 ``logits`` [rows, vocab], in place.
+
+    All rows at once, one gather/scatter per kind of processing: the cost per
+    step hardly grows with the number of rows processed.
+    """
+    bias: tuple[list[int], list[int], list[float]] = ([], [], [])
+    banned: tuple[list[int], list[int], list[float]] = ([], [], [])
+    seen: tuple[list[int], list[int], list[float]] = ([], [], [])
+    counted: tuple[list[int], list[int], list[float]] = ([], [], [])
+    for row, request in enumerate(requests):
+        p, output = request.sampling, request.output_token_ids
+        if p.logit_bias:
+            _add(bias, row, [t for t, _ in p.logit_bias], [b for _, b in p.logit_bias])
+        if len(output) < p.min_tokens:
+            ids = list(dict.fromkeys([*p.stop_token_ids, *(() if p.ignore_eos else eos_token_ids)]))
+            _add(banned, row, ids, [0.0] * len(ids))
+        if p.repetition_penalty != 1.0:
+            ids = list(set(request.prompt_token_ids).union(output))
+            _add(seen, row, ids, [p.repetition_penalty] * len(ids))
+        if (p.frequency_penalty or p.presence_penalty) and output:
+            counts = Counter(output)
+            _add(counted, row, list(counts), [p.frequency_penalty * c + p.presence_penalty for c in counts.values()])
+    device, dtype = logits.device, logits.dtype
+    if bias[0]:
+        logits.index_put_(_index(bias, device), torch.tensor(bias[2], dtype=dtype, device=device), accumulate=True)
+    if banned[0]:
+        logits[_index(banned, device)] = float("-inf")
+    if seen[0]:
+        index, penalty = _index(seen, device), torch.tensor(seen[2], dtype=dtype, device=device)
+        values = logits[index]
+        logits[index] = torch.where(values > 0, values / penalty, values * penalty)
+    if counted[0]:
+        index = _index(counted, device)
+        logits.index_put_(index, -torch.tensor(counted[2], dtype=dtype, device=device), accumulate=True)
+
+
+def _add(lists: tuple[list[int], list[int], list[float]], row: int, tokens: list[int], values: list[float]) -> None:
+    lists[0].extend([row] * len(tokens))
+    lists[1].extend(tokens)
+    lists[2].extend(values)
+
+
+def _index(lists, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.tensor(lists[0], dtype=torch.long, device=device),
+            torch.tensor(lists[1], dtype=torch.long, device=device))

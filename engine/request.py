@@ -16,6 +16,7 @@ and the first ``num_hashed_blocks`` of its blocks are registered in the cache.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -84,6 +85,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        if not all(math.isfinite(b) for _, b in self.logit_bias):
+            raise ValueError("logit_bias values must be finite numbers")
 
     @property
     def greedy(self) -> bool:

@@ -7,7 +7,7 @@ tokens of a request with ``n > 1`` are n draws from one row, draw j seeded
 with ``seed + j``: exactly what n requests with seeds seed..seed+n-1 draw.
 
 Each row is first processed (engine/logits_processing.py). Log-probabilities
-are those of the processed row over the temperature (1 when greedy), before
+are those of the processed row over the temperature (1 for temperature 0), before
 top-k/top-p truncation: the distribution the token was drawn from. Rows that
 ask for no processing and no log-probabilities cost what they always did.
 """
@@ -15,9 +15,10 @@ ask for no processing and no log-probabilities cost what they always did.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
 import torch
 
-from engine.logits_processing import needs_processing, process_row
+from engine.logits_processing import needs_processing, process_rows
 from engine.request import LOGPROB_FLOOR, SAMPLING_EPS, Logprob, Request, SamplingParams
 
 _SEED_STRIDE = 1_000_003
@@ -28,9 +29,13 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], generator: torch.G
     """Tokens (``request.draws_first_tokens`` of them) and, when asked, their
     log-probabilities for each row of float32 ``logits`` [rows, vocab], which
     are processed in place."""
-    for row, request in enumerate(requests):
-        if needs_processing(request):
-            process_row(logits[row], request, eos_token_ids)
+    processed = [row for row, request in enumerate(requests) if needs_processing(request)]
+    if len(processed) == len(requests):
+        process_rows(logits, requests, eos_token_ids)
+    elif processed:
+        rows = logits[processed]
+        process_rows(rows, [requests[r] for r in processed], eos_token_ids)
+        logits[processed] = rows
     greedy = logits.argmax(dim=-1).tolist()
     tokens: list[list[int]] = []
     for row, request in enumerate(requests):
@@ -47,12 +52,14 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], generator: torch.G
 def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: Sequence[int]) -> list[Logprob]:
     """A Logprob per row of ``logprobs`` [rows, vocab]: ``chosen[r]``'s and the ``ks[r]`` most likely."""
     k = max(ks)
-    picked = logprobs.gather(1, chosen[:, None])[:, 0].clamp(min=LOGPROB_FLOOR).tolist()
+    picked = logprobs.gather(1, chosen[:, None])
     if k == 0:
-        return [Logprob(v) for v in picked]
+        return [Logprob(v) for v in picked[:, 0].clamp(min=LOGPROB_FLOOR).tolist()]
     values, ids = logprobs.topk(k, dim=-1)
-    values, ids = values.clamp(min=LOGPROB_FLOOR).tolist(), ids.tolist()
-    return [Logprob(v, tuple(zip(i[:n], t[:n]))) for v, i, t, n in zip(picked, ids, values, ks)]
+    # one copy to the host: [picked, k values, k ids] per row (ids are exact in float64)
+    rows = torch.cat([picked, values], dim=1).clamp(min=LOGPROB_FLOOR).double()
+    rows = torch.cat([rows, ids.double()], dim=1).tolist()
+    return [Logprob(r[0], tuple((int(t), v) for t, v in zip(r[k + 1:k + 1 + n], r[1:1 + n]))) for r, n in zip(rows, ks)]
 
 
 def _logprobs(logits: torch.Tensor, requests: Sequence[Request],
@@ -94,4 +101,6 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         drop[0] = False  # and always the most likely token: a top_p that rounds to 0 in float32 would drop all
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
+    if bool(probs[0].isnan()):  # every token masked (all -inf): no distribution; argmax as greedy does
+        return int(logits.argmax())
     return int(torch.multinomial(probs, 1, generator=generator).item())

@@ -30,8 +30,8 @@ the prompt's full blocks by reference count and gets its own copy of the
 block holding the prompt's partial last block, written past the prompt. The
 copies are queued in ``block_copies`` for the engine to make right after the
 call that forked, before anything can write into their sources. A fork that
-finds no free block for its copy waits to be recomputed like a preempted
-sequence. Sequences run, are preempted and finish on their own; ``abort``
+finds no free block for its copy, or ``max_num_seqs`` sequences running,
+waits to be recomputed like a preempted sequence. Sequences run, are preempted and finish on their own; ``abort``
 ends them all. ``requests`` maps a request id to its live sequences.
 """
 
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.prefix_cache import PrefixCache
-from engine.sequences import fork_sequence
 from engine.request import ChunkResult, Logprob, NoCapacityError, Request, RequestStatus, StepOutput
+from engine.sequences import fork_sequence
 
 
 @dataclass(frozen=True)
@@ -290,7 +290,8 @@ class Scheduler:
     def _admit_waiting(self, request: Request, budget: int, plan: SchedulePlan) -> bool:
         """Give a waiting request its cached prefix and the blocks for its next chunk, or nothing."""
         assert not request.block_ids and request.num_computed == 0
-        cached = [] if request.wants_prompt_logprobs else self.prefix.lookup(request)
+        looks_up = self.config.prefix_caching and not request.wants_prompt_logprobs
+        cached = self.prefix.lookup(request) if looks_up else []
         computed = len(cached) * self.blocks.block_size
         num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks, computed=computed)
         if num_new == 0:
@@ -302,7 +303,7 @@ class Scheduler:
         request.block_ids = cached + self.blocks.allocate(fresh)
         request.num_computed = request.num_cached_tokens = computed
         request.num_hashed_blocks = len(cached)
-        if self.config.prefix_caching:
+        if looks_up:
             plan.prefix_queried += request.num_tokens
             plan.prefix_hits += computed
         return True
@@ -361,9 +362,9 @@ class Scheduler:
 
     def _place_fork(self, child: Request, parent: Request) -> None:
         """Share the parent's full prompt blocks and copy its partial last one; with no
-        free block for the copy, wait to be recomputed."""
+        free block for the copy, or ``max_num_seqs`` running, wait to be recomputed."""
         full, partial = divmod(parent.num_prompt_tokens, self.blocks.block_size)
-        if not self.blocks.can_allocate(1 if partial else 0):
+        if not self.blocks.can_allocate(1 if partial else 0) or len(self.running) >= self.config.max_num_seqs:
             child.status = RequestStatus.WAITING
             self.waiting.appendleft(child)
             return

@@ -116,17 +116,23 @@ def test_a_prompt_logprobs_request_computes_its_whole_prompt_despite_the_prefix_
     e = engine(tiny_model)
     prompt = PROMPTS[3]
     e.generate([prompt], SamplingParams(max_tokens=2, temperature=0))  # its full blocks are cached now
-    queried = e.counters.prompt_tokens
+    computed, queried = e.counters.prompt_tokens, e.counters.prefix_queries_tokens
     got = run(e, {"r": (prompt, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1))})
-    assert e.counters.prompt_tokens - queried == len(prompt)  # not only the last, uncached block
+    assert e.counters.prompt_tokens - computed == len(prompt)  # not only the last, uncached block
+    assert e.counters.prefix_queries_tokens == queried  # and the cache was not asked
     check_prompt(tiny_model, prompt, 1, got["r"]["prompt"])
+
+
+def test_bad_logit_bias_is_refused():
+    with pytest.raises(ValueError, match="logit_bias values must be finite"):
+        SamplingParams(logit_bias=((5, float("-inf")),))
 
 
 def test_a_token_of_probability_zero_reports_the_floor_not_minus_infinity(tiny_model):
     e = engine(tiny_model)
     vocab = e.hf_config.vocab_size
     allowed = (5, 6, 7)
-    bias = tuple((t, float("-inf")) for t in range(vocab) if t not in allowed)
+    bias = tuple((t, -1e30) for t in range(vocab) if t not in allowed)  # their probability underflows to 0
     got = run(e, {"r": (PROMPTS[1], SamplingParams(max_tokens=3, temperature=0, logprobs=5, logit_bias=bias))})
     assert set(got["r"]["tokens"]) <= set(allowed)
     for lp in got["r"]["logprobs"]:
@@ -146,3 +152,18 @@ def test_prompt_logprobs_survive_a_preemption_mid_prompt(tiny_model):
     for rid, (prompt, sampling) in requests.items():
         check_prompt(tiny_model, prompt, 2, got[rid]["prompt"])
         check_sampled(tiny_model, prompt, sampling, got[rid])
+
+
+def test_requests_asking_for_none_of_it_compute_no_log_softmax_and_no_processing(tiny_model, monkeypatch):
+    from engine import sampler
+
+    calls = []
+    log_softmax, process_rows = torch.log_softmax, sampler.process_rows
+    monkeypatch.setattr(torch, "log_softmax", lambda *a, **k: calls.append("log_softmax") or log_softmax(*a, **k))
+    monkeypatch.setattr(sampler, "process_rows", lambda *a: calls.append("process") or process_rows(*a))
+    e = engine(tiny_model)
+    e.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0))
+    e.generate(PROMPTS, SamplingParams(max_tokens=4, temperature=0.7, seed=1))
+    assert calls == []
+    e.generate(PROMPTS[:1], SamplingParams(max_tokens=1, temperature=0, logprobs=1, repetition_penalty=1.1))
+    assert calls == ["process", "log_softmax"]

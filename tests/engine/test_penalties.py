@@ -155,3 +155,22 @@ def test_token_ids_outside_the_vocabulary_in_logit_bias_or_stop_token_ids_are_re
         with pytest.raises(ValueError, match="outside the vocabulary"):
             e.add_request("x", PROMPT, SamplingParams(**bad))
     assert e.block_counts()["free"] == 64
+
+
+def test_seeded_sampling_with_processing_is_the_same_split_over_two_engines(tiny_model):
+    prompt = repeating_prompt(tiny_model)
+    p = SamplingParams(max_tokens=10, temperature=0.9, seed=3, ignore_eos=True, **CASES["combined"])
+    colocated = engine(tiny_model)
+    colocated.add_request("r", prompt, p)
+    want = collect(colocated)["r"]["tokens"]
+    unprocessed = engine(tiny_model).generate([prompt], SamplingParams(max_tokens=10, temperature=0.9, seed=3,
+                                                                       ignore_eos=True))[0].token_ids
+    assert want != unprocessed
+    prefill, decode = engine(tiny_model, mode="prefill"), engine(tiny_model, mode="decode")
+    blocks = decode.reserve("r", prompt, p)
+    prefill.add_request("r", prompt, p)
+    (out,) = [o for _ in range(8) for o in prefill.step()]
+    copy_prompt_kv(prefill, out.block_ids, decode, blocks, len(prompt))
+    prefill.release("r")
+    tokens = [t for o in decode.admit_remote("r", out.new_token_ids) for t in o.new_token_ids]
+    assert tokens + collect(decode)["r"]["tokens"] == want

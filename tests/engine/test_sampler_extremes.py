@@ -25,3 +25,21 @@ def test_half_precision_logits_over_a_small_temperature_still_sample(dtype):
     params = SamplingParams(temperature=2e-5, top_p=5e-324, top_k=7, seed=3)
     ((tokens, _),) = sample(logits, rows(params), torch.Generator())
     assert tokens == [int(logits.float().argmax())]
+
+
+def test_minus_infinity_log_probabilities_are_reported_as_the_floor():
+    from engine.request import LOGPROB_FLOOR, Logprob
+    from engine.sampler import top_logprobs
+
+    logprobs = torch.tensor([[0.0, float("-inf")]])
+    assert top_logprobs(logprobs, torch.tensor([1]), [2]) == [Logprob(LOGPROB_FLOOR, ((0, 0.0), (1, LOGPROB_FLOOR)))]
+    assert top_logprobs(logprobs, torch.tensor([1]), [0]) == [Logprob(LOGPROB_FLOOR)]
+
+
+def test_a_row_with_every_token_masked_samples_like_greedy_instead_of_raising():
+    # min_tokens holds back the only tokens left: every logit is -inf
+    logits = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    masked = dict(min_tokens=3, stop_token_ids=(0, 1, 2, 3))
+    params = [SamplingParams(temperature=0.7, seed=1, **masked), SamplingParams(temperature=0, **masked)]
+    draws = sample(logits.clone(), rows(*params), torch.Generator())
+    assert draws == [([0], None), ([0], None)]

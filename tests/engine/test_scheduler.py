@@ -173,3 +173,33 @@ def test_prefill_mode_holds_blocks_until_released():
     s.release("p")
     assert s.block_counts() == {"free": 8, "reserved": 0, "running": 0}
     s.check_integrity()
+
+
+def test_n_sequences_fork_after_the_first_tokens_sharing_full_blocks_and_copying_the_partial_one():
+    s = make(num_blocks=8, block_size=4)
+    s.add(Request("a", list(range(1, 7)), SamplingParams(n=3, temperature=0)))  # block 0 full, block 1 partial
+    plan = s.schedule()
+    outs = s.update(plan, {plan.chunks[0].request: ChunkResult([10, 11, 12])})
+    assert [(o.request_id, o.index, o.new_token_ids, o.finished) for o in outs] == [
+        ("a", 0, [10], False), ("a", 1, [11], False), ("a", 2, [12], False)]
+    assert [r.block_ids for r in s.requests["a"]] == [[0, 1], [0, 2], [0, 3]]
+    assert [r.output_token_ids for r in s.requests["a"]] == [[10], [11], [12]]
+    assert s.take_block_copies() == [(1, 2), (1, 3)] and s.take_block_copies() == []
+    assert [s.blocks.blocks[i].ref_count for i in range(4)] == [3, 1, 1, 1]
+    s.check_integrity()
+    assert plan_shape(s.schedule()) == [("a", 6, 1, True)] * 3
+    assert s.abort("a")
+    assert s.block_counts() == {"free": 8, "reserved": 0, "running": 0}
+    s.check_integrity()
+
+
+def test_admit_remote_forks_the_reservation_into_its_n_sequences():
+    s = make(num_blocks=8, block_size=4, mode="decode")
+    assert s.reserve(Request("r", list(range(1, 9)), SamplingParams(n=2, temperature=0))) == [0, 1, 2]  # 8 + 1
+    outs = s.admit_remote("r", [5, 6])
+    assert [(o.index, o.new_token_ids) for o in outs] == [(0, [5]), (1, [6])]
+    assert [r.block_ids for r in s.requests["r"]] == [[0, 1, 2], [0, 1]]  # nothing partial to copy
+    assert s.take_block_copies() == []
+    assert plan_shape(s.schedule()) == [("r", 8, 1, True)] * 2
+    assert [r.block_ids for r in s.requests["r"]] == [[0, 1, 2], [0, 1, 3]]
+    s.check_integrity()
