@@ -233,7 +233,7 @@ class OpenAIHandlers:
                 yield sse_event(chunk(i, out.Delta(role="assistant", content="")), exclude=usage_field)
             async for d in choice_deltas(p, sessions, self.model.tokenizer):
                 counts[d.index] = d.completion_tokens
-                if d.prompt_logprobs is not None and p.prompt_top is not None:
+                if d.prompt_logprobs is not None and p.prompt_top is not None and d.index == 0:  # one prompt
                     first = chunk(d.index, out.Delta(content=""))
                     first.prompt_logprobs = self._prompt_logprobs(p, 0, d.prompt_logprobs)
                     yield sse_event(first, exclude=usage_field - {"prompt_logprobs"})

@@ -114,3 +114,21 @@ def test_a_prompt_of_the_list_that_cannot_be_served_fails_the_request_and_aborts
         with pytest.raises(openai.BadRequestError):
             sdk(c).completions.create(model="tiny", prompt=["a", [99999]], max_tokens=1)
     assert fake.opened == []
+
+
+def test_streamed_prompt_logprobs_come_once_for_chat_and_on_each_completion_choice_s_first_chunk(model):
+    fake = FakeWorkerClient(reply=reply_ids(model, "ok"))
+    with make_client(model, fake) as c:
+        chat = list(sdk(c).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
+                                                   stream=True, extra_body={"prompt_logprobs": 0}))
+        comp = list(sdk(c).completions.create(model="tiny", prompt="ab", n=2, stream=True, max_tokens=2,
+                                              extra_body={"prompt_logprobs": 0}))
+    prompt = fake.opened[0][1].prompt_token_ids
+    with_prompt = [ch.model_extra["prompt_logprobs"] for ch in chat if ch.model_extra.get("prompt_logprobs")]
+    assert len(with_prompt) == 1 and len(with_prompt[0]) == len(prompt) and with_prompt[0][0] is None
+    firsts = {}
+    for ch in comp:
+        firsts.setdefault(ch.choices[0].index, ch.choices[0].model_extra["prompt_logprobs"])
+    (b,) = reply_ids(model, "b")
+    assert firsts == {i: [None, {str(b): {"logprob": -102.0, "rank": None, "decoded_token": "b"}}] for i in (0, 1)}
+    assert "".join(ch.choices[0].text for ch in comp if ch.choices[0].index == 1) == "ok"
