@@ -113,11 +113,16 @@ class ChoiceText:
         return ChoiceDelta(self.index, out, tokens, self.finish_reason, self.count)
 
     def _release(self) -> list[Scored]:
-        """The pending tokens whose text is all out (a token's text ends where the next one's starts)."""
+        """The pending tokens whose text is all out (a token's text ends where the next one's
+        starts), up to the last one that added text: a token that added none yet (the first
+        bytes of a character) waits for the text it is part of."""
         ends = [start for start, _ in self._pending[1:]] + [self._decoded]
         cut = 0
-        while cut < len(self._pending) and ends[cut] <= self._emitted:
-            cut += 1
+        for k, (start, _) in enumerate(self._pending):
+            if ends[k] > self._emitted:
+                break
+            if ends[k] > start:
+                cut = k + 1
         out = [s for _, s in self._pending[:cut]]
         del self._pending[:cut]
         return out
