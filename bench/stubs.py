@@ -156,7 +156,7 @@ def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: flo
                                  json={"transfer_id": req.reservation.transfer_id})
         finally:
             stats.prefilling -= 1
-        result = PrefillResult(request_id=req.request_id, first_token_id=STUB_TOKENS[0],
+        result = PrefillResult(request_id=req.request_id, first_token_ids=[STUB_TOKENS[0]],
                                num_tokens=len(req.prompt_token_ids), transfer_bytes=0, seconds=0.0)
         return Response(result.model_dump_json(), media_type="application/json")
 

@@ -56,6 +56,7 @@ from server_common.worker_replies import (
     ReservationEvent,
     TokensEvent,
     WorkerError,
+    tokens_event,
 )
 from server_common.worker_requests import GenerateRequest
 from transfer.outcome import Outcome, TransferEnded
@@ -80,7 +81,8 @@ class Active:
     queue: asyncio.Queue
     transfer_id: str | None = None
     lease: asyncio.TimerHandle | None = None
-    finished: bool = False
+    finished: bool = False  # every sequence's last event was sent
+    sequences: int = 1  # how many sequences' last events the stream waits for (sampling.n)
     started: float = field(default_factory=time.monotonic)
     trace: StreamTrace | None = None
 
@@ -148,7 +150,7 @@ class GenerationService:
                               retry_after=1)
         sampling = req.sampling.engine_params()
         local = req.local_prefill or self.settings.role == "colocated"
-        active = Active(rid, self._hub.open(rid),
+        active = Active(rid, self._hub.open(rid), sequences=sampling.n,
                         trace=StreamTrace(self.tracing, self.timeline, req.trace, rid, not local, self.settings.name))
         self._active[rid] = active
         try:
@@ -229,9 +231,14 @@ class GenerationService:
                 event = await active.queue.get()
                 active.trace.event(event)
                 yield event.model_dump_json() + "\n"
-                if isinstance(event, ErrorEvent) or (isinstance(event, TokensEvent) and event.finish_reason):
+                if isinstance(event, ErrorEvent):
                     active.finished = True
                     return
+                if isinstance(event, TokensEvent) and event.finish_reason:
+                    active.sequences -= 1
+                    if active.sequences == 0:
+                        active.finished = True
+                        return
         finally:
             # Shielded: after a disconnect the scope is cancelled and any await would raise at once.
             with anyio.CancelScope(shield=True):
@@ -271,8 +278,7 @@ class GenerationService:
             self.faults.step_delay()
         for out in outputs:
             self.metrics.tokens.inc(len(out.new_token_ids))
-            reason = out.finish_reason if out.finished else None
-            self._hub.publish(out.request_id, TokensEvent(token_ids=out.new_token_ids, finish_reason=reason))
+            self._hub.publish(out.request_id, tokens_event(out))
 
     def _drop(self, e: LLMEngine, request_id: str, transfer_id: str | None) -> None:
         """The request's client left. A reservation still waiting for KV is cancelled
@@ -298,12 +304,15 @@ class GenerationService:
             log.info("ignoring the end of unknown transfer %s", ended.transfer_id)
             return
         outcome, reason = ended.outcome, ended.reason
-        problem = e.remote_token_problem(pending.request_id, [ended.first_token]) if ended.ok else None
-        if ended.ok and problem is None:
-            self.metrics.kv_wait_seconds.observe(max(0.0, ended.at - pending.reserved_at))
-            self._emit(e, e.admit_remote(pending.request_id, [ended.first_token]))
-            return
-        if ended.ok:  # a first token no model of ours has, or one the request's grammar forbids
+        firsts = list(ended.first_tokens or ())
+        if ended.ok:  # one first token per sequence, each one this model has and the grammar allows
+            problem = e.remote_token_problem(pending.request_id, firsts)
+            if problem is None and len(firsts) != pending.sampling.n:
+                problem = f"{len(firsts)} first tokens for {pending.sampling.n} sequences"
+            if problem is None:
+                self.metrics.kv_wait_seconds.observe(max(0.0, ended.at - pending.reserved_at))
+                self._emit(e, e.admit_remote(pending.request_id, firsts))
+                return
             outcome, reason = Outcome.BAD_NOTICE, problem
         e.abort(pending.request_id)  # the receiver reported the id: no write can land in these blocks now
         self._remote_kv_failed(e, pending, outcome, reason)

@@ -44,7 +44,7 @@ from server_common.settings import ServerSettings
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
 from server_common.vitals import Vitals
-from server_common.worker_replies import HealthReport, KVBlocks, PrefillResult, WorkerError
+from server_common.worker_replies import HealthReport, KVBlocks, PrefillResult, WorkerError, prompt_token_logprobs, token_logprobs
 from server_common.worker_requests import PrefillRequest
 from transfer.outcome import Outcome, TransferEnded
 
@@ -59,7 +59,7 @@ class Job:
     num_cached_tokens: int  # the decode server holds these already: they are not sent
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    first_token: int | None = None  # set once the prompt is computed; the blocks are then held for the transfer
+    prefilled_out: StepOutput | None = None  # set once the prompt is computed; the blocks are then held for the transfer
     started: float = field(default_factory=time.monotonic)
     computing: float | None = None  # when the first layer of its first chunk was computed
     prefilled: float | None = None  # when the last layer was computed and the first token sampled
@@ -234,12 +234,12 @@ class PrefillService:
                 e.abort(out.request_id)
                 continue
             assert out.finish_reason == "prefilled", out
-            job.first_token = out.new_token_ids[0]
+            job.prefilled_out = out
             job.prefilled = time.monotonic()
             computing = job.computing if job.computing is not None else job.prefilled
             self.metrics.prefill_queue_seconds.observe(computing - job.started)
             self.metrics.prefill_compute_seconds.observe(job.prefilled - computing)
-            self._sender.finish(job.transfer_id, job.first_token)
+            self._sender.finish(job.transfer_id, out.new_token_ids)
 
     def _collect_transfers(self, e: LLMEngine) -> None:
         """Between two steps: release the blocks of every transfer that ended and answer its call."""
@@ -252,7 +252,7 @@ class PrefillService:
         if job is None:
             return  # aborted earlier
         job.ended = ended
-        if job.first_token is not None:
+        if job.prefilled_out is not None:
             e.release(rid)
         else:
             e.abort(rid)  # failed before the prompt was done (decode side cancelled, peer gone)
@@ -270,8 +270,11 @@ class PrefillService:
         self.metrics.transfer_gbps.observe(nbytes / max(on_wire, 1e-9) / 1e9)
         if job.prefilled is not None:
             self.metrics.transfer_exposed_seconds.observe(max(0.0, ended.at - job.prefilled))
-        job.resolve(PrefillResult(request_id=rid, first_token_id=job.first_token, num_tokens=job.num_tokens,
-                                  transfer_bytes=nbytes, seconds=seconds))
+        out = job.prefilled_out
+        job.resolve(PrefillResult(
+            request_id=rid, first_token_ids=out.new_token_ids, num_tokens=job.num_tokens, transfer_bytes=nbytes,
+            seconds=seconds, first_logprobs=token_logprobs(out.logprobs),
+            prompt_logprobs=prompt_token_logprobs(out.prompt_logprobs)))
 
     def health(self) -> HealthReport:
         s = self.engine_thread.stats.scheduler

@@ -1,8 +1,8 @@
 """Client -> router: the OpenAI request bodies pdserve accepts.
 
-Fields OpenAI defines but pdserve cannot honour yet (``n`` > 1, ``logprobs``,
-``echo``, tools, ...) are parsed with the one value that means "off" as the
-only valid one (``echo: false``), so that asking for them is a clear 400
+Fields OpenAI defines but pdserve does not honour (``best_of`` other than
+``n``, ``suffix``, content parts other than text) are parsed with the values
+it takes as the only valid ones, so that asking for more is a clear 400
 instead of being silently ignored, and the published schema says so. Unknown
 fields are ignored, as vLLM does, so SDKs that send newer arguments keep
 working.
@@ -22,7 +22,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstr
 
 from router.errors import OpenAIError
 from router.openapi import MAX_NEW_TOKENS, TOKEN_ID
-from server_common.worker_requests import MAX_STOP_TOKEN_IDS
+from server_common.worker_requests import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
 
 
 def _integral(value: Any) -> Any:
@@ -74,7 +74,7 @@ class SamplingFields(StructuredFields):
     top_k: integer(ge=-1, le=1 << 24) | None = None  # the ranges of server_common.worker_requests
     seed: integer(ge=-JSON_EXACT, le=JSON_EXACT) | None = None
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP)] | None = None
-    n: integer(ge=1, le=1) | None = Field(default=1, description="only 1: several sequences are not supported yet")
+    n: integer(ge=1, le=MAX_N) | None = 1  # sequences sampled from one prefill
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[TokenKey, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
@@ -84,6 +84,7 @@ class SamplingFields(StructuredFields):
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)  # 1 = off
     min_tokens: integer(ge=0) | None = Field(default=None, json_schema_extra=NEW_TOKENS)  # <= the max_tokens
     stop_token_ids: list[TokenIdValue] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
+    prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
 
     @field_validator("logit_bias", mode="wrap")
     @classmethod
@@ -120,35 +121,48 @@ class SamplingFields(StructuredFields):
                               param="min_tokens", code="invalid_value")
 
     @property
+    def num_sequences(self) -> int:
+        return self.n or 1
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+MAX_PROMPTS = 64  # choices (prompts times n) of one completion request
 
 
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
-    # one prompt, as text or token ids (a list of prompts holds one: several per request are not supported yet)
+    # text or token ids, or a list of them: one choice (times n) per prompt
     prompt: (NonEmpty | Annotated[list[TokenIdValue], Field(min_length=1)]
-             | Annotated[list[NonEmpty], Field(min_length=1, max_length=1)]
-             | Annotated[list[Annotated[list[TokenIdValue], Field(min_length=1)]], Field(min_length=1, max_length=1)])
-    max_tokens: integer(ge=1) | None = Field(default=16, json_schema_extra=NEW_TOKENS)
-    logprobs: None = Field(default=None, description="not supported yet")
-    echo: Literal[False] = Field(default=False, description="not supported yet")
-    best_of: integer(ge=1, le=1) | None = Field(default=None, description="must equal n")
+             | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)]
+             | Annotated[list[Annotated[list[TokenIdValue], Field(min_length=1)]],
+                         Field(min_length=1, max_length=MAX_PROMPTS)])
+    max_tokens: integer(ge=0) | None = Field(default=16, json_schema_extra=NEW_TOKENS)  # 0: only with echo
+    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    echo: bool = False
+    best_of: integer(ge=1, le=MAX_N) | None = Field(default=None, description="must equal n")
     suffix: None = Field(default=None, description="not supported")
 
     def check_supported(self) -> None:
         self.check_common()
+        if self.max_tokens == 0 and not self.echo:
+            raise OpenAIError(400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens",
+                              code="invalid_value")
         if self.best_of is not None and self.best_of != (self.n or 1):
             raise OpenAIError(400, "best_of must equal n (pdserve returns every sequence it samples)",
-                              param="best_of")
+                              param="best_of", code="invalid_value")
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt of this request, as text or token ids."""
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts, each as text or token ids (a list of them: one choice each)."""
         prompt = self.prompt
-        if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        return prompt
+        prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(prompts) * self.num_sequences > MAX_PROMPTS:
+            raise OpenAIError(400, f"at most {MAX_PROMPTS} choices (prompts times n) per request", param="prompt",
+                              code="invalid_value")
+        return prompts
 
 
 class TextPart(BaseModel):
@@ -181,14 +195,17 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: integer(ge=1) | None = Field(default=None, json_schema_extra=NEW_TOKENS)
     max_completion_tokens: integer(ge=1) | None = Field(default=None, json_schema_extra=NEW_TOKENS)
-    logprobs: Literal[False] | None = Field(default=None, description="not supported yet")
-    top_logprobs: integer(ge=0, le=0) | None = Field(default=None, description="not supported yet")
+    logprobs: bool | None = None
+    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
     tools: list[Any] | None = None  # checked by router/tools.py
     tool_choice: Any = None
     add_generation_prompt: bool = True  # vLLM extension
 
     def check_supported(self) -> None:
         self.check_common()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs",
+                              code="invalid_value")
 
     def max_new_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""

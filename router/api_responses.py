@@ -35,11 +35,52 @@ class Usage(Answer):
         )
 
 
+class TopLogprob(Answer):
+    """A token of chat ``logprobs.content[i].top_logprobs``."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Answer):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(Answer):
+    """A completion choice's ``logprobs`` (the legacy shape): one entry per token; the
+    first echoed prompt token has no log-probability (null)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class PromptLogprob(Answer):
+    """vLLM's ``prompt_logprobs`` entry; ``rank`` (1 = most likely) is null for a prompt
+    token outside the top ones asked for."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's ``prompt_logprobs``: per prompt token, token id -> its entry (null for the first token)
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(Answer):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension
 
 
 class Completion(Answer):
@@ -78,7 +119,7 @@ class ToolCallMessage(Answer):
 class ChatChoice(Answer):
     index: int = 0
     message: AssistantMessage | ToolCallMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -89,6 +130,7 @@ class ChatCompletion(Answer):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension (one prompt per chat request)
 
 
 class Delta(Answer):
@@ -117,7 +159,7 @@ class ToolCallsDelta(Answer):
 class ChatChunkChoice(Answer):
     index: int = 0
     delta: Delta | ToolCallsDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -128,6 +170,7 @@ class ChatCompletionChunk(Answer):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension: on the first chunk, when asked for
 
 
 class ModelCard(Answer):

@@ -1,10 +1,11 @@
 """The OpenAI endpoints' logic, between the thin routes and the dispatcher.
 
-Each handler validates and tokenizes, opens a dispatch ``Session`` (so that
-"no room" or a dead cluster is an HTTP status, not a broken stream), then
-either collects the whole answer or returns an async iterator of SSE events.
-The session is closed in ``finally`` on every path, so a client that goes
-away or a stop string aborts the request on the servers.
+Each handler validates and tokenizes, opens a dispatch ``Session`` per prompt
+(so that "no room" or a dead cluster is an HTTP status, not a broken stream),
+then either collects the whole answer or returns an async iterator of SSE
+events, from the choices' deltas (router/fanout.py). The sessions are closed
+in ``finally`` on every path, so a client that goes away or a stop string
+aborts the request on the servers.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import anyio
 
@@ -26,11 +26,13 @@ from router.limits import RequestLimits
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.sse import DONE, ChunkTemplate, sse_event
+from router.choices import TokenStrings
+from router.fanout import Collected, Prepared, SessionGroup, choice_deltas
+from router.logprob_shapes import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
 from router.structured import checked_spec
-from router.textstream import IncrementalDetokenizer, StopMatcher
 from router.timeline import RequestTimeline
 from router.tool_calls import ToolCallStream, chat_message
-from router.tools import ToolPlan, plan_tools
+from router.tools import plan_tools
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing, TracingSettings
 from server_common.worker_requests import SamplingSpec
@@ -42,27 +44,8 @@ from server_common.worker_requests import SamplingSpec
 LONG_PROMPT_CHARS = 8192
 
 
-@dataclass(frozen=True)
-class TextDelta:
-    text: str
-    finish_reason: str | None  # "stop" | "length" on the last delta
-    completion_tokens: int
-
-
-@dataclass
-class Prepared:
-    """A validated request, ready to dispatch."""
-
-    request_id: str
-    endpoint: str
-    prompt: list[int]
-    sampling: SamplingSpec
-    stops: list[str]
-    timeline: RequestTimeline
-    tools: ToolPlan = ToolPlan()
-
-
-def sampling_spec(req: SamplingFields, max_tokens: int) -> SamplingSpec:
+def sampling_spec(req: SamplingFields, max_tokens: int, logprobs: int | None = None,
+                  prompt_logprobs: int | None = None) -> SamplingSpec:
     """The request's sampling fields as the servers take them (validated: see ``SamplingFields``).
     A field the request leaves out gets SamplingSpec's default, written once there."""
     given = {name: value for name, value in (
@@ -77,8 +60,16 @@ def sampling_spec(req: SamplingFields, max_tokens: int) -> SamplingSpec:
         ignore_eos=req.ignore_eos,
         logit_bias=tuple((int(token), bias) for token, bias in (req.logit_bias or {}).items()),
         stop_token_ids=tuple(req.stop_token_ids or ()),
+        n=req.num_sequences,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         **given,
     )
+
+
+def _most(*values: int | None) -> int | None:
+    given = [v for v in values if v is not None]
+    return max(given) if given else None
 
 
 class OpenAIHandlers:
@@ -90,6 +81,7 @@ class OpenAIHandlers:
         self.limits = limits or RequestLimits()
         self.tracing = tracing or Tracing(TracingSettings(), "pdserve-router")
         self.timeline = TimelineLog()  # GET /debug/timeline
+        self.token_strings = TokenStrings(model.tokenizer)
         # One thread: the tokenizer is only ever used by the event loop and this thread, with the same
         # settings (no truncation or padding), so no call changes its state under another.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
@@ -121,164 +113,230 @@ class OpenAIHandlers:
         max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_new_tokens(), "messages",
                                                    tokens_param)
         req.check_tokens(self.model.vocab_size, max_tokens)
-        sampling = sampling_spec(req, max_tokens).model_copy(update={"structured": structured})
-        return Prepared(request_id, "chat", prompt, sampling, req.stop_strings(),
-                        self._timeline(request_id, traceparent), tools)
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        sampling = sampling_spec(req, max_tokens, top, req.prompt_logprobs).model_copy(update={"structured": structured})
+        return Prepared(request_id, "chat", [prompt], sampling, req.stop_strings(),
+                        self._timeline(request_id, traceparent), top_logprobs=top, prompt_top=req.prompt_logprobs,
+                        tools=tools)
 
     def prepare_completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
         self.model.check_name(req.model)
         req.check_supported()
         structured = checked_spec(req.structured_constraints())
-        prompt = self.model.encode_prompt(req.single_prompt())
-        max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_tokens, "prompt",
-                                                   explicit="max_tokens" in req.model_fields_set)
-        req.check_tokens(self.model.vocab_size, max_tokens)
-        sampling = sampling_spec(req, max_tokens).model_copy(update={"structured": structured})
-        return Prepared(request_id, "completions", prompt, sampling, req.stop_strings(),
-                        self._timeline(request_id, traceparent))
+        given = req.prompts()
+        prompts = [self.model.encode_prompt(x) for x in given]
+        requested = 1 if req.max_tokens == 0 else req.max_tokens
+        budget = min(self.limits.completion_budget(self.model, len(x), requested, "prompt",
+                                                   explicit="max_tokens" in req.model_fields_set) for x in prompts)
+        req.check_tokens(self.model.vocab_size, budget)
+        # With echo and logprobs the prompt tokens are scored too.
+        prompt_top = _most(req.prompt_logprobs, req.logprobs if req.echo else None)
+        texts = None
+        if req.echo:
+            texts = [x if isinstance(x, str) else self.model.tokenizer.decode(x, skip_special_tokens=True)
+                     for x in given]
+        sampling = sampling_spec(req, budget, req.logprobs, prompt_top).model_copy(update={"structured": structured})
+        return Prepared(request_id, "completions", prompts, sampling, req.stop_strings(), self._timeline(request_id, traceparent), prompt_texts=texts,
+                        top_logprobs=req.logprobs, prompt_top=req.prompt_logprobs, echo=req.echo,
+                        drop_generated=req.max_tokens == 0)
 
     def _timeline(self, request_id: str, traceparent: str | None) -> RequestTimeline:
         return RequestTimeline(self.metrics, self.tracing, self.timeline, request_id, traceparent)
 
     # ---- running -----------------------------------------------------------
 
-    async def open(self, p: Prepared) -> Session:
-        try:
-            session = await self.dispatcher.start(p.request_id, p.prompt, p.sampling, p.timeline.traceparent)
-        except OpenAIError as exc:
-            p.timeline.failed(exc.code or str(exc.status))
+    async def open(self, p: Prepared) -> list[Session]:
+        """One session per prompt, opened together; if one cannot open, the others are closed."""
+        ids = [p.request_id] if len(p.prompts) == 1 else [f"{p.request_id}-{j}" for j in range(len(p.prompts))]
+        trace = p.timeline.traceparent
+        opened = await asyncio.gather(*(self.dispatcher.start(rid, prompt, p.sampling, trace)
+                                        for rid, prompt in zip(ids, p.prompts)), return_exceptions=True)
+        failed = [x for x in opened if isinstance(x, BaseException)]
+        if failed:
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*(s.close() for s in opened if isinstance(s, Session)))
+            exc = failed[0]
+            p.timeline.failed(exc.code or str(exc.status) if isinstance(exc, OpenAIError) else "error")
             p.timeline.close()
-            raise
-        p.timeline.opened(len(p.prompt), local_prefill=session.reservation is None)
-        return session
+            raise exc
+        p.timeline.opened(p.num_prompt_tokens, local_prefill=opened[0].reservation is None)
+        return opened
 
-    async def text_deltas(self, p: Prepared, session: Session) -> AsyncIterator[TextDelta]:
-        """Detokenized, stop-string-cut text; the last delta carries the finish reason."""
-        detok = IncrementalDetokenizer(self.model.tokenizer, p.prompt)
-        stops = StopMatcher(p.stops)
-        timing = p.timeline
-        count = 0
-        async for event in session.deltas():
-            timing.tokens(len(event.token_ids))
-            count += len(event.token_ids)
-            text = stops.push(detok.push(event.token_ids))
-            if not stops.stopped and event.finish_reason is not None:
-                text += stops.push(detok.flush())
-                text += stops.flush()
-            if stops.stopped:
-                timing.finished("stop", count)
-                yield TextDelta(text, "stop", count)
-                break
-            if event.finish_reason == "abort":
-                raise OpenAIError(500, f"request {p.request_id} was aborted by the decode server")
-            if event.finish_reason is not None:
-                timing.finished(event.finish_reason, count)
-                yield TextDelta(text, event.finish_reason, count)
-                break
-            if text:
-                yield TextDelta(text, None, count)
+    async def close(self, p: Prepared, sessions: list[Session], count: int) -> None:
+        # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
+        with anyio.CancelScope(shield=True):
+            await SessionGroup(sessions).close()
+        p.timeline.close(sessions[0], count)
 
-    async def collect(self, p: Prepared) -> tuple[str, str, int, int]:
-        """Text, finish reason, completion tokens, cached prompt tokens."""
-        session = await self.open(p)
-        parts, reason, count = [], "length", 0
+    async def collect(self, p: Prepared) -> tuple[list[Collected], list[Session]]:
+        """Every choice's whole answer, in choice order."""
+        sessions = await self.open(p)
+        n = p.sampling.n
+        got = [Collected() for _ in range(len(p.prompts) * n)]
         try:
-            async for delta in self.text_deltas(p, session):
-                parts.append(delta.text)
-                reason = delta.finish_reason or reason
-                count = delta.completion_tokens
-            return "".join(parts), reason, count, session.cached_tokens
+            async for d in choice_deltas(p, sessions, self.model.tokenizer):
+                got[d.index].add(d)
+            self._finished(p, got)
+            return got, sessions
         except OpenAIError as exc:
             p.timeline.failed(exc.code or str(exc.status))
             raise
         finally:
-            # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
-            with anyio.CancelScope(shield=True):
-                await session.close()
-            p.timeline.close(session, count)
+            await self.close(p, sessions, sum(c.count for c in got))
+
+    @staticmethod
+    def _finished(p: Prepared, got: list[Collected]) -> None:
+        p.timeline.finished(got[0].finish_reason or "length", sum(c.count for c in got))
+
+    def _usage(self, p: Prepared, sessions: list[Session], completion_tokens: int) -> out.Usage:
+        return out.Usage.of(p.num_prompt_tokens, completion_tokens, sum(s.cached_tokens for s in sessions))
+
+    def _prompt_logprobs(self, p: Prepared, j: int, logprobs) -> out.PromptLogprobs | None:
+        if p.prompt_top is None or logprobs is None:
+            return None
+        return prompt_logprobs(p.prompts[j], logprobs, p.prompt_top, self.token_strings)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None):
         chars = sum(len(m.text()) for m in req.messages)
         p = await self._prepare(lambda: self.prepare_chat(req, request_id, traceparent), chars)
         if req.stream:
-            session = await self.open(p)
-            return session, self._chat_stream(p, req, session)
-        text, reason, count, cached = await self.collect(p)
-        message, reason = chat_message(text, reason, p.tools.parse)
+            sessions = await self.open(p)
+            return SessionGroup(sessions), self._chat_stream(p, req, sessions)
+        got, sessions = await self.collect(p)
+        choices = []
+        for i, c in enumerate(got):
+            message, reason = chat_message(c.text, c.finish_reason, p.tools.parse)
+            logprobs = None if p.top_logprobs is None else chat_logprobs(c.tokens, p.top_logprobs, self.token_strings)
+            choices.append(out.ChatChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
         return None, out.ChatCompletion(
-            id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name,
-            choices=[out.ChatChoice(message=message, finish_reason=reason)],
-            usage=out.Usage.of(len(p.prompt), count, cached),
-        )
+            id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name, choices=choices,
+            usage=self._usage(p, sessions, sum(c.count for c in got)),
+            prompt_logprobs=self._prompt_logprobs(p, 0, got[0].prompt_logprobs))
 
     async def completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None):
         chars = len(req.prompt) if isinstance(req.prompt, str) else sum(len(x) for x in req.prompt
                                                                            if isinstance(x, str))
         p = await self._prepare(lambda: self.prepare_completion(req, request_id, traceparent), chars)
         if req.stream:
-            session = await self.open(p)
-            return session, self._completion_stream(p, req, session)
-        text, reason, count, cached = await self.collect(p)
+            sessions = await self.open(p)
+            return SessionGroup(sessions), self._completion_stream(p, req, sessions)
+        got, sessions = await self.collect(p)
+        n = p.sampling.n
+        choices = []
+        for i, c in enumerate(got):
+            logprobs = None
+            if p.top_logprobs is not None:
+                logprobs = CompletionLogprobsBuilder(p.top_logprobs, self.token_strings).build(c.tokens)
+            choices.append(out.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
+                                                logprobs=logprobs,
+                                                prompt_logprobs=self._prompt_logprobs(p, i // n, c.prompt_logprobs)))
         return None, out.Completion(
-            id=f"cmpl-{request_id}", created=int(time.time()), model=self.model.name,
-            choices=[out.CompletionChoice(text=text, finish_reason=reason)],
-            usage=out.Usage.of(len(p.prompt), count, cached),
+            id=f"cmpl-{request_id}", created=int(time.time()), model=self.model.name, choices=choices,
+            usage=self._usage(p, sessions, sum(c.count for c in got)),
         )
 
     # ---- streams -----------------------------------------------------------
 
-    async def _chat_stream(self, p: Prepared, req: ChatCompletionRequest, session: Session) -> AsyncIterator[str]:
-        usage_field = None if req.include_usage else {"usage"}
-
-        def chunk(delta: out.Delta | out.ToolCallsDelta, finish_reason=None) -> out.ChatCompletionChunk:
-            return out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name,
-                                           choices=[out.ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
-
+    async def _chat_stream(self, p: Prepared, req: ChatCompletionRequest,
+                           sessions: list[Session]) -> AsyncIterator[str]:
+        usage_field = {"prompt_logprobs"} | (set() if req.include_usage else {"usage"})
         created = int(time.time())
-        content = ChunkTemplate(lambda text, _: chunk(out.Delta(content=text)), usage_field)
-        count = 0
-        calls = ToolCallStream() if p.tools.parse else None
+
+        def chunk(index: int, delta: out.Delta | out.ToolCallsDelta, finish_reason=None,
+                  logprobs=None) -> out.ChatCompletionChunk:
+            return out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name,
+                                           choices=[out.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                                                        finish_reason=finish_reason)])
+
+        templates = {}
+        counts: dict[int, int] = {}
+        calls: dict[int, ToolCallStream] = {}  # per choice, when the answer may call tools
+        reason = None
+
+        def content(index: int, text: str) -> str:
+            if index not in templates:
+                templates[index] = ChunkTemplate(lambda t, _, i=index: chunk(i, out.Delta(content=t)), usage_field)
+            return templates[index].event(text)
+
         try:
-            yield sse_event(chunk(out.Delta(role="assistant", content="")), exclude=usage_field)
-            async for d in self.text_deltas(p, session):
-                count = d.completion_tokens
-                pieces = [d.text] if calls is None else calls.feed(d.text, d.finish_reason is not None)
-                for piece in pieces:
-                    if isinstance(piece, out.ToolCallsDelta):
-                        yield sse_event(chunk(piece), exclude=usage_field)
-                    elif piece:
-                        yield content.event(piece)
+            for i in range(len(p.prompts) * p.sampling.n):
+                yield sse_event(chunk(i, out.Delta(role="assistant", content="")), exclude=usage_field)
+            async for d in choice_deltas(p, sessions, self.model.tokenizer):
+                counts[d.index] = d.completion_tokens
+                if d.prompt_logprobs is not None and p.prompt_top is not None and d.index == 0:  # one prompt
+                    first = chunk(d.index, out.Delta(content=""))
+                    first.prompt_logprobs = self._prompt_logprobs(p, 0, d.prompt_logprobs)
+                    yield sse_event(first, exclude=usage_field - {"prompt_logprobs"})
+                logprobs = None
+                if p.top_logprobs is not None and d.tokens:
+                    logprobs = chat_logprobs(d.tokens, p.top_logprobs, self.token_strings)
+                if p.tools.parse:
+                    # Text through the call parser: content and call deltas in order; the tokens'
+                    # log-probabilities go in a chunk of their own.
+                    stream = calls.setdefault(d.index, ToolCallStream())
+                    for piece in stream.feed(d.text, d.finish_reason is not None):
+                        if isinstance(piece, out.ToolCallsDelta):
+                            yield sse_event(chunk(d.index, piece), exclude=usage_field)
+                        elif piece:
+                            yield content(d.index, piece)
+                    if logprobs is not None:
+                        yield sse_event(chunk(d.index, out.Delta(), logprobs=logprobs), exclude=usage_field)
+                elif logprobs is not None:
+                    yield sse_event(chunk(d.index, out.Delta(content=d.text), logprobs=logprobs), exclude=usage_field)
+                elif d.text:
+                    yield content(d.index, d.text)
                 if d.finish_reason:
-                    reason = d.finish_reason if calls is None else calls.finish_reason(d.finish_reason)
-                    yield sse_event(chunk(out.Delta(), reason), exclude=usage_field)
+                    finish = calls[d.index].finish_reason(d.finish_reason) if d.index in calls else d.finish_reason
+                    reason = reason or finish
+                    yield sse_event(chunk(d.index, out.Delta(), finish), exclude=usage_field)
+            p.timeline.finished(reason or "length", sum(counts.values()))
             if req.include_usage:
-                usage = out.Usage.of(len(p.prompt), count, session.cached_tokens)
+                usage = self._usage(p, sessions, sum(counts.values()))
                 yield sse_event(out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created,
-                                                        model=self.model.name, choices=[], usage=usage))
+                                                        model=self.model.name, choices=[], usage=usage),
+                                exclude={"prompt_logprobs"})
             yield DONE
         except OpenAIError as exc:
             p.timeline.failed(exc.code or str(exc.status))
             yield sse_event(exc.body())
             yield DONE
         finally:
-            # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
-            with anyio.CancelScope(shield=True):
-                await session.close()
-            p.timeline.close(session, count)
+            await self.close(p, sessions, sum(counts.values()))
 
-    async def _completion_stream(self, p: Prepared, req: CompletionRequest, session: Session) -> AsyncIterator[str]:
+    async def _completion_stream(self, p: Prepared, req: CompletionRequest,
+                                 sessions: list[Session]) -> AsyncIterator[str]:
         usage_field = None if req.include_usage else {"usage"}
         created = int(time.time())
-        chunks = ChunkTemplate(lambda text, reason: out.Completion(
-            id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
-            choices=[out.CompletionChoice(text=text, finish_reason=reason)]), usage_field)
-        count = 0
+        n = p.sampling.n
+
+        def chunk(index: int, text: str, reason: str | None, **fields) -> out.Completion:
+            return out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
+                                  choices=[out.CompletionChoice(index=index, text=text, finish_reason=reason,
+                                                                **fields)])
+
+        templates = {}
+        builders: dict[int, CompletionLogprobsBuilder] = {}
+        counts: dict[int, int] = {}
+        reason = None
         try:
-            async for d in self.text_deltas(p, session):
-                count = d.completion_tokens
-                yield chunks.event(d.text, d.finish_reason)
+            async for d in choice_deltas(p, sessions, self.model.tokenizer):
+                counts[d.index] = d.completion_tokens
+                reason = reason or d.finish_reason
+                if p.top_logprobs is not None or d.prompt_logprobs is not None:
+                    builder = builders.setdefault(d.index, CompletionLogprobsBuilder(p.top_logprobs or 0,
+                                                                                     self.token_strings))
+                    fields = {"prompt_logprobs": self._prompt_logprobs(p, d.index // n, d.prompt_logprobs)}
+                    if p.top_logprobs is not None:
+                        fields["logprobs"] = builder.build(d.tokens)
+                    yield sse_event(chunk(d.index, d.text, d.finish_reason, **fields), exclude=usage_field)
+                    continue
+                if d.index not in templates:
+                    index = d.index
+                    templates[index] = ChunkTemplate(lambda text, r, i=index: chunk(i, text, r), usage_field)
+                yield templates[d.index].event(d.text, d.finish_reason)
+            p.timeline.finished(reason or "length", sum(counts.values()))
             if req.include_usage:
-                usage = out.Usage.of(len(p.prompt), count, session.cached_tokens)
+                usage = self._usage(p, sessions, sum(counts.values()))
                 yield sse_event(out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
                                                choices=[], usage=usage))
             yield DONE
@@ -287,7 +345,4 @@ class OpenAIHandlers:
             yield sse_event(exc.body())
             yield DONE
         finally:
-            # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
-            with anyio.CancelScope(shield=True):
-                await session.close()
-            p.timeline.close(session, count)
+            await self.close(p, sessions, sum(counts.values()))

@@ -3,7 +3,13 @@
 A ``Session`` starts with an open decode stream whose first event was the
 reservation; only then (so a prefill server never computes for nothing) does
 it hand the prompt and the reservation to a prefill server. ``deltas``
-yields the decode server's tokens.
+yields the decode server's tokens, sequence by sequence (``sampling.n``).
+
+A prefill server's log-probabilities (the first token of each sequence, the
+prompt's) come in its ``PrefillResult``, which is answered only once the KV
+landed, so usually after the decode stream sent its first tokens: when the
+request asked for them, the first event of each sequence waits for that
+result and carries them, as a locally prefilled request's events do.
 
 A step that fails before the first token may start the request over, once
 (``router.recovery``): the attempt is aborted on both servers (its blocks are
@@ -76,6 +82,7 @@ class Session:
         self._tried_prefill: set[str] = set()
         self._attempts = 1
         self._tokens_sent = False
+        self._unfinished = set(range(sampling.n))  # sequences whose last event is still to come
         self._finished = False
         self._closed = False
         ctx.admission.session_started()
@@ -88,20 +95,51 @@ class Session:
         """
         while True:
             queue = self._start_attempt()
+            wants = self._sampling.logprobs is not None or self._sampling.prompt_logprobs is not None
+            held: list[TokensEvent] | None = [] if wants and self.reservation is not None else None
+            result: PrefillResult | None = None  # the prefill server's log-probabilities, once it answered
+            seen: set[int] = set()  # sequences whose first event went out
             failure = None
             while failure is None:
                 item = await queue.get()
                 if isinstance(item, WorkerFailed):
                     failure = item
-                elif isinstance(item, ReprefillEvent):
+                    continue
+                if isinstance(item, ReprefillEvent):
                     self._prefill_abandoned(item)
+                    events, held = held or [], None  # computed here now: the events carry their own
+                elif isinstance(item, PrefillResult):
+                    result = item if held is not None else None
+                    events, held = held or [], None
+                elif held is not None:
+                    held.append(item)
+                    continue
                 else:
-                    self._tokens_sent = self._tokens_sent or bool(item.token_ids)
-                    self._finished = item.finish_reason is not None
-                    yield item
+                    events = [item]
+                if result is not None:
+                    events = [self._with_prefill_logprobs(e, result, seen) for e in events]
+                for event in events:
+                    seen.add(event.index)
+                    self._tokens_sent = self._tokens_sent or bool(event.token_ids)
+                    if event.finish_reason is not None:
+                        self._unfinished.discard(event.index)
+                    self._finished = not self._unfinished
+                    yield event
                     if self._finished:
                         return
             await self._recover(failure)
+
+    def _with_prefill_logprobs(self, event: TokensEvent, result: PrefillResult, seen: set[int]) -> TokensEvent:
+        """A sequence's first event from a remote prefill, with the prefill server's log-probabilities."""
+        if event.index in seen:
+            return event
+        seen.add(event.index)
+        update = {}
+        if result.first_logprobs is not None and event.logprobs is None and event.token_ids:
+            update["logprobs"] = [result.first_logprobs[event.index]]
+        if event.index == 0 and result.prompt_logprobs is not None:
+            update["prompt_logprobs"] = result.prompt_logprobs
+        return event.model_copy(update=update) if update else event
 
     def _start_attempt(self) -> asyncio.Queue:
         # A fresh queue per attempt: whatever an old attempt's tasks still put goes nowhere.
@@ -144,6 +182,7 @@ class Session:
             try:
                 with ctx.admission.prefilling(worker, len(self._prompt)):
                     self.prefill_result = await ctx.client.prefill(worker, req)
+                queue.put_nowait(self.prefill_result)
                 return
             except WorkerFailed as exc:
                 ctx.health.failed(worker, exc)

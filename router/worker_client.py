@@ -94,8 +94,9 @@ class DecodeStream:
     """One open ``/generate`` stream; ``reservation`` is its first event."""
 
     def __init__(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str],
-                 answered: Callable[[Worker], None] = _ignore) -> None:
+                 answered: Callable[[Worker], None] = _ignore, sequences: int = 1) -> None:
         self.worker = worker
+        self.sequences = sequences  # the request's n: the stream ends after each one's last event
         self.reservation: Reservation | None = None
         self.num_cached_tokens = 0  # prompt tokens the decode server found in its prefix cache
         self._response = response
@@ -112,8 +113,9 @@ class DecodeStream:
         self.num_cached_tokens = event.num_cached_tokens
 
     async def events(self) -> AsyncIterator[TokensEvent | ReprefillEvent]:
-        """Token events until the one with a finish_reason (a reprefill event may come
-        before the first); raises on an error event or a cut stream."""
+        """Token events until every sequence's one with a finish_reason (a reprefill event
+        may come before the first); raises on an error event or a cut stream."""
+        unfinished = set(range(self.sequences))
         while True:
             event = await self._next_event()
             if isinstance(event, ErrorEvent):
@@ -121,6 +123,8 @@ class DecodeStream:
             if not isinstance(event, (TokensEvent, ReprefillEvent)):
                 raise WorkerFailed.of(self.worker, f"unexpected {event.type} event", Outcome.WORKER_ERROR)
             if isinstance(event, TokensEvent) and event.finish_reason is not None:
+                unfinished.discard(event.index)
+            if not unfinished:
                 await self._read_to_end()
                 yield event
                 return
@@ -181,7 +185,7 @@ class WorkerClient:
                 raise _refusal(worker, response, Outcome.NO_ROOM, never_reached=True,
                                retry_after=float(response.headers.get("retry-after", "1")))
             raise _refusal(worker, response, Outcome.WORKER_ERROR)
-        stream = DecodeStream(worker, response, response.aiter_lines(), self._answered)
+        stream = DecodeStream(worker, response, response.aiter_lines(), self._answered, req.sampling.n)
         try:
             await stream.read_reservation()
         except BaseException:

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import logging
 import secrets
+from collections.abc import Sequence
 
 import httpx
 
@@ -164,8 +165,8 @@ class SenderAdapter:
     def push_layer(self, transfer_id: str, layer: int, src_block_ids: list[int], start: int, end: int) -> None:
         self._sender.push_layer(transfer_id, layer, src_block_ids, start, end)
 
-    def finish(self, transfer_id: str, first_token: int) -> None:
-        self._sender.finish(transfer_id, first_token)
+    def finish(self, transfer_id: str, first_tokens: Sequence[int]) -> None:
+        self._sender.finish(transfer_id, first_tokens)
 
     def abort(self, transfer_id: str) -> None:
         self._sender.abort(transfer_id)

@@ -30,7 +30,7 @@ Prefill side::
     peer = await sender.ensure_peer(target)            # handshake with the decode server, cached
     sender.begin(tid, peer, dst_block_ids, lease_s)    # engine thread
     sender.push_layer(tid, layer, src_block_ids, start, end)   # engine layer hook: queued, not sent inline
-    sender.finish(tid, first_token)                    # the notice goes once the writes landed
+    sender.finish(tid, first_tokens)                   # the notice goes once the writes landed
     sender.abort(tid)
     sender.take_finished()                             # then the prefill server releases the blocks
 
@@ -39,7 +39,7 @@ An outcome is a ``transfer.outcome.Outcome``; the servers pass it on unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from transfer.outcome import TransferEnded
@@ -80,7 +80,7 @@ class KVSenderPort(Protocol):
 
     def push_layer(self, transfer_id: str, layer: int, src_block_ids: list[int], start: int, end: int) -> None: ...
 
-    def finish(self, transfer_id: str, first_token: int) -> None: ...
+    def finish(self, transfer_id: str, first_tokens: Sequence[int]) -> None: ...
 
     def abort(self, transfer_id: str) -> None: ...
 

@@ -79,6 +79,28 @@ class TokensEvent(Reply):
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
+def token_logprobs(logprobs) -> list[TokenLogprob] | None:
+    """``StepOutput.logprobs`` (``engine.request.Logprob``s; duck-typed: this module does not
+    import the engine) as sent."""
+    if logprobs is None:
+        return None
+    return [TokenLogprob(logprob=lp.logprob, top=list(lp.top)) for lp in logprobs]
+
+
+def prompt_token_logprobs(logprobs) -> list[TokenLogprob | None] | None:
+    """``StepOutput.prompt_logprobs`` as sent: None for the first prompt token."""
+    if logprobs is None:
+        return None
+    return [None if lp is None else TokenLogprob(logprob=lp.logprob, top=list(lp.top)) for lp in logprobs]
+
+
+def tokens_event(out) -> TokensEvent:
+    """An ``engine.request.StepOutput`` of a decode or colocated server as its stream event."""
+    return TokensEvent(index=out.index, token_ids=out.new_token_ids,
+                       finish_reason=out.finish_reason if out.finished else None,
+                       logprobs=token_logprobs(out.logprobs), prompt_logprobs=prompt_token_logprobs(out.prompt_logprobs))
+
+
 class ErrorEvent(Reply):
     type: Literal["error"] = "error"
     message: str
@@ -96,15 +118,17 @@ DECODE_EVENT = TypeAdapter(DecodeEvent)
 
 
 class PrefillResult(Reply):
-    """Reply to POST /prefill once the KV is written and the notice sent."""
+    """Reply to POST /prefill once the KV is written and the notice sent. ``first_token_ids``:
+    the first token of each sequence (``sampling.n``); ``first_logprobs``: theirs, when the
+    request asked for logprobs (the decode server's stream has none for them)."""
 
     request_id: str
-    first_token_id: int
+    first_token_ids: list[int]
     num_tokens: int
     transfer_bytes: int
     seconds: float
-    first_logprob: TokenLogprob | None = None  # the first token's, when the request asked for logprobs
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for: one per prompt token
+    first_logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # when asked for: one per prompt token, None first
 
 
 class KVBlocks(Reply):

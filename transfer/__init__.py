@@ -16,8 +16,8 @@ Decode server::
     blocks = engine.reserve(rid, prompt, sampling)
     tid = receiver.expect(blocks, lease_s)          # goes into the reservation
     ...between two engine steps:
-    for ended in receiver.take_finished():          # TransferEnded(tid, outcome, reason, first_token)
-        ended.ok -> engine.admit_remote(rid_of[tid], [ended.first_token])
+    for ended in receiver.take_finished():          # TransferEnded(tid, outcome, reason, first_tokens)
+        ended.ok -> engine.admit_remote(rid_of[tid], list(ended.first_tokens))
         else     -> engine.abort(rid_of[tid])       # blocks free only now
     receiver.cancel(tid)                            # client gone: wait for take_finished()
 
@@ -29,7 +29,7 @@ Prefill server::
     peer = sender.connect(reply)                    # decode's accept() answer
     sender.begin(tid, peer, dst_blocks, lease_s)    # from the reservation
     layer_hook: sender.push_layer(tid, layer, chunk.block_ids, chunk.start, chunk.end)
-    prefilled:  sender.finish(tid, first_token)
+    prefilled:  sender.finish(tid, first_tokens)
     between two engine steps: sender.take_finished(), ok or not -> engine.release(rid)
 
 Outcomes are ``transfer.outcome.Outcome`` codes, used unchanged by the servers

@@ -160,7 +160,7 @@ def _transfer(conn, sender: KVSender, ended: threading.Event, peer: str, layout:
     for layer in range(layout.num_layers):
         sender.push_layer(tid, layer, blocks, 0, end)
     pushed = time.perf_counter() - t0
-    sender.finish(tid, 0)
+    sender.finish(tid, [0])
     while True:
         ended.wait()
         ended.clear()

@@ -18,6 +18,8 @@ import msgspec
 
 from transfer.layout import KVLayout
 
+MAX_SEQUENCES = 16  # first tokens per Done notice at most: server_common.worker_requests.MAX_N
+
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
     role: str  # "prefill" | "decode"
@@ -36,11 +38,12 @@ class WriteHeader(msgspec.Struct, frozen=True, tag="write"):
 
 
 class Done(msgspec.Struct, frozen=True, tag="done"):
-    """Everything of ``transfer_id`` this sender writes has been written."""
+    """Everything of ``transfer_id`` this sender writes has been written. ``first_tokens``:
+    the token each of the request's sequences starts with (one per sequence, n > 1)."""
 
     transfer_id: str
     sender: str
-    first_token: int
+    first_tokens: tuple[int, ...]
     token_start: int
     token_end: int
     heads: tuple[int, ...]

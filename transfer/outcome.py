@@ -65,14 +65,14 @@ DECIDED_BY_DECODE = frozenset({Outcome.REFUSED, Outcome.CANCELLED, Outcome.LEASE
 @dataclass(frozen=True)
 class TransferEnded:
     """One transfer ended: ``outcome`` is ``Outcome.OK`` or why it failed
-    (``reason`` is for people). ``first_token``: on the receiver side of a
-    completed transfer, the token the prefill server sampled. ``at``: when
+    (``reason`` is for people). ``first_tokens``: on the receiver side of a
+    completed transfer, the tokens the prefill server sampled (one per sequence). ``at``: when
     the transfer thread saw it end (``time.monotonic()``)."""
 
     transfer_id: str
     outcome: Outcome
     reason: str = ""
-    first_token: int | None = None
+    first_tokens: tuple[int, ...] | None = None
     at: float = field(default_factory=time.monotonic)
 
     @property

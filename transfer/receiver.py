@@ -7,7 +7,7 @@ checks what arrives, and reports transfers that ended.
                                          WriteIn: known id and reserved blocks?
                                                   apply : drop and count
                                          Done: checksum over our blocks? Ack
-    take_finished() ◀── TransferEnded(tid, OK, first_token) / (tid, outcome, reason)
+    take_finished() ◀── TransferEnded(tid, OK, first_tokens) / (tid, outcome, reason)
     (the thread calls ``notify`` after each, so the owner wakes and takes them)
 
 Contract for the server: free a reservation's blocks only after
@@ -33,7 +33,7 @@ from transfer.backend import Backend, Dropped, NoticeIn, PeerLost, TransferError
 from transfer.copy import region_bytes
 from transfer.integrity import CHECKSUM_MODES, Expected, TransferRegistry, checksum_positions, kv_checksum
 from transfer.layout import KVLayout, check_compatible
-from transfer.messages import Ack, Cancel, CancelAck, Done, Hello, decode, encode
+from transfer.messages import MAX_SEQUENCES, Ack, Cancel, CancelAck, Done, Hello, decode, encode
 from transfer.outcome import Outcome
 from transfer.plan import ranges_inside
 from transfer.session import TransferThread, Wake, cache_as_layout
@@ -173,11 +173,12 @@ class KVReceiver(TransferThread):
         if not self.backend.one_sided:
             self._end(entry, outcome, reason)  # we apply writes ourselves: none can land now
 
-    def _end(self, entry: Expected, outcome: Outcome, reason: str = "", first_token: int | None = None) -> None:
+    def _end(self, entry: Expected, outcome: Outcome, reason: str = "",
+             first_tokens: tuple[int, ...] | None = None) -> None:
         with self._lock:
             self._registry.end(entry.transfer_id, outcome is Outcome.OK)
         self._cancel_acks.pop(entry.transfer_id, None)
-        self._ended(entry.transfer_id, outcome, reason, first_token)
+        self._ended(entry.transfer_id, outcome, reason, first_tokens)
 
     def _on_incoming(self, item) -> None:
         if isinstance(item, WriteIn):
@@ -230,13 +231,15 @@ class KVReceiver(TransferThread):
             return
         entry.done[done.sender] = done
         if len(entry.done) >= entry.num_senders:
-            self._end(entry, Outcome.OK, "", done.first_token)
+            self._end(entry, Outcome.OK, "", done.first_tokens)
 
     def _verify(self, entry: Expected, done: Done) -> tuple[Outcome, str]:
         """(outcome, reason)."""
         capacity = len(entry.block_ids) * self._layout.block_size
-        if done.checksum_mode not in CHECKSUM_MODES or not 0 <= done.first_token < 1 << 31:
-            return Outcome.BAD_NOTICE, "bad checksum mode or first token"
+        if done.checksum_mode not in CHECKSUM_MODES:
+            return Outcome.BAD_NOTICE, f"bad checksum mode {done.checksum_mode!r}"
+        if not 1 <= len(done.first_tokens) <= MAX_SEQUENCES or not all(0 <= t < 1 << 31 for t in done.first_tokens):
+            return Outcome.BAD_NOTICE, f"bad first tokens {done.first_tokens[:MAX_SEQUENCES + 1]}"
         if not 0 <= done.token_start <= done.token_end <= capacity:
             return Outcome.BAD_NOTICE, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots"
         if not set(done.heads) <= set(self._layout.head_ids):

@@ -5,7 +5,7 @@ thread owns the backend and moves it.
     -------------                       ----------------------------------
     begin(tid, peer, dst_blocks, lease) ─┐
     push_layer(tid, layer, blocks, s, e) ├─queue─▶ plan (cached per chunk),
-    finish(tid, first_token)            ─┘         convert dtype, post write,
+    finish(tid, first_tokens)           ─┘         convert dtype, post write,
                                                    progress, wait writes, send
     take_finished() ◀── TransferEnded ◀─────────── Done notice, wait for Ack
                       (``notify`` wakes the engine thread)
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -50,7 +50,7 @@ class _Out:
     src_ids: np.ndarray | None = None
     token_start: int = -1
     token_end: int = 0
-    first_token: int | None = None
+    first_tokens: tuple[int, ...] | None = None
     noticed: bool = False
     failed: str = ""
     outcome: Outcome = Outcome.OK  # why it failed, set with ``failed``
@@ -88,7 +88,7 @@ class Push:
 @dataclass(frozen=True)
 class Finish:
     transfer_id: str
-    first_token: int
+    first_tokens: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -151,9 +151,9 @@ class KVSender(TransferThread):
             event.record()
         self._submit(Push(transfer_id, layer, np.asarray(src_block_ids, dtype=np.int64), start, end, event))
 
-    def finish(self, transfer_id: str, first_token: int) -> None:
-        """All layers are pushed: send the Done notice once they landed."""
-        self._submit(Finish(transfer_id, int(first_token)))
+    def finish(self, transfer_id: str, first_tokens: Sequence[int]) -> None:
+        """All layers are pushed: send the Done notice (the first token of each sequence) once they landed."""
+        self._submit(Finish(transfer_id, tuple(int(t) for t in first_tokens)))
 
     def abort(self, transfer_id: str) -> None:
         """Drop a transfer (request aborted): nothing more is written."""
@@ -192,10 +192,10 @@ class KVSender(TransferThread):
                     self._out[tid] = _Out(tid, peer, dst_ids, deadline)
             case Push():
                 self._push(cmd)
-            case Finish(tid, first_token):
+            case Finish(tid, first_tokens):
                 out = self._out.get(tid)
                 if out is not None:
-                    out.first_token = first_token
+                    out.first_tokens = first_tokens
             case Abort(tid):
                 out = self._out.get(tid)
                 if out is not None:
@@ -279,7 +279,7 @@ class KVSender(TransferThread):
             if out.failed and not out.inflight:
                 self._end(out, out.outcome, out.failed)
                 continue
-            if out.first_token is not None and not out.inflight and not out.noticed:
+            if out.first_tokens is not None and not out.inflight and not out.noticed:
                 self._send_done(out)
             busy = busy or bool(out.inflight) or out.noticed
         return busy
@@ -295,7 +295,7 @@ class KVSender(TransferThread):
         src = staging_layout(self._layout, dst.dtype)
         region = region_bytes(self._staging.get(dst.dtype, self._cache))
         checksum = kv_checksum(region, src, out.src_ids if out.src_ids is not None else [], pos, heads)
-        done = Done(out.tid, self.name, out.first_token, start, out.token_end, heads, checksum,
+        done = Done(out.tid, self.name, out.first_tokens, start, out.token_end, heads, checksum,
                     self._checksum)
         try:
             self.backend.send_notice(out.peer, encode(done))

@@ -159,8 +159,9 @@ class TransferThread:
             raise RuntimeError(f"{self.role} transfer thread died: {self._error!r}")
         self._cmds.put(cmd)
 
-    def _ended(self, transfer_id: str, outcome: Outcome, reason: str = "", first_token: int | None = None) -> None:
-        self._finished.put(TransferEnded(transfer_id, outcome, reason, first_token))
+    def _ended(self, transfer_id: str, outcome: Outcome, reason: str = "",
+               first_tokens: tuple[int, ...] | None = None) -> None:
+        self._finished.put(TransferEnded(transfer_id, outcome, reason, first_tokens))
 
     def _run(self) -> None:
         try:

@@ -96,7 +96,7 @@ def pair():
 def transfer(sender, receiver, peer, lease_s: float = 10.0) -> str:
     tid = receiver.expect([1, 2], lease_s)
     sender.begin(tid, peer, [1, 2], lease_s)
-    push_all(sender, tid, LAYOUT, [3, 4], 0, 6, first_token=7)
+    push_all(sender, tid, LAYOUT, [3, 4], 0, 6, first_tokens=(7,))
     return tid
 
 

@@ -96,7 +96,7 @@ def test_a_stranger_announcing_the_prefill_servers_name_takes_nothing_over(targe
     impostor = connect_as(ctx, target.kv_endpoint, b"p0")
     try:
         impostor.send_multipart(write_frames("d0-0000000000000000", 0, [0], [16]))
-        impostor.send(encode(Done("d0-0000000000000000", "p0", 1, 0, 1, (0,), 0, "none")))
+        impostor.send(encode(Done("d0-0000000000000000", "p0", (1,), 0, 1, (0,), 0, "none")))
         wait_until(lambda: discarded(target, "unbound_identity") - before >= 2)
         still_correct(target, tiny_model, n=3)  # the real p0 is served while the impostor stays connected
         assert not impostor.poll(0)  # no Ack or Cancel meant for p0 reached it

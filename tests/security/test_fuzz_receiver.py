@@ -61,7 +61,8 @@ def messages(draw, live_tid: str) -> list[bytes]:
     if kind == "notice":
         tid = draw(st.sampled_from([live_tid, "nope", ""]))
         msg = draw(st.sampled_from([
-            Done(tid, "fuzzer", draw(INT64), draw(INT64), draw(INT64), tuple(draw(st.lists(INT64, max_size=3))),
+            Done(tid, "fuzzer", tuple(draw(st.lists(INT64, max_size=20))), draw(INT64), draw(INT64),
+                 tuple(draw(st.lists(INT64, max_size=3))),
                  draw(st.integers(0, (1 << 64) - 1)), draw(st.sampled_from(["sampled", "all", "none", "x"]))),
             Cancel(tid), CancelAck(tid, "fuzzer")]))
         return [encode(msg)]
@@ -99,13 +100,13 @@ def test_after_the_fuzzing_a_real_transfer_still_completes(live):
         peer = meet(sender, receiver)
         tid = receiver.expect([1], lease_s=10)
         sender.begin(tid, peer, [1], lease_s=10)
-        push_all(sender, tid, LAYOUT, [3], 0, 4, first_token=7)
+        push_all(sender, tid, LAYOUT, [3], 0, 4, first_tokens=(7,))
         # The fuzzing's last cancel may end after the take above: wait for this transfer's own end.
         got = wait_events(receiver)
         deadline = time.monotonic() + 10
         while tid not in {e.transfer_id for e in got.ended} and time.monotonic() < deadline:
             got.ended += wait_events(receiver).ended
-        assert [(c.transfer_id, c.first_token) for c in got.completed if c.transfer_id == tid] == [(tid, 7)]
+        assert [(c.transfer_id, c.first_tokens) for c in got.completed if c.transfer_id == tid] == [(tid, (7,))]
         counters = receiver.counters()
         assert counters["contained_errors"] == 0
         assert counters["dropped_unbound_identity"] > 0 and counters["dropped_malformed"] > 0

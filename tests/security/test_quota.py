@@ -38,7 +38,7 @@ def test_a_caller_past_its_unfilled_blocks_gets_503_and_others_still_reserve(eng
             assert (refused.value.status, refused.value.code) == (503, "no_room")
             assert service.unfilled.refused == 1
             other, other_active = await service.open(request("b1"), caller="127.0.0.1")
-            receiver.end(first.reservation.transfer_id, Outcome.OK, first_token=42)  # filled: no longer counts
+            receiver.end(first.reservation.transfer_id, Outcome.OK, first_tokens=(42,))  # filled: no longer counts
             await wait_for(lambda: service.unfilled.held("10.0.0.9") == 0)
             again, again_active = await service.open(request("a3"), caller="10.0.0.9")
             for rid in ("a1", "b1", "a3"):

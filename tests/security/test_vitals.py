@@ -46,14 +46,14 @@ def test_an_incoming_message_that_raises_is_dropped_and_counted_and_the_thread_s
         raise RuntimeError("a bug in handling one notice")
 
     receiver._on_done = broken  # the next Done hits a bug
-    sender.backend.send_notice("D", encode(Done("D-x", "P", 1, 0, 1, (0,), 0, "none")))
+    sender.backend.send_notice("D", encode(Done("D-x", "P", (1,), 0, 1, (0,), 0, "none")))
     wait_until(lambda: receiver.counters()["contained_errors"] == 1)
     assert receiver.problem(stuck_after_s=5.0) is None
     del receiver._on_done
     tid = receiver.expect([3], lease_s=10)
     sender.begin(tid, peer, [3], lease_s=10)
-    push_all(sender, tid, LAYOUT, [1], 0, 4, first_token=5)
-    assert [(c.transfer_id, c.first_token) for c in wait_events(receiver).completed] == [(tid, 5)]
+    push_all(sender, tid, LAYOUT, [1], 0, 4, first_tokens=(5,))
+    assert [(c.transfer_id, c.first_tokens) for c in wait_events(receiver).completed] == [(tid, (5,))]
 
 
 def test_a_dead_transfer_thread_is_reported_and_ends_the_process(pair):

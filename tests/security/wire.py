@@ -44,7 +44,7 @@ def write_frames(transfer_id: str, layer: int, offsets, lengths, nbytes: int | N
 
 def ping(sock: zmq.Socket, tag: str) -> Ack:
     """A Done for an id nobody issued; its refusal comes back after everything sent before it was handled."""
-    sock.send(encode(Done(tag, "fuzz", 0, 0, 0, (), 0, "none")))
+    sock.send(encode(Done(tag, "fuzz", (0,), 0, 0, (), 0, "none")))
     if not sock.poll(ACK_TIMEOUT_MS):
         raise AssertionError("the receiver did not answer within 10 s")
     while True:

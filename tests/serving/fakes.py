@@ -9,8 +9,17 @@ from dataclasses import dataclass, field
 
 from bench.stubs import make_byte_tokenizer  # noqa: F401  (the byte-level tokenizer the tests use)
 from router.worker_client import WorkerFailed
-from server_common.worker_replies import PrefillResult, Reservation, TokensEvent
+from server_common.worker_replies import PrefillResult, Reservation, TokenLogprob, TokensEvent
 from transfer.outcome import Outcome
+
+
+def fake_logprob(position: int, top: int) -> TokenLogprob:
+    """The fake servers' score of the token at ``position``: -(position + 1), top tokens 0, 1, ..."""
+    return TokenLogprob(logprob=-(position + 1.0), top=[(k, -0.5 * (k + 1)) for k in range(top)])
+
+
+def fake_prompt_logprobs(num_tokens: int, top: int) -> list[TokenLogprob | None]:
+    return [None] + [fake_logprob(100 + i, top) for i in range(1, num_tokens)]
 
 
 @dataclass
@@ -55,18 +64,39 @@ class FakeWorkerClient:
             reservation = Reservation(instance=worker.name, request_id=req.request_id, transfer_id="t-" +
                                       req.request_id, block_ids=[0], block_size=16,
                                       num_tokens=len(req.prompt_token_ids), lease_deadline=0.0, kv_target={})
-        n = min(len(self.reply), req.sampling.max_tokens)
-        events = [TokensEvent(token_ids=[t]) for t in self.reply[:n]]
-        reason = self.finish_reason if n == len(self.reply) else "length"
-        events[-1] = TokensEvent(token_ids=events[-1].token_ids, finish_reason=reason)
+        events = [e for i in range(req.sampling.n) for e in self.sequence(req, i)]
         stream = FakeStream(worker, reservation, events, self.delay, num_cached_tokens=self.cached_tokens)
         self.streams.append(stream)
         return stream
 
+    def sequence(self, req, index: int) -> list[TokensEvent]:
+        """Sequence ``index``'s events: ``reply``, one token an event, each scored -(position + 1)
+        (and the top ``logprobs`` tokens 0, 1, ...) when asked for; with a reservation the first
+        token's log-probability comes from the prefill call, as a real decode server's does."""
+        n = min(len(self.reply), req.sampling.max_tokens)
+        sampling = req.sampling
+        events = []
+        for pos, t in enumerate(self.reply[:n]):
+            logprobs = None
+            if sampling.logprobs is not None and not (pos == 0 and not req.local_prefill):
+                logprobs = [fake_logprob(pos, sampling.logprobs)]
+            prompt = None
+            if pos == 0 and index == 0 and req.local_prefill and sampling.prompt_logprobs is not None:
+                prompt = fake_prompt_logprobs(len(req.prompt_token_ids), sampling.prompt_logprobs)
+            reason = (self.finish_reason if n == len(self.reply) else "length") if pos == n - 1 else None
+            events.append(TokensEvent(token_ids=[t], index=index, logprobs=logprobs, prompt_logprobs=prompt,
+                                      finish_reason=reason))
+        return events
+
     async def prefill(self, worker, req):
         self.prefills.append((worker.name, req))
-        return PrefillResult(request_id=req.request_id, first_token_id=self.reply[0],
-                             num_tokens=len(req.prompt_token_ids), transfer_bytes=0, seconds=0.0)
+        sampling = req.sampling
+        return PrefillResult(
+            request_id=req.request_id, first_token_ids=[self.reply[0]] * sampling.n,
+            num_tokens=len(req.prompt_token_ids), transfer_bytes=0, seconds=0.0,
+            first_logprobs=None if sampling.logprobs is None else [fake_logprob(0, sampling.logprobs)] * sampling.n,
+            prompt_logprobs=None if sampling.prompt_logprobs is None else fake_prompt_logprobs(
+                len(req.prompt_token_ids), sampling.prompt_logprobs))
 
     async def abort(self, worker, request_id):
         self.aborts.append((worker.name, request_id))

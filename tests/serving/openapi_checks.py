@@ -8,7 +8,8 @@ One check is narrowed, for a principled reason: ``positive_data_acceptance`` exp
 request the schema allows to be accepted, but a JSON schema cannot state the limits that are
 counted in tokens after the chat template and the tokenizer ran (the prompt within
 ``router.max_prompt_tokens`` and, with ``max_tokens``, within the context), nor compare two
-fields (``min_tokens`` at most ``max_tokens``). A 400 naming exactly one of those limits
+fields (``min_tokens`` at most ``max_tokens``, ``max_tokens`` 0 only with ``echo``,
+``top_logprobs`` only with ``logprobs``, ``best_of`` equal to ``n``). A 400 naming exactly one of those limits
 (``UNSTATED_LIMITS``: its ``param`` and ``code``) passes. So does a 400 naming a parameter
 that carries a grammar (``GRAMMAR_PARAMS``): whether a JSON schema, regex or Lark grammar
 compiles, whether a request names one constraint or two, and whether ``tool_choice`` names
@@ -31,6 +32,9 @@ UNSTATED_LIMITS = {
     ("prompt", "context_length_exceeded"), ("messages", "context_length_exceeded"),  # the context
     ("max_tokens", "context_length_exceeded"), ("max_completion_tokens", "context_length_exceeded"),
     ("min_tokens", "invalid_value"),  # above the request's max_tokens
+    ("max_tokens", "invalid_value"),  # 0 without echo
+    ("top_logprobs", "invalid_value"),  # without logprobs true
+    ("best_of", "invalid_value"),  # other than n
 }
 
 GRAMMAR_PARAMS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",

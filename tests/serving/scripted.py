@@ -18,9 +18,9 @@ class ScriptedEnds:
     def start(self) -> None:
         pass
 
-    def end(self, tid: str, outcome: Outcome, reason: str = "", first_token: int | None = None) -> None:
+    def end(self, tid: str, outcome: Outcome, reason: str = "", first_tokens: tuple[int, ...] | None = None) -> None:
         with self._lock:
-            self._ended.append(TransferEnded(tid, outcome, reason, first_token))
+            self._ended.append(TransferEnded(tid, outcome, reason, first_tokens))
         self._notify()
 
     def take_finished(self) -> list[TransferEnded]:
@@ -72,8 +72,8 @@ class ScriptedSender(ScriptedEnds):
     def push_layer(self, tid, layer, src_block_ids, start, end) -> None:
         self.calls.append(("push", tid, layer, start, end))
 
-    def finish(self, tid, first_token) -> None:
-        self.calls.append(("finish", tid, first_token))
+    def finish(self, tid, first_tokens) -> None:
+        self.calls.append(("finish", tid, list(first_tokens)))
 
     def abort(self, tid) -> None:
         self.calls.append(("abort", tid))

@@ -41,8 +41,6 @@ BAD_CHAT = [
     pytest.param({**CHAT, "max_tokens": "many"}, "max_tokens", id="mistyped-max-tokens"),
     pytest.param({**CHAT, "max_tokens": 10**9}, "max_tokens", id="huge-max-tokens"),
     pytest.param({**CHAT, "temperature": 5}, "temperature", id="temperature-out-of-range"),
-    pytest.param({**CHAT, "n": 3}, "n", id="n-3"),
-    pytest.param({**CHAT, "logprobs": True}, "logprobs", id="logprobs"),
     pytest.param({**CHAT, "presence_penalty": 3}, "presence_penalty", id="presence-penalty-out-of-range"),
     pytest.param({**CHAT, "repetition_penalty": 0}, "repetition_penalty", id="repetition-penalty-zero"),
     pytest.param({**CHAT, "logit_bias": {"1": 500}}, "logit_bias", id="logit-bias-out-of-range"),
@@ -50,6 +48,9 @@ BAD_CHAT = [
     pytest.param({**CHAT, "stop_token_ids": [99999999]}, "stop_token_ids", id="stop-token-outside-vocabulary"),
     pytest.param({**CHAT, "min_tokens": 5}, "min_tokens", id="min-tokens-above-max-tokens"),
     pytest.param({**CHAT, "temperature": "0.5"}, "temperature", id="temperature-as-a-string"),
+    pytest.param({**CHAT, "n": 17}, "n", id="n-17"),
+    pytest.param({**CHAT, "top_logprobs": 2}, "top_logprobs", id="top-logprobs-without-logprobs"),
+    pytest.param({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs", id="top-logprobs-21"),
 ]
 
 
@@ -71,9 +72,11 @@ def test_prompt_beyond_the_context_gets_400(served):
     assert err["code"] == "context_length_exceeded" and str(MAX_MODEL_LEN) in err["message"]
 
 
-def test_echo_is_refused(served):
-    assert_openai_error(post(served, "/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True}),
-                        400, "echo")
+def test_max_tokens_0_without_echo_and_logprobs_beyond_20_are_refused(served):
+    assert_openai_error(post(served, "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}),
+                        400, "max_tokens")
+    assert_openai_error(post(served, "/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 21}),
+                        400, "logprobs")
 
 
 @pytest.mark.parametrize("fields", [{"best_of": 2}, {"suffix": "tail"}], ids=["best-of-2", "suffix"])

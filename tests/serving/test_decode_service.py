@@ -13,7 +13,7 @@ import pytest
 from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine
 from server_common.settings import ServerSettings
-from server_common.worker_replies import WorkerError
+from server_common.worker_replies import TokensEvent, WorkerError
 from server_common.worker_requests import GenerateRequest, SamplingSpec
 from tests.serving.scripted import ScriptedReceiver, scripted
 from transfer.outcome import Outcome
@@ -68,7 +68,7 @@ def test_reservation_then_kv_then_tokens_until_max_tokens(engine):
         res = first.reservation
         assert (res.transfer_id, res.block_ids, res.block_size, res.num_tokens) == ("t0", [0, 1], 4, 6)
         await wait_for(lambda: blocks(service) == (6, 2, 0))
-        receiver.end("t0", Outcome.OK, first_token=42)
+        receiver.end("t0", Outcome.OK, first_tokens=(42,))
         lines = [line async for line in service.events(first, active)]
         assert len(lines) == 1 + 3 and '"token_ids":[42]' in lines[1] and '"finish_reason":"length"' in lines[-1]
 
@@ -94,7 +94,7 @@ def test_client_leaving_cancels_and_frees_only_when_the_receiver_confirms(engine
         assert blocks(service) == (6, 2, 0)  # a one-sided write may still land
         receiver.end("t0", Outcome.CANCELLED, "cancelled")
         await wait_for(lambda: blocks(service) == (8, 0, 0))
-        receiver.end("t0", Outcome.OK, first_token=7)  # a late completion is ignored
+        receiver.end("t0", Outcome.OK, first_tokens=(7,))  # a late completion is ignored
 
     run(engine, scenario)
 
@@ -120,5 +120,38 @@ def test_duplicate_request_id_is_refused(engine):
         assert info.value.status == 409
         await service.close("f")
         receiver.end("t0", Outcome.CANCELLED, "cancelled")
+
+    run(engine, scenario)
+
+
+def test_n_sequences_stream_with_their_index_and_the_stream_ends_after_the_last_one(engine):
+    async def scenario(service, receiver):
+        req = GenerateRequest(request_id="g", prompt_token_ids=list(range(10, 16)),
+                              sampling=SamplingSpec(max_tokens=3, temperature=0, n=2, logprobs=2))
+        first, active = await service.open(req)
+        receiver.end("t0", Outcome.OK, first_tokens=(42, 43))
+        events = [TokensEvent.model_validate_json(line) for line in
+                  [line async for line in service.events(first, active)][1:]]
+        by_index = {i: [e for e in events if e.index == i] for i in (0, 1)}
+        assert len(events) == 6 and [e.token_ids for e in by_index[0]][0] == [42]
+        assert [e.token_ids for e in by_index[1]][0] == [43]
+        for seq in by_index.values():
+            assert [e.finish_reason for e in seq] == [None, None, "length"]
+            assert seq[0].logprobs is None  # the prefill server has the first token's
+            assert all(len(e.logprobs) == 1 and len(e.logprobs[0].top) == 2 for e in seq[1:])
+        assert events[-1].finish_reason == "length" and active.finished
+
+    run(engine, scenario)
+
+
+@pytest.mark.parametrize("first_tokens", [(42,), (42, 43, 44), (42, 1 << 20)])
+def test_a_notice_without_one_first_token_in_the_vocabulary_per_sequence_fails_the_request(engine, first_tokens):
+    async def scenario(service, receiver):
+        req = GenerateRequest(request_id="h", prompt_token_ids=list(range(10, 16)),
+                              sampling=SamplingSpec(max_tokens=3, temperature=0, n=2))
+        first, active = await service.open(req)
+        receiver.end("t0", Outcome.OK, first_tokens=first_tokens)
+        lines = [line async for line in service.events(first, active)]
+        assert len(lines) == 2 and '"code":"bad_notice"' in lines[-1]
 
     run(engine, scenario)

@@ -66,7 +66,7 @@ def test_chunked_prompt_pushes_every_layer_and_holds_blocks_until_the_transfer_e
         await asyncio.sleep(0.2)  # the KV still travelling after the prompt was computed
         sender.end("t-a", Outcome.OK)
         result = await task
-        assert (result.num_tokens, result.first_token_id) == (13, sender.calls[-1][2])
+        assert (result.num_tokens, result.first_token_ids) == (13, sender.calls[-1][2])
         assert result.transfer_bytes == 13 * engine.cache.bytes_per_token
         sample = service.metrics.registry.get_sample_value
         assert sample("pdserve_transfer_exposed_seconds_count") == 1
@@ -110,5 +110,24 @@ def test_expired_reservation_is_refused_before_any_work(engine):
         with pytest.raises(WorkerError) as info:
             await service.prefill(stale)
         assert info.value.code == "lease_expired" and sender.calls == []
+
+    run(engine, scenario)
+
+
+def test_the_result_has_every_sequence_s_first_token_with_its_logprob_and_the_prompt_s(engine):
+    async def scenario(service, sender):
+        req = prefill_request("lp", 9)
+        req = req.model_copy(update={"sampling": SamplingSpec(max_tokens=4, temperature=0, n=3, logprobs=2,
+                                                              prompt_logprobs=1)})
+        task = asyncio.ensure_future(service.prefill(req))
+        await wait_for(lambda: any(c[0] == "finish" for c in sender.calls))
+        sender.end("t-lp", Outcome.OK)
+        result = await task
+        (finish,) = [c for c in sender.calls if c[0] == "finish"]
+        assert result.first_token_ids == finish[2] and len(finish[2]) == 3
+        assert len(result.first_logprobs) == 3 and all(len(lp.top) == 2 for lp in result.first_logprobs)
+        assert [lp.top[0][0] for lp in result.first_logprobs] == result.first_token_ids  # greedy: the top one
+        assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == 9
+        assert all(len(lp.top) == 1 for lp in result.prompt_logprobs[1:])
 
     run(engine, scenario)

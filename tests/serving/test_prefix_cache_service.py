@@ -45,7 +45,7 @@ def test_decode_reservation_pins_the_cached_prefix_and_an_almost_whole_hit_is_pr
             first, active = await service.open(generate("a", PROMPT))
             assert (first.num_cached_tokens, first.reservation.block_ids, receiver.writable_from["t0"]) == (
                 0, [0, 1, 2, 3], 0)
-            receiver.end("t0", Outcome.OK, first_token=42)
+            receiver.end("t0", Outcome.OK, first_tokens=(42,))
             assert len([line async for line in service.events(first, active)]) == 1 + 3
             # b shares a's first 12 tokens: 3 blocks pinned, only the 2 others are written
             first, active = await service.open(generate("b", PROMPT[:12] + [300, 301, 302, 303]))

@@ -129,8 +129,11 @@ def test_full_decode_server_is_skipped_and_all_full_is_429_with_retry_after(mode
 @pytest.mark.parametrize(
     "body, status, param",
     [
-        (chat_body(n=2), 400, "n"),
-        (chat_body(logprobs=True), 400, "logprobs"),
+        (chat_body(n=17), 400, "n"),
+        (chat_body(n=0), 400, "n"),
+        (chat_body(top_logprobs=2), 400, "top_logprobs"),
+        (chat_body(logprobs=True, top_logprobs=21), 400, "top_logprobs"),
+        (chat_body(prompt_logprobs=-1), 400, "prompt_logprobs"),
         (chat_body(messages=[]), 400, "messages"),
         (chat_body(max_tokens=10**6), 400, "max_tokens"),
         (chat_body(max_tokens=0), 400, "max_tokens"),
@@ -155,8 +158,9 @@ def test_bad_chat_requests_get_openai_shaped_errors(model, body, status, param):
 def test_bad_completion_requests_get_400(model):
     fake = FakeWorkerClient(reply=[1])
     with make_client(model, fake) as c:
-        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True}).status_code == 400
-        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 2}).status_code == 400
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}).status_code == 400
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 21}).status_code == 400
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": ["x", ""]}).status_code == 400
         assert c.post("/v1/completions", json={"model": "tiny", "prompt": ""}).status_code == 400
         assert c.post("/v1/completions", json={"model": "tiny", "prompt": [99999]}).status_code == 400
         r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
@@ -220,7 +224,7 @@ def test_a_long_prompt_is_tokenized_on_the_tokenizer_thread_into_the_same_tokens
     long_text = "héllo wörld " * (LONG_PROMPT_CHARS // 10)
     long = asyncio.run(handlers._prepare(prepare(long_text), len(long_text)))
     short = asyncio.run(handlers._prepare(prepare("hi"), 2))
-    assert long.prompt == reply_ids(model, long_text) and short.prompt == reply_ids(model, "hi")
+    assert long.prompts == [reply_ids(model, long_text)] and short.prompts == [reply_ids(model, "hi")]
     assert threads[0].startswith("tokenize") and threads[1] == threading.main_thread().name
 
 

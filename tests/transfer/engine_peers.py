@@ -53,7 +53,7 @@ class PrefillSide:
             for out in self.engine.step(self._hook):
                 if out.finish_reason == "prefilled":
                     first = out.new_token_ids[0]
-        self.kv.finish(tid, first)
+        self.kv.finish(tid, [first])
         deadline, status = time.monotonic() + cmd["lease"], "timeout"
         while time.monotonic() < deadline and status == "timeout":
             for ended in self.kv.take_finished():
@@ -92,7 +92,7 @@ class DecodeSide:
                     self.engine.abort(self.rids.pop(done.transfer_id))
                     return {"error": done.reason, "blocks": self.engine.block_counts()}
                 rid = self.rids.pop(done.transfer_id)
-                tokens = [t for o in self.engine.admit_remote(rid, [done.first_token]) for t in o.new_token_ids]
+                tokens = [t for o in self.engine.admit_remote(rid, list(done.first_tokens)) for t in o.new_token_ids]
                 while self.engine.has_unfinished():
                     for out in self.engine.step():
                         tokens += out.new_token_ids

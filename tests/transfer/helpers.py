@@ -70,9 +70,9 @@ def wait_events(side, timeout_s: float = 10.0, count: int = 1) -> Ended:
     return got
 
 
-def push_all(sender: KVSender, tid: str, layout: KVLayout, src_blocks, start, end, first_token=1,
+def push_all(sender: KVSender, tid: str, layout: KVLayout, src_blocks, start, end, first_tokens=(1,),
              finish=True) -> None:
     for layer in range(layout.num_layers):
         sender.push_layer(tid, layer, src_blocks, start, end)
     if finish:
-        sender.finish(tid, first_token)
+        sender.finish(tid, first_tokens)

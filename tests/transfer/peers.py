@@ -52,7 +52,7 @@ def events_reply(side, timeout_s: float) -> None:
     while time.monotonic() - t0 < timeout_s and not (completed or failed):
         for ended in side.take_finished():
             if ended.ok:
-                completed.append([ended.transfer_id, ended.first_token])
+                completed.append([ended.transfer_id, ended.first_tokens and list(ended.first_tokens)])
             else:
                 failed.append([ended.transfer_id, ended.reason])
         time.sleep(0.002)
@@ -86,7 +86,7 @@ def serve_raw(role: str, cfg: dict) -> None:
             for layer in range(cmd.get("layers", layout.num_layers)):
                 side.push_layer(cmd["tid"], layer, cmd["src_blocks"], cmd["start"], cmd["end"])
             if cmd.get("finish", True):
-                side.finish(cmd["tid"], cmd["first_token"])
+                side.finish(cmd["tid"], cmd["first_tokens"])
             reply(queued=True)
         elif op == "wait":
             events_reply(side, cmd["timeout"])

@@ -57,9 +57,9 @@ def test_chunked_prefill_arrives_converted_exactly(kind, hub, closing):
     tid = receiver.expect([6, 2], lease_s=10)
     sender.begin(tid, peer, [6, 2], lease_s=10)
     push_all(sender, tid, src, [3, 0, 9], 0, 20, finish=False)      # chunk 1
-    push_all(sender, tid, src, [3, 0, 9], 20, 41, first_token=99)   # chunk 2
+    push_all(sender, tid, src, [3, 0, 9], 20, 41, first_tokens=(99,))   # chunk 2
     got = wait_events(receiver)
-    assert [(c.transfer_id, c.first_token) for c in got.completed] == [(tid, 99)], got
+    assert [(c.transfer_id, c.first_tokens) for c in got.completed] == [(tid, (99,))], got
     assert [c.transfer_id for c in wait_events(sender).completed] == [tid]
     np.testing.assert_array_equal(region_bytes(receiver._cache).numpy(),
                                   expected(sender, src, [3, 0, 9], 41, dst, [6, 2]))
@@ -73,10 +73,10 @@ def test_two_tp_prefill_ranks_fill_one_decode_rank(hub, closing):
     peers = [meet(s, receiver) for s in senders]
     tid = receiver.expect([1], lease_s=10, num_senders=2)
     senders[0].begin(tid, peers[0], [1], 10)
-    push_all(senders[0], tid, ranks[0], [4, 5], 0, 30, first_token=5)
+    push_all(senders[0], tid, ranks[0], [4, 5], 0, 30, first_tokens=(5,))
     assert wait_events(receiver, timeout_s=0.3).completed == []  # one rank is not enough
     senders[1].begin(tid, peers[1], [1], 10)
-    push_all(senders[1], tid, ranks[1], [7, 2], 0, 30, first_token=5)
+    push_all(senders[1], tid, ranks[1], [7, 2], 0, 30, first_tokens=(5,))
     assert [c.transfer_id for c in wait_events(receiver).completed] == [tid]
     want = expected(senders[0], ranks[0], [4, 5], 30, dst, [1])
     want = expected(senders[1], ranks[1], [7, 2], 30, dst, [1], base=want)
@@ -140,11 +140,32 @@ def test_checksum_mismatch_is_refused(hub, closing):
     tid = receiver.expect([2], lease_s=10)
     off = np.array([dst.chunk_offsets(0, 2)]), np.array([dst.block_bytes])
     rogue.write("D", tid, 0, "kv", off[0], off[0], off[1])
-    rogue.send_notice("D", encode(Done(tid, "rogue", 1, 0, 16, (0, 1, 2, 3), 12345, "all")))
+    rogue.send_notice("D", encode(Done(tid, "rogue", (1,), 0, 16, (0, 1, 2, 3), 12345, "all")))
     (failed,) = wait_events(receiver).failed
     assert failed.transfer_id == tid and failed.reason.startswith("checksum mismatch")
     assert failed.outcome == "checksum_mismatch"
     assert receiver.counters()["checksum_failures"] == 1
+
+
+@pytest.mark.parametrize("first_tokens", [(), tuple(range(17)), (3, -1), (1 << 31,)])
+def test_a_notice_without_one_valid_first_token_per_sequence_is_refused(hub, closing, first_tokens):
+    receiver, rogue = rogue_pair(hub, closing, layout())
+    tid = receiver.expect([2], lease_s=10)
+    rogue.send_notice("D", encode(Done(tid, "rogue", first_tokens, 0, 16, (0, 1, 2, 3), 0, "none")))
+    (failed,) = wait_events(receiver).failed
+    assert (failed.transfer_id, failed.outcome) == (tid, "bad_notice")
+    assert failed.reason.startswith("bad first tokens")
+
+
+def test_every_sequence_s_first_token_arrives_in_the_notice(hub, closing):
+    src = layout()
+    sender = closing(make_sender("inproc", hub, "P", src))
+    receiver = closing(make_receiver("inproc", hub, "D", src))
+    peer = meet(sender, receiver)
+    tid = receiver.expect([1], lease_s=10)
+    sender.begin(tid, peer, [1], lease_s=10)
+    push_all(sender, tid, src, [4], 0, 16, first_tokens=[9, 0, 9, 31])
+    assert [(c.transfer_id, c.first_tokens) for c in wait_events(receiver).completed] == [(tid, (9, 0, 9, 31))]
 
 
 def test_write_outside_the_reserved_blocks_fails_the_transfer_and_is_not_applied(hub, closing):

@@ -69,9 +69,9 @@ def test_converted_transfer_is_byte_exact_between_processes(pair, backend, tmp_p
     send, recv, peer = pair(backend)
     tid = recv.ask(op="expect", blocks=DST_BLOCKS, lease=20)["tid"]
     send.ask(op="send", tid=tid, peer=peer, src_blocks=SRC_BLOCKS, dst_blocks=DST_BLOCKS, start=0,
-             end=TOKENS, first_token=7, lease=20)
+             end=TOKENS, first_tokens=(7,), lease=20)
     got = recv.ask(op="wait", timeout=20)
-    assert got["completed"] == [[tid, 7]], got
+    assert got["completed"] == [[tid, [7]]], got
     assert send.ask(op="wait", timeout=10)["completed"] == [[tid, None]]
     dumped = recv.ask(op="dump", path=str(tmp_path / "dst.bin"))
     assert dumped["counters"]["completed"] == 1
@@ -86,7 +86,7 @@ def test_killed_sender_fails_the_transfer_within_lease_plus_grace(pair, backend)
     send, recv, peer = pair(backend)
     tid = recv.ask(op="expect", blocks=DST_BLOCKS, lease=1.0)["tid"]
     send.ask(op="send", tid=tid, peer=peer, src_blocks=SRC_BLOCKS, dst_blocks=DST_BLOCKS, start=0,
-             end=TOKENS, first_token=7, lease=20, layers=1, finish=False)
+             end=TOKENS, first_tokens=(7,), lease=20, layers=1, finish=False)
     send.kill()
     got = recv.ask(op="wait", timeout=8)
     assert [f[0] for f in got["failed"]] == [tid], got
@@ -99,7 +99,7 @@ def test_killed_receiver_makes_the_sender_fail_not_hang(pair, backend):
     tid = recv.ask(op="expect", blocks=DST_BLOCKS, lease=60)["tid"]
     recv.kill()
     send.ask(op="send", tid=tid, peer=peer, src_blocks=SRC_BLOCKS, dst_blocks=DST_BLOCKS, start=0,
-             end=TOKENS, first_token=7, lease=60)
+             end=TOKENS, first_tokens=(7,), lease=60)
     got = send.ask(op="wait", timeout=15)
     assert [f[0] for f in got["failed"]] == [tid], got
     assert "lease" not in got["failed"][0][1]
@@ -114,5 +114,5 @@ def test_sender_meets_a_restarted_receiver_of_the_same_name_afresh(pair, backend
     assert recv.pid != old.pid
     tid = recv.ask(op="expect", blocks=DST_BLOCKS, lease=20)["tid"]
     send.ask(op="send", tid=tid, peer=peer, src_blocks=SRC_BLOCKS, dst_blocks=DST_BLOCKS, start=0,
-             end=TOKENS, first_token=3, lease=20)
-    assert recv.ask(op="wait", timeout=20)["completed"] == [[tid, 3]]
+             end=TOKENS, first_tokens=(3,), lease=20)
+    assert recv.ask(op="wait", timeout=20)["completed"] == [[tid, [3]]]
