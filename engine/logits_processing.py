@@ -63,7 +63,10 @@ def process_rows(logits: torch.Tensor, requests: Sequence[Request], eos_token_id
     if seen[0]:
         index, penalty = _index(seen, device), torch.tensor(seen[2], dtype=dtype, device=device)
         values = logits[index]
-        logits[index] = torch.where(values > 0, values / penalty, values * penalty)
+        scaled = torch.where(values > 0, values / penalty, values * penalty)
+        # A penalty beyond float32's range (0 or inf once converted) must not turn a masked -inf
+        # into NaN (-inf * 0) nor a logit into +inf: either would be drawn against every mask.
+        logits[index] = scaled.nan_to_num(nan=float("-inf"), posinf=torch.finfo(dtype).max)
     if counted[0]:
         index = _index(counted, device)
         logits.index_put_(index, -torch.tensor(counted[2], dtype=dtype, device=device), accumulate=True)

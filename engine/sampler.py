@@ -101,6 +101,6 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, generator: torch.Genera
         drop[0] = False  # and always the most likely token: a top_p that rounds to 0 in float32 would drop all
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
-    if bool(probs[0].isnan()):  # every token masked (all -inf): no distribution; argmax as greedy does
+    if not bool(probs.isfinite().all()):  # every token masked, or a logit overflowed: argmax as greedy does
         return int(logits.argmax())
     return int(torch.multinomial(probs, 1, generator=generator).item())

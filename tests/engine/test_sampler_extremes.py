@@ -43,3 +43,13 @@ def test_a_row_with_every_token_masked_samples_like_greedy_instead_of_raising():
     params = [SamplingParams(temperature=0.7, seed=1, **masked), SamplingParams(temperature=0, **masked)]
     draws = sample(logits.clone(), rows(*params), torch.Generator())
     assert draws == [([0], None), ([0], None)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.5, 1.0])
+def test_a_repetition_penalty_below_float32s_range_never_draws_a_masked_token(temperature):
+    # 5e-324 is 0 in float32: -inf * 0 is NaN and 3 / 0 is +inf; neither may beat the mask
+    logits = torch.tensor([[float("-inf"), 3.0, float("-inf"), -1.0]])
+    params = SamplingParams(temperature=temperature, seed=4, repetition_penalty=5e-324)
+    request = Request("0", [0, 1, 2, 3], params)
+    ((tokens, _),) = sample(logits, [request], torch.Generator())
+    assert tokens == [1]

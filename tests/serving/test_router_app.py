@@ -291,7 +291,6 @@ VOCAB = 257  # the byte tokenizer: 256 bytes and <|eos|>
     ({"user": 5}, "user"),
     ({"best_of": 2}, "best_of"),
     ({"suffix": "tail"}, "suffix"),
-    ({"echo": True}, "echo"),
     ({"temperature": "0.5"}, "temperature"),
     ({"stream": "true"}, "stream"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
