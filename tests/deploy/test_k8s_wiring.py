@@ -32,7 +32,8 @@ def routes() -> dict[str, set[str]]:
     """GET routes of the app each `pdserve` subcommand serves (apps built, not started)."""
     settings = ServerSettings(name="d0", role="decode", engine=EngineConfig(model="unused"))
     service = SimpleNamespace(settings=settings, drain=Drain(lambda: 0), faults=None)
-    router = router_app(RouterSettings(model_path="unused", served_model_name="m", workers=()), model=object())
+    router = router_app(RouterSettings(model_path="unused", served_model_name="m", workers=()),
+                        model=SimpleNamespace(vocab_size=512, max_model_len=4096))  # what the OpenAPI document reads
     return {"decode": _get_routes(decode_app(service)), "prefill": _get_routes(prefill_app(service)),
             "router": _get_routes(router)}
 

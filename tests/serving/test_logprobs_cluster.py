@@ -175,3 +175,29 @@ def test_a_list_of_prompts_answers_each_as_alone(served, tiny_model):
 def test_every_block_is_free_again_on_every_server(served):
     served.wait_idle(3.0)
     assert all(b["free"] == b["total"] for b in served.blocks().values()), served.blocks()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_penalties_and_logit_bias_through_the_router_equal_the_reference_on_transformers(served, tiny_model,
+                                                                                         stream):
+    from engine.request import SamplingParams
+    from tests.engine.test_penalties import reference
+
+    tok = tokenizer(tiny_model)
+    prompt = tok(PROMPT)["input_ids"]
+    first = hf_greedy(tiny_model, prompt, 1, ignore_eos=True)[0]
+    fields = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_penalty": 1.3,
+              "logit_bias": {str(first): -30.0, "17": 4.0}, "min_tokens": 3, "ignore_eos": True}
+    params = SamplingParams(max_tokens=10, temperature=0, presence_penalty=0.7, frequency_penalty=0.4,
+                            repetition_penalty=1.3, logit_bias=((first, -30.0), (17, 4.0)), min_tokens=3,
+                            ignore_eos=True)
+    want, _ = reference(tiny_model, prompt, params, (tok.eos_token_id,))
+    assert want != hf_greedy(tiny_model, prompt, 10, ignore_eos=True)  # the processing changes the answer
+    kw = dict(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=0, extra_body=fields)
+    client = served.client()
+    if stream:
+        tokens = [t for ch in client.completions.create(stream=True, **kw)
+                  if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+    else:
+        tokens = client.completions.create(**kw).choices[0].logprobs.tokens
+    assert tokens == [tok.decode([i]) for i in want]
