@@ -31,7 +31,7 @@ ANY_OBJECT = '{"type": "object"}'
 
 
 class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
     name: str = Field(min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
@@ -39,13 +39,13 @@ class JsonSchemaFormat(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
 class StructuredOutputs(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True, strict=True)
     json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
     regex: str | None = None
     choice: list[str] | None = None

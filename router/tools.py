@@ -38,7 +38,7 @@ _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": 
 
 
 class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -46,13 +46,13 @@ class FunctionDef(BaseModel):
 
 
 class ToolDef(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     type: str
     function: FunctionDef | None = None
 
 
 class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str
     arguments: str | dict[str, Any]  # OpenAI sends JSON text
 
@@ -60,7 +60,7 @@ class CalledFunction(BaseModel):
 class EarlierCall(BaseModel):
     """A call in an assistant message of the conversation."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     id: str | None = None
     type: str = "function"
     function: CalledFunction
