@@ -307,8 +307,6 @@ class GenerationService:
         firsts = list(ended.first_tokens or ())
         if ended.ok:  # one first token per sequence, each one this model has and the grammar allows
             problem = e.remote_token_problem(pending.request_id, firsts)
-            if problem is None and len(firsts) != pending.sampling.n:
-                problem = f"{len(firsts)} first tokens for {pending.sampling.n} sequences"
             if problem is None:
                 self.metrics.kv_wait_seconds.observe(max(0.0, ended.at - pending.reserved_at))
                 self._emit(e, e.admit_remote(pending.request_id, firsts))

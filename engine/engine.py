@@ -164,8 +164,12 @@ class LLMEngine:
 
     def remote_token_problem(self, request_id: str, first_token_ids: list[int]) -> str | None:
         """Why a reserved request cannot continue from the first tokens a prefill server sent
-        (one per sequence: outside the vocabulary, or not allowed by its grammar); None when it can."""
-        grammar = self.scheduler.requests[request_id][0].grammar
+        (one per sequence: too many or too few, outside the vocabulary, or not allowed by its
+        grammar); None when it can."""
+        request = self.scheduler.requests[request_id][0]
+        if len(first_token_ids) != request.sampling.n:
+            return f"{len(first_token_ids)} first tokens for {request.sampling.n} sequences"
+        grammar = request.grammar
         for token_id in first_token_ids:
             if not 0 <= token_id < self.hf_config.vocab_size:
                 return f"first token {token_id} is outside the vocabulary"

@@ -203,9 +203,7 @@ class Scheduler:
                 continue
             prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             if self.config.mode == "prefill":
-                request.output_token_ids.append(result.token_ids[0])
-                if request.grammar is not None:
-                    request.grammar.accept(result.token_ids[0])  # sampled under its mask: allowed
+                self._record(request, result.token_ids[0])  # sampled under its mask; the prefill ends here anyway
                 self.running.remove(request)
                 request.status = RequestStatus.PREFILLED
                 self.parked[request.request_id] = request
@@ -360,8 +358,7 @@ class Scheduler:
                 self._place_fork(child, request)
             else:
                 child.status, child.finish_reason = RequestStatus.FINISHED, reason
-            outputs.append(StepOutput(request.request_id, [token], reason is not None, reason,
-                                      logprobs=first.logprobs and [first.logprobs[index]], index=index))
+            outputs.append(self._output(child, token, reason, first.logprobs and first.logprobs[index]))
         own = self._append_token(request, first.token_ids[0], first.logprobs and first.logprobs[0], prompt_logprobs)
         return [own, *outputs]
 
@@ -391,8 +388,14 @@ class Scheduler:
         if reason is not None:
             self.running.remove(request)
             self._finish(request, reason)
+        return self._output(request, token, reason, logprob, prompt_logprobs)
+
+    @staticmethod
+    def _output(request: Request, token: int, reason: str | None, logprob: Logprob | None = None,
+                prompt_logprobs: list[Logprob | None] | None = None) -> StepOutput:
+        """A sequence's output for one recorded token; a token its grammar refused is never emitted."""
         if reason == "abort":
-            return StepOutput(request.request_id, [], True, reason, index=request.index)  # never emit it
+            return StepOutput(request.request_id, [], True, reason, index=request.index)
         return StepOutput(request.request_id, [token], reason is not None, reason,
                           logprobs=None if logprob is None else [logprob], prompt_logprobs=prompt_logprobs,
                           index=request.index)
