@@ -3,30 +3,49 @@
 For every scenario, a ladder of arrival rates (``bench/sweep.py``); at each
 rate the scenario's rounds go to every layout in ABBA order
 (``compare.run_scenario``: same prompts and arrival pattern on every layout),
-and the ladder stops when every layout has missed the attainment target or
-when the scenario's share of ``--time-budget`` would run out. The planner's
-attainment at each rate is the calibrated simulation of exactly the
-requests sent. Writes ``sweep.md``, ``sweep.json`` and one PNG per scenario
+and a layout leaves the ladder once it misses even the loosest SLO scale (its
+goodput at every scale is then known),
+and the ladder stops when every layout has missed or when the scenario's
+share of ``--time-budget`` would run out. Each round sends at least the
+scenario's ``min_span`` seconds of arrivals, so a high rate is a sustained
+load and not a burst the engines drain before it builds a queue. The
+planner's attainment at each rate, for every layout, is the calibrated
+simulation of exactly the requests sent. Writes ``sweep.md``, ``sweep.json`` and one PNG per scenario
 (attainment vs rate, and the highest rate vs an SLO scale).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.scenarios import Scenario
-from bench.sweep import SLO_SCALES, attainment, keep_climbing, ladder, max_rate, ratio
+from bench.sweep import SLO_SCALES, attainment, crossing, ladder, max_rate, ratio
 from bench.workload import Workload
 
-# (first rate, factor, rungs) per scenario, sized for the ~90M model on 2 cores.
-LADDERS = {"prefill-heavy": (0.12, 1.5, 6), "short": (1.0, 1.5, 6)}
+
+@dataclass(frozen=True)
+class LadderSpec:
+    start: float  # req/s
+    factor: float
+    rungs: int
+    min_span_s: float = 0.0  # each round sends at least this many seconds of arrivals
+
+    def requests_per_round(self, rate: float, at_least: int) -> int:
+        return max(at_least, math.ceil(rate * self.min_span_s))
+
+
+# Sized for the ~90M model on 2 cores: each ladder starts where both layouts meet the SLO
+# and climbs past where they miss it.
+LADDERS = {"prefill-heavy": LadderSpec(0.18, 1.5, 7, min_span_s=20.0),
+           "short": LadderSpec(1.2, 1.5, 6, min_span_s=10.0)}
 DEFAULT_SCENARIOS = "short,prefill-heavy"  # short first: the time it leaves goes to the slow one
 QUICK = Scenario("quick", "short prompts and answers on the tiny model (CI smoke)",
                  Workload.single("uniform(16,48)", "8"), num_requests=8, slo_ttft_ms=3000, slo_tpot_ms=300)
-QUICK_LADDER = (2.0, 4.0, 2)
+QUICK_LADDER = LadderSpec(2.0, 4.0, 2)
 
 
 @dataclass
@@ -44,37 +63,53 @@ class ScenarioSweep:
     stopped: str
 
     def curve(self, layout: str, scale: float = 1.0, predicted: bool = False) -> dict[float, float | None]:
+        """Attainment per rate: measured where the layout ran (up to its first miss),
+        predicted at every rung."""
         s = self.scenario
-        return {g.rate: attainment(g.predicted_records[layout] if predicted else g.runs[layout].records,
-                                   s.slo_ttft_ms, s.slo_tpot_ms, scale) for g in self.rungs}
+        if predicted:
+            return {g.rate: attainment(g.predicted_records[layout], s.slo_ttft_ms, s.slo_tpot_ms, scale)
+                    for g in self.rungs}
+        return {g.rate: attainment(g.runs[layout].records, s.slo_ttft_ms, s.slo_tpot_ms, scale)
+                for g in self.rungs if layout in g.runs}
 
     def round_curve(self, layout: str, k: int) -> dict[float, float | None]:
         return {g.rate: g.runs[layout].rounds[k].slo_attainment for g in self.rungs
-                if k < len(g.runs[layout].rounds)}
+                if layout in g.runs and k < len(g.runs[layout].rounds)}
 
 
-def sweep_scenario(scenario: Scenario, rates: list[float], sides: list, ctx: dict, target: float,
-                   deadline: float) -> ScenarioSweep:
+def sweep_scenario(scenario: Scenario, rates: list[float], spec: LadderSpec, per_round: int, sides: list,
+                   ctx: dict, target: float, deadline: float) -> ScenarioSweep:
     from bench.compare import run_scenario, simulated
 
     rungs: list[Rung] = []
+    climbing = list(sides)
     stopped = f"all {len(rates)} rates measured"
     for rate in rates:
-        # A rung at a higher rate sends the same requests sooner: its arrivals span last.rate / rate of
-        # the last rung's (queueing at overload adds a tail, so the budget is a soft bound).
-        if rungs and time.time() + rungs[-1].wall_s * rungs[-1].rate / rate > deadline:
-            stopped = f"time budget: stopped before {rate:g} req/s"
-            break
+        n = scenario.rounds * spec.requests_per_round(rate, per_round)
+        # Arrivals at a higher rate span less time: last.wall_s scaled by the span of arrivals
+        # (queueing at overload adds a tail, so the budget is a soft bound).
+        if rungs:
+            last = rungs[-1]
+            last_n = next(iter(last.runs.values())).scenario.num_requests
+            guess = last.wall_s * (n / rate) / (last_n / last.rate) * len(climbing) / len(last.runs)
+            if time.time() + guess > deadline:
+                stopped = f"time budget: stopped before {rate:g} req/s"
+                break
         t0 = time.time()
-        at = replace(scenario, rate=rate)
-        runs = {r.layout: r for r in run_scenario(at, sides, ctx)}
-        preds = {s.name: simulated(s.layout, at, runs[s.name].records) for s in sides}
+        at = replace(scenario, rate=rate, num_requests=n)
+        runs = {r.layout: r for r in run_scenario(at, climbing, ctx)}
+        sent = next(iter(runs.values())).records  # same lengths and send times on every layout
+        preds = {s.name: simulated(s.layout, at, runs[s.name].records if s.name in runs else sent)
+                 for s in sides}
         rungs.append(Rung(rate, runs, preds, time.time() - t0))
-        curves = {name: {g.rate: g.runs[name].measured.slo_attainment for g in rungs} for name in runs}
-        print(f"   {scenario.name} at {rate:g} req/s: attainment " + ", ".join(
-            f"{n} {100 * (c[rate] or 0):.0f}%" for n, c in curves.items()), flush=True)
-        if not keep_climbing(curves, target):
-            stopped = f"every layout missed at {rate:g} req/s"
+        print(f"   {scenario.name} at {rate:g} req/s ({n} requests): attainment " + ", ".join(
+            f"{name} {100 * (r.measured.slo_attainment or 0):.0f}%" for name, r in runs.items()), flush=True)
+        # A layout stays while it meets the loosest SLO scale: every scale's highest rate is then known.
+        loosest = max(SLO_SCALES)
+        climbing = [s for s in climbing if (attainment(runs[s.name].records, scenario.slo_ttft_ms,
+                                                       scenario.slo_tpot_ms, loosest) or 0) >= target]
+        if not climbing:
+            stopped = f"every layout has missed: the last at {rate:g} req/s"
             break
     return ScenarioSweep(scenario, rungs, stopped)
 
@@ -83,13 +118,14 @@ def sweep_all(scenarios: list[Scenario], sides: list, ctx: dict, args, quick: bo
     out = []
     target = args.attainment / 100
     for i, scenario in enumerate(scenarios):
-        start, factor, count = QUICK_LADDER if quick else LADDERS.get(scenario.name, (scenario.rate, 1.5, 6))
-        rates = sorted(parse_rate_list(args.sweep_rates)) if args.sweep_rates else ladder(start, factor, count)
+        spec = QUICK_LADDER if quick else LADDERS.get(scenario.name, LadderSpec(scenario.rate, 1.5, 6))
+        rates = (sorted(parse_rate_list(args.sweep_rates)) if args.sweep_rates
+                 else ladder(spec.start, spec.factor, spec.rungs))
         share = (ctx["deadline"] - time.time()) / (len(scenarios) - i)
-        s = replace(scenario, num_requests=scenario.rounds * args.sweep_requests)
-        print(f"== sweep {scenario.name}: rates {rates}, {args.sweep_requests} requests per round, "
-              f"{share / 60:.1f} min", flush=True)
-        out.append(sweep_scenario(s, rates, sides, ctx, target, time.time() + share))
+        print(f"== sweep {scenario.name}: rates {rates}, at least {args.sweep_requests} requests and "
+              f"{spec.min_span_s:g} s of arrivals per round, {share / 60:.1f} min", flush=True)
+        out.append(sweep_scenario(scenario, rates, spec, args.sweep_requests, sides, ctx, target,
+                                  time.time() + share))
     return out
 
 
@@ -116,33 +152,39 @@ def scenario_lines(sw: ScenarioSweep, names: list[str], cores: int, target: floa
     s = sw.scenario
     base, other = names
     lines = [f"## {s.name}", "", f"{s.description}. Workload `{s.workload}`; SLO TTFT {s.slo_ttft_ms:g} ms, "
-             f"TPOT {s.slo_tpot_ms:g} ms; {s.num_requests} requests per rate and layout in {s.rounds} ABBA rounds. "
-             f"Ladder: {sw.stopped}.", "",
-             "| rate (req/s) | " + " | ".join(f"{n} measured (predicted)" for n in names) + " |",
-             "|---|" + "---|" * len(names)]
+             f"TPOT {s.slo_tpot_ms:g} ms; {s.rounds} ABBA rounds per rate. Ladder: {sw.stopped}.", "",
+             "| rate (req/s) | requests | " + " | ".join(f"{n} measured (predicted)" for n in names) + " |",
+             "|---|---|" + "---|" * len(names)]
     for g in sw.rungs:
-        cells = [f"{_pct(g.runs[n].measured.slo_attainment)} ({_pct(attainment(g.predicted_records[n], s.slo_ttft_ms, s.slo_tpot_ms))})"
-                 for n in names]
-        lines.append(f"| {g.rate:g} | " + " | ".join(cells) + " |")
+        cells = [f"{_pct(g.runs[n].measured.slo_attainment) if n in g.runs else 'left the ladder'} "
+                 f"({_pct(attainment(g.predicted_records[n], s.slo_ttft_ms, s.slo_tpot_ms))})" for n in names]
+        sent = next(iter(g.runs.values())).scenario.num_requests
+        lines.append(f"| {g.rate:g} | {sent} | " + " | ".join(cells) + " |")
     meas = {n: max_rate(sw.curve(n), target) for n in names}
-    pred = {n: max_rate(sw.curve(n, predicted=True), target) for n in names}
-    rounds = min((len(g.runs[n].rounds) for g in sw.rungs for n in names), default=0)
+    cross = {n: crossing(sw.curve(n), target) for n in names}
+    pred = {n: crossing(sw.curve(n, predicted=True), target) for n in names}
+    rounds = min((len(g.runs[n].rounds) for g in sw.rungs for n in names if n in g.runs), default=0)
     per_round = [ratio(max_rate(sw.round_curve(other, k), target), max_rate(sw.round_curve(base, k), target))
                  for k in range(rounds)]
-    lines += ["", f"Highest rate with >= {100 * target:g}% of requests meeting both SLOs (a rate above the last "
-              "one measured is not known):", "",
-              "| layout | measured (req/s) | per core | predicted (req/s) | predicted vs measured |",
-              "|---|---|---|---|---|"]
-    top = max((g.rate for g in sw.rungs), default=None)
+    lines += ["", f"Highest rate with >= {100 * target:g}% of requests meeting both SLOs: the last rung met before "
+              "the first missed, and where attainment crosses the target (linear between those two rungs; the "
+              "planner's crossing is read off its curve the same way):", "",
+              "| layout | highest rung met (req/s) | per core | crossing (req/s) | planner's crossing | "
+              "planner vs measured |", "|---|---|---|---|---|---|"]
     for n in names:
-        err = ratio(pred[n], meas[n])
-        mark = " (top of the ladder: at least)" if meas[n] is not None and meas[n] == top else ""
+        top = max(sw.curve(n), default=None)
+        at_least = meas[n] is not None and meas[n] == top
+        mark = " (top of the ladder: at least)" if at_least else ""
+        err = ratio(pred[n], cross[n])
         lines.append(f"| {n} | {_fmt(meas[n])}{mark} | {_fmt(None if meas[n] is None else meas[n] / cores)} | "
-                     f"{_fmt(pred[n])} | {'-' if err is None else f'{100 * (err - 1):+.0f}%'} |")
+                     f"{'above the ladder' if at_least else _fmt(cross[n])} | {_fmt(pred[n])} | "
+                     f"{'-' if err is None else f'{100 * (err - 1):+.0f}%'} |")
     r = ratio(meas[other], meas[base])
-    lines += ["", f"**{other} / {base}: {'-' if r is None else f'{r:.2f}x'}** (same cores, so per core too); "
-              "per round: " + (", ".join("-" if x is None else f"{x:.2f}x" for x in per_round) or "-") + ".", "",
-              "SLO scale (both SLOs multiplied): highest rate per layout", "",
+    rc = ratio(cross[other], cross[base])
+    lines += ["", f"**{other} / {base}: {'-' if r is None else f'{r:.2f}x'}** at the highest rung met"
+              f"{'' if rc is None else f', {rc:.2f}x at the crossings'} (same cores, so per core too); per round "
+              "(highest rung met): " + (", ".join("-" if x is None else f"{x:.2f}x" for x in per_round) or "-") + ".",
+              "", "SLO scale (both SLOs multiplied): highest rung met per layout", "",
               "| scale | " + " | ".join(names) + " | wins |", "|---|" + "---|" * (len(names) + 1)]
     for scale in SLO_SCALES:
         best = {n: max_rate(sw.curve(n, scale), target) for n in names}
@@ -196,12 +238,19 @@ def write_sweep(out: Path, sweeps: list[ScenarioSweep], names: list[str], meta: 
         data.append({"scenario": sw.scenario.name, "stopped": sw.stopped,
                      "max_rate": {n: max_rate(sw.curve(n), target) for n in names},
                      "predicted_max_rate": {n: max_rate(sw.curve(n, predicted=True), target) for n in names},
+                     "crossing": {n: crossing(sw.curve(n), target) for n in names},
+                     "predicted_crossing": {n: crossing(sw.curve(n, predicted=True), target) for n in names},
                      "curves": {n: {str(k): v for k, v in sw.curve(n).items()} for n in names},
                      "predicted_curves": {n: {str(k): v for k, v in sw.curve(n, predicted=True).items()}
                                           for n in names},
                      "rungs": [{"rate": g.rate, "wall_s": g.wall_s,
-                                "measured": {n: g.runs[n].measured.to_json() for n in names},
-                                "rounds": {n: [x.to_json() for x in g.runs[n].rounds] for n in names}}
+                                "measured": {n: r.measured.to_json() for n, r in g.runs.items()},
+                                "rounds": {n: [x.to_json() for x in r.rounds] for n, r in g.runs.items()},
+                                "calibration": {n: r.calibration for n, r in g.runs.items()},
+                                "engines": {n: r.engines for n, r in g.runs.items()},
+                                "requests": {n: [x.to_json() for x in r.records] for n, r in g.runs.items()},
+                                "predicted_requests": {n: [r.to_json() for r in g.predicted_records[n]]
+                                                       for n in names}}
                                for g in sw.rungs]})
     (out / "sweep.json").write_text(json.dumps({"meta": meta, "target": target, "scenarios": data}, indent=1) + "\n")
     path = out / "sweep.md"

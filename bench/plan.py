@@ -164,13 +164,17 @@ def max_rates(layouts: list[tuple[Candidate, Layout]], workload: Workload, rates
 
 def format_max_rates(found: dict[str, tuple[float | None, dict[float, float]]], target: float,
                      units: int) -> str:
-    lines = [f"| layout | highest rate at >= {100 * target:g}% (req/s) | per unit | attainment at each rate |",
-             "|---|---|---|---|"]
+    from bench.sweep import crossing
+
+    lines = [f"| layout | highest rate at >= {100 * target:g}% (req/s) | per unit | crossing (req/s) | "
+             "attainment at each rate |", "|---|---|---|---|---|"]
     for name, (best, curve) in found.items():
         top = " (top of the ladder: at least)" if best is not None and best == max(curve) else ""
         cells = ", ".join(f"{r:.3g}: {100 * (a or 0):.0f}%" for r, a in curve.items())
         per = "-" if best is None else f"{best / units:.3g}"
-        lines.append(f"| {name} | {'-' if best is None else f'{best:.3g}'}{top} | {per} | {cells} |")
+        cross = crossing(curve, target)
+        lines.append(f"| {name} | {'-' if best is None else f'{best:.3g}'}{top} | {per} | "
+                     f"{'-' if cross is None else f'{cross:.3g}'} | {cells} |")
     return "\n".join(lines)
 
 
@@ -278,7 +282,10 @@ def run(args: argparse.Namespace) -> int:
                 "predictions": [{"layout": p.candidate.name, "threads": p.candidate.threads,
                                  "summary": p.summary.to_json(), "utilization": p.utilization} for p in preds]}
         if found is not None:
-            data["max_rate"] = {name: {"rate": best, "curve": {str(r): a for r, a in curve.items()}}
+            from bench.sweep import crossing
+
+            data["max_rate"] = {name: {"rate": best, "crossing": crossing(curve, target),
+                                       "curve": {str(r): a for r, a in curve.items()}}
                                 for name, (best, curve) in found.items()}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -41,9 +41,16 @@ def max_rate(curve: dict[float, float | None], target: float) -> float | None:
     return best
 
 
-def keep_climbing(curves: dict[str, dict[float, float | None]], target: float) -> bool:
-    """Whether the next rung is worth measuring: some layout met every rate so far."""
-    return any(max_rate(c, target) == max(c) for c in curves.values() if c)
+def crossing(curve: dict[float, float | None], target: float) -> float | None:
+    """Where attainment falls through ``target``: linear between the highest rate met
+    (``max_rate``) and the first rate missed above it. None when the lowest rate
+    misses or no rate misses (the crossing is above the ladder)."""
+    met = max_rate(curve, target)
+    above = sorted(r for r in curve if met is not None and r > met)
+    if met is None or not above:
+        return None
+    lo, hi = curve[met], curve[above[0]] or 0.0
+    return met + (lo - target) / (lo - hi) * (above[0] - met)
 
 
 def attainment(records: list[RequestRecord], slo_ttft_ms: float | None, slo_tpot_ms: float | None,

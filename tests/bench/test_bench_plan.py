@@ -211,3 +211,6 @@ def test_plan_command_answers_the_highest_rate_per_layout(tmp_path, capsys):
     assert set(data) == {"colocated", "1P1D"} and len(data["1P1D"]["curve"]) == 16
     # 30 requests: colocated misses 90% even at the lowest rung; 1P1D holds up to the 12th (0.25 * 1.25**11).
     assert data["colocated"]["rate"] is None and data["1P1D"]["rate"] == pytest.approx(0.25 * 1.25 ** 11, rel=1e-5)
+    # Where 1P1D's attainment falls through 90%: between the 12th rung and the 13th.
+    assert 0.25 * 1.25 ** 11 < data["1P1D"]["crossing"] < 0.25 * 1.25 ** 12
+    assert data["colocated"]["crossing"] is None

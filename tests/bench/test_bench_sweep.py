@@ -3,7 +3,7 @@
 import pytest
 
 from bench.metrics import RequestRecord
-from bench.sweep import attainment, keep_climbing, ladder, max_rate, ratio
+from bench.sweep import attainment, crossing, ladder, max_rate, ratio
 
 
 def test_ladder_grows_by_the_factor_from_the_first_rate():
@@ -35,10 +35,16 @@ def test_no_rate_met_gives_none_and_a_rate_with_no_requests_misses():
     assert max_rate({}, 0.9) is None
 
 
-def test_the_ladder_climbs_while_some_layout_met_every_rate_so_far():
-    assert keep_climbing({"colocated": {0.1: 0.5}, "1P1D": {0.1: 0.95}}, 0.9)
-    assert not keep_climbing({"colocated": {0.1: 0.5, 0.2: 0.3}, "1P1D": {0.1: 0.95, 0.2: 0.8}}, 0.9)
-    assert not keep_climbing({"colocated": {}, "1P1D": {}}, 0.9)
+def test_the_crossing_is_linear_between_the_last_rung_met_and_the_first_missed():
+    # 1.0 at 0.2, 0.6 at 0.4: attainment falls through 0.9 a quarter of the way up.
+    assert crossing({0.1: 1.0, 0.2: 1.0, 0.4: 0.6, 0.8: 0.95}, 0.9) == pytest.approx(0.25)
+    assert crossing({0.1: 0.95, 0.2: None}, 0.9) == pytest.approx(0.1 + 0.05 / 0.95 * 0.1)
+
+
+def test_no_crossing_when_the_first_rung_misses_or_none_does():
+    assert crossing({0.1: 0.5, 0.2: 0.3}, 0.9) is None
+    assert crossing({0.1: 1.0, 0.2: 0.95}, 0.9) is None
+    assert crossing({}, 0.9) is None
 
 
 def _record(ttft: float, tpot: float, tokens: int = 3, ok: bool = True) -> RequestRecord:

@@ -53,12 +53,17 @@ def test_quick_sweep_writes_curves_and_a_highest_rate_per_layout(tiny_model, tmp
     [quick] = data["scenarios"]
     rungs = [g["rate"] for g in quick["rungs"]]
     assert rungs[0] == 2.0 and set(rungs) <= {2.0, 8.0}
+    assert set(quick["rungs"][0]["measured"]) == set(LAYOUTS)
     for name in LAYOUTS:
-        # Every rung measured on every layout: 2 rounds of 4 requests, none failed.
-        assert [g["measured"][name]["num_requests"] for g in quick["rungs"]] == [8] * len(rungs)
-        assert [g["measured"][name]["failed"] for g in quick["rungs"]] == [0] * len(rungs)
-        assert [len(g["rounds"][name]) for g in quick["rungs"]] == [2] * len(rungs)
-        assert list(quick["curves"][name]) == [str(r) for r in rungs]
+        # A layout climbs until it misses: the rungs it ran are the first ones, 2 rounds of 4 requests
+        # each, none failed; the planner predicts every rung for every layout.
+        ran = [g for g in quick["rungs"] if name in g["measured"]]
+        assert ran == quick["rungs"][:len(ran)]
+        assert [g["measured"][name]["num_requests"] for g in ran] == [8] * len(ran)
+        assert [g["measured"][name]["failed"] for g in ran] == [0] * len(ran)
+        assert [len(g["rounds"][name]) for g in ran] == [2] * len(ran)
+        assert [len(g["requests"][name]) for g in ran] == [8] * len(ran)
+        assert list(quick["curves"][name]) == [str(g["rate"]) for g in ran]
         assert list(quick["predicted_curves"][name]) == [str(r) for r in rungs]
         assert quick["max_rate"][name] in {None, *rungs}
         assert quick["predicted_max_rate"][name] in {None, *rungs}
