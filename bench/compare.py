@@ -67,8 +67,10 @@ PROBE = Scenario("probe", "8-token prompts, 16 tokens out, one at a time", Workl
                  num_requests=5, concurrency=1, idle=True)
 PROBE_BATCH = Scenario("probe-batch", "8-token prompts, 32 tokens out, four at a time", Workload.single("8", "32"),
                        num_requests=8, concurrency=4)
-PROBE_PREFILL = Scenario("probe-prefill", "1024-token prompts, 2 tokens out, one at a time",
-                         Workload.single("1024", "2"), num_requests=2, concurrency=1, idle=True)
+PROBE_WIDE = Scenario("probe-wide", "8-token prompts, 32 tokens out, sixteen at a time", Workload.single("8", "32"),
+                      num_requests=32, concurrency=16)
+PROBE_PREFILL = Scenario("probe-prefill", "1024-token prompts (a quarter) among 8-token ones decoding 48 tokens, "
+                         "eight at a time", Workload.mix(["0.25:1024:2", "0.75:8:48"]), num_requests=24, concurrency=8)
 
 
 def _tpot(records: list[RequestRecord]) -> float:
@@ -77,35 +79,46 @@ def _tpot(records: list[RequestRecord]) -> float:
 
 def calibrate(layout: Layout, records: list[RequestRecord],
               batch_records: list[RequestRecord] | None = None,
-              prefill_records: list[RequestRecord] | None = None) -> tuple[Layout, dict]:
+              prefill_records: list[RequestRecord] | None = None,
+              wide_records: list[RequestRecord] | None = None) -> tuple[Layout, dict]:
     """Adds the live cluster's fixed costs, measured with tiny requests, to a layout.
 
     The profile times bare engine steps; a server adds a per-step cost (engine
-    thread, queues), a per-sequence cost in every step (each stream's token is
-    detokenized, sent as an HTTP chunk and relayed by the router, on the same
-    cores) and a per-request cost (HTTP, tokenization, routing, the extra hop
-    of a disaggregated request). All three are read off probe requests too
-    small for compute to matter: the TPOT gaps one at a time and
-    ``PROBE_BATCH.concurrency`` at a time give the per-step and per-sequence
-    costs (two equations, two unknowns), then the TTFT gap left goes into
-    ``ingress``. Last, ``PROBE_PREFILL`` (1024-token prompts) compares the
-    live prefill with the profile's: the engine there shares its cores with
-    the other servers, the router and the load client, which a profile taken
-    alone does not see; the prefilling instances' token and attention costs
-    are scaled by the ratio.
+    thread, queues, other processes on the same cores), a per-sequence cost in
+    every step (each stream's token is detokenized, sent as an HTTP chunk and
+    relayed by the router, on the same cores) and a per-request cost (HTTP,
+    tokenization, routing, the extra hop of a disaggregated request). All three
+    are read off probe requests too small for compute to matter. The TPOT gap
+    (live minus simulated) of each probe is a point (width, gap); the per-step
+    and per-sequence costs are the line through the two widest probes given:
+    ``PROBE_BATCH`` and ``PROBE_WIDE`` (4 and 16 streams, batches like the ones
+    that serve load), else one at a time and ``PROBE_BATCH``, else the
+    one-at-a-time gap is all per step. A lone stream pays less than a batch
+    does (nothing else competes for the cores between its steps), so a line
+    from width 1 overstates the per-sequence cost of a large batch. Then the
+    TTFT gap left goes into ``ingress``. Last, ``PROBE_PREFILL`` (1024-token
+    prompts arriving among decoding streams) compares the live prefill under
+    load with the profile's: the engine there shares its cores with the other
+    servers, the router, the load client and the streams' HTTP work, which a
+    profile taken alone does not see; the prefilling instances' token and
+    attention costs are scaled until the simulated TTFT of the long prompts
+    is the live one.
     """
     done = [r for r in records if r.ok and r.tpot is not None]
     if not done:
         return layout, {"step_ms": 0.0, "seq_ms": 0.0, "request_ms": 0.0, "prefill_scale": 1.0}
     bare = replace(layout, overheads=Overheads())
-    gap1 = _tpot(done) - predict(bare, PROBE, done).tpot.p50 / 1000
-    seq_gap = 0.0
-    batch = [r for r in batch_records or [] if r.ok and r.tpot is not None]
-    if batch:
-        width = PROBE_BATCH.concurrency
-        gap_n = _tpot(batch) - predict(bare, PROBE_BATCH, batch).tpot.p50 / 1000
-        seq_gap = max(0.0, (gap_n - gap1) / (width - 1))
-    step_gap = max(0.0, gap1 - seq_gap)
+    points = [(1, _tpot(done) - predict(bare, PROBE, done).tpot.p50 / 1000)]
+    for probe, recs in ((PROBE_BATCH, batch_records), (PROBE_WIDE, wide_records)):
+        ok = [r for r in recs or [] if r.ok and r.tpot is not None]
+        if ok:
+            points.append((probe.concurrency, _tpot(ok) - predict(bare, probe, ok).tpot.p50 / 1000))
+    if len(points) == 1:
+        seq_gap, (w1, g1) = 0.0, points[0]
+    else:
+        (w0, g0), (w1, g1) = points[-2:]
+        seq_gap = max(0.0, (g1 - g0) / (w1 - w0))
+    step_gap = max(0.0, g1 - seq_gap * w1)
 
     def slower(spec):
         cost = replace(spec.cost, base=spec.cost.base + step_gap, per_seq=spec.cost.per_seq + seq_gap)
@@ -115,24 +128,47 @@ def calibrate(layout: Layout, records: list[RequestRecord],
     request_gap = max(0.0, statistics.median(r.ttft for r in done) - predict(stepped, PROBE, done).ttft.p50 / 1000)
     calibrated = replace(stepped, overheads=Overheads(ingress=request_gap))
     scale = 1.0
-    long = [r for r in prefill_records or [] if r.ok and r.ttft is not None]
+    loaded = [r for r in prefill_records or [] if r.ok]
+    longest = max((r.prompt_len for r in loaded), default=0)
+    long = [i for i, r in enumerate(loaded) if r.prompt_len == longest and r.ttft is not None]
     if long:
-        n = long[0].prompt_len
-        prefiller = (calibrated.prefill or calibrated.serving)[0].cost
-        compute = prefiller.per_token * n + prefiller.per_attn * chunk_attn_pairs(0, n)
-        gap = statistics.median(r.ttft for r in long) - predict(calibrated, PROBE_PREFILL, long).ttft.p50 / 1000
-        scale = max(0.5, 1.0 + gap / compute) if compute > 0 else 1.0
-
-        def live(spec):
-            return replace(spec, cost=replace(spec.cost, per_token=spec.cost.per_token * scale,
-                                              per_attn=spec.cost.per_attn * scale))
-
-        if calibrated.prefill:
-            calibrated = replace(calibrated, prefill=tuple(map(live, calibrated.prefill)))
-        else:
-            calibrated = replace(calibrated, serving=tuple(map(live, calibrated.serving)))
+        scale = _prefill_scale(calibrated, loaded, long)
+        calibrated = _scaled_prefill(calibrated, scale)
     return calibrated, {"step_ms": 1000 * step_gap, "seq_ms": 1000 * seq_gap, "request_ms": 1000 * request_gap,
                         "prefill_scale": scale}
+
+
+def _scaled_prefill(layout: Layout, scale: float) -> Layout:
+    """The prefilling instances' token and attention costs times ``scale``."""
+    def live(spec):
+        return replace(spec, cost=replace(spec.cost, per_token=spec.cost.per_token * scale,
+                                          per_attn=spec.cost.per_attn * scale))
+
+    if layout.prefill:
+        return replace(layout, prefill=tuple(map(live, layout.prefill)))
+    return replace(layout, serving=tuple(map(live, layout.serving)))
+
+
+def _prefill_scale(layout: Layout, records: list[RequestRecord], long: list[int]) -> float:
+    """The scale of prefill compute at which the simulated median TTFT of the ``long``
+    requests (positions in ``records``) equals the live one, by bisection in [0.5, 4]:
+    among running decodes a long prompt also waits for the step in flight, so its TTFT
+    is not linear in the scale."""
+    target = statistics.median(records[i].ttft for i in long)
+
+    def ttft(scale: float) -> float:
+        sim = simulated(_scaled_prefill(layout, scale), PROBE_PREFILL, records)
+        return statistics.median(sim[i].ttft for i in long)
+
+    lo, hi = 0.5, 4.0
+    if ttft(lo) >= target:
+        return lo
+    if ttft(hi) <= target:
+        return hi
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ttft(mid) < target else (lo, mid)
+    return (lo + hi) / 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -300,6 +336,7 @@ class Side:
     cluster: object = None
     layout: Layout | None = None
     calibration: dict | None = None
+    probes: dict = field(default_factory=dict)  # probe scenario name -> its records
 
 
 def start_side(side: Side, ctx: dict) -> None:
@@ -313,8 +350,12 @@ def start_side(side: Side, ctx: dict) -> None:
     side.cluster = launch(config_path, out_dir / f"run-{side.name}", ctx["cpus"], ctx["launch_timeout"])
     probe = measure(side.cluster.url, side.cluster.model, PROBE, ctx["builder"], ctx["seed"])
     batch = measure(side.cluster.url, side.cluster.model, PROBE_BATCH, ctx["builder"], ctx["seed"])
+    wide = measure(side.cluster.url, side.cluster.model, PROBE_WIDE, ctx["builder"], ctx["seed"])
     long = measure(side.cluster.url, side.cluster.model, PROBE_PREFILL, ctx["builder"], ctx["seed"])
-    side.layout, side.calibration = calibrate(ctx["layout_for"](side.cand, side.prefill_threads), probe, batch, long)
+    side.probes = {s.name: recs for s, recs in ((PROBE, probe), (PROBE_BATCH, batch), (PROBE_WIDE, wide),
+                                                 (PROBE_PREFILL, long))}
+    side.layout, side.calibration = calibrate(ctx["layout_for"](side.cand, side.prefill_threads), probe, batch,
+                                              long, wide)
     print(f"   calibration: +{side.calibration['step_ms']:.1f} ms per step, +{side.calibration['seq_ms']:.1f} ms "
           f"per sequence in a step, +{side.calibration['request_ms']:.1f} ms per request, prefill x"
           f"{side.calibration['prefill_scale']:.2f} of the profile's", flush=True)
@@ -364,7 +405,10 @@ def run_sweep(args: argparse.Namespace, scenarios: list[Scenario], sides: list[S
             start_side(side, ctx)
         sweeps = sweep_all(scenarios, sides, ctx, args, args.quick)
     meta = {"model": ctx["model"], "cpus": ctx["cpus"], "wall_s": time.time() - started,
-            "command": "pdserve " + " ".join(sys.argv[1:])}
+            "command": "pdserve " + " ".join(sys.argv[1:]),
+            "calibration": {s.name: {"found": s.calibration, "probes": {k: [r.to_json() for r in v]
+                                                                        for k, v in s.probes.items()}}
+                            for s in sides}}
     report = write_sweep(ctx["out"], sweeps, [s.name for s in sides], meta, args.attainment / 100)
     print(report.read_text())
     print(f"report: {report}")

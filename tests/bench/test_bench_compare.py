@@ -2,6 +2,8 @@
 
 import os
 
+from dataclasses import replace
+
 import pytest
 
 from bench.cluster import cpu_list, free_port_pairs
@@ -195,9 +197,33 @@ def test_calibration_splits_the_tpot_gap_into_per_step_and_per_sequence_costs():
     assert found["step_ms"] == pytest.approx(2.0)
 
 
-def test_calibration_scales_prefill_compute_to_the_live_cluster():
-    from bench.compare import PROBE, PROBE_PREFILL, calibrate
-    from bench.costmodel import chunk_attn_pairs
+def test_with_a_wide_probe_the_per_sequence_cost_is_the_line_through_the_two_batches():
+    from bench.compare import PROBE, PROBE_BATCH, PROBE_WIDE, calibrate
+
+    layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
+    probes = {PROBE: [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)],
+              PROBE_BATCH: [RequestRecord(i, 8, 32, start=0.0, ok=True) for i in range(PROBE_BATCH.concurrency)],
+              PROBE_WIDE: [RequestRecord(i, 8, 32, start=0.0, ok=True) for i in range(PROBE_WIDE.concurrency)]}
+    # A lone stream pays 1 ms a step; a batch 10 ms a step and 0.5 ms per sequence in it.
+    gaps = {1: 0.001, PROBE_BATCH.concurrency: 0.010 + 0.0005 * PROBE_BATCH.concurrency,
+            PROBE_WIDE.concurrency: 0.010 + 0.0005 * PROBE_WIDE.concurrency}
+    live = {}
+    for probe, recs in probes.items():
+        tpot = predict(layout, probe, recs).tpot.p50 / 1000 + gaps[probe.concurrency or 1]
+        live[probe] = [RequestRecord(r.index, r.prompt_len, r.max_tokens, start=r.start,
+                                     end=r.start + 0.05 + tpot * (r.max_tokens - 1), ok=True,
+                                     output_tokens=r.max_tokens, token_times=[r.start + 0.05]) for r in recs]
+    _, found = calibrate(layout, live[PROBE], live[PROBE_BATCH], None, live[PROBE_WIDE])
+    assert found["seq_ms"] == pytest.approx(0.5)
+    assert found["step_ms"] == pytest.approx(10.0)
+    # Without the wide probe the line starts at the lone stream: (12 - 1) / 3 ms per sequence, nothing
+    # left per step, so 16 streams would pay 59 ms a step instead of 18.
+    _, found = calibrate(layout, live[PROBE], live[PROBE_BATCH])
+    assert found["seq_ms"] == pytest.approx(11 / 3) and found["step_ms"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_calibration_scales_prefill_compute_to_the_live_cluster_under_load():
+    from bench.compare import PROBE, PROBE_PREFILL, calibrate, simulated
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
     probe = [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)]
@@ -205,18 +231,20 @@ def test_calibration_scales_prefill_compute_to_the_live_cluster():
     ttft = predict(layout, PROBE, probe).ttft.p50 / 1000
     probe = [RequestRecord(r.index, 8, 16, start=r.start, end=r.start + ttft + 15 * tpot, ok=True, output_tokens=16,
                            token_times=[r.start + ttft]) for r in probe]
-    long = [RequestRecord(i, 1024, 2, start=float(i), ok=True) for i in range(2)]
-    bare = predict(layout, PROBE_PREFILL, long).ttft.p50 / 1000
+    # Two 1024-token prompts, each arriving while 8-token requests decode (so it waits for their step).
+    sent = [RequestRecord(0, 8, 48, start=0.0), RequestRecord(1, 1024, 2, start=0.005),
+            RequestRecord(2, 8, 48, start=50.0), RequestRecord(3, 1024, 2, start=50.005)]
     cost = layout.serving[0].cost
-    compute = cost.per_token * 1024 + cost.per_attn * chunk_attn_pairs(0, 1024)
-    # The live cluster prefills 30% slower than the profile measured alone.
-    long = [RequestRecord(r.index, 1024, 2, start=r.start, end=r.start + bare + 0.3 * compute + tpot, ok=True,
-                          output_tokens=2, token_times=[r.start + bare + 0.3 * compute]) for r in long]
-    calibrated, found = calibrate(layout, probe, None, long)
+    # The live cluster prefills 30% slower under load than the profile measured alone.
+    slow = replace(layout, serving=(replace(layout.serving[0], cost=replace(
+        cost, per_token=1.3 * cost.per_token, per_attn=1.3 * cost.per_attn)),))
+    live = [replace(r, ok=True) for r in simulated(slow, PROBE_PREFILL, sent)]
+    calibrated, found = calibrate(layout, probe, None, live)
     assert (found["step_ms"], found["request_ms"]) == (pytest.approx(0.0, abs=1e-6), pytest.approx(0.0, abs=1e-6))
-    assert found["prefill_scale"] == pytest.approx(1.3)
-    assert calibrated.serving[0].cost.per_token == pytest.approx(1.3 * cost.per_token)
-    assert predict(calibrated, PROBE_PREFILL, long).ttft.p50 / 1000 == pytest.approx(bare + 0.3 * compute)
+    assert found["prefill_scale"] == pytest.approx(1.3, rel=1e-3)
+    assert calibrated.serving[0].cost.per_token == pytest.approx(1.3 * cost.per_token, rel=1e-3)
+    again = simulated(calibrated, PROBE_PREFILL, live)
+    assert [r.ttft for r in again] == pytest.approx([r.ttft for r in live], rel=1e-3)
 
 
 def test_transfer_and_engine_activity_come_from_two_reads_of_the_servers_samples():
