@@ -40,7 +40,7 @@ class LadderSpec:
 
 # Sized for the ~90M model on 2 cores: each ladder starts where both layouts meet the SLO
 # and climbs past where they miss it.
-LADDERS = {"prefill-heavy": LadderSpec(0.18, 1.5, 7, min_span_s=20.0),
+LADDERS = {"prefill-heavy": LadderSpec(0.18, 1.5, 7, min_span_s=30.0),
            "short": LadderSpec(1.2, 1.5, 6, min_span_s=10.0)}
 DEFAULT_SCENARIOS = "short,prefill-heavy"  # short first: the time it leaves goes to the slow one
 QUICK = Scenario("quick", "short prompts and answers on the tiny model (CI smoke)",
@@ -77,33 +77,53 @@ class ScenarioSweep:
                 if layout in g.runs and k < len(g.runs[layout].rounds)}
 
 
+DOWN_STEPS = 2  # rungs below the ladder for a layout that misses at its first rate
+
+
 def sweep_scenario(scenario: Scenario, rates: list[float], spec: LadderSpec, per_round: int, sides: list,
                    ctx: dict, target: float, deadline: float) -> ScenarioSweep:
+    """Climbs ``rates``. A layout that misses at the first rate is measured one ladder
+    step below it, then another (``DOWN_STEPS``), before the climb goes on, so its
+    goodput is found even when the machine is slower than the ladder was sized for."""
     from bench.compare import run_scenario, simulated
 
     rungs: list[Rung] = []
     climbing = list(sides)
     stopped = f"all {len(rates)} rates measured"
-    for rate in rates:
+    pending = list(rates)
+    last: Rung | None = None
+    downs = 0
+    while pending:
+        rate = pending.pop(0)
+        below = rate < rates[0]
+        who = [s for s in sides if max_rate(ScenarioSweep(scenario, rungs, "").curve(s.name), target) is None] \
+            if below else climbing
         n = scenario.rounds * spec.requests_per_round(rate, per_round)
-        # Arrivals at a higher rate span less time: last.wall_s scaled by the span of arrivals
+        # Arrivals at another rate span another time: last.wall_s scaled by the span of arrivals
         # (queueing at overload adds a tail, so the budget is a soft bound).
-        if rungs:
-            last = rungs[-1]
+        if last is not None:
             last_n = next(iter(last.runs.values())).scenario.num_requests
-            guess = last.wall_s * (n / rate) / (last_n / last.rate) * len(climbing) / len(last.runs)
+            guess = last.wall_s * (n / rate) / (last_n / last.rate) * len(who) / len(last.runs)
             if time.time() + guess > deadline:
                 stopped = f"time budget: stopped before {rate:g} req/s"
                 break
         t0 = time.time()
         at = replace(scenario, rate=rate, num_requests=n)
-        runs = {r.layout: r for r in run_scenario(at, climbing, ctx)}
+        runs = {r.layout: r for r in run_scenario(at, who, ctx)}
         sent = next(iter(runs.values())).records  # same lengths and send times on every layout
         preds = {s.name: simulated(s.layout, at, runs[s.name].records if s.name in runs else sent)
                  for s in sides}
-        rungs.append(Rung(rate, runs, preds, time.time() - t0))
+        last = Rung(rate, runs, preds, time.time() - t0)
+        rungs.insert(sum(g.rate < rate for g in rungs), last)
         print(f"   {scenario.name} at {rate:g} req/s ({n} requests): attainment " + ", ".join(
             f"{name} {100 * (r.measured.slo_attainment or 0):.0f}%" for name, r in runs.items()), flush=True)
+        if rate <= rates[0]:
+            missed = [s for s in sides if max_rate(ScenarioSweep(scenario, rungs, "").curve(s.name), target) is None]
+            if missed and downs < DOWN_STEPS:
+                downs += 1
+                pending.insert(0, round(rates[0] / spec.factor ** downs, 6))
+            if below:
+                continue
         # A layout stays while it meets the loosest SLO scale: every scale's highest rate is then known.
         loosest = max(SLO_SCALES)
         climbing = [s for s in climbing if (attainment(runs[s.name].records, scenario.slo_ttft_ms,
@@ -186,12 +206,25 @@ def scenario_lines(sw: ScenarioSweep, names: list[str], cores: int, target: floa
               "(highest rung met): " + (", ".join("-" if x is None else f"{x:.2f}x" for x in per_round) or "-") + ".",
               "", "SLO scale (both SLOs multiplied): highest rung met per layout", "",
               "| scale | " + " | ".join(names) + " | wins |", "|---|" + "---|" * (len(names) + 1)]
+    winners = {}
     for scale in SLO_SCALES:
         best = {n: max_rate(sw.curve(n, scale), target) for n in names}
         top = max((v for v in best.values() if v is not None), default=None)
-        wins = "-" if top is None else ", ".join(n for n in names if best[n] == top)
-        lines.append(f"| {scale:g} | " + " | ".join(_fmt(best[n]) for n in names) + f" | {wins} |")
-    return lines + ["", f"![attainment vs rate and SLO scale]({plot.name})", ""]
+        winners[scale] = [] if top is None else [n for n in names if best[n] == top]
+        lines.append(f"| {scale:g} | " + " | ".join(_fmt(best[n]) for n in names) + f" | "
+                     f"{', '.join(winners[scale]) or '-'} |")
+    return lines + ["", verdict(winners, names), "", f"![attainment vs rate and SLO scale]({plot.name})", ""]
+
+
+def verdict(winners: dict[float, list[str]], names: list[str]) -> str:
+    """Who carries the higher rate at which SLO scales, in words, from the measured curves."""
+    groups: dict[str, list[str]] = {}
+    for scale, who in winners.items():
+        key = ("neither layout meets the SLO" if not who else
+               f"{who[0]} carries more" if len(who) == 1 else "the layouts tie (same highest rung)")
+        groups.setdefault(key, []).append(f"{scale:g}")
+    parts = [f"{key} at SLO scale {', '.join(scales)}" for key, scales in groups.items()]
+    return "Measured: " + "; ".join(parts) + "."
 
 
 def plot_sweep(sw: ScenarioSweep, names: list[str], target: float, path: Path) -> Path:

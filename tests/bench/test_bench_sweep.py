@@ -64,3 +64,50 @@ def test_attainment_scales_both_slos():
 def test_ratio_is_undefined_without_both_sides():
     assert ratio(0.4, 0.2) == 2.0
     assert ratio(None, 0.2) is None and ratio(0.4, None) is None and ratio(0.4, 0) is None
+
+
+def test_the_verdict_says_who_carries_more_at_which_slo_scale():
+    from bench.compare_sweep import verdict
+
+    text = verdict({0.5: [], 1.0: ["1P1D"], 1.5: ["colocated", "1P1D"], 2.0: ["colocated"]}, ["colocated", "1P1D"])
+    assert text == ("Measured: neither layout meets the SLO at SLO scale 0.5; 1P1D carries more at SLO scale 1; "
+                    "the layouts tie (same highest rung) at SLO scale 1.5; colocated carries more at SLO scale 2.")
+
+
+def test_a_layout_missing_the_first_rung_steps_down_and_the_others_climb_until_they_miss(monkeypatch):
+    """The ladder driver on layouts whose latency is a function of the rate: "slow"
+    keeps a 50 ms TPOT up to 0.1 req/s (300 ms above), "fast" up to 0.5 req/s."""
+    import time
+    from types import SimpleNamespace
+
+    import bench.compare as compare
+    from bench.compare_sweep import LadderSpec, sweep_scenario
+    from bench.metrics import summarize
+    from bench.scenarios import Scenario
+    from bench.workload import Workload
+
+    limits = {"slow": 0.1, "fast": 0.5}
+    calls = []
+
+    def fake_run(at, sides, ctx):
+        calls.append((at.rate, [s.name for s in sides]))
+        out = []
+        for side in sides:
+            tpot = 0.05 if at.rate <= limits[side.name] else 0.3
+            recs = [_record(0.5, tpot) for _ in range(at.num_requests)]
+            out.append(SimpleNamespace(layout=side.name, records=recs, scenario=at,
+                                       measured=summarize(recs, None, at.slo_ttft_ms, at.slo_tpot_ms)))
+        return out
+
+    monkeypatch.setattr(compare, "run_scenario", fake_run)
+    monkeypatch.setattr(compare, "simulated", lambda layout, at, records: records)
+    sides = [SimpleNamespace(name="slow", layout=None), SimpleNamespace(name="fast", layout=None)]
+    s = Scenario("s", "x", Workload.single("8", "3"), num_requests=0, rate=1.0, slo_ttft_ms=1000, slo_tpot_ms=100)
+    sw = sweep_scenario(s, [0.2, 0.4, 0.8, 1.6], LadderSpec(0.2, 2.0, 4), 2, sides, {}, 0.9, time.time() + 60)
+    # "slow" misses at 0.2 even with the SLOs doubled: it steps down to 0.1 alone, and leaves.
+    # "fast" climbs to its first miss at 0.8.
+    assert calls == [(0.2, ["slow", "fast"]), (0.1, ["slow"]), (0.4, ["fast"]), (0.8, ["fast"])]
+    assert [g.rate for g in sw.rungs] == [0.1, 0.2, 0.4, 0.8]
+    assert max_rate(sw.curve("slow"), 0.9) == 0.1 and max_rate(sw.curve("fast"), 0.9) == 0.4
+    assert list(sw.curve("slow", predicted=True)) == [0.1, 0.2, 0.4, 0.8]
+    assert sw.stopped == "every layout has missed: the last at 0.8 req/s"
