@@ -93,11 +93,16 @@ def sweep_scenario(scenario: Scenario, rates: list[float], spec: LadderSpec, per
     pending = list(rates)
     last: Rung | None = None
     downs = 0
+
+    def unmet() -> list:
+        """The layouts that have met the SLO at no rate yet."""
+        so_far = ScenarioSweep(scenario, rungs, "")
+        return [s for s in sides if max_rate(so_far.curve(s.name), target) is None]
+
     while pending:
         rate = pending.pop(0)
         below = rate < rates[0]
-        who = [s for s in sides if max_rate(ScenarioSweep(scenario, rungs, "").curve(s.name), target) is None] \
-            if below else climbing
+        who = unmet() if below else climbing
         n = scenario.rounds * spec.requests_per_round(rate, per_round)
         # Arrivals at another rate span another time: last.wall_s scaled by the span of arrivals
         # (queueing at overload adds a tail, so the budget is a soft bound).
@@ -118,8 +123,7 @@ def sweep_scenario(scenario: Scenario, rates: list[float], spec: LadderSpec, per
         print(f"   {scenario.name} at {rate:g} req/s ({n} requests): attainment " + ", ".join(
             f"{name} {100 * (r.measured.slo_attainment or 0):.0f}%" for name, r in runs.items()), flush=True)
         if rate <= rates[0]:
-            missed = [s for s in sides if max_rate(ScenarioSweep(scenario, rungs, "").curve(s.name), target) is None]
-            if missed and downs < DOWN_STEPS:
+            if unmet() and downs < DOWN_STEPS:
                 downs += 1
                 pending.insert(0, round(rates[0] / spec.factor ** downs, 6))
             if below:
