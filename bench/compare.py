@@ -22,6 +22,7 @@ One run, one machine, the same cores for both sides:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -405,7 +406,9 @@ def run_sweep(args: argparse.Namespace, scenarios: list[Scenario], sides: list[S
             start_side(side, ctx)
         sweeps = sweep_all(scenarios, sides, ctx, args, args.quick)
     meta = {"model": ctx["model"], "cpus": ctx["cpus"], "wall_s": time.time() - started,
-            "command": "pdserve " + " ".join(sys.argv[1:]),
+            "command": "pdserve " + " ".join(sys.argv[1:]), "profile": ctx["profile_path"],
+            "settings": dataclasses.asdict(ctx["settings"]),
+            "layouts": {s.name: {"candidate": s.cand.name, "threads": s.cand.threads} for s in sides},
             "calibration": {s.name: {"found": s.calibration, "probes": {k: [r.to_json() for r in v]
                                                                         for k, v in s.probes.items()}}
                             for s in sides}}
@@ -459,6 +462,7 @@ def run(args: argparse.Namespace) -> int:
         grid = ProfileGrid.quick() if args.quick_profile or args.quick else ProfileGrid()
         profile = profile_engine(model, sorted({1, cand.threads, len(cpus)}), grid)
         profile.save(out / "profile.json")
+    profile_path = str(args.profile or out / "profile.json")
     settings = EngineSettings(knobs.block_size, knobs.kv_cache_bytes, knobs.max_num_seqs,
                               knobs.max_num_batched_tokens)
     def layout_for(c: Candidate, prefill_threads: int | None) -> Layout:
@@ -468,6 +472,7 @@ def run(args: argparse.Namespace) -> int:
         return layout
 
     ctx = {"out": out, "model": model, "knobs": knobs, "cpus": cpus, "launch_timeout": args.launch_timeout,
+           "settings": settings, "profile_path": profile_path,
            "builder": PromptBuilder(load_tokenizer(model)), "seed": args.seed, "layout_for": layout_for,
            "deadline": started + args.time_budget}
     if sweeping:

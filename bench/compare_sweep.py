@@ -272,7 +272,8 @@ def write_sweep(out: Path, sweeps: list[ScenarioSweep], names: list[str], meta: 
     for sw in sweeps:
         plot = plot_sweep(sw, names, target, out / f"sweep-{sw.scenario.name}.png")
         lines += scenario_lines(sw, names, cores, target, plot)
-        data.append({"scenario": sw.scenario.name, "stopped": sw.stopped,
+        data.append({"scenario": sw.scenario.name, "stopped": sw.stopped, "slo_ttft_ms": sw.scenario.slo_ttft_ms,
+                     "slo_tpot_ms": sw.scenario.slo_tpot_ms,
                      "max_rate": {n: max_rate(sw.curve(n), target) for n in names},
                      "predicted_max_rate": {n: max_rate(sw.curve(n, predicted=True), target) for n in names},
                      "crossing": {n: crossing(sw.curve(n), target) for n in names},

@@ -69,6 +69,15 @@ def test_quick_sweep_writes_curves_and_a_highest_rate_per_layout(tiny_model, tmp
         assert list(quick["predicted_curves"][name]) == [str(r) for r in rungs]
         assert quick["max_rate"][name] in {None, *rungs}
         assert quick["predicted_max_rate"][name] in {None, *rungs}
+    # The saved sweep replays offline: the planner rebuilt from the profile and the saved probes
+    # predicts exactly what the report did.
+    from bench.sweep_replay import replay
+
+    [again] = replay(out)
+    for name in LAYOUTS:
+        assert {str(r): a for r, a in again.predicted[name].items()} == quick["predicted_curves"][name]
+        assert {str(r): a for r, a in again.measured[name].items()} == quick["curves"][name]
+    assert again.crossings(predicted=True) == quick["predicted_crossing"]
     report = (out / "sweep.md").read_text()
     assert report.count("| colocated | ") >= 1 and report.count("| 1P1D | ") >= 1
     assert "Highest rate with >= 90% of requests meeting both SLOs" in report

@@ -1,0 +1,134 @@
+"""Re-simulate a saved goodput sweep with the planner as it is now.
+
+    python -m bench.sweep_replay runs/sweep [--profile FILE]
+
+``pdserve bench compare --sweep`` keeps in ``sweep.json`` every request it
+sent (lengths, send times, token times), the probes each layout was
+calibrated with, the engine settings and the profile's path. This rebuilds
+each layout from the profile, calibrates it again from the saved probes
+(``compare.calibrate``), simulates exactly the requests of every rung and
+prints measured vs predicted attainment and crossing, so a change to the
+cost model or the simulator can be judged against real runs in seconds,
+without a live cluster. Run on an unchanged planner it reproduces the
+report's predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+from bench.compare import PROBE, PROBE_BATCH, PROBE_PREFILL, PROBE_WIDE, calibrate, simulated
+from bench.costmodel import Overheads
+from bench.metrics import RequestRecord
+from bench.plan import Candidate, EngineSettings, build_layout
+from bench.profile import Profile
+from bench.scenarios import Scenario
+from bench.sweep import attainment, crossing
+from bench.workload import Workload
+
+
+@dataclass
+class Replayed:
+    scenario: str
+    measured: dict[str, dict[float, float | None]]  # layout -> rate -> attainment
+    predicted: dict[str, dict[float, float | None]]
+    target: float
+
+    def crossings(self, predicted: bool) -> dict[str, float | None]:
+        curves = self.predicted if predicted else self.measured
+        return {name: crossing(curve, self.target) for name, curve in curves.items()}
+
+
+def record(data: dict) -> RequestRecord:
+    names = {f.name for f in fields(RequestRecord)}
+    return RequestRecord(**{k: v for k, v in data.items() if k in names})
+
+
+def layouts(meta: dict, profile: Profile) -> dict:
+    """Each layout of the sweep, built from the profile and calibrated from its saved probes."""
+    settings = EngineSettings(**meta["settings"])
+    out = {}
+    for name, saved in meta["layouts"].items():
+        cand = replace(Candidate.parse(saved["candidate"], 1 << 10, per_device=False), threads=saved["threads"])
+        probes = {k: [record(r) for r in v] for k, v in meta["calibration"][name]["probes"].items()}
+        layout = build_layout(cand, profile, settings, Overheads())
+        out[name], _ = calibrate(layout, probes[PROBE.name], probes.get(PROBE_BATCH.name),
+                                 probes.get(PROBE_PREFILL.name), probes.get(PROBE_WIDE.name))
+    return out
+
+
+def replay(folder: Path, profile_path: str | None = None) -> list[Replayed]:
+    data = json.loads((folder / "sweep.json").read_text())
+    meta = data["meta"]
+    missing = [k for k in ("settings", "layouts", "profile") if k not in meta]
+    if missing:
+        raise ValueError(f"{folder}/sweep.json has no {', '.join(missing)}: written by an older pdserve, "
+                         "rerun the sweep")
+    profile = Profile.load(profile_path or meta["profile"])
+    built = layouts(meta, profile)
+    out = []
+    for sc in data["scenarios"]:
+        measured = {name: {} for name in built}
+        predicted = {name: {} for name in built}
+        for rung in sc["rungs"]:
+            sent = next(iter(rung["requests"].values()))
+            for name, layout in built.items():
+                recs = [record(r) for r in rung["requests"].get(name, sent)]
+                # The simulation takes lengths and send times from the records; of the scenario only
+                # that it is open-loop (not idle).
+                at = Scenario(sc["scenario"], "replayed", Workload.single("1", "1"), len(recs), rate=rung["rate"])
+                predicted[name][rung["rate"]] = attainment(simulated(layout, at, recs), sc["slo_ttft_ms"],
+                                                           sc["slo_tpot_ms"])
+                if name in rung["measured"]:
+                    measured[name][rung["rate"]] = rung["measured"][name]["slo_attainment"]
+        out.append(Replayed(sc["scenario"], measured, predicted, data["target"]))
+    return out
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
+
+
+def _num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
+def format_replay(results: list[Replayed]) -> str:
+    lines = []
+    for r in results:
+        names = list(r.predicted)
+        lines += [f"## {r.scenario}", "", "| rate (req/s) | " + " | ".join(f"{n} measured (predicted)" for n in names)
+                  + " |", "|---|" + "---|" * len(names)]
+        for rate in sorted(next(iter(r.predicted.values()))):
+            lines.append(f"| {rate:g} | " + " | ".join(
+                f"{_pct(r.measured[n].get(rate)) if rate in r.measured[n] else 'not run'} "
+                f"({_pct(r.predicted[n][rate])})" for n in names) + " |")
+        meas, pred = r.crossings(False), r.crossings(True)
+        lines += ["", "| layout | measured crossing | predicted crossing | predicted vs measured |", "|---|---|---|---|"]
+        for n in names:
+            err = "-" if not meas[n] or pred[n] is None else f"{100 * (pred[n] / meas[n] - 1):+.0f}%"
+            lines.append(f"| {n} | {_num(meas[n])} | {_num(pred[n])} | {err} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.sweep_replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("folder", help="a sweep's --out folder (with sweep.json)")
+    p.add_argument("--profile", metavar="FILE", help="profile to simulate with (default: the one the sweep used)")
+    args = p.parse_args(argv)
+    try:
+        results = replay(Path(args.folder), args.profile)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(format_replay(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
