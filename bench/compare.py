@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from bench.cluster import cpu_list, free_port_pairs, launch
-from bench.costmodel import Overheads, chunk_attn_pairs
+from bench.costmodel import Overheads
 from bench.loadgen import LoadConfig
 from bench.metrics import RequestRecord, Summary, summarize
 from bench.plan import MIB, Candidate, EngineSettings, build_layout
@@ -137,6 +137,15 @@ def calibrate(layout: Layout, records: list[RequestRecord],
         calibrated = _scaled_prefill(calibrated, scale)
     return calibrated, {"step_ms": 1000 * step_gap, "seq_ms": 1000 * seq_gap, "request_ms": 1000 * request_gap,
                         "prefill_scale": scale}
+
+
+CALIBRATION_PROBES = (PROBE, PROBE_BATCH, PROBE_WIDE, PROBE_PREFILL)
+
+
+def calibrate_from_probes(layout: Layout, probes: dict[str, list[RequestRecord]]) -> tuple[Layout, dict]:
+    """``calibrate`` from the records of ``CALIBRATION_PROBES``, by probe name."""
+    return calibrate(layout, probes[PROBE.name], probes.get(PROBE_BATCH.name), probes.get(PROBE_PREFILL.name),
+                     probes.get(PROBE_WIDE.name))
 
 
 def _scaled_prefill(layout: Layout, scale: float) -> Layout:
@@ -349,14 +358,10 @@ def start_side(side: Side, ctx: dict) -> None:
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     print(f"== {side.name}: launching {config_path} on cores {ctx['cpus']}", flush=True)
     side.cluster = launch(config_path, out_dir / f"run-{side.name}", ctx["cpus"], ctx["launch_timeout"])
-    probe = measure(side.cluster.url, side.cluster.model, PROBE, ctx["builder"], ctx["seed"])
-    batch = measure(side.cluster.url, side.cluster.model, PROBE_BATCH, ctx["builder"], ctx["seed"])
-    wide = measure(side.cluster.url, side.cluster.model, PROBE_WIDE, ctx["builder"], ctx["seed"])
-    long = measure(side.cluster.url, side.cluster.model, PROBE_PREFILL, ctx["builder"], ctx["seed"])
-    side.probes = {s.name: recs for s, recs in ((PROBE, probe), (PROBE_BATCH, batch), (PROBE_WIDE, wide),
-                                                 (PROBE_PREFILL, long))}
-    side.layout, side.calibration = calibrate(ctx["layout_for"](side.cand, side.prefill_threads), probe, batch,
-                                              long, wide)
+    side.probes = {s.name: measure(side.cluster.url, side.cluster.model, s, ctx["builder"], ctx["seed"])
+                   for s in CALIBRATION_PROBES}
+    side.layout, side.calibration = calibrate_from_probes(ctx["layout_for"](side.cand, side.prefill_threads),
+                                                          side.probes)
     print(f"   calibration: +{side.calibration['step_ms']:.1f} ms per step, +{side.calibration['seq_ms']:.1f} ms "
           f"per sequence in a step, +{side.calibration['request_ms']:.1f} ms per request, prefill x"
           f"{side.calibration['prefill_scale']:.2f} of the profile's", flush=True)
@@ -408,7 +413,7 @@ def run_sweep(args: argparse.Namespace, scenarios: list[Scenario], sides: list[S
     meta = {"model": ctx["model"], "cpus": ctx["cpus"], "wall_s": time.time() - started,
             "command": "pdserve " + " ".join(sys.argv[1:]), "profile": ctx["profile_path"],
             "settings": dataclasses.asdict(ctx["settings"]),
-            "layouts": {s.name: {"candidate": s.cand.name, "threads": s.cand.threads} for s in sides},
+            "layouts": {s.name: dataclasses.asdict(s.cand) for s in sides},
             "calibration": {s.name: {"found": s.calibration, "probes": {k: [r.to_json() for r in v]
                                                                         for k, v in s.probes.items()}}
                             for s in sides}}

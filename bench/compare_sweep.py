@@ -55,6 +55,11 @@ class Rung:
     predicted_records: dict  # layout name -> the simulated records of the same requests
     wall_s: float
 
+    @property
+    def num_requests(self) -> int:
+        """Requests sent to each layout that ran (the same ones on all)."""
+        return next(iter(self.runs.values())).scenario.num_requests
+
 
 @dataclass
 class ScenarioSweep:
@@ -107,8 +112,7 @@ def sweep_scenario(scenario: Scenario, rates: list[float], spec: LadderSpec, per
         # Arrivals at another rate span another time: last.wall_s scaled by the span of arrivals
         # (queueing at overload adds a tail, so the budget is a soft bound).
         if last is not None:
-            last_n = next(iter(last.runs.values())).scenario.num_requests
-            guess = last.wall_s * (n / rate) / (last_n / last.rate) * len(who) / len(last.runs)
+            guess = last.wall_s * (n / rate) / (last.num_requests / last.rate) * len(who) / len(last.runs)
             if time.time() + guess > deadline:
                 stopped = f"time budget: stopped before {rate:g} req/s"
                 break
@@ -164,11 +168,11 @@ def parse_rate_list(text: str) -> list[float]:
     return rates
 
 
-def _fmt(v: float | None, digits: int = 3) -> str:
+def fmt_num(v: float | None, digits: int = 3) -> str:
     return "-" if v is None else f"{v:.{digits}g}"
 
 
-def _pct(v: float | None) -> str:
+def fmt_pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
@@ -180,10 +184,9 @@ def scenario_lines(sw: ScenarioSweep, names: list[str], cores: int, target: floa
              "| rate (req/s) | requests | " + " | ".join(f"{n} measured (predicted)" for n in names) + " |",
              "|---|---|" + "---|" * len(names)]
     for g in sw.rungs:
-        cells = [f"{_pct(g.runs[n].measured.slo_attainment) if n in g.runs else 'left the ladder'} "
-                 f"({_pct(attainment(g.predicted_records[n], s.slo_ttft_ms, s.slo_tpot_ms))})" for n in names]
-        sent = next(iter(g.runs.values())).scenario.num_requests
-        lines.append(f"| {g.rate:g} | {sent} | " + " | ".join(cells) + " |")
+        cells = [f"{fmt_pct(g.runs[n].measured.slo_attainment) if n in g.runs else 'left the ladder'} "
+                 f"({fmt_pct(attainment(g.predicted_records[n], s.slo_ttft_ms, s.slo_tpot_ms))})" for n in names]
+        lines.append(f"| {g.rate:g} | {g.num_requests} | " + " | ".join(cells) + " |")
     meas = {n: max_rate(sw.curve(n), target) for n in names}
     cross = {n: crossing(sw.curve(n), target) for n in names}
     pred = {n: crossing(sw.curve(n, predicted=True), target) for n in names}
@@ -200,8 +203,8 @@ def scenario_lines(sw: ScenarioSweep, names: list[str], cores: int, target: floa
         at_least = meas[n] is not None and meas[n] == top
         mark = " (top of the ladder: at least)" if at_least else ""
         err = ratio(pred[n], cross[n])
-        lines.append(f"| {n} | {_fmt(meas[n])}{mark} | {_fmt(None if meas[n] is None else meas[n] / cores)} | "
-                     f"{'above the ladder' if at_least else _fmt(cross[n])} | {_fmt(pred[n])} | "
+        lines.append(f"| {n} | {fmt_num(meas[n])}{mark} | {fmt_num(None if meas[n] is None else meas[n] / cores)} | "
+                     f"{'above the ladder' if at_least else fmt_num(cross[n])} | {fmt_num(pred[n])} | "
                      f"{'-' if err is None else f'{100 * (err - 1):+.0f}%'} |")
     r = ratio(meas[other], meas[base])
     rc = ratio(cross[other], cross[base])
@@ -215,7 +218,7 @@ def scenario_lines(sw: ScenarioSweep, names: list[str], cores: int, target: floa
         best = {n: max_rate(sw.curve(n, scale), target) for n in names}
         top = max((v for v in best.values() if v is not None), default=None)
         winners[scale] = [] if top is None else [n for n in names if best[n] == top]
-        lines.append(f"| {scale:g} | " + " | ".join(_fmt(best[n]) for n in names) + f" | "
+        lines.append(f"| {scale:g} | " + " | ".join(fmt_num(best[n]) for n in names) + f" | "
                      f"{', '.join(winners[scale]) or '-'} |")
     return lines + ["", verdict(winners, names), "", f"![attainment vs rate and SLO scale]({plot.name})", ""]
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
-from bench.compare import PROBE, PROBE_BATCH, PROBE_PREFILL, PROBE_WIDE, calibrate, simulated
+from bench.compare import calibrate_from_probes, simulated
+from bench.compare_sweep import fmt_num, fmt_pct
 from bench.costmodel import Overheads
 from bench.metrics import RequestRecord
 from bench.plan import Candidate, EngineSettings, build_layout
@@ -52,12 +53,9 @@ def layouts(meta: dict, profile: Profile) -> dict:
     """Each layout of the sweep, built from the profile and calibrated from its saved probes."""
     settings = EngineSettings(**meta["settings"])
     out = {}
-    for name, saved in meta["layouts"].items():
-        cand = replace(Candidate.parse(saved["candidate"], 1 << 10, per_device=False), threads=saved["threads"])
+    for name, cand in meta["layouts"].items():
         probes = {k: [record(r) for r in v] for k, v in meta["calibration"][name]["probes"].items()}
-        layout = build_layout(cand, profile, settings, Overheads())
-        out[name], _ = calibrate(layout, probes[PROBE.name], probes.get(PROBE_BATCH.name),
-                                 probes.get(PROBE_PREFILL.name), probes.get(PROBE_WIDE.name))
+        out[name], _ = calibrate_from_probes(build_layout(Candidate(**cand), profile, settings, Overheads()), probes)
     return out
 
 
@@ -72,7 +70,7 @@ def replay(folder: Path, profile_path: str | None = None) -> list[Replayed]:
     built = layouts(meta, profile)
     out = []
     for sc in data["scenarios"]:
-        measured = {name: {} for name in built}
+        measured = {name: {float(rate): a for rate, a in curve.items()} for name, curve in sc["curves"].items()}
         predicted = {name: {} for name in built}
         for rung in sc["rungs"]:
             sent = next(iter(rung["requests"].values()))
@@ -83,18 +81,8 @@ def replay(folder: Path, profile_path: str | None = None) -> list[Replayed]:
                 at = Scenario(sc["scenario"], "replayed", Workload.single("1", "1"), len(recs), rate=rung["rate"])
                 predicted[name][rung["rate"]] = attainment(simulated(layout, at, recs), sc["slo_ttft_ms"],
                                                            sc["slo_tpot_ms"])
-                if name in rung["measured"]:
-                    measured[name][rung["rate"]] = rung["measured"][name]["slo_attainment"]
         out.append(Replayed(sc["scenario"], measured, predicted, data["target"]))
     return out
-
-
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{100 * v:.0f}%"
-
-
-def _num(v: float | None) -> str:
-    return "-" if v is None else f"{v:.3g}"
 
 
 def format_replay(results: list[Replayed]) -> str:
@@ -105,13 +93,13 @@ def format_replay(results: list[Replayed]) -> str:
                   + " |", "|---|" + "---|" * len(names)]
         for rate in sorted(next(iter(r.predicted.values()))):
             lines.append(f"| {rate:g} | " + " | ".join(
-                f"{_pct(r.measured[n].get(rate)) if rate in r.measured[n] else 'not run'} "
-                f"({_pct(r.predicted[n][rate])})" for n in names) + " |")
+                f"{fmt_pct(r.measured[n].get(rate)) if rate in r.measured[n] else 'not run'} "
+                f"({fmt_pct(r.predicted[n][rate])})" for n in names) + " |")
         meas, pred = r.crossings(False), r.crossings(True)
         lines += ["", "| layout | measured crossing | predicted crossing | predicted vs measured |", "|---|---|---|---|"]
         for n in names:
             err = "-" if not meas[n] or pred[n] is None else f"{100 * (pred[n] / meas[n] - 1):+.0f}%"
-            lines.append(f"| {n} | {_num(meas[n])} | {_num(pred[n])} | {err} |")
+            lines.append(f"| {n} | {fmt_num(meas[n])} | {fmt_num(pred[n])} | {err} |")
         lines.append("")
     return "\n".join(lines)
 
