@@ -43,7 +43,7 @@ from bench.profile import Profile, ProfileGrid, profile_engine
 from bench.prompts import PromptBuilder, load_tokenizer
 from bench.scenarios import EngineKnobs, Scenario, cluster_config, parse_rates, select
 from bench.serve import request_source, run_benchmark
-from bench.simulate import Layout, simulate
+from bench.simulate import Layout, SimResult, simulate
 from bench.workload import RequestSpec, Workload
 from engine.config import EngineConfig
 
@@ -256,12 +256,17 @@ def measure(url: str, model: str, scenario: Scenario, builder: PromptBuilder, se
     return run_benchmark(config, source, warmup=1, progress=True).records
 
 
-def simulated(layout, scenario: Scenario, records: list[RequestRecord]) -> list[RequestRecord]:
+def simulation(layout, scenario: Scenario, records: list[RequestRecord]) -> SimResult:
     """The planner's simulation of exactly the requests sent, at their send times."""
     specs = [RequestSpec(i, r.prompt_len, r.max_tokens) for i, r in enumerate(records)]
     # Idle runs send one request at a time: simulate them far apart.
     arrivals = [1000.0 * i for i in range(len(records))] if scenario.idle else [r.start for r in records]
-    return simulate(layout, specs, arrivals).records
+    return simulate(layout, specs, arrivals)
+
+
+def simulated(layout, scenario: Scenario, records: list[RequestRecord]) -> list[RequestRecord]:
+    """The simulated records of :func:`simulation`."""
+    return simulation(layout, scenario, records).records
 
 
 def predict(layout, scenario: Scenario, records: list[RequestRecord]) -> Summary:

@@ -70,12 +70,21 @@ class SimRequest:
         return self.num_computed < self.prompt_len
 
 
+STEP_KINDS = ("prefill", "decode", "mixed")  # engine.engine.STEP_KINDS
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """Tokens each request computes in one step, and what the step costs."""
 
     work: tuple[tuple[SimRequest, int], ...]
     seconds: float
+
+    @property
+    def kind(self) -> str:
+        prefill = any(r.prefilling for r, _ in self.work)
+        decode = any(not r.prefilling for r, _ in self.work)
+        return "mixed" if prefill and decode else "prefill" if prefill else "decode"
 
 
 class _Instance:
@@ -87,6 +96,7 @@ class _Instance:
         self.free_blocks = spec.kv_blocks
         self.busy_until: float | None = None  # end of the step in flight
         self.busy_seconds = 0.0
+        self.steps = {kind: [0, 0.0] for kind in STEP_KINDS}  # kind -> [count, seconds], as the engine counts
 
     def tokens_held(self, req: SimRequest) -> int:
         """KV tokens a request holds here: its whole sequence (worst case)."""

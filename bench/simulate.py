@@ -62,6 +62,7 @@ class SimResult:
     records: list[RequestRecord]
     duration_s: float
     utilization: dict[str, float] = field(default_factory=dict)
+    steps: dict[str, dict[str, tuple[int, float]]] = field(default_factory=dict)  # instance -> kind -> (n, s)
 
 
 class Simulation:
@@ -135,6 +136,9 @@ class Simulation:
             return
         inst.busy_until = self.now + plan.seconds
         inst.busy_seconds += plan.seconds
+        counted = inst.steps[plan.kind]
+        counted[0] += 1
+        counted[1] += plan.seconds
         self.push(inst.busy_until, "step", (inst, plan))
 
     def on_step_end(self, inst, plan) -> None:
@@ -209,4 +213,5 @@ def simulate(layout: Layout, specs: list[RequestSpec], arrivals: list[float]) ->
     duration = end - start
     util = {i.name: (i.busy_seconds / duration if duration > 0 else 0.0)
             for i in (*sim.prefill, *sim.serving)}
-    return SimResult(layout.name, records, duration, util)
+    steps = {i.name: {kind: tuple(v) for kind, v in i.steps.items()} for i in (*sim.prefill, *sim.serving)}
+    return SimResult(layout.name, records, duration, util, steps)

@@ -1,6 +1,6 @@
 """Re-simulate a saved goodput sweep with the planner as it is now.
 
-    python -m bench.sweep_replay runs/sweep [--profile FILE]
+    python -m bench.sweep_replay runs/sweep [--profile FILE] [--steps]
 
 ``pdserve bench compare --sweep`` keeps in ``sweep.json`` every request it
 sent (lengths, send times, token times), the probes each layout was
@@ -11,6 +11,11 @@ prints measured vs predicted attainment and crossing, so a change to the
 cost model or the simulator can be judged against real runs in seconds,
 without a live cluster. Run on an unchanged planner it reproduces the
 report's predictions.
+
+``--steps`` adds, per rate, each server's engine steps by kind (prefill,
+decode, mixed: count and mean time) from its counters against the
+simulation's: whether a miss comes from slower steps or from different
+batching. The measured counts include each round's warm-up request.
 """
 
 from __future__ import annotations
@@ -18,16 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from bench.compare import calibrate_from_probes, simulated
+from bench.compare import calibrate_from_probes, simulation
 from bench.compare_sweep import fmt_num, fmt_pct
 from bench.costmodel import Overheads
 from bench.metrics import RequestRecord
 from bench.plan import Candidate, EngineSettings, build_layout
 from bench.profile import Profile
 from bench.scenarios import Scenario
+from bench.sim_instances import STEP_KINDS
 from bench.sweep import attainment, crossing
 from bench.workload import Workload
 
@@ -38,6 +44,8 @@ class Replayed:
     measured: dict[str, dict[float, float | None]]  # layout -> rate -> attainment
     predicted: dict[str, dict[float, float | None]]
     target: float
+    # rate -> layout -> server -> kind -> ((steps, mean ms) measured, (steps, mean ms) simulated)
+    steps: dict[float, dict[str, dict[str, dict[str, tuple]]]] = field(default_factory=dict)
 
     def crossings(self, predicted: bool) -> dict[str, float | None]:
         curves = self.predicted if predicted else self.measured
@@ -72,6 +80,7 @@ def replay(folder: Path, profile_path: str | None = None) -> list[Replayed]:
     for sc in data["scenarios"]:
         measured = {name: {float(rate): a for rate, a in curve.items()} for name, curve in sc["curves"].items()}
         predicted = {name: {} for name in built}
+        steps = {}
         for rung in sc["rungs"]:
             sent = next(iter(rung["requests"].values()))
             for name, layout in built.items():
@@ -79,13 +88,33 @@ def replay(folder: Path, profile_path: str | None = None) -> list[Replayed]:
                 # The simulation takes lengths and send times from the records; of the scenario only
                 # that it is open-loop (not idle).
                 at = Scenario(sc["scenario"], "replayed", Workload.single("1", "1"), len(recs), rate=rung["rate"])
-                predicted[name][rung["rate"]] = attainment(simulated(layout, at, recs), sc["slo_ttft_ms"],
-                                                           sc["slo_tpot_ms"])
-        out.append(Replayed(sc["scenario"], measured, predicted, data["target"]))
+                result = simulation(layout, at, recs)
+                predicted[name][rung["rate"]] = attainment(result.records, sc["slo_ttft_ms"], sc["slo_tpot_ms"])
+                if name in rung.get("engines", {}):
+                    steps.setdefault(rung["rate"], {})[name] = step_pairs(rung["engines"][name], result.steps)
+        out.append(Replayed(sc["scenario"], measured, predicted, data["target"], steps))
     return out
 
 
-def format_replay(results: list[Replayed]) -> str:
+def step_pairs(engines: dict[str, dict], simulated: dict[str, dict[str, tuple[int, float]]]) -> dict:
+    """Each server's steps by kind, measured (its counters over the rung) against simulated.
+
+    The simulator names instances C0/P0/D0 in the order the generated config
+    names its servers c0/p0/d0 (``scenarios.cluster_config``).
+    """
+    out = {}
+    for server, counters in engines.items():
+        sim = simulated.get(server.upper(), {})
+        out[server] = {}
+        for kind in STEP_KINDS:
+            n, seconds = sim.get(kind, (0, 0.0))
+            measured = (counters.get(f"{kind}_steps") or 0, counters.get(f"{kind}_step_ms"))
+            if measured[0] or n:
+                out[server][kind] = (measured, (n, 1000 * seconds / n if n else None))
+    return out
+
+
+def format_replay(results: list[Replayed], show_steps: bool = False) -> str:
     lines = []
     for r in results:
         names = list(r.predicted)
@@ -101,20 +130,41 @@ def format_replay(results: list[Replayed]) -> str:
             err = "-" if not meas[n] or pred[n] is None else f"{100 * (pred[n] / meas[n] - 1):+.0f}%"
             lines.append(f"| {n} | {fmt_num(meas[n])} | {fmt_num(pred[n])} | {err} |")
         lines.append("")
+        if show_steps and r.steps:
+            lines += [f"Engine steps, {r.scenario}: count and mean ms by kind, measured (simulated)", "",
+                      "| rate (req/s) | layout | server | " + " | ".join(STEP_KINDS) + " |",
+                      "|---|---|---|" + "---|" * len(STEP_KINDS)]
+            for rate, by_layout in sorted(r.steps.items()):
+                for name, servers in by_layout.items():
+                    for server, kinds in servers.items():
+                        cells = [_steps_cell(kinds[k]) if k in kinds else "-" for k in STEP_KINDS]
+                        lines.append(f"| {rate:g} | {name} | {server} | " + " | ".join(cells) + " |")
+            lines.append("")
     return "\n".join(lines)
+
+
+def _steps_cell(pair: tuple) -> str:
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1f}" if v < 100 else f"{v:.0f}"
+
+    (n, mean), (sim_n, sim_mean) = pair
+    return f"{n:.0f} x {ms(mean)} ({sim_n} x {ms(sim_mean)})"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.sweep_replay", description=__doc__.split("\n\n")[0])
     p.add_argument("folder", help="a sweep's --out folder (with sweep.json)")
     p.add_argument("--profile", metavar="FILE", help="profile to simulate with (default: the one the sweep used)")
+    p.add_argument("--steps", action="store_true",
+                   help="also each server's engine steps by kind per rate, measured vs simulated: where the cost "
+                        "model is off")
     args = p.parse_args(argv)
     try:
         results = replay(Path(args.folder), args.profile)
     except (OSError, ValueError, KeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(format_replay(results))
+    print(format_replay(results, args.steps))
     return 0
 
 

@@ -66,6 +66,14 @@ def test_1p1d_decode_is_not_stalled_by_a_long_prefill():
     assert b.ttft == pytest.approx(1.010)
 
 
+def test_simulated_steps_are_counted_by_kind_as_the_engine_counts_them():
+    result = simulate(colocated(), reqs((100, 3), (20, 2)), [0.0, 0.115])
+    # C0: A's prefill (110 ms); A decodes alone (11 ms); B's prompt joins A's last decode (10 + 21 ms);
+    # B decodes alone.
+    assert result.steps["C0"] == {"prefill": (1, pytest.approx(0.110)), "decode": (2, pytest.approx(0.022)),
+                                  "mixed": (1, pytest.approx(0.031))}
+
+
 def test_prefill_first_policy_runs_a_prefill_only_step_between_decodes():
     layout = colocated(policy="prefill_first")
     a, b = simulate(layout, reqs((10, 3), (100, 1)), [0.0, 0.025]).records

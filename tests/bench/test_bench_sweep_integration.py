@@ -78,6 +78,17 @@ def test_quick_sweep_writes_curves_and_a_highest_rate_per_layout(tiny_model, tmp
         assert {str(r): a for r, a in again.predicted[name].items()} == quick["predicted_curves"][name]
         assert {str(r): a for r, a in again.measured[name].items()} == quick["curves"][name]
     assert again.crossings(predicted=True) == quick["predicted_crossing"]
+    # Its step table sets each server's measured steps by kind against the simulated ones.
+    for g in quick["rungs"]:
+        servers = again.steps[g["rate"]]
+        assert set(servers) == set(g["engines"])
+        for name, by_server in servers.items():
+            assert set(by_server) == ({"c0"} if name == "colocated" else {"p0", "d0"})
+            for server, kinds in by_server.items():
+                assert set(kinds) <= {"prefill", "decode", "mixed"}
+                assert (server == "p0") == ("decode" not in kinds)  # P only prefills, live and simulated
+                (n, ms), (sim_n, sim_ms) = kinds["prefill" if server == "p0" else "decode"]
+                assert n > 0 and ms > 0 and sim_n > 0 and sim_ms > 0
     report = (out / "sweep.md").read_text()
     assert report.count("| colocated | ") >= 1 and report.count("| 1P1D | ") >= 1
     assert "Highest rate with >= 90% of requests meeting both SLOs" in report
