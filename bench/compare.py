@@ -363,13 +363,23 @@ def start_side(side: Side, ctx: dict) -> None:
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     print(f"== {side.name}: launching {config_path} on cores {ctx['cpus']}", flush=True)
     side.cluster = launch(config_path, out_dir / f"run-{side.name}", ctx["cpus"], ctx["launch_timeout"])
+    calibrate_side(side, ctx)
+
+
+def calibrate_side(side: Side, ctx: dict) -> None:
+    """Sends the probe requests to a running side and calibrates its prediction from them."""
     side.probes = {s.name: measure(side.cluster.url, side.cluster.model, s, ctx["builder"], ctx["seed"])
                    for s in CALIBRATION_PROBES}
     side.layout, side.calibration = calibrate_from_probes(ctx["layout_for"](side.cand, side.prefill_threads),
                                                           side.probes)
-    print(f"   calibration: +{side.calibration['step_ms']:.1f} ms per step, +{side.calibration['seq_ms']:.1f} ms "
-          f"per sequence in a step, +{side.calibration['request_ms']:.1f} ms per request, prefill x"
-          f"{side.calibration['prefill_scale']:.2f} of the profile's", flush=True)
+    print(f"   {side.name} calibration: +{side.calibration['step_ms']:.1f} ms per step, "
+          f"+{side.calibration['seq_ms']:.1f} ms per sequence in a step, +{side.calibration['request_ms']:.1f} ms "
+          f"per request, prefill x{side.calibration['prefill_scale']:.2f} of the profile's", flush=True)
+
+
+def calibration_record(side: Side) -> dict:
+    """What a side was calibrated with, for sweep.json (``bench.sweep_replay`` reads it)."""
+    return {"found": side.calibration, "probes": {k: [r.to_json() for r in v] for k, v in side.probes.items()}}
 
 
 def stop_side(side: Side) -> None:
@@ -414,14 +424,13 @@ def run_sweep(args: argparse.Namespace, scenarios: list[Scenario], sides: list[S
         for side in sides:
             stack.callback(stop_side, side)
             start_side(side, ctx)
+        launched = {s.name: calibration_record(s) for s in sides}
         sweeps = sweep_all(scenarios, sides, ctx, args, args.quick)
     meta = {"model": ctx["model"], "cpus": ctx["cpus"], "wall_s": time.time() - started,
             "command": "pdserve " + " ".join(sys.argv[1:]), "profile": ctx["profile_path"],
             "settings": dataclasses.asdict(ctx["settings"]),
             "layouts": {s.name: dataclasses.asdict(s.cand) for s in sides},
-            "calibration": {s.name: {"found": s.calibration, "probes": {k: [r.to_json() for r in v]
-                                                                        for k, v in s.probes.items()}}
-                            for s in sides}}
+            "calibration": launched}
     report = write_sweep(ctx["out"], sweeps, [s.name for s in sides], meta, args.attainment / 100)
     print(report.read_text())
     print(f"report: {report}")

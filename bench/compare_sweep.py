@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.scenarios import Scenario
@@ -66,6 +66,7 @@ class ScenarioSweep:
     scenario: Scenario
     rungs: list[Rung]
     stopped: str
+    calibration: dict = field(default_factory=dict)  # layout -> compare.calibration_record its predictions used
 
     def curve(self, layout: str, scale: float = 1.0, predicted: bool = False) -> dict[float, float | None]:
         """Attainment per rate: measured where the layout ran (up to its first miss),
@@ -143,17 +144,27 @@ def sweep_scenario(scenario: Scenario, rates: list[float], spec: LadderSpec, per
 
 
 def sweep_all(scenarios: list[Scenario], sides: list, ctx: dict, args, quick: bool) -> list[ScenarioSweep]:
+    """Every scenario's ladder. Each side is calibrated again before every scenario but
+    the first (its launch calibration came just before that one): the probes then see
+    the machine as the scenario's rungs will, not as it was minutes earlier."""
+    from bench.compare import calibrate_side, calibration_record
+
     out = []
     target = args.attainment / 100
     for i, scenario in enumerate(scenarios):
+        if i:
+            print(f"== calibrating again before {scenario.name}", flush=True)
+            for side in sides:
+                calibrate_side(side, ctx)
         spec = QUICK_LADDER if quick else LADDERS.get(scenario.name, LadderSpec(scenario.rate, 1.5, 6))
         rates = (sorted(parse_rate_list(args.sweep_rates)) if args.sweep_rates
                  else ladder(spec.start, spec.factor, spec.rungs))
         share = (ctx["deadline"] - time.time()) / (len(scenarios) - i)
         print(f"== sweep {scenario.name}: rates {rates}, at least {args.sweep_requests} requests and "
               f"{spec.min_span_s:g} s of arrivals per round, {share / 60:.1f} min", flush=True)
-        out.append(sweep_scenario(scenario, rates, spec, args.sweep_requests, sides, ctx, target,
-                                  time.time() + share))
+        calibration = {side.name: calibration_record(side) for side in sides}
+        swept = sweep_scenario(scenario, rates, spec, args.sweep_requests, sides, ctx, target, time.time() + share)
+        out.append(replace(swept, calibration=calibration))
     return out
 
 
@@ -176,12 +187,22 @@ def fmt_pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
+def calibration_lines(sw: ScenarioSweep) -> list[str]:
+    """The probe calibration the scenario's predictions used, per layout."""
+    if not sw.calibration:
+        return []
+    parts = [f"{name} +{c['found']['step_ms']:.1f} ms per step, +{c['found']['seq_ms']:.1f} ms per sequence, "
+             f"+{c['found']['request_ms']:.1f} ms per request, prefill x{c['found']['prefill_scale']:.2f}"
+             for name, c in sw.calibration.items()]
+    return ["Calibrated just before this scenario: " + "; ".join(parts) + ".", ""]
+
+
 def scenario_lines(sw: ScenarioSweep, names: list[str], cores: int, target: float, plot: Path) -> list[str]:
     s = sw.scenario
     base, other = names
     lines = [f"## {s.name}", "", f"{s.description}. Workload `{s.workload}`; SLO TTFT {s.slo_ttft_ms:g} ms, "
              f"TPOT {s.slo_tpot_ms:g} ms; {s.rounds} ABBA rounds per rate. Ladder: {sw.stopped}.", "",
-             "| rate (req/s) | requests | " + " | ".join(f"{n} measured (predicted)" for n in names) + " |",
+             *calibration_lines(sw), "| rate (req/s) | requests | " + " | ".join(f"{n} measured (predicted)" for n in names) + " |",
              "|---|---|" + "---|" * len(names)]
     for g in sw.rungs:
         cells = [f"{fmt_pct(g.runs[n].measured.slo_attainment) if n in g.runs else 'left the ladder'} "
@@ -276,7 +297,7 @@ def write_sweep(out: Path, sweeps: list[ScenarioSweep], names: list[str], meta: 
         plot = plot_sweep(sw, names, target, out / f"sweep-{sw.scenario.name}.png")
         lines += scenario_lines(sw, names, cores, target, plot)
         data.append({"scenario": sw.scenario.name, "stopped": sw.stopped, "slo_ttft_ms": sw.scenario.slo_ttft_ms,
-                     "slo_tpot_ms": sw.scenario.slo_tpot_ms,
+                     "slo_tpot_ms": sw.scenario.slo_tpot_ms, "calibration": sw.calibration,
                      "max_rate": {n: max_rate(sw.curve(n), target) for n in names},
                      "predicted_max_rate": {n: max_rate(sw.curve(n, predicted=True), target) for n in names},
                      "crossing": {n: crossing(sw.curve(n), target) for n in names},

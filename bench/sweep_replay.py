@@ -57,12 +57,14 @@ def record(data: dict) -> RequestRecord:
     return RequestRecord(**{k: v for k, v in data.items() if k in names})
 
 
-def layouts(meta: dict, profile: Profile) -> dict:
-    """Each layout of the sweep, built from the profile and calibrated from its saved probes."""
+def layouts(meta: dict, profile: Profile, calibration: dict | None = None) -> dict:
+    """Each layout of the sweep, built from the profile and calibrated from its saved probes:
+    ``calibration``'s (a scenario's own), else the ones taken at launch."""
     settings = EngineSettings(**meta["settings"])
+    calibration = calibration or meta["calibration"]
     out = {}
     for name, cand in meta["layouts"].items():
-        probes = {k: [record(r) for r in v] for k, v in meta["calibration"][name]["probes"].items()}
+        probes = {k: [record(r) for r in v] for k, v in calibration[name]["probes"].items()}
         out[name], _ = calibrate_from_probes(build_layout(Candidate(**cand), profile, settings, Overheads()), probes)
     return out
 
@@ -75,9 +77,9 @@ def replay(folder: Path, profile_path: str | None = None) -> list[Replayed]:
         raise ValueError(f"{folder}/sweep.json has no {', '.join(missing)}: written by an older pdserve, "
                          "rerun the sweep")
     profile = Profile.load(profile_path or meta["profile"])
-    built = layouts(meta, profile)
     out = []
     for sc in data["scenarios"]:
+        built = layouts(meta, profile, sc.get("calibration"))
         measured = {name: {float(rate): a for rate, a in curve.items()} for name, curve in sc["curves"].items()}
         predicted = {name: {} for name in built}
         steps = {}

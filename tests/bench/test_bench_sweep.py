@@ -111,3 +111,45 @@ def test_a_layout_missing_the_first_rung_steps_down_and_the_others_climb_until_t
     assert max_rate(sw.curve("slow"), 0.9) == 0.1 and max_rate(sw.curve("fast"), 0.9) == 0.4
     assert list(sw.curve("slow", predicted=True)) == [0.1, 0.2, 0.4, 0.8]
     assert sw.stopped == "every layout has missed: the last at 0.8 req/s"
+
+
+def test_every_scenario_after_the_first_is_predicted_from_probes_taken_just_before_it(monkeypatch):
+    """Launch calibrates each side before the first scenario; sweep_all probes every side
+    again before each later one, and each scenario keeps the calibration it used."""
+    import time
+    from types import SimpleNamespace
+
+    import bench.compare as compare
+    from bench.compare_sweep import sweep_all
+    from bench.metrics import summarize
+    from bench.scenarios import Scenario
+    from bench.workload import Workload
+
+    events = []
+
+    def fake_calibrate(side, ctx):
+        side.calibration = {"step_ms": float(len(events)), "seq_ms": 0.0, "request_ms": 0.0, "prefill_scale": 1.0}
+        side.probes = {"probe": [_record(0.1, 0.01)]}
+        events.append(("calibrate", side.name))
+
+    def fake_run(at, sides, ctx):
+        events.append(("run", at.name, at.rate))
+        recs = [_record(0.5, 0.05) for _ in range(at.num_requests)]
+        return [SimpleNamespace(layout=s.name, records=recs, scenario=at, calibration=s.calibration,
+                                measured=summarize(recs, None, at.slo_ttft_ms, at.slo_tpot_ms)) for s in sides]
+
+    monkeypatch.setattr(compare, "calibrate_side", fake_calibrate)
+    monkeypatch.setattr(compare, "run_scenario", fake_run)
+    monkeypatch.setattr(compare, "simulated", lambda layout, at, records: records)
+    sides = [SimpleNamespace(name="a", layout=None), SimpleNamespace(name="b", layout=None)]
+    for side in sides:
+        fake_calibrate(side, {})  # at launch
+    scenarios = [Scenario(name, "x", Workload.single("8", "3"), num_requests=0, rate=1.0, slo_ttft_ms=1000,
+                          slo_tpot_ms=100) for name in ("first", "second")]
+    args = SimpleNamespace(attainment=90.0, sweep_rates="1,2", sweep_requests=2)
+    sweeps = sweep_all(scenarios, sides, {"deadline": time.time() + 60}, args, quick=True)
+    assert events == [("calibrate", "a"), ("calibrate", "b"), ("run", "first", 1.0), ("run", "first", 2.0),
+                      ("calibrate", "a"), ("calibrate", "b"), ("run", "second", 1.0), ("run", "second", 2.0)]
+    assert [sw.calibration["a"]["found"]["step_ms"] for sw in sweeps] == [0.0, 4.0]
+    assert [sw.calibration["b"]["found"]["step_ms"] for sw in sweeps] == [1.0, 5.0]
+    assert sweeps[1].calibration["b"]["probes"]["probe"] == [_record(0.1, 0.01).to_json()]
