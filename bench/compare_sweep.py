@@ -144,9 +144,10 @@ def sweep_scenario(scenario: Scenario, rates: list[float], spec: LadderSpec, per
 
 
 def sweep_all(scenarios: list[Scenario], sides: list, ctx: dict, args, quick: bool) -> list[ScenarioSweep]:
-    """Every scenario's ladder. Each side is calibrated again before every scenario but
-    the first (its launch calibration came just before that one): the probes then see
-    the machine as the scenario's rungs will, not as it was minutes earlier."""
+    """Every scenario's ladder. Each side is probed again before every scenario but the
+    first (its launch calibration came just before that one), and calibrated from all
+    its probes so far (``compare.calibrate_side``): the machine as the scenario's rungs
+    will see it, and more requests than one set of probes."""
     from bench.compare import calibrate_side, calibration_record
 
     out = []

@@ -266,3 +266,35 @@ def test_transfer_and_engine_activity_come_from_two_reads_of_the_servers_samples
     assert activity["p0"]["prefill_steps"] == 3 and activity["p0"]["prefill_step_ms"] == pytest.approx(3000.0)
     assert activity["p0"]["preemptions"] == 1 and activity["p0"]["decode_step_ms"] is None
     assert activity["d0"]["decode_steps"] == 10 and activity["d0"]["decode_step_ms"] == pytest.approx(50.0)
+
+
+def test_a_side_calibrates_from_every_probe_set_it_measured_pooled(monkeypatch):
+    from types import SimpleNamespace
+
+    import bench.compare as compare
+
+    layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
+    sets = iter([0.004, 0.012])  # the per-step gap each measurement of the probes shows
+
+    def fake_measure(url, model, scenario, builder, seed):
+        gap = current[0]
+        n = scenario.workload.classes[0].output.upper if scenario.name == compare.PROBE.name else 0
+        if not n:
+            return []
+        bare = compare.simulated(layout, scenario, [RequestRecord(i, 8, n, start=float(i)) for i in range(3)])
+        return [replace(r, ok=True, end=r.end + gap * (n - 1), token_times=r.token_times[:1]) for r in bare]
+
+    monkeypatch.setattr(compare, "measure", fake_measure)
+    side = SimpleNamespace(name="colocated", cand=Candidate(0, 1, 1), prefill_threads=None, probe_sets=[],
+                           cluster=SimpleNamespace(url="", model=""))
+    ctx = {"builder": None, "seed": 0, "layout_for": lambda cand, threads: layout}
+    current = [next(sets)]
+    compare.calibrate_side(side, ctx)
+    assert side.calibration["step_ms"] == pytest.approx(4.0)
+    current = [next(sets)]
+    compare.calibrate_side(side, ctx)
+    # Six one-at-a-time probes now, three at +4 ms a step and three at +12: the median's gap.
+    probe = side.probes[compare.PROBE.name]
+    assert len(probe) == 6 and [r.index for r in probe] == list(range(6))
+    assert side.calibration["step_ms"] == pytest.approx(8.0)
+    assert compare.calibration_record(side)["probes"][compare.PROBE.name] == [r.to_json() for r in probe]
