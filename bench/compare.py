@@ -429,13 +429,12 @@ def run_sweep(args: argparse.Namespace, scenarios: list[Scenario], sides: list[S
         for side in sides:
             stack.callback(stop_side, side)
             start_side(side, ctx)
-        launched = {s.name: calibration_record(s) for s in sides}
         sweeps = sweep_all(scenarios, sides, ctx, args, args.quick)
     meta = {"model": ctx["model"], "cpus": ctx["cpus"], "wall_s": time.time() - started,
             "command": "pdserve " + " ".join(sys.argv[1:]), "profile": ctx["profile_path"],
             "settings": dataclasses.asdict(ctx["settings"]),
             "layouts": {s.name: dataclasses.asdict(s.cand) for s in sides},
-            "calibration": launched}
+            "calibration": sweeps[0].calibration}  # the launch calibration: the first scenario used it
     report = write_sweep(ctx["out"], sweeps, [s.name for s in sides], meta, args.attainment / 100)
     print(report.read_text())
     print(f"report: {report}")
