@@ -43,7 +43,9 @@ from deploy.k8s_config import KubernetesConfig
 from deploy.models import is_builtin, resolve_model
 from deploy.supervisor import RestartConfig
 from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
-from router.settings import DiscoveryKind, DiscoverySettings, PolicyName, PrefillFailure, RouterSettings, WorkerSpec
+from engine.structured import GRAMMAR_CEILING, GrammarLimits
+from router.settings import (CompileSandbox, DiscoveryKind, DiscoverySettings, PolicyName, PrefillFailure,
+                             RouterSettings, WorkerSpec)
 from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 from server_common.tracing import TracingSettings
@@ -85,6 +87,27 @@ class Instance(Strict):
         return self.kv_port if self.kv_port is not None else self.port + 1
 
 
+class GrammarLimitsConfig(Strict):
+    """router.grammar_limits: how large a grammar, JSON schema, regex or choice list (``guided_*``,
+    ``structured_outputs``, ``response_format``, forced tool calls) a request may send; larger ones get
+    400 before anything is compiled. Each is capped by what the compiler survives (GRAMMAR_CEILING)."""
+
+    max_bytes: int = Field(default=GrammarLimits.max_bytes, ge=1, le=GRAMMAR_CEILING.max_bytes)
+    max_rules: int = Field(default=GrammarLimits.max_rules, ge=1, le=GRAMMAR_CEILING.max_rules)
+    max_depth: int = Field(default=GrammarLimits.max_depth, ge=1, le=GRAMMAR_CEILING.max_depth)
+    max_branches: int = Field(default=GrammarLimits.max_branches, ge=1, le=GRAMMAR_CEILING.max_branches)
+    # The process the router compiles them in: one compile at most this long, in at most this memory.
+    compile_timeout_s: float = Field(default=CompileSandbox.timeout_s, gt=0)
+    compile_memory_bytes: int = Field(default=CompileSandbox.memory_bytes, ge=64 << 20)
+
+    def limits(self) -> GrammarLimits:
+        return GrammarLimits(max_bytes=self.max_bytes, max_rules=self.max_rules, max_depth=self.max_depth,
+                             max_branches=self.max_branches)
+
+    def sandbox(self) -> CompileSandbox:
+        return CompileSandbox(timeout_s=self.compile_timeout_s, memory_bytes=self.compile_memory_bytes)
+
+
 class RouterConfig(Strict):
     """The router. Overload: each worker takes at most ``max_inflight_per_worker``
     requests at once (default: its engine's ``max_num_seqs``; an instance's
@@ -121,6 +144,7 @@ class RouterConfig(Strict):
     body_timeout_s: float = Field(default=RouterSettings.body_timeout, gt=0)
     max_connections_per_client: int = Field(default=RouterSettings.max_connections_per_client, ge=1)
     api_keys_file: str | None = None  # instead of api_keys: one key per line (on Kubernetes, a mounted Secret)
+    grammar_limits: GrammarLimitsConfig = GrammarLimitsConfig()
 
     @model_validator(mode="after")
     def _one_key_source(self) -> RouterConfig:
@@ -325,7 +349,8 @@ class ClusterConfig(Strict):
             body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
             tracing=self.tracing.settings(), discovery=discovery,
             worker_connections=r.worker_connections, worker_keepalive=r.worker_keepalive,
-            worker_keepalive_s=r.worker_keepalive_s,
+            worker_keepalive_s=r.worker_keepalive_s, grammar_limits=r.grammar_limits.limits(),
+            grammar_sandbox=r.grammar_limits.sandbox(),
         )
 
     def server_settings(self, name: str, model_path: Path) -> ServerSettings:

@@ -16,6 +16,7 @@ from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.dispatch import DispatchSettings, Dispatcher
 from router.discovery import Discovery
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
+from router.grammar_check import GrammarChecker
 from router.health import PassiveHealth
 from router.http_pool import worker_http
 from router.limits import RequestLimits, openai_413
@@ -99,7 +100,10 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                                     make_policy(settings.policy, kv_index, settings.cache_aware_load_weight),
                                     worker_client, dispatch_settings, metrics.recovery, admission, drain,
                                     passive_health, kv_index)
-            app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits, tracing)
+            grammars = GrammarChecker(settings.grammar_sandbox)
+            await asyncio.to_thread(grammars.start)
+            app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits, tracing, grammars,
+                                                settings.grammar_limits)
             app.state.discovery = Discovery(registry, http, settings.discovery, model_fingerprint(settings.model_path),
                                             metrics, settings.drain_timeout)
             tasks = [asyncio.create_task(registry.run(health_http)),
@@ -114,6 +118,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                app.state.handlers.shutdown()
                 tracing.shutdown()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)

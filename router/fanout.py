@@ -46,6 +46,7 @@ class Prepared:
     echo: bool = False
     drop_generated: bool = False
     tools: ToolPlan = field(default_factory=ToolPlan)  # how the answer's tool calls are read (router/tools.py)
+    structured_param: str | None = None  # the parameter that asked for ``sampling.structured``
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -18,6 +18,14 @@ from router.errors import OpenAIError
 from router.tools import template_uses_tools
 
 
+def _chars_per_token(tokenizer) -> int:
+    """The longest vocabulary entry in characters (byte-level entries spell each byte as one character, so
+    this bounds the text's characters too), times 4 when a normalizer (or a tokenizer without a fast backend) may shorten text before it is split."""
+    longest = max((len(entry) for entry in tokenizer.get_vocab()), default=1)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return longest * (1 if backend is not None and backend.normalizer is None else 4)
+
+
 @dataclass(frozen=True)
 class ServedModel:
     name: str
@@ -26,6 +34,9 @@ class ServedModel:
     tokenizer: Any
     created: int = field(default_factory=lambda: int(time.time()))
     tools_in_template: bool = False  # the chat template renders tools (router/tools.py)
+    # The most characters of text one token stands for (its vocabulary's longest entry; 4 times that when
+    # the tokenizer normalizes text first, since normalization may shorten it): see ``check_prompt_chars``.
+    chars_per_token: int = 64
 
     @classmethod
     def load(cls, name: str, folder: str, max_model_len: int | None = None) -> ServedModel:
@@ -34,7 +45,21 @@ class ServedModel:
         limit = int(AutoConfig.from_pretrained(folder).max_position_embeddings)
         max_model_len = min(max_model_len or limit, limit)
         return cls(name=name, root=folder, max_model_len=max_model_len, tokenizer=tokenizer,
-                   tools_in_template=template_uses_tools(tokenizer))
+                   tools_in_template=template_uses_tools(tokenizer), chars_per_token=_chars_per_token(tokenizer))
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """A text prompt longer than this cannot fit the context in any tokenization."""
+        return self.max_model_len * self.chars_per_token
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """400 ``context_length_exceeded`` at once, before tokenizing, for text that can never fit: every
+        token stands for at most ``chars_per_token`` characters, so such a text has more tokens than the
+        context holds. (Tokenizing the 4 MiB a body may carry takes seconds.)"""
+        if chars > self.max_prompt_chars:
+            raise OpenAIError(400, f"the prompt has {chars} characters, more than {self.max_model_len} tokens "
+                                   f"(this model's context) can hold at {self.chars_per_token} characters a token",
+                              param=param, code="context_length_exceeded")
 
     @property
     def vocab_size(self) -> int:

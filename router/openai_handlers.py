@@ -29,12 +29,14 @@ from router.sse import DONE, ChunkTemplate, sse_event
 from router.choices import TokenStrings
 from router.fanout import Collected, Prepared, SessionGroup, choice_deltas
 from router.logprob_shapes import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
-from router.structured import checked_spec
+from router.grammar_check import GrammarChecker
+from router.structured import one_constraint
 from router.timeline import RequestTimeline
 from router.tool_calls import ToolCallStream, chat_message
 from router.tools import plan_tools
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing, TracingSettings
+from engine.structured import GrammarLimits
 from server_common.worker_requests import SamplingSpec
 
 
@@ -74,7 +76,8 @@ def _most(*values: int | None) -> int | None:
 
 class OpenAIHandlers:
     def __init__(self, model: ServedModel, dispatcher: Dispatcher, metrics: RouterMetrics,
-                 limits: RequestLimits | None = None, tracing: Tracing | None = None) -> None:
+                 limits: RequestLimits | None = None, tracing: Tracing | None = None,
+                 grammars: GrammarChecker | None = None, grammar_limits: GrammarLimits = GrammarLimits()) -> None:
         self.model = model
         self.dispatcher = dispatcher
         self.metrics = metrics
@@ -85,12 +88,29 @@ class OpenAIHandlers:
         # One thread: the tokenizer is only ever used by the event loop and this thread, with the same
         # settings (no truncation or padding), so no call changes its state under another.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        self.grammars = grammars or GrammarChecker()  # started on the first grammar; shutdown() stops it
+        self.grammar_limits = grammar_limits
+
+    def shutdown(self) -> None:
+        """The grammar sandbox's process and the tokenizer thread stop (the router's lifespan ends)."""
+        self.grammars.close()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     async def _prepare(self, prepare: Callable[[], Prepared], prompt_chars: int) -> Prepared:
-        """``prepare()`` on the event loop, or on the tokenizer thread for a long prompt."""
+        """``prepare()`` on the event loop, or on the tokenizer thread for a long prompt; then the grammar
+        it asks for, if any, compiled in the sandbox (router/grammar_check.py)."""
         if prompt_chars < LONG_PROMPT_CHARS:
-            return prepare()
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)
+            p = prepare()
+        else:
+            p = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)
+        if p.sampling.structured is not None:
+            await self.grammars.check(p.structured_param, p.sampling.structured)
+        return p
+
+    def _constraint(self, constraints) -> tuple[str | None, dict]:
+        """The request's one constraint: its parameter, and the sampling update that carries its spec."""
+        found = one_constraint(constraints, self.grammar_limits)
+        return (None, {"structured": None}) if found is None else (found[0], {"structured": found[1]})
 
     def models(self) -> out.ModelList:
         return out.ModelList(data=[self.model_card(self.model.name)])
@@ -107,22 +127,22 @@ class OpenAIHandlers:
         self.model.check_name(req.model)
         req.check_supported()
         tools = plan_tools(req.tools, req.tool_choice, self.model.tools_in_template)
-        structured = checked_spec(req.structured_constraints() + tools.constraints)
+        param, structured = self._constraint(req.structured_constraints(self.grammar_limits) + tools.constraints)
         prompt = self.model.encode_chat(req.template_messages(), req.add_generation_prompt, tools.tools)
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_new_tokens(), "messages",
                                                    tokens_param)
         req.check_tokens(self.model.vocab_size, max_tokens)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        sampling = sampling_spec(req, max_tokens, top, req.prompt_logprobs).model_copy(update={"structured": structured})
+        sampling = sampling_spec(req, max_tokens, top, req.prompt_logprobs).model_copy(update=structured)
         return Prepared(request_id, "chat", [prompt], sampling, req.stop_strings(),
                         self._timeline(request_id, traceparent), top_logprobs=top, prompt_top=req.prompt_logprobs,
-                        tools=tools)
+                        tools=tools, structured_param=param)
 
     def prepare_completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
         self.model.check_name(req.model)
         req.check_supported()
-        structured = checked_spec(req.structured_constraints())
+        param, structured = self._constraint(req.structured_constraints(self.grammar_limits))
         given = req.prompts()
         prompts = [self.model.encode_prompt(x) for x in given]
         requested = 1 if req.max_tokens == 0 else req.max_tokens
@@ -135,10 +155,10 @@ class OpenAIHandlers:
         if req.echo:
             texts = [x if isinstance(x, str) else self.model.tokenizer.decode(x, skip_special_tokens=True)
                      for x in given]
-        sampling = sampling_spec(req, budget, req.logprobs, prompt_top).model_copy(update={"structured": structured})
+        sampling = sampling_spec(req, budget, req.logprobs, prompt_top).model_copy(update=structured)
         return Prepared(request_id, "completions", prompts, sampling, req.stop_strings(), self._timeline(request_id, traceparent), prompt_texts=texts,
                         top_logprobs=req.logprobs, prompt_top=req.prompt_logprobs, echo=req.echo,
-                        drop_generated=req.max_tokens == 0)
+                        drop_generated=req.max_tokens == 0, structured_param=param)
 
     def _timeline(self, request_id: str, traceparent: str | None) -> RequestTimeline:
         return RequestTimeline(self.metrics, self.tracing, self.timeline, request_id, traceparent)
@@ -198,6 +218,7 @@ class OpenAIHandlers:
 
     async def chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None):
         chars = sum(len(m.text()) for m in req.messages)
+        self.model.check_prompt_chars(chars, "messages")
         p = await self._prepare(lambda: self.prepare_chat(req, request_id, traceparent), chars)
         if req.stream:
             sessions = await self.open(p)
@@ -214,8 +235,9 @@ class OpenAIHandlers:
             prompt_logprobs=self._prompt_logprobs(p, 0, got[0].prompt_logprobs))
 
     async def completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None):
-        chars = len(req.prompt) if isinstance(req.prompt, str) else sum(len(x) for x in req.prompt
-                                                                           if isinstance(x, str))
+        texts = [req.prompt] if isinstance(req.prompt, str) else [x for x in req.prompt if isinstance(x, str)]
+        self.model.check_prompt_chars(max(map(len, texts), default=0), "prompt")
+        chars = sum(map(len, texts))
         p = await self._prepare(lambda: self.prepare_completion(req, request_id, traceparent), chars)
         if req.stream:
             sessions = await self.open(p)

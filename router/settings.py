@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.structured import GrammarLimits
 from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST
 from server_common.tracing import TracingSettings
 
@@ -45,6 +46,14 @@ class DiscoverySettings:
 
 
 @dataclass(frozen=True)
+class CompileSandbox:
+    """The process the router compiles clients' grammars in (router/grammar_check.py)."""
+
+    timeout_s: float = 5.0  # the longest one compile may take
+    memory_bytes: int = 1 << 30  # its address space, at most
+
+
+@dataclass(frozen=True)
 class RouterSettings:
     model_path: str  # local Hugging Face folder (tokenizer, config, chat template)
     served_model_name: str
@@ -76,6 +85,10 @@ class RouterSettings:
     header_timeout: float = 10.0  # a request's headers must arrive within this (router.connections)
     body_timeout: float = 30.0  # and its body within this after them
     max_connections_per_client: int = 256  # open connections from one address
+    # How large a grammar, schema, regex or choice list a request may send (engine/structured.py), and
+    # the sandbox it is compiled in before any server sees it.
+    grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
+    grammar_sandbox: CompileSandbox = field(default_factory=CompileSandbox)
     # Secrets stay out of repr, so a logged settings object shows none.
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key

@@ -9,10 +9,12 @@ Accepted, on chat and completions alike:
 - ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (vLLM's older names).
 
 At most one constraint per request (tool calls forced by ``tool_choice``
-count as one: router/tools.py). The router compiles the grammar once to
-refuse a bad one with a 400 naming the parameter (``engine.structured``
-imports no torch); the servers compile it again. A ``grammar`` is Lark or
-GBNF (converted to Lark here). JSON is generated compact (engine/structured.py).
+count as one: router/tools.py), within the router's ``GrammarLimits``
+(checked here, before anything is compiled); the router then compiles it
+once in its sandbox (router/grammar_check.py) to refuse a bad one with a
+400 naming the parameter, and the servers compile it again. A ``grammar``
+is Lark or GBNF (converted to Lark here, after its size is checked). JSON is
+generated compact (engine/structured.py).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any, Literal
 from llguidance.gbnf_to_lark import any_to_lark
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.structured import compile_grammar
+from engine.structured import GrammarLimits, check_bounds
 from router.errors import OpenAIError
 from server_common.worker_requests import StructuredSpec
 
@@ -63,8 +65,9 @@ class StructuredFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def structured_constraints(self) -> list[tuple[str, StructuredSpec]]:
-        """(the parameter, its spec) for every constraint the request names, unchecked."""
+    def structured_constraints(self, limits: GrammarLimits = GrammarLimits()) -> list[tuple[str, StructuredSpec]]:
+        """(the parameter, its spec) for every constraint the request names, unchecked but for a grammar's
+        size (checked before it is converted to Lark)."""
         found: list[tuple[str, StructuredSpec]] = []
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
@@ -83,16 +86,18 @@ class StructuredFields(BaseModel):
             if so.json_object:
                 named.append(("json_object", ANY_OBJECT))
             for key, value in named:
-                found.append((f"structured_outputs.{key}", _spec(key, value, f"structured_outputs.{key}")))
+                found.append((f"structured_outputs.{key}", _spec(key, value, f"structured_outputs.{key}", limits)))
         for key in ("json", "regex", "choice", "grammar"):
             value = getattr(self, f"guided_{key}")
             if value is not None:
-                found.append((f"guided_{key}", _spec(key, value, f"guided_{key}")))
+                found.append((f"guided_{key}", _spec(key, value, f"guided_{key}", limits)))
         return found
 
 
-def checked_spec(constraints: list[tuple[str, StructuredSpec]]) -> StructuredSpec | None:
-    """The one constraint, compiled once to check it; 400 for two or for one that does not compile."""
+def one_constraint(constraints: list[tuple[str, StructuredSpec]],
+                   limits: GrammarLimits = GrammarLimits()) -> tuple[str, StructuredSpec] | None:
+    """The one constraint (its parameter and spec) within ``limits``, not yet compiled; 400 for two, or
+    for one over a limit."""
     if not constraints:
         return None
     if len(constraints) > 1:
@@ -101,24 +106,32 @@ def checked_spec(constraints: list[tuple[str, StructuredSpec]]) -> StructuredSpe
                           param=constraints[1][0])
     param, spec = constraints[0]
     try:
-        compile_grammar(spec)
+        check_bounds(spec, limits)
     except ValueError as exc:
         raise OpenAIError(400, f"{param}: {exc}", param=param) from None
-    return spec
+    return param, spec
 
 
-def _json_spec(schema) -> StructuredSpec:
-    return StructuredSpec(kind="json_schema", value=json.dumps(schema))
+def _json_spec(schema, param: str = "response_format") -> StructuredSpec:
+    try:
+        return StructuredSpec(kind="json_schema", value=json.dumps(schema))
+    except RecursionError:
+        raise OpenAIError(400, f"{param}: the JSON schema is nested too deeply", param=param) from None
 
 
-def _spec(key: str, value, param: str) -> StructuredSpec:
+def _spec(key: str, value, param: str, limits: GrammarLimits) -> StructuredSpec:
+    if isinstance(value, str) and len(value) > limits.max_bytes:
+        raise OpenAIError(400, f"{param}: it has {len(value)} characters; at most {limits.max_bytes} bytes are "
+                               "accepted", param=param)
     if key in ("json", "json_object"):
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as exc:
                 raise OpenAIError(400, f"{param}: the JSON schema is not valid JSON: {exc}", param=param) from None
-        return _json_spec(value)
+            except RecursionError:
+                raise OpenAIError(400, f"{param}: the JSON schema is nested too deeply", param=param) from None
+        return _json_spec(value, param)
     if key == "regex":
         return StructuredSpec(kind="regex", value=value)
     if key == "choice":

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
 from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.errors import OpenAIError
-from router.structured import checked_spec
+from engine.structured import GrammarLimits
+from router.grammar_check import GrammarChecker
+from router.structured import one_constraint
 from router.tool_calls import ToolCallStream, chat_message, split_calls
 from router.tools import ToolPlan, plan_tools
 
@@ -19,6 +22,24 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "description": "
 
 def chat(**kw) -> ChatCompletionRequest:
     return ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], **kw)
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    checker = GrammarChecker()
+    checker.start()
+    yield checker
+    checker.close()
+
+
+def checked_spec(constraints, grammars=None, limits=GrammarLimits()):
+    """The one constraint within ``limits``, compiled in ``grammars``' sandbox when given (as the router does)."""
+    found = one_constraint(constraints, limits)
+    if found is None:
+        return None
+    if grammars is not None:
+        asyncio.run(grammars.check(*found))
+    return found[1]
 
 
 @pytest.mark.parametrize("fields,kind,value", [
@@ -57,9 +78,9 @@ def test_text_response_format_and_no_fields_mean_no_grammar():
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema",
      "response_format of type json_schema needs a json_schema object"),
 ])
-def test_a_bad_or_second_constraint_is_a_400_naming_the_parameter(fields, param, message):
+def test_a_bad_or_second_constraint_is_a_400_naming_the_parameter(fields, param, message, grammars):
     with pytest.raises(OpenAIError) as exc:
-        checked_spec(chat(**fields).structured_constraints())
+        checked_spec(chat(**fields).structured_constraints(), grammars)
     assert exc.value.status == 400 and exc.value.param == param
     assert exc.value.message.startswith(message)
 

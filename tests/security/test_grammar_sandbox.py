@@ -1,0 +1,66 @@
+"""The router's grammar sandbox (router/grammar_check.py): a compile that crashes the compiler or runs
+past its time is a 400 and costs only the child process, which the next check starts again."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import pytest
+
+from router.errors import OpenAIError
+from router.grammar_check import GrammarChecker
+from router.settings import CompileSandbox
+from server_common.worker_requests import StructuredSpec
+
+# 3000 chained rules overflow the compiler's native stack (SIGSEGV): check_bounds refuses them first
+# in the router, so only a direct check reaches the compiler with them.
+CHAINED = "\n".join(["start: r0"] + [f"r{i}: r{i + 1}" for i in range(2999)] + ['r2999: "a"'])
+SMALL = StructuredSpec(kind="lark", value='start: "a" | "b"')
+
+
+def check(checker: GrammarChecker, spec: StructuredSpec) -> OpenAIError | None:
+    try:
+        asyncio.run(checker.check("guided_grammar", spec))
+    except OpenAIError as exc:
+        return exc
+    return None
+
+
+@pytest.fixture
+def checker():
+    c = GrammarChecker()
+    c.start()
+    yield c
+    c.close()
+
+
+def test_a_grammar_that_crashes_the_compiler_is_a_400_and_the_next_one_compiles(checker):
+    first = checker._child.pid
+    exc = check(checker, StructuredSpec(kind="lark", value=CHAINED))
+    assert exc.status == 400 and exc.param == "guided_grammar"
+    assert "crashed the grammar compiler" in exc.message
+    assert checker.crashes == 1
+    assert check(checker, SMALL) is None
+    assert checker._child.pid != first and os.getpid() != checker._child.pid
+
+
+def test_a_compile_past_the_timeout_is_a_400_and_its_process_is_killed():
+    schema = {"anyOf": [{"type": "object", "properties": {f"k{i}": {"type": "integer"}}} for i in range(1500)]}
+    c = GrammarChecker(CompileSandbox(timeout_s=0.001))
+    c.start()
+    try:
+        slow = c._child
+        exc = check(c, StructuredSpec(kind="json_schema", value=json.dumps(schema)))
+        assert exc.status == 400 and "took longer than 0.001 s" in exc.message
+        assert not slow.is_alive() and c.crashes == 1
+    finally:
+        c.close()
+
+
+def test_a_bad_grammar_is_the_compilers_message_and_costs_no_restart(checker):
+    pid = checker._child.pid
+    exc = check(checker, StructuredSpec(kind="regex", value="a("))
+    assert exc.status == 400 and exc.message.startswith("guided_grammar: the regular expression does not compile")
+    assert checker.crashes == 0 and checker._child.pid == pid
