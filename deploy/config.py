@@ -46,7 +46,7 @@ from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
 from engine.structured import GRAMMAR_CEILING, GrammarLimits
 from router.settings import (CompileSandbox, DiscoveryKind, DiscoverySettings, PolicyName, PrefillFailure,
                              RouterSettings, WorkerSpec)
-from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, is_loopback
+from server_common.process_defaults import DRAIN_TIMEOUT_S, INSTANCE_NAME, LOOPBACK_HOST, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 from server_common.tracing import TracingSettings
 
@@ -67,7 +67,7 @@ class EngineDefaults(Strict):
 
 
 class Instance(Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(pattern=INSTANCE_NAME)
     port: int = Field(ge=1, le=65535)
     kv_port: int | None = Field(default=None, ge=1, le=65535)  # default: port + 1
     block_size: int | None = Field(default=None, ge=1, le=256)

@@ -31,9 +31,10 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
-from router.metrics import RouterMetrics
+from router.metrics import JoinRefusal, RouterMetrics
 from router.registry import Worker, WorkerRegistry
 from router.settings import DiscoverySettings
+from server_common.process_defaults import INSTANCE_NAME, is_instance_name
 
 log = logging.getLogger(__name__)
 ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}
@@ -82,6 +83,9 @@ class Discovery:
             name, role, model = report["instance"], ROLES[report["role"]], report.get("model", "")
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             raise self._refused(url, "no_health_report", f"no health report ({exc!r})") from None
+        if not is_instance_name(name):
+            raise self._refused(url, "bad_name", f"its instance name {str(name)[:80]!r} does not match "
+                                                 f"{INSTANCE_NAME}")
         if model != self._model_id:
             raise self._refused(url, "other_model", f"it serves model {model!r}, this router {self._model_id!r}")
         known = self._registry.find(name)
@@ -100,7 +104,7 @@ class Discovery:
         log.info("worker %s (%s, %s) joined", name, role, url)
         return worker
 
-    def _refused(self, url: str, reason: str, why: str) -> JoinRefused:
+    def _refused(self, url: str, reason: JoinRefusal, why: str) -> JoinRefused:
         self._metrics.workers_refused.labels(reason=reason).inc()
         log.warning("worker at %s refused: %s", url, why)
         return JoinRefused(url, reason, why)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
 from router.admission import Admission
+from router.api_responses import FinishReason
 from router.registry import WorkerRegistry
+
+# Why discovery refused a worker (router/discovery.py): the label of pdserve_router_workers_refused.
+JoinRefusal = Literal["no_health_report", "bad_name", "other_model", "name_in_use"]
+ENDPOINTS = ("chat", "completions")  # the label of pdserve_router_requests (router/app.py)
 
 # The buckets vLLM's users already chart (time_to_first_token_seconds, inter_token_latency_seconds, ...).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -65,6 +72,14 @@ class RouterMetrics:
         self.workers_refused = Counter("pdserve_router_workers_refused",
                                        "Workers discovery found but refused (another model, a name in use, ...)",
                                        ["reason"], registry=r)
+        # Every known label value exported at 0 from the start, so rate() and absent() alerts work before
+        # the first event (prometheus-client's advice for labelled metrics).
+        for endpoint in ENDPOINTS:
+            self.requests.labels(endpoint=endpoint, status="200")
+        for reason in get_args(FinishReason):
+            self.finished.labels(finish_reason=reason)
+        for refusal in get_args(JoinRefusal):
+            self.workers_refused.labels(reason=refusal)
         self.workers_joined = Counter("pdserve_router_workers_joined", "Workers added at runtime", registry=r)
         self.workers_left = Counter("pdserve_router_workers_left", "Workers drained and forgotten at runtime",
                                     registry=r)

@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine import EngineStats
+from transfer.outcome import KV_NEVER_ARRIVED, Outcome
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
@@ -75,6 +76,13 @@ class ServerMetrics:
                                          ["code"], registry=r)
         self.reprefills = Counter("pdserve_reprefills", "Requests prefilled locally after their remote KV failed",
                                   ["cause"], registry=r)
+        # Every known label value exported at 0 from the start, so rate() and absent() alerts work before
+        # the first failure (prometheus-client's advice for labelled metrics).
+        for code in Outcome:
+            if code is not Outcome.OK:
+                self.transfer_failures.labels(code=code)
+        for cause in sorted(KV_NEVER_ARRIVED):
+            self.reprefills.labels(cause=cause)
 
     def watch_transfers(self, counters: Callable[[], dict[str, int]]) -> None:
         """Export a KV receiver's counters: writes and notices discarded by transfer id."""

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from server_common.worker_replies import Reservation
+from server_common.process_defaults import INSTANCE_NAME
 
 
 MAX_TOKENS = 1 << 24  # far above any context a pdserve engine holds
@@ -114,5 +115,5 @@ class DecodePeer(Strict):
     """POST /admin/peers on a prefill server (from the router's discovery): a decode server
     that joined the cluster, which this prefill server may now hand KV to."""
 
-    name: str = Field(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: str = Field(pattern=INSTANCE_NAME)
     url: str = Field(min_length=8, max_length=300, pattern=r"^https?://[^/\s]+$")

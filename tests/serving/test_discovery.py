@@ -121,3 +121,19 @@ def test_an_address_dns_no_longer_gives_is_drained_then_forgotten_everywhere():
 
     metrics = run(workers, dns, scenario)
     assert sample(metrics, "pdserve_router_workers_left_total") == 1
+
+
+def test_a_worker_whose_name_is_no_name_is_refused_and_every_joined_worker_can_leave():
+    names = ["", "../../admin/workers", ".", "..", "a b", "x" * 65, None, 7]
+    workers = Workers({f"http://10.1.0.{i + 1}:8200": report(name, "decode") for i, name in enumerate(names)}
+                      | {"http://10.1.0.99:8200": report("d-0.ok_1", "decode")})
+    dns = {"decode.svc": [f"10.1.0.{i + 1}" for i in range(len(names))] + ["10.1.0.99"]}
+
+    async def scenario(discovery, registry):
+        await discovery.resolve_once()
+        assert [w.name for w in registry.workers] == ["d-0.ok_1"]
+        await discovery.leave("d-0.ok_1")
+        assert registry.workers == []
+
+    metrics = run(workers, dns, scenario)
+    assert sample(metrics, 'pdserve_router_workers_refused_total{reason="bad_name"}') == len(names)
