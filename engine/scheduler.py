@@ -394,7 +394,7 @@ class Scheduler:
     def _output(request: Request, token: int, reason: str | None, logprob: Logprob | None = None,
                 prompt_logprobs: list[Logprob | None] | None = None) -> StepOutput:
         """A sequence's output for one recorded token; a token its grammar refused is never emitted."""
-        if reason == "abort":
+        if reason == "grammar":
             return StepOutput(request.request_id, [], True, reason, index=request.index)
         return StepOutput(request.request_id, [token], reason is not None, reason,
                           logprobs=None if logprob is None else [logprob], prompt_logprobs=prompt_logprobs,
@@ -402,13 +402,17 @@ class Scheduler:
 
     def _record(self, request: Request, token: int) -> str | None:
         """Appends a token to a sequence's output and feeds it to its grammar; returns why the
-        sequence stops there, if it does ("abort": the grammar refused it)."""
+        sequence stops there, if it does ("grammar": its grammar could not take it)."""
         request.output_token_ids.append(token)
         if request.grammar is not None and not request.grammar.accept(token):
-            # Only a remote first token can get here (sampled ones obey the mask): fail, never emit invalid output.
-            log.warning("request %s: token %d breaks its grammar: %s", request.request_id, token,
-                        request.grammar.error())
-            return "abort"
+            # The token obeyed the mask (sampled under it, or a remote first token checked by
+            # remote_token_problem), so the matcher itself gave up: a grammar too ambiguous, or one
+            # forcing unbounded text, hits llguidance's limits ("parser too complex"), or a grammar
+            # matching no text left no token at all. The client's grammar, not a fault here: the
+            # sequence ends, nothing invalid is emitted, and the router answers 400.
+            log.info("request %s: its grammar cannot take token %d: %s", request.request_id, token,
+                     request.grammar.error())
+            return "grammar"
         return self._stop_reason(request, token)
 
     def _stop_reason(self, request: Request, token: int) -> str | None:

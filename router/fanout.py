@@ -129,6 +129,11 @@ def _openings(p: Prepared, j: int, choices: list[ChoiceText],
 def _generated(p: Prepared, choice: ChoiceText, event: TokensEvent) -> ChoiceDelta | None:
     if event.finish_reason == "abort":
         raise OpenAIError(500, f"request {p.request_id} was aborted by the decode server")
+    if event.finish_reason == "grammar":  # the client's grammar, not a fault of the servers (engine/scheduler.py)
+        param = p.structured_param or "tools"
+        raise OpenAIError(400, f"{param}: the grammar could not be followed after {choice.count} tokens (the matcher "
+                               "gave up: a grammar that forces unbounded text, is too ambiguous, or matches no text); "
+                               "simplify it", param=param)
     if p.drop_generated:  # max_tokens 0: the one token drawn is not part of the answer
         if choice.done or event.finish_reason is None:
             return None

@@ -67,13 +67,14 @@ class TokenLogprob(Reply):
 
 class TokensEvent(Reply):
     """Tokens of sequence ``index`` (0 .. n-1); each sequence's last event has a finish_reason,
-    and the stream ends after every sequence's. ``logprobs``: one per token id, when asked for.
+    and the stream ends after every sequence's ("grammar": the request's grammar could not go on,
+    the client's fault: engine/scheduler.py ``_record``). ``logprobs``: one per token id, when asked for.
     ``prompt_logprobs``: on the first event of sequence 0 when this server computed the prompt
     (a remote prefill's come in ``PrefillResult``): one per prompt token, None for the first."""
 
     type: Literal["tokens"] = "tokens"
     token_ids: list[int]
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "grammar"] | None = None
     index: int = Field(default=0, ge=0)
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None

@@ -168,9 +168,31 @@ def test_a_remote_first_token_the_grammar_forbids_fails_the_request_and_frees_it
         f"first token {letter} is not allowed by the request's structured output grammar")
     assert decode.remote_token_problem("r", [10**6]) == "first token 1000000 is outside the vocabulary"
     (out,) = decode.admit_remote("r", [letter])
-    assert (out.new_token_ids, out.finished, out.finish_reason) == ([], True, "abort")
+    assert (out.new_token_ids, out.finished, out.finish_reason) == ([], True, "grammar")
     decode.check_integrity()
     assert decode.block_counts() == {"free": 64, "reserved": 0, "running": 0}
+
+
+@pytest.mark.parametrize("mode", ["colocated", "decode"])
+def test_a_grammar_the_matcher_gives_up_on_ends_the_sequence_as_the_grammars_fault(tiny_model, mode):
+    # Every "?" forces another: llguidance's forced-token search passes its item limit on the first
+    # token its own mask allowed ("parser too complex"), and the sequence ends with nothing emitted.
+    spec = StructuredSpec("lark", 'start: a\na: "?" a')
+    question = AutoTokenizer.from_pretrained(tiny_model).convert_tokens_to_ids("?")
+    e = engine(tiny_model, block_size=16, mode=mode)
+    sampling = SamplingParams(max_tokens=4, temperature=0, structured=spec)
+    if mode == "decode":
+        e.reserve("r", PROMPT, sampling)
+        assert e.remote_token_problem("r", [question]) is None
+        outputs = e.admit_remote("r", [question])
+    else:
+        e.add_request("r", PROMPT, sampling)
+        outputs = []
+        while e.has_unfinished():
+            outputs += e.step()
+    assert [(o.new_token_ids, o.finished, o.finish_reason) for o in outputs] == [([], True, "grammar")]
+    e.check_integrity()
+    assert e.block_counts() == {"free": 64, "reserved": 0, "running": 0}
 
 
 def test_a_forked_grammar_is_independent(tiny_model):
