@@ -161,7 +161,7 @@ class GenerationService:
                                             num_cached_tokens=reservation.num_cached_tokens), active
 
             def add(e: LLMEngine) -> int:
-                cached = e.cached_prefix(req.prompt_token_ids)
+                cached = e.cached_prefix(req.prompt_token_ids, sampling)
                 e.add_request(rid, req.prompt_token_ids, sampling)
                 return cached
 
@@ -190,7 +190,7 @@ class GenerationService:
         prompt = req.prompt_token_ids
 
         def reserve(e: LLMEngine) -> tuple[list[int], str, int] | None:
-            cached = e.cached_prefix(prompt)
+            cached = e.cached_prefix(prompt, sampling)
             if cached and cached >= len(prompt) - 1:
                 return None
             block_ids = e.reserve(rid, prompt, sampling)

@@ -149,7 +149,7 @@ class LLMEngine:
         """
         request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt)
         block_ids = self.scheduler.reserve(request)
-        if self.config.prefix_caching:
+        if self.config.prefix_caching and not request.wants_prompt_logprobs:
             self.counters.add_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
         return block_ids
 
@@ -157,9 +157,11 @@ class LLMEngine:
         """Prompt tokens a held request took from the prefix cache when it was last admitted or reserved."""
         return self.scheduler.requests[request_id][0].num_cached_tokens
 
-    def cached_prefix(self, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Tokens of this prompt a request admitted now would find cached (nothing is taken)."""
-        probe = Request("probe", list(prompt_token_ids), SamplingParams(), cache_salt=cache_salt)
+    def cached_prefix(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
+                      cache_salt: str | None = None) -> int:
+        """Tokens of this prompt a request with ``sampling`` admitted now would find cached (nothing is
+        taken): none when it wants its prompt's log-probabilities."""
+        probe = Request("probe", list(prompt_token_ids), sampling or SamplingParams(), cache_salt=cache_salt)
         return self.scheduler.cached_prefix_tokens(probe)
 
     def remote_token_problem(self, request_id: str, first_token_ids: list[int]) -> str | None:

@@ -40,8 +40,9 @@ class PrefixCache:
         self.salt = salt
 
     def lookup(self, request: Request) -> list[int]:
-        """Cached blocks of the request's longest cached prefix, its last token always left out."""
-        if not self.enabled:
+        """Cached blocks of the request's longest cached prefix, its last token always left out; none
+        for a request that wants its prompt's log-probabilities (its whole prompt is computed)."""
+        if not self.enabled or request.wants_prompt_logprobs:
             return []
         return self.blocks.match(self.hashes(request, (request.num_tokens - 1) // self.blocks.block_size))
 

@@ -294,7 +294,7 @@ class Scheduler:
         """Give a waiting request its cached prefix and the blocks for its next chunk, or nothing."""
         assert not request.block_ids and request.num_computed == 0
         looks_up = self.config.prefix_caching and not request.wants_prompt_logprobs
-        cached = self.prefix.lookup(request) if looks_up else []
+        cached = self.prefix.lookup(request)
         computed = len(cached) * self.blocks.block_size
         num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks, computed=computed)
         if num_new == 0:

@@ -114,3 +114,66 @@ def test_prefill_sends_only_what_the_decode_server_lacks_and_reuses_its_own_cach
 
     asyncio.run(main())
     engine.check_integrity()
+
+
+def test_a_request_for_prompt_log_probabilities_reports_no_cached_tokens_and_takes_none(tiny_model):
+    # Its whole prompt is computed (every row is scored), so nothing is reused: the decode server
+    # reserves every block, reports 0 cached tokens (usage.prompt_tokens_details.cached_tokens) and
+    # counts no prefix lookup, even with the prompt's prefix cached.
+    engine = LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="decode"))
+    make_receiver, made = scripted(ScriptedReceiver)
+    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0),
+                                engine, make_receiver)
+    (receiver,) = made
+    scored = SamplingSpec(max_tokens=3, temperature=0, prompt_logprobs=1)
+
+    async def main():
+        await service.start()
+        try:
+            first, active = await service.open(generate("a", PROMPT))
+            receiver.end("t0", Outcome.OK, first_tokens=(42,))
+            assert len([line async for line in service.events(first, active)]) == 1 + 3
+            counters = service.engine_thread.stats.counters
+            before = (counters.prefix_queries_tokens, counters.prefix_hits_tokens)
+            for rid, prompt in (("b", PROMPT), ("c", PROMPT[:12] + [77])):  # a whole hit, and all but the last token
+                first, active = await service.open(
+                    GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=scored))
+                assert (first.num_cached_tokens, first.reservation.num_cached_tokens) == (0, 0)
+                tid = first.reservation.transfer_id
+                assert receiver.writable_from[tid] == 0
+                receiver.end(tid, Outcome.OK, first_tokens=(42,))
+                assert len([line async for line in service.events(first, active)]) == 1 + 3
+            counters = service.engine_thread.stats.counters
+            assert (counters.prefix_queries_tokens, counters.prefix_hits_tokens) == before
+            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
+        finally:
+            await service.stop()
+
+    asyncio.run(main())
+    engine.check_integrity()
+
+
+def test_a_colocated_request_for_prompt_log_probabilities_reports_no_cached_tokens(tiny_model):
+    engine = LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="colocated"))
+    service = GenerationService(ServerSettings(name="c0", role="colocated", engine=engine.config), engine, None)
+
+    async def main():
+        await service.start()
+        try:
+            got = []
+            for rid, sampling in (("a", None), ("b", SamplingSpec(max_tokens=3, temperature=0, prompt_logprobs=1)),
+                                  ("c", None)):
+                req = generate(rid, PROMPT) if sampling is None else GenerateRequest(
+                    request_id=rid, prompt_token_ids=PROMPT, sampling=sampling)
+                first, active = await service.open(req)
+                assert len([line async for line in service.events(first, active)]) == 1 + 3
+                got.append(first.num_cached_tokens)
+            assert got == [0, 0, 12]  # b computed its whole prompt; c reused a's 3 full blocks
+            counters = service.engine_thread.stats.counters
+            assert counters.prefix_hits_tokens == 12
+            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
+        finally:
+            await service.stop()
+
+    asyncio.run(main())
+    engine.check_integrity()
