@@ -68,7 +68,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     """
     model = model or ServedModel.load(settings.served_model_name, settings.model_path, settings.max_model_len)
     registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight) for w in settings.workers],
-                              interval=settings.health_interval, backoff_max=settings.health_backoff_max,
+                              interval=settings.health_interval, timeout=settings.health_timeout,
+                              backoff_max=settings.health_backoff_max,
                               launch_id=settings.launch_id)
     metrics = RouterMetrics(registry)
     admission = Admission(AdmissionSettings(max_queued=settings.max_queued, timeout=settings.queue_timeout,

@@ -2,7 +2,7 @@
 
 Workers come from config, and join and leave at runtime (``add`` and
 ``forget``, called by ``router.discovery``). A background task per worker polls its
-``GET /health`` every ``interval`` seconds unless real traffic already showed
+``GET /health`` every ``interval`` seconds (waiting ``timeout`` for the answer) unless real traffic already showed
 the worker alive within that interval (passive health, router/health.py,
 which also takes a worker out on failed requests): a worker that fails
 ``unhealthy_after`` checks in a row is taken out of rotation; the next
@@ -79,12 +79,13 @@ class Worker:
 
 class WorkerRegistry:
     def __init__(self, workers: list[Worker], *, interval: float = RouterSettings.health_interval,
-                 unhealthy_after: int = 2, backoff_max: float = RouterSettings.health_backoff_max,
+                 timeout: float = RouterSettings.health_timeout, unhealthy_after: int = 2, backoff_max: float = RouterSettings.health_backoff_max,
                  launch_id: str | None = None) -> None:
         names = [w.name for w in workers]
         assert len(names) == len(set(names)), f"duplicate worker names: {names}"
         self.workers = workers
         self.interval = interval
+        self.timeout = timeout
         self.unhealthy_after = unhealthy_after
         self.backoff_max = max(backoff_max, interval)
         self.launch_id = launch_id
@@ -113,7 +114,7 @@ class WorkerRegistry:
 
     async def _check(self, client: httpx.AsyncClient, worker: Worker) -> None:
         try:
-            resp = await client.get(f"{worker.url}/health", timeout=max(1.0, self.interval))
+            resp = await client.get(f"{worker.url}/health", timeout=self.timeout)
             resp.raise_for_status()
             report = resp.json()
             if worker.discovered:  # started by another launch, maybe: the same instance must answer

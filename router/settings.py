@@ -66,6 +66,10 @@ class RouterSettings:
     cache_aware_load_weight: float = 1.0  # cache_aware policy: how much load counts against a cached prefix
     kv_events_interval: float = 0.2  # seconds between polls of the servers' block-hash events (router/kv_events.py)
     health_interval: float = 2.0  # seconds between health checks of a worker that answers
+    # The longest a health check waits. Not tied to the interval: on a loaded machine an idle, live
+    # worker's /health can take over a second, and a 1 s cap (the old max(1, interval)) took such
+    # workers out of rotation right after the router's /health had said ok (router/registry.py).
+    health_timeout: float = 5.0
     queue_timeout: float = 10.0  # the longest a request waits for a free slot before 429
     max_queued: int = 128  # requests waiting for a slot; one more gets 429 at once
     retry_after: float = 1.0  # seconds, in the Retry-After of a 429

@@ -90,3 +90,17 @@ def test_a_worker_answering_about_one_request_stays_in_rotation():
     for outcome in (Outcome.NO_ROOM, Outcome.LEASE_EXPIRED, Outcome.CHECKSUM_MISMATCH, Outcome.ABORTED):
         health.failed(worker, WorkerFailed.of(worker, "about this request", outcome))
     assert worker.healthy and worker.request_failures == 0
+
+
+def test_the_health_check_waits_the_configured_timeout_not_the_interval():
+    # On a loaded machine an idle, live worker's /health took over a second: with the timeout tied to
+    # a 0.5 s interval (1 s), two such checks took it out right after the router said it was ready.
+    seen = []
+
+    def record(request):
+        seen.append(request.extensions["timeout"]["read"])
+        return httpx.Response(200, json={"status": "ok"})
+
+    registry = WorkerRegistry([Worker("d0", "decode", "http://d0")], interval=0.5, timeout=3.5)
+    check_three_times(registry, record)
+    assert seen == [3.5, 3.5, 3.5]
