@@ -80,9 +80,9 @@ class Cluster:
     def _spawn(self, role: str, name: str, url: str, args: list[str]) -> Proc:
         log = self.run_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "deploy.cli", *args, "--config", str(self.config_path)]
-        if self.only is None or role != "router":
-            # A router of a multi-host cluster sees servers of other launches: it checks no launch id.
-            cmd += ["--launch-id", self.launch_id]
+        cmd += ["--launch-id", self.launch_id]  # it reports it in /health: what wait_healthy checks
+        if self.only is not None and role == "router":
+            cmd += ["--any-worker-launch"]  # a multi-host cluster's other hosts run servers of other launches
         # Children import this very checkout, whatever the working directory or installed copy.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         with open(log, "ab") as out:

@@ -23,6 +23,8 @@ def add_parsers(subparsers) -> None:
     p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     _add_launch_id(p)
+    # A router of a multi-host cluster (``launch --only``) reports its launch but accepts workers of any.
+    p.add_argument("--any-worker-launch", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=run_router)
 
     _add_server_parser(
@@ -59,7 +61,8 @@ def run_router(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level, "router")
     cluster = load_config(args.config)
-    settings = dataclasses.replace(cluster.router_settings(cluster.model_path()), launch_id=args.launch_id)
+    settings = dataclasses.replace(cluster.router_settings(cluster.model_path()), launch_id=args.launch_id,
+                                   workers_launch_id=None if args.any_worker_launch else args.launch_id)
     return run(settings, args.log_level)
 
 

@@ -70,7 +70,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight) for w in settings.workers],
                               interval=settings.health_interval, timeout=settings.health_timeout,
                               backoff_max=settings.health_backoff_max,
-                              launch_id=settings.launch_id)
+                              launch_id=settings.workers_launch_id)
     metrics = RouterMetrics(registry)
     admission = Admission(AdmissionSettings(max_queued=settings.max_queued, timeout=settings.queue_timeout,
                                             retry_after=settings.retry_after), on_wait=metrics.queue_time.observe)

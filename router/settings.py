@@ -96,7 +96,10 @@ class RouterSettings:
     # Secrets stay out of repr, so a logged settings object shows none.
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key
-    launch_id: str | None = None  # workers must report it in /health (None: any); see deploy/launcher.py
+    launch_id: str | None = None  # the `pdserve launch` that started this router, reported in /health
+    # Workers must report this launch in /health (None: any): the router's own launch, unless it serves
+    # a multi-host cluster whose other hosts' servers other launches started (deploy/launcher.py).
+    workers_launch_id: str | None = None
     tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
 

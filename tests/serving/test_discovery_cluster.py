@@ -97,3 +97,25 @@ def test_a_decode_server_joins_serves_and_leaves_and_churn_leaves_nothing_behind
     assert rss20 - rss5 < 16 * 1024, (rss5, rss20)  # KiB
     a.wait_idle(5.0)
     b.wait_idle(5.0)
+
+
+def test_a_router_launched_with_only_part_of_the_cluster_starts_and_serves_the_other_launchs_servers(
+        tmp_path, tiny_model):
+    # One host runs `launch --only p0`, another `launch --only router,d0`: the router reports its own
+    # launch (what its launcher waits for) and takes p0 though another launch started it.
+    path = make_config(tmp_path, "tiny-1p1d", tiny_model, {"security": {"internal_secret": SECRET}})
+    (tmp_path / "p").mkdir()
+    (tmp_path / "rd").mkdir()
+    p = Cluster(path, tmp_path / "p", only="p0", secret=SECRET)
+    try:
+        rd = Cluster(path, tmp_path / "rd", only="router,d0", secret=SECRET)
+        try:
+            health = rd.http.get(f"{rd.router_url}/health").json()
+            assert health["launch_id"] == rd.http.get(f"{rd.server('d0')['url']}/health").json()["launch_id"]
+            assert health["launch_id"] != p.http.get(f"{p.server('p0')['url']}/health").json()["launch_id"]
+            answer(rd, tiny_model)
+            assert rd.metric("d0", "pdserve_requests_total{outcome=\"reserved\"}") >= 1  # p0 prefilled it
+        finally:
+            rd.stop()
+    finally:
+        p.stop()
