@@ -67,7 +67,10 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     new requests then get 503, requests in flight or waiting for a slot finish.
     """
     model = model or ServedModel.load(settings.served_model_name, settings.model_path, settings.max_model_len)
-    registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight) for w in settings.workers],
+    # The config's workers are out of rotation until their first health check passes (at once, when the
+    # registry runs): the router's /health says ready only once a request would find a decode server.
+    registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight, healthy=False)
+                               for w in settings.workers],
                               interval=settings.health_interval, timeout=settings.health_timeout,
                               backoff_max=settings.health_backoff_max,
                               launch_id=settings.workers_launch_id)
@@ -129,6 +132,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     # What a drain waits for: requests with a session or waiting for one.
     app.state.drain = drain = Drain(lambda: admission.sessions + admission.waiting)
     app.state.connections = connections
+    app.state.registry = registry
     app.add_middleware(BodyCapMiddleware, max_bytes=settings.max_body_bytes, refusal_body=openai_413)
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 too, has an id
     install_error_handlers(app)

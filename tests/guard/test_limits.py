@@ -15,7 +15,7 @@ from router.limits import RequestLimits
 from router.model import ServedModel
 from router.settings import RouterSettings, WorkerSpec
 from server_common.guard import bearer_token, token_matches
-from tests.serving.fakes import FakeWorkerClient, make_byte_tokenizer
+from tests.serving.fakes import FakeWorkerClient, in_rotation, make_byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = (WorkerSpec("p0", "prefill", "http://p0"), WorkerSpec("d0", "decode", "http://d0"))
@@ -28,7 +28,7 @@ def model(tmp_path_factory):
 
 def client(model, **settings) -> TestClient:
     s = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS, **settings)
-    return TestClient(create_app(s, model=model, client=FakeWorkerClient(reply=[65, 66])),
+    return TestClient(in_rotation(create_app(s, model=model, client=FakeWorkerClient(reply=[65, 66]))),
                       raise_server_exceptions=False)
 
 

@@ -13,6 +13,14 @@ from server_common.worker_replies import PrefillResult, Reservation, TokenLogpro
 from transfer.outcome import Outcome
 
 
+def in_rotation(app):
+    """``app`` (router.app.create_app) with its config's workers in rotation at once, as if their first
+    health check had passed: fake workers answer no /health."""
+    for worker in app.state.registry.workers:
+        worker.healthy = True
+    return app
+
+
 def fake_logprob(position: int, top: int) -> TokenLogprob:
     """The fake servers' score of the token at ``position``: -(position + 1), top tokens 0, 1, ..."""
     return TokenLogprob(logprob=-(position + 1.0), top=[(k, -0.5 * (k + 1)) for k in range(top)])

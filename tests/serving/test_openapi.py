@@ -16,7 +16,7 @@ from router.app import create_app
 from router.model import ServedModel
 from router.openapi import decimal_below
 from router.settings import RouterSettings, WorkerSpec
-from tests.serving.fakes import FakeWorkerClient, make_byte_tokenizer
+from tests.serving.fakes import FakeWorkerClient, in_rotation, make_byte_tokenizer
 from tests.serving.openapi_checks import all_checks, load
 
 WORKERS = (WorkerSpec("p0", "prefill", "http://p0"), WorkerSpec("d0", "decode", "http://d0"))
@@ -38,7 +38,8 @@ def model(tmp_path_factory):
 def make_app(model, **overrides):
     settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS, queue_timeout=0.1,
                               **overrides)
-    return create_app(settings, model=model, client=FakeWorkerClient(reply=model.tokenizer("hello")["input_ids"]))
+    return in_rotation(create_app(settings, model=model,
+                                  client=FakeWorkerClient(reply=model.tokenizer("hello")["input_ids"])))
 
 
 @pytest.fixture(scope="module")

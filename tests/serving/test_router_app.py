@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 from router.app import create_app
 from router.model import ServedModel
 from router.settings import RouterSettings, WorkerSpec
-from tests.serving.fakes import FakeWorkerClient, make_byte_tokenizer
+from tests.serving.fakes import FakeWorkerClient, in_rotation, make_byte_tokenizer
 
 WORKERS = (WorkerSpec("p0", "prefill", "http://p0"), WorkerSpec("d0", "decode", "http://d0"),
            WorkerSpec("d1", "decode", "http://d1"))
@@ -27,7 +27,7 @@ def model(model_dir):
 def make_client(model, fake, **overrides):
     settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS,
                               queue_timeout=0.1, **overrides)
-    return TestClient(create_app(settings, model=model, client=fake), raise_server_exceptions=False)
+    return TestClient(in_rotation(create_app(settings, model=model, client=fake)), raise_server_exceptions=False)
 
 
 def reply_ids(model, text):
@@ -331,7 +331,7 @@ def test_a_model_is_retrieved_by_its_id_and_any_other_id_is_404_model_not_found(
 def test_a_model_id_with_a_slash_is_retrieved(model):
     settings = RouterSettings(model_path=model.root, served_model_name="org/tiny-v2", workers=WORKERS)
     served = ServedModel.load("org/tiny-v2", model.root)
-    with TestClient(create_app(settings, model=served, client=FakeWorkerClient(reply=[1]))) as c:
+    with TestClient(in_rotation(create_app(settings, model=served, client=FakeWorkerClient(reply=[1])))) as c:
         r = c.get("/v1/models/org/tiny-v2")
     assert r.status_code == 200 and r.json()["id"] == "org/tiny-v2"
 
@@ -349,3 +349,17 @@ def test_a_method_the_route_does_not_allow_is_405_naming_the_allowed_ones(model,
     assert r.status_code == 405 and r.headers["allow"] == allow
     err = r.json()["error"]
     assert (err["type"], err["code"]) == ("invalid_request_error", "method_not_allowed") and allow in err["message"]
+
+
+def test_the_router_is_not_ready_and_admits_nothing_before_a_decode_server_passed_a_health_check(model):
+    # Readiness and admission read one predicate: a decode server in rotation. The config's workers
+    # enter rotation on their first passing check (these fake addresses never answer one), so the
+    # router never says ready for a worker it has not seen.
+    settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS, queue_timeout=0.1)
+    with TestClient(create_app(settings, model=model, client=FakeWorkerClient(reply=[1])),
+                    raise_server_exceptions=False) as c:
+        health = c.get("/health")
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    assert health.status_code == 503 and health.json()["status"] == "degraded"
+    assert [w["in_rotation"] for w in health.json()["workers"]] == [False] * len(WORKERS)
+    assert r.status_code == 503 and r.json()["error"]["message"] == "no healthy decode server"
