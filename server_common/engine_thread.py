@@ -34,6 +34,11 @@ from engine.engine import LayerHook
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _WAKE = (None, None)  # a queue item that only ends the idle wait
+# The engine thread compiles requests' grammars, and llguidance compiles recursively in native code
+# (engine/structured.py: GRAMMAR_CEILING is what fits 8 MiB with room to spare). Its stack is set here
+# rather than inherited from `ulimit -s`, which differs between hosts and containers. Address space
+# only: pages are committed as they are touched.
+ENGINE_STACK_BYTES = 64 << 20
 
 
 class EngineThread:
@@ -53,7 +58,11 @@ class EngineThread:
         self._stepping = False  # inside engine.step()
 
     def start(self) -> None:
-        self._thread.start()
+        previous = threading.stack_size(ENGINE_STACK_BYTES)  # read by the thread's start alone
+        try:
+            self._thread.start()
+        finally:
+            threading.stack_size(previous)
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stopping.set()

@@ -64,3 +64,36 @@ def test_a_bad_grammar_is_the_compilers_message_and_costs_no_restart(checker):
     exc = check(checker, StructuredSpec(kind="regex", value="a("))
     assert exc.status == 400 and exc.message.startswith("guided_grammar: the regular expression does not compile")
     assert checker.crashes == 0 and checker._child.pid == pid
+
+
+ENGINE_COMPILES = """
+import sys
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.request import StructuredSpec
+from server_common.engine_thread import EngineThread
+
+path, rules = sys.argv[1], int(sys.argv[2])
+grammar = "\\n".join(["start: r0"] + [f"r{i}: r{i + 1}" for i in range(rules - 2)] + [f'r{rules - 2}: "a"'])
+engine = LLMEngine(EngineConfig(model=path, num_threads=1, num_blocks=16, block_size=4))
+thread = EngineThread(engine, lambda e, outputs: None, "t")
+thread.start()
+sampling = SamplingParams(max_tokens=1, temperature=0, structured=StructuredSpec("lark", grammar))
+thread.call(lambda e: e.add_request("r", [5, 6, 7], sampling)).result(120)
+thread.stop()
+print("compiled")
+"""
+
+
+def test_the_engine_thread_compiles_a_grammar_at_the_ceiling_whatever_the_hosts_stack_limit(tiny_model):
+    # The servers compile what the router let through on their engine thread, up to GRAMMAR_CEILING's
+    # chained rules; with a thread stack inherited from `ulimit -s 1024` that compile is a SIGSEGV.
+    import subprocess
+    import sys
+
+    from engine.structured import GRAMMAR_CEILING
+    from tests.serving.cluster import REPO
+
+    run = subprocess.run(["bash", "-c", 'ulimit -s 1024 && exec "$0" -c "$1" "$2" "$3"', sys.executable,
+                          ENGINE_COMPILES, tiny_model, str(GRAMMAR_CEILING.max_rules)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert (run.returncode, run.stdout.strip().splitlines()[-1:]) == (0, ["compiled"]), run.stderr[-2000:]
