@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -70,6 +71,11 @@ class NormalClient:
     def p99(self) -> float:
         ordered = sorted(self.latencies)
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def live_pids(target) -> dict[str, bool]:
+    """Whether each process the launch started (its manifest's pids) still runs."""
+    return {p["name"]: Path(f"/proc/{p['pid']}").exists() for p in target.cluster.manifest["processes"]}
 
 
 def restarts(target) -> int:
@@ -162,6 +168,7 @@ def _grammars() -> st.SearchStrategy[dict]:
 
 def test_generated_grammars_schemas_and_regexes_never_get_a_5xx(target, tiny_model):
     before = restarts(target)
+    assert all(live_pids(target).values())
     statuses: dict[int, int] = {}
 
     @settings(max_examples=60, deadline=None, database=None,
@@ -176,7 +183,7 @@ def test_generated_grammars_schemas_and_regexes_never_get_a_5xx(target, tiny_mod
         one()
     print(f"fuzz statuses {statuses}; normal client {len(normal.latencies)} requests, p99 {normal.p99() * 1000:.0f} ms")
     assert not normal.failures and normal.latencies
-    assert restarts(target) == before
+    assert restarts(target) == before and all(live_pids(target).values()), live_pids(target)
     target.cluster.wait_idle(10.0)
     blocks = target.cluster.blocks()
     assert all(b["free"] == b["total"] for b in blocks.values()), blocks

@@ -1,0 +1,227 @@
+"""What one hostile request costs everyone else: each attack sent to a live cluster while a
+normal client streams, side by side with the same client alone, in one run.
+
+    pdserve launch configs/tiny-1p1d.yaml        # or any cluster; then, with its run folder:
+    python -m bench.hostile RUN_DIR [--model NAME] [--baseline-s 10] [--json OUT]
+
+A normal client streams short greedy completions one after another on a thread
+and records each one's time to first token. It runs alone for ``--baseline-s``,
+then beside each attack in turn:
+
+    chained grammar        a Lark grammar of 3000 chained rules in guided_grammar, 5 times
+    ambiguous n=16         'e: e e | "a"' with n 16
+    anyOf 3000             a response_format JSON schema with 3000 anyOf branches
+    deep guided_json       guided_json nested 3000 levels, as a JSON string
+    8 x 4 MB prompts       eight ~4 MB text prompts at once
+    forced grammar         'a: "?" a' (every token forces another), 5 times
+
+For each it prints the statuses the attack got, its slowest answer, the normal
+client's p99 time to first token and failures meanwhile, how long the router then
+took to be ready again (before the next attack, which waits for it), and whether every
+process of the cluster kept its pid (``RUN_DIR/cluster.json``; a restarted one
+gets a new pid). Then ``cached_tokens`` of an echo + logprobs prompt sent twice,
+next to the decode servers' prefix-cache hits it caused. Traffic goes only to the
+cluster's own router and servers (its config's addresses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+CHAINED = "\n".join(["start: r0"] + [f"r{i}: r{i + 1}" for i in range(2999)] + ['r2999: "a"'])
+ATTACKS = (  # (name, request body fields, copies sent at once, times sent)
+    ("chained grammar", {"guided_grammar": CHAINED}, 1, 5),
+    ("ambiguous n=16", {"guided_grammar": 'start: e\ne: e e | "a"', "n": 16, "max_tokens": 8}, 1, 1),
+    ("anyOf 3000", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "anyOf": [{"const": i} for i in range(3000)]}}}}, 1, 1),
+    ("deep guided_json", {"guided_json": '{"items":' * 3000 + '{"type":"integer"}' + "}" * 3000}, 1, 1),
+    ("8 x 4 MB prompts", {"prompt": "lorem ipsum " * 340_000}, 8, 1),
+    ("forced grammar", {"guided_grammar": 'start: a\na: "?" a'}, 1, 5),
+)
+
+
+class NormalClient:
+    """Streamed greedy completions one after another; time to first token of each."""
+
+    def __init__(self, url: str, model: str) -> None:
+        self.url, self.model = url, model
+        self.ttft: list[tuple[float, float]] = []  # (start, seconds to the first token)
+        self.failures: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        body = {"model": self.model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
+                "stream": True}
+        with httpx.Client(timeout=120) as http:
+            while not self._stop.is_set():
+                start = time.monotonic()
+                first = None
+                try:
+                    with http.stream("POST", f"{self.url}/v1/completions", json=body) as r:
+                        for line in r.iter_lines():
+                            if first is None and line.startswith("data: {"):
+                                first = time.monotonic() - start
+                        if r.status_code != 200 or first is None:
+                            self.failures.append(f"status {r.status_code}")
+                except httpx.HTTPError as exc:
+                    self.failures.append(type(exc).__name__)
+                    time.sleep(0.1)  # the router is down: count the failure, do not spin
+                if first is not None:
+                    self.ttft.append((start, first))
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(180)
+
+    def window(self, since: float, until: float) -> tuple[list[float], int]:
+        """TTFTs of requests started in [since, until), and failures so far."""
+        return [t for s, t in self.ttft if since <= s < until], len(self.failures)
+
+
+def p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def pids(run_dir: Path) -> dict[str, int | None]:
+    """Each process of the cluster's pid now (None: gone), from its manifest and /proc."""
+    manifest = json.loads((run_dir / "cluster.json").read_text())
+    return {p["name"]: p["pid"] if os.path.exists(f"/proc/{p['pid']}") else None for p in manifest["processes"]}
+
+
+def wait_ready(url: str, timeout: float = 120.0) -> float:
+    """Seconds until the router's /health says ready (it may be restarting after an attack)."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)  # polling a restarting router
+    return time.monotonic() - start
+
+
+def send(url: str, model: str, fields: dict) -> tuple[int, float]:
+    body = {"model": model, "prompt": "x", "max_tokens": 4, "temperature": 0} | fields
+    start = time.monotonic()
+    try:
+        status = httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code
+    except httpx.HTTPError as exc:
+        status = type(exc).__name__
+    return status, time.monotonic() - start
+
+
+def attack(url: str, model: str, fields: dict, copies: int, times: int) -> tuple[dict, float]:
+    statuses: dict = {}  # status code (or the client's exception) -> count
+    slowest = 0.0
+    with ThreadPoolExecutor(copies) as pool:
+        for _ in range(times):
+            for status, seconds in pool.map(lambda _: send(url, model, fields), range(copies)):
+                statuses[status] = statuses.get(status, 0) + 1
+                slowest = max(slowest, seconds)
+    return statuses, slowest
+
+
+def prefix_hits(urls: list[str]) -> float:
+    total = 0.0
+    for url in urls:
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            if line.startswith("pdserve_prefix_cache_hits_tokens_total "):
+                total += float(line.split()[1])
+    return total
+
+
+def cached_tokens_check(url: str, model: str, decode_urls: list[str]) -> dict:
+    """An echo + logprobs prompt of 65 tokens' worth of text sent twice: what usage says was cached,
+    next to the prefix-cache hits the decode servers counted meanwhile."""
+    body = {"model": model, "prompt": " ".join(f"w{i}" for i in range(40)), "max_tokens": 2, "temperature": 0,
+            "echo": True, "logprobs": 1}
+    before = prefix_hits(decode_urls)
+    cached = [httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["usage"]["prompt_tokens_details"]
+              ["cached_tokens"] for _ in range(2)]
+    return {"cached_tokens": cached, "decode_prefix_hits": prefix_hits(decode_urls) - before}
+
+
+def run(run_dir: Path, model: str | None, baseline_s: float) -> dict:
+    manifest = json.loads((run_dir / "cluster.json").read_text())
+    url, model = manifest["router_url"], model or manifest["model"]
+    decode_urls = [p["url"] for p in manifest["processes"] if p["role"] in ("decode", "colocated")]
+    start_pids = pids(run_dir)
+    normal = NormalClient(url, model)
+    normal.start()
+    rows = []
+    try:
+        t0 = time.monotonic()
+        time.sleep(baseline_s)  # the normal client alone: the baseline it is compared with
+        alone, _ = normal.window(t0, time.monotonic())
+        rows.append({"attack": "(none: the client alone)", "router_down_s": 0.0, "statuses": {}, "slowest_s": None,
+                     "victim_requests": len(alone), "victim_p99_ttft_s": p99(alone), "victim_failures": 0,
+                     "pids_unchanged": pids(run_dir) == start_pids})
+        for name, fields, copies, times in ATTACKS:
+            wait_ready(url)  # each attack meets a serving router, even if the last one took it down
+            since, (_, failed_before) = time.monotonic(), normal.window(0, 0)
+            statuses, slowest = attack(url, model, fields, copies, times)
+            time.sleep(1.0)  # the victim's requests started during the attack finish in the window
+            during, failed = normal.window(since, time.monotonic())
+            down_s = wait_ready(url)
+            rows.append({"attack": name, "router_down_s": down_s, "statuses": statuses, "slowest_s": slowest, "victim_requests": len(during),
+                         "victim_p99_ttft_s": p99(during), "victim_failures": failed - failed_before,
+                         "pids_unchanged": pids(run_dir) == start_pids})
+    finally:
+        normal.stop()
+    return {"rows": rows, "cached": cached_tokens_check(url, model, decode_urls), "pids": pids(run_dir)}
+
+
+def fmt(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+
+def report(result: dict) -> str:
+    lines = ["| attack | its answers | slowest | victim requests | victim p99 TTFT | victim failures | "
+             "router not ready after | pids unchanged |", "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        answers = ", ".join(f"{n} x {s}" for s, n in r["statuses"].items()) or "-"
+        lines.append(f"| {r['attack']} | {answers} | {fmt(r['slowest_s'])} | {r['victim_requests']} | "
+                     f"{fmt(r['victim_p99_ttft_s'])} | {r['victim_failures']} | {r['router_down_s']:.1f} s | "
+                     f"{r['pids_unchanged']} |")
+    c = result["cached"]
+    lines.append(f"\necho + logprobs sent twice: cached_tokens {c['cached_tokens']}, decode prefix-cache hits "
+                 f"meanwhile {c['decode_prefix_hits']:g} tokens")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.hostile", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, help="the run folder of a `pdserve launch` (holds cluster.json)")
+    parser.add_argument("--model", help="the served model name (default: the manifest's)")
+    parser.add_argument("--baseline-s", type=float, default=10.0, help="seconds of the normal client alone")
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args(argv)
+    if not (args.run_dir / "cluster.json").is_file():
+        parser.error(f"{args.run_dir}: no cluster.json (the run folder `pdserve launch` printed)")
+    result = run(args.run_dir, args.model, args.baseline_s)
+    print(report(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

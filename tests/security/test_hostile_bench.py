@@ -1,0 +1,46 @@
+"""python -m bench.hostile against a live cluster: every attack refused with a 4xx or answered,
+nothing restarted, the normal client never failed; cached_tokens honest for echo + logprobs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from bench import hostile
+from tests.security.conftest import MAX_CONNECTIONS
+from tests.serving.cluster import REPO
+
+pytestmark = pytest.mark.integration
+
+
+def test_every_attack_is_answered_without_a_5xx_or_a_restart_and_the_victim_is_served(target):
+    result = hostile.run(target.cluster.run_dir, None, baseline_s=2.0)
+    rows = {r["attack"]: r for r in result["rows"]}
+    assert set(rows) == {"(none: the client alone)", *(name for name, *_ in hostile.ATTACKS)}
+    for name, fields, copies, times in hostile.ATTACKS:
+        row = rows[name]
+        statuses = dict(row["statuses"])
+        # This cluster lets one address hold MAX_CONNECTIONS connections: of 8 prompts sent at once beside
+        # the victim's, those over it are closed before a byte is read (router/connections.py).
+        refused = sum(statuses.pop(k) for k in ("RemoteProtocolError", "ConnectError", "ReadError")
+                      if k in statuses)
+        assert refused <= max(0, copies + 1 - MAX_CONNECTIONS), row
+        expected = 200 if name == "ambiguous n=16" else 400
+        assert statuses == {expected: copies * times - refused}, row
+        assert row["victim_failures"] == 0 and row["victim_requests"] > 0 and row["pids_unchanged"], row
+    assert result["cached"] == {"cached_tokens": [0, 0], "decode_prefix_hits": 0.0}
+    assert all(pid is not None for pid in result["pids"].values())
+    print(hostile.report(result))
+    target.cluster.wait_idle(10.0)
+    assert all(b["free"] == b["total"] for b in target.cluster.blocks().values())
+
+
+def test_help_and_a_folder_without_a_cluster(tmp_path):
+    help_run = subprocess.run([sys.executable, "-m", "bench.hostile", "--help"], capture_output=True, text=True,
+                              cwd=REPO, timeout=60)
+    assert help_run.returncode == 0 and "run_dir" in help_run.stdout
+    bad = subprocess.run([sys.executable, "-m", "bench.hostile", str(tmp_path)], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert bad.returncode == 2 and "no cluster.json" in bad.stderr
