@@ -128,7 +128,8 @@ def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: flo
             transfer_id = f"t-{req.request_id}"
             kv_arrived[transfer_id] = asyncio.Event()
             reservation = Reservation(instance=name, request_id=req.request_id, transfer_id=transfer_id,
-                                      block_ids=[0], block_size=16, num_tokens=len(req.prompt_token_ids),
+                                      block_ids=list(range(len(req.prompt_token_ids) // 16 + 1)), block_size=16,
+                                      num_tokens=len(req.prompt_token_ids),
                                       lease_deadline=time.time() + KV_WAIT_S,
                                       kv_target={"stub_notify": f"{str(request.base_url).rstrip('/')}/stub/kv_done"})
         n = req.sampling.max_tokens

@@ -44,7 +44,8 @@ from server_common.settings import ServerSettings
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
 from server_common.vitals import Vitals
-from server_common.worker_replies import HealthReport, KVBlocks, PrefillResult, WorkerError, prompt_token_logprobs, token_logprobs
+from server_common.worker_replies import (MAX_LEASE_S, HealthReport, KVBlocks, PrefillResult, WorkerError,
+                                          prompt_token_logprobs, token_logprobs)
 from server_common.worker_requests import PrefillRequest
 from transfer.outcome import Outcome, TransferEnded
 
@@ -76,6 +77,21 @@ class Job:
 
         self.loop.call_soon_threadsafe(set_it)
 
+
+
+def _check_reservation(req: PrefillRequest) -> None:
+    """400 for a reservation that does not fit its request (the schema checked each field alone)."""
+    res, num_tokens = req.reservation, len(req.prompt_token_ids)
+    ahead = res.lease_deadline - time.time()
+    if ahead > MAX_LEASE_S:
+        raise WorkerError(400, f"reservation.lease_deadline is {ahead:.0f} s ahead; at most {MAX_LEASE_S:.0f} s",
+                          Outcome.BAD_REQUEST)
+    if res.num_tokens != num_tokens:
+        raise WorkerError(400, f"reservation.num_tokens is {res.num_tokens} for a {num_tokens}-token prompt",
+                          Outcome.BAD_REQUEST)
+    if res.num_cached_tokens >= num_tokens:
+        raise WorkerError(400, f"the reservation holds {res.num_cached_tokens} cached tokens of a "
+                          f"{num_tokens}-token prompt: nothing to prefill", Outcome.BAD_REQUEST)
 
 class PrefillService:
     def __init__(self, settings: ServerSettings, engine: LLMEngine, make_sender: SenderFactory,
@@ -134,6 +150,7 @@ class PrefillService:
     async def _prefill(self, req: PrefillRequest, span) -> PrefillResult:
         loop = asyncio.get_running_loop()
         rid, res = req.request_id, req.reservation
+        _check_reservation(req)  # before anything connects to the address it names
         if self.faults is not None:
             await self.faults.hold()
         try:
@@ -144,9 +161,6 @@ class PrefillService:
         lease_s = res.lease_deadline - time.time()
         if lease_s <= 0:
             raise WorkerError(409, f"the reservation on {res.instance} has expired", Outcome.LEASE_EXPIRED)
-        if res.num_cached_tokens >= len(req.prompt_token_ids):
-            raise WorkerError(400, f"the reservation holds {res.num_cached_tokens} cached tokens of a "
-                              f"{len(req.prompt_token_ids)}-token prompt: nothing to prefill", Outcome.BAD_REQUEST)
         job = Job(rid, res.transfer_id, len(req.prompt_token_ids), res.num_cached_tokens, loop.create_future(), loop)
         sampling = req.sampling.engine_params()
 

@@ -34,6 +34,7 @@ from router.settings import RouterSettings
 from router.worker_client import WorkerClient
 from server_common.guard import BodyCapMiddleware, Drain, auth_headers, bearer_token, token_matches
 from server_common.process_defaults import is_loopback
+from server_common.strict_json import StrictJSONRoute
 from server_common.model_id import model_fingerprint
 from server_common.tracing import Tracing
 
@@ -126,6 +127,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                 tracing.shutdown()
 
     app = FastAPI(title="pdserve router", lifespan=lifespan)
+    app.router.route_class = StrictJSONRoute  # NaN and Infinity are not JSON (server_common/strict_json.py)
     openapi.install(app, vocab_size=model.vocab_size, api_keys=bool(settings.api_keys),
                     max_new_tokens=min(settings.max_tokens or model.max_model_len - 1, model.max_model_len - 1))
 

@@ -123,7 +123,8 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
                  errors[0])
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
-        return f"request body is not valid JSON: {first.get('msg', '')}", None
+        detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")
+        return f"request body is not valid JSON: {detail}", None
     param = ".".join(p for p in loc if not is_union_member(p)) or None
     msg = first.get("msg", "invalid value")
     if param is None:

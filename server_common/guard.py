@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server_common.fault_routes import add_fault_routes
+from server_common.strict_json import StrictJSONRoute
 from server_common.worker_replies import ErrorReply, KvBlocksReply, KvEventsReply
 from server_common.worker_requests import AbortRequest
 from transfer.outcome import Outcome
@@ -208,6 +209,7 @@ def service_app(service, title: str) -> FastAPI:
             await service.stop()
 
     app = FastAPI(title=title, lifespan=lifespan)
+    app.router.route_class = StrictJSONRoute  # NaN and Infinity are not JSON (server_common/strict_json.py)
     # Added before the guard, so it runs after it: a caller without the secret gets 401 before a byte
     # of its body is read, one with it no more than the cap.
     app.add_middleware(BodyCapMiddleware, max_bytes=service.settings.max_body_bytes)

@@ -17,13 +17,22 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from server_common.process_defaults import INSTANCE_NAME
 
 from transfer.outcome import Outcome
 
 
 class Reply(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
+MAX_BLOCKS = 1 << 22  # a reservation's blocks, at most (a prompt's tokens are bounded the same)
+BlockId = Annotated[int, Field(ge=0, lt=1 << 31)]
+# The longest lease a reservation may carry, from now: a prefill server keeps a transfer open until
+# its deadline, so a deadline of 1e308 would hold its work forever (configs use 10-30 s).
+MAX_LEASE_S = 3600.0
 
 
 class Reservation(Reply):
@@ -38,15 +47,23 @@ class Reservation(Reply):
     ``[num_cached_tokens, num_tokens)``.
     """
 
-    instance: str
-    request_id: str
-    transfer_id: str
-    block_ids: list[int]
-    block_size: int
-    num_tokens: int
-    lease_deadline: float
+    instance: str = Field(pattern=INSTANCE_NAME)
+    request_id: str = Field(min_length=1, max_length=200)
+    transfer_id: str = Field(min_length=1, max_length=200)
+    block_ids: list[BlockId] = Field(min_length=1, max_length=MAX_BLOCKS)
+    block_size: int = Field(ge=1, le=256)  # engine/config.py's range
+    num_tokens: int = Field(ge=1, le=MAX_BLOCKS)
+    lease_deadline: float = Field(gt=0)  # Unix time, finite; how far ahead: checked where it is used
     kv_target: dict
     num_cached_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _fits(self) -> Reservation:
+        if len(self.block_ids) * self.block_size < self.num_tokens:
+            raise ValueError(f"{len(self.block_ids)} blocks of {self.block_size} cannot hold {self.num_tokens} tokens")
+        if self.num_cached_tokens > self.num_tokens:
+            raise ValueError(f"num_cached_tokens {self.num_cached_tokens} exceeds num_tokens {self.num_tokens}")
+        return self
 
 
 class ReservationEvent(Reply):

@@ -150,6 +150,53 @@ def test_bad_numbers_on_internal_routes_get_a_422_that_names_the_field(target, s
     assert resp.json()["code"] == "bad_request" and resp.json()["error"].startswith("body.sampling.")
 
 
+def bad_reservation(**changes) -> dict:
+    reservation = {"instance": "d0", "request_id": "bad", "transfer_id": "t-bad", "block_ids": [0, 1], "block_size": 16,
+                   "num_tokens": 5, "lease_deadline": time.time() + 30, "kv_target": {"peer": "d0"}}
+    return reservation | changes
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"lease_deadline": "NaN"}, "lease_deadline"), ({"lease_deadline": "Infinity"}, "lease_deadline"),
+    ({"lease_deadline": "1e999"}, "lease_deadline"), ({"block_size": 0}, "block_size"),
+    ({"num_tokens": -5}, "num_tokens"), ({"block_ids": [-1, 0]}, "block_ids"), ({"instance": "../d0"}, "instance"),
+    ({"num_tokens": 40}, None), ({"num_cached_tokens": 6}, None)],
+    ids=["nan_lease", "inf_lease", "huge_lease", "block_size_0", "negative_tokens", "negative_block",
+         "bad_instance", "blocks_too_few", "cached_past_the_prompt"])
+def test_a_reservation_out_of_range_gets_a_422_naming_the_field_before_any_connection(target, changes, field):
+    constants = {k: v for k, v in changes.items() if v in ("NaN", "Infinity", "1e999")}  # json.dumps writes none
+    body = json.dumps({"request_id": "bad", "prompt_token_ids": [3, 4, 5, 6, 7], "sampling": {"max_tokens": 1},
+                       "reservation": bad_reservation(**(changes | {k: f"<{k}>" for k in constants}))})
+    for key, constant in constants.items():
+        body = body.replace(f'"<{key}>"', constant)
+    before = target.cluster.metric("p0", 'pdserve_requests_total{outcome="handshake_failed"}')
+    resp = target.cluster.http.post(f"{target.cluster.server('p0')['url']}/prefill", content=body,
+                                    headers={"content-type": "application/json"})
+    assert resp.status_code == 422, resp.text
+    error = resp.json()["error"]
+    assert error.startswith(f"body.reservation.{field}" if field else "body.reservation: "), error
+    assert target.cluster.metric("p0", 'pdserve_requests_total{outcome="handshake_failed"}') == before
+
+
+def test_a_lease_deadline_a_day_ahead_is_refused_before_any_connection(target):
+    resp = target.cluster.http.post(f"{target.cluster.server('p0')['url']}/prefill", json={
+        "request_id": "bad", "prompt_token_ids": [3, 4, 5, 6, 7], "sampling": {"max_tokens": 1},
+        "reservation": bad_reservation(lease_deadline=1e308)})
+    assert resp.status_code == 400 and "lease_deadline" in resp.json()["error"], resp.text
+    assert resp.json()["code"] == "bad_request"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ('"temperature": Infinity', "temperature"), ('"top_p": 1e999', "top_p"),
+    ('"logit_bias": {"5": NaN}', "logit_bias.5"), ('"guided_json": {"type": "number", "minimum": NaN}',
+                                                  "guided_json.minimum"), ('"user": "u", "extra": [1, -Infinity]', "extra.1")])
+def test_the_router_refuses_numbers_that_are_not_json_naming_the_field(target, fields, param):
+    resp = target.cluster.http.post(f"{target.cluster.router_url}/v1/completions", headers={
+        "content-type": "application/json"}, content='{"model": "tiny", "prompt": "x", %s}' % fields)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+    assert "is not a finite number" in resp.json()["error"]["message"]
+
+
 def test_the_router_answers_400_to_a_nan_temperature(target):
     resp = target.cluster.http.post(f"{target.cluster.router_url}/v1/completions", headers={
         "content-type": "application/json"}, content='{"model": "tiny", "prompt": "x", "temperature": NaN}')

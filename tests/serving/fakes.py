@@ -5,6 +5,7 @@ Integration tests use the real servers."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 
 from bench.stubs import make_byte_tokenizer  # noqa: F401  (the byte-level tokenizer the tests use)
@@ -69,9 +70,10 @@ class FakeWorkerClient:
         self.opened.append((worker.name, req))
         reservation = None
         if not req.local_prefill:
+            num_tokens = len(req.prompt_token_ids)
             reservation = Reservation(instance=worker.name, request_id=req.request_id, transfer_id="t-" +
-                                      req.request_id, block_ids=[0], block_size=16,
-                                      num_tokens=len(req.prompt_token_ids), lease_deadline=0.0, kv_target={})
+                                      req.request_id, block_ids=list(range(num_tokens // 16 + 1)), block_size=16,
+                                      num_tokens=num_tokens, lease_deadline=time.time() + 30, kv_target={})
         events = [e for i in range(req.sampling.n) for e in self.sequence(req, i)]
         stream = FakeStream(worker, reservation, events, self.delay, num_cached_tokens=self.cached_tokens)
         self.streams.append(stream)
