@@ -74,8 +74,9 @@ class NormalClient:
 
 
 def live_pids(target) -> dict[str, bool]:
-    """Whether each process the launch started (its manifest's pids) still runs."""
-    return {p["name"]: Path(f"/proc/{p['pid']}").exists() for p in target.cluster.manifest["processes"]}
+    """Whether each process in cluster.json (the launcher rewrites it when it restarts one) still runs."""
+    manifest = json.loads((target.cluster.run_dir / "cluster.json").read_text())
+    return {p["name"]: Path(f"/proc/{p['pid']}").exists() for p in manifest["processes"]}
 
 
 def restarts(target) -> int:
