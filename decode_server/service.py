@@ -354,6 +354,7 @@ class GenerationService:
         s = self.engine_thread.stats.scheduler
         return HealthReport(status="draining" if self.drain.draining else "ok",
                             role=self.settings.role, instance=self.settings.name,
-                            kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total),
+                            kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total,
+                                              block_size=self.settings.engine.block_size),
                             queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=len(self._active),
                             launch_id=self.settings.launch_id, model=self._model_id)

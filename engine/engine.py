@@ -261,6 +261,11 @@ class LLMEngine:
                 f"the prompt has {len(prompt)} tokens; the context holds {self.max_model_len} "
                 "including at least one generated token"
             )
+        blocks = self.scheduler.blocks
+        needed = blocks.blocks_needed(len(prompt) + 1)
+        if needed > blocks.num_blocks:  # it could never be admitted, and would hold up the queue behind it
+            raise ValueError(f"the prompt has {len(prompt)} tokens; with its first generated token they need "
+                             f"{needed} KV blocks, and this server's cache holds {blocks.num_blocks}")
         grammar = None if sampling.structured is None else self._structured_outputs().grammar(sampling.structured)
         return Request(request_id, list(prompt), sampling, cache_salt=cache_salt, grammar=grammar)
 

@@ -108,6 +108,18 @@ class Dispatcher:
         in_rotation = self.registry.healthy("decode")
         if not in_rotation:
             raise OpenAIError(503, "no healthy decode server", retry_after=1)
+        # A prompt a server's whole cache cannot hold would wait at the head of its queue until its
+        # lease expired, holding up everyone behind it: it goes only where it fits, or nowhere at once.
+        need = len(req.prompt_token_ids) + 1  # the prompt and the first token drawn after it
+        in_rotation = [w for w in in_rotation if w.can_hold(need)]
+        if not in_rotation:
+            most = max(w.capacity_tokens for w in self.registry.healthy("decode"))
+            raise OpenAIError(400, f"the prompt has {need - 1} tokens; with the first generated token they need "
+                                   f"more KV cache than any decode server holds ({most} tokens)",
+                              code="context_length_exceeded")
+        prefills = self.registry.healthy("prefill")
+        if local is None and prefills and not any(w.can_hold(need) for w in prefills):
+            local = True  # no prefill server could ever hold it: the decode server computes it
         prefill_full = prefill_slot and self.admission.prefill_is_full(self.registry.healthy("prefill"))
         prompt = req.prompt_token_ids
         matched = self.kv_index.matcher(prompt) if self.kv_index is not None else (lambda name: 0)

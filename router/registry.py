@@ -51,6 +51,7 @@ class Worker:
     queue_depth: int = 0
     queued_tokens: int = 0
     reported_draining: bool = False  # the worker's /health says "draining"
+    capacity_tokens: int = 0  # the most tokens its KV cache holds (blocks x block size; 0: not reported)
     # this router's own view, updated per request
     inflight: int = 0
     inflight_tokens: int = 0
@@ -75,6 +76,11 @@ class Worker:
         self.queue_depth = int(report.get("queue_depth", 0))
         self.queued_tokens = int(report.get("queued_tokens", 0))
         self.reported_draining = report.get("status") == "draining"
+        self.capacity_tokens = int(blocks.get("total", 0)) * int(blocks.get("block_size", 0))
+
+    def can_hold(self, tokens: int) -> bool:
+        """Whether its KV cache could ever hold ``tokens`` (True while it has not said how much it holds)."""
+        return self.capacity_tokens == 0 or tokens <= self.capacity_tokens
 
 
 class WorkerRegistry:

@@ -175,7 +175,7 @@ class Session:
                              sampling=self._sampling, reservation=reservation, trace=self._trace)
         ctx = self._ctx
         candidates = [w for w in ctx.prefill_policy.order(ctx.registry.healthy("prefill"), self._prompt)
-                      if w.name not in self._tried_prefill]
+                      if w.name not in self._tried_prefill and w.can_hold(len(self._prompt) + 1)]
         for worker in candidates:
             self.prefill = worker
             self._tried_prefill.add(worker.name)

@@ -154,6 +154,7 @@ class KVBlocks(Reply):
     reserved: int
     running: int
     total: int = 0  # free + reserved + running when nothing leaks
+    block_size: int = 0  # tokens a block holds (0: not reported): total x block_size is what the cache can hold
 
 
 class HealthReport(Reply):

@@ -59,6 +59,36 @@ def test_decode_engine_refuses_a_reservation_it_cannot_hold(tiny_model):
     assert decode.block_counts() == {"free": 3, "reserved": 0, "running": 0}
 
 
+@pytest.mark.parametrize("mode", ["colocated", "prefill", "decode"])
+def test_a_prompt_the_whole_cache_cannot_hold_is_refused_at_once_and_waits_nowhere(tiny_model, mode):
+    # 45 tokens and the first generated one need 3 blocks of 16; the cache has 2. Admitted, it would
+    # sit at the head of the queue for good, and every request behind it with it.
+    e = engine(tiny_model, block_size=16, num_blocks=2, mode=mode)
+    sampling = SamplingParams(max_tokens=4, temperature=0)
+    message = "the prompt has 45 tokens; with its first generated token they need 3 KV blocks, and this server's " \
+              "cache holds 2"
+    with pytest.raises(ValueError) as info:
+        e.reserve("big", PROMPT, sampling) if mode == "decode" else e.add_request("big", PROMPT, sampling)
+    assert str(info.value) == message
+    small = PROMPT[:31]  # 32 tokens with the first generated one: exactly the cache
+    if mode == "decode":
+        assert len(e.reserve("small", small, sampling)) == 2
+        e.abort("small")
+    else:
+        e.add_request("small", small, SamplingParams(max_tokens=1, temperature=0))  # one more would need a block
+        finished = []
+        while not finished:
+            finished = [o for o in e.step() if o.finished]
+        if mode == "prefill":
+            assert finished[0].finish_reason == "prefilled"
+            e.release("small")
+        else:
+            while e.has_unfinished():
+                e.step()
+    e.check_integrity()
+    assert e.block_counts() == {"free": 2, "reserved": 0, "running": 0}
+
+
 def test_preemption_under_block_pressure_still_gives_exact_tokens(tiny_model):
     prompts = [[(5 * i + k) % 300 + 3 for i in range(20)] for k in range(4)]
     e = engine(tiny_model, block_size=4, num_blocks=24, max_num_batched_tokens=64)

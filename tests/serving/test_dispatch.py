@@ -167,3 +167,53 @@ def test_local_prefill_is_decided_on_the_part_the_chosen_decode_server_does_not_
     asyncio.run(run("r2"))
     assert [(name, req.local_prefill) for name, req in fake.opened[1:]] == [("d0", False)]
     assert [name for name, _ in fake.prefills] == ["p0"] and dispatcher.admission.prefills_pending == 0
+
+
+def workers_holding(p0_tokens: int, d0_tokens: int, d1_tokens: int | None = None) -> list[Worker]:
+    """Workers whose health reported caches of these many tokens."""
+    sizes = [("p0", "prefill", p0_tokens), ("d0", "decode", d0_tokens)]
+    if d1_tokens is not None:
+        sizes.append(("d1", "decode", d1_tokens))
+    workers = []
+    for name, role, tokens in sizes:
+        w = Worker(name, role, f"http://{name}")
+        w.apply_health({"kv_blocks": {"free": tokens // 16, "total": tokens // 16, "block_size": 16}})
+        workers.append(w)
+    return workers
+
+
+def test_a_prompt_no_prefill_server_can_hold_is_prefilled_on_the_decode_server_and_never_sent_to_one():
+    fake = FakeWorkerClient(reply=[1, 2])
+    registry, dispatcher = make(fake, workers=workers_holding(p0_tokens=64, d0_tokens=1024))
+
+    async def run(prompt):
+        return await drain(await dispatcher.start(f"r{len(prompt)}", prompt, SAMPLING))
+
+    assert asyncio.run(run(list(range(64)))) == [[1], [2]]  # 64 tokens and the first drawn: 65 > 64
+    assert asyncio.run(run(list(range(63)))) == [[1], [2]]  # exactly 64: p0 prefills it
+    assert [(name, req.local_prefill) for name, req in fake.opened] == [("d0", True), ("d0", False)]
+    assert [name for name, _ in fake.prefills] == ["p0"]
+    assert registry.workers[1].inflight == 0
+
+
+def test_a_prompt_only_some_decode_servers_can_hold_goes_to_one_of_them_and_none_is_a_400():
+    fake = FakeWorkerClient(reply=[1])
+    registry, dispatcher = make(fake, workers=workers_holding(p0_tokens=4096, d0_tokens=256, d1_tokens=2048))
+
+    async def run(rid, prompt):
+        return await drain(await dispatcher.start(rid, prompt, SAMPLING))
+
+    for i in range(3):  # round robin would alternate: only d1 holds 1000 tokens
+        asyncio.run(run(f"big{i}", list(range(1000))))
+    assert [name for name, _ in fake.opened] == ["d1", "d1", "d1"]
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(run("huge", list(range(2048))))
+    assert (info.value.status, info.value.code) == (400, "context_length_exceeded")
+    assert "2048 tokens" in info.value.message
+    assert len(fake.opened) == 3 and all(w.inflight == 0 for w in registry.workers)
+
+
+def test_a_worker_that_reports_no_cache_size_is_taken_to_hold_anything():
+    worker = Worker("d0", "decode", "http://d0")
+    worker.apply_health({"kv_blocks": {"free": 3, "total": 3}})  # an older server: no block size
+    assert worker.capacity_tokens == 0 and worker.can_hold(10**6)
