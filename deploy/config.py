@@ -115,7 +115,10 @@ class RouterConfig(Strict):
     ``max_queued_requests`` of them for at most ``queue_timeout_s``, and the
     rest get 429 with ``Retry-After: retry_after_s``. Limits: bodies over
     ``max_body_bytes`` get 413, prompts over ``max_prompt_tokens`` and
-    ``max_tokens`` over its cap get 400. ``api_keys``: Bearer keys clients
+    ``max_tokens`` over its cap get 400, and so does a request that may need more
+    than ``max_request_kv_share`` of a decode server's KV cache (its prompt and
+    ``n`` sequences of ``max_tokens``; one that did not set ``max_tokens`` gets
+    a lower one instead). ``api_keys``: Bearer keys clients
     must send (none: no auth)."""
 
     port: int = Field(default=RouterSettings.port, ge=1, le=65535)
@@ -139,6 +142,7 @@ class RouterConfig(Strict):
     max_body_bytes: int = Field(default=RouterSettings.max_body_bytes, ge=1024)
     max_prompt_tokens: int | None = Field(default=RouterSettings.max_prompt_tokens, ge=1)
     max_tokens: int | None = Field(default=RouterSettings.max_tokens, ge=1)
+    max_request_kv_share: float = Field(default=RouterSettings.max_request_kv_share, gt=0, le=1)
     api_keys: list[SecretStr] = Field(default_factory=list)
     # Slow and greedy clients (router/connections.py): closed past these.
     header_timeout_s: float = Field(default=RouterSettings.header_timeout, gt=0)
@@ -344,7 +348,7 @@ class ClusterConfig(Strict):
             health_interval=r.health_interval_s, health_timeout=r.health_timeout_s, queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
             retry_after=r.retry_after_s, prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len,
             max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
-            drain_timeout=self.drain_timeout_s, api_keys=r.api_key_values(),
+            max_request_kv_share=r.max_request_kv_share, drain_timeout=self.drain_timeout_s, api_keys=r.api_key_values(),
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
             prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
             body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,

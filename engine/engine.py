@@ -266,6 +266,12 @@ class LLMEngine:
         if needed > blocks.num_blocks:  # it could never be admitted, and would hold up the queue behind it
             raise ValueError(f"the prompt has {len(prompt)} tokens; with its first generated token they need "
                              f"{needed} KV blocks, and this server's cache holds {blocks.num_blocks}")
+        if self.config.mode != "prefill":  # here it also generates: each sequence must fit the cache alone
+            most = min(sampling.max_tokens, self.max_model_len - len(prompt))
+            needed = blocks.blocks_needed(len(prompt) + most)
+            if needed > blocks.num_blocks:  # grown past the cache, it would preempt itself for good
+                raise ValueError(f"the prompt ({len(prompt)} tokens) and up to {most} generated tokens need "
+                                 f"{needed} KV blocks; this server's cache holds {blocks.num_blocks}")
         grammar = None if sampling.structured is None else self._structured_outputs().grammar(sampling.structured)
         return Request(request_id, list(prompt), sampling, cache_salt=cache_salt, grammar=grammar)
 

@@ -43,6 +43,15 @@ class StructuredSpec:
     value: str
 
 
+def kv_blocks_needed(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int) -> int:
+    """The most KV blocks a request can hold at once if none of its ``n`` sequences stops
+    early: the prompt's full blocks, shared by the sequences, and each sequence's own
+    blocks from the prompt's partial last block to ``max_tokens`` past the prompt."""
+    shared = num_prompt_tokens // block_size
+    own = -(-(num_prompt_tokens + max_tokens) // block_size) - shared
+    return shared + n * own
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. ``temperature == 0`` (or below ``SAMPLING_EPS``) means greedy."""

@@ -83,7 +83,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     connections = ConnectionGuard(settings.header_timeout, settings.body_timeout, settings.max_connections_per_client)
     metrics.registry.register(connections)
     dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
-                                         prefill_failure=settings.prefill_failure)
+                                         prefill_failure=settings.prefill_failure,
+                                         max_request_kv_share=settings.max_request_kv_share)
     limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
     tracing = Tracing(settings.tracing, "pdserve-router")
     passive_health = PassiveHealth(registry)

@@ -40,6 +40,7 @@ class DispatchSettings:
     local_prefill_threshold: int = RouterSettings.local_prefill_threshold  # prompts shorter than this: prefilled on D
     prefill_failure: PrefillFailure = RouterSettings.prefill_failure  # router/recovery.py
     no_room_cooldown: float = 0.2  # after a decode server said "no room", skip it this long (or until a slot frees)
+    max_request_kv_share: float = RouterSettings.max_request_kv_share  # of a decode server's cache, per request
 
 
 class Dispatcher:
@@ -72,6 +73,30 @@ class Dispatcher:
         if num_uncached_tokens < self.settings.local_prefill_threshold:
             return True
         return self.settings.prefill_failure != "fail" and not self.registry.healthy("prefill")
+
+    def kv_budget(self, num_prompt_tokens: int, max_tokens: int, n: int, explicit: bool,
+                  tokens_param: str = "max_tokens") -> int:
+        """``max_tokens``, or less when the client did not set it, such that the request's whole KV
+        need (its prompt and ``n`` sequences of ``max_tokens``) is within ``max_request_kv_share``
+        of some decode server's cache; 400 when even that cannot be. A request that could fill a
+        cache would crowd out everyone else, and one that outgrew it would preempt itself for good."""
+        share = self.settings.max_request_kv_share
+        sized = [w for w in self.registry.healthy("decode") if w.capacity_tokens]
+        if not sized or any(w.holds_request(num_prompt_tokens, max_tokens, n, share) for w in sized):
+            return max_tokens
+        best = max(sized, key=lambda w: w.most_new_tokens(num_prompt_tokens, n, share))
+        most = best.most_new_tokens(num_prompt_tokens, n, share)
+        if not explicit and most >= 1:
+            return most
+        cap = best.blocks_per_request(share)
+        sequences = f"{n} sequences" if n > 1 else "a completion"
+        hint = (f"lower {tokens_param} (at most {most} here)" + (" or n" if n > 1 else "")) if most >= 1 else \
+            "shorten the prompt" + (" or lower n" if n > 1 else "")
+        raise OpenAIError(
+            400, f"this request may need more KV cache than one request may use: the prompt's {num_prompt_tokens} "
+                 f"tokens and {sequences} of up to {max_tokens} tokens, over {cap} blocks of {best.block_size} "
+                 f"tokens ({share:g} of decode server {best.name}'s {best.total_blocks}); {hint}",
+            param=tokens_param if most >= 1 or n == 1 else "n", code="context_length_exceeded")
 
     async def start(self, request_id: str, prompt: list[int], sampling: SamplingSpec,
                     trace: str | None = None) -> Session:
@@ -110,13 +135,17 @@ class Dispatcher:
             raise OpenAIError(503, "no healthy decode server", retry_after=1)
         # A prompt a server's whole cache cannot hold would wait at the head of its queue until its
         # lease expired, holding up everyone behind it: it goes only where it fits, or nowhere at once.
+        # On a decode server the request's whole KV need counts (``kv_budget``).
         need = len(req.prompt_token_ids) + 1  # the prompt and the first token drawn after it
-        in_rotation = [w for w in in_rotation if w.can_hold(need)]
+        s = req.sampling
+        in_rotation = [w for w in in_rotation if w.holds_request(len(req.prompt_token_ids), s.max_tokens, s.n,
+                                                                 self.settings.max_request_kv_share)]
         if not in_rotation:
             most = max(w.capacity_tokens for w in self.registry.healthy("decode"))
-            raise OpenAIError(400, f"the prompt has {need - 1} tokens; with the first generated token they need "
-                                   f"more KV cache than any decode server holds ({most} tokens)",
-                              code="context_length_exceeded")
+            raise OpenAIError(400, f"the prompt has {need - 1} tokens; with n={s.n} sequences of up to "
+                                   f"{s.max_tokens} tokens they may need more KV cache than one request may use on "
+                                   f"any decode server ({self.settings.max_request_kv_share:g} of at most {most} "
+                                   "tokens)", code="context_length_exceeded")
         prefills = self.registry.healthy("prefill")
         if local is None and prefills and not any(w.can_hold(need) for w in prefills):
             local = True  # no prefill server could ever hold it: the decode server computes it

@@ -132,6 +132,8 @@ class OpenAIHandlers:
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_new_tokens(), "messages",
                                                    tokens_param)
+        max_tokens = self.dispatcher.kv_budget(len(prompt), max_tokens, req.num_sequences,
+                                               explicit=req.max_new_tokens() is not None, tokens_param=tokens_param)
         req.check_tokens(self.model.vocab_size, max_tokens)
         top = (req.top_logprobs or 0) if req.logprobs else None
         sampling = sampling_spec(req, max_tokens, top, req.prompt_logprobs).model_copy(update=structured)
@@ -146,8 +148,9 @@ class OpenAIHandlers:
         given = req.prompts()
         prompts = [self.model.encode_prompt(x) for x in given]
         requested = 1 if req.max_tokens == 0 else req.max_tokens
-        budget = min(self.limits.completion_budget(self.model, len(x), requested, "prompt",
-                                                   explicit="max_tokens" in req.model_fields_set) for x in prompts)
+        explicit = "max_tokens" in req.model_fields_set
+        budget = min(self.dispatcher.kv_budget(len(x), self.limits.completion_budget(
+            self.model, len(x), requested, "prompt", explicit=explicit), req.num_sequences, explicit) for x in prompts)
         req.check_tokens(self.model.vocab_size, budget)
         # With echo and logprobs the prompt tokens are scored too.
         prompt_top = _most(req.prompt_logprobs, req.logprobs if req.echo else None)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from engine.request import kv_blocks_needed
 from router.settings import RouterSettings, WorkerRole
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,8 @@ class Worker:
     queue_depth: int = 0
     queued_tokens: int = 0
     reported_draining: bool = False  # the worker's /health says "draining"
-    capacity_tokens: int = 0  # the most tokens its KV cache holds (blocks x block size; 0: not reported)
+    total_blocks: int = 0  # its KV cache's blocks (0: not reported)
+    block_size: int = 0  # tokens a block holds (0: not reported)
     # this router's own view, updated per request
     inflight: int = 0
     inflight_tokens: int = 0
@@ -76,11 +78,35 @@ class Worker:
         self.queue_depth = int(report.get("queue_depth", 0))
         self.queued_tokens = int(report.get("queued_tokens", 0))
         self.reported_draining = report.get("status") == "draining"
-        self.capacity_tokens = int(blocks.get("total", 0)) * int(blocks.get("block_size", 0))
+        self.total_blocks = int(blocks.get("total", 0))
+        self.block_size = int(blocks.get("block_size", 0))
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens its KV cache holds (0: not reported)."""
+        return self.total_blocks * self.block_size
 
     def can_hold(self, tokens: int) -> bool:
         """Whether its KV cache could ever hold ``tokens`` (True while it has not said how much it holds)."""
         return self.capacity_tokens == 0 or tokens <= self.capacity_tokens
+
+    def blocks_per_request(self, share: float) -> int:
+        """The most blocks one request may need here: ``share`` of its cache."""
+        return int(share * self.total_blocks)
+
+    def holds_request(self, num_prompt_tokens: int, max_tokens: int, n: int, share: float) -> bool:
+        """Whether a request's whole KV need (``engine.request.kv_blocks_needed``) is within
+        ``share`` of its cache (True while it has not said how much it holds)."""
+        if not self.capacity_tokens:
+            return True
+        return kv_blocks_needed(num_prompt_tokens, max_tokens, n, self.block_size) <= self.blocks_per_request(share)
+
+    def most_new_tokens(self, num_prompt_tokens: int, n: int, share: float) -> int:
+        """The largest ``max_tokens`` for which ``holds_request`` is True (0: none is)."""
+        allowed = self.blocks_per_request(share)
+        shared = num_prompt_tokens // self.block_size
+        own = (allowed - shared) // n  # blocks each sequence may have past the shared ones
+        return max(0, (shared + own) * self.block_size - num_prompt_tokens) if own > 0 else 0
 
 
 class WorkerRegistry:

@@ -85,6 +85,10 @@ class RouterSettings:
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     max_prompt_tokens: int | None = None  # longer prompts get 400 (None: only the context length limits them)
     max_tokens: int | None = None  # larger max_tokens gets 400; a request without one gets at most this
+    # The share of a decode server's KV cache one request may need at most: its prompt and n sequences of
+    # max_tokens each (engine.request.kv_blocks_needed). More is a 400, or, for a request that did not set
+    # max_tokens, a lower max_tokens; so no request can crowd out the rest or outgrow the cache.
+    max_request_kv_share: float = 0.5
     drain_timeout: float = DRAIN_TIMEOUT_S  # on SIGTERM: the longest to wait for requests in flight
     header_timeout: float = 10.0  # a request's headers must arrive within this (router.connections)
     body_timeout: float = 30.0  # and its body within this after them

@@ -52,9 +52,9 @@ def test_request_admitted_with_kv_from_another_engine_continues_exactly(tiny_mod
 
 def test_decode_engine_refuses_a_reservation_it_cannot_hold(tiny_model):
     decode = engine(tiny_model, block_size=16, num_blocks=3, mode="decode")
-    decode.reserve("a", PROMPT, SamplingParams(max_tokens=4, temperature=0))  # 46 tokens: 3 blocks
+    decode.reserve("a", PROMPT, SamplingParams(max_tokens=3, temperature=0))  # 45 + 3 tokens: 3 blocks
     with pytest.raises(NoCapacityError):
-        decode.reserve("b", [1, 2], SamplingParams(max_tokens=4, temperature=0))
+        decode.reserve("b", [1, 2], SamplingParams(max_tokens=3, temperature=0))
     decode.abort("a")
     assert decode.block_counts() == {"free": 3, "reserved": 0, "running": 0}
 
@@ -72,7 +72,7 @@ def test_a_prompt_the_whole_cache_cannot_hold_is_refused_at_once_and_waits_nowhe
     assert str(info.value) == message
     small = PROMPT[:31]  # 32 tokens with the first generated one: exactly the cache
     if mode == "decode":
-        assert len(e.reserve("small", small, sampling)) == 2
+        assert len(e.reserve("small", small, SamplingParams(max_tokens=1, temperature=0))) == 2
         e.abort("small")
     else:
         e.add_request("small", small, SamplingParams(max_tokens=1, temperature=0))  # one more would need a block

@@ -9,6 +9,7 @@ from router.admission import Admission, AdmissionSettings
 from router.dispatch import DispatchSettings, Dispatcher
 from router.errors import OpenAIError
 from router.policies import RoundRobin
+from engine.request import kv_blocks_needed
 from router.registry import Worker, WorkerRegistry
 from router.worker_client import WorkerFailed
 from transfer.outcome import Outcome
@@ -217,3 +218,57 @@ def test_a_worker_that_reports_no_cache_size_is_taken_to_hold_anything():
     worker = Worker("d0", "decode", "http://d0")
     worker.apply_health({"kv_blocks": {"free": 3, "total": 3}})  # an older server: no block size
     assert worker.capacity_tokens == 0 and worker.can_hold(10**6)
+
+
+def decode_of(blocks: int, block_size: int = 16, name: str = "d0") -> Worker:
+    w = Worker(name, "decode", f"http://{name}")
+    w.apply_health({"kv_blocks": {"free": blocks, "total": blocks, "block_size": block_size}})
+    return w
+
+
+def test_a_request_over_its_share_of_the_kv_cache_is_a_400_naming_what_to_lower_or_gets_a_lower_max_tokens():
+    # d0: 512 blocks of 16; one request may need 256. A 2000-token prompt (125 full blocks, shared)
+    # and 16 sequences of 2000 tokens need 125 + 16 x 125 = 2125: 128 tokens each is the most.
+    _, dispatcher = make(FakeWorkerClient(reply=[1]), workers=[Worker("p0", "prefill", "http://p0"), decode_of(512)])
+    with pytest.raises(OpenAIError) as info:
+        dispatcher.kv_budget(2000, 2000, 16, explicit=True)
+    e = info.value
+    assert (e.status, e.code, e.param) == (400, "context_length_exceeded", "max_tokens")
+    assert "the prompt's 2000 tokens and 16 sequences of up to 2000 tokens" in e.message
+    assert "256 blocks of 16 tokens (0.5 of decode server d0's 512)" in e.message
+    assert "lower max_tokens (at most 128 here) or n" in e.message
+    assert dispatcher.kv_budget(2000, 2000, 16, explicit=False) == 128  # not set by the client: lowered
+    assert dispatcher.kv_budget(2000, 128, 16, explicit=True) == 128
+    assert kv_blocks_needed(2000, 128, 16, 16) <= 256 < kv_blocks_needed(2000, 129, 16, 16)
+    assert dispatcher.kv_budget(4000, 96, 1, explicit=True) == 96  # 256 blocks exactly
+    with pytest.raises(OpenAIError) as info:  # the prompt alone is over the share: no max_tokens helps
+        dispatcher.kv_budget(4200, 10, 1, explicit=False, tokens_param="max_completion_tokens")
+    assert (info.value.param, info.value.code) == ("max_completion_tokens", "context_length_exceeded")
+    assert info.value.message.endswith("shorten the prompt")
+
+
+def test_the_kv_share_is_configurable_and_a_server_that_reports_no_size_limits_nothing():
+    _, whole = make(FakeWorkerClient(reply=[1]), workers=[Worker("p0", "prefill", "http://p0"), decode_of(512)],
+                    max_request_kv_share=1.0)
+    # the whole cache: 125 shared blocks and 16 x 24 own ones, where half of it allowed 16 x 8
+    assert whole.kv_budget(2000, 2000, 16, explicit=False) == (125 + 24) * 16 - 2000 == 384
+    _, unsized = make(FakeWorkerClient(reply=[1]))  # workers that never reported a cache
+    assert unsized.kv_budget(2000, 2000, 16, explicit=True) == 2000
+
+
+def test_a_request_goes_only_to_a_decode_server_whose_share_holds_it():
+    fake = FakeWorkerClient(reply=[1])
+    registry, dispatcher = make(fake, workers=[Worker("p0", "prefill", "http://p0"), decode_of(64, name="d0"),
+                                               decode_of(512, name="d1")])
+    sampling = SamplingSpec(max_tokens=400, n=2, temperature=0)  # 2 x 25 blocks + none shared: > 32, <= 256
+
+    async def run(rid):
+        return await drain(await dispatcher.start(rid, [5] * 10, sampling))
+
+    for i in range(3):
+        asyncio.run(run(f"r{i}"))
+    assert [name for name, _ in fake.opened] == ["d1", "d1", "d1"]
+    with pytest.raises(OpenAIError) as info:
+        asyncio.run(dispatcher.start("big", [5] * 10, SamplingSpec(max_tokens=4000, n=2, temperature=0)))
+    assert (info.value.status, info.value.code) == (400, "context_length_exceeded")
+    assert len(fake.opened) == 3 and all(w.inflight == 0 for w in registry.workers)
