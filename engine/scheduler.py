@@ -2,10 +2,16 @@
 
 Each step has a token budget. Running requests go first (decodes and the
 rest of chunked prompts), then waiting requests in arrival order, while the
-budget, the running-sequence cap and the free blocks allow. When a running
-request cannot get the block it needs, the most recently started running
-request is preempted: its blocks are freed and it is recomputed later from
-its prompt and the tokens it already produced (recompute, not swap).
+budget, the running-sequence cap and the free blocks allow; but a prompt
+with more tokens left than one step's budget is long: while one long prompt
+is prefilled, other long ones wait and shorter ones pass them, and beside
+other requests (running or waiting) a long prompt is computed at most a
+quarter of the budget a step, so that their steps stay short. When
+a running request cannot get the block it needs, a sequence is preempted:
+the most recently started one of a request holding more than an equal share
+of the cache among the running requests, else the most recently started
+one. Its blocks are freed and it is recomputed later from its prompt and the
+tokens it already produced (recompute, not swap).
 
 Requests whose KV is written by someone else are parked in
 WAITING_FOR_REMOTE_KV with their blocks reserved and never scheduled until
@@ -160,31 +166,23 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------
     def schedule(self) -> SchedulePlan:
         plan = SchedulePlan()
-        budget = self.config.max_num_batched_tokens
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        # Beside other requests, a long prompt is computed a quarter step at a time, so their steps stay short.
+        contended = any(not self._is_long(r) for r in (*self.running, *self.waiting))
+        long_chunk = self._long_chunk() if contended else self.config.max_num_batched_tokens
+        for request in list(self.running):
+            budget = self.config.max_num_batched_tokens - plan.num_tokens
+            if budget <= 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted in this loop, for a request before it
+            if self._is_long(request):
+                budget = min(budget, long_chunk)
             num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks)
-            if num_new == 0:
-                index += 1
-                continue
-            if not self._grow_or_preempt(request, request.num_computed + num_new, plan):
-                break  # the request itself was preempted; everything after it too
-            plan.chunks.append(self._chunk(request, num_new))
-            budget -= num_new
-            index += 1
+            if num_new and self._grow_or_preempt(request, request.num_computed + num_new, plan):
+                plan.chunks.append(self._chunk(request, num_new))
         if plan.preempted:
             return plan  # blocks are short: admit nothing new this step
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            if not self._admit_waiting(request, budget, plan):
-                break
-            num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks)
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            plan.chunks.append(self._chunk(request, num_new))
-            budget -= num_new
+        self._admit(plan, long_chunk)
         return plan
 
     def update(self, plan: SchedulePlan, results: dict[Request, ChunkResult]) -> list[StepOutput]:
@@ -290,6 +288,43 @@ class Scheduler:
         assert self.blocks.num_cached_free <= counts["free"]
 
     # ---- helpers -------------------------------------------------------------
+    def _admit(self, plan: SchedulePlan, long_chunk: int) -> None:
+        """Waiting requests in arrival order, while the budget, ``max_num_seqs`` and the blocks allow;
+        but while one long prompt is being prefilled, other long ones wait and shorter ones pass
+        them, so that a few long prompts (scored ones above all) cannot hold up every short one.
+        A long one starts with at most ``long_chunk`` tokens."""
+        long_running = any(self._is_long(r) for r in self.running)
+        position = 0
+        while position < len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+            budget = self.config.max_num_batched_tokens - plan.num_tokens
+            if budget <= 0:
+                return
+            request = self.waiting[position]
+            if long_running and self._is_long(request):
+                position += 1
+                continue
+            if self._is_long(request):
+                budget = min(budget, long_chunk)
+            if not self._admit_waiting(request, budget, plan):
+                return
+            num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks)
+            del self.waiting[position]
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            plan.chunks.append(self._chunk(request, num_new))
+            long_running = long_running or self._is_long(request)
+
+    def _long_chunk(self) -> int:
+        """The most tokens of a long prompt computed in a step shared with other requests: a quarter
+        of the budget (vLLM's long_prefill_token_threshold does the same)."""
+        return max(1, self.config.max_num_batched_tokens // 4)
+
+    def _is_long(self, request: Request) -> bool:
+        """Whether the request has more prompt (or recomputed) tokens left than one step computes
+        (with chunked prefill: without it, such a prompt runs alone anyway)."""
+        return self.config.chunked_prefill and \
+            request.num_tokens - 1 - request.num_computed > self.config.max_num_batched_tokens
+
     def _admit_waiting(self, request: Request, budget: int, plan: SchedulePlan) -> bool:
         """Give a waiting request its cached prefix and the blocks for its next chunk, or nothing."""
         assert not request.block_ids and request.num_computed == 0
@@ -328,13 +363,27 @@ class Scheduler:
         return ScheduledChunk(request, start, num_new, sample=start + num_new == request.num_tokens)
 
     def _grow_or_preempt(self, request: Request, num_tokens: int, plan: SchedulePlan) -> bool:
+        """Blocks for ``request`` up to ``num_tokens``, preempting sequences until they fit; False
+        when the request itself was preempted. A preempted sequence's chunk leaves the plan."""
         while not self.blocks.grow(request.block_ids, num_tokens):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             plan.preempted.append(victim.request_id)
+            plan.chunks = [c for c in plan.chunks if c.request is not victim]
             if victim is request:
                 return False
         return True
+
+    def _victim(self) -> Request:
+        """The sequence to preempt: the most recently started one of a request holding more
+        blocks than an equal share of the cache among the running requests (the greedy one
+        yields first: ``n`` long sequences, or a very long one), else of any request."""
+        held: Counter[str] = Counter()
+        for request in self.running:
+            held[request.request_id] += len(request.block_ids)
+        share = self.blocks.num_blocks / len(held)
+        greedy = [r for r in self.running if held[r.request_id] > share]
+        return (greedy or self.running)[-1]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -107,27 +107,86 @@ def test_running_sequence_cap():
 
 
 def test_preemption_frees_the_newest_request_and_recomputes_it_later():
-    s = make(num_blocks=3, block_size=2, prefix_caching=False)  # with caching, see test_prefix_cache.py
+    s = make(num_blocks=4, block_size=2, prefix_caching=False)  # with caching, see test_prefix_cache.py
     s.add(req("a", 2, max_tokens=5))
     s.add(req("b", 2, max_tokens=5))
-    update(s, s.schedule(), {"a": 1, "b": 1})  # a -> [0], b -> [1]; each has 3 tokens now
-    plan = s.schedule()  # a needs block 2 for its 3rd token; b needs one more: none left
-    assert plan_shape(plan) == [("a", 2, 1, True)]
+    for token in (1, 2, 3):  # then a and b hold 2 blocks each, the whole cache, with 5 tokens each
+        update(s, s.schedule(), {"a": token, "b": token})
+    plan = s.schedule()  # a needs a 3rd block for its 5th token: b, as large and newer, yields its two
+    assert plan_shape(plan) == [("a", 4, 1, True)]
     assert plan.preempted == ["b"]
     b = s.requests["b"][0]
-    assert (b.status, b.block_ids, b.num_computed, b.output_token_ids) == (RequestStatus.WAITING, [], 0, [1])
-    assert s.requests["a"][0].block_ids == [0, 2]
+    assert (b.status, b.block_ids, b.num_computed, b.output_token_ids) == (RequestStatus.WAITING, [], 0, [1, 2, 3])
+    assert len(s.requests["a"][0].block_ids) == 3
     s.check_integrity()
-    assert s.block_counts() == {"free": 1, "reserved": 0, "running": 2}
-    update(s, plan, {"a": 2})
+    assert s.block_counts() == {"free": 1, "reserved": 0, "running": 3}
+    update(s, plan, {"a": 4})
     s.abort("a")
-    plan = s.schedule()  # b comes back: prompt + its one output token recomputed
-    assert plan_shape(plan) == [("b", 0, 3, True)]
+    plan = s.schedule()  # b comes back: prompt + its three output tokens recomputed
+    assert plan_shape(plan) == [("b", 0, 5, True)]
     update(s, plan, {"b": 4})
-    assert s.requests["b"][0].output_token_ids == [1, 4]
+    assert s.requests["b"][0].output_token_ids == [1, 2, 3, 4]
     s.abort("b")
     s.check_integrity()
-    assert s.block_counts()["free"] == 3
+    assert s.block_counts()["free"] == 4
+
+
+def test_a_request_holding_more_than_an_equal_share_of_the_cache_is_preempted_first():
+    s = make(num_blocks=6, block_size=2, prefix_caching=False)
+    s.add(req("greedy", 6, max_tokens=10))
+    s.add(req("short", 2))
+    for token in (1, 2, 3):  # then greedy holds 4 blocks and short 2: the whole cache
+        update(s, s.schedule(), {"greedy": token, "short": token})
+    plan = s.schedule()  # greedy needs a 5th block: it holds more than half the cache, so it yields, not short
+    assert plan.preempted == ["greedy"]
+    assert plan_shape(plan) == [("short", 4, 1, True)]
+    assert s.requests["greedy"][0].status is RequestStatus.WAITING
+    s.check_integrity()
+    assert s.block_counts() == {"free": 3, "reserved": 0, "running": 3}
+    s.abort("greedy")
+    s.abort("short")
+    assert s.block_counts()["free"] == 6
+
+
+def steps(s, count: int, token: int = 5) -> list:
+    """The shapes of ``count`` plans, each updated with ``token`` drawn by every sampling chunk."""
+    shapes = []
+    for _ in range(count):
+        plan = s.schedule()
+        shapes.append(plan_shape(plan))
+        update(s, plan, {c.request.request_id: token for c in plan.chunks})
+    return shapes
+
+
+def test_shorter_prompts_pass_long_ones_and_a_long_prefill_beside_others_takes_a_quarter_step():
+    s = make(num_blocks=32, budget=8, prefix_caching=False)  # the same prompts: nothing taken from a cache
+    for rid, n in (("long1", 20), ("long2", 20), ("short", 3)):
+        s.add(req(rid, n))
+    # long1 has more than a step's budget to compute: it is long, and beside short 2 tokens a step;
+    # long2 waits while long1 is long, and short passes it
+    assert steps(s, 7) == [
+        [("long1", 0, 2, False), ("short", 0, 3, True)],
+        [("long1", 2, 2, False), ("short", 3, 1, True)],
+        [("long1", 4, 2, False), ("short", 4, 1, True)],
+        [("long1", 6, 2, False), ("short", 5, 1, True)],
+        [("long1", 8, 2, False), ("short", 6, 1, True)],
+        [("long1", 10, 2, False), ("short", 7, 1, True)],
+        [("long1", 12, 8, True)],  # 8 tokens left: no longer long, and first in line for the step
+    ]
+    assert [r.request_id for r in s.waiting] == ["long2"]
+    for rid in ("long1", "long2", "short"):
+        s.abort(rid)
+    s.check_integrity()
+    assert s.block_counts()["free"] == 32
+
+
+def test_alone_a_long_prefill_takes_the_whole_step():
+    s = make(num_blocks=32, budget=8, prefix_caching=False)
+    s.add(req("long1", 20))
+    s.add(req("long2", 20))
+    assert steps(s, 3) == [[("long1", 0, 8, False)], [("long1", 8, 8, False)],
+                           # long1 has 3 tokens left, so it is not long: beside it, long2 starts on 2
+                           [("long1", 16, 4, True), ("long2", 0, 2, False)]]
 
 
 def test_reservation_waits_for_remote_kv_then_decodes():
