@@ -14,9 +14,16 @@ then beside each attack in turn:
     deep guided_json       guided_json nested 3000 levels, as a JSON string
     8 x 4 MB prompts       eight ~4 MB text prompts at once
     forced grammar         'a: "?" a' (every token forces another), 5 times
+    prompt over P's cache  a 2100-token prompt (tiny-1p1d's prefill server holds 2048), 3 times
+    n=16 KV hog            a 2000-token prompt, n 16, max_tokens 2000, ignore_eos
+    two greedy n=8         two 1000-token prompts, n 8, max_tokens 376, ignore_eos, at once
+                           (each within half of tiny-1p1d's decode cache, both over all of it)
+    4 x scored 4000        four 4000-token prompts with echo and logprobs at once
+
+``--only`` picks attacks by words of their names (``--only "KV hog,greedy"``).
 
 For each it prints the statuses the attack got, its slowest answer, the normal
-client's p99 time to first token and failures meanwhile, how long the router then
+client's p99 time to first token, longest pause within a stream, and failures meanwhile, how long the router then
 took to be ready again (before the next attack, which waits for it), and whether every
 process of the cluster kept its pid (``RUN_DIR/cluster.json``; a restarted one
 gets a new pid). Then ``cached_tokens`` of an echo + logprobs prompt sent twice,
@@ -37,6 +44,11 @@ from pathlib import Path
 
 import httpx
 
+def token_ids(n: int) -> list[int]:
+    """A prompt of ``n`` token ids, each in any vocabulary of over 500 tokens (tiny's has 512)."""
+    return [10 + i % 490 for i in range(n)]
+
+
 CHAINED = "\n".join(["start: r0"] + [f"r{i}: r{i + 1}" for i in range(2999)] + ['r2999: "a"'])
 ATTACKS = (  # (name, request body fields, copies sent at once, times sent)
     ("chained grammar", {"guided_grammar": CHAINED}, 1, 5),
@@ -46,6 +58,10 @@ ATTACKS = (  # (name, request body fields, copies sent at once, times sent)
     ("deep guided_json", {"guided_json": '{"items":' * 3000 + '{"type":"integer"}' + "}" * 3000}, 1, 1),
     ("8 x 4 MB prompts", {"prompt": "lorem ipsum " * 340_000}, 8, 1),
     ("forced grammar", {"guided_grammar": 'start: a\na: "?" a'}, 1, 5),
+    ("prompt over P's cache", {"prompt": token_ids(2100)}, 1, 3),
+    ("n=16 KV hog", {"prompt": token_ids(2000), "n": 16, "max_tokens": 2000, "ignore_eos": True}, 1, 1),
+    ("two greedy n=8", {"prompt": token_ids(1000), "n": 8, "max_tokens": 376, "ignore_eos": True}, 2, 1),
+    ("4 x scored 4000", {"prompt": token_ids(4000), "echo": True, "logprobs": 1, "max_tokens": 1}, 4, 1),
 )
 
 
@@ -55,6 +71,7 @@ class NormalClient:
     def __init__(self, url: str, model: str) -> None:
         self.url, self.model = url, model
         self.ttft: list[tuple[float, float]] = []  # (start, seconds to the first token)
+        self.gaps: list[tuple[float, float]] = []  # (start, longest pause between two events of its stream)
         self.failures: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -65,12 +82,18 @@ class NormalClient:
         with httpx.Client(timeout=120) as http:
             while not self._stop.is_set():
                 start = time.monotonic()
-                first = None
+                first = last = None
+                gap = 0.0
                 try:
                     with http.stream("POST", f"{self.url}/v1/completions", json=body) as r:
                         for line in r.iter_lines():
-                            if first is None and line.startswith("data: {"):
-                                first = time.monotonic() - start
+                            if line.startswith("data: {"):
+                                now = time.monotonic()
+                                if first is None:
+                                    first = now - start
+                                else:
+                                    gap = max(gap, now - last)
+                                last = now
                         if r.status_code != 200 or first is None:
                             self.failures.append(f"status {r.status_code}")
                 except httpx.HTTPError as exc:
@@ -78,6 +101,7 @@ class NormalClient:
                     time.sleep(0.1)  # the router is down: count the failure, do not spin
                 if first is not None:
                     self.ttft.append((start, first))
+                    self.gaps.append((start, gap))
 
     def start(self) -> None:
         self._thread.start()
@@ -89,6 +113,10 @@ class NormalClient:
     def window(self, since: float, until: float) -> tuple[list[float], int]:
         """TTFTs of requests started in [since, until), and failures so far."""
         return [t for s, t in self.ttft if since <= s < until], len(self.failures)
+
+    def longest_gap(self, since: float, until: float) -> float | None:
+        """The longest pause within the stream of a request started in [since, until)."""
+        return max((g for s, g in self.gaps if since <= s < until), default=None)
 
 
 def p99(values: list[float]) -> float | None:
@@ -158,7 +186,7 @@ def cached_tokens_check(url: str, model: str, decode_urls: list[str]) -> dict:
     return {"cached_tokens": cached, "decode_prefix_hits": prefix_hits(decode_urls) - before}
 
 
-def run(run_dir: Path, model: str | None, baseline_s: float) -> dict:
+def run(run_dir: Path, model: str | None, baseline_s: float, only: list[str] | None = None) -> dict:
     manifest = json.loads((run_dir / "cluster.json").read_text())
     url, model = manifest["router_url"], model or manifest["model"]
     decode_urls = [p["url"] for p in manifest["processes"] if p["role"] in ("decode", "colocated")]
@@ -172,17 +200,21 @@ def run(run_dir: Path, model: str | None, baseline_s: float) -> dict:
         alone, _ = normal.window(t0, time.monotonic())
         rows.append({"attack": "(none: the client alone)", "router_down_s": 0.0, "statuses": {}, "slowest_s": None,
                      "victim_requests": len(alone), "victim_p99_ttft_s": p99(alone), "victim_failures": 0,
+                     "victim_longest_gap_s": normal.longest_gap(t0, time.monotonic()),
                      "pids_unchanged": pids(run_dir) == start_pids})
         for name, fields, copies, times in ATTACKS:
+            if only and not any(word.lower() in name.lower() for word in only):
+                continue
             wait_ready(url)  # each attack meets a serving router, even if the last one took it down
             since, (_, failed_before) = time.monotonic(), normal.window(0, 0)
             statuses, slowest = attack(url, model, fields, copies, times)
             time.sleep(1.0)  # the victim's requests started during the attack finish in the window
             during, failed = normal.window(since, time.monotonic())
             down_s = wait_ready(url)
-            rows.append({"attack": name, "router_down_s": down_s, "statuses": statuses, "slowest_s": slowest, "victim_requests": len(during),
-                         "victim_p99_ttft_s": p99(during), "victim_failures": failed - failed_before,
-                         "pids_unchanged": pids(run_dir) == start_pids})
+            rows.append({"attack": name, "router_down_s": down_s, "statuses": statuses, "slowest_s": slowest,
+                         "victim_requests": len(during), "victim_p99_ttft_s": p99(during),
+                         "victim_longest_gap_s": normal.longest_gap(since, time.monotonic()),
+                         "victim_failures": failed - failed_before, "pids_unchanged": pids(run_dir) == start_pids})
     finally:
         normal.stop()
     return {"rows": rows, "cached": cached_tokens_check(url, model, decode_urls), "pids": pids(run_dir)}
@@ -193,13 +225,13 @@ def fmt(seconds: float | None) -> str:
 
 
 def report(result: dict) -> str:
-    lines = ["| attack | its answers | slowest | victim requests | victim p99 TTFT | victim failures | "
-             "router not ready after | pids unchanged |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| attack | its answers | slowest | victim requests | victim p99 TTFT | victim longest gap | "
+             "victim failures | router not ready after | pids unchanged |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         answers = ", ".join(f"{n} x {s}" for s, n in r["statuses"].items()) or "-"
         lines.append(f"| {r['attack']} | {answers} | {fmt(r['slowest_s'])} | {r['victim_requests']} | "
-                     f"{fmt(r['victim_p99_ttft_s'])} | {r['victim_failures']} | {r['router_down_s']:.1f} s | "
-                     f"{r['pids_unchanged']} |")
+                     f"{fmt(r['victim_p99_ttft_s'])} | {fmt(r['victim_longest_gap_s'])} | {r['victim_failures']} | "
+                     f"{r['router_down_s']:.1f} s | {r['pids_unchanged']} |")
     c = result["cached"]
     lines.append(f"\necho + logprobs sent twice: cached_tokens {c['cached_tokens']}, decode prefix-cache hits "
                  f"meanwhile {c['decode_prefix_hits']:g} tokens")
@@ -212,11 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dir", type=Path, help="the run folder of a `pdserve launch` (holds cluster.json)")
     parser.add_argument("--model", help="the served model name (default: the manifest's)")
     parser.add_argument("--baseline-s", type=float, default=10.0, help="seconds of the normal client alone")
+    parser.add_argument("--only", type=lambda s: [w.strip() for w in s.split(",") if w.strip()],
+                        help="comma-separated words: only the attacks whose names contain one")
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if not (args.run_dir / "cluster.json").is_file():
         parser.error(f"{args.run_dir}: no cluster.json (the run folder `pdserve launch` printed)")
-    result = run(args.run_dir, args.model, args.baseline_s)
+    result = run(args.run_dir, args.model, args.baseline_s, args.only)
     print(report(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

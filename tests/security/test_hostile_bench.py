@@ -1,5 +1,6 @@
 """python -m bench.hostile against a live cluster: every attack refused with a 4xx or answered,
-nothing restarted, the normal client never failed; cached_tokens honest for echo + logprobs."""
+nothing restarted, the normal client never failed; a refusal comes at once; cached_tokens honest
+for echo + logprobs."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from tests.security.conftest import MAX_CONNECTIONS
 from tests.serving.cluster import REPO
 
 pytestmark = pytest.mark.integration
+# Attacks the cluster serves: the rest are refused with a 400.
+ANSWERED = {"ambiguous n=16", "prompt over P's cache", "two greedy n=8", "4 x scored 4000"}
 
 
 def test_every_attack_is_answered_without_a_5xx_or_a_restart_and_the_victim_is_served(target):
@@ -27,9 +30,11 @@ def test_every_attack_is_answered_without_a_5xx_or_a_restart_and_the_victim_is_s
         refused = sum(statuses.pop(k) for k in ("RemoteProtocolError", "ConnectError", "ReadError")
                       if k in statuses)
         assert refused <= max(0, copies + 1 - MAX_CONNECTIONS), row
-        expected = 200 if name == "ambiguous n=16" else 400
+        expected = 200 if name in ANSWERED else 400
         assert statuses == {expected: copies * times - refused}, row
         assert row["victim_failures"] == 0 and row["victim_requests"] > 0 and row["pids_unchanged"], row
+        if name == "n=16 KV hog":  # refused by the router from what it knows, no server asked
+            assert row["slowest_s"] < 1.0, row
     assert result["cached"] == {"cached_tokens": [0, 0], "decode_prefix_hits": 0.0}
     assert all(pid is not None for pid in result["pids"].values())
     print(hostile.report(result))
