@@ -209,10 +209,14 @@ def test_a_long_prompt_is_tokenized_on_the_tokenizer_thread_into_the_same_tokens
     from router.api_requests import CompletionRequest
     from router.metrics import RouterMetrics
     from router.openai_handlers import LONG_PROMPT_CHARS, OpenAIHandlers
+    from router.dispatch import DispatchSettings, Dispatcher
+    from router.policies import RoundRobin
     from router.registry import WorkerRegistry
 
     model = ServedModel.load("tiny", str(make_byte_tokenizer(tmp_path, max_position_embeddings=4 * LONG_PROMPT_CHARS)))
-    handlers = OpenAIHandlers(model, dispatcher=None, metrics=RouterMetrics(WorkerRegistry([])))
+    registry = WorkerRegistry([])
+    dispatcher = Dispatcher(registry, RoundRobin(), RoundRobin(), None, DispatchSettings())  # asked for KV shares
+    handlers = OpenAIHandlers(model, dispatcher=dispatcher, metrics=RouterMetrics(registry))
     threads = []
 
     def prepare(text):
