@@ -48,12 +48,14 @@ from server_common.tracing import Tracing
 from server_common.streams import StreamHub
 from server_common.vitals import Vitals
 from server_common.worker_replies import (
+    AliveEvent,
     ErrorEvent,
     HealthReport,
     KVBlocks,
     ReprefillEvent,
     Reservation,
     ReservationEvent,
+    STREAM_HEARTBEAT_S,
     TokensEvent,
     WorkerError,
     tokens_event,
@@ -225,10 +227,18 @@ class GenerationService:
 
     async def events(self, first: ReservationEvent, active: Active) -> AsyncIterator[str]:
         """NDJSON lines: the reservation, then tokens until finished (or an error)."""
+        alive = AliveEvent().model_dump_json() + "\n"
+        get: asyncio.Future | None = None
         try:
             yield first.model_dump_json() + "\n"
             while True:
-                event = await active.queue.get()
+                # Waited on, never cancelled while waiting, so that no event is lost to a heartbeat.
+                get = get or asyncio.ensure_future(active.queue.get())
+                done, _ = await asyncio.wait({get}, timeout=STREAM_HEARTBEAT_S)
+                if not done:
+                    yield alive
+                    continue
+                event, get = get.result(), None
                 active.trace.event(event)
                 yield event.model_dump_json() + "\n"
                 if isinstance(event, ErrorEvent):
@@ -240,6 +250,8 @@ class GenerationService:
                         active.finished = True
                         return
         finally:
+            if get is not None:
+                get.cancel()
             # Shielded: after a disconnect the scope is cancelled and any await would raise at once.
             with anyio.CancelScope(shield=True):
                 await self.close(active.request_id)

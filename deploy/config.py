@@ -130,6 +130,7 @@ class RouterConfig(Strict):
     kv_events_interval_s: float = Field(default=RouterSettings.kv_events_interval, gt=0)
     health_interval_s: float = Field(default=RouterSettings.health_interval, gt=0)
     health_timeout_s: float = Field(default=RouterSettings.health_timeout, gt=0)
+    stream_stall_s: float = Field(default=RouterSettings.stream_stall, ge=3)  # above the servers' 1 s heartbeat
     health_backoff_max_s: float = Field(default=RouterSettings.health_backoff_max, gt=0)
     queue_timeout_s: float = Field(default=RouterSettings.queue_timeout, ge=0)
     max_queued_requests: int = Field(default=RouterSettings.max_queued, ge=0)
@@ -345,7 +346,7 @@ class ClusterConfig(Strict):
             bind_host=self.router.bind_host,
             port=r.port, policy=r.policy, local_prefill_threshold=r.local_prefill_threshold,
             cache_aware_load_weight=r.cache_aware_load_weight, kv_events_interval=r.kv_events_interval_s,
-            health_interval=r.health_interval_s, health_timeout=r.health_timeout_s, queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
+            health_interval=r.health_interval_s, health_timeout=r.health_timeout_s, stream_stall=r.stream_stall_s, queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
             retry_after=r.retry_after_s, prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len,
             max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
             max_request_kv_share=r.max_request_kv_share, drain_timeout=self.drain_timeout_s, api_keys=r.api_key_values(),

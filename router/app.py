@@ -74,7 +74,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                                for w in settings.workers],
                               interval=settings.health_interval, timeout=settings.health_timeout,
                               backoff_max=settings.health_backoff_max,
-                              launch_id=settings.workers_launch_id)
+                              launch_id=settings.workers_launch_id, stall=settings.stream_stall)
     metrics = RouterMetrics(registry)
     admission = Admission(AdmissionSettings(max_queued=settings.max_queued, timeout=settings.queue_timeout,
                                             retry_after=settings.retry_after), on_wait=metrics.queue_time.observe)
@@ -101,7 +101,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         async with worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http, \
                 worker_http(n, n, keepalive_s, headers) as health_http:
             worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout,
-                                                   answered=passive_health.answered)
+                                                   answered=passive_health.answered,
+                                                   stream_stall=settings.stream_stall)
             dispatcher = Dispatcher(registry, make_policy(settings.policy, kv_index, settings.cache_aware_load_weight),
                                     make_policy(settings.policy, kv_index, settings.cache_aware_load_weight),
                                     worker_client, dispatch_settings, metrics.recovery, admission, drain,

@@ -111,8 +111,9 @@ class Worker:
 
 class WorkerRegistry:
     def __init__(self, workers: list[Worker], *, interval: float = RouterSettings.health_interval,
-                 timeout: float = RouterSettings.health_timeout, unhealthy_after: int = 2, backoff_max: float = RouterSettings.health_backoff_max,
-                 launch_id: str | None = None) -> None:
+                 timeout: float = RouterSettings.health_timeout, unhealthy_after: int = 2,
+                 backoff_max: float = RouterSettings.health_backoff_max, launch_id: str | None = None,
+                 stall: float = RouterSettings.stream_stall) -> None:
         names = [w.name for w in workers]
         assert len(names) == len(set(names)), f"duplicate worker names: {names}"
         self.workers = workers
@@ -121,6 +122,7 @@ class WorkerRegistry:
         self.unhealthy_after = unhealthy_after
         self.backoff_max = max(backoff_max, interval)
         self.launch_id = launch_id
+        self.stall = stall  # a busy worker silent this long (no answer to any call) is no longer let off
         self._client: httpx.AsyncClient | None = None  # set by run(): new workers are watched at once
         self._watches: dict[str, asyncio.Task] = {}
 
@@ -160,7 +162,9 @@ class WorkerRegistry:
                 return
             worker.apply_health(report)
         except httpx.TimeoutException as exc:
-            if worker.inflight == 0:  # idle and silent: a miss; busy: its requests speak for it
+            # Idle and silent: a miss. Busy: its requests speak for it, while they do (a live decode
+            # server's streams carry a heartbeat); a frozen one's have been silent for ``stall``.
+            if worker.inflight == 0 or time.monotonic() - worker.last_seen >= self.stall:
                 self._missed(worker, exc)
             return
         except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # no answer, or not a health report

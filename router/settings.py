@@ -70,6 +70,9 @@ class RouterSettings:
     # worker's /health can take over a second, and a 1 s cap (the old max(1, interval)) took such
     # workers out of rotation right after the router's /health had said ok (router/registry.py).
     health_timeout: float = 5.0
+    # A decode stream with no event (tokens or the server's heartbeat, every second) for this long has
+    # failed: its server stopped. Such a server then leaves rotation (router/registry.py, router/health.py).
+    stream_stall: float = 15.0
     queue_timeout: float = 10.0  # the longest a request waits for a free slot before 429
     max_queued: int = 128  # requests waiting for a slot; one more gets 429 at once
     retry_after: float = 1.0  # seconds, in the Retry-After of a 429

@@ -6,7 +6,10 @@ of a server's ``ErrorReply`` or stream ``ErrorEvent`` as it was sent,
 ``UNREACHABLE`` when the connection was refused or reset, ``TIMED_OUT`` when
 no answer came in time, and ``STREAM_CUT`` / ``WORKER_ERROR`` for answers the
 router cannot use. Every answer is reported to ``answered`` (passive health,
-router/health.py).
+router/health.py). A decode stream silent for ``stream_stall`` seconds is
+``TIMED_OUT``: a live decode server sends a heartbeat (``AliveEvent``) every
+``STREAM_HEARTBEAT_S`` when it has nothing else to send, so only a stopped
+(frozen, paused, cut off) one is silent that long.
 
 Connections are kept alive and reused (the pool is the ``httpx.AsyncClient``
 router/app.py makes): a decode stream is read to its end after its last
@@ -26,8 +29,10 @@ import httpx
 from pydantic import ValidationError
 
 from router.registry import Worker
+from router.settings import RouterSettings
 from server_common.worker_replies import (
     DECODE_EVENT,
+    AliveEvent,
     ErrorEvent,
     ErrorReply,
     PrefillResult,
@@ -141,12 +146,14 @@ class DecodeStream:
 
     async def _next_event(self):
         try:
-            line = ""
-            while not line.strip():
+            while True:
                 line = await anext(self._lines)
-            event = DECODE_EVENT.validate_json(line)
-            self._answered(self.worker)
-            return event
+                if not line.strip():
+                    continue
+                event = DECODE_EVENT.validate_json(line)
+                self._answered(self.worker)
+                if not isinstance(event, AliveEvent):
+                    return event
         except StopAsyncIteration:
             raise WorkerFailed.of(self.worker, "stream ended early", Outcome.STREAM_CUT) from None
         except httpx.HTTPError as exc:
@@ -162,9 +169,13 @@ class WorkerClient:
     """``answered(worker)`` is called on every answer from a worker (router/health.py)."""
 
     def __init__(self, http: httpx.AsyncClient, *, prefill_timeout: float,
-                 answered: Callable[[Worker], None] = _ignore) -> None:
+                 answered: Callable[[Worker], None] = _ignore,
+                 stream_stall: float = RouterSettings.stream_stall) -> None:
         self._http = http
         self._prefill_timeout = prefill_timeout
+        # A decode stream (its answer's start included) silent this long: the server stopped. A live
+        # one sends a heartbeat every STREAM_HEARTBEAT_S when it has nothing else to send.
+        self._stream_stall = stream_stall
         self._answered = answered
         self._prefills: set[asyncio.Task] = set()  # calls still reading a reply nobody waits for
 
@@ -172,7 +183,7 @@ class WorkerClient:
         """Start ``/generate``; returns once the reservation (first event) is in."""
         request = self._http.build_request(
             "POST", f"{worker.url}/generate", content=req.model_dump_json(),
-            headers={"content-type": "application/json"}, timeout=httpx.Timeout(10.0, read=None),
+            headers={"content-type": "application/json"}, timeout=httpx.Timeout(10.0, read=self._stream_stall),
         )
         try:
             response = await self._http.send(request, stream=True)

@@ -131,7 +131,17 @@ class ReprefillEvent(Reply):
     code: Outcome  # why the remote KV was given up (lease_expired, checksum_mismatch)
 
 
-DecodeEvent = Annotated[ReservationEvent | TokensEvent | ErrorEvent | ReprefillEvent, Field(discriminator="type")]
+# A decode server with nothing else to send on a stream sends this every STREAM_HEARTBEAT_S, from its
+# event loop: a stream silent for longer than the router's stream_stall_s is a server that stopped.
+STREAM_HEARTBEAT_S = 1.0
+
+
+class AliveEvent(Reply):
+    type: Literal["alive"] = "alive"
+
+
+DecodeEvent = Annotated[ReservationEvent | TokensEvent | ErrorEvent | ReprefillEvent | AliveEvent,
+                        Field(discriminator="type")]
 DECODE_EVENT = TypeAdapter(DecodeEvent)
 
 

@@ -1,6 +1,7 @@
 """Worker health: passive (real calls, router/health.py) and active (router/registry.py)."""
 
 import asyncio
+import time
 
 import httpx
 
@@ -23,13 +24,23 @@ def slow(request):
     raise httpx.ReadTimeout("no answer in time")
 
 
-def test_a_busy_worker_whose_health_check_times_out_stays_in_rotation():
+def test_a_busy_worker_whose_health_check_times_out_stays_in_rotation_while_its_requests_speak():
     worker = Worker("d0", "decode", "http://d0")
     worker.inflight = 3  # this router has requests on it
-    registry = WorkerRegistry([worker], unhealthy_after=2)
+    registry = WorkerRegistry([worker], unhealthy_after=2, stall=15.0)
+    PassiveHealth(registry).answered(worker)  # a token or a heartbeat just now
     check_three_times(registry, slow)
     assert worker.healthy and worker.failures == 0
     assert registry.healthy("decode") == [worker]
+
+
+def test_a_busy_worker_silent_for_the_stall_time_whose_health_check_times_out_leaves_rotation():
+    worker = Worker("d0", "decode", "http://d0")
+    worker.inflight = 3  # streams open on it, and none said anything (heartbeats included) for 15 s
+    registry = WorkerRegistry([worker], unhealthy_after=2, stall=15.0)
+    worker.last_seen = time.monotonic() - 15.0
+    check_three_times(registry, slow)
+    assert not worker.healthy and worker.failures == 3
 
 
 def test_an_idle_worker_whose_health_check_times_out_leaves_rotation():
@@ -104,3 +115,32 @@ def test_the_health_check_waits_the_configured_timeout_not_the_interval():
     registry = WorkerRegistry([Worker("d0", "decode", "http://d0")], interval=0.5, timeout=3.5)
     check_three_times(registry, record)
     assert seen == [3.5, 3.5, 3.5]
+
+
+def test_a_decode_streams_heartbeats_are_answers_and_never_events():
+    from router.worker_client import DecodeStream
+    from server_common.worker_replies import AliveEvent, ReservationEvent, TokensEvent
+
+    lines = [ReservationEvent(reservation=None).model_dump_json(), AliveEvent().model_dump_json(), "",
+             AliveEvent().model_dump_json(), TokensEvent(token_ids=[7], finish_reason="length").model_dump_json()]
+
+    async def source():
+        for line in lines:
+            yield line
+
+    class Response:
+        async def aiter_lines(self):  # nothing after the last event
+            return
+            yield
+
+    answered = []
+    worker = Worker("d0", "decode", "http://d0")
+    stream = DecodeStream(worker, Response(), source(), answered.append)
+
+    async def run():
+        await stream.read_reservation()
+        return [e async for e in stream.events()]
+
+    events = asyncio.run(run())
+    assert [(e.type, e.token_ids) for e in events] == [("tokens", [7])]
+    assert len(answered) == 4  # the reservation, two heartbeats, the tokens
