@@ -14,6 +14,7 @@ def run(settings: ServerSettings, log_level: str) -> int:
     from decode_server.service import GenerationService
     from engine import LLMEngine
     from server_common.faults import FaultInjector
+    from server_common.connections import server_guard
     from server_common.run import serve
 
     engine = LLMEngine(settings.engine)
@@ -24,5 +25,8 @@ def run(settings: ServerSettings, log_level: str) -> int:
 
         make_receiver = receiver_factory(settings, engine, faults)
     service = GenerationService(settings, engine, make_receiver, faults)
-    serve(create_app(service), settings.listen_host, settings.port, log_level, service.drain, settings.drain_timeout_s)
+    guard = server_guard(settings)
+    service.metrics.registry.register(guard)
+    serve(create_app(service), settings.listen_host, settings.port, log_level, service.drain, settings.drain_timeout_s,
+          http=guard.protocol_class())
     return 0

@@ -145,7 +145,7 @@ class RouterConfig(Strict):
     max_tokens: int | None = Field(default=RouterSettings.max_tokens, ge=1)
     max_request_kv_share: float = Field(default=RouterSettings.max_request_kv_share, gt=0, le=1)
     api_keys: list[SecretStr] = Field(default_factory=list)
-    # Slow and greedy clients (router/connections.py): closed past these.
+    # Slow and greedy clients (server_common/connections.py): closed past these.
     header_timeout_s: float = Field(default=RouterSettings.header_timeout, gt=0)
     body_timeout_s: float = Field(default=RouterSettings.body_timeout, gt=0)
     max_connections_per_client: int = Field(default=RouterSettings.max_connections_per_client, ge=1)
@@ -384,6 +384,9 @@ class ClusterConfig(Strict):
             internal_secret=self.security.secret(), tracing=self.tracing.settings(),
             decode_peers=tuple((i.name, self.url_of(i)) for i in self.decode),
             max_unfilled_blocks_per_caller=self.security.max_unfilled_blocks_per_caller,
+            header_timeout_s=self.security.server_header_timeout_s,
+            body_timeout_s=self.security.server_body_timeout_s,
+            max_connections_per_client=self.security.server_max_connections_per_client,
         )
 
 

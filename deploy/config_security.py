@@ -42,6 +42,10 @@ class SecurityConfig(Strict):
     internal_secret_file: str | None = None
     # Blocks one caller may hold reserved and not yet filled on a decode server (server_common/quota.py).
     max_unfilled_blocks_per_caller: int | None = Field(default=None, ge=1)
+    # Slow and greedy clients of the prefill and decode servers' HTTP (server_common/connections.py).
+    server_header_timeout_s: float = Field(default=10.0, gt=0)
+    server_body_timeout_s: float = Field(default=30.0, gt=0)
+    server_max_connections_per_client: int = Field(default=2048, ge=1)
 
     @model_validator(mode="after")
     def _one_source(self) -> SecurityConfig:

@@ -15,10 +15,14 @@ def run(settings: ServerSettings, log_level: str) -> int:
     from prefill_server.service import PrefillService
     from server_common.faults import FaultInjector
     from server_common.kv_adapter import sender_factory
+    from server_common.connections import server_guard
     from server_common.run import serve
 
     engine = LLMEngine(settings.engine)
     faults = FaultInjector() if settings.fault_injection else None
     service = PrefillService(settings, engine, sender_factory(settings, engine, faults), faults)
-    serve(create_app(service), settings.listen_host, settings.port, log_level, service.drain, settings.drain_timeout_s)
+    guard = server_guard(settings)
+    service.metrics.registry.register(guard)
+    serve(create_app(service), settings.listen_host, settings.port, log_level, service.drain, settings.drain_timeout_s,
+          http=guard.protocol_class())
     return 0

@@ -20,7 +20,7 @@ from router.grammar_check import GrammarChecker
 from router.health import PassiveHealth
 from router.http_pool import worker_http
 from router.limits import RequestLimits, openai_413
-from router.connections import ConnectionGuard
+from server_common.connections import ConnectionGuard
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.openai_handlers import OpenAIHandlers
@@ -79,7 +79,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     admission = Admission(AdmissionSettings(max_queued=settings.max_queued, timeout=settings.queue_timeout,
                                             retry_after=settings.retry_after), on_wait=metrics.queue_time.observe)
     metrics.watch_admission(admission)
-    # Slow and greedy clients (router.connections): `pdserve router` serves with its protocol class.
+    # Slow and greedy clients (server_common.connections): `pdserve router` serves with its protocol class.
     connections = ConnectionGuard(settings.header_timeout, settings.body_timeout, settings.max_connections_per_client)
     metrics.registry.register(connections)
     dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,

@@ -93,7 +93,7 @@ class RouterSettings:
     # max_tokens, a lower max_tokens; so no request can crowd out the rest or outgrow the cache.
     max_request_kv_share: float = 0.5
     drain_timeout: float = DRAIN_TIMEOUT_S  # on SIGTERM: the longest to wait for requests in flight
-    header_timeout: float = 10.0  # a request's headers must arrive within this (router.connections)
+    header_timeout: float = 10.0  # a request's headers must arrive within this (server_common.connections)
     body_timeout: float = 30.0  # and its body within this after them
     max_connections_per_client: int = 256  # open connections from one address
     # How large a grammar, schema, regex or choice list a request may send (engine/structured.py), and

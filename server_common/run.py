@@ -69,7 +69,7 @@ class DrainingServer(uvicorn.Server):
 def serve(app, host: str, port: int, log_level: str, drain: Drain | None = None,
           drain_timeout: float = DRAIN_TIMEOUT_S, http: type | str = "auto") -> None:
     """Run ``app`` until a signal; with ``drain``, SIGTERM drains first (see ``DrainingServer``).
-    ``http``: uvicorn's protocol (the router passes ``router.connections``' guarded one)."""
+    ``http``: uvicorn's protocol (a ``server_common.connections`` guard's, on every server)."""
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=3, http=http)
     server = DrainingServer(config, drain, drain_timeout) if drain is not None else uvicorn.Server(config)

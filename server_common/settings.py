@@ -37,6 +37,12 @@ class ServerSettings:
     checksum_failure: KvFailureAction = "fail"
     fault_injection: bool = False  # mount /admin/faults (tests only)
     drain_timeout_s: float = DRAIN_TIMEOUT_S
+    # Slow and greedy clients (server_common/connections.py): a request's headers within header_timeout_s,
+    # its body within body_timeout_s after them, at most max_connections_per_client open from one address
+    # (the router's pool to one worker, worker_connections, stays under it).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections_per_client: int = 2048
     internal_secret: str | None = field(default=None, repr=False)  # required on internal calls; never logged
     # (name, url) of the cluster's decode servers: a prefill server's handshakes go there only
     decode_peers: tuple[tuple[str, str], ...] = ()

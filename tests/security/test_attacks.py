@@ -15,7 +15,7 @@ import httpx
 import pytest
 import zmq
 
-from tests.security.conftest import HEADER_TIMEOUT_S, MAX_CONNECTIONS
+from tests.security.conftest import HEADER_TIMEOUT_S, MAX_CONNECTIONS, SERVER_HEADER_TIMEOUT_S
 from tests.security.wire import bound_socket, connect_as, ping, sender_hello, write_frames
 from tests.serving.oracle import PROMPTS, expected_completion
 from transfer.messages import Done, encode
@@ -46,13 +46,18 @@ def wait_until(predicate, timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def closed_by_peer(sock: socket.socket) -> bool:
-    """Waits (up to the socket's timeout) for the other end to close: EOF, or a reset when it
-    closed with our unread bytes in its buffer."""
+def closed_by_peer(sock: socket.socket) -> bytes | None:
+    """Waits (up to the socket's timeout) for the other end to close: what it sent before its EOF
+    (or before a reset, when it closed with our unread bytes in its buffer); None if it never did."""
+    received = b""
     try:
-        return sock.recv(1024) == b""
+        while chunk := sock.recv(1024):
+            received += chunk
     except ConnectionResetError:
-        return True
+        pass
+    except TimeoutError:
+        return None
+    return received
 
 
 class Reservation:
@@ -227,17 +232,42 @@ def test_slow_and_piled_up_connections_are_closed_by_the_router(target, tiny_mod
             sock.settimeout(HEADER_TIMEOUT_S + 10)
             socks.append(sock)
         started = time.monotonic()
-        for sock in socks:
-            assert closed_by_peer(sock)  # at once past the cap, after the header timeout otherwise
+        answers = [closed_by_peer(sock) for sock in socks]  # at once past the cap, after the header timeout else
+        assert None not in answers
         assert time.monotonic() - started < HEADER_TIMEOUT_S + 5
     finally:
         for sock in socks:
             sock.close()
+    refused = [a for a in answers if a]  # past the cap: a 503 saying why, then closed
+    assert len(refused) >= 4 and all(a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a
+                                     for a in refused), refused
     after = {r: target.cluster.metric("router", metric.format(r)) for r in before}
     assert after["too_many"] - before["too_many"] >= 4
     # Every one of ours was closed (an idle keep-alive connection of the test's own client may be too).
     assert (after["too_many"] - before["too_many"]) + (after["header_timeout"] - before["header_timeout"]) \
         >= MAX_CONNECTIONS + 4
+    still_correct(target, tiny_model, n=1)
+
+
+@pytest.mark.parametrize("server", ["d0", "p0"])
+def test_a_prefill_or_decode_server_closes_connections_whose_headers_never_come(target, tiny_model, server):
+    url = httpx.URL(target.cluster.server(server)["url"])
+    metric = 'pdserve_connections_refused_total{reason="header_timeout"}'
+    before = target.cluster.metric(server, metric)
+    socks = []
+    try:
+        for _ in range(5):
+            sock = socket.create_connection((url.host, url.port))
+            sock.sendall(b"POST /generate HTTP/1.1\r\nhost: x\r\n")  # and never the rest
+            sock.settimeout(SERVER_HEADER_TIMEOUT_S + 10)
+            socks.append(sock)
+        started = time.monotonic()
+        assert [closed_by_peer(sock) for sock in socks] == [b""] * 5
+        assert time.monotonic() - started < SERVER_HEADER_TIMEOUT_S + 5
+    finally:
+        for sock in socks:
+            sock.close()
+    assert target.cluster.metric(server, metric) - before >= 5
     still_correct(target, tiny_model, n=1)
 
 

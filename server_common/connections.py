@@ -1,18 +1,21 @@
 """Slow and greedy clients: header and body timeouts, open connections per client.
 
 uvicorn closes idle keep-alive connections but waits forever for a request
-that arrives a byte at a time, so a few dozen slow clients could hold the
-router's connections indefinitely. ``ConnectionGuard`` gives uvicorn's h11
-protocol (``protocol_class``) three limits (config ``router:``):
+that arrives a byte at a time, so a few dozen slow clients could hold a
+server's connections indefinitely. ``ConnectionGuard`` gives uvicorn's h11
+protocol (``protocol_class``) three limits, on the router (config
+``router:``) and on every prefill and decode server (config ``security:``,
+``server_*``):
 
 * ``header_timeout_s``: from a connection's start (or the end of the previous
   response on it) until the request's headers are complete;
 * ``body_timeout_s``: from the headers until the whole body has arrived;
 * ``max_connections_per_client``: open connections from one address; one more
-  is closed at once.
+  is answered 503 (and ``Connection: close``) at once, without reading it.
 
 A connection that passes a limit is closed and counted in
-``pdserve_router_connections_refused{reason="header_timeout|body_timeout|too_many"}``.
+``pdserve_router_connections_refused{reason="header_timeout|body_timeout|too_many"}``
+(``pdserve_connections_refused`` on the servers).
 A response being streamed is never cut: the timers stop once the request has
 been read.
 """
@@ -26,15 +29,24 @@ from prometheus_client.core import CounterMetricFamily
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 REASONS = ("header_timeout", "body_timeout", "too_many")
+# What a connection over the per-client cap gets before it is closed: in OpenAI's error shape, which
+# the servers' ErrorReply readers take as well.
+_TOO_MANY_BODY = (b'{"error":{"message":"too many open connections from this address; close some and retry",'
+                  b'"type":"server_error","param":null,"code":"too_many_connections"}}')
+TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(_TOO_MANY_BODY)).encode() + b"\r\n\r\n"
+            + _TOO_MANY_BODY)
 
 
 class ConnectionGuard:
     """Owns the per-client connection counts and the refusal counters (event loop only)."""
 
-    def __init__(self, header_timeout_s: float, body_timeout_s: float, max_per_client: int) -> None:
+    def __init__(self, header_timeout_s: float, body_timeout_s: float, max_per_client: int,
+                 metric: str = "pdserve_router_connections_refused", who: str = "the router") -> None:
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
         self.max_per_client = max_per_client
+        self.metric, self.who = metric, who
         self.open: dict[str, int] = {}
         self.refused = dict.fromkeys(REASONS, 0)
 
@@ -53,8 +65,8 @@ class ConnectionGuard:
             self.open.pop(client, None)
 
     def collect(self):
-        family = CounterMetricFamily("pdserve_router_connections_refused",
-                                     "Client connections closed by the router's limits", labels=["reason"])
+        family = CounterMetricFamily(self.metric, f"Client connections closed by {self.who}'s limits",
+                                     labels=["reason"])
         for reason in REASONS:
             family.add_metric([reason], self.refused[reason])
         yield family
@@ -62,6 +74,12 @@ class ConnectionGuard:
     def protocol_class(self) -> type[H11Protocol]:
         """uvicorn's h11 protocol with this guard's limits (pass as ``uvicorn.Config(http=...)``)."""
         return type("GuardedH11Protocol", (_GuardedH11,), {"guard": self})
+
+
+def server_guard(settings) -> ConnectionGuard:
+    """A prefill or decode server's guard, from its ``ServerSettings``."""
+    return ConnectionGuard(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections_per_client,
+                           metric="pdserve_connections_refused", who="the server")
 
 
 class _GuardedH11(H11Protocol):
@@ -74,7 +92,8 @@ class _GuardedH11(H11Protocol):
         self._phase = ""
         client = self.client[0] if self.client else ""
         if not self.guard.claim(client):
-            transport.close()
+            transport.write(TOO_MANY)
+            transport.close()  # after the write is flushed
             return
         self._claimed = client
         self._arm("header_timeout", self.guard.header_timeout_s)
