@@ -36,6 +36,8 @@ def create_app(service: GenerationService) -> FastAPI:
         """Transfer handshake from a prefill server: its hello in, ours back (base64 msgpack)."""
         try:
             answer = await service.accept_sender(base64.b64decode(req.hello, validate=True))
+        except WorkerError as exc:
+            return JSONResponse(exc.reply().model_dump(mode="json"), status_code=exc.status)
         except (ValueError, TimeoutError, RuntimeError) as exc:
             reply = ErrorReply(error=str(exc), code=Outcome.INCOMPATIBLE_PEER)
             return JSONResponse(reply.model_dump(mode="json"), status_code=400)

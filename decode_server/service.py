@@ -61,7 +61,7 @@ from server_common.worker_replies import (
     tokens_event,
 )
 from server_common.worker_requests import GenerateRequest
-from transfer.outcome import Outcome, TransferEnded
+from transfer.outcome import Outcome, PeerBound, TransferEnded
 
 log = logging.getLogger(__name__)
 BACKSTOP_S = 5.0
@@ -136,7 +136,12 @@ class GenerationService:
     async def accept_sender(self, hello: bytes) -> bytes:
         if self._receiver is None:
             raise ValueError(f"{self.settings.name} is a colocated server: it takes no KV transfers")
-        return await asyncio.to_thread(self._receiver.accept, hello)
+        try:
+            return await asyncio.to_thread(self._receiver.accept, hello)
+        except PeerBound as exc:
+            self.metrics.peer_refusals.labels(reason="bound_to_live_instance").inc()
+            log.warning("refused a KV handshake: %s", exc)
+            raise WorkerError(409, str(exc), Outcome.PEER_BOUND) from None
 
     # ---- requests -------------------------------------------------------------
     async def open(self, req: GenerateRequest, caller: str = "") -> tuple[ReservationEvent, Active]:

@@ -31,8 +31,12 @@ def create_app(service: PrefillService) -> FastAPI:
 
     @app.post("/admin/peers")
     async def add_peer(peer: DecodePeer) -> JSONResponse:
-        """A decode server joined (the router's discovery): KV may now go to it."""
-        service.add_peer(peer.name, peer.url)
+        """A decode server joined (the router's discovery): KV may now go to it. One the
+        config lists is never re-pointed (409)."""
+        try:
+            service.add_peer(peer.name, peer.url)
+        except WorkerError as exc:
+            return JSONResponse(exc.reply().model_dump(mode="json"), status_code=exc.status)
         return JSONResponse({"peers": service.peers()})
 
     @app.delete("/admin/peers/{name}")

@@ -47,7 +47,7 @@ from server_common.vitals import Vitals
 from server_common.worker_replies import (MAX_LEASE_S, HealthReport, KVBlocks, PrefillResult, WorkerError,
                                           prompt_token_logprobs, token_logprobs)
 from server_common.worker_requests import PrefillRequest
-from transfer.outcome import Outcome, TransferEnded
+from transfer.outcome import Outcome, PeerBound, TransferEnded
 
 log = logging.getLogger(__name__)
 REMEMBER_ABORTED = 4096
@@ -201,7 +201,12 @@ class PrefillService:
 
     # ---- decode peers (the router's discovery) --------------------------------------
     def add_peer(self, name: str, url: str) -> None:
-        self._sender.add_peer(name, url)
+        try:
+            self._sender.add_peer(name, url)
+        except PeerBound as exc:
+            self.metrics.peer_refusals.labels(reason="configured_peer").inc()
+            log.warning("refused to re-point a decode server: %s", exc)
+            raise WorkerError(409, str(exc), Outcome.PEER_BOUND) from None
 
     def forget_peer(self, name: str) -> bool:
         return self._sender.forget_peer(name)

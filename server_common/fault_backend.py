@@ -78,6 +78,9 @@ class FaultyBackend(Backend):
     def set_write_limit(self, limit) -> None:
         self.inner.set_write_limit(limit)
 
+    def peer_connected(self, peer: str) -> bool:
+        return self.inner.peer_connected(peer)
+
     def connect(self, peer: str, metadata: bytes) -> None:
         self.inner.connect(peer, metadata)
 

@@ -21,7 +21,7 @@ from server_common.faults import FaultInjector
 from server_common.guard import auth_headers
 from server_common.kv_port import Notify
 from server_common.settings import ServerSettings
-from transfer.outcome import TransferEnded
+from transfer.outcome import PeerBound, TransferEnded
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +104,10 @@ class SenderAdapter:
         self._sender = KVSender(_backend(settings, listen=False, faults=faults), engine.cache.kv, _layout(engine),
                                 name=settings.name, model=engine.config.model, notify=notify)
         self._peers: dict[str, tuple[str, asyncio.Task]] = {}  # peer -> (its epoch, handshake); event loop only
-        # Decode servers this prefill server may meet, by name: the config's, and those the router's
-        # discovery announced (POST /admin/peers); event loop only.
-        self._known: dict[str, str] = dict(settings.decode_peers)
+        # Decode servers this prefill server may meet, by name: the config's (never re-pointed), and
+        # those the router's discovery announced (POST /admin/peers); event loop only.
+        self._configured: dict[str, str] = dict(settings.decode_peers)
+        self._known: dict[str, str] = dict(self._configured)
 
     def start(self) -> None:
         self._sender.start()
@@ -144,7 +145,11 @@ class SenderAdapter:
         return await asyncio.to_thread(self._sender.connect, answer, self._settings.transfer_timeout_s)
 
     def add_peer(self, name: str, url: str) -> None:
-        """The router vouches for a decode server that joined (its discovery found it)."""
+        """The router vouches for a decode server that joined (its discovery found it). One the
+        config lists keeps the config's address: another raises PeerBound, and nothing changes."""
+        configured = self._configured.get(name)
+        if configured is not None and url != configured:
+            raise PeerBound(f"decode server {name!r} is in the cluster config at {configured}; it is not re-pointed")
         if self._known.get(name) != url:
             self._peers.pop(name, None)  # a new address: meet it afresh
         self._known[name] = url

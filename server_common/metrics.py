@@ -18,6 +18,9 @@ from transfer.outcome import KV_NEVER_ARRIVED, Outcome
 
 TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 STAGE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80)
+# pdserve_peer_refusals reasons: a decode server refused a hello (the name is bound to a live
+# instance); a prefill server refused to re-point a decode server its config lists.
+PEER_REFUSALS = ("bound_to_live_instance", "configured_peer")
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(12, 34, 2))  # 4 KiB .. 8 GiB
 GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 AGE_BUCKETS = ((1.0, "lt_1s"), (10.0, "1s_10s"), (60.0, "10s_60s"), (float("inf"), "ge_60s"))
@@ -76,6 +79,9 @@ class ServerMetrics:
                                          ["code"], registry=r)
         self.reprefills = Counter("pdserve_reprefills", "Requests prefilled locally after their remote KV failed",
                                   ["cause"], registry=r)
+        self.peer_refusals = Counter(
+            "pdserve_peer_refusals", "Peer bindings refused: a hello under a name bound to another live instance, "
+            "or a configured decode server re-pointed", ["reason"], registry=r)
         # Every known label value exported at 0 from the start, so rate() and absent() alerts work before
         # the first failure (prometheus-client's advice for labelled metrics).
         for code in Outcome:
@@ -83,6 +89,8 @@ class ServerMetrics:
                 self.transfer_failures.labels(code=code)
         for cause in sorted(KV_NEVER_ARRIVED):
             self.reprefills.labels(cause=cause)
+        for reason in PEER_REFUSALS:
+            self.peer_refusals.labels(reason=reason)
 
     def watch_transfers(self, counters: Callable[[], dict[str, int]]) -> None:
         """Export a KV receiver's counters: writes and notices discarded by transfer id."""

@@ -93,6 +93,12 @@ class Backend(abc.ABC):
         """(Re)connect to a peer from its metadata; a restarted peer with the
         same name is connected afresh."""
 
+    def peer_connected(self, peer: str) -> bool:
+        """Receivers: whether the sender bound to ``peer`` by an earlier ``connect`` still
+        holds a live connection. A backend that cannot tell says False (the newest
+        handshake for a name then wins)."""
+        return False
+
     def prepare(self, peer: str, region: str, chunk_bytes: int) -> None:
         """Hint: writes from ``region`` to ``peer`` are mostly whole chunks of
         ``chunk_bytes`` at multiples of it on both sides (NIXL prepares

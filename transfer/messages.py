@@ -28,6 +28,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     layout: KVLayout
     backend: str  # "nixl" | "zmq" | "inproc"
     backend_meta: bytes
+    # Drawn at every start of the process: a decode server keeps a name bound to the
+    # instance that met it first while that one is connected (see KVReceiver.accept).
+    instance: str = ""
 
 
 class WriteHeader(msgspec.Struct, frozen=True, tag="write"):

@@ -41,6 +41,7 @@ class Outcome(StrEnum):
     BAD_REQUEST = "bad_request"  # the engine refused the request's values
     HANDSHAKE_FAILED = "handshake_failed"  # the prefill server could not meet the decode server
     INCOMPATIBLE_PEER = "incompatible_peer"  # the other server runs another model, layout or backend
+    PEER_BOUND = "peer_bound"  # a peer name is held by another live instance, or fixed by the config
     UNAUTHORIZED = "unauthorized"  # an internal call without the cluster's internal secret
     TOO_LARGE = "request_too_large"  # a request body over the server's cap
 
@@ -50,6 +51,10 @@ class Outcome(StrEnum):
     STREAM_CUT = "stream_cut"  # the decode stream ended before its last token
     WORKER_ERROR = "worker_error"  # an answer the router cannot read
     NO_PREFILL = "no_prefill"  # no prefill server in rotation that this request has not tried
+
+
+class PeerBound(RuntimeError):
+    """A hello names a prefill server that is bound to another instance, still connected."""
 
 
 # Decode-stream outcomes meaning "the prompt's KV never arrived intact": the

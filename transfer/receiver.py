@@ -34,7 +34,7 @@ from transfer.copy import region_bytes
 from transfer.integrity import CHECKSUM_MODES, Expected, TransferRegistry, checksum_positions, kv_checksum
 from transfer.layout import KVLayout, check_compatible
 from transfer.messages import MAX_SEQUENCES, Ack, Cancel, CancelAck, Done, Hello, decode, encode
-from transfer.outcome import Outcome
+from transfer.outcome import Outcome, PeerBound
 from transfer.plan import ranges_inside
 from transfer.session import TransferThread, Wake, cache_as_layout
 
@@ -74,7 +74,7 @@ class KVReceiver(TransferThread):
         self._grace = cancel_grace_s
         self._lock = threading.Lock()  # the registry: expect() runs on the server's thread
         self._registry = TransferRegistry(name)
-        self._senders: set[str] = set()
+        self._senders: dict[str, str] = {}  # prefill servers met: name -> the instance bound to it
         self._cancel_acks: dict[str, set[str]] = {}
         backend.register("kv", self._cache)
         backend.set_write_limit(self._write_limit)
@@ -84,7 +84,13 @@ class KVReceiver(TransferThread):
     def accept(self, sender_hello: bytes, timeout_s: float = 30.0) -> bytes:
         """First meeting with a prefill server: check compatibility (raises
         IncompatiblePeer naming both values), connect back for notices, and
-        return our hello for it to ``connect`` with."""
+        return our hello for it to ``connect`` with.
+
+        A name stays bound to the instance that met it: a hello from another
+        instance under that name (a restarted server, or anyone holding the
+        internal secret) replaces it only once the bound one's connection is gone
+        (``Backend.peer_connected``); while it lives, PeerBound is raised and the
+        live binding is untouched."""
         hello = msgspec.msgpack.decode(sender_hello, type=Hello)
         check_compatible(self._model, self._layout, hello.model, hello.layout, "decode", hello.role)
         if hello.backend != self.backend.kind:
@@ -137,8 +143,12 @@ class KVReceiver(TransferThread):
         match cmd:
             case Accept(hello, done):
                 try:
+                    bound = self._senders.get(hello.name)
+                    if bound is not None and bound != hello.instance and self.backend.peer_connected(hello.name):
+                        self._bump("hello_refused_bound")
+                        raise PeerBound(f"{hello.name!r} is bound to another instance that is still connected")
                     self.backend.connect(hello.name, hello.backend_meta)
-                    self._senders.add(hello.name)
+                    self._senders[hello.name] = hello.instance
                     done.set_result(None)
                 except Exception as exc:
                     done.set_exception(exc)
@@ -157,7 +167,7 @@ class KVReceiver(TransferThread):
             self._start_cancel(entry, "lease expired before the KV arrived", now, Outcome.LEASE_EXPIRED)
         for entry in cancelling:
             acks = self._cancel_acks.get(entry.transfer_id, set())
-            if self._senders <= acks or now >= entry.cancel_deadline:
+            if self._senders.keys() <= acks or now >= entry.cancel_deadline:
                 self._end(entry, entry.cancel_code, entry.cancelling)
         return active
 
@@ -184,7 +194,7 @@ class KVReceiver(TransferThread):
         if isinstance(item, WriteIn):
             self._on_write(item)
         elif isinstance(item, PeerLost):
-            self._senders.discard(item.peer)
+            self._senders.pop(item.peer, None)
         elif isinstance(item, Dropped):
             if item.reason == "unknown_transfer":
                 with self._lock:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -107,8 +108,9 @@ class TransferThread:
         self._closed = False
         self.contained_errors = 0  # incoming items that raised: dropped (transfer thread writes, others read)
         self.last_round = time.monotonic()  # when the thread last went round its loop (see ``problem``)
+        self.instance = secrets.token_hex(16)
         self._hello = encode(Hello(self.role, name, self._model, self._layout, backend.kind,
-                                   backend.metadata()))
+                                   backend.metadata(), self.instance))
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.role}-{name}", daemon=True)
 
     def start(self) -> None:

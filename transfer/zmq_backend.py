@@ -15,7 +15,9 @@ token as its identity. Frames from any other identity (a process that
 connected on its own, whatever name it claims) are dropped and counted, and
 the ROUTER does not hand an identity in use over to a second connection
 (no ``ROUTER_HANDOVER``), so nobody takes a bound peer's place. A restarted
-sender handshakes again and gets a new token; the old one is forgotten.
+sender handshakes again and gets a new token; the old one is forgotten. A
+hello under a bound name is only connected once the bound sender's connection
+is gone (``peer_connected``; ``KVReceiver.accept`` asks).
 
 Every write header is checked before anything is allocated: its sizes must
 agree with its frames, and its byte count must fit what the transfer's
@@ -139,6 +141,20 @@ class ZmqBackend(Backend):
         self._peers[peer] = _Peer(sock, monitor)
         self._poller.register(sock, zmq.POLLIN)
         self._poller.register(monitor, zmq.POLLIN)
+
+    def peer_connected(self, peer: str) -> bool:
+        """An empty frame to its identity: with ``ROUTER_MANDATORY`` the ROUTER refuses it
+        (EHOSTUNREACH) once that connection is gone. Senders ignore frames they cannot decode."""
+        identity = self._identity_of.get(peer)
+        if self._router is None or identity is None:
+            return False
+        try:
+            self._router.send_multipart([identity, b""], flags=zmq.NOBLOCK)
+        except zmq.Again:  # connected, its queue full
+            return True
+        except zmq.ZMQError:
+            return False
+        return True
 
     def _enqueue(self, peer: str, frames: list) -> None:
         state = self._peers.get(peer)

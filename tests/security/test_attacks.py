@@ -143,6 +143,42 @@ def test_the_prefill_server_never_follows_a_hello_url_it_is_given(target):
     target.cluster.wait_idle(5.0)
 
 
+def test_a_hello_under_the_prefill_servers_name_leaves_its_live_binding_alone(target, tiny_model):
+    """Holding the internal secret is not enough to unbind p0: it used to cost every later request
+    a whole lease (then a local prefill on d0)."""
+    still_correct(target, tiny_model, n=1)  # p0 has met d0
+    refused = 'pdserve_peer_refusals_total{reason="bound_to_live_instance"}'
+    before = {"refused": target.cluster.metric("d0", refused),
+              "reprefilled": target.cluster.metric("d0", 'pdserve_reprefills_total{cause="lease_expired"}'),
+              "prefilled": target.cluster.metric("p0", 'pdserve_requests_total{outcome="prefilled"}')}
+    hello = base64.b64encode(sender_hello("p0", target.model, target.layout)).decode()
+    answer = target.cluster.http.post(f"{target.cluster.server('d0')['url']}/kv/hello", json={"hello": hello})
+    assert answer.status_code == 409 and answer.json()["code"] == "peer_bound", answer.text
+    still_correct(target, tiny_model, n=3)
+    assert target.cluster.metric("d0", refused) - before["refused"] == 1
+    assert target.cluster.metric("p0", 'pdserve_requests_total{outcome="prefilled"}') - before["prefilled"] == 3
+    assert target.cluster.metric("d0", 'pdserve_reprefills_total{cause="lease_expired"}') == before["reprefilled"]
+
+
+def test_a_decode_server_the_config_lists_is_never_re_pointed(target, tiny_model):
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    p0, d0 = target.cluster.server("p0")["url"], target.cluster.server("d0")["url"]
+    refused = 'pdserve_peer_refusals_total{reason="configured_peer"}'
+    before = target.cluster.metric("p0", refused)
+    try:
+        resp = target.cluster.http.post(f"{p0}/admin/peers",
+                                        json={"name": "d0", "url": f"http://127.0.0.1:{listener.getsockname()[1]}"})
+        assert resp.status_code == 409 and resp.json()["code"] == "peer_bound", resp.text
+        assert target.cluster.http.get(f"{p0}/admin/peers").json()["peers"]["d0"] == d0
+        still_correct(target, tiny_model, n=2)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody came: the secret went nowhere
+    finally:
+        listener.close()
+    assert target.cluster.metric("p0", refused) - before == 1
+
+
 @pytest.mark.parametrize("sampling", [
     '{"max_tokens": 1, "temperature": NaN}', '{"max_tokens": 1, "temperature": Infinity}',
     '{"max_tokens": 9223372036854775808}', '{"max_tokens": 1, "top_k": 1180591620717411303424}',

@@ -10,10 +10,12 @@ import torch
 from tests.transfer.conftest import nixl_available
 from tests.transfer.helpers import make_receiver, make_sender, meet, push_all, wait_events
 from tests.transfer.oracle import expected_after_copy
+from tests.waiting import wait_until
 from transfer.copy import region_bytes
 from transfer.inproc import InprocBackend, InprocHub
 from transfer.layout import IncompatiblePeer, KVLayout
 from transfer.messages import Done, encode
+from transfer.outcome import PeerBound
 from transfer.sender import Abort, Begin, Push
 
 KINDS = ["inproc", "zmq", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(),
@@ -236,3 +238,39 @@ def test_write_into_a_pinned_cached_prefix_block_fails_the_transfer_and_is_not_a
     assert not region_bytes(receiver._cache).numpy().any()
     with pytest.raises(ValueError, match="writable_from 2"):
         receiver.expect([3, 2], lease_s=10, writable_from=2)
+
+
+def test_a_second_instance_under_a_bound_name_is_refused_while_the_first_is_connected(hub, closing):
+    """Only a restarted prefill server may take its name over: one holding the internal secret
+    cannot unbind the live one by sending a hello under its name."""
+    src = layout()
+    receiver = closing(make_receiver("zmq", hub, "D", src))
+    real = make_sender("zmq", hub, "P", src)
+    peer = meet(real, receiver)
+    assert meet(real, receiver) == peer  # the same instance meeting again (a retried handshake)
+    impostor = closing(make_sender("zmq", hub, "P", src))
+    with pytest.raises(PeerBound, match="'P' is bound to another instance"):
+        receiver.accept(impostor.hello())
+    assert receiver.counters()["hello_refused_bound"] == 1
+    tid = receiver.expect([5], lease_s=10)
+    real.begin(tid, peer, [5], 10)
+    push_all(real, tid, src, [2], 0, 16)
+    assert [c.transfer_id for c in wait_events(receiver).completed] == [tid]  # the live binding still works
+
+    real.close()  # gone: once the receiver sees its connection drop, a restarted P is met
+    restarted = closing(make_sender("zmq", hub, "P", src))
+    met = []
+
+    def meets() -> bool:
+        try:
+            met.append(meet(restarted, receiver))
+        except PeerBound:
+            return False
+        return True
+
+    wait_until(meets, 5.0, "the restarted P is met once the first one's connection is gone")
+    peer = met[0]
+    tid = receiver.expect([7], lease_s=10)
+    restarted.begin(tid, peer, [7], 10)
+    push_all(restarted, tid, src, [2], 0, 16)
+    assert [c.transfer_id for c in wait_events(receiver).completed] == [tid]
