@@ -149,6 +149,8 @@ class RouterConfig(Strict):
     header_timeout_s: float = Field(default=RouterSettings.header_timeout, gt=0)
     body_timeout_s: float = Field(default=RouterSettings.body_timeout, gt=0)
     max_connections_per_client: int = Field(default=RouterSettings.max_connections_per_client, ge=1)
+    max_connections: int = Field(default=RouterSettings.max_connections, ge=2)  # open, in all
+    reserved_connections: int = Field(default=RouterSettings.reserved_connections, ge=0)  # of them, loopback only
     api_keys_file: str | None = None  # instead of api_keys: one key per line (on Kubernetes, a mounted Secret)
     grammar_limits: GrammarLimitsConfig = GrammarLimitsConfig()
 
@@ -156,6 +158,8 @@ class RouterConfig(Strict):
     def _one_key_source(self) -> RouterConfig:
         if self.api_keys and self.api_keys_file is not None:
             raise ValueError("set router.api_keys or router.api_keys_file, not both")
+        if self.reserved_connections >= self.max_connections:
+            raise ValueError("router.reserved_connections must be below router.max_connections")
         return self
 
     def api_key_values(self) -> tuple[str, ...]:
@@ -353,6 +357,7 @@ class ClusterConfig(Strict):
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
             prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
             body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
+            max_connections=r.max_connections, reserved_connections=r.reserved_connections,
             tracing=self.tracing.settings(), discovery=discovery,
             worker_connections=r.worker_connections, worker_keepalive=r.worker_keepalive,
             worker_keepalive_s=r.worker_keepalive_s, grammar_limits=r.grammar_limits.limits(),
@@ -387,6 +392,9 @@ class ClusterConfig(Strict):
             header_timeout_s=self.security.server_header_timeout_s,
             body_timeout_s=self.security.server_body_timeout_s,
             max_connections_per_client=self.security.server_max_connections_per_client,
+            max_connections=self.security.server_max_connections,
+            reserved_connections=self.security.server_reserved_connections,
+            trusted_clients=tuple(sorted({self.router_host} | {self.host_of(i) for i in self.instances()})),
         )
 
 

@@ -46,11 +46,16 @@ class SecurityConfig(Strict):
     server_header_timeout_s: float = Field(default=10.0, gt=0)
     server_body_timeout_s: float = Field(default=30.0, gt=0)
     server_max_connections_per_client: int = Field(default=2048, ge=1)
+    # Open connections in all; the last server_reserved_connections only for loopback and the cluster's hosts.
+    server_max_connections: int = Field(default=4096, ge=2)
+    server_reserved_connections: int = Field(default=64, ge=0)
 
     @model_validator(mode="after")
     def _one_source(self) -> SecurityConfig:
         if self.internal_secret is not None and self.internal_secret_file is not None:
             raise ValueError("set security.internal_secret or security.internal_secret_file, not both")
+        if self.server_reserved_connections >= self.server_max_connections:
+            raise ValueError("security.server_reserved_connections must be below security.server_max_connections")
         return self
 
     @property

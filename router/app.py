@@ -80,7 +80,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                                             retry_after=settings.retry_after), on_wait=metrics.queue_time.observe)
     metrics.watch_admission(admission)
     # Slow and greedy clients (server_common.connections): `pdserve router` serves with its protocol class.
-    connections = ConnectionGuard(settings.header_timeout, settings.body_timeout, settings.max_connections_per_client)
+    connections = ConnectionGuard(settings.header_timeout, settings.body_timeout, settings.max_connections_per_client,
+                                  max_connections=settings.max_connections, reserved=settings.reserved_connections)
     metrics.registry.register(connections)
     dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
                                          prefill_failure=settings.prefill_failure,

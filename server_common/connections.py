@@ -11,10 +11,18 @@ protocol (``protocol_class``) three limits, on the router (config
   response on it) until the request's headers are complete;
 * ``body_timeout_s``: from the headers until the whole body has arrived;
 * ``max_connections_per_client``: open connections from one address; one more
-  is answered 503 (and ``Connection: close``) at once, without reading it.
+  is answered 503 (and ``Connection: close``) at once, without reading it;
+* ``max_connections``: open connections in all, of which the last
+  ``reserved_connections`` are kept for trusted addresses (loopback, and on a
+  prefill or decode server the hosts of its cluster: the router's health
+  checks and requests, the other servers' handshakes), so that thousands of
+  strangers' connections cannot keep the router from reaching a server. The
+  cap is also kept under the process's file-descriptor limit (raised to its
+  hard limit at start), which a flood would otherwise exhaust, refusing
+  everyone.
 
 A connection that passes a limit is closed and counted in
-``pdserve_router_connections_refused{reason="header_timeout|body_timeout|too_many"}``
+``pdserve_router_connections_refused{reason="header_timeout|body_timeout|too_many|full"}``
 (``pdserve_connections_refused`` on the servers).
 A response being streamed is never cut: the timers stop once the request has
 been read.
@@ -23,41 +31,90 @@ been read.
 from __future__ import annotations
 
 import asyncio
+import resource
+import socket
+from collections.abc import Iterable
 
 import h11
 from prometheus_client.core import CounterMetricFamily
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-REASONS = ("header_timeout", "body_timeout", "too_many")
-# What a connection over the per-client cap gets before it is closed: in OpenAI's error shape, which
-# the servers' ErrorReply readers take as well.
-_TOO_MANY_BODY = (b'{"error":{"message":"too many open connections from this address; close some and retry",'
-                  b'"type":"server_error","param":null,"code":"too_many_connections"}}')
-TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-            b"connection: close\r\ncontent-length: " + str(len(_TOO_MANY_BODY)).encode() + b"\r\n\r\n"
-            + _TOO_MANY_BODY)
+REASONS = ("header_timeout", "body_timeout", "too_many", "full")
+LOOPBACK = frozenset({"127.0.0.1", "::1"})
+FD_HEADROOM = 256  # descriptors kept for everything but client connections (model files, peers, pipes)
+
+
+def _refusal(message: str) -> bytes:
+    """What a connection over a cap gets before it is closed: in OpenAI's error shape, which the
+    servers' ErrorReply readers take as well."""
+    body = (b'{"error":{"message":"' + message.encode() + b'","type":"server_error","param":null,'
+            b'"code":"too_many_connections"}}')
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+TOO_MANY = _refusal("too many open connections from this address; close some and retry")
+FULL = _refusal("the server has too many open connections; retry shortly")
+
+
+def usable_connections(wanted: int) -> int:
+    """``wanted``, or fewer when the file-descriptor limit (raised to its hard limit first) leaves less room."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, soft - FD_HEADROOM))
+
+
+def addresses_of(hosts: Iterable[str]) -> frozenset[str]:
+    """Every address the given hosts (names or addresses) resolve to now; names that do not resolve are skipped."""
+    found: set[str] = set()
+    for host in hosts:
+        try:
+            found.update(info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+        except (socket.gaierror, UnicodeError):
+            continue
+    return frozenset(found)
 
 
 class ConnectionGuard:
-    """Owns the per-client connection counts and the refusal counters (event loop only)."""
+    """Owns the connection counts and the refusal counters (event loop only). ``trusted``: addresses
+    (or host names, resolved now) that may use the ``reserved`` connections; loopback always may."""
 
     def __init__(self, header_timeout_s: float, body_timeout_s: float, max_per_client: int,
+                 max_connections: int = 8192, reserved: int = 64, trusted: Iterable[str] = (),
                  metric: str = "pdserve_router_connections_refused", who: str = "the router") -> None:
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
         self.max_per_client = max_per_client
+        self.max_connections = usable_connections(max_connections)
+        self.reserved = min(reserved, self.max_connections - 1)
+        self.trusted = LOOPBACK | addresses_of(trusted)
         self.metric, self.who = metric, who
         self.open: dict[str, int] = {}
+        self.total = 0
         self.refused = dict.fromkeys(REASONS, 0)
 
-    def claim(self, client: str) -> bool:
+    def claim(self, client: str) -> bytes | None:
+        """None when ``client`` may open one more connection; else the answer that refuses it."""
+        room = self.max_connections - (0 if client in self.trusted else self.reserved)
+        if self.total >= room:
+            self.refused["full"] += 1
+            return FULL
         if self.open.get(client, 0) >= self.max_per_client:
             self.refused["too_many"] += 1
-            return False
+            return TOO_MANY
         self.open[client] = self.open.get(client, 0) + 1
-        return True
+        self.total += 1
+        return None
 
     def release(self, client: str) -> None:
+        self.total -= 1
         left = self.open.get(client, 0) - 1
         if left > 0:
             self.open[client] = left
@@ -79,7 +136,9 @@ class ConnectionGuard:
 def server_guard(settings) -> ConnectionGuard:
     """A prefill or decode server's guard, from its ``ServerSettings``."""
     return ConnectionGuard(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections_per_client,
-                           metric="pdserve_connections_refused", who="the server")
+                           max_connections=settings.max_connections, reserved=settings.reserved_connections,
+                           trusted=settings.trusted_clients, metric="pdserve_connections_refused",
+                           who="the server")
 
 
 class _GuardedH11(H11Protocol):
@@ -91,8 +150,9 @@ class _GuardedH11(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._phase = ""
         client = self.client[0] if self.client else ""
-        if not self.guard.claim(client):
-            transport.write(TOO_MANY)
+        refusal = self.guard.claim(client)
+        if refusal is not None:
+            transport.write(refusal)
             transport.close()  # after the write is flushed
             return
         self._claimed = client

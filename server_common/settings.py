@@ -43,6 +43,11 @@ class ServerSettings:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections_per_client: int = 2048
+    # Open connections in all; the last reserved_connections for loopback and trusted_clients (the hosts of
+    # the cluster's router and servers), so that strangers' connections never lock the router out.
+    max_connections: int = 4096
+    reserved_connections: int = 64
+    trusted_clients: tuple[str, ...] = ()
     internal_secret: str | None = field(default=None, repr=False)  # required on internal calls; never logged
     # (name, url) of the cluster's decode servers: a prefill server's handshakes go there only
     decode_peers: tuple[tuple[str, str], ...] = ()

@@ -17,6 +17,7 @@ HEADER_TIMEOUT_S = 2.0
 MAX_CONNECTIONS = 6
 # Above the router's worker_keepalive_s (2 s), so the servers never close an idle connection it may reuse.
 SERVER_HEADER_TIMEOUT_S = 4.0
+SERVER_MAX_CONNECTIONS, SERVER_RESERVED_CONNECTIONS = 64, 16
 
 
 class Target:
@@ -42,7 +43,9 @@ def target(tmp_path_factory, tiny_model):
     config = make_config(folder, "tiny-1p1d", tiny_model, {
         "drain_timeout_s": 5, "restart": {"backoff_s": 0.2}, "fault_injection": True,
         "router": {"header_timeout_s": HEADER_TIMEOUT_S, "max_connections_per_client": MAX_CONNECTIONS},
-        "security": {"server_header_timeout_s": SERVER_HEADER_TIMEOUT_S}})
+        "security": {"server_header_timeout_s": SERVER_HEADER_TIMEOUT_S,
+                     "server_max_connections": SERVER_MAX_CONNECTIONS,
+                     "server_reserved_connections": SERVER_RESERVED_CONNECTIONS}})
     cluster = Cluster(config, folder)
     yield Target(cluster, config)
     cluster.stop()

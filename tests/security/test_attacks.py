@@ -15,7 +15,8 @@ import httpx
 import pytest
 import zmq
 
-from tests.security.conftest import HEADER_TIMEOUT_S, MAX_CONNECTIONS, SERVER_HEADER_TIMEOUT_S
+from tests.security.conftest import (HEADER_TIMEOUT_S, MAX_CONNECTIONS, SERVER_HEADER_TIMEOUT_S,
+                                     SERVER_MAX_CONNECTIONS, SERVER_RESERVED_CONNECTIONS)
 from tests.security.wire import bound_socket, connect_as, ping, sender_hello, write_frames
 from tests.serving.oracle import PROMPTS, expected_completion
 from transfer.messages import Done, encode
@@ -304,6 +305,50 @@ def test_a_prefill_or_decode_server_closes_connections_whose_headers_never_come(
         for sock in socks:
             sock.close()
     assert target.cluster.metric(server, metric) - before >= 5
+    still_correct(target, tiny_model, n=1)
+
+
+def connect_from(address: str, url: httpx.URL) -> socket.socket:
+    sock = socket.socket()
+    sock.bind((address, 0))  # all of 127/8 is this host: many "clients" without leaving it
+    sock.connect((url.host, url.port))
+    return sock
+
+
+def health_from(address: str, url: httpx.URL) -> bytes:
+    with connect_from(address, url) as sock:
+        sock.settimeout(5)
+        sock.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        return closed_by_peer(sock) or b""
+
+
+def test_strangers_filling_a_server_s_connections_leave_the_reserve_to_its_cluster(target, tiny_model):
+    """Strangers on eight addresses (each under the per-address cap) open as many connections as d0 takes
+    in all: the last reserved ones are refused to them, and loopback (the router, the launcher) still
+    gets in. Used to take d0 out of rotation once its file descriptors ran out."""
+    url = httpx.URL(target.cluster.server("d0")["url"])
+    metric = 'pdserve_connections_refused_total{reason="full"}'
+    before = target.cluster.metric("d0", metric)
+    socks = []
+    try:
+        opened = time.monotonic()
+        for i in range(SERVER_MAX_CONNECTIONS):
+            socks.append(connect_from(f"127.0.0.{2 + i % 8}", url))
+        wait_until(lambda: target.cluster.metric("d0", metric) - before >= SERVER_RESERVED_CONNECTIONS)
+        assert health_from("127.0.0.1", url).startswith(b"HTTP/1.1 200")
+        assert b"the server has too many open connections" in health_from("127.0.0.30", url)
+        assert time.monotonic() - opened < SERVER_HEADER_TIMEOUT_S  # the strangers' connections were all open
+        for sock in socks:
+            sock.settimeout(SERVER_HEADER_TIMEOUT_S + 5)
+        answers = [closed_by_peer(sock) for sock in socks]  # refused at once; the rest at the header timeout
+    finally:
+        for sock in socks:
+            sock.close()
+    refused = [a for a in answers if a]
+    assert len(refused) >= SERVER_RESERVED_CONNECTIONS and all(
+        a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a for a in refused)
+    assert target.cluster.metric("d0", metric) - before == len(refused) + 1  # and 127.0.0.30's
+    assert health_from("127.0.0.30", url).startswith(b"HTTP/1.1 200")  # room again
     still_correct(target, tiny_model, n=1)
 
 
