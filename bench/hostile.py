@@ -19,14 +19,17 @@ then beside each attack in turn:
     two greedy n=8         two 1000-token prompts, n 8, max_tokens 376, ignore_eos, at once
                            (each within half of tiny-1p1d's decode cache, both over all of it)
     4 x scored 4000        four 4000-token prompts with echo and logprobs at once
+    2000 tools             a chat request with 2000 function tools (~3 MB), twice
+    100k empty messages    a chat request of 100,000 empty user messages, twice
+    n=16 logprobs answer   two sampled n 16 x 240-token answers with 20 top log-probabilities at once
 
 ``--only`` picks attacks by words of their names (``--only "KV hog,greedy"``).
 
 For each it prints the statuses the attack got, its slowest answer, the normal
 client's p99 time to first token, longest pause within a stream, and failures meanwhile, how long the router then
-took to be ready again (before the next attack, which waits for it), and whether every
+took to be ready again (before the next attack, which waits for it), whether every
 process of the cluster kept its pid (``RUN_DIR/cluster.json``; a restarted one
-gets a new pid). Then ``cached_tokens`` of an echo + logprobs prompt sent twice,
+gets a new pid), and the router's resident memory a second after the attack. Then ``cached_tokens`` of an echo + logprobs prompt sent twice,
 next to the decode servers' prefix-cache hits it caused. Traffic goes only to the
 cluster's own router and servers (its config's addresses).
 """
@@ -62,6 +65,13 @@ ATTACKS = (  # (name, request body fields, copies sent at once, times sent)
     ("n=16 KV hog", {"prompt": token_ids(2000), "n": 16, "max_tokens": 2000, "ignore_eos": True}, 1, 1),
     ("two greedy n=8", {"prompt": token_ids(1000), "n": 8, "max_tokens": 376, "ignore_eos": True}, 2, 1),
     ("4 x scored 4000", {"prompt": token_ids(4000), "echo": True, "logprobs": 1, "max_tokens": 1}, 4, 1),
+    ("2000 tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [
+        {"type": "function", "function": {"name": f"tool_{i}", "description": "does things " * 100, "parameters": {
+            "type": "object", "properties": {f"arg{k}": {"type": "string"} for k in range(10)}}}}
+        for i in range(2000)]}, 1, 2),
+    ("100k empty messages", {"messages": [{"role": "user", "content": ""}] * 100_000}, 1, 2),
+    ("n=16 logprobs answer", {"prompt": token_ids(100), "n": 16, "max_tokens": 240, "ignore_eos": True,
+                              "logprobs": 20, "temperature": 1.0}, 2, 1),
 )
 
 
@@ -132,6 +142,20 @@ def pids(run_dir: Path) -> dict[str, int | None]:
     return {p["name"]: p["pid"] if os.path.exists(f"/proc/{p['pid']}") else None for p in manifest["processes"]}
 
 
+def router_rss_mb(run_dir: Path) -> float | None:
+    """The router's resident memory now (MB), from /proc; None when it is not running."""
+    manifest = json.loads((run_dir / "cluster.json").read_text())
+    for p in manifest["processes"]:
+        if p["role"] == "router":
+            try:
+                status = Path(f"/proc/{p['pid']}/status").read_text()
+            except OSError:
+                return None
+            kb = next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))
+            return int(kb) / 1024
+    return None
+
+
 def wait_ready(url: str, timeout: float = 120.0) -> float:
     """Seconds until the router's /health says ready (it may be restarting after an attack)."""
     start = time.monotonic()
@@ -146,10 +170,13 @@ def wait_ready(url: str, timeout: float = 120.0) -> float:
 
 
 def send(url: str, model: str, fields: dict) -> tuple[int, float]:
-    body = {"model": model, "prompt": "x", "max_tokens": 4, "temperature": 0} | fields
+    """One attack request: a chat completion when ``fields`` has messages, else a completion."""
+    chat = "messages" in fields
+    body = {"model": model, "max_tokens": 4, "temperature": 0} | ({} if chat else {"prompt": "x"}) | fields
     start = time.monotonic()
     try:
-        status = httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code
+        status = httpx.post(f"{url}/v1/{'chat/completions' if chat else 'completions'}", json=body,
+                            timeout=120).status_code
     except httpx.HTTPError as exc:
         status = type(exc).__name__
     return status, time.monotonic() - start
@@ -201,7 +228,7 @@ def run(run_dir: Path, model: str | None, baseline_s: float, only: list[str] | N
         rows.append({"attack": "(none: the client alone)", "router_down_s": 0.0, "statuses": {}, "slowest_s": None,
                      "victim_requests": len(alone), "victim_p99_ttft_s": p99(alone), "victim_failures": 0,
                      "victim_longest_gap_s": normal.longest_gap(t0, time.monotonic()),
-                     "pids_unchanged": pids(run_dir) == start_pids})
+                     "pids_unchanged": pids(run_dir) == start_pids, "router_rss_mb": router_rss_mb(run_dir)})
         for name, fields, copies, times in ATTACKS:
             if only and not any(word.lower() in name.lower() for word in only):
                 continue
@@ -214,7 +241,8 @@ def run(run_dir: Path, model: str | None, baseline_s: float, only: list[str] | N
             rows.append({"attack": name, "router_down_s": down_s, "statuses": statuses, "slowest_s": slowest,
                          "victim_requests": len(during), "victim_p99_ttft_s": p99(during),
                          "victim_longest_gap_s": normal.longest_gap(since, time.monotonic()),
-                         "victim_failures": failed - failed_before, "pids_unchanged": pids(run_dir) == start_pids})
+                         "victim_failures": failed - failed_before, "pids_unchanged": pids(run_dir) == start_pids,
+                         "router_rss_mb": router_rss_mb(run_dir)})
     finally:
         normal.stop()
     return {"rows": rows, "cached": cached_tokens_check(url, model, decode_urls), "pids": pids(run_dir)}
@@ -224,14 +252,19 @@ def fmt(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
+def mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f} MB"
+
+
 def report(result: dict) -> str:
     lines = ["| attack | its answers | slowest | victim requests | victim p99 TTFT | victim longest gap | "
-             "victim failures | router not ready after | pids unchanged |", "|---|---|---|---|---|---|---|---|---|"]
+             "victim failures | router not ready after | pids unchanged | router RSS after |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         answers = ", ".join(f"{n} x {s}" for s, n in r["statuses"].items()) or "-"
         lines.append(f"| {r['attack']} | {answers} | {fmt(r['slowest_s'])} | {r['victim_requests']} | "
                      f"{fmt(r['victim_p99_ttft_s'])} | {fmt(r['victim_longest_gap_s'])} | {r['victim_failures']} | "
-                     f"{r['router_down_s']:.1f} s | {r['pids_unchanged']} |")
+                     f"{r['router_down_s']:.1f} s | {r['pids_unchanged']} | {mb(r['router_rss_mb'])} |")
     c = result["cached"]
     lines.append(f"\necho + logprobs sent twice: cached_tokens {c['cached_tokens']}, decode prefix-cache hits "
                  f"meanwhile {c['decode_prefix_hits']:g} tokens")

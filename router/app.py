@@ -32,6 +32,7 @@ from router.policies import make_policy
 from router.registry import Worker, WorkerRegistry
 from router.settings import RouterSettings
 from router.worker_client import WorkerClient
+from server_common.memory import Trimmer
 from server_common.guard import BodyCapMiddleware, Drain, auth_headers, bearer_token, token_matches
 from server_common.process_defaults import is_loopback
 from server_common.strict_json import StrictJSONRoute
@@ -160,6 +161,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                               code="forbidden")
 
     add_admin_routes(app, registry, check_admin, lambda: app.state.discovery)
+    app.state.trimmer = trimmer = Trimmer()  # large requests' memory back to the system
 
     async def respond(request: Request, endpoint: str, call) -> Response:
         check_auth(request)
@@ -174,22 +176,31 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         finally:
             metrics.inflight.dec()
             metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-        if session is None:
-            return JSONResponse(result.model_dump())
-        # session.close is idempotent: the stream closes it in `finally`, the
+        size = len(await request.body())
+        if session is None:  # encoded by the handler (off the event loop when large)
+            result.background = BackgroundTask(trimmer.after, size + len(result.body))
+            return result
+
+        async def end() -> None:
+            await session.close()
+            trimmer.after(size)
+        # session.close is idempotent: the stream closes it in `finally`, this
         # background task covers a client that left before the first chunk.
-        return StreamingResponse(result, media_type="text/event-stream", background=BackgroundTask(session.close),
+        return StreamingResponse(result, media_type="text/event-stream", background=BackgroundTask(end),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions", responses=openapi.generation_responses(out.ChatCompletion,
                                                                              "ChatCompletionChunk"))
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await respond(request, "chat", lambda rid: request.app.state.handlers.chat(req, rid, request.headers.get("traceparent")))
+        size = len(await request.body())
+        return await respond(request, "chat", lambda rid: request.app.state.handlers.chat(
+            req, rid, request.headers.get("traceparent"), size))
 
     @app.post("/v1/completions", responses=openapi.generation_responses(out.Completion, "Completion"))
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        size = len(await request.body())
         return await respond(request, "completions", lambda rid: request.app.state.handlers.completion(
-            req, rid, request.headers.get("traceparent")))
+            req, rid, request.headers.get("traceparent"), size))
 
     @app.get("/v1/models", responses=openapi.ok(out.ModelList, "The served model.") | openapi.errors(401, 500))
     async def models(request: Request) -> JSONResponse:

@@ -14,8 +14,10 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import anyio
+from fastapi.responses import Response
 
 from router import api_responses as out
 from router.api_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -40,10 +42,12 @@ from engine.structured import GrammarLimits
 from server_common.worker_requests import SamplingSpec
 
 
-# Prompts longer than this (characters) are templated and tokenized on the handlers' tokenizer thread:
-# a 4,600-token chat prompt takes ~8 ms (SmolLM2's tokenizer), which on the event loop would stall
-# every stream in flight; a short one takes ~1 ms, less than handing it to a thread costs.
-LONG_PROMPT_CHARS = 8192
+# Requests with a body longer than this (bytes) are checked, templated and tokenized on the handlers'
+# tokenizer thread: a 4,600-token chat prompt takes ~8 ms (SmolLM2's tokenizer), and 100,000 empty
+# messages or 2,000 tools take seconds of templating, which on the event loop would stall every
+# stream in flight; a short request takes ~1 ms, less than handing it to a thread costs. The body
+# counts, not the prompt's text: tools, message count and everything else add to the work.
+LONG_REQUEST_BYTES = 8192
 
 
 def sampling_spec(req: SamplingFields, max_tokens: int, logprobs: int | None = None,
@@ -69,6 +73,14 @@ def sampling_spec(req: SamplingFields, max_tokens: int, logprobs: int | None = N
     )
 
 
+T = TypeVar("T")
+
+
+def json_response(answer: out.ChatCompletion | out.Completion) -> Response:
+    """A whole (not streamed) answer, encoded by pydantic in one pass."""
+    return Response(answer.model_dump_json(), media_type="application/json")
+
+
 def _most(*values: int | None) -> int | None:
     given = [v for v in values if v is not None]
     return max(given) if given else None
@@ -88,24 +100,34 @@ class OpenAIHandlers:
         # One thread: the tokenizer is only ever used by the event loop and this thread, with the same
         # settings (no truncation or padding), so no call changes its state under another.
         self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # Answers with log-probabilities (megabytes of JSON for n 16 with 20 alternatives) are built and
+        # encoded here, off the event loop; one thread, so that several at once cost one core.
+        self._answer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="answers")
         self.grammars = grammars or GrammarChecker()  # started on the first grammar; shutdown() stops it
         self.grammar_limits = grammar_limits
 
     def shutdown(self) -> None:
-        """The grammar sandbox's process and the tokenizer thread stop (the router's lifespan ends)."""
+        """The grammar sandbox's process and the handlers' threads stop (the router's lifespan ends)."""
         self.grammars.close()
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self._answer_thread.shutdown(wait=False, cancel_futures=True)
 
-    async def _prepare(self, prepare: Callable[[], Prepared], prompt_chars: int) -> Prepared:
-        """``prepare()`` on the event loop, or on the tokenizer thread for a long prompt; then the grammar
+    async def _prepare(self, prepare: Callable[[], Prepared], body_bytes: int) -> Prepared:
+        """``prepare()`` on the event loop, or on the tokenizer thread for a long request; then the grammar
         it asks for, if any, compiled in the sandbox (router/grammar_check.py)."""
-        if prompt_chars < LONG_PROMPT_CHARS:
+        if body_bytes < LONG_REQUEST_BYTES:
             p = prepare()
         else:
             p = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)
         if p.sampling.structured is not None:
             await self.grammars.check(p.structured_param, p.sampling.structured)
         return p
+
+    async def _answer(self, build: Callable[[], T], heavy: bool) -> T:
+        """``build()`` on the answers thread when ``heavy`` (log-probabilities), else on the event loop."""
+        if not heavy:
+            return build()
+        return await asyncio.get_running_loop().run_in_executor(self._answer_thread, build)
 
     def _constraint(self, constraints) -> tuple[str | None, dict]:
         """The request's one constraint: its parameter, and the sampling update that carries its spec."""
@@ -124,6 +146,7 @@ class OpenAIHandlers:
     # ---- preparing ---------------------------------------------------------
 
     def prepare_chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
+        self.model.check_prompt_chars(sum(len(m.text()) for m in req.messages), "messages")
         self.model.check_name(req.model)
         req.check_supported()
         tools = plan_tools(req.tools, req.tool_choice, self.model.tools_in_template)
@@ -142,6 +165,8 @@ class OpenAIHandlers:
                         tools=tools, structured_param=param)
 
     def prepare_completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
+        texts = [req.prompt] if isinstance(req.prompt, str) else [x for x in req.prompt if isinstance(x, str)]
+        self.model.check_prompt_chars(max(map(len, texts), default=0), "prompt")
         self.model.check_name(req.model)
         req.check_supported()
         param, structured = self._constraint(req.structured_constraints(self.grammar_limits))
@@ -219,46 +244,51 @@ class OpenAIHandlers:
             return None
         return prompt_logprobs(p.prompts[j], logprobs, p.prompt_top, self.token_strings)
 
-    async def chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None):
-        chars = sum(len(m.text()) for m in req.messages)
-        self.model.check_prompt_chars(chars, "messages")
-        p = await self._prepare(lambda: self.prepare_chat(req, request_id, traceparent), chars)
+    async def chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None,
+                   body_bytes: int = 0):
+        """``body_bytes``: the request body's length, which decides where it is prepared (``_prepare``)."""
+        p = await self._prepare(lambda: self.prepare_chat(req, request_id, traceparent), body_bytes)
         if req.stream:
             sessions = await self.open(p)
             return SessionGroup(sessions), self._chat_stream(p, req, sessions)
         got, sessions = await self.collect(p)
-        choices = []
-        for i, c in enumerate(got):
-            message, reason = chat_message(c.text, c.finish_reason, p.tools.parse)
-            logprobs = None if p.top_logprobs is None else chat_logprobs(c.tokens, p.top_logprobs, self.token_strings)
-            choices.append(out.ChatChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
-        return None, out.ChatCompletion(
-            id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name, choices=choices,
-            usage=self._usage(p, sessions, sum(c.count for c in got)),
-            prompt_logprobs=self._prompt_logprobs(p, 0, got[0].prompt_logprobs))
+        usage = self._usage(p, sessions, sum(c.count for c in got))
 
-    async def completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None):
-        texts = [req.prompt] if isinstance(req.prompt, str) else [x for x in req.prompt if isinstance(x, str)]
-        self.model.check_prompt_chars(max(map(len, texts), default=0), "prompt")
-        chars = sum(map(len, texts))
-        p = await self._prepare(lambda: self.prepare_completion(req, request_id, traceparent), chars)
+        def build() -> Response:
+            choices = []
+            for i, c in enumerate(got):
+                message, reason = chat_message(c.text, c.finish_reason, p.tools.parse)
+                logprobs = None if p.top_logprobs is None else chat_logprobs(c.tokens, p.top_logprobs,
+                                                                             self.token_strings)
+                choices.append(out.ChatChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
+            return json_response(out.ChatCompletion(
+                id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name, choices=choices,
+                usage=usage, prompt_logprobs=self._prompt_logprobs(p, 0, got[0].prompt_logprobs)))
+        return None, await self._answer(build, p.top_logprobs is not None or p.prompt_top is not None)
+
+    async def completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None,
+                         body_bytes: int = 0):
+        """``body_bytes``: the request body's length, which decides where it is prepared (``_prepare``)."""
+        p = await self._prepare(lambda: self.prepare_completion(req, request_id, traceparent), body_bytes)
         if req.stream:
             sessions = await self.open(p)
             return SessionGroup(sessions), self._completion_stream(p, req, sessions)
         got, sessions = await self.collect(p)
         n = p.sampling.n
-        choices = []
-        for i, c in enumerate(got):
-            logprobs = None
-            if p.top_logprobs is not None:
-                logprobs = CompletionLogprobsBuilder(p.top_logprobs, self.token_strings).build(c.tokens)
-            choices.append(out.CompletionChoice(index=i, text=c.text, finish_reason=c.finish_reason,
-                                                logprobs=logprobs,
-                                                prompt_logprobs=self._prompt_logprobs(p, i // n, c.prompt_logprobs)))
-        return None, out.Completion(
-            id=f"cmpl-{request_id}", created=int(time.time()), model=self.model.name, choices=choices,
-            usage=self._usage(p, sessions, sum(c.count for c in got)),
-        )
+        usage = self._usage(p, sessions, sum(c.count for c in got))
+
+        def build() -> Response:
+            choices = []
+            for i, c in enumerate(got):
+                logprobs = None
+                if p.top_logprobs is not None:
+                    logprobs = CompletionLogprobsBuilder(p.top_logprobs, self.token_strings).build(c.tokens)
+                choices.append(out.CompletionChoice(
+                    index=i, text=c.text, finish_reason=c.finish_reason, logprobs=logprobs,
+                    prompt_logprobs=self._prompt_logprobs(p, i // n, c.prompt_logprobs)))
+            return json_response(out.Completion(id=f"cmpl-{request_id}", created=int(time.time()),
+                                                model=self.model.name, choices=choices, usage=usage))
+        return None, await self._answer(build, p.top_logprobs is not None or p.prompt_top is not None)
 
     # ---- streams -----------------------------------------------------------
 
@@ -289,9 +319,11 @@ class OpenAIHandlers:
             async for d in choice_deltas(p, sessions, self.model.tokenizer):
                 counts[d.index] = d.completion_tokens
                 if d.prompt_logprobs is not None and p.prompt_top is not None and d.index == 0:  # one prompt
-                    first = chunk(d.index, out.Delta(content=""))
-                    first.prompt_logprobs = self._prompt_logprobs(p, 0, d.prompt_logprobs)
-                    yield sse_event(first, exclude=usage_field - {"prompt_logprobs"})
+                    def first_event(d=d) -> str:
+                        first = chunk(d.index, out.Delta(content=""))
+                        first.prompt_logprobs = self._prompt_logprobs(p, 0, d.prompt_logprobs)
+                        return sse_event(first, exclude=usage_field - {"prompt_logprobs"})
+                    yield await self._answer(first_event, heavy=True)
                 logprobs = None
                 if p.top_logprobs is not None and d.tokens:
                     logprobs = chat_logprobs(d.tokens, p.top_logprobs, self.token_strings)
@@ -350,10 +382,14 @@ class OpenAIHandlers:
                 if p.top_logprobs is not None or d.prompt_logprobs is not None:
                     builder = builders.setdefault(d.index, CompletionLogprobsBuilder(p.top_logprobs or 0,
                                                                                      self.token_strings))
-                    fields = {"prompt_logprobs": self._prompt_logprobs(p, d.index // n, d.prompt_logprobs)}
-                    if p.top_logprobs is not None:
-                        fields["logprobs"] = builder.build(d.tokens)
-                    yield sse_event(chunk(d.index, d.text, d.finish_reason, **fields), exclude=usage_field)
+
+                    def event(d=d, builder=builder) -> str:
+                        fields = {"prompt_logprobs": self._prompt_logprobs(p, d.index // n, d.prompt_logprobs)}
+                        if p.top_logprobs is not None:
+                            fields["logprobs"] = builder.build(d.tokens)
+                        return sse_event(chunk(d.index, d.text, d.finish_reason, **fields), exclude=usage_field)
+                    # A prompt's log-probabilities are one big event: built off the loop.
+                    yield await self._answer(event, heavy=d.prompt_logprobs is not None)
                     continue
                 if d.index not in templates:
                     index = d.index

@@ -70,6 +70,7 @@ class WorkerFailed(Exception):
 
 
 # Failures before the request was sent: another worker may take it.
+BIG_LINE_BYTES = 1 << 16  # a decode event longer than this is parsed on a thread
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
@@ -150,7 +151,9 @@ class DecodeStream:
                 line = await anext(self._lines)
                 if not line.strip():
                     continue
-                event = DECODE_EVENT.validate_json(line)
+                # A line of a prompt's log-probabilities can be megabytes: parsed off the event loop.
+                event = DECODE_EVENT.validate_json(line) if len(line) < BIG_LINE_BYTES else \
+                    await asyncio.to_thread(DECODE_EVENT.validate_json, line)
                 self._answered(self.worker)
                 if not isinstance(event, AliveEvent):
                     return event

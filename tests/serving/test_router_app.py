@@ -202,18 +202,18 @@ def test_usage_reports_the_prompt_tokens_the_decode_server_found_cached(model, s
     assert (usage["prompt_tokens"], usage["prompt_tokens_details"]) == (40, {"cached_tokens": 32})
 
 
-def test_a_long_prompt_is_tokenized_on_the_tokenizer_thread_into_the_same_tokens(tmp_path):
+def test_a_long_request_is_tokenized_on_the_tokenizer_thread_into_the_same_tokens(tmp_path):
     import asyncio
     import threading
 
     from router.api_requests import CompletionRequest
     from router.metrics import RouterMetrics
-    from router.openai_handlers import LONG_PROMPT_CHARS, OpenAIHandlers
+    from router.openai_handlers import LONG_REQUEST_BYTES, OpenAIHandlers
     from router.dispatch import DispatchSettings, Dispatcher
     from router.policies import RoundRobin
     from router.registry import WorkerRegistry
 
-    model = ServedModel.load("tiny", str(make_byte_tokenizer(tmp_path, max_position_embeddings=4 * LONG_PROMPT_CHARS)))
+    model = ServedModel.load("tiny", str(make_byte_tokenizer(tmp_path, max_position_embeddings=4 * LONG_REQUEST_BYTES)))
     registry = WorkerRegistry([])
     dispatcher = Dispatcher(registry, RoundRobin(), RoundRobin(), None, DispatchSettings())  # asked for KV shares
     handlers = OpenAIHandlers(model, dispatcher=dispatcher, metrics=RouterMetrics(registry))
@@ -225,8 +225,8 @@ def test_a_long_prompt_is_tokenized_on_the_tokenizer_thread_into_the_same_tokens
             return handlers.prepare_completion(CompletionRequest(model="tiny", prompt=text, max_tokens=1), "r1")
         return run
 
-    long_text = "héllo wörld " * (LONG_PROMPT_CHARS // 10)
-    long = asyncio.run(handlers._prepare(prepare(long_text), len(long_text)))
+    long_text = "héllo wörld " * (LONG_REQUEST_BYTES // 10)
+    long = asyncio.run(handlers._prepare(prepare(long_text), len(long_text.encode())))
     short = asyncio.run(handlers._prepare(prepare("hi"), 2))
     assert long.prompts == [reply_ids(model, long_text)] and short.prompts == [reply_ids(model, "hi")]
     assert threads[0].startswith("tokenize") and threads[1] == threading.main_thread().name
@@ -367,3 +367,37 @@ def test_the_router_is_not_ready_and_admits_nothing_before_a_decode_server_passe
     assert health.status_code == 503 and health.json()["status"] == "degraded"
     assert [w["in_rotation"] for w in health.json()["workers"]] == [False] * len(WORKERS)
     assert r.status_code == 503 and r.json()["error"]["message"] == "no healthy decode server"
+
+
+def test_requests_are_prepared_and_answered_off_the_event_loop_by_their_size(model, monkeypatch):
+    """A body's size decides, not its text: 1000 empty messages are templated on the tokenizer thread; an
+    answer with log-probabilities is built and encoded on the answers thread."""
+    import asyncio
+    import threading
+
+    import router.openai_handlers as handlers_module
+
+    def where() -> str:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return threading.current_thread().name.split("_")[0]
+        return "event loop"
+
+    fake = FakeWorkerClient(reply=reply_ids(model, "abc"))
+    prepared, answered = [], []
+    encode = handlers_module.json_response
+    monkeypatch.setattr(handlers_module, "json_response", lambda answer: answered.append(where()) or encode(answer))
+    with make_client(model, fake) as c:
+        handlers = c.app.state.handlers
+        prepare = handlers.prepare_chat
+        monkeypatch.setattr(handlers, "prepare_chat",
+                            lambda *a: prepared.append(where()) or prepare(*a))
+        empty = c.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": ""}] * 1000))
+        plain = c.post("/v1/chat/completions", json=chat_body(max_tokens=3))
+        scored = c.post("/v1/chat/completions", json=chat_body(max_tokens=3, logprobs=True, top_logprobs=2))
+    assert empty.status_code == 400 and empty.json()["error"]["code"] == "context_length_exceeded"
+    assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"] == "abc"
+    assert scored.status_code == 200 and len(scored.json()["choices"][0]["logprobs"]["content"]) == 3
+    assert prepared == ["tokenize", "event loop", "event loop"]
+    assert answered == ["event loop", "answers"]
