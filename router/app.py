@@ -32,7 +32,7 @@ from router.policies import make_policy
 from router.registry import Worker, WorkerRegistry
 from router.settings import RouterSettings
 from router.worker_client import WorkerClient
-from server_common.memory import Trimmer
+from server_common.memory import TrimAfterLargeRequests, Trimmer
 from server_common.guard import BodyCapMiddleware, Drain, auth_headers, bearer_token, token_matches
 from server_common.process_defaults import is_loopback
 from server_common.strict_json import StrictJSONRoute
@@ -140,6 +140,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     app.state.connections = connections
     app.state.registry = registry
     app.add_middleware(BodyCapMiddleware, max_bytes=settings.max_body_bytes, refusal_body=openai_413)
+    app.state.trimmer = Trimmer()
+    app.add_middleware(TrimAfterLargeRequests, trimmer=app.state.trimmer)  # their memory back to the system
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 too, has an id
     install_error_handlers(app)
 
@@ -161,7 +163,6 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                               code="forbidden")
 
     add_admin_routes(app, registry, check_admin, lambda: app.state.discovery)
-    app.state.trimmer = trimmer = Trimmer()  # large requests' memory back to the system
 
     async def respond(request: Request, endpoint: str, call) -> Response:
         check_auth(request)
@@ -176,17 +177,11 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         finally:
             metrics.inflight.dec()
             metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-        size = len(await request.body())
-        if session is None:  # encoded by the handler (off the event loop when large)
-            result.background = BackgroundTask(trimmer.after, size + len(result.body))
-            return result
-
-        async def end() -> None:
-            await session.close()
-            trimmer.after(size)
-        # session.close is idempotent: the stream closes it in `finally`, this
+        if session is None:
+            return result  # encoded by the handler (off the event loop when large)
+        # session.close is idempotent: the stream closes it in `finally`, the
         # background task covers a client that left before the first chunk.
-        return StreamingResponse(result, media_type="text/event-stream", background=BackgroundTask(end),
+        return StreamingResponse(result, media_type="text/event-stream", background=BackgroundTask(session.close),
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.post("/v1/chat/completions", responses=openapi.generation_responses(out.ChatCompletion,

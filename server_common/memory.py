@@ -6,8 +6,10 @@ multi-megabyte prompts and answers come from the heap, and when they are freed
 the heap keeps the pages: a router that took eight 4 MiB prompts at once held
 1.4 GB more than before, for good. ``malloc_trim(0)`` returns the free pages
 of every arena. It runs on a thread (it walks the heap), at most one at a time,
-only after requests that moved at least ``threshold`` bytes. Where glibc is not
-the allocator (musl, macOS) it does nothing.
+once a request that moved at least ``threshold`` bytes (its body and its
+answer) has been answered, refused or abandoned: ``TrimAfterLargeRequests``
+counts them around the whole app, so that the request's objects are gone by
+then. Where glibc is not the allocator (musl, macOS) it does nothing.
 """
 
 from __future__ import annotations
@@ -45,3 +47,34 @@ class Trimmer:
             self.trims += 1
         finally:
             self._running.release()
+
+
+class TrimAfterLargeRequests:
+    """Pure ASGI: counts each HTTP request's body and response bytes; after the app is done with
+    the request (the response sent, or the client gone), ``trimmer.after`` those bytes."""
+
+    def __init__(self, app, trimmer: Trimmer) -> None:
+        self.app = app
+        self.trimmer = trimmer
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        moved = 0
+
+        async def counted_receive():
+            nonlocal moved
+            message = await receive()
+            moved += len(message.get("body", b""))
+            return message
+
+        async def counted_send(message) -> None:
+            nonlocal moved
+            moved += len(message.get("body", b""))
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, counted_send)
+        finally:
+            self.trimmer.after(moved)

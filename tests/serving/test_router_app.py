@@ -401,3 +401,16 @@ def test_requests_are_prepared_and_answered_off_the_event_loop_by_their_size(mod
     assert scored.status_code == 200 and len(scored.json()["choices"][0]["logprobs"]["content"]) == 3
     assert prepared == ["tokenize", "event loop", "event loop"]
     assert answered == ["event loop", "answers"]
+
+
+@pytest.mark.parametrize("field, body, message", [
+    ("messages", chat_body(messages=[{"role": "user", "content": ""}] * 100_000), "at most 8192 messages, not 100000"),
+    ("tools", chat_body(tools=[{"type": "function", "function": {"name": f"t{i}"}} for i in range(129)]),
+     "at most 128 tools, not 129")])
+def test_too_many_messages_or_tools_are_refused_before_any_is_read(model, field, body, message):
+    fake = FakeWorkerClient(reply=reply_ids(model, "abc"))
+    with make_client(model, fake) as c:
+        r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == field and message in r.json()["error"]["message"], r.json()
+    assert not fake.opened
