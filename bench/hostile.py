@@ -21,7 +21,7 @@ then beside each attack in turn:
     4 x scored 4000        four 4000-token prompts with echo and logprobs at once
     2000 tools             a chat request with 2000 function tools (~3 MB), twice
     100k empty messages    a chat request of 100,000 empty user messages, twice
-    n=16 logprobs answer   two sampled n 16 x 240-token answers with 20 top log-probabilities at once
+    n=16 logprobs answer   two sampled n 16 x 200-token answers with 20 top log-probabilities at once
 
 ``--only`` picks attacks by words of their names (``--only "KV hog,greedy"``).
 
@@ -70,7 +70,7 @@ ATTACKS = (  # (name, request body fields, copies sent at once, times sent)
             "type": "object", "properties": {f"arg{k}": {"type": "string"} for k in range(10)}}}}
         for i in range(2000)]}, 1, 2),
     ("100k empty messages", {"messages": [{"role": "user", "content": ""}] * 100_000}, 1, 2),
-    ("n=16 logprobs answer", {"prompt": token_ids(100), "n": 16, "max_tokens": 240, "ignore_eos": True,
+    ("n=16 logprobs answer", {"prompt": token_ids(10), "n": 16, "max_tokens": 200, "ignore_eos": True,
                               "logprobs": 20, "temperature": 1.0}, 2, 1),
 )
 
