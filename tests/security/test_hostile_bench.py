@@ -15,7 +15,7 @@ from tests.serving.cluster import REPO
 
 pytestmark = pytest.mark.integration
 # Attacks the cluster serves: the rest are refused with a 400.
-ANSWERED = {"ambiguous n=16", "prompt over P's cache", "two greedy n=8", "4 x scored 4000"}
+ANSWERED = {"ambiguous n=16", "prompt over P's cache", "two greedy n=8", "4 x scored 4000", "n=16 logprobs answer"}
 
 
 def test_every_attack_is_answered_without_a_5xx_or_a_restart_and_the_victim_is_served(target):
