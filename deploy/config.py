@@ -149,6 +149,7 @@ class RouterConfig(Strict):
     header_timeout_s: float = Field(default=RouterSettings.header_timeout, gt=0)
     body_timeout_s: float = Field(default=RouterSettings.body_timeout, gt=0)
     max_connections_per_client: int = Field(default=RouterSettings.max_connections_per_client, ge=1)
+    access_log: bool = RouterSettings.access_log  # one line per request in the router's log
     max_connections: int = Field(default=RouterSettings.max_connections, ge=2)  # open, in all
     reserved_connections: int = Field(default=RouterSettings.reserved_connections, ge=0)  # of them, loopback only
     api_keys_file: str | None = None  # instead of api_keys: one key per line (on Kubernetes, a mounted Secret)
@@ -240,6 +241,8 @@ class ClusterConfig(Strict):
     max_model_len: int | None = Field(default=EngineConfig.max_model_len, ge=2)
     lease_s: float = Field(default=ServerSettings.lease_s, gt=0)
     drain_timeout_s: float = Field(default=DRAIN_TIMEOUT_S, gt=0)  # SIGTERM: the longest a process waits
+    # Every process logs a stats line this often while it has traffic; launch shows them (0: none).
+    log_stats_interval_s: float = Field(default=ServerSettings.log_stats_interval_s, ge=0)
     security: SecurityConfig = SecurityConfig()
     engine: EngineDefaults = EngineDefaults()
     router: RouterConfig = RouterConfig()
@@ -358,6 +361,7 @@ class ClusterConfig(Strict):
             prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
             body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
             max_connections=r.max_connections, reserved_connections=r.reserved_connections,
+            access_log=r.access_log, log_stats_interval=self.log_stats_interval_s,
             tracing=self.tracing.settings(), discovery=discovery,
             worker_connections=r.worker_connections, worker_keepalive=r.worker_keepalive,
             worker_keepalive_s=r.worker_keepalive_s, grammar_limits=r.grammar_limits.limits(),
@@ -386,6 +390,7 @@ class ClusterConfig(Strict):
             transfer_backend=self.transfer.backend, lease_s=self.lease_s, transfer_timeout_s=self.transfer.timeout_s,
             lease_expiry=self.recovery.lease_expiry, checksum_failure=self.recovery.checksum_failure,
             fault_injection=self.fault_injection, drain_timeout_s=self.drain_timeout_s,
+            log_stats_interval_s=self.log_stats_interval_s,
             internal_secret=self.security.secret(), tracing=self.tracing.settings(),
             decode_peers=tuple((i.name, self.url_of(i)) for i in self.decode),
             max_unfilled_blocks_per_caller=self.security.max_unfilled_blocks_per_caller,

@@ -14,7 +14,9 @@ serving as long as the router and at least one server of each role remain.
 Stopping drains: the router first (new requests get 503, those in flight
 finish), then the servers (nothing is in flight on them by then); each gets
 ``drain_timeout_s`` plus a grace period before SIGKILL. Each process logs to
-``RUN_DIR/<name>.log``.
+``RUN_DIR/<name>.log``; while the cluster serves, the launcher's terminal shows
+every process's stats lines (``server_common/stats_log.py``), prefixed with
+its name.
 """
 
 from __future__ import annotations
@@ -201,6 +203,46 @@ class Cluster:
         return path
 
 
+STATS_MARK = b" pdserve.stats: "
+
+
+class StatsEcho(threading.Thread):
+    """Copies each process's stats lines from its log to this terminal as ``name | line``; a restarted
+    process appends to the same log, so it is followed on."""
+
+    def __init__(self, cluster: Cluster, stop: threading.Event, interval_s: float = 0.5) -> None:
+        super().__init__(name="stats-echo", daemon=True)
+        self._cluster, self._stop, self._interval_s = cluster, stop, interval_s
+        self._offsets = {proc.log: _size(proc.log) for proc in cluster.procs}  # from now on
+
+    def run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.poll()
+
+    def poll(self) -> None:
+        for proc in list(self._cluster.procs):
+            offset = self._offsets.get(proc.log, 0)
+            try:
+                with open(proc.log, "rb") as f:
+                    f.seek(offset)
+                    data = f.read(1 << 20)
+            except OSError:
+                continue
+            complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+            self._offsets[proc.log] = offset + len(complete)
+            for line in complete.splitlines():
+                if STATS_MARK in line:
+                    text = line.split(STATS_MARK, 1)[1].decode(errors="replace")
+                    print(f"{proc.name} | {text}", flush=True)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
 def only_problem(cluster: ClusterConfig, only: set[str]) -> str | None:
     """Why ``--only`` cannot start these processes, or None."""
     names = {i.name for i in cluster.instances()} | {"router"}
@@ -275,6 +317,8 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
                   f"(this host's part; the cluster's OpenAI endpoint is {cluster.router_url}/v1)", flush=True)
         print(f"pdserve: processes and pids in {manifest}; logs in {run_dir}; Ctrl-C stops everything", flush=True)
         supervisor = Supervisor(c, cluster.restart)
+        if cluster.log_stats_interval_s > 0:
+            StatsEcho(c, stop).start()
         while not stop.wait(0.2):
             dead = supervisor.tick()
             if dead is not None:

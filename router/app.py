@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
+from router.access_log import AccessLog
 from router.admin import add_admin_routes
 from router.admission import Admission, AdmissionSettings
 from router.api_requests import ChatCompletionRequest, CompletionRequest
@@ -35,6 +37,7 @@ from router.worker_client import WorkerClient
 from server_common.memory import TrimAfterLargeRequests, Trimmer
 from server_common.guard import BodyCapMiddleware, Drain, auth_headers, bearer_token, token_matches
 from server_common.process_defaults import is_loopback
+from server_common.stats_log import RouterSnapshot, log_stats, router_line
 from server_common.strict_json import StrictJSONRoute
 from server_common.model_id import model_fingerprint
 from server_common.tracing import Tracing
@@ -112,7 +115,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
             grammars = GrammarChecker(settings.grammar_sandbox)
             await asyncio.to_thread(grammars.start)
             app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits, tracing, grammars,
-                                                settings.grammar_limits)
+                                                settings.grammar_limits, access)
             app.state.discovery = Discovery(registry, http, settings.discovery, model_fingerprint(settings.model_path),
                                             metrics, settings.drain_timeout)
             tasks = [asyncio.create_task(registry.run(health_http)),
@@ -120,6 +123,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
             if kv_index is not None and client is None:
                 poller = KvEventPoller(registry, kv_index, health_http, settings.kv_events_interval)
                 tasks.append(asyncio.create_task(poller.run()))
+            if settings.log_stats_interval > 0:
+                tasks.append(asyncio.create_task(log_stats(router_snapshot, router_line, settings.log_stats_interval)))
             app.state.kv_index = kv_index
             try:
                 yield
@@ -163,20 +168,36 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                               code="forbidden")
 
     add_admin_routes(app, registry, check_admin, lambda: app.state.discovery)
+    access = AccessLog(settings.access_log)  # one line per request (router/access_log.py)
+
+    def router_snapshot() -> RouterSnapshot:
+        value = metrics.registry.get_sample_value
+        requests = sum(s.value for m in metrics.requests.collect() for s in m.samples if s.name.endswith("_total"))
+        return RouterSnapshot(time.monotonic(), int(requests), admission.sessions, admission.waiting,
+                              int(value("pdserve_router_prompt_tokens_total") or 0),
+                              int(value("pdserve_router_completion_tokens_total") or 0),
+                              sum(w.in_rotation for w in registry.workers), len(registry.workers))
 
     async def respond(request: Request, endpoint: str, call) -> Response:
-        check_auth(request)
-        metrics.inflight.inc()
-        status = 500
+        rid = request_id_of(request)
         try:
-            session, result = await until_disconnect(request, call(request_id_of(request)))
+            check_auth(request)
+        except OpenAIError as exc:
+            access.refused(rid, endpoint, exc.status, exc.code)
+            raise
+        metrics.inflight.inc()
+        status, code = 500, None
+        try:
+            session, result = await until_disconnect(request, call(rid))
             status = 200
         except OpenAIError as exc:
-            status = exc.status
+            status, code = exc.status, exc.code
             raise
         finally:
             metrics.inflight.dec()
             metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+            if status != 200:
+                access.refused(rid, endpoint, status, code)
         if session is None:
             return result  # encoded by the handler (off the event loop when large)
         # session.close is idempotent: the stream closes it in `finally`, the

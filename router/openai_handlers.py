@@ -20,6 +20,7 @@ import anyio
 from fastapi.responses import Response
 
 from router import api_responses as out
+from router.access_log import AccessLog
 from router.api_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
 from router.dispatch import Dispatcher
 from router.session import Session
@@ -89,8 +90,10 @@ def _most(*values: int | None) -> int | None:
 class OpenAIHandlers:
     def __init__(self, model: ServedModel, dispatcher: Dispatcher, metrics: RouterMetrics,
                  limits: RequestLimits | None = None, tracing: Tracing | None = None,
-                 grammars: GrammarChecker | None = None, grammar_limits: GrammarLimits = GrammarLimits()) -> None:
+                 grammars: GrammarChecker | None = None, grammar_limits: GrammarLimits = GrammarLimits(),
+                 access: AccessLog | None = None) -> None:
         self.model = model
+        self.access = access or AccessLog()
         self.dispatcher = dispatcher
         self.metrics = metrics
         self.limits = limits or RequestLimits()
@@ -161,7 +164,7 @@ class OpenAIHandlers:
         top = (req.top_logprobs or 0) if req.logprobs else None
         sampling = sampling_spec(req, max_tokens, top, req.prompt_logprobs).model_copy(update=structured)
         return Prepared(request_id, "chat", [prompt], sampling, req.stop_strings(),
-                        self._timeline(request_id, traceparent), top_logprobs=top, prompt_top=req.prompt_logprobs,
+                        self._timeline(request_id, traceparent, "chat"), top_logprobs=top, prompt_top=req.prompt_logprobs,
                         tools=tools, structured_param=param)
 
     def prepare_completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
@@ -184,12 +187,13 @@ class OpenAIHandlers:
             texts = [x if isinstance(x, str) else self.model.tokenizer.decode(x, skip_special_tokens=True)
                      for x in given]
         sampling = sampling_spec(req, budget, req.logprobs, prompt_top).model_copy(update=structured)
-        return Prepared(request_id, "completions", prompts, sampling, req.stop_strings(), self._timeline(request_id, traceparent), prompt_texts=texts,
+        return Prepared(request_id, "completions", prompts, sampling, req.stop_strings(), self._timeline(request_id, traceparent, "completions"), prompt_texts=texts,
                         top_logprobs=req.logprobs, prompt_top=req.prompt_logprobs, echo=req.echo,
                         drop_generated=req.max_tokens == 0, structured_param=param)
 
-    def _timeline(self, request_id: str, traceparent: str | None) -> RequestTimeline:
-        return RequestTimeline(self.metrics, self.tracing, self.timeline, request_id, traceparent)
+    def _timeline(self, request_id: str, traceparent: str | None, endpoint: str) -> RequestTimeline:
+        return RequestTimeline(self.metrics, self.tracing, self.timeline, request_id, traceparent, self.access,
+                               endpoint)
 
     # ---- running -----------------------------------------------------------
 

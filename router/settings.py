@@ -96,6 +96,8 @@ class RouterSettings:
     header_timeout: float = 10.0  # a request's headers must arrive within this (server_common.connections)
     body_timeout: float = 30.0  # and its body within this after them
     max_connections_per_client: int = 256  # open connections from one address
+    access_log: bool = True  # one line per request (router/access_log.py)
+    log_stats_interval: float = 10.0  # a stats line this often while there is traffic (0: none)
     max_connections: int = 8192  # open connections in all (and under the file-descriptor limit)
     reserved_connections: int = 64  # of those, kept for loopback callers (health checks on the host)
     # How large a grammar, schema, regex or choice list a request may send (engine/structured.py), and

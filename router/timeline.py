@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from router.access_log import AccessLog
 from router.metrics import RouterMetrics
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
@@ -18,8 +19,11 @@ from server_common.tracing import Tracing
 
 class RequestTimeline:
     def __init__(self, metrics: RouterMetrics, tracing: Tracing, log: TimelineLog, request_id: str,
-                 client_traceparent: str | None = None) -> None:
+                 client_traceparent: str | None = None, access: AccessLog | None = None,
+                 endpoint: str = "") -> None:
         self._metrics = metrics
+        self._access, self._endpoint = access, endpoint
+        self._prompt_tokens = 0
         self._tracing = tracing
         self._log = log
         self._request_id = request_id
@@ -40,6 +44,7 @@ class RequestTimeline:
     def opened(self, num_prompt_tokens: int, local_prefill: bool) -> None:
         """The decode stream is open: admission and the reservation are done."""
         self._opened = time.monotonic()
+        self._prompt_tokens = num_prompt_tokens
         self._metrics.prompt_tokens.inc(num_prompt_tokens)
         self._metrics.prompt_tokens_per_request.observe(num_prompt_tokens)
         if local_prefill:
@@ -78,6 +83,13 @@ class RequestTimeline:
         if self._closed:
             return
         self._closed = True
+        if self._access is not None:
+            local = session is not None and session.prefill is None
+            self._access.served(self._request_id, self._endpoint, self._outcome or "cancelled", self._prompt_tokens,
+                                num_tokens, None if self._first is None else self._first - self.arrived,
+                                time.monotonic() - self.arrived,
+                                "local" if local else session.prefill.name if session is not None else None,
+                                session.decode.name if session is not None else None)
         self._log.add(self._request_id, arrived=self.arrived, opened=self._opened, first_token=self._first,
                       last_token=self._last)
         if self._first is not None:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server_common.fault_routes import add_fault_routes
+from server_common.stats_log import log_stats, server_line, server_snapshot
 from server_common.strict_json import StrictJSONRoute
 from server_common.worker_replies import ErrorReply, KvBlocksReply, KvEventsReply
 from server_common.worker_requests import AbortRequest
@@ -201,11 +202,17 @@ def service_app(service, title: str) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await service.start()
-        watchdog = asyncio.ensure_future(service.vitals.watch())
+        tasks = [asyncio.ensure_future(service.vitals.watch())]
+        interval = service.settings.log_stats_interval_s
+        if interval > 0:
+            name = service.settings.name
+            tasks.append(asyncio.ensure_future(log_stats(lambda: server_snapshot(service),
+                                                         lambda a, b: server_line(name, a, b), interval)))
         try:
             yield
         finally:
-            watchdog.cancel()
+            for task in tasks:
+                task.cancel()
             await service.stop()
 
     app = FastAPI(title=title, lifespan=lifespan)

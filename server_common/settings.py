@@ -53,6 +53,7 @@ class ServerSettings:
     decode_peers: tuple[tuple[str, str], ...] = ()
     max_unfilled_blocks_per_caller: int | None = None  # server_common.quota (None: only the cache bounds it)
     max_body_bytes: int = 16 << 20  # larger bodies get 413 before they are read (a 1M-token prompt fits)
+    log_stats_interval_s: float = 10.0  # a stats line this often while there is traffic (0: none; stats_log.py)
     stuck_after_s: float = 60.0  # /health: a thread with work that made no progress this long is stuck
     launch_id: str | None = None  # reported in /health; from `pdserve launch` (deploy/process_cli.py)
     tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
