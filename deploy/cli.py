@@ -21,6 +21,20 @@ from deploy import launch_cli, process_cli, render_cli
 from engine import cli as engine_cli
 
 
+def version() -> str:
+    """The installed package's version; from a checkout that is not installed, its pyproject.toml's."""
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        return installed("pdserve")
+    except PackageNotFoundError:
+        import tomllib
+        from pathlib import Path
+
+        with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+            return tomllib.load(f)["project"]["version"]
+
+
 class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2, no traceback."""
 
@@ -31,6 +45,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="pdserve",
         description="Prefill/decode-disaggregated LLM serving with an OpenAI-compatible API.",
     )
+    parser.add_argument("--version", action="version", version=f"pdserve {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     engine_cli.add_parser(subparsers)
     launch_cli.add_parser(subparsers)

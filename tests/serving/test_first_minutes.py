@@ -54,6 +54,16 @@ def test_help_answers_quickly_without_importing_torch(args):
     assert seconds < QUICK_S
 
 
+def test_version_is_the_package_s_without_importing_torch():
+    import tomllib
+
+    proc, seconds = probe("--version")
+    with open(REPO / "pyproject.toml", "rb") as f:
+        assert proc.stdout == f"pdserve {tomllib.load(f)['project']['version']}\n"
+    assert proc.stderr.splitlines()[-1] == "0 False False"
+    assert seconds < QUICK_S
+
+
 def test_a_config_error_answers_quickly_without_importing_torch(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: tiny\nrouter: {port: 8000, polcy: round_robin}\n"
