@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "compute, KV after compute, decode) from the servers' /debug/timeline")
     out.add_argument("--internal-secret-file", metavar="FILE",
                      help="the cluster's internal secret, for --timeline when the cluster sets one")
+    out.add_argument("--run-dir", metavar="DIR",
+                     help="for --timeline: the run folder of the cluster's `pdserve launch`, whose generated "
+                          "internal secret it reads (when no --internal-secret-file)")
     out.add_argument("--label", default="run", help="name of this run in reports")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -157,12 +160,27 @@ def run_benchmark(config: LoadConfig, source, warmup: int = 0, progress: bool = 
         bar.close()
 
 
+def timeline_headers(args: argparse.Namespace) -> dict | None:
+    """What --timeline sends: the internal secret (its file, or the one a launch wrote to --run-dir), else
+    the API key (a cluster without a secret takes it on admin routes)."""
+    secret = None
+    if args.internal_secret_file:
+        secret = Path(args.internal_secret_file).read_text().strip()
+    elif args.run_dir:
+        generated = Path(args.run_dir) / "internal_secret"
+        if not generated.is_file():
+            raise ValueError(f"--run-dir {args.run_dir} holds no internal_secret: the config names its own "
+                             "(pass --internal-secret-file)")
+        secret = generated.read_text().strip()
+    secret = secret or args.api_key
+    return {"Authorization": f"Bearer {secret}"} if secret else None
+
+
 def draw_timeline(args: argparse.Namespace, records) -> str:
     """Fetch the processes' timelines, draw ``args.timeline``, and say which stage dominated."""
     from bench import timeline
 
-    secret = Path(args.internal_secret_file).read_text().strip() if args.internal_secret_file else args.api_key
-    stages = timeline.join(timeline.fetch(args.url, {"Authorization": f"Bearer {secret}"} if secret else None),
+    stages = timeline.join(timeline.fetch(args.url, timeline_headers(args)),
                            [r.request_id for r in records if r.ok and r.request_id])
     path = timeline.plot(stages, args.timeline, title=f"{args.label}: {len(stages)} requests")
     return f"{timeline.summary_line(stages)}\nplot: {path}"
@@ -199,6 +217,10 @@ def run(args: argparse.Namespace) -> int:
         temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=extra,
         api_key=args.api_key, seed=args.seed,
     )
+    if args.timeline:  # a refusal now, not after the whole run
+        from bench import timeline
+
+        timeline.check_access(args.url, timeline_headers(args))
     source = request_source(workload, builder, args.prompt_format, args.seed)
     result = run_benchmark(config, source, args.warmup, args.progress)
     summary = summarize(result.records, result.duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
@@ -212,11 +234,11 @@ def run(args: argparse.Namespace) -> int:
                                       "warmup": args.warmup, "label": args.label}
         write_json(args.json, described, summary, result.records)
         print(f"results: {args.json}")
-    if args.timeline:
-        print(draw_timeline(args, result.records))
-    if args.plot_dir:
+    if args.plot_dir:  # the plots first: the timeline asks the cluster again, which may have gone
         runs = {args.label: result.records}
         for path in (plot_latency_cdfs(runs, Path(args.plot_dir) / "latency_cdf.png"),
                      plot_tpot_over_time(runs, Path(args.plot_dir) / "tpot_over_time.png")):
             print(f"plot: {path}")
+    if args.timeline:
+        print(draw_timeline(args, result.records))
     return 0 if summary.completed else 1

@@ -41,18 +41,31 @@ class RequestStages:
 
 
 def fetch(router_url: str, headers: dict | None = None, timeout: float = 10.0) -> dict[str, list[dict]]:
-    """Timelines by role: {"router": [...], "decode": [...], "prefill": [...]} (colocated counts as decode)."""
+    """Timelines by role: {"router": [...], "decode": [...], "prefill": [...]} (colocated counts as decode).
+    Raises ValueError, one line naming the process, when one refuses (see ``check_access``)."""
     out: dict[str, list[dict]] = {"router": [], "decode": [], "prefill": []}
     with httpx.Client(timeout=timeout, headers=headers or {}) as http:
-        out["router"] = http.get(f"{router_url}/debug/timeline").raise_for_status().json()["requests"]
+        out["router"] = _timeline(http, "the router", router_url)
         for worker in http.get(f"{router_url}/health").json()["workers"]:
-            resp = http.get(f"{worker['url']}/debug/timeline")
-            if resp.status_code != 200:
-                raise RuntimeError(f"{worker['name']} answered /debug/timeline with HTTP {resp.status_code}: "
-                                   "the timeline needs the servers' internal routes (no internal secret, or "
-                                   "run on a machine the cluster trusts)")
-            out["prefill" if worker["role"] == "prefill" else "decode"] += resp.json()["requests"]
+            out["prefill" if worker["role"] == "prefill" else "decode"] += _timeline(http, worker["name"], worker["url"])
     return out
+
+
+def check_access(router_url: str, headers: dict | None = None, timeout: float = 10.0) -> None:
+    """Before a benchmark whose timeline is wanted: ValueError now, not after the run, if any process
+    refuses its /debug/timeline."""
+    fetch(router_url, headers, timeout)
+
+
+def _timeline(http: httpx.Client, who: str, url: str) -> list[dict]:
+    try:
+        resp = http.get(f"{url}/debug/timeline")
+    except httpx.HTTPError as exc:
+        raise ValueError(f"{who} at {url} did not answer /debug/timeline ({exc!r})") from None
+    if resp.status_code != 200:
+        raise ValueError(f"{who} answered /debug/timeline with HTTP {resp.status_code}: the timeline needs the "
+                         "cluster's internal secret (--internal-secret-file, or --run-dir of its launch)")
+    return resp.json()["requests"]
 
 
 def join(timelines: dict[str, list[dict]], request_ids: list[str] | None = None) -> list[RequestStages]:

@@ -27,12 +27,15 @@ def test_bench_serve_measures_every_request_of_a_real_cluster(cand, tiny_model, 
         parser = argparse.ArgumentParser(prog="pdserve")
         cli.add_parser(parser.add_subparsers(dest="command", required=True))
         out = tmp_path / "result.json"
-        args = parser.parse_args([
-            "bench", "serve", "--url", cluster.url, "--num-requests", "5", "--concurrency", "2",
-            "--prompt-len", "uniform(8,40)", "--output-len", "6", "--json", str(out), "--no-progress",
-            "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000", "--timeline", str(tmp_path / "timeline.png"),
-            "--internal-secret-file", str(secret_file),
-        ])
+        common = ["bench", "serve", "--url", cluster.url, "--num-requests", "5", "--concurrency", "2",
+                  "--prompt-len", "uniform(8,40)", "--output-len", "6", "--json", str(out), "--no-progress",
+                  "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000", "--timeline", str(tmp_path / "timeline.png")]
+        # Without the secret the timeline cannot be read: said before the run, in one line.
+        with pytest.raises(ValueError, match=r"^the router answered /debug/timeline with HTTP 401: .* --run-dir"):
+            cli_args = parser.parse_args(common)
+            cli_args.func(cli_args)
+        assert not out.exists()
+        args = parser.parse_args(common + ["--run-dir", str(tmp_path / "run")])  # the secret launch wrote there
         assert args.func(args) == 0
         ids = [r["request_id"] for r in json.loads(out.read_text())["requests"]]
         secret = secret_file.read_text().strip()
