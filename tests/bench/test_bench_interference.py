@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_interference_measures_every_case_side_by_side(tiny_model, tmp_path):
     out = tmp_path / "interference.json"
     cmd = [sys.executable, "-m", "bench.interference", "--model", tiny_model, "--seconds", "0.5",

@@ -104,6 +104,7 @@ def test_fit_never_returns_negative_costs():
     assert min(fit.base, fit.per_token, fit.per_attn, fit.per_seq) >= 0
 
 
+@pytest.mark.slow
 def test_profile_of_the_tiny_model_round_trips_through_json(tiny_model, tmp_path):
     profile = profile_engine(tiny_model, [1], ProfileGrid.quick(), progress=lambda _: None, bar=False)
     assert profile.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4  # layers, K/V, kv heads, head dim, float32
@@ -123,6 +124,7 @@ def test_a_file_that_is_not_a_profile_is_a_clear_error(tmp_path):
         Profile.load(tmp_path / "x.json")
 
 
+@pytest.mark.slow
 def test_a_profile_counting_attention_the_old_way_is_refused(tiny_model, tmp_path):
     profile = profile_engine(tiny_model, [1], ProfileGrid.quick(), progress=lambda _: None, bar=False)
     data = profile.to_json()

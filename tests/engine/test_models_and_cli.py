@@ -44,6 +44,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*PDSERVE, *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_generate_cli_prints_the_engine_tokens_as_json(tiny_model):
     proc = run_cli("generate", "--model", tiny_model, "--prompt", "The quick brown fox", "--max-tokens", "6",
                    "--json", "--threads", "1")
@@ -56,6 +57,7 @@ def test_generate_cli_prints_the_engine_tokens_as_json(tiny_model):
     assert set(result) == {"token_ids", "text", "finish_reason"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,message",
     [

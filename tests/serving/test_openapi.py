@@ -120,6 +120,7 @@ def test_decimal_below_matches_exactly_the_numbers_below_n(n):
     assert not any(pattern.match(s) for s in ("", "-1", "01", "00", " 1", "1.0", "1e2"))
 
 
+@pytest.mark.slow
 def test_every_schemathesis_check_passes_against_the_router_with_scripted_workers(model):
     app = make_app(model, api_keys=(KEY,), max_tokens=MAX_TOKENS, max_prompt_tokens=256)
     checks = all_checks()
