@@ -28,7 +28,7 @@ def _run_transfer_bench(argv: list[str]) -> int:
 def _run_engine_bench(argv: list[str]) -> int:
     from bench import engine_bench
 
-    return engine_bench.main(argv)
+    return engine_bench.main(argv, prog="pdserve bench engine")
 
 
 BENCH_HELP = "load tests and comparisons"

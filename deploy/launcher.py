@@ -29,6 +29,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +108,9 @@ class Cluster:
     def start_router(self) -> Proc:
         return self._spawn("router", "router", self.cluster.router_url, ["router"])
 
-    def wait_healthy(self, procs: list[Proc], timeout: float, stop: threading.Event) -> None:
+    def wait_healthy(self, procs: list[Proc], timeout: float, stop: threading.Event,
+                     on_ready: Callable[[Proc], None] | None = None) -> None:
+        """Until every one of ``procs`` answers its health check (``on_ready`` is told of each)."""
         pending = list(procs)
         deadline = time.monotonic() + timeout
         with httpx.Client(timeout=2.0) as client:
@@ -120,6 +123,8 @@ class Cluster:
                     try:
                         if self._healthy(proc, client.get(f"{proc.url}/health")):
                             pending.remove(proc)
+                            if on_ready is not None:
+                                on_ready(proc)
                     except httpx.HTTPError:
                         pass
                 if stop.is_set():
@@ -304,9 +309,17 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
         else:
             model = cluster.model_path()
         print(f"pdserve: model folder {model} ({time.monotonic() - started:.1f} s)", flush=True)
-        c.wait_healthy(c.start_servers(), health_timeout, stop)
+        def ready(proc: Proc) -> None:
+            who = proc.name if proc.name == proc.role else f"{proc.role} {proc.name}"
+            print(f"pdserve: {who} ready ({time.monotonic() - started:.1f} s)", flush=True)
+
+        servers = c.start_servers()
+        print(f"pdserve: starting {', '.join(f'{p.name} ({p.role})' for p in servers)}: each loads the model, "
+              "then answers its health check", flush=True)
+        c.wait_healthy(servers, health_timeout, stop, ready)
         if only is None or "router" in only:
-            c.wait_healthy([c.start_router()], health_timeout, stop)
+            print("pdserve: starting the router", flush=True)
+            c.wait_healthy([c.start_router()], health_timeout, stop, ready)
         manifest = c.write_manifest()
         up = True
         if only is None:

@@ -30,12 +30,13 @@ def test_bench_engine_and_transfer_hand_every_argument_to_their_own_parsers(comm
     assert args.argv == ["--threads", "2", "--json", "x.json"]
 
 
-def test_bench_transfer_help_is_the_transfer_benchmarks_own(capsys):
-    args = parser().parse_args(["bench", "transfer", "--help"])
+@pytest.mark.parametrize("command", ["engine", "transfer"])
+def test_bench_engine_and_transfer_help_is_their_own_under_pdserve_s_name(command, capsys):
+    args = parser().parse_args(["bench", command, "--help"])
     with pytest.raises(SystemExit) as exit_:
         args.func(args)
     assert exit_.value.code == 0
-    assert "usage: pdserve bench transfer" in capsys.readouterr().out
+    assert capsys.readouterr().out.startswith(f"usage: pdserve bench {command} ")
 
 
 def test_bench_serve_runs_against_an_endpoint_and_writes_json_and_plots(fake_openai_url, tmp_path, capsys):

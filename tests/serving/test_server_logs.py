@@ -92,6 +92,9 @@ def test_a_launched_cluster_logs_each_request_and_its_stats(tmp_path, tiny_model
         assert " completions ok prompt=1 completion=4 ttft=" in lines[0] and lines[0].endswith(" prefill=p0 decode=d0")
         assert " completions 404 model_not_found" in lines[1]
         launcher = tmp_path / "launcher.log"
+        said = launcher.read_text()  # what it said while starting: no long silence
+        assert "pdserve: starting p0 (prefill), d0 (decode): each loads the model" in said
+        assert all(f"pdserve: {who} ready (" in said for who in ("prefill p0", "decode d0", "router"))
         for name in ("router", "d0", "p0"):
             wait_until(lambda: f"{name} | stats {name}: " in launcher.read_text(), 10, f"{name}'s stats echoed")
     finally:
