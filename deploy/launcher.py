@@ -217,11 +217,12 @@ class StatsEcho(threading.Thread):
 
     def __init__(self, cluster: Cluster, stop: threading.Event, interval_s: float = 0.5) -> None:
         super().__init__(name="stats-echo", daemon=True)
-        self._cluster, self._stop, self._interval_s = cluster, stop, interval_s
+        # Not ``_stop``: threading.Thread has a method of that name, which join() calls.
+        self._cluster, self._quit, self._interval_s = cluster, stop, interval_s
         self._offsets = {proc.log: _size(proc.log) for proc in cluster.procs}  # from now on
 
     def run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while not self._quit.wait(self._interval_s):
             self.poll()
 
     def poll(self) -> None:

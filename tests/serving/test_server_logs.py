@@ -4,6 +4,7 @@ the launcher echoing the stats lines (router/access_log.py, server_common/stats_
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,21 @@ def test_the_launcher_echoes_only_whole_stats_lines_prefixed(tmp_path: Path, cap
     echo.poll()
     assert capsys.readouterr().out.splitlines() == [
         "d0 | stats d0: running 1", "d0 | stats d0: running 2", "router | stats router: requests 1.0/s"]
+
+
+def test_the_launcher_s_stats_echo_stops_when_told_and_joins(tmp_path: Path):
+    class Proc:
+        name, log = "d0", tmp_path / "d0.log"
+
+    class Cluster:
+        procs = [Proc()]
+
+    stop = threading.Event()
+    echo = StatsEcho(Cluster(), stop, interval_s=0.01)
+    echo.start()
+    stop.set()
+    echo.join(10)  # its stop event must not shadow Thread._stop, which join() calls
+    assert not echo.is_alive()
 
 
 @pytest.mark.integration
