@@ -18,7 +18,6 @@ import time
 
 import httpx
 import pytest
-import yaml
 
 from tests.serving.cluster import Cluster, make_config
 from tests.serving.oracle import expected_completion
@@ -39,10 +38,7 @@ def cluster(tmp_path_factory, tiny_model):
         "lease_s": 10,
         "router": {"stream_stall_s": STALL_S, "header_timeout_s": 2, "max_connections_per_client": 16},
         "security": {"server_header_timeout_s": 4, "server_max_connections": 64,
-                     "server_reserved_connections": 16}})
-    data = yaml.safe_load(path.read_text())
-    data["prefill"][0]["num_blocks"] = P_BLOCKS
-    path.write_text(yaml.safe_dump(data))
+                     "server_reserved_connections": 16}}, instances={"p0": {"num_blocks": P_BLOCKS}})
     cluster = Cluster(path, folder)
     yield cluster
     cluster.stop()

@@ -28,17 +28,21 @@ def merge(base: dict, changes: dict) -> dict:
     return out
 
 
-def make_config(folder: Path, template: str, model: str, changes: dict | None = None) -> Path:
-    """``configs/<template>.yaml`` with the given model, free ports, one torch thread per server."""
+def make_config(folder: Path, template: str, model: str, changes: dict | None = None,
+                instances: dict[str, dict] | None = None) -> Path:
+    """``configs/<template>.yaml`` with the given model, free ports, one torch thread per server;
+    ``changes`` merged into it, ``instances`` (name -> fields) into those instances' entries."""
     data = yaml.safe_load((CONFIGS / f"{template}.yaml").read_text())
     data = merge(data, {"model": model, "served_model_name": "tiny", "engine": {"num_threads": 1, "kv_cache_bytes": 16 << 20},
                         "router": {"health_interval_s": 0.5}})
     data = merge(data, changes or {})
-    instances = [i for role in ("prefill", "decode", "colocated") for i in data.get(role) or []]
-    ports = free_ports(1 + 2 * len(instances))
+    entries = [i for role in ("prefill", "decode", "colocated") for i in data.get(role) or []]
+    for entry in entries:
+        entry.update((instances or {}).get(entry["name"], {}))
+    ports = free_ports(1 + 2 * len(entries))
     data["router"]["port"] = ports[0]
-    for i, inst in enumerate(instances):
-        inst["port"], inst["kv_port"] = ports[1 + 2 * i], ports[2 + 2 * i]
+    for i, entry in enumerate(entries):
+        entry["port"], entry["kv_port"] = ports[1 + 2 * i], ports[2 + 2 * i]
     path = folder / f"{template}.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

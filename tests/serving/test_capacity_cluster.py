@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-import yaml
 
 from tests.serving.cluster import Cluster, make_config
 from tests.serving.oracle import expected_completion, tokenizer
@@ -22,10 +21,7 @@ SHORT = "a short question"
 @pytest.fixture(scope="module")
 def small_prefill(tmp_path_factory, tiny_model):
     folder = tmp_path_factory.mktemp("capacity")
-    path = make_config(folder, "tiny-1p1d", tiny_model, {"lease_s": 10})
-    data = yaml.safe_load(path.read_text())
-    data["prefill"][0]["num_blocks"] = P_BLOCKS
-    path.write_text(yaml.safe_dump(data))
+    path = make_config(folder, "tiny-1p1d", tiny_model, {"lease_s": 10}, instances={"p0": {"num_blocks": P_BLOCKS}})
     cluster = Cluster(path, folder)
     yield cluster
     cluster.stop()
