@@ -179,6 +179,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                               sum(w.in_rotation for w in registry.workers), len(registry.workers))
 
     async def respond(request: Request, endpoint: str, call) -> Response:
+        """``call(request_id, traceparent, body_bytes)``: the handler's coroutine for this request."""
         rid = request_id_of(request)
         try:
             check_auth(request)
@@ -188,7 +189,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         metrics.inflight.inc()
         status, code = 500, None
         try:
-            session, result = await until_disconnect(request, call(rid))
+            session, result = await until_disconnect(request, call(rid, request.headers.get("traceparent"),
+                                                                   len(await request.body())))
             status = 200
         except OpenAIError as exc:
             status, code = exc.status, exc.code
@@ -208,15 +210,11 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     @app.post("/v1/chat/completions", responses=openapi.generation_responses(out.ChatCompletion,
                                                                              "ChatCompletionChunk"))
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        size = len(await request.body())
-        return await respond(request, "chat", lambda rid: request.app.state.handlers.chat(
-            req, rid, request.headers.get("traceparent"), size))
+        return await respond(request, "chat", lambda *args: request.app.state.handlers.chat(req, *args))
 
     @app.post("/v1/completions", responses=openapi.generation_responses(out.Completion, "Completion"))
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        size = len(await request.body())
-        return await respond(request, "completions", lambda rid: request.app.state.handlers.completion(
-            req, rid, request.headers.get("traceparent"), size))
+        return await respond(request, "completions", lambda *args: request.app.state.handlers.completion(req, *args))
 
     @app.get("/v1/models", responses=openapi.ok(out.ModelList, "The served model.") | openapi.errors(401, 500))
     async def models(request: Request) -> JSONResponse:

@@ -52,6 +52,11 @@ class Prepared:
     def num_prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
+    @property
+    def scored(self) -> bool:
+        """Log-probabilities asked for, of the answer or the prompt: its answer may be megabytes."""
+        return self.top_logprobs is not None or self.prompt_top is not None
+
 
 async def choice_deltas(p: Prepared, sessions: list[Session], tokenizer) -> AsyncIterator[ChoiceDelta]:
     """Every choice's deltas (prompt j's sequence i is choice j * n + i, as OpenAI numbers

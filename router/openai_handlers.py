@@ -268,7 +268,7 @@ class OpenAIHandlers:
             return json_response(out.ChatCompletion(
                 id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name, choices=choices,
                 usage=usage, prompt_logprobs=self._prompt_logprobs(p, 0, got[0].prompt_logprobs)))
-        return None, await self._answer(build, p.top_logprobs is not None or p.prompt_top is not None)
+        return None, await self._answer(build, p.scored)
 
     async def completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None,
                          body_bytes: int = 0):
@@ -292,7 +292,7 @@ class OpenAIHandlers:
                     prompt_logprobs=self._prompt_logprobs(p, i // n, c.prompt_logprobs)))
             return json_response(out.Completion(id=f"cmpl-{request_id}", created=int(time.time()),
                                                 model=self.model.name, choices=choices, usage=usage))
-        return None, await self._answer(build, p.top_logprobs is not None or p.prompt_top is not None)
+        return None, await self._answer(build, p.scored)
 
     # ---- streams -----------------------------------------------------------
 
