@@ -149,6 +149,7 @@ class RouterConfig(Strict):
     header_timeout_s: float = Field(default=RouterSettings.header_timeout, gt=0)
     body_timeout_s: float = Field(default=RouterSettings.body_timeout, gt=0)
     max_connections_per_client: int = Field(default=RouterSettings.max_connections_per_client, ge=1)
+    client_keepalive_s: float = Field(default=RouterSettings.client_keepalive_s, gt=0)  # idle client connections
     access_log: bool = RouterSettings.access_log  # one line per request in the router's log
     max_connections: int = Field(default=RouterSettings.max_connections, ge=2)  # open, in all
     reserved_connections: int = Field(default=RouterSettings.reserved_connections, ge=0)  # of them, loopback only
@@ -360,6 +361,7 @@ class ClusterConfig(Strict):
             internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
             prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
             body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
+            client_keepalive_s=r.client_keepalive_s,
             max_connections=r.max_connections, reserved_connections=r.reserved_connections,
             access_log=r.access_log, log_stats_interval=self.log_stats_interval_s,
             tracing=self.tracing.settings(), discovery=discovery,

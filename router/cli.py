@@ -15,5 +15,5 @@ def run(settings: RouterSettings, log_level: str) -> int:
 
     app = create_app(settings)
     serve(app, settings.listen_host, settings.port, log_level, app.state.drain, settings.drain_timeout,
-          http=app.state.connections.protocol_class())
+          http=app.state.connections.protocol_class(), keep_alive_s=settings.client_keepalive_s)
     return 0

@@ -96,6 +96,9 @@ class RouterSettings:
     header_timeout: float = 10.0  # a request's headers must arrive within this (server_common.connections)
     body_timeout: float = 30.0  # and its body within this after them
     max_connections_per_client: int = 256  # open connections from one address
+    # How long a client's idle kept-alive connection stays open: longer than clients keep theirs (httpx and
+    # the OpenAI SDKs 5 s, aiohttp 15 s), so a client never sends a request on a connection being closed.
+    client_keepalive_s: float = 75.0
     access_log: bool = True  # one line per request (router/access_log.py)
     log_stats_interval: float = 10.0  # a stats line this often while there is traffic (0: none)
     max_connections: int = 8192  # open connections in all (and under the file-descriptor limit)

@@ -7,8 +7,11 @@ protocol (``protocol_class``) three limits, on the router (config
 ``router:``) and on every prefill and decode server (config ``security:``,
 ``server_*``):
 
-* ``header_timeout_s``: from a connection's start (or the end of the previous
-  response on it) until the request's headers are complete;
+* ``header_timeout_s``: from a connection's start (or, on a kept-alive
+  connection, the first byte of its next request) until the request's
+  headers are complete; an idle kept-alive connection is uvicorn's to close,
+  after its ``timeout_keep_alive`` (``serve(keep_alive_s=...)``: on the
+  router, ``router.client_keepalive_s``, longer than clients keep theirs);
 * ``body_timeout_s``: from the headers until the whole body has arrived;
 * ``max_connections_per_client``: open connections from one address; one more
   is answered 503 (and ``Connection: close``) at once, without reading it;
@@ -171,10 +174,13 @@ class _GuardedH11(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._follow()
+        if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
+            self._disarm()  # idle between requests: uvicorn's keep-alive timer closes it in time
+        else:
+            self._follow()  # the next request had begun to arrive
 
     def _follow(self) -> None:
-        """Header timer while no request arrived, body timer while it is being read, none after."""
+        """Header timer while a request's headers arrive, body timer while its body does, none after."""
         state = self.conn.their_state
         if state is h11.IDLE:
             if self._phase != "header_timeout":

@@ -71,9 +71,16 @@ class Cluster:
         generated = run_dir / "internal_secret"
         secret = secret or (generated.read_text().strip() if generated.exists() else None)
         self.http = httpx.Client(timeout=30, headers={"authorization": f"Bearer {secret}"} if secret else {})
+        self._clients: dict[tuple, openai.OpenAI] = {}
 
     def client(self, **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.router_url}/v1", api_key="test", max_retries=0, **kw)
+        """One client per set of options, for the cluster's life: tests reuse its connections instead of
+        leaving idle ones open on the router (which keeps them router.client_keepalive_s)."""
+        key = tuple(sorted(kw.items()))
+        if key not in self._clients:
+            self._clients[key] = openai.OpenAI(base_url=f"{self.router_url}/v1", api_key="test", max_retries=0,
+                                               **kw)
+        return self._clients[key]
 
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.router_url}/v1", api_key="test", max_retries=0)
@@ -119,6 +126,8 @@ class Cluster:
                 os.kill(pid, signal.SIGKILL)
         if hasattr(self, "http"):
             self.http.close()
+            for client in self._clients.values():
+                client.close()
 
 
 def _alive(pid: int) -> bool:
