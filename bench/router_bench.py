@@ -38,7 +38,8 @@ import httpx
 import numpy as np
 
 from bench.stub_cluster import StubCluster
-from server_common.worker_requests import GenerateRequest, SamplingSpec
+from engine.request import SamplingParams
+from server_common.worker_requests import GenerateRequest
 
 PROMPT = "Tell me about the history of the city of Paris in a few sentences."
 
@@ -94,7 +95,7 @@ class Targets:
         """One /generate on the decode stub; returns ms to the first token event."""
         self._n += 1
         body = GenerateRequest(request_id=f"direct-{self._n}", prompt_token_ids=self.prompt_ids,
-                               sampling=SamplingSpec(max_tokens=self.tokens), local_prefill=True).model_dump_json()
+                               sampling=SamplingParams(max_tokens=self.tokens), local_prefill=True).model_dump_json()
         start = time.perf_counter()
         first = None
         async with http.stream("POST", f"{self.cluster.decode_url}/generate", content=body,

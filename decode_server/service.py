@@ -43,11 +43,12 @@ from server_common.metrics import ServerMetrics
 from server_common.model_id import model_fingerprint
 from server_common.quota import UnfilledBlocks
 from server_common.settings import ServerSettings
+from server_common.streams import StreamHub
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
-from server_common.streams import StreamHub
 from server_common.vitals import Vitals
 from server_common.worker_replies import (
+    STREAM_HEARTBEAT_S,
     AliveEvent,
     ErrorEvent,
     HealthReport,
@@ -55,7 +56,6 @@ from server_common.worker_replies import (
     ReprefillEvent,
     Reservation,
     ReservationEvent,
-    STREAM_HEARTBEAT_S,
     TokensEvent,
     WorkerError,
     tokens_event,
@@ -155,7 +155,7 @@ class GenerationService:
         if self.drain.draining:
             raise WorkerError(503, f"{self.settings.name} is draining: it takes no new requests", Outcome.DRAINING,
                               retry_after=1)
-        sampling = req.sampling.engine_params()
+        sampling = req.sampling
         local = req.local_prefill or self.settings.role == "colocated"
         active = Active(rid, self._hub.open(rid), sequences=sampling.n,
                         trace=StreamTrace(self.tracing, self.timeline, req.trace, rid, not local, self.settings.name))

@@ -23,7 +23,8 @@ from engine import cli as engine_cli
 
 def version() -> str:
     """The installed package's version; from a checkout that is not installed, its pyproject.toml's."""
-    from importlib.metadata import PackageNotFoundError, version as installed
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
 
     try:
         return installed("pdserve")
@@ -55,6 +56,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: Exception) -> str:
+    """An error as one line; a pydantic validation error (SamplingParams' bounds) as "field: problem"."""
+    from pydantic import ValidationError  # loaded already when one was raised
+
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+    return str(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(next((a for a in argv if not a.startswith("-")), ""))
@@ -64,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (CliError, ValueError, FileNotFoundError, NotImplementedError) as exc:
-        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        print(f"pdserve {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

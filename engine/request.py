@@ -16,9 +16,12 @@ and the first ``num_hashed_blocks`` of its blocks are registered in the cache.
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field, replace
+from typing import Annotated, Literal
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass as checked_dataclass
 
 
 class RequestStatus(enum.Enum):
@@ -30,17 +33,26 @@ class RequestStatus(enum.Enum):
 
 
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): dividing logits by them overflows
-MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's limit)
 LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinity)
 
+# What one request may ask for, and its bounds: written once here, checked when a ``SamplingParams`` is
+# made (by the router from an OpenAI request, by a server from the router's JSON, by any engine caller).
+# Every number is finite and ranged, so no caller hands the engine a value it cannot hold.
+MAX_TOKENS = 1 << 24  # far above any context a pdserve engine holds
+MAX_N = 16  # sequences per request
+MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's limit)
+MAX_STOP_TOKEN_IDS = 1024
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+_CHECKED = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-@dataclass(frozen=True)
+
+@checked_dataclass(frozen=True, config=_CHECKED)
 class StructuredSpec:
     """A grammar the output must match: ``kind`` json_schema (``value`` the schema as JSON),
     regex, choice (``value`` a JSON list of strings) or lark (an llguidance Lark grammar)."""
 
-    kind: str
-    value: str
+    kind: Literal["json_schema", "regex", "choice", "lark"]
+    value: str = Field(max_length=1 << 20)
 
 
 def kv_blocks_needed(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int) -> int:
@@ -52,50 +64,30 @@ def kv_blocks_needed(num_prompt_tokens: int, max_tokens: int, n: int, block_size
     return shared + n * own
 
 
-@dataclass(frozen=True)
+@checked_dataclass(frozen=True, config=_CHECKED)
 class SamplingParams:
-    """Per-request sampling. ``temperature == 0`` (or below ``SAMPLING_EPS``) means greedy."""
+    """Per-request sampling, as the engine runs it and as it travels from the router to the servers
+    (JSON). ``temperature == 0`` (or below ``SAMPLING_EPS``) means greedy."""
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int = Field(default=16, ge=1, le=MAX_TOKENS)
+    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=1 << 24)  # 0 = off
+    seed: int | None = Field(default=None, ge=-(1 << 63), lt=1 << 64)
+    stop_token_ids: tuple[TokenId, ...] = Field(default=(), max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
-    n: int = 1  # sequences sampled from one prompt; sequence i draws with seed + i
-    logprobs: int | None = None  # per generated token: the chosen token's log-probability and this many top ones
-    prompt_logprobs: int | None = None  # the same for every prompt token after the first
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
-    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many tokens were generated
+    n: int = Field(default=1, ge=1, le=MAX_N)  # sequences sampled from one prompt; sequence i draws with seed + i
+    # Per generated token: the chosen token's log-probability and this many top ones.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the same for prompt tokens but the first
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
+    # (token id, bias added to its logit)
+    logit_bias: tuple[tuple[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]], ...] = Field(
+        default=(), max_length=1 << 16)
+    min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)  # EOS and stop_token_ids masked until this many tokens
     structured: StructuredSpec | None = None
-
-    def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.n < 1:
-            raise ValueError(f"n must be at least 1, got {self.n}")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(self, name)
-            if k is not None and not 0 <= k <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
-        if not all(math.isfinite(b) for _, b in self.logit_bias):
-            raise ValueError("logit_bias values must be finite numbers")
 
     @property
     def greedy(self) -> bool:

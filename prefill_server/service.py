@@ -44,8 +44,15 @@ from server_common.settings import ServerSettings
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
 from server_common.vitals import Vitals
-from server_common.worker_replies import (MAX_LEASE_S, HealthReport, KVBlocks, PrefillResult, WorkerError,
-                                          prompt_token_logprobs, token_logprobs)
+from server_common.worker_replies import (
+    MAX_LEASE_S,
+    HealthReport,
+    KVBlocks,
+    PrefillResult,
+    WorkerError,
+    prompt_token_logprobs,
+    token_logprobs,
+)
 from server_common.worker_requests import PrefillRequest
 from transfer.outcome import Outcome, PeerBound, TransferEnded
 
@@ -60,7 +67,8 @@ class Job:
     num_cached_tokens: int  # the decode server holds these already: they are not sent
     done: asyncio.Future
     loop: asyncio.AbstractEventLoop
-    prefilled_out: StepOutput | None = None  # set once the prompt is computed; the blocks are then held for the transfer
+    # set once the prompt is computed; the blocks are then held for the transfer
+    prefilled_out: StepOutput | None = None
     started: float = field(default_factory=time.monotonic)
     computing: float | None = None  # when the first layer of its first chunk was computed
     prefilled: float | None = None  # when the last layer was computed and the first token sampled
@@ -162,7 +170,7 @@ class PrefillService:
         if lease_s <= 0:
             raise WorkerError(409, f"the reservation on {res.instance} has expired", Outcome.LEASE_EXPIRED)
         job = Job(rid, res.transfer_id, len(req.prompt_token_ids), res.num_cached_tokens, loop.create_future(), loop)
-        sampling = req.sampling.engine_params()
+        sampling = req.sampling
 
         def add(e: LLMEngine) -> None:
             if rid in self._jobs:

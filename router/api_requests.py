@@ -20,9 +20,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
+from engine.request import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
 from router.errors import OpenAIError
 from router.openapi import MAX_NEW_TOKENS, TOKEN_ID
-from server_common.worker_requests import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
+from router.structured import StructuredFields
+from router.tools import EarlierCall, template_message
 
 
 def _integral(value: Any) -> Any:
@@ -49,8 +51,6 @@ NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 TokenIdValue = integer(ge=0, lt=1 << 31, json_schema_extra={TOKEN_ID: True})
 NEW_TOKENS = {MAX_NEW_TOKENS: True}  # bounded in the published schema by the context and router.max_tokens
-from router.structured import StructuredFields
-from router.tools import EarlierCall, template_message
 
 
 class StreamOptions(BaseModel):

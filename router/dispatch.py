@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
+from engine.request import SamplingParams
 from router.admission import Admission, AdmissionSettings, Slot
 from router.errors import OpenAIError
 from router.health import PassiveHealth
@@ -25,7 +26,7 @@ from router.session import Session, SessionContext
 from router.settings import PrefillFailure, RouterSettings
 from router.worker_client import DecodeStream, WorkerClient, WorkerFailed
 from server_common.guard import Drain
-from server_common.worker_requests import GenerateRequest, SamplingSpec
+from server_common.worker_requests import GenerateRequest
 from transfer.outcome import Outcome
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ class Dispatcher:
                  f"tokens ({share:g} of decode server {best.name}'s {best.total_blocks}); {hint}",
             param=tokens_param if most >= 1 or n == 1 else "n", code="context_length_exceeded")
 
-    async def start(self, request_id: str, prompt: list[int], sampling: SamplingSpec,
+    async def start(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                     trace: str | None = None) -> Session:
         """Admit the request and open its decode stream (reservation first).
 
@@ -113,7 +114,7 @@ class Dispatcher:
         stream, slot = await self.open_stream(request_id, prompt, sampling, None, prefill_slot=True, trace=trace)
         return Session(self._sessions, request_id, prompt, sampling, stream, slot, trace)
 
-    async def open_stream(self, request_id: str, prompt: list[int], sampling: SamplingSpec, local: bool | None,
+    async def open_stream(self, request_id: str, prompt: list[int], sampling: SamplingParams, local: bool | None,
                           prefill_slot: bool = False, trace: str | None = None) -> tuple[DecodeStream, Slot]:
         """A decode stream on the first server in policy order with a free slot that takes it,
         waiting for one (``Admission.admit``). ``local``: D prefills the prompt itself; None:

@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 import anyio
 
+from engine.request import SamplingParams
 from router.choices import ChoiceDelta, ChoiceText, Scored
 from router.errors import OpenAIError
 from router.session import Session
 from router.timeline import RequestTimeline
 from router.tools import ToolPlan
 from server_common.worker_replies import TokenLogprob, TokensEvent
-from server_common.worker_requests import SamplingSpec
 
 
 @dataclass
@@ -37,7 +37,7 @@ class Prepared:
     request_id: str
     endpoint: str
     prompts: list[list[int]]
-    sampling: SamplingSpec
+    sampling: SamplingParams
     stops: list[str]
     timeline: RequestTimeline
     prompt_texts: list[str] | None = None

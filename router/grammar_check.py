@@ -20,10 +20,10 @@ import logging
 import multiprocessing
 import resource
 
+from engine.request import StructuredSpec
 from engine.structured import compile_grammar
 from router.errors import OpenAIError
 from router.settings import CompileSandbox
-from server_common.worker_requests import StructuredSpec
 
 log = logging.getLogger(__name__)
 

@@ -19,29 +19,28 @@ from typing import TypeVar
 import anyio
 from fastapi.responses import Response
 
+from engine.request import SamplingParams, StructuredSpec
+from engine.structured import GrammarLimits
 from router import api_responses as out
 from router.access_log import AccessLog
 from router.api_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.choices import TokenStrings
 from router.dispatch import Dispatcher
-from router.session import Session
 from router.errors import OpenAIError
+from router.fanout import Collected, Prepared, SessionGroup, choice_deltas
+from router.grammar_check import GrammarChecker
 from router.limits import RequestLimits
+from router.logprob_shapes import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
 from router.metrics import RouterMetrics
 from router.model import ServedModel
+from router.session import Session
 from router.sse import DONE, ChunkTemplate, sse_event
-from router.choices import TokenStrings
-from router.fanout import Collected, Prepared, SessionGroup, choice_deltas
-from router.logprob_shapes import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
-from router.grammar_check import GrammarChecker
 from router.structured import one_constraint
 from router.timeline import RequestTimeline
 from router.tool_calls import ToolCallStream, chat_message
 from router.tools import plan_tools
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing, TracingSettings
-from engine.structured import GrammarLimits
-from server_common.worker_requests import SamplingSpec
-
 
 # Requests with a body longer than this (bytes) are checked, templated and tokenized on the handlers'
 # tokenizer thread: a 4,600-token chat prompt takes ~8 ms (SmolLM2's tokenizer), and 100,000 empty
@@ -51,14 +50,14 @@ from server_common.worker_requests import SamplingSpec
 LONG_REQUEST_BYTES = 8192
 
 
-def sampling_spec(req: SamplingFields, max_tokens: int, logprobs: int | None = None,
-                  prompt_logprobs: int | None = None) -> SamplingSpec:
-    """The request's sampling fields as the servers take them (validated: see ``SamplingFields``).
-    A field the request leaves out gets SamplingSpec's default, written once there."""
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None, structured: StructuredSpec | None = None) -> SamplingParams:
+    """The request's sampling fields as the engine takes them (validated: see ``SamplingFields``).
+    A field the request leaves out gets SamplingParams' default, written once there."""
     given = {name: value for name, value in (
         ("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty),
         ("repetition_penalty", req.repetition_penalty), ("min_tokens", req.min_tokens)) if value is not None}
-    return SamplingSpec(
+    return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
@@ -70,6 +69,7 @@ def sampling_spec(req: SamplingFields, max_tokens: int, logprobs: int | None = N
         n=req.num_sequences,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        structured=structured,
         **given,
     )
 
@@ -132,10 +132,10 @@ class OpenAIHandlers:
             return build()
         return await asyncio.get_running_loop().run_in_executor(self._answer_thread, build)
 
-    def _constraint(self, constraints) -> tuple[str | None, dict]:
-        """The request's one constraint: its parameter, and the sampling update that carries its spec."""
+    def _constraint(self, constraints) -> tuple[str | None, StructuredSpec | None]:
+        """The request's one constraint: its parameter and its grammar (None, None: none)."""
         found = one_constraint(constraints, self.grammar_limits)
-        return (None, {"structured": None}) if found is None else (found[0], {"structured": found[1]})
+        return (None, None) if found is None else found
 
     def models(self) -> out.ModelList:
         return out.ModelList(data=[self.model_card(self.model.name)])
@@ -162,10 +162,10 @@ class OpenAIHandlers:
                                                explicit=req.max_new_tokens() is not None, tokens_param=tokens_param)
         req.check_tokens(self.model.vocab_size, max_tokens)
         top = (req.top_logprobs or 0) if req.logprobs else None
-        sampling = sampling_spec(req, max_tokens, top, req.prompt_logprobs).model_copy(update=structured)
+        sampling = sampling_params(req, max_tokens, top, req.prompt_logprobs, structured)
         return Prepared(request_id, "chat", [prompt], sampling, req.stop_strings(),
-                        self._timeline(request_id, traceparent, "chat"), top_logprobs=top, prompt_top=req.prompt_logprobs,
-                        tools=tools, structured_param=param)
+                        self._timeline(request_id, traceparent, "chat"), top_logprobs=top,
+                        prompt_top=req.prompt_logprobs, tools=tools, structured_param=param)
 
     def prepare_completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
         texts = [req.prompt] if isinstance(req.prompt, str) else [x for x in req.prompt if isinstance(x, str)]
@@ -186,8 +186,9 @@ class OpenAIHandlers:
         if req.echo:
             texts = [x if isinstance(x, str) else self.model.tokenizer.decode(x, skip_special_tokens=True)
                      for x in given]
-        sampling = sampling_spec(req, budget, req.logprobs, prompt_top).model_copy(update=structured)
-        return Prepared(request_id, "completions", prompts, sampling, req.stop_strings(), self._timeline(request_id, traceparent, "completions"), prompt_texts=texts,
+        sampling = sampling_params(req, budget, req.logprobs, prompt_top, structured)
+        return Prepared(request_id, "completions", prompts, sampling, req.stop_strings(),
+                        self._timeline(request_id, traceparent, "completions"), prompt_texts=texts,
                         top_logprobs=req.logprobs, prompt_top=req.prompt_logprobs, echo=req.echo,
                         drop_generated=req.max_tokens == 0, structured_param=param)
 

@@ -28,6 +28,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from engine.request import SamplingParams
 from router.admission import Admission, Slot
 from router.errors import OpenAIError
 from router.health import PassiveHealth
@@ -37,13 +38,13 @@ from router.recovery import PrefillFailure, decide
 from router.registry import Worker, WorkerRegistry
 from router.worker_client import DecodeStream, WorkerClient, WorkerFailed
 from server_common.worker_replies import PrefillResult, ReprefillEvent, TokensEvent
-from server_common.worker_requests import PrefillRequest, SamplingSpec
+from server_common.worker_requests import PrefillRequest
 from transfer.outcome import DECIDED_BY_DECODE, Outcome
 
 log = logging.getLogger(__name__)
 
 # (attempt id, prompt, sampling, local, traceparent) -> an open decode stream and the admission slot it holds
-OpenStream = Callable[[str, list[int], SamplingSpec, bool, str | None], Awaitable[tuple[DecodeStream, Slot]]]
+OpenStream = Callable[[str, list[int], SamplingParams, bool, str | None], Awaitable[tuple[DecodeStream, Slot]]]
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class SessionContext:
 
 
 class Session:
-    def __init__(self, ctx: SessionContext, request_id: str, prompt: list[int], sampling: SamplingSpec,
+    def __init__(self, ctx: SessionContext, request_id: str, prompt: list[int], sampling: SamplingParams,
                  stream: DecodeStream, slot: Slot, trace: str | None = None) -> None:
         self.request_id = request_id
         self.attempt_id = request_id  # what the servers call the current attempt

@@ -25,9 +25,9 @@ from typing import Any, Literal
 from llguidance.gbnf_to_lark import any_to_lark
 from pydantic import BaseModel, ConfigDict, Field
 
+from engine.request import StructuredSpec
 from engine.structured import GrammarLimits, check_bounds
 from router.errors import OpenAIError
-from server_common.worker_requests import StructuredSpec
 
 ANY_OBJECT = '{"type": "object"}'
 

@@ -27,10 +27,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from engine.request import StructuredSpec
 from engine.structured import JSON_OPTIONS
 from router.errors import OpenAIError
 from router.tool_calls import CLOSE, OPEN
-from server_common.worker_requests import StructuredSpec
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe",

@@ -18,7 +18,7 @@ import msgspec
 
 from transfer.layout import KVLayout
 
-MAX_SEQUENCES = 16  # first tokens per Done notice at most: server_common.worker_requests.MAX_N
+MAX_SEQUENCES = 16  # first tokens per Done notice at most: engine.request.MAX_N (transfer imports no engine)
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):

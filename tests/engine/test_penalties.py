@@ -151,9 +151,11 @@ def test_first_token_on_a_prefill_engine_the_rest_on_a_decode_engine_equal_the_r
 
 def test_token_ids_outside_the_vocabulary_in_logit_bias_or_stop_token_ids_are_refused(tiny_model):
     e = engine(tiny_model)
-    for bad in (dict(logit_bias=((10**6, 1.0),)), dict(stop_token_ids=(-1,))):
+    for bad in (dict(logit_bias=((10**6, 1.0),)), dict(stop_token_ids=(10**6,))):
         with pytest.raises(ValueError, match="outside the vocabulary"):
             e.add_request("x", PROMPT, SamplingParams(**bad))
+    with pytest.raises(ValueError, match="stop_token_ids.0\n  Input should be greater than or equal to 0"):
+        SamplingParams(stop_token_ids=(-1,))  # no token id is negative, whatever the vocabulary
     assert e.block_counts()["free"] == 64
 
 

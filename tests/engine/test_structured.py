@@ -103,7 +103,8 @@ def test_grammar_rows_and_free_rows_in_one_batch_are_each_exact(tiny_model):
 
     e = engine(tiny_model)
     prompts = {"json": PROMPT, "free": PROMPT[:20], "regex": PROMPT[5:30]}
-    e.add_request("json", prompts["json"], SamplingParams(max_tokens=60, temperature=0, structured=SPECS["json_schema"]))
+    e.add_request("json", prompts["json"],
+                  SamplingParams(max_tokens=60, temperature=0, structured=SPECS["json_schema"]))
     e.add_request("free", prompts["free"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     e.add_request("regex", prompts["regex"], SamplingParams(max_tokens=20, temperature=0, structured=SPECS["regex"]))
     got = {k: [] for k in prompts}
@@ -215,7 +216,6 @@ def test_a_forked_grammar_is_independent(tiny_model):
     (StructuredSpec("regex", "a(b"), "the regular expression does not compile"),
     (StructuredSpec("choice", "[]"), "the choices must be a non-empty list of non-empty strings"),
     (StructuredSpec("lark", "start: foo"), 'the grammar does not compile: at 1(8): unknown name: "foo"'),
-    (StructuredSpec("yaml", "x"), "unknown structured output kind 'yaml'"),
 ])
 def test_a_grammar_that_does_not_compile_is_refused_with_the_problem(tiny_model, spec, message):
     with pytest.raises(ValueError) as exc:
@@ -225,6 +225,11 @@ def test_a_grammar_that_does_not_compile_is_refused_with_the_problem(tiny_model,
     with pytest.raises(ValueError, match=re.escape(message)):
         e.add_request("bad", PROMPT, SamplingParams(max_tokens=4, structured=spec))
     assert not e.has_unfinished() and e.block_counts()["free"] == 64
+
+
+def test_an_unknown_grammar_kind_is_refused_where_the_spec_is_made():
+    with pytest.raises(ValueError, match="Input should be 'json_schema', 'regex', 'choice' or 'lark'"):
+        StructuredSpec("yaml", "x")
 
 
 def test_preempted_constrained_requests_resume_their_grammar_and_stay_exact(tiny_model):

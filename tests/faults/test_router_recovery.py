@@ -10,19 +10,19 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from router.dispatch import DispatchSettings, Dispatcher
+from engine.request import SamplingParams
+from router.dispatch import Dispatcher, DispatchSettings
 from router.errors import OpenAIError
 from router.policies import RoundRobin
 from router.recovery import decide
 from router.registry import Worker, WorkerRegistry
 from router.worker_client import WorkerFailed
 from server_common.worker_replies import ReprefillEvent
-from server_common.worker_requests import SamplingSpec
 from tests.serving.fakes import FakeStream, FakeWorkerClient
 from tests.waiting import until
 from transfer.outcome import Outcome
 
-SAMPLING = SamplingSpec(max_tokens=3, temperature=0)
+SAMPLING = SamplingParams(max_tokens=3, temperature=0)
 PREFILL_DOWN = WorkerFailed("prefill", "p0", "unreachable", Outcome.UNREACHABLE)
 
 

@@ -7,17 +7,17 @@ import asyncio
 
 import pytest
 
+from engine.request import SamplingParams
 from router.admission import Admission, AdmissionSettings
-from router.dispatch import DispatchSettings, Dispatcher
+from router.dispatch import Dispatcher, DispatchSettings
 from router.errors import OpenAIError
 from router.policies import RoundRobin
 from router.registry import Worker, WorkerRegistry
 from server_common.guard import Drain
-from server_common.worker_requests import SamplingSpec
 from tests.serving.fakes import FakeWorkerClient
 from tests.waiting import until
 
-SAMPLING = SamplingSpec(max_tokens=2, temperature=0)
+SAMPLING = SamplingParams(max_tokens=2, temperature=0)
 
 
 def make(workers, admission=AdmissionSettings(), drain=None, local_prefill_threshold=0):

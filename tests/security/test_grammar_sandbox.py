@@ -9,10 +9,10 @@ import os
 
 import pytest
 
+from engine.request import StructuredSpec
 from router.errors import OpenAIError
 from router.grammar_check import GrammarChecker
 from router.settings import CompileSandbox
-from server_common.worker_requests import StructuredSpec
 
 # 3000 chained rules overflow the compiler's native stack (SIGSEGV): check_bounds refuses them first
 # in the router, so only a direct check reaches the compiler with them.

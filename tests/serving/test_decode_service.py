@@ -12,9 +12,10 @@ import pytest
 
 from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine
+from engine.request import SamplingParams
 from server_common.settings import ServerSettings
 from server_common.worker_replies import TokensEvent, WorkerError
-from server_common.worker_requests import GenerateRequest, SamplingSpec
+from server_common.worker_requests import GenerateRequest
 from tests.serving.scripted import ScriptedReceiver, scripted
 from transfer.outcome import Outcome
 
@@ -29,7 +30,7 @@ def engine(tiny_model):
 
 def request(rid: str, n: int = 6, max_tokens: int = 3) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_token_ids=list(range(10, 10 + n)),
-                           sampling=SamplingSpec(max_tokens=max_tokens, temperature=0))
+                           sampling=SamplingParams(max_tokens=max_tokens, temperature=0))
 
 
 async def wait_for(predicate, timeout: float = 2.0) -> None:
@@ -90,8 +91,10 @@ def test_client_leaving_cancels_and_frees_only_when_the_receiver_confirms(engine
         first, active = await service.open(request("c"))
         await service.close("c")
         assert receiver.cancelled == ["t0"]
-        await asyncio.sleep(0.1)
-        assert blocks(service) == (6, 2, 0)  # a one-sided write may still land
+        # The drop ran on the engine thread (close awaited it), and the blocks are still reserved there:
+        # a one-sided write may still land in them.
+        now = (await service.engine_thread.run(lambda e: e.stats())).scheduler
+        assert (now.free, now.reserved, now.running) == (6, 2, 0)
         receiver.end("t0", Outcome.CANCELLED, "cancelled")
         await wait_for(lambda: blocks(service) == (8, 0, 0))
         receiver.end("t0", Outcome.OK, first_tokens=(7,))  # a late completion is ignored
@@ -127,7 +130,7 @@ def test_duplicate_request_id_is_refused(engine):
 def test_n_sequences_stream_with_their_index_and_the_stream_ends_after_the_last_one(engine):
     async def scenario(service, receiver):
         req = GenerateRequest(request_id="g", prompt_token_ids=list(range(10, 16)),
-                              sampling=SamplingSpec(max_tokens=3, temperature=0, n=2, logprobs=2))
+                              sampling=SamplingParams(max_tokens=3, temperature=0, n=2, logprobs=2))
         first, active = await service.open(req)
         receiver.end("t0", Outcome.OK, first_tokens=(42, 43))
         events = [TokensEvent.model_validate_json(line) for line in
@@ -148,7 +151,7 @@ def test_n_sequences_stream_with_their_index_and_the_stream_ends_after_the_last_
 def test_a_notice_without_one_first_token_in_the_vocabulary_per_sequence_fails_the_request(engine, first_tokens):
     async def scenario(service, receiver):
         req = GenerateRequest(request_id="h", prompt_token_ids=list(range(10, 16)),
-                              sampling=SamplingSpec(max_tokens=3, temperature=0, n=2))
+                              sampling=SamplingParams(max_tokens=3, temperature=0, n=2))
         first, active = await service.open(req)
         receiver.end("t0", Outcome.OK, first_tokens=first_tokens)
         lines = [line async for line in service.events(first, active)]

@@ -5,18 +5,17 @@ import asyncio
 import httpx
 import pytest
 
+from engine.request import SamplingParams, kv_blocks_needed
 from router.admission import Admission, AdmissionSettings
-from router.dispatch import DispatchSettings, Dispatcher
+from router.dispatch import Dispatcher, DispatchSettings
 from router.errors import OpenAIError
 from router.policies import RoundRobin
-from engine.request import kv_blocks_needed
 from router.registry import Worker, WorkerRegistry
 from router.worker_client import WorkerFailed
-from transfer.outcome import Outcome
-from server_common.worker_requests import SamplingSpec
 from tests.serving.fakes import FakeWorkerClient
+from transfer.outcome import Outcome
 
-SAMPLING = SamplingSpec(max_tokens=4, temperature=0)
+SAMPLING = SamplingParams(max_tokens=4, temperature=0)
 
 
 def make(fake, workers=None, admission=None, **settings):
@@ -260,7 +259,7 @@ def test_a_request_goes_only_to_a_decode_server_whose_share_holds_it():
     fake = FakeWorkerClient(reply=[1])
     registry, dispatcher = make(fake, workers=[Worker("p0", "prefill", "http://p0"), decode_of(64, name="d0"),
                                                decode_of(512, name="d1")])
-    sampling = SamplingSpec(max_tokens=400, n=2, temperature=0)  # 2 x 25 blocks + none shared: > 32, <= 256
+    sampling = SamplingParams(max_tokens=400, n=2, temperature=0)  # 2 x 25 blocks + none shared: > 32, <= 256
 
     async def run(rid):
         return await drain(await dispatcher.start(rid, [5] * 10, sampling))
@@ -269,6 +268,6 @@ def test_a_request_goes_only_to_a_decode_server_whose_share_holds_it():
         asyncio.run(run(f"r{i}"))
     assert [name for name, _ in fake.opened] == ["d1", "d1", "d1"]
     with pytest.raises(OpenAIError) as info:
-        asyncio.run(dispatcher.start("big", [5] * 10, SamplingSpec(max_tokens=4000, n=2, temperature=0)))
+        asyncio.run(dispatcher.start("big", [5] * 10, SamplingParams(max_tokens=4000, n=2, temperature=0)))
     assert (info.value.status, info.value.code) == (400, "context_length_exceeded")
     assert len(fake.opened) == 3 and all(w.inflight == 0 for w in registry.workers)

@@ -10,10 +10,11 @@ import time
 import pytest
 
 from engine import EngineConfig, LLMEngine
+from engine.request import SamplingParams
 from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
 from server_common.worker_replies import Reservation, WorkerError
-from server_common.worker_requests import PrefillRequest, SamplingSpec
+from server_common.worker_requests import PrefillRequest
 from tests.serving.scripted import ScriptedSender, scripted
 from transfer.outcome import Outcome
 
@@ -28,7 +29,7 @@ def prefill_request(rid: str, n: int) -> PrefillRequest:
     res = Reservation(instance="d0", request_id=rid, transfer_id=f"t-{rid}", block_ids=[3, 4], block_size=16,
                       num_tokens=n, lease_deadline=time.time() + 30, kv_target={"peer": "d0"})
     return PrefillRequest(request_id=rid, prompt_token_ids=list(range(20, 20 + n)),
-                          sampling=SamplingSpec(max_tokens=4, temperature=0), reservation=res)
+                          sampling=SamplingParams(max_tokens=4, temperature=0), reservation=res)
 
 
 async def wait_for(predicate, timeout: float = 3.0) -> None:
@@ -117,7 +118,7 @@ def test_expired_reservation_is_refused_before_any_work(engine):
 def test_the_result_has_every_sequence_s_first_token_with_its_logprob_and_the_prompt_s(engine):
     async def scenario(service, sender):
         req = prefill_request("lp", 9)
-        req = req.model_copy(update={"sampling": SamplingSpec(max_tokens=4, temperature=0, n=3, logprobs=2,
+        req = req.model_copy(update={"sampling": SamplingParams(max_tokens=4, temperature=0, n=3, logprobs=2,
                                                               prompt_logprobs=1)})
         task = asyncio.ensure_future(service.prefill(req))
         await wait_for(lambda: any(c[0] == "finish" for c in sender.calls))

@@ -11,10 +11,11 @@ import pytest
 
 from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine
+from engine.request import SamplingParams
 from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
 from server_common.worker_replies import Reservation, WorkerError
-from server_common.worker_requests import GenerateRequest, PrefillRequest, SamplingSpec
+from server_common.worker_requests import GenerateRequest, PrefillRequest
 from tests.serving.scripted import ScriptedReceiver, ScriptedSender, scripted
 from transfer.outcome import Outcome
 
@@ -29,7 +30,8 @@ async def wait_for(predicate, timeout: float = 3.0) -> None:
 
 
 def generate(rid: str, prompt: list[int]) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=SamplingSpec(max_tokens=3, temperature=0))
+    return GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                           sampling=SamplingParams(max_tokens=3, temperature=0))
 
 
 def test_decode_reservation_pins_the_cached_prefix_and_an_almost_whole_hit_is_prefilled_here(tiny_model):
@@ -75,7 +77,7 @@ def prefill_request(rid: str, cached: int) -> PrefillRequest:
     res = Reservation(instance="d0", request_id=rid, transfer_id=f"t-{rid}", block_ids=[3, 4, 5, 6], block_size=4,
                       num_tokens=len(PROMPT), lease_deadline=time.time() + 30, kv_target={"peer": "d0"},
                       num_cached_tokens=cached)
-    return PrefillRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=SamplingSpec(max_tokens=4, temperature=0),
+    return PrefillRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=4, temperature=0),
                           reservation=res)
 
 
@@ -125,7 +127,7 @@ def test_a_request_for_prompt_log_probabilities_reports_no_cached_tokens_and_tak
     service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0),
                                 engine, make_receiver)
     (receiver,) = made
-    scored = SamplingSpec(max_tokens=3, temperature=0, prompt_logprobs=1)
+    scored = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1)
 
     async def main():
         await service.start()
@@ -161,7 +163,7 @@ def test_a_colocated_request_for_prompt_log_probabilities_reports_no_cached_toke
         await service.start()
         try:
             got = []
-            for rid, sampling in (("a", None), ("b", SamplingSpec(max_tokens=3, temperature=0, prompt_logprobs=1)),
+            for rid, sampling in (("a", None), ("b", SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1)),
                                   ("c", None)):
                 req = generate(rid, PROMPT) if sampling is None else GenerateRequest(
                     request_id=rid, prompt_token_ids=PROMPT, sampling=sampling)

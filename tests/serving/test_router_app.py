@@ -14,16 +14,6 @@ WORKERS = (WorkerSpec("p0", "prefill", "http://p0"), WorkerSpec("d0", "decode", 
            WorkerSpec("d1", "decode", "http://d1"))
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_byte_tokenizer(tmp_path_factory.mktemp("bytetok"), max_position_embeddings=64)
-
-
-@pytest.fixture(scope="module")
-def model(model_dir):
-    return ServedModel.load("tiny", str(model_dir))
-
-
 def make_client(model, fake, **overrides):
     settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS,
                               queue_timeout=0.1, **overrides)
@@ -207,9 +197,9 @@ def test_a_long_request_is_tokenized_on_the_tokenizer_thread_into_the_same_token
     import threading
 
     from router.api_requests import CompletionRequest
+    from router.dispatch import Dispatcher, DispatchSettings
     from router.metrics import RouterMetrics
     from router.openai_handlers import LONG_REQUEST_BYTES, OpenAIHandlers
-    from router.dispatch import DispatchSettings, Dispatcher
     from router.policies import RoundRobin
     from router.registry import WorkerRegistry
 
@@ -255,13 +245,13 @@ def test_sampling_fields_reach_the_decode_and_prefill_servers(model, path, body)
 
 
 def test_sampling_fields_left_out_get_the_servers_defaults(model):
-    from server_common.worker_requests import SamplingSpec
+    from engine.request import SamplingParams
 
     fake = FakeWorkerClient(reply=reply_ids(model, "a"))
     with make_client(model, fake) as c:
         assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3}).status_code == 200
     (_, greq), = fake.opened
-    assert greq.sampling == SamplingSpec(max_tokens=3)
+    assert greq.sampling == SamplingParams(max_tokens=3)
 
 
 VOCAB = 257  # the byte tokenizer: 256 bytes and <|eos|>

@@ -3,7 +3,8 @@ grammar forbids ends the stream with a clear error, and the blocks are freed."""
 
 from __future__ import annotations
 
-from server_common.worker_requests import GenerateRequest, SamplingSpec, StructuredSpec
+from engine.request import SamplingParams, StructuredSpec
+from server_common.worker_requests import GenerateRequest
 from tests.serving.test_decode_service import engine, run  # noqa: F401  (engine is a fixture)
 from transfer.outcome import Outcome
 
@@ -11,7 +12,7 @@ from transfer.outcome import Outcome
 def constrained(rid: str) -> GenerateRequest:
     spec = StructuredSpec(kind="regex", value="[0-9]+")
     return GenerateRequest(request_id=rid, prompt_token_ids=list(range(10, 16)),
-                           sampling=SamplingSpec(max_tokens=3, temperature=0, structured=spec))
+                           sampling=SamplingParams(max_tokens=3, temperature=0, structured=spec))
 
 
 def test_a_first_token_the_grammar_forbids_fails_the_request_clearly(engine):  # noqa: F811
