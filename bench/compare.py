@@ -316,7 +316,10 @@ def _transfer_summary(before: dict[str, dict[str, float]], after: dict[str, dict
     out = {}
     for name, now in after.items():
         was = before.get(name, {})
-        delta = lambda key: now.get(key, 0.0) - was.get(key, 0.0)
+
+        def delta(key, now=now, was=was):
+            return now.get(key, 0.0) - was.get(key, 0.0)
+
         n = delta("pdserve_transfer_seconds_count")
         if n > 0:
             out[name] = {"span_s": delta("pdserve_transfer_seconds_sum") / n,
@@ -330,12 +333,16 @@ def engine_activity(before: dict[str, dict[str, float]], after: dict[str, dict[s
     out = {}
     for name, now in after.items():
         was = before.get(name, {})
-        delta = lambda key: now.get(key, 0.0) - was.get(key, 0.0)
+
+        def delta(key, now=now, was=was):
+            return now.get(key, 0.0) - was.get(key, 0.0)
+
         row = {"preemptions": delta("pdserve_preemptions_total")}
         for kind in ("prefill", "decode", "mixed"):
             n = delta(f'pdserve_engine_steps_total{{kind="{kind}"}}')
             row[f"{kind}_steps"] = n
-            row[f"{kind}_step_ms"] = 1000 * delta(f'pdserve_engine_step_seconds_total{{kind="{kind}"}}') / n if n else None
+            row[f"{kind}_step_ms"] = (1000 * delta(f'pdserve_engine_step_seconds_total{{kind="{kind}"}}') / n
+                                      if n else None)
         out[name] = row
     return out
 
@@ -511,11 +518,12 @@ def run(args: argparse.Namespace) -> int:
         for scenario in scenarios:
             runs += run_scenario(scenario, [s for s in sides if scenario.idle or not s.idle_only], ctx)
     transfer = profile.transfer_cost()
-    meta = {"model": model, "cpus": cpus, "transfer": {"bandwidth": transfer.bandwidth, "source": profile.transfer_source,
-                                                      "tail_2k_s": {t: transfer.arrival(2048, 0.0, c) - c for t in
-                                                                    (cand.threads, len(cpus))
-                                                                    for c in [profile.cost(t).prefill_time(2048)]}}, "layout": cand.name, "threads": {"colocated": len(cpus),
-            cand.name: cand.threads}, "profile": {k: v for k, v in profile.to_json().items() if k != "samples"},
+    meta = {"model": model, "cpus": cpus,
+            "transfer": {"bandwidth": transfer.bandwidth, "source": profile.transfer_source,
+                         "tail_2k_s": {t: transfer.arrival(2048, 0.0, c) - c for t in (cand.threads, len(cpus))
+                                       for c in [profile.cost(t).prefill_time(2048)]}},
+            "layout": cand.name, "threads": {"colocated": len(cpus), cand.name: cand.threads},
+            "profile": {k: v for k, v in profile.to_json().items() if k != "samples"},
             "wall_s": time.time() - started, "command": "pdserve " + " ".join(sys.argv[1:])}
     report = write_report(out, runs, meta)
     (out / "results.json").write_text(json.dumps(

@@ -189,12 +189,14 @@ def _engine_section(runs: list) -> list[str]:
     rows = [(r, name, e) for r in runs for name, e in sorted(r.engines.items())]
     if not rows:
         return []
-    lines = ["", "## Engine steps (each server's own counters over the scenario, one warmup request per round included)", "",
+    lines = ["", "## Engine steps (each server's own counters over the scenario, "
+             "one warmup request per round included)", "",
              "| scenario | layout | server | prefill steps, mean ms | decode steps, mean ms | mixed steps, mean ms "
              "| preemptions |", "|---|---|---|---|---|---|---|"]
     for r, name, e in rows:
-        cell = lambda kind: (f"{e[kind + '_steps']:.0f}, {_num(e[kind + '_step_ms'])}" if e[kind + "_steps"]
-                             else "-")
+        def cell(kind, e=e):
+            return f"{e[kind + '_steps']:.0f}, {_num(e[kind + '_step_ms'])}" if e[kind + "_steps"] else "-"
+
         lines.append(f"| {r.scenario.name} | {r.layout} | {name} | {cell('prefill')} | {cell('decode')} | "
                      f"{cell('mixed')} | {e['preemptions']:.0f} |")
     return lines

@@ -203,7 +203,8 @@ def scenario_lines(sw: ScenarioSweep, names: list[str], cores: int, target: floa
     base, other = names
     lines = [f"## {s.name}", "", f"{s.description}. Workload `{s.workload}`; SLO TTFT {s.slo_ttft_ms:g} ms, "
              f"TPOT {s.slo_tpot_ms:g} ms; {s.rounds} ABBA rounds per rate. Ladder: {sw.stopped}.", "",
-             *calibration_lines(sw), "| rate (req/s) | requests | " + " | ".join(f"{n} measured (predicted)" for n in names) + " |",
+             *calibration_lines(sw),
+             "| rate (req/s) | requests | " + " | ".join(f"{n} measured (predicted)" for n in names) + " |",
              "|---|---|" + "---|" * len(names)]
     for g in sw.rungs:
         cells = [f"{fmt_pct(g.runs[n].measured.slo_attainment) if n in g.runs else 'left the ladder'} "

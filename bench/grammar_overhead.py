@@ -6,7 +6,8 @@ The same prompts are decoded greedily with no grammar and with a JSON schema
 (engine/structured.py), alternately, --repeats times; the medians of the decode
 steps' wall time per generated token are compared (the prefill step is left
 out). The grammar work alone (mask every row, feed the chosen token, on random
-logits, no model) is timed too: the overhead without the model's noise. A grammar may end an answer early, so each side is measured per token it
+logits, no model) is timed too: the overhead without the model's noise. A
+grammar may end an answer early, so each side is measured per token it
 produced. Builds the ~90M benchmark model of bench/engine_bench.py (vocabulary
 16,384) when no --model is given.
 """
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'mask+feed ms/tok':>17}")
     for r in rows:
         print(f"{r['batch']:>5} {r['free_ms_per_token']:>12.3f} {r['grammar_ms_per_token']:>15.3f} "
-              f"{r['ratio']:>6.2f} {r['free_tokens']:>10}/{r['grammar_tokens']:<9} {r['mask_only_ms_per_token']:>17.4f}")
+              f"{r['ratio']:>6.2f} {r['free_tokens']:>10}/{r['grammar_tokens']:<9} "
+              f"{r['mask_only_ms_per_token']:>17.4f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model or "bench-90M", "device": args.device, "rows": rows}, f, indent=1)

@@ -29,7 +29,8 @@ For each it prints the statuses the attack got, its slowest answer, the normal
 client's p99 time to first token, longest pause within a stream, and failures meanwhile, how long the router then
 took to be ready again (before the next attack, which waits for it), whether every
 process of the cluster kept its pid (``RUN_DIR/cluster.json``; a restarted one
-gets a new pid), and the router's resident memory a second after the attack. Then ``cached_tokens`` of an echo + logprobs prompt sent twice,
+gets a new pid), and the router's resident memory a second after the attack.
+Then ``cached_tokens`` of an echo + logprobs prompt sent twice,
 next to the decode servers' prefix-cache hits it caused. Traffic goes only to the
 cluster's own router and servers (its config's addresses).
 """
@@ -39,13 +40,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
 
 def token_ids(n: int) -> list[int]:
     """A prompt of ``n`` token ids, each in any vocabulary of over 500 tokens (tiny's has 512)."""

@@ -27,8 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.costmodel import (StepCost, StepSample, TransferCost, decode_keys, fit_error, fit_step_cost,
-                             prefill_pairs)
+from bench.costmodel import StepCost, StepSample, TransferCost, decode_keys, fit_error, fit_step_cost, prefill_pairs
 from engine.config import Dtype, EngineConfig
 
 

@@ -56,7 +56,7 @@ def measure(engine: LLMEngine, variants: dict[str, dict], batch: int, tokens: in
     prompts = [_prompt(prompt_len, s) for s in range(batch)]
     full: dict[str, list[float]] = {name: [] for name in variants}
     one: dict[str, list[float]] = {name: [] for name in variants}
-    for name, fields in variants.items():  # warm-up
+    for fields in variants.values():  # warm-up
         _seconds(engine, prompts, 2, fields)
     names = list(variants)
     for r in range(repeats):

@@ -18,7 +18,11 @@ from bench.metrics import summarize
 from bench.prefix_workload import PrefixWorkload
 from bench.prompts import PromptBuilder, load_tokenizer
 from bench.report import (
-    format_summary, plot_latency_cdfs, plot_tpot_over_time, prompt_length_mismatches, write_json,
+    format_summary,
+    plot_latency_cdfs,
+    plot_tpot_over_time,
+    prompt_length_mismatches,
+    write_json,
 )
 from bench.workload import LengthDist, RequestSpec, Workload, load_jsonl
 
@@ -32,12 +36,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--tokenizer", metavar="DIR",
                         help="local tokenizer folder (default: the model folder /v1/models reports, if local)")
     load = p.add_argument_group("load")
-    load.add_argument("--concurrency", type=int, metavar="N", help="requests in flight (closed loop; a cap with --rate)")
+    load.add_argument("--concurrency", type=int, metavar="N",
+                      help="requests in flight (closed loop; a cap with --rate)")
     load.add_argument("--rate", type=float, metavar="R", help="Poisson arrivals per second ('inf': all at once)")
     load.add_argument("--num-requests", type=int, metavar="N", help="stop after this many requests")
     load.add_argument("--duration", type=float, metavar="S", help="stop starting requests after this many seconds")
     load.add_argument("--warmup", type=int, default=0, metavar="N", help="unmeasured requests sent first (default 0)")
-    load.add_argument("--request-timeout", type=float, default=300.0, metavar="S", help="seconds per request (default 300)")
+    load.add_argument("--request-timeout", type=float, default=300.0, metavar="S",
+                      help="seconds per request (default 300)")
     work = p.add_argument_group("workload")
     work.add_argument("--prompt-len", default="512", metavar="SPEC",
                       help="N, uniform(LO,HI) or normal(MEAN,STD) tokens (default %(default)s)")
@@ -229,7 +235,8 @@ def run(args: argparse.Namespace) -> int:
     if mismatches:
         print(f"note: the server counted a different prompt length for {mismatches} request(s)")
     if args.json:
-        described = asdict(config) | {"api_key": None, "workload": str(workload) if isinstance(workload, (Workload, PrefixWorkload))
+        described = asdict(config) | {"api_key": None,
+                                      "workload": str(workload) if isinstance(workload, (Workload, PrefixWorkload))
                                       else args.dataset, "prompt_format": args.prompt_format,
                                       "warmup": args.warmup, "label": args.label}
         write_json(args.json, described, summary, result.records)

@@ -29,14 +29,18 @@ import time
 from pathlib import Path
 
 import httpx
-
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from server_common.worker_replies import (
-    HealthReport, KVBlocks, PrefillResult, Reservation, ReservationEvent, TokensEvent,
+    HealthReport,
+    KVBlocks,
+    PrefillResult,
+    Reservation,
+    ReservationEvent,
+    TokensEvent,
 )
 from server_common.worker_requests import AbortRequest, GenerateRequest, PrefillRequest
 

@@ -56,7 +56,9 @@ def crossing(curve: dict[float, float | None], target: float) -> float | None:
 def attainment(records: list[RequestRecord], slo_ttft_ms: float | None, slo_tpot_ms: float | None,
                scale: float = 1.0) -> float | None:
     """Share of requests meeting both SLOs, each multiplied by ``scale`` (failed requests miss)."""
-    mul = lambda v: None if v is None else v * scale
+    def mul(v):
+        return None if v is None else v * scale
+
     return summarize(records, None, mul(slo_ttft_ms), mul(slo_tpot_ms)).slo_attainment
 
 

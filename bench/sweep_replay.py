@@ -127,7 +127,8 @@ def format_replay(results: list[Replayed], show_steps: bool = False) -> str:
                 f"{fmt_pct(r.measured[n].get(rate)) if rate in r.measured[n] else 'not run'} "
                 f"({fmt_pct(r.predicted[n][rate])})" for n in names) + " |")
         meas, pred = r.crossings(False), r.crossings(True)
-        lines += ["", "| layout | measured crossing | predicted crossing | predicted vs measured |", "|---|---|---|---|"]
+        lines += ["", "| layout | measured crossing | predicted crossing | predicted vs measured |",
+                  "|---|---|---|---|"]
         for n in names:
             err = "-" if not meas[n] or pred[n] is None else f"{100 * (pred[n] / meas[n] - 1):+.0f}%"
             lines.append(f"| {n} | {fmt_num(meas[n])} | {fmt_num(pred[n])} | {err} |")

@@ -47,7 +47,8 @@ def fetch(router_url: str, headers: dict | None = None, timeout: float = 10.0) -
     with httpx.Client(timeout=timeout, headers=headers or {}) as http:
         out["router"] = _timeline(http, "the router", router_url)
         for worker in http.get(f"{router_url}/health").json()["workers"]:
-            out["prefill" if worker["role"] == "prefill" else "decode"] += _timeline(http, worker["name"], worker["url"])
+            side = "prefill" if worker["role"] == "prefill" else "decode"
+            out[side] += _timeline(http, worker["name"], worker["url"])
     return out
 
 

@@ -77,7 +77,10 @@ class LengthDist:
     def __str__(self) -> str:
         if self.kind == "fixed":
             return str(int(self.a))
-        fmt = (lambda v: str(int(v)) if float(v).is_integer() else str(v))
+
+        def fmt(v):
+            return str(int(v)) if float(v).is_integer() else str(v)
+
         return f"{self.kind}({fmt(self.a)},{fmt(self.b)})"
 
 

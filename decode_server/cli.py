@@ -13,8 +13,8 @@ def run(settings: ServerSettings, log_level: str) -> int:
     from decode_server.app import create_app
     from decode_server.service import GenerationService
     from engine import LLMEngine
-    from server_common.faults import FaultInjector
     from server_common.connections import server_guard
+    from server_common.faults import FaultInjector
     from server_common.run import serve
 
     engine = LLMEngine(settings.engine)

@@ -44,8 +44,15 @@ from deploy.models import is_builtin, resolve_model
 from deploy.supervisor import RestartConfig
 from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
 from engine.structured import GRAMMAR_CEILING, GrammarLimits
-from router.settings import (CompileSandbox, DiscoveryKind, DiscoverySettings, PolicyName, PrefillFailure,
-                             RouterSettings, WorkerSpec)
+from router.settings import (
+    CompileSandbox,
+    DiscoveryKind,
+    DiscoverySettings,
+    PolicyName,
+    PrefillFailure,
+    RouterSettings,
+    WorkerSpec,
+)
 from server_common.process_defaults import DRAIN_TIMEOUT_S, INSTANCE_NAME, LOOPBACK_HOST, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 from server_common.tracing import TracingSettings
@@ -354,11 +361,13 @@ class ClusterConfig(Strict):
             bind_host=self.router.bind_host,
             port=r.port, policy=r.policy, local_prefill_threshold=r.local_prefill_threshold,
             cache_aware_load_weight=r.cache_aware_load_weight, kv_events_interval=r.kv_events_interval_s,
-            health_interval=r.health_interval_s, health_timeout=r.health_timeout_s, stream_stall=r.stream_stall_s, queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
+            health_interval=r.health_interval_s, health_timeout=r.health_timeout_s, stream_stall=r.stream_stall_s,
+            queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
             retry_after=r.retry_after_s, prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len,
             max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
-            max_request_kv_share=r.max_request_kv_share, drain_timeout=self.drain_timeout_s, api_keys=r.api_key_values(),
-            internal_secret=self.security.secret(), health_backoff_max=r.health_backoff_max_s,
+            max_request_kv_share=r.max_request_kv_share, drain_timeout=self.drain_timeout_s,
+            api_keys=r.api_key_values(), internal_secret=self.security.secret(),
+            health_backoff_max=r.health_backoff_max_s,
             prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
             body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
             client_keepalive_s=r.client_keepalive_s,

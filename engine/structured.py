@@ -71,7 +71,8 @@ def check_bounds(spec, limits: GrammarLimits) -> None:
     kind, value = spec.kind, spec.value
     size = len(value.encode())
     if size > limits.max_bytes:
-        raise ValueError(f"the {_NAMES.get(kind, kind)} has {size} bytes; at most {limits.max_bytes} bytes are accepted")
+        raise ValueError(f"the {_NAMES.get(kind, kind)} has {size} bytes; "
+                         f"at most {limits.max_bytes} bytes are accepted")
     if kind in ("json_schema", "choice"):
         depth, branches = _json_shape(_loads(value, kind))
         rules = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 

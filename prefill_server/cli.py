@@ -13,9 +13,9 @@ def run(settings: ServerSettings, log_level: str) -> int:
     from engine import LLMEngine
     from prefill_server.app import create_app
     from prefill_server.service import PrefillService
+    from server_common.connections import server_guard
     from server_common.faults import FaultInjector
     from server_common.kv_adapter import sender_factory
-    from server_common.connections import server_guard
     from server_common.run import serve
 
     engine = LLMEngine(settings.engine)

@@ -11,37 +11,36 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
+from router import api_responses as out
+from router import openapi
 from router.access_log import AccessLog
 from router.admin import add_admin_routes
 from router.admission import Admission, AdmissionSettings
 from router.api_requests import ChatCompletionRequest, CompletionRequest
-from router.dispatch import DispatchSettings, Dispatcher
 from router.discovery import Discovery
+from router.dispatch import Dispatcher, DispatchSettings
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
 from router.grammar_check import GrammarChecker
 from router.health import PassiveHealth
 from router.http_pool import worker_http
+from router.kv_events import KvEventPoller
+from router.kv_index import KvIndex
 from router.limits import RequestLimits, openai_413
-from server_common.connections import ConnectionGuard
 from router.metrics import RouterMetrics
 from router.model import ServedModel
 from router.openai_handlers import OpenAIHandlers
-from router import api_responses as out
-from router import openapi
-from router.kv_events import KvEventPoller
-from router.kv_index import KvIndex
 from router.policies import make_policy
 from router.registry import Worker, WorkerRegistry
 from router.settings import RouterSettings
 from router.worker_client import WorkerClient
-from server_common.memory import TrimAfterLargeRequests, Trimmer
+from server_common.connections import ConnectionGuard
 from server_common.guard import BodyCapMiddleware, Drain, auth_headers, bearer_token, token_matches
+from server_common.memory import TrimAfterLargeRequests, Trimmer
+from server_common.model_id import model_fingerprint
 from server_common.process_defaults import is_loopback
 from server_common.stats_log import RouterSnapshot, log_stats, router_line
 from server_common.strict_json import StrictJSONRoute
-from server_common.model_id import model_fingerprint
 from server_common.tracing import Tracing
-
 
 DISCONNECT_POLL_S = 0.25
 HEALTH_CONNECTIONS = 64  # the health checks' own client: at most this many checks at once, each on its own connection

@@ -20,7 +20,8 @@ from router.tools import template_uses_tools
 
 def _chars_per_token(tokenizer) -> int:
     """The longest vocabulary entry in characters (byte-level entries spell each byte as one character, so
-    this bounds the text's characters too), times 4 when a normalizer (or a tokenizer without a fast backend) may shorten text before it is split."""
+    this bounds the text's characters too), times 4 when a normalizer (or a tokenizer without a fast backend)
+    may shorten text before it is split."""
     longest = max((len(entry) for entry in tokenizer.get_vocab()), default=1)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return longest * (1 if backend is not None and backend.normalizer is None else 4)

@@ -64,7 +64,8 @@ class InternalAuthMiddleware:
         if token_matches(token, [self._secret]):
             await self.app(scope, receive, send)
             return
-        body = ErrorReply(error="missing or wrong internal secret", code=Outcome.UNAUTHORIZED).model_dump_json().encode()
+        body = ErrorReply(error="missing or wrong internal secret",
+                          code=Outcome.UNAUTHORIZED).model_dump_json().encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})

@@ -20,7 +20,6 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from server_common.process_defaults import INSTANCE_NAME
-
 from transfer.outcome import Outcome
 
 
@@ -116,7 +115,8 @@ def tokens_event(out) -> TokensEvent:
     """An ``engine.request.StepOutput`` of a decode or colocated server as its stream event."""
     return TokensEvent(index=out.index, token_ids=out.new_token_ids,
                        finish_reason=out.finish_reason if out.finished else None,
-                       logprobs=token_logprobs(out.logprobs), prompt_logprobs=prompt_token_logprobs(out.prompt_logprobs))
+                       logprobs=token_logprobs(out.logprobs),
+                       prompt_logprobs=prompt_token_logprobs(out.prompt_logprobs))
 
 
 class ErrorEvent(Reply):

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+
 class TransferError(RuntimeError):
     """A write or notice failed (peer gone, transport error)."""
 
@@ -83,7 +84,7 @@ class Backend(abc.ABC):
         connection identity the receiver assigned it)."""
         return self.metadata()
 
-    def set_write_limit(self, limit) -> None:
+    def set_write_limit(self, limit) -> None:  # noqa: B027 - optional hook: backends without message writes ignore it
         """Receivers of message backends: ``limit(transfer_id)`` is the most
         bytes one write of that transfer may carry (None: no live reservation),
         checked against a write's header before its payload is read."""
@@ -99,7 +100,7 @@ class Backend(abc.ABC):
         handshake for a name then wins)."""
         return False
 
-    def prepare(self, peer: str, region: str, chunk_bytes: int) -> None:
+    def prepare(self, peer: str, region: str, chunk_bytes: int) -> None:  # noqa: B027 - optional hint, a no-op by default
         """Hint: writes from ``region`` to ``peer`` are mostly whole chunks of
         ``chunk_bytes`` at multiples of it on both sides (NIXL prepares
         descriptor lists; others ignore it)."""

@@ -90,9 +90,9 @@ def connect(host: str, port: int, timeout_s: float) -> SocketConn:
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=5)
-        except OSError:
+        except OSError as err:
             if time.monotonic() > deadline:
-                raise ConnectionError(f"no benchmark receiver answered at {host}:{port} within {timeout_s} s")
+                raise ConnectionError(f"no benchmark receiver answered at {host}:{port} within {timeout_s} s") from err
             time.sleep(0.2)
             continue
         sock.settimeout(None)

@@ -106,7 +106,7 @@ class KVLayout:
         tp_size: int = 1,
         num_kv_heads_total: int | None = None,
         order: str = "NHD",
-    ) -> "KVLayout":
+    ) -> KVLayout:
         """Layout of the engine's cache tensor
         ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (``order="NHD"``)
         or ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` (``"HND"``).
@@ -128,7 +128,7 @@ class KVLayout:
             dtype=dtype_name(dtype), order=order, kv_fused=False,
             tp_rank=tp_rank, tp_size=tp_size)
 
-    def replace(self, **changes) -> "KVLayout":
+    def replace(self, **changes) -> KVLayout:
         return dataclasses.replace(self, **changes)
 
     # -- sizes -------------------------------------------------------------

@@ -39,7 +39,6 @@ import time
 
 import msgspec
 import numpy as np
-
 from nixl._api import nixl_agent, nixl_agent_config  # ImportError handled by make_backend
 
 from transfer.backend import Backend, NoticeIn, TransferError

@@ -35,7 +35,6 @@ from transfer.outcome import Outcome
 from transfer.plan import CopyPlan, make_plan, staging_layout
 from transfer.session import TransferThread, cache_as_layout, chunk_hint
 
-
 ACK_GRACE_S = 1.0  # past its lease, how long a sent Done may wait for the receiver's Ack
 
 

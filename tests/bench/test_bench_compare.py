@@ -1,7 +1,6 @@
 """bench compare's pieces that need no running cluster."""
 
 import os
-
 from dataclasses import replace
 
 import pytest
@@ -105,7 +104,10 @@ def test_report_has_headline_ratios_planner_errors_and_idle_transfer(tmp_path):
                      slo_ttft_ms=1000, slo_tpot_ms=50)
     co = [record(0, 0.2, 0.100), record(1, 0.2, 0.020)]
     pd = [record(0, 0.3, 0.020), record(1, 0.3, 0.020)]
-    s = lambda recs, sc: summarize(recs, 2.0, sc.slo_ttft_ms, sc.slo_tpot_ms)
+
+    def s(recs, sc):
+        return summarize(recs, 2.0, sc.slo_ttft_ms, sc.slo_tpot_ms)
+
     idle = idle_scenario()
     # Round 1: colocated meets the 50 ms TPOT SLO with one request of two, 1P1D with both; round 2: both.
     co_rounds = [s(co, heavy), s([record(0, 0.2, 0.020), record(1, 0.2, 0.020)], heavy)]
@@ -252,13 +254,16 @@ def test_transfer_and_engine_activity_come_from_two_reads_of_the_servers_samples
 
     before = {"p0": {"pdserve_transfer_seconds_count": 2, "pdserve_transfer_seconds_sum": 5.0,
                      "pdserve_transfer_exposed_seconds_sum": 0.01, "pdserve_transfer_bytes_total": 100.0,
-                     'pdserve_engine_steps_total{kind="prefill"}': 4, 'pdserve_engine_step_seconds_total{kind="prefill"}': 8},
+                     'pdserve_engine_steps_total{kind="prefill"}': 4,
+                     'pdserve_engine_step_seconds_total{kind="prefill"}': 8},
               "d0": {}}
     after = {"p0": {"pdserve_transfer_seconds_count": 5, "pdserve_transfer_seconds_sum": 14.0,
                     "pdserve_transfer_exposed_seconds_sum": 0.031, "pdserve_transfer_bytes_total": 400.0,
-                    'pdserve_engine_steps_total{kind="prefill"}': 7, 'pdserve_engine_step_seconds_total{kind="prefill"}': 17,
+                    'pdserve_engine_steps_total{kind="prefill"}': 7,
+                    'pdserve_engine_step_seconds_total{kind="prefill"}': 17,
                     "pdserve_preemptions_total": 1},
-             "d0": {'pdserve_engine_steps_total{kind="decode"}': 10, 'pdserve_engine_step_seconds_total{kind="decode"}': 0.5}}
+             "d0": {'pdserve_engine_steps_total{kind="decode"}': 10,
+                    'pdserve_engine_step_seconds_total{kind="decode"}': 0.5}}
     got = _transfer_summary(before, after)
     assert got.keys() == {"p0"}
     assert got["p0"] == {"span_s": pytest.approx(3.0), "exposed_s": pytest.approx(0.007), "bytes": pytest.approx(100.0)}

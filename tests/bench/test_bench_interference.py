@@ -30,8 +30,10 @@ def test_interference_measures_every_case_side_by_side(tiny_model, tmp_path):
 
 
 def test_interference_help_and_bad_arguments():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "bench.interference", *a], capture_output=True,
-                                    text=True, timeout=60)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "bench.interference", *a], capture_output=True,
+                              text=True, timeout=60)
+
     helped = run("--help")
     assert helped.returncode == 0 and "decode + prefill" in helped.stdout
     bad = run("--seconds", "0")

@@ -5,9 +5,8 @@ from dataclasses import astuple
 
 import pytest
 
-from bench.costmodel import StepCost, StepSample, chunk_attn_pairs, fit_step_cost
+from bench.costmodel import Overheads, StepCost, StepSample, chunk_attn_pairs, fit_step_cost
 from bench.plan import Candidate, EngineSettings, build_layout, candidates, evaluate, recommend
-from bench.costmodel import Overheads
 from bench.profile import Profile, ProfileGrid, profile_engine
 from bench.workload import Workload
 

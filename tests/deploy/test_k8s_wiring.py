@@ -16,8 +16,8 @@ from engine.config import EngineConfig
 from prefill_server.app import create_app as prefill_app
 from router.app import create_app as router_app
 from router.settings import RouterSettings
-from server_common.settings import ServerSettings
 from server_common.guard import Drain
+from server_common.settings import ServerSettings
 from tests.deploy.manifests import CONFIGS, REPO, container, port_of, render
 
 IDS = [c.stem for c in CONFIGS]

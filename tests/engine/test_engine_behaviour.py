@@ -192,7 +192,8 @@ def test_bad_requests_raise_clear_errors(tiny_model, prompt, sampling_kwargs, me
 
 @pytest.mark.parametrize(
     "kwargs,message",
-    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": -2}, "top_k")],
+    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+     ({"top_k": -2}, "top_k")],
 )
 def test_bad_sampling_parameters_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -226,7 +226,8 @@ def test_prefill_mode_holds_blocks_until_released():
     s = make(mode="prefill")
     s.add(req("p", 6))
     outs = update(s, s.schedule(), {"p": 9})
-    assert [(o.request_id, o.new_token_ids, o.finish_reason, o.block_ids) for o in outs] == [("p", [9], "prefilled", [0, 1])]
+    assert [(o.request_id, o.new_token_ids, o.finish_reason, o.block_ids) for o in outs] == \
+        [("p", [9], "prefilled", [0, 1])]
     assert s.block_counts() == {"free": 6, "reserved": 2, "running": 0}
     assert not s.has_unfinished()
     s.release("p")

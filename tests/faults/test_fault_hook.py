@@ -15,10 +15,10 @@ from server_common.fault_backend import FaultyBackend
 from server_common.faults import FaultInjector, FaultPlan
 from tests.serving.test_config import BASE, error_of
 from tests.transfer.helpers import make_receiver, push_all, wait_events
-from transfer.registry import make_backend
 from transfer.inproc import InprocHub
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
+from transfer.registry import make_backend
 from transfer.sender import KVSender
 
 
@@ -28,7 +28,8 @@ def test_fault_injection_is_off_by_default_and_recovery_keys_are_strict():
     assert not cluster.fault_injection and not settings.fault_injection
     assert (cluster.recovery.prefill_failure, settings.lease_expiry, settings.checksum_failure) == \
         ("retry", "fail", "fail")
-    assert "bad value 'maybe' for 'recovery.prefill_failure'" in error_of({**BASE, "recovery": {"prefill_failure": "maybe"}})
+    assert "bad value 'maybe' for 'recovery.prefill_failure'" in error_of(
+        {**BASE, "recovery": {"prefill_failure": "maybe"}})
     assert "unknown key 'recovery.on_lease'" in error_of({**BASE, "recovery": {"on_lease": "local"}})
     on = parse_config({**BASE, "fault_injection": True, "recovery": {"lease_expiry": "local"}}, "c.yaml")
     assert on.server_settings("p0", "/m").fault_injection and on.server_settings("d0", "/m").lease_expiry == "local"

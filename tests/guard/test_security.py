@@ -33,7 +33,8 @@ def error_of(resp: httpx.Response, status: int) -> dict:
     return err
 
 
-@pytest.mark.parametrize("key", ["", "sk-wrong", API_KEY + "x", API_KEY[:-1]], ids=["none", "wrong", "longer", "shorter"])
+@pytest.mark.parametrize("key", ["", "sk-wrong", API_KEY + "x", API_KEY[:-1]],
+                         ids=["none", "wrong", "longer", "shorter"])
 def test_router_refuses_a_missing_or_wrong_key_with_401(idle_after, key):
     headers = {"authorization": f"Bearer {key}"} if key else {}
     for method, path, body in (("POST", "/v1/chat/completions", CHAT), ("GET", "/v1/models", None),

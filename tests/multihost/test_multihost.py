@@ -33,7 +33,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.multihost.netns import Network, NetnsUnavailable
+from tests.multihost.netns import NetnsUnavailable, Network
 from tests.serving.oracle import PROMPTS, expected_completion
 from tests.waiting import POLL_S
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.multihost.netns import NETNS_ETC, SUBNET, Network, NetnsUnavailable, remove_leftovers
+from tests.multihost.netns import NETNS_ETC, SUBNET, NetnsUnavailable, Network, remove_leftovers
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -42,8 +42,8 @@ def test_hosts_talk_over_the_bridge_and_the_bytes_show_on_their_veths(net, tmp_p
     a, b = net.add_host("a"), net.add_host("b")
     assert (a.address, b.address) == (f"{SUBNET}.10", f"{SUBNET}.11")
     server = net.spawn(b, [sys.executable, "-c", (
-        "import socket; s = socket.create_server(('%s', 7000)); c, _ = s.accept(); "
-        "n = 0\nwhile (d := c.recv(65536)): n += len(d)\nprint(n)") % b.address], stdout=tmp_path / "n")
+        f"import socket; s = socket.create_server(('{b.address}', 7000)); c, _ = s.accept(); "
+        "n = 0\nwhile (d := c.recv(65536)): n += len(d)\nprint(n)")], stdout=tmp_path / "n")
     sent_before, received_before = net.counters(a)[1], net.counters(b)[0]
     conns = []
 

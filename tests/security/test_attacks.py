@@ -15,8 +15,13 @@ import httpx
 import pytest
 import zmq
 
-from tests.security.conftest import (HEADER_TIMEOUT_S, MAX_CONNECTIONS, SERVER_HEADER_TIMEOUT_S,
-                                     SERVER_MAX_CONNECTIONS, SERVER_RESERVED_CONNECTIONS)
+from tests.security.conftest import (
+    HEADER_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    SERVER_HEADER_TIMEOUT_S,
+    SERVER_MAX_CONNECTIONS,
+    SERVER_RESERVED_CONNECTIONS,
+)
 from tests.security.wire import bound_socket, connect_as, ping, sender_hello, write_frames
 from tests.serving.oracle import PROMPTS, expected_completion
 from transfer.messages import Done, encode
@@ -185,7 +190,7 @@ def test_a_decode_server_the_config_lists_is_never_re_pointed(target, tiny_model
     '{"max_tokens": 9223372036854775808}', '{"max_tokens": 1, "top_k": 1180591620717411303424}',
     '{"max_tokens": 1, "seed": 1180591620717411303424}'], ids=["nan", "inf", "max_tokens", "top_k", "seed"])
 def test_bad_numbers_on_internal_routes_get_a_422_that_names_the_field(target, sampling):
-    body = '{"request_id": "bad", "prompt_token_ids": [3, 4], "sampling": %s}' % sampling
+    body = f'{{"request_id": "bad", "prompt_token_ids": [3, 4], "sampling": {sampling}}}'
     resp = target.cluster.http.post(f"{target.cluster.server('d0')['url']}/generate", content=body,
                                     headers={"content-type": "application/json"})
     assert resp.status_code == 422
@@ -230,11 +235,12 @@ def test_a_lease_deadline_a_day_ahead_is_refused_before_any_connection(target):
 
 @pytest.mark.parametrize("fields, param", [
     ('"temperature": Infinity', "temperature"), ('"top_p": 1e999', "top_p"),
-    ('"logit_bias": {"5": NaN}', "logit_bias.5"), ('"guided_json": {"type": "number", "minimum": NaN}',
-                                                  "guided_json.minimum"), ('"user": "u", "extra": [1, -Infinity]', "extra.1")])
+    ('"logit_bias": {"5": NaN}', "logit_bias.5"),
+    ('"guided_json": {"type": "number", "minimum": NaN}', "guided_json.minimum"),
+    ('"user": "u", "extra": [1, -Infinity]', "extra.1")])
 def test_the_router_refuses_numbers_that_are_not_json_naming_the_field(target, fields, param):
     resp = target.cluster.http.post(f"{target.cluster.router_url}/v1/completions", headers={
-        "content-type": "application/json"}, content='{"model": "tiny", "prompt": "x", %s}' % fields)
+        "content-type": "application/json"}, content=f'{{"model": "tiny", "prompt": "x", {fields}}}')
     assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     assert "is not a finite number" in resp.json()["error"]["message"]
 

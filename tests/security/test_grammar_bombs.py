@@ -11,7 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.serving.oracle import PROMPTS, expected_completion
 

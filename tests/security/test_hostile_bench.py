@@ -22,7 +22,7 @@ def test_every_attack_is_answered_without_a_5xx_or_a_restart_and_the_victim_is_s
     result = hostile.run(target.cluster.run_dir, None, baseline_s=2.0)
     rows = {r["attack"]: r for r in result["rows"]}
     assert set(rows) == {"(none: the client alone)", *(name for name, *_ in hostile.ATTACKS)}
-    for name, fields, copies, times in hostile.ATTACKS:
+    for name, _fields, copies, times in hostile.ATTACKS:
         row = rows[name]
         statuses = dict(row["statuses"])
         # This cluster lets one address hold MAX_CONNECTIONS connections: of 8 prompts sent at once beside

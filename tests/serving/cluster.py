@@ -33,7 +33,8 @@ def make_config(folder: Path, template: str, model: str, changes: dict | None = 
     """``configs/<template>.yaml`` with the given model, free ports, one torch thread per server;
     ``changes`` merged into it, ``instances`` (name -> fields) into those instances' entries."""
     data = yaml.safe_load((CONFIGS / f"{template}.yaml").read_text())
-    data = merge(data, {"model": model, "served_model_name": "tiny", "engine": {"num_threads": 1, "kv_cache_bytes": 16 << 20},
+    data = merge(data, {"model": model, "served_model_name": "tiny",
+                        "engine": {"num_threads": 1, "kv_cache_bytes": 16 << 20},
                         "router": {"health_interval_s": 0.5}})
     data = merge(data, changes or {})
     entries = [i for role in ("prefill", "decode", "colocated") for i in data.get(role) or []]

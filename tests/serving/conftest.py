@@ -36,3 +36,20 @@ def one_p_one_d(tmp_path_factory, tiny_model):
 def served(cluster: Cluster):
     yield cluster
     cluster.wait_idle(3.0)
+
+
+# For the router's own tests (test_router_app.py, test_router_logprobs.py): a byte-level tokenizer
+# folder and the model the router serves from it. They import what they need themselves, so that
+# the modules that use neither do not load transformers.
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from tests.serving.fakes import make_byte_tokenizer
+
+    return make_byte_tokenizer(tmp_path_factory.mktemp("bytetok"), max_position_embeddings=64)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir):
+    from router.model import ServedModel
+
+    return ServedModel.load("tiny", str(model_dir))

@@ -138,11 +138,11 @@ def test_every_schemathesis_check_passes_against_the_router_with_scripted_worker
                 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
                           database=None)
                 @seed(SEED)
-                def fuzz(case) -> None:
+                def fuzz(case, mode) -> None:
                     response = case.call_and_validate(headers={"Authorization": f"Bearer {KEY}"}, checks=checks)
                     statuses[(case.method, case.path, mode.value, response.status_code)] += 1
 
-                fuzz()
+                fuzz(mode=mode)
     print("\nfuzzed (method, path, mode, status): count", dict(sorted(statuses.items())))
     assert statuses[("POST", "/v1/chat/completions", "positive", 200)]
     assert statuses[("POST", "/v1/completions", "positive", 200)]

@@ -1,6 +1,7 @@
+import pytest
+
 from router.policies import LeastLoaded, RoundRobin, make_policy
 from router.registry import Worker
-import pytest
 
 
 def names(ws):

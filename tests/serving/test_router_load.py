@@ -28,7 +28,7 @@ def test_a_thousand_sequential_requests_reuse_one_connection_per_server(tmp_path
     router = {"worker_keepalive_s": 600}
     with StubCluster(tmp_path, router=router, keep_alive=1200) as cluster, \
             httpx.Client(base_url=cluster.router_url, timeout=30) as http:
-        for i in range(1000):
+        for _ in range(1000):
             r = http.post("/v1/completions", json=BODY)
             assert r.status_code == 200, r.text
             events = sse_events(r.text)

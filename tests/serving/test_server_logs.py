@@ -112,6 +112,7 @@ def test_a_launched_cluster_logs_each_request_and_its_stats(tmp_path, tiny_model
         assert "pdserve: starting p0 (prefill), d0 (decode): each loads the model" in said
         assert all(f"pdserve: {who} ready (" in said for who in ("prefill p0", "decode d0", "router"))
         for name in ("router", "d0", "p0"):
-            wait_until(lambda: f"{name} | stats {name}: " in launcher.read_text(), 10, f"{name}'s stats echoed")
+            wait_until(lambda name=name: f"{name} | stats {name}: " in launcher.read_text(), 10,
+                       f"{name}'s stats echoed")
     finally:
         cluster.stop()

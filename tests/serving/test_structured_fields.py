@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from engine.structured import GrammarLimits
 from router.api_requests import ChatCompletionRequest, CompletionRequest
 from router.errors import OpenAIError
-from engine.structured import GrammarLimits
 from router.grammar_check import GrammarChecker
 from router.structured import one_constraint
 from router.tool_calls import ToolCallStream, chat_message, split_calls
@@ -92,7 +92,8 @@ def test_a_bad_or_second_constraint_is_a_400_naming_the_parameter(fields, param,
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None,
      "tools[0].function.parameters", "function.parameters must be a JSON schema of type 'object'"),
     ([TOOL, TOOL], None, "tools[1].function.name", "the function name 'get_weather' is given twice"),
-    ([TOOL], {"type": "function", "function": {"name": "nope"}}, "tool_choice", "tool_choice names the function 'nope'"),
+    ([TOOL], {"type": "function", "function": {"name": "nope"}}, "tool_choice",
+     "tool_choice names the function 'nope'"),
     ([TOOL], "sometimes", "tool_choice", "tool_choice must be"),
     (None, "required", "tool_choice", "tool_choice is only allowed when tools are given"),
     ([TOOL], "auto", "tools", "this model's chat template does not support tools"),
@@ -206,7 +207,8 @@ def test_a_malformed_earlier_tool_call_in_the_conversation_is_a_400(byte_model):
     from tests.serving.test_router_app import make_client
 
     messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": "f"}]}]
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c", "type": "function", "function": "f"}]}]
     with make_client(byte_model, FakeWorkerClient(reply=[104])) as c:
         r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": messages})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.1.tool_calls.0.function")

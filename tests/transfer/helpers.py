@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from transfer.registry import make_backend
 from transfer.inproc import InprocHub
 from transfer.layout import KVLayout
-from transfer.receiver import KVReceiver
-from transfer.sender import KVSender
 from transfer.outcome import TransferEnded
+from transfer.receiver import KVReceiver
+from transfer.registry import make_backend
+from transfer.sender import KVSender
 
 
 def backend_options(kind: str, hub: InprocHub | None, role: str) -> dict:

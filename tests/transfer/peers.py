@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from tests.transfer.helpers import backend_options
-from transfer.registry import make_backend
 from transfer.copy import region_bytes
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
+from transfer.registry import make_backend
 from transfer.sender import KVSender
 
 

@@ -8,7 +8,6 @@ import pytest
 
 from transfer.netdev import confine_ucx_to, interface_of
 
-
 LOOPBACK = "lo"  # Linux's loopback device
 
 

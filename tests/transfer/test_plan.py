@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.transfer.oracle import copy_ranges, expected_after_copy
 from transfer.copy import region_bytes
