@@ -1,17 +1,10 @@
 """`pdserve bench ...` and `pdserve plan` commands, end to end on fakes."""
 
-import argparse
 import json
 
 import pytest
 
-from bench import cli
-
-
-def parser():
-    p = argparse.ArgumentParser(prog="pdserve")
-    cli.add_parser(p.add_subparsers(dest="command", required=True))
-    return p
+from tests.bench.helpers import parser
 
 
 @pytest.mark.parametrize("argv", [["bench", "serve"], ["bench", "compare"], ["plan"]])

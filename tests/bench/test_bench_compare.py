@@ -14,8 +14,7 @@ from bench.plan import Candidate, EngineSettings, build_layout
 from bench.scenarios import EngineKnobs, Scenario, cluster_config, default_scenarios, parse_rates, select
 from bench.workload import Workload
 from deploy.config import parse_config
-
-from .test_bench_plan import fake_profile
+from tests.bench.helpers import fake_profile
 
 
 def test_generated_configs_give_colocated_every_core_and_split_them_for_1p1d():

@@ -9,16 +9,7 @@ from bench.costmodel import Overheads, StepCost, StepSample, chunk_attn_pairs, f
 from bench.plan import Candidate, EngineSettings, build_layout, candidates, evaluate, recommend
 from bench.profile import Profile, ProfileGrid, profile_engine
 from bench.workload import Workload
-
-
-def fake_profile(per_token_1=0.001, speedup_2=1.6):
-    """One thread: 5 ms + 1 ms/token; two threads: ``speedup_2`` times faster
-    (1.6x: two CPU threads rarely double a small model's speed)."""
-    one = StepCost(0.005, per_token_1, 0.0, 0.0)
-    two = StepCost(0.005 / speedup_2, per_token_1 / speedup_2, 0.0, 0.0)
-    return Profile("fake", "float32", "cpu", num_layers=4, kv_bytes_per_token=1024, step_costs={1: one, 2: two},
-                   fit_errors={1: 0.0, 2: 0.0}, transfer_bandwidth=1e9, transfer_latency=1e-4,
-                   transfer_source="test")
+from tests.bench.helpers import fake_profile
 
 
 def test_candidates_on_two_cores_are_colocated_split_and_1p1d():

@@ -10,7 +10,7 @@ import pytest
 from bench.prefix_workload import PrefixWorkload
 from bench.prompts import PromptBuilder, load_tokenizer
 from bench.workload import LengthDist
-from tests.bench.test_bench_cli import parser
+from tests.bench.helpers import parser
 
 
 def shared_len(a: list[int], b: list[int]) -> int:

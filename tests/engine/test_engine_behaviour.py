@@ -6,6 +6,7 @@ import pytest
 
 from engine import EngineConfig, LLMEngine, NoCapacityError, SamplingParams
 from tests.engine.oracle import hf_greedy
+from tests.engine.remote_kv import copy_prompt_kv
 
 PROMPT = [(11 * i) % 400 + 5 for i in range(45)]
 
@@ -14,17 +15,6 @@ def engine(path, **kw) -> LLMEngine:
     kw.setdefault("num_threads", 1)
     kw.setdefault("num_blocks", 64)
     return LLMEngine(EngineConfig(model=path, **kw))
-
-
-def copy_prompt_kv(src: LLMEngine, src_blocks, dst: LLMEngine, dst_blocks, num_tokens: int) -> None:
-    """Token by token, as a disaggregated transfer would place it (source NHD; destination NHD or HND)."""
-    sb, db = src.cache.block_size, dst.cache.block_size
-    for p in range(num_tokens):
-        value = src.cache.kv[:, :, src_blocks[p // sb], p % sb]  # [layers, 2, heads, dim]
-        if dst.cache.order == "HND":
-            dst.cache.kv[:, :, dst_blocks[p // db], :, p % db] = value
-        else:
-            dst.cache.kv[:, :, dst_blocks[p // db], p % db] = value
 
 
 @pytest.mark.parametrize("src_bs,dst_bs,dst_layout", [(16, 32, "NHD"), (64, 16, "NHD"), (1, 16, "NHD"), (16, 8, "HND")])

@@ -8,7 +8,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.engine.oracle import hf_greedy
-from tests.engine.test_engine_behaviour import copy_prompt_kv
+from tests.engine.remote_kv import copy_prompt_kv
 
 PROMPT = [(11 * i) % 400 + 5 for i in range(37)]  # 4 full blocks of 8 and 5 tokens: block 4 is partial
 SEEDED = dict(temperature=1.0, top_k=50, seed=21, ignore_eos=True)

@@ -3,44 +3,14 @@ exactly as a plain reference loop over transformers float32 logits does."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
-import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from tests.engine.oracle import hf_greedy, hf_logits
-from tests.engine.test_engine_behaviour import copy_prompt_kv
+from tests.engine.oracle import hf_greedy, hf_processed_greedy
+from tests.engine.remote_kv import copy_prompt_kv
 
 PROMPT = [(17 * i) % 450 + 4 for i in range(37)]
 SHORT = [(29 * i) % 300 + 9 for i in range(6)]
-
-
-def processed(row: torch.Tensor, prompt: list[int], out: list[int], p: SamplingParams, eos: tuple[int, ...]):
-    """The reference: bias, min_tokens, repetition (prompt + output), frequency/presence (output)."""
-    row = row.clone()
-    for t, b in p.logit_bias:
-        row[t] += b
-    if len(out) < p.min_tokens:
-        for t in [*p.stop_token_ids, *(() if p.ignore_eos else eos)]:
-            row[t] = float("-inf")
-    for t in set(prompt + out):
-        row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
-    for t, c in Counter(out).items():
-        row[t] -= p.frequency_penalty * c + p.presence_penalty
-    return row
-
-
-def reference(path, prompt, p: SamplingParams, eos) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy, one full forward per token; also each step's processed log-probabilities."""
-    out, logprobs = [], []
-    while len(out) < p.max_tokens:
-        row = processed(hf_logits(path, prompt + out)[-1], prompt, out, p, eos)
-        logprobs.append(torch.log_softmax(row, -1))
-        out.append(int(row.argmax()))
-        if (out[-1] in eos and not p.ignore_eos) or out[-1] in p.stop_token_ids:
-            break
-    return out, logprobs
 
 
 def engine(path, **kw) -> LLMEngine:
@@ -96,7 +66,7 @@ def test_each_processing_and_a_combination_equal_the_reference_batched_with_a_pl
     greedy = hf_greedy(model, prompt, 16, ignore_eos=True)
     assert got["plain"]["tokens"] == greedy  # the unprocessed row in the same batch stays on the fast path
     for name, p in params.items():
-        want, logprobs = reference(model, prompt, p, e.eos_token_ids)
+        want, logprobs = hf_processed_greedy(model, prompt, p, e.eos_token_ids)
         assert got[name]["tokens"] == want, name
         assert want != greedy, f"{name} must change the output for this test to mean anything"
         for lp, ref, token in zip(got[name]["logprobs"], logprobs, want):
@@ -112,7 +82,7 @@ def test_min_tokens_holds_back_an_eos_that_would_come_first(model):
     e.add_request("held", SHORT, SamplingParams(min_tokens=5, **likely_eos))
     got = collect(e)
     assert got["eager"] == {"tokens": [eos], "logprobs": [], "reason": "stop"}
-    want, _ = reference(model, SHORT, SamplingParams(min_tokens=5, **likely_eos), e.eos_token_ids)
+    want, _ = hf_processed_greedy(model, SHORT, SamplingParams(min_tokens=5, **likely_eos), e.eos_token_ids)
     assert len(want) == 6 and want[-1] == eos and eos not in want[:5]
     assert got["held"]["tokens"] == want and got["held"]["reason"] == "stop"
 
@@ -127,7 +97,7 @@ def test_min_tokens_holds_back_stop_token_ids_too_and_a_stop_token_ends_the_outp
     e.add_request("held", PROMPT, held)
     got = collect(e)
     assert got["stop"]["tokens"] == greedy[:first + 1] and got["stop"]["reason"] == "stop"
-    want, _ = reference(model, PROMPT, held, e.eos_token_ids)
+    want, _ = hf_processed_greedy(model, PROMPT, held, e.eos_token_ids)
     assert got["held"]["tokens"] == want and stop not in want[:first + 2]
 
 
@@ -143,7 +113,7 @@ def test_first_token_on_a_prefill_engine_the_rest_on_a_decode_engine_equal_the_r
     prefill.release("r")
     tokens = [t for o in decode.admit_remote("r", out.new_token_ids) for t in o.new_token_ids]
     tokens += collect(decode)["r"]["tokens"]
-    want = reference(model, prompt, p, decode.eos_token_ids)[0]
+    want = hf_processed_greedy(model, prompt, p, decode.eos_token_ids)[0]
     assert tokens == want and want != hf_greedy(model, prompt, 10, ignore_eos=True)
     prefill.check_integrity()
     assert prefill.block_counts()["free"] == prefill.cache.num_blocks

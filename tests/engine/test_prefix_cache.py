@@ -3,26 +3,14 @@
 import pytest
 
 from engine.block_manager import NO_HASH, BlockManager, block_hash, root_hash
-from engine.request import NoCapacityError, Request, RequestStatus, SamplingParams
-from tests.engine.test_scheduler import make, plan_shape, update
+from engine.request import NoCapacityError, RequestStatus
+from tests.engine.scheduling import make, plan_shape, req, run_to_end, update
 
 ROOT = root_hash("model|float32")
 
 
-def req(rid, tokens, max_tokens=8, salt=None):
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                   cache_salt=salt)
-
-
 def refs(s, ids):
     return [s.blocks.blocks[i].ref_count for i in ids]
-
-
-def run_to_end(s, token=7):
-    while s.has_unfinished():
-        plan = s.schedule()
-        update(s, plan, {c.request.request_id: token for c in plan.chunks if c.sample})
-        s.check_integrity()
 
 
 def test_block_hashes_chain_over_every_earlier_token():

@@ -2,34 +2,12 @@
 
 import pytest
 
-from engine.block_manager import BlockManager
 from engine.request import ChunkResult, NoCapacityError, Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
-
-EOS = 99
-
-
-def make(num_blocks=8, block_size=4, budget=64, max_seqs=8, chunked=True, mode="colocated", max_len=64,
-         prefix_caching=True):
-    config = SchedulerConfig(
-        max_num_seqs=max_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked,
-        max_model_len=max_len, mode=mode, eos_token_ids=(EOS,),
-        prefix_caching=prefix_caching, cache_salt="model|float32",
-    )
-    return Scheduler(config, BlockManager(num_blocks, block_size))
+from tests.engine.scheduling import EOS, make, plan_shape, update
 
 
 def req(rid, n, max_tokens=8, **kw):
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_tokens=max_tokens, temperature=0, **kw))
-
-
-def update(s, plan, tokens: dict[str, int]):
-    """``s.update`` with the runner's result for a plan: ``tokens[request id]`` drawn for each sampling chunk."""
-    return s.update(plan, {c.request: ChunkResult([tokens[c.request.request_id]]) for c in plan.chunks if c.sample})
-
-
-def plan_shape(plan):
-    return [(c.request.request_id, c.start, c.num_tokens, c.sample) for c in plan.chunks]
 
 
 def test_prompts_are_prefilled_then_decoded_one_token_per_step():

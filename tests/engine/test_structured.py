@@ -7,16 +7,14 @@ import json
 import re
 
 import jsonschema
-import numpy as np
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.request import StructuredSpec
 from engine.structured import StructuredOutputs, compile_grammar
-from tests.engine.oracle import _hf_model
-from tests.engine.test_engine_behaviour import copy_prompt_kv
+from tests.engine.oracle import hf_masked_greedy
+from tests.engine.remote_kv import copy_prompt_kv
 
 PROMPT = [(11 * i) % 400 + 5 for i in range(45)]
 SCHEMA = {
@@ -41,27 +39,6 @@ def engine(path, **kw) -> LLMEngine:
     kw.setdefault("num_threads", 1)
     kw.setdefault("num_blocks", 64)
     return LLMEngine(EngineConfig(model=path, **kw))
-
-
-def hf_masked_greedy(path: str, prompt: list[int], spec: StructuredSpec, max_tokens: int) -> list[int]:
-    """Greedy tokens from transformers float32 logits, each step restricted to the tokens llguidance allows."""
-    model = _hf_model(path)
-    eos = model.generation_config.eos_token_id
-    eos = tuple(eos if isinstance(eos, list) else [eos])
-    grammar = StructuredOutputs(AutoTokenizer.from_pretrained(path), model.config.vocab_size, eos).grammar(spec)
-    ids, out = list(prompt), []
-    for _ in range(max_tokens):
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0, -1].float()
-        bits = np.unpackbits(np.frombuffer(grammar.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
-        allowed = torch.from_numpy(bits[: logits.shape[0]].astype(bool))
-        token = int(logits.masked_fill(~allowed, float("-inf")).argmax())
-        assert grammar.accept(token)
-        ids.append(token)
-        out.append(token)
-        if token in eos:
-            break
-    return out
 
 
 def run(e: LLMEngine, prompt: list[int], sampling: SamplingParams, request_id: str = "r"):

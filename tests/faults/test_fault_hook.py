@@ -13,7 +13,7 @@ import torch
 from deploy.config import parse_config
 from server_common.fault_backend import FaultyBackend
 from server_common.faults import FaultInjector, FaultPlan
-from tests.serving.test_config import BASE, error_of
+from tests.serving.configs import BASE, error_of
 from tests.transfer.helpers import make_receiver, push_all, wait_events
 from transfer.inproc import InprocHub
 from transfer.layout import KVLayout

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 from prometheus_client import generate_latest
@@ -17,9 +16,8 @@ from prefill_server.service import PrefillService
 from server_common.faults import FaultInjector
 from server_common.settings import ServerSettings
 from server_common.worker_replies import WorkerError
-from tests.serving.scripted import ScriptedReceiver, ScriptedSender, scripted
-from tests.serving.test_decode_service import request
-from tests.serving.test_prefill_service import prefill_request
+from tests.serving.scripted import ScriptedReceiver, ScriptedSender, generate_request, prefill_request, scripted
+from tests.waiting import until
 from transfer.outcome import DECIDED_BY_DECODE, Outcome
 
 
@@ -33,12 +31,6 @@ def prefill_engine(tiny_model):
     return LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="prefill"))
 
 
-async def wait_for(predicate, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
 
 def run_decode(engine, scenario, **settings):
     make_receiver, made = scripted(ScriptedReceiver)
@@ -50,7 +42,7 @@ def run_decode(engine, scenario, **settings):
         await service.start()
         try:
             await scenario(service, receiver)
-            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 8)
+            await until(lambda: service.engine_thread.stats.scheduler.free == 8)
         finally:
             await service.stop()
 
@@ -69,7 +61,7 @@ def test_failed_remote_kv_is_prefilled_here_when_configured(decode_engine, code,
     expected = decode_engine.generate([list(range(10, 16))], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
 
     async def scenario(service, receiver):
-        first, active = await service.open(request("a", max_tokens=3))
+        first, active = await service.open(generate_request("a", max_tokens=3))
         receiver.end("t0", code, "it failed")
         lines = [line async for line in service.events(first, active)]
         assert '"type":"reprefill"' in lines[1] and f'"code":"{code}"' in lines[1]
@@ -82,7 +74,7 @@ def test_failed_remote_kv_is_prefilled_here_when_configured(decode_engine, code,
 
 def test_checksum_mismatch_fails_the_request_by_default_and_is_counted(decode_engine):
     async def scenario(service, receiver):
-        first, active = await service.open(request("b"))
+        first, active = await service.open(generate_request("b"))
         receiver.end("t0", Outcome.CHECKSUM_MISMATCH, "checksum mismatch (sent 0x1, received 0x2)")
         lines = [line async for line in service.events(first, active)]
         assert '"type":"error"' in lines[-1] and '"code":"checksum_mismatch"' in lines[-1]
@@ -94,9 +86,9 @@ def test_checksum_mismatch_fails_the_request_by_default_and_is_counted(decode_en
 
 def test_blocks_by_age_show_a_waiting_reservation(decode_engine):
     async def scenario(service, receiver):
-        await service.open(request("c"))
+        await service.open(generate_request("c"))
         await asyncio.sleep(1.1)
-        await wait_for(lambda: service.engine_thread.stats.scheduler.reserved == 2)
+        await until(lambda: service.engine_thread.stats.scheduler.reserved == 2)
         text = generate_latest(service.metrics.registry).decode()
         assert sample(text, 'pdserve_kv_blocks_by_age{age="1s_10s",state="reserved"}') == 2
         assert sample(text, 'pdserve_kv_oldest_block_seconds{state="reserved"}') >= 1.0
@@ -116,7 +108,7 @@ def run_prefill(engine, scenario):
         await service.start()
         try:
             await scenario(service, sender)
-            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
+            await until(lambda: service.engine_thread.stats.scheduler.free == 16)
         finally:
             await service.stop()
 
@@ -141,7 +133,7 @@ def test_prefill_failure_passes_the_transfer_outcome_on_unchanged(prefill_engine
     """The router reads from the code alone whether the decode server decided the transfer's end."""
     async def scenario(service, sender):
         task = asyncio.ensure_future(service.prefill(prefill_request("x", 5)))
-        await wait_for(lambda: any(c[0] == "finish" for c in sender.calls))
+        await until(lambda: any(c[0] == "finish" for c in sender.calls))
         sender.end("t-x", code, "it failed")
         with pytest.raises(WorkerError) as info:
             await task

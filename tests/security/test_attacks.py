@@ -24,6 +24,7 @@ from tests.security.conftest import (
 )
 from tests.security.wire import bound_socket, connect_as, ping, sender_hello, write_frames
 from tests.serving.oracle import PROMPTS, expected_completion
+from tests.waiting import wait_until
 from transfer.messages import Done, encode
 
 pytestmark = pytest.mark.integration
@@ -43,13 +44,6 @@ def still_correct(target, tiny_model, n: int = 2) -> None:
     target.cluster.wait_idle(10.0)
     for server in target.cluster.servers:
         assert target.cluster.http.get(f"{server['url']}/health").status_code == 200
-
-
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.02)
 
 
 def closed_by_peer(sock: socket.socket) -> bytes | None:

@@ -13,8 +13,8 @@ from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine
 from server_common.settings import ServerSettings
 from server_common.worker_replies import WorkerError
-from tests.serving.scripted import ScriptedReceiver, scripted
-from tests.serving.test_decode_service import request, wait_for
+from tests.serving.scripted import ScriptedReceiver, generate_request, scripted
+from tests.waiting import until
 from transfer.outcome import Outcome
 
 
@@ -32,20 +32,20 @@ def test_a_caller_past_its_unfilled_blocks_gets_503_and_others_still_reserve(eng
     async def main():
         await service.start()
         try:
-            first, active = await service.open(request("a1"), caller="10.0.0.9")  # 2 blocks
+            first, active = await service.open(generate_request("a1"), caller="10.0.0.9")  # 2 blocks
             with pytest.raises(WorkerError) as refused:
-                await service.open(request("a2"), caller="10.0.0.9")  # 2 more: over 3
+                await service.open(generate_request("a2"), caller="10.0.0.9")  # 2 more: over 3
             assert (refused.value.status, refused.value.code) == (503, "no_room")
             assert service.unfilled.refused == 1
-            other, other_active = await service.open(request("b1"), caller="127.0.0.1")
+            other, other_active = await service.open(generate_request("b1"), caller="127.0.0.1")
             receiver.end(first.reservation.transfer_id, Outcome.OK, first_tokens=(42,))  # filled: no longer counts
-            await wait_for(lambda: service.unfilled.held("10.0.0.9") == 0)
-            again, again_active = await service.open(request("a3"), caller="10.0.0.9")
+            await until(lambda: service.unfilled.held("10.0.0.9") == 0)
+            again, again_active = await service.open(generate_request("a3"), caller="10.0.0.9")
             for rid in ("a1", "b1", "a3"):
                 await service.close(rid)
             for res in (other.reservation, again.reservation):  # the receiver confirms the cancels
                 receiver.end(res.transfer_id, Outcome.CANCELLED, "cancelled")
-            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 8)
+            await until(lambda: service.engine_thread.stats.scheduler.free == 8)
         finally:
             await service.stop()
 

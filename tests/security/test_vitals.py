@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import pytest
 
@@ -14,6 +13,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from server_common.engine_thread import EngineThread
 from server_common.vitals import EXIT_THREAD_DIED, Vitals
 from tests.transfer.helpers import make_receiver, make_sender, meet, push_all, wait_events
+from tests.waiting import wait_until
 from transfer.inproc import InprocHub
 from transfer.layout import KVLayout
 from transfer.messages import Done, encode
@@ -21,12 +21,6 @@ from transfer.messages import Done, encode
 LAYOUT = KVLayout.for_engine_cache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8,
                                    dtype="float32")
 
-
-def wait_until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 @pytest.fixture

@@ -1,12 +1,36 @@
 """Scripted KV ports for in-process server tests: a test says when and how a
 transfer ended (``end``); the server's engine thread takes it between two
-steps, as it takes the real sender's and receiver's ended transfers."""
+steps, as it takes the real sender's and receiver's ended transfers. And the
+requests those tests send, and a decode service run in process on a scripted receiver."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 
+from decode_server.service import GenerationService
+from engine import EngineConfig, LLMEngine
+from engine.request import SamplingParams
+from server_common.settings import ServerSettings
+from server_common.worker_replies import Reservation
+from server_common.worker_requests import GenerateRequest, PrefillRequest
+from tests.waiting import until
 from transfer.outcome import Outcome, TransferEnded
+
+
+def generate_request(rid: str, n: int = 6, max_tokens: int = 3) -> GenerateRequest:
+    """A greedy request for a decode server: an ``n``-token prompt."""
+    return GenerateRequest(request_id=rid, prompt_token_ids=list(range(10, 10 + n)),
+                           sampling=SamplingParams(max_tokens=max_tokens, temperature=0))
+
+
+def prefill_request(rid: str, n: int) -> PrefillRequest:
+    """A greedy request for a prefill server: an ``n``-token prompt into a reservation on d0."""
+    res = Reservation(instance="d0", request_id=rid, transfer_id=f"t-{rid}", block_ids=[3, 4], block_size=16,
+                      num_tokens=n, lease_deadline=time.time() + 30, kv_target={"peer": "d0"})
+    return PrefillRequest(request_id=rid, prompt_token_ids=list(range(20, 20 + n)),
+                          sampling=SamplingParams(max_tokens=4, temperature=0), reservation=res)
 
 
 class ScriptedEnds:
@@ -88,3 +112,31 @@ def scripted(cls):
         return made[-1]
 
     return factory, made
+
+
+def decode_engine(tiny_model) -> LLMEngine:
+    """The decode engine ``run_decode_service`` serves: 8 blocks of 4 tokens."""
+    # No prefix caching: the scripted receiver admits reservations whose KV never arrived
+    # (test_prefix_cache_service.py runs with caching on).
+    return LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=8, num_threads=1, mode="decode",
+                                  prefix_caching=False))
+
+
+def run_decode_service(engine, scenario):
+    """Serve ``engine`` (from ``decode_engine``) as decode server d0 with a scripted receiver, run
+    ``await scenario(service, receiver)``, then wait until every block is free again and check the engine."""
+    make_receiver, made = scripted(ScriptedReceiver)
+    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0),
+                                engine, make_receiver)
+    (receiver,) = made
+
+    async def main():
+        await service.start()
+        try:
+            await scenario(service, receiver)
+            await until(lambda: service.engine_thread.stats.scheduler.free == 8)
+        finally:
+            await service.stop()
+
+    asyncio.run(main())
+    engine.check_integrity()

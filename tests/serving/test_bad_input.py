@@ -85,13 +85,22 @@ def test_best_of_other_than_n_and_suffix_are_refused(served, fields):
     assert_openai_error(post(served, "/v1/completions", json=body), 400, next(iter(fields)))
 
 
-def test_the_servers_take_every_sampling_field_the_router_accepts(served):
+def test_the_servers_take_every_sampling_field_the_router_accepts(served, tiny_model):
+    """Every sampling field reaches the engine: the answer equals the engine's own with the same
+    SamplingParams, and those fields change it (the bias alone forces token 5)."""
+    from engine import EngineConfig, LLMEngine, SamplingParams
+
     fields = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
-              "logit_bias": {"5": 3.0, "7": -100}, "min_tokens": 1, "stop_token_ids": [9], "seed": 3,
-              "user": "u-1", "best_of": 1}
+              "logit_bias": {"5": 100, "7": -100}, "min_tokens": 1, "stop_token_ids": [9], "seed": 3}
+    engine = LLMEngine(EngineConfig(model=tiny_model, num_blocks=64, num_threads=1))
+    prompt = engine.tokenizer("hello").input_ids
+    params = {**fields, "logit_bias": ((5, 100.0), (7, -100.0)), "stop_token_ids": (9,)}
+    (offline,) = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, **params))
+    (plain,) = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0))
+    assert offline.token_ids[0] == 5 and offline.token_ids != plain.token_ids
     r = served.client().completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0,
-                                           extra_body=fields)
-    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+                                           extra_body={**fields, "user": "u-1", "best_of": 1})
+    assert (r.choices[0].text, r.usage.completion_tokens) == (offline.text, len(offline.token_ids))
 
 
 def test_a_model_is_retrieved_through_the_sdk_and_another_id_is_404(served):

@@ -5,16 +5,9 @@ from pathlib import Path
 import pytest
 
 from deploy.config import ConfigError, load_config, parse_config
+from tests.serving.configs import BASE, error_of
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-BASE = {"model": "tiny", "prefill": [{"name": "p0", "port": 9100}],
-        "decode": [{"name": "d0", "port": 9200, "block_size": 32}]}
-
-
-def error_of(data) -> str:
-    with pytest.raises(ConfigError) as info:
-        parse_config(data, "c.yaml")
-    return str(info.value)
 
 
 @pytest.mark.parametrize("name", ["1p1d", "2p1d", "1p2d", "colocated", "tiny-1p1d"])

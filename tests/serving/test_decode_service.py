@@ -5,57 +5,19 @@ until the receiver confirms its transfer id ended (no write can land after)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import pytest
 
-from decode_server.service import GenerationService
-from engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
-from server_common.settings import ServerSettings
 from server_common.worker_replies import TokensEvent, WorkerError
 from server_common.worker_requests import GenerateRequest
-from tests.serving.scripted import ScriptedReceiver, scripted
+from tests.serving.scripted import decode_engine, generate_request, run_decode_service
+from tests.waiting import until
 from transfer.outcome import Outcome
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    # No prefix caching: the scripted receiver admits reservations whose KV never arrived
-    # (test_prefix_cache_service.py runs with caching on).
-    return LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=8, num_threads=1, mode="decode",
-                                  prefix_caching=False))
-
-
-def request(rid: str, n: int = 6, max_tokens: int = 3) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, prompt_token_ids=list(range(10, 10 + n)),
-                           sampling=SamplingParams(max_tokens=max_tokens, temperature=0))
-
-
-async def wait_for(predicate, timeout: float = 2.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
-
-
-def run(engine, scenario):
-    make_receiver, made = scripted(ScriptedReceiver)
-    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0),
-                                engine, make_receiver)
-    (receiver,) = made
-
-    async def main():
-        await service.start()
-        try:
-            await scenario(service, receiver)
-            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 8)
-        finally:
-            await service.stop()
-
-    asyncio.run(main())
-    engine.check_integrity()
+    return decode_engine(tiny_model)
 
 
 def blocks(service) -> tuple[int, int, int]:
@@ -65,30 +27,30 @@ def blocks(service) -> tuple[int, int, int]:
 
 def test_reservation_then_kv_then_tokens_until_max_tokens(engine):
     async def scenario(service, receiver):
-        first, active = await service.open(request("a"))
+        first, active = await service.open(generate_request("a"))
         res = first.reservation
         assert (res.transfer_id, res.block_ids, res.block_size, res.num_tokens) == ("t0", [0, 1], 4, 6)
-        await wait_for(lambda: blocks(service) == (6, 2, 0))
+        await until(lambda: blocks(service) == (6, 2, 0))
         receiver.end("t0", Outcome.OK, first_tokens=(42,))
         lines = [line async for line in service.events(first, active)]
         assert len(lines) == 1 + 3 and '"token_ids":[42]' in lines[1] and '"finish_reason":"length"' in lines[-1]
 
-    run(engine, scenario)
+    run_decode_service(engine, scenario)
 
 
 def test_failed_transfer_ends_the_stream_with_an_error_and_frees_the_blocks(engine):
     async def scenario(service, receiver):
-        first, active = await service.open(request("b"))
+        first, active = await service.open(generate_request("b"))
         receiver.end("t0", Outcome.LEASE_EXPIRED, "lease expired before the KV arrived")
         lines = [line async for line in service.events(first, active)]
         assert '"code":"lease_expired"' in lines[-1]
 
-    run(engine, scenario)
+    run_decode_service(engine, scenario)
 
 
 def test_client_leaving_cancels_and_frees_only_when_the_receiver_confirms(engine):
     async def scenario(service, receiver):
-        first, active = await service.open(request("c"))
+        first, active = await service.open(generate_request("c"))
         await service.close("c")
         assert receiver.cancelled == ["t0"]
         # The drop ran on the engine thread (close awaited it), and the blocks are still reserved there:
@@ -96,35 +58,35 @@ def test_client_leaving_cancels_and_frees_only_when_the_receiver_confirms(engine
         now = (await service.engine_thread.run(lambda e: e.stats())).scheduler
         assert (now.free, now.reserved, now.running) == (6, 2, 0)
         receiver.end("t0", Outcome.CANCELLED, "cancelled")
-        await wait_for(lambda: blocks(service) == (8, 0, 0))
+        await until(lambda: blocks(service) == (8, 0, 0))
         receiver.end("t0", Outcome.OK, first_tokens=(7,))  # a late completion is ignored
 
-    run(engine, scenario)
+    run_decode_service(engine, scenario)
 
 
 def test_no_room_is_refused_at_once_with_503(engine):
     async def scenario(service, receiver):
-        first, active = await service.open(request("d", n=27))  # 28 tokens: 7 of 8 blocks
+        first, active = await service.open(generate_request("d", n=27))  # 28 tokens: 7 of 8 blocks
         with pytest.raises(WorkerError) as info:
-            await service.open(request("e", n=6))
+            await service.open(generate_request("e", n=6))
         assert info.value.status == 503 and info.value.retry_after == 1
         assert await service.abort("d")
         assert receiver.cancelled == ["t0"]
         receiver.end("t0", Outcome.CANCELLED, "cancelled")
 
-    run(engine, scenario)
+    run_decode_service(engine, scenario)
 
 
 def test_duplicate_request_id_is_refused(engine):
     async def scenario(service, receiver):
-        await service.open(request("f"))
+        await service.open(generate_request("f"))
         with pytest.raises(WorkerError) as info:
-            await service.open(request("f"))
+            await service.open(generate_request("f"))
         assert info.value.status == 409
         await service.close("f")
         receiver.end("t0", Outcome.CANCELLED, "cancelled")
 
-    run(engine, scenario)
+    run_decode_service(engine, scenario)
 
 
 def test_n_sequences_stream_with_their_index_and_the_stream_ends_after_the_last_one(engine):
@@ -144,7 +106,7 @@ def test_n_sequences_stream_with_their_index_and_the_stream_ends_after_the_last_
             assert all(len(e.logprobs) == 1 and len(e.logprobs[0].top) == 2 for e in seq[1:])
         assert events[-1].finish_reason == "length" and active.finished
 
-    run(engine, scenario)
+    run_decode_service(engine, scenario)
 
 
 @pytest.mark.parametrize("first_tokens", [(42,), (42, 43, 44), (42, 1 << 20)])
@@ -157,4 +119,4 @@ def test_a_notice_without_one_first_token_in_the_vocabulary_per_sequence_fails_t
         lines = [line async for line in service.events(first, active)]
         assert len(lines) == 2 and '"code":"bad_notice"' in lines[-1]
 
-    run(engine, scenario)
+    run_decode_service(engine, scenario)

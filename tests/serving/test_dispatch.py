@@ -143,7 +143,7 @@ def test_local_prefill_is_decided_on_the_part_the_chosen_decode_server_does_not_
     """Threshold 20: a 101-token prompt whose first 96 tokens d1 caches has 5 left: d1 prefills it.
     On d0, which caches nothing, the same prompt goes to the prefill server."""
     from router.policies import CacheAware
-    from tests.serving.test_kv_index import index_holding
+    from tests.serving.kv_indexes import index_holding
 
     prompt = list(range(1, 102))
     index = index_holding({"d1": 24}, prompt)  # 24 blocks of 4

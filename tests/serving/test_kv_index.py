@@ -9,21 +9,8 @@ from engine.prefix_cache import chain_hashes
 from router.kv_index import KvIndex, WorkerKvIndex
 from router.policies import CacheAware
 from router.registry import Worker
-from server_common.worker_replies import KvBlocksReply, KvEventsReply
-from tests.engine.test_prefix_cache import make, req, run_to_end
-
-SALT = "model|float32"
-
-
-def page(log: KvEventLog, after: int, block_size: int = 4) -> KvEventsReply:
-    p = log.since(after)
-    return KvEventsReply(epoch=p.epoch, oldest=p.oldest, last=p.last, events=p.events, block_size=block_size,
-                         salt=SALT, enabled=True)
-
-
-def snapshot(log: KvEventLog, block_size: int = 4) -> KvBlocksReply:
-    s = log.snapshot()
-    return KvBlocksReply(epoch=s.epoch, seq=s.seq, hashes=s.hashes, block_size=block_size, salt=SALT, enabled=True)
+from tests.engine.scheduling import make, req, run_to_end
+from tests.serving.kv_indexes import SALT, index_holding, page, snapshot
 
 
 def test_the_router_hashes_a_prompt_exactly_as_the_engine_does():
@@ -94,18 +81,6 @@ def test_a_restarted_server_is_reloaded_from_its_snapshot():
     assert not idx.apply(page(new, idx.seq))
     idx.load(snapshot(new))
     assert (idx.epoch, idx.seq, idx.hashes) == ("e2", 1, {6})
-
-
-def index_holding(blocks: dict[str, int], prompt: list[int], block_size: int = 4) -> KvIndex:
-    """An index where each named server holds the prompt's first ``blocks[name]`` blocks."""
-    index = KvIndex()
-    hashes = chain_hashes(SALT, prompt, block_size)
-    for name, n in blocks.items():
-        log = KvEventLog(epoch=name)
-        for h in hashes[:n]:
-            log.stored(h)
-        index.of(name).load(snapshot(log, block_size))
-    return index
 
 
 def workers(*inflight: int, limit: int | None = 8) -> list[Worker]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.oracle import hf_greedy, hf_logits
+from tests.engine.oracle import hf_greedy, hf_logits, hf_processed_greedy
 from tests.serving.conftest import MAX_MODEL_LEN, THRESHOLD, start_cluster
 from tests.serving.oracle import chat_prompt_ids, tokenizer
 
@@ -181,7 +181,6 @@ def test_every_block_is_free_again_on_every_server(served):
 def test_penalties_and_logit_bias_through_the_router_equal_the_reference_on_transformers(served, tiny_model,
                                                                                          stream):
     from engine.request import SamplingParams
-    from tests.engine.test_penalties import reference
 
     tok = tokenizer(tiny_model)
     prompt = tok(PROMPT)["input_ids"]
@@ -191,7 +190,7 @@ def test_penalties_and_logit_bias_through_the_router_equal_the_reference_on_tran
     params = SamplingParams(max_tokens=10, temperature=0, presence_penalty=0.7, frequency_penalty=0.4,
                             repetition_penalty=1.3, logit_bias=((first, -30.0), (17, 4.0)), min_tokens=3,
                             ignore_eos=True)
-    want, _ = reference(tiny_model, prompt, params, (tok.eos_token_id,))
+    want, _ = hf_processed_greedy(tiny_model, prompt, params, (tok.eos_token_id,))
     assert want != hf_greedy(tiny_model, prompt, 10, ignore_eos=True)  # the processing changes the answer
     kw = dict(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=0, extra_body=fields)
     client = served.client()

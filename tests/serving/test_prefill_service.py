@@ -5,7 +5,6 @@ the transfer ended, and aborts free everything."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -13,9 +12,9 @@ from engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
-from server_common.worker_replies import Reservation, WorkerError
-from server_common.worker_requests import PrefillRequest
-from tests.serving.scripted import ScriptedSender, scripted
+from server_common.worker_replies import WorkerError
+from tests.serving.scripted import ScriptedSender, prefill_request, scripted
+from tests.waiting import until
 from transfer.outcome import Outcome
 
 
@@ -23,20 +22,6 @@ from transfer.outcome import Outcome
 def engine(tiny_model):
     return LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="prefill",
                                   max_num_batched_tokens=8, prefix_caching=False))
-
-
-def prefill_request(rid: str, n: int) -> PrefillRequest:
-    res = Reservation(instance="d0", request_id=rid, transfer_id=f"t-{rid}", block_ids=[3, 4], block_size=16,
-                      num_tokens=n, lease_deadline=time.time() + 30, kv_target={"peer": "d0"})
-    return PrefillRequest(request_id=rid, prompt_token_ids=list(range(20, 20 + n)),
-                          sampling=SamplingParams(max_tokens=4, temperature=0), reservation=res)
-
-
-async def wait_for(predicate, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 def run(engine, scenario):
@@ -48,7 +33,7 @@ def run(engine, scenario):
         await service.start()
         try:
             await scenario(service, sender)
-            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
+            await until(lambda: service.engine_thread.stats.scheduler.free == 16)
         finally:
             await service.stop()
 
@@ -59,7 +44,7 @@ def run(engine, scenario):
 def test_chunked_prompt_pushes_every_layer_and_holds_blocks_until_the_transfer_ended(engine):
     async def scenario(service, sender):
         task = asyncio.ensure_future(service.prefill(prefill_request("a", 13)))
-        await wait_for(lambda: any(c[0] == "finish" for c in sender.calls))
+        await until(lambda: any(c[0] == "finish" for c in sender.calls))
         pushes = [c[2:] for c in sender.calls if c[0] == "push"]  # (layer, start, end)
         assert pushes == [(0, 0, 8), (1, 0, 8), (0, 8, 13), (1, 8, 13)]  # 2 layers, chunks of 8 tokens
         assert service.engine_thread.stats.scheduler.reserved == 4  # 13 tokens in blocks of 4, held for the transfer
@@ -80,7 +65,7 @@ def test_chunked_prompt_pushes_every_layer_and_holds_blocks_until_the_transfer_e
 def test_failed_transfer_answers_502_and_releases_the_blocks(engine):
     async def scenario(service, sender):
         task = asyncio.ensure_future(service.prefill(prefill_request("b", 5)))
-        await wait_for(lambda: any(c[0] == "finish" for c in sender.calls))
+        await until(lambda: any(c[0] == "finish" for c in sender.calls))
         sender.end("t-b", Outcome.REFUSED, "checksum mismatch")
         with pytest.raises(WorkerError) as info:
             await task
@@ -92,7 +77,7 @@ def test_failed_transfer_answers_502_and_releases_the_blocks(engine):
 def test_abort_stops_the_job_and_tells_the_sender(engine):
     async def scenario(service, sender):
         task = asyncio.ensure_future(service.prefill(prefill_request("c", 5)))
-        await wait_for(lambda: any(c[0] == "begin" for c in sender.calls))
+        await until(lambda: any(c[0] == "begin" for c in sender.calls))
         assert await service.abort("c")
         with pytest.raises(WorkerError) as info:
             await task
@@ -121,7 +106,7 @@ def test_the_result_has_every_sequence_s_first_token_with_its_logprob_and_the_pr
         req = req.model_copy(update={"sampling": SamplingParams(max_tokens=4, temperature=0, n=3, logprobs=2,
                                                               prompt_logprobs=1)})
         task = asyncio.ensure_future(service.prefill(req))
-        await wait_for(lambda: any(c[0] == "finish" for c in sender.calls))
+        await until(lambda: any(c[0] == "finish" for c in sender.calls))
         sender.end("t-lp", Outcome.OK)
         result = await task
         (finish,) = [c for c in sender.calls if c[0] == "finish"]

@@ -17,16 +17,11 @@ from server_common.settings import ServerSettings
 from server_common.worker_replies import Reservation, WorkerError
 from server_common.worker_requests import GenerateRequest, PrefillRequest
 from tests.serving.scripted import ScriptedReceiver, ScriptedSender, scripted
+from tests.waiting import until
 from transfer.outcome import Outcome
 
 PROMPT = list(range(10, 24))  # 14 tokens: 3 full blocks of 4
 
-
-async def wait_for(predicate, timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 def generate(rid: str, prompt: list[int]) -> GenerateRequest:
@@ -56,14 +51,14 @@ def test_decode_reservation_pins_the_cached_prefix_and_an_almost_whole_hit_is_pr
             assert (len(res.block_ids), receiver.writable_from["t1"]) == (5, 3)
             stats = lambda: service.engine_thread.stats.scheduler  # noqa: E731
             # a finished: its 4th block (16 computed tokens: full) stays cached, unowned
-            await wait_for(lambda: (stats().reserved, stats().cached, stats().free) == (5, 1, 11))
+            await until(lambda: (stats().reserved, stats().cached, stats().free) == (5, 1, 11))
             await service.close("b")
             receiver.end("t1", Outcome.CANCELLED, "cancelled")
             # c lacks only its last token: no reservation, no prefill server
             first, active = await service.open(generate("c", PROMPT[:12] + [77]))
             assert (first.reservation, first.num_cached_tokens, len(receiver.expected)) == (None, 12, 2)
             assert len([line async for line in service.events(first, active)]) == 1 + 3
-            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
+            await until(lambda: service.engine_thread.stats.scheduler.free == 16)
             counters = service.engine_thread.stats.counters
             assert (counters.prefix_queries_tokens, counters.prefix_hits_tokens) == (14 + 16 + 13, 24)
         finally:
@@ -90,7 +85,7 @@ def test_prefill_sends_only_what_the_decode_server_lacks_and_reuses_its_own_cach
 
     async def prefill(rid: str, cached: int):
         task = asyncio.ensure_future(service.prefill(prefill_request(rid, cached)))
-        await wait_for(lambda: ("finish", f"t-{rid}") in [c[:2] for c in sender.calls])
+        await until(lambda: ("finish", f"t-{rid}") in [c[:2] for c in sender.calls])
         pushes = [c[2:] for c in sender.calls if c[0] == "push" and c[1] == f"t-{rid}"]  # (layer, start, end)
         sender.end(f"t-{rid}", Outcome.OK)
         return pushes, await task
@@ -108,7 +103,7 @@ def test_prefill_sends_only_what_the_decode_server_lacks_and_reuses_its_own_cach
             with pytest.raises(WorkerError) as info:
                 await service.prefill(prefill_request("c", cached=14))
             assert (info.value.status, info.value.code) == (400, Outcome.BAD_REQUEST)
-            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
+            await until(lambda: service.engine_thread.stats.scheduler.free == 16)
             c = service.engine_thread.stats.counters
             assert (c.prompt_tokens, c.prefix_hits_tokens) == (14 + 2, 12)
         finally:
@@ -147,7 +142,7 @@ def test_a_request_for_prompt_log_probabilities_reports_no_cached_tokens_and_tak
                 assert len([line async for line in service.events(first, active)]) == 1 + 3
             counters = service.engine_thread.stats.counters
             assert (counters.prefix_queries_tokens, counters.prefix_hits_tokens) == before
-            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
+            await until(lambda: service.engine_thread.stats.scheduler.free == 16)
         finally:
             await service.stop()
 
@@ -173,7 +168,7 @@ def test_a_colocated_request_for_prompt_log_probabilities_reports_no_cached_toke
             assert got == [0, 0, 12]  # b computed its whole prompt; c reused a's 3 full blocks
             counters = service.engine_thread.stats.counters
             assert counters.prefix_hits_tokens == 12
-            await wait_for(lambda: service.engine_thread.stats.scheduler.free == 16)
+            await until(lambda: service.engine_thread.stats.scheduler.free == 16)
         finally:
             await service.stop()
 

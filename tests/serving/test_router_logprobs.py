@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.serving.fakes import FakeWorkerClient
-from tests.serving.test_router_app import make_client, reply_ids
+from tests.serving.router_client import make_client, reply_ids
 
 
 def sdk(c) -> openai.OpenAI:

@@ -3,10 +3,17 @@ grammar forbids ends the stream with a clear error, and the blocks are freed."""
 
 from __future__ import annotations
 
+import pytest
+
 from engine.request import SamplingParams, StructuredSpec
 from server_common.worker_requests import GenerateRequest
-from tests.serving.test_decode_service import engine, run  # noqa: F401  (engine is a fixture)
+from tests.serving.scripted import decode_engine, run_decode_service
 from transfer.outcome import Outcome
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model):
+    return decode_engine(tiny_model)
 
 
 def constrained(rid: str) -> GenerateRequest:
@@ -15,7 +22,7 @@ def constrained(rid: str) -> GenerateRequest:
                            sampling=SamplingParams(max_tokens=3, temperature=0, structured=spec))
 
 
-def test_a_first_token_the_grammar_forbids_fails_the_request_clearly(engine):  # noqa: F811
+def test_a_first_token_the_grammar_forbids_fails_the_request_clearly(engine):
     letter = engine.tokenizer.convert_tokens_to_ids("x")
 
     async def scenario(service, receiver):
@@ -25,10 +32,10 @@ def test_a_first_token_the_grammar_forbids_fails_the_request_clearly(engine):  #
         assert len(lines) == 2 and '"code":"bad_notice"' in lines[-1]
         assert f"first token {letter} is not allowed by the request's structured output grammar" in lines[-1]
 
-    run(engine, scenario)
+    run_decode_service(engine, scenario)
 
 
-def test_a_first_token_the_grammar_allows_continues_under_the_grammar(engine):  # noqa: F811
+def test_a_first_token_the_grammar_allows_continues_under_the_grammar(engine):
     digit = engine.tokenizer.convert_tokens_to_ids("1")
 
     async def scenario(service, receiver):
@@ -39,4 +46,4 @@ def test_a_first_token_the_grammar_allows_continues_under_the_grammar(engine):  
         tokens = [int(t) for line in lines[1:] for t in line.split('"token_ids":[')[1].split("]")[0].split(",") if t]
         assert engine.tokenizer.decode(tokens, skip_special_tokens=True).isdigit()
 
-    run(engine, scenario)
+    run_decode_service(engine, scenario)

@@ -172,7 +172,7 @@ def byte_model(tmp_path_factory):
 
 def test_tools_to_a_model_whose_template_has_no_tools_get_400_and_reach_no_server(byte_model):
     from tests.serving.fakes import FakeWorkerClient
-    from tests.serving.test_router_app import make_client
+    from tests.serving.router_client import make_client
 
     assert not byte_model.tools_in_template
     fake = FakeWorkerClient(reply=[104, 105])
@@ -190,7 +190,7 @@ def test_tools_to_a_model_whose_template_has_no_tools_get_400_and_reach_no_serve
 
 def test_the_router_sends_the_servers_the_spec_it_checked(byte_model):
     from tests.serving.fakes import FakeWorkerClient
-    from tests.serving.test_router_app import make_client
+    from tests.serving.router_client import make_client
 
     fake = FakeWorkerClient(reply=[49, 50])
     with make_client(byte_model, fake) as c:
@@ -204,7 +204,7 @@ def test_the_router_sends_the_servers_the_spec_it_checked(byte_model):
 
 def test_a_malformed_earlier_tool_call_in_the_conversation_is_a_400(byte_model):
     from tests.serving.fakes import FakeWorkerClient
-    from tests.serving.test_router_app import make_client
+    from tests.serving.router_client import make_client
 
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": None,

@@ -11,8 +11,7 @@ import openai
 import pytest
 
 from engine.request import StructuredSpec
-from tests.engine.oracle import hf_greedy
-from tests.engine.test_structured import hf_masked_greedy
+from tests.engine.oracle import hf_greedy, hf_masked_greedy
 from tests.serving.conftest import start_cluster
 from tests.serving.oracle import PROMPTS, tokenizer
 from tests.waiting import wait_until

@@ -15,9 +15,7 @@ from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
 from server_common.tracing import Tracing, TracingSettings
 from server_common.worker_replies import WorkerError
-from tests.serving.scripted import ScriptedReceiver, ScriptedSender, scripted
-from tests.serving.test_decode_service import request
-from tests.serving.test_prefill_service import prefill_request
+from tests.serving.scripted import ScriptedReceiver, ScriptedSender, generate_request, prefill_request, scripted
 from tests.waiting import until
 from transfer.outcome import Outcome
 
@@ -47,7 +45,7 @@ def test_a_decode_stream_whose_kv_never_arrived_carries_the_outcome_code(decode_
     async def main():
         await service.start()
         try:
-            req = request("a").model_copy(update={"trace": ROUTER_TRACE})
+            req = generate_request("a").model_copy(update={"trace": ROUTER_TRACE})
             first, active = await service.open(req)
             made[0].end("t0", Outcome.CHECKSUM_MISMATCH, "checksum mismatch")
             lines = [line async for line in service.events(first, active)]

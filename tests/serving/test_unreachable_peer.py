@@ -15,7 +15,7 @@ from server_common.kv_adapter import sender_factory
 from server_common.settings import ServerSettings
 from server_common.worker_replies import WorkerError
 from tests.serving.cluster import free_ports
-from tests.serving.test_prefill_service import prefill_request
+from tests.serving.scripted import prefill_request
 from tests.waiting import until
 from transfer.outcome import Outcome
 
