@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import time
 from pathlib import Path
 
 import httpx
@@ -134,7 +133,7 @@ def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: flo
             reservation = Reservation(instance=name, request_id=req.request_id, transfer_id=transfer_id,
                                       block_ids=list(range(len(req.prompt_token_ids) // 16 + 1)), block_size=16,
                                       num_tokens=len(req.prompt_token_ids),
-                                      lease_deadline=time.time() + KV_WAIT_S,
+                                      lease_s=KV_WAIT_S,
                                       kv_target={"stub_notify": f"{str(request.base_url).rstrip('/')}/stub/kv_done"})
         n = req.sampling.max_tokens
         if n not in lines_by_count:

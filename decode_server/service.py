@@ -192,7 +192,7 @@ class GenerationService:
         """Reserve blocks for a prefill server; None when all but the last prompt token is cached here.
         ``caller`` (its address) is what ``server_common.quota`` counts unfilled blocks by."""
         rid, lease_s = req.request_id, self.settings.lease_s
-        deadline = time.time() + lease_s
+        started = time.monotonic()  # the receiver's lease starts in reserve(), after this
         receiver = self._receiver
         prompt = req.prompt_token_ids
 
@@ -227,7 +227,7 @@ class GenerationService:
         self.metrics.requests.labels(outcome="reserved").inc()
         return Reservation(instance=self.settings.name, request_id=rid, transfer_id=transfer_id,
                            block_ids=block_ids, block_size=self.settings.engine.block_size,
-                           num_tokens=len(prompt), lease_deadline=deadline,
+                           num_tokens=len(prompt), lease_s=max(lease_s - (time.monotonic() - started), 1e-3),
                            kv_target=receiver.target(), num_cached_tokens=cached)
 
     async def events(self, first: ReservationEvent, active: Active) -> AsyncIterator[str]:

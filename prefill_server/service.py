@@ -45,7 +45,6 @@ from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
 from server_common.vitals import Vitals
 from server_common.worker_replies import (
-    MAX_LEASE_S,
     HealthReport,
     KVBlocks,
     PrefillResult,
@@ -90,10 +89,6 @@ class Job:
 def _check_reservation(req: PrefillRequest) -> None:
     """400 for a reservation that does not fit its request (the schema checked each field alone)."""
     res, num_tokens = req.reservation, len(req.prompt_token_ids)
-    ahead = res.lease_deadline - time.time()
-    if ahead > MAX_LEASE_S:
-        raise WorkerError(400, f"reservation.lease_deadline is {ahead:.0f} s ahead; at most {MAX_LEASE_S:.0f} s",
-                          Outcome.BAD_REQUEST)
     if res.num_tokens != num_tokens:
         raise WorkerError(400, f"reservation.num_tokens is {res.num_tokens} for a {num_tokens}-token prompt",
                           Outcome.BAD_REQUEST)
@@ -157,6 +152,7 @@ class PrefillService:
 
     async def _prefill(self, req: PrefillRequest, span) -> PrefillResult:
         loop = asyncio.get_running_loop()
+        received = time.monotonic()  # the reservation's lease_s counts from about now
         rid, res = req.request_id, req.reservation
         _check_reservation(req)  # before anything connects to the address it names
         if self.faults is not None:
@@ -166,7 +162,7 @@ class PrefillService:
         except Exception as exc:
             raise WorkerError(502, f"cannot connect to decode server {res.instance}: {exc}",
                               Outcome.HANDSHAKE_FAILED) from exc
-        lease_s = res.lease_deadline - time.time()
+        lease_s = res.lease_s - (time.monotonic() - received)
         if lease_s <= 0:
             raise WorkerError(409, f"the reservation on {res.instance} has expired", Outcome.LEASE_EXPIRED)
         job = Job(rid, res.transfer_id, len(req.prompt_token_ids), res.num_cached_tokens, loop.create_future(), loop)

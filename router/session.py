@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -70,6 +71,7 @@ class Session:
         self.prefill: Worker | None = None
         self.prefill_result: PrefillResult | None = None
         self.reservation = stream.reservation  # None: the decode server prefills locally
+        self._reserved_at = time.monotonic()  # its lease_s counts from about then
         self.cached_tokens = stream.num_cached_tokens  # usage.prompt_tokens_details.cached_tokens
         self._ctx = ctx
         self._prompt = prompt
@@ -172,8 +174,6 @@ class Session:
         followed by the next one."""
         reservation = self.reservation
         assert reservation is not None
-        req = PrefillRequest(request_id=attempt_id, prompt_token_ids=self._prompt,
-                             sampling=self._sampling, reservation=reservation, trace=self._trace)
         ctx = self._ctx
         candidates = [w for w in ctx.prefill_policy.order(ctx.registry.healthy("prefill"), self._prompt)
                       if w.name not in self._tried_prefill and w.can_hold(len(self._prompt) + 1)]
@@ -182,6 +182,13 @@ class Session:
             self._tried_prefill.add(worker.name)
             try:
                 with ctx.admission.prefilling(worker, len(self._prompt)):
+                    # The lease as it stands now: the time the router held the reservation is taken off.
+                    left = reservation.lease_s - (time.monotonic() - self._reserved_at)
+                    if left <= 0:
+                        return  # the decode server's lease ran out: its stream says so, and what follows
+                    req = PrefillRequest(request_id=attempt_id, prompt_token_ids=self._prompt, sampling=self._sampling,
+                                         reservation=reservation.model_copy(update={"lease_s": left}),
+                                         trace=self._trace)
                     self.prefill_result = await ctx.client.prefill(worker, req)
                 queue.put_nowait(self.prefill_result)
                 return
@@ -226,6 +233,7 @@ class Session:
                                                          decision.action == "local", self._trace)
         self.decode = self._stream.worker
         self.reservation = self._stream.reservation
+        self._reserved_at = time.monotonic()
         self.cached_tokens = self._stream.num_cached_tokens
 
     async def _end_attempt(self) -> None:

@@ -80,7 +80,7 @@ class ReceiverAdapter:
         return self._receiver.expect(block_ids, lease_s, writable_from=writable_from)
 
     def target(self) -> dict:
-        return {"peer": self._settings.name, "hello_url": f"{self._settings.url}/kv/hello", "epoch": self._epoch}
+        return {"peer": self._settings.name, "epoch": self._epoch}
 
     def cancel(self, transfer_id: str) -> None:
         self._receiver.cancel(transfer_id)
@@ -128,9 +128,9 @@ class SenderAdapter:
         return await asyncio.shield(task)
 
     async def _handshake(self, target: dict) -> str:
-        """Only with a decode server of this cluster, at the address the cluster config gives it
-        (the reservation's ``hello_url`` is not followed: the secret goes nowhere else), and
-        without echoing what it answered."""
+        """Only with a decode server of this cluster, at the address the cluster config (or the
+        router's discovery) gives it, never one a reservation names: the secret goes nowhere
+        else; and without echoing what it answered."""
         peer = target.get("peer")
         url = self._known.get(peer) if isinstance(peer, str) else None
         if url is None:

@@ -39,8 +39,11 @@ class Reservation(Reply):
 
     ``kv_target`` is the transfer layer's own description of where to write
     (layout, address, agent); the router passes it through untouched.
-    ``lease_deadline`` is Unix time: after it the decode server frees the
-    blocks and fails the request. The first ``num_cached_tokens`` prompt
+    ``lease_s`` is how long the decode server still waits for the KV,
+    counted from when the reservation is sent: then it frees the blocks and
+    fails the request. Whoever holds the reservation before passing it on
+    (the router, the prefill server before it writes) takes the time it
+    held it off, so no two hosts need to share a clock. The first ``num_cached_tokens`` prompt
     tokens are already in ``block_ids`` (the decode server's cached prefix,
     pinned for this request): the prefill server writes only the tokens
     ``[num_cached_tokens, num_tokens)``.
@@ -52,7 +55,7 @@ class Reservation(Reply):
     block_ids: list[BlockId] = Field(min_length=1, max_length=MAX_BLOCKS)
     block_size: int = Field(ge=1, le=256)  # engine/config.py's range
     num_tokens: int = Field(ge=1, le=MAX_BLOCKS)
-    lease_deadline: float = Field(gt=0)  # Unix time, finite; how far ahead: checked where it is used
+    lease_s: float = Field(gt=0, le=MAX_LEASE_S)  # finite
     kv_target: dict
     num_cached_tokens: int = Field(default=0, ge=0)
 

@@ -5,7 +5,6 @@ Integration tests use the real servers."""
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
 
 from bench.stubs import make_byte_tokenizer  # noqa: F401  (the byte-level tokenizer the tests use)
@@ -73,7 +72,7 @@ class FakeWorkerClient:
             num_tokens = len(req.prompt_token_ids)
             reservation = Reservation(instance=worker.name, request_id=req.request_id, transfer_id="t-" +
                                       req.request_id, block_ids=list(range(num_tokens // 16 + 1)), block_size=16,
-                                      num_tokens=num_tokens, lease_deadline=time.time() + 30, kv_target={})
+                                      num_tokens=num_tokens, lease_s=30, kv_target={})
         events = [e for i in range(req.sampling.n) for e in self.sequence(req, i)]
         stream = FakeStream(worker, reservation, events, self.delay, num_cached_tokens=self.cached_tokens)
         self.streams.append(stream)

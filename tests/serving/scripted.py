@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine
@@ -28,7 +27,7 @@ def generate_request(rid: str, n: int = 6, max_tokens: int = 3) -> GenerateReque
 def prefill_request(rid: str, n: int) -> PrefillRequest:
     """A greedy request for a prefill server: an ``n``-token prompt into a reservation on d0."""
     res = Reservation(instance="d0", request_id=rid, transfer_id=f"t-{rid}", block_ids=[3, 4], block_size=16,
-                      num_tokens=n, lease_deadline=time.time() + 30, kv_target={"peer": "d0"})
+                      num_tokens=n, lease_s=30, kv_target={"peer": "d0"})
     return PrefillRequest(request_id=rid, prompt_token_ids=list(range(20, 20 + n)),
                           sampling=SamplingParams(max_tokens=4, temperature=0), reservation=res)
 

@@ -92,7 +92,8 @@ def test_abort_stops_the_job_and_tells_the_sender(engine):
 def test_expired_reservation_is_refused_before_any_work(engine):
     async def scenario(service, sender):
         req = prefill_request("d", 5)
-        stale = req.model_copy(update={"reservation": req.reservation.model_copy(update={"lease_deadline": 1.0})})
+        # A nanosecond left: gone by the time the server has met the decode server.
+        stale = req.model_copy(update={"reservation": req.reservation.model_copy(update={"lease_s": 1e-9})})
         with pytest.raises(WorkerError) as info:
             await service.prefill(stale)
         assert info.value.code == "lease_expired" and sender.calls == []

@@ -5,7 +5,6 @@ and D prefills a prompt itself when only its last token is missing."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
@@ -70,7 +69,7 @@ def test_decode_reservation_pins_the_cached_prefix_and_an_almost_whole_hit_is_pr
 
 def prefill_request(rid: str, cached: int) -> PrefillRequest:
     res = Reservation(instance="d0", request_id=rid, transfer_id=f"t-{rid}", block_ids=[3, 4, 5, 6], block_size=4,
-                      num_tokens=len(PROMPT), lease_deadline=time.time() + 30, kv_target={"peer": "d0"},
+                      num_tokens=len(PROMPT), lease_s=30, kv_target={"peer": "d0"},
                       num_cached_tokens=cached)
     return PrefillRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=4, temperature=0),
                           reservation=res)
