@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -109,6 +110,8 @@ class GenerationService:
         self.timeline = TimelineLog()
         self._model_id = model_fingerprint(settings.engine.model)  # reported on /health
         self._receiver: KVReceiverPort | None = None
+        # In every reservation: a prefill server that sees a new epoch (this server restarted) meets it afresh.
+        self._epoch = secrets.token_hex(8)
         if make_receiver is not None:
             self._receiver = make_receiver(self.engine_thread.wake)
             self.vitals.add(self._receiver.problem)
@@ -137,7 +140,7 @@ class GenerationService:
         if self._receiver is None:
             raise ValueError(f"{self.settings.name} is a colocated server: it takes no KV transfers")
         try:
-            return await asyncio.to_thread(self._receiver.accept, hello)
+            return await asyncio.to_thread(self._receiver.accept, hello, self.settings.transfer_timeout_s)
         except PeerBound as exc:
             self.metrics.peer_refusals.labels(reason="bound_to_live_instance").inc()
             log.warning("refused a KV handshake: %s", exc)
@@ -228,7 +231,7 @@ class GenerationService:
         return Reservation(instance=self.settings.name, request_id=rid, transfer_id=transfer_id,
                            block_ids=block_ids, block_size=self.settings.engine.block_size,
                            num_tokens=len(prompt), lease_s=max(lease_s - (time.monotonic() - started), 1e-3),
-                           kv_target=receiver.target(), num_cached_tokens=cached)
+                           kv_target={"peer": self.settings.name, "epoch": self._epoch}, num_cached_tokens=cached)
 
     async def events(self, first: ReservationEvent, active: Active) -> AsyncIterator[str]:
         """NDJSON lines: the reservation, then tokens until finished (or an error)."""

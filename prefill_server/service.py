@@ -37,7 +37,8 @@ from engine import LLMEngine, PrefillChunk, StepOutput
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
 from server_common.guard import Drain
-from server_common.kv_port import SenderFactory
+from server_common.kv_adapter import DecodePeers
+from server_common.kv_port import DecodePeersPort, SenderFactory
 from server_common.metrics import ServerMetrics
 from server_common.model_id import model_fingerprint
 from server_common.settings import ServerSettings
@@ -98,7 +99,10 @@ def _check_reservation(req: PrefillRequest) -> None:
 
 class PrefillService:
     def __init__(self, settings: ServerSettings, engine: LLMEngine, make_sender: SenderFactory,
-                 faults: FaultInjector | None = None, tracing: Tracing | None = None) -> None:
+                 faults: FaultInjector | None = None, tracing: Tracing | None = None,
+                 peers: DecodePeersPort | None = None) -> None:
+        """``peers``: the decode servers it may meet (default: ``DecodePeers`` with ``make_sender``'s
+        sender, which must be a ``transfer`` KVSender; tests give scripted ones)."""
         self.settings = settings
         self.faults = faults
         self.engine_thread = EngineThread(engine, self._on_outputs, settings.name,
@@ -109,6 +113,7 @@ class PrefillService:
         self.timeline = TimelineLog()
         self._model_id = model_fingerprint(settings.engine.model)  # reported on /health
         self._sender = make_sender(self.engine_thread.wake)
+        self._peers = peers if peers is not None else DecodePeers(settings, self._sender)
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
         self.vitals.add(self.engine_thread.problem)
         self.vitals.add(self._sender.problem)
@@ -158,7 +163,7 @@ class PrefillService:
         if self.faults is not None:
             await self.faults.hold()
         try:
-            peer = await self._sender.ensure_peer(res.kv_target)
+            peer = await self._peers.ensure(res.kv_target)
         except Exception as exc:
             raise WorkerError(502, f"cannot connect to decode server {res.instance}: {exc}",
                               Outcome.HANDSHAKE_FAILED) from exc
@@ -206,17 +211,17 @@ class PrefillService:
     # ---- decode peers (the router's discovery) --------------------------------------
     def add_peer(self, name: str, url: str) -> None:
         try:
-            self._sender.add_peer(name, url)
+            self._peers.add(name, url)
         except PeerBound as exc:
             self.metrics.peer_refusals.labels(reason="configured_peer").inc()
             log.warning("refused to re-point a decode server: %s", exc)
             raise WorkerError(409, str(exc), Outcome.PEER_BOUND) from None
 
     def forget_peer(self, name: str) -> bool:
-        return self._sender.forget_peer(name)
+        return self._peers.forget(name)
 
     def peers(self) -> dict[str, str]:
-        return self._sender.known_peers()
+        return self._peers.known()
 
     async def abort(self, request_id: str) -> bool:
         return await self.engine_thread.run(lambda e: self._abort(e, request_id))

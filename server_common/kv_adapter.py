@@ -1,9 +1,9 @@
-"""Thin adapter from the servers' KV ports to transfer's KVSender/KVReceiver.
-
-What it adds: building the backend and layout from the server's settings,
-and the handshake (the prefill server posts its hello to the decode server's
-``/kv/hello`` and connects with the answer). Hellos are msgpack bytes made
-by ``transfer``; they cross HTTP base64-encoded, never pickled.
+"""What the servers add to transfer's KVSender and KVReceiver (which they hold as they are,
+through the ports in ``server_common.kv_port``): building them from a server's settings
+(backend, layout), and on a prefill server the decode servers it may meet and the handshake
+with each (``DecodePeers``: its hello posted to the decode server's ``/kv/hello``, connected
+with the answer). Hellos are msgpack bytes made by ``transfer``; they cross HTTP
+base64-encoded, never pickled.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-import secrets
-from collections.abc import Sequence
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -21,7 +21,11 @@ from server_common.faults import FaultInjector
 from server_common.guard import auth_headers
 from server_common.kv_port import Notify
 from server_common.settings import ServerSettings
-from transfer.outcome import PeerBound, TransferEnded
+from transfer.outcome import PeerBound
+
+if TYPE_CHECKING:
+    from transfer.receiver import KVReceiver
+    from transfer.sender import KVSender
 
 log = logging.getLogger(__name__)
 
@@ -56,75 +60,29 @@ class UnknownPeer(ValueError):
     """A reservation names a decode server this cluster neither lists nor was told about by its router."""
 
 
-class ReceiverAdapter:
-    def __init__(self, settings: ServerSettings, engine: LLMEngine, notify: Notify,
-                 faults: FaultInjector | None = None) -> None:
-        from transfer.receiver import KVReceiver
+class DecodePeers:
+    """The decode servers a prefill server may hand KV to, and the handshake with each: once per
+    decode server start (concurrent callers share it; a failed one is retried next time; a
+    restarted decode server, with a new epoch, is met again, which replaces the connection to its
+    dead predecessor). Event loop only."""
 
+    def __init__(self, settings: ServerSettings, sender: KVSender) -> None:
         self._settings = settings
-        self._receiver = KVReceiver(_backend(settings, listen=True, faults=faults), engine.cache.kv,
-                                    _layout(engine), name=settings.name, model=engine.config.model, notify=notify)
-        # Changes with every start: a prefill server that sees a new epoch meets this server afresh.
-        self._epoch = secrets.token_hex(8)
-
-    def start(self) -> None:
-        self._receiver.start()
-
-    def take_finished(self) -> list[TransferEnded]:
-        return self._receiver.take_finished()
-
-    def accept(self, sender_hello: bytes) -> bytes:
-        return self._receiver.accept(sender_hello, timeout_s=self._settings.transfer_timeout_s)
-
-    def expect(self, block_ids: list[int], lease_s: float, writable_from: int = 0) -> str:
-        return self._receiver.expect(block_ids, lease_s, writable_from=writable_from)
-
-    def target(self) -> dict:
-        return {"peer": self._settings.name, "epoch": self._epoch}
-
-    def cancel(self, transfer_id: str) -> None:
-        self._receiver.cancel(transfer_id)
-
-    def counters(self) -> dict[str, int]:
-        return self._receiver.counters()
-
-    def problem(self, stuck_after_s: float) -> str | None:
-        return self._receiver.problem(stuck_after_s)
-
-    def close(self) -> None:
-        self._receiver.close()
-
-
-class SenderAdapter:
-    def __init__(self, settings: ServerSettings, engine: LLMEngine, notify: Notify,
-                 faults: FaultInjector | None = None) -> None:
-        from transfer.sender import KVSender
-
-        self._settings = settings
-        self._sender = KVSender(_backend(settings, listen=False, faults=faults), engine.cache.kv, _layout(engine),
-                                name=settings.name, model=engine.config.model, notify=notify)
-        self._peers: dict[str, tuple[str, asyncio.Task]] = {}  # peer -> (its epoch, handshake); event loop only
-        # Decode servers this prefill server may meet, by name: the config's (never re-pointed), and
-        # those the router's discovery announced (POST /admin/peers); event loop only.
+        self._sender = sender
+        self._met: dict[str, tuple[str, asyncio.Task]] = {}  # peer -> (its epoch, handshake)
+        # By name: the config's (never re-pointed), and those the router's discovery announced
+        # (POST /admin/peers).
         self._configured: dict[str, str] = dict(settings.decode_peers)
         self._known: dict[str, str] = dict(self._configured)
 
-    def start(self) -> None:
-        self._sender.start()
-
-    def take_finished(self) -> list[TransferEnded]:
-        return self._sender.take_finished()
-
-    async def ensure_peer(self, target: dict) -> str:
-        """Handshake once per decode server start (concurrent callers share it): a failed one is
-        retried next time, and a restarted decode server (new epoch) is met again, which
-        replaces the connection to its dead predecessor."""
+    async def ensure(self, target: dict) -> str:
+        """The transfer peer for a reservation's ``kv_target`` (``{"peer", "epoch"}``), met if need be."""
         peer, epoch = target["peer"], target.get("epoch", "")
-        known = self._peers.get(peer)
+        known = self._met.get(peer)
         task = known[1] if known is not None and known[0] == epoch else None
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             task = asyncio.ensure_future(self._handshake(target))
-            self._peers[peer] = (epoch, task)
+            self._met[peer] = (epoch, task)
         return await asyncio.shield(task)
 
     async def _handshake(self, target: dict) -> str:
@@ -144,50 +102,40 @@ class SenderAdapter:
         answer = base64.b64decode(resp.json()["hello"])
         return await asyncio.to_thread(self._sender.connect, answer, self._settings.transfer_timeout_s)
 
-    def add_peer(self, name: str, url: str) -> None:
+    def add(self, name: str, url: str) -> None:
         """The router vouches for a decode server that joined (its discovery found it). One the
         config lists keeps the config's address: another raises PeerBound, and nothing changes."""
         configured = self._configured.get(name)
         if configured is not None and url != configured:
             raise PeerBound(f"decode server {name!r} is in the cluster config at {configured}; it is not re-pointed")
         if self._known.get(name) != url:
-            self._peers.pop(name, None)  # a new address: meet it afresh
+            self._met.pop(name, None)  # a new address: meet it afresh
         self._known[name] = url
 
-    def forget_peer(self, name: str) -> bool:
+    def forget(self, name: str) -> bool:
         """A decode server left: no handshake with it any more; its transfer state is released."""
         known = self._known.pop(name, None) is not None
-        self._peers.pop(name, None)
+        self._met.pop(name, None)
         self._sender.forget(name)
         return known
 
-    def known_peers(self) -> dict[str, str]:
+    def known(self) -> dict[str, str]:
         return dict(self._known)
 
-    def begin(self, transfer_id: str, peer: str, dst_block_ids: list[int], lease_s: float) -> None:
-        self._sender.begin(transfer_id, peer, dst_block_ids, lease_s)
 
-    def push_layer(self, transfer_id: str, layer: int, src_block_ids: list[int], start: int, end: int) -> None:
-        self._sender.push_layer(transfer_id, layer, src_block_ids, start, end)
-
-    def finish(self, transfer_id: str, first_tokens: Sequence[int]) -> None:
-        self._sender.finish(transfer_id, first_tokens)
-
-    def abort(self, transfer_id: str) -> None:
-        self._sender.abort(transfer_id)
-
-    def problem(self, stuck_after_s: float) -> str | None:
-        return self._sender.problem(stuck_after_s)
-
-    def close(self) -> None:
-        self._sender.close()
-
-
-def receiver_factory(settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None):
+def receiver_factory(settings: ServerSettings, engine: LLMEngine,
+                     faults: FaultInjector | None = None) -> Callable[[Notify], KVReceiver]:
     """What a decode server calls with its engine thread's ``wake`` (``kv_port.ReceiverFactory``)."""
-    return lambda notify: ReceiverAdapter(settings, engine, notify, faults)
+    from transfer.receiver import KVReceiver
+
+    return lambda notify: KVReceiver(_backend(settings, listen=True, faults=faults), engine.cache.kv, _layout(engine),
+                                     name=settings.name, model=engine.config.model, notify=notify)
 
 
-def sender_factory(settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None):
+def sender_factory(settings: ServerSettings, engine: LLMEngine,
+                   faults: FaultInjector | None = None) -> Callable[[Notify], KVSender]:
     """What a prefill server calls with its engine thread's ``wake`` (``kv_port.SenderFactory``)."""
-    return lambda notify: SenderAdapter(settings, engine, notify, faults)
+    from transfer.sender import KVSender
+
+    return lambda notify: KVSender(_backend(settings, listen=False, faults=faults), engine.cache.kv, _layout(engine),
+                                   name=settings.name, model=engine.config.model, notify=notify)

@@ -1,8 +1,11 @@
 """The small transfer interface the servers are written against.
 
 ``transfer/`` (KV layouts, copy plans, NIXL/ZeroMQ backends, KVSender and
-KVReceiver with their own transfer threads) sits behind these two protocols;
-``server_common.kv_adapter`` is the thin adapter. The servers never see a
+KVReceiver with their own transfer threads) sits behind these protocols: the
+servers hold a KVSender or KVReceiver as it is (tests: scripted ones);
+``server_common.kv_adapter`` builds them from a server's settings and holds a
+prefill server's ``DecodePeers`` (which decode servers it may meet, and the
+handshake). The servers never see a
 backend, a byte offset or a wire frame, and no call here blocks on the network
 except the one-time handshake.
 
@@ -14,7 +17,7 @@ and the engine thread takes what ended between two steps with
 Decode side::
 
     receiver = make_receiver(engine_thread.wake); receiver.start()
-    hello_back = receiver.accept(prefill_hello)        # once per prefill server (POST /kv/hello)
+    hello_back = receiver.accept(prefill_hello, timeout_s)   # once per prefill server (POST /kv/hello)
     tid = receiver.expect(block_ids, lease_s)          # engine thread, right after engine.reserve
     receiver.cancel(tid)                               # client gone: its TransferEnded follows
     receiver.take_finished()                           # engine thread, between steps
@@ -27,7 +30,7 @@ until every sender confirmed it stopped. The receiver enforces the lease itself.
 Prefill side::
 
     sender = make_sender(engine_thread.wake); sender.start()
-    peer = await sender.ensure_peer(target)            # handshake with the decode server, cached
+    peer = await peers.ensure(target)                  # handshake with the decode server, cached
     sender.begin(tid, peer, dst_block_ids, lease_s)    # engine thread
     sender.push_layer(tid, layer, src_block_ids, start, end)   # engine layer hook: queued, not sent inline
     sender.finish(tid, first_tokens)                   # the notice goes once the writes landed
@@ -48,11 +51,9 @@ from transfer.outcome import TransferEnded
 class KVReceiverPort(Protocol):
     def start(self) -> None: ...
 
-    def accept(self, sender_hello: bytes) -> bytes: ...
+    def accept(self, sender_hello: bytes, timeout_s: float) -> bytes: ...
 
     def expect(self, block_ids: list[int], lease_s: float, writable_from: int = 0) -> str: ...
-
-    def target(self) -> dict: ...
 
     def cancel(self, transfer_id: str) -> None: ...
 
@@ -68,14 +69,6 @@ class KVReceiverPort(Protocol):
 class KVSenderPort(Protocol):
     def start(self) -> None: ...
 
-    async def ensure_peer(self, target: dict) -> str: ...
-
-    def add_peer(self, name: str, url: str) -> None: ...
-
-    def forget_peer(self, name: str) -> bool: ...
-
-    def known_peers(self) -> dict[str, str]: ...
-
     def begin(self, transfer_id: str, peer: str, dst_block_ids: list[int], lease_s: float) -> None: ...
 
     def push_layer(self, transfer_id: str, layer: int, src_block_ids: list[int], start: int, end: int) -> None: ...
@@ -89,6 +82,18 @@ class KVSenderPort(Protocol):
     def problem(self, stuck_after_s: float) -> str | None: ...
 
     def close(self) -> None: ...
+
+
+class DecodePeersPort(Protocol):
+    """A prefill server's decode peers (``kv_adapter.DecodePeers``)."""
+
+    async def ensure(self, target: dict) -> str: ...  # the transfer peer for a reservation's kv_target
+
+    def add(self, name: str, url: str) -> None: ...  # the router announced one (PeerBound: refused)
+
+    def forget(self, name: str) -> bool: ...
+
+    def known(self) -> dict[str, str]: ...
 
 
 Notify = Callable[[], None]

@@ -16,7 +16,14 @@ from prefill_server.service import PrefillService
 from server_common.faults import FaultInjector
 from server_common.settings import ServerSettings
 from server_common.worker_replies import WorkerError
-from tests.serving.scripted import ScriptedReceiver, ScriptedSender, generate_request, prefill_request, scripted
+from tests.serving.scripted import (
+    ScriptedPeers,
+    ScriptedReceiver,
+    ScriptedSender,
+    generate_request,
+    prefill_request,
+    scripted,
+)
 from tests.waiting import until
 from transfer.outcome import DECIDED_BY_DECODE, Outcome
 
@@ -101,7 +108,8 @@ def test_blocks_by_age_show_a_waiting_reservation(decode_engine):
 
 def run_prefill(engine, scenario):
     make_sender, made = scripted(ScriptedSender)
-    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender)
+    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender,
+                             peers=ScriptedPeers())
     (sender,) = made
 
     async def main():

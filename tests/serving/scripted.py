@@ -71,9 +71,6 @@ class ScriptedReceiver(ScriptedEnds):
         self.writable_from[tid] = writable_from
         return tid
 
-    def target(self) -> dict:
-        return {"peer": "d0", "hello_url": "http://d0/kv/hello"}
-
     def cancel(self, transfer_id: str) -> None:
         self.cancelled.append(transfer_id)
 
@@ -86,9 +83,6 @@ class ScriptedSender(ScriptedEnds):
         super().__init__(notify)
         self.calls: list[tuple] = []
 
-    async def ensure_peer(self, target: dict) -> str:
-        return target["peer"]
-
     def begin(self, tid, peer, dst_block_ids, lease_s) -> None:
         self.calls.append(("begin", tid, peer, list(dst_block_ids)))
 
@@ -100,6 +94,25 @@ class ScriptedSender(ScriptedEnds):
 
     def abort(self, tid) -> None:
         self.calls.append(("abort", tid))
+
+
+class ScriptedPeers:
+    """A prefill server's decode peers that need no handshake: a reservation's peer is met at once."""
+
+    def __init__(self) -> None:
+        self.added: dict[str, str] = {}
+
+    async def ensure(self, target: dict) -> str:
+        return target["peer"]
+
+    def add(self, name: str, url: str) -> None:
+        self.added[name] = url
+
+    def forget(self, name: str) -> bool:
+        return self.added.pop(name, None) is not None
+
+    def known(self) -> dict[str, str]:
+        return dict(self.added)
 
 
 def scripted(cls):

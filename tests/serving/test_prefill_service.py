@@ -13,7 +13,7 @@ from engine.request import SamplingParams
 from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
 from server_common.worker_replies import WorkerError
-from tests.serving.scripted import ScriptedSender, prefill_request, scripted
+from tests.serving.scripted import ScriptedPeers, ScriptedSender, prefill_request, scripted
 from tests.waiting import until
 from transfer.outcome import Outcome
 
@@ -26,7 +26,8 @@ def engine(tiny_model):
 
 def run(engine, scenario):
     make_sender, made = scripted(ScriptedSender)
-    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender)
+    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender,
+                             peers=ScriptedPeers())
     (sender,) = made
 
     async def main():

@@ -15,7 +15,7 @@ from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
 from server_common.worker_replies import Reservation, WorkerError
 from server_common.worker_requests import GenerateRequest, PrefillRequest
-from tests.serving.scripted import ScriptedReceiver, ScriptedSender, scripted
+from tests.serving.scripted import ScriptedPeers, ScriptedReceiver, ScriptedSender, scripted
 from tests.waiting import until
 from transfer.outcome import Outcome
 
@@ -78,7 +78,8 @@ def prefill_request(rid: str, cached: int) -> PrefillRequest:
 def test_prefill_sends_only_what_the_decode_server_lacks_and_reuses_its_own_cache(tiny_model):
     engine = LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="prefill"))
     make_sender, made = scripted(ScriptedSender)
-    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender)
+    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender,
+                             peers=ScriptedPeers())
     (sender,) = made
     per_token = engine.cache.bytes_per_token
 

@@ -15,7 +15,14 @@ from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
 from server_common.tracing import Tracing, TracingSettings
 from server_common.worker_replies import WorkerError
-from tests.serving.scripted import ScriptedReceiver, ScriptedSender, generate_request, prefill_request, scripted
+from tests.serving.scripted import (
+    ScriptedPeers,
+    ScriptedReceiver,
+    ScriptedSender,
+    generate_request,
+    prefill_request,
+    scripted,
+)
 from tests.waiting import until
 from transfer.outcome import Outcome
 
@@ -69,7 +76,8 @@ def test_a_prefill_records_queue_compute_and_transfer_under_the_routers_span(pre
     exporter = InMemorySpanExporter()
     make_sender, made = scripted(ScriptedSender)
     service = PrefillService(ServerSettings(name="p0", role="prefill", engine=prefill_engine.config),
-                             prefill_engine, make_sender, tracing=Tracing(TracingSettings(), "p", exporter))
+                             prefill_engine, make_sender, tracing=Tracing(TracingSettings(), "p", exporter),
+                             peers=ScriptedPeers())
 
     async def main():
         await service.start()
