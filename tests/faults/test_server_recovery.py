@@ -22,6 +22,7 @@ from tests.serving.scripted import (
     ScriptedSender,
     generate_request,
     prefill_request,
+    run_decode_service,
     scripted,
 )
 from tests.waiting import until
@@ -37,25 +38,6 @@ def decode_engine(tiny_model):
 def prefill_engine(tiny_model):
     return LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="prefill"))
 
-
-
-def run_decode(engine, scenario, **settings):
-    make_receiver, made = scripted(ScriptedReceiver)
-    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0,
-                                               **settings), engine, make_receiver)
-    (receiver,) = made
-
-    async def main():
-        await service.start()
-        try:
-            await scenario(service, receiver)
-            await until(lambda: service.engine_thread.stats.scheduler.free == 8)
-        finally:
-            await service.stop()
-
-    asyncio.run(main())
-    engine.check_integrity()
-    return generate_latest(service.metrics.registry).decode()
 
 
 def sample(metrics: str, name: str) -> float:
@@ -75,7 +57,7 @@ def test_failed_remote_kv_is_prefilled_here_when_configured(decode_engine, code,
         got = [t for line in lines[2:] for t in json.loads(line)["token_ids"]]
         assert got == expected  # the same greedy tokens as a plain local prefill
 
-    metrics = run_decode(decode_engine, scenario, **{setting: "local"})
+    metrics = run_decode_service(decode_engine, scenario, **{setting: "local"})
     assert sample(metrics, f'pdserve_reprefills_total{{cause="{code}"}}') == 1
 
 
@@ -86,7 +68,7 @@ def test_checksum_mismatch_fails_the_request_by_default_and_is_counted(decode_en
         lines = [line async for line in service.events(first, active)]
         assert '"type":"error"' in lines[-1] and '"code":"checksum_mismatch"' in lines[-1]
 
-    metrics = run_decode(decode_engine, scenario)
+    metrics = run_decode_service(decode_engine, scenario)
     assert sample(metrics, 'pdserve_transfer_failures_total{code="checksum_mismatch"}') == 1
     assert sample(metrics, 'pdserve_transfers_discarded_total{reason="expired"}') == 2  # the receiver's count
 
@@ -103,7 +85,7 @@ def test_blocks_by_age_show_a_waiting_reservation(decode_engine):
         await service.close("c")
         receiver.end("t0", Outcome.CANCELLED, "cancelled")
 
-    run_decode(decode_engine, scenario)
+    run_decode_service(decode_engine, scenario)
 
 
 def run_prefill(engine, scenario):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
+from prometheus_client import generate_latest
+
 from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
@@ -134,21 +136,23 @@ def decode_engine(tiny_model) -> LLMEngine:
                                   prefix_caching=False))
 
 
-def run_decode_service(engine, scenario):
-    """Serve ``engine`` (from ``decode_engine``) as decode server d0 with a scripted receiver, run
-    ``await scenario(service, receiver)``, then wait until every block is free again and check the engine."""
+def run_decode_service(engine, scenario, **settings) -> str:
+    """Serve ``engine`` (a decode engine) as decode server d0 with a scripted receiver and ``settings``
+    (ServerSettings fields), run ``await scenario(service, receiver)``, then wait until every block is
+    free again and check the engine. Returns the service's metrics (Prometheus text)."""
     make_receiver, made = scripted(ScriptedReceiver)
-    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0),
-                                engine, make_receiver)
+    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0,
+                                               **settings), engine, make_receiver)
     (receiver,) = made
 
     async def main():
         await service.start()
         try:
             await scenario(service, receiver)
-            await until(lambda: service.engine_thread.stats.scheduler.free == 8)
+            await until(lambda: service.engine_thread.stats.scheduler.free == engine.config.num_blocks)
         finally:
             await service.stop()
 
     asyncio.run(main())
     engine.check_integrity()
+    return generate_latest(service.metrics.registry).decode()
