@@ -2,7 +2,7 @@
 
 For every scenario, a ladder of arrival rates (``bench/sweep.py``); at each
 rate the scenario's rounds go to every layout in ABBA order
-(``compare.run_scenario``: same prompts and arrival pattern on every layout),
+(``compare_run.run_scenario``: same prompts and arrival pattern on every layout),
 and a layout leaves the ladder once it misses even the loosest SLO scale (its
 goodput at every scale is then known),
 and the ladder stops when every layout has missed or when the scenario's
@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from bench.compare_run import calibrate_side, calibration_record, run_scenario, simulated
 from bench.scenarios import Scenario
 from bench.sweep import SLO_SCALES, attainment, crossing, ladder, max_rate, ratio
 from bench.workload import Workload
@@ -51,7 +52,7 @@ QUICK_LADDER = LadderSpec(2.0, 4.0, 2)
 @dataclass
 class Rung:
     rate: float
-    runs: dict  # layout name -> compare.Run
+    runs: dict  # layout name -> compare_run.Run
     predicted_records: dict  # layout name -> the simulated records of the same requests
     wall_s: float
 
@@ -66,7 +67,7 @@ class ScenarioSweep:
     scenario: Scenario
     rungs: list[Rung]
     stopped: str
-    calibration: dict = field(default_factory=dict)  # layout -> compare.calibration_record its predictions used
+    calibration: dict = field(default_factory=dict)  # layout -> compare_run.calibration_record its predictions used
 
     def curve(self, layout: str, scale: float = 1.0, predicted: bool = False) -> dict[float, float | None]:
         """Attainment per rate: measured where the layout ran (up to its first miss),
@@ -91,8 +92,6 @@ def sweep_scenario(scenario: Scenario, rates: list[float], spec: LadderSpec, per
     """Climbs ``rates``. A layout that misses at the first rate is measured one ladder
     step below it, then another (``DOWN_STEPS``), before the climb goes on, so its
     goodput is found even when the machine is slower than the ladder was sized for."""
-    from bench.compare import run_scenario, simulated
-
     rungs: list[Rung] = []
     climbing = list(sides)
     stopped = f"all {len(rates)} rates measured"
@@ -146,10 +145,8 @@ def sweep_scenario(scenario: Scenario, rates: list[float], spec: LadderSpec, per
 def sweep_all(scenarios: list[Scenario], sides: list, ctx: dict, args, quick: bool) -> list[ScenarioSweep]:
     """Every scenario's ladder. Each side is probed again before every scenario but the
     first (its launch calibration came just before that one), and calibrated from all
-    its probes so far (``compare.calibrate_side``): the machine as the scenario's rungs
+    its probes so far (``compare_run.calibrate_side``): the machine as the scenario's rungs
     will see it, and more requests than one set of probes."""
-    from bench.compare import calibrate_side, calibration_record
-
     out = []
     target = args.attainment / 100
     for i, scenario in enumerate(scenarios):

@@ -6,7 +6,7 @@
 sent (lengths, send times, token times), the probes each layout was
 calibrated with, the engine settings and the profile's path. This rebuilds
 each layout from the profile, calibrates it again from the saved probes
-(``compare.calibrate``), simulates exactly the requests of every rung and
+(``compare_run.calibrate``), simulates exactly the requests of every rung and
 prints measured vs predicted attainment and crossing, so a change to the
 cost model or the simulator can be judged against real runs in seconds,
 without a live cluster. Run on an unchanged planner it reproduces the
@@ -26,7 +26,7 @@ import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from bench.compare import calibrate_from_probes, simulation
+from bench.compare_run import calibrate_from_probes, simulation
 from bench.compare_sweep import fmt_num, fmt_pct
 from bench.costmodel import Overheads
 from bench.metrics import RequestRecord

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
@@ -41,7 +42,6 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 from deploy.config_security import ConfigError, SecurityConfig, Strict, looks_secret
 from deploy.k8s_config import KubernetesConfig
 from deploy.models import is_builtin, resolve_model
-from deploy.supervisor import RestartConfig
 from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
 from engine.structured import GRAMMAR_CEILING, GrammarLimits
 from router.settings import (
@@ -221,6 +221,16 @@ class RecoveryConfig(Strict):
     prefill_failure: PrefillFailure = RouterSettings.prefill_failure
     lease_expiry: KvFailureAction = ServerSettings.lease_expiry
     checksum_failure: KvFailureAction = ServerSettings.checksum_failure
+
+
+class RestartConfig(Strict):
+    """What ``pdserve launch`` does when a process fails (deploy/supervisor.py)."""
+
+    policy: Literal["on-failure", "never"] = "on-failure"
+    backoff_s: float = Field(default=1.0, ge=0)  # before the first restart; doubles with each failure in the window
+    backoff_max_s: float = Field(default=30.0, ge=0)
+    max_restarts: int = Field(default=5, ge=0)  # failures of one process within window_s before giving up
+    window_s: float = Field(default=300.0, gt=0)
 
 
 class TracingConfig(Strict):

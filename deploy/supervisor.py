@@ -1,6 +1,6 @@
 """Supervision under ``pdserve launch``: a process that fails is started again.
 
-Policy (config section ``restart:``, defaults shown)::
+Policy (config section ``restart:``, ``deploy.config.RestartConfig``; defaults shown)::
 
     restart:
       policy: on-failure   # on-failure | never
@@ -31,25 +31,15 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import httpx
-from pydantic import Field
-
-from deploy.config_security import Strict
 
 if TYPE_CHECKING:
+    from deploy.config import RestartConfig
     from deploy.launcher import Cluster, Proc
 
 HEALTH_TIMEOUT_S = 0.5
-
-
-class RestartConfig(Strict):
-    policy: Literal["on-failure", "never"] = "on-failure"
-    backoff_s: float = Field(default=1.0, ge=0)
-    backoff_max_s: float = Field(default=30.0, ge=0)
-    max_restarts: int = Field(default=5, ge=0)
-    window_s: float = Field(default=300.0, gt=0)
 
 
 @dataclass

@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 
 from bench.cluster import cpu_list, free_port_pairs
-from bench.compare import Run, pooled, predict, round_order, split_rounds
 from bench.compare_report import wire_ms, write_report
+from bench.compare_run import Run, pooled, predict, round_order, split_rounds
 from bench.costmodel import Overheads
 from bench.metrics import RequestRecord, summarize
 from bench.plan import Candidate, EngineSettings, build_layout
@@ -137,7 +137,7 @@ def test_report_has_headline_ratios_planner_errors_and_idle_transfer(tmp_path):
 
 
 def test_calibration_reads_fixed_step_and_request_costs_off_probe_requests():
-    from bench.compare import PROBE, calibrate
+    from bench.compare_run import PROBE, calibrate
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
     # Bare engine: prefill of 8 tokens 13 ms, decode step 6 ms. The live server
@@ -174,7 +174,7 @@ def test_rounds_split_evenly_alternate_abba_and_pool_end_to_end():
 
 
 def test_calibration_splits_the_tpot_gap_into_per_step_and_per_sequence_costs():
-    from bench.compare import PROBE, PROBE_BATCH, calibrate
+    from bench.compare_run import PROBE, PROBE_BATCH, calibrate
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
     bare = [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)]
@@ -199,7 +199,7 @@ def test_calibration_splits_the_tpot_gap_into_per_step_and_per_sequence_costs():
 
 
 def test_with_a_wide_probe_the_per_sequence_cost_is_the_line_through_the_two_batches():
-    from bench.compare import PROBE, PROBE_BATCH, PROBE_WIDE, calibrate
+    from bench.compare_run import PROBE, PROBE_BATCH, PROBE_WIDE, calibrate
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
     probes = {PROBE: [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)],
@@ -224,7 +224,7 @@ def test_with_a_wide_probe_the_per_sequence_cost_is_the_line_through_the_two_bat
 
 
 def test_calibration_scales_prefill_compute_to_the_live_cluster_under_load():
-    from bench.compare import PROBE, PROBE_PREFILL, calibrate, simulated
+    from bench.compare_run import PROBE, PROBE_PREFILL, calibrate, simulated
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
     probe = [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)]
@@ -249,7 +249,7 @@ def test_calibration_scales_prefill_compute_to_the_live_cluster_under_load():
 
 
 def test_transfer_and_engine_activity_come_from_two_reads_of_the_servers_samples():
-    from bench.compare import _transfer_summary, engine_activity
+    from bench.compare_run import _transfer_summary, engine_activity
 
     before = {"p0": {"pdserve_transfer_seconds_count": 2, "pdserve_transfer_seconds_sum": 5.0,
                      "pdserve_transfer_exposed_seconds_sum": 0.01, "pdserve_transfer_bytes_total": 100.0,
@@ -275,30 +275,30 @@ def test_transfer_and_engine_activity_come_from_two_reads_of_the_servers_samples
 def test_a_side_calibrates_from_every_probe_set_it_measured_pooled(monkeypatch):
     from types import SimpleNamespace
 
-    import bench.compare as compare
+    import bench.compare_run as compare_run
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
     sets = iter([0.004, 0.012])  # the per-step gap each measurement of the probes shows
 
     def fake_measure(url, model, scenario, builder, seed):
         gap = current[0]
-        n = scenario.workload.classes[0].output.upper if scenario.name == compare.PROBE.name else 0
+        n = scenario.workload.classes[0].output.upper if scenario.name == compare_run.PROBE.name else 0
         if not n:
             return []
-        bare = compare.simulated(layout, scenario, [RequestRecord(i, 8, n, start=float(i)) for i in range(3)])
+        bare = compare_run.simulated(layout, scenario, [RequestRecord(i, 8, n, start=float(i)) for i in range(3)])
         return [replace(r, ok=True, end=r.end + gap * (n - 1), token_times=r.token_times[:1]) for r in bare]
 
-    monkeypatch.setattr(compare, "measure", fake_measure)
+    monkeypatch.setattr(compare_run, "measure", fake_measure)
     side = SimpleNamespace(name="colocated", cand=Candidate(0, 1, 1), prefill_threads=None, probe_sets=[],
                            cluster=SimpleNamespace(url="", model=""))
     ctx = {"builder": None, "seed": 0, "layout_for": lambda cand, threads: layout}
     current = [next(sets)]
-    compare.calibrate_side(side, ctx)
+    compare_run.calibrate_side(side, ctx)
     assert side.calibration["step_ms"] == pytest.approx(4.0)
     current = [next(sets)]
-    compare.calibrate_side(side, ctx)
+    compare_run.calibrate_side(side, ctx)
     # Six one-at-a-time probes now, three at +4 ms a step and three at +12: the median's gap.
-    probe = side.probes[compare.PROBE.name]
+    probe = side.probes[compare_run.PROBE.name]
     assert len(probe) == 6 and [r.index for r in probe] == list(range(6))
     assert side.calibration["step_ms"] == pytest.approx(8.0)
-    assert compare.calibration_record(side)["probes"][compare.PROBE.name] == [r.to_json() for r in probe]
+    assert compare_run.calibration_record(side)["probes"][compare_run.PROBE.name] == [r.to_json() for r in probe]

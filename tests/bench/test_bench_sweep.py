@@ -80,7 +80,7 @@ def test_a_layout_missing_the_first_rung_steps_down_and_the_others_climb_until_t
     import time
     from types import SimpleNamespace
 
-    import bench.compare as compare
+    import bench.compare_sweep as compare_sweep
     from bench.compare_sweep import LadderSpec, sweep_scenario
     from bench.metrics import summarize
     from bench.scenarios import Scenario
@@ -99,8 +99,8 @@ def test_a_layout_missing_the_first_rung_steps_down_and_the_others_climb_until_t
                                        measured=summarize(recs, None, at.slo_ttft_ms, at.slo_tpot_ms)))
         return out
 
-    monkeypatch.setattr(compare, "run_scenario", fake_run)
-    monkeypatch.setattr(compare, "simulated", lambda layout, at, records: records)
+    monkeypatch.setattr(compare_sweep, "run_scenario", fake_run)
+    monkeypatch.setattr(compare_sweep, "simulated", lambda layout, at, records: records)
     sides = [SimpleNamespace(name="slow", layout=None), SimpleNamespace(name="fast", layout=None)]
     s = Scenario("s", "x", Workload.single("8", "3"), num_requests=0, rate=1.0, slo_ttft_ms=1000, slo_tpot_ms=100)
     sw = sweep_scenario(s, [0.2, 0.4, 0.8, 1.6], LadderSpec(0.2, 2.0, 4), 2, sides, {}, 0.9, time.time() + 60)
@@ -119,7 +119,7 @@ def test_every_scenario_after_the_first_is_predicted_from_probes_taken_just_befo
     import time
     from types import SimpleNamespace
 
-    import bench.compare as compare
+    import bench.compare_sweep as compare_sweep
     from bench.compare_sweep import sweep_all
     from bench.metrics import summarize
     from bench.scenarios import Scenario
@@ -138,9 +138,9 @@ def test_every_scenario_after_the_first_is_predicted_from_probes_taken_just_befo
         return [SimpleNamespace(layout=s.name, records=recs, scenario=at, calibration=s.calibration,
                                 measured=summarize(recs, None, at.slo_ttft_ms, at.slo_tpot_ms)) for s in sides]
 
-    monkeypatch.setattr(compare, "calibrate_side", fake_calibrate)
-    monkeypatch.setattr(compare, "run_scenario", fake_run)
-    monkeypatch.setattr(compare, "simulated", lambda layout, at, records: records)
+    monkeypatch.setattr(compare_sweep, "calibrate_side", fake_calibrate)
+    monkeypatch.setattr(compare_sweep, "run_scenario", fake_run)
+    monkeypatch.setattr(compare_sweep, "simulated", lambda layout, at, records: records)
     sides = [SimpleNamespace(name="a", layout=None), SimpleNamespace(name="b", layout=None)]
     for side in sides:
         fake_calibrate(side, {})  # at launch

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from deploy.config import RestartConfig
 from deploy.launcher import Proc
-from deploy.supervisor import RestartConfig, Supervisor
+from deploy.supervisor import Supervisor
 
 
 class FakeCluster:
