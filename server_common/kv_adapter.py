@@ -40,7 +40,7 @@ def _layout(engine: LLMEngine):
 
 
 def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | None):
-    from transfer.registry import make_backend
+    from transfer.factory import make_backend
 
     kind = settings.transfer_backend
     if kind == "zmq":

@@ -33,9 +33,9 @@ import time
 import torch
 
 from transfer import bench_peer
+from transfer.factory import make_backend
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
-from transfer.registry import make_backend
 from transfer.sender import KVSender
 
 SHAPE_KEYS = bench_peer.SHAPE_KEYS

@@ -39,13 +39,17 @@ class Expected:
     num_senders: int
     done: dict[str, Done] = field(default_factory=dict)  # sender name -> notice
     senders_seen: set[str] = field(default_factory=set)
-    cancelling: str = ""  # reason, once a cancel was sent to the senders
+    cancel_reason: str | None = None  # set once a cancel was sent to the senders
     cancel_code: Outcome = Outcome.CANCELLED  # how it ends once the senders confirmed
     cancel_deadline: float = 0.0
     writable_from: int = 0  # writes may touch block_ids[writable_from:] only (the rest is a shared cached prefix)
 
+    @property
+    def cancelling(self) -> bool:
+        return self.cancel_reason is not None
 
-class TransferRegistry:
+
+class IssuedTransfers:
     """Ids issued by this receiver, their leases, and what was dropped."""
 
     def __init__(self, name: str, remember: int = 4096) -> None:
@@ -67,16 +71,13 @@ class TransferRegistry:
         self.counters["issued"] += 1
         return tid
 
-    def get(self, transfer_id: str) -> Expected | None:
-        """The live reservation, or None (and the drop is counted)."""
-        entry = self._active.get(transfer_id)
-        if entry is None:
-            key = "dropped_expired" if transfer_id in self._ended else "dropped_unknown"
-            self.counters[key] += 1
-        return entry
-
-    def peek(self, transfer_id: str) -> Expected | None:
+    def live(self, transfer_id: str) -> Expected | None:
+        """The reservation of a transfer id not ended yet, or None."""
         return self._active.get(transfer_id)
+
+    def count_drop(self, transfer_id: str) -> None:
+        """A write or notice for an id that is not live was dropped: counted as expired (it ended) or unknown."""
+        self.counters["dropped_expired" if transfer_id in self._ended else "dropped_unknown"] += 1
 
     def end(self, transfer_id: str, ok: bool) -> None:
         if self._active.pop(transfer_id, None) is None:
@@ -90,7 +91,7 @@ class TransferRegistry:
         """Reservations past their lease and not yet being cancelled."""
         return [e for e in self._active.values() if not e.cancelling and now >= e.deadline]
 
-    def cancelling(self) -> list[Expected]:
+    def being_cancelled(self) -> list[Expected]:
         return [e for e in self._active.values() if e.cancelling]
 
     def active(self) -> list[Expected]:

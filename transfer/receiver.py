@@ -3,7 +3,7 @@ checks what arrives, and reports transfers that ended.
 
     decode server                        transfer thread (owns the backend)
     -------------                        ----------------------------------
-    tid = expect(block_ids, lease_s) ──▶ registry (id, blocks, deadline)
+    tid = expect(block_ids, lease_s) ──▶ issued ids (id, blocks, deadline)
                                          WriteIn: known id and reserved blocks?
                                                   apply : drop and count
                                          Done: checksum over our blocks? Ack
@@ -31,12 +31,12 @@ import torch
 
 from transfer.backend import Backend, Dropped, NoticeIn, PeerLost, TransferError, WriteIn
 from transfer.copy import region_bytes
-from transfer.integrity import CHECKSUM_MODES, Expected, TransferRegistry, checksum_positions, kv_checksum
+from transfer.integrity import CHECKSUM_MODES, Expected, IssuedTransfers, checksum_positions, kv_checksum
 from transfer.layout import KVLayout, check_compatible
 from transfer.messages import MAX_SEQUENCES, Ack, Cancel, CancelAck, Done, Hello, decode, encode
 from transfer.outcome import Outcome, PeerBound
 from transfer.plan import ranges_inside
-from transfer.session import TransferThread, Wake, cache_as_layout
+from transfer.thread import TransferThread, Wake, cache_as_layout
 
 
 @dataclass(frozen=True)
@@ -72,8 +72,8 @@ class KVReceiver(TransferThread):
         self._cache = cache_as_layout(cache, layout)
         self._region = region_bytes(self._cache)
         self._grace = cancel_grace_s
-        self._lock = threading.Lock()  # the registry: expect() runs on the server's thread
-        self._registry = TransferRegistry(name)
+        self._lock = threading.Lock()  # the issued ids: expect() runs on the server's thread
+        self._issued = IssuedTransfers(name)
         self._senders: dict[str, str] = {}  # prefill servers met: name -> the instance bound to it
         self._cancel_acks: dict[str, set[str]] = {}
         backend.register("kv", self._cache)
@@ -117,7 +117,7 @@ class KVReceiver(TransferThread):
         if not 0 <= writable_from < max(len(ids), 1):
             raise ValueError(f"writable_from {writable_from} is outside the {len(ids)} reserved blocks")
         with self._lock:
-            tid = self._registry.issue(ids, lease_s, num_senders, writable_from=writable_from)
+            tid = self._issued.issue(ids, lease_s, num_senders, writable_from=writable_from)
         self._cmds.put(Wake())  # a resting thread now looks for this transfer's notices
         return tid
 
@@ -128,14 +128,14 @@ class KVReceiver(TransferThread):
 
     def counters(self) -> dict[str, int]:
         with self._lock:
-            counters = dict(self._registry.counters)
+            counters = dict(self._issued.counters)
         counters["contained_errors"] = self.contained_errors
         return counters
 
     def _write_limit(self, transfer_id: str) -> int | None:
         """The most bytes one write of ``transfer_id`` may carry: one layer's K and V of its blocks."""
         with self._lock:
-            entry = self._registry.peek(transfer_id)
+            entry = self._issued.live(transfer_id)
         return None if entry is None else 2 * len(entry.block_ids) * self._layout.block_bytes
 
     # -- transfer thread -------------------------------------------------
@@ -154,29 +154,29 @@ class KVReceiver(TransferThread):
                     done.set_exception(exc)
             case CancelTransfer(transfer_id, reason):
                 with self._lock:
-                    entry = self._registry.peek(transfer_id)
+                    entry = self._issued.live(transfer_id)
                 if entry is not None and not entry.cancelling:
                     self._start_cancel(entry, reason, time.monotonic(), Outcome.CANCELLED)
 
     def _progress(self, now: float) -> bool:
         with self._lock:
-            overdue = self._registry.overdue(now)
-            cancelling = self._registry.cancelling()
-            active = bool(self._registry.active())
+            overdue = self._issued.overdue(now)
+            cancelling = self._issued.being_cancelled()
+            active = bool(self._issued.active())
         for entry in overdue:
             self._start_cancel(entry, "lease expired before the KV arrived", now, Outcome.LEASE_EXPIRED)
         for entry in cancelling:
             acks = self._cancel_acks.get(entry.transfer_id, set())
             if self._senders.keys() <= acks or now >= entry.cancel_deadline:
-                self._end(entry, entry.cancel_code, entry.cancelling)
+                self._end(entry, entry.cancel_code, entry.cancel_reason or "")
         return active
 
     def _tracking(self) -> bool:
         with self._lock:
-            return bool(self._registry.active())
+            return bool(self._issued.active())
 
     def _start_cancel(self, entry: Expected, reason: str, now: float, outcome: Outcome) -> None:
-        entry.cancelling, entry.cancel_code, entry.cancel_deadline = reason, outcome, now + self._grace
+        entry.cancel_reason, entry.cancel_code, entry.cancel_deadline = reason, outcome, now + self._grace
         self._cancel_acks[entry.transfer_id] = set()
         for peer in list(self._senders):
             self._send_quietly(peer, Cancel(entry.transfer_id))
@@ -186,7 +186,7 @@ class KVReceiver(TransferThread):
     def _end(self, entry: Expected, outcome: Outcome, reason: str = "",
              first_tokens: tuple[int, ...] | None = None) -> None:
         with self._lock:
-            self._registry.end(entry.transfer_id, outcome is Outcome.OK)
+            self._issued.end(entry.transfer_id, outcome is Outcome.OK)
         self._cancel_acks.pop(entry.transfer_id, None)
         self._ended(entry.transfer_id, outcome, reason, first_tokens)
 
@@ -198,7 +198,7 @@ class KVReceiver(TransferThread):
         elif isinstance(item, Dropped):
             if item.reason == "unknown_transfer":
                 with self._lock:
-                    self._registry.get(item.transfer_id)  # counts it as expired or unknown
+                    self._issued.count_drop(item.transfer_id)
             else:
                 self._bump(f"dropped_{item.reason}")
         elif isinstance(item, NoticeIn):
@@ -214,7 +214,9 @@ class KVReceiver(TransferThread):
 
     def _on_write(self, write: WriteIn) -> None:
         with self._lock:
-            entry = self._registry.get(write.transfer_id)
+            entry = self._issued.live(write.transfer_id)
+            if entry is None:
+                self._issued.count_drop(write.transfer_id)
         if entry is None or entry.cancelling:
             return
         if write.lengths.sum() != len(write.data) or len(write.dst_offsets) != len(write.lengths):
@@ -228,7 +230,9 @@ class KVReceiver(TransferThread):
 
     def _on_done(self, peer: str, done: Done) -> None:
         with self._lock:
-            entry = self._registry.get(done.transfer_id)
+            entry = self._issued.live(done.transfer_id)
+            if entry is None:
+                self._issued.count_drop(done.transfer_id)
         if entry is None or entry.cancelling:
             self._send_quietly(peer, Ack(done.transfer_id, False, "unknown or expired transfer id"))
             return
@@ -263,7 +267,7 @@ class KVReceiver(TransferThread):
 
     def _bump(self, counter: str) -> None:
         with self._lock:
-            counters = self._registry.counters
+            counters = self._issued.counters
             counters[counter] = counters.get(counter, 0) + 1
 
     def _send_quietly(self, peer: str, msg) -> None:

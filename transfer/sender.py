@@ -33,7 +33,7 @@ from transfer.layout import KVLayout, check_compatible
 from transfer.messages import Ack, Cancel, CancelAck, Done, Hello, decode, encode
 from transfer.outcome import Outcome
 from transfer.plan import CopyPlan, make_plan, staging_layout
-from transfer.session import TransferThread, cache_as_layout, chunk_hint
+from transfer.thread import TransferThread, cache_as_layout, chunk_hint
 
 ACK_GRACE_S = 1.0  # past its lease, how long a sent Done may wait for the receiver's Ack
 

@@ -15,10 +15,10 @@ from server_common.fault_backend import FaultyBackend
 from server_common.faults import FaultInjector, FaultPlan
 from tests.serving.configs import BASE, error_of
 from tests.transfer.helpers import make_receiver, push_all, wait_events
+from transfer.factory import make_backend
 from transfer.inproc import InprocHub
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
-from transfer.registry import make_backend
 from transfer.sender import KVSender
 
 

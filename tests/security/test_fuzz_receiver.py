@@ -19,10 +19,10 @@ from hypothesis import strategies as st
 from tests.security.wire import bound_socket, connect_as, ping, sender_hello, write_frames
 from tests.transfer.helpers import make_sender, meet, push_all, wait_events
 from transfer.copy import region_bytes
+from transfer.factory import make_backend
 from transfer.layout import KVLayout
 from transfer.messages import Cancel, CancelAck, Done, encode
 from transfer.receiver import KVReceiver
-from transfer.registry import make_backend
 
 LAYOUT = KVLayout.for_engine_cache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8,
                                    dtype="float32")

@@ -14,9 +14,9 @@ import time
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from tests.transfer.helpers import backend_options
+from transfer.factory import make_backend
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
-from transfer.registry import make_backend
 from transfer.sender import KVSender
 
 

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from transfer.factory import make_backend
 from transfer.inproc import InprocHub
 from transfer.layout import KVLayout
 from transfer.outcome import TransferEnded
 from transfer.receiver import KVReceiver
-from transfer.registry import make_backend
 from transfer.sender import KVSender
 
 

@@ -24,9 +24,9 @@ import torch
 
 from tests.transfer.helpers import backend_options
 from transfer.copy import region_bytes
+from transfer.factory import make_backend
 from transfer.layout import KVLayout
 from transfer.receiver import KVReceiver
-from transfer.registry import make_backend
 from transfer.sender import KVSender
 
 

@@ -11,24 +11,26 @@ import torch
 from tests.transfer.oracle import copy_ranges
 from transfer.backend import TransferError
 from transfer.copy import region_bytes
-from transfer.integrity import TransferRegistry, checksum_positions, kv_checksum
+from transfer.factory import make_backend
+from transfer.integrity import IssuedTransfers, checksum_positions, kv_checksum
 from transfer.layout import KVLayout
 from transfer.plan import make_plan
-from transfer.registry import make_backend
 
 
 def test_unknown_and_ended_ids_are_dropped_and_counted_apart():
-    reg = TransferRegistry("D")
+    reg = IssuedTransfers("D")
     tid = reg.issue([1, 2], lease_s=5, now=100.0)
-    assert reg.get(tid).block_ids == (1, 2)
+    assert reg.live(tid).block_ids == (1, 2)
     reg.end(tid, ok=True)
-    assert reg.get(tid) is None and reg.get("D-never") is None
+    assert reg.live(tid) is None and reg.live("D-never") is None  # looking counts nothing
+    reg.count_drop(tid)
+    reg.count_drop("D-never")
     assert reg.counters == {"issued": 1, "completed": 1, "failed": 0, "dropped_unknown": 1,
                                  "dropped_expired": 1, "checksum_failures": 0}
 
 
 def test_overdue_lists_only_reservations_past_their_lease():
-    reg = TransferRegistry("D")
+    reg = IssuedTransfers("D")
     early, late = reg.issue([0], 1.0, now=10.0), reg.issue([1], 5.0, now=10.0)
     assert [e.transfer_id for e in reg.overdue(now=12.0)] == [early]
     assert early != late and early.startswith("D-")
