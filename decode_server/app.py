@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from decode_server.service import GenerationService
-from server_common.guard import service_app
+from server_common.app import service_app
 from server_common.worker_replies import ErrorReply, WorkerError
 from server_common.worker_requests import GenerateRequest, KVHello
 from transfer.outcome import Outcome

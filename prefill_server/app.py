@@ -6,7 +6,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from prefill_server.service import PrefillService
-from server_common.guard import service_app
+from server_common.app import service_app
 from server_common.worker_replies import WorkerError
 from server_common.worker_requests import DecodePeer, PrefillRequest
 

@@ -10,21 +10,13 @@ is compared in constant time and never logged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import time
 from collections.abc import Callable, Iterable
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from fastapi.responses import JSONResponse
 
-from server_common.fault_routes import add_fault_routes
-from server_common.stats_log import log_stats, server_line, server_snapshot
-from server_common.strict_json import StrictJSONRoute
-from server_common.worker_replies import ErrorReply, KvBlocksReply, KvEventsReply
-from server_common.worker_requests import AbortRequest
+from server_common.worker_replies import ErrorReply
 from transfer.outcome import Outcome
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
@@ -124,20 +116,10 @@ class BodyCapMiddleware:
         await send({"type": "http.response.body", "body": body})
 
 
-async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 naming each bad field; never the values (a NaN would not even serialise)."""
-    fields = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", ""))} for e in exc.errors()]
-    first = fields[0] if fields else {"loc": [], "msg": "invalid request"}
-    return JSONResponse({"error": f"{'.'.join(first['loc'])}: {first['msg']}", "code": "bad_request",
-                         "fields": fields[:20]}, status_code=422)
-
-
 def install_guard(app, secret: str | None, drain: Drain) -> None:
     """The internal secret on every route but /health and /metrics, and the drain admin routes:
     ``POST /admin/drain`` (stop taking work, finish what is in flight; /health then says
     "draining") and ``POST /admin/resume``. Both answer ``{"draining": ..., "inflight": ...}``."""
-    from fastapi.responses import JSONResponse
-
     app.add_middleware(InternalAuthMiddleware, secret=secret)
 
     @app.post("/admin/drain")
@@ -188,84 +170,3 @@ class Drain:
 
     def status(self) -> dict:
         return {"draining": self.draining, "inflight": self.inflight}
-
-
-def service_app(service, title: str) -> FastAPI:
-    """A server's FastAPI app: the service starts and stops with it, behind the guard,
-    with the routes both servers share.
-
-    ``service`` has async ``start()``/``stop()``/``abort(id)``, ``health()``, ``engine``,
-    ``metrics``, ``faults``, ``settings``, ``drain``, ``kv_events`` (engine/kv_events.py) and
-    ``vitals`` (``server_common.vitals``:
-    /health answers 503 while a thread is dead or stuck, and a dead one ends the process).
-    """
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
-        await service.start()
-        tasks = [asyncio.ensure_future(service.vitals.watch())]
-        interval = service.settings.log_stats_interval_s
-        if interval > 0:
-            name = service.settings.name
-            tasks.append(asyncio.ensure_future(log_stats(lambda: server_snapshot(service),
-                                                         lambda a, b: server_line(name, a, b), interval)))
-        try:
-            yield
-        finally:
-            for task in tasks:
-                task.cancel()
-            await service.stop()
-
-    app = FastAPI(title=title, lifespan=lifespan)
-    app.router.route_class = StrictJSONRoute  # NaN and Infinity are not JSON (server_common/strict_json.py)
-    # Added before the guard, so it runs after it: a caller without the secret gets 401 before a byte
-    # of its body is read, one with it no more than the cap.
-    app.add_middleware(BodyCapMiddleware, max_bytes=service.settings.max_body_bytes)
-    install_guard(app, service.settings.internal_secret, service.drain)
-    app.add_exception_handler(RequestValidationError, _on_validation_error)
-    _add_common_routes(app, service)
-    return app
-
-
-def _add_common_routes(app: FastAPI, service) -> None:
-    """/abort, /health, /metrics, /kv/events, /kv/blocks (and /admin/faults when enabled): the same on
-    both servers."""
-    @app.post("/abort")
-    async def abort(req: AbortRequest) -> JSONResponse:
-        return JSONResponse({"request_id": req.request_id, "aborted": await service.abort(req.request_id)})
-
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        problem = service.vitals.problem()  # a dead or stuck engine or transfer thread
-        if problem is not None:
-            return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
-        return JSONResponse(service.health().model_dump())
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/debug/timeline")
-    async def timeline() -> JSONResponse:
-        """Stage timestamps of the last requests (server_common/timeline_log.py)."""
-        return JSONResponse({"instance": service.settings.name, "role": service.settings.role,
-                             "requests": service.timeline.entries()})
-
-    @app.get("/kv/events")
-    async def kv_events(after: int = 0) -> JSONResponse:
-        """Block hashes stored and evicted after seq ``after`` (for the router's cache index)."""
-        page, engine = service.kv_events.since(after), service.settings.engine
-        return JSONResponse(KvEventsReply(epoch=page.epoch, oldest=page.oldest, last=page.last, events=page.events,
-                                          block_size=engine.block_size, salt=engine.cache_salt,
-                                          enabled=engine.prefix_caching).model_dump(mode="json"))
-
-    @app.get("/kv/blocks")
-    async def kv_blocks() -> JSONResponse:
-        """Every block hash held now: what a reader that lost events starts again from."""
-        snap, engine = service.kv_events.snapshot(), service.settings.engine
-        return JSONResponse(KvBlocksReply(epoch=snap.epoch, seq=snap.seq, hashes=snap.hashes,
-                                          block_size=engine.block_size, salt=engine.cache_salt,
-                                          enabled=engine.prefix_caching).model_dump(mode="json"))
-
-    if service.faults is not None:  # config fault_injection: true (tests only)
-        add_fault_routes(app, service.faults)
