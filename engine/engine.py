@@ -20,7 +20,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
 from engine.loader import head_dim_of, load_model
-from engine.request import Request, SamplingParams, StepOutput
+from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.runner import ModelRunner, RoPE
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from engine.structured import StructuredOutputs
@@ -44,7 +44,7 @@ class PrefillChunk:
 class GenerationResult:
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
 
 
 LayerHook = Callable[[int, list[PrefillChunk]], None]

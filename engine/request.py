@@ -32,6 +32,11 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# Why a sequence ended: EOS, a stop token or a complete grammar ("stop"); max_tokens or the context
+# ("length"); an abort; a token its grammar cannot take ("grammar"); on a prefill server, its prompt
+# computed and its first token drawn ("prefilled": its blocks wait for the transfer).
+FinishReason = Literal["stop", "length", "abort", "grammar", "prefilled"]
+
 SAMPLING_EPS = 1e-5  # temperatures below this sample greedily (as vLLM): dividing logits by them overflows
 LOGPROB_FLOOR = -9999.0  # what a log-probability of -inf is reported as (JSON has no infinity)
 
@@ -119,7 +124,7 @@ class Request:
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)  # for the age of the blocks it holds
     cache_salt: str | None = None  # requests with different salts never share cached blocks
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when last admitted
@@ -170,7 +175,7 @@ class StepOutput:
     request_id: str
     new_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     block_ids: list[int] | None = None
     logprobs: list[Logprob] | None = None
     prompt_logprobs: list[Logprob | None] | None = None

@@ -48,8 +48,17 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.config import EngineMode
 from engine.prefix_cache import PrefixCache
-from engine.request import ChunkResult, Logprob, NoCapacityError, Request, RequestStatus, StepOutput
+from engine.request import (
+    ChunkResult,
+    FinishReason,
+    Logprob,
+    NoCapacityError,
+    Request,
+    RequestStatus,
+    StepOutput,
+)
 from engine.sequences import fork_sequence
 
 log = logging.getLogger(__name__)
@@ -61,7 +70,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     chunked_prefill: bool
     max_model_len: int
-    mode: str
+    mode: EngineMode
     eos_token_ids: tuple[int, ...]
     prefix_caching: bool
     cache_salt: str  # what besides tokens changes K/V (model, dtype): part of every block hash
@@ -449,7 +458,7 @@ class Scheduler:
                           logprobs=None if logprob is None else [logprob], prompt_logprobs=prompt_logprobs,
                           index=request.index)
 
-    def _record(self, request: Request, token: int) -> str | None:
+    def _record(self, request: Request, token: int) -> FinishReason | None:
         """Appends a token to a sequence's output and feeds it to its grammar; returns why the
         sequence stops there, if it does ("grammar": its grammar could not take it)."""
         request.output_token_ids.append(token)
@@ -464,7 +473,7 @@ class Scheduler:
             return "grammar"
         return self._stop_reason(request, token)
 
-    def _stop_reason(self, request: Request, token: int) -> str | None:
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
         sampling = request.sampling
         if not sampling.ignore_eos and token in self.config.eos_token_ids:
             return "stop"
@@ -478,7 +487,7 @@ class Scheduler:
             return "length"
         return None
 
-    def _finish(self, request: Request, reason: str) -> None:
+    def _finish(self, request: Request, reason: FinishReason) -> None:
         self.blocks.free(request.block_ids)
         request.block_ids = []
         request.status = RequestStatus.FINISHED
