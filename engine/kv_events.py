@@ -8,7 +8,7 @@ drawn when the log is made, so a restarted server has a new one. A reader
 that asks for the events after the seq it has seen learns ``oldest``, the
 first seq still held: if that is past the one it needs, events were lost and
 it takes ``snapshot()`` (every hash held now, with the seq it is current at).
-The router's side: router/kv_index.py.
+The router's side: router/cluster/kv_index.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The router's admin endpoints: workers in and out of rotation, joining and leaving.
 
     GET    /admin/workers                  every worker: health, draining, requests in flight, limit
-    POST   /admin/workers {"url": U}       the worker at U joins (router/discovery.py: asked for its role,
+    POST   /admin/workers {"url": U}       the worker at U joins (router/cluster/discovery.py: asked for its role,
                                            name and model; 409 when refused, naming why)
     DELETE /admin/workers/{name}           it leaves: drained (its requests finish), then forgotten
     POST   /admin/workers/{name}/drain     no new request goes to it; its requests in flight finish
@@ -12,7 +12,7 @@ A worker can also drain itself (its own ``POST /admin/drain``, or SIGTERM);
 the router then sees ``draining`` in its health report. Admin calls need the
 cluster's internal secret as a Bearer token when one is configured (else an
 API key, when those are configured). They are left out of the published
-OpenAPI document (router/openapi.py says why).
+OpenAPI document (router/api/openapi.py says why).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.discovery import Discovery, JoinRefused
+from router.cluster.discovery import Discovery, JoinRefused
+from router.cluster.registry import Worker, WorkerRegistry
 from router.errors import OpenAIError
-from router.registry import Worker, WorkerRegistry
 
 
 class JoinRequest(BaseModel):

@@ -11,28 +11,28 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
-from router import api_responses as out
-from router import openapi
 from router.access_log import AccessLog
 from router.admin import add_admin_routes
-from router.admission import Admission, AdmissionSettings
-from router.api_requests import ChatCompletionRequest, CompletionRequest
-from router.discovery import Discovery
-from router.dispatch import Dispatcher, DispatchSettings
+from router.api import api_responses as out
+from router.api import openapi
+from router.api.api_requests import ChatCompletionRequest, CompletionRequest
+from router.api.grammar_check import GrammarChecker
+from router.api.limits import RequestLimits, openai_413
+from router.api.model import ServedModel
+from router.api.openai_handlers import OpenAIHandlers
+from router.cluster.admission import Admission, AdmissionSettings
+from router.cluster.discovery import Discovery
+from router.cluster.dispatch import Dispatcher, DispatchSettings
+from router.cluster.health import PassiveHealth
+from router.cluster.http_pool import worker_http
+from router.cluster.kv_events import KvEventPoller
+from router.cluster.kv_index import KvIndex
+from router.cluster.policies import make_policy
+from router.cluster.registry import Worker, WorkerRegistry
+from router.cluster.worker_client import WorkerClient
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
-from router.grammar_check import GrammarChecker
-from router.health import PassiveHealth
-from router.http_pool import worker_http
-from router.kv_events import KvEventPoller
-from router.kv_index import KvIndex
-from router.limits import RequestLimits, openai_413
 from router.metrics import RouterMetrics
-from router.model import ServedModel
-from router.openai_handlers import OpenAIHandlers
-from router.policies import make_policy
-from router.registry import Worker, WorkerRegistry
 from router.settings import RouterSettings
-from router.worker_client import WorkerClient
 from server_common.connections import ConnectionGuard
 from server_common.guard import BodyCapMiddleware, Drain, auth_headers, bearer_token, token_matches
 from server_common.memory import TrimAfterLargeRequests, Trimmer
@@ -92,8 +92,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
     tracing = Tracing(settings.tracing, "pdserve-router")
     passive_health = PassiveHealth(registry)
-    # Which block hashes each server holds (router/kv_index.py), kept only when something reads it:
-    # the cache_aware policy, and the local-prefill choice on the uncached length (router/dispatch.py).
+    # Which block hashes each server holds (router/cluster/kv_index.py), kept only when something reads it:
+    # the cache_aware policy, and the local-prefill choice on the uncached length (router/cluster/dispatch.py).
     kv_index = KvIndex() if settings.policy == "cache_aware" or settings.local_prefill_threshold > 0 else None
 
     @contextlib.asynccontextmanager
@@ -236,7 +236,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         body = openapi.Health(status=status, workers=workers, launch_id=settings.launch_id)
         return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 
-    # Admin and debug routes stay out of the published document (router/openapi.py says why).
+    # Admin and debug routes stay out of the published document (router/api/openapi.py says why).
     @app.get("/debug/timeline", include_in_schema=False)
     async def timeline(request: Request) -> JSONResponse:
         """Stage timestamps of the last requests (server_common/timeline_log.py); admin callers only."""
@@ -246,7 +246,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
 
     @app.get("/debug/kv_index", include_in_schema=False)
     async def kv_index_state(request: Request) -> JSONResponse:
-        """What the router knows of each server's cached blocks (router/kv_index.py); admin callers only."""
+        """What the router knows of each server's cached blocks (router/cluster/kv_index.py); admin callers only."""
         check_admin(request)
         workers = {} if kv_index is None else {
             name: {"epoch": idx.epoch, "seq": idx.seq, "blocks": len(idx.hashes), "block_size": idx.block_size,

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from router.admission import Admission
-from router.api_responses import FinishReason
-from router.registry import WorkerRegistry
+# Annotations only: both halves (router/api/, router/cluster/) import this module, so at run time it imports
+# neither (the acyclic_siblings contract in pyproject.toml).
+if TYPE_CHECKING:
+    from router.cluster.admission import Admission
+    from router.cluster.registry import WorkerRegistry
 
-# Why discovery refused a worker (router/discovery.py): the label of pdserve_router_workers_refused.
+# How a choice ended: OpenAI's finish_reason (router/api/api_responses.py) and the label of
+# pdserve_router_finished_requests.
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+# Why discovery refused a worker (router/cluster/discovery.py): the label of pdserve_router_workers_refused.
 JoinRefusal = Literal["no_health_report", "bad_name", "other_model", "name_in_use"]
 ENDPOINTS = ("chat", "completions")  # the label of pdserve_router_requests (router/app.py)
 

@@ -2,8 +2,8 @@
 
 Every router default and ``Literal`` type is written here once: the cluster
 config takes its defaults from ``RouterSettings``, and so do the parts that
-have settings of their own (``AdmissionSettings`` in router/admission.py,
-``DispatchSettings`` in router/dispatch.py, ``WorkerRegistry``).
+have settings of their own (``AdmissionSettings`` in router/cluster/admission.py,
+``DispatchSettings`` in router/cluster/dispatch.py, ``WorkerRegistry``).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from engine.structured import GrammarLimits
 from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST
 from server_common.tracing import TracingSettings
 
-PolicyName = Literal["round_robin", "least_loaded", "cache_aware"]  # router/policies.py
-PrefillFailure = Literal["retry", "local", "fail"]  # what a failed prefill leads to (router/recovery.py)
+PolicyName = Literal["round_robin", "least_loaded", "cache_aware"]  # router/cluster/policies.py
+PrefillFailure = Literal["retry", "local", "fail"]  # what a failed prefill leads to (router/cluster/recovery.py)
 WorkerRole = Literal["prefill", "decode"]  # a colocated server is a decode server that prefills itself
 
 
@@ -33,7 +33,7 @@ DiscoveryKind = Literal["static", "dns"]
 
 @dataclass(frozen=True)
 class DiscoverySettings:
-    """How workers join and leave at runtime (router/discovery.py). ``static``: the config's
+    """How workers join and leave at runtime (router/cluster/discovery.py). ``static``: the config's
     instances, plus what the admin API adds. ``dns``: every ``interval_s`` each ``HOST:PORT`` of
     ``names`` is re-resolved; every address that answers /health as a worker of this model joins,
     one that is gone is drained and forgotten."""
@@ -47,7 +47,7 @@ class DiscoverySettings:
 
 @dataclass(frozen=True)
 class CompileSandbox:
-    """The process the router compiles clients' grammars in (router/grammar_check.py)."""
+    """The process the router compiles clients' grammars in (router/api/grammar_check.py)."""
 
     timeout_s: float = 5.0  # the longest one compile may take
     memory_bytes: int = 1 << 30  # its address space, at most
@@ -64,14 +64,16 @@ class RouterSettings:
     policy: PolicyName = "round_robin"
     local_prefill_threshold: int = 0  # prompts whose uncached part is shorter than this: prefilled on D
     cache_aware_load_weight: float = 1.0  # cache_aware policy: how much load counts against a cached prefix
-    kv_events_interval: float = 0.2  # seconds between polls of the servers' block-hash events (router/kv_events.py)
+    # Seconds between polls of the servers' block-hash events (router/cluster/kv_events.py).
+    kv_events_interval: float = 0.2
     health_interval: float = 2.0  # seconds between health checks of a worker that answers
     # The longest a health check waits. Not tied to the interval: on a loaded machine an idle, live
     # worker's /health can take over a second, and a 1 s cap (the old max(1, interval)) took such
-    # workers out of rotation right after the router's /health had said ok (router/registry.py).
+    # workers out of rotation right after the router's /health had said ok (router/cluster/registry.py).
     health_timeout: float = 5.0
     # A decode stream with no event (tokens or the server's heartbeat, every second) for this long has
-    # failed: its server stopped. Such a server then leaves rotation (router/registry.py, router/health.py).
+    # failed: its server stopped. Such a server then leaves rotation (router/cluster/registry.py,
+    # router/cluster/health.py).
     stream_stall: float = 15.0
     queue_timeout: float = 10.0  # the longest a request waits for a free slot before 429
     max_queued: int = 128  # requests waiting for a slot; one more gets 429 at once

@@ -2,7 +2,7 @@
 
 The transfer layer reports these codes, the prefill and decode servers put
 them in their replies and stream events unchanged, and the router's recovery
-rules (``router/recovery.py``) decide on them. Nobody renames a code on the
+rules (``router/cluster/recovery.py``) decide on them. Nobody renames a code on the
 way up and nobody reads an error message to learn what happened: the message
 is for people, the code is for code. The enumeration lives here because the
 transfer layer is the lowest package that reports outcomes; this module
@@ -47,7 +47,8 @@ class Outcome(StrEnum):
 
     # -- the router's view of a worker
     UNREACHABLE = "unreachable"  # connection refused or reset
-    TIMED_OUT = "timed_out"  # no answer in time (a busy worker, or a hung one; router/health.py tells them apart)
+    # no answer in time (a busy worker, or a hung one; router/cluster/health.py tells them apart)
+    TIMED_OUT = "timed_out"
     STREAM_CUT = "stream_cut"  # the decode stream ended before its last token
     WORKER_ERROR = "worker_error"  # an answer the router cannot read
     NO_PREFILL = "no_prefill"  # no prefill server in rotation that this request has not tried

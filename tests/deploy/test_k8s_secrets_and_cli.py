@@ -143,7 +143,7 @@ def test_a_pod_gets_its_settings_from_the_rendered_config_and_the_mounted_secret
     assert d0.url == f"http://{fqdn}:8200"  # what its reservations advertise
     router = cluster.router_settings(tiny_model)
     assert (router.host, router.api_keys, router.internal_secret) == ("0.0.0.0", tuple(KEYS), INTERNAL)
-    # No fixed worker list: the router finds them by re-resolving the headless Services (router/discovery.py).
+    # No fixed worker list: the router finds them by re-resolving the headless Services (router/cluster/discovery.py).
     assert router.workers == () and router.discovery.kind == "dns"
     assert router.discovery.names == ("pdserve-secret-demo-prefill-headless:8100",
                                       "pdserve-secret-demo-decode-headless:8200")

@@ -11,12 +11,12 @@ import httpx
 import pytest
 
 from engine.request import SamplingParams
-from router.dispatch import Dispatcher, DispatchSettings
+from router.cluster.dispatch import Dispatcher, DispatchSettings
+from router.cluster.policies import RoundRobin
+from router.cluster.recovery import decide
+from router.cluster.registry import Worker, WorkerRegistry
+from router.cluster.worker_client import WorkerFailed
 from router.errors import OpenAIError
-from router.policies import RoundRobin
-from router.recovery import decide
-from router.registry import Worker, WorkerRegistry
-from router.worker_client import WorkerFailed
 from server_common.worker_replies import ReprefillEvent
 from tests.serving.fakes import FakeStream, FakeWorkerClient
 from tests.waiting import until

@@ -8,11 +8,11 @@ import asyncio
 import pytest
 
 from engine.request import SamplingParams
-from router.admission import Admission, AdmissionSettings
-from router.dispatch import Dispatcher, DispatchSettings
+from router.cluster.admission import Admission, AdmissionSettings
+from router.cluster.dispatch import Dispatcher, DispatchSettings
+from router.cluster.policies import RoundRobin
+from router.cluster.registry import Worker, WorkerRegistry
 from router.errors import OpenAIError
-from router.policies import RoundRobin
-from router.registry import Worker, WorkerRegistry
 from server_common.guard import Drain
 from tests.serving.fakes import FakeWorkerClient
 from tests.waiting import until

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from router.api.limits import RequestLimits
+from router.api.model import ServedModel
 from router.app import create_app
 from router.errors import OpenAIError
-from router.limits import RequestLimits
-from router.model import ServedModel
 from router.settings import RouterSettings, WorkerSpec
 from server_common.guard import bearer_token, token_matches
 from tests.serving.fakes import FakeWorkerClient, in_rotation, make_byte_tokenizer

@@ -1,4 +1,4 @@
-"""The router's grammar sandbox (router/grammar_check.py): a compile that crashes the compiler or runs
+"""The router's grammar sandbox (router/api/grammar_check.py): a compile that crashes the compiler or runs
 past its time is a 400 and costs only the child process, which the next check starts again."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import os
 import pytest
 
 from engine.request import StructuredSpec
+from router.api.grammar_check import GrammarChecker
 from router.errors import OpenAIError
-from router.grammar_check import GrammarChecker
 from router.settings import CompileSandbox
 
 # 3000 chained rules overflow the compiler's native stack (SIGSEGV): check_bounds refuses them first

@@ -50,6 +50,6 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(model_dir):
-    from router.model import ServedModel
+    from router.api.model import ServedModel
 
     return ServedModel.load("tiny", str(model_dir))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from engine.kv_events import KvEventLog
 from engine.prefix_cache import chain_hashes
-from router.kv_index import KvIndex
+from router.cluster.kv_index import KvIndex
 from server_common.worker_replies import KvBlocksReply, KvEventsReply
 
 SALT = "model|float32"

@@ -1,9 +1,9 @@
-"""One choice's text and tokens (router/choices.py): a token goes out with the text it adds,
+"""One choice's text and tokens (router/api/choices.py): a token goes out with the text it adds,
 and a stop string cuts text and tokens alike."""
 
 import pytest
 
-from router.choices import ChoiceText
+from router.api.choices import ChoiceText
 from server_common.worker_replies import TokenLogprob, TokensEvent
 from tests.serving.fakes import make_byte_tokenizer
 

@@ -1,4 +1,4 @@
-"""router/discovery.py with scripted workers (httpx MockTransport) and a scripted
+"""router/cluster/discovery.py with scripted workers (httpx MockTransport) and a scripted
 resolver: who joins, who is refused and why, and how a worker leaves."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import asyncio
 import httpx
 from prometheus_client import generate_latest
 
-from router.discovery import Discovery
+from router.cluster.discovery import Discovery
+from router.cluster.registry import WorkerRegistry
 from router.metrics import RouterMetrics
-from router.registry import WorkerRegistry
 from router.settings import DiscoverySettings
 
 MODEL = "m0del"

@@ -6,12 +6,12 @@ import httpx
 import pytest
 
 from engine.request import SamplingParams, kv_blocks_needed
-from router.admission import Admission, AdmissionSettings
-from router.dispatch import Dispatcher, DispatchSettings
+from router.cluster.admission import Admission, AdmissionSettings
+from router.cluster.dispatch import Dispatcher, DispatchSettings
+from router.cluster.policies import RoundRobin
+from router.cluster.registry import Worker, WorkerRegistry
+from router.cluster.worker_client import WorkerFailed
 from router.errors import OpenAIError
-from router.policies import RoundRobin
-from router.registry import Worker, WorkerRegistry
-from router.worker_client import WorkerFailed
 from tests.serving.fakes import FakeWorkerClient
 from transfer.outcome import Outcome
 
@@ -142,7 +142,7 @@ def test_prefill_server_that_cannot_be_connected_to_is_skipped():
 def test_local_prefill_is_decided_on_the_part_the_chosen_decode_server_does_not_cache():
     """Threshold 20: a 101-token prompt whose first 96 tokens d1 caches has 5 left: d1 prefills it.
     On d0, which caches nothing, the same prompt goes to the prefill server."""
-    from router.policies import CacheAware
+    from router.cluster.policies import CacheAware
     from tests.serving.kv_indexes import index_holding
 
     prompt = list(range(1, 102))

@@ -23,7 +23,7 @@ from deploy.launcher import Cluster as LaunchedCluster
 from deploy.launcher import LaunchError, Proc
 from deploy.ports import busy_ports
 from deploy.progress import Heartbeat, seconds_since_process_start
-from router.registry import Worker, WorkerRegistry
+from router.cluster.registry import Worker, WorkerRegistry
 from tests.serving.cluster import REPO, _alive, make_config
 
 # Runs main() in a fresh interpreter and reports which heavy modules it imported.

@@ -1,13 +1,13 @@
-"""Worker health: passive (real calls, router/health.py) and active (router/registry.py)."""
+"""Worker health: passive (real calls, router/cluster/health.py) and active (router/cluster/registry.py)."""
 
 import asyncio
 import time
 
 import httpx
 
-from router.health import PassiveHealth
-from router.registry import Worker, WorkerRegistry
-from router.worker_client import WorkerFailed
+from router.cluster.health import PassiveHealth
+from router.cluster.registry import Worker, WorkerRegistry
+from router.cluster.worker_client import WorkerFailed
 from transfer.outcome import Outcome
 
 
@@ -118,7 +118,7 @@ def test_the_health_check_waits_the_configured_timeout_not_the_interval():
 
 
 def test_a_decode_streams_heartbeats_are_answers_and_never_events():
-    from router.worker_client import DecodeStream
+    from router.cluster.worker_client import DecodeStream
     from server_common.worker_replies import AliveEvent, ReservationEvent, TokensEvent
 
     lines = [ReservationEvent(reservation=None).model_dump_json(), AliveEvent().model_dump_json(), "",

@@ -1,14 +1,14 @@
 """The block-hash event log (engine/kv_events.py), the router's index of it
-(router/kv_index.py) and the cache_aware policy (router/policies.py): pure, no processes."""
+(router/cluster/kv_index.py) and the cache_aware policy (router/cluster/policies.py): pure, no processes."""
 
 from __future__ import annotations
 
 from engine.block_manager import BlockManager
 from engine.kv_events import KvEventLog
 from engine.prefix_cache import chain_hashes
-from router.kv_index import KvIndex, WorkerKvIndex
-from router.policies import CacheAware
-from router.registry import Worker
+from router.cluster.kv_index import KvIndex, WorkerKvIndex
+from router.cluster.policies import CacheAware
+from router.cluster.registry import Worker
 from tests.engine.scheduling import make, req, run_to_end
 from tests.serving.kv_indexes import SALT, index_holding, page, snapshot
 

@@ -12,9 +12,9 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, seed, settings
 from schemathesis import GenerationMode
 
+from router.api.model import ServedModel
+from router.api.openapi import decimal_below
 from router.app import create_app
-from router.model import ServedModel
-from router.openapi import decimal_below
 from router.settings import RouterSettings, WorkerSpec
 from tests.serving.fakes import FakeWorkerClient, in_rotation, make_byte_tokenizer
 from tests.serving.openapi_checks import all_checks, load

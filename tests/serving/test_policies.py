@@ -1,7 +1,7 @@
 import pytest
 
-from router.policies import LeastLoaded, RoundRobin, make_policy
-from router.registry import Worker
+from router.cluster.policies import LeastLoaded, RoundRobin, make_policy
+from router.cluster.registry import Worker
 
 
 def names(ws):

@@ -5,8 +5,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from router.api.model import ServedModel
 from router.app import create_app
-from router.model import ServedModel
 from router.settings import RouterSettings
 from tests.serving.fakes import FakeWorkerClient, in_rotation, make_byte_tokenizer
 from tests.serving.router_client import WORKERS, make_client, reply_ids
@@ -184,12 +184,12 @@ def test_a_long_request_is_tokenized_on_the_tokenizer_thread_into_the_same_token
     import asyncio
     import threading
 
-    from router.api_requests import CompletionRequest
-    from router.dispatch import Dispatcher, DispatchSettings
+    from router.api.api_requests import CompletionRequest
+    from router.api.openai_handlers import LONG_REQUEST_BYTES, OpenAIHandlers
+    from router.cluster.dispatch import Dispatcher, DispatchSettings
+    from router.cluster.policies import RoundRobin
+    from router.cluster.registry import WorkerRegistry
     from router.metrics import RouterMetrics
-    from router.openai_handlers import LONG_REQUEST_BYTES, OpenAIHandlers
-    from router.policies import RoundRobin
-    from router.registry import WorkerRegistry
 
     model = ServedModel.load("tiny", str(make_byte_tokenizer(tmp_path, max_position_embeddings=4 * LONG_REQUEST_BYTES)))
     registry = WorkerRegistry([])
@@ -353,7 +353,7 @@ def test_requests_are_prepared_and_answered_off_the_event_loop_by_their_size(mod
     import asyncio
     import threading
 
-    import router.openai_handlers as handlers_module
+    import router.api.openai_handlers as handlers_module
 
     def where() -> str:
         try:

@@ -1,7 +1,7 @@
 import json
 
-from router import api_responses as out
-from router.sse import DONE, ChunkTemplate, sse_event
+from router.api import api_responses as out
+from router.api.sse import DONE, ChunkTemplate, sse_event
 
 
 def test_sse_event_is_one_data_line_and_a_blank_line():

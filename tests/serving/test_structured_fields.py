@@ -8,12 +8,12 @@ import json
 import pytest
 
 from engine.structured import GrammarLimits
-from router.api_requests import ChatCompletionRequest, CompletionRequest
+from router.api.api_requests import ChatCompletionRequest, CompletionRequest
+from router.api.grammar_check import GrammarChecker
+from router.api.structured import one_constraint
+from router.api.tool_calls import ToolCallStream, chat_message, split_calls
+from router.api.tools import ToolPlan, plan_tools
 from router.errors import OpenAIError
-from router.grammar_check import GrammarChecker
-from router.structured import one_constraint
-from router.tool_calls import ToolCallStream, chat_message, split_calls
-from router.tools import ToolPlan, plan_tools
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
@@ -164,7 +164,7 @@ def test_a_streamed_answer_gives_the_same_calls_and_content_in_any_split():
 
 @pytest.fixture(scope="module")
 def byte_model(tmp_path_factory):
-    from router.model import ServedModel
+    from router.api.model import ServedModel
     from tests.serving.fakes import make_byte_tokenizer
 
     return ServedModel.load("tiny", str(make_byte_tokenizer(tmp_path_factory.mktemp("bytetok"))))

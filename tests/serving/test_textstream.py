@@ -1,6 +1,6 @@
 import pytest
 
-from router.textstream import IncrementalDetokenizer, StopMatcher
+from router.api.textstream import IncrementalDetokenizer, StopMatcher
 from tests.serving.fakes import make_byte_tokenizer
 
 

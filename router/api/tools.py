@@ -15,7 +15,7 @@ The tools are rendered by the model's chat template (``tools=`` of
   (Lark with the call's JSON schema inside) forces exactly one call, of any
   tool or of the named one, whose arguments match that tool's parameters.
 
-The answer's calls are parsed in router/tool_calls.py.
+The answer's calls are parsed in router/api/tool_calls.py.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine.request import StructuredSpec
 from engine.structured import JSON_OPTIONS
+from router.api.tool_calls import CLOSE, OPEN
 from router.errors import OpenAIError
-from router.tool_calls import CLOSE, OPEN
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe",

@@ -6,7 +6,7 @@ of a server's ``ErrorReply`` or stream ``ErrorEvent`` as it was sent,
 ``UNREACHABLE`` when the connection was refused or reset, ``TIMED_OUT`` when
 no answer came in time, and ``STREAM_CUT`` / ``WORKER_ERROR`` for answers the
 router cannot use. Every answer is reported to ``answered`` (passive health,
-router/health.py). A decode stream silent for ``stream_stall`` seconds is
+router/cluster/health.py). A decode stream silent for ``stream_stall`` seconds is
 ``TIMED_OUT``: a live decode server sends a heartbeat (``AliveEvent``) every
 ``STREAM_HEARTBEAT_S`` when it has nothing else to send, so only a stopped
 (frozen, paused, cut off) one is silent that long.
@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from pydantic import ValidationError
 
-from router.registry import Worker
+from router.cluster.registry import Worker
 from router.settings import RouterSettings
 from server_common.worker_replies import (
     DECODE_EVENT,
@@ -169,7 +169,7 @@ class DecodeStream:
 
 
 class WorkerClient:
-    """``answered(worker)`` is called on every answer from a worker (router/health.py)."""
+    """``answered(worker)`` is called on every answer from a worker (router/cluster/health.py)."""
 
     def __init__(self, http: httpx.AsyncClient, *, prefill_timeout: float,
                  answered: Callable[[Worker], None] = _ignore,

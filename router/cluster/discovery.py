@@ -31,8 +31,8 @@ from collections.abc import Awaitable, Callable
 
 import httpx
 
+from router.cluster.registry import Worker, WorkerRegistry
 from router.metrics import JoinRefusal, RouterMetrics
-from router.registry import Worker, WorkerRegistry
 from router.settings import DiscoverySettings
 from server_common.process_defaults import INSTANCE_NAME, is_instance_name
 

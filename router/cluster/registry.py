@@ -1,9 +1,9 @@
 """The workers the router knows, their health and load.
 
 Workers come from config, and join and leave at runtime (``add`` and
-``forget``, called by ``router.discovery``). A background task per worker polls its
+``forget``, called by ``router.cluster.discovery``). A background task per worker polls its
 ``GET /health`` every ``interval`` seconds (waiting ``timeout`` for the answer) unless real traffic already showed
-the worker alive within that interval (passive health, router/health.py,
+the worker alive within that interval (passive health, router/cluster/health.py,
 which also takes a worker out on failed requests): a worker that fails
 ``unhealthy_after`` checks in a row is taken out of rotation; the next
 successful check brings it back. A check that times out counts only while
@@ -45,8 +45,8 @@ class Worker:
     url: str  # http://host:port, no trailing slash
     healthy: bool = True
     failures: int = 0  # consecutive failed health checks
-    last_seen: float = 0.0  # monotonic time of the last answer to a real call (router/health.py)
-    request_failures: int = 0  # real calls failed in a row (router/health.py)
+    last_seen: float = 0.0  # monotonic time of the last answer to a real call (router/cluster/health.py)
+    request_failures: int = 0  # real calls failed in a row (router/cluster/health.py)
     # reported by the worker's /health
     free_blocks: int = 0
     queue_depth: int = 0
@@ -60,7 +60,7 @@ class Worker:
     max_inflight: int | None = None  # per-worker in-flight limit; None: no limit
     draining: bool = False  # drained through the router's admin endpoint
     full_until: float = 0.0  # monotonic time until which a "no room" answer is trusted
-    discovered: bool = False  # joined at runtime (router/discovery.py): another launch may have started it
+    discovered: bool = False  # joined at runtime (router/cluster/discovery.py): another launch may have started it
 
     @property
     def in_rotation(self) -> bool:

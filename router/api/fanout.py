@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 import anyio
 
 from engine.request import SamplingParams
-from router.choices import ChoiceDelta, ChoiceText, Scored
+from router.api.choices import ChoiceDelta, ChoiceText, Scored
+from router.api.tools import ToolPlan
+from router.cluster.session import Session
 from router.errors import OpenAIError
-from router.session import Session
 from router.timeline import RequestTimeline
-from router.tools import ToolPlan
 from server_common.worker_replies import TokenLogprob, TokensEvent
 
 
@@ -45,7 +45,7 @@ class Prepared:
     prompt_top: int | None = None
     echo: bool = False
     drop_generated: bool = False
-    tools: ToolPlan = field(default_factory=ToolPlan)  # how the answer's tool calls are read (router/tools.py)
+    tools: ToolPlan = field(default_factory=ToolPlan)  # how the answer's tool calls are read (router/api/tools.py)
     structured_param: str | None = None  # the parameter that asked for ``sampling.structured``
 
     @property

@@ -1,7 +1,7 @@
 """One choice's text and log-probabilities, as a sequence's token events arrive.
 
 A request has ``n`` sequences per prompt; each is one OpenAI choice with its
-own detokenizer and stop-string matcher (router/textstream.py). When the
+own detokenizer and stop-string matcher (router/api/textstream.py). When the
 client asked for log-probabilities, every token goes with the text it adds,
 so that a chunk carries the log-probabilities of the tokens whose text it
 carries, and a stop string cuts both alike: a token whose text starts before
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.textstream import IncrementalDetokenizer, StopMatcher
+from router.api.textstream import IncrementalDetokenizer, StopMatcher
 from server_common.worker_replies import TokenLogprob, TokensEvent
 
 

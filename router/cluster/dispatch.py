@@ -1,10 +1,10 @@
 """Admitting a request and opening its decode stream (docs/architecture.md).
 
-``Dispatcher.start`` admits the request (``router.admission``: a free slot on
+``Dispatcher.start`` admits the request (``router.cluster.admission``: a free slot on
 a decode server, and on the prefill servers when it needs one, or a bounded
 wait, or 429), picks a decode server and opens the ``/generate`` stream
 whose first event is the reservation, then hands both to a
-``router.session.Session``, which drives the rest of the request.
+``router.cluster.session.Session``, which drives the rest of the request.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from engine.request import SamplingParams
-from router.admission import Admission, AdmissionSettings, Slot
+from router.cluster.admission import Admission, AdmissionSettings, Slot
+from router.cluster.health import PassiveHealth
+from router.cluster.kv_index import KvIndex
+from router.cluster.policies import Policy
+from router.cluster.registry import WorkerRegistry
+from router.cluster.session import Session, SessionContext
+from router.cluster.worker_client import DecodeStream, WorkerClient, WorkerFailed
 from router.errors import OpenAIError
-from router.health import PassiveHealth
-from router.kv_index import KvIndex
 from router.metrics import RecoveryMetrics
-from router.policies import Policy
-from router.registry import WorkerRegistry
-from router.session import Session, SessionContext
 from router.settings import PrefillFailure, RouterSettings
-from router.worker_client import DecodeStream, WorkerClient, WorkerFailed
 from server_common.guard import Drain
 from server_common.worker_requests import GenerateRequest
 from transfer.outcome import Outcome
@@ -39,7 +39,7 @@ TRY_ANOTHER_DECODE = frozenset({Outcome.UNREACHABLE, Outcome.TIMED_OUT, Outcome.
 @dataclass(frozen=True)
 class DispatchSettings:
     local_prefill_threshold: int = RouterSettings.local_prefill_threshold  # prompts shorter than this: prefilled on D
-    prefill_failure: PrefillFailure = RouterSettings.prefill_failure  # router/recovery.py
+    prefill_failure: PrefillFailure = RouterSettings.prefill_failure  # router/cluster/recovery.py
     no_room_cooldown: float = 0.2  # after a decode server said "no room", skip it this long (or until a slot frees)
     max_request_kv_share: float = RouterSettings.max_request_kv_share  # of a decode server's cache, per request
 
@@ -50,7 +50,7 @@ class Dispatcher:
                  admission: Admission | None = None, drain: Drain | None = None,
                  health: PassiveHealth | None = None, kv_index: KvIndex | None = None) -> None:
         self.registry = registry
-        self.kv_index = kv_index  # what each decode server caches (router/kv_index.py); None: not followed
+        self.kv_index = kv_index  # what each decode server caches (router/cluster/kv_index.py); None: not followed
         self.health = health or PassiveHealth(registry)
         self.decode_policy = decode_policy
         self.client = client
@@ -106,7 +106,7 @@ class Dispatcher:
         Raises OpenAIError 503 when no decode server is in rotation or the router
         is shutting down, and 429 (with Retry-After) when every one is at its
         in-flight limit or full and the waiting room is full or the wait too
-        long (see ``router.admission``).
+        long (see ``router.cluster.admission``).
         """
         if self.drain is not None and self.drain.draining:
             raise OpenAIError(503, "the router is shutting down; retry later", code="draining",

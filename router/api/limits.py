@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from router.api.model import ServedModel
 from router.errors import OpenAIError, error_body
-from router.model import ServedModel
 
 
 def openai_413(message: str) -> bytes:

@@ -1,4 +1,4 @@
-"""Tokens with their log-probabilities (router/choices.py) -> the OpenAI and vLLM shapes.
+"""Tokens with their log-probabilities (router/api/choices.py) -> the OpenAI and vLLM shapes.
 
 Chat: ``logprobs.content``, one entry per token with its ``top_logprobs``
 (the ``top_logprobs`` most likely, as asked for). Completions (the legacy
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router import api_responses as out
-from router.choices import Scored, TokenStrings
+from router.api import api_responses as out
+from router.api.choices import Scored, TokenStrings
 from server_common.worker_replies import TokenLogprob
 
 

@@ -6,7 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-FinishReason = Literal["stop", "length", "tool_calls"]
+# Defined in router/metrics.py, as a metric's label: metrics sits below both halves, so it cannot import this module.
+from router.metrics import FinishReason
 
 
 class Answer(BaseModel):
@@ -109,7 +110,7 @@ class ToolCall(Answer):
 
 
 class ToolCallMessage(Answer):
-    """An answer that calls tools (router/tools.py): ``content`` is the text outside the calls, or null."""
+    """An answer that calls tools (router/api/tools.py): ``content`` is the text outside the calls, or null."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None

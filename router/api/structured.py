@@ -9,9 +9,9 @@ Accepted, on chat and completions alike:
 - ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (vLLM's older names).
 
 At most one constraint per request (tool calls forced by ``tool_choice``
-count as one: router/tools.py), within the router's ``GrammarLimits``
+count as one: router/api/tools.py), within the router's ``GrammarLimits``
 (checked here, before anything is compiled); the router then compiles it
-once in its sandbox (router/grammar_check.py) to refuse a bad one with a
+once in its sandbox (router/api/grammar_check.py) to refuse a bad one with a
 400 naming the parameter, and the servers compile it again. A ``grammar``
 is Lark or GBNF (converted to Lark here, after its size is checked). JSON is
 generated compact (engine/structured.py).

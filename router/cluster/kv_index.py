@@ -1,7 +1,7 @@
 """The router's view of which block hashes each server holds. Pure: no I/O.
 
 Each server publishes a numbered log of the hashes it stores and evicts
-(engine/kv_events.py, ``GET /kv/events``); ``router.kv_events`` polls it and
+(engine/kv_events.py, ``GET /kv/events``); ``router.cluster.kv_events`` polls it and
 feeds this index. One ``WorkerKvIndex`` per server keeps the server's epoch,
 the last seq applied and the set of hashes. A page whose epoch differs (the
 server restarted) or whose oldest event is past the next one needed (events

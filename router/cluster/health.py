@@ -4,7 +4,7 @@ A worker that streams tokens or answers calls is alive, whatever its
 ``/health`` would say under load. Every answer the router gets from a worker
 (a decode event, a prefill reply) is noted here (``answered``: it sets
 ``Worker.last_seen`` and clears ``Worker.request_failures``); the registry's
-active check (router/registry.py) skips a worker heard from within the last
+active check (router/cluster/registry.py) skips a worker heard from within the last
 check interval, so active checks run only for workers that are idle or
 failing, on their own HTTP client (router/app.py).
 
@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import time
 
-from router.registry import Worker, WorkerRegistry
-from router.worker_client import WorkerFailed
+from router.cluster.registry import Worker, WorkerRegistry
+from router.cluster.worker_client import WorkerFailed
 from transfer.outcome import Outcome
 
 LEAVES_AT_ONCE = frozenset({Outcome.UNREACHABLE, Outcome.ENGINE_DOWN, Outcome.DRAINING})

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from router.cluster.worker_client import WorkerFailed
 from router.settings import PrefillFailure
-from router.worker_client import WorkerFailed
 
 MAX_ATTEMPTS = 2  # the first try and one more
 

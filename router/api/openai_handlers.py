@@ -3,7 +3,7 @@
 Each handler validates and tokenizes, opens a dispatch ``Session`` per prompt
 (so that "no room" or a dead cluster is an HTTP status, not a broken stream),
 then either collects the whole answer or returns an async iterator of SSE
-events, from the choices' deltas (router/fanout.py). The sessions are closed
+events, from the choices' deltas (router/api/fanout.py). The sessions are closed
 in ``finally`` on every path, so a client that goes away or a stop string
 aborts the request on the servers.
 """
@@ -21,24 +21,24 @@ from fastapi.responses import Response
 
 from engine.request import SamplingParams, StructuredSpec
 from engine.structured import GrammarLimits
-from router import api_responses as out
 from router.access_log import AccessLog
-from router.api_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
-from router.choices import TokenStrings
-from router.dispatch import Dispatcher
+from router.api import api_responses as out
+from router.api.api_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
+from router.api.choices import TokenStrings
+from router.api.fanout import Collected, Prepared, SessionGroup, choice_deltas
+from router.api.grammar_check import GrammarChecker
+from router.api.limits import RequestLimits
+from router.api.logprob_shapes import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
+from router.api.model import ServedModel
+from router.api.sse import DONE, ChunkTemplate, sse_event
+from router.api.structured import one_constraint
+from router.api.tool_calls import ToolCallStream, chat_message
+from router.api.tools import plan_tools
+from router.cluster.dispatch import Dispatcher
+from router.cluster.session import Session
 from router.errors import OpenAIError
-from router.fanout import Collected, Prepared, SessionGroup, choice_deltas
-from router.grammar_check import GrammarChecker
-from router.limits import RequestLimits
-from router.logprob_shapes import CompletionLogprobsBuilder, chat_logprobs, prompt_logprobs
 from router.metrics import RouterMetrics
-from router.model import ServedModel
-from router.session import Session
-from router.sse import DONE, ChunkTemplate, sse_event
-from router.structured import one_constraint
 from router.timeline import RequestTimeline
-from router.tool_calls import ToolCallStream, chat_message
-from router.tools import plan_tools
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing, TracingSettings
 
@@ -117,7 +117,7 @@ class OpenAIHandlers:
 
     async def _prepare(self, prepare: Callable[[], Prepared], body_bytes: int) -> Prepared:
         """``prepare()`` on the event loop, or on the tokenizer thread for a long request; then the grammar
-        it asks for, if any, compiled in the sandbox (router/grammar_check.py)."""
+        it asks for, if any, compiled in the sandbox (router/api/grammar_check.py)."""
         if body_bytes < LONG_REQUEST_BYTES:
             p = prepare()
         else:

@@ -14,8 +14,8 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import AutoConfig, AutoTokenizer
 
+from router.api.tools import template_uses_tools
 from router.errors import OpenAIError
-from router.tools import template_uses_tools
 
 
 def _chars_per_token(tokenizer) -> int:
@@ -34,7 +34,7 @@ class ServedModel:
     max_model_len: int
     tokenizer: Any
     created: int = field(default_factory=lambda: int(time.time()))
-    tools_in_template: bool = False  # the chat template renders tools (router/tools.py)
+    tools_in_template: bool = False  # the chat template renders tools (router/api/tools.py)
     # The most characters of text one token stands for (its vocabulary's longest entry; 4 times that when
     # the tokenizer normalizes text first, since normalization may shorten it): see ``check_prompt_chars``.
     chars_per_token: int = 64

@@ -12,7 +12,7 @@ request asked for them, the first event of each sequence waits for that
 result and carries them, as a locally prefilled request's events do.
 
 A step that fails before the first token may start the request over, once
-(``router.recovery``): the attempt is aborted on both servers (its blocks are
+(``router.cluster.recovery``): the attempt is aborted on both servers (its blocks are
 freed and its transfer id is dead, so nothing still on its way lands
 anywhere) and a new attempt opens under a new id, ``<id>-retry1``. A decode
 failure ends the request at once. ``close`` is idempotent and always runs
@@ -30,14 +30,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from engine.request import SamplingParams
-from router.admission import Admission, Slot
+from router.cluster.admission import Admission, Slot
+from router.cluster.health import PassiveHealth
+from router.cluster.policies import Policy
+from router.cluster.recovery import PrefillFailure, decide
+from router.cluster.registry import Worker, WorkerRegistry
+from router.cluster.worker_client import DecodeStream, WorkerClient, WorkerFailed
 from router.errors import OpenAIError
-from router.health import PassiveHealth
 from router.metrics import RecoveryMetrics
-from router.policies import Policy
-from router.recovery import PrefillFailure, decide
-from router.registry import Worker, WorkerRegistry
-from router.worker_client import DecodeStream, WorkerClient, WorkerFailed
 from server_common.worker_replies import PrefillResult, ReprefillEvent, TokensEvent
 from server_common.worker_requests import PrefillRequest
 from transfer.outcome import DECIDED_BY_DECODE, Outcome

@@ -1,4 +1,4 @@
-"""Polling every worker's block-hash events into the router's ``KvIndex`` (router/kv_index.py).
+"""Polling every worker's block-hash events into the router's ``KvIndex`` (router/cluster/kv_index.py).
 
 Every ``interval`` seconds each worker in rotation is asked ``GET /kv/events?after=SEQ``
 (an internal route: the client carries the cluster's secret); a page the index refuses
@@ -15,8 +15,8 @@ import logging
 import httpx
 from pydantic import ValidationError
 
-from router.kv_index import KvIndex
-from router.registry import Worker, WorkerRegistry
+from router.cluster.kv_index import KvIndex
+from router.cluster.registry import Worker, WorkerRegistry
 from server_common.worker_replies import KvBlocksReply, KvEventsReply
 
 log = logging.getLogger(__name__)

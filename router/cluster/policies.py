@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from router.kv_index import KvIndex
-from router.registry import Worker
+from router.cluster.kv_index import KvIndex
+from router.cluster.registry import Worker
 from router.settings import PolicyName
 
 
@@ -56,7 +56,7 @@ class CacheAware:
     """The most cached prefix, weighed against load.
 
     For each candidate ``w``: ``hit = matched(w) / len(prompt)``, the share of the
-    prompt the server holds (router/kv_index.py: its published block hashes), and
+    prompt the server holds (router/cluster/kv_index.py: its published block hashes), and
     ``load = inflight / max_inflight`` (this router's requests on it over its limit;
     with no limit, over the router's requests on all the candidates). Highest
     ``score = hit - load_weight * load`` first; ties: more matched, then less load,

@@ -1,6 +1,6 @@
 """The model's answer, with tools: its ``<tool_call>`` blocks become OpenAI tool calls.
 
-The format (router/tools.py renders the tools that ask for it)::
+The format (router/api/tools.py renders the tools that ask for it)::
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from router import api_responses as out
+from router.api import api_responses as out
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 

@@ -21,10 +21,10 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, field_validator
 
 from engine.request import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
+from router.api.openapi import MAX_NEW_TOKENS, TOKEN_ID
+from router.api.structured import StructuredFields
+from router.api.tools import EarlierCall, template_message
 from router.errors import OpenAIError
-from router.openapi import MAX_NEW_TOKENS, TOKEN_ID
-from router.structured import StructuredFields
-from router.tools import EarlierCall, template_message
 
 
 def _integral(value: Any) -> Any:
@@ -43,8 +43,8 @@ def integer(**bounds: Any) -> Any:
 JSON_EXACT = (1 << 53) - 1
 MAX_STOP = 4  # stop sequences, as OpenAI
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
-# Token ids: their bound below the vocabulary size is checked by router.model and written into the
-# published schema by router.openapi (the marks).
+# Token ids: their bound below the vocabulary size is checked by router.api.model and written into the
+# published schema by router.api.openapi (the marks).
 TokenKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$"),
                      Field(json_schema_extra={TOKEN_ID: True})]  # a token id, in decimal
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
@@ -59,7 +59,7 @@ class StreamOptions(BaseModel):
 
 
 class SamplingFields(StructuredFields):
-    """Fields both endpoints share (the structured-output ones in router/structured.py)."""
+    """Fields both endpoints share (the structured-output ones in router/api/structured.py)."""
 
     model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={
         # check_common's rule, for the schema: stream_options only with stream true
@@ -178,7 +178,7 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[EarlierCall] | None = None  # an assistant's earlier calls (router/tools.py)
+    tool_calls: list[EarlierCall] | None = None  # an assistant's earlier calls (router/api/tools.py)
     tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
@@ -211,7 +211,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: integer(ge=1) | None = Field(default=None, json_schema_extra=NEW_TOKENS)
     logprobs: bool | None = None
     top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
-    tools: Annotated[list[Any] | None, _at_most(MAX_TOOLS, "tools")] = None  # checked by router/tools.py
+    tools: Annotated[list[Any] | None, _at_most(MAX_TOOLS, "tools")] = None  # checked by router/api/tools.py
     tool_choice: Any = None
     add_generation_prompt: bool = True  # vLLM extension
 

@@ -30,8 +30,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from router.cluster.registry import Worker
 from router.errors import OpenAIError
-from router.registry import Worker
 from router.settings import RouterSettings
 
 T = TypeVar("T")
