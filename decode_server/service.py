@@ -177,11 +177,11 @@ class GenerationService:
 
             cached = await self.engine_thread.run(add)
             active.trace.prefilled_here()
-            self.metrics.requests.labels(outcome="local_prefill").inc()
+            self.metrics.paths.labels(path="local_prefill").inc()
             return ReservationEvent(reservation=None, num_cached_tokens=cached), active
         except NoCapacityError as exc:
             self._forget(active, Outcome.NO_ROOM)
-            self.metrics.requests.labels(outcome="no_room").inc()
+            self.metrics.requests.labels(outcome=Outcome.NO_ROOM).inc()
             raise WorkerError(503, str(exc), Outcome.NO_ROOM, retry_after=1) from exc
         except ValueError as exc:
             self._forget(active, Outcome.BAD_REQUEST)
@@ -227,7 +227,7 @@ class GenerationService:
         active.transfer_id = transfer_id
         # The receiver enforces the lease; this backstop only guards against a transfer layer that never reports.
         active.lease = asyncio.get_running_loop().call_later(lease_s + BACKSTOP_S, self._backstop, transfer_id)
-        self.metrics.requests.labels(outcome="reserved").inc()
+        self.metrics.paths.labels(path="remote_kv").inc()
         return Reservation(instance=self.settings.name, request_id=rid, transfer_id=transfer_id,
                            block_ids=block_ids, block_size=self.settings.engine.block_size,
                            num_tokens=len(prompt), lease_s=max(lease_s - (time.monotonic() - started), 1e-3),
@@ -274,9 +274,9 @@ class GenerationService:
         if active.lease is not None:
             active.lease.cancel()
         if active.finished:
-            self.metrics.requests.labels(outcome="finished").inc()
+            self.metrics.requests.labels(outcome=Outcome.OK).inc()
             return
-        self.metrics.requests.labels(outcome="aborted").inc()
+        self.metrics.requests.labels(outcome=Outcome.ABORTED).inc()
         await asyncio.wrap_future(self.engine_thread.call(lambda e: self._drop(e, request_id, active.transfer_id)))
 
     async def abort(self, request_id: str) -> bool:
@@ -342,14 +342,14 @@ class GenerationService:
 
     def _remote_kv_failed(self, e: LLMEngine, pending: Awaiting, outcome: Outcome, reason: str) -> None:
         """The blocks are free. Fail the request, or prefill it here (recovery config)."""
-        self.metrics.transfer_failures.labels(code=outcome).inc()
+        self.metrics.transfer_failures.labels(outcome=outcome).inc()
         action = {Outcome.LEASE_EXPIRED: self.settings.lease_expiry,
                   Outcome.CHECKSUM_MISMATCH: self.settings.checksum_failure}.get(outcome, "fail")
         rid = pending.request_id
         if action == "local":
             log.warning("request %s: remote KV failed (%s: %s); prefilling it here", rid, outcome, reason)
             e.add_request(rid, pending.prompt, pending.sampling)
-            self.metrics.reprefills.labels(cause=outcome).inc()
+            self.metrics.reprefills.labels(outcome=outcome).inc()
             self._hub.publish(rid, ReprefillEvent(message=f"remote KV failed ({reason}); prefilling locally",
                                                   code=outcome))
             return
@@ -363,7 +363,7 @@ class GenerationService:
                 return  # ended normally
             log.error("transfer %s never ended; freeing request %s without the receiver", transfer_id, rid)
             e.abort(rid)
-            self.metrics.transfer_failures.labels(code=Outcome.LEASE_EXPIRED).inc()
+            self.metrics.transfer_failures.labels(outcome=Outcome.LEASE_EXPIRED).inc()
             self._hub.publish(rid, ErrorEvent(message="no KV arrived within the lease; blocks freed",
                                               code=Outcome.LEASE_EXPIRED))
 

@@ -135,7 +135,7 @@ class PrefillService:
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         if self.drain.draining:
-            self.metrics.requests.labels(outcome="draining").inc()
+            self.metrics.requests.labels(outcome=Outcome.DRAINING).inc()
             raise WorkerError(503, f"{self.settings.name} is draining: it takes no new prefills", Outcome.DRAINING)
         self._pending += 1
         span = self.tracing.start("prefill.prefill", self.tracing.parent(req.trace),
@@ -144,7 +144,7 @@ class PrefillService:
         outcome = Outcome.CANCELLED
         try:
             result = await self._prefill(req, span)
-            self.metrics.requests.labels(outcome="prefilled").inc()
+            self.metrics.requests.labels(outcome=Outcome.OK).inc()
             outcome = Outcome.OK
             return result
         except WorkerError as exc:
@@ -285,7 +285,7 @@ class PrefillService:
         else:
             e.abort(rid)  # failed before the prompt was done (decode side cancelled, peer gone)
         if not ended.ok:
-            self.metrics.transfer_failures.labels(code=ended.outcome).inc()
+            self.metrics.transfer_failures.labels(outcome=ended.outcome).inc()
             job.resolve(WorkerError(502, f"KV transfer to the decode server failed: {ended.reason}", ended.outcome))
             return
         seconds = ended.at - job.started

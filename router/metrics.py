@@ -33,13 +33,13 @@ class RecoveryMetrics:
     """What went wrong with requests and what the router did about it."""
 
     def __init__(self, r: CollectorRegistry) -> None:
-        self.failures = Counter("pdserve_router_step_failures", "Failed steps of requests by stage and code",
-                                ["stage", "code"], registry=r)
+        self.failures = Counter("pdserve_router_step_failures", "Failed steps of requests by stage and outcome code",
+                                ["stage", "outcome"], registry=r)
         self.retries = Counter("pdserve_router_retries", "Requests started over after a failure before their "
                                "first token, by action (retry: another prefill server, local: on the decode server)",
-                               ["action", "cause"], registry=r)
+                               ["action", "outcome"], registry=r)
         self.reprefills = Counter("pdserve_router_decode_reprefills", "Requests a decode server prefilled itself "
-                                  "after the remote KV failed", ["cause"], registry=r)
+                                  "after the remote KV failed, by outcome code", ["outcome"], registry=r)
 
 
 class RouterMetrics:

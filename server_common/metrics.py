@@ -52,7 +52,13 @@ class ServerMetrics:
         Gauge("pdserve_torch_threads", "torch CPU threads", registry=r).set_function(torch.get_num_threads)
         r.register(_BlockAges(stats))
         r.register(_EngineSteps(stats))
-        self.requests = Counter("pdserve_requests", "Requests by outcome", ["outcome"], registry=r)
+        # How each request ended here, as an outcome code (transfer.outcome.Outcome: ok, no_room, aborted, ...);
+        # the way a decode server computed its prompt is pdserve_request_paths.
+        self.requests = Counter("pdserve_requests", "Requests by how they ended here (an outcome code)", ["outcome"],
+                                registry=r)
+        self.paths = Counter("pdserve_request_paths", "Requests a decode server took, by how their prompt was "
+                             "computed: remote_kv (blocks reserved for a prefill server) or local_prefill", ["path"],
+                             registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Tokens produced", registry=r)
         self.transfer_bytes = Counter("pdserve_transfer_bytes", "KV bytes transferred", registry=r)
         self.transfer_seconds = Histogram("pdserve_transfer_seconds", "Time to transfer one request's KV",
@@ -76,9 +82,9 @@ class ServerMetrics:
             "Prefill end (last layer computed, first token sampled) to the decode server's ack: "
             "the part of a KV transfer not hidden behind compute", buckets=TRANSFER_BUCKETS, registry=r)
         self.transfer_failures = Counter("pdserve_transfer_failures", "KV transfers that failed, by outcome code",
-                                         ["code"], registry=r)
+                                         ["outcome"], registry=r)
         self.reprefills = Counter("pdserve_reprefills", "Requests prefilled locally after their remote KV failed",
-                                  ["cause"], registry=r)
+                                  ["outcome"], registry=r)
         self.peer_refusals = Counter(
             "pdserve_peer_refusals", "Peer bindings refused: a hello under a name bound to another live instance, "
             "or a configured decode server re-pointed", ["reason"], registry=r)
@@ -86,9 +92,9 @@ class ServerMetrics:
         # the first failure (prometheus-client's advice for labelled metrics).
         for code in Outcome:
             if code is not Outcome.OK:
-                self.transfer_failures.labels(code=code)
+                self.transfer_failures.labels(outcome=code)
         for cause in sorted(KV_NEVER_ARRIVED):
-            self.reprefills.labels(cause=cause)
+            self.reprefills.labels(outcome=cause)
         for reason in PEER_REFUSALS:
             self.peer_refusals.labels(reason=reason)
 

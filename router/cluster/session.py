@@ -205,7 +205,7 @@ class Session:
     def _prefill_abandoned(self, event: ReprefillEvent) -> None:
         """The decode server computes the prompt itself: stop the prefill server's part."""
         log.warning("request %s: %s computes the prompt itself (%s)", self.attempt_id, self.decode.name, event.code)
-        self._ctx.recovery.reprefills.labels(cause=event.code).inc()
+        self._ctx.recovery.reprefills.labels(outcome=event.code).inc()
         for task in self._tasks[1:]:
             task.cancel()
         if self.prefill is not None:
@@ -216,7 +216,7 @@ class Session:
     async def _recover(self, failure: WorkerFailed) -> None:
         """Start the request over (new attempt) or raise the client's error."""
         ctx = self._ctx
-        ctx.recovery.failures.labels(stage=failure.stage, code=failure.outcome).inc()
+        ctx.recovery.failures.labels(stage=failure.stage, outcome=failure.outcome).inc()
         other = any(w.name not in self._tried_prefill for w in ctx.registry.healthy("prefill"))
         decision = decide(ctx.prefill_failure, failure, tokens_sent=self._tokens_sent,
                           attempts=self._attempts, other_prefill=other)
@@ -224,7 +224,7 @@ class Session:
             why = f"; {decision.why}" if decision.why else ""
             raise OpenAIError(500, f"{failure}{why} (request id {self.request_id})", code=failure.outcome)
         log.warning("request %s: %s; starting over (%s)", self.attempt_id, failure, decision.action)
-        ctx.recovery.retries.labels(action=decision.action, cause=failure.outcome).inc()
+        ctx.recovery.retries.labels(action=decision.action, outcome=failure.outcome).inc()
         await self._end_attempt()
         self._attempts += 1
         self.attempt_id = f"{self.request_id}-retry{self._attempts - 1}"

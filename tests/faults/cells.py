@@ -107,7 +107,7 @@ def evidence(c: FaultCluster, fault: str, before: dict, result: CellResult, kill
         return f"notices delayed: {delayed}, late ones discarded on D: {late:.0f}", delayed > 0 and late > 0
     if fault == "corrupt_block":
         corrupted = c.faults(d)["injected"]["writes_corrupted"] - before["corrupted"]
-        failures = c.metric(d, 'pdserve_transfer_failures_total{code="checksum_mismatch"}') - before["checksum"]
+        failures = c.metric(d, 'pdserve_transfer_failures_total{outcome="checksum_mismatch"}') - before["checksum"]
         return f"writes corrupted: {corrupted}, checksum failures on {d}: {failures:.0f}", failures > 0
     if fault == "client_disconnect":
         return f"hung up: {result.count('left')}", result.count("left") > 0
@@ -125,7 +125,7 @@ async def run_cell(c: FaultCluster, layout: str, fault: str, stage: str, expecte
     before = {"dropped": c.faults(p)["injected"]["notices_dropped"],
               "delayed": c.faults(p)["injected"]["notices_delayed"], "discarded": discarded(c),
               "corrupted": c.faults(d)["injected"]["writes_corrupted"],
-              "checksum": c.metric(d, 'pdserve_transfer_failures_total{code="checksum_mismatch"}')}
+              "checksum": c.metric(d, 'pdserve_transfer_failures_total{outcome="checksum_mismatch"}')}
     client = Client(c.router_url, expected, deadline_s=c.lease_s + MARGIN_S)
     try:
         calls = await reach_stage(c, client, stage)

@@ -176,7 +176,7 @@ def test_a_reprefill_event_abandons_the_prefill_server_and_the_tokens_follow():
     _, dispatcher = make(fake, workers(), "fail")
     assert asyncio.run(tokens(dispatcher)) == [9, 9]
     assert fake.aborts == [("p0", "r1")]  # P told to drop it; D finished normally
-    assert dispatcher.recovery.reprefills.labels(cause="lease_expired")._value.get() == 1
+    assert dispatcher.recovery.reprefills.labels(outcome="lease_expired")._value.get() == 1
 
 
 def test_a_decode_failure_fails_at_once_and_tells_the_prefill_server_to_drop_it():

@@ -58,7 +58,7 @@ def test_failed_remote_kv_is_prefilled_here_when_configured(decode_engine, code,
         assert got == expected  # the same greedy tokens as a plain local prefill
 
     metrics = run_decode_service(decode_engine, scenario, **{setting: "local"})
-    assert sample(metrics, f'pdserve_reprefills_total{{cause="{code}"}}') == 1
+    assert sample(metrics, f'pdserve_reprefills_total{{outcome="{code}"}}') == 1
 
 
 def test_checksum_mismatch_fails_the_request_by_default_and_is_counted(decode_engine):
@@ -69,7 +69,7 @@ def test_checksum_mismatch_fails_the_request_by_default_and_is_counted(decode_en
         assert '"type":"error"' in lines[-1] and '"code":"checksum_mismatch"' in lines[-1]
 
     metrics = run_decode_service(decode_engine, scenario)
-    assert sample(metrics, 'pdserve_transfer_failures_total{code="checksum_mismatch"}') == 1
+    assert sample(metrics, 'pdserve_transfer_failures_total{outcome="checksum_mismatch"}') == 1
     assert sample(metrics, 'pdserve_transfers_discarded_total{reason="expired"}') == 2  # the receiver's count
 
 

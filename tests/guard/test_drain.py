@@ -113,8 +113,8 @@ def wait_idle(cluster, names: list[str], timeout: float = 5.0) -> None:
 def reserved(cluster, name: str) -> float:
     """Requests the decode server took: reserved for a prefill server, or prefilled itself (a
     prompt whose all but last token it holds in its prefix cache)."""
-    return sum(cluster.metric(name, f'pdserve_requests_total{{outcome="{outcome}"}}')
-               for outcome in ("reserved", "local_prefill"))
+    return sum(cluster.metric(name, f'pdserve_request_paths_total{{path="{path}"}}')
+               for path in ("remote_kv", "local_prefill"))
 
 
 def test_a_worker_drained_through_the_router_finishes_its_requests_and_gets_no_new_ones(cluster, tiny_model):

@@ -197,7 +197,7 @@ async def _a_decode_server_joins_and_leaves_under_load(servers: Servers, net: Ne
     await until_async(lambda: servers.healthy(JOINER), START_TIMEOUT_S, f"{JOINER} healthy")
     joined = await servers.http.post(f"{servers.urls['router']}/admin/workers", json={"url": url})
     assert joined.status_code == 200 and joined.json()["name"] == JOINER, joined.text
-    reserved = 'pdserve_requests_total{outcome="reserved"}'
+    reserved = 'pdserve_request_paths_total{path="remote_kv"}'
     replies = list(await load)
     replies += await asyncio.gather(*(servers.complete(p) for p in PROMPTS * 2))
     assert await servers.metric(JOINER, reserved) > 0, f"{JOINER} got no request after it joined"

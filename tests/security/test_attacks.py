@@ -149,15 +149,15 @@ def test_a_hello_under_the_prefill_servers_name_leaves_its_live_binding_alone(ta
     still_correct(target, tiny_model, n=1)  # p0 has met d0
     refused = 'pdserve_peer_refusals_total{reason="bound_to_live_instance"}'
     before = {"refused": target.cluster.metric("d0", refused),
-              "reprefilled": target.cluster.metric("d0", 'pdserve_reprefills_total{cause="lease_expired"}'),
-              "prefilled": target.cluster.metric("p0", 'pdserve_requests_total{outcome="prefilled"}')}
+              "reprefilled": target.cluster.metric("d0", 'pdserve_reprefills_total{outcome="lease_expired"}'),
+              "prefilled": target.cluster.metric("p0", 'pdserve_requests_total{outcome="ok"}')}
     hello = base64.b64encode(sender_hello("p0", target.model, target.layout)).decode()
     answer = target.cluster.http.post(f"{target.cluster.server('d0')['url']}/kv/hello", json={"hello": hello})
     assert answer.status_code == 409 and answer.json()["code"] == "peer_bound", answer.text
     still_correct(target, tiny_model, n=3)
     assert target.cluster.metric("d0", refused) - before["refused"] == 1
-    assert target.cluster.metric("p0", 'pdserve_requests_total{outcome="prefilled"}') - before["prefilled"] == 3
-    assert target.cluster.metric("d0", 'pdserve_reprefills_total{cause="lease_expired"}') == before["reprefilled"]
+    assert target.cluster.metric("p0", 'pdserve_requests_total{outcome="ok"}') - before["prefilled"] == 3
+    assert target.cluster.metric("d0", 'pdserve_reprefills_total{outcome="lease_expired"}') == before["reprefilled"]
 
 
 def test_a_decode_server_the_config_lists_is_never_re_pointed(target, tiny_model):

@@ -19,8 +19,8 @@ A = [(29 * i) % 400 + 40 for i in range(110)]
 B = [(37 * i) % 400 + 45 for i in range(110)]
 HITS = "pdserve_prefix_cache_hits_tokens_total"
 THRESHOLD = 16  # a prompt whose uncached part on the chosen decode server is shorter: prefilled there
-PREFILLED = 'pdserve_requests_total{outcome="prefilled"}'
-LOCAL = 'pdserve_requests_total{outcome="local_prefill"}'
+PREFILLED = 'pdserve_requests_total{outcome="ok"}'
+LOCAL = 'pdserve_request_paths_total{path="local_prefill"}'
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ def test_a_prompt_the_prefill_cache_cannot_hold_is_prefilled_on_the_decode_serve
     cluster = small_prefill
     num_tokens = len(tokenizer(tiny_model)(LONG)["input_ids"])
     assert num_tokens + 1 > P_BLOCKS * 4
-    prefilled_before = cluster.metric("p0", 'pdserve_requests_total{outcome="prefilled"}')
+    prefilled_before = cluster.metric("p0", 'pdserve_requests_total{outcome="ok"}')
     client = cluster.client(timeout=60)
     short_times: list[float] = []
 
@@ -53,7 +53,7 @@ def test_a_prompt_the_prefill_cache_cannot_hold_is_prefilled_on_the_decode_serve
     assert (out.choices[0].text, out.usage.completion_tokens) == expected_completion(tiny_model, LONG, 4)
     assert short_times and short_times[0] < 5.0  # the 10 s lease never came into it
     assert long_s < 5.0
-    assert cluster.metric("d0", 'pdserve_requests_total{outcome="local_prefill"}') >= 1
-    assert cluster.metric("p0", 'pdserve_requests_total{outcome="prefilled"}') - prefilled_before <= 1  # the short one
+    assert cluster.metric("d0", 'pdserve_request_paths_total{path="local_prefill"}') >= 1
+    assert cluster.metric("p0", 'pdserve_requests_total{outcome="ok"}') - prefilled_before <= 1  # the short one
     cluster.wait_idle(10.0)
     assert all(b["free"] == b["total"] for b in cluster.blocks().values())

@@ -29,7 +29,7 @@ def test_prefill_and_decode_block_sizes_differ(served):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_completions_greedy_equal_transformers(served, tiny_model, stream):
     client = served.client()
-    prefilled_before = served.metric("p0", 'pdserve_requests_total{outcome="prefilled"}')
+    prefilled_before = served.metric("p0", 'pdserve_requests_total{outcome="ok"}')
     counters = {(name, kind): served.metric(name, f'pdserve_engine_tokens_total{{kind="{kind}"}}')
                 for name in ("p0", "d0") for kind in ("prompt", "decode")}
     for prompt in PROMPTS:
@@ -47,7 +47,7 @@ def test_completions_greedy_equal_transformers(served, tiny_model, stream):
         assert usage.completion_tokens == count
         assert usage.prompt_tokens == len(tokenizer(tiny_model)(prompt)["input_ids"])
         assert finish == ("length" if count == 24 else "stop")
-    assert served.metric("p0", 'pdserve_requests_total{outcome="prefilled"}') == prefilled_before + len(PROMPTS)
+    assert served.metric("p0", 'pdserve_requests_total{outcome="ok"}') == prefilled_before + len(PROMPTS)
     # Every prompt token computed once, on P; D only decodes.
     grew = {key: served.metric(key[0], f'pdserve_engine_tokens_total{{kind="{key[1]}"}}') - v
             for key, v in counters.items()}
@@ -94,12 +94,12 @@ def test_sixteen_concurrent_requests_are_all_correct(served, tiny_model):
 def test_short_prompts_are_prefilled_on_the_decode_server(served, tiny_model):
     prompt = "Hello"
     assert len(tokenizer(tiny_model)(prompt)["input_ids"]) < THRESHOLD
-    local_before = served.metric("d0", 'pdserve_requests_total{outcome="local_prefill"}')
-    prefilled_before = served.metric("p0", 'pdserve_requests_total{outcome="prefilled"}')
+    local_before = served.metric("d0", 'pdserve_request_paths_total{path="local_prefill"}')
+    prefilled_before = served.metric("p0", 'pdserve_requests_total{outcome="ok"}')
     r = served.client().completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
     assert r.choices[0].text == expected_completion(tiny_model, prompt, 16)[0]
-    assert served.metric("d0", 'pdserve_requests_total{outcome="local_prefill"}') == local_before + 1
-    assert served.metric("p0", 'pdserve_requests_total{outcome="prefilled"}') == prefilled_before
+    assert served.metric("d0", 'pdserve_request_paths_total{path="local_prefill"}') == local_before + 1
+    assert served.metric("p0", 'pdserve_requests_total{outcome="ok"}') == prefilled_before
 
 
 def test_stop_string_ends_the_answer_before_it(served, tiny_model):

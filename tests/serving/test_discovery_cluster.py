@@ -71,10 +71,10 @@ def test_a_decode_server_joins_serves_and_leaves_and_churn_leaves_nothing_behind
     peers = admin.get(f"{a.server('p0')['url']}/admin/peers").json()["peers"]
     assert peers == {"d0": a.server("d0")["url"], "d1": d1_url}  # the router announced d1 to p0
     admin.post(f"{a.router_url}/admin/workers/d0/drain")  # everything goes to d1 now
-    reserved = b.metric("d1", 'pdserve_requests_total{outcome="reserved"}')
+    reserved = b.metric("d1", 'pdserve_request_paths_total{path="remote_kv"}')
     for _ in range(3):
         answer(a, tiny_model)
-    assert b.metric("d1", 'pdserve_requests_total{outcome="reserved"}') - reserved == 3
+    assert b.metric("d1", 'pdserve_request_paths_total{path="remote_kv"}') - reserved == 3
     left = admin.delete(f"{a.router_url}/admin/workers/d1").json()
     assert left["left"] and left["inflight"] == 0
     assert [w["name"] for w in admin.get(f"{a.router_url}/admin/workers").json()["workers"]] == ["p0", "d0"]
@@ -114,7 +114,7 @@ def test_a_router_launched_with_only_part_of_the_cluster_starts_and_serves_the_o
             assert health["launch_id"] == rd.http.get(f"{rd.server('d0')['url']}/health").json()["launch_id"]
             assert health["launch_id"] != p.http.get(f"{p.server('p0')['url']}/health").json()["launch_id"]
             answer(rd, tiny_model)
-            assert rd.metric("d0", "pdserve_requests_total{outcome=\"reserved\"}") >= 1  # p0 prefilled it
+            assert rd.metric("d0", "pdserve_request_paths_total{path=\"remote_kv\"}") >= 1  # p0 prefilled it
         finally:
             rd.stop()
     finally:

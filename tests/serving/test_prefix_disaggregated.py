@@ -31,10 +31,10 @@ def test_a_shared_prefix_moves_fewer_bytes_computes_less_and_stays_exact(served,
     names = {"bytes": ("p0", "pdserve_transfer_bytes_total"),
              "p_prompt": ("p0", 'pdserve_engine_tokens_total{kind="prompt"}'),
              "p_hits": ("p0", "pdserve_prefix_cache_hits_tokens_total"),
-             "p_prefilled": ("p0", 'pdserve_requests_total{outcome="prefilled"}'),
+             "p_prefilled": ("p0", 'pdserve_requests_total{outcome="ok"}'),
              "d_prompt": ("d0", 'pdserve_engine_tokens_total{kind="prompt"}'),
              "d_hits": ("d0", "pdserve_prefix_cache_hits_tokens_total"),
-             "d_local": ("d0", 'pdserve_requests_total{outcome="local_prefill"}')}
+             "d_local": ("d0", 'pdserve_request_paths_total{path="local_prefill"}')}
 
     def snapshot() -> dict[str, float]:
         return {key: served.metric(*where) for key, where in names.items()}

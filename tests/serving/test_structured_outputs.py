@@ -78,7 +78,7 @@ def test_strict_json_schema_answer_equals_the_masked_oracle_and_validates(served
     spec = StructuredSpec("json_schema", json.dumps(SCHEMA))
     expected = decode(tiny_model, hf_masked_greedy(tiny_model, chat_ids(tiny_model, MESSAGES), spec, 100))
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA, "strict": True}}
-    prefilled = served.metric("p0", 'pdserve_requests_total{outcome="prefilled"}') if "p0" in _names(served) else 0
+    prefilled = served.metric("p0", 'pdserve_requests_total{outcome="ok"}') if "p0" in _names(served) else 0
     kw = dict(model="tiny", messages=MESSAGES, max_tokens=100, temperature=0, response_format=fmt)
     if stream:
         chunks = list(served.client().chat.completions.create(stream=True, **kw))
@@ -89,7 +89,7 @@ def test_strict_json_schema_answer_equals_the_masked_oracle_and_validates(served
     assert text == expected and finish == "stop"
     jsonschema.validate(json.loads(text), SCHEMA)
     if "p0" in _names(served):  # the first token was sampled on the prefill server, under the grammar
-        assert served.metric("p0", 'pdserve_requests_total{outcome="prefilled"}') == prefilled + 1
+        assert served.metric("p0", 'pdserve_requests_total{outcome="ok"}') == prefilled + 1
 
 
 def test_the_sdk_parse_helper_reads_a_json_schema_answer(served):
