@@ -18,22 +18,8 @@ import sys
 
 from bench import cli as bench_cli
 from deploy import launch_cli, process_cli, render_cli
+from deploy.version import version
 from engine import cli as engine_cli
-
-
-def version() -> str:
-    """The installed package's version; from a checkout that is not installed, its pyproject.toml's."""
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
-    try:
-        return installed("pdserve")
-    except PackageNotFoundError:
-        import tomllib
-        from pathlib import Path
-
-        with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
-            return tomllib.load(f)["project"]["version"]
 
 
 class CliError(Exception):

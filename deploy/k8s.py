@@ -8,6 +8,19 @@ For a cluster named N (``kubernetes.name``, default ``pdserve-<config file stem>
     StatefulSet  N-<instance>         one per named instance, 1 replica, pod N-<instance>-0
     Deployment   N-router             the router (stateless), kubernetes.router_replicas
     Service      N-router             the OpenAI endpoint, port router.port
+    PodDisruptionBudget N-<role>      a node drain evicts one pod of a role at a time
+    NetworkPolicy N-<role>            (kubernetes.network_policy) who may reach a role's pods
+
+Every pod runs as user 10001 (deploy/Dockerfile's), with a read-only root
+file system (a writable emptyDir at /tmp, also HOME), no privilege escalation,
+no capabilities and the runtime's seccomp profile; each container's memory
+limit is its request. The NetworkPolicy of the prefill and decode pods lets
+any pod of this cluster in on any port (with NIXL, UCX listens on ports it
+picks itself, so a policy naming the declared KV ports would cut transfers)
+and anyone else only on the HTTP port (Prometheus; every route but /health
+and /metrics wants the internal secret); the KV ports and UCX's listeners,
+the unauthenticated data plane, are thereby closed to everything outside the
+cluster. The router's lets anyone in on its port (the OpenAI endpoint).
 
 A named instance is one pod, and a role's replicas are its named instances:
 instances of one role may differ (ports, block size, layout, device), and each
@@ -46,6 +59,7 @@ from pydantic import ValidationError
 from deploy.config import ClusterConfig, ConfigError, Instance, load_config, parse_config
 from deploy.k8s_config import KubernetesConfig
 from deploy.models import is_builtin
+from deploy.version import version
 
 CONFIG_DIR = "/etc/pdserve/config"
 CONFIG_FILE = f"{CONFIG_DIR}/cluster.yaml"
@@ -65,6 +79,7 @@ LIVENESS_PATH_ROUTER = "/metrics"
 UCX_TLS_CPU = "tcp"
 UCX_TLS_CUDA = "^sm,cma,cuda_ipc"  # UCX's choice (rc, cuda_copy, tcp, ...) minus those
 SUBCOMMAND = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}  # `pdserve <sub>` per role
+RUN_AS = 10001  # deploy/Dockerfile's user
 
 
 @dataclass(frozen=True)
@@ -90,7 +105,8 @@ def render(config_path: Path, name: str | None = None, namespace: str | None = N
     raw = yaml.safe_load(Path(config_path).read_text())
     updates = {k: v for k, v in (("name", name), ("namespace", namespace), ("image", image)) if v}
     try:
-        k8s = KubernetesConfig.model_validate({**cluster.kubernetes.model_dump(exclude_unset=True), **updates})
+        k8s = KubernetesConfig.model_validate({"image": f"pdserve:{version()}",
+                                               **cluster.kubernetes.model_dump(exclude_unset=True), **updates})
     except ValidationError as exc:
         (err,) = exc.errors()[:1]
         raise ConfigError(f"--{err['loc'][0]} {err['input']!r}: {err['msg']}") from None
@@ -115,6 +131,10 @@ def render(config_path: Path, name: str | None = None, namespace: str | None = N
     objects += [_headless_service(names, role, insts) for role, insts in _roles(cluster).items()]
     objects += [_statefulset(pods, role, inst) for role, insts in _roles(cluster).items() for inst in insts]
     objects += [_router_deployment(pods), _router_service(cluster, k8s, names)]
+    objects += [_disruption_budget(names, role) for role in [*_roles(cluster), "router"]]
+    if k8s.network_policy:
+        objects += [_network_policy(names, role, [i.port for i in insts]) for role, insts in _roles(cluster).items()]
+        objects.append(_network_policy(names, "router", [cluster.router.port], open_to_all=True))
     return Rendered(names.cluster, k8s.namespace, names.secret, keys, objects)
 
 
@@ -219,6 +239,7 @@ class _PodParts:
 
     def volumes(self) -> list[dict]:
         vols = [{"name": "config", "configMap": {"name": self.names.config_map}},
+                {"name": "tmp", "emptyDir": {}},  # the one writable place: the root file system is read-only
                 {"name": "secrets", "secret": {"secretName": self.names.secret, "defaultMode": 0o400,
                                                "items": [{"key": k, "path": k} for k in self.secret_keys]}}]
         if self.k8s.model_pvc:
@@ -227,6 +248,7 @@ class _PodParts:
 
     def mounts(self) -> list[dict]:
         mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                  {"name": "tmp", "mountPath": "/tmp"},
                   {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True}]
         if self.k8s.model_pvc:
             mounts.append({"name": "model", "mountPath": self.cluster.model, "readOnly": True})
@@ -234,7 +256,7 @@ class _PodParts:
 
     def container(self, name: str, command: list[str], ports: dict[str, int], resources: dict,
                   liveness_path: str, env: dict[str, str]) -> dict:
-        env = {"PYTHONUNBUFFERED": "1", **env}
+        env = {"PYTHONUNBUFFERED": "1", "HOME": "/tmp", **env}  # caches (Hugging Face, torch) under HOME
         return {
             "name": name, "image": self.k8s.image, "imagePullPolicy": self.k8s.image_pull_policy,
             "command": command, "env": [{"name": k, "value": v} for k, v in env.items()],
@@ -249,15 +271,24 @@ class _PodParts:
             # router's discovery and the Service drop this pod, so new work goes elsewhere.
             "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(self.k8s.prestop_s)]}}},
             "volumeMounts": self.mounts(),
-            "securityContext": {"allowPrivilegeEscalation": False},
+            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"]}},
         }
 
     def template(self, labels: dict, http_port: int, container: dict, instance: str | None) -> dict:
         annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),
                        "prometheus.io/path": "/metrics", "pdserve.io/config-sha256": self.config_digest(instance)}
-        return {"metadata": {"labels": labels, "annotations": annotations},
-                "spec": {"terminationGracePeriodSeconds": self.grace_s, "automountServiceAccountToken": False,
-                         "enableServiceLinks": False, "containers": [container], "volumes": self.volumes()}}
+        spec = {"terminationGracePeriodSeconds": self.grace_s, "automountServiceAccountToken": False,
+                "enableServiceLinks": False,
+                "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
+                                    "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}},
+                "containers": [container], "volumes": self.volumes()}
+        if instance is not None:  # a server pod: the hooks that place it (GPU nodes)
+            if self.k8s.node_selector:
+                spec["nodeSelector"] = dict(self.k8s.node_selector)
+            if self.k8s.tolerations:
+                spec["tolerations"] = list(self.k8s.tolerations)
+        return {"metadata": {"labels": labels, "annotations": annotations}, "spec": spec}
 
 
 def _probe(path: str, period: int, failures: int) -> dict:
@@ -279,9 +310,10 @@ def _statefulset(pods: _PodParts, role: str, inst: Instance) -> dict:
     # as ServerSettings would pick them (deploy/config.py), without reading the secret file it names
     threads = inst.num_threads or cluster.engine.num_threads or 1
     device = inst.device or cluster.engine.device or cluster.device
-    resources: dict = {"requests": {"cpu": str(threads), "memory": pods.k8s.memory}}
+    resources: dict = {"requests": {"cpu": str(threads), "memory": pods.k8s.memory},
+                       "limits": {"memory": pods.k8s.memory}}
     if device.startswith("cuda"):
-        resources["limits"] = {"nvidia.com/gpu": 1}
+        resources["limits"]["nvidia.com/gpu"] = 1
     env = {}
     if cluster.transfer.backend == "nixl":
         env["UCX_TLS"] = pods.k8s.ucx_tls or (UCX_TLS_CUDA if device.startswith("cuda") else UCX_TLS_CPU)
@@ -297,7 +329,8 @@ def _statefulset(pods: _PodParts, role: str, inst: Instance) -> dict:
 
 def _router_deployment(pods: _PodParts) -> dict:
     cluster, k8s, names = pods.cluster, pods.k8s, pods.names
-    resources = {"requests": {"cpu": k8s.router_cpu, "memory": k8s.router_memory}}
+    resources = {"requests": {"cpu": k8s.router_cpu, "memory": k8s.router_memory},
+                 "limits": {"memory": k8s.router_memory}}
     container = pods.container("router", ["pdserve", "router", "--config", CONFIG_FILE],
                                {"http": cluster.router.port}, resources, LIVENESS_PATH_ROUTER, env={})
     labels = names.labels("router")
@@ -310,3 +343,22 @@ def _router_service(cluster: ClusterConfig, k8s: KubernetesConfig, names: _Names
     spec = {"type": k8s.router_service_type, "selector": names.selector("router"),
             "ports": [{"name": "http", "port": cluster.router.port, "targetPort": "http", "protocol": "TCP"}]}
     return names.meta_object("v1", "Service", names.router, names.labels("router"), spec=spec)
+
+
+def _disruption_budget(names: _Names, role: str) -> dict:
+    spec = {"maxUnavailable": 1, "selector": {"matchLabels": names.selector(role)}}
+    return names.meta_object("policy/v1", "PodDisruptionBudget", f"{names.cluster}-{role}", names.labels(role),
+                             spec=spec)
+
+
+def _network_policy(names: _Names, role: str, http_ports: list[int], open_to_all: bool = False) -> dict:
+    """Who may reach a role's pods (see the module docstring)."""
+    http = [{"protocol": "TCP", "port": port} for port in sorted(set(http_ports))]
+    if open_to_all:
+        ingress = [{"ports": http}]
+    else:
+        members = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": names.cluster}}}
+        ingress = [{"from": [members]}, {"ports": http}]
+    spec = {"podSelector": {"matchLabels": names.selector(role)}, "policyTypes": ["Ingress"], "ingress": ingress}
+    return names.meta_object("networking.k8s.io/v1", "NetworkPolicy", f"{names.cluster}-{role}",
+                             names.labels(role), spec=spec)

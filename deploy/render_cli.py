@@ -23,8 +23,9 @@ def add_parser(subparsers) -> None:
         "k8s", help="Kubernetes manifests for `kubectl apply -f DIR`",
         description="Write one YAML file per Kubernetes object into DIR: a ConfigMap with the cluster YAML, "
                     "headless Services (the router's DNS discovery), one StatefulSet per prefill/decode "
-                    "instance, the router's Deployment and Service. Secrets are referenced by name, never "
-                    "written: create the Secret it names with kubectl (printed at the end).",
+                    "instance, the router's Deployment and Service, a PodDisruptionBudget per role and (unless "
+                    "kubernetes.network_policy is false) a NetworkPolicy per role. Secrets are referenced by "
+                    "name, never written: create the Secret it names with kubectl (printed at the end).",
     )
     k8s.add_argument("config", help="cluster YAML file, e.g. configs/1p1d.yaml")
     k8s.add_argument("--out", required=True, help="folder for the manifests (created; files it rendered before "
@@ -33,7 +34,7 @@ def add_parser(subparsers) -> None:
                                                   "pdserve-<config file stem>)")
     k8s.add_argument("--namespace", default=None, help="default kubernetes.namespace, else default")
     k8s.add_argument("--image", default=None, help="container image (default kubernetes.image, else "
-                                                   "pdserve:latest; build it with deploy/Dockerfile)")
+                                                   "pdserve:<version>; build it with deploy/Dockerfile)")
     k8s.set_defaults(func=run_k8s)
 
 

@@ -12,7 +12,7 @@ import yaml
 
 from deploy.cli import main
 from deploy.config import ConfigError, parse_config
-from deploy.k8s import MODEL_CACHE, SECRET_DIR
+from deploy.k8s import MODEL_CACHE, RUN_AS, SECRET_DIR
 from tests.deploy.manifests import CONFIGS, REPO, Manifests, container, render
 
 INTERNAL = "internal-secret-value-4f1c9a7b"
@@ -121,6 +121,7 @@ def test_the_dockerfile_installs_with_the_script_and_exposes_the_default_ports()
     assert re.search(r"^ARG TORCH_INDEX_URL=https://download\.pytorch\.org/whl/cpu$", text, re.M)
     assert "TORCH_INDEX_URL" in (REPO / "scripts" / "install.sh").read_text()  # the script honours the build arg
     assert MODEL_CACHE in text  # prebuilt models where the rendered config looks for them
+    assert re.search(rf"^USER {RUN_AS}$", text, re.M)  # the user the rendered pods run as
     (expose,) = re.findall(r"^EXPOSE (.+)$", text, re.M)
     default = parse_config(yaml.safe_load((REPO / "configs" / "1p1d.yaml").read_text()), "1p1d.yaml")
     ports = {default.router.port} | {p for i in default.instances() for p in (i.port, i.transfer_port)}

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from decode_server.app import create_app as decode_app
-from deploy.k8s import CONFIG_FILE, GRACE_MARGIN_S
+from deploy.k8s import CONFIG_FILE, GRACE_MARGIN_S, RUN_AS
+from deploy.version import version
 from engine.config import EngineConfig
 from prefill_server.app import create_app as prefill_app
 from router.app import create_app as router_app
@@ -144,8 +145,9 @@ def test_cpu_requests_follow_threads_a_cuda_instance_gets_a_gpu_and_nixl_crosses
                       "kubernetes: {memory: 12Gi, model_pvc: qwen3-weights, namespace: llm}\n")
     m = render(config, tmp_path / "out")
     p0, d0 = (container(m.named("StatefulSet", f"pdserve-gpu-{n}")) for n in ("p0", "d0"))
-    assert p0["resources"] == {"requests": {"cpu": "4", "memory": "12Gi"}, "limits": {"nvidia.com/gpu": 1}}
-    assert d0["resources"] == {"requests": {"cpu": "2", "memory": "12Gi"}}
+    assert p0["resources"] == {"requests": {"cpu": "4", "memory": "12Gi"},
+                               "limits": {"memory": "12Gi", "nvidia.com/gpu": 1}}
+    assert d0["resources"] == {"requests": {"cpu": "2", "memory": "12Gi"}, "limits": {"memory": "12Gi"}}
     assert {"name": "model", "mountPath": "/models/qwen3", "readOnly": True} in d0["volumeMounts"]
     assert {o["metadata"]["namespace"] for o in m.objects} == {"llm"}
     # NIXL between pods: no shared-memory, CMA or CUDA IPC transport (pods do not share those namespaces)
@@ -169,3 +171,69 @@ def test_adding_an_instance_restarts_no_running_server_but_a_changed_setting_res
     assert [container(s)["command"][-1] for s in b.of_kind("StatefulSet")] == ["p0", "d0", "d1"]
     for other in (b, c):
         assert other.of_kind("Deployment") != a.of_kind("Deployment")
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_pods_run_unprivileged_with_a_pinned_image_and_memory_limits(config, tmp_path):
+    m = render(config, tmp_path)
+    for w in m.workloads():
+        pod, c = w["spec"]["template"]["spec"], container(w)
+        assert c["image"] == f"pdserve:{version()}"  # the package's own tag, never a moving latest
+        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
+                                          "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}}
+        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                        "capabilities": {"drop": ["ALL"]}}
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]  # the one writable place, also HOME
+        assert {"name": "HOME", "value": "/tmp"} in c["env"]
+        assert c["resources"]["limits"]["memory"] == c["resources"]["requests"]["memory"]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=IDS)
+def test_budgets_and_policies_select_exactly_their_role_s_pods(config, tmp_path):
+    m = render(config, tmp_path)
+    roles = {w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] for w in m.workloads()}
+    for kind in ("PodDisruptionBudget", "NetworkPolicy"):
+        objects = m.of_kind(kind)
+        assert sorted(o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objects) == sorted(roles)
+        for obj in objects:
+            selector = obj["spec"]["selector" if kind == "PodDisruptionBudget" else "podSelector"]["matchLabels"]
+            picked = {w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+                      for w in m.workloads() if _matches(selector, w["spec"]["template"]["metadata"]["labels"])}
+            assert picked == {obj["metadata"]["labels"]["app.kubernetes.io/component"]}
+    for pdb in m.of_kind("PodDisruptionBudget"):
+        assert pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_the_network_policy_keeps_strangers_off_the_data_plane_but_not_off_http(tmp_path):
+    """Pods of the cluster reach a server on any port (UCX listens where it likes); anyone else
+    only on the server's HTTP port (metrics); the router's port is open to all."""
+    m = render(REPO / "configs" / "1p1d.yaml", tmp_path)
+    cluster = m.pod_config()
+    (prefill,) = [p for p in m.of_kind("NetworkPolicy") if p["metadata"]["name"].endswith("-prefill")]
+    members, http_only = prefill["spec"]["ingress"]
+    assert members == {"from": [{"podSelector": {"matchLabels": {
+        "app.kubernetes.io/instance": prefill["metadata"]["labels"]["app.kubernetes.io/instance"]}}}]}
+    assert http_only == {"ports": [{"protocol": "TCP", "port": cluster.prefill[0].port}]}
+    assert all(cluster.prefill[0].transfer_port != p["port"] for p in http_only["ports"])
+    (router,) = [p for p in m.of_kind("NetworkPolicy") if p["metadata"]["name"].endswith("-router")]
+    assert router["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": cluster.router.port}]}]
+
+
+def test_gpu_placement_hooks_go_to_server_pods_and_policies_can_be_left_out(tmp_path):
+    config = tmp_path / "placed.yaml"
+    config.write_text("model: /models/qwen3\nsecurity: {internal_secret_file: /nowhere}\n"
+                      "prefill: [{name: p0, port: 8100}]\ndecode: [{name: d0, port: 8200}]\n"
+                      "kubernetes:\n  image: registry.example.com/pdserve@sha256:" + "a" * 64 + "\n"
+                      "  network_policy: false\n"
+                      "  node_selector: {nvidia.com/gpu.present: 'true'}\n"
+                      "  tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]\n")
+    m = render(config, tmp_path / "out")
+    assert m.of_kind("NetworkPolicy") == []
+    for w in m.workloads():
+        pod = w["spec"]["template"]["spec"]
+        assert container(w)["image"] == "registry.example.com/pdserve@sha256:" + "a" * 64
+        if w["kind"] == "StatefulSet":
+            assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+            assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+        else:
+            assert "nodeSelector" not in pod and "tolerations" not in pod
