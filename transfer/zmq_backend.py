@@ -79,6 +79,10 @@ class ZmqBackend(Backend):
         self._staging = np.empty(0, dtype=np.uint8)
         self._write_limit = lambda transfer_id: None  # no reservation known: every write is refused
         self._identity_of: dict[str, bytes] = {}  # sender name -> the identity we assigned it (receiver)
+        # Receiver: when each sender was met, and those whose connection the ROUTER has routed to since
+        # (``peer_connected``: a sender met moments ago may not have connected yet).
+        self._met_at: dict[str, float] = {}
+        self._routed: set[str] = set()
         self._peer_of: dict[bytes, str] = {}  # and back
         self.endpoint = None
         self._router = None
@@ -127,6 +131,8 @@ class ZmqBackend(Backend):
             self._peer_of.pop(self._identity_of.pop(peer, b""), None)
             identity = secrets.token_hex(16).encode()  # never starts with a zero byte (reserved by ZeroMQ)
             self._identity_of[peer], self._peer_of[identity] = identity, peer
+            self._met_at[peer] = time.monotonic()
+            self._routed.discard(peer)
             return
         identity = meta.get("identity")
         if not isinstance(identity, bytes) or not identity:
@@ -144,7 +150,9 @@ class ZmqBackend(Backend):
 
     def peer_connected(self, peer: str) -> bool:
         """An empty frame to its identity: with ``ROUTER_MANDATORY`` the ROUTER refuses it
-        (EHOSTUNREACH) once that connection is gone. Senders ignore frames they cannot decode."""
+        (EHOSTUNREACH) once that connection is gone. Senders ignore frames they cannot decode.
+        A sender met less than ``connect_timeout_s`` ago whose connection the ROUTER never had
+        yet counts as connected: it connects right after the handshake, asynchronously."""
         identity = self._identity_of.get(peer)
         if self._router is None or identity is None:
             return False
@@ -153,7 +161,9 @@ class ZmqBackend(Backend):
         except zmq.Again:  # connected, its queue full
             return True
         except zmq.ZMQError:
-            return False
+            connecting = peer not in self._routed and time.monotonic() - self._met_at.get(peer, 0.0) < self._timeout
+            return connecting
+        self._routed.add(peer)
         return True
 
     def _enqueue(self, peer: str, frames: list) -> None:
@@ -237,6 +247,7 @@ class ZmqBackend(Backend):
                 self._discard_rest(self._router)
                 out.append(Dropped(peer or identity.hex()[:64], "unbound_identity" if peer is None else "malformed"))
                 continue
+            self._routed.add(peer)  # it has connected (peer_connected)
             head = self._router.recv()
             if not self._router.getsockopt(zmq.RCVMORE):
                 out.append(NoticeIn(peer, head))

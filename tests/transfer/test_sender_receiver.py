@@ -240,6 +240,18 @@ def test_write_into_a_pinned_cached_prefix_block_fails_the_transfer_and_is_not_a
         receiver.expect([3, 2], lease_s=10, writable_from=2)
 
 
+def test_a_name_met_moments_ago_stays_bound_while_its_connection_is_being_set_up(hub, closing):
+    """The receiver answers a hello before the sender connects (ZeroMQ connects in the background):
+    a second hello under that name in the meantime is refused, not taken for a restart."""
+    src = layout()
+    receiver = closing(make_receiver("zmq", hub, "D", src))
+    real = closing(make_sender("zmq", hub, "P", src))
+    receiver.accept(real.hello())  # met; real has not connected (no connect() with the answer yet)
+    impostor = closing(make_sender("zmq", hub, "P", src))
+    with pytest.raises(PeerBound, match="'P' is bound to another instance"):
+        receiver.accept(impostor.hello())
+
+
 def test_a_second_instance_under_a_bound_name_is_refused_while_the_first_is_connected(hub, closing):
     """Only a restarted prefill server may take its name over: one holding the internal secret
     cannot unbind the live one by sending a hello under its name."""
