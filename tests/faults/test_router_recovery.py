@@ -87,7 +87,7 @@ def test_prefill_failure_starts_over_once_on_the_other_prefill_server_under_a_ne
     assert [req.local_prefill for _, req in fake.opened] == [False, False]
     assert ("d0", "r1") in fake.aborts and ("p0", "r1") in fake.aborts  # the first attempt is freed
     assert [w.name for w in registry.healthy("prefill")] == ["p1"]
-    assert dispatcher.recovery.retries.labels(action="retry", cause="unreachable")._value.get() == 1
+    assert dispatcher.recovery.retries.labels(action="retry", outcome="unreachable")._value.get() == 1
     assert all(w.inflight == 0 for w in registry.workers)
 
 
