@@ -34,12 +34,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, SecretStr, ValidationError, model_validator
 
-from deploy.config_security import ConfigError, SecurityConfig, Strict, looks_secret
+from deploy.config_security import ConfigError as ConfigError  # callers catch it as deploy.config's
+from deploy.config_security import SecurityConfig, Strict, looks_secret
 from deploy.k8s_config import KubernetesConfig
 from deploy.models import is_builtin, resolve_model
 from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
@@ -394,7 +395,7 @@ class ClusterConfig(Strict):
         inst = self.instance(name)
         d = self.engine
 
-        def pick(field: str):
+        def pick(field: str) -> Any:
             value = getattr(inst, field)
             return getattr(d, field) if value is None else value
 
@@ -431,7 +432,7 @@ def _where(loc: tuple) -> str:
     return out or "(top level)"
 
 
-def _lookup(data, loc: tuple):
+def _lookup(data: Any, loc: tuple) -> Any:
     for part in loc:
         try:
             data = data[part]

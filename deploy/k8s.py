@@ -175,7 +175,7 @@ class _Names:
         extra = {"pdserve.io/instance": instance} if instance else {}
         return {**self.selector(component), **extra, "app.kubernetes.io/part-of": "pdserve"}
 
-    def meta_object(self, api: str, kind: str, name: str, labels: dict, **fields) -> dict:
+    def meta_object(self, api: str, kind: str, name: str, labels: dict, **fields: object) -> dict:
         return {"apiVersion": api, "kind": kind,
                 "metadata": {"name": name, "namespace": self.k8s.namespace, "labels": labels}, **fields}
 
@@ -247,9 +247,9 @@ class _PodParts:
         return vols
 
     def mounts(self) -> list[dict]:
-        mounts = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-                  {"name": "tmp", "mountPath": "/tmp"},
-                  {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True}]
+        mounts: list[dict] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+                              {"name": "tmp", "mountPath": "/tmp"},
+                              {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True}]
         if self.k8s.model_pvc:
             mounts.append({"name": "model", "mountPath": self.cluster.model, "readOnly": True})
         return mounts
@@ -354,6 +354,7 @@ def _disruption_budget(names: _Names, role: str) -> dict:
 def _network_policy(names: _Names, role: str, http_ports: list[int], open_to_all: bool = False) -> dict:
     """Who may reach a role's pods (see the module docstring)."""
     http = [{"protocol": "TCP", "port": port} for port in sorted(set(http_ports))]
+    ingress: list[dict]
     if open_to_all:
         ingress = [{"ports": http}]
     else:

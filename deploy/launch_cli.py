@@ -6,7 +6,7 @@ import argparse
 import os
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "launch", help="start every process of a cluster config and the router",
         description="Start the prefill, decode (or colocated) servers and the router of CONFIG, wait until "

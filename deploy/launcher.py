@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,7 +159,7 @@ class Cluster:
         args = ["router"] if old.role == "router" else [command, "--name", name]
         return self._spawn(old.role, name, old.url, args)
 
-    def first_dead(self, skip: set[str] = frozenset()) -> Proc | None:
+    def first_dead(self, skip: Collection[str] = frozenset()) -> Proc | None:
         """The first process whose exit stops the cluster unless it is restarted (see the module
         docstring); processes named in ``skip`` (waiting for their restart) are passed over."""
         for proc in self.procs:

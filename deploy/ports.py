@@ -75,7 +75,7 @@ def listeners(port: int) -> set[str]:
 def holders(port: int) -> list[tuple[int, str]]:
     """(pid, command line) of the processes this user may inspect that listen on ``port``."""
     wanted = {f"socket:[{inode}]" for inode in listeners(port)}
-    found = []
+    found: list[tuple[int, str]] = []
     if not wanted:
         return found
     for entry in os.scandir("/proc"):

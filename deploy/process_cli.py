@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from server_common.settings import ServerSettings
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 
-def add_parsers(subparsers) -> None:
+def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "router", help="run the OpenAI-compatible router of a cluster config",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics, "
@@ -39,7 +44,8 @@ def add_parsers(subparsers) -> None:
     )
 
 
-def _add_server_parser(subparsers, command: str, func, help: str, description: str) -> None:
+def _add_server_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], command: str,
+                       func: Callable[[argparse.Namespace], int], help: str, description: str) -> None:
     p = subparsers.add_parser(command, help=help, description=description)
     p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
     p.add_argument("--name", required=True, help="this instance's name in the config")
@@ -78,7 +84,7 @@ def run_decode(args: argparse.Namespace) -> int:
     return run(_confined(_server_settings(args, ("decode", "colocated"))), args.log_level)
 
 
-def _server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]):
+def _server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]) -> ServerSettings:
     from deploy.config import ConfigError, load_config
     from server_common.run import setup_logging
 
@@ -90,7 +96,7 @@ def _server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]):
     return dataclasses.replace(cluster.server_settings(args.name, cluster.model_path()), launch_id=args.launch_id)
 
 
-def _confined(settings):
+def _confined(settings: ServerSettings) -> ServerSettings:
     """``settings``, once a NIXL server's UCX is kept to the interface of its host: UCX reads
     ``UCX_NET_DEVICES`` when the agent starts and otherwise listens on every interface
     (transfer/netdev.py)."""

@@ -46,7 +46,7 @@ class Heartbeat:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._done.set()
         self._thread.join()
 

@@ -13,7 +13,7 @@ import yaml
 HEADER = "# Rendered by `pdserve render k8s` from {source}; edit the cluster YAML and render again.\n"
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
     render = subparsers.add_parser(
         "render", help="render deployment files from a cluster config (Kubernetes manifests)",
         description="Render the files that run a cluster config on another platform.",
@@ -65,7 +65,7 @@ def run_k8s(args: argparse.Namespace) -> int:
 class _Dumper(yaml.SafeDumper):
     """Plain YAML for people to read: no anchors, multi-line strings as ``|`` blocks."""
 
-    def ignore_aliases(self, data) -> bool:
+    def ignore_aliases(self, data: object) -> bool:
         return True
 
 

@@ -70,6 +70,8 @@ def add_admin_routes(app: FastAPI, registry: WorkerRegistry, authorize: Callable
         authorize(request)
         worker(name)
         left = await discovery().leave(name)
+        if left is None:  # another call made it leave meanwhile
+            raise OpenAIError(404, f"no worker named {name!r}", param="name")
         return JSONResponse(describe(left) | {"left": True})
 
     @app.post("/admin/workers/{name}/drain", include_in_schema=False)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -19,7 +21,7 @@ from router.api.api_requests import ChatCompletionRequest, CompletionRequest
 from router.api.grammar_check import GrammarChecker
 from router.api.limits import RequestLimits, openai_413
 from router.api.model import ServedModel
-from router.api.openai_handlers import OpenAIHandlers
+from router.api.openai_handlers import Answered, OpenAIHandlers
 from router.cluster.admission import Admission, AdmissionSettings
 from router.cluster.discovery import Discovery
 from router.cluster.dispatch import Dispatcher, DispatchSettings
@@ -44,9 +46,10 @@ from server_common.tracing import Tracing
 
 DISCONNECT_POLL_S = 0.25
 HEALTH_CONNECTIONS = 64  # the health checks' own client: at most this many checks at once, each on its own connection
+T = TypeVar("T")
 
 
-async def until_disconnect(request: Request, work):
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run ``work``; cancel it (its ``finally`` aborts the request on the servers)
     if the client goes away first. Streams notice a disconnect by themselves."""
     task = asyncio.ensure_future(work)
@@ -64,7 +67,8 @@ async def until_disconnect(request: Request, work):
             task.cancel()
 
 
-def create_app(settings: RouterSettings, model: ServedModel | None = None, client=None) -> FastAPI:
+def create_app(settings: RouterSettings, model: ServedModel | None = None,
+               client: WorkerClient | None = None) -> FastAPI:
     """``model`` and ``client`` (a WorkerClient look-alike) may be given by unit tests.
 
     ``app.state.drain`` is what SIGTERM starts (``server_common.run.serve``):
@@ -97,7 +101,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
     kv_index = KvIndex() if settings.policy == "cache_aware" or settings.local_prefill_threshold > 0 else None
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # Requests and health checks on separate clients: a check never waits behind requests for a connection.
         headers = auth_headers(settings.internal_secret)
         keepalive_s = settings.worker_keepalive_s
@@ -123,7 +127,10 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                 poller = KvEventPoller(registry, kv_index, health_http, settings.kv_events_interval)
                 tasks.append(asyncio.create_task(poller.run()))
             if settings.log_stats_interval > 0:
-                tasks.append(asyncio.create_task(log_stats(router_snapshot, router_line, settings.log_stats_interval)))
+                stats = log_stats(router_snapshot,
+                                  router_line,  # type: ignore[arg-type]  # log_stats types its snapshots as object
+                                  settings.log_stats_interval)
+                tasks.append(asyncio.create_task(stats))
             app.state.kv_index = kv_index
             try:
                 yield
@@ -177,7 +184,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
                               int(value("pdserve_router_completion_tokens_total") or 0),
                               sum(w.in_rotation for w in registry.workers), len(registry.workers))
 
-    async def respond(request: Request, endpoint: str, call) -> Response:
+    async def respond(request: Request, endpoint: str,
+                      call: Callable[[str, str | None, int], Awaitable[Answered]]) -> Response:
         """``call(request_id, traceparent, body_bytes)``: the handler's coroutine for this request."""
         rid = request_id_of(request)
         try:
@@ -188,8 +196,8 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         metrics.inflight.inc()
         status, code = 500, None
         try:
-            session, result = await until_disconnect(request, call(rid, request.headers.get("traceparent"),
-                                                                   len(await request.body())))
+            answer = await until_disconnect(request, call(rid, request.headers.get("traceparent"),
+                                                          len(await request.body())))
             status = 200
         except OpenAIError as exc:
             status, code = exc.status, exc.code
@@ -199,8 +207,9 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
             metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
             if status != 200:
                 access.refused(rid, endpoint, status, code)
-        if session is None:
-            return result  # encoded by the handler (off the event loop when large)
+        if answer[0] is None:
+            return answer[1]  # encoded by the handler (off the event loop when large)
+        session, result = answer
         # session.close is idempotent: the stream closes it in `finally`, the
         # background task covers a client that left before the first chunk.
         return StreamingResponse(result, media_type="text/event-stream", background=BackgroundTask(session.close),
@@ -232,7 +241,7 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None, clien
         workers = [openapi.WorkerHealth(name=w.name, role=w.role, url=w.url, healthy=w.healthy,
                                         in_rotation=w.in_rotation) for w in registry.workers]
         ok = bool(registry.healthy("decode")) and not drain.draining
-        status = "draining" if drain.draining else "ok" if ok else "degraded"
+        status: openapi.HealthStatus = "draining" if drain.draining else "ok" if ok else "degraded"
         body = openapi.Health(status=status, workers=workers, launch_id=settings.launch_id)
         return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
 

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,10 @@ class RequestIdMiddleware:
     """Pure ASGI middleware (no buffering, so SSE and disconnects still work)
     that gives each request an id and echoes it in ``X-Request-Id``."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -96,7 +97,7 @@ class RequestIdMiddleware:
         state.setdefault("request_id", new_request_id())
         header = (b"x-request-id", state["request_id"].encode())
 
-        async def send_with_id(message) -> None:
+        async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message = dict(message, headers=[*message.get("headers", []), header])
             await send(message)
@@ -146,13 +147,18 @@ def is_union_member(part: str) -> bool:
 def install_error_handlers(app: FastAPI) -> None:
     """Map every error the app can raise to OpenAI's shape."""
 
+    # The decorator, not add_exception_handler: Starlette types each handler as taking any Exception, but calls it
+    # only with its own class's.
+    @app.exception_handler(OpenAIError)
     async def on_openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
         return error_response(exc)
 
+    @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = describe_validation_error(exc)
         return error_response(OpenAIError(400, message, param=param))
 
+    @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404:
@@ -164,12 +170,8 @@ def install_error_handlers(app: FastAPI) -> None:
             response.headers["Allow"] = exc.headers["Allow"]
         return response
 
+    @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         rid = request_id_of(request)
         log.exception("request %s failed", rid)
         return error_response(OpenAIError(500, f"internal server error (request id {rid})"))
-
-    app.add_exception_handler(OpenAIError, on_openai_error)
-    app.add_exception_handler(RequestValidationError, on_validation_error)
-    app.add_exception_handler(StarletteHTTPException, on_http_error)
-    app.add_exception_handler(Exception, on_unexpected)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -101,7 +102,7 @@ class _Workers:
     def __init__(self, workers: WorkerRegistry) -> None:
         self._workers = workers
 
-    def collect(self):
+    def collect(self) -> Iterator[GaugeMetricFamily]:
         healthy = GaugeMetricFamily("pdserve_router_worker_healthy", "1 when the worker is in rotation",
                                     labels=["worker", "role"])
         inflight = GaugeMetricFamily("pdserve_router_worker_inflight", "Requests this router has on the worker",

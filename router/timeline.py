@@ -10,11 +10,15 @@ per output token is (last token - first token) / (tokens - 1) per request.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Any
 
 from router.access_log import AccessLog
 from router.metrics import RouterMetrics
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
+
+if TYPE_CHECKING:
+    from router.cluster.session import Session
 
 
 class RequestTimeline:
@@ -29,7 +33,7 @@ class RequestTimeline:
         self._request_id = request_id
         self.arrived = time.monotonic()
         self._opened: float | None = None
-        self._first: float | None = None
+        self._first: float | None = None  # the first and the last token's arrival: set together
         self._last: float | None = None
         self._outcome: str | None = None
         self._closed = False
@@ -56,7 +60,7 @@ class RequestTimeline:
         if not n:
             return
         now = time.monotonic()
-        if self._first is None:
+        if self._last is None:
             self._first = now
             self._metrics.ttft.observe(now - self.arrived)
         else:
@@ -71,30 +75,29 @@ class RequestTimeline:
         m.completion_tokens.inc(num_tokens)
         m.generation_tokens_per_request.observe(num_tokens)
         m.finished.labels(finish_reason=reason).inc()
-        if num_tokens > 1 and self._first is not None:
+        if num_tokens > 1 and self._first is not None and self._last is not None:
             m.tpot.observe((self._last - self._first) / (num_tokens - 1))
         self._outcome = "ok"
 
     def failed(self, code: str | None) -> None:
         self._outcome = str(code or "error")
 
-    def close(self, session=None, num_tokens: int = 0) -> None:
+    def close(self, session: Session | None = None, num_tokens: int = 0) -> None:
         """End the request's spans (idempotent): a request neither finished nor failed was cancelled."""
         if self._closed:
             return
         self._closed = True
         if self._access is not None:
-            local = session is not None and session.prefill is None
+            prefill = None if session is None else "local" if session.prefill is None else session.prefill.name
             self._access.served(self._request_id, self._endpoint, self._outcome or "cancelled", self._prompt_tokens,
                                 num_tokens, None if self._first is None else self._first - self.arrived,
-                                time.monotonic() - self.arrived,
-                                "local" if local else session.prefill.name if session is not None else None,
+                                time.monotonic() - self.arrived, prefill,
                                 session.decode.name if session is not None else None)
         self._log.add(self._request_id, arrived=self.arrived, opened=self._opened, first_token=self._first,
                       last_token=self._last)
-        if self._first is not None:
+        if self._first is not None and self._last is not None:
             self._tracing.record("router.stream", self._span, self._first, self._last, pdserve__tokens=num_tokens)
-        attributes = {}
+        attributes: dict[str, Any] = {}  # the span's
         if session is not None:
             attributes = {"pdserve__decode": session.decode.name,
                           "pdserve__prefill": session.prefill.name if session.prefill else None,

@@ -16,9 +16,19 @@ the schema too: a value outside it is a 400 naming the field
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
+from pydantic.config import JsonDict
 
 from engine.request import MAX_LOGPROBS, MAX_N, MAX_STOP_TOKEN_IDS
 from router.api.openapi import MAX_NEW_TOKENS, TOKEN_ID
@@ -26,16 +36,16 @@ from router.api.structured import StructuredFields
 from router.api.tools import EarlierCall, template_message
 from router.errors import OpenAIError
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
+
 
 def _integral(value: Any) -> Any:
     """JSON's 16.0 is the integer 16 (as JSON Schema says): accepted where an integer is, 16.5 is not."""
     return int(value) if isinstance(value, float) and value.is_integer() else value
 
 
-def integer(**bounds: Any) -> Any:
-    """An integer field's type, within ``bounds`` (``ge``, ``lt``, ...): in the type, not in the
-    field's ``Field()``, so that the JSON schema states them (as ``minimum``, ...)."""
-    return Annotated[int, Field(**bounds), BeforeValidator(_integral)]
+Integral = BeforeValidator(_integral)  # after an integer's bounds: Annotated[int, Field(ge=0), Integral]
 
 
 # The integers JSON carries exactly everywhere (I-JSON, RFC 7493): a seed beyond them would be
@@ -49,8 +59,16 @@ TokenKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$"),
                      Field(json_schema_extra={TOKEN_ID: True})]  # a token id, in decimal
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
-TokenIdValue = integer(ge=0, lt=1 << 31, json_schema_extra={TOKEN_ID: True})
-NEW_TOKENS = {MAX_NEW_TOKENS: True}  # bounded in the published schema by the context and router.max_tokens
+TokenIdValue = Annotated[int, Field(ge=0, lt=1 << 31, json_schema_extra={TOKEN_ID: True}), Integral]
+NEW_TOKENS: JsonDict = {MAX_NEW_TOKENS: True}  # bounded in the published schema by the context and router.max_tokens
+# The integer fields' types: their bounds (``ge``, ``lt``, ...) are in the type, not in the field's
+# ``Field()``, so that the JSON schema states them (as ``minimum``, ...).
+AtLeast0 = Annotated[int, Field(ge=0), Integral]
+AtLeast1 = Annotated[int, Field(ge=1), Integral]
+TopK = Annotated[int, Field(ge=-1, le=1 << 24), Integral]  # the ranges of server_common.worker_requests
+Seed = Annotated[int, Field(ge=-JSON_EXACT, le=JSON_EXACT), Integral]
+NumSequences = Annotated[int, Field(ge=1, le=MAX_N), Integral]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Integral]
 
 
 class StreamOptions(BaseModel):
@@ -71,10 +89,10 @@ class SamplingFields(StructuredFields):
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: integer(ge=-1, le=1 << 24) | None = None  # the ranges of server_common.worker_requests
-    seed: integer(ge=-JSON_EXACT, le=JSON_EXACT) | None = None
+    top_k: TopK | None = None
+    seed: Seed | None = None
     stop: NonEmpty | Annotated[list[NonEmpty], Field(max_length=MAX_STOP)] | None = None
-    n: integer(ge=1, le=MAX_N) | None = 1  # sequences sampled from one prefill
+    n: NumSequences | None = 1  # sequences sampled from one prefill
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     logit_bias: dict[TokenKey, Bias] | None = Field(default=None, max_length=MAX_LOGIT_BIAS)
@@ -82,13 +100,13 @@ class SamplingFields(StructuredFields):
     # vLLM extensions
     ignore_eos: bool = False  # handy for benchmarks
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)  # 1 = off
-    min_tokens: integer(ge=0) | None = Field(default=None, json_schema_extra=NEW_TOKENS)  # <= the max_tokens
+    min_tokens: AtLeast0 | None = Field(default=None, json_schema_extra=NEW_TOKENS)  # <= the max_tokens
     stop_token_ids: list[TokenIdValue] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
-    prompt_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    prompt_logprobs: NumLogprobs | None = None
 
     @field_validator("logit_bias", mode="wrap")
     @classmethod
-    def _one_logit_bias_error(cls, value, handler):
+    def _one_logit_bias_error(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         """One message naming ``logit_bias`` (pydantic's would name a key inside it)."""
         try:
             return handler(value)
@@ -132,6 +150,11 @@ class SamplingFields(StructuredFields):
 MAX_PROMPTS = 64  # choices (prompts times n) of one completion request
 
 
+def _several_prompts(prompt: str | list[int] | list[str] | list[list[int]]) -> TypeIs[list[str] | list[list[int]]]:
+    """A list of prompts (texts or token id lists), not one prompt (a text or token ids)."""
+    return isinstance(prompt, list) and isinstance(prompt[0], (str, list))
+
+
 class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
@@ -140,10 +163,10 @@ class CompletionRequest(SamplingFields):
              | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)]
              | Annotated[list[Annotated[list[TokenIdValue], Field(min_length=1)]],
                          Field(min_length=1, max_length=MAX_PROMPTS)])
-    max_tokens: integer(ge=0) | None = Field(default=16, json_schema_extra=NEW_TOKENS)  # 0: only with echo
-    logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    max_tokens: AtLeast0 | None = Field(default=16, json_schema_extra=NEW_TOKENS)  # 0: only with echo
+    logprobs: NumLogprobs | None = None
     echo: bool = False
-    best_of: integer(ge=1, le=MAX_N) | None = Field(default=None, description="must equal n")
+    best_of: NumSequences | None = Field(default=None, description="must equal n")
     suffix: None = Field(default=None, description="not supported")
 
     def check_supported(self) -> None:
@@ -158,7 +181,7 @@ class CompletionRequest(SamplingFields):
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, each as text or token ids (a list of them: one choice each)."""
         prompt = self.prompt
-        prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+        prompts: list[str | list[int]] = list(prompt) if _several_prompts(prompt) else [prompt]
         if len(prompts) * self.num_sequences > MAX_PROMPTS:
             raise OpenAIError(400, f"at most {MAX_PROMPTS} choices (prompts times n) per request", param="prompt",
                               code="invalid_value")
@@ -193,7 +216,7 @@ MAX_MESSAGES = 8192  # per chat request: each costs validation and templating be
 MAX_TOOLS = 128  # OpenAI's limit on a request's tools
 
 
-def _at_most(limit: int, what: str):
+def _at_most(limit: int, what: str) -> BeforeValidator:
     """A list of at most ``limit`` items, counted before a single item is validated (pydantic's
     ``max_length`` counts after validating them all: 250 ms for 100,000 messages, on the event loop)."""
     def check(value: Any) -> Any:
@@ -207,10 +230,10 @@ class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], _at_most(MAX_MESSAGES, "messages")] = Field(min_length=1)
-    max_tokens: integer(ge=1) | None = Field(default=None, json_schema_extra=NEW_TOKENS)
-    max_completion_tokens: integer(ge=1) | None = Field(default=None, json_schema_extra=NEW_TOKENS)
+    max_tokens: AtLeast1 | None = Field(default=None, json_schema_extra=NEW_TOKENS)
+    max_completion_tokens: AtLeast1 | None = Field(default=None, json_schema_extra=NEW_TOKENS)
     logprobs: bool | None = None
-    top_logprobs: integer(ge=0, le=MAX_LOGPROBS) | None = None
+    top_logprobs: NumLogprobs | None = None
     tools: Annotated[list[Any] | None, _at_most(MAX_TOOLS, "tools")] = None  # checked by router/api/tools.py
     tool_choice: Any = None
     add_generation_prompt: bool = True  # vLLM extension

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.api.textstream import IncrementalDetokenizer, StopMatcher
+from router.metrics import FinishReason
 from server_common.worker_replies import TokenLogprob, TokensEvent
 
 
@@ -37,7 +39,7 @@ class ChoiceDelta:
     index: int
     text: str
     tokens: list[Scored]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     completion_tokens: int
     prompt_logprobs: list[TokenLogprob | None] | None = None  # on a choice's opening delta, when asked for
 
@@ -45,7 +47,7 @@ class ChoiceDelta:
 class TokenStrings:
     """Token id -> its string, decoded once per id."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
         self._strings: dict[int, str] = {}
 
@@ -59,7 +61,7 @@ class TokenStrings:
 class ChoiceText:
     """One sequence's events -> its choice's deltas."""
 
-    def __init__(self, index: int, tokenizer, prompt: Sequence[int], stops: Sequence[str],
+    def __init__(self, index: int, tokenizer: Any, prompt: Sequence[int], stops: Sequence[str],
                  scored: bool) -> None:
         self.index = index
         self._detok = IncrementalDetokenizer(tokenizer, prompt)
@@ -69,7 +71,7 @@ class ChoiceText:
         self._decoded = 0  # characters decoded so far
         self._emitted = 0  # characters returned so far (the stop matcher holds back the rest)
         self.count = 0
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None
 
     @property
     def done(self) -> bool:
@@ -83,7 +85,7 @@ class ChoiceText:
         final = event.finish_reason is not None
         if self._scored:
             text = ""
-            logprobs = event.logprobs or [None] * len(event.token_ids)
+            logprobs: Sequence[TokenLogprob | None] = event.logprobs or [None] * len(event.token_ids)
             for token, logprob in zip(event.token_ids, logprobs):
                 self._pending.append((self._decoded, Scored(token, logprob)))
                 piece = self._detok.push([token])
@@ -104,7 +106,9 @@ class ChoiceText:
             tokens = [s for start, s in self._pending if start < self._emitted]
             self._pending = []
         elif final:
-            self.finish_reason = event.finish_reason
+            reason = event.finish_reason
+            assert reason == "stop" or reason == "length", reason  # abort and grammar: raised by fanout._generated
+            self.finish_reason = reason
             tokens, self._pending = [s for _, s in self._pending], []
         else:
             tokens = self._release()

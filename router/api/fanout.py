@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 
@@ -20,6 +21,7 @@ from router.api.choices import ChoiceDelta, ChoiceText, Scored
 from router.api.tools import ToolPlan
 from router.cluster.session import Session
 from router.errors import OpenAIError
+from router.metrics import FinishReason
 from router.timeline import RequestTimeline
 from server_common.worker_replies import TokenLogprob, TokensEvent
 
@@ -58,7 +60,7 @@ class Prepared:
         return self.top_logprobs is not None or self.prompt_top is not None
 
 
-async def choice_deltas(p: Prepared, sessions: list[Session], tokenizer) -> AsyncIterator[ChoiceDelta]:
+async def choice_deltas(p: Prepared, sessions: list[Session], tokenizer: Any) -> AsyncIterator[ChoiceDelta]:
     """Every choice's deltas (prompt j's sequence i is choice j * n + i, as OpenAI numbers
     them), the sessions running together; the first that fails fails the request."""
     if len(sessions) == 1:
@@ -92,7 +94,7 @@ async def choice_deltas(p: Prepared, sessions: list[Session], tokenizer) -> Asyn
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
 
-async def _session_deltas(p: Prepared, j: int, session: Session, tokenizer) -> AsyncIterator[ChoiceDelta]:
+async def _session_deltas(p: Prepared, j: int, session: Session, tokenizer: Any) -> AsyncIterator[ChoiceDelta]:
     """One prompt's choices: detokenized, stop-string-cut text (and tokens, with logprobs asked for);
     with echo or prompt log-probabilities, each choice opens with a delta of its prompt."""
     n, prompt = p.sampling.n, p.prompts[j]
@@ -112,9 +114,9 @@ async def _session_deltas(p: Prepared, j: int, session: Session, tokenizer) -> A
                 yield delta
             opening = False
         for e in [*held, event]:
-            delta = _generated(p, choices[e.index], e)
-            if delta is not None:
-                yield delta
+            generated = _generated(p, choices[e.index], e)
+            if generated is not None:
+                yield generated
         held = []
         if all(c.done for c in choices):
             return
@@ -123,7 +125,10 @@ async def _session_deltas(p: Prepared, j: int, session: Session, tokenizer) -> A
 def _openings(p: Prepared, j: int, choices: list[ChoiceText],
               logprobs: list[TokenLogprob | None] | None) -> list[ChoiceDelta]:
     prompt = p.prompts[j]
-    text = p.prompt_texts[j] if p.echo else ""
+    text = ""
+    if p.echo:
+        assert p.prompt_texts is not None  # given with echo (OpenAIHandlers.prepare_completion)
+        text = p.prompt_texts[j]
     tokens = []
     if p.echo and p.top_logprobs is not None:
         scores = logprobs or [None] * len(prompt)
@@ -163,7 +168,7 @@ class Collected:
 
     text: str = ""
     tokens: list[Scored] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     count: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None
 

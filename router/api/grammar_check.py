@@ -19,6 +19,8 @@ import asyncio
 import logging
 import multiprocessing
 import resource
+from multiprocessing.connection import Connection
+from multiprocessing.context import SpawnProcess
 
 from engine.request import StructuredSpec
 from engine.structured import compile_grammar
@@ -28,7 +30,7 @@ from router.settings import CompileSandbox
 log = logging.getLogger(__name__)
 
 
-def _serve(conn, memory_bytes: int) -> None:
+def _serve(conn: Connection, memory_bytes: int) -> None:
     """The child: compile each (kind, value) received, answer its error message or None, until EOF."""
     resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
     while True:
@@ -53,8 +55,8 @@ class GrammarChecker:
         self.sandbox = sandbox
         self._context = multiprocessing.get_context("spawn")
         self._lock = asyncio.Lock()  # one compile at a time: the pipe carries one question and its answer
-        self._child = None
-        self._conn = None
+        self._child: SpawnProcess | None = None
+        self._conn: Connection | None = None  # to the child: set and cleared with it
         self.crashes = 0  # compiles that killed the child or ran past the timeout (tests read it)
 
     async def check(self, param: str, spec: StructuredSpec) -> None:
@@ -68,10 +70,12 @@ class GrammarChecker:
         """Blocking, on a worker thread, under the lock."""
         if self._child is None or not self._child.is_alive():
             self._start()
+        conn = self._conn
+        assert conn is not None  # _start opened it
         try:
-            self._conn.send((spec.kind, spec.value))
-            if self._conn.poll(self.sandbox.timeout_s):
-                return self._conn.recv()
+            conn.send((spec.kind, spec.value))
+            if conn.poll(self.sandbox.timeout_s):
+                return conn.recv()
             failure = f"compiling it took longer than {self.sandbox.timeout_s:g} s"
         except (EOFError, OSError):
             failure = "compiling it crashed the grammar compiler"

@@ -18,7 +18,7 @@ from router.api.tools import template_uses_tools
 from router.errors import OpenAIError
 
 
-def _chars_per_token(tokenizer) -> int:
+def _chars_per_token(tokenizer: Any) -> int:
     """The longest vocabulary entry in characters (byte-level entries spell each byte as one character, so
     this bounds the text's characters too), times 4 when a normalizer (or a tokenizer without a fast backend)
     may shorten text before it is split."""

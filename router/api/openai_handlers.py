@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from functools import partial
+from typing import TypedDict, TypeVar
 
 import anyio
 from fastapi.responses import Response
@@ -24,7 +25,7 @@ from engine.structured import GrammarLimits
 from router.access_log import AccessLog
 from router.api import api_responses as out
 from router.api.api_requests import ChatCompletionRequest, CompletionRequest, SamplingFields
-from router.api.choices import TokenStrings
+from router.api.choices import ChoiceDelta, TokenStrings
 from router.api.fanout import Collected, Prepared, SessionGroup, choice_deltas
 from router.api.grammar_check import GrammarChecker
 from router.api.limits import RequestLimits
@@ -37,10 +38,11 @@ from router.api.tools import plan_tools
 from router.cluster.dispatch import Dispatcher
 from router.cluster.session import Session
 from router.errors import OpenAIError
-from router.metrics import RouterMetrics
+from router.metrics import FinishReason, RouterMetrics
 from router.timeline import RequestTimeline
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing, TracingSettings
+from server_common.worker_replies import TokenLogprob
 
 # Requests with a body longer than this (bytes) are checked, templated and tokenized on the handlers'
 # tokenizer thread: a 4,600-token chat prompt takes ~8 ms (SmolLM2's tokenizer), and 100,000 empty
@@ -50,13 +52,28 @@ from server_common.tracing import Tracing, TracingSettings
 LONG_REQUEST_BYTES = 8192
 
 
+class _Given(TypedDict, total=False):
+    """The sampling fields a request may leave out, as ``SamplingParams`` takes them."""
+
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    min_tokens: int
+
+
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None = None,
                     prompt_logprobs: int | None = None, structured: StructuredSpec | None = None) -> SamplingParams:
     """The request's sampling fields as the engine takes them (validated: see ``SamplingFields``).
     A field the request leaves out gets SamplingParams' default, written once there."""
-    given = {name: value for name, value in (
-        ("presence_penalty", req.presence_penalty), ("frequency_penalty", req.frequency_penalty),
-        ("repetition_penalty", req.repetition_penalty), ("min_tokens", req.min_tokens)) if value is not None}
+    given = _Given()
+    if req.presence_penalty is not None:
+        given["presence_penalty"] = req.presence_penalty
+    if req.frequency_penalty is not None:
+        given["frequency_penalty"] = req.frequency_penalty
+    if req.repetition_penalty is not None:
+        given["repetition_penalty"] = req.repetition_penalty
+    if req.min_tokens is not None:
+        given["min_tokens"] = req.min_tokens
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -75,6 +92,9 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None =
 
 
 T = TypeVar("T")
+# What ``chat`` and ``completion`` return: a stream of SSE events with the sessions it runs on (the caller closes
+# them once the response ends), or the whole answer.
+Answered = tuple[SessionGroup, AsyncIterator[str]] | tuple[None, Response]
 
 
 def json_response(answer: out.ChatCompletion | out.Completion) -> Response:
@@ -123,6 +143,7 @@ class OpenAIHandlers:
         else:
             p = await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, prepare)
         if p.sampling.structured is not None:
+            assert p.structured_param is not None  # the two come together (``_constraint``)
             await self.grammars.check(p.structured_param, p.sampling.structured)
         return p
 
@@ -132,7 +153,7 @@ class OpenAIHandlers:
             return build()
         return await asyncio.get_running_loop().run_in_executor(self._answer_thread, build)
 
-    def _constraint(self, constraints) -> tuple[str | None, StructuredSpec | None]:
+    def _constraint(self, constraints: list[tuple[str, StructuredSpec]]) -> tuple[str | None, StructuredSpec | None]:
         """The request's one constraint: its parameter and its grammar (None, None: none)."""
         found = one_constraint(constraints, self.grammar_limits)
         return (None, None) if found is None else found
@@ -182,13 +203,13 @@ class OpenAIHandlers:
         req.check_tokens(self.model.vocab_size, budget)
         # With echo and logprobs the prompt tokens are scored too.
         prompt_top = _most(req.prompt_logprobs, req.logprobs if req.echo else None)
-        texts = None
+        prompt_texts = None
         if req.echo:
-            texts = [x if isinstance(x, str) else self.model.tokenizer.decode(x, skip_special_tokens=True)
-                     for x in given]
+            prompt_texts = [x if isinstance(x, str) else self.model.tokenizer.decode(x, skip_special_tokens=True)
+                            for x in given]
         sampling = sampling_params(req, budget, req.logprobs, prompt_top, structured)
         return Prepared(request_id, "completions", prompts, sampling, req.stop_strings(),
-                        self._timeline(request_id, traceparent, "completions"), prompt_texts=texts,
+                        self._timeline(request_id, traceparent, "completions"), prompt_texts=prompt_texts,
                         top_logprobs=req.logprobs, prompt_top=req.prompt_logprobs, echo=req.echo,
                         drop_generated=req.max_tokens == 0, structured_param=param)
 
@@ -204,16 +225,17 @@ class OpenAIHandlers:
         trace = p.timeline.traceparent
         opened = await asyncio.gather(*(self.dispatcher.start(rid, prompt, p.sampling, trace)
                                         for rid, prompt in zip(ids, p.prompts)), return_exceptions=True)
+        sessions = [x for x in opened if isinstance(x, Session)]
         failed = [x for x in opened if isinstance(x, BaseException)]
         if failed:
             with anyio.CancelScope(shield=True):
-                await asyncio.gather(*(s.close() for s in opened if isinstance(s, Session)))
+                await asyncio.gather(*(s.close() for s in sessions))
             exc = failed[0]
             p.timeline.failed(exc.code or str(exc.status) if isinstance(exc, OpenAIError) else "error")
             p.timeline.close()
             raise exc
-        p.timeline.opened(p.num_prompt_tokens, local_prefill=opened[0].reservation is None)
-        return opened
+        p.timeline.opened(p.num_prompt_tokens, local_prefill=sessions[0].reservation is None)
+        return sessions
 
     async def close(self, p: Prepared, sessions: list[Session], count: int) -> None:
         # Shielded: after a client disconnect the scope is cancelled and any await would raise at once.
@@ -244,13 +266,14 @@ class OpenAIHandlers:
     def _usage(self, p: Prepared, sessions: list[Session], completion_tokens: int) -> out.Usage:
         return out.Usage.of(p.num_prompt_tokens, completion_tokens, sum(s.cached_tokens for s in sessions))
 
-    def _prompt_logprobs(self, p: Prepared, j: int, logprobs) -> out.PromptLogprobs | None:
+    def _prompt_logprobs(self, p: Prepared, j: int,
+                         logprobs: Sequence[TokenLogprob | None] | None) -> out.PromptLogprobs | None:
         if p.prompt_top is None or logprobs is None:
             return None
         return prompt_logprobs(p.prompts[j], logprobs, p.prompt_top, self.token_strings)
 
     async def chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None,
-                   body_bytes: int = 0):
+                   body_bytes: int = 0) -> Answered:
         """``body_bytes``: the request body's length, which decides where it is prepared (``_prepare``)."""
         p = await self._prepare(lambda: self.prepare_chat(req, request_id, traceparent), body_bytes)
         if req.stream:
@@ -272,7 +295,7 @@ class OpenAIHandlers:
         return None, await self._answer(build, p.scored)
 
     async def completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None,
-                         body_bytes: int = 0):
+                         body_bytes: int = 0) -> Answered:
         """``body_bytes``: the request body's length, which decides where it is prepared (``_prepare``)."""
         p = await self._prepare(lambda: self.prepare_completion(req, request_id, traceparent), body_bytes)
         if req.stream:
@@ -302,20 +325,22 @@ class OpenAIHandlers:
         usage_field = {"prompt_logprobs"} | (set() if req.include_usage else {"usage"})
         created = int(time.time())
 
-        def chunk(index: int, delta: out.Delta | out.ToolCallsDelta, finish_reason=None,
-                  logprobs=None) -> out.ChatCompletionChunk:
+        def chunk(index: int, delta: out.Delta | out.ToolCallsDelta, finish_reason: FinishReason | None = None,
+                  logprobs: out.ChatLogprobs | None = None) -> out.ChatCompletionChunk:
             return out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name,
                                            choices=[out.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
                                                                         finish_reason=finish_reason)])
 
-        templates = {}
+        templates: dict[int, ChunkTemplate] = {}
         counts: dict[int, int] = {}
         calls: dict[int, ToolCallStream] = {}  # per choice, when the answer may call tools
-        reason = None
+        reason: FinishReason | None = None
 
         def content(index: int, text: str) -> str:
             if index not in templates:
-                templates[index] = ChunkTemplate(lambda t, _, i=index: chunk(i, out.Delta(content=t)), usage_field)
+                def make(t: str, _: FinishReason | None) -> out.ChatCompletionChunk:
+                    return chunk(index, out.Delta(content=t))
+                templates[index] = ChunkTemplate(make, usage_field)
             return templates[index].event(text)
 
         try:
@@ -324,7 +349,7 @@ class OpenAIHandlers:
             async for d in choice_deltas(p, sessions, self.model.tokenizer):
                 counts[d.index] = d.completion_tokens
                 if d.prompt_logprobs is not None and p.prompt_top is not None and d.index == 0:  # one prompt
-                    def first_event(d=d) -> str:
+                    def first_event(d: ChoiceDelta = d) -> str:
                         first = chunk(d.index, out.Delta(content=""))
                         first.prompt_logprobs = self._prompt_logprobs(p, 0, d.prompt_logprobs)
                         return sse_event(first, exclude=usage_field - {"prompt_logprobs"})
@@ -371,15 +396,16 @@ class OpenAIHandlers:
         created = int(time.time())
         n = p.sampling.n
 
-        def chunk(index: int, text: str, reason: str | None, **fields) -> out.Completion:
+        def chunk(index: int, text: str, reason: FinishReason | None, logprobs: out.CompletionLogprobs | None = None,
+                  prompt_logprobs: out.PromptLogprobs | None = None) -> out.Completion:
             return out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
                                   choices=[out.CompletionChoice(index=index, text=text, finish_reason=reason,
-                                                                **fields)])
+                                                                logprobs=logprobs, prompt_logprobs=prompt_logprobs)])
 
-        templates = {}
+        templates: dict[int, ChunkTemplate] = {}
         builders: dict[int, CompletionLogprobsBuilder] = {}
         counts: dict[int, int] = {}
-        reason = None
+        reason: FinishReason | None = None
         try:
             async for d in choice_deltas(p, sessions, self.model.tokenizer):
                 counts[d.index] = d.completion_tokens
@@ -388,17 +414,15 @@ class OpenAIHandlers:
                     builder = builders.setdefault(d.index, CompletionLogprobsBuilder(p.top_logprobs or 0,
                                                                                      self.token_strings))
 
-                    def event(d=d, builder=builder) -> str:
-                        fields = {"prompt_logprobs": self._prompt_logprobs(p, d.index // n, d.prompt_logprobs)}
-                        if p.top_logprobs is not None:
-                            fields["logprobs"] = builder.build(d.tokens)
-                        return sse_event(chunk(d.index, d.text, d.finish_reason, **fields), exclude=usage_field)
+                    def event(d: ChoiceDelta = d, builder: CompletionLogprobsBuilder = builder) -> str:
+                        prompt = self._prompt_logprobs(p, d.index // n, d.prompt_logprobs)
+                        logprobs = None if p.top_logprobs is None else builder.build(d.tokens)
+                        return sse_event(chunk(d.index, d.text, d.finish_reason, logprobs, prompt), exclude=usage_field)
                     # A prompt's log-probabilities are one big event: built off the loop.
                     yield await self._answer(event, heavy=d.prompt_logprobs is not None)
                     continue
                 if d.index not in templates:
-                    index = d.index
-                    templates[index] = ChunkTemplate(lambda text, r, i=index: chunk(i, text, r), usage_field)
+                    templates[d.index] = ChunkTemplate(partial(chunk, d.index), usage_field)
                 yield templates[d.index].event(d.text, d.finish_reason)
             p.timeline.finished(reason or "length", sum(counts.values()))
             if req.include_usage:

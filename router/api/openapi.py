@@ -56,11 +56,14 @@ class WorkerHealth(BaseModel):
     in_rotation: bool
 
 
+HealthStatus = Literal["ok", "degraded", "draining"]
+
+
 class Health(BaseModel):
     """GET /health: 200 while a decode server is in rotation and the router is not draining, else 503."""
 
     model_config = ConfigDict(json_schema_serialization_defaults_required=True)
-    status: Literal["ok", "degraded", "draining"]
+    status: HealthStatus
     workers: list[WorkerHealth]
     launch_id: str | None
 
@@ -107,11 +110,12 @@ def ok(model: type[BaseModel] | None, description: str) -> dict[int | str, dict[
     return {200: answer}
 
 
-METRICS_RESPONSES = {200: {"description": "Prometheus text exposition format.", "headers": REQUEST_ID,
-                           "content": {"text/plain": {"schema": {"type": "string"}}}}}
-HEALTH_RESPONSES = {200: {"model": Health, "description": "Serving.", "headers": REQUEST_ID},
-                    503: {"model": Health, "description": "No decode server in rotation, or draining.",
-                          "headers": REQUEST_ID}, **errors(500)}
+Responses = dict[int | str, dict[str, Any]]  # a route's ``responses``, as FastAPI takes them
+METRICS_RESPONSES: Responses = {200: {"description": "Prometheus text exposition format.", "headers": REQUEST_ID,
+                                      "content": {"text/plain": {"schema": {"type": "string"}}}}}
+HEALTH_RESPONSES: Responses = {200: {"model": Health, "description": "Serving.", "headers": REQUEST_ID},
+                               503: {"model": Health, "description": "No decode server in rotation, or draining.",
+                                     "headers": REQUEST_ID}, **errors(500)}
 
 
 def install(app: FastAPI, *, vocab_size: int, max_new_tokens: int, api_keys: bool) -> None:
@@ -125,7 +129,7 @@ def install(app: FastAPI, *, vocab_size: int, max_new_tokens: int, api_keys: boo
             app.openapi_schema = deployment(doc, vocab_size, max_new_tokens, api_keys)
         return app.openapi_schema
 
-    app.openapi = document  # type: ignore[method-assign]  (FastAPI's documented way to customise it)
+    app.openapi = document  # type: ignore[method-assign]  # FastAPI's documented way to customise it
 
 
 def deployment(doc: dict[str, Any], vocab_size: int, max_new_tokens: int, api_keys: bool) -> dict[str, Any]:

@@ -7,6 +7,8 @@ from collections.abc import Callable
 import orjson
 from pydantic import BaseModel
 
+from router.metrics import FinishReason
+
 DONE = "data: [DONE]\n\n"
 # Stands for a chunk's text in a template: a Unicode noncharacter, so no other field holds it.
 _MARK = "\ufdd0text\ufdd0"
@@ -32,12 +34,12 @@ class ChunkTemplate:
     without building and validating a model per token.
     """
 
-    def __init__(self, make: Callable[[str, str | None], BaseModel], exclude: set[str] | None = None) -> None:
+    def __init__(self, make: Callable[[str, FinishReason | None], BaseModel], exclude: set[str] | None = None) -> None:
         self._make = make
         self._exclude = exclude
-        self._parts: dict[str | None, tuple[str, str] | None] = {}
+        self._parts: dict[FinishReason | None, tuple[str, str] | None] = {}
 
-    def event(self, text: str, finish_reason: str | None = None) -> str:
+    def event(self, text: str, finish_reason: FinishReason | None = None) -> str:
         if finish_reason not in self._parts:
             data = self._make(_MARK, finish_reason).model_dump_json(exclude=self._exclude)
             if data.count(_MARK_JSON) == 1:

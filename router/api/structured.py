@@ -112,14 +112,14 @@ def one_constraint(constraints: list[tuple[str, StructuredSpec]],
     return param, spec
 
 
-def _json_spec(schema, param: str = "response_format") -> StructuredSpec:
+def _json_spec(schema: Any, param: str = "response_format") -> StructuredSpec:
     try:
         return StructuredSpec(kind="json_schema", value=json.dumps(schema))
     except RecursionError:
         raise OpenAIError(400, f"{param}: the JSON schema is nested too deeply", param=param) from None
 
 
-def _spec(key: str, value, param: str, limits: GrammarLimits) -> StructuredSpec:
+def _spec(key: str, value: Any, param: str, limits: GrammarLimits) -> StructuredSpec:
     if isinstance(value, str) and len(value) > limits.max_bytes:
         raise OpenAIError(400, f"{param}: it has {len(value)} characters; at most {limits.max_bytes} bytes are "
                                "accepted", param=param)

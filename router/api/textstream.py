@@ -16,6 +16,7 @@ in OpenAI's API).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 REPLACEMENT = "\ufffd"
 # How many prompt tokens to keep as context so the first output token
@@ -24,7 +25,7 @@ PROMPT_CONTEXT = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_token_ids: Sequence[int]) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT:])
         self._prefix_offset = 0

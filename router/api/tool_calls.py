@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from router.api import api_responses as out
+from router.metrics import FinishReason
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -78,7 +79,7 @@ class ToolCallParser:
     def __init__(self) -> None:
         self._buf = ""
         self._in_call = False
-        self._head: re.Match | None = None  # the current call's head, once seen
+        self._head: re.Match[str] | None = None  # the current call's head, once seen
         self._sent = 0  # characters of the current call's arguments sent
         self.calls = 0
 
@@ -111,7 +112,7 @@ class ToolCallParser:
     def flush(self) -> Iterator[Piece]:
         """At the end: held text is content; an unfinished call with a head keeps its arguments so far."""
         if self._in_call and self._head is not None:
-            yield from self._send_arguments(self._buf)
+            yield from self._send_arguments(self._head, self._buf)
         elif self._in_call:
             yield OPEN + self._buf
         elif self._buf:
@@ -125,7 +126,7 @@ class ToolCallParser:
                 self.calls += 1
                 yield CallStart(self.calls - 1, new_call_id(), _json_string(self._head.group(1)))
         if self._head is not None:
-            yield from self._send_arguments(body)
+            yield from self._send_arguments(self._head, body)
         elif closed:
             call = _whole_call(body)
             if call is None:
@@ -135,8 +136,8 @@ class ToolCallParser:
                 yield CallStart(self.calls - 1, new_call_id(), call[0])
                 yield CallArguments(self.calls - 1, call[1])
 
-    def _send_arguments(self, body: str) -> Iterator[Piece]:
-        arguments = _arguments(body[self._head.end():])
+    def _send_arguments(self, head: re.Match[str], body: str) -> Iterator[Piece]:
+        arguments = _arguments(body[head.end():])
         if len(arguments) > self._sent:
             yield CallArguments(self.calls - 1, arguments[self._sent:])
             self._sent = len(arguments)
@@ -188,8 +189,8 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 # ---- answers -------------------------------------------------------------------------------------
 
-def chat_message(text: str, finish_reason: str, parse: bool) -> tuple[out.AssistantMessage | out.ToolCallMessage,
-                                                                        str]:
+def chat_message(text: str, finish_reason: FinishReason | None,
+                 parse: bool) -> tuple[out.AssistantMessage | out.ToolCallMessage, FinishReason | None]:
     """The whole answer's message and finish reason; calls are parsed only when ``parse``."""
     if not parse:
         return out.AssistantMessage(content=text), finish_reason
@@ -211,7 +212,7 @@ class ToolCallStream:
             pieces += self._parser.flush()
         return [p if isinstance(p, str) else out.ToolCallsDelta(tool_calls=[_delta(p)]) for p in pieces]
 
-    def finish_reason(self, reason: str) -> str:
+    def finish_reason(self, reason: FinishReason) -> FinishReason:
         return _finish(reason) if self._parser.calls else reason
 
 
@@ -222,5 +223,5 @@ def _delta(piece: CallStart | CallArguments) -> out.ToolCallDelta:
     return out.ToolCallDelta(index=piece.index, function=out.FunctionCallDelta(arguments=piece.text))
 
 
-def _finish(reason: str) -> str:
+def _finish(reason: FinishReason | None) -> FinishReason:
     return "length" if reason == "length" else "tool_calls"

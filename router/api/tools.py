@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -31,6 +31,9 @@ from engine.request import StructuredSpec
 from engine.structured import JSON_OPTIONS
 from router.api.tool_calls import CLOSE, OPEN
 from router.errors import OpenAIError
+
+if TYPE_CHECKING:
+    from router.api.api_requests import ChatMessage  # which imports this module
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe",
@@ -75,7 +78,7 @@ class ToolPlan:
     constraints: list[tuple[str, StructuredSpec]] = field(default_factory=list)  # a forced call's grammar
 
 
-def template_uses_tools(tokenizer) -> bool:
+def template_uses_tools(tokenizer: Any) -> bool:
     """Whether the chat template renders ``tools`` at all (SmolLM2's does not)."""
     messages = [{"role": "user", "content": "x"}]
     try:
@@ -102,7 +105,7 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, template_has_tools: bo
                                                   if k != "strict" and v is not None}} for f in functions.values()]
     if choice == "auto":
         return ToolPlan(rendered, parse=True)
-    forced = list(functions.values()) if choice == "required" else [functions[name]]
+    forced = list(functions.values()) if name is None else [functions[name]]  # none named ("required"): any
     spec = StructuredSpec(kind="lark", value=call_grammar(forced))
     return ToolPlan(rendered, parse=True, constraints=[("tool_choice", spec)])
 
@@ -115,7 +118,7 @@ def call_grammar(functions: list[FunctionDef]) -> str:
     return f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {json.dumps(schema)}'
 
 
-def template_message(m) -> dict:
+def template_message(m: ChatMessage) -> dict:
     """A chat message for the template; a call's arguments become an object, as templates expect."""
     message: dict[str, Any] = {"role": m.role, "content": m.text()}
     if m.tool_calls:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -70,8 +70,8 @@ class Admission:
     # ---- slots ------------------------------------------------------------------
     def prefill_is_full(self, prefill_workers: list[Worker]) -> bool:
         """Every prefill server in rotation has a limit and together they are at it."""
-        limits = [w.max_inflight for w in prefill_workers]
-        if not limits or None in limits:
+        limits = [w.max_inflight for w in prefill_workers if w.max_inflight is not None]
+        if not limits or len(limits) < len(prefill_workers):
             return False  # none in rotation is the prefill call's own error; no limit, no slot
         return self.prefills_pending >= sum(limits)
 
@@ -86,7 +86,7 @@ class Admission:
         worker.full_until = time.monotonic() + cooldown
 
     @contextlib.contextmanager
-    def prefilling(self, worker: Worker, num_tokens: int):
+    def prefilling(self, worker: Worker, num_tokens: int) -> Iterator[None]:
         """A prefill call on ``worker`` for the life of the block (the least-loaded policy reads these)."""
         worker.inflight += 1
         worker.inflight_tokens += num_tokens
@@ -135,7 +135,7 @@ class Admission:
         self._freed = asyncio.Event()
 
     @contextlib.asynccontextmanager
-    async def waiting_room(self):
+    async def waiting_room(self) -> AsyncIterator[Wait]:
         """Enter the waiting room for the life of the block, or raise 429 when it is full.
 
         Yields a ``Wait``: ``await wait()`` sleeps until a slot frees or the

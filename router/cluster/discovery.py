@@ -28,16 +28,17 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 import httpx
 
 from router.cluster.registry import Worker, WorkerRegistry
 from router.metrics import JoinRefusal, RouterMetrics
-from router.settings import DiscoverySettings
+from router.settings import DiscoverySettings, WorkerRole
 from server_common.process_defaults import INSTANCE_NAME, is_instance_name
 
 log = logging.getLogger(__name__)
-ROLES = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}
+ROLES: dict[str, WorkerRole] = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}
 Resolve = Callable[[str], Awaitable[list[str]]]  # host -> its addresses now
 
 
@@ -53,7 +54,8 @@ async def resolve_host(host: str) -> list[str]:
         infos = await asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except socket.gaierror:
         return []
-    return sorted({info[4][0] for info in infos})
+    addresses = (info[4][0] for info in infos)
+    return sorted({a for a in addresses if isinstance(a, str)})  # (not the (int, bytes) of a Python without IPv6)
 
 
 def url_of(address: str, port: int) -> str:
@@ -147,7 +149,11 @@ class Discovery:
             if name not in self._leaving:
                 task = asyncio.create_task(self.leave(name))
                 self._leaving[name] = task
-                task.add_done_callback(lambda _, n=name: self._leaving.pop(n, None))
+                task.add_done_callback(partial(self._left, name))
+
+    def _left(self, name: str, _: asyncio.Task) -> None:
+        """``name``'s leave ended: a later one may start."""
+        self._leaving.pop(name, None)
 
     # ---- helpers ------------------------------------------------------------------------
     async def _tell_prefills(self, method: str, path: str, body: dict | None = None) -> None:

@@ -17,7 +17,7 @@ the run of leading hashes the server holds, in tokens.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.prefix_cache import chain_hashes
@@ -85,7 +85,7 @@ class KvIndex:
     def forget(self, name: str) -> None:
         self.workers.pop(name, None)
 
-    def matcher(self, prompt: Sequence[int]):
+    def matcher(self, prompt: Sequence[int]) -> Callable[[str], int]:
         """``matched(name) -> tokens`` for one prompt, hashing it once per (block size, salt)."""
         chains: dict[tuple[int, str], list[int]] = {}
 

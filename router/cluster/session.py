@@ -33,11 +33,12 @@ from engine.request import SamplingParams
 from router.cluster.admission import Admission, Slot
 from router.cluster.health import PassiveHealth
 from router.cluster.policies import Policy
-from router.cluster.recovery import PrefillFailure, decide
+from router.cluster.recovery import decide
 from router.cluster.registry import Worker, WorkerRegistry
 from router.cluster.worker_client import DecodeStream, WorkerClient, WorkerFailed
 from router.errors import OpenAIError
 from router.metrics import RecoveryMetrics
+from router.settings import PrefillFailure
 from server_common.worker_replies import PrefillResult, ReprefillEvent, TokensEvent
 from server_common.worker_requests import PrefillRequest
 from transfer.outcome import DECIDED_BY_DECODE, Outcome
@@ -137,7 +138,7 @@ class Session:
         if event.index in seen:
             return event
         seen.add(event.index)
-        update = {}
+        update: dict[str, object] = {}
         if result.first_logprobs is not None and event.logprobs is None and event.token_ids:
             update["logprobs"] = [result.first_logprobs[event.index]]
         if event.index == 0 and result.prompt_logprobs is not None:

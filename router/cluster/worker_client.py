@@ -60,8 +60,9 @@ class WorkerFailed(Exception):
         self.never_reached, self.retry_after = never_reached, retry_after
 
     @classmethod
-    def of(cls, worker: Worker, reason: str, outcome: Outcome, **kw) -> WorkerFailed:
-        return cls(worker.role, worker.name, reason, outcome, **kw)
+    def of(cls, worker: Worker, reason: str, outcome: Outcome, *, never_reached: bool = False,
+           retry_after: float | None = None) -> WorkerFailed:
+        return cls(worker.role, worker.name, reason, outcome, never_reached=never_reached, retry_after=retry_after)
 
     @property
     def stage(self) -> str:
@@ -87,13 +88,16 @@ def _ignore(worker: Worker) -> None:
     pass
 
 
-def _refusal(worker: Worker, resp: httpx.Response, default: Outcome, **kw) -> WorkerFailed:
+def _refusal(worker: Worker, resp: httpx.Response, default: Outcome, *, never_reached: bool = False,
+             retry_after: float | None = None) -> WorkerFailed:
     """The server's ErrorReply as a WorkerFailed (``default`` when the body is not one)."""
     try:
         reply = ErrorReply.model_validate_json(resp.content)
     except ValidationError:
-        return WorkerFailed.of(worker, f"HTTP {resp.status_code}: {resp.text[:200]}", default, **kw)
-    return WorkerFailed.of(worker, f"HTTP {resp.status_code}: {reply.error}", reply.code, **kw)
+        return WorkerFailed.of(worker, f"HTTP {resp.status_code}: {resp.text[:200]}", default,
+                               never_reached=never_reached, retry_after=retry_after)
+    return WorkerFailed.of(worker, f"HTTP {resp.status_code}: {reply.error}", reply.code,
+                           never_reached=never_reached, retry_after=retry_after)
 
 
 class DecodeStream:
@@ -145,7 +149,7 @@ class DecodeStream:
         except httpx.HTTPError as exc:
             log.info("decode stream on %s broken after its last event: %r", self.worker.name, exc)
 
-    async def _next_event(self):
+    async def _next_event(self) -> ReservationEvent | TokensEvent | ErrorEvent | ReprefillEvent:
         try:
             while True:
                 line = await anext(self._lines)
