@@ -275,48 +275,52 @@ class OpenAIHandlers:
     async def chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None,
                    body_bytes: int = 0) -> Answered:
         """``body_bytes``: the request body's length, which decides where it is prepared (``_prepare``)."""
-        p = await self._prepare(lambda: self.prepare_chat(req, request_id, traceparent), body_bytes)
-        if req.stream:
-            sessions = await self.open(p)
-            return SessionGroup(sessions), self._chat_stream(p, req, sessions)
-        got, sessions = await self.collect(p)
-        usage = self._usage(p, sessions, sum(c.count for c in got))
-
-        def build() -> Response:
-            choices = []
-            for i, c in enumerate(got):
-                message, reason = chat_message(c.text, c.finish_reason, p.tools.parse)
-                logprobs = None if p.top_logprobs is None else chat_logprobs(c.tokens, p.top_logprobs,
-                                                                             self.token_strings)
-                choices.append(out.ChatChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
-            return json_response(out.ChatCompletion(
-                id=f"chatcmpl-{request_id}", created=int(time.time()), model=self.model.name, choices=choices,
-                usage=usage, prompt_logprobs=self._prompt_logprobs(p, 0, got[0].prompt_logprobs)))
-        return None, await self._answer(build, p.scored)
+        return await self._run(lambda: self.prepare_chat(req, request_id, traceparent), body_bytes, req.stream,
+                               lambda p, sessions: self._chat_stream(p, req, sessions), self._chat_answer)
 
     async def completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None,
                          body_bytes: int = 0) -> Answered:
         """``body_bytes``: the request body's length, which decides where it is prepared (``_prepare``)."""
-        p = await self._prepare(lambda: self.prepare_completion(req, request_id, traceparent), body_bytes)
-        if req.stream:
-            sessions = await self.open(p)
-            return SessionGroup(sessions), self._completion_stream(p, req, sessions)
-        got, sessions = await self.collect(p)
-        n = p.sampling.n
-        usage = self._usage(p, sessions, sum(c.count for c in got))
+        return await self._run(lambda: self.prepare_completion(req, request_id, traceparent), body_bytes,
+                               req.stream, lambda p, sessions: self._completion_stream(p, req, sessions),
+                               self._completion_answer)
 
-        def build() -> Response:
-            choices = []
-            for i, c in enumerate(got):
-                logprobs = None
-                if p.top_logprobs is not None:
-                    logprobs = CompletionLogprobsBuilder(p.top_logprobs, self.token_strings).build(c.tokens)
-                choices.append(out.CompletionChoice(
-                    index=i, text=c.text, finish_reason=c.finish_reason, logprobs=logprobs,
-                    prompt_logprobs=self._prompt_logprobs(p, i // n, c.prompt_logprobs)))
-            return json_response(out.Completion(id=f"cmpl-{request_id}", created=int(time.time()),
-                                                model=self.model.name, choices=choices, usage=usage))
-        return None, await self._answer(build, p.scored)
+    async def _run(self, prepare: Callable[[], Prepared], body_bytes: int, stream: bool,
+                   streamer: Callable[[Prepared, list[Session]], AsyncIterator[str]],
+                   answer: Callable[[Prepared, list[Collected], out.Usage], Response]) -> Answered:
+        """Prepare a request, then either open its sessions for ``streamer`` or collect them whole and
+        have ``answer`` build the response (``_answer``: off the event loop when it is scored)."""
+        p = await self._prepare(prepare, body_bytes)
+        if stream:
+            sessions = await self.open(p)
+            return SessionGroup(sessions), streamer(p, sessions)
+        got, sessions = await self.collect(p)
+        usage = self._usage(p, sessions, sum(c.count for c in got))
+        return None, await self._answer(lambda: answer(p, got, usage), p.scored)
+
+    def _chat_answer(self, p: Prepared, got: list[Collected], usage: out.Usage) -> Response:
+        choices = []
+        for i, c in enumerate(got):
+            message, reason = chat_message(c.text, c.finish_reason, p.tools.parse)
+            logprobs = None if p.top_logprobs is None else chat_logprobs(c.tokens, p.top_logprobs,
+                                                                         self.token_strings)
+            choices.append(out.ChatChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
+        return json_response(out.ChatCompletion(
+            id=f"chatcmpl-{p.request_id}", created=int(time.time()), model=self.model.name, choices=choices,
+            usage=usage, prompt_logprobs=self._prompt_logprobs(p, 0, got[0].prompt_logprobs)))
+
+    def _completion_answer(self, p: Prepared, got: list[Collected], usage: out.Usage) -> Response:
+        n = p.sampling.n
+        choices = []
+        for i, c in enumerate(got):
+            logprobs = None
+            if p.top_logprobs is not None:
+                logprobs = CompletionLogprobsBuilder(p.top_logprobs, self.token_strings).build(c.tokens)
+            choices.append(out.CompletionChoice(
+                index=i, text=c.text, finish_reason=c.finish_reason, logprobs=logprobs,
+                prompt_logprobs=self._prompt_logprobs(p, i // n, c.prompt_logprobs)))
+        return json_response(out.Completion(id=f"cmpl-{p.request_id}", created=int(time.time()),
+                                            model=self.model.name, choices=choices, usage=usage))
 
     # ---- streams -----------------------------------------------------------
 
