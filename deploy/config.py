@@ -32,6 +32,7 @@ exist only in the cluster file (ports, instance lists, ``model_cache``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -135,16 +136,16 @@ class RouterConfig(Strict):
     policy: PolicyName = RouterSettings.policy
     local_prefill_threshold: int = Field(default=RouterSettings.local_prefill_threshold, ge=0)
     cache_aware_load_weight: float = Field(default=RouterSettings.cache_aware_load_weight, ge=0)
-    kv_events_interval_s: float = Field(default=RouterSettings.kv_events_interval, gt=0)
-    health_interval_s: float = Field(default=RouterSettings.health_interval, gt=0)
-    health_timeout_s: float = Field(default=RouterSettings.health_timeout, gt=0)
-    stream_stall_s: float = Field(default=RouterSettings.stream_stall, ge=3)  # above the servers' 1 s heartbeat
-    health_backoff_max_s: float = Field(default=RouterSettings.health_backoff_max, gt=0)
-    queue_timeout_s: float = Field(default=RouterSettings.queue_timeout, ge=0)
-    max_queued_requests: int = Field(default=RouterSettings.max_queued, ge=0)
-    retry_after_s: float = Field(default=RouterSettings.retry_after, gt=0)
+    kv_events_interval_s: float = Field(default=RouterSettings.kv_events_interval_s, gt=0)
+    health_interval_s: float = Field(default=RouterSettings.health_interval_s, gt=0)
+    health_timeout_s: float = Field(default=RouterSettings.health_timeout_s, gt=0)
+    stream_stall_s: float = Field(default=RouterSettings.stream_stall_s, ge=3)  # above the servers' 1 s heartbeat
+    health_backoff_max_s: float = Field(default=RouterSettings.health_backoff_max_s, gt=0)
+    queue_timeout_s: float = Field(default=RouterSettings.queue_timeout_s, ge=0)
+    max_queued_requests: int = Field(default=RouterSettings.max_queued_requests, ge=0)
+    retry_after_s: float = Field(default=RouterSettings.retry_after_s, gt=0)
     max_inflight_per_worker: int | None = Field(default=None, ge=1)
-    prefill_timeout_s: float = Field(default=RouterSettings.prefill_timeout, gt=0)
+    prefill_timeout_s: float = Field(default=RouterSettings.prefill_timeout_s, gt=0)
     worker_connections: int = Field(default=RouterSettings.worker_connections, ge=1)  # to all workers, at most
     worker_keepalive: int = Field(default=RouterSettings.worker_keepalive, ge=0)  # idle ones kept for reuse
     worker_keepalive_s: float = Field(default=RouterSettings.worker_keepalive_s, gt=0)  # below the servers' 5 s
@@ -154,8 +155,8 @@ class RouterConfig(Strict):
     max_request_kv_share: float = Field(default=RouterSettings.max_request_kv_share, gt=0, le=1)
     api_keys: list[SecretStr] = Field(default_factory=list)
     # Slow and greedy clients (server_common/connections.py): closed past these.
-    header_timeout_s: float = Field(default=RouterSettings.header_timeout, gt=0)
-    body_timeout_s: float = Field(default=RouterSettings.body_timeout, gt=0)
+    header_timeout_s: float = Field(default=RouterSettings.header_timeout_s, gt=0)
+    body_timeout_s: float = Field(default=RouterSettings.body_timeout_s, gt=0)
     max_connections_per_client: int = Field(default=RouterSettings.max_connections_per_client, ge=1)
     client_keepalive_s: float = Field(default=RouterSettings.client_keepalive_s, gt=0)  # idle client connections
     access_log: bool = RouterSettings.access_log  # one line per request in the router's log
@@ -181,6 +182,11 @@ class RouterConfig(Strict):
         except OSError as exc:
             raise ConfigError(f"router.api_keys_file {str(path)!r}: cannot read it: {exc.strerror}") from None
         return tuple(line.strip() for line in lines if line.strip())
+
+
+# The router: keys whose value RouterSettings takes as is, under the same name (the rest are derived).
+ROUTER_KEYS_AS_IS = tuple(sorted(set(RouterConfig.model_fields) & {f.name for f in dataclasses.fields(RouterSettings)}
+                                 - {"host", "api_keys", "grammar_limits"}))
 
 
 class DiscoveryConfig(Strict):
@@ -369,25 +375,11 @@ class ClusterConfig(Strict):
                                       max_inflight=r.max_inflight_per_worker or self.engine.max_num_seqs)
         return RouterSettings(
             model_path=str(model_path), served_model_name=self.model_name, workers=workers, host=self.router_host,
-            bind_host=self.router.bind_host,
-            port=r.port, policy=r.policy, local_prefill_threshold=r.local_prefill_threshold,
-            cache_aware_load_weight=r.cache_aware_load_weight, kv_events_interval=r.kv_events_interval_s,
-            health_interval=r.health_interval_s, health_timeout=r.health_timeout_s, stream_stall=r.stream_stall_s,
-            queue_timeout=r.queue_timeout_s, max_queued=r.max_queued_requests,
-            retry_after=r.retry_after_s, prefill_timeout=r.prefill_timeout_s, max_model_len=self.max_model_len,
-            max_body_bytes=r.max_body_bytes, max_prompt_tokens=r.max_prompt_tokens, max_tokens=r.max_tokens,
-            max_request_kv_share=r.max_request_kv_share, drain_timeout=self.drain_timeout_s,
-            api_keys=r.api_key_values(), internal_secret=self.security.secret(),
-            health_backoff_max=r.health_backoff_max_s,
-            prefill_failure=self.recovery.prefill_failure, header_timeout=r.header_timeout_s,
-            body_timeout=r.body_timeout_s, max_connections_per_client=r.max_connections_per_client,
-            client_keepalive_s=r.client_keepalive_s,
-            max_connections=r.max_connections, reserved_connections=r.reserved_connections,
-            access_log=r.access_log, log_stats_interval=self.log_stats_interval_s,
-            tracing=self.tracing.settings(), discovery=discovery,
-            worker_connections=r.worker_connections, worker_keepalive=r.worker_keepalive,
-            worker_keepalive_s=r.worker_keepalive_s, grammar_limits=r.grammar_limits.limits(),
-            grammar_sandbox=r.grammar_limits.sandbox(),
+            max_model_len=self.max_model_len, drain_timeout_s=self.drain_timeout_s,
+            log_stats_interval_s=self.log_stats_interval_s, prefill_failure=self.recovery.prefill_failure,
+            api_keys=r.api_key_values(), internal_secret=self.security.secret(), tracing=self.tracing.settings(),
+            discovery=discovery, grammar_limits=r.grammar_limits.limits(), grammar_sandbox=r.grammar_limits.sandbox(),
+            **{name: getattr(r, name) for name in ROUTER_KEYS_AS_IS},
         )
 
     def server_settings(self, name: str, model_path: Path) -> ServerSettings:

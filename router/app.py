@@ -79,15 +79,17 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None,
     # registry runs): the router's /health says ready only once a request would find a decode server.
     registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight, healthy=False)
                                for w in settings.workers],
-                              interval=settings.health_interval, timeout=settings.health_timeout,
-                              backoff_max=settings.health_backoff_max,
-                              launch_id=settings.workers_launch_id, stall=settings.stream_stall)
+                              health_interval_s=settings.health_interval_s, health_timeout_s=settings.health_timeout_s,
+                              health_backoff_max_s=settings.health_backoff_max_s,
+                              launch_id=settings.workers_launch_id, stream_stall_s=settings.stream_stall_s)
     metrics = RouterMetrics(registry)
-    admission = Admission(AdmissionSettings(max_queued=settings.max_queued, timeout=settings.queue_timeout,
-                                            retry_after=settings.retry_after), on_wait=metrics.queue_time.observe)
+    admission = Admission(AdmissionSettings(max_queued_requests=settings.max_queued_requests,
+                                            queue_timeout_s=settings.queue_timeout_s,
+                                            retry_after_s=settings.retry_after_s), on_wait=metrics.queue_time.observe)
     metrics.watch_admission(admission)
     # Slow and greedy clients (server_common.connections): `pdserve router` serves with its protocol class.
-    connections = ConnectionGuard(settings.header_timeout, settings.body_timeout, settings.max_connections_per_client,
+    connections = ConnectionGuard(settings.header_timeout_s, settings.body_timeout_s,
+                                  settings.max_connections_per_client,
                                   max_connections=settings.max_connections, reserved=settings.reserved_connections)
     metrics.registry.register(connections)
     dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
@@ -108,9 +110,9 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None,
         n = HEALTH_CONNECTIONS  # workers may join at runtime: not sized by today's count
         async with worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http, \
                 worker_http(n, n, keepalive_s, headers) as health_http:
-            worker_client = client or WorkerClient(http, prefill_timeout=settings.prefill_timeout,
+            worker_client = client or WorkerClient(http, prefill_timeout_s=settings.prefill_timeout_s,
                                                    answered=passive_health.answered,
-                                                   stream_stall=settings.stream_stall)
+                                                   stream_stall_s=settings.stream_stall_s)
             dispatcher = Dispatcher(registry, make_policy(settings.policy, kv_index, settings.cache_aware_load_weight),
                                     make_policy(settings.policy, kv_index, settings.cache_aware_load_weight),
                                     worker_client, dispatch_settings, metrics.recovery, admission, drain,
@@ -120,16 +122,16 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None,
             app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits, tracing, grammars,
                                                 settings.grammar_limits, access)
             app.state.discovery = Discovery(registry, http, settings.discovery, model_fingerprint(settings.model_path),
-                                            metrics, settings.drain_timeout)
+                                            metrics, settings.drain_timeout_s)
             tasks = [asyncio.create_task(registry.run(health_http)),
                      asyncio.create_task(app.state.discovery.run())] if client is None else []
             if kv_index is not None and client is None:
-                poller = KvEventPoller(registry, kv_index, health_http, settings.kv_events_interval)
+                poller = KvEventPoller(registry, kv_index, health_http, settings.kv_events_interval_s)
                 tasks.append(asyncio.create_task(poller.run()))
-            if settings.log_stats_interval > 0:
+            if settings.log_stats_interval_s > 0:
                 stats = log_stats(router_snapshot,
                                   router_line,  # type: ignore[arg-type]  # log_stats types its snapshots as object
-                                  settings.log_stats_interval)
+                                  settings.log_stats_interval_s)
                 tasks.append(asyncio.create_task(stats))
             app.state.kv_index = kv_index
             try:

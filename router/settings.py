@@ -65,22 +65,22 @@ class RouterSettings:
     local_prefill_threshold: int = 0  # prompts whose uncached part is shorter than this: prefilled on D
     cache_aware_load_weight: float = 1.0  # cache_aware policy: how much load counts against a cached prefix
     # Seconds between polls of the servers' block-hash events (router/cluster/kv_events.py).
-    kv_events_interval: float = 0.2
-    health_interval: float = 2.0  # seconds between health checks of a worker that answers
+    kv_events_interval_s: float = 0.2
+    health_interval_s: float = 2.0  # seconds between health checks of a worker that answers
     # The longest a health check waits. Not tied to the interval: on a loaded machine an idle, live
     # worker's /health can take over a second, and a 1 s cap (the old max(1, interval)) took such
     # workers out of rotation right after the router's /health had said ok (router/cluster/registry.py).
-    health_timeout: float = 5.0
+    health_timeout_s: float = 5.0
     # A decode stream with no event (tokens or the server's heartbeat, every second) for this long has
     # failed: its server stopped. Such a server then leaves rotation (router/cluster/registry.py,
     # router/cluster/health.py).
-    stream_stall: float = 15.0
-    queue_timeout: float = 10.0  # the longest a request waits for a free slot before 429
-    max_queued: int = 128  # requests waiting for a slot; one more gets 429 at once
-    retry_after: float = 1.0  # seconds, in the Retry-After of a 429
-    prefill_timeout: float = 120.0
+    stream_stall_s: float = 15.0
+    queue_timeout_s: float = 10.0  # the longest a request waits for a free slot before 429
+    max_queued_requests: int = 128  # requests waiting for a slot; one more gets 429 at once
+    retry_after_s: float = 1.0  # seconds, in the Retry-After of a 429
+    prefill_timeout_s: float = 120.0
     max_model_len: int | None = None  # None: the model config's max_position_embeddings
-    health_backoff_max: float = 8.0  # a down worker is polled at doubling intervals up to this
+    health_backoff_max_s: float = 8.0  # a down worker is polled at doubling intervals up to this
     worker_connections: int = 1024  # open HTTP connections to all workers together, at most
     worker_keepalive: int = 256  # idle connections kept open for reuse (beyond it, idle ones close)
     # How long an idle one stays open: below the servers' own keep-alive timeout (uvicorn's, 5 s), so the
@@ -94,15 +94,15 @@ class RouterSettings:
     # max_tokens each (engine.request.kv_blocks_needed). More is a 400, or, for a request that did not set
     # max_tokens, a lower max_tokens; so no request can crowd out the rest or outgrow the cache.
     max_request_kv_share: float = 0.5
-    drain_timeout: float = DRAIN_TIMEOUT_S  # on SIGTERM: the longest to wait for requests in flight
-    header_timeout: float = 10.0  # a request's headers must arrive within this (server_common.connections)
-    body_timeout: float = 30.0  # and its body within this after them
+    drain_timeout_s: float = DRAIN_TIMEOUT_S  # on SIGTERM: the longest to wait for requests in flight
+    header_timeout_s: float = 10.0  # a request's headers must arrive within this (server_common.connections)
+    body_timeout_s: float = 30.0  # and its body within this after them
     max_connections_per_client: int = 256  # open connections from one address
     # How long a client's idle kept-alive connection stays open: longer than clients keep theirs (httpx and
     # the OpenAI SDKs 5 s, aiohttp 15 s), so a client never sends a request on a connection being closed.
     client_keepalive_s: float = 75.0
     access_log: bool = True  # one line per request (router/access_log.py)
-    log_stats_interval: float = 10.0  # a stats line this often while there is traffic (0: none)
+    log_stats_interval_s: float = 10.0  # a stats line this often while there is traffic (0: none)
     max_connections: int = 8192  # open connections in all (and under the file-descriptor limit)
     reserved_connections: int = 64  # of those, kept for loopback callers (health checks on the host)
     # How large a grammar, schema, regex or choice list a request may send (engine/structured.py), and

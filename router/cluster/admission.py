@@ -3,7 +3,7 @@
 A request is admitted when some decode server in rotation has a free slot
 (``Worker.inflight < Worker.max_inflight``) and, if it needs a prefill
 server, the prefill servers in rotation have one too. Otherwise it waits
-here, in arrival order, at most ``max_queued`` requests at a time and at
+here, in arrival order, at most ``max_queued_requests`` requests at a time and at
 most ``timeout`` seconds each. A request that finds the waiting room full,
 or waits too long, is refused at once with 429 and a Retry-After: overload is
 a fast, clear answer, never a 5xx, and the router's memory stays bounded by
@@ -39,9 +39,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class AdmissionSettings:
-    max_queued: int = RouterSettings.max_queued  # requests waiting for a slot; one more gets 429 at once
-    timeout: float = RouterSettings.queue_timeout  # the longest a request waits for a slot before 429
-    retry_after: float = RouterSettings.retry_after  # seconds, sent in Retry-After with every 429
+    # requests waiting for a slot; one more gets 429 at once
+    max_queued_requests: int = RouterSettings.max_queued_requests
+    queue_timeout_s: float = RouterSettings.queue_timeout_s  # the longest a request waits for a slot before 429
+    retry_after_s: float = RouterSettings.retry_after_s  # seconds, sent in Retry-After with every 429
     poll: float = 0.25  # waiters also re-try this often (a worker back in rotation, a "no room" cooled down)
 
 
@@ -141,13 +142,13 @@ class Admission:
         Yields a ``Wait``: ``await wait()`` sleeps until a slot frees or the
         poll interval passes, and raises 429 once the request waited ``timeout``.
         """
-        if self.waiting >= self.settings.max_queued:
+        if self.waiting >= self.settings.max_queued_requests:
             self.refused += 1
             raise overloaded(f"the server is overloaded: {self.waiting} requests are already waiting; retry later",
-                             self.settings.retry_after)
+                             self.settings.retry_after_s)
         self.waiting += 1
         try:
-            yield Wait(self, time.monotonic() + self.settings.timeout)
+            yield Wait(self, time.monotonic() + self.settings.queue_timeout_s)
         finally:
             self.waiting -= 1
 
@@ -207,6 +208,6 @@ class Wait:
         left = self._deadline - time.monotonic()
         if left <= 0:
             a.refused += 1
-            raise overloaded(f"the server is overloaded: no capacity freed within {a.settings.timeout:g} s; "
-                             "retry later", a.settings.retry_after)
+            raise overloaded(f"the server is overloaded: no capacity freed within {a.settings.queue_timeout_s:g} s; "
+                             "retry later", a.settings.retry_after_s)
         await a.sleep(min(left, a.settings.poll))

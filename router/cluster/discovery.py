@@ -14,7 +14,7 @@ hand it KV); a prefill server that joins is told every decode server. The
 worker is routed to once its health checks pass.
 
 Leaving: the worker is drained (no new request goes to it; its requests in
-flight finish, at most ``drain_timeout`` seconds), then forgotten; a decode
+flight finish, at most ``drain_timeout_s`` seconds), then forgotten; a decode
 server that left is forgotten by every prefill server too
 (``DELETE /admin/peers/{name}``), which releases what the transfer layer
 held for it (NIXL remote agent and descriptor lists, ZeroMQ socket), so a
@@ -64,14 +64,14 @@ def url_of(address: str, port: int) -> str:
 
 class Discovery:
     def __init__(self, registry: WorkerRegistry, http: httpx.AsyncClient, settings: DiscoverySettings,
-                 model_id: str, metrics: RouterMetrics, drain_timeout: float,
+                 model_id: str, metrics: RouterMetrics, drain_timeout_s: float,
                  resolve: Resolve = resolve_host) -> None:
         self._registry = registry
         self._http = http
         self._settings = settings
         self._model_id = model_id
         self._metrics = metrics
-        self._drain_timeout = drain_timeout
+        self._drain_timeout_s = drain_timeout_s
         self._resolve = resolve
         self._leaving: dict[str, asyncio.Task] = {}
         self.found: dict[str, str] = {}  # url -> worker name, of the workers DNS found
@@ -117,7 +117,7 @@ class Discovery:
         worker = self._registry.find(name)
         if worker is None:
             return None
-        await self._registry.drain(worker, self._drain_timeout)
+        await self._registry.drain(worker, self._drain_timeout_s)
         self._registry.forget(name)
         if worker.role == "decode":
             await self._tell_prefills("DELETE", f"/admin/peers/{name}")

@@ -110,7 +110,7 @@ class Dispatcher:
         """
         if self.drain is not None and self.drain.draining:
             raise OpenAIError(503, "the router is shutting down; retry later", code="draining",
-                              retry_after=self.admission.settings.retry_after)
+                              retry_after=self.admission.settings.retry_after_s)
         stream, slot = await self.open_stream(request_id, prompt, sampling, None, prefill_slot=True, trace=trace)
         return Session(self._sessions, request_id, prompt, sampling, stream, slot, trace)
 

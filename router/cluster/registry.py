@@ -110,19 +110,20 @@ class Worker:
 
 
 class WorkerRegistry:
-    def __init__(self, workers: list[Worker], *, interval: float = RouterSettings.health_interval,
-                 timeout: float = RouterSettings.health_timeout, unhealthy_after: int = 2,
-                 backoff_max: float = RouterSettings.health_backoff_max, launch_id: str | None = None,
-                 stall: float = RouterSettings.stream_stall) -> None:
+    def __init__(self, workers: list[Worker], *, health_interval_s: float = RouterSettings.health_interval_s,
+                 health_timeout_s: float = RouterSettings.health_timeout_s, unhealthy_after: int = 2,
+                 health_backoff_max_s: float = RouterSettings.health_backoff_max_s, launch_id: str | None = None,
+                 stream_stall_s: float = RouterSettings.stream_stall_s) -> None:
         names = [w.name for w in workers]
         assert len(names) == len(set(names)), f"duplicate worker names: {names}"
         self.workers = workers
-        self.interval = interval
-        self.timeout = timeout
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
         self.unhealthy_after = unhealthy_after
-        self.backoff_max = max(backoff_max, interval)
+        self.health_backoff_max_s = max(health_backoff_max_s, health_interval_s)
         self.launch_id = launch_id
-        self.stall = stall  # a busy worker silent this long (no answer to any call) is no longer let off
+        # a busy worker silent this long (no answer to any call) is no longer let off
+        self.stream_stall_s = stream_stall_s
         self._client: httpx.AsyncClient | None = None  # set by run(): new workers are watched at once
         self._watches: dict[str, asyncio.Task] = {}
 
@@ -148,7 +149,7 @@ class WorkerRegistry:
 
     async def _check(self, client: httpx.AsyncClient, worker: Worker) -> None:
         try:
-            resp = await client.get(f"{worker.url}/health", timeout=self.timeout)
+            resp = await client.get(f"{worker.url}/health", timeout=self.health_timeout_s)
             resp.raise_for_status()
             report = resp.json()
             if worker.discovered:  # started by another launch, maybe: the same instance must answer
@@ -164,7 +165,7 @@ class WorkerRegistry:
         except httpx.TimeoutException as exc:
             # Idle and silent: a miss. Busy: its requests speak for it, while they do (a live decode
             # server's streams carry a heartbeat); a frozen one's have been silent for ``stall``.
-            if worker.inflight == 0 or time.monotonic() - worker.last_seen >= self.stall:
+            if worker.inflight == 0 or time.monotonic() - worker.last_seen >= self.stream_stall_s:
                 self._missed(worker, exc)
             return
         except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # no answer, or not a health report
@@ -184,13 +185,13 @@ class WorkerRegistry:
     def needs_check(self, worker: Worker, now: float | None = None) -> bool:
         """Failing, or not heard from (by a real call) within the last interval."""
         now = time.monotonic() if now is None else now
-        return not worker.healthy or worker.failures > 0 or now - worker.last_seen >= self.interval
+        return not worker.healthy or worker.failures > 0 or now - worker.last_seen >= self.health_interval_s
 
     def next_check_in(self, worker: Worker) -> float:
         """Seconds to the worker's next check: ``interval`` while it answers, then doubling."""
         if worker.failures == 0:
-            return self.interval
-        return min(self.interval * 2 ** min(worker.failures - 1, 30), self.backoff_max)
+            return self.health_interval_s
+        return min(self.health_interval_s * 2 ** min(worker.failures - 1, 30), self.health_backoff_max_s)
 
     @staticmethod
     async def drain(worker: Worker, timeout: float, poll: float = 0.05) -> None:

@@ -6,7 +6,7 @@ of a server's ``ErrorReply`` or stream ``ErrorEvent`` as it was sent,
 ``UNREACHABLE`` when the connection was refused or reset, ``TIMED_OUT`` when
 no answer came in time, and ``STREAM_CUT`` / ``WORKER_ERROR`` for answers the
 router cannot use. Every answer is reported to ``answered`` (passive health,
-router/cluster/health.py). A decode stream silent for ``stream_stall`` seconds is
+router/cluster/health.py). A decode stream silent for ``stream_stall_s`` seconds is
 ``TIMED_OUT``: a live decode server sends a heartbeat (``AliveEvent``) every
 ``STREAM_HEARTBEAT_S`` when it has nothing else to send, so only a stopped
 (frozen, paused, cut off) one is silent that long.
@@ -175,14 +175,14 @@ class DecodeStream:
 class WorkerClient:
     """``answered(worker)`` is called on every answer from a worker (router/cluster/health.py)."""
 
-    def __init__(self, http: httpx.AsyncClient, *, prefill_timeout: float,
+    def __init__(self, http: httpx.AsyncClient, *, prefill_timeout_s: float,
                  answered: Callable[[Worker], None] = _ignore,
-                 stream_stall: float = RouterSettings.stream_stall) -> None:
+                 stream_stall_s: float = RouterSettings.stream_stall_s) -> None:
         self._http = http
-        self._prefill_timeout = prefill_timeout
+        self._prefill_timeout_s = prefill_timeout_s
         # A decode stream (its answer's start included) silent this long: the server stopped. A live
         # one sends a heartbeat every STREAM_HEARTBEAT_S when it has nothing else to send.
-        self._stream_stall = stream_stall
+        self._stream_stall_s = stream_stall_s
         self._answered = answered
         self._prefills: set[asyncio.Task] = set()  # calls still reading a reply nobody waits for
 
@@ -190,7 +190,7 @@ class WorkerClient:
         """Start ``/generate``; returns once the reservation (first event) is in."""
         request = self._http.build_request(
             "POST", f"{worker.url}/generate", content=req.model_dump_json(),
-            headers={"content-type": "application/json"}, timeout=httpx.Timeout(10.0, read=self._stream_stall),
+            headers={"content-type": "application/json"}, timeout=httpx.Timeout(10.0, read=self._stream_stall_s),
         )
         try:
             response = await self._http.send(request, stream=True)
@@ -229,7 +229,7 @@ class WorkerClient:
         try:
             resp = await self._http.post(
                 f"{worker.url}/prefill", content=req.model_dump_json(),
-                headers={"content-type": "application/json"}, timeout=self._prefill_timeout,
+                headers={"content-type": "application/json"}, timeout=self._prefill_timeout_s,
             )
         except httpx.HTTPError as exc:
             raise _unreachable(worker, exc) from exc

@@ -211,7 +211,7 @@ def test_no_healthy_prefill_server_prefills_locally_unless_recovery_is_fail():
 
 
 def test_health_checks_back_off_while_a_worker_is_down():
-    registry = WorkerRegistry(workers(1, 0), interval=0.5, backoff_max=3.0)
+    registry = WorkerRegistry(workers(1, 0), health_interval_s=0.5, health_backoff_max_s=3.0)
     w = registry.workers[0]
     delays = []
     for failures in range(6):
@@ -232,7 +232,7 @@ def test_the_health_watch_takes_a_dead_worker_out_and_brings_it_back_after_a_res
             raise httpx.ConnectError("refused")
         return httpx.Response(200, json={"kv_blocks": {"free": 3}})
 
-    registry = WorkerRegistry(workers(0, 1), interval=0.02, backoff_max=0.08)
+    registry = WorkerRegistry(workers(0, 1), health_interval_s=0.02, health_backoff_max_s=0.08)
     d0 = registry.workers[0]
 
     async def run():

@@ -40,7 +40,8 @@ async def finish(session) -> None:
 
 
 def test_a_full_waiting_room_is_a_429_at_once_with_retry_after():
-    _, fake, dispatcher = make(one_decode(limit=1), AdmissionSettings(max_queued=1, timeout=5, retry_after=3))
+    room = AdmissionSettings(max_queued_requests=1, queue_timeout_s=5, retry_after_s=3)
+    _, fake, dispatcher = make(one_decode(limit=1), room)
 
     async def run():
         first = await dispatcher.start("r1", [1], SAMPLING)
@@ -80,7 +81,7 @@ def test_a_waiter_gets_the_slot_a_finished_request_frees_without_polling():
 
 
 def test_waiting_longer_than_the_timeout_is_a_429():
-    _, _, dispatcher = make(one_decode(limit=1), AdmissionSettings(timeout=0.1, poll=0.02))
+    _, _, dispatcher = make(one_decode(limit=1), AdmissionSettings(queue_timeout_s=0.1, poll=0.02))
 
     async def run():
         first = await dispatcher.start("r1", [1], SAMPLING)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.config import ConfigError, parse_config
+from deploy.config import ROUTER_KEYS_AS_IS, ConfigError, RouterConfig, parse_config
 
 SECRET = "a-secret-of-at-least-16-chars"
 BASE = {"model": "tiny", "prefill": [{"name": "p0", "port": 9100}],
@@ -80,5 +80,13 @@ def test_overload_and_limit_keys_reach_the_router(tmp_path):
     router = parse_config({**BASE, "drain_timeout_s": 7, "router": {
         "max_queued_requests": 9, "queue_timeout_s": 2, "retry_after_s": 4, "max_body_bytes": 2048,
         "max_prompt_tokens": 100, "max_tokens": 50}}, "c.yaml").router_settings(tmp_path)
-    assert (router.max_queued, router.queue_timeout, router.retry_after, router.max_body_bytes,
-            router.max_prompt_tokens, router.max_tokens, router.drain_timeout) == (9, 2, 4, 2048, 100, 50, 7)
+    assert (router.max_queued_requests, router.queue_timeout_s, router.retry_after_s, router.max_body_bytes,
+            router.max_prompt_tokens, router.max_tokens, router.drain_timeout_s) == (9, 2, 4, 2048, 100, 50, 7)
+
+
+def test_every_router_key_reaches_the_router_under_its_own_name():
+    # A key the router: section gains is either a RouterSettings field of the same name (passed as is)
+    # or one of these, which the config turns into something else; none is dropped on the way.
+    derived = {"host", "api_keys", "api_keys_file", "grammar_limits", "max_inflight_per_worker"}
+    assert set(RouterConfig.model_fields) == set(ROUTER_KEYS_AS_IS) | derived
+    assert not set(ROUTER_KEYS_AS_IS) & derived

@@ -12,7 +12,7 @@ WORKERS = (WorkerSpec("p0", "prefill", "http://p0"), WorkerSpec("d0", "decode", 
 
 def make_client(model, fake, **overrides):
     settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS,
-                              queue_timeout=0.1, **overrides)
+                              queue_timeout_s=0.1, **overrides)
     return TestClient(in_rotation(create_app(settings, model=model, client=fake)), raise_server_exceptions=False)
 
 

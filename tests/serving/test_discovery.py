@@ -49,7 +49,7 @@ def run(workers: Workers, dns: dict[str, list[str]], scenario) -> RouterMetrics:
     async def main():
         async with httpx.AsyncClient(transport=httpx.MockTransport(workers)) as http:
             settings = DiscoverySettings(kind="dns", names=("decode.svc:8200", "prefill.svc:8100"), interval_s=60)
-            discovery = Discovery(registry, http, settings, MODEL, metrics, drain_timeout=5.0, resolve=resolve)
+            discovery = Discovery(registry, http, settings, MODEL, metrics, drain_timeout_s=5.0, resolve=resolve)
             await scenario(discovery, registry)
 
     asyncio.run(main())

@@ -74,7 +74,7 @@ def test_unreachable_decode_server_is_skipped_and_marked_down():
 
 def test_no_room_anywhere_waits_up_to_the_queue_timeout_then_429():
     fake = FakeWorkerClient(reply=[1], full={"d0"})
-    _, dispatcher = make(fake, admission=AdmissionSettings(timeout=0.2, poll=0.05, retry_after=2.0),
+    _, dispatcher = make(fake, admission=AdmissionSettings(queue_timeout_s=0.2, poll=0.05, retry_after_s=2.0),
                          no_room_cooldown=0.01)
 
     async def run():

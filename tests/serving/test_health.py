@@ -27,7 +27,7 @@ def slow(request):
 def test_a_busy_worker_whose_health_check_times_out_stays_in_rotation_while_its_requests_speak():
     worker = Worker("d0", "decode", "http://d0")
     worker.inflight = 3  # this router has requests on it
-    registry = WorkerRegistry([worker], unhealthy_after=2, stall=15.0)
+    registry = WorkerRegistry([worker], unhealthy_after=2, stream_stall_s=15.0)
     PassiveHealth(registry).answered(worker)  # a token or a heartbeat just now
     check_three_times(registry, slow)
     assert worker.healthy and worker.failures == 0
@@ -37,7 +37,7 @@ def test_a_busy_worker_whose_health_check_times_out_stays_in_rotation_while_its_
 def test_a_busy_worker_silent_for_the_stall_time_whose_health_check_times_out_leaves_rotation():
     worker = Worker("d0", "decode", "http://d0")
     worker.inflight = 3  # streams open on it, and none said anything (heartbeats included) for 15 s
-    registry = WorkerRegistry([worker], unhealthy_after=2, stall=15.0)
+    registry = WorkerRegistry([worker], unhealthy_after=2, stream_stall_s=15.0)
     worker.last_seen = time.monotonic() - 15.0
     check_three_times(registry, slow)
     assert not worker.healthy and worker.failures == 3
@@ -63,7 +63,7 @@ def test_a_refused_health_check_counts_even_while_busy():
 
 def test_a_worker_that_answered_a_real_call_within_the_interval_is_not_checked():
     worker = Worker("d0", "decode", "http://d0")
-    registry = WorkerRegistry([worker], interval=2.0)
+    registry = WorkerRegistry([worker], health_interval_s=2.0)
     health = PassiveHealth(registry)
     assert registry.needs_check(worker)  # never heard from
     health.answered(worker)
@@ -112,7 +112,7 @@ def test_the_health_check_waits_the_configured_timeout_not_the_interval():
         seen.append(request.extensions["timeout"]["read"])
         return httpx.Response(200, json={"status": "ok"})
 
-    registry = WorkerRegistry([Worker("d0", "decode", "http://d0")], interval=0.5, timeout=3.5)
+    registry = WorkerRegistry([Worker("d0", "decode", "http://d0")], health_interval_s=0.5, health_timeout_s=3.5)
     check_three_times(registry, record)
     assert seen == [3.5, 3.5, 3.5]
 

@@ -36,7 +36,7 @@ def model(tmp_path_factory):
 
 
 def make_app(model, **overrides):
-    settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS, queue_timeout=0.1,
+    settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS, queue_timeout_s=0.1,
                               **overrides)
     return in_rotation(create_app(settings, model=model,
                                   client=FakeWorkerClient(reply=model.tokenizer("hello")["input_ids"])))

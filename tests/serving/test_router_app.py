@@ -337,7 +337,7 @@ def test_the_router_is_not_ready_and_admits_nothing_before_a_decode_server_passe
     # Readiness and admission read one predicate: a decode server in rotation. The config's workers
     # enter rotation on their first passing check (these fake addresses never answer one), so the
     # router never says ready for a worker it has not seen.
-    settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS, queue_timeout=0.1)
+    settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS, queue_timeout_s=0.1)
     with TestClient(create_app(settings, model=model, client=FakeWorkerClient(reply=[1])),
                     raise_server_exceptions=False) as c:
         health = c.get("/health")
