@@ -44,7 +44,7 @@ from deploy.config_security import ConfigError as ConfigError  # callers catch i
 from deploy.config_security import SecurityConfig, Strict, looks_secret
 from deploy.k8s_config import KubernetesConfig
 from deploy.models import is_builtin, resolve_model
-from engine.config import Dtype, EngineConfig, EngineMode, KvLayout
+from engine.config import AtLeastOne, BlockSize, Dtype, EngineConfig, EngineMode, KvLayout, ModelLen
 from engine.structured import GRAMMAR_CEILING, GrammarLimits
 from router.settings import (
     CompileSandbox,
@@ -61,35 +61,40 @@ from server_common.tracing import TracingSettings
 
 
 class EngineDefaults(Strict):
-    """Engine settings every instance inherits unless it overrides them."""
+    """Engine settings every instance inherits unless it overrides them (defaults and bounds: EngineConfig)."""
 
-    block_size: int = Field(default=EngineConfig.block_size, ge=1, le=256)
-    num_threads: int | None = Field(default=EngineConfig.num_threads, ge=1)
+    block_size: BlockSize = EngineConfig.block_size
+    num_threads: AtLeastOne | None = EngineConfig.num_threads
     device: str | None = None  # default: the cluster's device
-    kv_cache_bytes: int = Field(default=EngineConfig.kv_cache_bytes, ge=1)
-    num_blocks: int | None = Field(default=EngineConfig.num_blocks, ge=1)
-    max_num_seqs: int = Field(default=EngineConfig.max_num_seqs, ge=1)
-    max_num_batched_tokens: int = Field(default=EngineConfig.max_num_batched_tokens, ge=1)
+    kv_cache_bytes: AtLeastOne = EngineConfig.kv_cache_bytes
+    num_blocks: AtLeastOne | None = EngineConfig.num_blocks
+    max_num_seqs: AtLeastOne = EngineConfig.max_num_seqs
+    max_num_batched_tokens: AtLeastOne = EngineConfig.max_num_batched_tokens
     chunked_prefill: bool = EngineConfig.chunked_prefill
     kv_layout: KvLayout = EngineConfig.kv_layout
     prefix_caching: bool = EngineConfig.prefix_caching
+
+
+# The engine keys one instance may override (None: the engine: section's value).
+INSTANCE_ENGINE_KEYS = ("block_size", "num_threads", "device", "kv_cache_bytes", "num_blocks", "max_num_seqs",
+                        "max_num_batched_tokens", "kv_layout")
 
 
 class Instance(Strict):
     name: str = Field(pattern=INSTANCE_NAME)
     port: int = Field(ge=1, le=65535)
     kv_port: int | None = Field(default=None, ge=1, le=65535)  # default: port + 1
-    block_size: int | None = Field(default=None, ge=1, le=256)
-    num_threads: int | None = Field(default=None, ge=1)
-    device: str | None = None
-    kv_cache_bytes: int | None = Field(default=None, ge=1)
-    num_blocks: int | None = Field(default=None, ge=1)
-    max_num_seqs: int | None = Field(default=None, ge=1)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    kv_layout: KvLayout | None = None
     host: str | None = None  # the address others reach it at (default: the cluster's host)
     bind_host: str | None = None  # the address it binds (default: host; 0.0.0.0 for every interface)
     max_inflight: int | None = Field(default=None, ge=1)  # router's in-flight limit for it (see RouterConfig)
+    block_size: BlockSize | None = None
+    num_threads: AtLeastOne | None = None
+    device: str | None = None
+    kv_cache_bytes: AtLeastOne | None = None
+    num_blocks: AtLeastOne | None = None
+    max_num_seqs: AtLeastOne | None = None
+    max_num_batched_tokens: AtLeastOne | None = None
+    kv_layout: KvLayout | None = None
 
     @property
     def transfer_port(self) -> int:
@@ -263,7 +268,7 @@ class ClusterConfig(Strict):
     dtype: Dtype = EngineConfig.dtype
     device: str = EngineConfig.device
     host: str = LOOPBACK_HOST
-    max_model_len: int | None = Field(default=EngineConfig.max_model_len, ge=2)
+    max_model_len: ModelLen | None = EngineConfig.max_model_len
     lease_s: float = Field(default=ServerSettings.lease_s, gt=0)
     drain_timeout_s: float = Field(default=DRAIN_TIMEOUT_S, gt=0)  # SIGTERM: the longest a process waits
     # Every process logs a stats line this often while it has traffic; launch shows them (0: none).
@@ -385,19 +390,11 @@ class ClusterConfig(Strict):
     def server_settings(self, name: str, model_path: Path) -> ServerSettings:
         role = self.role_of(name)
         inst = self.instance(name)
-        d = self.engine
-
-        def pick(field: str) -> Any:
-            value = getattr(inst, field)
-            return getattr(d, field) if value is None else value
-
-        engine = EngineConfig(
-            model=str(model_path), dtype=self.dtype, device=inst.device or d.device or self.device,
-            block_size=pick("block_size"), num_blocks=pick("num_blocks"), kv_cache_bytes=pick("kv_cache_bytes"),
-            max_num_seqs=pick("max_num_seqs"), max_num_batched_tokens=pick("max_num_batched_tokens"),
-            chunked_prefill=d.chunked_prefill, max_model_len=self.max_model_len, num_threads=pick("num_threads"),
-            mode=role, kv_layout=pick("kv_layout"), prefix_caching=d.prefix_caching,
-        )
+        knobs = {**self.engine.model_dump(),
+                 **{key: getattr(inst, key) for key in INSTANCE_ENGINE_KEYS if getattr(inst, key) is not None}}
+        knobs["device"] = knobs["device"] or self.device
+        engine = EngineConfig(model=str(model_path), dtype=self.dtype, max_model_len=self.max_model_len, mode=role,
+                              **knobs)
         return ServerSettings(
             name=name, role=role, engine=engine, host=self.host_of(inst), bind_host=inst.bind_host,
             port=inst.port, kv_port=inst.transfer_port,

@@ -9,8 +9,10 @@ on first use).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Literal, get_args
+
+from pydantic import ConfigDict, Field
+from pydantic.dataclasses import dataclass as checked_dataclass
 
 if TYPE_CHECKING:
     import torch
@@ -22,8 +24,15 @@ DTYPES: tuple[str, ...] = get_args(Dtype)
 MODES: tuple[str, ...] = get_args(EngineMode)
 KV_LAYOUTS: tuple[str, ...] = get_args(KvLayout)
 
+# The bounds of the engine's knobs, written once: EngineConfig checks them when it is made, and the
+# cluster config (deploy/config.py) types its engine keys with them, so a bad value in a file is named
+# there before any process starts.
+BlockSize = Annotated[int, Field(ge=1, le=256)]  # tokens per KV block
+AtLeastOne = Annotated[int, Field(ge=1)]  # blocks, bytes, sequences, tokens, threads
+ModelLen = Annotated[int, Field(ge=2)]  # a prompt token and one to generate, at least
 
-@dataclass(frozen=True)
+
+@checked_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class EngineConfig:
     """What an engine needs to know; derived values are properties.
 
@@ -34,39 +43,17 @@ class EngineConfig:
     model: str
     dtype: Dtype = "float32"
     device: str = "cpu"
-    block_size: int = 16
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 256 * 1024 * 1024
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    block_size: BlockSize = 16
+    num_blocks: AtLeastOne | None = None
+    kv_cache_bytes: AtLeastOne = 256 * 1024 * 1024
+    max_num_seqs: AtLeastOne = 64
+    max_num_batched_tokens: AtLeastOne = 2048
     chunked_prefill: bool = True
-    max_model_len: int | None = None
-    num_threads: int | None = None
+    max_model_len: ModelLen | None = None
+    num_threads: AtLeastOne | None = None
     mode: EngineMode = "colocated"
     kv_layout: KvLayout = "NHD"
     prefix_caching: bool = True  # reuse the K/V of cached full blocks (engine/block_manager.py)
-
-    def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} is not one of {sorted(DTYPES)}")
-        if not 1 <= self.block_size <= 256:
-            raise ValueError(f"block_size {self.block_size} must be between 1 and 256")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks {self.num_blocks} must be at least 1")
-        if self.kv_cache_bytes < 1:
-            raise ValueError(f"kv_cache_bytes {self.kv_cache_bytes} must be positive")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs {self.max_num_seqs} must be at least 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens {self.max_num_batched_tokens} must be at least 1")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len {self.max_model_len} must be at least 2")
-        if self.num_threads is not None and self.num_threads < 1:
-            raise ValueError(f"num_threads {self.num_threads} must be at least 1")
-        if self.kv_layout not in KV_LAYOUTS:
-            raise ValueError(f"kv_layout {self.kv_layout!r} is not one of {list(KV_LAYOUTS)}")
-        if self.mode not in MODES:
-            raise ValueError(f"mode {self.mode!r} is not one of {list(MODES)}")
 
     @property
     def cache_salt(self) -> str:

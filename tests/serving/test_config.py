@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from deploy.config import ConfigError, load_config, parse_config
+from deploy.config import INSTANCE_ENGINE_KEYS, ConfigError, EngineDefaults, Instance, load_config, parse_config
+from engine.config import EngineConfig
 from tests.serving.configs import BASE, error_of
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -94,3 +95,13 @@ def test_prefix_caching_is_on_by_default_and_the_engine_section_turns_it_off(tmp
     off = parse_config({**BASE, "engine": {"prefix_caching": False}}, "c.yaml").server_settings("p0", tmp_path)
     assert (on.engine.prefix_caching, off.engine.prefix_caching) == (True, False)
     assert "prefix_caching" in error_of({**BASE, "engine": {"prefix_caching": "sometimes"}})
+
+
+def test_every_engine_key_of_the_file_is_an_engine_setting_and_instances_override_theirs():
+    # The engine: section and an instance's overrides carry EngineConfig's own names and bounds, so
+    # a key added to one without the others, or spelt differently, fails here.
+    engine_fields = set(EngineConfig.__dataclass_fields__)
+    assert set(EngineDefaults.model_fields) <= engine_fields
+    assert set(INSTANCE_ENGINE_KEYS) <= set(EngineDefaults.model_fields) & set(Instance.model_fields)
+    assert error_of({**BASE, "engine": {"block_size": 0}}).endswith("Input should be greater than or equal to 1")
+    assert "'prefill[0].block_size'" in error_of({**BASE, "prefill": [{"name": "p0", "port": 9100, "block_size": 257}]})
