@@ -85,5 +85,5 @@ def add_admin_routes(app: FastAPI, registry: WorkerRegistry, authorize: Callable
     async def resume(name: str, request: Request) -> JSONResponse:
         authorize(request)
         w = worker(name)
-        w.draining = False
+        w.set_draining(False)
         return JSONResponse(describe(w))

@@ -78,24 +78,22 @@ class Admission:
 
     def claim(self, worker: Worker, prefill_slot: bool) -> Slot:
         """A slot on decode server ``worker``, and one of the prefill slots with ``prefill_slot``."""
-        worker.inflight += 1
+        worker.started()
         self.prefills_pending += prefill_slot
         return Slot(self, worker, prefill_slot)
 
     def no_room(self, worker: Worker, cooldown: float) -> None:
         """``worker`` said its KV cache is full: skip it for ``cooldown`` s, or until one of its slots frees."""
-        worker.full_until = time.monotonic() + cooldown
+        worker.full_for(cooldown)
 
     @contextlib.contextmanager
     def prefilling(self, worker: Worker, num_tokens: int) -> Iterator[None]:
         """A prefill call on ``worker`` for the life of the block (the least-loaded policy reads these)."""
-        worker.inflight += 1
-        worker.inflight_tokens += num_tokens
+        worker.started(num_tokens)
         try:
             yield
         finally:
-            worker.inflight -= 1
-            worker.inflight_tokens -= num_tokens
+            worker.ended(num_tokens)
 
     def session_started(self) -> None:
         self.sessions += 1
@@ -182,8 +180,7 @@ class Slot:
         self.release_prefill()
         if self._decode_held:
             self._decode_held = False
-            self.worker.inflight -= 1
-            self.worker.full_until = 0.0
+            self.worker.ended(freed=True)
             self._admission.slot_freed()
 
     def cancel(self) -> None:
@@ -191,7 +188,7 @@ class Slot:
         give both parts back without waking anyone, since nothing was freed."""
         if self._decode_held:
             self._decode_held = False
-            self.worker.inflight -= 1
+            self.worker.ended()
         if self._prefill_held:
             self._prefill_held = False
             self._admission.prefills_pending -= 1

@@ -24,8 +24,6 @@ This class is the one writer of ``last_seen`` and ``request_failures``.
 
 from __future__ import annotations
 
-import time
-
 from router.cluster.registry import Worker, WorkerRegistry
 from router.cluster.worker_client import WorkerFailed
 from transfer.outcome import Outcome
@@ -41,15 +39,12 @@ class PassiveHealth:
 
     def answered(self, worker: Worker) -> None:
         """``worker`` answered a real call: it is alive now."""
-        worker.last_seen = time.monotonic()
-        worker.request_failures = 0
+        worker.answered()
 
     def failed(self, worker: Worker, exc: WorkerFailed) -> None:
         """A call to ``worker`` failed with ``exc``: maybe take it out of rotation (see the module doc)."""
         if exc.outcome in LEAVES_AT_ONCE:
             self.registry.mark_down(worker, str(exc))
         elif exc.outcome in COUNTED:
-            worker.request_failures += 1
-            if worker.request_failures >= self.failures_to_leave:
-                self.registry.mark_down(worker, f"{worker.request_failures} failed calls in a row, the last: {exc}")
-                worker.request_failures = 0
+            if worker.call_failed(self.failures_to_leave):
+                self.registry.mark_down(worker, f"{self.failures_to_leave} failed calls in a row, the last: {exc}")

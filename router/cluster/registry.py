@@ -1,16 +1,17 @@
 """The workers the router knows, their health and load.
 
 Workers come from config, and join and leave at runtime (``add`` and
-``forget``, called by ``router.cluster.discovery``). A background task per worker polls its
-``GET /health`` every ``interval`` seconds (waiting ``timeout`` for the answer) unless real traffic already showed
-the worker alive within that interval (passive health, router/cluster/health.py,
+``forget``, called by ``router.cluster.discovery``). A background task per
+worker polls its ``GET /health`` every ``health_interval_s`` seconds (waiting
+``health_timeout_s`` for the answer) unless real traffic already showed the
+worker alive within that interval (passive health, router/cluster/health.py,
 which also takes a worker out on failed requests): a worker that fails
 ``unhealthy_after`` checks in a row is taken out of rotation; the next
 successful check brings it back. A check that times out counts only while
 this router has nothing in flight on the worker: a busy worker answers its
 requests, and a slow health answer is load, not a fault. While a worker fails,
-its checks back off (interval, 2x, 4x, ... up to ``backoff_max``) so a dead
-worker costs little, and a restarted one is back within ``backoff_max``. The
+its checks back off (interval, 2x, 4x, ... up to ``health_backoff_max_s``) so a dead
+worker costs little, and a restarted one is back within ``health_backoff_max_s``. The
 same poll refreshes the load a worker reports (free KV blocks, queue depth,
 queued prompt tokens) for the least-loaded policy.
 
@@ -40,6 +41,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Worker:
+    """One worker as this router sees it. Its fields are read anywhere (policies, metrics, admin views)
+    and written only through the methods below: health checks, passive health, admission and the
+    admin endpoint each call the method for what happened, and the state change is written here once."""
+
     name: str
     role: WorkerRole
     url: str  # http://host:port, no trailing slash
@@ -71,6 +76,61 @@ class Worker:
         if self.max_inflight is not None and self.inflight >= self.max_inflight:
             return False
         return (time.monotonic() if now is None else now) >= self.full_until
+
+    # ---- health (router/cluster/registry.py, router/cluster/health.py) ----------------------------
+    def check_passed(self, report: dict) -> bool:
+        """A health check answered with ``report``; True if it was out and is back."""
+        self.apply_health(report)
+        back = not self.healthy
+        self.failures, self.healthy = 0, True
+        return back
+
+    def check_missed(self, unhealthy_after: int) -> bool:
+        """A health check failed; True if this miss takes it out of rotation."""
+        self.failures += 1
+        if self.failures >= unhealthy_after and self.healthy:
+            self.healthy = False
+            return True
+        return False
+
+    def take_out(self, unhealthy_after: int) -> bool:
+        """A call could not reach it: out until a check passes; True if it was in."""
+        was_healthy, self.healthy = self.healthy, False
+        self.failures = max(self.failures, unhealthy_after)
+        return was_healthy
+
+    def answered(self) -> None:
+        """It answered a real call: alive now."""
+        self.last_seen = time.monotonic()
+        self.request_failures = 0
+
+    def call_failed(self, failures_to_leave: int) -> bool:
+        """A real call failed; True (and the count restarts) once ``failures_to_leave`` failed in a row."""
+        self.request_failures += 1
+        if self.request_failures < failures_to_leave:
+            return False
+        self.request_failures = 0
+        return True
+
+    # ---- this router's load on it (router/cluster/admission.py) -----------------------------------
+    def started(self, num_tokens: int = 0) -> None:
+        self.inflight += 1
+        self.inflight_tokens += num_tokens
+
+    def ended(self, num_tokens: int = 0, *, freed: bool = False) -> None:
+        """A call ended; ``freed``: its KV blocks are free, so a "no room" answer no longer holds."""
+        self.inflight -= 1
+        self.inflight_tokens -= num_tokens
+        if freed:
+            self.full_until = 0.0
+
+    def full_for(self, cooldown: float) -> None:
+        """It said its KV cache is full: skip it for ``cooldown`` s (or until one of its calls frees blocks)."""
+        self.full_until = time.monotonic() + cooldown
+
+    def set_draining(self, draining: bool) -> None:
+        """Drained (or resumed) through the router's admin endpoint."""
+        self.draining = draining
 
     def apply_health(self, report: dict) -> None:
         blocks = report.get("kv_blocks", {})
@@ -139,10 +199,8 @@ class WorkerRegistry:
 
     def mark_down(self, worker: Worker, reason: str) -> None:
         """A request could not reach the worker: out of rotation until a health check passes."""
-        if worker.healthy:
+        if worker.take_out(self.unhealthy_after):
             log.warning("worker %s (%s) taken out: %s", worker.name, worker.url, reason)
-        worker.healthy = False
-        worker.failures = max(worker.failures, self.unhealthy_after)
 
     async def check_once(self, client: httpx.AsyncClient) -> None:
         await asyncio.gather(*(self._check(client, w) for w in self.workers))
@@ -161,26 +219,22 @@ class WorkerRegistry:
                 self.mark_down(worker, f"another process answers on its port (launch {report.get('launch_id')!r}, "
                                        f"instance {report.get('instance')!r})")
                 return
-            worker.apply_health(report)
+            back = worker.check_passed(report)
         except httpx.TimeoutException as exc:
             # Idle and silent: a miss. Busy: its requests speak for it, while they do (a live decode
-            # server's streams carry a heartbeat); a frozen one's have been silent for ``stall``.
+            # server's streams carry a heartbeat); a frozen one's have been silent for ``stream_stall_s``.
             if worker.inflight == 0 or time.monotonic() - worker.last_seen >= self.stream_stall_s:
                 self._missed(worker, exc)
             return
         except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:  # no answer, or not a health report
             self._missed(worker, exc)
             return
-        if not worker.healthy:
+        if back:
             log.info("worker %s (%s) healthy again", worker.name, worker.url)
-        worker.failures = 0
-        worker.healthy = True
 
     def _missed(self, worker: Worker, exc: Exception) -> None:
-        worker.failures += 1
-        if worker.failures >= self.unhealthy_after and worker.healthy:
+        if worker.check_missed(self.unhealthy_after):
             log.warning("worker %s (%s) unhealthy: %s", worker.name, worker.url, exc)
-            worker.healthy = False
 
     def needs_check(self, worker: Worker, now: float | None = None) -> bool:
         """Failing, or not heard from (by a real call) within the last interval."""
@@ -188,7 +242,7 @@ class WorkerRegistry:
         return not worker.healthy or worker.failures > 0 or now - worker.last_seen >= self.health_interval_s
 
     def next_check_in(self, worker: Worker) -> float:
-        """Seconds to the worker's next check: ``interval`` while it answers, then doubling."""
+        """Seconds to the worker's next check: ``health_interval_s`` while it answers, then doubling."""
         if worker.failures == 0:
             return self.health_interval_s
         return min(self.health_interval_s * 2 ** min(worker.failures - 1, 30), self.health_backoff_max_s)
@@ -196,7 +250,7 @@ class WorkerRegistry:
     @staticmethod
     async def drain(worker: Worker, timeout: float, poll: float = 0.05) -> None:
         """Take ``worker`` out of rotation and wait (at most ``timeout`` s) until its requests finished."""
-        worker.draining = True
+        worker.set_draining(True)
         deadline = time.monotonic() + timeout
         while worker.inflight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(poll)
