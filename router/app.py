@@ -1,4 +1,9 @@
-"""The router's FastAPI app: thin routes over ``OpenAIHandlers``."""
+"""The router's FastAPI app.
+
+``RouterParts`` is what a router is made of (workers, admission, metrics, the drain, auth), built
+from its settings; ``lifespan`` starts the connections to the workers and the background tasks
+with the app; the routes are added in three groups: the OpenAI API, admin (router/admin.py), and
+the operator's (health, metrics, debug views)."""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import TypeVar
 
 from fastapi import FastAPI, Request
@@ -67,6 +74,143 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
             task.cancel()
 
 
+class Auth:
+    """Who may call what: clients need an API key when the config lists some; admin and debug
+    routes need the internal secret when there is one, else an API key, else a caller on this machine."""
+
+    def __init__(self, api_keys: tuple[str, ...], internal_secret: str | None) -> None:
+        self.api_keys, self.internal_secret = api_keys, internal_secret
+
+    def client(self, request: Request) -> None:
+        if self.api_keys and not token_matches(bearer_token(request.headers.get("authorization", "")), self.api_keys):
+            raise OpenAIError(401, "missing or invalid API key", code="invalid_api_key")
+
+    def admin(self, request: Request) -> None:
+        if self.internal_secret:
+            if not token_matches(bearer_token(request.headers.get("authorization", "")), [self.internal_secret]):
+                raise OpenAIError(401, "admin calls need the cluster's internal secret", code="invalid_api_key")
+        elif self.api_keys:
+            self.client(request)
+        elif request.client is None or not is_loopback(request.client.host):
+            raise OpenAIError(403, "admin calls from other machines need security.internal_secret in the config",
+                              code="forbidden")
+
+
+@dataclass
+class RouterParts:
+    """What one router is made of, built before its app: the parts that live as long as the process.
+    The HTTP clients, the dispatcher and the handlers that use them are made when the app starts
+    (``lifespan``), since they need the running event loop."""
+
+    settings: RouterSettings
+    model: ServedModel
+    registry: WorkerRegistry
+    metrics: RouterMetrics
+    admission: Admission
+    drain: Drain
+    connections: ConnectionGuard
+    passive_health: PassiveHealth
+    kv_index: KvIndex | None
+    tracing: Tracing
+    access: AccessLog
+    auth: Auth
+
+    @classmethod
+    def build(cls, settings: RouterSettings, model: ServedModel) -> RouterParts:
+        # The config's workers are out of rotation until their first health check passes (at once, when the
+        # registry runs): the router's /health says ready only once a request would find a decode server.
+        registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight, healthy=False)
+                                   for w in settings.workers],
+                                  health_interval_s=settings.health_interval_s,
+                                  health_timeout_s=settings.health_timeout_s,
+                                  health_backoff_max_s=settings.health_backoff_max_s,
+                                  launch_id=settings.workers_launch_id, stream_stall_s=settings.stream_stall_s)
+        metrics = RouterMetrics(registry)
+        admission = Admission(AdmissionSettings(max_queued_requests=settings.max_queued_requests,
+                                                queue_timeout_s=settings.queue_timeout_s,
+                                                retry_after_s=settings.retry_after_s),
+                              on_wait=metrics.queue_time.observe)
+        metrics.watch_admission(admission)
+        # Slow and greedy clients (server_common.connections): `pdserve router` serves with its protocol class.
+        connections = ConnectionGuard(settings.header_timeout_s, settings.body_timeout_s,
+                                      settings.max_connections_per_client,
+                                      max_connections=settings.max_connections, reserved=settings.reserved_connections)
+        metrics.registry.register(connections)
+        # Which block hashes each server holds (router/cluster/kv_index.py), kept only when something reads it:
+        # the cache_aware policy, and the local-prefill choice on the uncached length (router/cluster/dispatch.py).
+        uses_index = settings.policy == "cache_aware" or settings.local_prefill_threshold > 0
+        return cls(settings=settings, model=model, registry=registry, metrics=metrics, admission=admission,
+                   # What a drain (SIGTERM) waits for: requests with a session or waiting for one.
+                   drain=Drain(lambda: admission.sessions + admission.waiting), connections=connections,
+                   passive_health=PassiveHealth(registry), kv_index=KvIndex() if uses_index else None,
+                   tracing=Tracing(settings.tracing, "pdserve-router"),
+                   access=AccessLog(settings.access_log),  # one line per request (router/access_log.py)
+                   auth=Auth(settings.api_keys, settings.internal_secret))
+
+    def snapshot(self) -> RouterSnapshot:
+        """The numbers of the router's periodic stats line (server_common/stats_log.py)."""
+        value = self.metrics.registry.get_sample_value
+        requests = sum(s.value for m in self.metrics.requests.collect() for s in m.samples
+                       if s.name.endswith("_total"))
+        return RouterSnapshot(time.monotonic(), int(requests), self.admission.sessions, self.admission.waiting,
+                              int(value("pdserve_router_prompt_tokens_total") or 0),
+                              int(value("pdserve_router_completion_tokens_total") or 0),
+                              sum(w.in_rotation for w in self.registry.workers), len(self.registry.workers))
+
+
+def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastAPI], AbstractAsyncContextManager]:
+    """Start the router's connections and background tasks with the app, and stop them with it.
+    ``client`` (a WorkerClient look-alike from a unit test) replaces the workers and every background task."""
+    settings = parts.settings
+
+    @contextlib.asynccontextmanager
+    async def run(app: FastAPI) -> AsyncIterator[None]:
+        # Requests and health checks on separate clients: a check never waits behind requests for a connection.
+        headers = auth_headers(settings.internal_secret)
+        keepalive_s = settings.worker_keepalive_s
+        n = HEALTH_CONNECTIONS  # workers may join at runtime: not sized by today's count
+        async with worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http, \
+                worker_http(n, n, keepalive_s, headers) as health_http:
+            worker_client = client or WorkerClient(http, prefill_timeout_s=settings.prefill_timeout_s,
+                                                   answered=parts.passive_health.answered,
+                                                   stream_stall_s=settings.stream_stall_s)
+            policy = settings.policy, parts.kv_index, settings.cache_aware_load_weight
+            dispatcher = Dispatcher(parts.registry, make_policy(*policy), make_policy(*policy), worker_client,
+                                    DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
+                                                     prefill_failure=settings.prefill_failure,
+                                                     max_request_kv_share=settings.max_request_kv_share),
+                                    parts.metrics.recovery, parts.admission, parts.drain, parts.passive_health,
+                                    parts.kv_index)
+            grammars = GrammarChecker(settings.grammar_sandbox)
+            await asyncio.to_thread(grammars.start)
+            limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
+            app.state.handlers = OpenAIHandlers(parts.model, dispatcher, parts.metrics, limits, parts.tracing,
+                                                grammars, settings.grammar_limits, parts.access)
+            app.state.discovery = Discovery(parts.registry, http, settings.discovery,
+                                            model_fingerprint(settings.model_path), parts.metrics,
+                                            settings.drain_timeout_s)
+            tasks = []
+            if client is None:
+                tasks += [asyncio.create_task(parts.registry.run(health_http)),
+                          asyncio.create_task(app.state.discovery.run())]
+                if parts.kv_index is not None:
+                    poller = KvEventPoller(parts.registry, parts.kv_index, health_http, settings.kv_events_interval_s)
+                    tasks.append(asyncio.create_task(poller.run()))
+            if settings.log_stats_interval_s > 0:
+                tasks.append(asyncio.create_task(log_stats(parts.snapshot, router_line,  # type: ignore[arg-type]
+                                                           settings.log_stats_interval_s)))
+            try:
+                yield
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                app.state.handlers.shutdown()
+                parts.tracing.shutdown()
+
+    return run
+
+
 def create_app(settings: RouterSettings, model: ServedModel | None = None,
                client: WorkerClient | None = None) -> FastAPI:
     """``model`` and ``client`` (a WorkerClient look-alike) may be given by unit tests.
@@ -75,123 +219,36 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None,
     new requests then get 503, requests in flight or waiting for a slot finish.
     """
     model = model or ServedModel.load(settings.served_model_name, settings.model_path, settings.max_model_len)
-    # The config's workers are out of rotation until their first health check passes (at once, when the
-    # registry runs): the router's /health says ready only once a request would find a decode server.
-    registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight, healthy=False)
-                               for w in settings.workers],
-                              health_interval_s=settings.health_interval_s, health_timeout_s=settings.health_timeout_s,
-                              health_backoff_max_s=settings.health_backoff_max_s,
-                              launch_id=settings.workers_launch_id, stream_stall_s=settings.stream_stall_s)
-    metrics = RouterMetrics(registry)
-    admission = Admission(AdmissionSettings(max_queued_requests=settings.max_queued_requests,
-                                            queue_timeout_s=settings.queue_timeout_s,
-                                            retry_after_s=settings.retry_after_s), on_wait=metrics.queue_time.observe)
-    metrics.watch_admission(admission)
-    # Slow and greedy clients (server_common.connections): `pdserve router` serves with its protocol class.
-    connections = ConnectionGuard(settings.header_timeout_s, settings.body_timeout_s,
-                                  settings.max_connections_per_client,
-                                  max_connections=settings.max_connections, reserved=settings.reserved_connections)
-    metrics.registry.register(connections)
-    dispatch_settings = DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
-                                         prefill_failure=settings.prefill_failure,
-                                         max_request_kv_share=settings.max_request_kv_share)
-    limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
-    tracing = Tracing(settings.tracing, "pdserve-router")
-    passive_health = PassiveHealth(registry)
-    # Which block hashes each server holds (router/cluster/kv_index.py), kept only when something reads it:
-    # the cache_aware policy, and the local-prefill choice on the uncached length (router/cluster/dispatch.py).
-    kv_index = KvIndex() if settings.policy == "cache_aware" or settings.local_prefill_threshold > 0 else None
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Requests and health checks on separate clients: a check never waits behind requests for a connection.
-        headers = auth_headers(settings.internal_secret)
-        keepalive_s = settings.worker_keepalive_s
-        n = HEALTH_CONNECTIONS  # workers may join at runtime: not sized by today's count
-        async with worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http, \
-                worker_http(n, n, keepalive_s, headers) as health_http:
-            worker_client = client or WorkerClient(http, prefill_timeout_s=settings.prefill_timeout_s,
-                                                   answered=passive_health.answered,
-                                                   stream_stall_s=settings.stream_stall_s)
-            dispatcher = Dispatcher(registry, make_policy(settings.policy, kv_index, settings.cache_aware_load_weight),
-                                    make_policy(settings.policy, kv_index, settings.cache_aware_load_weight),
-                                    worker_client, dispatch_settings, metrics.recovery, admission, drain,
-                                    passive_health, kv_index)
-            grammars = GrammarChecker(settings.grammar_sandbox)
-            await asyncio.to_thread(grammars.start)
-            app.state.handlers = OpenAIHandlers(model, dispatcher, metrics, limits, tracing, grammars,
-                                                settings.grammar_limits, access)
-            app.state.discovery = Discovery(registry, http, settings.discovery, model_fingerprint(settings.model_path),
-                                            metrics, settings.drain_timeout_s)
-            tasks = [asyncio.create_task(registry.run(health_http)),
-                     asyncio.create_task(app.state.discovery.run())] if client is None else []
-            if kv_index is not None and client is None:
-                poller = KvEventPoller(registry, kv_index, health_http, settings.kv_events_interval_s)
-                tasks.append(asyncio.create_task(poller.run()))
-            if settings.log_stats_interval_s > 0:
-                stats = log_stats(router_snapshot,
-                                  router_line,  # type: ignore[arg-type]  # log_stats types its snapshots as object
-                                  settings.log_stats_interval_s)
-                tasks.append(asyncio.create_task(stats))
-            app.state.kv_index = kv_index
-            try:
-                yield
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
-                app.state.handlers.shutdown()
-                tracing.shutdown()
-
-    app = FastAPI(title="pdserve router", lifespan=lifespan)
+    parts = RouterParts.build(settings, model)
+    app = FastAPI(title="pdserve router", lifespan=lifespan(parts, client))
     app.router.route_class = StrictJSONRoute  # NaN and Infinity are not JSON (server_common/strict_json.py)
     openapi.install(app, vocab_size=model.vocab_size, api_keys=bool(settings.api_keys),
                     max_new_tokens=min(settings.max_tokens or model.max_model_len - 1, model.max_model_len - 1))
-
-    # What a drain waits for: requests with a session or waiting for one.
-    app.state.drain = drain = Drain(lambda: admission.sessions + admission.waiting)
-    app.state.connections = connections
-    app.state.registry = registry
+    app.state.drain = parts.drain
+    app.state.connections = parts.connections
+    app.state.registry = parts.registry
+    app.state.kv_index = parts.kv_index
     app.add_middleware(BodyCapMiddleware, max_bytes=settings.max_body_bytes, refusal_body=openai_413)
     app.state.trimmer = Trimmer()
     app.add_middleware(TrimAfterLargeRequests, trimmer=app.state.trimmer)  # their memory back to the system
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 too, has an id
     install_error_handlers(app)
+    add_openai_routes(app, parts)
+    add_admin_routes(app, parts.registry, parts.auth.admin, lambda: app.state.discovery)
+    add_operator_routes(app, parts)
+    return app
 
-    def check_auth(request: Request) -> None:
-        if not settings.api_keys:
-            return
-        if not token_matches(bearer_token(request.headers.get("authorization", "")), settings.api_keys):
-            raise OpenAIError(401, "missing or invalid API key", code="invalid_api_key")
 
-    def check_admin(request: Request) -> None:
-        """The internal secret when there is one, else an API key; with neither, callers on this machine only."""
-        if settings.internal_secret:
-            if not token_matches(bearer_token(request.headers.get("authorization", "")), [settings.internal_secret]):
-                raise OpenAIError(401, "admin calls need the cluster's internal secret", code="invalid_api_key")
-        elif settings.api_keys:
-            check_auth(request)
-        elif request.client is None or not is_loopback(request.client.host):
-            raise OpenAIError(403, "admin calls from other machines need security.internal_secret in the config",
-                              code="forbidden")
-
-    add_admin_routes(app, registry, check_admin, lambda: app.state.discovery)
-    access = AccessLog(settings.access_log)  # one line per request (router/access_log.py)
-
-    def router_snapshot() -> RouterSnapshot:
-        value = metrics.registry.get_sample_value
-        requests = sum(s.value for m in metrics.requests.collect() for s in m.samples if s.name.endswith("_total"))
-        return RouterSnapshot(time.monotonic(), int(requests), admission.sessions, admission.waiting,
-                              int(value("pdserve_router_prompt_tokens_total") or 0),
-                              int(value("pdserve_router_completion_tokens_total") or 0),
-                              sum(w.in_rotation for w in registry.workers), len(registry.workers))
+def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
+    """The OpenAI API: thin routes over ``OpenAIHandlers`` (router/api/openai_handlers.py)."""
+    metrics, access = parts.metrics, parts.access
 
     async def respond(request: Request, endpoint: str,
                       call: Callable[[str, str | None, int], Awaitable[Answered]]) -> Response:
         """``call(request_id, traceparent, body_bytes)``: the handler's coroutine for this request."""
         rid = request_id_of(request)
         try:
-            check_auth(request)
+            parts.auth.client(request)
         except OpenAIError as exc:
             access.refused(rid, endpoint, exc.status, exc.code)
             raise
@@ -228,15 +285,20 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None,
 
     @app.get("/v1/models", responses=openapi.ok(out.ModelList, "The served model.") | openapi.errors(401, 500))
     async def models(request: Request) -> JSONResponse:
-        check_auth(request)
+        parts.auth.client(request)
         return JSONResponse(request.app.state.handlers.models().model_dump())
 
     @app.get("/v1/models/{model:path}", responses=openapi.ok(out.ModelCard, "The served model's card.")
              | openapi.errors(401, 404, 500))
     async def model_card(model: str, request: Request) -> JSONResponse:
         """The SDK's ``client.models.retrieve(id)``; ids may contain '/' (``org/name``)."""
-        check_auth(request)
+        parts.auth.client(request)
         return JSONResponse(request.app.state.handlers.model_card(model).model_dump())
+
+
+def add_operator_routes(app: FastAPI, parts: RouterParts) -> None:
+    """Health, metrics and the debug views (admin callers only)."""
+    registry, drain, kv_index = parts.registry, parts.drain, parts.kv_index
 
     @app.get("/health", responses=openapi.HEALTH_RESPONSES)
     async def health() -> JSONResponse:
@@ -244,28 +306,26 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None,
                                         in_rotation=w.in_rotation) for w in registry.workers]
         ok = bool(registry.healthy("decode")) and not drain.draining
         status: openapi.HealthStatus = "draining" if drain.draining else "ok" if ok else "degraded"
-        body = openapi.Health(status=status, workers=workers, launch_id=settings.launch_id)
+        body = openapi.Health(status=status, workers=workers, launch_id=parts.settings.launch_id)
         return JSONResponse(body.model_dump(), status_code=200 if ok else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
+    async def prometheus() -> Response:
+        return Response(generate_latest(parts.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # Admin and debug routes stay out of the published document (router/api/openapi.py says why).
     @app.get("/debug/timeline", include_in_schema=False)
     async def timeline(request: Request) -> JSONResponse:
         """Stage timestamps of the last requests (server_common/timeline_log.py); admin callers only."""
-        check_admin(request)
+        parts.auth.admin(request)
         return JSONResponse({"instance": "router", "role": "router",
                              "requests": request.app.state.handlers.timeline.entries()})
 
     @app.get("/debug/kv_index", include_in_schema=False)
     async def kv_index_state(request: Request) -> JSONResponse:
         """What the router knows of each server's cached blocks (router/cluster/kv_index.py); admin callers only."""
-        check_admin(request)
+        parts.auth.admin(request)
         workers = {} if kv_index is None else {
             name: {"epoch": idx.epoch, "seq": idx.seq, "blocks": len(idx.hashes), "block_size": idx.block_size,
                    "resyncs": idx.resyncs} for name, idx in kv_index.workers.items()}
         return JSONResponse({"enabled": kv_index is not None, "workers": workers})
-
-    @app.get("/metrics", response_class=PlainTextResponse, responses=openapi.METRICS_RESPONSES)
-    async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
