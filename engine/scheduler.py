@@ -37,13 +37,13 @@ block holding the prompt's partial last block, written past the prompt. The
 copies are queued in ``block_copies`` for the engine to make right after the
 call that forked, before anything can write into their sources. A fork that
 finds no free block for its copy, or ``max_num_seqs`` sequences running,
-waits to be recomputed like a preempted sequence. Sequences run, are preempted and finish on their own; ``abort``
-ends them all. ``requests`` maps a request id to its live sequences.
+waits to be recomputed like a preempted sequence. Sequences run, are
+preempted and finish on their own (when a drawn token ends one:
+``record_token`` in engine/sequences.py); ``abort`` ends them all. ``requests`` maps a request id to its live sequences.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -59,9 +59,7 @@ from engine.request import (
     RequestStatus,
     StepOutput,
 )
-from engine.sequences import fork_sequence
-
-log = logging.getLogger(__name__)
+from engine.sequences import fork_sequence, record_token
 
 
 @dataclass(frozen=True)
@@ -459,33 +457,7 @@ class Scheduler:
                           index=request.index)
 
     def _record(self, request: Request, token: int) -> FinishReason | None:
-        """Appends a token to a sequence's output and feeds it to its grammar; returns why the
-        sequence stops there, if it does ("grammar": its grammar could not take it)."""
-        request.output_token_ids.append(token)
-        if request.grammar is not None and not request.grammar.accept(token):
-            # The token obeyed the mask (sampled under it, or a remote first token checked by
-            # remote_token_problem), so the matcher itself gave up: a grammar too ambiguous, or one
-            # forcing unbounded text, hits llguidance's limits ("parser too complex"), or a grammar
-            # matching no text left no token at all. The client's grammar, not a fault here: the
-            # sequence ends, nothing invalid is emitted, and the router answers 400.
-            log.info("request %s: its grammar cannot take token %d: %s", request.request_id, token,
-                     request.grammar.error())
-            return "grammar"
-        return self._stop_reason(request, token)
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        sampling = request.sampling
-        if not sampling.ignore_eos and token in self.config.eos_token_ids:
-            return "stop"
-        if token in sampling.stop_token_ids:
-            return "stop"
-        if request.grammar is not None and request.grammar.done:
-            return "stop"  # the grammar accepted EOS: complete, even with ignore_eos
-        if len(request.output_token_ids) >= sampling.max_tokens:
-            return "length"
-        if request.num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
+        return record_token(request, token, self.config.eos_token_ids, self.config.max_model_len)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
         self.blocks.free(request.block_ids)

@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.request import Request
+from engine.sequences import record_token
 from tests.engine.oracle import hf_greedy
 from tests.engine.remote_kv import copy_prompt_kv
 
@@ -223,3 +225,16 @@ def test_admit_remote_wants_one_first_token_per_sequence(tiny_model):
         decode.admit_remote("r", [5])
     decode.abort("r")
     assert_all_free(decode)
+
+
+@pytest.mark.parametrize("sampling,tokens,reasons", [
+    (SamplingParams(max_tokens=3), [5, 6, 7], [None, None, "length"]),  # max_tokens
+    (SamplingParams(max_tokens=9), [5, 2], [None, "stop"]),  # EOS
+    (SamplingParams(max_tokens=9, ignore_eos=True), [2, 2], [None, None]),  # EOS ignored
+    (SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=[7]), [2, 7], [None, "stop"]),  # a stop token
+    (SamplingParams(max_tokens=9), [5, 6, 8], [None, None, "length"]),  # the context: 5 prompt + 3 = max_model_len
+])
+def test_a_sequence_stops_for_the_first_reason_its_token_gives(sampling, tokens, reasons):
+    request = Request("r", [1, 1, 1, 1, 1], sampling)
+    assert [record_token(request, t, eos_token_ids=(2,), max_model_len=8) for t in tokens] == reasons
+    assert request.output_token_ids == tokens
