@@ -26,7 +26,7 @@ def _run_transfer_bench(argv: list[str]) -> int:
 
 
 def _run_engine_bench(argv: list[str]) -> int:
-    from bench import engine_bench
+    from bench.micro import engine_bench
 
     return engine_bench.main(argv, prog="pdserve bench engine")
 
@@ -43,7 +43,10 @@ def add_parser(subparsers, command: str | None = None) -> None:
         subparsers.add_parser("bench", help=BENCH_HELP)
         subparsers.add_parser("plan", help=PLAN_HELP)
         return
-    from bench import compare, plan, router_bench, serve
+    from bench.compare import compare
+    from bench.load import serve
+    from bench.micro import router_bench
+    from bench.plan import plan
 
     bench = subparsers.add_parser(
         "bench", help=BENCH_HELP,
@@ -80,8 +83,8 @@ def add_parser(subparsers, command: str | None = None) -> None:
 
     _passthrough(sub, "transfer", "KV transfer bandwidth and latency (transfer.bench; --help for its options)",
                  "Measures the KV transfer backends; all arguments go to transfer.bench.", _run_transfer_bench)
-    _passthrough(sub, "engine", "offline engine throughput vs transformers (bench.engine_bench)",
-                 "Times the engine without HTTP; all arguments go to bench.engine_bench.", _run_engine_bench)
+    _passthrough(sub, "engine", "offline engine throughput vs transformers (bench.micro.engine_bench)",
+                 "Times the engine without HTTP; all arguments go to bench.micro.engine_bench.", _run_engine_bench)
 
     p = subparsers.add_parser(
         "plan", help=PLAN_HELP,

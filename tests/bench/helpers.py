@@ -3,8 +3,8 @@
 import argparse
 
 from bench import cli
-from bench.costmodel import StepCost
-from bench.profile import Profile
+from bench.plan.costmodel import StepCost
+from bench.plan.profile import Profile
 
 
 def parser():

@@ -5,14 +5,14 @@ from dataclasses import replace
 
 import pytest
 
-from bench.cluster import cpu_list, free_port_pairs
-from bench.compare_report import wire_ms, write_report
-from bench.compare_run import Run, pooled, predict, round_order, split_rounds
-from bench.costmodel import Overheads
-from bench.metrics import RequestRecord, summarize
-from bench.plan import Candidate, EngineSettings, build_layout
-from bench.scenarios import EngineKnobs, Scenario, cluster_config, default_scenarios, parse_rates, select
-from bench.workload import Workload
+from bench.compare.compare_report import wire_ms, write_report
+from bench.compare.compare_run import Run, pooled, predict, round_order, split_rounds
+from bench.compare.scenarios import EngineKnobs, Scenario, cluster_config, default_scenarios, parse_rates, select
+from bench.load.cluster import cpu_list, free_port_pairs
+from bench.load.metrics import RequestRecord, summarize
+from bench.load.workload import Workload
+from bench.plan.costmodel import Overheads
+from bench.plan.plan import Candidate, EngineSettings, build_layout
 from deploy.config import parse_config
 from tests.bench.helpers import fake_profile
 
@@ -137,7 +137,7 @@ def test_report_has_headline_ratios_planner_errors_and_idle_transfer(tmp_path):
 
 
 def test_calibration_reads_fixed_step_and_request_costs_off_probe_requests():
-    from bench.compare_run import PROBE, calibrate
+    from bench.compare.compare_run import PROBE, calibrate
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
     # Bare engine: prefill of 8 tokens 13 ms, decode step 6 ms. The live server
@@ -174,7 +174,7 @@ def test_rounds_split_evenly_alternate_abba_and_pool_end_to_end():
 
 
 def test_calibration_splits_the_tpot_gap_into_per_step_and_per_sequence_costs():
-    from bench.compare_run import PROBE, PROBE_BATCH, calibrate
+    from bench.compare.compare_run import PROBE, PROBE_BATCH, calibrate
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
     bare = [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)]
@@ -199,7 +199,7 @@ def test_calibration_splits_the_tpot_gap_into_per_step_and_per_sequence_costs():
 
 
 def test_with_a_wide_probe_the_per_sequence_cost_is_the_line_through_the_two_batches():
-    from bench.compare_run import PROBE, PROBE_BATCH, PROBE_WIDE, calibrate
+    from bench.compare.compare_run import PROBE, PROBE_BATCH, PROBE_WIDE, calibrate
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
     probes = {PROBE: [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)],
@@ -224,7 +224,7 @@ def test_with_a_wide_probe_the_per_sequence_cost_is_the_line_through_the_two_bat
 
 
 def test_calibration_scales_prefill_compute_to_the_live_cluster_under_load():
-    from bench.compare_run import PROBE, PROBE_PREFILL, calibrate, simulated
+    from bench.compare.compare_run import PROBE, PROBE_PREFILL, calibrate, simulated
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
     probe = [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)]
@@ -249,7 +249,7 @@ def test_calibration_scales_prefill_compute_to_the_live_cluster_under_load():
 
 
 def test_transfer_and_engine_activity_come_from_two_reads_of_the_servers_samples():
-    from bench.compare_run import _transfer_summary, engine_activity
+    from bench.compare.compare_run import _transfer_summary, engine_activity
 
     before = {"p0": {"pdserve_transfer_seconds_count": 2, "pdserve_transfer_seconds_sum": 5.0,
                      "pdserve_transfer_exposed_seconds_sum": 0.01, "pdserve_transfer_bytes_total": 100.0,
@@ -275,7 +275,7 @@ def test_transfer_and_engine_activity_come_from_two_reads_of_the_servers_samples
 def test_a_side_calibrates_from_every_probe_set_it_measured_pooled(monkeypatch):
     from types import SimpleNamespace
 
-    import bench.compare_run as compare_run
+    import bench.compare.compare_run as compare_run
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
     sets = iter([0.004, 0.012])  # the per-step gap each measurement of the probes shows

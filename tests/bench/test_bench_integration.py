@@ -7,10 +7,11 @@ import os
 import pytest
 import yaml
 
-from bench import cli, timeline
-from bench.cluster import _alive, cpu_list, free_port_pairs, launch
-from bench.plan import Candidate
-from bench.scenarios import EngineKnobs, cluster_config
+from bench import cli
+from bench.compare.scenarios import EngineKnobs, cluster_config
+from bench.load import timeline
+from bench.load.cluster import _alive, cpu_list, free_port_pairs, launch
+from bench.plan.plan import Candidate
 
 pytestmark = pytest.mark.integration
 

@@ -1,4 +1,4 @@
-"""bench.interference on the tiny model: real engine processes, pinned, measured side by side."""
+"""bench.compare.interference on the tiny model: real engine processes, pinned, measured side by side."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.slow
 def test_interference_measures_every_case_side_by_side(tiny_model, tmp_path):
     out = tmp_path / "interference.json"
-    cmd = [sys.executable, "-m", "bench.interference", "--model", tiny_model, "--seconds", "0.5",
+    cmd = [sys.executable, "-m", "bench.compare.interference", "--model", tiny_model, "--seconds", "0.5",
            "--prefill-tokens", "128", "--json", str(out)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if len(os.sched_getaffinity(0)) < 2:
@@ -31,7 +31,7 @@ def test_interference_measures_every_case_side_by_side(tiny_model, tmp_path):
 
 def test_interference_help_and_bad_arguments():
     def run(*a):
-        return subprocess.run([sys.executable, "-m", "bench.interference", *a], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "bench.compare.interference", *a], capture_output=True,
                               text=True, timeout=60)
 
     helped = run("--help")

@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 
-from bench.loadgen import CHAT, LoadConfig, PreparedRequest, run_load
+from bench.load.loadgen import CHAT, LoadConfig, PreparedRequest, run_load
 
 
 def fake_server(token_delay=0.002, seen=None):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.metrics import RequestRecord, Stats, run_duration, summarize
+from bench.load.metrics import RequestRecord, Stats, run_duration, summarize
 
 
 def records():

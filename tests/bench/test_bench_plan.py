@@ -5,10 +5,10 @@ from dataclasses import astuple
 
 import pytest
 
-from bench.costmodel import Overheads, StepCost, StepSample, chunk_attn_pairs, fit_step_cost
-from bench.plan import Candidate, EngineSettings, build_layout, candidates, evaluate, recommend
-from bench.profile import Profile, ProfileGrid, profile_engine
-from bench.workload import Workload
+from bench.load.workload import Workload
+from bench.plan.costmodel import Overheads, StepCost, StepSample, chunk_attn_pairs, fit_step_cost
+from bench.plan.plan import Candidate, EngineSettings, build_layout, candidates, evaluate, recommend
+from bench.plan.profile import Profile, ProfileGrid, profile_engine
 from tests.bench.helpers import fake_profile
 
 
@@ -125,7 +125,7 @@ def test_a_profile_counting_attention_the_old_way_is_refused(tiny_model, tmp_pat
 
 
 def test_attention_work_is_what_the_engine_kernels_compute():
-    from bench.costmodel import decode_keys, prefill_pairs
+    from bench.plan.costmodel import decode_keys, prefill_pairs
 
     # A fresh prompt runs the causal kernel (lower triangle); a chunk after cached
     # tokens runs masked over every key; decodes are padded to the longest of their group.
@@ -160,7 +160,7 @@ def test_fit_ignores_a_step_slowed_down_by_another_process():
 
 
 def test_repeated_step_shapes_are_fitted_at_their_median_time():
-    from bench.profile import median_by_shape
+    from bench.plan.profile import median_by_shape
 
     samples = [StepSample(10, 55, 1, t) for t in (0.010, 0.011, 0.050)] + [StepSample(1, 20, 1, 0.002)]
     assert sorted(median_by_shape(samples), key=lambda s: s.new_tokens) == [
@@ -168,8 +168,8 @@ def test_repeated_step_shapes_are_fitted_at_their_median_time():
 
 
 def test_planner_finds_1p1d_carries_a_higher_rate_than_colocated_on_a_prefill_heavy_mix():
-    from bench.plan import max_rates
-    from bench.sweep import ladder
+    from bench.plan.plan import max_rates
+    from bench.plan.sweep import ladder
 
     profile = fake_profile()
     layouts = [(c, build_layout(c, profile, EngineSettings(), Overheads())) for c in candidates(2)

@@ -1,4 +1,4 @@
-"""--shared-prefix and --multi-turn workloads (bench/prefix_workload.py): exact token lengths,
+"""--shared-prefix and --multi-turn workloads (bench/load/prefix_workload.py): exact token lengths,
 prefixes shared exactly where the workload says."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from bench.prefix_workload import PrefixWorkload
-from bench.prompts import PromptBuilder, load_tokenizer
-from bench.workload import LengthDist
+from bench.load.prefix_workload import PrefixWorkload
+from bench.load.prompts import PromptBuilder, load_tokenizer
+from bench.load.workload import LengthDist
 from tests.bench.helpers import parser
 
 

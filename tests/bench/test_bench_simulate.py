@@ -6,10 +6,10 @@ term), so a 100-token prefill takes 110 ms and a one-sequence decode 11 ms.
 
 import pytest
 
-from bench.costmodel import Overheads, StepCost, TransferCost
-from bench.sim_instances import InstanceSpec
-from bench.simulate import Layout, simulate
-from bench.workload import RequestSpec
+from bench.load.workload import RequestSpec
+from bench.plan.costmodel import Overheads, StepCost, TransferCost
+from bench.plan.sim_instances import InstanceSpec
+from bench.plan.simulate import Layout, simulate
 
 COST = StepCost(base=0.010, per_token=0.001, per_attn=0.0, per_seq=0.0)
 INSTANT = TransferCost(bytes_per_token=1, bandwidth=1e18)

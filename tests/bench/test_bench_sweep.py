@@ -1,9 +1,9 @@
-"""The goodput sweep's search logic (bench/sweep.py) on hand-made attainment curves."""
+"""The goodput sweep's search logic (bench/plan/sweep.py) on hand-made attainment curves."""
 
 import pytest
 
-from bench.metrics import RequestRecord
-from bench.sweep import attainment, crossing, ladder, max_rate, ratio
+from bench.load.metrics import RequestRecord
+from bench.plan.sweep import attainment, crossing, ladder, max_rate, ratio
 
 
 def test_ladder_grows_by_the_factor_from_the_first_rate():
@@ -67,7 +67,7 @@ def test_ratio_is_undefined_without_both_sides():
 
 
 def test_the_verdict_says_who_carries_more_at_which_slo_scale():
-    from bench.compare_sweep import verdict
+    from bench.compare.compare_sweep import verdict
 
     text = verdict({0.5: [], 1.0: ["1P1D"], 1.5: ["colocated", "1P1D"], 2.0: ["colocated"]}, ["colocated", "1P1D"])
     assert text == ("Measured: neither layout meets the SLO at SLO scale 0.5; 1P1D carries more at SLO scale 1; "
@@ -80,11 +80,11 @@ def test_a_layout_missing_the_first_rung_steps_down_and_the_others_climb_until_t
     import time
     from types import SimpleNamespace
 
-    import bench.compare_sweep as compare_sweep
-    from bench.compare_sweep import LadderSpec, sweep_scenario
-    from bench.metrics import summarize
-    from bench.scenarios import Scenario
-    from bench.workload import Workload
+    import bench.compare.compare_sweep as compare_sweep
+    from bench.compare.compare_sweep import LadderSpec, sweep_scenario
+    from bench.compare.scenarios import Scenario
+    from bench.load.metrics import summarize
+    from bench.load.workload import Workload
 
     limits = {"slow": 0.1, "fast": 0.5}
     calls = []
@@ -119,11 +119,11 @@ def test_every_scenario_after_the_first_is_predicted_from_probes_taken_just_befo
     import time
     from types import SimpleNamespace
 
-    import bench.compare_sweep as compare_sweep
-    from bench.compare_sweep import sweep_all
-    from bench.metrics import summarize
-    from bench.scenarios import Scenario
-    from bench.workload import Workload
+    import bench.compare.compare_sweep as compare_sweep
+    from bench.compare.compare_sweep import sweep_all
+    from bench.compare.scenarios import Scenario
+    from bench.load.metrics import summarize
+    from bench.load.workload import Workload
 
     events = []
 

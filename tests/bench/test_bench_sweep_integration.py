@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from bench import cli
-from bench.cluster import _alive, cpu_list
+from bench.load.cluster import _alive, cpu_list
 
 pytestmark = pytest.mark.integration
 
@@ -71,7 +71,7 @@ def test_quick_sweep_writes_curves_and_a_highest_rate_per_layout(tiny_model, tmp
         assert quick["predicted_max_rate"][name] in {None, *rungs}
     # The saved sweep replays offline: the planner rebuilt from the profile and the saved probes
     # predicts exactly what the report did.
-    from bench.sweep_replay import replay
+    from bench.compare.sweep_replay import replay
 
     [again] = replay(out)
     for name in LAYOUTS:

@@ -1,11 +1,11 @@
-"""bench/timeline.py on hand-made timelines: stages joined by request id, the
+"""bench/load/timeline.py on hand-made timelines: stages joined by request id, the
 dominant stage, and the picture."""
 
 from __future__ import annotations
 
 import matplotlib.image
 
-from bench import timeline
+from bench.load import timeline
 
 T = 1_000.0
 

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from bench.prompts import PromptBuilder, load_tokenizer
-from bench.workload import LengthDist, RequestClass, Workload, load_jsonl, poisson_arrivals
+from bench.load.prompts import PromptBuilder, load_tokenizer
+from bench.load.workload import LengthDist, RequestClass, Workload, load_jsonl, poisson_arrivals
 
 
 def test_length_specs_parse_and_print_back():

@@ -1,10 +1,10 @@
-"""bench/grammar_overhead.py runs both sides and reports per-token times and their ratio."""
+"""bench/micro/grammar_overhead.py runs both sides and reports per-token times and their ratio."""
 
 from __future__ import annotations
 
 import json
 
-from bench.grammar_overhead import main
+from bench.micro.grammar_overhead import main
 
 
 def test_grammar_overhead_reports_both_sides_per_token(tiny_model, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""python -m bench.hostile against a live cluster: every attack refused with a 4xx or answered,
+"""python -m bench.micro.hostile against a live cluster: every attack refused with a 4xx or answered,
 nothing restarted, the normal client never failed; a refusal comes at once; cached_tokens honest
 for echo + logprobs."""
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench import hostile
+from bench.micro import hostile
 from tests.security.conftest import MAX_CONNECTIONS
 from tests.serving.cluster import REPO
 
@@ -43,9 +43,9 @@ def test_every_attack_is_answered_without_a_5xx_or_a_restart_and_the_victim_is_s
 
 
 def test_help_and_a_folder_without_a_cluster(tmp_path):
-    help_run = subprocess.run([sys.executable, "-m", "bench.hostile", "--help"], capture_output=True, text=True,
+    help_run = subprocess.run([sys.executable, "-m", "bench.micro.hostile", "--help"], capture_output=True, text=True,
                               cwd=REPO, timeout=60)
     assert help_run.returncode == 0 and "run_dir" in help_run.stdout
-    bad = subprocess.run([sys.executable, "-m", "bench.hostile", str(tmp_path)], capture_output=True, text=True,
+    bad = subprocess.run([sys.executable, "-m", "bench.micro.hostile", str(tmp_path)], capture_output=True, text=True,
                          cwd=REPO, timeout=60)
     assert bad.returncode == 2 and "no cluster.json" in bad.stderr

@@ -15,7 +15,7 @@ import httpx
 import openai
 import yaml
 
-from bench.cluster import free_ports  # noqa: F401  (tests import it from here)
+from bench.load.cluster import free_ports  # noqa: F401  (tests import it from here)
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"

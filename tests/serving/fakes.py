@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from bench.stubs import make_byte_tokenizer  # noqa: F401  (the byte-level tokenizer the tests use)
+from bench.micro.stubs import make_byte_tokenizer  # noqa: F401  (the byte-level tokenizer the tests use)
 from router.cluster.worker_client import WorkerFailed
 from server_common.worker_replies import PrefillResult, Reservation, TokenLogprob, TokensEvent
 from transfer.outcome import Outcome

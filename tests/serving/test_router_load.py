@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from bench.stub_cluster import StubCluster
+from bench.micro.stub_cluster import StubCluster
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """`pdserve bench transfer --listen / --peer`: the benchmark with its receiver on
 another host (here another process on 127.0.0.1; across namespaces:
-bench/multihost_transfer.py and tests/multihost/)."""
+bench/micro/multihost_transfer.py and tests/multihost/)."""
 
 from __future__ import annotations
 
