@@ -43,8 +43,8 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 from deploy.config_security import ConfigError as ConfigError  # callers catch it as deploy.config's
 from deploy.config_security import SecurityConfig, Strict, looks_secret
 from deploy.k8s_config import KubernetesConfig
-from deploy.models import is_builtin, resolve_model
 from engine.config import AtLeastOne, BlockSize, Dtype, EngineConfig, EngineMode, KvLayout, ModelLen
+from engine.models import MODEL_CACHE, is_builtin, resolve_model
 from engine.structured import GRAMMAR_CEILING, GrammarLimits
 from router.settings import (
     CompileSandbox,
@@ -264,7 +264,7 @@ class TransferConfig(Strict):
 class ClusterConfig(Strict):
     model: str
     served_model_name: str | None = None
-    model_cache: str = "~/.cache/pdserve/models"
+    model_cache: str = MODEL_CACHE
     dtype: Dtype = EngineConfig.dtype
     device: str = EngineConfig.device
     host: str = LOOPBACK_HOST

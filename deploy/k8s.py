@@ -58,8 +58,8 @@ from pydantic import ValidationError
 
 from deploy.config import ClusterConfig, ConfigError, Instance, load_config, parse_config
 from deploy.k8s_config import KubernetesConfig
-from deploy.models import is_builtin
 from deploy.version import version
+from engine.models import is_builtin
 
 CONFIG_DIR = "/etc/pdserve/config"
 CONFIG_FILE = f"{CONFIG_DIR}/cluster.yaml"

@@ -37,10 +37,10 @@ import httpx
 
 from deploy.config import ClusterConfig, load_config
 from deploy.config_security import GENERATED_SECRET_ENV
-from deploy.models import needs_build
 from deploy.ports import busy_ports
 from deploy.progress import Heartbeat, seconds_since_process_start
 from deploy.supervisor import Supervisor
+from engine.models import needs_build
 
 GRACE_S = 10.0
 REPO_ROOT = Path(__file__).resolve().parents[1]

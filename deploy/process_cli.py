@@ -26,7 +26,7 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
                     "dispatching to the config's prefill and decode servers.",
     )
     p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log this and above (default info)")
     _add_launch_id(p)
     # A router of a multi-host cluster (``launch --only``) reports its launch but accepts workers of any.
     p.add_argument("--any-worker-launch", action="store_true", help=argparse.SUPPRESS)
@@ -49,7 +49,7 @@ def _add_server_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentP
     p = subparsers.add_parser(command, help=help, description=description)
     p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
     p.add_argument("--name", required=True, help="this instance's name in the config")
-    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log this and above (default info)")
     _add_launch_id(p)
     p.set_defaults(func=func)
 

@@ -58,6 +58,21 @@ def test_generate_cli_prints_the_engine_tokens_as_json(tiny_model):
 
 
 @pytest.mark.slow
+def test_generate_builds_a_builtin_model_into_the_cache_once_and_uses_it(tiny_model, tmp_path):
+    # The built-in name a cluster config accepts works here too, and is the same model.
+    first = run_cli("generate", "--model", "tiny", "--model-cache", str(tmp_path), "--prompt", "The quick brown fox",
+                    "--max-tokens", "6", "--json", "--threads", "1")
+    assert first.returncode == 0, first.stderr
+    assert "building model 'tiny'" in first.stderr and (tmp_path / "tiny" / "config.json").is_file()
+    again = run_cli("generate", "--model", "tiny", "--model-cache", str(tmp_path), "--prompt", "The quick brown fox",
+                    "--max-tokens", "6", "--json", "--threads", "1")
+    assert again.returncode == 0 and "building" not in again.stderr
+    direct = run_cli("generate", "--model", tiny_model, "--prompt", "The quick brown fox", "--max-tokens", "6",
+                     "--json", "--threads", "1")
+    assert json.loads(first.stdout) == json.loads(again.stdout) == json.loads(direct.stdout)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,message",
     [

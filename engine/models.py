@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 BUILTIN_MODELS = ("tiny", "smollm2")
+MODEL_CACHE = "~/.cache/pdserve/models"  # where built-in models are built (a cluster's model_cache)
 MARKER = "pdserve_model.json"  # written last by engine.make_model
 
 
