@@ -5,7 +5,9 @@ another process holds would otherwise surface late, as one server dying on
 "address already in use" while the other cluster's servers answer the health
 checks meant for ours. The check binds each (host, port) the way uvicorn and
 ZeroMQ do (``SO_REUSEADDR``, so sockets in TIME_WAIT do not count) and lets go
-at once; a port in use is reported with its holder when ``/proc`` shows it.
+at once; a port in use is reported with its holder when ``/proc`` shows it,
+and when the holder is a process another ``pdserve launch`` started, with
+that launcher's pid and run folder: what the user stops, and where its logs are.
 """
 
 from __future__ import annotations
@@ -92,6 +94,28 @@ def holders(port: int) -> list[tuple[int, str]]:
     return found
 
 
+@dataclass(frozen=True)
+class Launch:
+    """A running ``pdserve launch``: its pid and the run folder its processes log into."""
+
+    pid: int
+    run_dir: str
+
+
+def launch_of(pid: int) -> Launch | None:
+    """The ``pdserve launch`` that started process ``pid``, if one did (its parent, running
+    ``deploy.cli launch``; its children log into the run folder through their stdout)."""
+    try:
+        ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        parent = Path(f"/proc/{ppid}/cmdline").read_bytes().split(b"\0")
+        log = Path(os.readlink(f"/proc/{pid}/fd/1"))
+    except (OSError, ValueError, IndexError):
+        return None
+    if b"launch" not in parent or not any(arg.endswith((b"pdserve", b"deploy.cli")) for arg in parent):
+        return None
+    return Launch(ppid, str(log.parent))
+
+
 def describe_holder(port: int) -> str:
     found = holders(port)
     if not found:
@@ -99,15 +123,25 @@ def describe_holder(port: int) -> str:
     return "held by " + ", ".join(f"pid {pid} ({cmd[:120]})" for pid, cmd in found)
 
 
+def launches_holding(ports: list[int]) -> list[Launch]:
+    """The other ``pdserve launch`` runs whose processes hold any of ``ports``."""
+    found = {launch_of(pid) for port in ports for pid, _ in holders(port)}
+    return sorted((launch for launch in found if launch is not None), key=lambda launch: launch.pid)
+
+
 def busy_ports(cluster: ClusterConfig, only: set[str] | None = None) -> list[str]:
     """One line per port the cluster (``only``: those processes) needs that cannot be bound now."""
-    problems = []
+    problems, in_use = [], []
     for use in ports_of(cluster, only):
         exc = bind_error(use.host, use.port)
         if exc is None:
             continue
         if exc.errno == errno.EADDRINUSE:
             problems.append(f"port {use.port} on {use.host} ({use.what}) is {describe_holder(use.port)}")
+            in_use.append(use.port)
         else:
             problems.append(f"cannot bind {use.host}:{use.port} ({use.what}): {exc.strerror or exc}")
+    for launch in launches_holding(in_use):
+        problems.append(f"they belong to another `pdserve launch` (pid {launch.pid}, run dir {launch.run_dir}): "
+                        f"stop it with Ctrl-C in its terminal or `kill {launch.pid}`, or give this cluster other ports")
     return problems

@@ -183,8 +183,10 @@ def test_a_second_launch_on_ports_in_use_fails_fast_and_leaves_the_first_cluster
     lines = proc.stderr.splitlines()
     assert lines[0].startswith(f"pdserve launch: error: port {router_port} on 127.0.0.1 (router) is held by "
                                f"pid {pids['router']} (")
-    assert len(lines) == 4  # router, p0 and d0 HTTP, d0 kv_port
+    assert len(lines) == 5  # router, p0 and d0 HTTP, d0 kv_port; then the launch they belong to
     assert any(f"(d0 (kv_port)) is held by pid {pids['d0']} (" in line for line in lines)
+    assert lines[4].startswith(f"they belong to another `pdserve launch` (pid {first.launcher.pid}, "
+                               f"run dir {first.run_dir.resolve()}): stop it")
     assert seconds < QUICK_S
     assert not second_run.exists()  # nothing started, not even a run folder
     assert all(_alive(pid) for pid in pids.values())
