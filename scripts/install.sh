@@ -11,10 +11,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # TORCH_INDEX_URL: the index torch comes from (deploy/Dockerfile: the CPU one or a CUDA one)
 python3 -m pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-# NIXL (the meta package: its builds for CUDA 12 and 13, which also run on CPU). A failed install fails
-# here, so that NIXL's tests cannot vanish quietly; PDSERVE_SKIP_NIXL=1 goes on without it (only the
-# zmq transfer backend then works).
-if ! { python3 -m pip install -q nixl==1.5.1 && python3 -c "import nixl"; }; then
+# NIXL. Its meta package nixl pulls builds for CUDA 12 and for CUDA 13 (about 470 MB installed); it
+# picks the one matching the CUDA found, and on a machine without CUDA the first one installed. With CPU
+# torch (no TORCH_INDEX_URL, or the CPU index) one build is all that ever runs: the meta package alone
+# plus the CUDA 12 build (about 235 MB), which runs on CPU. A failed install fails here, so that NIXL's
+# tests cannot vanish quietly; PDSERVE_SKIP_NIXL=1 goes on without it (only the zmq transfer backend works).
+case "${TORCH_INDEX_URL:-cpu}" in
+    *cpu) install_nixl() { python3 -m pip install -q --no-deps nixl==1.5.1 && python3 -m pip install -q nixl-cu12==1.5.1; } ;;
+    *) install_nixl() { python3 -m pip install -q nixl==1.5.1; } ;;
+esac
+if ! { install_nixl && python3 -c "import nixl"; }; then
     if [ "${PDSERVE_SKIP_NIXL:-}" = 1 ]; then
         echo "scripts/install.sh: nixl not installed (PDSERVE_SKIP_NIXL=1): only the zmq transfer backend works"
     else
