@@ -4,7 +4,7 @@ Each process (router, decode, prefill server) keeps the last ``capacity``
 requests it handled: the request id and when each of its stages began or
 ended, as Unix time, so that timelines from several processes on one
 machine (or synchronised clocks) line up. ``pdserve bench serve --timeline``
-joins them by request id into one picture (bench/timeline.py). Event loop
+joins them by request id into one picture (bench/load/timeline.py). Event loop
 only; bounded, so it costs a few hundred bytes a request and no more.
 """
 

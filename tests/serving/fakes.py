@@ -1,5 +1,5 @@
 """Test doubles for the router's unit tests only: a WorkerClient look-alike
-that answers from a script, and the byte-level tokenizer of bench/stubs.py.
+that answers from a script, and the byte-level tokenizer of bench/micro/stubs.py.
 Integration tests use the real servers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The router under load, against stub servers (bench/stubs.py: the internal
+"""The router under load, against stub servers (bench/micro/stubs.py: the internal
 protocol, no model): connections are reused, and a busy cluster stays in
 rotation however slowly it answers health checks."""
 
