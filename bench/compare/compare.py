@@ -60,9 +60,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick-profile", action="store_true", help="profile with the small grid")
     p.add_argument("--kv-cache-mib", type=int, default=EngineConfig.kv_cache_bytes // MIB,
                    help="KV cache per instance (default %(default)s)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    p.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                   help="tokens one engine step computes at most (default %(default)s)")
     p.add_argument("--out", default="runs/compare", help="report folder (default runs/compare)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals (default 0)")
     p.add_argument("--launch-timeout", type=float, default=600.0, help="seconds for a cluster to come up")
     sw = p.add_argument_group("sweep (bench/compare/compare_sweep.py)")
     sw.add_argument("--sweep", action="store_true",

@@ -30,7 +30,8 @@ from bench.load.workload import LengthDist, RequestSpec, Workload, load_jsonl
 def add_arguments(p: argparse.ArgumentParser) -> None:
     target = p.add_argument_group("target")
     target.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
-    target.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", CHAT])
+    target.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", CHAT],
+                        help="the API to load (default %(default)s)")
     target.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     target.add_argument("--api-key", metavar="KEY", help="sent as a Bearer token")
     target.add_argument("--tokenizer", metavar="DIR",

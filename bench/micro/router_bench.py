@@ -226,7 +226,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=50, help="unmeasured requests per target first")
     p.add_argument("--model", type=Path, help="the router's tokenizer folder (default: a byte-level one)")
     p.add_argument("--profile", type=Path, metavar="FILE", help="also record the router with py-spy (FILE.txt)")
-    p.add_argument("--profile-seconds", type=float, default=10.0)
+    p.add_argument("--profile-seconds", type=float, default=10.0, help="how long --profile records (default 10)")
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results")
     p.add_argument("--router-pythonpath", metavar="DIRS",
                    help="put DIRS first on the router's PYTHONPATH (e.g. to compare without uvloop)")

@@ -27,6 +27,7 @@ from bench.plan.profile import Profile, ProfileGrid, profile_engine
 from bench.plan.sim_instances import InstanceSpec
 from bench.plan.simulate import Layout, simulate
 from engine.config import DTYPES, EngineConfig
+from engine.models import BUILTIN_MODELS, MODEL_CACHE, resolve_model
 
 MIB = 1024 * 1024
 
@@ -119,6 +120,11 @@ def evaluate(layouts: list[tuple[Candidate, Layout]], workload: Workload, rate: 
     return out
 
 
+# A profile whose step-cost fit misses its own samples by more than this on average (bench/plan/costmodel.py
+# fit_error) predicts step times too roughly to rank layouts: the plan says so next to its answer.
+FIT_ERROR_BOUND = 0.15
+
+
 def recommend(predictions: list[Prediction]) -> Prediction:
     def score(p: Prediction) -> float:
         s = p.summary
@@ -140,7 +146,7 @@ def format_table(predictions: list[Prediction], best: Prediction | None = None) 
         s = p.summary
         mark = " **(recommended)**" if p is best else ""
         busiest = max(p.utilization.items(), key=lambda kv: kv[1], default=("-", 0.0))
-        good = "-" if s.goodput is None else f"{s.goodput:.3f}"
+        good = "-" if s.goodput is None else f"{s.goodput:.3g}"
         met = "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.0f}%"
         lines.append(f"| {p.candidate.name}{mark} | {p.candidate.threads} | {good} | {met} | "
                      f"{s.request_throughput:.3f} | {stats_row(s.ttft)} | {stats_row(s.tpot)} | "
@@ -178,16 +184,45 @@ def format_max_rates(found: dict[str, tuple[float | None, dict[float, float]]], 
     return "\n".join(lines)
 
 
+def meets(p: Prediction, target: float) -> bool:
+    """At least ``target`` of its requests within both SLOs (with no SLO given, any layout does)."""
+    return p.summary.slo_attainment is None or p.summary.slo_attainment >= target
+
+
+def highest_rate_met(layouts: list[tuple[Candidate, Layout]], workload: Workload, rate: float, num_requests: int,
+                     slo_ttft_ms: float | None, slo_tpot_ms: float | None, target: float,
+                     seed: int = 0) -> tuple[float, str] | None:
+    """Below ``rate``, where none meets the SLO: the highest rate of a ladder from ``rate``/32 (x1.25 a
+    rung) at which some layout does, and that layout; None when none does even at ``rate``/32."""
+    from bench.plan.sweep import ladder
+
+    rates = [r for r in ladder(rate / 32, 1.25, 16) if r < rate]
+    found = max_rates(layouts, workload, rates, num_requests, slo_ttft_ms, slo_tpot_ms, target, seed)
+    met = [(best, name) for name, (best, _) in found.items() if best is not None]
+    return max(met) if met else None
+
+
+def poor_fits(profile: Profile) -> list[str]:
+    """One line per thread count whose step-cost fit is worse than FIT_ERROR_BOUND."""
+    return [f"warning: the step-cost fit for {threads} thread(s) misses its own samples by "
+            f"{100 * error:.0f}% on average (bound {100 * FIT_ERROR_BOUND:.0f}%): predictions for it are rough; "
+            f"profile again on a quieter machine, without --quick"
+            for threads, error in sorted(profile.fit_errors.items()) if error > FIT_ERROR_BOUND]
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("profile")
-    src.add_argument("--model", metavar="DIR", help="model folder to profile now")
+    src.add_argument("--model", metavar="DIR",
+                     help=f"model to profile now: a folder, or a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                          f"from {MODEL_CACHE}, built there on first use")
     src.add_argument("--profile", metavar="FILE", help="use a saved profile instead of profiling")
     src.add_argument("--save-profile", metavar="FILE", help="write the measured profile here")
     src.add_argument("--threads", default=None, metavar="LIST",
                      help="thread counts to profile (default: 1 and --cores, e.g. 1,2)")
     src.add_argument("--quick", action="store_true", help="a small profiling grid (seconds, rougher)")
-    src.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES)
-    src.add_argument("--device", default=EngineConfig.device)
+    src.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES,
+                     help="dtype to profile (default %(default)s)")
+    src.add_argument("--device", default=EngineConfig.device, help="torch device to profile (default %(default)s)")
     work = p.add_argument_group("workload")
     work.add_argument("--rate", type=float, required=True, metavar="R", help="Poisson arrivals per second")
     work.add_argument("--num-requests", type=int, default=300, metavar="N", help="simulated requests (300)")
@@ -196,18 +231,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     work.add_argument("--mix", action="append", metavar="W:PROMPT:OUTPUT", help="a request class (repeat)")
     work.add_argument("--slo-ttft-ms", type=float, default=2000.0, metavar="MS", help="default 2000")
     work.add_argument("--slo-tpot-ms", type=float, default=100.0, metavar="MS", help="default 100")
-    work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--seed", type=int, default=0, help="seed of the simulated requests and arrivals (0)")
     cl = p.add_argument_group("cluster")
     cl.add_argument("--cores", type=int, default=os.cpu_count(), metavar="N",
                     help="CPU cores shared by all instances (default: this machine's)")
     cl.add_argument("--gpus", type=int, metavar="N", help="GPUs instead of cores: one instance per GPU")
     cl.add_argument("--max-instances", type=int, metavar="N", help="cap on x + y")
     cl.add_argument("--layouts", metavar="LIST", help="only these, e.g. colocated,1p1d,2p1d")
-    cl.add_argument("--block-size", type=int, default=EngineConfig.block_size)
+    cl.add_argument("--block-size", type=int, default=EngineConfig.block_size,
+                    help="tokens per KV block (default %(default)s)")
     cl.add_argument("--kv-cache-mib", type=int, default=EngineConfig.kv_cache_bytes // MIB,
                     help="KV cache per instance (default %(default)s)")
-    cl.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
-    cl.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens)
+    cl.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
+                    help="sequences an instance runs at once (default %(default)s)")
+    cl.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
+                    help="tokens one engine step computes at most (default %(default)s)")
     cl.add_argument("--policy", choices=["mixed", "prefill_first"], default="mixed",
                     help="step composition; the engine's is mixed (default)")
     cl.add_argument("--local-prefill-below", type=int, default=0, metavar="TOKENS",
@@ -221,7 +259,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-rate", action="store_true",
                    help="also find each layout's highest rate meeting the SLO (a ladder from --rate/4, x1.25)")
     p.add_argument("--attainment", type=float, default=90.0, metavar="PCT",
-                   help="share of requests meeting both SLOs for --max-rate (default 90)")
+                   help="share of requests that must meet both SLOs for a layout to count as meeting them "
+                        "(default 90)")
     p.add_argument("--json", metavar="FILE", help="write predictions as JSON")
 
 
@@ -230,12 +269,11 @@ def load_or_measure(args: argparse.Namespace, print_fn=print) -> Profile:
         return Profile.load(args.profile)
     if not args.model:
         raise ValueError("give --model DIR to profile, or --profile FILE")
-    if not Path(args.model).is_dir():
-        raise FileNotFoundError(f"model folder {args.model!r} does not exist")
+    model = str(resolve_model(args.model, MODEL_CACHE))  # a folder, or a built-in model built on first use
     units = args.gpus or args.cores
     threads = sorted({int(t) for t in args.threads.split(",")}) if args.threads else sorted({1, units})
     grid = ProfileGrid.quick() if args.quick else ProfileGrid()
-    profile = profile_engine(args.model, threads, grid, args.dtype, args.device, progress=print_fn)
+    profile = profile_engine(model, threads, grid, args.dtype, args.device, progress=print_fn)
     if args.save_profile:
         profile.save(args.save_profile)
         print_fn(f"profile: {args.save_profile}")
@@ -261,23 +299,43 @@ def run(args: argparse.Namespace) -> int:
                                 bandwidth)) for c in cands]
     preds = evaluate(layouts, workload, args.rate, args.num_requests, args.slo_ttft_ms, args.slo_tpot_ms,
                      args.seed)
+    target = args.attainment / 100
     best = recommend(preds)
+    meets_slo = meets(best, target)
     print(f"workload: {workload} at {args.rate:g} req/s, {args.num_requests} simulated requests; "
           f"SLO TTFT<={args.slo_ttft_ms:g}ms TPOT<={args.slo_tpot_ms:g}ms")
     print(f"profile: {profile.model} ({profile.device}, {profile.dtype}), KV {profile.kv_bytes_per_token} B/token, "
           f"transfer {profile.transfer_bandwidth / 1e9:.2f} GB/s ({profile.transfer_source})")
-    print(format_table(preds, best))
-    print(f"recommended: {best.candidate.name}")
+    for line in poor_fits(profile):
+        print(line)
+    print(format_table(preds, best if meets_slo else None))
+    fallback = None
+    if meets_slo:
+        print(f"recommended: {best.candidate.name}")
+    else:
+        attained = best.summary.slo_attainment or 0.0
+        print(f"no layout meets the SLO at {args.rate:g} req/s: the best, {best.candidate.name}, has "
+              f"{100 * attained:.0f}% of requests within both (the bar is {args.attainment:g}%)")
+        fallback = highest_rate_met(layouts, workload, args.rate, args.num_requests, args.slo_ttft_ms,
+                                    args.slo_tpot_ms, target, args.seed)
+        if fallback is None:
+            print(f"none meets it even at {args.rate / 32:.3g} req/s: this SLO is beyond these instances "
+                  "for this workload")
+        else:
+            print(f"the highest rate a layout meets it at: {fallback[0]:.3g} req/s ({fallback[1]}); "
+                  f"plan again with --rate {fallback[0]:.3g}")
     found = None
     if args.max_rate:
         from bench.plan.sweep import ladder
 
-        target = args.attainment / 100
         found = max_rates(layouts, workload, ladder(args.rate / 4, 1.25, 16), args.num_requests,
                           args.slo_ttft_ms, args.slo_tpot_ms, target, args.seed)
         print(format_max_rates(found, target, units))
     if args.json:
-        data = {"workload": str(workload), "rate": args.rate, "recommended": best.candidate.name,
+        data = {"workload": str(workload), "rate": args.rate,
+                "recommended": best.candidate.name if meets_slo else None,
+                "highest_rate_met": None if fallback is None else {"rate": fallback[0], "layout": fallback[1]},
+                "poor_fits": poor_fits(profile),
                 "profile": {k: v for k, v in profile.to_json().items() if k != "samples"},
                 "predictions": [{"layout": p.candidate.name, "threads": p.candidate.threads,
                                  "summary": p.summary.to_json(), "utilization": p.utilization} for p in preds]}

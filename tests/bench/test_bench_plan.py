@@ -206,3 +206,46 @@ def test_plan_command_answers_the_highest_rate_per_layout(tmp_path, capsys):
     # Where 1P1D's attainment falls through 90%: between the 12th rung and the 13th.
     assert 0.25 * 1.25 ** 11 < data["1P1D"]["crossing"] < 0.25 * 1.25 ** 12
     assert data["colocated"]["crossing"] is None
+
+
+def _plan_command(tmp_path, *extra: str, profile=None):
+    import argparse
+
+    from bench import cli
+
+    path = tmp_path / "profile.json"
+    (profile or fake_profile()).save(path)
+    p = argparse.ArgumentParser(prog="pdserve")
+    cli.add_parser(p.add_subparsers(dest="command", required=True))
+    args = p.parse_args(["plan", "--profile", str(path), "--cores", "2", "--num-requests", "30",
+                         "--layouts", "colocated,1p1d", "--mix", "0.2:1000:8", "--mix", "0.8:32:32",
+                         "--slo-ttft-ms", "5000", "--json", str(tmp_path / "plan.json"), *extra])
+    assert args.func(args) == 0
+    return json.loads((tmp_path / "plan.json").read_text())
+
+
+def test_a_rate_no_layout_carries_gets_no_recommendation_but_the_highest_rate_one_does(tmp_path, capsys):
+    data = _plan_command(tmp_path, "--rate", "8", "--slo-tpot-ms", "10")
+    out = capsys.readouterr().out
+    assert data["recommended"] is None and "(recommended)" not in out
+    assert "no layout meets the SLO at 8 req/s: the best, 1P1D, has " in out
+    # The same ladder as the --max-rate test: 1P1D holds up to its 12th rung, colocated at none.
+    assert data["highest_rate_met"] == {"rate": pytest.approx(0.25 * 1.25 ** 11, rel=1e-5), "layout": "1P1D"}
+    assert "the highest rate a layout meets it at: 2.91 req/s (1P1D); plan again with --rate 2.91" in out
+
+
+def test_an_slo_no_layout_meets_at_any_rate_says_so(tmp_path, capsys):
+    data = _plan_command(tmp_path, "--rate", "1", "--slo-tpot-ms", "0.001")
+    assert data["recommended"] is None and data["highest_rate_met"] is None
+    assert "none meets it even at 0.0312 req/s: this SLO is beyond these instances" in capsys.readouterr().out
+
+
+def test_a_profile_whose_fit_misses_its_samples_is_flagged(tmp_path, capsys):
+    import dataclasses
+
+    rough = dataclasses.replace(fake_profile(), fit_errors={1: 0.02, 2: 0.59})
+    data = _plan_command(tmp_path, "--rate", "1", "--slo-tpot-ms", "10", profile=rough)
+    out = capsys.readouterr().out
+    assert "warning: the step-cost fit for 2 thread(s) misses its own samples by 59% on average (bound 15%)" in out
+    assert "fit for 1 thread" not in out and len(data["poor_fits"]) == 1
+    assert data["recommended"] == "1P1D"

@@ -4,6 +4,7 @@ processes it started."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import http.server
 import io
@@ -18,6 +19,7 @@ import time
 import httpx
 import pytest
 
+from deploy.cli import build_parser
 from deploy.config import load_config
 from deploy.launcher import Cluster as LaunchedCluster
 from deploy.launcher import LaunchError, Proc
@@ -80,8 +82,8 @@ def test_a_model_folder_that_does_not_exist_is_named_as_missing(tmp_path):
     proc, seconds = probe("launch", str(config), "--run-dir", str(tmp_path / "run"))
     folder = tmp_path / "no-such-model"
     assert proc.stderr.splitlines()[0] == (
-        f"pdserve launch: error: model folder {folder} does not exist (model: '{folder}' in the config; "
-        "a local folder, or one of the built-in models tiny, smollm2)")
+        f"pdserve launch: error: model folder {folder} does not exist (a model is a local folder, or one of "
+        "the built-in models tiny, smollm2)")
     assert proc.stderr.splitlines()[-1] == "2 False False"
     assert not (tmp_path / "run" / "cluster.json").exists()
 
@@ -266,3 +268,17 @@ def started_with(config) -> list[int]:
             if str(config) in cmdline.split("\0") and _alive(int(entry.name)):
                 pids.append(int(entry.name))
     return pids
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    def undocumented(parser: argparse.ArgumentParser, path: str) -> list[str]:
+        found = []
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    found += undocumented(sub, f"{path} {name}")
+            elif action.help is None and not isinstance(action, argparse._HelpAction):
+                found.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+        return found
+
+    assert undocumented(build_parser(), "pdserve") == []
