@@ -39,7 +39,8 @@ def format_summary(summary: Summary, title: str = "Serving benchmark") -> str:
             slo.append(f"TTFT<={summary.slo_ttft_ms:g}ms")
         if summary.slo_tpot_ms is not None:
             slo.append(f"TPOT<={summary.slo_tpot_ms:g}ms")
-        row(f"Goodput (req/s, {' '.join(slo)}):"[:39], _fmt(summary.goodput, 3))
+        row("Goodput (req/s):", _fmt(summary.goodput, 3))
+        lines.append(f"  requests meeting {' and '.join(slo)}")
         row("SLO attainment (%):", _fmt(100 * summary.slo_attainment, 1))
     for name, stats in (("TTFT", summary.ttft), ("TPOT", summary.tpot),
                         ("ITL", summary.itl), ("E2E latency", summary.e2e)):

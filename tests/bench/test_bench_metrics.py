@@ -87,3 +87,14 @@ def test_json_has_derived_latencies():
     data = records()[0].to_json()
     assert data["ttft"] == pytest.approx(0.1) and data["tpot"] == pytest.approx(0.15)
     assert summarize(records(), slo_ttft_ms=250).to_json()["slo_attainment"] == pytest.approx(0.5)
+
+
+def test_the_summary_names_both_slos_of_its_goodput_in_full():
+    from bench.load.report import format_summary
+
+    records = [RequestRecord(0, 8, 3, start=0.0, end=0.4, token_times=[0.2, 0.3, 0.4], output_tokens=3, ok=True)]
+    text = format_summary(summarize(records, 1.0, slo_ttft_ms=2000, slo_tpot_ms=100))
+    lines = text.splitlines()
+    goodput = next(i for i, line in enumerate(lines) if line.startswith("Goodput (req/s):"))
+    assert lines[goodput].endswith("1.000")
+    assert lines[goodput + 1] == "  requests meeting TTFT<=2000ms and TPOT<=100ms"
