@@ -49,48 +49,63 @@ def add_parser(subparsers, command: str | None = None) -> None:
     from bench.plan import plan
 
     bench = subparsers.add_parser(
-        "bench", help=BENCH_HELP,
+        "bench",
+        help=BENCH_HELP,
         description="Benchmarks: load-test an endpoint, compare colocated vs disaggregated "
-                    "layouts, measure KV transfer, time the engine.",
+        "layouts, measure KV transfer, time the engine.",
     )
     sub = bench.add_subparsers(dest="bench_command", metavar="BENCH_COMMAND", required=True)
 
     p = sub.add_parser(
-        "serve", help="load-test an OpenAI-compatible endpoint",
+        "serve",
+        help="load-test an OpenAI-compatible endpoint",
         description="Streams OpenAI-API requests to --url and reports TTFT, TPOT, ITL, E2E, "
-                    "throughput and goodput. Bounded by --num-requests or --duration.",
+        "throughput and goodput. Bounded by --num-requests or --duration.",
     )
     serve.add_arguments(p)
     p.set_defaults(func=serve.run)
 
     p = sub.add_parser(
-        "compare", help="colocated vs xPyD on the same cores and workloads",
+        "compare",
+        help="colocated vs xPyD on the same cores and workloads",
         description="Starts the colocated baseline and an xPyD layout with pdserve launch on the same "
-                    "cores, runs the same workloads against each, and writes a markdown report with "
-                    "plots, ratios and the planner's predictions next to the measurements.",
+        "cores, runs the same workloads against each, and writes a markdown report with "
+        "plots, ratios and the planner's predictions next to the measurements.",
     )
     compare.add_arguments(p)
     p.set_defaults(func=compare.run)
 
     p = sub.add_parser(
-        "router", help="what the router adds to a request, against stub servers",
+        "router",
+        help="what the router adds to a request, against stub servers",
         description="Starts stub prefill and decode servers (no model) behind the router and sends the same "
-                    "streamed load to the decode stub directly and through the router: added p50/p99 latency and "
-                    "time to first chunk at concurrency 1, requests/s at concurrency 64, router CPU per request.",
+        "streamed load to the decode stub directly and through the router: added p50/p99 latency and "
+        "time to first chunk at concurrency 1, requests/s at concurrency 64, router CPU per request.",
     )
     router_bench.add_arguments(p)
     p.set_defaults(func=router_bench.run)
 
-    _passthrough(sub, "transfer", "KV transfer bandwidth and latency (transfer.bench; --help for its options)",
-                 "Measures the KV transfer backends; all arguments go to transfer.bench.", _run_transfer_bench)
-    _passthrough(sub, "engine", "offline engine throughput vs transformers (bench.micro.engine_bench)",
-                 "Times the engine without HTTP; all arguments go to bench.micro.engine_bench.", _run_engine_bench)
+    _passthrough(
+        sub,
+        "transfer",
+        "KV transfer bandwidth and latency (transfer.bench; --help for its options)",
+        "Measures the KV transfer backends; all arguments go to transfer.bench.",
+        _run_transfer_bench,
+    )
+    _passthrough(
+        sub,
+        "engine",
+        "offline engine throughput vs transformers (bench.micro.engine_bench)",
+        "Times the engine without HTTP; all arguments go to bench.micro.engine_bench.",
+        _run_engine_bench,
+    )
 
     p = subparsers.add_parser(
-        "plan", help=PLAN_HELP,
+        "plan",
+        help=PLAN_HELP,
         description="Profiles the model on this machine (or reads a saved profile), simulates "
-                    "colocated and xPyD layouts for a workload and recommends x and y with "
-                    "predicted TTFT, TPOT and goodput.",
+        "colocated and xPyD layouts for a workload and recommends x and y with "
+        "predicted TTFT, TPOT and goodput.",
     )
     plan.add_arguments(p)
     p.set_defaults(func=plan.run)

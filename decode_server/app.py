@@ -28,8 +28,11 @@ def create_app(service: GenerationService) -> FastAPI:
             return JSONResponse(exc.reply().model_dump(mode="json"), status_code=exc.status, headers=headers)
         # close() is idempotent: the stream closes in `finally`, the background
         # task covers a client that left before the first line was sent.
-        return StreamingResponse(service.events(first, active), media_type="application/x-ndjson",
-                                 background=BackgroundTask(service.close, req.request_id))
+        return StreamingResponse(
+            service.events(first, active),
+            media_type="application/x-ndjson",
+            background=BackgroundTask(service.close, req.request_id),
+        )
 
     @app.post("/kv/hello")
     async def kv_hello(req: KVHello) -> JSONResponse:
@@ -42,4 +45,5 @@ def create_app(service: GenerationService) -> FastAPI:
             reply = ErrorReply(error=str(exc), code=Outcome.INCOMPATIBLE_PEER)
             return JSONResponse(reply.model_dump(mode="json"), status_code=400)
         return JSONResponse(KVHello(hello=base64.b64encode(answer).decode()).model_dump())
+
     return app

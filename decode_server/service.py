@@ -94,14 +94,21 @@ class GenerationService:
     """``/generate`` on a decode or colocated server: reserve blocks for a
     prefill server (or prefill here), then stream the tokens."""
 
-    def __init__(self, settings: ServerSettings, engine: LLMEngine, make_receiver: ReceiverFactory | None,
-                 faults: FaultInjector | None = None, tracing: Tracing | None = None) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        engine: LLMEngine,
+        make_receiver: ReceiverFactory | None,
+        faults: FaultInjector | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         if (settings.role == "decode") != (make_receiver is not None):
             raise ValueError("a decode server needs a KV receiver, a colocated one has none")
         self.settings = settings
         self.faults = faults
-        self.engine_thread = EngineThread(engine, self._emit, settings.name,
-                                          between_steps=self._collect_transfers if make_receiver else None)
+        self.engine_thread = EngineThread(
+            engine, self._emit, settings.name, between_steps=self._collect_transfers if make_receiver else None
+        )
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
         self.kv_events = engine.scheduler.blocks.events  # thread-safe: read by GET /kv/events
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
@@ -156,19 +163,25 @@ class GenerationService:
         if not self.engine_thread.alive:
             raise WorkerError(503, "engine is not running", Outcome.ENGINE_DOWN, retry_after=5)
         if self.drain.draining:
-            raise WorkerError(503, f"{self.settings.name} is draining: it takes no new requests", Outcome.DRAINING,
-                              retry_after=1)
+            raise WorkerError(
+                503, f"{self.settings.name} is draining: it takes no new requests", Outcome.DRAINING, retry_after=1
+            )
         sampling = req.sampling
         local = req.local_prefill or self.settings.role == "colocated"
-        active = Active(rid, self._hub.open(rid), sequences=sampling.n,
-                        trace=StreamTrace(self.tracing, self.timeline, req.trace, rid, not local, self.settings.name))
+        active = Active(
+            rid,
+            self._hub.open(rid),
+            sequences=sampling.n,
+            trace=StreamTrace(self.tracing, self.timeline, req.trace, rid, not local, self.settings.name),
+        )
         self._active[rid] = active
         try:
             if not local:
                 reservation = await self._reserve(req, sampling, active, caller)
                 if reservation is not None:
-                    return ReservationEvent(reservation=reservation,
-                                            num_cached_tokens=reservation.num_cached_tokens), active
+                    return ReservationEvent(
+                        reservation=reservation, num_cached_tokens=reservation.num_cached_tokens
+                    ), active
 
             def add(e: LLMEngine) -> int:
                 cached = e.cached_prefix(req.prompt_token_ids, sampling)
@@ -190,8 +203,9 @@ class GenerationService:
             self._forget(active)
             raise
 
-    async def _reserve(self, req: GenerateRequest, sampling: SamplingParams, active: Active,
-                       caller: str = "") -> Reservation | None:
+    async def _reserve(
+        self, req: GenerateRequest, sampling: SamplingParams, active: Active, caller: str = ""
+    ) -> Reservation | None:
         """Reserve blocks for a prefill server; None when all but the last prompt token is cached here.
         ``caller`` (its address) is what ``server_common.quota`` counts unfilled blocks by."""
         rid, lease_s = req.request_id, self.settings.lease_s
@@ -209,8 +223,10 @@ class GenerationService:
             unfilled = len(block_ids) - writable_from
             if not self.unfilled.fits(caller, unfilled):
                 e.abort(rid)
-                raise NoCapacityError(f"this caller already holds {self.unfilled.held(caller)} reserved blocks "
-                                      f"waiting for KV (at most {self.unfilled.limit})")
+                raise NoCapacityError(
+                    f"this caller already holds {self.unfilled.held(caller)} reserved blocks "
+                    f"waiting for KV (at most {self.unfilled.limit})"
+                )
             try:
                 transfer_id = receiver.expect(block_ids, lease_s, writable_from=writable_from)
             except BaseException:
@@ -228,10 +244,17 @@ class GenerationService:
         # The receiver enforces the lease; this backstop only guards against a transfer layer that never reports.
         active.lease = asyncio.get_running_loop().call_later(lease_s + BACKSTOP_S, self._backstop, transfer_id)
         self.metrics.paths.labels(path="remote_kv").inc()
-        return Reservation(instance=self.settings.name, request_id=rid, transfer_id=transfer_id,
-                           block_ids=block_ids, block_size=self.settings.engine.block_size,
-                           num_tokens=len(prompt), lease_s=max(lease_s - (time.monotonic() - started), 1e-3),
-                           kv_target={"peer": self.settings.name, "epoch": self._epoch}, num_cached_tokens=cached)
+        return Reservation(
+            instance=self.settings.name,
+            request_id=rid,
+            transfer_id=transfer_id,
+            block_ids=block_ids,
+            block_size=self.settings.engine.block_size,
+            num_tokens=len(prompt),
+            lease_s=max(lease_s - (time.monotonic() - started), 1e-3),
+            kv_target={"peer": self.settings.name, "epoch": self._epoch},
+            num_cached_tokens=cached,
+        )
 
     async def events(self, first: ReservationEvent, active: Active) -> AsyncIterator[str]:
         """NDJSON lines: the reservation, then tokens until finished (or an error)."""
@@ -343,15 +366,18 @@ class GenerationService:
     def _remote_kv_failed(self, e: LLMEngine, pending: Awaiting, outcome: Outcome, reason: str) -> None:
         """The blocks are free. Fail the request, or prefill it here (recovery config)."""
         self.metrics.transfer_failures.labels(outcome=outcome).inc()
-        action = {Outcome.LEASE_EXPIRED: self.settings.lease_expiry,
-                  Outcome.CHECKSUM_MISMATCH: self.settings.checksum_failure}.get(outcome, "fail")
+        action = {
+            Outcome.LEASE_EXPIRED: self.settings.lease_expiry,
+            Outcome.CHECKSUM_MISMATCH: self.settings.checksum_failure,
+        }.get(outcome, "fail")
         rid = pending.request_id
         if action == "local":
             log.warning("request %s: remote KV failed (%s: %s); prefilling it here", rid, outcome, reason)
             e.add_request(rid, pending.prompt, pending.sampling)
             self.metrics.reprefills.labels(outcome=outcome).inc()
-            self._hub.publish(rid, ReprefillEvent(message=f"remote KV failed ({reason}); prefilling locally",
-                                                  code=outcome))
+            self._hub.publish(
+                rid, ReprefillEvent(message=f"remote KV failed ({reason}); prefilling locally", code=outcome)
+            )
             return
         self._hub.publish(rid, ErrorEvent(message=f"KV transfer failed: {reason}; blocks freed", code=outcome))
 
@@ -364,17 +390,29 @@ class GenerationService:
             log.error("transfer %s never ended; freeing request %s without the receiver", transfer_id, rid)
             e.abort(rid)
             self.metrics.transfer_failures.labels(outcome=Outcome.LEASE_EXPIRED).inc()
-            self._hub.publish(rid, ErrorEvent(message="no KV arrived within the lease; blocks freed",
-                                              code=Outcome.LEASE_EXPIRED))
+            self._hub.publish(
+                rid, ErrorEvent(message="no KV arrived within the lease; blocks freed", code=Outcome.LEASE_EXPIRED)
+            )
 
         self.engine_thread.call(expire)
 
     # ---- status ---------------------------------------------------------------
     def health(self) -> HealthReport:
         s = self.engine_thread.stats.scheduler
-        return HealthReport(status="draining" if self.drain.draining else "ok",
-                            role=self.settings.role, instance=self.settings.name,
-                            kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total,
-                                              block_size=self.settings.engine.block_size),
-                            queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=len(self._active),
-                            launch_id=self.settings.launch_id, model=self._model_id)
+        return HealthReport(
+            status="draining" if self.drain.draining else "ok",
+            role=self.settings.role,
+            instance=self.settings.name,
+            kv_blocks=KVBlocks(
+                free=s.free,
+                reserved=s.reserved,
+                running=s.running,
+                total=s.total,
+                block_size=self.settings.engine.block_size,
+            ),
+            queue_depth=s.queue_depth,
+            queued_tokens=s.queued_tokens,
+            num_requests=len(self._active),
+            launch_id=self.settings.launch_id,
+            model=self._model_id,
+        )

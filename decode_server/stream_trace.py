@@ -16,8 +16,9 @@ from transfer.outcome import Outcome
 class StreamTrace:
     """Also adds the stream's stages to the server's ``TimelineLog`` when it closes."""
 
-    def __init__(self, tracing: Tracing, log: TimelineLog, traceparent: str | None, request_id: str,
-                 remote: bool, instance: str) -> None:
+    def __init__(
+        self, tracing: Tracing, log: TimelineLog, traceparent: str | None, request_id: str, remote: bool, instance: str
+    ) -> None:
         self._tracing = tracing
         self._log = log
         self._request_id = request_id
@@ -28,9 +29,14 @@ class StreamTrace:
         self._last: float | None = None
         self._tokens = 0
         self._outcome: str | None = None
-        self._span = tracing.start("decode.generate", tracing.parent(traceparent), self._started,
-                                   pdserve__request_id=request_id, pdserve__instance=instance,
-                                   pdserve__remote_prefill=remote)
+        self._span = tracing.start(
+            "decode.generate",
+            tracing.parent(traceparent),
+            self._started,
+            pdserve__request_id=request_id,
+            pdserve__instance=instance,
+            pdserve__remote_prefill=remote,
+        )
 
     def prefilled_here(self) -> None:
         """No KV will arrive: this server computes the prompt (all but its last token may be cached)."""
@@ -63,10 +69,16 @@ class StreamTrace:
         """End the spans (idempotent); ``outcome``: why it ended, when no event said so."""
         if self._request_id is None:
             return
-        self._log.add(self._request_id, reserved=self._started, kv_arrived=self._kv_at, first_token=self._first,
-                      last_token=self._last)
+        self._log.add(
+            self._request_id,
+            reserved=self._started,
+            kv_arrived=self._kv_at,
+            first_token=self._first,
+            last_token=self._last,
+        )
         self._request_id = None
         if self._first is not None:
             self._tracing.record("decode.decode", self._span, self._first, self._last, pdserve__tokens=self._tokens)
-        self._tracing.end(self._span, outcome=self._outcome or outcome or Outcome.CANCELLED,
-                          pdserve__tokens=self._tokens)
+        self._tracing.end(
+            self._span, outcome=self._outcome or outcome or Outcome.CANCELLED, pdserve__tokens=self._tokens
+        )

@@ -98,15 +98,17 @@ def cluster_name(config_path: Path, k8s: KubernetesConfig) -> str:
     return f"pdserve-{stem}"[:40].rstrip("-")
 
 
-def render(config_path: Path, name: str | None = None, namespace: str | None = None,
-           image: str | None = None) -> Rendered:
+def render(
+    config_path: Path, name: str | None = None, namespace: str | None = None, image: str | None = None
+) -> Rendered:
     """Every object for the cluster YAML at ``config_path``; the arguments override ``kubernetes:``."""
     cluster = load_config(config_path)  # the loader's messages for a bad file
     raw = yaml.safe_load(Path(config_path).read_text())
     updates = {k: v for k, v in (("name", name), ("namespace", namespace), ("image", image)) if v}
     try:
-        k8s = KubernetesConfig.model_validate({"image": f"pdserve:{version()}",
-                                               **cluster.kubernetes.model_dump(exclude_unset=True), **updates})
+        k8s = KubernetesConfig.model_validate(
+            {"image": f"pdserve:{version()}", **cluster.kubernetes.model_dump(exclude_unset=True), **updates}
+        )
     except ValidationError as exc:
         (err,) = exc.errors()[:1]
         raise ConfigError(f"--{err['loc'][0]} {err['input']!r}: {err['msg']}") from None
@@ -116,18 +118,23 @@ def render(config_path: Path, name: str | None = None, namespace: str | None = N
     objects_names = [names.statefulset(i) for i in cluster.instances()]
     clash = sorted({n for n in objects_names if objects_names.count(n) > 1})
     if clash:
-        raise ValueError(f"{config_path}: instance names that differ only in case, '_' or '.' give one "
-                         f"Kubernetes object name: {clash}; rename them")
+        raise ValueError(
+            f"{config_path}: instance names that differ only in case, '_' or '.' give one "
+            f"Kubernetes object name: {clash}; rename them"
+        )
     if not is_builtin(cluster.model) and not Path(cluster.model).is_absolute():
-        raise ValueError(f"{config_path}: model {cluster.model!r}: on Kubernetes a model folder must be an "
-                         "absolute path (inside the image, or on kubernetes.model_pvc)")
+        raise ValueError(
+            f"{config_path}: model {cluster.model!r}: on Kubernetes a model folder must be an "
+            "absolute path (inside the image, or on kubernetes.model_pvc)"
+        )
     pod_yaml = pod_cluster_yaml(raw, cluster, names)
     pod_data = yaml.safe_load(pod_yaml)
     parse_config(pod_data, f"{config_path} (rendered for pods)")  # it must load as is
     keys = (SECRET_KEY_INTERNAL, SECRET_KEY_API) if _has_api_keys(cluster) else (SECRET_KEY_INTERNAL,)
     pods = _PodParts(cluster, k8s, names, keys, pod_data)
-    objects = [names.meta_object("v1", "ConfigMap", names.config_map, names.labels("config"),
-                                 data={"cluster.yaml": pod_yaml})]
+    objects = [
+        names.meta_object("v1", "ConfigMap", names.config_map, names.labels("config"), data={"cluster.yaml": pod_yaml})
+    ]
     objects += [_headless_service(names, role, insts) for role, insts in _roles(cluster).items()]
     objects += [_statefulset(pods, role, inst) for role, insts in _roles(cluster).items() for inst in insts]
     objects += [_router_deployment(pods), _router_service(cluster, k8s, names)]
@@ -159,25 +166,36 @@ class _Names:
 
     def check(self, inst: Instance) -> None:
         if not (inst.name[0].isalnum() and inst.name[-1].isalnum() and len(inst.name) <= 63):
-            raise ValueError(f"instance {inst.name!r}: on Kubernetes (a label value) a name must start and end "
-                             "with a letter or digit and be at most 63 characters")
+            raise ValueError(
+                f"instance {inst.name!r}: on Kubernetes (a label value) a name must start and end "
+                "with a letter or digit and be at most 63 characters"
+            )
         sts = self.statefulset(inst)
         # the pod name (sts-0) and the controller-revision-hash label (sts-<10 chars>) must stay DNS labels
         if len(sts) > 52 or not sts[-1].isalnum():
-            raise ValueError(f"instance {inst.name!r}: object name {sts!r} must be at most 52 characters and end "
-                             "in a letter or digit (shorten kubernetes.name or the instance name)")
+            raise ValueError(
+                f"instance {inst.name!r}: object name {sts!r} must be at most 52 characters and end "
+                "in a letter or digit (shorten kubernetes.name or the instance name)"
+            )
 
     def selector(self, component: str) -> dict[str, str]:
-        return {"app.kubernetes.io/name": "pdserve", "app.kubernetes.io/instance": self.cluster,
-                "app.kubernetes.io/component": component}
+        return {
+            "app.kubernetes.io/name": "pdserve",
+            "app.kubernetes.io/instance": self.cluster,
+            "app.kubernetes.io/component": component,
+        }
 
     def labels(self, component: str, instance: str | None = None) -> dict[str, str]:
         extra = {"pdserve.io/instance": instance} if instance else {}
         return {**self.selector(component), **extra, "app.kubernetes.io/part-of": "pdserve"}
 
     def meta_object(self, api: str, kind: str, name: str, labels: dict, **fields: object) -> dict:
-        return {"apiVersion": api, "kind": kind,
-                "metadata": {"name": name, "namespace": self.k8s.namespace, "labels": labels}, **fields}
+        return {
+            "apiVersion": api,
+            "kind": kind,
+            "metadata": {"name": name, "namespace": self.k8s.namespace, "labels": labels},
+            **fields,
+        }
 
 
 def _roles(cluster: ClusterConfig) -> dict[str, list[Instance]]:
@@ -192,8 +210,9 @@ def _has_api_keys(cluster: ClusterConfig) -> bool:
 def pod_cluster_yaml(raw: dict, cluster: ClusterConfig, names: _Names) -> str:
     """The user's cluster YAML with the keys that differ in a pod (see the module docstring)."""
     data = copy.deepcopy(raw)
-    security = {k: v for k, v in (data.get("security") or {}).items()
-                if k not in ("internal_secret", "internal_secret_file")}
+    security = {
+        k: v for k, v in (data.get("security") or {}).items() if k not in ("internal_secret", "internal_secret_file")
+    }
     data["security"] = {**security, "internal_secret_file": f"{SECRET_DIR}/{SECRET_KEY_INTERNAL}"}
     router = {k: v for k, v in (data.get("router") or {}).items() if k not in ("api_keys", "api_keys_file")}
     if _has_api_keys(cluster):
@@ -202,15 +221,25 @@ def pod_cluster_yaml(raw: dict, cluster: ClusterConfig, names: _Names) -> str:
     for role, insts in _roles(cluster).items():
         by_name = {i.name: i for i in insts}
         # Bound on every interface of the pod, reached (and advertised) at its stable DNS name.
-        data[role] = [{**entry, "host": names.pod_fqdn(role, by_name[entry["name"]]), "bind_host": "0.0.0.0"}
-                      for entry in data[role]]
+        data[role] = [
+            {**entry, "host": names.pod_fqdn(role, by_name[entry["name"]]), "bind_host": "0.0.0.0"}
+            for entry in data[role]
+        ]
     data["model_cache"] = MODEL_CACHE
     # HOST:PORT: a headless Service gives addresses, the port is the one each instance of the role serves on.
-    data["discovery"] = {"kind": "dns", "names": [f"{names.headless(role)}:{port}" for role, insts in
-                                                  _roles(cluster).items() for port in sorted({i.port for i in insts})],
-                         "interval_s": cluster.discovery.interval_s}
-    header = (f"# {names.cluster}: rendered by `pdserve render k8s` for its pods (see deploy/k8s.py).\n"
-              "# Secrets are read from the mounted Secret; no value is written here.\n")
+    data["discovery"] = {
+        "kind": "dns",
+        "names": [
+            f"{names.headless(role)}:{port}"
+            for role, insts in _roles(cluster).items()
+            for port in sorted({i.port for i in insts})
+        ],
+        "interval_s": cluster.discovery.interval_s,
+    }
+    header = (
+        f"# {names.cluster}: rendered by `pdserve render k8s` for its pods (see deploy/k8s.py).\n"
+        "# Secrets are read from the mounted Secret; no value is written here.\n"
+    )
     return header + yaml.safe_dump(data, sort_keys=False)
 
 
@@ -238,30 +267,51 @@ class _PodParts:
         return self.k8s.prestop_s + math.ceil(self.cluster.drain_timeout_s) + GRACE_MARGIN_S
 
     def volumes(self) -> list[dict]:
-        vols = [{"name": "config", "configMap": {"name": self.names.config_map}},
-                {"name": "tmp", "emptyDir": {}},  # the one writable place: the root file system is read-only
-                {"name": "secrets", "secret": {"secretName": self.names.secret, "defaultMode": 0o400,
-                                               "items": [{"key": k, "path": k} for k in self.secret_keys]}}]
+        vols = [
+            {"name": "config", "configMap": {"name": self.names.config_map}},
+            {"name": "tmp", "emptyDir": {}},  # the one writable place: the root file system is read-only
+            {
+                "name": "secrets",
+                "secret": {
+                    "secretName": self.names.secret,
+                    "defaultMode": 0o400,
+                    "items": [{"key": k, "path": k} for k in self.secret_keys],
+                },
+            },
+        ]
         if self.k8s.model_pvc:
             vols.append({"name": "model", "persistentVolumeClaim": {"claimName": self.k8s.model_pvc, "readOnly": True}})
         return vols
 
     def mounts(self) -> list[dict]:
-        mounts: list[dict] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-                              {"name": "tmp", "mountPath": "/tmp"},
-                              {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True}]
+        mounts: list[dict] = [
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True},
+        ]
         if self.k8s.model_pvc:
             mounts.append({"name": "model", "mountPath": self.cluster.model, "readOnly": True})
         return mounts
 
-    def container(self, name: str, command: list[str], ports: dict[str, int], resources: dict,
-                  liveness_path: str, env: dict[str, str]) -> dict:
+    def container(
+        self,
+        name: str,
+        command: list[str],
+        ports: dict[str, int],
+        resources: dict,
+        liveness_path: str,
+        env: dict[str, str],
+    ) -> dict:
         env = {"PYTHONUNBUFFERED": "1", "HOME": "/tmp", **env}  # caches (Hugging Face, torch) under HOME
         return {
-            "name": name, "image": self.k8s.image, "imagePullPolicy": self.k8s.image_pull_policy,
-            "command": command, "env": [{"name": k, "value": v} for k, v in env.items()],
-            "ports": [{"name": port_name, "containerPort": port, "protocol": "TCP"}
-                      for port_name, port in ports.items()],
+            "name": name,
+            "image": self.k8s.image,
+            "imagePullPolicy": self.k8s.image_pull_policy,
+            "command": command,
+            "env": [{"name": k, "value": v} for k, v in env.items()],
+            "ports": [
+                {"name": port_name, "containerPort": port, "protocol": "TCP"} for port_name, port in ports.items()
+            ],
             "resources": resources,
             # loading (or building) the model may take minutes: liveness counts only after this passes
             "startupProbe": _probe(PROBE_PATH, period=5, failures=STARTUP_BUDGET_S // 5),
@@ -271,18 +321,34 @@ class _PodParts:
             # router's discovery and the Service drop this pod, so new work goes elsewhere.
             "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(self.k8s.prestop_s)]}}},
             "volumeMounts": self.mounts(),
-            "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                "capabilities": {"drop": ["ALL"]}},
+            "securityContext": {
+                "allowPrivilegeEscalation": False,
+                "readOnlyRootFilesystem": True,
+                "capabilities": {"drop": ["ALL"]},
+            },
         }
 
     def template(self, labels: dict, http_port: int, container: dict, instance: str | None) -> dict:
-        annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(http_port),
-                       "prometheus.io/path": "/metrics", "pdserve.io/config-sha256": self.config_digest(instance)}
-        spec = {"terminationGracePeriodSeconds": self.grace_s, "automountServiceAccountToken": False,
-                "enableServiceLinks": False,
-                "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
-                                    "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}},
-                "containers": [container], "volumes": self.volumes()}
+        annotations = {
+            "prometheus.io/scrape": "true",
+            "prometheus.io/port": str(http_port),
+            "prometheus.io/path": "/metrics",
+            "pdserve.io/config-sha256": self.config_digest(instance),
+        }
+        spec = {
+            "terminationGracePeriodSeconds": self.grace_s,
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": RUN_AS,
+                "runAsGroup": RUN_AS,
+                "fsGroup": RUN_AS,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [container],
+            "volumes": self.volumes(),
+        }
         if instance is not None:  # a server pod: the hooks that place it (GPU nodes)
             if self.k8s.node_selector:
                 spec["nodeSelector"] = dict(self.k8s.node_selector)
@@ -292,16 +358,26 @@ class _PodParts:
 
 
 def _probe(path: str, period: int, failures: int) -> dict:
-    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "timeoutSeconds": 5,
-            "failureThreshold": failures}
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
 
 
 def _headless_service(names: _Names, role: str, insts: list[Instance]) -> dict:
     first = insts[0]
-    spec = {"clusterIP": "None", "selector": names.selector(role), "publishNotReadyAddresses": False,
-            # named target ports: each pod's own port, so its SRV record (_http._tcp.NAME) carries it
-            "ports": [{"name": "http", "port": first.port, "targetPort": "http", "protocol": "TCP"},
-                      {"name": "kv", "port": first.transfer_port, "targetPort": "kv", "protocol": "TCP"}]}
+    spec = {
+        "clusterIP": "None",
+        "selector": names.selector(role),
+        "publishNotReadyAddresses": False,
+        # named target ports: each pod's own port, so its SRV record (_http._tcp.NAME) carries it
+        "ports": [
+            {"name": "http", "port": first.port, "targetPort": "http", "protocol": "TCP"},
+            {"name": "kv", "port": first.transfer_port, "targetPort": "kv", "protocol": "TCP"},
+        ],
+    }
     return names.meta_object("v1", "Service", names.headless(role), names.labels(role), spec=spec)
 
 
@@ -310,45 +386,66 @@ def _statefulset(pods: _PodParts, role: str, inst: Instance) -> dict:
     # as ServerSettings would pick them (deploy/config.py), without reading the secret file it names
     threads = inst.num_threads or cluster.engine.num_threads or 1
     device = inst.device or cluster.engine.device or cluster.device
-    resources: dict = {"requests": {"cpu": str(threads), "memory": pods.k8s.memory},
-                       "limits": {"memory": pods.k8s.memory}}
+    resources: dict = {
+        "requests": {"cpu": str(threads), "memory": pods.k8s.memory},
+        "limits": {"memory": pods.k8s.memory},
+    }
     if device.startswith("cuda"):
         resources["limits"]["nvidia.com/gpu"] = 1
     env = {}
     if cluster.transfer.backend == "nixl":
         env["UCX_TLS"] = pods.k8s.ucx_tls or (UCX_TLS_CUDA if device.startswith("cuda") else UCX_TLS_CPU)
     command = ["pdserve", SUBCOMMAND[role], "--config", CONFIG_FILE, "--name", inst.name]
-    container = pods.container(role, command, {"http": inst.port, "kv": inst.transfer_port}, resources,
-                               PROBE_PATH, env=env)
+    container = pods.container(
+        role, command, {"http": inst.port, "kv": inst.transfer_port}, resources, PROBE_PATH, env=env
+    )
     labels = names.labels(role, inst.name)
-    spec = {"serviceName": names.headless(role), "replicas": 1,
-            "selector": {"matchLabels": {**names.selector(role), "pdserve.io/instance": inst.name}},
-            "template": pods.template(labels, inst.port, container, inst.name)}
+    spec = {
+        "serviceName": names.headless(role),
+        "replicas": 1,
+        "selector": {"matchLabels": {**names.selector(role), "pdserve.io/instance": inst.name}},
+        "template": pods.template(labels, inst.port, container, inst.name),
+    }
     return names.meta_object("apps/v1", "StatefulSet", names.statefulset(inst), labels, spec=spec)
 
 
 def _router_deployment(pods: _PodParts) -> dict:
     cluster, k8s, names = pods.cluster, pods.k8s, pods.names
-    resources = {"requests": {"cpu": k8s.router_cpu, "memory": k8s.router_memory},
-                 "limits": {"memory": k8s.router_memory}}
-    container = pods.container("router", ["pdserve", "router", "--config", CONFIG_FILE],
-                               {"http": cluster.router.port}, resources, LIVENESS_PATH_ROUTER, env={})
+    resources = {
+        "requests": {"cpu": k8s.router_cpu, "memory": k8s.router_memory},
+        "limits": {"memory": k8s.router_memory},
+    }
+    container = pods.container(
+        "router",
+        ["pdserve", "router", "--config", CONFIG_FILE],
+        {"http": cluster.router.port},
+        resources,
+        LIVENESS_PATH_ROUTER,
+        env={},
+    )
     labels = names.labels("router")
-    spec = {"replicas": k8s.router_replicas, "selector": {"matchLabels": names.selector("router")},
-            "template": pods.template(labels, cluster.router.port, container, None)}
+    spec = {
+        "replicas": k8s.router_replicas,
+        "selector": {"matchLabels": names.selector("router")},
+        "template": pods.template(labels, cluster.router.port, container, None),
+    }
     return names.meta_object("apps/v1", "Deployment", names.router, labels, spec=spec)
 
 
 def _router_service(cluster: ClusterConfig, k8s: KubernetesConfig, names: _Names) -> dict:
-    spec = {"type": k8s.router_service_type, "selector": names.selector("router"),
-            "ports": [{"name": "http", "port": cluster.router.port, "targetPort": "http", "protocol": "TCP"}]}
+    spec = {
+        "type": k8s.router_service_type,
+        "selector": names.selector("router"),
+        "ports": [{"name": "http", "port": cluster.router.port, "targetPort": "http", "protocol": "TCP"}],
+    }
     return names.meta_object("v1", "Service", names.router, names.labels("router"), spec=spec)
 
 
 def _disruption_budget(names: _Names, role: str) -> dict:
     spec = {"maxUnavailable": 1, "selector": {"matchLabels": names.selector(role)}}
-    return names.meta_object("policy/v1", "PodDisruptionBudget", f"{names.cluster}-{role}", names.labels(role),
-                             spec=spec)
+    return names.meta_object(
+        "policy/v1", "PodDisruptionBudget", f"{names.cluster}-{role}", names.labels(role), spec=spec
+    )
 
 
 def _network_policy(names: _Names, role: str, http_ports: list[int], open_to_all: bool = False) -> dict:
@@ -361,5 +458,6 @@ def _network_policy(names: _Names, role: str, http_ports: list[int], open_to_all
         members = {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": names.cluster}}}
         ingress = [{"from": [members]}, {"ports": http}]
     spec = {"podSelector": {"matchLabels": names.selector(role)}, "policyTypes": ["Ingress"], "ingress": ingress}
-    return names.meta_object("networking.k8s.io/v1", "NetworkPolicy", f"{names.cluster}-{role}",
-                             names.labels(role), spec=spec)
+    return names.meta_object(
+        "networking.k8s.io/v1", "NetworkPolicy", f"{names.cluster}-{role}", names.labels(role), spec=spec
+    )

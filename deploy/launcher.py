@@ -69,8 +69,7 @@ class Proc:
 
 
 class Cluster:
-    def __init__(self, config_path: Path, cluster: ClusterConfig, run_dir: Path,
-                 only: set[str] | None = None) -> None:
+    def __init__(self, config_path: Path, cluster: ClusterConfig, run_dir: Path, only: set[str] | None = None) -> None:
         self.config_path = config_path.resolve()
         self.cluster = cluster
         self.run_dir = run_dir
@@ -89,8 +88,9 @@ class Cluster:
         # Children import this very checkout, whatever the working directory or installed copy.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         with open(log, "ab") as out:
-            popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)  # our signals reach it only through us
+            popen = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
+            )  # our signals reach it only through us
         proc = Proc(role, name, url, log, popen)
         self.procs.append(proc)
         return proc
@@ -108,8 +108,9 @@ class Cluster:
     def start_router(self) -> Proc:
         return self._spawn("router", "router", self.cluster.router_url, ["router"])
 
-    def wait_healthy(self, procs: list[Proc], timeout: float, stop: threading.Event,
-                     on_ready: Callable[[Proc], None] | None = None) -> None:
+    def wait_healthy(
+        self, procs: list[Proc], timeout: float, stop: threading.Event, on_ready: Callable[[Proc], None] | None = None
+    ) -> None:
         """Until every one of ``procs`` answers its health check (``on_ready`` is told of each)."""
         pending = list(procs)
         deadline = time.monotonic() + timeout
@@ -118,8 +119,10 @@ class Cluster:
                 for proc in list(pending):
                     code = proc.popen.poll()
                     if code is not None:
-                        raise LaunchError(f"{proc.role} {proc.name} exited with status {code} while starting; "
-                                          f"last lines of {proc.log}:\n{proc.log_tail()}")
+                        raise LaunchError(
+                            f"{proc.role} {proc.name} exited with status {code} while starting; "
+                            f"last lines of {proc.log}:\n{proc.log_tail()}"
+                        )
                     try:
                         if self._healthy(proc, client.get(f"{proc.url}/health")):
                             pending.remove(proc)
@@ -144,9 +147,11 @@ class Cluster:
         report = body if isinstance(body, dict) else {}
         ours = report.get("launch_id") == self.launch_id and report.get("instance", proc.name) == proc.name
         if not ours and (resp.status_code == 200 or "launch_id" in report):
-            raise LaunchError(f"{proc.url}/health is answered by a process this launch did not start "
-                              f"(launch {report.get('launch_id')!r}, instance {report.get('instance')!r}), not by "
-                              f"{proc.role} {proc.name} (pid {proc.popen.pid}); is another cluster on its port?")
+            raise LaunchError(
+                f"{proc.url}/health is answered by a process this launch did not start "
+                f"(launch {report.get('launch_id')!r}, instance {report.get('instance')!r}), not by "
+                f"{proc.role} {proc.name} (pid {proc.popen.pid}); is another cluster on its port?"
+            )
         return resp.status_code == 200
 
     def restart(self, name: str) -> Proc:
@@ -199,9 +204,13 @@ class Cluster:
 
     def write_manifest(self) -> Path:
         path = self.run_dir / "cluster.json"
-        manifest = {"config": str(self.config_path), "router_url": self.cluster.router_url,
-                    "model": self.cluster.model_name, "launcher_pid": os.getpid(),
-                    "processes": [p.describe() for p in self.procs]}
+        manifest = {
+            "config": str(self.config_path),
+            "router_url": self.cluster.router_url,
+            "model": self.cluster.model_name,
+            "launcher_pid": os.getpid(),
+            "processes": [p.describe() for p in self.procs],
+        }
         tmp = path.with_suffix(".json.tmp")  # rewritten on every restart: readers never see half of it
         tmp.write_text(json.dumps(manifest, indent=2) + "\n")
         os.replace(tmp, path)
@@ -234,7 +243,7 @@ class StatsEcho(threading.Thread):
                     data = f.read(1 << 20)
             except OSError:
                 continue
-            complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+            complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
             self._offsets[proc.log] = offset + len(complete)
             for line in complete.splitlines():
                 if STATS_MARK in line:
@@ -256,8 +265,10 @@ def only_problem(cluster: ClusterConfig, only: set[str]) -> str | None:
     if unknown:
         return f"--only names {unknown}, which the config does not have (it has {sorted(names)})"
     if only != names and not cluster.security.configured:
-        return ("a cluster whose processes run on several hosts needs security.internal_secret (or "
-                "internal_secret_file) in the config: a secret generated on one host is not known on the others")
+        return (
+            "a cluster whose processes run on several hosts needs security.internal_secret (or "
+            "internal_secret_file) in the config: a secret generated on one host is not known on the others"
+        )
     return None
 
 
@@ -273,8 +284,12 @@ def generate_secret(run_dir: Path) -> Path:
     return path
 
 
-def launch(config_path: str | Path, run_dir: str | Path | None = None, health_timeout: float = 600.0,
-           only: set[str] | None = None) -> int:
+def launch(
+    config_path: str | Path,
+    run_dir: str | Path | None = None,
+    health_timeout: float = 600.0,
+    only: set[str] | None = None,
+) -> int:
     """``only``: start just these processes (instance names, ``router``): one host of a multi-host
     cluster, whose other hosts run the rest with the same config."""
     # "up in X s" counts from the process's start: the CLI's own imports are part of the wait.
@@ -300,8 +315,11 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
     up = False
     try:
         if needs_build(cluster.model, cluster.model_cache):
-            print(f"pdserve: building model {cluster.model!r} into {cluster.model_cache} (first use only; minutes "
-                  f"on a small CPU)", flush=True)
+            print(
+                f"pdserve: building model {cluster.model!r} into {cluster.model_cache} (first use only; minutes "
+                f"on a small CPU)",
+                flush=True,
+            )
             with Heartbeat(f"building model {cluster.model!r}"):
                 model = cluster.model_path()
             busy = busy_ports(cluster)  # the build took a while: check again
@@ -310,13 +328,17 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
         else:
             model = cluster.model_path()
         print(f"pdserve: model folder {model} ({time.monotonic() - started:.1f} s)", flush=True)
+
         def ready(proc: Proc) -> None:
             who = proc.name if proc.name == proc.role else f"{proc.role} {proc.name}"
             print(f"pdserve: {who} ready ({time.monotonic() - started:.1f} s)", flush=True)
 
         servers = c.start_servers()
-        print(f"pdserve: starting {', '.join(f'{p.name} ({p.role})' for p in servers)}: each loads the model, "
-              "then answers its health check", flush=True)
+        print(
+            f"pdserve: starting {', '.join(f'{p.name} ({p.role})' for p in servers)}: each loads the model, "
+            "then answers its health check",
+            flush=True,
+        )
         c.wait_healthy(servers, health_timeout, stop, ready)
         if only is None or "router" in only:
             print("pdserve: starting the router", flush=True)
@@ -324,11 +346,17 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
         manifest = c.write_manifest()
         up = True
         if only is None:
-            print(f"pdserve: {cluster.mode} cluster up in {time.monotonic() - started:.1f} s; "
-                  f"OpenAI endpoint {cluster.router_url}/v1 (model {cluster.model_name!r})", flush=True)
+            print(
+                f"pdserve: {cluster.mode} cluster up in {time.monotonic() - started:.1f} s; "
+                f"OpenAI endpoint {cluster.router_url}/v1 (model {cluster.model_name!r})",
+                flush=True,
+            )
         else:
-            print(f"pdserve: {', '.join(p.name for p in c.procs)} up in {time.monotonic() - started:.1f} s "
-                  f"(this host's part; the cluster's OpenAI endpoint is {cluster.router_url}/v1)", flush=True)
+            print(
+                f"pdserve: {', '.join(p.name for p in c.procs)} up in {time.monotonic() - started:.1f} s "
+                f"(this host's part; the cluster's OpenAI endpoint is {cluster.router_url}/v1)",
+                flush=True,
+            )
         print(f"pdserve: processes and pids in {manifest}; logs in {run_dir}; Ctrl-C stops everything", flush=True)
         supervisor = Supervisor(c, cluster.restart)
         if cluster.log_stats_interval_s > 0:
@@ -336,8 +364,12 @@ def launch(config_path: str | Path, run_dir: str | Path | None = None, health_ti
         while not stop.wait(0.2):
             dead = supervisor.tick()
             if dead is not None:
-                print(f"pdserve: {dead.role} {dead.name} exited with status {dead.popen.returncode}; stopping "
-                      f"the cluster. Last lines of {dead.log}:\n{dead.log_tail()}", file=sys.stderr, flush=True)
+                print(
+                    f"pdserve: {dead.role} {dead.name} exited with status {dead.popen.returncode}; stopping "
+                    f"the cluster. Last lines of {dead.log}:\n{dead.log_tail()}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 return 1
         print("pdserve: stopping", flush=True)
         return 0

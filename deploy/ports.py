@@ -142,6 +142,8 @@ def busy_ports(cluster: ClusterConfig, only: set[str] | None = None) -> list[str
         else:
             problems.append(f"cannot bind {use.host}:{use.port} ({use.what}): {exc.strerror or exc}")
     for launch in launches_holding(in_use):
-        problems.append(f"they belong to another `pdserve launch` (pid {launch.pid}, run dir {launch.run_dir}): "
-                        f"stop it with Ctrl-C in its terminal or `kill {launch.pid}`, or give this cluster other ports")
+        problems.append(
+            f"they belong to another `pdserve launch` (pid {launch.pid}, run dir {launch.run_dir}): "
+            f"stop it with Ctrl-C in its terminal or `kill {launch.pid}`, or give this cluster other ports"
+        )
     return problems

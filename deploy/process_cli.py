@@ -21,9 +21,10 @@ LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
-        "router", help="run the OpenAI-compatible router of a cluster config",
+        "router",
+        help="run the OpenAI-compatible router of a cluster config",
         description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics, "
-                    "dispatching to the config's prefill and decode servers.",
+        "dispatching to the config's prefill and decode servers.",
     )
     p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log this and above (default info)")
@@ -33,19 +34,30 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     p.set_defaults(func=run_router)
 
     _add_server_parser(
-        subparsers, "prefill", run_prefill, "run one prefill server of a cluster config",
+        subparsers,
+        "prefill",
+        run_prefill,
+        "run one prefill server of a cluster config",
         "Run the prefill instance NAME of a cluster config: engine thread in prefill mode, KV "
         "sender and the HTTP control plane (/prefill, /abort, /health, /metrics).",
     )
     _add_server_parser(
-        subparsers, "decode", run_decode, "run one decode (or colocated) server of a cluster config",
+        subparsers,
+        "decode",
+        run_decode,
+        "run one decode (or colocated) server of a cluster config",
         "Run the decode or colocated instance NAME of a cluster config: engine thread, KV "
         "receiver and the HTTP control plane (/generate, /abort, /health, /metrics).",
     )
 
 
-def _add_server_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser], command: str,
-                       func: Callable[[argparse.Namespace], int], help: str, description: str) -> None:
+def _add_server_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    command: str,
+    func: Callable[[argparse.Namespace], int],
+    help: str,
+    description: str,
+) -> None:
     p = subparsers.add_parser(command, help=help, description=description)
     p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
     p.add_argument("--name", required=True, help="this instance's name in the config")
@@ -67,8 +79,11 @@ def run_router(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level, "router")
     cluster = load_config(args.config)
-    settings = dataclasses.replace(cluster.router_settings(cluster.model_path()), launch_id=args.launch_id,
-                                   workers_launch_id=None if args.any_worker_launch else args.launch_id)
+    settings = dataclasses.replace(
+        cluster.router_settings(cluster.model_path()),
+        launch_id=args.launch_id,
+        workers_launch_id=None if args.any_worker_launch else args.launch_id,
+    )
     return run(settings, args.log_level)
 
 

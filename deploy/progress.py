@@ -20,7 +20,7 @@ def seconds_since_process_start() -> float | None:
     """Seconds since this process started (Linux ``/proc``); None where that is unknown."""
     try:
         stat = open("/proc/self/stat").read()
-        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime, in clock ticks after boot
+        ticks = int(stat[stat.rindex(")") + 2 :].split()[19])  # field 22, starttime, in clock ticks after boot
         return time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, AttributeError):
         return None

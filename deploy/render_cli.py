@@ -15,26 +15,33 @@ HEADER = "# Rendered by `pdserve render k8s` from {source}; edit the cluster YAM
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     render = subparsers.add_parser(
-        "render", help="render deployment files from a cluster config (Kubernetes manifests)",
+        "render",
+        help="render deployment files from a cluster config (Kubernetes manifests)",
         description="Render the files that run a cluster config on another platform.",
     )
     targets = render.add_subparsers(dest="target", metavar="TARGET", required=True)
     k8s = targets.add_parser(
-        "k8s", help="Kubernetes manifests for `kubectl apply -f DIR`",
+        "k8s",
+        help="Kubernetes manifests for `kubectl apply -f DIR`",
         description="Write one YAML file per Kubernetes object into DIR: a ConfigMap with the cluster YAML, "
-                    "headless Services (the router's DNS discovery), one StatefulSet per prefill/decode "
-                    "instance, the router's Deployment and Service, a PodDisruptionBudget per role and (unless "
-                    "kubernetes.network_policy is false) a NetworkPolicy per role. Secrets are referenced by "
-                    "name, never written: create the Secret it names with kubectl (printed at the end).",
+        "headless Services (the router's DNS discovery), one StatefulSet per prefill/decode "
+        "instance, the router's Deployment and Service, a PodDisruptionBudget per role and (unless "
+        "kubernetes.network_policy is false) a NetworkPolicy per role. Secrets are referenced by "
+        "name, never written: create the Secret it names with kubectl (printed at the end).",
     )
     k8s.add_argument("config", help="cluster YAML file, e.g. configs/1p1d.yaml")
-    k8s.add_argument("--out", required=True, help="folder for the manifests (created; files it rendered before "
-                                                  "are replaced)")
-    k8s.add_argument("--name", default=None, help="object-name prefix (default kubernetes.name, else "
-                                                  "pdserve-<config file stem>)")
+    k8s.add_argument(
+        "--out", required=True, help="folder for the manifests (created; files it rendered before are replaced)"
+    )
+    k8s.add_argument(
+        "--name", default=None, help="object-name prefix (default kubernetes.name, else pdserve-<config file stem>)"
+    )
     k8s.add_argument("--namespace", default=None, help="default kubernetes.namespace, else default")
-    k8s.add_argument("--image", default=None, help="container image (default kubernetes.image, else "
-                                                   "pdserve:<version>; build it with deploy/Dockerfile)")
+    k8s.add_argument(
+        "--image",
+        default=None,
+        help="container image (default kubernetes.image, else pdserve:<version>; build it with deploy/Dockerfile)",
+    )
     k8s.set_defaults(func=run_k8s)
 
 
@@ -55,10 +62,12 @@ def run_k8s(args: argparse.Namespace) -> int:
         path.write_text(header + to_yaml(obj))
         print(path)
     keys = " ".join(f"--from-file={key}=./{key}" for key in rendered.secret_keys)
-    print(f"\nCreate the Secret first, from files that hold the values ({', '.join(rendered.secret_keys)}; "
-          f"the internal secret at least 16 characters, API keys one per line):\n"
-          f"  kubectl -n {rendered.namespace} create secret generic {rendered.secret_name} {keys}\n"
-          f"then: kubectl apply -f {out}")
+    print(
+        f"\nCreate the Secret first, from files that hold the values ({', '.join(rendered.secret_keys)}; "
+        f"the internal secret at least 16 characters, API keys one per line):\n"
+        f"  kubectl -n {rendered.namespace} create secret generic {rendered.secret_name} {keys}\n"
+        f"then: kubectl apply -f {out}"
+    )
     return 0
 
 

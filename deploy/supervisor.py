@@ -57,8 +57,13 @@ class Restart:
 class Supervisor:
     """Called by the launcher's watch loop (``tick``) on one thread."""
 
-    def __init__(self, cluster: Cluster, config: RestartConfig, clock: Callable[[], float] = time.monotonic,
-                 out: Callable[[str], None] = lambda line: print(line, flush=True)) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        config: RestartConfig,
+        clock: Callable[[], float] = time.monotonic,
+        out: Callable[[str], None] = lambda line: print(line, flush=True),
+    ) -> None:
         self._cluster = cluster
         self._config = config
         self._clock = clock
@@ -92,15 +97,18 @@ class Supervisor:
         window = [t for t in self._failures.get(dead.name, []) if now - t < self._config.window_s] + [now]
         self._failures[dead.name] = window
         if len(window) > self._config.max_restarts:
-            self._out(f"pdserve: {dead.role} {dead.name} failed {len(window)} times in "
-                      f"{self._config.window_s:g} s; giving up")
+            self._out(
+                f"pdserve: {dead.role} {dead.name} failed {len(window)} times in {self._config.window_s:g} s; giving up"
+            )
             return dead
         delay = min(self._config.backoff_s * 2 ** (len(window) - 1), self._config.backoff_max_s)
         record = Restart(dead.name, dead.role, code, time.time())
         self._due[dead.name] = (now + delay, record, now)
-        self._out(f"pdserve: {dead.role} {dead.name} exited with status {code}; restarting it in {delay:.1f} s "
-                  f"(failure {len(window)} of at most {self._config.max_restarts} in {self._config.window_s:g} s). "
-                  f"Last lines of {dead.log}:\n{dead.log_tail()}")
+        self._out(
+            f"pdserve: {dead.role} {dead.name} exited with status {code}; restarting it in {delay:.1f} s "
+            f"(failure {len(window)} of at most {self._config.max_restarts} in {self._config.window_s:g} s). "
+            f"Last lines of {dead.log}:\n{dead.log_tail()}"
+        )
         return None
 
     def _start_due(self, now: float) -> None:
@@ -114,8 +122,10 @@ class Supervisor:
             self._starting[name] = (proc, record, failed_at)
             self._cluster.write_manifest()
             self._write()
-            self._out(f"pdserve: restarted {record.role} {name} (pid {record.pid}; restart "
-                      f"{self.counts[name]} of this process)")
+            self._out(
+                f"pdserve: restarted {record.role} {name} (pid {record.pid}; restart "
+                f"{self.counts[name]} of this process)"
+            )
 
     def _note_back(self, now: float) -> None:
         for name, (proc, record, failed_at) in list(self._starting.items()):
@@ -127,15 +137,17 @@ class Supervisor:
                 del self._starting[name]
                 record.back_after_s = round(now - failed_at, 3)
                 self._write()
-                self._out(f"pdserve: {record.role} {name} is healthy again, {record.back_after_s:.1f} s after "
-                          "it failed")
+                self._out(
+                    f"pdserve: {record.role} {name} is healthy again, {record.back_after_s:.1f} s after it failed"
+                )
 
     def _write(self) -> None:
         """Atomically (a reader never sees half a file)."""
         path = self._cluster.run_dir / "restarts.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"counts": self.counts, "restarts": [asdict(r) for r in self.restarts]},
-                                  indent=1) + "\n")
+        tmp.write_text(
+            json.dumps({"counts": self.counts, "restarts": [asdict(r) for r in self.restarts]}, indent=1) + "\n"
+        )
         os.replace(tmp, path)
 
     def close(self) -> None:

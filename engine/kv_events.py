@@ -67,8 +67,9 @@ class KvEventLog:
             oldest = self._ring[0][0] if self._ring else self._seq + 1
             start = max(after + 1, oldest)
             skip = start - oldest
-            events = [self._ring[i] for i in range(skip, min(len(self._ring), skip + limit))] \
-                if start <= self._seq else []
+            events = (
+                [self._ring[i] for i in range(skip, min(len(self._ring), skip + limit))] if start <= self._seq else []
+            )
             return KvEventPage(self.epoch, oldest, self._seq, events)
 
     def snapshot(self) -> KvSnapshot:

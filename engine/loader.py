@@ -108,7 +108,7 @@ def _fused_target(name: str) -> tuple[str, int | None]:
     layer, rest = match.groups()
     for hf_prefix, (fused, part) in _FUSED.items():
         if rest.startswith(hf_prefix + "."):
-            return f"layers.{layer}.{fused}.{rest[len(hf_prefix) + 1:]}", part
+            return f"layers.{layer}.{fused}.{rest[len(hf_prefix) + 1 :]}", part
     return name, None
 
 

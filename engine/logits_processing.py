@@ -27,7 +27,10 @@ from engine.request import Request
 def needs_processing(request: Request) -> bool:
     p = request.sampling
     return bool(
-        p.logit_bias or p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        p.logit_bias
+        or p.repetition_penalty != 1.0
+        or p.frequency_penalty
+        or p.presence_penalty
         or len(request.output_token_ids) < p.min_tokens
     )
 
@@ -79,5 +82,7 @@ def _add(lists: tuple[list[int], list[int], list[float]], row: int, tokens: list
 
 
 def _index(lists, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.tensor(lists[0], dtype=torch.long, device=device),
-            torch.tensor(lists[1], dtype=torch.long, device=device))
+    return (
+        torch.tensor(lists[0], dtype=torch.long, device=device),
+        torch.tensor(lists[1], dtype=torch.long, device=device),
+    )

@@ -31,7 +31,7 @@ CHATML_TEMPLATE = (
     "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
     "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments '"
     " 'within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'"
-    " '{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    ' \'{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{% endif %}"
     "{% for message in messages[offset:] %}"
     "{% if message['role'] == 'tool' %}"
@@ -86,8 +86,9 @@ class TinySpec:
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.arch == "llama" and self.head_dim * self.heads != self.hidden:
-            raise ValueError(f"llama needs heads x head_dim == hidden "
-                             f"({self.heads} x {self.head_dim} != {self.hidden})")
+            raise ValueError(
+                f"llama needs heads x head_dim == hidden ({self.heads} x {self.head_dim} != {self.hidden})"
+            )
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "max_positions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -35,8 +35,10 @@ def resolve_model(model: str, cache_dir: str | Path) -> Path:
     if not is_builtin(model):
         folder = Path(model).expanduser().resolve()
         if not folder.is_dir():
-            raise FileNotFoundError(f"model folder {folder} does not exist (a model is a local folder, or one of "
-                                    f"the built-in models {', '.join(BUILTIN_MODELS)})")
+            raise FileNotFoundError(
+                f"model folder {folder} does not exist (a model is a local folder, or one of "
+                f"the built-in models {', '.join(BUILTIN_MODELS)})"
+            )
         if not (folder / "config.json").is_file():
             raise FileNotFoundError(f"model folder {folder} has no config.json")
         return folder

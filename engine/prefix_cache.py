@@ -21,14 +21,15 @@ def chain_root(engine_salt: str, cache_salt: str | None = None) -> int:
     return root_hash(f"{engine_salt}\0{cache_salt or ''}")
 
 
-def chain_hashes(engine_salt: str, token_ids: Sequence[int], block_size: int,
-                 cache_salt: str | None = None) -> list[int]:
+def chain_hashes(
+    engine_salt: str, token_ids: Sequence[int], block_size: int, cache_salt: str | None = None
+) -> list[int]:
     """The chained hashes of every full block of ``token_ids``, exactly as an engine with
     that salt and block size computes them. Pure and torch-free: the router calls it too
     (router/cluster/kv_index.py)."""
     parent, hashes = chain_root(engine_salt, cache_salt), []
     for i in range(len(token_ids) // block_size):
-        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        parent = block_hash(parent, token_ids[i * block_size : (i + 1) * block_size])
         hashes.append(parent)
     return hashes
 

@@ -90,7 +90,8 @@ class SamplingParams:
     repetition_penalty: float = Field(default=1.0, gt=0.0, le=100.0)
     # (token id, bias added to its logit)
     logit_bias: tuple[tuple[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]], ...] = Field(
-        default=(), max_length=1 << 16)
+        default=(), max_length=1 << 16
+    )
     min_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)  # EOS and stop_token_ids masked until this many tokens
     structured: StructuredSpec | None = None
 

@@ -43,8 +43,9 @@ class RoPE:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCache, rope: RoPE, device: torch.device,
-                 eos_token_ids: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, model: CausalLM, cache: KVCache, rope: RoPE, device: torch.device, eos_token_ids: tuple[int, ...] = ()
+    ) -> None:
         self.model = model
         self.eos_token_ids = eos_token_ids  # masked while a request's min_tokens are not reached
         self.cache = cache
@@ -112,8 +113,9 @@ class ModelRunner:
             results[request] = ChunkResult(prompt_logprobs=entries)
         return results
 
-    def _prompt_logprobs(self, logits: torch.Tensor,
-                         prompt_rows: list[tuple[ScheduledChunk, int, int]]) -> dict[Request, list[Logprob | None]]:
+    def _prompt_logprobs(
+        self, logits: torch.Tensor, prompt_rows: list[tuple[ScheduledChunk, int, int]]
+    ) -> dict[Request, list[Logprob | None]]:
         """The raw model's log-probabilities of the prompt tokens the chunks' rows predict."""
         rows = [r for _, first, count in prompt_rows for r in range(first, first + count)]
         targets = [t for c, _, count in prompt_rows for t in c.request.token_ids(c.start + 1, c.start + 1 + count)]
@@ -124,7 +126,7 @@ class ModelRunner:
             flat = top_logprobs(logprobs, torch.tensor(targets, dtype=torch.long, device=logits.device), ks)
         out, at = {}, 0
         for chunk, _, count in prompt_rows:
-            out[chunk.request] = ([None] if chunk.start == 0 else []) + flat[at:at + count]
+            out[chunk.request] = ([None] if chunk.start == 0 else []) + flat[at : at + count]
             at += count
         return out
 
@@ -132,11 +134,17 @@ class ModelRunner:
         bs = self.cache.block_size
         lengths = [c.start + 1 for c in decodes]  # sorted ascending by run()
         for start, count in decode_groups(lengths):
-            group = lengths[start:start + count]
+            group = lengths[start : start + count]
             max_blocks = -(-max(group) // bs)
-            table = [c.request.block_ids[: -(-n // bs)] for c, n in zip(decodes[start:start + count], group)]
+            table = [c.request.block_ids[: -(-n // bs)] for c, n in zip(decodes[start : start + count], group)]
             table = [t + [0] * (max_blocks - len(t)) for t in table]
             span = torch.arange(max_blocks * bs, device=self.device)
             lens = torch.tensor(group, device=self.device)
-            meta.decodes.append(DecodeGroup(start, count, torch.tensor(table, dtype=torch.long, device=self.device),
-                                            (span[None, :] < lens[:, None])[:, None, None, :]))
+            meta.decodes.append(
+                DecodeGroup(
+                    start,
+                    count,
+                    torch.tensor(table, dtype=torch.long, device=self.device),
+                    (span[None, :] < lens[:, None])[:, None, None, :],
+                )
+            )

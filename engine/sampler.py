@@ -24,8 +24,9 @@ from engine.request import LOGPROB_FLOOR, SAMPLING_EPS, Logprob, Request, Sampli
 _SEED_STRIDE = 1_000_003
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator,
-           eos_token_ids: Sequence[int] = ()) -> list[tuple[list[int], list[Logprob] | None]]:
+def sample(
+    logits: torch.Tensor, requests: Sequence[Request], generator: torch.Generator, eos_token_ids: Sequence[int] = ()
+) -> list[tuple[list[int], list[Logprob] | None]]:
     """Tokens (``request.draws_first_tokens`` of them) and, when asked, their
     log-probabilities for each row of float32 ``logits`` [rows, vocab], which
     are processed in place."""
@@ -42,8 +43,10 @@ def sample(logits: torch.Tensor, requests: Sequence[Request], generator: torch.G
         p, index = request.sampling, len(request.output_token_ids)
         draws = [greedy[row]] * request.draws_first_tokens
         if not p.greedy:
-            draws = [_sample_row(logits[row], p, _generator(p, j, index, generator, logits.device))
-                     for j in range(len(draws))]
+            draws = [
+                _sample_row(logits[row], p, _generator(p, j, index, generator, logits.device))
+                for j in range(len(draws))
+            ]
         tokens.append(draws)
     logprobs = _logprobs(logits, requests, tokens)
     return [(t, logprobs.get(row)) for row, t in enumerate(tokens)]
@@ -59,11 +62,12 @@ def top_logprobs(logprobs: torch.Tensor, chosen: torch.Tensor, ks: Sequence[int]
     # one copy to the host: [picked, k values, k ids] per row (ids are exact in float64)
     rows = torch.cat([picked, values], dim=1).clamp(min=LOGPROB_FLOOR).double()
     rows = torch.cat([rows, ids.double()], dim=1).tolist()
-    return [Logprob(r[0], tuple((int(t), v) for t, v in zip(r[k + 1:k + 1 + n], r[1:1 + n]))) for r, n in zip(rows, ks)]
+    return [
+        Logprob(r[0], tuple((int(t), v) for t, v in zip(r[k + 1 : k + 1 + n], r[1 : 1 + n]))) for r, n in zip(rows, ks)
+    ]
 
 
-def _logprobs(logits: torch.Tensor, requests: Sequence[Request],
-              tokens: list[list[int]]) -> dict[int, list[Logprob]]:
+def _logprobs(logits: torch.Tensor, requests: Sequence[Request], tokens: list[list[int]]) -> dict[int, list[Logprob]]:
     rows = [r for r, request in enumerate(requests) if request.sampling.logprobs is not None]
     if not rows:
         return {}
@@ -80,8 +84,9 @@ def _logprobs(logits: torch.Tensor, requests: Sequence[Request],
     return out
 
 
-def _generator(p: SamplingParams, draw: int, index: int, shared: torch.Generator,
-               device: torch.device) -> torch.Generator:
+def _generator(
+    p: SamplingParams, draw: int, index: int, shared: torch.Generator, device: torch.device
+) -> torch.Generator:
     if p.seed is None:
         return shared
     gen = torch.Generator(device=device)

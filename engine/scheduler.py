@@ -212,13 +212,25 @@ class Scheduler:
                 self.running.remove(request)
                 request.status = RequestStatus.PREFILLED
                 self.parked[request.request_id] = request
-                outputs.append(StepOutput(request.request_id, list(result.token_ids), True, "prefilled",
-                                          list(request.block_ids), result.logprobs, prompt_logprobs))
+                outputs.append(
+                    StepOutput(
+                        request.request_id,
+                        list(result.token_ids),
+                        True,
+                        "prefilled",
+                        list(request.block_ids),
+                        result.logprobs,
+                        prompt_logprobs,
+                    )
+                )
             elif len(result.token_ids) > 1:
                 outputs += self._start_sequences(request, result, prompt_logprobs)
             else:
-                outputs.append(self._append_token(request, result.token_ids[0],
-                                                  result.logprobs and result.logprobs[0], prompt_logprobs))
+                outputs.append(
+                    self._append_token(
+                        request, result.token_ids[0], result.logprobs and result.logprobs[0], prompt_logprobs
+                    )
+                )
         return outputs
 
     def take_block_copies(self) -> list[tuple[int, int]]:
@@ -267,15 +279,20 @@ class Scheduler:
         """Blocks by state and queue lengths, for /health and /metrics."""
         counts = self.block_counts()
         return SchedulerStats(
-            free=counts["free"], cached=self.blocks.num_cached_free, reserved=counts["reserved"],
+            free=counts["free"],
+            cached=self.blocks.num_cached_free,
+            reserved=counts["reserved"],
             running=counts["running"],
             total=self.blocks.num_blocks,
             queue_depth=len(self.waiting),
             queued_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed) for r in [*self.waiting, *self.running]),
             num_requests=len(self.requests),
             num_running=len(self.running),
-            holders=tuple(("reserved" if self.parked.get(r.request_id) is r else "running", r.arrival_time,
-                           len(r.block_ids)) for r in self.sequences() if r.block_ids),
+            holders=tuple(
+                ("reserved" if self.parked.get(r.request_id) is r else "running", r.arrival_time, len(r.block_ids))
+                for r in self.sequences()
+                if r.block_ids
+            ),
         )
 
     def sequences(self) -> list[Request]:
@@ -329,8 +346,10 @@ class Scheduler:
     def _is_long(self, request: Request) -> bool:
         """Whether the request has more prompt (or recomputed) tokens left than one step computes
         (with chunked prefill: without it, such a prompt runs alone anyway)."""
-        return self.config.chunked_prefill and \
-            request.num_tokens - 1 - request.num_computed > self.config.max_num_batched_tokens
+        return (
+            self.config.chunked_prefill
+            and request.num_tokens - 1 - request.num_computed > self.config.max_num_batched_tokens
+        )
 
     def _admit_waiting(self, request: Request, budget: int, plan: SchedulePlan) -> bool:
         """Give a waiting request its cached prefix and the blocks for its next chunk, or nothing."""
@@ -400,8 +419,9 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
 
-    def _start_sequences(self, request: Request, first: ChunkResult,
-                         prompt_logprobs: list[Logprob | None] | None) -> list[StepOutput]:
+    def _start_sequences(
+        self, request: Request, first: ChunkResult, prompt_logprobs: list[Logprob | None] | None
+    ) -> list[StepOutput]:
         """A request's first tokens, sequence i's at i: sequences 1.. are forked from
         ``request`` (sequence 0, its prompt computed) before its own token is appended."""
         outputs = []
@@ -438,8 +458,13 @@ class Scheduler:
         child.status = RequestStatus.RUNNING
         self.running.append(child)
 
-    def _append_token(self, request: Request, token: int, logprob: Logprob | None = None,
-                      prompt_logprobs: list[Logprob | None] | None = None) -> StepOutput:
+    def _append_token(
+        self,
+        request: Request,
+        token: int,
+        logprob: Logprob | None = None,
+        prompt_logprobs: list[Logprob | None] | None = None,
+    ) -> StepOutput:
         reason = self._record(request, token)
         if reason is not None:
             self.running.remove(request)
@@ -447,14 +472,25 @@ class Scheduler:
         return self._output(request, token, reason, logprob, prompt_logprobs)
 
     @staticmethod
-    def _output(request: Request, token: int, reason: str | None, logprob: Logprob | None = None,
-                prompt_logprobs: list[Logprob | None] | None = None) -> StepOutput:
+    def _output(
+        request: Request,
+        token: int,
+        reason: str | None,
+        logprob: Logprob | None = None,
+        prompt_logprobs: list[Logprob | None] | None = None,
+    ) -> StepOutput:
         """A sequence's output for one recorded token; a token its grammar refused is never emitted."""
         if reason == "grammar":
             return StepOutput(request.request_id, [], True, reason, index=request.index)
-        return StepOutput(request.request_id, [token], reason is not None, reason,
-                          logprobs=None if logprob is None else [logprob], prompt_logprobs=prompt_logprobs,
-                          index=request.index)
+        return StepOutput(
+            request.request_id,
+            [token],
+            reason is not None,
+            reason,
+            logprobs=None if logprob is None else [logprob],
+            prompt_logprobs=prompt_logprobs,
+            index=request.index,
+        )
 
     def _record(self, request: Request, token: int) -> FinishReason | None:
         return record_token(request, token, self.config.eos_token_ids, self.config.max_model_len)

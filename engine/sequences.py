@@ -21,8 +21,9 @@ from engine.request import FinishReason, Request
 log = logging.getLogger(__name__)
 
 
-def record_token(request: Request, token: int, eos_token_ids: Collection[int],
-                 max_model_len: int) -> FinishReason | None:
+def record_token(
+    request: Request, token: int, eos_token_ids: Collection[int], max_model_len: int
+) -> FinishReason | None:
     """Append ``token`` to a sequence's output and feed it to its grammar; return why the
     sequence stops there, if it does ("grammar": its grammar could not take it)."""
     request.output_token_ids.append(token)
@@ -32,8 +33,7 @@ def record_token(request: Request, token: int, eos_token_ids: Collection[int],
         # forcing unbounded text, hits llguidance's limits ("parser too complex"), or a grammar
         # matching no text left no token at all. The client's grammar, not a fault here: the
         # sequence ends, nothing invalid is emitted, and the router answers 400.
-        log.info("request %s: its grammar cannot take token %d: %s", request.request_id, token,
-                 request.grammar.error())
+        log.info("request %s: its grammar cannot take token %d: %s", request.request_id, token, request.grammar.error())
         return "grammar"
     sampling = request.sampling
     if not sampling.ignore_eos and token in eos_token_ids:

@@ -71,8 +71,9 @@ def check_bounds(spec, limits: GrammarLimits) -> None:
     kind, value = spec.kind, spec.value
     size = len(value.encode())
     if size > limits.max_bytes:
-        raise ValueError(f"the {_NAMES.get(kind, kind)} has {size} bytes; "
-                         f"at most {limits.max_bytes} bytes are accepted")
+        raise ValueError(
+            f"the {_NAMES.get(kind, kind)} has {size} bytes; at most {limits.max_bytes} bytes are accepted"
+        )
     if kind in ("json_schema", "choice"):
         depth, branches = _json_shape(_loads(value, kind))
         rules = 0
@@ -80,8 +81,11 @@ def check_bounds(spec, limits: GrammarLimits) -> None:
         rules, depth, branches = _text_shape(value, lark=kind == "lark")
     else:
         raise ValueError(f"unknown structured output kind {kind!r} (one of {list(KINDS)})")
-    for what, count, most in (("rules", rules, limits.max_rules), ("levels of nesting", depth, limits.max_depth),
-                              ("alternatives", branches, limits.max_branches)):
+    for what, count, most in (
+        ("rules", rules, limits.max_rules),
+        ("levels of nesting", depth, limits.max_depth),
+        ("alternatives", branches, limits.max_branches),
+    ):
         if count > most:
             raise ValueError(f"the {_NAMES[kind]} has {count} {what}; at most {most} are accepted")
 
@@ -136,7 +140,7 @@ def _text_shape(text: str, lark: bool) -> tuple[int, int, int]:
             line_start = False
         if lark and c == "/" and text.startswith("//", i):
             i = _skip_to(text, i, "\n") - 1  # a comment runs to the end of the line
-        elif lark and c in "\"/":
+        elif lark and c in '"/':
             i = _skip_to(text, i + 1, c)
         elif not lark and c == "[":
             i = _skip_class(text, i)
@@ -207,8 +211,7 @@ def compile_grammar(spec) -> str:
     return grammar
 
 
-_NAMES = {"json_schema": "JSON schema", "regex": "regular expression", "choice": "choice list",
-          "lark": "grammar"}
+_NAMES = {"json_schema": "JSON schema", "regex": "regular expression", "choice": "choice list", "lark": "grammar"}
 
 
 class Grammar:
@@ -255,14 +258,14 @@ class Grammar:
 class StructuredOutputs:
     """The engine's llguidance tokenizer (built once from its Hugging Face tokenizer) and mask executor."""
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 num_threads: int | None = None) -> None:
+    def __init__(
+        self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], num_threads: int | None = None
+    ) -> None:
         self.vocab_size = vocab_size  # the model's logits width (at least the tokenizer's)
         self.eos_token_ids = frozenset(eos_token_ids)
         import llguidance.hf  # here: it imports transformers, which compile_grammar's callers need not load
 
-        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size,
-                                                      eos_token=list(eos_token_ids))
+        self.tokenizer = llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=list(eos_token_ids))
         self.executor = llguidance.LLExecutor(num_threads=num_threads)
 
     def grammar(self, spec) -> Grammar:

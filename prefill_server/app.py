@@ -42,4 +42,5 @@ def create_app(service: PrefillService) -> FastAPI:
     async def forget_peer(name: str) -> JSONResponse:
         """A decode server left: its transfers end and what the transfer layer held for it is released."""
         return JSONResponse({"forgotten": service.forget_peer(name), "peers": service.peers()})
+
     return app

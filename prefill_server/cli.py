@@ -23,6 +23,13 @@ def run(settings: ServerSettings, log_level: str) -> int:
     service = PrefillService(settings, engine, sender_factory(settings, engine, faults), faults)
     guard = server_guard(settings)
     service.metrics.registry.register(guard)
-    serve(create_app(service), settings.listen_host, settings.port, log_level, service.drain, settings.drain_timeout_s,
-          http=guard.protocol_class())
+    serve(
+        create_app(service),
+        settings.listen_host,
+        settings.port,
+        log_level,
+        service.drain,
+        settings.drain_timeout_s,
+        http=guard.protocol_class(),
+    )
     return 0

@@ -59,6 +59,7 @@ from transfer.outcome import Outcome, PeerBound, TransferEnded
 log = logging.getLogger(__name__)
 REMEMBER_ABORTED = 4096
 
+
 @dataclass
 class Job:
     request_id: str
@@ -86,27 +87,39 @@ class Job:
         self.loop.call_soon_threadsafe(set_it)
 
 
-
 def _check_reservation(req: PrefillRequest) -> None:
     """400 for a reservation that does not fit its request (the schema checked each field alone)."""
     res, num_tokens = req.reservation, len(req.prompt_token_ids)
     if res.num_tokens != num_tokens:
-        raise WorkerError(400, f"reservation.num_tokens is {res.num_tokens} for a {num_tokens}-token prompt",
-                          Outcome.BAD_REQUEST)
+        raise WorkerError(
+            400, f"reservation.num_tokens is {res.num_tokens} for a {num_tokens}-token prompt", Outcome.BAD_REQUEST
+        )
     if res.num_cached_tokens >= num_tokens:
-        raise WorkerError(400, f"the reservation holds {res.num_cached_tokens} cached tokens of a "
-                          f"{num_tokens}-token prompt: nothing to prefill", Outcome.BAD_REQUEST)
+        raise WorkerError(
+            400,
+            f"the reservation holds {res.num_cached_tokens} cached tokens of a "
+            f"{num_tokens}-token prompt: nothing to prefill",
+            Outcome.BAD_REQUEST,
+        )
+
 
 class PrefillService:
-    def __init__(self, settings: ServerSettings, engine: LLMEngine, make_sender: SenderFactory,
-                 faults: FaultInjector | None = None, tracing: Tracing | None = None,
-                 peers: DecodePeersPort | None = None) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        engine: LLMEngine,
+        make_sender: SenderFactory,
+        faults: FaultInjector | None = None,
+        tracing: Tracing | None = None,
+        peers: DecodePeersPort | None = None,
+    ) -> None:
         """``peers``: the decode servers it may meet (default: ``DecodePeers`` with ``make_sender``'s
         sender, which must be a ``transfer`` KVSender; tests give scripted ones)."""
         self.settings = settings
         self.faults = faults
-        self.engine_thread = EngineThread(engine, self._on_outputs, settings.name,
-                                          between_steps=self._collect_transfers, layer_hook=self._on_layer)
+        self.engine_thread = EngineThread(
+            engine, self._on_outputs, settings.name, between_steps=self._collect_transfers, layer_hook=self._on_layer
+        )
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
         self.kv_events = engine.scheduler.blocks.events  # thread-safe: read by GET /kv/events
         self.tracing = tracing or Tracing(settings.tracing, "pdserve-prefill")
@@ -138,9 +151,13 @@ class PrefillService:
             self.metrics.requests.labels(outcome=Outcome.DRAINING).inc()
             raise WorkerError(503, f"{self.settings.name} is draining: it takes no new prefills", Outcome.DRAINING)
         self._pending += 1
-        span = self.tracing.start("prefill.prefill", self.tracing.parent(req.trace),
-                                  pdserve__request_id=req.request_id, pdserve__instance=self.settings.name,
-                                  pdserve__prompt_tokens=len(req.prompt_token_ids))
+        span = self.tracing.start(
+            "prefill.prefill",
+            self.tracing.parent(req.trace),
+            pdserve__request_id=req.request_id,
+            pdserve__instance=self.settings.name,
+            pdserve__prompt_tokens=len(req.prompt_token_ids),
+        )
         outcome = Outcome.CANCELLED
         try:
             result = await self._prefill(req, span)
@@ -165,8 +182,9 @@ class PrefillService:
         try:
             peer = await self._peers.ensure(res.kv_target)
         except Exception as exc:
-            raise WorkerError(502, f"cannot connect to decode server {res.instance}: {exc}",
-                              Outcome.HANDSHAKE_FAILED) from exc
+            raise WorkerError(
+                502, f"cannot connect to decode server {res.instance}: {exc}", Outcome.HANDSHAKE_FAILED
+            ) from exc
         lease_s = res.lease_s - (time.monotonic() - received)
         if lease_s <= 0:
             raise WorkerError(409, f"the reservation on {res.instance} has expired", Outcome.LEASE_EXPIRED)
@@ -195,18 +213,29 @@ class PrefillService:
     def _trace_job(self, span, job: Job) -> None:
         """The job's stages into the timeline log and as spans (tracing on). Its timestamps were
         written on the engine thread before ``job.done`` was resolved, so they are complete here."""
-        self.timeline.add(job.request_id, received=job.started, computing=job.computing, prefilled=job.prefilled,
-                          transfer_ended=job.ended.at if job.ended else None)
+        self.timeline.add(
+            job.request_id,
+            received=job.started,
+            computing=job.computing,
+            prefilled=job.prefilled,
+            transfer_ended=job.ended.at if job.ended else None,
+        )
         if span is None or job.computing is None:
             return
         now = time.monotonic()
         self.tracing.record("prefill.queue", span, job.started, job.computing)
         self.tracing.record("prefill.compute", span, job.computing, job.prefilled or now)
         ended = job.ended
-        self.tracing.record("prefill.kv_transfer", span, job.computing, ended.at if ended else now,
-                            ended.outcome if ended else Outcome.ABORTED, pdserve__transfer_id=job.transfer_id,
-                            pdserve__bytes=(job.num_tokens - job.num_cached_tokens) * self._bytes_per_token,
-                            pdserve__cached_tokens=job.num_cached_tokens)
+        self.tracing.record(
+            "prefill.kv_transfer",
+            span,
+            job.computing,
+            ended.at if ended else now,
+            ended.outcome if ended else Outcome.ABORTED,
+            pdserve__transfer_id=job.transfer_id,
+            pdserve__bytes=(job.num_tokens - job.num_cached_tokens) * self._bytes_per_token,
+            pdserve__cached_tokens=job.num_cached_tokens,
+        )
 
     # ---- decode peers (the router's discovery) --------------------------------------
     def add_peer(self, name: str, url: str) -> None:
@@ -299,16 +328,34 @@ class PrefillService:
         if job.prefilled is not None:
             self.metrics.transfer_exposed_seconds.observe(max(0.0, ended.at - job.prefilled))
         out = job.prefilled_out
-        job.resolve(PrefillResult(
-            request_id=rid, first_token_ids=out.new_token_ids, num_tokens=job.num_tokens, transfer_bytes=nbytes,
-            seconds=seconds, first_logprobs=token_logprobs(out.logprobs),
-            prompt_logprobs=prompt_token_logprobs(out.prompt_logprobs)))
+        job.resolve(
+            PrefillResult(
+                request_id=rid,
+                first_token_ids=out.new_token_ids,
+                num_tokens=job.num_tokens,
+                transfer_bytes=nbytes,
+                seconds=seconds,
+                first_logprobs=token_logprobs(out.logprobs),
+                prompt_logprobs=prompt_token_logprobs(out.prompt_logprobs),
+            )
+        )
 
     def health(self) -> HealthReport:
         s = self.engine_thread.stats.scheduler
-        return HealthReport(status="draining" if self.drain.draining else "ok", role="prefill",
-                            instance=self.settings.name,
-                            kv_blocks=KVBlocks(free=s.free, reserved=s.reserved, running=s.running, total=s.total,
-                                              block_size=self.settings.engine.block_size),
-                            queue_depth=s.queue_depth, queued_tokens=s.queued_tokens, num_requests=self._pending,
-                            launch_id=self.settings.launch_id, model=self._model_id)
+        return HealthReport(
+            status="draining" if self.drain.draining else "ok",
+            role="prefill",
+            instance=self.settings.name,
+            kv_blocks=KVBlocks(
+                free=s.free,
+                reserved=s.reserved,
+                running=s.running,
+                total=s.total,
+                block_size=self.settings.engine.block_size,
+            ),
+            queue_depth=s.queue_depth,
+            queued_tokens=s.queued_tokens,
+            num_requests=self._pending,
+            launch_id=self.settings.launch_id,
+            model=self._model_id,
+        )

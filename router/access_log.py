@@ -28,16 +28,35 @@ class AccessLog:
         self.enabled = enabled
         self._logged: OrderedDict[str, None] = OrderedDict()  # recent ids a timeline logged (event loop only)
 
-    def served(self, request_id: str, endpoint: str, outcome: str, prompt_tokens: int, completion_tokens: int,
-               ttft: float | None, total: float, prefill: str | None, decode: str | None) -> None:
+    def served(
+        self,
+        request_id: str,
+        endpoint: str,
+        outcome: str,
+        prompt_tokens: int,
+        completion_tokens: int,
+        ttft: float | None,
+        total: float,
+        prefill: str | None,
+        decode: str | None,
+    ) -> None:
         if not self.enabled:
             return
         self._logged[request_id] = None
         while len(self._logged) > 4096:
             self._logged.popitem(last=False)
-        log.info("access %s %s %s prompt=%d completion=%d ttft=%s total=%s prefill=%s decode=%s", request_id,
-                 endpoint, outcome, prompt_tokens, completion_tokens, _ms(ttft), _ms(total), prefill or "-",
-                 decode or "-")
+        log.info(
+            "access %s %s %s prompt=%d completion=%d ttft=%s total=%s prefill=%s decode=%s",
+            request_id,
+            endpoint,
+            outcome,
+            prompt_tokens,
+            completion_tokens,
+            _ms(ttft),
+            _ms(total),
+            prefill or "-",
+            decode or "-",
+        )
 
     def refused(self, request_id: str, endpoint: str, status: int, code: str | None) -> None:
         """A request that ended with an error status; logged unless its timeline already said how it ended."""

@@ -33,22 +33,33 @@ class JoinRequest(BaseModel):
 
     url: str = Field(min_length=8, max_length=300, pattern=r"^https?://[^/\s]+/?$")
 
+
 WAIT_POLL_S = 0.05
 
 
 def describe(w: Worker) -> dict:
-    return {"name": w.name, "role": w.role, "url": w.url, "healthy": w.healthy, "in_rotation": w.in_rotation,
-            "draining": w.draining, "reported_draining": w.reported_draining, "inflight": w.inflight,
-            "max_inflight": w.max_inflight}
+    return {
+        "name": w.name,
+        "role": w.role,
+        "url": w.url,
+        "healthy": w.healthy,
+        "in_rotation": w.in_rotation,
+        "draining": w.draining,
+        "reported_draining": w.reported_draining,
+        "inflight": w.inflight,
+        "max_inflight": w.max_inflight,
+    }
 
 
-def add_admin_routes(app: FastAPI, registry: WorkerRegistry, authorize: Callable[[Request], None],
-                     discovery: Callable[[], Discovery]) -> None:
+def add_admin_routes(
+    app: FastAPI, registry: WorkerRegistry, authorize: Callable[[Request], None], discovery: Callable[[], Discovery]
+) -> None:
     def worker(name: str) -> Worker:
         found = registry.find(name)
         if found is None:
-            raise OpenAIError(404, f"no worker named {name!r} (have {[w.name for w in registry.workers]})",
-                              param="name")
+            raise OpenAIError(
+                404, f"no worker named {name!r} (have {[w.name for w in registry.workers]})", param="name"
+            )
         return found
 
     @app.get("/admin/workers", include_in_schema=False)

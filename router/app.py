@@ -92,8 +92,9 @@ class Auth:
         elif self.api_keys:
             self.client(request)
         elif request.client is None or not is_loopback(request.client.host):
-            raise OpenAIError(403, "admin calls from other machines need security.internal_secret in the config",
-                              code="forbidden")
+            raise OpenAIError(
+                403, "admin calls from other machines need security.internal_secret in the config", code="forbidden"
+            )
 
 
 @dataclass
@@ -119,43 +120,66 @@ class RouterParts:
     def build(cls, settings: RouterSettings, model: ServedModel) -> RouterParts:
         # The config's workers are out of rotation until their first health check passes (at once, when the
         # registry runs): the router's /health says ready only once a request would find a decode server.
-        registry = WorkerRegistry([Worker(w.name, w.role, w.url, max_inflight=w.max_inflight, healthy=False)
-                                   for w in settings.workers],
-                                  health_interval_s=settings.health_interval_s,
-                                  health_timeout_s=settings.health_timeout_s,
-                                  health_backoff_max_s=settings.health_backoff_max_s,
-                                  launch_id=settings.workers_launch_id, stream_stall_s=settings.stream_stall_s)
+        registry = WorkerRegistry(
+            [Worker(w.name, w.role, w.url, max_inflight=w.max_inflight, healthy=False) for w in settings.workers],
+            health_interval_s=settings.health_interval_s,
+            health_timeout_s=settings.health_timeout_s,
+            health_backoff_max_s=settings.health_backoff_max_s,
+            launch_id=settings.workers_launch_id,
+            stream_stall_s=settings.stream_stall_s,
+        )
         metrics = RouterMetrics(registry)
-        admission = Admission(AdmissionSettings(max_queued_requests=settings.max_queued_requests,
-                                                queue_timeout_s=settings.queue_timeout_s,
-                                                retry_after_s=settings.retry_after_s),
-                              on_wait=metrics.queue_time.observe)
+        admission = Admission(
+            AdmissionSettings(
+                max_queued_requests=settings.max_queued_requests,
+                queue_timeout_s=settings.queue_timeout_s,
+                retry_after_s=settings.retry_after_s,
+            ),
+            on_wait=metrics.queue_time.observe,
+        )
         metrics.watch_admission(admission)
         # Slow and greedy clients (server_common.connections): `pdserve router` serves with its protocol class.
-        connections = ConnectionGuard(settings.header_timeout_s, settings.body_timeout_s,
-                                      settings.max_connections_per_client,
-                                      max_connections=settings.max_connections, reserved=settings.reserved_connections)
+        connections = ConnectionGuard(
+            settings.header_timeout_s,
+            settings.body_timeout_s,
+            settings.max_connections_per_client,
+            max_connections=settings.max_connections,
+            reserved=settings.reserved_connections,
+        )
         metrics.registry.register(connections)
         # Which block hashes each server holds (router/cluster/kv_index.py), kept only when something reads it:
         # the cache_aware policy, and the local-prefill choice on the uncached length (router/cluster/dispatch.py).
         uses_index = settings.policy == "cache_aware" or settings.local_prefill_threshold > 0
-        return cls(settings=settings, model=model, registry=registry, metrics=metrics, admission=admission,
-                   # What a drain (SIGTERM) waits for: requests with a session or waiting for one.
-                   drain=Drain(lambda: admission.sessions + admission.waiting), connections=connections,
-                   passive_health=PassiveHealth(registry), kv_index=KvIndex() if uses_index else None,
-                   tracing=Tracing(settings.tracing, "pdserve-router"),
-                   access=AccessLog(settings.access_log),  # one line per request (router/access_log.py)
-                   auth=Auth(settings.api_keys, settings.internal_secret))
+        return cls(
+            settings=settings,
+            model=model,
+            registry=registry,
+            metrics=metrics,
+            admission=admission,
+            # What a drain (SIGTERM) waits for: requests with a session or waiting for one.
+            drain=Drain(lambda: admission.sessions + admission.waiting),
+            connections=connections,
+            passive_health=PassiveHealth(registry),
+            kv_index=KvIndex() if uses_index else None,
+            tracing=Tracing(settings.tracing, "pdserve-router"),
+            access=AccessLog(settings.access_log),  # one line per request (router/access_log.py)
+            auth=Auth(settings.api_keys, settings.internal_secret),
+        )
 
     def snapshot(self) -> RouterSnapshot:
         """The numbers of the router's periodic stats line (server_common/stats_log.py)."""
         value = self.metrics.registry.get_sample_value
-        requests = sum(s.value for m in self.metrics.requests.collect() for s in m.samples
-                       if s.name.endswith("_total"))
-        return RouterSnapshot(time.monotonic(), int(requests), self.admission.sessions, self.admission.waiting,
-                              int(value("pdserve_router_prompt_tokens_total") or 0),
-                              int(value("pdserve_router_completion_tokens_total") or 0),
-                              sum(w.in_rotation for w in self.registry.workers), len(self.registry.workers))
+        requests = sum(s.value for m in self.metrics.requests.collect() for s in m.samples if s.name.endswith("_total"))
+        return RouterSnapshot(
+            time.monotonic(),
+            int(requests),
+            self.admission.sessions,
+            self.admission.waiting,
+            int(value("pdserve_router_prompt_tokens_total") or 0),
+            int(value("pdserve_router_completion_tokens_total") or 0),
+            sum(w.in_rotation for w in self.registry.workers),
+            len(self.registry.workers),
+        )
 
 
 def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastAPI], AbstractAsyncContextManager]:
@@ -169,36 +193,73 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
         headers = auth_headers(settings.internal_secret)
         keepalive_s = settings.worker_keepalive_s
         n = HEALTH_CONNECTIONS  # workers may join at runtime: not sized by today's count
-        async with worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http, \
-                worker_http(n, n, keepalive_s, headers) as health_http:
-            worker_client = client or WorkerClient(http, prefill_timeout_s=settings.prefill_timeout_s,
-                                                   answered=parts.passive_health.answered,
-                                                   stream_stall_s=settings.stream_stall_s)
+        async with (
+            worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http,
+            worker_http(n, n, keepalive_s, headers) as health_http,
+        ):
+            worker_client = client or WorkerClient(
+                http,
+                prefill_timeout_s=settings.prefill_timeout_s,
+                answered=parts.passive_health.answered,
+                stream_stall_s=settings.stream_stall_s,
+            )
             policy = settings.policy, parts.kv_index, settings.cache_aware_load_weight
-            dispatcher = Dispatcher(parts.registry, make_policy(*policy), make_policy(*policy), worker_client,
-                                    DispatchSettings(local_prefill_threshold=settings.local_prefill_threshold,
-                                                     prefill_failure=settings.prefill_failure,
-                                                     max_request_kv_share=settings.max_request_kv_share),
-                                    parts.metrics.recovery, parts.admission, parts.drain, parts.passive_health,
-                                    parts.kv_index)
+            dispatcher = Dispatcher(
+                parts.registry,
+                make_policy(*policy),
+                make_policy(*policy),
+                worker_client,
+                DispatchSettings(
+                    local_prefill_threshold=settings.local_prefill_threshold,
+                    prefill_failure=settings.prefill_failure,
+                    max_request_kv_share=settings.max_request_kv_share,
+                ),
+                parts.metrics.recovery,
+                parts.admission,
+                parts.drain,
+                parts.passive_health,
+                parts.kv_index,
+            )
             grammars = GrammarChecker(settings.grammar_sandbox)
             await asyncio.to_thread(grammars.start)
             limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
-            app.state.handlers = OpenAIHandlers(parts.model, dispatcher, parts.metrics, limits, parts.tracing,
-                                                grammars, settings.grammar_limits, parts.access)
-            app.state.discovery = Discovery(parts.registry, http, settings.discovery,
-                                            model_fingerprint(settings.model_path), parts.metrics,
-                                            settings.drain_timeout_s)
+            app.state.handlers = OpenAIHandlers(
+                parts.model,
+                dispatcher,
+                parts.metrics,
+                limits,
+                parts.tracing,
+                grammars,
+                settings.grammar_limits,
+                parts.access,
+            )
+            app.state.discovery = Discovery(
+                parts.registry,
+                http,
+                settings.discovery,
+                model_fingerprint(settings.model_path),
+                parts.metrics,
+                settings.drain_timeout_s,
+            )
             tasks = []
             if client is None:
-                tasks += [asyncio.create_task(parts.registry.run(health_http)),
-                          asyncio.create_task(app.state.discovery.run())]
+                tasks += [
+                    asyncio.create_task(parts.registry.run(health_http)),
+                    asyncio.create_task(app.state.discovery.run()),
+                ]
                 if parts.kv_index is not None:
                     poller = KvEventPoller(parts.registry, parts.kv_index, health_http, settings.kv_events_interval_s)
                     tasks.append(asyncio.create_task(poller.run()))
             if settings.log_stats_interval_s > 0:
-                tasks.append(asyncio.create_task(log_stats(parts.snapshot, router_line,  # type: ignore[arg-type]
-                                                           settings.log_stats_interval_s)))
+                tasks.append(
+                    asyncio.create_task(
+                        log_stats(
+                            parts.snapshot,
+                            router_line,  # type: ignore[arg-type]
+                            settings.log_stats_interval_s,
+                        )
+                    )
+                )
             try:
                 yield
             finally:
@@ -211,8 +272,9 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
     return run
 
 
-def create_app(settings: RouterSettings, model: ServedModel | None = None,
-               client: WorkerClient | None = None) -> FastAPI:
+def create_app(
+    settings: RouterSettings, model: ServedModel | None = None, client: WorkerClient | None = None
+) -> FastAPI:
     """``model`` and ``client`` (a WorkerClient look-alike) may be given by unit tests.
 
     ``app.state.drain`` is what SIGTERM starts (``server_common.run.serve``):
@@ -222,8 +284,12 @@ def create_app(settings: RouterSettings, model: ServedModel | None = None,
     parts = RouterParts.build(settings, model)
     app = FastAPI(title="pdserve router", lifespan=lifespan(parts, client))
     app.router.route_class = StrictJSONRoute  # NaN and Infinity are not JSON (server_common/strict_json.py)
-    openapi.install(app, vocab_size=model.vocab_size, api_keys=bool(settings.api_keys),
-                    max_new_tokens=min(settings.max_tokens or model.max_model_len - 1, model.max_model_len - 1))
+    openapi.install(
+        app,
+        vocab_size=model.vocab_size,
+        api_keys=bool(settings.api_keys),
+        max_new_tokens=min(settings.max_tokens or model.max_model_len - 1, model.max_model_len - 1),
+    )
     app.state.drain = parts.drain
     app.state.connections = parts.connections
     app.state.registry = parts.registry
@@ -243,8 +309,9 @@ def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
     """The OpenAI API: thin routes over ``OpenAIHandlers`` (router/api/openai_handlers.py)."""
     metrics, access = parts.metrics, parts.access
 
-    async def respond(request: Request, endpoint: str,
-                      call: Callable[[str, str | None, int], Awaitable[Answered]]) -> Response:
+    async def respond(
+        request: Request, endpoint: str, call: Callable[[str, str | None, int], Awaitable[Answered]]
+    ) -> Response:
         """``call(request_id, traceparent, body_bytes)``: the handler's coroutine for this request."""
         rid = request_id_of(request)
         try:
@@ -255,8 +322,9 @@ def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
         metrics.inflight.inc()
         status, code = 500, None
         try:
-            answer = await until_disconnect(request, call(rid, request.headers.get("traceparent"),
-                                                          len(await request.body())))
+            answer = await until_disconnect(
+                request, call(rid, request.headers.get("traceparent"), len(await request.body()))
+            )
             status = 200
         except OpenAIError as exc:
             status, code = exc.status, exc.code
@@ -271,11 +339,14 @@ def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
         session, result = answer
         # session.close is idempotent: the stream closes it in `finally`, the
         # background task covers a client that left before the first chunk.
-        return StreamingResponse(result, media_type="text/event-stream", background=BackgroundTask(session.close),
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            result,
+            media_type="text/event-stream",
+            background=BackgroundTask(session.close),
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
-    @app.post("/v1/chat/completions", responses=openapi.generation_responses(out.ChatCompletion,
-                                                                             "ChatCompletionChunk"))
+    @app.post("/v1/chat/completions", responses=openapi.generation_responses(out.ChatCompletion, "ChatCompletionChunk"))
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         return await respond(request, "chat", lambda *args: request.app.state.handlers.chat(req, *args))
 
@@ -288,8 +359,10 @@ def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
         parts.auth.client(request)
         return JSONResponse(request.app.state.handlers.models().model_dump())
 
-    @app.get("/v1/models/{model:path}", responses=openapi.ok(out.ModelCard, "The served model's card.")
-             | openapi.errors(401, 404, 500))
+    @app.get(
+        "/v1/models/{model:path}",
+        responses=openapi.ok(out.ModelCard, "The served model's card.") | openapi.errors(401, 404, 500),
+    )
     async def model_card(model: str, request: Request) -> JSONResponse:
         """The SDK's ``client.models.retrieve(id)``; ids may contain '/' (``org/name``)."""
         parts.auth.client(request)
@@ -302,8 +375,10 @@ def add_operator_routes(app: FastAPI, parts: RouterParts) -> None:
 
     @app.get("/health", responses=openapi.HEALTH_RESPONSES)
     async def health() -> JSONResponse:
-        workers = [openapi.WorkerHealth(name=w.name, role=w.role, url=w.url, healthy=w.healthy,
-                                        in_rotation=w.in_rotation) for w in registry.workers]
+        workers = [
+            openapi.WorkerHealth(name=w.name, role=w.role, url=w.url, healthy=w.healthy, in_rotation=w.in_rotation)
+            for w in registry.workers
+        ]
         ok = bool(registry.healthy("decode")) and not drain.draining
         status: openapi.HealthStatus = "draining" if drain.draining else "ok" if ok else "degraded"
         body = openapi.Health(status=status, workers=workers, launch_id=parts.settings.launch_id)
@@ -318,14 +393,26 @@ def add_operator_routes(app: FastAPI, parts: RouterParts) -> None:
     async def timeline(request: Request) -> JSONResponse:
         """Stage timestamps of the last requests (server_common/timeline_log.py); admin callers only."""
         parts.auth.admin(request)
-        return JSONResponse({"instance": "router", "role": "router",
-                             "requests": request.app.state.handlers.timeline.entries()})
+        return JSONResponse(
+            {"instance": "router", "role": "router", "requests": request.app.state.handlers.timeline.entries()}
+        )
 
     @app.get("/debug/kv_index", include_in_schema=False)
     async def kv_index_state(request: Request) -> JSONResponse:
         """What the router knows of each server's cached blocks (router/cluster/kv_index.py); admin callers only."""
         parts.auth.admin(request)
-        workers = {} if kv_index is None else {
-            name: {"epoch": idx.epoch, "seq": idx.seq, "blocks": len(idx.hashes), "block_size": idx.block_size,
-                   "resyncs": idx.resyncs} for name, idx in kv_index.workers.items()}
+        workers = (
+            {}
+            if kv_index is None
+            else {
+                name: {
+                    "epoch": idx.epoch,
+                    "seq": idx.seq,
+                    "blocks": len(idx.hashes),
+                    "block_size": idx.block_size,
+                    "resyncs": idx.resyncs,
+                }
+                for name, idx in kv_index.workers.items()
+            }
+        )
         return JSONResponse({"enabled": kv_index is not None, "workers": workers})

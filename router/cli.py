@@ -14,6 +14,14 @@ def run(settings: RouterSettings, log_level: str) -> int:
     from server_common.run import serve
 
     app = create_app(settings)
-    serve(app, settings.listen_host, settings.port, log_level, app.state.drain, settings.drain_timeout_s,
-          http=app.state.connections.protocol_class(), keep_alive_s=settings.client_keepalive_s)
+    serve(
+        app,
+        settings.listen_host,
+        settings.port,
+        log_level,
+        app.state.drain,
+        settings.drain_timeout_s,
+        http=app.state.connections.protocol_class(),
+        keep_alive_s=settings.client_keepalive_s,
+    )
     return 0

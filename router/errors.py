@@ -120,8 +120,7 @@ def describe_validation_error(exc: RequestValidationError) -> tuple[str, str | N
     # Of the errors about the first field, one from a union member whose type fits the input
     # ("at most 4 items" for a list of 5 stops, not "should be a string").
     field = errors[0].get("loc", ())[:2]
-    first = next((e for e in errors if e.get("loc", ())[:2] == field and not e["type"].endswith("_type")),
-                 errors[0])
+    first = next((e for e in errors if e.get("loc", ())[:2] == field and not e["type"].endswith("_type")), errors[0])
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error") or first.get("msg", "")

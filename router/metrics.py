@@ -23,10 +23,51 @@ JoinRefusal = Literal["no_health_report", "bad_name", "other_model", "name_in_us
 ENDPOINTS = ("chat", "completions")  # the label of pdserve_router_requests (router/app.py)
 
 # The buckets vLLM's users already chart (time_to_first_token_seconds, inter_token_latency_seconds, ...).
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                         20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TOKEN_LATENCY_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
@@ -34,13 +75,25 @@ class RecoveryMetrics:
     """What went wrong with requests and what the router did about it."""
 
     def __init__(self, r: CollectorRegistry) -> None:
-        self.failures = Counter("pdserve_router_step_failures", "Failed steps of requests by stage and outcome code",
-                                ["stage", "outcome"], registry=r)
-        self.retries = Counter("pdserve_router_retries", "Requests started over after a failure before their "
-                               "first token, by action (retry: another prefill server, local: on the decode server)",
-                               ["action", "outcome"], registry=r)
-        self.reprefills = Counter("pdserve_router_decode_reprefills", "Requests a decode server prefilled itself "
-                                  "after the remote KV failed, by outcome code", ["outcome"], registry=r)
+        self.failures = Counter(
+            "pdserve_router_step_failures",
+            "Failed steps of requests by stage and outcome code",
+            ["stage", "outcome"],
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_router_retries",
+            "Requests started over after a failure before their "
+            "first token, by action (retry: another prefill server, local: on the decode server)",
+            ["action", "outcome"],
+            registry=r,
+        )
+        self.reprefills = Counter(
+            "pdserve_router_decode_reprefills",
+            "Requests a decode server prefilled itself after the remote KV failed, by outcome code",
+            ["outcome"],
+            registry=r,
+        )
 
 
 class RouterMetrics:
@@ -51,34 +104,59 @@ class RouterMetrics:
         self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight", registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens", registry=r)
         self.completion_tokens = Counter("pdserve_router_completion_tokens", "Generated tokens", registry=r)
-        self.ttft = Histogram("pdserve_router_time_to_first_token_seconds",
-                              "Arrival at the router to the first generated token", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("pdserve_router_inter_token_latency_seconds", "Time between two generated tokens",
-                             buckets=TOKEN_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("pdserve_router_time_per_output_token_seconds",
-                              "Per request: (last token - first token) / (tokens - 1)",
-                              buckets=TOKEN_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pdserve_router_e2e_request_latency_seconds",
-                             "Arrival at the router to the last token of a finished request",
-                             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_time = Histogram("pdserve_router_request_queue_time_seconds",
-                                    "Time a request waited for a free slot (0 when admitted at once)",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens_per_request = Histogram("pdserve_router_request_prompt_tokens", "Prompt tokens per request",
-                                                   buckets=TOKEN_COUNT_BUCKETS, registry=r)
-        self.generation_tokens_per_request = Histogram("pdserve_router_request_generation_tokens",
-                                                       "Generated tokens per finished request",
-                                                       buckets=TOKEN_COUNT_BUCKETS, registry=r)
-        self.finished = Counter("pdserve_router_finished_requests", "Finished requests by finish reason",
-                                ["finish_reason"], registry=r)
-        self.local_prefills = Counter("pdserve_router_local_prefills", "Requests prefilled on the decode server",
-                                      registry=r)
+        self.ttft = Histogram(
+            "pdserve_router_time_to_first_token_seconds",
+            "Arrival at the router to the first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_router_inter_token_latency_seconds",
+            "Time between two generated tokens",
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "pdserve_router_time_per_output_token_seconds",
+            "Per request: (last token - first token) / (tokens - 1)",
+            buckets=TOKEN_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "pdserve_router_e2e_request_latency_seconds",
+            "Arrival at the router to the last token of a finished request",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.queue_time = Histogram(
+            "pdserve_router_request_queue_time_seconds",
+            "Time a request waited for a free slot (0 when admitted at once)",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens_per_request = Histogram(
+            "pdserve_router_request_prompt_tokens", "Prompt tokens per request", buckets=TOKEN_COUNT_BUCKETS, registry=r
+        )
+        self.generation_tokens_per_request = Histogram(
+            "pdserve_router_request_generation_tokens",
+            "Generated tokens per finished request",
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=r,
+        )
+        self.finished = Counter(
+            "pdserve_router_finished_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.local_prefills = Counter(
+            "pdserve_router_local_prefills", "Requests prefilled on the decode server", registry=r
+        )
         self.recovery = RecoveryMetrics(r)
         r.register(_Workers(workers))  # workers join and leave: read at every scrape
-        self.workers_refused = Counter("pdserve_router_workers_refused",
-                                       "Workers discovery found but refused (another model, a name in use, ...)",
-                                       ["reason"], registry=r)
+        self.workers_refused = Counter(
+            "pdserve_router_workers_refused",
+            "Workers discovery found but refused (another model, a name in use, ...)",
+            ["reason"],
+            registry=r,
+        )
         # Every known label value exported at 0 from the start, so rate() and absent() alerts work before
         # the first event (prometheus-client's advice for labelled metrics).
         for endpoint in ENDPOINTS:
@@ -88,12 +166,14 @@ class RouterMetrics:
         for refusal in get_args(JoinRefusal):
             self.workers_refused.labels(reason=refusal)
         self.workers_joined = Counter("pdserve_router_workers_joined", "Workers added at runtime", registry=r)
-        self.workers_left = Counter("pdserve_router_workers_left", "Workers drained and forgotten at runtime",
-                                    registry=r)
+        self.workers_left = Counter(
+            "pdserve_router_workers_left", "Workers drained and forgotten at runtime", registry=r
+        )
 
     def watch_admission(self, admission: Admission) -> None:
-        Gauge("pdserve_router_waiting_requests", "Requests waiting for a free slot",
-              registry=self.registry).set_function(lambda: admission.waiting)
+        Gauge(
+            "pdserve_router_waiting_requests", "Requests waiting for a free slot", registry=self.registry
+        ).set_function(lambda: admission.waiting)
 
 
 class _Workers:
@@ -103,13 +183,17 @@ class _Workers:
         self._workers = workers
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        healthy = GaugeMetricFamily("pdserve_router_worker_healthy", "1 when the worker is in rotation",
-                                    labels=["worker", "role"])
-        inflight = GaugeMetricFamily("pdserve_router_worker_inflight", "Requests this router has on the worker",
-                                     labels=["worker", "role"])
-        draining = GaugeMetricFamily("pdserve_router_worker_draining",
-                                     "1 when the worker is draining (admin, its own report, or leaving)",
-                                     labels=["worker", "role"])
+        healthy = GaugeMetricFamily(
+            "pdserve_router_worker_healthy", "1 when the worker is in rotation", labels=["worker", "role"]
+        )
+        inflight = GaugeMetricFamily(
+            "pdserve_router_worker_inflight", "Requests this router has on the worker", labels=["worker", "role"]
+        )
+        draining = GaugeMetricFamily(
+            "pdserve_router_worker_draining",
+            "1 when the worker is draining (admin, its own report, or leaving)",
+            labels=["worker", "role"],
+        )
         for w in list(self._workers.workers):
             labels = [w.name, w.role]
             healthy.add_metric(labels, 1.0 if w.healthy else 0.0)

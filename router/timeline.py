@@ -22,9 +22,16 @@ if TYPE_CHECKING:
 
 
 class RequestTimeline:
-    def __init__(self, metrics: RouterMetrics, tracing: Tracing, log: TimelineLog, request_id: str,
-                 client_traceparent: str | None = None, access: AccessLog | None = None,
-                 endpoint: str = "") -> None:
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        tracing: Tracing,
+        log: TimelineLog,
+        request_id: str,
+        client_traceparent: str | None = None,
+        access: AccessLog | None = None,
+        endpoint: str = "",
+    ) -> None:
         self._metrics = metrics
         self._access, self._endpoint = access, endpoint
         self._prompt_tokens = 0
@@ -37,8 +44,9 @@ class RequestTimeline:
         self._last: float | None = None
         self._outcome: str | None = None
         self._closed = False
-        self._span = tracing.start("pdserve.request", tracing.parent(client_traceparent), self.arrived,
-                                   pdserve__request_id=request_id)
+        self._span = tracing.start(
+            "pdserve.request", tracing.parent(client_traceparent), self.arrived, pdserve__request_id=request_id
+        )
 
     @property
     def traceparent(self) -> str | None:
@@ -53,8 +61,9 @@ class RequestTimeline:
         self._metrics.prompt_tokens_per_request.observe(num_prompt_tokens)
         if local_prefill:
             self._metrics.local_prefills.inc()
-        self._tracing.record("router.admission", self._span, self.arrived, self._opened,
-                             pdserve__local_prefill=local_prefill)
+        self._tracing.record(
+            "router.admission", self._span, self.arrived, self._opened, pdserve__local_prefill=local_prefill
+        )
 
     def tokens(self, n: int) -> None:
         if not n:
@@ -89,18 +98,29 @@ class RequestTimeline:
         self._closed = True
         if self._access is not None:
             prefill = None if session is None else "local" if session.prefill is None else session.prefill.name
-            self._access.served(self._request_id, self._endpoint, self._outcome or "cancelled", self._prompt_tokens,
-                                num_tokens, None if self._first is None else self._first - self.arrived,
-                                time.monotonic() - self.arrived, prefill,
-                                session.decode.name if session is not None else None)
-        self._log.add(self._request_id, arrived=self.arrived, opened=self._opened, first_token=self._first,
-                      last_token=self._last)
+            self._access.served(
+                self._request_id,
+                self._endpoint,
+                self._outcome or "cancelled",
+                self._prompt_tokens,
+                num_tokens,
+                None if self._first is None else self._first - self.arrived,
+                time.monotonic() - self.arrived,
+                prefill,
+                session.decode.name if session is not None else None,
+            )
+        self._log.add(
+            self._request_id, arrived=self.arrived, opened=self._opened, first_token=self._first, last_token=self._last
+        )
         if self._first is not None and self._last is not None:
             self._tracing.record("router.stream", self._span, self._first, self._last, pdserve__tokens=num_tokens)
         attributes: dict[str, Any] = {}  # the span's
         if session is not None:
-            attributes = {"pdserve__decode": session.decode.name,
-                          "pdserve__prefill": session.prefill.name if session.prefill else None,
-                          "pdserve__attempts": session.attempt_id}
-        self._tracing.end(self._span, outcome=self._outcome or "cancelled", pdserve__generated_tokens=num_tokens,
-                          **attributes)
+            attributes = {
+                "pdserve__decode": session.decode.name,
+                "pdserve__prefill": session.prefill.name if session.prefill else None,
+                "pdserve__attempts": session.attempt_id,
+            }
+        self._tracing.end(
+            self._span, outcome=self._outcome or "cancelled", pdserve__generated_tokens=num_tokens, **attributes
+        )

@@ -24,9 +24,10 @@ async def _on_validation_error(request: Request, exc: RequestValidationError) ->
     """422 naming each bad field; never the values (a NaN would not even serialise)."""
     fields = [{"loc": [str(p) for p in e.get("loc", ())], "msg": str(e.get("msg", ""))} for e in exc.errors()]
     first = fields[0] if fields else {"loc": [], "msg": "invalid request"}
-    return JSONResponse({"error": f"{'.'.join(first['loc'])}: {first['msg']}", "code": "bad_request",
-                         "fields": fields[:20]}, status_code=422)
-
+    return JSONResponse(
+        {"error": f"{'.'.join(first['loc'])}: {first['msg']}", "code": "bad_request", "fields": fields[:20]},
+        status_code=422,
+    )
 
 
 def service_app(service, title: str) -> FastAPI:
@@ -46,8 +47,11 @@ def service_app(service, title: str) -> FastAPI:
         interval = service.settings.log_stats_interval_s
         if interval > 0:
             name = service.settings.name
-            tasks.append(asyncio.ensure_future(log_stats(lambda: server_snapshot(service),
-                                                         lambda a, b: server_line(name, a, b), interval)))
+            tasks.append(
+                asyncio.ensure_future(
+                    log_stats(lambda: server_snapshot(service), lambda a, b: server_line(name, a, b), interval)
+                )
+            )
         try:
             yield
         finally:
@@ -69,6 +73,7 @@ def service_app(service, title: str) -> FastAPI:
 def _add_common_routes(app: FastAPI, service) -> None:
     """/abort, /health, /metrics, /kv/events, /kv/blocks (and /admin/faults when enabled): the same on
     both servers."""
+
     @app.post("/abort")
     async def abort(req: AbortRequest) -> JSONResponse:
         return JSONResponse({"request_id": req.request_id, "aborted": await service.abort(req.request_id)})
@@ -87,24 +92,40 @@ def _add_common_routes(app: FastAPI, service) -> None:
     @app.get("/debug/timeline")
     async def timeline() -> JSONResponse:
         """Stage timestamps of the last requests (server_common/timeline_log.py)."""
-        return JSONResponse({"instance": service.settings.name, "role": service.settings.role,
-                             "requests": service.timeline.entries()})
+        return JSONResponse(
+            {"instance": service.settings.name, "role": service.settings.role, "requests": service.timeline.entries()}
+        )
 
     @app.get("/kv/events")
     async def kv_events(after: int = 0) -> JSONResponse:
         """Block hashes stored and evicted after seq ``after`` (for the router's cache index)."""
         page, engine = service.kv_events.since(after), service.settings.engine
-        return JSONResponse(KvEventsReply(epoch=page.epoch, oldest=page.oldest, last=page.last, events=page.events,
-                                          block_size=engine.block_size, salt=engine.cache_salt,
-                                          enabled=engine.prefix_caching).model_dump(mode="json"))
+        return JSONResponse(
+            KvEventsReply(
+                epoch=page.epoch,
+                oldest=page.oldest,
+                last=page.last,
+                events=page.events,
+                block_size=engine.block_size,
+                salt=engine.cache_salt,
+                enabled=engine.prefix_caching,
+            ).model_dump(mode="json")
+        )
 
     @app.get("/kv/blocks")
     async def kv_blocks() -> JSONResponse:
         """Every block hash held now: what a reader that lost events starts again from."""
         snap, engine = service.kv_events.snapshot(), service.settings.engine
-        return JSONResponse(KvBlocksReply(epoch=snap.epoch, seq=snap.seq, hashes=snap.hashes,
-                                          block_size=engine.block_size, salt=engine.cache_salt,
-                                          enabled=engine.prefix_caching).model_dump(mode="json"))
+        return JSONResponse(
+            KvBlocksReply(
+                epoch=snap.epoch,
+                seq=snap.seq,
+                hashes=snap.hashes,
+                block_size=engine.block_size,
+                salt=engine.cache_salt,
+                enabled=engine.prefix_caching,
+            ).model_dump(mode="json")
+        )
 
     if service.faults is not None:  # config fault_injection: true (tests only)
         add_fault_routes(app, service.faults)

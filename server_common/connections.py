@@ -50,10 +50,14 @@ FD_HEADROOM = 256  # descriptors kept for everything but client connections (mod
 def _refusal(message: str) -> bytes:
     """What a connection over a cap gets before it is closed: in OpenAI's error shape, which the
     servers' ErrorReply readers take as well."""
-    body = (b'{"error":{"message":"' + message.encode() + b'","type":"server_error","param":null,'
-            b'"code":"too_many_connections"}}')
-    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-            b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    body = (
+        b'{"error":{"message":"' + message.encode() + b'","type":"server_error","param":null,'
+        b'"code":"too_many_connections"}}'
+    )
+    return (
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
+        b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
 
 
 TOO_MANY = _refusal("too many open connections from this address; close some and retry")
@@ -89,9 +93,17 @@ class ConnectionGuard:
     """Owns the connection counts and the refusal counters (event loop only). ``trusted``: addresses
     (or host names, resolved now) that may use the ``reserved`` connections; loopback always may."""
 
-    def __init__(self, header_timeout_s: float, body_timeout_s: float, max_per_client: int,
-                 max_connections: int = 8192, reserved: int = 64, trusted: Iterable[str] = (),
-                 metric: str = "pdserve_router_connections_refused", who: str = "the router") -> None:
+    def __init__(
+        self,
+        header_timeout_s: float,
+        body_timeout_s: float,
+        max_per_client: int,
+        max_connections: int = 8192,
+        reserved: int = 64,
+        trusted: Iterable[str] = (),
+        metric: str = "pdserve_router_connections_refused",
+        who: str = "the router",
+    ) -> None:
         self.header_timeout_s = header_timeout_s
         self.body_timeout_s = body_timeout_s
         self.max_per_client = max_per_client
@@ -125,8 +137,9 @@ class ConnectionGuard:
             self.open.pop(client, None)
 
     def collect(self):
-        family = CounterMetricFamily(self.metric, f"Client connections closed by {self.who}'s limits",
-                                     labels=["reason"])
+        family = CounterMetricFamily(
+            self.metric, f"Client connections closed by {self.who}'s limits", labels=["reason"]
+        )
         for reason in REASONS:
             family.add_metric([reason], self.refused[reason])
         yield family
@@ -138,10 +151,16 @@ class ConnectionGuard:
 
 def server_guard(settings) -> ConnectionGuard:
     """A prefill or decode server's guard, from its ``ServerSettings``."""
-    return ConnectionGuard(settings.header_timeout_s, settings.body_timeout_s, settings.max_connections_per_client,
-                           max_connections=settings.max_connections, reserved=settings.reserved_connections,
-                           trusted=settings.trusted_clients, metric="pdserve_connections_refused",
-                           who="the server")
+    return ConnectionGuard(
+        settings.header_timeout_s,
+        settings.body_timeout_s,
+        settings.max_connections_per_client,
+        max_connections=settings.max_connections,
+        reserved=settings.reserved_connections,
+        trusted=settings.trusted_clients,
+        metric="pdserve_connections_refused",
+        who="the server",
+    )
 
 
 class _GuardedH11(H11Protocol):

@@ -42,9 +42,15 @@ ENGINE_STACK_BYTES = 64 << 20
 
 
 class EngineThread:
-    def __init__(self, engine: LLMEngine, on_outputs: Callable[[LLMEngine, list[StepOutput]], None], name: str, *,
-                 between_steps: Callable[[LLMEngine], None] | None = None,
-                 layer_hook: LayerHook | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_outputs: Callable[[LLMEngine, list[StepOutput]], None],
+        name: str,
+        *,
+        between_steps: Callable[[LLMEngine], None] | None = None,
+        layer_hook: LayerHook | None = None,
+    ) -> None:
         self._engine = engine
         self._on_outputs = on_outputs
         self._between_steps = between_steps

@@ -60,8 +60,14 @@ class FaultInjector:
         self._release = threading.Event()
         self._held = 0
         self._stalled = False
-        self._injected = {"held": 0, "stalled": 0, "notices_dropped": 0, "notices_delayed": 0,
-                          "writes_corrupted": 0, "transport_broken": 0}
+        self._injected = {
+            "held": 0,
+            "stalled": 0,
+            "notices_dropped": 0,
+            "notices_delayed": 0,
+            "writes_corrupted": 0,
+            "transport_broken": 0,
+        }
 
     # ---- control (HTTP routes) ---------------------------------------------------
     def arm(self, plan: FaultPlan) -> None:
@@ -73,8 +79,9 @@ class FaultInjector:
     def release(self) -> None:
         """End holds, stalls and slow steps now; counted faults stay armed."""
         with self._lock:
-            self._plan = self._plan.model_copy(update={"hold_prefill": False, "stall_after_layer": None,
-                                                       "step_delay_s": 0.0})
+            self._plan = self._plan.model_copy(
+                update={"hold_prefill": False, "stall_after_layer": None, "step_delay_s": 0.0}
+            )
             self._release.set()
 
     def status(self) -> FaultStatus:
@@ -90,8 +97,12 @@ class FaultInjector:
             if left <= 0:
                 return False
             self._plan = self._plan.model_copy(update={counter: left - 1})
-            done = {"drop_notices": "notices_dropped", "delay_notices": "notices_delayed",
-                    "corrupt_writes": "writes_corrupted", "break_transport": "transport_broken"}[counter]
+            done = {
+                "drop_notices": "notices_dropped",
+                "delay_notices": "notices_delayed",
+                "corrupt_writes": "writes_corrupted",
+                "break_transport": "transport_broken",
+            }[counter]
             self._injected[done] += 1
             return True
 

@@ -56,11 +56,20 @@ class InternalAuthMiddleware:
         if token_matches(token, [self._secret]):
             await self.app(scope, receive, send)
             return
-        body = ErrorReply(error="missing or wrong internal secret",
-                          code=Outcome.UNAUTHORIZED).model_dump_json().encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+        body = (
+            ErrorReply(error="missing or wrong internal secret", code=Outcome.UNAUTHORIZED).model_dump_json().encode()
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 401,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -76,7 +85,8 @@ class BodyCapMiddleware:
         self.app = app
         self.max_bytes = max_bytes
         self._refusal_body = refusal_body or (
-            lambda message: ErrorReply(error=message, code=Outcome.TOO_LARGE).model_dump_json().encode())
+            lambda message: ErrorReply(error=message, code=Outcome.TOO_LARGE).model_dump_json().encode()
+        )
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -110,9 +120,17 @@ class BodyCapMiddleware:
 
     async def _refuse(self, send) -> None:
         body = self._refusal_body(f"request body is larger than {self.max_bytes} bytes")
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 

@@ -34,9 +34,15 @@ def _layout(engine: LLMEngine):
     from transfer.layout import KVLayout
 
     c = engine.cache
-    return KVLayout.for_engine_cache(num_layers=c.num_layers, num_blocks=c.num_blocks, block_size=c.block_size,
-                                     num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, dtype=c.dtype,
-                                     order=c.order)
+    return KVLayout.for_engine_cache(
+        num_layers=c.num_layers,
+        num_blocks=c.num_blocks,
+        block_size=c.block_size,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=c.dtype,
+        order=c.order,
+    )
 
 
 def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | None):
@@ -45,8 +51,13 @@ def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | Non
     kind = settings.transfer_backend
     if kind == "zmq":
         endpoint = f"tcp://{settings.listen_host}:{settings.kv_port}" if listen else None
-        backend = make_backend("zmq", settings.name, endpoint=endpoint, connect_timeout_s=settings.transfer_timeout_s,
-                               advertise_host=settings.host if listen else None)
+        backend = make_backend(
+            "zmq",
+            settings.name,
+            endpoint=endpoint,
+            connect_timeout_s=settings.transfer_timeout_s,
+            advertise_host=settings.host if listen else None,
+        )
     else:
         backend = make_backend(kind, settings.name)
     if faults is None:
@@ -94,8 +105,9 @@ class DecodePeers:
         if url is None:
             raise UnknownPeer(f"decode server {str(peer)[:64]!r} is not one of this cluster's")
         hello = base64.b64encode(self._sender.hello()).decode()
-        async with httpx.AsyncClient(timeout=self._settings.transfer_timeout_s,
-                                     headers=auth_headers(self._settings.internal_secret)) as client:
+        async with httpx.AsyncClient(
+            timeout=self._settings.transfer_timeout_s, headers=auth_headers(self._settings.internal_secret)
+        ) as client:
             resp = await client.post(f"{url}/kv/hello", json={"hello": hello})
         if resp.status_code != 200:
             raise RuntimeError(f"decode server {peer} refused the handshake (HTTP {resp.status_code})")
@@ -123,19 +135,33 @@ class DecodePeers:
         return dict(self._known)
 
 
-def receiver_factory(settings: ServerSettings, engine: LLMEngine,
-                     faults: FaultInjector | None = None) -> Callable[[Notify], KVReceiver]:
+def receiver_factory(
+    settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None
+) -> Callable[[Notify], KVReceiver]:
     """What a decode server calls with its engine thread's ``wake`` (``kv_port.ReceiverFactory``)."""
     from transfer.receiver import KVReceiver
 
-    return lambda notify: KVReceiver(_backend(settings, listen=True, faults=faults), engine.cache.kv, _layout(engine),
-                                     name=settings.name, model=engine.config.model, notify=notify)
+    return lambda notify: KVReceiver(
+        _backend(settings, listen=True, faults=faults),
+        engine.cache.kv,
+        _layout(engine),
+        name=settings.name,
+        model=engine.config.model,
+        notify=notify,
+    )
 
 
-def sender_factory(settings: ServerSettings, engine: LLMEngine,
-                   faults: FaultInjector | None = None) -> Callable[[Notify], KVSender]:
+def sender_factory(
+    settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None
+) -> Callable[[Notify], KVSender]:
     """What a prefill server calls with its engine thread's ``wake`` (``kv_port.SenderFactory``)."""
     from transfer.sender import KVSender
 
-    return lambda notify: KVSender(_backend(settings, listen=False, faults=faults), engine.cache.kv, _layout(engine),
-                                   name=settings.name, model=engine.config.model, notify=notify)
+    return lambda notify: KVSender(
+        _backend(settings, listen=False, faults=faults),
+        engine.cache.kv,
+        _layout(engine),
+        name=settings.name,
+        model=engine.config.model,
+        notify=notify,
+    )

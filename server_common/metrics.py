@@ -24,9 +24,15 @@ PEER_REFUSALS = ("bound_to_live_instance", "configured_peer")
 BYTES_BUCKETS = tuple(float(1 << k) for k in range(12, 34, 2))  # 4 KiB .. 8 GiB
 GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 AGE_BUCKETS = ((1.0, "lt_1s"), (10.0, "1s_10s"), (60.0, "10s_60s"), (float("inf"), "ge_60s"))
-DISCARDED = (("dropped_expired", "expired"), ("dropped_unknown", "unknown"), ("dropped_out_of_bounds", "out_of_bounds"),
-             ("dropped_malformed", "malformed"), ("dropped_oversized", "oversized"),
-             ("dropped_unbound_identity", "unbound_identity"), ("contained_errors", "error"))
+DISCARDED = (
+    ("dropped_expired", "expired"),
+    ("dropped_unknown", "unknown"),
+    ("dropped_out_of_bounds", "out_of_bounds"),
+    ("dropped_malformed", "malformed"),
+    ("dropped_oversized", "oversized"),
+    ("dropped_unbound_identity", "unbound_identity"),
+    ("contained_errors", "error"),
+)
 
 
 class ServerMetrics:
@@ -37,57 +43,93 @@ class ServerMetrics:
         blocks.labels(state="free").set_function(lambda: sched().free)
         blocks.labels(state="reserved").set_function(lambda: sched().reserved)
         blocks.labels(state="running").set_function(lambda: sched().running)
-        Gauge("pdserve_kv_blocks_cached", "Prefix-cached blocks with no owner (counted as free: evicted when needed)",
-              registry=r).set_function(lambda: sched().cached)
+        Gauge(
+            "pdserve_kv_blocks_cached",
+            "Prefix-cached blocks with no owner (counted as free: evicted when needed)",
+            registry=r,
+        ).set_function(lambda: sched().cached)
         Gauge("pdserve_waiting_requests", "Requests waiting to be scheduled", registry=r).set_function(
-            lambda: sched().queue_depth)
+            lambda: sched().queue_depth
+        )
         Gauge("pdserve_running_requests", "Requests being computed (prefill or decode)", registry=r).set_function(
-            lambda: sched().num_running)
-        Gauge("pdserve_kv_cache_usage_ratio", "Share of KV blocks held (reserved or running)",
-              registry=r).set_function(lambda: 1.0 - sched().free / max(1, sched().total))
+            lambda: sched().num_running
+        )
+        Gauge("pdserve_kv_cache_usage_ratio", "Share of KV blocks held (reserved or running)", registry=r).set_function(
+            lambda: 1.0 - sched().free / max(1, sched().total)
+        )
         Gauge("pdserve_queued_tokens", "Prompt tokens not computed yet", registry=r).set_function(
-            lambda: sched().queued_tokens)
+            lambda: sched().queued_tokens
+        )
         Gauge("pdserve_engine_requests", "Requests the engine holds", registry=r).set_function(
-            lambda: sched().num_requests)
+            lambda: sched().num_requests
+        )
         Gauge("pdserve_torch_threads", "torch CPU threads", registry=r).set_function(torch.get_num_threads)
         r.register(_BlockAges(stats))
         r.register(_EngineSteps(stats))
         # How each request ended here, as an outcome code (transfer.outcome.Outcome: ok, no_room, aborted, ...);
         # the way a decode server computed its prompt is pdserve_request_paths.
-        self.requests = Counter("pdserve_requests", "Requests by how they ended here (an outcome code)", ["outcome"],
-                                registry=r)
-        self.paths = Counter("pdserve_request_paths", "Requests a decode server took, by how their prompt was "
-                             "computed: remote_kv (blocks reserved for a prefill server) or local_prefill", ["path"],
-                             registry=r)
+        self.requests = Counter(
+            "pdserve_requests", "Requests by how they ended here (an outcome code)", ["outcome"], registry=r
+        )
+        self.paths = Counter(
+            "pdserve_request_paths",
+            "Requests a decode server took, by how their prompt was "
+            "computed: remote_kv (blocks reserved for a prefill server) or local_prefill",
+            ["path"],
+            registry=r,
+        )
         self.tokens = Counter("pdserve_generated_tokens", "Tokens produced", registry=r)
         self.transfer_bytes = Counter("pdserve_transfer_bytes", "KV bytes transferred", registry=r)
-        self.transfer_seconds = Histogram("pdserve_transfer_seconds", "Time to transfer one request's KV",
-                                          buckets=TRANSFER_BUCKETS, registry=r)
-        self.transfer_request_bytes = Histogram("pdserve_transfer_request_bytes", "KV bytes of one request",
-                                                buckets=BYTES_BUCKETS, registry=r)
-        self.transfer_gbps = Histogram("pdserve_transfer_gigabytes_per_second",
-                                       "One request's KV bytes over its transfer time", buckets=GBPS_BUCKETS,
-                                       registry=r)
-        self.kv_wait_seconds = Histogram("pdserve_kv_wait_seconds",
-                                         "Decode server: reservation made to its KV verified", buckets=STAGE_BUCKETS,
-                                         registry=r)
-        self.prefill_queue_seconds = Histogram("pdserve_prefill_queue_seconds",
-                                               "Prefill server: request received to its first chunk computed",
-                                               buckets=STAGE_BUCKETS, registry=r)
-        self.prefill_compute_seconds = Histogram("pdserve_prefill_compute_seconds",
-                                                 "Prefill server: first chunk to first token sampled",
-                                                 buckets=STAGE_BUCKETS, registry=r)
+        self.transfer_seconds = Histogram(
+            "pdserve_transfer_seconds", "Time to transfer one request's KV", buckets=TRANSFER_BUCKETS, registry=r
+        )
+        self.transfer_request_bytes = Histogram(
+            "pdserve_transfer_request_bytes", "KV bytes of one request", buckets=BYTES_BUCKETS, registry=r
+        )
+        self.transfer_gbps = Histogram(
+            "pdserve_transfer_gigabytes_per_second",
+            "One request's KV bytes over its transfer time",
+            buckets=GBPS_BUCKETS,
+            registry=r,
+        )
+        self.kv_wait_seconds = Histogram(
+            "pdserve_kv_wait_seconds",
+            "Decode server: reservation made to its KV verified",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.prefill_queue_seconds = Histogram(
+            "pdserve_prefill_queue_seconds",
+            "Prefill server: request received to its first chunk computed",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.prefill_compute_seconds = Histogram(
+            "pdserve_prefill_compute_seconds",
+            "Prefill server: first chunk to first token sampled",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
         self.transfer_exposed_seconds = Histogram(
             "pdserve_transfer_exposed_seconds",
             "Prefill end (last layer computed, first token sampled) to the decode server's ack: "
-            "the part of a KV transfer not hidden behind compute", buckets=TRANSFER_BUCKETS, registry=r)
-        self.transfer_failures = Counter("pdserve_transfer_failures", "KV transfers that failed, by outcome code",
-                                         ["outcome"], registry=r)
-        self.reprefills = Counter("pdserve_reprefills", "Requests prefilled locally after their remote KV failed",
-                                  ["outcome"], registry=r)
+            "the part of a KV transfer not hidden behind compute",
+            buckets=TRANSFER_BUCKETS,
+            registry=r,
+        )
+        self.transfer_failures = Counter(
+            "pdserve_transfer_failures", "KV transfers that failed, by outcome code", ["outcome"], registry=r
+        )
+        self.reprefills = Counter(
+            "pdserve_reprefills", "Requests prefilled locally after their remote KV failed", ["outcome"], registry=r
+        )
         self.peer_refusals = Counter(
-            "pdserve_peer_refusals", "Peer bindings refused: a hello under a name bound to another live instance, "
-            "or a configured decode server re-pointed", ["reason"], registry=r)
+            "pdserve_peer_refusals",
+            "Peer bindings refused: a hello under a name bound to another live instance, "
+            "or a configured decode server re-pointed",
+            ["reason"],
+            registry=r,
+        )
         # Every known label value exported at 0 from the start, so rate() and absent() alerts work before
         # the first failure (prometheus-client's advice for labelled metrics).
         for code in Outcome:
@@ -112,10 +154,12 @@ class _BlockAges:
 
     def collect(self):
         now = time.monotonic()
-        by_age = GaugeMetricFamily("pdserve_kv_blocks_by_age", "Held KV blocks by state and age of their request",
-                                   labels=["state", "age"])
-        oldest = GaugeMetricFamily("pdserve_kv_oldest_block_seconds", "Age of the oldest request holding blocks",
-                                   labels=["state"])
+        by_age = GaugeMetricFamily(
+            "pdserve_kv_blocks_by_age", "Held KV blocks by state and age of their request", labels=["state", "age"]
+        )
+        oldest = GaugeMetricFamily(
+            "pdserve_kv_oldest_block_seconds", "Age of the oldest request holding blocks", labels=["state"]
+        )
         for state in ("reserved", "running"):
             ages = [(now - arrival, n) for s, arrival, n in self._stats().scheduler.holders if s == state]
             low = 0.0
@@ -136,10 +180,12 @@ class _EngineSteps:
 
     def collect(self):
         c = self._stats().counters
-        steps = CounterMetricFamily("pdserve_engine_steps", "Engine steps by kind (prefill, decode, mixed)",
-                                    labels=["kind"])
-        seconds = CounterMetricFamily("pdserve_engine_step_seconds", "Seconds spent in engine steps by kind",
-                                      labels=["kind"])
+        steps = CounterMetricFamily(
+            "pdserve_engine_steps", "Engine steps by kind (prefill, decode, mixed)", labels=["kind"]
+        )
+        seconds = CounterMetricFamily(
+            "pdserve_engine_step_seconds", "Seconds spent in engine steps by kind", labels=["kind"]
+        )
         for kind, n in c.steps.items():
             steps.add_metric([kind], n)
             seconds.add_metric([kind], c.step_seconds[kind])
@@ -149,13 +195,19 @@ class _EngineSteps:
         yield steps
         yield seconds
         yield tokens
-        yield CounterMetricFamily("pdserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache",
-                                  value=c.prefix_queries_tokens)
-        yield CounterMetricFamily("pdserve_prefix_cache_hits_tokens",
-                                  "Prompt tokens found in the prefix cache (K/V reused, not computed)",
-                                  value=c.prefix_hits_tokens)
-        yield CounterMetricFamily("pdserve_preemptions", "Running requests preempted (freed, recomputed later)",
-                                  value=c.preemptions)
+        yield CounterMetricFamily(
+            "pdserve_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            value=c.prefix_queries_tokens,
+        )
+        yield CounterMetricFamily(
+            "pdserve_prefix_cache_hits_tokens",
+            "Prompt tokens found in the prefix cache (K/V reused, not computed)",
+            value=c.prefix_hits_tokens,
+        )
+        yield CounterMetricFamily(
+            "pdserve_preemptions", "Running requests preempted (freed, recomputed later)", value=c.preemptions
+        )
 
 
 class _Discarded:
@@ -164,8 +216,11 @@ class _Discarded:
 
     def collect(self):
         counts = self._counters()
-        family = CounterMetricFamily("pdserve_transfers_discarded",
-                                     "KV writes and notices dropped by transfer id, never applied", labels=["reason"])
+        family = CounterMetricFamily(
+            "pdserve_transfers_discarded",
+            "KV writes and notices dropped by transfer id, never applied",
+            labels=["reason"],
+        )
         for key, reason in DISCARDED:
             family.add_metric([reason], counts.get(key, 0))
         yield family

@@ -66,13 +66,29 @@ class DrainingServer(uvicorn.Server):
         super().handle_exit(sig, None)
 
 
-def serve(app, host: str, port: int, log_level: str, drain: Drain | None = None,
-          drain_timeout_s: float = DRAIN_TIMEOUT_S, http: type | str = "auto", keep_alive_s: float = 5.0) -> None:
+def serve(
+    app,
+    host: str,
+    port: int,
+    log_level: str,
+    drain: Drain | None = None,
+    drain_timeout_s: float = DRAIN_TIMEOUT_S,
+    http: type | str = "auto",
+    keep_alive_s: float = 5.0,
+) -> None:
     """Run ``app`` until a signal; with ``drain``, SIGTERM drains first (see ``DrainingServer``).
     ``http``: uvicorn's protocol (a ``server_common.connections`` guard's, on every server);
     ``keep_alive_s``: how long an idle kept-alive connection stays open."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
-                            timeout_graceful_shutdown=3, http=http, timeout_keep_alive=keep_alive_s)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=log_level == "debug",
+        timeout_graceful_shutdown=3,
+        http=http,
+        timeout_keep_alive=keep_alive_s,
+    )
     server = DrainingServer(config, drain, drain_timeout_s) if drain is not None else uvicorn.Server(config)
     try:
         server.run()

@@ -49,9 +49,11 @@ def server_line(name: str, before: ServerSnapshot, now: ServerSnapshot) -> str |
     queried = now.prefix_queried - before.prefix_queried
     hits = f"{100 * (now.prefix_hits - before.prefix_hits) / queried:.0f}%" if queried else "-"
     usage = 100 * now.blocks_held / max(now.blocks_total, 1)
-    return (f"stats {name}: running {now.running}, waiting {now.waiting}; KV {usage:.1f}% used; "
-            f"prompt {prompt / seconds:.1f} tok/s, generation {decode / seconds:.1f} tok/s; prefix-cache hits {hits}; "
-            f"transfers {transfers / seconds:.1f}/s; preemptions {now.preemptions - before.preemptions}")
+    return (
+        f"stats {name}: running {now.running}, waiting {now.waiting}; KV {usage:.1f}% used; "
+        f"prompt {prompt / seconds:.1f} tok/s, generation {decode / seconds:.1f} tok/s; prefix-cache hits {hits}; "
+        f"transfers {transfers / seconds:.1f}/s; preemptions {now.preemptions - before.preemptions}"
+    )
 
 
 @dataclass(frozen=True)
@@ -71,14 +73,17 @@ def router_line(before: RouterSnapshot, now: RouterSnapshot) -> str | None:
     requests = now.requests - before.requests
     if not (requests or now.open_streams or now.queued):
         return None
-    return (f"stats router: requests {requests / seconds:.1f}/s, streams open {now.open_streams}, queued "
-            f"{now.queued}; prompt {(now.prompt_tokens - before.prompt_tokens) / seconds:.1f} tok/s, generation "
-            f"{(now.completion_tokens - before.completion_tokens) / seconds:.1f} tok/s; workers in rotation "
-            f"{now.in_rotation}/{now.workers}")
+    return (
+        f"stats router: requests {requests / seconds:.1f}/s, streams open {now.open_streams}, queued "
+        f"{now.queued}; prompt {(now.prompt_tokens - before.prompt_tokens) / seconds:.1f} tok/s, generation "
+        f"{(now.completion_tokens - before.completion_tokens) / seconds:.1f} tok/s; workers in rotation "
+        f"{now.in_rotation}/{now.workers}"
+    )
 
 
-async def log_stats(snapshot: Callable[[], object], line: Callable[[object, object], str | None],
-                    interval_s: float) -> None:
+async def log_stats(
+    snapshot: Callable[[], object], line: Callable[[object, object], str | None], interval_s: float
+) -> None:
     """Every ``interval_s``: the line between the last snapshot and now, when there is one (runs until cancelled)."""
     before = snapshot()
     while True:
@@ -95,6 +100,16 @@ def server_snapshot(service) -> ServerSnapshot:
     stats = service.engine_thread.stats
     s, c = stats.scheduler, stats.counters
     transfers = service.metrics.registry.get_sample_value("pdserve_transfer_seconds_count") or 0
-    return ServerSnapshot(time.monotonic(), s.num_running, s.queue_depth, s.reserved + s.running, s.total,
-                          c.prompt_tokens, c.decode_tokens, c.prefix_queries_tokens, c.prefix_hits_tokens,
-                          int(transfers), c.preemptions)
+    return ServerSnapshot(
+        time.monotonic(),
+        s.num_running,
+        s.queue_depth,
+        s.reserved + s.running,
+        s.total,
+        c.prompt_tokens,
+        c.decode_tokens,
+        c.prefix_queries_tokens,
+        c.prefix_hits_tokens,
+        int(transfers),
+        c.preemptions,
+    )

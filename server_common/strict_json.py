@@ -80,9 +80,16 @@ class StrictJSONRequest(Request):
             self._json = doc
             return
         path, found = _first_bad(doc)
-        raise RequestValidationError([{"type": "finite_number", "loc": ("body", *path),
-                                       "msg": f"{found.text} is not a finite number",
-                                       "input": found.text}])
+        raise RequestValidationError(
+            [
+                {
+                    "type": "finite_number",
+                    "loc": ("body", *path),
+                    "msg": f"{found.text} is not a finite number",
+                    "input": found.text,
+                }
+            ]
+        )
 
 
 class StrictJSONRoute(APIRoute):

@@ -64,16 +64,21 @@ class Tracing:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
-        self._provider = TracerProvider(resource=Resource.create({"service.name": service_name}),
-                                        sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)))
+        self._provider = TracerProvider(
+            resource=Resource.create({"service.name": service_name}),
+            sampler=ParentBased(TraceIdRatioBased(settings.sample_ratio)),
+        )
         if exporter is not None:
             self._provider.add_span_processor(SimpleSpanProcessor(exporter))
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            self._provider.add_span_processor(BatchSpanProcessor(
-                OTLPSpanExporter(endpoint=settings.endpoint),
-                schedule_delay_millis=int(settings.export_delay_s * 1000)))
+            self._provider.add_span_processor(
+                BatchSpanProcessor(
+                    OTLPSpanExporter(endpoint=settings.endpoint),
+                    schedule_delay_millis=int(settings.export_delay_s * 1000),
+                )
+            )
         self._tracer = self._provider.get_tracer("pdserve")
 
     # ---- contexts --------------------------------------------------------------
@@ -101,8 +106,12 @@ class Tracing:
         """A live span (end it with ``end``); ``parent``: a context or a span; ``start``: monotonic s."""
         if not self.enabled:
             return None
-        return self._tracer.start_span(name, context=self._context(parent), attributes=_clean(attributes),
-                                       start_time=None if start is None else self._wall_ns(start))
+        return self._tracer.start_span(
+            name,
+            context=self._context(parent),
+            attributes=_clean(attributes),
+            start_time=None if start is None else self._wall_ns(start),
+        )
 
     def end(self, span, end: float | None = None, outcome: str | None = None, **attributes) -> None:
         """End ``span`` (``end``: monotonic s); an outcome other than ok marks it failed."""

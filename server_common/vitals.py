@@ -55,8 +55,9 @@ class Vitals:
         while True:
             death = self.death()
             if death is not None:
-                log.critical("%s; exiting with status %d so that the supervisor restarts this server",
-                             death, EXIT_THREAD_DIED)
+                log.critical(
+                    "%s; exiting with status %d so that the supervisor restarts this server", death, EXIT_THREAD_DIED
+                )
                 for stream in (sys.stdout, sys.stderr):
                     stream.flush()
                 exit_process(EXIT_THREAD_DIED)

@@ -116,10 +116,13 @@ def prompt_token_logprobs(logprobs) -> list[TokenLogprob | None] | None:
 
 def tokens_event(out) -> TokensEvent:
     """An ``engine.request.StepOutput`` of a decode or colocated server as its stream event."""
-    return TokensEvent(index=out.index, token_ids=out.new_token_ids,
-                       finish_reason=out.finish_reason if out.finished else None,
-                       logprobs=token_logprobs(out.logprobs),
-                       prompt_logprobs=prompt_token_logprobs(out.prompt_logprobs))
+    return TokensEvent(
+        index=out.index,
+        token_ids=out.new_token_ids,
+        finish_reason=out.finish_reason if out.finished else None,
+        logprobs=token_logprobs(out.logprobs),
+        prompt_logprobs=prompt_token_logprobs(out.prompt_logprobs),
+    )
 
 
 class ErrorEvent(Reply):
@@ -143,8 +146,9 @@ class AliveEvent(Reply):
     type: Literal["alive"] = "alive"
 
 
-DecodeEvent = Annotated[ReservationEvent | TokensEvent | ErrorEvent | ReprefillEvent | AliveEvent,
-                        Field(discriminator="type")]
+DecodeEvent = Annotated[
+    ReservationEvent | TokensEvent | ErrorEvent | ReprefillEvent | AliveEvent, Field(discriminator="type")
+]
 DECODE_EVENT = TypeAdapter(DecodeEvent)
 
 

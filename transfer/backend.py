@@ -106,8 +106,16 @@ class Backend(abc.ABC):
         descriptor lists; others ignore it)."""
 
     @abc.abstractmethod
-    def write(self, peer: str, transfer_id: str, layer: int, region: str,
-              src_offsets: np.ndarray, dst_offsets: np.ndarray, lengths: np.ndarray) -> Any:
+    def write(
+        self,
+        peer: str,
+        transfer_id: str,
+        layer: int,
+        region: str,
+        src_offsets: np.ndarray,
+        dst_offsets: np.ndarray,
+        lengths: np.ndarray,
+    ) -> Any:
         """Start writing ranges of a local region into the peer's "kv" region;
         returns a handle for ``write_done``. Raises TransferError."""
 

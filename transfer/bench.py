@@ -51,28 +51,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--scatter", action="store_true",
-                        help="decode blocks in random order (no contiguous runs to merge)")
-    parser.add_argument("--endpoint", default=None,
-                        help="zmq receiver bind address (default: tcp://127.0.0.1:0, or port 0 on the --listen host)")
-    parser.add_argument("--ucx-tls", default="auto",
-                        help="UCX_TLS for nixl: auto (cma,tcp without CUDA on one host, tcp across hosts), "
-                             "a list, or '' for UCX's choice")
-    parser.add_argument("--ucx-net-devices", default=None,
-                        help="UCX_NET_DEVICES for nixl (default: lo on one host, across hosts the interface "
-                             "of the --listen address or the one that reaches the --peer)")
+    parser.add_argument(
+        "--scatter", action="store_true", help="decode blocks in random order (no contiguous runs to merge)"
+    )
+    parser.add_argument(
+        "--endpoint",
+        default=None,
+        help="zmq receiver bind address (default: tcp://127.0.0.1:0, or port 0 on the --listen host)",
+    )
+    parser.add_argument(
+        "--ucx-tls",
+        default="auto",
+        help="UCX_TLS for nixl: auto (cma,tcp without CUDA on one host, tcp across hosts), "
+        "a list, or '' for UCX's choice",
+    )
+    parser.add_argument(
+        "--ucx-net-devices",
+        default=None,
+        help="UCX_NET_DEVICES for nixl (default: lo on one host, across hosts the interface "
+        "of the --listen address or the one that reaches the --peer)",
+    )
     across = parser.add_mutually_exclusive_group()
-    across.add_argument("--listen", metavar="HOST:PORT",
-                        help="be the receiving host: wait for one `--peer` sender here, then exit")
-    across.add_argument("--peer", metavar="HOST:PORT",
-                        help="be the sending host: the receiver is a `--listen` on another host")
-    parser.add_argument("--peer-timeout", type=float, default=120.0,
-                        help="seconds to keep trying to reach the --peer receiver")
+    across.add_argument(
+        "--listen", metavar="HOST:PORT", help="be the receiving host: wait for one `--peer` sender here, then exit"
+    )
+    across.add_argument(
+        "--peer", metavar="HOST:PORT", help="be the sending host: the receiver is a `--listen` on another host"
+    )
+    parser.add_argument(
+        "--peer-timeout", type=float, default=120.0, help="seconds to keep trying to reach the --peer receiver"
+    )
 
 
 def _layout(args) -> KVLayout:
-    return KVLayout.for_engine_cache(num_layers=args.layers, num_blocks=args.blocks, block_size=args.block_size,
-                                     num_kv_heads=args.kv_heads, head_dim=args.head_dim, dtype=args.dtype)
+    return KVLayout.for_engine_cache(
+        num_layers=args.layers,
+        num_blocks=args.blocks,
+        block_size=args.block_size,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+    )
 
 
 def _own_address(args) -> str | None:
@@ -128,8 +147,7 @@ def _serve(conn, args) -> None:
     torch.set_num_threads(1)
     layout = _layout(args)
     cache = torch.ones(layout.shape, dtype=getattr(torch, layout.dtype))  # ones: pages touched
-    receiver = KVReceiver(_backend(args, "bench-decode", "recv"), cache, layout, name="bench-decode",
-                          model="bench")
+    receiver = KVReceiver(_backend(args, "bench-decode", "recv"), cache, layout, name="bench-decode", model="bench")
     receiver.start()
     conn.send_bytes(receiver.accept(conn.recv_bytes()))
     while True:
@@ -148,8 +166,9 @@ def _ask(conn, **cmd) -> dict:
     return json.loads(conn.recv_bytes())
 
 
-def _transfer(conn, sender: KVSender, ended: threading.Event, peer: str, layout: KVLayout, num_blocks: int,
-              scatter: bool = False) -> tuple[float, float]:
+def _transfer(
+    conn, sender: KVSender, ended: threading.Event, peer: str, layout: KVLayout, num_blocks: int, scatter: bool = False
+) -> tuple[float, float]:
     """One transfer of ``num_blocks`` blocks: (seconds to Ack, seconds in push_layer calls)."""
     blocks = list(range(num_blocks))
     dst_blocks = torch.randperm(num_blocks).tolist() if scatter else blocks
@@ -202,8 +221,9 @@ def run(args) -> int:
         proc.start()
     cache = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
     ended = threading.Event()
-    sender = KVSender(_backend(args, "bench-prefill", "send"), cache, layout, name="bench-prefill", model="bench",
-                      notify=ended.set)
+    sender = KVSender(
+        _backend(args, "bench-prefill", "send"), cache, layout, name="bench-prefill", model="bench", notify=ended.set
+    )
     sender.start()
     try:
         parent.send_bytes(sender.hello())
@@ -227,7 +247,10 @@ def run(args) -> int:
     gbps = nbytes / min(t for t, _ in runs) / 1e9
     memcpy = _memcpy_gbps(nbytes, args.iters)
     result = {
-        "backend": args.backend, "bytes": nbytes, "gbps": round(gbps, 3), "memcpy_gbps": round(memcpy, 3),
+        "backend": args.backend,
+        "bytes": nbytes,
+        "gbps": round(gbps, 3),
+        "memcpy_gbps": round(memcpy, 3),
         "ratio": round(gbps / memcpy, 3),
         "median_gbps": round(nbytes / statistics.median(t for t, _ in runs) / 1e9, 3),
         "one_block_ms": round(statistics.median(small) * 1e3, 3),

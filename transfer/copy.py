@@ -38,8 +38,9 @@ def _row_view(flat, g: int):
     return flat[:usable].reshape(-1, g)
 
 
-def gather(region: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray,
-           out: np.ndarray | torch.Tensor | None = None):
+def gather(
+    region: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, out: np.ndarray | torch.Tensor | None = None
+):
     """Concatenate the ranges of ``region`` (uint8 flat) into ``out``
     (allocated when None): numpy for CPU regions, torch on the device otherwise."""
     offsets = np.asarray(offsets, dtype=np.int64)
@@ -59,7 +60,7 @@ def gather(region: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray,
     if len(offsets) <= FEW_RANGES:
         pos = 0
         for off, n in zip(offsets.tolist(), lengths.tolist()):
-            out[pos:pos + n] = src[off:off + n]
+            out[pos : pos + n] = src[off : off + n]
             pos += n
     elif total:
         g, idx = _rows(offsets, lengths)
@@ -76,8 +77,11 @@ def scatter(region: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, data
     if total == 0:
         return
     if region.is_cuda:
-        payload = torch.as_tensor(np.frombuffer(data, dtype=np.uint8)[:total]) if not isinstance(
-            data, torch.Tensor) else data[:total]
+        payload = (
+            torch.as_tensor(np.frombuffer(data, dtype=np.uint8)[:total])
+            if not isinstance(data, torch.Tensor)
+            else data[:total]
+        )
         payload = payload.to(region.device, non_blocking=True)
         g, idx = _rows(offsets, lengths)
         rows = torch.from_numpy(idx).to(region.device)
@@ -90,7 +94,7 @@ def scatter(region: torch.Tensor, offsets: np.ndarray, lengths: np.ndarray, data
     if len(offsets) <= FEW_RANGES:
         pos = 0
         for off, n in zip(offsets.tolist(), lengths.tolist()):
-            dst[off:off + n] = src[pos:pos + n]
+            dst[off : off + n] = src[pos : pos + n]
             pos += n
         return
     g, idx = _rows(offsets, lengths)

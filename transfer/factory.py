@@ -22,12 +22,15 @@ def make_backend(kind: str, name: str, **options) -> Backend:
         except ImportError as exc:
             raise TransferError(
                 f"transfer backend 'nixl' needs the nixl package ({exc}); install nixl==1.5.1 "
-                f"or set the transfer backend to 'zmq'") from exc
+                f"or set the transfer backend to 'zmq'"
+            ) from exc
         return NixlBackend(name, **options)
     if kind == "zmq":
         from transfer.zmq_backend import ZmqBackend
+
         return ZmqBackend(name, **options)
     if kind == "inproc":
         from transfer.inproc import InprocBackend
+
         return InprocBackend(name, **options)
     raise ValueError(f"transfer backend {kind!r} is not one of {BACKENDS}")

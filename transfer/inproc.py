@@ -74,9 +74,16 @@ class InprocBackend(Backend):
         if peer not in self._peers:
             raise TransferError(f"not connected to {peer!r}")
         data = gather(self._regions[region], src_offsets, lengths)
-        self._hub.box(peer).put(WriteIn(self.name, transfer_id, layer,
-                                        np.array(dst_offsets, dtype=np.int64),
-                                        np.array(lengths, dtype=np.int64), data))
+        self._hub.box(peer).put(
+            WriteIn(
+                self.name,
+                transfer_id,
+                layer,
+                np.array(dst_offsets, dtype=np.int64),
+                np.array(lengths, dtype=np.int64),
+                data,
+            )
+        )
         return True
 
     def write_done(self, handle) -> bool:
@@ -104,4 +111,3 @@ class InprocBackend(Backend):
     def close(self) -> None:
         self._hub.close(self.name)
         self._peers.clear()
-

@@ -57,17 +57,25 @@ class IssuedTransfers:
         self._active: dict[str, Expected] = {}
         self._ended: OrderedDict[str, str] = OrderedDict()  # id -> how it ended
         self._remember = remember
-        self.counters = {"issued": 0, "completed": 0, "failed": 0, "dropped_unknown": 0,
-                         "dropped_expired": 0, "checksum_failures": 0}
+        self.counters = {
+            "issued": 0,
+            "completed": 0,
+            "failed": 0,
+            "dropped_unknown": 0,
+            "dropped_expired": 0,
+            "checksum_failures": 0,
+        }
 
-    def issue(self, block_ids, lease_s: float, num_senders: int = 1, now: float | None = None,
-              writable_from: int = 0) -> str:
+    def issue(
+        self, block_ids, lease_s: float, num_senders: int = 1, now: float | None = None, writable_from: int = 0
+    ) -> str:
         if lease_s <= 0 or num_senders < 1:
             raise ValueError(f"lease_s={lease_s} and num_senders={num_senders} must be positive")
         tid = f"{self._name}-{secrets.token_hex(8)}"
         now = time.monotonic() if now is None else now
-        self._active[tid] = Expected(tid, tuple(int(b) for b in block_ids), now + lease_s, num_senders,
-                                     writable_from=writable_from)
+        self._active[tid] = Expected(
+            tid, tuple(int(b) for b in block_ids), now + lease_s, num_senders, writable_from=writable_from
+        )
         self.counters["issued"] += 1
         return tid
 
@@ -98,8 +106,9 @@ class IssuedTransfers:
         return list(self._active.values())
 
 
-def checksum_positions(transfer_id: str, dst_block_size: int, start: int, end: int,
-                       mode: str, sample_blocks: int = 4) -> np.ndarray:
+def checksum_positions(
+    transfer_id: str, dst_block_size: int, start: int, end: int, mode: str, sample_blocks: int = 4
+) -> np.ndarray:
     """Token positions covered by the checksum, chosen in destination blocks
     (the same on both sides: only the id, the range and the block size)."""
     if mode not in CHECKSUM_MODES:
@@ -116,8 +125,9 @@ def checksum_positions(transfer_id: str, dst_block_size: int, start: int, end: i
     return pos[(pos >= start) & (pos < end)].astype(np.int64)
 
 
-def kv_checksum(region: torch.Tensor, layout: KVLayout, block_ids, positions: np.ndarray,
-                heads: tuple[int, ...]) -> int:
+def kv_checksum(
+    region: torch.Tensor, layout: KVLayout, block_ids, positions: np.ndarray, heads: tuple[int, ...]
+) -> int:
     """CRC32 of the K/V vectors at ``positions`` for global ``heads``, all
     layers, canonical order; ``region`` is the cache as flat uint8."""
     if len(positions) == 0 or not heads:
@@ -126,8 +136,9 @@ def kv_checksum(region: torch.Tensor, layout: KVLayout, block_ids, positions: np
     tok = positions[None, None, :, None]
     kv = np.arange(2)[None, :, None, None]
     layer = np.arange(layout.num_layers)[:, None, None, None]
-    offsets = layout.vector_offsets(kv, ids[tok // layout.block_size], tok % layout.block_size,
-                                    layout.local_head_index(heads)[None, None, None, :])
+    offsets = layout.vector_offsets(
+        kv, ids[tok // layout.block_size], tok % layout.block_size, layout.local_head_index(heads)[None, None, None, :]
+    )
     offsets = offsets + layer * layout.layer_bytes
     rows = (offsets.reshape(-1) // layout.vec_bytes).astype(np.int64)
     table = region[: layout.total_bytes].view(-1, layout.vec_bytes)

@@ -50,13 +50,11 @@ def heads_for_rank(num_kv_heads_total: int, tp_rank: int, tp_size: int) -> tuple
         raise ValueError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
     if num_kv_heads_total >= tp_size:
         if num_kv_heads_total % tp_size:
-            raise ValueError(
-                f"{num_kv_heads_total} KV heads cannot be split evenly over tp_size={tp_size}")
+            raise ValueError(f"{num_kv_heads_total} KV heads cannot be split evenly over tp_size={tp_size}")
         per = num_kv_heads_total // tp_size
         return tuple(range(tp_rank * per, (tp_rank + 1) * per))
     if tp_size % num_kv_heads_total:
-        raise ValueError(
-            f"tp_size={tp_size} is not a multiple of {num_kv_heads_total} KV heads")
+        raise ValueError(f"tp_size={tp_size} is not a multiple of {num_kv_heads_total} KV heads")
     return (tp_rank * num_kv_heads_total // tp_size,)
 
 
@@ -88,8 +86,7 @@ class KVLayout:
         if not self.head_ids or len(set(self.head_ids)) != len(self.head_ids):
             raise ValueError(f"KVLayout.head_ids {self.head_ids!r} must be non-empty and distinct")
         if min(self.head_ids) < 0 or max(self.head_ids) >= self.num_kv_heads_total:
-            raise ValueError(
-                f"KVLayout.head_ids {self.head_ids!r} outside [0, {self.num_kv_heads_total})")
+            raise ValueError(f"KVLayout.head_ids {self.head_ids!r} outside [0, {self.num_kv_heads_total})")
 
     # -- constructors ----------------------------------------------------
     @classmethod
@@ -120,13 +117,21 @@ class KVLayout:
         heads = heads_for_rank(total, tp_rank, tp_size)
         if len(heads) != num_kv_heads:
             raise ValueError(
-                f"rank {tp_rank}/{tp_size} of {total} KV heads holds {len(heads)}, "
-                f"but the cache has {num_kv_heads}")
+                f"rank {tp_rank}/{tp_size} of {total} KV heads holds {len(heads)}, but the cache has {num_kv_heads}"
+            )
         return cls(
-            num_layers=num_layers, num_kv_heads_total=total, head_ids=heads,
-            head_dim=head_dim, block_size=block_size, num_blocks=num_blocks,
-            dtype=dtype_name(dtype), order=order, kv_fused=False,
-            tp_rank=tp_rank, tp_size=tp_size)
+            num_layers=num_layers,
+            num_kv_heads_total=total,
+            head_ids=heads,
+            head_dim=head_dim,
+            block_size=block_size,
+            num_blocks=num_blocks,
+            dtype=dtype_name(dtype),
+            order=order,
+            kv_fused=False,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
 
     def replace(self, **changes) -> KVLayout:
         return dataclasses.replace(self, **changes)
@@ -162,9 +167,8 @@ class KVLayout:
     @property
     def shape(self) -> tuple[int, ...]:
         """Shape of a tensor holding this layout (element type ``dtype``)."""
-        inner = ((self.block_size, self.num_heads) if self.order == "NHD"
-                 else (self.num_heads, self.block_size))
-        outer = ((self.num_blocks, 2) if self.kv_fused else (2, self.num_blocks))
+        inner = (self.block_size, self.num_heads) if self.order == "NHD" else (self.num_heads, self.block_size)
+        outer = (self.num_blocks, 2) if self.kv_fused else (2, self.num_blocks)
         return (self.num_layers, *outer, *inner, self.head_dim)
 
     # -- offsets -----------------------------------------------------------
@@ -198,8 +202,7 @@ class KVLayout:
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
         need = -(-num_tokens_end // self.block_size)
         if len(ids) < need:
-            raise ValueError(
-                f"{what}: {len(ids)} blocks of {self.block_size} cannot hold {num_tokens_end} tokens")
+            raise ValueError(f"{what}: {len(ids)} blocks of {self.block_size} cannot hold {num_tokens_end} tokens")
         if len(ids) and (ids.min() < 0 or ids.max() >= self.num_blocks):
             raise ValueError(f"{what}: block id outside [0, {self.num_blocks}): {ids.tolist()}")
         if len(np.unique(ids[:need])) != need:
@@ -216,8 +219,9 @@ def dtype_name(dtype) -> str:
     return name
 
 
-def check_compatible(local_model: str, local: KVLayout, peer_model: str, peer: KVLayout,
-                     local_role: str, peer_role: str) -> None:
+def check_compatible(
+    local_model: str, local: KVLayout, peer_model: str, peer: KVLayout, local_role: str, peer_role: str
+) -> None:
     """Refuse peers whose KV cannot be converted into ours.
 
     Model, layer count, head_dim and the model's total KV heads must match;
@@ -233,5 +237,5 @@ def check_compatible(local_model: str, local: KVLayout, peer_model: str, peer: K
     for name, mine, theirs in pairs:
         if mine != theirs:
             raise IncompatiblePeer(
-                f"{name}: {local_role} has {mine!r}, {peer_role} has {theirs!r}; "
-                f"KV cannot be exchanged between them")
+                f"{name}: {local_role} has {mine!r}, {peer_role} has {theirs!r}; KV cannot be exchanged between them"
+            )

@@ -63,8 +63,14 @@ def _nixl_logs_to_stderr() -> None:
 def _descs(region: _Region, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     if len(offsets) and int((offsets + lengths).max()) > region.nbytes:
         raise TransferError(f"range beyond a registered region of {region.nbytes} bytes")
-    return np.stack([offsets.astype(np.uint64) + np.uint64(region.addr), lengths.astype(np.uint64),
-                     np.full(len(offsets), region.dev, dtype=np.uint64)], axis=1)
+    return np.stack(
+        [
+            offsets.astype(np.uint64) + np.uint64(region.addr),
+            lengths.astype(np.uint64),
+            np.full(len(offsets), region.dev, dtype=np.uint64),
+        ],
+        axis=1,
+    )
 
 
 def _chunk_descs(region: _Region, chunk: int) -> np.ndarray:
@@ -76,10 +82,10 @@ class NixlBackend(Backend):
     kind = "nixl"
     one_sided = True
 
-    def __init__(self, name: str, ucx_tls: str | None = "auto",
-                 ucx_net_devices: str | None = None) -> None:
+    def __init__(self, name: str, ucx_tls: str | None = "auto", ucx_net_devices: str | None = None) -> None:
         if ucx_tls == "auto":
             import torch
+
             ucx_tls = None if torch.cuda.is_available() else "cma,tcp"
         for var, value in (("UCX_TLS", ucx_tls), ("UCX_NET_DEVICES", ucx_net_devices)):
             if value and var not in os.environ:
@@ -89,14 +95,15 @@ class NixlBackend(Backend):
         _nixl_logs_to_stderr()
         self.name = name
         try:
-            self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False,
-                                                             backends=["UCX"]))
+            self._agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         except Exception as exc:  # nixlBackendError: bad UCX settings
-            raise TransferError(f"NIXL agent {name!r} could not start UCX ({exc}); check "
-                                f"UCX_TLS={os.environ.get('UCX_TLS')!r}") from exc
+            raise TransferError(
+                f"NIXL agent {name!r} could not start UCX ({exc}); check UCX_TLS={os.environ.get('UCX_TLS')!r}"
+            ) from exc
         if "UCX" not in self._agent.backends:
-            raise TransferError(f"NIXL agent {name!r} has no UCX backend (plugin failed to load); "
-                                f"use the zmq transfer backend")
+            raise TransferError(
+                f"NIXL agent {name!r} has no UCX backend (plugin failed to load); use the zmq transfer backend"
+            )
         self._regions: dict[str, _Region] = {}
         self._reg_descs: list = []
         self._peers: dict[str, dict] = {}  # name -> {"meta": bytes, "regions": {...}}
@@ -108,13 +115,13 @@ class NixlBackend(Backend):
         self._reg_descs.append(self._agent.register_memory(tensor))
         mem = "DRAM" if tensor.device.type == "cpu" else "VRAM"
         dev = 0 if mem == "DRAM" else tensor.device.index or 0
-        self._regions[region] = _Region(tensor.data_ptr(), tensor.numel() * tensor.element_size(),
-                                        dev, mem)
+        self._regions[region] = _Region(tensor.data_ptr(), tensor.numel() * tensor.element_size(), dev, mem)
 
     def metadata(self) -> bytes:
         regions = {k: [r.addr, r.nbytes, r.dev, r.mem] for k, r in self._regions.items()}
-        return msgspec.msgpack.encode({"name": self.name, "agent": self._agent.get_agent_metadata(),
-                                       "regions": regions})
+        return msgspec.msgpack.encode(
+            {"name": self.name, "agent": self._agent.get_agent_metadata(), "regions": regions}
+        )
 
     def connect(self, peer: str, metadata: bytes) -> None:
         meta = msgspec.msgpack.decode(metadata)
@@ -128,8 +135,7 @@ class NixlBackend(Backend):
         loaded = loaded.decode() if isinstance(loaded, bytes) else loaded
         if loaded != peer:
             raise ValueError(f"NIXL metadata names agent {loaded!r}, expected {peer!r}")
-        self._peers[peer] = {"meta": meta["agent"],
-                             "regions": {k: _Region(*v) for k, v in meta["regions"].items()}}
+        self._peers[peer] = {"meta": meta["agent"], "regions": {k: _Region(*v) for k, v in meta["regions"].items()}}
 
     def prepare(self, peer: str, region: str, chunk_bytes: int) -> None:
         local, remote = self._regions[region], self._peers[peer]["regions"]["kv"]
@@ -137,10 +143,12 @@ class NixlBackend(Backend):
             return
         if (region, chunk_bytes) not in self._local_dlists:
             self._local_dlists[(region, chunk_bytes)] = self._agent.prep_xfer_dlist(
-                "NIXL_INIT_AGENT", _chunk_descs(local, chunk_bytes), local.mem)
+                "NIXL_INIT_AGENT", _chunk_descs(local, chunk_bytes), local.mem
+            )
         if (peer, chunk_bytes) not in self._remote_dlists:
             self._remote_dlists[(peer, chunk_bytes)] = self._agent.prep_xfer_dlist(
-                peer, _chunk_descs(remote, chunk_bytes), remote.mem)
+                peer, _chunk_descs(remote, chunk_bytes), remote.mem
+            )
         self._chunks[(peer, region)] = chunk_bytes
 
     def write(self, peer, transfer_id, layer, region, src_offsets, dst_offsets, lengths):
@@ -161,16 +169,25 @@ class NixlBackend(Backend):
                     step = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
                     src_idx = (np.repeat(src_offsets[whole] // chunk, counts) + step).astype(np.int32)
                     dst_idx = (np.repeat(dst_offsets[whole] // chunk, counts) + step).astype(np.int32)
-                    handles.append(self._agent.make_prepped_xfer(
-                        "WRITE", self._local_dlists[(region, chunk)], src_idx,
-                        self._remote_dlists[(peer, chunk)], dst_idx))
+                    handles.append(
+                        self._agent.make_prepped_xfer(
+                            "WRITE",
+                            self._local_dlists[(region, chunk)],
+                            src_idx,
+                            self._remote_dlists[(peer, chunk)],
+                            dst_idx,
+                        )
+                    )
             if rest.any():
                 local, remote = self._regions[region], self._peers[peer]["regions"]["kv"]
-                handles.append(self._agent.initialize_xfer(
-                    "WRITE",
-                    self._agent.get_xfer_descs(_descs(local, src_offsets[rest], lengths[rest]), local.mem),
-                    self._agent.get_xfer_descs(_descs(remote, dst_offsets[rest], lengths[rest]), remote.mem),
-                    peer))
+                handles.append(
+                    self._agent.initialize_xfer(
+                        "WRITE",
+                        self._agent.get_xfer_descs(_descs(local, src_offsets[rest], lengths[rest]), local.mem),
+                        self._agent.get_xfer_descs(_descs(remote, dst_offsets[rest], lengths[rest]), remote.mem),
+                        peer,
+                    )
+                )
             for h in handles:
                 if self._agent.transfer(h) == "ERR":
                     raise TransferError(f"NIXL write to {peer!r} failed to post")
@@ -218,8 +235,11 @@ class NixlBackend(Backend):
         if not notifs and timeout_s > 0:
             time.sleep(timeout_s)
             notifs = self._notifs()
-        return [NoticeIn(peer.decode() if isinstance(peer, bytes) else peer, msg)
-                for peer, msgs in notifs.items() for msg in msgs]
+        return [
+            NoticeIn(peer.decode() if isinstance(peer, bytes) else peer, msg)
+            for peer, msgs in notifs.items()
+            for msg in msgs
+        ]
 
     def _notifs(self) -> dict:
         try:

@@ -60,8 +60,9 @@ class PeerBound(RuntimeError):
 
 # Decode-stream outcomes meaning "the prompt's KV never arrived intact": the
 # prefill stage failed, even though the decode server reported it.
-KV_NEVER_ARRIVED = frozenset({Outcome.LEASE_EXPIRED, Outcome.CHECKSUM_MISMATCH, Outcome.BAD_NOTICE,
-                              Outcome.OUT_OF_BOUNDS})
+KV_NEVER_ARRIVED = frozenset(
+    {Outcome.LEASE_EXPIRED, Outcome.CHECKSUM_MISMATCH, Outcome.BAD_NOTICE, Outcome.OUT_OF_BOUNDS}
+)
 
 # Prefill outcomes meaning "the decode server ended this transfer": it says on
 # its own stream what happens next (an error, or it prefills the prompt itself).

@@ -41,9 +41,11 @@ class CopyPlan:
 
     def layer(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(src_offsets, dst_offsets, lengths) for one layer, int64 arrays."""
-        return (self.src_offsets + layer * self.src_layer_bytes,
-                self.dst_offsets + layer * self.dst_layer_bytes,
-                self.lengths)
+        return (
+            self.src_offsets + layer * self.src_layer_bytes,
+            self.dst_offsets + layer * self.dst_layer_bytes,
+            self.lengths,
+        )
 
     def ranges(self, layer: int) -> list[tuple[int, int, int]]:
         """The plan of one layer as (src_offset, dst_offset, length) tuples."""
@@ -71,8 +73,7 @@ def common_heads(src: KVLayout, dst: KVLayout) -> tuple[int, ...]:
     return tuple(h for h in src.head_ids if h in held)
 
 
-def make_plan(src: KVLayout, src_block_ids, start: int, end: int,
-              dst: KVLayout, dst_block_ids) -> CopyPlan:
+def make_plan(src: KVLayout, src_block_ids, start: int, end: int, dst: KVLayout, dst_block_ids) -> CopyPlan:
     """Plan copying tokens ``[start, end)`` of one request from ``src`` blocks
     into ``dst`` blocks, for the heads both sides hold.
 
@@ -83,9 +84,9 @@ def make_plan(src: KVLayout, src_block_ids, start: int, end: int,
     if src.dtype != dst.dtype:
         raise ValueError(
             f"source dtype {src.dtype} != destination dtype {dst.dtype}: convert on the "
-            f"sender and plan from staging_layout(src, {dst.dtype!r})")
-    if (src.num_layers, src.head_dim, src.num_kv_heads_total) != (
-            dst.num_layers, dst.head_dim, dst.num_kv_heads_total):
+            f"sender and plan from staging_layout(src, {dst.dtype!r})"
+        )
+    if (src.num_layers, src.head_dim, src.num_kv_heads_total) != (dst.num_layers, dst.head_dim, dst.num_kv_heads_total):
         raise ValueError(f"layouts of different models: {src} vs {dst}")
     if not 0 <= start <= end:
         raise ValueError(f"bad token range [{start}, {end})")
@@ -109,14 +110,16 @@ def make_plan(src: KVLayout, src_block_ids, start: int, end: int,
     return _merged(src_off[order], dst_off[order], src.vec_bytes, src, dst, heads)
 
 
-def _merged(src_off: np.ndarray, dst_off: np.ndarray, vec: int,
-            src: KVLayout, dst: KVLayout, heads: tuple[int, ...]) -> CopyPlan:
+def _merged(
+    src_off: np.ndarray, dst_off: np.ndarray, vec: int, src: KVLayout, dst: KVLayout, heads: tuple[int, ...]
+) -> CopyPlan:
     """Merge equal-length ranges that continue each other on both sides."""
     cont = (src_off[1:] == src_off[:-1] + vec) & (dst_off[1:] == dst_off[:-1] + vec)
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     counts = np.diff(np.append(starts, len(src_off)))
-    return CopyPlan(src_off[starts], dst_off[starts], counts.astype(np.int64) * vec,
-                    src.layer_bytes, dst.layer_bytes, heads)
+    return CopyPlan(
+        src_off[starts], dst_off[starts], counts.astype(np.int64) * vec, src.layer_bytes, dst.layer_bytes, heads
+    )
 
 
 def unit_mask(layout: KVLayout, block_ids) -> np.ndarray:

@@ -61,8 +61,17 @@ class KVReceiver(TransferThread):
     role = "decode"
     busy_wait_s = 0.0005  # one-sided (NIXL): how often notices are looked for while KV is expected
 
-    def __init__(self, backend: Backend, cache: torch.Tensor, layout: KVLayout, *, name: str,
-                 model: str, cancel_grace_s: float = 1.0, notify: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        cache: torch.Tensor,
+        layout: KVLayout,
+        *,
+        name: str,
+        model: str,
+        cancel_grace_s: float = 1.0,
+        notify: Callable[[], None] | None = None,
+    ) -> None:
         if not backend.one_sided:
             # Writes and notices arrive through the backend's poll, which wakes the
             # thread at once: a short timeout would only spin (and take the GIL from
@@ -102,8 +111,16 @@ class KVReceiver(TransferThread):
         except TimeoutError:
             raise TimeoutError(f"accepting {hello.name!r} took over {timeout_s} s") from None
         # Ours, with what the backend bound to this sender alone (its ZeroMQ identity).
-        return encode(Hello(self.role, self.name, self._model, self._layout, self.backend.kind,
-                            self.backend.metadata_for(hello.name)))
+        return encode(
+            Hello(
+                self.role,
+                self.name,
+                self._model,
+                self._layout,
+                self.backend.kind,
+                self.backend.metadata_for(hello.name),
+            )
+        )
 
     def expect(self, block_ids, lease_s: float, num_senders: int = 1, writable_from: int = 0) -> str:
         """Issue a transfer id for ``block_ids`` (reserved by the engine),
@@ -183,8 +200,9 @@ class KVReceiver(TransferThread):
         if not self.backend.one_sided:
             self._end(entry, outcome, reason)  # we apply writes ourselves: none can land now
 
-    def _end(self, entry: Expected, outcome: Outcome, reason: str = "",
-             first_tokens: tuple[int, ...] | None = None) -> None:
+    def _end(
+        self, entry: Expected, outcome: Outcome, reason: str = "", first_tokens: tuple[int, ...] | None = None
+    ) -> None:
         with self._lock:
             self._issued.end(entry.transfer_id, outcome is Outcome.OK)
         self._cancel_acks.pop(entry.transfer_id, None)
@@ -222,7 +240,7 @@ class KVReceiver(TransferThread):
         if write.lengths.sum() != len(write.data) or len(write.dst_offsets) != len(write.lengths):
             self._bump("dropped_malformed")
             return
-        if not ranges_inside(self._layout, entry.block_ids[entry.writable_from:], write.dst_offsets, write.lengths):
+        if not ranges_inside(self._layout, entry.block_ids[entry.writable_from :], write.dst_offsets, write.lengths):
             self._bump("dropped_out_of_bounds")
             self._end(entry, Outcome.OUT_OF_BOUNDS, f"{write.peer!r} wrote outside the reserved blocks")
             return
@@ -253,13 +271,14 @@ class KVReceiver(TransferThread):
         if done.checksum_mode not in CHECKSUM_MODES:
             return Outcome.BAD_NOTICE, f"bad checksum mode {done.checksum_mode!r}"
         if not 1 <= len(done.first_tokens) <= MAX_SEQUENCES or not all(0 <= t < 1 << 31 for t in done.first_tokens):
-            return Outcome.BAD_NOTICE, f"bad first tokens {done.first_tokens[:MAX_SEQUENCES + 1]}"
+            return Outcome.BAD_NOTICE, f"bad first tokens {done.first_tokens[: MAX_SEQUENCES + 1]}"
         if not 0 <= done.token_start <= done.token_end <= capacity:
             return Outcome.BAD_NOTICE, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots"
         if not set(done.heads) <= set(self._layout.head_ids):
             return Outcome.BAD_NOTICE, f"heads {done.heads} are not held here"
-        pos = checksum_positions(done.transfer_id, self._layout.block_size, done.token_start,
-                                 done.token_end, done.checksum_mode)
+        pos = checksum_positions(
+            done.transfer_id, self._layout.block_size, done.token_start, done.token_end, done.checksum_mode
+        )
         got = kv_checksum(self._region, self._layout, entry.block_ids, pos, done.heads)
         if got != done.checksum:
             return Outcome.CHECKSUM_MISMATCH, f"checksum mismatch (sent {done.checksum:#x}, received {got:#x})"

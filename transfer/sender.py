@@ -108,8 +108,17 @@ class KVSender(TransferThread):
     role = "prefill"
     wait_on_commands = True
 
-    def __init__(self, backend: Backend, cache: torch.Tensor, layout: KVLayout, *, name: str,
-                 model: str, checksum: str = "sampled", notify: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        cache: torch.Tensor,
+        layout: KVLayout,
+        *,
+        name: str,
+        model: str,
+        checksum: str = "sampled",
+        notify: Callable[[], None] | None = None,
+    ) -> None:
         if checksum not in CHECKSUM_MODES:
             raise ValueError(f"checksum {checksum!r} is not one of {CHECKSUM_MODES}")
         self._cache = cache_as_layout(cache, layout)
@@ -139,8 +148,7 @@ class KVSender(TransferThread):
     def begin(self, transfer_id: str, peer: str, dst_block_ids, lease_s: float) -> None:
         """Start a transfer into ``peer``'s reserved ``dst_block_ids``; writes
         stop when ``lease_s`` runs out."""
-        self._submit(Begin(transfer_id, peer, np.asarray(dst_block_ids, dtype=np.int64),
-                           time.monotonic() + lease_s))
+        self._submit(Begin(transfer_id, peer, np.asarray(dst_block_ids, dtype=np.int64), time.monotonic() + lease_s))
 
     def push_layer(self, transfer_id: str, layer: int, src_block_ids, start: int, end: int) -> None:
         """Queue layer ``layer`` of tokens [start, end) (already in the cache)."""
@@ -234,15 +242,14 @@ class KVSender(TransferThread):
         plan: CopyPlan | None = out.plans.get(key)
         try:
             if plan is None:
-                plan = make_plan(staging_layout(self._layout, dst.dtype), src_ids, start, end,
-                                 dst, out.dst_ids)
+                plan = make_plan(staging_layout(self._layout, dst.dtype), src_ids, start, end, dst, out.dst_ids)
                 out.plans[key] = plan
             if push.event is not None:
                 push.event.synchronize()
             region = "kv"
             if dst.dtype != self._layout.dtype:
                 region = f"staging:{dst.dtype}"
-                used = src_ids[start // self._layout.block_size:(end - 1) // self._layout.block_size + 1]
+                used = src_ids[start // self._layout.block_size : (end - 1) // self._layout.block_size + 1]
                 self._convert(dst.dtype, layer, torch.from_numpy(used))
             if plan.num_ranges:
                 out.inflight.append(self.backend.write(out.peer, tid, layer, region, *plan.layer(layer)))
@@ -294,8 +301,7 @@ class KVSender(TransferThread):
         src = staging_layout(self._layout, dst.dtype)
         region = region_bytes(self._staging.get(dst.dtype, self._cache))
         checksum = kv_checksum(region, src, out.src_ids if out.src_ids is not None else [], pos, heads)
-        done = Done(out.tid, self.name, out.first_tokens, start, out.token_end, heads, checksum,
-                    self._checksum)
+        done = Done(out.tid, self.name, out.first_tokens, start, out.token_end, heads, checksum, self._checksum)
         try:
             self.backend.send_notice(out.peer, encode(done))
             out.noticed = True
@@ -342,4 +348,3 @@ class KVSender(TransferThread):
             self.backend.send_notice(peer, encode(msg))
         except TransferError:
             pass  # that peer is gone; it cannot be waiting for us
-

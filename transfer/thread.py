@@ -109,8 +109,9 @@ class TransferThread:
         self.contained_errors = 0  # incoming items that raised: dropped (transfer thread writes, others read)
         self.last_round = time.monotonic()  # when the thread last went round its loop (see ``problem``)
         self.instance = secrets.token_hex(16)
-        self._hello = encode(Hello(self.role, name, self._model, self._layout, backend.kind,
-                                   backend.metadata(), self.instance))
+        self._hello = encode(
+            Hello(self.role, name, self._model, self._layout, backend.kind, backend.metadata(), self.instance)
+        )
         self._thread = threading.Thread(target=self._run, name=f"kv-{self.role}-{name}", daemon=True)
 
     def start(self) -> None:
@@ -135,8 +136,9 @@ class TransferThread:
     def problem(self, stuck_after_s: float) -> str | None:
         """Why this side cannot work (its thread died, or went no round for
         ``stuck_after_s`` while it loops every few milliseconds), or None."""
-        if self._error is not None or (self._thread.ident is not None and not self._thread.is_alive()
-                                       and not self._closed):
+        if self._error is not None or (
+            self._thread.ident is not None and not self._thread.is_alive() and not self._closed
+        ):
             return f"{self.role} transfer thread died: {self._error!r}"
         stalled = time.monotonic() - self.last_round
         if stalled > stuck_after_s:
@@ -161,8 +163,9 @@ class TransferThread:
             raise RuntimeError(f"{self.role} transfer thread died: {self._error!r}")
         self._cmds.put(cmd)
 
-    def _ended(self, transfer_id: str, outcome: Outcome, reason: str = "",
-               first_tokens: tuple[int, ...] | None = None) -> None:
+    def _ended(
+        self, transfer_id: str, outcome: Outcome, reason: str = "", first_tokens: tuple[int, ...] | None = None
+    ) -> None:
         self._finished.put(TransferEnded(transfer_id, outcome, reason, first_tokens))
 
     def _run(self) -> None:
@@ -198,8 +201,7 @@ class TransferThread:
             self._on_incoming(item)
         except Exception:
             self.contained_errors += 1
-            log.exception("%s transfer thread %s dropped an incoming %s", self.role, self.name,
-                          type(item).__name__)
+            log.exception("%s transfer thread %s dropped an incoming %s", self.role, self.name, type(item).__name__)
 
     def _drain(self, timeout_s: float) -> list:
         """Queued commands; waits up to ``timeout_s`` for the first one."""

@@ -65,8 +65,9 @@ class ZmqBackend(Backend):
     kind = "zmq"
     one_sided = False
 
-    def __init__(self, name: str, endpoint: str | None = None, connect_timeout_s: float = 5.0,
-                 advertise_host: str | None = None) -> None:
+    def __init__(
+        self, name: str, endpoint: str | None = None, connect_timeout_s: float = 5.0, advertise_host: str | None = None
+    ) -> None:
         """``endpoint``: where a receiver binds its ROUTER (``tcp://127.0.0.1:5601``;
         port 0 picks a free one, see ``endpoint``). Senders need none. ``advertise_host``: the
         address senders reach it at, when that is not the bound one (a wildcard bind, NAT)."""
@@ -99,8 +100,9 @@ class ZmqBackend(Backend):
             self.endpoint = self._router.getsockopt(zmq.LAST_ENDPOINT).decode()
             if advertise_host:
                 port = self.endpoint.rpartition(":")[2]
-                self.endpoint = f"tcp://[{advertise_host}]:{port}" if ":" in advertise_host else \
-                    f"tcp://{advertise_host}:{port}"
+                self.endpoint = (
+                    f"tcp://[{advertise_host}]:{port}" if ":" in advertise_host else f"tcp://{advertise_host}:{port}"
+                )
             self._poller.register(self._router, zmq.POLLIN)
 
     def register(self, region: str, tensor) -> None:
@@ -115,8 +117,9 @@ class ZmqBackend(Backend):
         return msgspec.msgpack.encode({"name": self.name, "endpoint": self.endpoint})
 
     def metadata_for(self, peer: str) -> bytes:
-        return msgspec.msgpack.encode({"name": self.name, "endpoint": self.endpoint,
-                                       "identity": self._identity_of.get(peer, b"")})
+        return msgspec.msgpack.encode(
+            {"name": self.name, "endpoint": self.endpoint, "identity": self._identity_of.get(peer, b"")}
+        )
 
     def set_write_limit(self, limit) -> None:
         self._write_limit = limit
@@ -192,11 +195,13 @@ class ZmqBackend(Backend):
     def write(self, peer, transfer_id, layer, region, src_offsets, dst_offsets, lengths):
         src_offsets = np.ascontiguousarray(src_offsets, dtype=np.int64)
         lengths = np.ascontiguousarray(lengths, dtype=np.int64)
-        data = gather(self._regions[region], src_offsets, lengths) if len(lengths) != 1 else \
-            self._regions[region].numpy()[src_offsets[0]:src_offsets[0] + lengths[0]]
+        data = (
+            gather(self._regions[region], src_offsets, lengths)
+            if len(lengths) != 1
+            else self._regions[region].numpy()[src_offsets[0] : src_offsets[0] + lengths[0]]
+        )
         header = encode(WriteHeader(transfer_id, layer, len(lengths), int(lengths.sum())))
-        frames = [header, np.ascontiguousarray(dst_offsets, dtype=np.int64).tobytes(),
-                  lengths.tobytes(), data]
+        frames = [header, np.ascontiguousarray(dst_offsets, dtype=np.int64).tobytes(), lengths.tobytes(), data]
         self._enqueue(peer, frames)
         return self._peers[peer]
 
@@ -275,14 +280,20 @@ class ZmqBackend(Backend):
         lengths = self._int64_frame(msg.num_ranges) if offsets is not None else None
         region = len(self._regions["kv"]) if "kv" in self._regions else 0
         # Bounded first, so that neither the sum nor offset + length can overflow int64.
-        if (lengths is None or not self._router.getsockopt(zmq.RCVMORE) or (offsets < 0).any()
-                or (offsets > region).any() or (lengths < 0).any() or (lengths > msg.nbytes).any()
-                or int(lengths.sum()) != msg.nbytes):
+        if (
+            lengths is None
+            or not self._router.getsockopt(zmq.RCVMORE)
+            or (offsets < 0).any()
+            or (offsets > region).any()
+            or (lengths < 0).any()
+            or (lengths > msg.nbytes).any()
+            or int(lengths.sum()) != msg.nbytes
+        ):
             self._discard_rest(self._router)
             return Dropped(peer, "malformed", msg.transfer_id)
         if len(self._staging) < msg.nbytes:
             self._staging = np.empty(msg.nbytes, dtype=np.uint8)  # at most one reservation's layer
-        staged = self._staging[:msg.nbytes]
+        staged = self._staging[: msg.nbytes]
         got = self._router.recv_into(staged) if msg.nbytes else len(self._router.recv())
         more = self._router.getsockopt(zmq.RCVMORE)
         self._discard_rest(self._router)
@@ -296,8 +307,13 @@ class ZmqBackend(Backend):
             msg = decode(head)
         except msgspec.DecodeError:
             return None
-        if (not isinstance(msg, WriteHeader) or msg.nbytes < 0 or msg.num_ranges < 0 or msg.layer < 0
-                or not msg.transfer_id):
+        if (
+            not isinstance(msg, WriteHeader)
+            or msg.nbytes < 0
+            or msg.num_ranges < 0
+            or msg.layer < 0
+            or not msg.transfer_id
+        ):
             return None
         return msg
 

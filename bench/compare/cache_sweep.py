@@ -31,8 +31,11 @@ from bench.load.serve import request_source
 from bench.load.workload import LengthDist
 
 REPO = Path(__file__).resolve().parents[2]
-VARIANTS = {"off": (False, "round_robin"), "on+round_robin": (True, "round_robin"),
-            "on+cache_aware": (True, "cache_aware")}
+VARIANTS = {
+    "off": (False, "round_robin"),
+    "on+round_robin": (True, "round_robin"),
+    "on+cache_aware": (True, "cache_aware"),
+}
 
 
 def config_for(model: str, caching: bool, policy: str) -> dict:
@@ -60,8 +63,13 @@ def run_variant(name: str, args, workload: PrefixWorkload, builder: PromptBuilde
     path.write_text(yaml.safe_dump(config_for(args.model, caching, policy), sort_keys=False))
     cluster = launch(path, out / "run", sorted(os.sched_getaffinity(0)))
     try:
-        config = LoadConfig(url=cluster.url, model=cluster.model, concurrency=args.concurrency,
-                            num_requests=args.num_requests, seed=args.seed)
+        config = LoadConfig(
+            url=cluster.url,
+            model=cluster.model,
+            concurrency=args.concurrency,
+            num_requests=args.num_requests,
+            seed=args.seed,
+        )
         before = cluster.samples()
         result = asyncio.run(run_load(config, request_source(workload, builder, "tokens", args.seed)))
         after = cluster.samples()
@@ -73,10 +81,16 @@ def run_variant(name: str, args, workload: PrefixWorkload, builder: PromptBuilde
     queries = sum(counter(delta, d, "pdserve_prefix_cache_queries_tokens_total") for d in ("d0", "d1"))
     p_hits = counter(delta, "p0", "pdserve_prefix_cache_hits_tokens_total")
     p_queries = counter(delta, "p0", "pdserve_prefix_cache_queries_tokens_total")
-    return {"variant": name, "completed": summary.completed, "ttft_p50_ms": summary.ttft.p50,
-            "ttft_p99_ms": summary.ttft.p99, "req_per_s": summary.request_throughput,
-            "d_hit_rate": hits / queries if queries else 0.0, "p_hit_rate": p_hits / p_queries if p_queries else 0.0,
-            "kv_bytes_per_req": counter(delta, "p0", "pdserve_transfer_bytes_total") / max(1, summary.completed)}
+    return {
+        "variant": name,
+        "completed": summary.completed,
+        "ttft_p50_ms": summary.ttft.p50,
+        "ttft_p99_ms": summary.ttft.p99,
+        "req_per_s": summary.request_throughput,
+        "d_hit_rate": hits / queries if queries else 0.0,
+        "p_hit_rate": p_hits / p_queries if p_queries else 0.0,
+        "kv_bytes_per_req": counter(delta, "p0", "pdserve_transfer_bytes_total") / max(1, summary.completed),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,24 +111,31 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     question, output = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
     if args.workload == "shared":
-        workload = PrefixWorkload("shared_prefix", question, output, shared_tokens=args.shared_prefix,
-                                  groups=args.prefix_groups)
+        workload = PrefixWorkload(
+            "shared_prefix", question, output, shared_tokens=args.shared_prefix, groups=args.prefix_groups
+        )
     else:
         workload = PrefixWorkload("multi_turn", question, output, turns=args.turns, conversations=args.conversations)
     builder = PromptBuilder(load_tokenizer(args.model))
     best = workload.best_hit_rate(args.num_requests, builder.num_special, args.seed)
-    print(f"workload: {workload}; {args.num_requests} requests, concurrency {args.concurrency}; "
-          f"best achievable hit rate {best:.1%}", flush=True)
+    print(
+        f"workload: {workload}; {args.num_requests} requests, concurrency {args.concurrency}; "
+        f"best achievable hit rate {best:.1%}",
+        flush=True,
+    )
     rows = []
     for name in args.variants.split(","):
         rows.append(run_variant(name, args, workload, builder))
         r = rows[-1]
-        print(f"{name:>15}: {r['completed']} ok, TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, "
-              f"{r['req_per_s']:.2f} req/s, D hit rate {r['d_hit_rate']:.1%} ({r['d_hit_rate'] / best:.0%} of "
-              f"best), P hit rate {r['p_hit_rate']:.1%}, KV {r['kv_bytes_per_req'] / 1e6:.2f} MB/request",
-              flush=True)
-    Path(args.out, "results.json").write_text(json.dumps({"workload": str(workload), "best_hit_rate": best,
-                                                         "variants": rows}, indent=1))
+        print(
+            f"{name:>15}: {r['completed']} ok, TTFT p50 {r['ttft_p50_ms']:.0f} ms p99 {r['ttft_p99_ms']:.0f} ms, "
+            f"{r['req_per_s']:.2f} req/s, D hit rate {r['d_hit_rate']:.1%} ({r['d_hit_rate'] / best:.0%} of "
+            f"best), P hit rate {r['p_hit_rate']:.1%}, KV {r['kv_bytes_per_req'] / 1e6:.2f} MB/request",
+            flush=True,
+        )
+    Path(args.out, "results.json").write_text(
+        json.dumps({"workload": str(workload), "best_hit_rate": best, "variants": rows}, indent=1)
+    )
     return 0
 
 

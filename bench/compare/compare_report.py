@@ -48,8 +48,12 @@ def round_ratios(base, other, metric) -> str:
     return ", ".join(_ratio(metric(b), metric(a)) for a, b in pairs)
 
 
-ROUND_METRICS = {"goodput (req/s)": lambda m: m.goodput, "p99 TPOT (ms)": lambda m: m.tpot.p99,
-                 "mean TPOT (ms)": lambda m: m.tpot.mean, "mean TTFT (ms)": lambda m: m.ttft.mean}
+ROUND_METRICS = {
+    "goodput (req/s)": lambda m: m.goodput,
+    "p99 TPOT (ms)": lambda m: m.tpot.p99,
+    "mean TPOT (ms)": lambda m: m.tpot.mean,
+    "mean TTFT (ms)": lambda m: m.ttft.mean,
+}
 TPOT_SLOS_MS = (50, 75, 100, 150, 200, 300)
 
 
@@ -81,45 +85,68 @@ def write_report(out: Path, runs: list, meta: dict) -> Path:
     xname = meta["layout"]
     scenarios = list(dict.fromkeys(r.scenario.name for r in runs))
     lines = [f"# Colocated vs {xname}: measured on the same cores", ""]
-    lines += [f"- model: `{meta['model']}`; cores {meta['cpus']}; torch threads: colocated "
-              f"{meta['threads']['colocated']} in one engine, {xname} {meta['threads'][xname]} per instance",
-              f"- command: `{meta['command']}` ({meta['wall_s'] / 60:.1f} min)",
-              "- load average (1 min) before/after each run is listed per run: other work on the machine "
-              "shows there.", ""]
-    lines += ["## Headline", "", "Each scenario ran in rounds sent to the layouts in turn (ABBA); the table pools "
-              "the rounds, the last column gives the ratio in each round on its own.", "",
-              f"| scenario | metric | colocated | {xname} | {xname} / colocated | per round |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        f"- model: `{meta['model']}`; cores {meta['cpus']}; torch threads: colocated "
+        f"{meta['threads']['colocated']} in one engine, {xname} {meta['threads'][xname]} per instance",
+        f"- command: `{meta['command']}` ({meta['wall_s'] / 60:.1f} min)",
+        "- load average (1 min) before/after each run is listed per run: other work on the machine shows there.",
+        "",
+    ]
+    lines += [
+        "## Headline",
+        "",
+        "Each scenario ran in rounds sent to the layouts in turn (ABBA); the table pools "
+        "the rounds, the last column gives the ratio in each round on its own.",
+        "",
+        f"| scenario | metric | colocated | {xname} | {xname} / colocated | per round |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in scenarios:
         base, other = by.get(("colocated", name)), by.get((xname, name))
         if base is None or other is None or base.scenario.idle:
             continue
         for metric, a, b in headline_rows(base.measured, other.measured):
             per_round = round_ratios(base, other, ROUND_METRICS[metric]) if metric in ROUND_METRICS else "-"
-            lines.append(f"| {name} | {metric} | {_num(a, 3 if 'req/s' in metric else 1)} | "
-                         f"{_num(b, 3 if 'req/s' in metric else 1)} | {_ratio(b, a)} | {per_round} |")
+            lines.append(
+                f"| {name} | {metric} | {_num(a, 3 if 'req/s' in metric else 1)} | "
+                f"{_num(b, 3 if 'req/s' in metric else 1)} | {_ratio(b, a)} | {per_round} |"
+            )
     for name in scenarios:
         base, other = by.get(("colocated", name)), by.get((xname, name))
         if base is None or other is None or base.scenario.idle or base.scenario.slo_tpot_ms is None:
             continue
         lines += ["", f"### Goodput vs TPOT SLO: {name}", "", *slo_sweep(base, other)]
-    lines += ["", "## Planner vs measured (means)", "",
-              "| scenario | layout | TTFT predicted | TTFT measured | error | TPOT predicted | TPOT measured "
-              "| error | goodput predicted | goodput measured |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Planner vs measured (means)",
+        "",
+        "| scenario | layout | TTFT predicted | TTFT measured | error | TPOT predicted | TPOT measured "
+        "| error | goodput predicted | goodput measured |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         p, m = r.predicted, r.measured
         if p is None:
             continue
-        lines.append(f"| {r.scenario.name} | {r.layout} | {_num(p.ttft.mean)} | {_num(m.ttft.mean)} | "
-                     f"{_err(p.ttft.mean, m.ttft.mean)} | {_num(p.tpot.mean)} | {_num(m.tpot.mean)} | "
-                     f"{_err(p.tpot.mean, m.tpot.mean)} | {_num(p.goodput, 3)} | {_num(m.goodput, 3)} |")
+        lines.append(
+            f"| {r.scenario.name} | {r.layout} | {_num(p.ttft.mean)} | {_num(m.ttft.mean)} | "
+            f"{_err(p.ttft.mean, m.ttft.mean)} | {_num(p.tpot.mean)} | {_num(m.tpot.mean)} | "
+            f"{_err(p.tpot.mean, m.tpot.mean)} | {_num(p.goodput, 3)} | {_num(m.goodput, 3)} |"
+        )
     calib = {r.layout: r.calibration for r in runs if r.calibration}
     if calib:
-        lines += ["", "Predictions use the profile plus each live cluster's fixed costs, measured with tiny "
-                  "probe requests (one at a time, then four at a time, then 1024-token prompts): " + "; ".join(
-                      f"{k} +{v['step_ms']:.1f} ms/step, +{v.get('seq_ms', 0.0):.1f} ms per sequence in a step, "
-                      f"+{v['request_ms']:.1f} ms/request, prefill x{v.get('prefill_scale', 1.0):.2f} of the profile's "
-                      "(1024-token probes)" for k, v in calib.items()) + "."]
+        lines += [
+            "",
+            "Predictions use the profile plus each live cluster's fixed costs, measured with tiny "
+            "probe requests (one at a time, then four at a time, then 1024-token prompts): "
+            + "; ".join(
+                f"{k} +{v['step_ms']:.1f} ms/step, +{v.get('seq_ms', 0.0):.1f} ms per sequence in a step, "
+                f"+{v['request_ms']:.1f} ms/request, prefill x{v.get('prefill_scale', 1.0):.2f} of the profile's "
+                "(1024-token probes)"
+                for k, v in calib.items()
+            )
+            + ".",
+        ]
     lines += _idle_section(runs, meta)
     lines += _engine_section(runs)
     lines += ["", "## Runs", ""]
@@ -127,14 +154,22 @@ def write_report(out: Path, runs: list, meta: dict) -> Path:
         group = [r for r in runs if r.scenario.name == name]
         s = group[0].scenario
         arrivals = f"Poisson {s.rate:g} req/s" if s.rate else f"concurrency {s.concurrency}"
-        lines += [f"### {name}", "", f"{s.description}. Workload `{s.workload}`, {s.num_requests} requests, "
-                  f"{arrivals}; SLO TTFT {_num(s.slo_ttft_ms, 0)} ms, TPOT {_num(s.slo_tpot_ms, 0)} ms.", "",
-                  "| layout | done/failed | TTFT ms mean/p50/p90/p99 | TPOT ms mean/p50/p90/p99 | ITL p99 | "
-                  "E2E mean | load avg |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"### {name}",
+            "",
+            f"{s.description}. Workload `{s.workload}`, {s.num_requests} requests, "
+            f"{arrivals}; SLO TTFT {_num(s.slo_ttft_ms, 0)} ms, TPOT {_num(s.slo_tpot_ms, 0)} ms.",
+            "",
+            "| layout | done/failed | TTFT ms mean/p50/p90/p99 | TPOT ms mean/p50/p90/p99 | ITL p99 | "
+            "E2E mean | load avg |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for r in group:
             m = r.measured
-            lines.append(f"| {r.layout} | {m.completed}/{m.failed} | {stats_row(m.ttft)} | {stats_row(m.tpot)} | "
-                         f"{_num(m.itl.p99)} | {_num(m.e2e.mean)} | {r.loadavg[0]:.1f} -> {r.loadavg[1]:.1f} |")
+            lines.append(
+                f"| {r.layout} | {m.completed}/{m.failed} | {stats_row(m.ttft)} | {stats_row(m.tpot)} | "
+                f"{_num(m.itl.p99)} | {_num(m.e2e.mean)} | {r.loadavg[0]:.1f} -> {r.loadavg[1]:.1f} |"
+            )
         runs_by_layout = {r.layout: r.records for r in group}
         cdf = plot_latency_cdfs(runs_by_layout, out / f"{name}-latency_cdf.png")
         tpot = plot_tpot_over_time(runs_by_layout, out / f"{name}-tpot_over_time.png")
@@ -151,10 +186,14 @@ def _idle_section(runs: list, meta: dict) -> list[str]:
     base = next((r for r in idle if r.layout == "colocated"), None)
     transfer = meta.get("transfer", {})
     bandwidth = transfer.get("bandwidth")
-    lines = ["", "## Idle TTFT, 2048-token prompt", "",
-             "| layout | TTFT mean (ms) | predicted | vs colocated | KV per request (MB) | wire time if sent "
-             "after prefill (ms) | P accept-to-ack (ms) | exposed: P prefill end to D ack (ms) | wire time hidden |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Idle TTFT, 2048-token prompt",
+        "",
+        "| layout | TTFT mean (ms) | predicted | vs colocated | KV per request (MB) | wire time if sent "
+        "after prefill (ms) | P accept-to-ack (ms) | exposed: P prefill end to D ack (ms) | wire time hidden |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in idle:
         t = max(r.transfer.values(), key=lambda v: v["span_s"]) if r.transfer else None
         wire = wire_ms(t["bytes"] if t else None, bandwidth)
@@ -163,16 +202,20 @@ def _idle_section(runs: list, meta: dict) -> list[str]:
             f"| {r.layout} | {_num(r.measured.ttft.mean)} | {_num(r.predicted.ttft.mean if r.predicted else None)} "
             f"| {_ratio(r.measured.ttft.mean, base.measured.ttft.mean if base else None)} "
             f"| {_num(t['bytes'] / 1e6 if t else None, 2)} | {_num(wire)} "
-            f"| {_num(1000 * t['span_s'] if t else None)} | {_num(exposed)} | {hidden_share(wire, exposed)} |")
+            f"| {_num(1000 * t['span_s'] if t else None)} | {_num(exposed)} | {hidden_share(wire, exposed)} |"
+        )
     tails = transfer.get("tail_2k_s") or {}
     if bandwidth:
-        lines += ["", f"KV bandwidth {bandwidth / 1e9:.2f} GB/s ({transfer.get('source')}). Pushed layer by layer, "
-                  "only the last layer's share follows the prefill: the planner puts the exposed tail of a 2048-token "
-                  "prompt at " + ", ".join(f"{1000 * v:.1f} ms (P with {k} thread{'s' if int(k) > 1 else ''})"
-                                            for k, v in tails.items())
-                  + ". The prefill server measures the exposed part itself (histogram "
-                  "`pdserve_transfer_exposed_seconds`: from its last layer computed and first token sampled to the "
-                  "decode server's ack); the hidden share is the wire time less that."]
+        lines += [
+            "",
+            f"KV bandwidth {bandwidth / 1e9:.2f} GB/s ({transfer.get('source')}). Pushed layer by layer, "
+            "only the last layer's share follows the prefill: the planner puts the exposed tail of a 2048-token "
+            "prompt at "
+            + ", ".join(f"{1000 * v:.1f} ms (P with {k} thread{'s' if int(k) > 1 else ''})" for k, v in tails.items())
+            + ". The prefill server measures the exposed part itself (histogram "
+            "`pdserve_transfer_exposed_seconds`: from its last layer computed and first token sampled to the "
+            "decode server's ack); the hidden share is the wire time less that.",
+        ]
     return lines
 
 
@@ -189,14 +232,21 @@ def _engine_section(runs: list) -> list[str]:
     rows = [(r, name, e) for r in runs for name, e in sorted(r.engines.items())]
     if not rows:
         return []
-    lines = ["", "## Engine steps (each server's own counters over the scenario, "
-             "one warmup request per round included)", "",
-             "| scenario | layout | server | prefill steps, mean ms | decode steps, mean ms | mixed steps, mean ms "
-             "| preemptions |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Engine steps (each server's own counters over the scenario, one warmup request per round included)",
+        "",
+        "| scenario | layout | server | prefill steps, mean ms | decode steps, mean ms | mixed steps, mean ms "
+        "| preemptions |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r, name, e in rows:
+
         def cell(kind, e=e):
             return f"{e[kind + '_steps']:.0f}, {_num(e[kind + '_step_ms'])}" if e[kind + "_steps"] else "-"
 
-        lines.append(f"| {r.scenario.name} | {r.layout} | {name} | {cell('prefill')} | {cell('decode')} | "
-                     f"{cell('mixed')} | {e['preemptions']:.0f} |")
+        lines.append(
+            f"| {r.scenario.name} | {r.layout} | {name} | {cell('prefill')} | {cell('decode')} | "
+            f"{cell('mixed')} | {e['preemptions']:.0f} |"
+        )
     return lines

@@ -51,24 +51,48 @@ class Run:
     engines: dict = field(default_factory=dict)  # per server: steps, mean step time by kind, preemptions
 
 
-PROBE = Scenario("probe", "8-token prompts, 16 tokens out, one at a time", Workload.single("8", "16"),
-                 num_requests=5, concurrency=1, idle=True)
-PROBE_BATCH = Scenario("probe-batch", "8-token prompts, 32 tokens out, four at a time", Workload.single("8", "32"),
-                       num_requests=8, concurrency=4)
-PROBE_WIDE = Scenario("probe-wide", "8-token prompts, 32 tokens out, sixteen at a time", Workload.single("8", "32"),
-                      num_requests=32, concurrency=16)
-PROBE_PREFILL = Scenario("probe-prefill", "1024-token prompts (a quarter) among 8-token ones decoding 48 tokens, "
-                         "eight at a time", Workload.mix(["0.25:1024:2", "0.75:8:48"]), num_requests=24, concurrency=8)
+PROBE = Scenario(
+    "probe",
+    "8-token prompts, 16 tokens out, one at a time",
+    Workload.single("8", "16"),
+    num_requests=5,
+    concurrency=1,
+    idle=True,
+)
+PROBE_BATCH = Scenario(
+    "probe-batch",
+    "8-token prompts, 32 tokens out, four at a time",
+    Workload.single("8", "32"),
+    num_requests=8,
+    concurrency=4,
+)
+PROBE_WIDE = Scenario(
+    "probe-wide",
+    "8-token prompts, 32 tokens out, sixteen at a time",
+    Workload.single("8", "32"),
+    num_requests=32,
+    concurrency=16,
+)
+PROBE_PREFILL = Scenario(
+    "probe-prefill",
+    "1024-token prompts (a quarter) among 8-token ones decoding 48 tokens, eight at a time",
+    Workload.mix(["0.25:1024:2", "0.75:8:48"]),
+    num_requests=24,
+    concurrency=8,
+)
 
 
 def _tpot(records: list[RequestRecord]) -> float:
     return statistics.median(r.tpot for r in records)
 
 
-def calibrate(layout: Layout, records: list[RequestRecord],
-              batch_records: list[RequestRecord] | None = None,
-              prefill_records: list[RequestRecord] | None = None,
-              wide_records: list[RequestRecord] | None = None) -> tuple[Layout, dict]:
+def calibrate(
+    layout: Layout,
+    records: list[RequestRecord],
+    batch_records: list[RequestRecord] | None = None,
+    prefill_records: list[RequestRecord] | None = None,
+    wide_records: list[RequestRecord] | None = None,
+) -> tuple[Layout, dict]:
     """Adds the live cluster's fixed costs, measured with tiny requests, to a layout.
 
     The profile times bare engine steps; a server adds a per-step cost (engine
@@ -122,8 +146,12 @@ def calibrate(layout: Layout, records: list[RequestRecord],
     if long:
         scale = _prefill_scale(calibrated, loaded, long)
         calibrated = _scaled_prefill(calibrated, scale)
-    return calibrated, {"step_ms": 1000 * step_gap, "seq_ms": 1000 * seq_gap, "request_ms": 1000 * request_gap,
-                        "prefill_scale": scale}
+    return calibrated, {
+        "step_ms": 1000 * step_gap,
+        "seq_ms": 1000 * seq_gap,
+        "request_ms": 1000 * request_gap,
+        "prefill_scale": scale,
+    }
 
 
 CALIBRATION_PROBES = (PROBE, PROBE_BATCH, PROBE_WIDE, PROBE_PREFILL)
@@ -131,15 +159,22 @@ CALIBRATION_PROBES = (PROBE, PROBE_BATCH, PROBE_WIDE, PROBE_PREFILL)
 
 def calibrate_from_probes(layout: Layout, probes: dict[str, list[RequestRecord]]) -> tuple[Layout, dict]:
     """``calibrate`` from the records of ``CALIBRATION_PROBES``, by probe name."""
-    return calibrate(layout, probes[PROBE.name], probes.get(PROBE_BATCH.name), probes.get(PROBE_PREFILL.name),
-                     probes.get(PROBE_WIDE.name))
+    return calibrate(
+        layout,
+        probes[PROBE.name],
+        probes.get(PROBE_BATCH.name),
+        probes.get(PROBE_PREFILL.name),
+        probes.get(PROBE_WIDE.name),
+    )
 
 
 def _scaled_prefill(layout: Layout, scale: float) -> Layout:
     """The prefilling instances' token and attention costs times ``scale``."""
+
     def live(spec):
-        return replace(spec, cost=replace(spec.cost, per_token=spec.cost.per_token * scale,
-                                          per_attn=spec.cost.per_attn * scale))
+        return replace(
+            spec, cost=replace(spec.cost, per_token=spec.cost.per_token * scale, per_attn=spec.cost.per_attn * scale)
+        )
 
     if layout.prefill:
         return replace(layout, prefill=tuple(map(live, layout.prefill)))
@@ -169,8 +204,15 @@ def _prefill_scale(layout: Layout, records: list[RequestRecord], long: list[int]
 
 
 def measure(url: str, model: str, scenario: Scenario, builder: PromptBuilder, seed: int) -> list[RequestRecord]:
-    config = LoadConfig(url=url, model=model, concurrency=scenario.concurrency, rate=scenario.rate,
-                        num_requests=scenario.num_requests, request_timeout=600.0, seed=seed)
+    config = LoadConfig(
+        url=url,
+        model=model,
+        concurrency=scenario.concurrency,
+        rate=scenario.rate,
+        num_requests=scenario.num_requests,
+        request_timeout=600.0,
+        seed=seed,
+    )
     source = request_source(scenario.workload, builder, "tokens", seed)
     return run_benchmark(config, source, warmup=1, progress=True).records
 
@@ -194,8 +236,12 @@ def predict(layout, scenario: Scenario, records: list[RequestRecord]) -> Summary
 
 def shifted(records: list[RequestRecord], dt: float, first_index: int) -> list[RequestRecord]:
     """Records moved ``dt`` seconds later and renumbered from ``first_index``."""
-    return [replace(r, index=first_index + i, start=r.start + dt, end=r.end + dt,
-                    token_times=[t + dt for t in r.token_times]) for i, r in enumerate(records)]
+    return [
+        replace(
+            r, index=first_index + i, start=r.start + dt, end=r.end + dt, token_times=[t + dt for t in r.token_times]
+        )
+        for i, r in enumerate(records)
+    ]
 
 
 def pooled(rounds: list[list[RequestRecord]]) -> list[RequestRecord]:
@@ -241,9 +287,11 @@ def _transfer_summary(before: dict[str, dict[str, float]], after: dict[str, dict
 
         n = delta("pdserve_transfer_seconds_count")
         if n > 0:
-            out[name] = {"span_s": delta("pdserve_transfer_seconds_sum") / n,
-                         "exposed_s": delta("pdserve_transfer_exposed_seconds_sum") / n,
-                         "bytes": delta("pdserve_transfer_bytes_total") / n}
+            out[name] = {
+                "span_s": delta("pdserve_transfer_seconds_sum") / n,
+                "exposed_s": delta("pdserve_transfer_exposed_seconds_sum") / n,
+                "bytes": delta("pdserve_transfer_bytes_total") / n,
+            }
     return out
 
 
@@ -260,8 +308,9 @@ def engine_activity(before: dict[str, dict[str, float]], after: dict[str, dict[s
         for kind in ("prefill", "decode", "mixed"):
             n = delta(f'pdserve_engine_steps_total{{kind="{kind}"}}')
             row[f"{kind}_steps"] = n
-            row[f"{kind}_step_ms"] = (1000 * delta(f'pdserve_engine_step_seconds_total{{kind="{kind}"}}') / n
-                                      if n else None)
+            row[f"{kind}_step_ms"] = (
+                1000 * delta(f'pdserve_engine_step_seconds_total{{kind="{kind}"}}') / n if n else None
+            )
         out[name] = row
     return out
 
@@ -298,14 +347,22 @@ def calibrate_side(side: Side, ctx: dict) -> None:
     them, pooled with the side's earlier measurements of the same probes: each one is a
     few dozen requests on a shared machine, and the per-step gap read off one set ranged
     from 2 to 26 ms over launches, so more requests beat the most recent ones alone."""
-    side.probe_sets.append({s.name: measure(side.cluster.url, side.cluster.model, s, ctx["builder"], ctx["seed"])
-                            for s in CALIBRATION_PROBES})
+    side.probe_sets.append(
+        {
+            s.name: measure(side.cluster.url, side.cluster.model, s, ctx["builder"], ctx["seed"])
+            for s in CALIBRATION_PROBES
+        }
+    )
     side.probes = {s.name: pooled([probes[s.name] for probes in side.probe_sets]) for s in CALIBRATION_PROBES}
-    side.layout, side.calibration = calibrate_from_probes(ctx["layout_for"](side.cand, side.prefill_threads),
-                                                          side.probes)
-    print(f"   {side.name} calibration: +{side.calibration['step_ms']:.1f} ms per step, "
-          f"+{side.calibration['seq_ms']:.1f} ms per sequence in a step, +{side.calibration['request_ms']:.1f} ms "
-          f"per request, prefill x{side.calibration['prefill_scale']:.2f} of the profile's", flush=True)
+    side.layout, side.calibration = calibrate_from_probes(
+        ctx["layout_for"](side.cand, side.prefill_threads), side.probes
+    )
+    print(
+        f"   {side.name} calibration: +{side.calibration['step_ms']:.1f} ms per step, "
+        f"+{side.calibration['seq_ms']:.1f} ms per sequence in a step, +{side.calibration['request_ms']:.1f} ms "
+        f"per request, prefill x{side.calibration['prefill_scale']:.2f} of the profile's",
+        flush=True,
+    )
 
 
 def calibration_record(side: Side) -> dict:
@@ -329,8 +386,9 @@ def run_scenario(scenario: Scenario, sides: list[Side], ctx: dict) -> list[Run]:
         for side in round_order(sides, k):
             print(f"-- {scenario.name} round {k + 1}: {side.name}", flush=True)
             load0 = os.getloadavg()[0]
-            rounds[side.name].append(measure(side.cluster.url, side.cluster.model, part, ctx["builder"],
-                                             ctx["seed"] + k))
+            rounds[side.name].append(
+                measure(side.cluster.url, side.cluster.model, part, ctx["builder"], ctx["seed"] + k)
+            )
             loads[side.name].append((load0, os.getloadavg()[0]))
     runs = []
     for side in sides:
@@ -339,8 +397,18 @@ def run_scenario(scenario: Scenario, sides: list[Side], ctx: dict) -> list[Run]:
         parts = rounds[side.name]
         activity = engine_activity(before[side.name], after)
         loadavg = (max(a for a, _ in loads[side.name]), max(b for _, b in loads[side.name]))
-        runs.append(Run(side.name, scenario, pooled(parts), summarize_pooled(parts, scenario),
-                        summarize_pooled([simulated(side.layout, scenario, p) for p in parts], scenario),
-                        transfer, loadavg, side.calibration,
-                        [summarize_pooled([p], scenario) for p in parts], activity))
+        runs.append(
+            Run(
+                side.name,
+                scenario,
+                pooled(parts),
+                summarize_pooled(parts, scenario),
+                summarize_pooled([simulated(side.layout, scenario, p) for p in parts], scenario),
+                transfer,
+                loadavg,
+                side.calibration,
+                [summarize_pooled([p], scenario) for p in parts],
+                activity,
+            )
+        )
     return runs

@@ -34,9 +34,13 @@ import time
 from pathlib import Path
 
 DECODE_STREAMS = 8
-CASES = (("decode alone", ("decode",)), ("decode + prefill", ("decode", "prefill")),
-         ("decode + decode", ("decode", "decode")), ("prefill alone", ("prefill",)),
-         ("prefill + decode", ("prefill", "decode")))
+CASES = (
+    ("decode alone", ("decode",)),
+    ("decode + prefill", ("decode", "prefill")),
+    ("decode + decode", ("decode", "decode")),
+    ("prefill alone", ("prefill",)),
+    ("prefill + decode", ("prefill", "decode")),
+)
 
 
 def child(role: str, model: str, seconds: float, prefill_tokens: int) -> None:
@@ -49,16 +53,24 @@ def child(role: str, model: str, seconds: float, prefill_tokens: int) -> None:
     from bench.plan.profile import timed_step
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(model=model, dtype="float32", device="cpu", num_blocks=2048,
-                                    max_num_batched_tokens=max(prefill_tokens, 2048)))
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            dtype="float32",
+            device="cpu",
+            num_blocks=2048,
+            max_num_batched_tokens=max(prefill_tokens, 2048),
+        )
+    )
     rng = np.random.default_rng(0)  # the same streams in every case
     ids = iter(range(10**9))
     vocab = engine.hf_config.vocab_size
 
     def add(length: int, max_tokens: int) -> None:
         prompt = [int(t) for t in rng.integers(3, vocab - 1, size=length)]
-        engine.add_request(f"i{next(ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                   ignore_eos=True))
+        engine.add_request(
+            f"i{next(ids)}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        )
 
     add(64, 2)
     while engine.has_unfinished():
@@ -84,16 +96,33 @@ def child(role: str, model: str, seconds: float, prefill_tokens: int) -> None:
     print(json.dumps(times), flush=True)
 
 
-def run_case(roles: tuple[str, ...], cores: list[int], model: str, seconds: float,
-             prefill_tokens: int) -> list[float]:
+def run_case(roles: tuple[str, ...], cores: list[int], model: str, seconds: float, prefill_tokens: int) -> list[float]:
     """The first role's step times, measured while the others run on the next cores."""
     procs = []
     try:
         for role, core in zip(roles, cores):
-            cmd = [sys.executable, "-m", "bench.compare.interference", "--child", role, "--model", model,
-                   "--seconds", str(seconds), "--prefill-tokens", str(prefill_tokens)]
-            procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                          preexec_fn=lambda c=core: os.sched_setaffinity(0, {c})))
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.compare.interference",
+                "--child",
+                role,
+                "--model",
+                model,
+                "--seconds",
+                str(seconds),
+                "--prefill-tokens",
+                str(prefill_tokens),
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    preexec_fn=lambda c=core: os.sched_setaffinity(0, {c}),
+                )
+            )
         for p in procs:
             if p.stdout.readline().strip() != "ready":
                 raise RuntimeError(f"an engine process failed to start (exit {p.wait()})")
@@ -116,15 +145,22 @@ def summarize(times: list[float]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.compare.interference", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="\n\n".join(__doc__.split("\n\n")[2:]))
-    p.add_argument("--model", metavar="DIR", help="model folder (default: bench compare's ~90M benchmark model, "
-                   "built under runs/models if absent)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.compare.interference",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n\n".join(__doc__.split("\n\n")[2:]),
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="model folder (default: bench compare's ~90M benchmark model, built under runs/models if absent)",
+    )
     p.add_argument("--seconds", type=float, default=20.0, help="measured time per case (default %(default)s)")
     p.add_argument("--cpus", metavar="A,B", default=None, help="two cores (default: the first two allowed)")
-    p.add_argument("--prefill-tokens", type=int, default=2048, help="prompt length of the prefill workload "
-                   "(default %(default)s)")
+    p.add_argument(
+        "--prefill-tokens", type=int, default=2048, help="prompt length of the prefill workload (default %(default)s)"
+    )
     p.add_argument("--json", metavar="OUT", help="also write the results as JSON")
     p.add_argument("--child", choices=["decode", "prefill"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -150,8 +186,11 @@ def main(argv: list[str] | None = None) -> int:
         model = benchmark_model(Path("runs") / "models")
     results = {}
     for i, (name, roles) in enumerate(CASES, 1):
-        print(f"[{i}/{len(CASES)}] {name}: {args.seconds:g} s on cores {cores[:len(roles)]} ...",
-              file=sys.stderr, flush=True)
+        print(
+            f"[{i}/{len(CASES)}] {name}: {args.seconds:g} s on cores {cores[: len(roles)]} ...",
+            file=sys.stderr,
+            flush=True,
+        )
         results[name] = summarize(run_case(roles, cores, model, args.seconds, args.prefill_tokens))
     slowdown = {
         "decode next to prefill": results["decode + prefill"]["mean_ms"] / results["decode alone"]["mean_ms"],
@@ -165,9 +204,20 @@ def main(argv: list[str] | None = None) -> int:
     for name, ratio in slowdown.items():
         print(f"| {name} | {ratio:.2f}x |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": model, "cores": cores, "seconds": args.seconds,
-                                               "prefill_tokens": args.prefill_tokens,
-                                               "cases": results, "slowdown": slowdown}, indent=1) + "\n")
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "model": model,
+                    "cores": cores,
+                    "seconds": args.seconds,
+                    "prefill_tokens": args.prefill_tokens,
+                    "cases": results,
+                    "slowdown": slowdown,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
     return 0
 
 

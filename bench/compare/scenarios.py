@@ -34,19 +34,28 @@ def default_scenarios() -> tuple[Scenario, ...]:
             "prefill-heavy",
             "2048-token prompts (20%) arrive while short requests decode 96 tokens; tight TPOT SLO",
             Workload.mix(["0.2:2048:16", "0.8:uniform(32,128):96"]),
-            num_requests=40, rate=0.25, slo_ttft_ms=20000, slo_tpot_ms=100,
+            num_requests=40,
+            rate=0.25,
+            slo_ttft_ms=20000,
+            slo_tpot_ms=100,
         ),
         Scenario(
             "short",
             "short prompts and answers only: nothing to disaggregate, half the cores per engine",
             Workload.single("uniform(16,64)", "64"),
-            num_requests=40, rate=1.0, slo_ttft_ms=2000, slo_tpot_ms=100,
+            num_requests=40,
+            rate=1.0,
+            slo_ttft_ms=2000,
+            slo_tpot_ms=100,
         ),
         Scenario(
             "idle-2k",
             "one 2048-token prompt at a time on an idle cluster: TTFT and the transfer it hides",
             Workload.single("2048", "4"),
-            num_requests=3, concurrency=1, idle=True, rounds=3,
+            num_requests=3,
+            concurrency=1,
+            idle=True,
+            rounds=3,
         ),
     )
 
@@ -95,8 +104,9 @@ class EngineKnobs:
     prefix_caching: bool = EngineConfig.prefix_caching
 
 
-def cluster_config(cand: Candidate, model: str, ports: list[int], knobs: EngineKnobs,
-                   prefill_threads: int | None = None) -> dict:
+def cluster_config(
+    cand: Candidate, model: str, ports: list[int], knobs: EngineKnobs, prefill_threads: int | None = None
+) -> dict:
     """A cluster YAML (as a dict) for ``pdserve launch``.
 
     ``ports``: one for the router, then one per instance (its KV port is the
@@ -105,11 +115,21 @@ def cluster_config(cand: Candidate, model: str, ports: list[int], knobs: EngineK
     """
     if len(ports) < 1 + cand.instances:
         raise ValueError(f"{cand.name} needs {1 + cand.instances} ports, got {len(ports)}")
-    engine = {"num_threads": cand.threads, "block_size": knobs.block_size, "kv_cache_bytes": knobs.kv_cache_bytes,
-              "max_num_seqs": knobs.max_num_seqs, "max_num_batched_tokens": knobs.max_num_batched_tokens,
-              "prefix_caching": knobs.prefix_caching}
-    data: dict = {"model": model, "dtype": "float32", "device": "cpu", "engine": engine,
-                  "router": {"port": ports[0], "health_interval_s": 1.0}}
+    engine = {
+        "num_threads": cand.threads,
+        "block_size": knobs.block_size,
+        "kv_cache_bytes": knobs.kv_cache_bytes,
+        "max_num_seqs": knobs.max_num_seqs,
+        "max_num_batched_tokens": knobs.max_num_batched_tokens,
+        "prefix_caching": knobs.prefix_caching,
+    }
+    data: dict = {
+        "model": model,
+        "dtype": "float32",
+        "device": "cpu",
+        "engine": engine,
+        "router": {"port": ports[0], "health_interval_s": 1.0},
+    }
     free = iter(ports[1:])
     if cand.num_prefill == 0:
         data["colocated"] = [{"name": f"c{i}", "port": next(free)} for i in range(cand.num_serving)]

@@ -74,8 +74,9 @@ def replay(folder: Path, profile_path: str | None = None) -> list[Replayed]:
     meta = data["meta"]
     missing = [k for k in ("settings", "layouts", "profile") if k not in meta]
     if missing:
-        raise ValueError(f"{folder}/sweep.json has no {', '.join(missing)}: written by an older pdserve, "
-                         "rerun the sweep")
+        raise ValueError(
+            f"{folder}/sweep.json has no {', '.join(missing)}: written by an older pdserve, rerun the sweep"
+        )
     profile = Profile.load(profile_path or meta["profile"])
     out = []
     for sc in data["scenarios"]:
@@ -120,23 +121,39 @@ def format_replay(results: list[Replayed], show_steps: bool = False) -> str:
     lines = []
     for r in results:
         names = list(r.predicted)
-        lines += [f"## {r.scenario}", "", "| rate (req/s) | " + " | ".join(f"{n} measured (predicted)" for n in names)
-                  + " |", "|---|" + "---|" * len(names)]
+        lines += [
+            f"## {r.scenario}",
+            "",
+            "| rate (req/s) | " + " | ".join(f"{n} measured (predicted)" for n in names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
         for rate in sorted(next(iter(r.predicted.values()))):
-            lines.append(f"| {rate:g} | " + " | ".join(
-                f"{fmt_pct(r.measured[n].get(rate)) if rate in r.measured[n] else 'not run'} "
-                f"({fmt_pct(r.predicted[n][rate])})" for n in names) + " |")
+            lines.append(
+                f"| {rate:g} | "
+                + " | ".join(
+                    f"{fmt_pct(r.measured[n].get(rate)) if rate in r.measured[n] else 'not run'} "
+                    f"({fmt_pct(r.predicted[n][rate])})"
+                    for n in names
+                )
+                + " |"
+            )
         meas, pred = r.crossings(False), r.crossings(True)
-        lines += ["", "| layout | measured crossing | predicted crossing | predicted vs measured |",
-                  "|---|---|---|---|"]
+        lines += [
+            "",
+            "| layout | measured crossing | predicted crossing | predicted vs measured |",
+            "|---|---|---|---|",
+        ]
         for n in names:
             err = "-" if not meas[n] or pred[n] is None else f"{100 * (pred[n] / meas[n] - 1):+.0f}%"
             lines.append(f"| {n} | {fmt_num(meas[n])} | {fmt_num(pred[n])} | {err} |")
         lines.append("")
         if show_steps and r.steps:
-            lines += [f"Engine steps, {r.scenario}: count and mean ms by kind, measured (simulated)", "",
-                      "| rate (req/s) | layout | server | " + " | ".join(STEP_KINDS) + " |",
-                      "|---|---|---|" + "---|" * len(STEP_KINDS)]
+            lines += [
+                f"Engine steps, {r.scenario}: count and mean ms by kind, measured (simulated)",
+                "",
+                "| rate (req/s) | layout | server | " + " | ".join(STEP_KINDS) + " |",
+                "|---|---|---|" + "---|" * len(STEP_KINDS),
+            ]
             for rate, by_layout in sorted(r.steps.items()):
                 for name, servers in by_layout.items():
                     for server, kinds in servers.items():
@@ -158,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.compare.sweep_replay", description=__doc__.split("\n\n")[0])
     p.add_argument("folder", help="a sweep's --out folder (with sweep.json)")
     p.add_argument("--profile", metavar="FILE", help="profile to simulate with (default: the one the sweep used)")
-    p.add_argument("--steps", action="store_true",
-                   help="also each server's engine steps by kind per rate, measured vs simulated: where the cost "
-                        "model is off")
+    p.add_argument(
+        "--steps",
+        action="store_true",
+        help="also each server's engine steps by kind per rate, measured vs simulated: where the cost model is off",
+    )
     args = p.parse_args(argv)
     try:
         results = replay(Path(args.folder), args.profile)

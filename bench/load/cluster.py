@@ -159,10 +159,24 @@ def launch(config: Path, run_dir: Path, cores: list[int], timeout: float = 600.0
     manifest_path = run_dir / "cluster.json"
     manifest_path.unlink(missing_ok=True)
     log = open(run_dir / "launcher.log", "ab")
-    cmd = [sys.executable, "-m", "deploy.cli", "launch", str(config), "--run-dir", str(run_dir),
-           "--health-timeout", str(timeout)]
-    launcher = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=lambda: os.sched_setaffinity(0, cores))
+    cmd = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "launch",
+        str(config),
+        "--run-dir",
+        str(run_dir),
+        "--health-timeout",
+        str(timeout),
+    ]
+    launcher = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=lambda: os.sched_setaffinity(0, cores),
+    )
     log.close()
     manifest: dict = {"processes": []}
     try:

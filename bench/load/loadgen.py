@@ -112,9 +112,7 @@ def _is_token_event(obj: dict, chat: bool) -> bool:
     return delta.get("content") is not None and not (delta.get("role") and not delta.get("content"))
 
 
-async def send_request(
-    client: httpx.AsyncClient, config: LoadConfig, req: PreparedRequest, t0: float
-) -> RequestRecord:
+async def send_request(client: httpx.AsyncClient, config: LoadConfig, req: PreparedRequest, t0: float) -> RequestRecord:
     """Sends one streaming request; times are seconds since ``t0``."""
     rec = RequestRecord(req.index, req.prompt_len, req.max_tokens, start=time.perf_counter() - t0)
     chat = config.endpoint == CHAT

@@ -79,8 +79,7 @@ class PromptBuilder:
         target = num_tokens - self.num_special
         if target < 1:
             raise ValueError(
-                f"prompt length {num_tokens} is too short: the tokenizer adds "
-                f"{self.num_special} special tokens"
+                f"prompt length {num_tokens} is too short: the tokenizer adds {self.num_special} special tokens"
             )
         words = [self.pool[i][1] for i in rng.integers(0, len(self.pool), size=target)]
         # The first word keeps its leading space: "hello" and " hello" are different
@@ -92,7 +91,7 @@ class PromptBuilder:
                 return Prompt(text, ids)
             excess = len(ids) - num_tokens  # each word is about one token
             if excess > 0:
-                del words[max(1, len(words) - excess):]
+                del words[max(1, len(words) - excess) :]
             else:
                 words.extend(self.pool[i][1] for i in rng.integers(0, len(self.pool), size=-excess))
         raise ValueError(
@@ -111,6 +110,8 @@ class PromptBuilder:
         text = "".join(words)
         ids = self.tokenizer.encode(text)
         if len(ids) != self.num_special + len(words):
-            raise ValueError(f"words of this tokenizer did not encode one token each ({len(ids)} tokens for "
-                             f"{len(words)} words); use another tokenizer")
+            raise ValueError(
+                f"words of this tokenizer did not encode one token each ({len(ids)} tokens for "
+                f"{len(words)} words); use another tokenizer"
+            )
         return Prompt(text, ids)

@@ -42,8 +42,12 @@ def format_summary(summary: Summary, title: str = "Serving benchmark") -> str:
         row("Goodput (req/s):", _fmt(summary.goodput, 3))
         lines.append(f"  requests meeting {' and '.join(slo)}")
         row("SLO attainment (%):", _fmt(100 * summary.slo_attainment, 1))
-    for name, stats in (("TTFT", summary.ttft), ("TPOT", summary.tpot),
-                        ("ITL", summary.itl), ("E2E latency", summary.e2e)):
+    for name, stats in (
+        ("TTFT", summary.ttft),
+        ("TPOT", summary.tpot),
+        ("ITL", summary.itl),
+        ("E2E latency", summary.e2e),
+    ):
         lines.append(f"{f' {name} (ms) ':-^{width}}")
         for label in ("mean", "p50", "p90", "p99", "max"):
             row(f"{label}:", _fmt(getattr(stats, label)))
@@ -56,8 +60,7 @@ def format_summary(summary: Summary, title: str = "Serving benchmark") -> str:
 def prompt_length_mismatches(records: list[RequestRecord]) -> int:
     """Completed requests whose server-counted prompt differs from ours."""
     return sum(
-        1 for r in records
-        if r.ok and r.server_prompt_tokens is not None and r.server_prompt_tokens != r.prompt_len
+        1 for r in records if r.ok and r.server_prompt_tokens is not None and r.server_prompt_tokens != r.prompt_len
     )
 
 

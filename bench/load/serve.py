@@ -30,43 +30,86 @@ from bench.load.workload import LengthDist, RequestSpec, Workload, load_jsonl
 def add_arguments(p: argparse.ArgumentParser) -> None:
     target = p.add_argument_group("target")
     target.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
-    target.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", CHAT],
-                        help="the API to load (default %(default)s)")
+    target.add_argument(
+        "--endpoint",
+        default="/v1/completions",
+        choices=["/v1/completions", CHAT],
+        help="the API to load (default %(default)s)",
+    )
     target.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     target.add_argument("--api-key", metavar="KEY", help="sent as a Bearer token")
-    target.add_argument("--tokenizer", metavar="DIR",
-                        help="local tokenizer folder (default: the model folder /v1/models reports, if local)")
+    target.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="local tokenizer folder (default: the model folder /v1/models reports, if local)",
+    )
     load = p.add_argument_group("load")
-    load.add_argument("--concurrency", type=int, metavar="N",
-                      help="requests in flight (closed loop; a cap with --rate)")
+    load.add_argument(
+        "--concurrency", type=int, metavar="N", help="requests in flight (closed loop; a cap with --rate)"
+    )
     load.add_argument("--rate", type=float, metavar="R", help="Poisson arrivals per second ('inf': all at once)")
     load.add_argument("--num-requests", type=int, metavar="N", help="stop after this many requests")
     load.add_argument("--duration", type=float, metavar="S", help="stop starting requests after this many seconds")
     load.add_argument("--warmup", type=int, default=0, metavar="N", help="unmeasured requests sent first (default 0)")
-    load.add_argument("--request-timeout", type=float, default=300.0, metavar="S",
-                      help="seconds per request (default 300)")
+    load.add_argument(
+        "--request-timeout", type=float, default=300.0, metavar="S", help="seconds per request (default 300)"
+    )
     work = p.add_argument_group("workload")
-    work.add_argument("--prompt-len", default="512", metavar="SPEC",
-                      help="N, uniform(LO,HI) or normal(MEAN,STD) tokens (default %(default)s)")
+    work.add_argument(
+        "--prompt-len",
+        default="512",
+        metavar="SPEC",
+        help="N, uniform(LO,HI) or normal(MEAN,STD) tokens (default %(default)s)",
+    )
     work.add_argument("--output-len", default="128", metavar="SPEC", help="same forms (default %(default)s)")
-    work.add_argument("--mix", action="append", metavar="W:PROMPT:OUTPUT",
-                      help="a request class (repeat for a mix, e.g. --mix 0.2:2048:16 --mix 0.8:64:128)")
+    work.add_argument(
+        "--mix",
+        action="append",
+        metavar="W:PROMPT:OUTPUT",
+        help="a request class (repeat for a mix, e.g. --mix 0.2:2048:16 --mix 0.8:64:128)",
+    )
     work.add_argument("--dataset", metavar="FILE", help='JSONL of {"prompt": ..., "max_tokens": N}')
-    work.add_argument("--shared-prefix", type=int, metavar="TOKENS",
-                      help="every prompt starts with one of --prefix-groups shared prefixes of TOKENS tokens, "
-                           "then a question of --prompt-len tokens (bench/load/prefix_workload.py)")
-    work.add_argument("--prefix-groups", type=int, default=1, metavar="G",
-                      help="distinct shared prefixes, request i takes prefix i %% G (default 1)")
-    work.add_argument("--multi-turn", type=int, metavar="N",
-                      help="chats of N turns: each prompt is the chat's earlier questions and answers "
-                           "(--prompt-len and --output-len tokens each) and a new question")
-    work.add_argument("--conversations", type=int, default=8, metavar="C",
-                      help="chats run side by side with --multi-turn (default 8; keep >= --concurrency)")
-    work.add_argument("--prompt-format", choices=["text", "tokens"], default="text",
-                      help="send verified exact-length text or token-id lists (default text)")
+    work.add_argument(
+        "--shared-prefix",
+        type=int,
+        metavar="TOKENS",
+        help="every prompt starts with one of --prefix-groups shared prefixes of TOKENS tokens, "
+        "then a question of --prompt-len tokens (bench/load/prefix_workload.py)",
+    )
+    work.add_argument(
+        "--prefix-groups",
+        type=int,
+        default=1,
+        metavar="G",
+        help="distinct shared prefixes, request i takes prefix i %% G (default 1)",
+    )
+    work.add_argument(
+        "--multi-turn",
+        type=int,
+        metavar="N",
+        help="chats of N turns: each prompt is the chat's earlier questions and answers "
+        "(--prompt-len and --output-len tokens each) and a new question",
+    )
+    work.add_argument(
+        "--conversations",
+        type=int,
+        default=8,
+        metavar="C",
+        help="chats run side by side with --multi-turn (default 8; keep >= --concurrency)",
+    )
+    work.add_argument(
+        "--prompt-format",
+        choices=["text", "tokens"],
+        default="text",
+        help="send verified exact-length text or token-id lists (default text)",
+    )
     work.add_argument("--temperature", type=float, default=0.0, help="default 0 (greedy)")
-    work.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                      help="do not send ignore_eos (output may stop before max_tokens)")
+    work.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="do not send ignore_eos (output may stop before max_tokens)",
+    )
     work.add_argument("--extra-body", default="{}", metavar="JSON", help="extra fields merged into each body")
     work.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts and arrivals")
     out = p.add_argument_group("results")
@@ -74,14 +117,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--slo-tpot-ms", type=float, metavar="MS", help="TPOT SLO for goodput")
     out.add_argument("--json", metavar="FILE", help="write summary and per-request results")
     out.add_argument("--plot-dir", metavar="DIR", help="write latency_cdf.png and tpot_over_time.png")
-    out.add_argument("--timeline", metavar="PNG",
-                     help="draw where each request's time went (router wait, reservation, prefill queue and "
-                          "compute, KV after compute, decode) from the servers' /debug/timeline")
-    out.add_argument("--internal-secret-file", metavar="FILE",
-                     help="the cluster's internal secret, for --timeline when the cluster sets one")
-    out.add_argument("--run-dir", metavar="DIR",
-                     help="for --timeline: the run folder of the cluster's `pdserve launch`, whose generated "
-                          "internal secret it reads (when no --internal-secret-file)")
+    out.add_argument(
+        "--timeline",
+        metavar="PNG",
+        help="draw where each request's time went (router wait, reservation, prefill queue and "
+        "compute, KV after compute, decode) from the servers' /debug/timeline",
+    )
+    out.add_argument(
+        "--internal-secret-file",
+        metavar="FILE",
+        help="the cluster's internal secret, for --timeline when the cluster sets one",
+    )
+    out.add_argument(
+        "--run-dir",
+        metavar="DIR",
+        help="for --timeline: the run folder of the cluster's `pdserve launch`, whose generated "
+        "internal secret it reads (when no --internal-secret-file)",
+    )
     out.add_argument("--label", default="run", help="name of this run in reports")
     out.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
 
@@ -104,11 +156,11 @@ def prefix_workload(args: argparse.Namespace) -> PrefixWorkload | None:
         raise ValueError("--shared-prefix and --multi-turn are separate workloads: pick one")
     question, output = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
     if args.shared_prefix is not None:
-        return PrefixWorkload("shared_prefix", question, output, shared_tokens=args.shared_prefix,
-                              groups=args.prefix_groups)
+        return PrefixWorkload(
+            "shared_prefix", question, output, shared_tokens=args.shared_prefix, groups=args.prefix_groups
+        )
     if args.multi_turn is not None:
-        return PrefixWorkload("multi_turn", question, output, turns=args.multi_turn,
-                              conversations=args.conversations)
+        return PrefixWorkload("multi_turn", question, output, turns=args.multi_turn, conversations=args.conversations)
     return None
 
 
@@ -149,8 +201,7 @@ def run_benchmark(config: LoadConfig, source, warmup: int = 0, progress: bool = 
     from tqdm import tqdm
 
     source(0)  # fail fast on a prompt the tokenizer cannot build
-    bar = tqdm(total=config.num_requests, unit="req", disable=not progress, file=sys.stderr,
-               desc="requests")
+    bar = tqdm(total=config.num_requests, unit="req", disable=not progress, file=sys.stderr, desc="requests")
 
     failed = 0
 
@@ -176,8 +227,10 @@ def timeline_headers(args: argparse.Namespace) -> dict | None:
     elif args.run_dir:
         generated = Path(args.run_dir) / "internal_secret"
         if not generated.is_file():
-            raise ValueError(f"--run-dir {args.run_dir} holds no internal_secret: the config names its own "
-                             "(pass --internal-secret-file)")
+            raise ValueError(
+                f"--run-dir {args.run_dir} holds no internal_secret: the config names its own "
+                "(pass --internal-secret-file)"
+            )
         secret = generated.read_text().strip()
     secret = secret or args.api_key
     return {"Authorization": f"Bearer {secret}"} if secret else None
@@ -187,8 +240,9 @@ def draw_timeline(args: argparse.Namespace, records) -> str:
     """Fetch the processes' timelines, draw ``args.timeline``, and say which stage dominated."""
     from bench.load import timeline
 
-    stages = timeline.join(timeline.fetch(args.url, timeline_headers(args)),
-                           [r.request_id for r in records if r.ok and r.request_id])
+    stages = timeline.join(
+        timeline.fetch(args.url, timeline_headers(args)), [r.request_id for r in records if r.ok and r.request_id]
+    )
     path = timeline.plot(stages, args.timeline, title=f"{args.label}: {len(stages)} requests")
     return f"{timeline.summary_line(stages)}\nplot: {path}"
 
@@ -219,10 +273,19 @@ def run(args: argparse.Namespace) -> int:
     if concurrency is None and args.rate is None:
         concurrency = 1
     config = LoadConfig(
-        url=args.url, model=model, endpoint=args.endpoint, concurrency=concurrency, rate=args.rate,
-        num_requests=args.num_requests, duration=args.duration, request_timeout=args.request_timeout,
-        temperature=args.temperature, ignore_eos=args.ignore_eos, extra_body=extra,
-        api_key=args.api_key, seed=args.seed,
+        url=args.url,
+        model=model,
+        endpoint=args.endpoint,
+        concurrency=concurrency,
+        rate=args.rate,
+        num_requests=args.num_requests,
+        duration=args.duration,
+        request_timeout=args.request_timeout,
+        temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
+        extra_body=extra,
+        api_key=args.api_key,
+        seed=args.seed,
     )
     if args.timeline:  # a refusal now, not after the whole run
         from bench.load import timeline
@@ -236,16 +299,21 @@ def run(args: argparse.Namespace) -> int:
     if mismatches:
         print(f"note: the server counted a different prompt length for {mismatches} request(s)")
     if args.json:
-        described = asdict(config) | {"api_key": None,
-                                      "workload": str(workload) if isinstance(workload, (Workload, PrefixWorkload))
-                                      else args.dataset, "prompt_format": args.prompt_format,
-                                      "warmup": args.warmup, "label": args.label}
+        described = asdict(config) | {
+            "api_key": None,
+            "workload": str(workload) if isinstance(workload, (Workload, PrefixWorkload)) else args.dataset,
+            "prompt_format": args.prompt_format,
+            "warmup": args.warmup,
+            "label": args.label,
+        }
         write_json(args.json, described, summary, result.records)
         print(f"results: {args.json}")
     if args.plot_dir:  # the plots first: the timeline asks the cluster again, which may have gone
         runs = {args.label: result.records}
-        for path in (plot_latency_cdfs(runs, Path(args.plot_dir) / "latency_cdf.png"),
-                     plot_tpot_over_time(runs, Path(args.plot_dir) / "tpot_over_time.png")):
+        for path in (
+            plot_latency_cdfs(runs, Path(args.plot_dir) / "latency_cdf.png"),
+            plot_tpot_over_time(runs, Path(args.plot_dir) / "tpot_over_time.png"),
+        ):
             print(f"plot: {path}")
     if args.timeline:
         print(draw_timeline(args, result.records))

@@ -28,8 +28,15 @@ from pathlib import Path
 
 import httpx
 
-STAGES = ("router wait", "reservation", "prefill queue", "prefill compute", "KV after compute", "prefill on D",
-          "decode")
+STAGES = (
+    "router wait",
+    "reservation",
+    "prefill queue",
+    "prefill compute",
+    "KV after compute",
+    "prefill on D",
+    "decode",
+)
 COLORS = ("#9e9e9e", "#8d6e63", "#ffb74d", "#e65100", "#7b1fa2", "#c62828", "#1976d2")
 
 
@@ -64,8 +71,10 @@ def _timeline(http: httpx.Client, who: str, url: str) -> list[dict]:
     except httpx.HTTPError as exc:
         raise ValueError(f"{who} at {url} did not answer /debug/timeline ({exc!r})") from None
     if resp.status_code != 200:
-        raise ValueError(f"{who} answered /debug/timeline with HTTP {resp.status_code}: the timeline needs the "
-                         "cluster's internal secret (--internal-secret-file, or --run-dir of its launch)")
+        raise ValueError(
+            f"{who} answered /debug/timeline with HTTP {resp.status_code}: the timeline needs the "
+            "cluster's internal secret (--internal-secret-file, or --run-dir of its launch)"
+        )
     return resp.json()["requests"]
 
 
@@ -147,8 +156,12 @@ def plot(requests: list[RequestStages], path: str | Path, title: str = "") -> Pa
     ax.set_title(f"{title}\n{head}" if title else head, fontsize=10)
     t = totals(requests)
     n = max(len(requests), 1)
-    ax.legend(handles=[Patch(color=c, label=f"{s}: mean {t[s] / n * 1000:.0f} ms") for s, c in zip(STAGES, COLORS)],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    ax.legend(
+        handles=[Patch(color=c, label=f"{s}: mean {t[s] / n * 1000:.0f} ms") for s, c in zip(STAGES, COLORS)],
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1.0),
+        fontsize=8,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

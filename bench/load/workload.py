@@ -37,9 +37,7 @@ class LengthDist:
     def parse(cls, spec: str) -> LengthDist:
         m = _SPEC.match(str(spec))
         if not m:
-            raise ValueError(
-                f"bad length spec {spec!r}: use N, uniform(LO,HI) or normal(MEAN,STD)"
-            )
+            raise ValueError(f"bad length spec {spec!r}: use N, uniform(LO,HI) or normal(MEAN,STD)")
         if m.group(1) is not None:
             value = int(m.group(1))
             if value < 1:

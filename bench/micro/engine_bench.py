@@ -25,8 +25,18 @@ import torch
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.make_model import TinySpec, make_tiny
 
-BENCH_SPEC = TinySpec(arch="qwen3", layers=12, hidden=768, heads=12, kv_heads=4, head_dim=64, intermediate=2048,
-                      vocab=16384, max_positions=4096, init_std=0.05)
+BENCH_SPEC = TinySpec(
+    arch="qwen3",
+    layers=12,
+    hidden=768,
+    heads=12,
+    kv_heads=4,
+    head_dim=64,
+    intermediate=2048,
+    vocab=16384,
+    max_positions=4096,
+    init_std=0.05,
+)
 
 
 def _prompt(n: int, salt: int = 0) -> list[int]:
@@ -39,8 +49,9 @@ class Bench:
 
         torch.set_num_threads(threads)
         self.repeats = repeats
-        self.engine = LLMEngine(EngineConfig(model=model, num_blocks=2048, block_size=16, max_num_seqs=64,
-                                             max_num_batched_tokens=4096))
+        self.engine = LLMEngine(
+            EngineConfig(model=model, num_blocks=2048, block_size=16, max_num_seqs=64, max_num_batched_tokens=4096)
+        )
         self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
 
     def _engine_generate(self, prompts, max_tokens) -> float:
@@ -52,8 +63,13 @@ class Bench:
         ids = torch.tensor(prompts)
         start = time.perf_counter()
         with torch.no_grad():
-            self.hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, do_sample=False)
+            self.hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+            )
         return time.perf_counter() - start
 
     def _median_pair(self, fn_engine, fn_hf) -> tuple[float, float]:
@@ -66,10 +82,12 @@ class Bench:
 
     def decode(self, batch: int, new_tokens: int = 64, prompt_len: int = 32) -> dict:
         prompts = [_prompt(prompt_len, s) for s in range(batch)]
-        e_full, h_full = self._median_pair(lambda: self._engine_generate(prompts, new_tokens),
-                                           lambda: self._hf_generate(prompts, new_tokens))
-        e_one, h_one = self._median_pair(lambda: self._engine_generate(prompts, 1),
-                                         lambda: self._hf_generate(prompts, 1))
+        e_full, h_full = self._median_pair(
+            lambda: self._engine_generate(prompts, new_tokens), lambda: self._hf_generate(prompts, new_tokens)
+        )
+        e_one, h_one = self._median_pair(
+            lambda: self._engine_generate(prompts, 1), lambda: self._hf_generate(prompts, 1)
+        )
         tokens = batch * (new_tokens - 1)
         e_tps, h_tps = tokens / (e_full - e_one), tokens / (h_full - h_one)
         return {"batch": batch, "engine_tok_s": e_tps, "hf_tok_s": h_tps, "ratio": e_tps / h_tps}
@@ -89,8 +107,9 @@ class Bench:
         while added < num or self.engine.has_unfinished():
             now = time.perf_counter() - start
             while added < num and added * gap_s <= now:
-                self.engine.add_request(f"s{added}", prompts[added],
-                                        SamplingParams(max_tokens=outs[added], temperature=0, ignore_eos=True))
+                self.engine.add_request(
+                    f"s{added}", prompts[added], SamplingParams(max_tokens=outs[added], temperature=0, ignore_eos=True)
+                )
                 added += 1
             if self.engine.has_unfinished():
                 self.engine.step()
@@ -103,11 +122,15 @@ class Bench:
             wait = arrival_of_last - (time.perf_counter() - start)
             if wait > 0:
                 time.sleep(wait)
-            self._hf_generate(prompts[b:b + hf_batch], max(outs[b:b + hf_batch]))
+            self._hf_generate(prompts[b : b + hf_batch], max(outs[b : b + hf_batch]))
         hf_s = time.perf_counter() - start
-        return {"requests": num, "useful_tokens": useful, "engine_tok_s": useful / engine_s,
-                "hf_tok_s": useful / hf_s, "ratio": hf_s / engine_s}
-
+        return {
+            "requests": num,
+            "useful_tokens": useful,
+            "engine_tok_s": useful / engine_s,
+            "hf_tok_s": useful / hf_s,
+            "ratio": hf_s / engine_s,
+        }
 
     def mixed_context_decode(self, short: int = 64, long: int = 2048, steps: int = 32) -> dict:
         """Decode steps of 3 short contexts next to 1 long one: padded per group of
@@ -130,10 +153,13 @@ class Bench:
             finally:
                 attention.GROUP_MIN_EXTRA = saved
 
-        grouped, padded = self._median_pair(lambda: step_time(attention.GROUP_MIN_EXTRA),
-                                            lambda: step_time(1 << 30))
-        return {"contexts": [short] * 3 + [long], "grouped_step_ms": 1000 * grouped,
-                "one_padded_batch_step_ms": 1000 * padded, "ratio": grouped / padded}
+        grouped, padded = self._median_pair(lambda: step_time(attention.GROUP_MIN_EXTRA), lambda: step_time(1 << 30))
+        return {
+            "contexts": [short] * 3 + [long],
+            "grouped_step_ms": 1000 * grouped,
+            "one_padded_batch_step_ms": 1000 * padded,
+            "ratio": grouped / padded,
+        }
 
 
 def peak_rss_smollm2(threads: int) -> dict:
@@ -185,8 +211,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m bench.micro.engine_bench") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

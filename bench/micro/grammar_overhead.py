@@ -29,9 +29,20 @@ from engine.make_model import make_tiny
 from engine.request import StructuredSpec
 
 # Open-ended enough that a random model keeps writing: a list of free strings and numbers.
-SCHEMA = {"type": "object", "properties": {"items": {"type": "array", "items": {
-    "type": "object", "properties": {"name": {"type": "string"}, "score": {"type": "number"}},
-    "required": ["name", "score"]}}}, "required": ["items"]}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {"name": {"type": "string"}, "score": {"type": "number"}},
+                "required": ["name", "score"],
+            },
+        }
+    },
+    "required": ["items"],
+}
 
 
 def decode_time(engine: LLMEngine, prompts: list[list[int]], sampling: SamplingParams, ids) -> tuple[float, int]:
@@ -51,8 +62,9 @@ def decode_time(engine: LLMEngine, prompts: list[list[int]], sampling: SamplingP
 def measure(engine: LLMEngine, batch: int, max_tokens: int, repeats: int) -> dict:
     prompts = [_prompt(32, salt) for salt in range(batch)]
     free = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=max_tokens, temperature=0,
-                                 structured=StructuredSpec("json_schema", json.dumps(SCHEMA)))
+    constrained = SamplingParams(
+        max_tokens=max_tokens, temperature=0, structured=StructuredSpec("json_schema", json.dumps(SCHEMA))
+    )
     ids = itertools.count()
     decode_time(engine, prompts, free, ids), decode_time(engine, prompts, constrained, ids)  # warm-up
     runs = {"free": [], "grammar": []}
@@ -63,8 +75,14 @@ def measure(engine: LLMEngine, batch: int, max_tokens: int, repeats: int) -> dic
             runs[name].append(seconds / n * 1e3)
             tokens[name] = n
     free_ms, grammar_ms = statistics.median(runs["free"]), statistics.median(runs["grammar"])
-    return {"batch": batch, "free_ms_per_token": round(free_ms, 4), "grammar_ms_per_token": round(grammar_ms, 4),
-            "ratio": round(grammar_ms / free_ms, 3), "free_tokens": tokens["free"], "grammar_tokens": tokens["grammar"]}
+    return {
+        "batch": batch,
+        "free_ms_per_token": round(free_ms, 4),
+        "grammar_ms_per_token": round(grammar_ms, 4),
+        "ratio": round(grammar_ms / free_ms, 3),
+        "free_tokens": tokens["free"],
+        "grammar_tokens": tokens["grammar"],
+    }
 
 
 def mask_cost(engine: LLMEngine, batch: int, steps: int) -> float:
@@ -101,17 +119,30 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_tiny(tmp, BENCH_SPEC))
-        engine = LLMEngine(EngineConfig(model=model, num_blocks=2048, block_size=16, max_num_seqs=64,
-                                        max_num_batched_tokens=4096, num_threads=args.threads, device=args.device))
+        engine = LLMEngine(
+            EngineConfig(
+                model=model,
+                num_blocks=2048,
+                block_size=16,
+                max_num_seqs=64,
+                max_num_batched_tokens=4096,
+                num_threads=args.threads,
+                device=args.device,
+            )
+        )
         rows = [measure(engine, int(b), args.tokens, args.repeats) for b in args.batch.split(",")]
         for r in rows:
             r["mask_only_ms_per_token"] = round(mask_cost(engine, r["batch"], args.tokens), 4)
-    print(f"{'batch':>5} {'free ms/tok':>12} {'grammar ms/tok':>15} {'ratio':>6} {'tokens free/grammar':>20} "
-          f"{'mask+feed ms/tok':>17}")
+    print(
+        f"{'batch':>5} {'free ms/tok':>12} {'grammar ms/tok':>15} {'ratio':>6} {'tokens free/grammar':>20} "
+        f"{'mask+feed ms/tok':>17}"
+    )
     for r in rows:
-        print(f"{r['batch']:>5} {r['free_ms_per_token']:>12.3f} {r['grammar_ms_per_token']:>15.3f} "
-              f"{r['ratio']:>6.2f} {r['free_tokens']:>10}/{r['grammar_tokens']:<9} "
-              f"{r['mask_only_ms_per_token']:>17.4f}")
+        print(
+            f"{r['batch']:>5} {r['free_ms_per_token']:>12.3f} {r['grammar_ms_per_token']:>15.3f} "
+            f"{r['ratio']:>6.2f} {r['free_tokens']:>10}/{r['grammar_tokens']:<9} "
+            f"{r['mask_only_ms_per_token']:>17.4f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model": args.model or "bench-90M", "device": args.device, "rows": rows}, f, indent=1)

@@ -57,8 +57,17 @@ CHAINED = "\n".join(["start: r0"] + [f"r{i}: r{i + 1}" for i in range(2999)] + [
 ATTACKS = (  # (name, request body fields, copies sent at once, times sent)
     ("chained grammar", {"guided_grammar": CHAINED}, 1, 5),
     ("ambiguous n=16", {"guided_grammar": 'start: e\ne: e e | "a"', "n": 16, "max_tokens": 8}, 1, 1),
-    ("anyOf 3000", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "anyOf": [{"const": i} for i in range(3000)]}}}}, 1, 1),
+    (
+        "anyOf 3000",
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"anyOf": [{"const": i} for i in range(3000)]}},
+            }
+        },
+        1,
+        1,
+    ),
     ("deep guided_json", {"guided_json": '{"items":' * 3000 + '{"type":"integer"}' + "}" * 3000}, 1, 1),
     ("8 x 4 MB prompts", {"prompt": "lorem ipsum " * 340_000}, 8, 1),
     ("forced grammar", {"guided_grammar": 'start: a\na: "?" a'}, 1, 5),
@@ -66,13 +75,35 @@ ATTACKS = (  # (name, request body fields, copies sent at once, times sent)
     ("n=16 KV hog", {"prompt": token_ids(2000), "n": 16, "max_tokens": 2000, "ignore_eos": True}, 1, 1),
     ("two greedy n=8", {"prompt": token_ids(1000), "n": 8, "max_tokens": 376, "ignore_eos": True}, 2, 1),
     ("4 x scored 4000", {"prompt": token_ids(4000), "echo": True, "logprobs": 1, "max_tokens": 1}, 4, 1),
-    ("2000 tools", {"messages": [{"role": "user", "content": "hi"}], "tools": [
-        {"type": "function", "function": {"name": f"tool_{i}", "description": "does things " * 100, "parameters": {
-            "type": "object", "properties": {f"arg{k}": {"type": "string"} for k in range(10)}}}}
-        for i in range(2000)]}, 1, 2),
+    (
+        "2000 tools",
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": f"tool_{i}",
+                        "description": "does things " * 100,
+                        "parameters": {
+                            "type": "object",
+                            "properties": {f"arg{k}": {"type": "string"} for k in range(10)},
+                        },
+                    },
+                }
+                for i in range(2000)
+            ],
+        },
+        1,
+        2,
+    ),
     ("100k empty messages", {"messages": [{"role": "user", "content": ""}] * 100_000}, 1, 2),
-    ("n=16 logprobs answer", {"prompt": token_ids(10), "n": 16, "max_tokens": 200, "ignore_eos": True,
-                              "logprobs": 20, "temperature": 1.0}, 2, 1),
+    (
+        "n=16 logprobs answer",
+        {"prompt": token_ids(10), "n": 16, "max_tokens": 200, "ignore_eos": True, "logprobs": 20, "temperature": 1.0},
+        2,
+        1,
+    ),
 )
 
 
@@ -88,8 +119,13 @@ class NormalClient:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        body = {"model": self.model, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0,
-                "stream": True}
+        body = {
+            "model": self.model,
+            "prompt": "The capital of France is",
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+        }
         with httpx.Client(timeout=120) as http:
             while not self._stop.is_set():
                 start = time.monotonic()
@@ -182,8 +218,9 @@ def request_of(model: str, fields: dict) -> tuple[str, bytes]:
 def send(url: str, path: str, body: bytes) -> tuple[int, float]:
     start = time.monotonic()
     try:
-        status = httpx.post(f"{url}{path}", content=body, headers={"content-type": "application/json"},
-                            timeout=120).status_code
+        status = httpx.post(
+            f"{url}{path}", content=body, headers={"content-type": "application/json"}, timeout=120
+        ).status_code
     except httpx.HTTPError as exc:
         status = type(exc).__name__
     return status, time.monotonic() - start
@@ -213,11 +250,21 @@ def prefix_hits(urls: list[str]) -> float:
 def cached_tokens_check(url: str, model: str, decode_urls: list[str]) -> dict:
     """An echo + logprobs prompt of 65 tokens' worth of text sent twice: what usage says was cached,
     next to the prefix-cache hits the decode servers counted meanwhile."""
-    body = {"model": model, "prompt": " ".join(f"w{i}" for i in range(40)), "max_tokens": 2, "temperature": 0,
-            "echo": True, "logprobs": 1}
+    body = {
+        "model": model,
+        "prompt": " ".join(f"w{i}" for i in range(40)),
+        "max_tokens": 2,
+        "temperature": 0,
+        "echo": True,
+        "logprobs": 1,
+    }
     before = prefix_hits(decode_urls)
-    cached = [httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["usage"]["prompt_tokens_details"]
-              ["cached_tokens"] for _ in range(2)]
+    cached = [
+        httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["usage"]["prompt_tokens_details"][
+            "cached_tokens"
+        ]
+        for _ in range(2)
+    ]
     return {"cached_tokens": cached, "decode_prefix_hits": prefix_hits(decode_urls) - before}
 
 
@@ -233,10 +280,20 @@ def run(run_dir: Path, model: str | None, baseline_s: float, only: list[str] | N
         t0 = time.monotonic()
         time.sleep(baseline_s)  # the normal client alone: the baseline it is compared with
         alone, _ = normal.window(t0, time.monotonic())
-        rows.append({"attack": "(none: the client alone)", "router_down_s": 0.0, "statuses": {}, "slowest_s": None,
-                     "victim_requests": len(alone), "victim_p99_ttft_s": p99(alone), "victim_failures": 0,
-                     "victim_longest_gap_s": normal.longest_gap(t0, time.monotonic()),
-                     "pids_unchanged": pids(run_dir) == start_pids, "router_rss_mb": router_rss_mb(run_dir)})
+        rows.append(
+            {
+                "attack": "(none: the client alone)",
+                "router_down_s": 0.0,
+                "statuses": {},
+                "slowest_s": None,
+                "victim_requests": len(alone),
+                "victim_p99_ttft_s": p99(alone),
+                "victim_failures": 0,
+                "victim_longest_gap_s": normal.longest_gap(t0, time.monotonic()),
+                "pids_unchanged": pids(run_dir) == start_pids,
+                "router_rss_mb": router_rss_mb(run_dir),
+            }
+        )
         for name, fields, copies, times in ATTACKS:
             if only and not any(word.lower() in name.lower() for word in only):
                 continue
@@ -246,11 +303,20 @@ def run(run_dir: Path, model: str | None, baseline_s: float, only: list[str] | N
             time.sleep(1.0)  # the victim's requests started during the attack finish in the window
             during, failed = normal.window(since, time.monotonic())
             down_s = wait_ready(url)
-            rows.append({"attack": name, "router_down_s": down_s, "statuses": statuses, "slowest_s": slowest,
-                         "victim_requests": len(during), "victim_p99_ttft_s": p99(during),
-                         "victim_longest_gap_s": normal.longest_gap(since, time.monotonic()),
-                         "victim_failures": failed - failed_before, "pids_unchanged": pids(run_dir) == start_pids,
-                         "router_rss_mb": router_rss_mb(run_dir)})
+            rows.append(
+                {
+                    "attack": name,
+                    "router_down_s": down_s,
+                    "statuses": statuses,
+                    "slowest_s": slowest,
+                    "victim_requests": len(during),
+                    "victim_p99_ttft_s": p99(during),
+                    "victim_longest_gap_s": normal.longest_gap(since, time.monotonic()),
+                    "victim_failures": failed - failed_before,
+                    "pids_unchanged": pids(run_dir) == start_pids,
+                    "router_rss_mb": router_rss_mb(run_dir),
+                }
+            )
     finally:
         normal.stop()
     return {"rows": rows, "cached": cached_tokens_check(url, model, decode_urls), "pids": pids(run_dir)}
@@ -265,28 +331,40 @@ def mb(value: float | None) -> str:
 
 
 def report(result: dict) -> str:
-    lines = ["| attack | its answers | slowest | victim requests | victim p99 TTFT | victim longest gap | "
-             "victim failures | router not ready after | pids unchanged | router RSS after |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| attack | its answers | slowest | victim requests | victim p99 TTFT | victim longest gap | "
+        "victim failures | router not ready after | pids unchanged | router RSS after |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in result["rows"]:
         answers = ", ".join(f"{n} x {s}" for s, n in r["statuses"].items()) or "-"
-        lines.append(f"| {r['attack']} | {answers} | {fmt(r['slowest_s'])} | {r['victim_requests']} | "
-                     f"{fmt(r['victim_p99_ttft_s'])} | {fmt(r['victim_longest_gap_s'])} | {r['victim_failures']} | "
-                     f"{r['router_down_s']:.1f} s | {r['pids_unchanged']} | {mb(r['router_rss_mb'])} |")
+        lines.append(
+            f"| {r['attack']} | {answers} | {fmt(r['slowest_s'])} | {r['victim_requests']} | "
+            f"{fmt(r['victim_p99_ttft_s'])} | {fmt(r['victim_longest_gap_s'])} | {r['victim_failures']} | "
+            f"{r['router_down_s']:.1f} s | {r['pids_unchanged']} | {mb(r['router_rss_mb'])} |"
+        )
     c = result["cached"]
-    lines.append(f"\necho + logprobs sent twice: cached_tokens {c['cached_tokens']}, decode prefix-cache hits "
-                 f"meanwhile {c['decode_prefix_hits']:g} tokens")
+    lines.append(
+        f"\necho + logprobs sent twice: cached_tokens {c['cached_tokens']}, decode prefix-cache hits "
+        f"meanwhile {c['decode_prefix_hits']:g} tokens"
+    )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.micro.hostile", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.micro.hostile",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("run_dir", type=Path, help="the run folder of a `pdserve launch` (holds cluster.json)")
     parser.add_argument("--model", help="the served model name (default: the manifest's)")
     parser.add_argument("--baseline-s", type=float, default=10.0, help="seconds of the normal client alone")
-    parser.add_argument("--only", type=lambda s: [w.strip() for w in s.split(",") if w.strip()],
-                        help="comma-separated words: only the attacks whose names contain one")
+    parser.add_argument(
+        "--only",
+        type=lambda s: [w.strip() for w in s.split(",") if w.strip()],
+        help="comma-separated words: only the attacks whose names contain one",
+    )
     parser.add_argument("--json", type=Path, help="also write the results here")
     args = parser.parse_args(argv)
     if not (args.run_dir / "cluster.json").is_file():

@@ -44,8 +44,7 @@ def write_config(template: Path, model: str, folder: Path) -> Path:
 
 async def batch(client: httpx.AsyncClient, url: str, tokens: int, concurrency: int, extra: dict) -> float:
     """Seconds per generated token of ``concurrency`` requests sent together."""
-    body = {"model": "bench", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            **extra}
+    body = {"model": "bench", "prompt": PROMPT, "max_tokens": tokens, "temperature": 0, "ignore_eos": True, **extra}
     start = time.perf_counter()
     replies = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body) for _ in range(concurrency)))
     seconds = time.perf_counter() - start
@@ -62,7 +61,7 @@ async def measure(url: str, tokens: int, repeats: int, concurrency: int) -> dict
     async with httpx.AsyncClient(timeout=600) as client:
         await batch(client, url, tokens, concurrency, {})  # warm-up
         for r in range(repeats):
-            for name in names[r % len(names):] + names[:r % len(names)]:
+            for name in names[r % len(names) :] + names[: r % len(names)]:
                 per_token[name].append(await batch(client, url, tokens, concurrency, VARIANTS[name]))
     return {name: statistics.median(v) for name, v in per_token.items()}
 
@@ -83,17 +82,22 @@ def main(argv: list[str] | None = None) -> None:
             from engine.make_model import TinySpec, make_tiny
 
             model = str(make_tiny(folder / "tiny", TinySpec(arch="qwen3")))
-        cluster = launch(write_config(Path(args.config), model, folder), folder / "run",
-                         sorted(os.sched_getaffinity(0)))
+        cluster = launch(
+            write_config(Path(args.config), model, folder), folder / "run", sorted(os.sched_getaffinity(0))
+        )
         try:
             got = asyncio.run(measure(cluster.url, args.tokens, args.repeats, args.concurrency))
         finally:
             cluster.stop()
     base = got["plain"]
-    result = {"config": Path(args.config).name, "tokens": args.tokens, "concurrency": args.concurrency,
-              "repeats": args.repeats,
-              "ms_per_token": {name: round(v * 1e3, 3) for name, v in got.items()},
-              "ratio": {name: round(v / base, 3) for name, v in got.items()}}
+    result = {
+        "config": Path(args.config).name,
+        "tokens": args.tokens,
+        "concurrency": args.concurrency,
+        "repeats": args.repeats,
+        "ms_per_token": {name: round(v * 1e3, 3) for name, v in got.items()},
+        "ratio": {name: round(v / base, 3) for name, v in got.items()},
+    }
     print(json.dumps(result, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -36,26 +36,36 @@ def _one(net: Network, backend: str, extra: list[str], folder: Path) -> dict:
     send, recv = net.hosts["send"], net.hosts["recv"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
     bench = [sys.executable, "-m", "transfer.bench", "--backend", backend]
-    receiver = net.spawn(recv, [*bench, "--listen", f"{recv.address}:{PORT}"], env=env, cwd=str(REPO),
-                         log=folder / f"{backend}-recv.log")
+    receiver = net.spawn(
+        recv, [*bench, "--listen", f"{recv.address}:{PORT}"], env=env, cwd=str(REPO), log=folder / f"{backend}-recv.log"
+    )
     before = net.counters(send)[1]
-    sender = net.spawn(send, [*bench, "--peer", f"{recv.address}:{PORT}", "--json", *extra], env=env,
-                       cwd=str(REPO), log=folder / f"{backend}-send.log", stdout=folder / f"{backend}.json")
+    sender = net.spawn(
+        send,
+        [*bench, "--peer", f"{recv.address}:{PORT}", "--json", *extra],
+        env=env,
+        cwd=str(REPO),
+        log=folder / f"{backend}-send.log",
+        stdout=folder / f"{backend}.json",
+    )
     status = sender.wait()
     sent = net.counters(send)[1] - before
     net.stop(receiver, timeout=30)
     if status != 0:
-        raise RuntimeError(f"{backend}: the sender failed ({status}):\n"
-                           + (folder / f"{backend}-send.log").read_text()[-3000:]
-                           + (folder / f"{backend}-recv.log").read_text()[-3000:])
+        raise RuntimeError(
+            f"{backend}: the sender failed ({status}):\n"
+            + (folder / f"{backend}-send.log").read_text()[-3000:]
+            + (folder / f"{backend}-recv.log").read_text()[-3000:]
+        )
     result = json.loads((folder / f"{backend}.json").read_text())
     result["link_tx_bytes"] = sent
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.micro.multihost_transfer",
-                                     description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.micro.multihost_transfer", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--backends", default="nixl,zmq", help="comma-separated: nixl, zmq")
     parser.add_argument("--iters", type=int, default=5, help="timed transfers of the whole cache, per backend")
     args, extra = parser.parse_known_args(argv)
@@ -66,13 +76,17 @@ def main(argv: list[str] | None = None) -> int:
         net.add_host("recv")
         for backend in args.backends.split(","):
             rows.append(_one(net, backend, extra, Path(tmp)))
-    print(f"{'backend':>8} {'MB':>8} {'GB/s':>7} {'median':>7} {'memcpy':>7} {'ratio':>6} {'1 block ms':>10} "
-          f"{'link MB sent':>12} {'KV MB moved':>11}")
+    print(
+        f"{'backend':>8} {'MB':>8} {'GB/s':>7} {'median':>7} {'memcpy':>7} {'ratio':>6} {'1 block ms':>10} "
+        f"{'link MB sent':>12} {'KV MB moved':>11}"
+    )
     for r in rows:
         moved = r["bytes"] * (args.iters + 1)  # the timed transfers and the warm-up (one-block ones left out)
-        print(f"{r['backend']:>8} {r['bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['median_gbps']:7.3f} "
-              f"{r['memcpy_gbps']:7.3f} {r['ratio']:6.3f} {r['one_block_ms']:10.3f} "
-              f"{r['link_tx_bytes'] / 1e6:12.1f} {moved / 1e6:11.1f}")
+        print(
+            f"{r['backend']:>8} {r['bytes'] / 1e6:8.1f} {r['gbps']:7.3f} {r['median_gbps']:7.3f} "
+            f"{r['memcpy_gbps']:7.3f} {r['ratio']:6.3f} {r['one_block_ms']:10.3f} "
+            f"{r['link_tx_bytes'] / 1e6:12.1f} {moved / 1e6:11.1f}"
+        )
     print(json.dumps(rows))
     return 0
 

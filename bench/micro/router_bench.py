@@ -66,11 +66,18 @@ class Phase:
         return float(np.percentile(values, q)) if values else float("nan")
 
     def summary(self) -> dict:
-        out = {"target": self.target, "concurrency": self.concurrency, "requests": self.requests,
-               "errors": self.errors, "seconds": round(self.seconds, 3), "requests_per_s": round(self.rps, 1),
-               "p50_ms": round(self.pct(self.e2e_ms, 50), 3), "p99_ms": round(self.pct(self.e2e_ms, 99), 3),
-               "first_chunk_p50_ms": round(self.pct(self.first_chunk_ms, 50), 3),
-               "first_chunk_p99_ms": round(self.pct(self.first_chunk_ms, 99), 3)}
+        out = {
+            "target": self.target,
+            "concurrency": self.concurrency,
+            "requests": self.requests,
+            "errors": self.errors,
+            "seconds": round(self.seconds, 3),
+            "requests_per_s": round(self.rps, 1),
+            "p50_ms": round(self.pct(self.e2e_ms, 50), 3),
+            "p99_ms": round(self.pct(self.e2e_ms, 99), 3),
+            "first_chunk_p50_ms": round(self.pct(self.first_chunk_ms, 50), 3),
+            "first_chunk_p99_ms": round(self.pct(self.first_chunk_ms, 99), 3),
+        }
         if self.error_kinds:
             out["error_kinds"] = dict(self.error_kinds.most_common(5))
         if self.router_cpu_ms is not None:
@@ -94,12 +101,17 @@ class Targets:
     async def direct(self, http: httpx.AsyncClient) -> float:
         """One /generate on the decode stub; returns ms to the first token event."""
         self._n += 1
-        body = GenerateRequest(request_id=f"direct-{self._n}", prompt_token_ids=self.prompt_ids,
-                               sampling=SamplingParams(max_tokens=self.tokens), local_prefill=True).model_dump_json()
+        body = GenerateRequest(
+            request_id=f"direct-{self._n}",
+            prompt_token_ids=self.prompt_ids,
+            sampling=SamplingParams(max_tokens=self.tokens),
+            local_prefill=True,
+        ).model_dump_json()
         start = time.perf_counter()
         first = None
-        async with http.stream("POST", f"{self.cluster.decode_url}/generate", content=body,
-                               headers={"content-type": "application/json"}) as resp:
+        async with http.stream(
+            "POST", f"{self.cluster.decode_url}/generate", content=body, headers={"content-type": "application/json"}
+        ) as resp:
             resp.raise_for_status()
             seen = 0
             async for line in resp.aiter_lines():
@@ -112,8 +124,14 @@ class Targets:
 
     async def router(self, http: httpx.AsyncClient) -> float:
         """One streamed completion through the router; returns ms to the first chunk."""
-        body = {"model": "stub", "prompt": PROMPT, "max_tokens": self.tokens, "stream": True,
-                "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": "stub",
+            "prompt": PROMPT,
+            "max_tokens": self.tokens,
+            "stream": True,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         start = time.perf_counter()
         first = None
         done = False
@@ -168,8 +186,24 @@ def profile(cluster: StubCluster, targets: Targets, out: Path, concurrency: int,
     if spy is None:
         return ["py-spy not found: pip install py-spy"]
     raw = out.with_suffix(".txt")
-    proc = subprocess.Popen([spy, "record", "-p", str(cluster.router_pid), "-d", str(int(seconds)), "-r", "250",
-                             "-f", "raw", "-o", str(raw)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [
+            spy,
+            "record",
+            "-p",
+            str(cluster.router_pid),
+            "-d",
+            str(int(seconds)),
+            "-r",
+            "250",
+            "-f",
+            "raw",
+            "-o",
+            str(raw),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + seconds
 
@@ -205,9 +239,24 @@ def top_frames(raw: Path, n: int = 25) -> list[str]:
     lines = [f"{total} samples; own time:"]
     lines += [f"  {100 * c / total:5.1f}%  {f}" for f, c in own.most_common(n)]
     lines += ["inclusive (selected):"]
-    keys = ("connect", "_send_single_request", "handle_async_request", "validate_json", "sse_event", "encode",
-            "decode", "model_dump_json", "_pump_decode", "prefill", "text_deltas", "push", "apply_chat_template",
-            "send", "receive", "_check")
+    keys = (
+        "connect",
+        "_send_single_request",
+        "handle_async_request",
+        "validate_json",
+        "sse_event",
+        "encode",
+        "decode",
+        "model_dump_json",
+        "_pump_decode",
+        "prefill",
+        "text_deltas",
+        "push",
+        "apply_chat_template",
+        "send",
+        "receive",
+        "_check",
+    )
     for f, c in inclusive.most_common():
         if any(k in f.split(" ")[0] for k in keys):
             lines.append(f"  {100 * c / total:5.1f}%  {f}")
@@ -218,18 +267,26 @@ def top_frames(raw: Path, n: int = 25) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=16, help="tokens per streamed request (default %(default)s)")
-    p.add_argument("--requests", type=int, default=300,
-                   help="requests per target at concurrency 1 (default %(default)s)")
+    p.add_argument(
+        "--requests", type=int, default=300, help="requests per target at concurrency 1 (default %(default)s)"
+    )
     p.add_argument("--concurrency", type=int, default=64, help="the concurrent phase's in-flight requests")
-    p.add_argument("--concurrent-requests", type=int, default=2000,
-                   help="requests per target in the concurrent phase (default %(default)s)")
+    p.add_argument(
+        "--concurrent-requests",
+        type=int,
+        default=2000,
+        help="requests per target in the concurrent phase (default %(default)s)",
+    )
     p.add_argument("--warmup", type=int, default=50, help="unmeasured requests per target first")
     p.add_argument("--model", type=Path, help="the router's tokenizer folder (default: a byte-level one)")
     p.add_argument("--profile", type=Path, metavar="FILE", help="also record the router with py-spy (FILE.txt)")
     p.add_argument("--profile-seconds", type=float, default=10.0, help="how long --profile records (default 10)")
     p.add_argument("--json", type=Path, metavar="FILE", help="write the results")
-    p.add_argument("--router-pythonpath", metavar="DIRS",
-                   help="put DIRS first on the router's PYTHONPATH (e.g. to compare without uvloop)")
+    p.add_argument(
+        "--router-pythonpath",
+        metavar="DIRS",
+        help="put DIRS first on the router's PYTHONPATH (e.g. to compare without uvloop)",
+    )
     p.add_argument("--keep", type=Path, metavar="DIR", help="run in DIR and keep the logs (default: a temp dir)")
 
 
@@ -247,8 +304,10 @@ def run(args: argparse.Namespace) -> int:
         async def measure() -> list[Phase]:
             await run_phase(Phase("direct", 1), targets.direct, args.warmup, None)
             await run_phase(Phase("router", 1), targets.router, args.warmup, None)
-            phases = [await run_phase(Phase("direct", 1), targets.direct, args.requests, None),
-                      await run_phase(Phase("router", 1), targets.router, args.requests, pid)]
+            phases = [
+                await run_phase(Phase("direct", 1), targets.direct, args.requests, None),
+                await run_phase(Phase("router", 1), targets.router, args.requests, pid),
+            ]
             c = args.concurrency
             phases.append(await run_phase(Phase("direct", c), targets.direct, args.concurrent_requests, None))
             phases.append(await run_phase(Phase("router", c), targets.router, args.concurrent_requests, pid))
@@ -277,17 +336,23 @@ def report(phases: list[Phase], tokens: int) -> dict:
     }
     rows = [p.summary() for p in phases]
     print(f"{tokens}-token streamed requests; router CPU from /proc")
-    print(f"{'target':8} {'conc':>4} {'reqs':>6} {'err':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-          f"{'1st p50':>8} {'1st p99':>8} {'cpu ms/req':>10}")
+    print(
+        f"{'target':8} {'conc':>4} {'reqs':>6} {'err':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'1st p50':>8} {'1st p99':>8} {'cpu ms/req':>10}"
+    )
     for s in rows:
-        print(f"{s['target']:8} {s['concurrency']:>4} {s['requests']:>6} {s['errors']:>4} {s['requests_per_s']:>8} "
-              f"{s['p50_ms']:>8} {s['p99_ms']:>8} {s['first_chunk_p50_ms']:>8} {s['first_chunk_p99_ms']:>8} "
-              f"{s.get('router_cpu_ms_per_request', ''):>10}")
+        print(
+            f"{s['target']:8} {s['concurrency']:>4} {s['requests']:>6} {s['errors']:>4} {s['requests_per_s']:>8} "
+            f"{s['p50_ms']:>8} {s['p99_ms']:>8} {s['first_chunk_p50_ms']:>8} {s['first_chunk_p99_ms']:>8} "
+            f"{s.get('router_cpu_ms_per_request', ''):>10}"
+        )
     for s in rows:
         for kind, n in s.get("error_kinds", {}).items():
             print(f"  {s['target']} at {s['concurrency']}: {n} x {kind}")
-    print(f"router adds at concurrency 1: p50 {added['p50_ms']} ms, p99 {added['p99_ms']} ms, "
-          f"first chunk p50 {added['first_chunk_p50_ms']} ms")
+    print(
+        f"router adds at concurrency 1: p50 {added['p50_ms']} ms, p99 {added['p99_ms']} ms, "
+        f"first chunk p50 {added['first_chunk_p50_ms']} ms"
+    )
     return {"tokens": tokens, "phases": rows, "added_at_concurrency_1": added, "python": sys.version.split()[0]}
 
 

@@ -33,8 +33,12 @@ VARIANTS: dict[str, dict] = {
     "logprobs=5": {"logprobs": 5},
     "penalties": {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.5},
     "logit_bias": {"logit_bias": ((11, 2.0), (40, -1.0), (97, 0.5))},
-    "penalties+logprobs=5": {"repetition_penalty": 1.2, "frequency_penalty": 0.5, "presence_penalty": 0.5,
-                             "logprobs": 5},
+    "penalties+logprobs=5": {
+        "repetition_penalty": 1.2,
+        "frequency_penalty": 0.5,
+        "presence_penalty": 0.5,
+        "logprobs": 5,
+    },
     "seeded": {"temperature": 0.8, "top_p": 0.9, "seed": 1},
 }
 
@@ -50,8 +54,9 @@ def _seconds(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, field
     return time.perf_counter() - start
 
 
-def measure(engine: LLMEngine, variants: dict[str, dict], batch: int, tokens: int, prompt_len: int,
-            repeats: int) -> list[dict]:
+def measure(
+    engine: LLMEngine, variants: dict[str, dict], batch: int, tokens: int, prompt_len: int, repeats: int
+) -> list[dict]:
     """Decode tokens/s per variant and its ratio to the first variant's."""
     prompts = [_prompt(prompt_len, s) for s in range(batch)]
     full: dict[str, list[float]] = {name: [] for name in variants}
@@ -60,7 +65,7 @@ def measure(engine: LLMEngine, variants: dict[str, dict], batch: int, tokens: in
         _seconds(engine, prompts, 2, fields)
     names = list(variants)
     for r in range(repeats):
-        for name in names[r % len(names):] + names[:r % len(names)]:  # each variant leads in turn
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # each variant leads in turn
             full[name].append(_seconds(engine, prompts, tokens, variants[name]))
             one[name].append(_seconds(engine, prompts, 1, variants[name]))
     decoded = batch * (tokens - 1)
@@ -75,11 +80,13 @@ def measure(engine: LLMEngine, variants: dict[str, dict], batch: int, tokens: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     prog="python -m bench.micro.sampling_overhead")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], prog="python -m bench.micro.sampling_overhead"
+    )
     parser.add_argument("--model", help="model directory (default: build the tiny test model)")
-    parser.add_argument("--bench-model", action="store_true",
-                        help="build the ~90M model of bench/micro/engine_bench.py")
+    parser.add_argument(
+        "--bench-model", action="store_true", help="build the ~90M model of bench/micro/engine_bench.py"
+    )
     parser.add_argument("--batch", type=int, default=8, help="sequences decoded together")
     parser.add_argument("--tokens", type=int, default=64, help="tokens generated per sequence")
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -99,8 +106,16 @@ def main(argv: list[str] | None = None) -> int:
         spec = BENCH_SPEC if args.bench_model else TinySpec()
         model = str(make_tiny(tempfile.mkdtemp(prefix="sampling-overhead-"), spec))
     names = ["plain", *[n for n in (args.variants or VARIANTS) if n != "plain"]]
-    engine = LLMEngine(EngineConfig(model=model, device=args.device, num_blocks=1024, block_size=16,
-                                    max_num_seqs=max(64, args.batch), num_threads=args.threads))
+    engine = LLMEngine(
+        EngineConfig(
+            model=model,
+            device=args.device,
+            num_blocks=1024,
+            block_size=16,
+            max_num_seqs=max(64, args.batch),
+            num_threads=args.threads,
+        )
+    )
     rows = measure(engine, {n: VARIANTS[n] for n in names}, args.batch, args.tokens, args.prompt_len, args.repeats)
     print(f"model {model}, batch {args.batch}, {args.tokens} tokens, median of {args.repeats}")
     print(f"{'variant':<24}{'decode tok/s':>14}{'ratio':>8}")

@@ -29,16 +29,27 @@ class StubCluster:
     ``health_delay`` and ``keep_alive`` (s) go to both stubs (see bench/micro/stubs.py); ``router_pythonpath``
     goes first on the router's PYTHONPATH."""
 
-    def __init__(self, folder: Path, *, router: dict | None = None, token_delay: float = 0.0,
-                 health_delay: float = 0.0, model: Path | None = None, log_level: str = "warning",
-                 router_pythonpath: str | None = None, keep_alive: float = 5.0,
-                 start_timeout: float = 60.0) -> None:
+    def __init__(
+        self,
+        folder: Path,
+        *,
+        router: dict | None = None,
+        token_delay: float = 0.0,
+        health_delay: float = 0.0,
+        model: Path | None = None,
+        log_level: str = "warning",
+        router_pythonpath: str | None = None,
+        keep_alive: float = 5.0,
+        start_timeout: float = 60.0,
+    ) -> None:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         model = model or make_byte_tokenizer(folder / "model", max_position_embeddings=4096)
         router_port, p_port, p_kv, d_port, d_kv = free_ports(5)
         config = {
-            "model": str(model), "served_model_name": "stub", "max_model_len": 4096,
+            "model": str(model),
+            "served_model_name": "stub",
+            "max_model_len": 4096,
             "router": {"port": router_port, "health_interval_s": 0.5, **(router or {})},
             "transfer": {"backend": "zmq"},
             "prefill": [{"name": "p0", "port": p_port, "kv_port": p_kv}],
@@ -51,18 +62,31 @@ class StubCluster:
         self.decode_url = f"http://127.0.0.1:{d_port}"
         self.procs: dict[str, subprocess.Popen] = {}
         env = dict(os.environ, PYTHONPATH=str(REPO))
-        stub_args = ["--token-delay", str(token_delay), "--health-delay", str(health_delay),
-                     "--keep-alive", str(keep_alive)]
+        stub_args = [
+            "--token-delay",
+            str(token_delay),
+            "--health-delay",
+            str(health_delay),
+            "--keep-alive",
+            str(keep_alive),
+        ]
         try:
             for name, role, port in (("p0", "prefill", p_port), ("d0", "decode", d_port)):
-                self._start(name, [sys.executable, "-m", "bench.micro.stubs", role, "--port", str(port), "--name", name,
-                                   *stub_args], env)
+                self._start(
+                    name,
+                    [sys.executable, "-m", "bench.micro.stubs", role, "--port", str(port), "--name", name, *stub_args],
+                    env,
+                )
             self._wait_ok(f"{self.prefill_url}/stub/stats", start_timeout)
             self._wait_ok(f"{self.decode_url}/stub/stats", start_timeout)
-            router_env = dict(env, PYTHONPATH=os.pathsep.join([router_pythonpath, str(REPO)])) \
-                if router_pythonpath else env
-            self._start("router", [sys.executable, "-m", "deploy.cli", "router", "--config", str(self.config),
-                                   "--log-level", log_level], router_env)
+            router_env = (
+                dict(env, PYTHONPATH=os.pathsep.join([router_pythonpath, str(REPO)])) if router_pythonpath else env
+            )
+            self._start(
+                "router",
+                [sys.executable, "-m", "deploy.cli", "router", "--config", str(self.config), "--log-level", log_level],
+                router_env,
+            )
             self._wait_ok(f"{self.router_url}/health", start_timeout)
         except BaseException:
             self.stop()

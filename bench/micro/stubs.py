@@ -65,8 +65,9 @@ def make_byte_tokenizer(folder: Path, max_position_embeddings: int = 256) -> Pat
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>")
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
-    (folder / "config.json").write_text(json.dumps({"model_type": "llama", "max_position_embeddings":
-                                                    max_position_embeddings}))
+    (folder / "config.json").write_text(
+        json.dumps({"model_type": "llama", "max_position_embeddings": max_position_embeddings})
+    )
     return folder
 
 
@@ -87,8 +88,12 @@ class StubStats:
             self.clients.add((request.client.host, request.client.port))
 
     def as_dict(self) -> dict:
-        return {"connections": len(self.clients), "requests": self.requests, "aborts": self.aborts,
-                "open_streams": self.open_streams}
+        return {
+            "connections": len(self.clients),
+            "requests": self.requests,
+            "aborts": self.aborts,
+            "open_streams": self.open_streams,
+        }
 
 
 def _token_lines(n: int) -> list[bytes]:
@@ -130,17 +135,23 @@ def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: flo
         if not req.local_prefill:
             transfer_id = f"t-{req.request_id}"
             kv_arrived[transfer_id] = asyncio.Event()
-            reservation = Reservation(instance=name, request_id=req.request_id, transfer_id=transfer_id,
-                                      block_ids=list(range(len(req.prompt_token_ids) // 16 + 1)), block_size=16,
-                                      num_tokens=len(req.prompt_token_ids),
-                                      lease_s=KV_WAIT_S,
-                                      kv_target={"stub_notify": f"{str(request.base_url).rstrip('/')}/stub/kv_done"})
+            reservation = Reservation(
+                instance=name,
+                request_id=req.request_id,
+                transfer_id=transfer_id,
+                block_ids=list(range(len(req.prompt_token_ids) // 16 + 1)),
+                block_size=16,
+                num_tokens=len(req.prompt_token_ids),
+                lease_s=KV_WAIT_S,
+                kv_target={"stub_notify": f"{str(request.base_url).rstrip('/')}/stub/kv_done"},
+            )
         n = req.sampling.max_tokens
         if n not in lines_by_count:
             lines_by_count[n] = _token_lines(n)
         first = ReservationEvent(reservation=reservation).model_dump_json().encode() + b"\n"
-        return StreamingResponse(stream(first, lines_by_count[n], reservation and reservation.transfer_id),
-                                 media_type="application/x-ndjson")
+        return StreamingResponse(
+            stream(first, lines_by_count[n], reservation and reservation.transfer_id), media_type="application/x-ndjson"
+        )
 
     async def kv_done(request: Request) -> Response:
         event = kv_arrived.get((await request.json())["transfer_id"])
@@ -156,12 +167,18 @@ def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: flo
             notify.append(httpx.AsyncClient(timeout=10.0))
         stats.prefilling += 1
         try:
-            await notify[0].post(req.reservation.kv_target["stub_notify"],
-                                 json={"transfer_id": req.reservation.transfer_id})
+            await notify[0].post(
+                req.reservation.kv_target["stub_notify"], json={"transfer_id": req.reservation.transfer_id}
+            )
         finally:
             stats.prefilling -= 1
-        result = PrefillResult(request_id=req.request_id, first_token_ids=[STUB_TOKENS[0]],
-                               num_tokens=len(req.prompt_token_ids), transfer_bytes=0, seconds=0.0)
+        result = PrefillResult(
+            request_id=req.request_id,
+            first_token_ids=[STUB_TOKENS[0]],
+            num_tokens=len(req.prompt_token_ids),
+            transfer_bytes=0,
+            seconds=0.0,
+        )
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def abort(request: Request) -> Response:
@@ -173,18 +190,32 @@ def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: flo
     async def health(request: Request) -> Response:
         if health_delay and stats.busy:
             await asyncio.sleep(health_delay)
-        report = HealthReport(role=role, instance=name, kv_blocks=KVBlocks(free=1000, reserved=0, running=0,
-                                                                           total=1000),
-                              queue_depth=0, queued_tokens=0, num_requests=stats.open_streams)
+        report = HealthReport(
+            role=role,
+            instance=name,
+            kv_blocks=KVBlocks(free=1000, reserved=0, running=0, total=1000),
+            queue_depth=0,
+            queued_tokens=0,
+            num_requests=stats.open_streams,
+        )
         return Response(report.model_dump_json(), media_type="application/json")
 
     async def stub_stats(request: Request) -> Response:
         return JSONResponse(stats.as_dict())
 
-    work = [Route("/generate", generate, methods=["POST"]), Route("/stub/kv_done", kv_done, methods=["POST"])] \
-        if role == "decode" else [Route("/prefill", prefill, methods=["POST"])]
-    return Starlette(routes=[*work, Route("/abort", abort, methods=["POST"]), Route("/health", health),
-                             Route("/stub/stats", stub_stats)])
+    work = (
+        [Route("/generate", generate, methods=["POST"]), Route("/stub/kv_done", kv_done, methods=["POST"])]
+        if role == "decode"
+        else [Route("/prefill", prefill, methods=["POST"])]
+    )
+    return Starlette(
+        routes=[
+            *work,
+            Route("/abort", abort, methods=["POST"]),
+            Route("/health", health),
+            Route("/stub/stats", stub_stats),
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,14 +227,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--name", default=None, help="instance name (default: the role)")
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds before each token event")
-    p.add_argument("--health-delay", type=float, default=0.0,
-                   help="seconds before each /health answer while serving a request")
-    p.add_argument("--keep-alive", type=float, default=5.0,
-                   help="seconds an idle connection stays open (uvicorn's default, as on the real servers)")
+    p.add_argument(
+        "--health-delay", type=float, default=0.0, help="seconds before each /health answer while serving a request"
+    )
+    p.add_argument(
+        "--keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle connection stays open (uvicorn's default, as on the real servers)",
+    )
     args = p.parse_args(argv)
     app = create_app(args.role, args.name or args.role, args.token_delay, args.health_delay)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_keep_alive=args.keep_alive)
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_keep_alive=args.keep_alive
+    )
     return 0
 
 

@@ -61,8 +61,13 @@ class StepCost:
     per_key: float = 0.0
 
     def step_time(self, new_tokens: int, attn_pairs: int, seqs: int, decode_keys: int = 0) -> float:
-        return (self.base + self.per_token * new_tokens + self.per_attn * attn_pairs + self.per_seq * seqs
-                + self.per_key * decode_keys)
+        return (
+            self.base
+            + self.per_token * new_tokens
+            + self.per_attn * attn_pairs
+            + self.per_seq * seqs
+            + self.per_key * decode_keys
+        )
 
     def prefill_time(self, prompt_len: int) -> float:
         """One prompt prefilled in one step."""
@@ -77,8 +82,10 @@ class StepCost:
 
     @classmethod
     def from_json(cls, data: dict) -> StepCost:
-        return cls(**{k: float(data[k]) for k in ("base", "per_token", "per_attn", "per_seq")},
-                   per_key=float(data.get("per_key", 0.0)))
+        return cls(
+            **{k: float(data[k]) for k in ("base", "per_token", "per_attn", "per_seq")},
+            per_key=float(data.get("per_key", 0.0)),
+        )
 
 
 @dataclass(frozen=True)
@@ -133,8 +140,7 @@ def _nnls_relative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 def fit_error(cost: StepCost, samples: list[StepSample]) -> float:
     """Mean relative error of the fitted model on the samples."""
-    errs = [abs(cost.step_time(*s.features) - s.seconds) / s.seconds
-            for s in samples if s.seconds > 0]
+    errs = [abs(cost.step_time(*s.features) - s.seconds) / s.seconds for s in samples if s.seconds > 0]
     return float(np.mean(errs)) if errs else 0.0
 
 
@@ -168,8 +174,13 @@ class TransferCost:
 
     @classmethod
     def from_json(cls, data: dict) -> TransferCost:
-        return cls(int(data["bytes_per_token"]), float(data["bandwidth"]), float(data.get("latency", 0.0)),
-                   int(data.get("num_layers", 1)), bool(data.get("layerwise", True)))
+        return cls(
+            int(data["bytes_per_token"]),
+            float(data["bandwidth"]),
+            float(data.get("latency", 0.0)),
+            int(data.get("num_layers", 1)),
+            bool(data.get("layerwise", True)),
+        )
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,15 @@ class EngineSettings:
 
     def spec(self, profile: Profile, threads: int) -> InstanceSpec:
         blocks = self.kv_cache_bytes // (profile.kv_bytes_per_token * self.block_size)
-        return InstanceSpec(profile.cost(threads), self.max_num_seqs, self.max_num_batched_tokens,
-                            self.chunked_prefill, max(1, blocks), self.block_size, self.policy)
+        return InstanceSpec(
+            profile.cost(threads),
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.chunked_prefill,
+            max(1, blocks),
+            self.block_size,
+            self.policy,
+        )
 
 
 @dataclass(frozen=True)
@@ -91,13 +98,25 @@ def candidates(units: int, max_instances: int | None = None, per_device: bool = 
     return out
 
 
-def build_layout(c: Candidate, profile: Profile, settings: EngineSettings, overheads: Overheads,
-                 local_prefill_below: int = 0, layerwise: bool = True,
-                 bandwidth: float | None = None) -> Layout:
+def build_layout(
+    c: Candidate,
+    profile: Profile,
+    settings: EngineSettings,
+    overheads: Overheads,
+    local_prefill_below: int = 0,
+    layerwise: bool = True,
+    bandwidth: float | None = None,
+) -> Layout:
     spec = settings.spec(profile, c.threads)
     transfer = profile.transfer_cost(layerwise, bandwidth) if c.num_prefill else None
-    return Layout(c.name, (spec,) * c.num_serving, (spec,) * c.num_prefill, transfer, overheads,
-                  local_prefill_below if c.num_prefill else 0)
+    return Layout(
+        c.name,
+        (spec,) * c.num_serving,
+        (spec,) * c.num_prefill,
+        transfer,
+        overheads,
+        local_prefill_below if c.num_prefill else 0,
+    )
 
 
 @dataclass(frozen=True)
@@ -107,8 +126,15 @@ class Prediction:
     utilization: dict[str, float]
 
 
-def evaluate(layouts: list[tuple[Candidate, Layout]], workload: Workload, rate: float, num_requests: int,
-             slo_ttft_ms: float | None, slo_tpot_ms: float | None, seed: int = 0) -> list[Prediction]:
+def evaluate(
+    layouts: list[tuple[Candidate, Layout]],
+    workload: Workload,
+    rate: float,
+    num_requests: int,
+    slo_ttft_ms: float | None,
+    slo_tpot_ms: float | None,
+    seed: int = 0,
+) -> list[Prediction]:
     """Simulates every layout on the same requests and arrivals."""
     specs = workload.specs(num_requests, seed)
     arrivals = poisson_arrivals(rate, num_requests, seed)
@@ -148,15 +174,24 @@ def format_table(predictions: list[Prediction], best: Prediction | None = None) 
         busiest = max(p.utilization.items(), key=lambda kv: kv[1], default=("-", 0.0))
         good = "-" if s.goodput is None else f"{s.goodput:.3g}"
         met = "-" if s.slo_attainment is None else f"{100 * s.slo_attainment:.0f}%"
-        lines.append(f"| {p.candidate.name}{mark} | {p.candidate.threads} | {good} | {met} | "
-                     f"{s.request_throughput:.3f} | {stats_row(s.ttft)} | {stats_row(s.tpot)} | "
-                     f"{busiest[0]} {100 * busiest[1]:.0f}% |")
+        lines.append(
+            f"| {p.candidate.name}{mark} | {p.candidate.threads} | {good} | {met} | "
+            f"{s.request_throughput:.3f} | {stats_row(s.ttft)} | {stats_row(s.tpot)} | "
+            f"{busiest[0]} {100 * busiest[1]:.0f}% |"
+        )
     return "\n".join(lines)
 
 
-def max_rates(layouts: list[tuple[Candidate, Layout]], workload: Workload, rates: list[float], num_requests: int,
-              slo_ttft_ms: float | None, slo_tpot_ms: float | None, target: float,
-              seed: int = 0) -> dict[str, tuple[float | None, dict[float, float]]]:
+def max_rates(
+    layouts: list[tuple[Candidate, Layout]],
+    workload: Workload,
+    rates: list[float],
+    num_requests: int,
+    slo_ttft_ms: float | None,
+    slo_tpot_ms: float | None,
+    target: float,
+    seed: int = 0,
+) -> dict[str, tuple[float | None, dict[float, float]]]:
     """Per layout: the highest of ``rates`` with ``target`` attainment (``bench/plan/sweep.py``:
     below the first rate missed) and the simulated attainment at each rate."""
     from bench.plan.sweep import max_rate, predicted_curve
@@ -168,19 +203,23 @@ def max_rates(layouts: list[tuple[Candidate, Layout]], workload: Workload, rates
     return out
 
 
-def format_max_rates(found: dict[str, tuple[float | None, dict[float, float]]], target: float,
-                     units: int) -> str:
+def format_max_rates(found: dict[str, tuple[float | None, dict[float, float]]], target: float, units: int) -> str:
     from bench.plan.sweep import crossing
 
-    lines = [f"| layout | highest rate at >= {100 * target:g}% (req/s) | per unit | crossing (req/s) | "
-             "attainment at each rate |", "|---|---|---|---|---|"]
+    lines = [
+        f"| layout | highest rate at >= {100 * target:g}% (req/s) | per unit | crossing (req/s) | "
+        "attainment at each rate |",
+        "|---|---|---|---|---|",
+    ]
     for name, (best, curve) in found.items():
         top = " (top of the ladder: at least)" if best is not None and best == max(curve) else ""
         cells = ", ".join(f"{r:.3g}: {100 * (a or 0):.0f}%" for r, a in curve.items())
         per = "-" if best is None else f"{best / units:.3g}"
         cross = crossing(curve, target)
-        lines.append(f"| {name} | {'-' if best is None else f'{best:.3g}'}{top} | {per} | "
-                     f"{'-' if cross is None else f'{cross:.3g}'} | {cells} |")
+        lines.append(
+            f"| {name} | {'-' if best is None else f'{best:.3g}'}{top} | {per} | "
+            f"{'-' if cross is None else f'{cross:.3g}'} | {cells} |"
+        )
     return "\n".join(lines)
 
 
@@ -189,9 +228,16 @@ def meets(p: Prediction, target: float) -> bool:
     return p.summary.slo_attainment is None or p.summary.slo_attainment >= target
 
 
-def highest_rate_met(layouts: list[tuple[Candidate, Layout]], workload: Workload, rate: float, num_requests: int,
-                     slo_ttft_ms: float | None, slo_tpot_ms: float | None, target: float,
-                     seed: int = 0) -> tuple[float, str] | None:
+def highest_rate_met(
+    layouts: list[tuple[Candidate, Layout]],
+    workload: Workload,
+    rate: float,
+    num_requests: int,
+    slo_ttft_ms: float | None,
+    slo_tpot_ms: float | None,
+    target: float,
+    seed: int = 0,
+) -> tuple[float, str] | None:
     """Below ``rate``, where none meets the SLO: the highest rate of a ladder from ``rate``/32 (x1.25 a
     rung) at which some layout does, and that layout; None when none does even at ``rate``/32."""
     from bench.plan.sweep import ladder
@@ -204,24 +250,32 @@ def highest_rate_met(layouts: list[tuple[Candidate, Layout]], workload: Workload
 
 def poor_fits(profile: Profile) -> list[str]:
     """One line per thread count whose step-cost fit is worse than FIT_ERROR_BOUND."""
-    return [f"warning: the step-cost fit for {threads} thread(s) misses its own samples by "
-            f"{100 * error:.0f}% on average (bound {100 * FIT_ERROR_BOUND:.0f}%): predictions for it are rough; "
-            f"profile again on a quieter machine, without --quick"
-            for threads, error in sorted(profile.fit_errors.items()) if error > FIT_ERROR_BOUND]
+    return [
+        f"warning: the step-cost fit for {threads} thread(s) misses its own samples by "
+        f"{100 * error:.0f}% on average (bound {100 * FIT_ERROR_BOUND:.0f}%): predictions for it are rough; "
+        f"profile again on a quieter machine, without --quick"
+        for threads, error in sorted(profile.fit_errors.items())
+        if error > FIT_ERROR_BOUND
+    ]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_argument_group("profile")
-    src.add_argument("--model", metavar="DIR",
-                     help=f"model to profile now: a folder, or a built-in model ({', '.join(BUILTIN_MODELS)}) "
-                          f"from {MODEL_CACHE}, built there on first use")
+    src.add_argument(
+        "--model",
+        metavar="DIR",
+        help=f"model to profile now: a folder, or a built-in model ({', '.join(BUILTIN_MODELS)}) "
+        f"from {MODEL_CACHE}, built there on first use",
+    )
     src.add_argument("--profile", metavar="FILE", help="use a saved profile instead of profiling")
     src.add_argument("--save-profile", metavar="FILE", help="write the measured profile here")
-    src.add_argument("--threads", default=None, metavar="LIST",
-                     help="thread counts to profile (default: 1 and --cores, e.g. 1,2)")
+    src.add_argument(
+        "--threads", default=None, metavar="LIST", help="thread counts to profile (default: 1 and --cores, e.g. 1,2)"
+    )
     src.add_argument("--quick", action="store_true", help="a small profiling grid (seconds, rougher)")
-    src.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES,
-                     help="dtype to profile (default %(default)s)")
+    src.add_argument(
+        "--dtype", default=EngineConfig.dtype, choices=DTYPES, help="dtype to profile (default %(default)s)"
+    )
     src.add_argument("--device", default=EngineConfig.device, help="torch device to profile (default %(default)s)")
     work = p.add_argument_group("workload")
     work.add_argument("--rate", type=float, required=True, metavar="R", help="Poisson arrivals per second")
@@ -233,34 +287,72 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     work.add_argument("--slo-tpot-ms", type=float, default=100.0, metavar="MS", help="default 100")
     work.add_argument("--seed", type=int, default=0, help="seed of the simulated requests and arrivals (0)")
     cl = p.add_argument_group("cluster")
-    cl.add_argument("--cores", type=int, default=os.cpu_count(), metavar="N",
-                    help="CPU cores shared by all instances (default: this machine's)")
+    cl.add_argument(
+        "--cores",
+        type=int,
+        default=os.cpu_count(),
+        metavar="N",
+        help="CPU cores shared by all instances (default: this machine's)",
+    )
     cl.add_argument("--gpus", type=int, metavar="N", help="GPUs instead of cores: one instance per GPU")
     cl.add_argument("--max-instances", type=int, metavar="N", help="cap on x + y")
     cl.add_argument("--layouts", metavar="LIST", help="only these, e.g. colocated,1p1d,2p1d")
-    cl.add_argument("--block-size", type=int, default=EngineConfig.block_size,
-                    help="tokens per KV block (default %(default)s)")
-    cl.add_argument("--kv-cache-mib", type=int, default=EngineConfig.kv_cache_bytes // MIB,
-                    help="KV cache per instance (default %(default)s)")
-    cl.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs,
-                    help="sequences an instance runs at once (default %(default)s)")
-    cl.add_argument("--max-num-batched-tokens", type=int, default=EngineConfig.max_num_batched_tokens,
-                    help="tokens one engine step computes at most (default %(default)s)")
-    cl.add_argument("--policy", choices=["mixed", "prefill_first"], default="mixed",
-                    help="step composition; the engine's is mixed (default)")
-    cl.add_argument("--local-prefill-below", type=int, default=0, metavar="TOKENS",
-                    help="conditional disaggregation threshold (default 0: off)")
+    cl.add_argument(
+        "--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block (default %(default)s)"
+    )
+    cl.add_argument(
+        "--kv-cache-mib",
+        type=int,
+        default=EngineConfig.kv_cache_bytes // MIB,
+        help="KV cache per instance (default %(default)s)",
+    )
+    cl.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=EngineConfig.max_num_seqs,
+        help="sequences an instance runs at once (default %(default)s)",
+    )
+    cl.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=EngineConfig.max_num_batched_tokens,
+        help="tokens one engine step computes at most (default %(default)s)",
+    )
+    cl.add_argument(
+        "--policy",
+        choices=["mixed", "prefill_first"],
+        default="mixed",
+        help="step composition; the engine's is mixed (default)",
+    )
+    cl.add_argument(
+        "--local-prefill-below",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="conditional disaggregation threshold (default 0: off)",
+    )
     cl.add_argument("--transfer-gbps", type=float, help="override the measured transfer bandwidth (GB/s)")
-    cl.add_argument("--no-layerwise", dest="layerwise", action="store_false",
-                    help="KV sent after the whole prefill, not layer by layer")
+    cl.add_argument(
+        "--no-layerwise",
+        dest="layerwise",
+        action="store_false",
+        help="KV sent after the whole prefill, not layer by layer",
+    )
     cl.add_argument("--ingress-ms", type=float, default=2.0, help="client to engine (HTTP, tokenize), assumed 2")
     cl.add_argument("--egress-ms", type=float, default=0.5, help="engine to client per token, assumed 0.5")
     cl.add_argument("--pd-hop-ms", type=float, default=3.0, help="extra D-reserve + P-call hop, assumed 3")
-    p.add_argument("--max-rate", action="store_true",
-                   help="also find each layout's highest rate meeting the SLO (a ladder from --rate/4, x1.25)")
-    p.add_argument("--attainment", type=float, default=90.0, metavar="PCT",
-                   help="share of requests that must meet both SLOs for a layout to count as meeting them "
-                        "(default 90)")
+    p.add_argument(
+        "--max-rate",
+        action="store_true",
+        help="also find each layout's highest rate meeting the SLO (a ladder from --rate/4, x1.25)",
+    )
+    p.add_argument(
+        "--attainment",
+        type=float,
+        default=90.0,
+        metavar="PCT",
+        help="share of requests that must meet both SLOs for a layout to count as meeting them (default 90)",
+    )
     p.add_argument("--json", metavar="FILE", help="write predictions as JSON")
 
 
@@ -291,21 +383,27 @@ def run(args: argparse.Namespace) -> int:
     else:
         cands = candidates(units, args.max_instances, per_device)
     profile = load_or_measure(args)
-    settings = EngineSettings(args.block_size, args.kv_cache_mib * MIB, args.max_num_seqs,
-                              args.max_num_batched_tokens, True, args.policy)
+    settings = EngineSettings(
+        args.block_size, args.kv_cache_mib * MIB, args.max_num_seqs, args.max_num_batched_tokens, True, args.policy
+    )
     overheads = Overheads(args.ingress_ms / 1000, args.egress_ms / 1000, args.pd_hop_ms / 1000)
     bandwidth = args.transfer_gbps * 1e9 if args.transfer_gbps else None
-    layouts = [(c, build_layout(c, profile, settings, overheads, args.local_prefill_below, args.layerwise,
-                                bandwidth)) for c in cands]
-    preds = evaluate(layouts, workload, args.rate, args.num_requests, args.slo_ttft_ms, args.slo_tpot_ms,
-                     args.seed)
+    layouts = [
+        (c, build_layout(c, profile, settings, overheads, args.local_prefill_below, args.layerwise, bandwidth))
+        for c in cands
+    ]
+    preds = evaluate(layouts, workload, args.rate, args.num_requests, args.slo_ttft_ms, args.slo_tpot_ms, args.seed)
     target = args.attainment / 100
     best = recommend(preds)
     meets_slo = meets(best, target)
-    print(f"workload: {workload} at {args.rate:g} req/s, {args.num_requests} simulated requests; "
-          f"SLO TTFT<={args.slo_ttft_ms:g}ms TPOT<={args.slo_tpot_ms:g}ms")
-    print(f"profile: {profile.model} ({profile.device}, {profile.dtype}), KV {profile.kv_bytes_per_token} B/token, "
-          f"transfer {profile.transfer_bandwidth / 1e9:.2f} GB/s ({profile.transfer_source})")
+    print(
+        f"workload: {workload} at {args.rate:g} req/s, {args.num_requests} simulated requests; "
+        f"SLO TTFT<={args.slo_ttft_ms:g}ms TPOT<={args.slo_tpot_ms:g}ms"
+    )
+    print(
+        f"profile: {profile.model} ({profile.device}, {profile.dtype}), KV {profile.kv_bytes_per_token} B/token, "
+        f"transfer {profile.transfer_bandwidth / 1e9:.2f} GB/s ({profile.transfer_source})"
+    )
     for line in poor_fits(profile):
         print(line)
     print(format_table(preds, best if meets_slo else None))
@@ -314,37 +412,67 @@ def run(args: argparse.Namespace) -> int:
         print(f"recommended: {best.candidate.name}")
     else:
         attained = best.summary.slo_attainment or 0.0
-        print(f"no layout meets the SLO at {args.rate:g} req/s: the best, {best.candidate.name}, has "
-              f"{100 * attained:.0f}% of requests within both (the bar is {args.attainment:g}%)")
-        fallback = highest_rate_met(layouts, workload, args.rate, args.num_requests, args.slo_ttft_ms,
-                                    args.slo_tpot_ms, target, args.seed)
+        print(
+            f"no layout meets the SLO at {args.rate:g} req/s: the best, {best.candidate.name}, has "
+            f"{100 * attained:.0f}% of requests within both (the bar is {args.attainment:g}%)"
+        )
+        fallback = highest_rate_met(
+            layouts, workload, args.rate, args.num_requests, args.slo_ttft_ms, args.slo_tpot_ms, target, args.seed
+        )
         if fallback is None:
-            print(f"none meets it even at {args.rate / 32:.3g} req/s: this SLO is beyond these instances "
-                  "for this workload")
+            print(
+                f"none meets it even at {args.rate / 32:.3g} req/s: this SLO is beyond these instances "
+                "for this workload"
+            )
         else:
-            print(f"the highest rate a layout meets it at: {fallback[0]:.3g} req/s ({fallback[1]}); "
-                  f"plan again with --rate {fallback[0]:.3g}")
+            print(
+                f"the highest rate a layout meets it at: {fallback[0]:.3g} req/s ({fallback[1]}); "
+                f"plan again with --rate {fallback[0]:.3g}"
+            )
     found = None
     if args.max_rate:
         from bench.plan.sweep import ladder
 
-        found = max_rates(layouts, workload, ladder(args.rate / 4, 1.25, 16), args.num_requests,
-                          args.slo_ttft_ms, args.slo_tpot_ms, target, args.seed)
+        found = max_rates(
+            layouts,
+            workload,
+            ladder(args.rate / 4, 1.25, 16),
+            args.num_requests,
+            args.slo_ttft_ms,
+            args.slo_tpot_ms,
+            target,
+            args.seed,
+        )
         print(format_max_rates(found, target, units))
     if args.json:
-        data = {"workload": str(workload), "rate": args.rate,
-                "recommended": best.candidate.name if meets_slo else None,
-                "highest_rate_met": None if fallback is None else {"rate": fallback[0], "layout": fallback[1]},
-                "poor_fits": poor_fits(profile),
-                "profile": {k: v for k, v in profile.to_json().items() if k != "samples"},
-                "predictions": [{"layout": p.candidate.name, "threads": p.candidate.threads,
-                                 "summary": p.summary.to_json(), "utilization": p.utilization} for p in preds]}
+        data = {
+            "workload": str(workload),
+            "rate": args.rate,
+            "recommended": best.candidate.name if meets_slo else None,
+            "highest_rate_met": None if fallback is None else {"rate": fallback[0], "layout": fallback[1]},
+            "poor_fits": poor_fits(profile),
+            "profile": {k: v for k, v in profile.to_json().items() if k != "samples"},
+            "predictions": [
+                {
+                    "layout": p.candidate.name,
+                    "threads": p.candidate.threads,
+                    "summary": p.summary.to_json(),
+                    "utilization": p.utilization,
+                }
+                for p in preds
+            ],
+        }
         if found is not None:
             from bench.plan.sweep import crossing
 
-            data["max_rate"] = {name: {"rate": best, "crossing": crossing(curve, target),
-                                       "curve": {str(r): a for r, a in curve.items()}}
-                                for name, (best, curve) in found.items()}
+            data["max_rate"] = {
+                name: {
+                    "rate": best,
+                    "crossing": crossing(curve, target),
+                    "curve": {str(r): a for r, a in curve.items()},
+                }
+                for name, (best, curve) in found.items()
+            }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
         print(f"predictions: {args.json}")

@@ -80,31 +80,49 @@ class Profile:
         return self.step_costs[below[-1] if below else known[0]]
 
     def transfer_cost(self, layerwise: bool = True, bandwidth: float | None = None) -> TransferCost:
-        return TransferCost(self.kv_bytes_per_token, bandwidth or self.transfer_bandwidth,
-                            self.transfer_latency, self.num_layers, layerwise)
+        return TransferCost(
+            self.kv_bytes_per_token,
+            bandwidth or self.transfer_bandwidth,
+            self.transfer_latency,
+            self.num_layers,
+            layerwise,
+        )
 
     def to_json(self) -> dict:
         return {
             "format": PROFILE_FORMAT,
-            "model": self.model, "dtype": self.dtype, "device": self.device, "num_layers": self.num_layers,
+            "model": self.model,
+            "dtype": self.dtype,
+            "device": self.device,
+            "num_layers": self.num_layers,
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "step_costs": {str(t): c.to_json() for t, c in self.step_costs.items()},
             "fit_errors": {str(t): e for t, e in self.fit_errors.items()},
-            "transfer": {"bandwidth": self.transfer_bandwidth, "latency": self.transfer_latency,
-                         "source": self.transfer_source},
-            "samples": {str(t): [[s.new_tokens, s.attn_pairs, s.seqs, s.seconds, s.decode_keys] for s in ss]
-                        for t, ss in self.samples.items()},
+            "transfer": {
+                "bandwidth": self.transfer_bandwidth,
+                "latency": self.transfer_latency,
+                "source": self.transfer_source,
+            },
+            "samples": {
+                str(t): [[s.new_tokens, s.attn_pairs, s.seqs, s.seconds, s.decode_keys] for s in ss]
+                for t, ss in self.samples.items()
+            },
             "machine": self.machine,
         }
 
     @classmethod
     def from_json(cls, data: dict) -> Profile:
         if isinstance(data, dict) and "step_costs" in data and data.get("format", 1) != PROFILE_FORMAT:
-            raise ValueError(f"profile format {data.get('format', 1)}, this pdserve reads {PROFILE_FORMAT} "
-                             "(attention is counted differently): profile again")
+            raise ValueError(
+                f"profile format {data.get('format', 1)}, this pdserve reads {PROFILE_FORMAT} "
+                "(attention is counted differently): profile again"
+            )
         try:
             return cls(
-                model=data["model"], dtype=data["dtype"], device=data["device"], num_layers=int(data["num_layers"]),
+                model=data["model"],
+                dtype=data["dtype"],
+                device=data["device"],
+                num_layers=int(data["num_layers"]),
                 kv_bytes_per_token=int(data["kv_bytes_per_token"]),
                 step_costs={int(t): StepCost.from_json(c) for t, c in data["step_costs"].items()},
                 fit_errors={int(t): float(e) for t, e in data.get("fit_errors", {}).items()},
@@ -165,8 +183,9 @@ def _prompt(rng: np.random.Generator, length: int, vocab: int) -> list[int]:
     return [int(t) for t in rng.integers(3, max(4, vocab - 1), size=length)]
 
 
-def measure_steps(engine, grid: ProfileGrid, threads: list[int], seed: int = 0,
-                  show_progress: bool = False) -> dict[int, list[StepSample]]:
+def measure_steps(
+    engine, grid: ProfileGrid, threads: list[int], seed: int = 0, show_progress: bool = False
+) -> dict[int, list[StepSample]]:
     """Prefill, decode and mixed step samples per thread count (colocated mode).
 
     Every scenario runs once per thread count back to back, so all counts
@@ -210,8 +229,8 @@ def measure_steps(engine, grid: ProfileGrid, threads: list[int], seed: int = 0,
         drain(into)
 
     scenarios = [lambda into, n=n: prefill(n, into) for _ in range(grid.repeats) for n in grid.prefill_lengths]
-    scenarios += [lambda into, b=b, c=c: decode(b, c, into)
-                  for b in grid.decode_batches for c in grid.decode_contexts]
+    scenarios += [lambda into, b=b, c=c: decode(b, c, into) for b in grid.decode_batches for c in grid.decode_contexts]
+
     def padded(into) -> None:
         # Short decodes batched with one long context: every one reads as many keys.
         add(grid.long_context, grid.decode_steps + 1)
@@ -226,8 +245,9 @@ def measure_steps(engine, grid: ProfileGrid, threads: list[int], seed: int = 0,
         prefill(16, None)  # warm-up
     from tqdm import tqdm
 
-    for scenario in tqdm(scenarios, desc="profiling step shapes", unit="shape", file=sys.stderr,
-                         disable=not show_progress):
+    for scenario in tqdm(
+        scenarios, desc="profiling step shapes", unit="shape", file=sys.stderr, disable=not show_progress
+    ):
         for count in threads:
             torch.set_num_threads(count)
             scenario(samples[count])
@@ -279,16 +299,34 @@ def measure_zmq_transfer(message_bytes: int, count: int = 32, pings: int = 20) -
         ctx.term()
 
 
-def measure_transfer_bench(num_layers: int, kv_heads: int, head_dim: int, dtype: str,
-                           backend: str = "zmq") -> tuple[float, float] | None:
+def measure_transfer_bench(
+    num_layers: int, kv_heads: int, head_dim: int, dtype: str, backend: str = "zmq"
+) -> tuple[float, float] | None:
     """(bandwidth bytes/s, latency s) from ``transfer.bench``: the real sender
     and receiver, a 512-token KV of this model's layout; None when it fails.
 
     Latency is its one-block (16 tokens, all layers, push to Ack) time.
     """
-    cmd = [sys.executable, "-m", "transfer.bench", "--backend", backend, "--json", "--layers", str(num_layers),
-           "--kv-heads", str(kv_heads), "--head-dim", str(head_dim), "--dtype", dtype, "--blocks", "32",
-           "--block-size", "16"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "transfer.bench",
+        "--backend",
+        backend,
+        "--json",
+        "--layers",
+        str(num_layers),
+        "--kv-heads",
+        str(kv_heads),
+        "--head-dim",
+        str(head_dim),
+        "--dtype",
+        dtype,
+        "--blocks",
+        "32",
+        "--block-size",
+        "16",
+    ]
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         result = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
@@ -303,8 +341,11 @@ def machine_info() -> dict:
     import torch
 
     return {
-        "platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "loadavg_1m": os.getloadavg()[0], "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "loadavg_1m": os.getloadavg()[0],
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
 
 
@@ -325,8 +366,14 @@ def profile_engine(
 
     longest = max(grid.prefill_lengths)
     need = max(longest, max(grid.decode_batches) * max(grid.decode_contexts)) * 2 + 4096
-    config = EngineConfig(model=model, dtype=dtype, device=device, num_blocks=need // 16 + 1,
-                          max_num_batched_tokens=max(longest, 2048), max_num_seqs=max(64, max(grid.decode_batches) + 2))
+    config = EngineConfig(
+        model=model,
+        dtype=dtype,
+        device=device,
+        num_blocks=need // 16 + 1,
+        max_num_batched_tokens=max(longest, 2048),
+        max_num_seqs=max(64, max(grid.decode_batches) + 2),
+    )
     engine = LLMEngine(config)
     cache = engine.cache
     element = torch.tensor([], dtype=cache.dtype).element_size()
@@ -348,5 +395,6 @@ def profile_engine(
         source = "raw zmq loopback (transfer.bench unavailable)"
     progress(f"transfer: {source}: {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e3:.2f} ms")
     info["loadavg_1m_after"] = os.getloadavg()[0]
-    return Profile(model, dtype, device, cache.num_layers, kv_bytes, costs, errors, bandwidth, latency,
-                   source, all_samples, info)
+    return Profile(
+        model, dtype, device, cache.num_layers, kv_bytes, costs, errors, bandwidth, latency, source, all_samples, info
+    )

@@ -70,8 +70,9 @@ class Simulation:
 
     def __init__(self, layout: Layout):
         self.layout = layout
-        self.serving = [ServingInstance(f"{'C' if layout.colocated else 'D'}{i}", s)
-                        for i, s in enumerate(layout.serving)]
+        self.serving = [
+            ServingInstance(f"{'C' if layout.colocated else 'D'}{i}", s) for i, s in enumerate(layout.serving)
+        ]
         self.prefill = [PrefillInstance(f"P{i}", s) for i, s in enumerate(layout.prefill)]
         self.events: list[tuple[float, int, str, object]] = []
         self.seq = itertools.count()
@@ -192,9 +193,15 @@ def to_record(req: SimRequest) -> RequestRecord:
     ok = req.error is None
     end = req.token_times[-1] if ok and req.token_times else (req.done_at or req.arrival)
     return RequestRecord(
-        index=req.index, prompt_len=req.prompt_len, max_tokens=req.output_len, start=req.arrival,
-        end=end, token_times=list(req.token_times), output_tokens=req.generated if ok else 0,
-        ok=ok, error=req.error,
+        index=req.index,
+        prompt_len=req.prompt_len,
+        max_tokens=req.output_len,
+        start=req.arrival,
+        end=end,
+        token_times=list(req.token_times),
+        output_tokens=req.generated if ok else 0,
+        ok=ok,
+        error=req.error,
     )
 
 
@@ -211,7 +218,6 @@ def simulate(layout: Layout, specs: list[RequestSpec], arrivals: list[float]) ->
     start = min(arrivals, default=0.0)
     end = max((r.end for r in records), default=start)
     duration = end - start
-    util = {i.name: (i.busy_seconds / duration if duration > 0 else 0.0)
-            for i in (*sim.prefill, *sim.serving)}
+    util = {i.name: (i.busy_seconds / duration if duration > 0 else 0.0) for i in (*sim.prefill, *sim.serving)}
     steps = {i.name: {kind: tuple(v) for kind, v in i.steps.items()} for i in (*sim.prefill, *sim.serving)}
     return SimResult(layout.name, records, duration, util, steps)

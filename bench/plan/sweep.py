@@ -25,7 +25,7 @@ def ladder(start: float, factor: float, count: int) -> list[float]:
     """``count`` rates from ``start``, each ``factor`` times the one before."""
     if start <= 0 or factor <= 1 or count < 1:
         raise ValueError(f"bad ladder: start {start} (> 0), factor {factor} (> 1), count {count} (>= 1)")
-    return [round(start * factor ** i, 6) for i in range(count)]
+    return [round(start * factor**i, 6) for i in range(count)]
 
 
 def max_rate(curve: dict[float, float | None], target: float) -> float | None:
@@ -53,9 +53,11 @@ def crossing(curve: dict[float, float | None], target: float) -> float | None:
     return met + (lo - target) / (lo - hi) * (above[0] - met)
 
 
-def attainment(records: list[RequestRecord], slo_ttft_ms: float | None, slo_tpot_ms: float | None,
-               scale: float = 1.0) -> float | None:
+def attainment(
+    records: list[RequestRecord], slo_ttft_ms: float | None, slo_tpot_ms: float | None, scale: float = 1.0
+) -> float | None:
     """Share of requests meeting both SLOs, each multiplied by ``scale`` (failed requests miss)."""
+
     def mul(v):
         return None if v is None else v * scale
 
@@ -69,8 +71,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def predicted_curve(layout: Layout, workload: Workload, rates: list[float], num_requests: int,
-                    slo_ttft_ms: float | None, slo_tpot_ms: float | None, seed: int = 0) -> dict[float, float]:
+def predicted_curve(
+    layout: Layout,
+    workload: Workload,
+    rates: list[float],
+    num_requests: int,
+    slo_ttft_ms: float | None,
+    slo_tpot_ms: float | None,
+    seed: int = 0,
+) -> dict[float, float]:
     """The planner's attainment at each rate: the simulator on the same requests at
     every rate (Poisson arrivals from one seed, so only their spacing changes)."""
     specs = workload.specs(num_requests, seed)

@@ -55,8 +55,9 @@ MAX_STOP = 4  # stop sequences, as OpenAI
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI
 # Token ids: their bound below the vocabulary size is checked by router.api.model and written into the
 # published schema by router.api.openapi (the marks).
-TokenKey = Annotated[str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$"),
-                     Field(json_schema_extra={TOKEN_ID: True})]  # a token id, in decimal
+TokenKey = Annotated[
+    str, StringConstraints(pattern=r"^(0|[1-9][0-9]{0,9})$"), Field(json_schema_extra={TOKEN_ID: True})
+]  # a token id, in decimal
 NonEmpty = Annotated[str, StringConstraints(min_length=1)]
 Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
 TokenIdValue = Annotated[int, Field(ge=0, lt=1 << 31, json_schema_extra={TOKEN_ID: True}), Integral]
@@ -79,10 +80,15 @@ class StreamOptions(BaseModel):
 class SamplingFields(StructuredFields):
     """Fields both endpoints share (the structured-output ones in router/api/structured.py)."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, json_schema_extra={
-        # check_common's rule, for the schema: stream_options only with stream true
-        "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
-        "then": {"required": ["stream"], "properties": {"stream": {"const": True}}}})
+    model_config = ConfigDict(
+        extra="ignore",
+        strict=True,
+        json_schema_extra={
+            # check_common's rule, for the schema: stream_options only with stream true
+            "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object"}}},
+            "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+        },
+    )
 
     model: str
     stream: bool = False
@@ -111,8 +117,10 @@ class SamplingFields(StructuredFields):
         try:
             return handler(value)
         except ValidationError as exc:
-            raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids (decimal strings) to "
-                             f"numbers in [-100, 100]: {exc.errors()[0]['msg']}") from None
+            raise ValueError(
+                f"logit_bias must map at most {MAX_LOGIT_BIAS} token ids (decimal strings) to "
+                f"numbers in [-100, 100]: {exc.errors()[0]['msg']}"
+            ) from None
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
@@ -128,15 +136,25 @@ class SamplingFields(StructuredFields):
         ``min_tokens`` within the request's budget (``max_tokens`` as filled in)."""
         for key in self.logit_bias or {}:
             if int(key) >= vocab_size:
-                raise OpenAIError(400, f"logit_bias names token id {key}, outside the vocabulary "
-                                       f"(0..{vocab_size - 1})", param="logit_bias")
+                raise OpenAIError(
+                    400,
+                    f"logit_bias names token id {key}, outside the vocabulary (0..{vocab_size - 1})",
+                    param="logit_bias",
+                )
         for token in self.stop_token_ids or []:
             if token >= vocab_size:
-                raise OpenAIError(400, f"stop_token_ids has token id {token}, outside the vocabulary "
-                                       f"(0..{vocab_size - 1})", param="stop_token_ids")
+                raise OpenAIError(
+                    400,
+                    f"stop_token_ids has token id {token}, outside the vocabulary (0..{vocab_size - 1})",
+                    param="stop_token_ids",
+                )
         if self.min_tokens is not None and self.min_tokens > max_tokens:
-            raise OpenAIError(400, f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})",
-                              param="min_tokens", code="invalid_value")
+            raise OpenAIError(
+                400,
+                f"min_tokens ({self.min_tokens}) must be at most max_tokens ({max_tokens})",
+                param="min_tokens",
+                code="invalid_value",
+            )
 
     @property
     def num_sequences(self) -> int:
@@ -159,10 +177,14 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     # text or token ids, or a list of them: one choice (times n) per prompt
-    prompt: (NonEmpty | Annotated[list[TokenIdValue], Field(min_length=1)]
-             | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)]
-             | Annotated[list[Annotated[list[TokenIdValue], Field(min_length=1)]],
-                         Field(min_length=1, max_length=MAX_PROMPTS)])
+    prompt: (
+        NonEmpty
+        | Annotated[list[TokenIdValue], Field(min_length=1)]
+        | Annotated[list[NonEmpty], Field(min_length=1, max_length=MAX_PROMPTS)]
+        | Annotated[
+            list[Annotated[list[TokenIdValue], Field(min_length=1)]], Field(min_length=1, max_length=MAX_PROMPTS)
+        ]
+    )
     max_tokens: AtLeast0 | None = Field(default=16, json_schema_extra=NEW_TOKENS)  # 0: only with echo
     logprobs: NumLogprobs | None = None
     echo: bool = False
@@ -172,19 +194,28 @@ class CompletionRequest(SamplingFields):
     def check_supported(self) -> None:
         self.check_common()
         if self.max_tokens == 0 and not self.echo:
-            raise OpenAIError(400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens",
-                              code="invalid_value")
+            raise OpenAIError(
+                400, "max_tokens must be at least 1 (0 only with echo)", param="max_tokens", code="invalid_value"
+            )
         if self.best_of is not None and self.best_of != (self.n or 1):
-            raise OpenAIError(400, "best_of must equal n (pdserve returns every sequence it samples)",
-                              param="best_of", code="invalid_value")
+            raise OpenAIError(
+                400,
+                "best_of must equal n (pdserve returns every sequence it samples)",
+                param="best_of",
+                code="invalid_value",
+            )
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts, each as text or token ids (a list of them: one choice each)."""
         prompt = self.prompt
         prompts: list[str | list[int]] = list(prompt) if _several_prompts(prompt) else [prompt]
         if len(prompts) * self.num_sequences > MAX_PROMPTS:
-            raise OpenAIError(400, f"at most {MAX_PROMPTS} choices (prompts times n) per request", param="prompt",
-                              code="invalid_value")
+            raise OpenAIError(
+                400,
+                f"at most {MAX_PROMPTS} choices (prompts times n) per request",
+                param="prompt",
+                code="invalid_value",
+            )
         return prompts
 
 
@@ -219,10 +250,12 @@ MAX_TOOLS = 128  # OpenAI's limit on a request's tools
 def _at_most(limit: int, what: str) -> BeforeValidator:
     """A list of at most ``limit`` items, counted before a single item is validated (pydantic's
     ``max_length`` counts after validating them all: 250 ms for 100,000 messages, on the event loop)."""
+
     def check(value: Any) -> Any:
         if isinstance(value, list) and len(value) > limit:
             raise ValueError(f"at most {limit} {what}, not {len(value)}")
         return value
+
     return BeforeValidator(check)
 
 
@@ -241,8 +274,9 @@ class ChatCompletionRequest(SamplingFields):
     def check_supported(self) -> None:
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
-            raise OpenAIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs",
-                              code="invalid_value")
+            raise OpenAIError(
+                400, "top_logprobs requires logprobs to be true", param="top_logprobs", code="invalid_value"
+            )
 
     def max_new_tokens(self) -> int | None:
         """``max_completion_tokens`` wins over the deprecated ``max_tokens``."""

@@ -61,8 +61,7 @@ class TokenStrings:
 class ChoiceText:
     """One sequence's events -> its choice's deltas."""
 
-    def __init__(self, index: int, tokenizer: Any, prompt: Sequence[int], stops: Sequence[str],
-                 scored: bool) -> None:
+    def __init__(self, index: int, tokenizer: Any, prompt: Sequence[int], stops: Sequence[str], scored: bool) -> None:
         self.index = index
         self._detok = IncrementalDetokenizer(tokenizer, prompt)
         self._stops = StopMatcher(stops)

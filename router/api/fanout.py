@@ -94,12 +94,12 @@ async def choice_deltas(p: Prepared, sessions: list[Session], tokenizer: Any) ->
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
 
+
 async def _session_deltas(p: Prepared, j: int, session: Session, tokenizer: Any) -> AsyncIterator[ChoiceDelta]:
     """One prompt's choices: detokenized, stop-string-cut text (and tokens, with logprobs asked for);
     with echo or prompt log-probabilities, each choice opens with a delta of its prompt."""
     n, prompt = p.sampling.n, p.prompts[j]
-    choices = [ChoiceText(j * n + i, tokenizer, prompt, p.stops, p.top_logprobs is not None)
-               for i in range(n)]
+    choices = [ChoiceText(j * n + i, tokenizer, prompt, p.stops, p.top_logprobs is not None) for i in range(n)]
     opening = p.echo or p.prompt_top is not None
     scored = p.sampling.prompt_logprobs is not None
     held: list[TokensEvent] = []
@@ -122,8 +122,9 @@ async def _session_deltas(p: Prepared, j: int, session: Session, tokenizer: Any)
             return
 
 
-def _openings(p: Prepared, j: int, choices: list[ChoiceText],
-              logprobs: list[TokenLogprob | None] | None) -> list[ChoiceDelta]:
+def _openings(
+    p: Prepared, j: int, choices: list[ChoiceText], logprobs: list[TokenLogprob | None] | None
+) -> list[ChoiceDelta]:
     prompt = p.prompts[j]
     text = ""
     if p.echo:
@@ -141,9 +142,13 @@ def _generated(p: Prepared, choice: ChoiceText, event: TokensEvent) -> ChoiceDel
         raise OpenAIError(500, f"request {p.request_id} was aborted by the decode server")
     if event.finish_reason == "grammar":  # the client's grammar, not a fault of the servers (engine/scheduler.py)
         param = p.structured_param or "tools"
-        raise OpenAIError(400, f"{param}: the grammar could not be followed after {choice.count} tokens (the matcher "
-                               "gave up: a grammar that forces unbounded text, is too ambiguous, or matches no text); "
-                               "simplify it", param=param)
+        raise OpenAIError(
+            400,
+            f"{param}: the grammar could not be followed after {choice.count} tokens (the matcher "
+            "gave up: a grammar that forces unbounded text, is too ambiguous, or matches no text); "
+            "simplify it",
+            param=param,
+        )
     if p.drop_generated:  # max_tokens 0: the one token drawn is not part of the answer
         if choice.done or event.finish_reason is None:
             return None

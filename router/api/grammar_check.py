@@ -80,16 +80,18 @@ class GrammarChecker:
         except (EOFError, OSError):
             failure = "compiling it crashed the grammar compiler"
         self.crashes += 1
-        log.warning("a %s spec of %d bytes: %s; the compiler process is started again", spec.kind,
-                    len(spec.value), failure)
+        log.warning(
+            "a %s spec of %d bytes: %s; the compiler process is started again", spec.kind, len(spec.value), failure
+        )
         self._stop()
         return failure + "; simplify it (fewer rules, less nesting, fewer alternatives)"
 
     def _start(self) -> None:
         self._stop()
         parent, child = self._context.Pipe()
-        self._child = self._context.Process(target=_serve, args=(child, self.sandbox.memory_bytes),
-                                            name="grammar-check", daemon=True)
+        self._child = self._context.Process(
+            target=_serve, args=(child, self.sandbox.memory_bytes), name="grammar-check", daemon=True
+        )
         self._child.start()
         child.close()
         self._conn = parent
@@ -111,4 +113,3 @@ class GrammarChecker:
 
     def close(self) -> None:
         self._stop()
-

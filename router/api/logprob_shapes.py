@@ -28,10 +28,14 @@ def chat_logprobs(tokens: Sequence[Scored], top: int, strings: TokenStrings) -> 
     for s in tokens:
         token = strings(s.token_id)
         lp = s.logprob
-        tops = [] if lp is None else [out.TopLogprob(token=strings(t), logprob=v, bytes=_utf8(strings(t)))
-                                      for t, v in lp.top[:top]]
-        content.append(out.ChatTokenLogprob(token=token, logprob=lp.logprob if lp else 0.0, bytes=_utf8(token),
-                                            top_logprobs=tops))
+        tops = (
+            []
+            if lp is None
+            else [out.TopLogprob(token=strings(t), logprob=v, bytes=_utf8(strings(t))) for t, v in lp.top[:top]]
+        )
+        content.append(
+            out.ChatTokenLogprob(token=token, logprob=lp.logprob if lp else 0.0, bytes=_utf8(token), top_logprobs=tops)
+        )
     return out.ChatLogprobs(content=content)
 
 
@@ -56,14 +60,15 @@ class CompletionLogprobsBuilder:
                 result.top_logprobs.append(None)
                 continue
             result.token_logprobs.append(lp.logprob)
-            tops = {self._strings(t): v for t, v in lp.top[:self._top]}
+            tops = {self._strings(t): v for t, v in lp.top[: self._top]}
             tops.setdefault(token, lp.logprob)
             result.top_logprobs.append(tops)
         return result
 
 
-def prompt_logprobs(prompt: Sequence[int], logprobs: Sequence[TokenLogprob | None], top: int,
-                    strings: TokenStrings) -> out.PromptLogprobs:
+def prompt_logprobs(
+    prompt: Sequence[int], logprobs: Sequence[TokenLogprob | None], top: int, strings: TokenStrings
+) -> out.PromptLogprobs:
     """vLLM's list: None for the first prompt token, then the token's own entry and its top ``top``."""
     result: out.PromptLogprobs = []
     for token, lp in zip(prompt, logprobs):
@@ -71,8 +76,7 @@ def prompt_logprobs(prompt: Sequence[int], logprobs: Sequence[TokenLogprob | Non
             result.append(None)
             continue
         ranks = {t: rank for rank, (t, _) in enumerate(lp.top, start=1)}
-        entry = {str(token): out.PromptLogprob(logprob=lp.logprob, rank=ranks.get(token),
-                                               decoded_token=strings(token))}
+        entry = {str(token): out.PromptLogprob(logprob=lp.logprob, rank=ranks.get(token), decoded_token=strings(token))}
         for rank, (t, v) in enumerate(lp.top[:top], start=1):
             entry.setdefault(str(t), out.PromptLogprob(logprob=v, rank=rank, decoded_token=strings(t)))
         result.append(entry)

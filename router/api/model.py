@@ -45,8 +45,14 @@ class ServedModel:
         # the same rule as the engine: the configured length, capped by the model's
         limit = int(AutoConfig.from_pretrained(folder).max_position_embeddings)
         max_model_len = min(max_model_len or limit, limit)
-        return cls(name=name, root=folder, max_model_len=max_model_len, tokenizer=tokenizer,
-                   tools_in_template=template_uses_tools(tokenizer), chars_per_token=_chars_per_token(tokenizer))
+        return cls(
+            name=name,
+            root=folder,
+            max_model_len=max_model_len,
+            tokenizer=tokenizer,
+            tools_in_template=template_uses_tools(tokenizer),
+            chars_per_token=_chars_per_token(tokenizer),
+        )
 
     @property
     def max_prompt_chars(self) -> int:
@@ -58,9 +64,13 @@ class ServedModel:
         token stands for at most ``chars_per_token`` characters, so such a text has more tokens than the
         context holds. (Tokenizing the 4 MiB a body may carry takes seconds.)"""
         if chars > self.max_prompt_chars:
-            raise OpenAIError(400, f"the prompt has {chars} characters, more than {self.max_model_len} tokens "
-                                   f"(this model's context) can hold at {self.chars_per_token} characters a token",
-                              param=param, code="context_length_exceeded")
+            raise OpenAIError(
+                400,
+                f"the prompt has {chars} characters, more than {self.max_model_len} tokens "
+                f"(this model's context) can hold at {self.chars_per_token} characters a token",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -69,11 +79,11 @@ class ServedModel:
 
     def check_name(self, requested: str) -> None:
         if requested != self.name:
-            raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model",
-                              code="model_not_found")
+            raise OpenAIError(404, f"The model `{requested}` does not exist.", param="model", code="model_not_found")
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """Apply the chat template (with ``tools`` when given), then tokenize without adding special tokens again."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise OpenAIError(400, "this model has no chat template; use /v1/completions", param="messages")
@@ -102,7 +112,8 @@ class ServedModel:
                 400,
                 f"This model's maximum context length is {limit} tokens. However, your prompt has "
                 f"{num_prompt_tokens} tokens. Please reduce the length of the prompt.",
-                param=param, code="context_length_exceeded",
+                param=param,
+                code="context_length_exceeded",
             )
         if max_tokens is None:
             return limit - num_prompt_tokens
@@ -112,6 +123,7 @@ class ServedModel:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
                 f"for the completion). Please reduce the length of the prompt or max_tokens.",
-                param="max_tokens", code="context_length_exceeded",
+                param="max_tokens",
+                code="context_length_exceeded",
             )
         return max_tokens

@@ -61,8 +61,13 @@ class _Given(TypedDict, total=False):
     min_tokens: int
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None = None,
-                    prompt_logprobs: int | None = None, structured: StructuredSpec | None = None) -> SamplingParams:
+def sampling_params(
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    structured: StructuredSpec | None = None,
+) -> SamplingParams:
     """The request's sampling fields as the engine takes them (validated: see ``SamplingFields``).
     A field the request leaves out gets SamplingParams' default, written once there."""
     given = _Given()
@@ -108,10 +113,17 @@ def _most(*values: int | None) -> int | None:
 
 
 class OpenAIHandlers:
-    def __init__(self, model: ServedModel, dispatcher: Dispatcher, metrics: RouterMetrics,
-                 limits: RequestLimits | None = None, tracing: Tracing | None = None,
-                 grammars: GrammarChecker | None = None, grammar_limits: GrammarLimits = GrammarLimits(),
-                 access: AccessLog | None = None) -> None:
+    def __init__(
+        self,
+        model: ServedModel,
+        dispatcher: Dispatcher,
+        metrics: RouterMetrics,
+        limits: RequestLimits | None = None,
+        tracing: Tracing | None = None,
+        grammars: GrammarChecker | None = None,
+        grammar_limits: GrammarLimits = GrammarLimits(),
+        access: AccessLog | None = None,
+    ) -> None:
         self.model = model
         self.access = access or AccessLog()
         self.dispatcher = dispatcher
@@ -177,16 +189,31 @@ class OpenAIHandlers:
         param, structured = self._constraint(req.structured_constraints(self.grammar_limits) + tools.constraints)
         prompt = self.model.encode_chat(req.template_messages(), req.add_generation_prompt, tools.tools)
         tokens_param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        max_tokens = self.limits.completion_budget(self.model, len(prompt), req.max_new_tokens(), "messages",
-                                                   tokens_param)
-        max_tokens = self.dispatcher.kv_budget(len(prompt), max_tokens, req.num_sequences,
-                                               explicit=req.max_new_tokens() is not None, tokens_param=tokens_param)
+        max_tokens = self.limits.completion_budget(
+            self.model, len(prompt), req.max_new_tokens(), "messages", tokens_param
+        )
+        max_tokens = self.dispatcher.kv_budget(
+            len(prompt),
+            max_tokens,
+            req.num_sequences,
+            explicit=req.max_new_tokens() is not None,
+            tokens_param=tokens_param,
+        )
         req.check_tokens(self.model.vocab_size, max_tokens)
         top = (req.top_logprobs or 0) if req.logprobs else None
         sampling = sampling_params(req, max_tokens, top, req.prompt_logprobs, structured)
-        return Prepared(request_id, "chat", [prompt], sampling, req.stop_strings(),
-                        self._timeline(request_id, traceparent, "chat"), top_logprobs=top,
-                        prompt_top=req.prompt_logprobs, tools=tools, structured_param=param)
+        return Prepared(
+            request_id,
+            "chat",
+            [prompt],
+            sampling,
+            req.stop_strings(),
+            self._timeline(request_id, traceparent, "chat"),
+            top_logprobs=top,
+            prompt_top=req.prompt_logprobs,
+            tools=tools,
+            structured_param=param,
+        )
 
     def prepare_completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
         texts = [req.prompt] if isinstance(req.prompt, str) else [x for x in req.prompt if isinstance(x, str)]
@@ -198,24 +225,43 @@ class OpenAIHandlers:
         prompts = [self.model.encode_prompt(x) for x in given]
         requested = 1 if req.max_tokens == 0 else req.max_tokens
         explicit = "max_tokens" in req.model_fields_set
-        budget = min(self.dispatcher.kv_budget(len(x), self.limits.completion_budget(
-            self.model, len(x), requested, "prompt", explicit=explicit), req.num_sequences, explicit) for x in prompts)
+        budget = min(
+            self.dispatcher.kv_budget(
+                len(x),
+                self.limits.completion_budget(self.model, len(x), requested, "prompt", explicit=explicit),
+                req.num_sequences,
+                explicit,
+            )
+            for x in prompts
+        )
         req.check_tokens(self.model.vocab_size, budget)
         # With echo and logprobs the prompt tokens are scored too.
         prompt_top = _most(req.prompt_logprobs, req.logprobs if req.echo else None)
         prompt_texts = None
         if req.echo:
-            prompt_texts = [x if isinstance(x, str) else self.model.tokenizer.decode(x, skip_special_tokens=True)
-                            for x in given]
+            prompt_texts = [
+                x if isinstance(x, str) else self.model.tokenizer.decode(x, skip_special_tokens=True) for x in given
+            ]
         sampling = sampling_params(req, budget, req.logprobs, prompt_top, structured)
-        return Prepared(request_id, "completions", prompts, sampling, req.stop_strings(),
-                        self._timeline(request_id, traceparent, "completions"), prompt_texts=prompt_texts,
-                        top_logprobs=req.logprobs, prompt_top=req.prompt_logprobs, echo=req.echo,
-                        drop_generated=req.max_tokens == 0, structured_param=param)
+        return Prepared(
+            request_id,
+            "completions",
+            prompts,
+            sampling,
+            req.stop_strings(),
+            self._timeline(request_id, traceparent, "completions"),
+            prompt_texts=prompt_texts,
+            top_logprobs=req.logprobs,
+            prompt_top=req.prompt_logprobs,
+            echo=req.echo,
+            drop_generated=req.max_tokens == 0,
+            structured_param=param,
+        )
 
     def _timeline(self, request_id: str, traceparent: str | None, endpoint: str) -> RequestTimeline:
-        return RequestTimeline(self.metrics, self.tracing, self.timeline, request_id, traceparent, self.access,
-                               endpoint)
+        return RequestTimeline(
+            self.metrics, self.tracing, self.timeline, request_id, traceparent, self.access, endpoint
+        )
 
     # ---- running -----------------------------------------------------------
 
@@ -223,8 +269,10 @@ class OpenAIHandlers:
         """One session per prompt, opened together; if one cannot open, the others are closed."""
         ids = [p.request_id] if len(p.prompts) == 1 else [f"{p.request_id}-{j}" for j in range(len(p.prompts))]
         trace = p.timeline.traceparent
-        opened = await asyncio.gather(*(self.dispatcher.start(rid, prompt, p.sampling, trace)
-                                        for rid, prompt in zip(ids, p.prompts)), return_exceptions=True)
+        opened = await asyncio.gather(
+            *(self.dispatcher.start(rid, prompt, p.sampling, trace) for rid, prompt in zip(ids, p.prompts)),
+            return_exceptions=True,
+        )
         sessions = [x for x in opened if isinstance(x, Session)]
         failed = [x for x in opened if isinstance(x, BaseException)]
         if failed:
@@ -266,28 +314,45 @@ class OpenAIHandlers:
     def _usage(self, p: Prepared, sessions: list[Session], completion_tokens: int) -> out.Usage:
         return out.Usage.of(p.num_prompt_tokens, completion_tokens, sum(s.cached_tokens for s in sessions))
 
-    def _prompt_logprobs(self, p: Prepared, j: int,
-                         logprobs: Sequence[TokenLogprob | None] | None) -> out.PromptLogprobs | None:
+    def _prompt_logprobs(
+        self, p: Prepared, j: int, logprobs: Sequence[TokenLogprob | None] | None
+    ) -> out.PromptLogprobs | None:
         if p.prompt_top is None or logprobs is None:
             return None
         return prompt_logprobs(p.prompts[j], logprobs, p.prompt_top, self.token_strings)
 
-    async def chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None,
-                   body_bytes: int = 0) -> Answered:
+    async def chat(
+        self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None, body_bytes: int = 0
+    ) -> Answered:
         """``body_bytes``: the request body's length, which decides where it is prepared (``_prepare``)."""
-        return await self._run(lambda: self.prepare_chat(req, request_id, traceparent), body_bytes, req.stream,
-                               lambda p, sessions: self._chat_stream(p, req, sessions), self._chat_answer)
+        return await self._run(
+            lambda: self.prepare_chat(req, request_id, traceparent),
+            body_bytes,
+            req.stream,
+            lambda p, sessions: self._chat_stream(p, req, sessions),
+            self._chat_answer,
+        )
 
-    async def completion(self, req: CompletionRequest, request_id: str, traceparent: str | None = None,
-                         body_bytes: int = 0) -> Answered:
+    async def completion(
+        self, req: CompletionRequest, request_id: str, traceparent: str | None = None, body_bytes: int = 0
+    ) -> Answered:
         """``body_bytes``: the request body's length, which decides where it is prepared (``_prepare``)."""
-        return await self._run(lambda: self.prepare_completion(req, request_id, traceparent), body_bytes,
-                               req.stream, lambda p, sessions: self._completion_stream(p, req, sessions),
-                               self._completion_answer)
+        return await self._run(
+            lambda: self.prepare_completion(req, request_id, traceparent),
+            body_bytes,
+            req.stream,
+            lambda p, sessions: self._completion_stream(p, req, sessions),
+            self._completion_answer,
+        )
 
-    async def _run(self, prepare: Callable[[], Prepared], body_bytes: int, stream: bool,
-                   streamer: Callable[[Prepared, list[Session]], AsyncIterator[str]],
-                   answer: Callable[[Prepared, list[Collected], out.Usage], Response]) -> Answered:
+    async def _run(
+        self,
+        prepare: Callable[[], Prepared],
+        body_bytes: int,
+        stream: bool,
+        streamer: Callable[[Prepared, list[Session]], AsyncIterator[str]],
+        answer: Callable[[Prepared, list[Collected], out.Usage], Response],
+    ) -> Answered:
         """Prepare a request, then either open its sessions for ``streamer`` or collect them whole and
         have ``answer`` build the response (``_answer``: off the event loop when it is scored)."""
         p = await self._prepare(prepare, body_bytes)
@@ -302,12 +367,18 @@ class OpenAIHandlers:
         choices = []
         for i, c in enumerate(got):
             message, reason = chat_message(c.text, c.finish_reason, p.tools.parse)
-            logprobs = None if p.top_logprobs is None else chat_logprobs(c.tokens, p.top_logprobs,
-                                                                         self.token_strings)
+            logprobs = None if p.top_logprobs is None else chat_logprobs(c.tokens, p.top_logprobs, self.token_strings)
             choices.append(out.ChatChoice(index=i, message=message, finish_reason=reason, logprobs=logprobs))
-        return json_response(out.ChatCompletion(
-            id=f"chatcmpl-{p.request_id}", created=int(time.time()), model=self.model.name, choices=choices,
-            usage=usage, prompt_logprobs=self._prompt_logprobs(p, 0, got[0].prompt_logprobs)))
+        return json_response(
+            out.ChatCompletion(
+                id=f"chatcmpl-{p.request_id}",
+                created=int(time.time()),
+                model=self.model.name,
+                choices=choices,
+                usage=usage,
+                prompt_logprobs=self._prompt_logprobs(p, 0, got[0].prompt_logprobs),
+            )
+        )
 
     def _completion_answer(self, p: Prepared, got: list[Collected], usage: out.Usage) -> Response:
         n = p.sampling.n
@@ -316,24 +387,41 @@ class OpenAIHandlers:
             logprobs = None
             if p.top_logprobs is not None:
                 logprobs = CompletionLogprobsBuilder(p.top_logprobs, self.token_strings).build(c.tokens)
-            choices.append(out.CompletionChoice(
-                index=i, text=c.text, finish_reason=c.finish_reason, logprobs=logprobs,
-                prompt_logprobs=self._prompt_logprobs(p, i // n, c.prompt_logprobs)))
-        return json_response(out.Completion(id=f"cmpl-{p.request_id}", created=int(time.time()),
-                                            model=self.model.name, choices=choices, usage=usage))
+            choices.append(
+                out.CompletionChoice(
+                    index=i,
+                    text=c.text,
+                    finish_reason=c.finish_reason,
+                    logprobs=logprobs,
+                    prompt_logprobs=self._prompt_logprobs(p, i // n, c.prompt_logprobs),
+                )
+            )
+        return json_response(
+            out.Completion(
+                id=f"cmpl-{p.request_id}", created=int(time.time()), model=self.model.name, choices=choices, usage=usage
+            )
+        )
 
     # ---- streams -----------------------------------------------------------
 
-    async def _chat_stream(self, p: Prepared, req: ChatCompletionRequest,
-                           sessions: list[Session]) -> AsyncIterator[str]:
+    async def _chat_stream(
+        self, p: Prepared, req: ChatCompletionRequest, sessions: list[Session]
+    ) -> AsyncIterator[str]:
         usage_field = {"prompt_logprobs"} | (set() if req.include_usage else {"usage"})
         created = int(time.time())
 
-        def chunk(index: int, delta: out.Delta | out.ToolCallsDelta, finish_reason: FinishReason | None = None,
-                  logprobs: out.ChatLogprobs | None = None) -> out.ChatCompletionChunk:
-            return out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name,
-                                           choices=[out.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
-                                                                        finish_reason=finish_reason)])
+        def chunk(
+            index: int,
+            delta: out.Delta | out.ToolCallsDelta,
+            finish_reason: FinishReason | None = None,
+            logprobs: out.ChatLogprobs | None = None,
+        ) -> out.ChatCompletionChunk:
+            return out.ChatCompletionChunk(
+                id=f"chatcmpl-{p.request_id}",
+                created=created,
+                model=self.model.name,
+                choices=[out.ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)],
+            )
 
         templates: dict[int, ChunkTemplate] = {}
         counts: dict[int, int] = {}
@@ -342,8 +430,10 @@ class OpenAIHandlers:
 
         def content(index: int, text: str) -> str:
             if index not in templates:
+
                 def make(t: str, _: FinishReason | None) -> out.ChatCompletionChunk:
                     return chunk(index, out.Delta(content=t))
+
                 templates[index] = ChunkTemplate(make, usage_field)
             return templates[index].event(text)
 
@@ -353,10 +443,12 @@ class OpenAIHandlers:
             async for d in choice_deltas(p, sessions, self.model.tokenizer):
                 counts[d.index] = d.completion_tokens
                 if d.prompt_logprobs is not None and p.prompt_top is not None and d.index == 0:  # one prompt
+
                     def first_event(d: ChoiceDelta = d) -> str:
                         first = chunk(d.index, out.Delta(content=""))
                         first.prompt_logprobs = self._prompt_logprobs(p, 0, d.prompt_logprobs)
                         return sse_event(first, exclude=usage_field - {"prompt_logprobs"})
+
                     yield await self._answer(first_event, heavy=True)
                 logprobs = None
                 if p.top_logprobs is not None and d.tokens:
@@ -383,9 +475,12 @@ class OpenAIHandlers:
             p.timeline.finished(reason or "length", sum(counts.values()))
             if req.include_usage:
                 usage = self._usage(p, sessions, sum(counts.values()))
-                yield sse_event(out.ChatCompletionChunk(id=f"chatcmpl-{p.request_id}", created=created,
-                                                        model=self.model.name, choices=[], usage=usage),
-                                exclude={"prompt_logprobs"})
+                yield sse_event(
+                    out.ChatCompletionChunk(
+                        id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name, choices=[], usage=usage
+                    ),
+                    exclude={"prompt_logprobs"},
+                )
             yield DONE
         except OpenAIError as exc:
             p.timeline.failed(exc.code or str(exc.status))
@@ -394,17 +489,30 @@ class OpenAIHandlers:
         finally:
             await self.close(p, sessions, sum(counts.values()))
 
-    async def _completion_stream(self, p: Prepared, req: CompletionRequest,
-                                 sessions: list[Session]) -> AsyncIterator[str]:
+    async def _completion_stream(
+        self, p: Prepared, req: CompletionRequest, sessions: list[Session]
+    ) -> AsyncIterator[str]:
         usage_field = None if req.include_usage else {"usage"}
         created = int(time.time())
         n = p.sampling.n
 
-        def chunk(index: int, text: str, reason: FinishReason | None, logprobs: out.CompletionLogprobs | None = None,
-                  prompt_logprobs: out.PromptLogprobs | None = None) -> out.Completion:
-            return out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
-                                  choices=[out.CompletionChoice(index=index, text=text, finish_reason=reason,
-                                                                logprobs=logprobs, prompt_logprobs=prompt_logprobs)])
+        def chunk(
+            index: int,
+            text: str,
+            reason: FinishReason | None,
+            logprobs: out.CompletionLogprobs | None = None,
+            prompt_logprobs: out.PromptLogprobs | None = None,
+        ) -> out.Completion:
+            return out.Completion(
+                id=f"cmpl-{p.request_id}",
+                created=created,
+                model=self.model.name,
+                choices=[
+                    out.CompletionChoice(
+                        index=index, text=text, finish_reason=reason, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+                    )
+                ],
+            )
 
         templates: dict[int, ChunkTemplate] = {}
         builders: dict[int, CompletionLogprobsBuilder] = {}
@@ -415,13 +523,15 @@ class OpenAIHandlers:
                 counts[d.index] = d.completion_tokens
                 reason = reason or d.finish_reason
                 if p.top_logprobs is not None or d.prompt_logprobs is not None:
-                    builder = builders.setdefault(d.index, CompletionLogprobsBuilder(p.top_logprobs or 0,
-                                                                                     self.token_strings))
+                    builder = builders.setdefault(
+                        d.index, CompletionLogprobsBuilder(p.top_logprobs or 0, self.token_strings)
+                    )
 
                     def event(d: ChoiceDelta = d, builder: CompletionLogprobsBuilder = builder) -> str:
                         prompt = self._prompt_logprobs(p, d.index // n, d.prompt_logprobs)
                         logprobs = None if p.top_logprobs is None else builder.build(d.tokens)
                         return sse_event(chunk(d.index, d.text, d.finish_reason, logprobs, prompt), exclude=usage_field)
+
                     # A prompt's log-probabilities are one big event: built off the loop.
                     yield await self._answer(event, heavy=d.prompt_logprobs is not None)
                     continue
@@ -431,8 +541,11 @@ class OpenAIHandlers:
             p.timeline.finished(reason or "length", sum(counts.values()))
             if req.include_usage:
                 usage = self._usage(p, sessions, sum(counts.values()))
-                yield sse_event(out.Completion(id=f"cmpl-{p.request_id}", created=created, model=self.model.name,
-                                               choices=[], usage=usage))
+                yield sse_event(
+                    out.Completion(
+                        id=f"cmpl-{p.request_id}", created=created, model=self.model.name, choices=[], usage=usage
+                    )
+                )
             yield DONE
         except OpenAIError as exc:
             p.timeline.failed(exc.code or str(exc.status))

@@ -74,33 +74,63 @@ REASONS = {
     404: "No such model (`code: model_not_found`).",
     413: "The body is larger than `router.max_body_bytes`.",
     429: "Every decode server is at its limit and the waiting room is full or the wait too long "
-         "(`Retry-After` says when to try again).",
+    "(`Retry-After` says when to try again).",
     500: "The request failed inside the cluster; the message names the request id.",
     503: "No decode server is in rotation, or the router is shutting down (`Retry-After`).",
 }
-REQUEST_ID = {"X-Request-Id": {"description": "This request's id, in the logs and traces too.", "required": True,
-                               "schema": {"type": "string", "pattern": "^req-"}}}
-RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.", "required": True,
-                               "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
+REQUEST_ID = {
+    "X-Request-Id": {
+        "description": "This request's id, in the logs and traces too.",
+        "required": True,
+        "schema": {"type": "string", "pattern": "^req-"},
+    }
+}
+RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before retrying.",
+        "required": True,
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    }
+}
 
 
 def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     """FastAPI ``responses=`` for these error statuses, each in OpenAI's error shape."""
-    return {status: {"model": ErrorResponse, "description": REASONS[status],
-                     "headers": REQUEST_ID | (RETRY_AFTER if status in (429, 503) else {})}
-            for status in statuses}
+    return {
+        status: {
+            "model": ErrorResponse,
+            "description": REASONS[status],
+            "headers": REQUEST_ID | (RETRY_AFTER if status in (429, 503) else {}),
+        }
+        for status in statuses
+    }
 
 
 def generation_responses(body: type[BaseModel], chunk: str) -> dict[int | str, dict[str, Any]]:
     """A generation route's answers: ``body`` as JSON, or with ``stream: true`` server-sent events of ``chunk``."""
-    stream = {"schema": {  # in OpenAPI 3.1, the schema of one event
-        "type": "object", "required": ["data"],
-        "properties": {"data": {"type": "string", "contentMediaType": "application/json",
-                                "description": f"a {chunk} as JSON; an ErrorResponse if the request fails "
-                                               "mid-stream; `[DONE]` last"}}}}
-    return {200: {"model": body, "description": f"The {body.__name__}; with `stream: true`, a stream of {chunk}s.",
-                  "content": {"text/event-stream": stream}, "headers": REQUEST_ID},
-            **errors(400, 401, 404, 413, 429, 500, 503)}
+    stream = {
+        "schema": {  # in OpenAPI 3.1, the schema of one event
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "type": "string",
+                    "contentMediaType": "application/json",
+                    "description": f"a {chunk} as JSON; an ErrorResponse if the request fails "
+                    "mid-stream; `[DONE]` last",
+                }
+            },
+        }
+    }
+    return {
+        200: {
+            "model": body,
+            "description": f"The {body.__name__}; with `stream: true`, a stream of {chunk}s.",
+            "content": {"text/event-stream": stream},
+            "headers": REQUEST_ID,
+        },
+        **errors(400, 401, 404, 413, 429, 500, 503),
+    }
 
 
 def ok(model: type[BaseModel] | None, description: str) -> dict[int | str, dict[str, Any]]:
@@ -111,11 +141,18 @@ def ok(model: type[BaseModel] | None, description: str) -> dict[int | str, dict[
 
 
 Responses = dict[int | str, dict[str, Any]]  # a route's ``responses``, as FastAPI takes them
-METRICS_RESPONSES: Responses = {200: {"description": "Prometheus text exposition format.", "headers": REQUEST_ID,
-                                      "content": {"text/plain": {"schema": {"type": "string"}}}}}
-HEALTH_RESPONSES: Responses = {200: {"model": Health, "description": "Serving.", "headers": REQUEST_ID},
-                               503: {"model": Health, "description": "No decode server in rotation, or draining.",
-                                     "headers": REQUEST_ID}, **errors(500)}
+METRICS_RESPONSES: Responses = {
+    200: {
+        "description": "Prometheus text exposition format.",
+        "headers": REQUEST_ID,
+        "content": {"text/plain": {"schema": {"type": "string"}}},
+    }
+}
+HEALTH_RESPONSES: Responses = {
+    200: {"model": Health, "description": "Serving.", "headers": REQUEST_ID},
+    503: {"model": Health, "description": "No decode server in rotation, or draining.", "headers": REQUEST_ID},
+    **errors(500),
+}
 
 
 def install(app: FastAPI, *, vocab_size: int, max_new_tokens: int, api_keys: bool) -> None:
@@ -123,9 +160,13 @@ def install(app: FastAPI, *, vocab_size: int, max_new_tokens: int, api_keys: boo
 
     def document() -> dict[str, Any]:
         if app.openapi_schema is None:
-            doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
-                              description="pdserve's OpenAI-compatible API. A method a route does not take is "
-                                          "answered 405 in the same error shape, with `Allow`.")
+            doc = get_openapi(
+                title=app.title,
+                version=app.version,
+                routes=app.routes,
+                description="pdserve's OpenAI-compatible API. A method a route does not take is "
+                "answered 405 in the same error shape, with `Allow`.",
+            )
             app.openapi_schema = deployment(doc, vocab_size, max_new_tokens, api_keys)
         return app.openapi_schema
 

@@ -74,15 +74,25 @@ class StructuredFields(BaseModel):
             found.append(("response_format", StructuredSpec(kind="json_schema", value=ANY_OBJECT)))
         elif rf is not None and rf.type == "json_schema":
             if rf.json_schema is None:
-                raise OpenAIError(400, "response_format of type json_schema needs a json_schema object",
-                                  param="response_format.json_schema")
+                raise OpenAIError(
+                    400,
+                    "response_format of type json_schema needs a json_schema object",
+                    param="response_format.json_schema",
+                )
             schema = {} if rf.json_schema.schema_ is None else rf.json_schema.schema_
             found.append(("response_format", _json_spec(schema)))
         so = self.structured_outputs
         if so is not None:
-            named = [(key, value) for key, value in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
-                                                     ("grammar", so.grammar))
-                     if value is not None]
+            named = [
+                (key, value)
+                for key, value in (
+                    ("json", so.json_),
+                    ("regex", so.regex),
+                    ("choice", so.choice),
+                    ("grammar", so.grammar),
+                )
+                if value is not None
+            ]
             if so.json_object:
                 named.append(("json_object", ANY_OBJECT))
             for key, value in named:
@@ -94,16 +104,18 @@ class StructuredFields(BaseModel):
         return found
 
 
-def one_constraint(constraints: list[tuple[str, StructuredSpec]],
-                   limits: GrammarLimits = GrammarLimits()) -> tuple[str, StructuredSpec] | None:
+def one_constraint(
+    constraints: list[tuple[str, StructuredSpec]], limits: GrammarLimits = GrammarLimits()
+) -> tuple[str, StructuredSpec] | None:
     """The one constraint (its parameter and spec) within ``limits``, not yet compiled; 400 for two, or
     for one over a limit."""
     if not constraints:
         return None
     if len(constraints) > 1:
         names = ", ".join(param for param, _ in constraints)
-        raise OpenAIError(400, f"only one structured output constraint per request, got {names}",
-                          param=constraints[1][0])
+        raise OpenAIError(
+            400, f"only one structured output constraint per request, got {names}", param=constraints[1][0]
+        )
     param, spec = constraints[0]
     try:
         check_bounds(spec, limits)
@@ -121,8 +133,9 @@ def _json_spec(schema: Any, param: str = "response_format") -> StructuredSpec:
 
 def _spec(key: str, value: Any, param: str, limits: GrammarLimits) -> StructuredSpec:
     if isinstance(value, str) and len(value) > limits.max_bytes:
-        raise OpenAIError(400, f"{param}: it has {len(value)} characters; at most {limits.max_bytes} bytes are "
-                               "accepted", param=param)
+        raise OpenAIError(
+            400, f"{param}: it has {len(value)} characters; at most {limits.max_bytes} bytes are accepted", param=param
+        )
     if key in ("json", "json_object"):
         if isinstance(value, str):
             try:

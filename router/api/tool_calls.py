@@ -89,22 +89,22 @@ class ToolCallParser:
             if self._in_call:
                 end = self._buf.find(CLOSE)
                 # (not yet closed: hold back what may be the start of the closing tag)
-                body = self._buf[:len(self._buf) - _partial_suffix(self._buf, CLOSE)] if end < 0 else self._buf[:end]
+                body = self._buf[: len(self._buf) - _partial_suffix(self._buf, CLOSE)] if end < 0 else self._buf[:end]
                 yield from self._call_text(body, closed=end >= 0)
                 if end < 0:
                     return
-                self._buf = self._buf[end + len(CLOSE):]
+                self._buf = self._buf[end + len(CLOSE) :]
                 self._in_call, self._head, self._sent = False, None, 0
                 continue
             start = self._buf.find(OPEN)
             if start >= 0:
                 if start:
                     yield self._buf[:start]
-                self._buf = self._buf[start + len(OPEN):]
+                self._buf = self._buf[start + len(OPEN) :]
                 self._in_call = True
                 continue
             keep = _partial_suffix(self._buf, OPEN)
-            ready, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+            ready, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
             if ready:
                 yield ready
             return
@@ -137,9 +137,9 @@ class ToolCallParser:
                 yield CallArguments(self.calls - 1, call[1])
 
     def _send_arguments(self, head: re.Match[str], body: str) -> Iterator[Piece]:
-        arguments = _arguments(body[head.end():])
+        arguments = _arguments(body[head.end() :])
         if len(arguments) > self._sent:
-            yield CallArguments(self.calls - 1, arguments[self._sent:])
+            yield CallArguments(self.calls - 1, arguments[self._sent :])
             self._sent = len(arguments)
 
 
@@ -156,8 +156,11 @@ def _whole_call(body: str) -> tuple[str, str] | None:
         call = json.loads(body)
     except json.JSONDecodeError:
         return None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(call.get("arguments"),
-                                                                                           dict):
+    if (
+        not isinstance(call, dict)
+        or not isinstance(call.get("name"), str)
+        or not isinstance(call.get("arguments"), dict)
+    ):
         return None
     return call["name"], json.dumps(call["arguments"], ensure_ascii=False)
 
@@ -177,7 +180,8 @@ def split_calls(text: str) -> tuple[str | None, list[out.ToolCall]]:
     if not calls:
         return text, []
     return ("".join(content).strip() or None), [
-        out.ToolCall(id=c["id"], function=out.FunctionCall(name=c["name"], arguments=c["arguments"])) for c in calls]
+        out.ToolCall(id=c["id"], function=out.FunctionCall(name=c["name"], arguments=c["arguments"])) for c in calls
+    ]
 
 
 def _partial_suffix(text: str, tag: str) -> int:
@@ -189,8 +193,10 @@ def _partial_suffix(text: str, tag: str) -> int:
 
 # ---- answers -------------------------------------------------------------------------------------
 
-def chat_message(text: str, finish_reason: FinishReason | None,
-                 parse: bool) -> tuple[out.AssistantMessage | out.ToolCallMessage, FinishReason | None]:
+
+def chat_message(
+    text: str, finish_reason: FinishReason | None, parse: bool
+) -> tuple[out.AssistantMessage | out.ToolCallMessage, FinishReason | None]:
     """The whole answer's message and finish reason; calls are parsed only when ``parse``."""
     if not parse:
         return out.AssistantMessage(content=text), finish_reason
@@ -218,8 +224,12 @@ class ToolCallStream:
 
 def _delta(piece: CallStart | CallArguments) -> out.ToolCallDelta:
     if isinstance(piece, CallStart):
-        return out.ToolCallDelta(index=piece.index, id=piece.id, type="function",
-                                 function=out.FunctionCallDelta(name=piece.name, arguments=""))
+        return out.ToolCallDelta(
+            index=piece.index,
+            id=piece.id,
+            type="function",
+            function=out.FunctionCallDelta(name=piece.name, arguments=""),
+        )
     return out.ToolCallDelta(index=piece.index, function=out.FunctionCallDelta(arguments=piece.text))
 
 

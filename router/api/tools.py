@@ -36,8 +36,10 @@ if TYPE_CHECKING:
     from router.api.api_requests import ChatMessage  # which imports this module
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
-_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "probe",
-                                                "parameters": {"type": "object", "properties": {}}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "probe", "description": "probe", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 class FunctionDef(BaseModel):
@@ -101,8 +103,10 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, template_has_tools: bo
         return ToolPlan()
     if not template_has_tools:
         raise OpenAIError(400, "this model's chat template does not support tools", param="tools")
-    rendered = [{"type": "function", "function": {k: v for k, v in f.model_dump().items()
-                                                  if k != "strict" and v is not None}} for f in functions.values()]
+    rendered = [
+        {"type": "function", "function": {k: v for k, v in f.model_dump().items() if k != "strict" and v is not None}}
+        for f in functions.values()
+    ]
     if choice == "auto":
         return ToolPlan(rendered, parse=True)
     forced = list(functions.values()) if name is None else [functions[name]]  # none named ("required"): any
@@ -112,8 +116,15 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, template_has_tools: bo
 
 def call_grammar(functions: list[FunctionDef]) -> str:
     """A Lark grammar for one call of one of ``functions``, its arguments matching its parameters."""
-    options = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": _parameters(f)},
-                "required": ["name", "arguments"], "additionalProperties": False} for f in functions]
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": f.name}, "arguments": _parameters(f)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for f in functions
+    ]
     schema = {"anyOf": options, "x-guidance": JSON_OPTIONS}
     return f'start: "{OPEN}\\n" call "\\n{CLOSE}"\ncall: %json {json.dumps(schema)}'
 
@@ -130,8 +141,9 @@ def template_message(m: ChatMessage) -> dict:
                     arguments = json.loads(arguments)
                 except json.JSONDecodeError:
                     pass  # left as text: the template shows what the client sent
-            calls.append({**call.model_dump(exclude_none=True),
-                          "function": {"name": call.function.name, "arguments": arguments}})
+            calls.append(
+                {**call.model_dump(exclude_none=True), "function": {"name": call.function.name, "arguments": arguments}}
+            )
         message["tool_calls"] = calls
     if m.tool_call_id is not None:
         message["tool_call_id"] = m.tool_call_id
@@ -142,6 +154,7 @@ def template_message(m: ChatMessage) -> dict:
 
 # ---- checking the request ------------------------------------------------------------------------
 
+
 def _functions(tools: list[Any]) -> dict[str, FunctionDef]:
     functions: dict[str, FunctionDef] = {}
     for i, raw in enumerate(tools):
@@ -151,20 +164,28 @@ def _functions(tools: list[Any]) -> dict[str, FunctionDef]:
         except ValidationError as exc:
             raise OpenAIError(400, f"{param}: {exc.errors()[0]['msg']}", param=param) from None
         if tool.type != "function":
-            raise OpenAIError(400, f"{param}: only tools of type 'function' are supported, got {tool.type!r}",
-                              param=f"{param}.type")
+            raise OpenAIError(
+                400, f"{param}: only tools of type 'function' are supported, got {tool.type!r}", param=f"{param}.type"
+            )
         f = tool.function
         if f is None or not f.name:
             raise OpenAIError(400, f"{param}: a function tool needs function.name", param=f"{param}.function.name")
         if not NAME.fullmatch(f.name):
-            raise OpenAIError(400, f"{param}: function name {f.name!r} must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
-                              param=f"{param}.function.name")
+            raise OpenAIError(
+                400,
+                f"{param}: function name {f.name!r} must be 1 to 64 of a-z, A-Z, 0-9, _ and -",
+                param=f"{param}.function.name",
+            )
         if f.name in functions:
-            raise OpenAIError(400, f"{param}: the function name {f.name!r} is given twice",
-                              param=f"{param}.function.name")
+            raise OpenAIError(
+                400, f"{param}: the function name {f.name!r} is given twice", param=f"{param}.function.name"
+            )
         if f.parameters is not None and f.parameters.get("type") != "object":
-            raise OpenAIError(400, f"{param}: function.parameters must be a JSON schema of type 'object'",
-                              param=f"{param}.function.parameters")
+            raise OpenAIError(
+                400,
+                f"{param}: function.parameters must be a JSON schema of type 'object'",
+                param=f"{param}.function.parameters",
+            )
         functions[f.name] = f
     return functions
 
@@ -180,11 +201,15 @@ def _choice(tool_choice: Any, functions: dict[str, FunctionDef]) -> tuple[str, s
         if not isinstance(name, str):
             raise OpenAIError(400, "tool_choice.function.name is required", param="tool_choice")
         if name not in functions:
-            raise OpenAIError(400, f"tool_choice names the function {name!r}, which is not among the tools",
-                              param="tool_choice")
+            raise OpenAIError(
+                400, f"tool_choice names the function {name!r}, which is not among the tools", param="tool_choice"
+            )
         return "function", name
-    raise OpenAIError(400, "tool_choice must be 'auto', 'none', 'required' or "
-                           "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    raise OpenAIError(
+        400,
+        "tool_choice must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}",
+        param="tool_choice",
+    )
 
 
 def _parameters(f: FunctionDef) -> dict:

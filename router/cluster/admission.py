@@ -142,8 +142,10 @@ class Admission:
         """
         if self.waiting >= self.settings.max_queued_requests:
             self.refused += 1
-            raise overloaded(f"the server is overloaded: {self.waiting} requests are already waiting; retry later",
-                             self.settings.retry_after_s)
+            raise overloaded(
+                f"the server is overloaded: {self.waiting} requests are already waiting; retry later",
+                self.settings.retry_after_s,
+            )
         self.waiting += 1
         try:
             yield Wait(self, time.monotonic() + self.settings.queue_timeout_s)
@@ -205,6 +207,8 @@ class Wait:
         left = self._deadline - time.monotonic()
         if left <= 0:
             a.refused += 1
-            raise overloaded(f"the server is overloaded: no capacity freed within {a.settings.queue_timeout_s:g} s; "
-                             "retry later", a.settings.retry_after_s)
+            raise overloaded(
+                f"the server is overloaded: no capacity freed within {a.settings.queue_timeout_s:g} s; retry later",
+                a.settings.retry_after_s,
+            )
         await a.sleep(min(left, a.settings.poll))

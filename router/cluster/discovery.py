@@ -63,9 +63,16 @@ def url_of(address: str, port: int) -> str:
 
 
 class Discovery:
-    def __init__(self, registry: WorkerRegistry, http: httpx.AsyncClient, settings: DiscoverySettings,
-                 model_id: str, metrics: RouterMetrics, drain_timeout_s: float,
-                 resolve: Resolve = resolve_host) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        http: httpx.AsyncClient,
+        settings: DiscoverySettings,
+        model_id: str,
+        metrics: RouterMetrics,
+        drain_timeout_s: float,
+        resolve: Resolve = resolve_host,
+    ) -> None:
         self._registry = registry
         self._http = http
         self._settings = settings
@@ -86,8 +93,7 @@ class Discovery:
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             raise self._refused(url, "no_health_report", f"no health report ({exc!r})") from None
         if not is_instance_name(name):
-            raise self._refused(url, "bad_name", f"its instance name {str(name)[:80]!r} does not match "
-                                                 f"{INSTANCE_NAME}")
+            raise self._refused(url, "bad_name", f"its instance name {str(name)[:80]!r} does not match {INSTANCE_NAME}")
         if model != self._model_id:
             raise self._refused(url, "other_model", f"it serves model {model!r}, this router {self._model_id!r}")
         known = self._registry.find(name)
@@ -99,8 +105,12 @@ class Discovery:
         if role == "decode":
             await self._tell_prefills("POST", "/admin/peers", {"name": name, "url": url})
         else:
-            await asyncio.gather(*(self._peer_call(worker, "POST", "/admin/peers", {"name": d.name, "url": d.url})
-                                   for d in self._registry.of_role("decode")))
+            await asyncio.gather(
+                *(
+                    self._peer_call(worker, "POST", "/admin/peers", {"name": d.name, "url": d.url})
+                    for d in self._registry.of_role("decode")
+                )
+            )
         self._registry.add(worker)
         self._metrics.workers_joined.inc()
         log.info("worker %s (%s, %s) joined", name, role, url)

@@ -32,8 +32,9 @@ from transfer.outcome import Outcome
 log = logging.getLogger(__name__)
 
 # A decode server that answered with one of these did not take the request: try another one.
-TRY_ANOTHER_DECODE = frozenset({Outcome.UNREACHABLE, Outcome.TIMED_OUT, Outcome.NO_ROOM, Outcome.DRAINING,
-                                Outcome.ENGINE_DOWN})
+TRY_ANOTHER_DECODE = frozenset(
+    {Outcome.UNREACHABLE, Outcome.TIMED_OUT, Outcome.NO_ROOM, Outcome.DRAINING, Outcome.ENGINE_DOWN}
+)
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,19 @@ class DispatchSettings:
 
 
 class Dispatcher:
-    def __init__(self, registry: WorkerRegistry, decode_policy: Policy, prefill_policy: Policy,
-                 client: WorkerClient, settings: DispatchSettings, recovery: RecoveryMetrics | None = None,
-                 admission: Admission | None = None, drain: Drain | None = None,
-                 health: PassiveHealth | None = None, kv_index: KvIndex | None = None) -> None:
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        decode_policy: Policy,
+        prefill_policy: Policy,
+        client: WorkerClient,
+        settings: DispatchSettings,
+        recovery: RecoveryMetrics | None = None,
+        admission: Admission | None = None,
+        drain: Drain | None = None,
+        health: PassiveHealth | None = None,
+        kv_index: KvIndex | None = None,
+    ) -> None:
         self.registry = registry
         self.kv_index = kv_index  # what each decode server caches (router/cluster/kv_index.py); None: not followed
         self.health = health or PassiveHealth(registry)
@@ -59,10 +69,17 @@ class Dispatcher:
         self.drain = drain  # the router's own: once draining, no new session starts
         self.recovery = recovery or RecoveryMetrics(CollectorRegistry())
         self._sessions = SessionContext(
-            client=client, registry=registry, health=self.health, prefill_policy=prefill_policy,
-            admission=self.admission, recovery=self.recovery, prefill_failure=settings.prefill_failure,
-            open_stream=lambda rid, prompt, sampling, local, trace: self.open_stream(rid, prompt, sampling, local,
-                                                                                     trace=trace))
+            client=client,
+            registry=registry,
+            health=self.health,
+            prefill_policy=prefill_policy,
+            admission=self.admission,
+            recovery=self.recovery,
+            prefill_failure=settings.prefill_failure,
+            open_stream=lambda rid, prompt, sampling, local, trace: self.open_stream(
+                rid, prompt, sampling, local, trace=trace
+            ),
+        )
 
     def wants_local_prefill(self, num_uncached_tokens: int) -> bool:
         """No prefill servers at all (colocated), a prompt whose part the decode server does not
@@ -75,8 +92,9 @@ class Dispatcher:
             return True
         return self.settings.prefill_failure != "fail" and not self.registry.healthy("prefill")
 
-    def kv_budget(self, num_prompt_tokens: int, max_tokens: int, n: int, explicit: bool,
-                  tokens_param: str = "max_tokens") -> int:
+    def kv_budget(
+        self, num_prompt_tokens: int, max_tokens: int, n: int, explicit: bool, tokens_param: str = "max_tokens"
+    ) -> int:
         """``max_tokens``, or less when the client did not set it, such that the request's whole KV
         need (its prompt and ``n`` sequences of ``max_tokens``) is within ``max_request_kv_share``
         of some decode server's cache; 400 when even that cannot be. A request that could fill a
@@ -91,16 +109,23 @@ class Dispatcher:
             return most
         cap = best.blocks_per_request(share)
         sequences = f"{n} sequences" if n > 1 else "a completion"
-        hint = (f"lower {tokens_param} (at most {most} here)" + (" or n" if n > 1 else "")) if most >= 1 else \
-            "shorten the prompt" + (" or lower n" if n > 1 else "")
+        hint = (
+            (f"lower {tokens_param} (at most {most} here)" + (" or n" if n > 1 else ""))
+            if most >= 1
+            else "shorten the prompt" + (" or lower n" if n > 1 else "")
+        )
         raise OpenAIError(
-            400, f"this request may need more KV cache than one request may use: the prompt's {num_prompt_tokens} "
-                 f"tokens and {sequences} of up to {max_tokens} tokens, over {cap} blocks of {best.block_size} "
-                 f"tokens ({share:g} of decode server {best.name}'s {best.total_blocks}); {hint}",
-            param=tokens_param if most >= 1 or n == 1 else "n", code="context_length_exceeded")
+            400,
+            f"this request may need more KV cache than one request may use: the prompt's {num_prompt_tokens} "
+            f"tokens and {sequences} of up to {max_tokens} tokens, over {cap} blocks of {best.block_size} "
+            f"tokens ({share:g} of decode server {best.name}'s {best.total_blocks}); {hint}",
+            param=tokens_param if most >= 1 or n == 1 else "n",
+            code="context_length_exceeded",
+        )
 
-    async def start(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                    trace: str | None = None) -> Session:
+    async def start(
+        self, request_id: str, prompt: list[int], sampling: SamplingParams, trace: str | None = None
+    ) -> Session:
         """Admit the request and open its decode stream (reservation first).
 
         Raises OpenAIError 503 when no decode server is in rotation or the router
@@ -109,25 +134,38 @@ class Dispatcher:
         long (see ``router.cluster.admission``).
         """
         if self.drain is not None and self.drain.draining:
-            raise OpenAIError(503, "the router is shutting down; retry later", code="draining",
-                              retry_after=self.admission.settings.retry_after_s)
+            raise OpenAIError(
+                503,
+                "the router is shutting down; retry later",
+                code="draining",
+                retry_after=self.admission.settings.retry_after_s,
+            )
         stream, slot = await self.open_stream(request_id, prompt, sampling, None, prefill_slot=True, trace=trace)
         return Session(self._sessions, request_id, prompt, sampling, stream, slot, trace)
 
-    async def open_stream(self, request_id: str, prompt: list[int], sampling: SamplingParams, local: bool | None,
-                          prefill_slot: bool = False, trace: str | None = None) -> tuple[DecodeStream, Slot]:
+    async def open_stream(
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        local: bool | None,
+        prefill_slot: bool = False,
+        trace: str | None = None,
+    ) -> tuple[DecodeStream, Slot]:
         """A decode stream on the first server in policy order with a free slot that takes it,
         waiting for one (``Admission.admit``). ``local``: D prefills the prompt itself; None:
         decided per decode server on the part of the prompt it does not cache
         (``wants_local_prefill``). ``prefill_slot``: also claim one of the prefill servers'
         slots when the request needs a prefill server (a new request; a retry runs its
         prefill without one)."""
-        req = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                              local_prefill=bool(local), trace=trace)
+        req = GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt, sampling=sampling, local_prefill=bool(local), trace=trace
+        )
         return await self.admission.admit(lambda: self._try_open(req, prefill_slot, local))
 
-    async def _try_open(self, req: GenerateRequest, prefill_slot: bool,
-                        local: bool | None) -> tuple[DecodeStream, Slot] | None:
+    async def _try_open(
+        self, req: GenerateRequest, prefill_slot: bool, local: bool | None
+    ) -> tuple[DecodeStream, Slot] | None:
         """None when every decode server in rotation is full (or, with ``prefill_slot``, the prefill
         servers are). The prefill slot is claimed with the decode slot, so that no prefill server is
         sent more than its share and no reservation is made that could not be prefilled soon."""
@@ -139,14 +177,21 @@ class Dispatcher:
         # On a decode server the request's whole KV need counts (``kv_budget``).
         need = len(req.prompt_token_ids) + 1  # the prompt and the first token drawn after it
         s = req.sampling
-        in_rotation = [w for w in in_rotation if w.holds_request(len(req.prompt_token_ids), s.max_tokens, s.n,
-                                                                 self.settings.max_request_kv_share)]
+        in_rotation = [
+            w
+            for w in in_rotation
+            if w.holds_request(len(req.prompt_token_ids), s.max_tokens, s.n, self.settings.max_request_kv_share)
+        ]
         if not in_rotation:
             most = max(w.capacity_tokens for w in self.registry.healthy("decode"))
-            raise OpenAIError(400, f"the prompt has {need - 1} tokens; with n={s.n} sequences of up to "
-                                   f"{s.max_tokens} tokens they may need more KV cache than one request may use on "
-                                   f"any decode server ({self.settings.max_request_kv_share:g} of at most {most} "
-                                   "tokens)", code="context_length_exceeded")
+            raise OpenAIError(
+                400,
+                f"the prompt has {need - 1} tokens; with n={s.n} sequences of up to "
+                f"{s.max_tokens} tokens they may need more KV cache than one request may use on "
+                f"any decode server ({self.settings.max_request_kv_share:g} of at most {most} "
+                "tokens)",
+                code="context_length_exceeded",
+            )
         prefills = self.registry.healthy("prefill")
         if local is None and prefills and not any(w.can_hold(need) for w in prefills):
             local = True  # no prefill server could ever hold it: the decode server computes it

@@ -79,16 +79,20 @@ class LinearPool(httpcore.AsyncConnectionPool):
         return closing
 
 
-def worker_http(max_connections: int, max_keepalive: int, keepalive_s: float,
-                headers: dict[str, str]) -> httpx.AsyncClient:
+def worker_http(
+    max_connections: int, max_keepalive: int, keepalive_s: float, headers: dict[str, str]
+) -> httpx.AsyncClient:
     """An ``httpx.AsyncClient`` for plain-HTTP calls to the workers, on a ``LinearPool``: at most
     ``max_connections`` open, ``max_keepalive`` of them idle, each idle one for ``keepalive_s``
     (``RouterSettings.worker_keepalive_s``: below the servers' keep-alive timeout)."""
-    limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_keepalive,
-                          keepalive_expiry=keepalive_s)
+    limits = httpx.Limits(
+        max_connections=max_connections, max_keepalive_connections=max_keepalive, keepalive_expiry=keepalive_s
+    )
     transport = httpx.AsyncHTTPTransport(limits=limits)
     if httpcore.__version__.startswith("1.") and type(transport._pool) is httpcore.AsyncConnectionPool:
-        transport._pool = LinearPool(max_connections=limits.max_connections,
-                                     max_keepalive_connections=limits.max_keepalive_connections,
-                                     keepalive_expiry=limits.keepalive_expiry)
+        transport._pool = LinearPool(
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+        )
     return httpx.AsyncClient(transport=transport, headers=headers)

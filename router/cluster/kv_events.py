@@ -23,8 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class KvEventPoller:
-    def __init__(self, registry: WorkerRegistry, index: KvIndex, http: httpx.AsyncClient,
-                 interval: float = 0.2) -> None:
+    def __init__(
+        self, registry: WorkerRegistry, index: KvIndex, http: httpx.AsyncClient, interval: float = 0.2
+    ) -> None:
         self.registry = registry
         self.index = index
         self.http = http

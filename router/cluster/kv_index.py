@@ -96,7 +96,7 @@ class KvIndex:
             key = (idx.block_size, idx.salt)
             if key not in chains:
                 # The engine never reuses the block holding the last token: hash only the blocks before it.
-                chains[key] = chain_hashes(idx.salt, prompt[:max(0, len(prompt) - 1)], idx.block_size)
+                chains[key] = chain_hashes(idx.salt, prompt[: max(0, len(prompt) - 1)], idx.block_size)
             return idx.matched_tokens(chains[key])
 
         return matched

@@ -37,8 +37,9 @@ class Decision:
     why: str = ""  # for "fail": what to tell the client besides the failure itself
 
 
-def decide(mode: PrefillFailure, failure: WorkerFailed, *, tokens_sent: bool, attempts: int,
-           other_prefill: bool) -> Decision:
+def decide(
+    mode: PrefillFailure, failure: WorkerFailed, *, tokens_sent: bool, attempts: int, other_prefill: bool
+) -> Decision:
     """The next move after ``failure``; ``attempts`` made so far, ``other_prefill``: a healthy
     prefill server this request has not tried yet exists."""
     if failure.stage == "decode":

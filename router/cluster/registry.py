@@ -170,10 +170,17 @@ class Worker:
 
 
 class WorkerRegistry:
-    def __init__(self, workers: list[Worker], *, health_interval_s: float = RouterSettings.health_interval_s,
-                 health_timeout_s: float = RouterSettings.health_timeout_s, unhealthy_after: int = 2,
-                 health_backoff_max_s: float = RouterSettings.health_backoff_max_s, launch_id: str | None = None,
-                 stream_stall_s: float = RouterSettings.stream_stall_s) -> None:
+    def __init__(
+        self,
+        workers: list[Worker],
+        *,
+        health_interval_s: float = RouterSettings.health_interval_s,
+        health_timeout_s: float = RouterSettings.health_timeout_s,
+        unhealthy_after: int = 2,
+        health_backoff_max_s: float = RouterSettings.health_backoff_max_s,
+        launch_id: str | None = None,
+        stream_stall_s: float = RouterSettings.stream_stall_s,
+    ) -> None:
         names = [w.name for w in workers]
         assert len(names) == len(set(names)), f"duplicate worker names: {names}"
         self.workers = workers
@@ -214,10 +221,15 @@ class WorkerRegistry:
                 foreign = report.get("instance") != worker.name
             else:
                 foreign = self.launch_id is not None and (report.get("launch_id"), report.get("instance")) != (
-                    self.launch_id, worker.name)
+                    self.launch_id,
+                    worker.name,
+                )
             if foreign:
-                self.mark_down(worker, f"another process answers on its port (launch {report.get('launch_id')!r}, "
-                                       f"instance {report.get('instance')!r})")
+                self.mark_down(
+                    worker,
+                    f"another process answers on its port (launch {report.get('launch_id')!r}, "
+                    f"instance {report.get('instance')!r})",
+                )
                 return
             back = worker.check_passed(report)
         except httpx.TimeoutException as exc:

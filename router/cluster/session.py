@@ -64,8 +64,16 @@ class SessionContext:
 
 
 class Session:
-    def __init__(self, ctx: SessionContext, request_id: str, prompt: list[int], sampling: SamplingParams,
-                 stream: DecodeStream, slot: Slot, trace: str | None = None) -> None:
+    def __init__(
+        self,
+        ctx: SessionContext,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        stream: DecodeStream,
+        slot: Slot,
+        trace: str | None = None,
+    ) -> None:
         self.request_id = request_id
         self.attempt_id = request_id  # what the servers call the current attempt
         self.decode: Worker = stream.worker
@@ -176,8 +184,11 @@ class Session:
         reservation = self.reservation
         assert reservation is not None
         ctx = self._ctx
-        candidates = [w for w in ctx.prefill_policy.order(ctx.registry.healthy("prefill"), self._prompt)
-                      if w.name not in self._tried_prefill and w.can_hold(len(self._prompt) + 1)]
+        candidates = [
+            w
+            for w in ctx.prefill_policy.order(ctx.registry.healthy("prefill"), self._prompt)
+            if w.name not in self._tried_prefill and w.can_hold(len(self._prompt) + 1)
+        ]
         for worker in candidates:
             self.prefill = worker
             self._tried_prefill.add(worker.name)
@@ -187,9 +198,13 @@ class Session:
                     left = reservation.lease_s - (time.monotonic() - self._reserved_at)
                     if left <= 0:
                         return  # the decode server's lease ran out: its stream says so, and what follows
-                    req = PrefillRequest(request_id=attempt_id, prompt_token_ids=self._prompt, sampling=self._sampling,
-                                         reservation=reservation.model_copy(update={"lease_s": left}),
-                                         trace=self._trace)
+                    req = PrefillRequest(
+                        request_id=attempt_id,
+                        prompt_token_ids=self._prompt,
+                        sampling=self._sampling,
+                        reservation=reservation.model_copy(update={"lease_s": left}),
+                        trace=self._trace,
+                    )
                     self.prefill_result = await ctx.client.prefill(worker, req)
                 queue.put_nowait(self.prefill_result)
                 return
@@ -219,8 +234,9 @@ class Session:
         ctx = self._ctx
         ctx.recovery.failures.labels(stage=failure.stage, outcome=failure.outcome).inc()
         other = any(w.name not in self._tried_prefill for w in ctx.registry.healthy("prefill"))
-        decision = decide(ctx.prefill_failure, failure, tokens_sent=self._tokens_sent,
-                          attempts=self._attempts, other_prefill=other)
+        decision = decide(
+            ctx.prefill_failure, failure, tokens_sent=self._tokens_sent, attempts=self._attempts, other_prefill=other
+        )
         if decision.action == "fail":
             why = f"; {decision.why}" if decision.why else ""
             raise OpenAIError(500, f"{failure}{why} (request id {self.request_id})", code=failure.outcome)
@@ -230,8 +246,9 @@ class Session:
         self._attempts += 1
         self.attempt_id = f"{self.request_id}-retry{self._attempts - 1}"
         self.prefill, self.prefill_result = None, None
-        self._stream, self._slot = await ctx.open_stream(self.attempt_id, self._prompt, self._sampling,
-                                                         decision.action == "local", self._trace)
+        self._stream, self._slot = await ctx.open_stream(
+            self.attempt_id, self._prompt, self._sampling, decision.action == "local", self._trace
+        )
         self.decode = self._stream.worker
         self.reservation = self._stream.reservation
         self._reserved_at = time.monotonic()

@@ -53,15 +53,30 @@ class WorkerFailed(Exception):
     ``never_reached``: the request cannot have reached the worker, so another
     one may take it; ``retry_after``: the worker's Retry-After, if it sent one."""
 
-    def __init__(self, role: str, worker: str, reason: str, outcome: Outcome, *,
-                 never_reached: bool = False, retry_after: float | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        worker: str,
+        reason: str,
+        outcome: Outcome,
+        *,
+        never_reached: bool = False,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(f"{role} server {worker} failed: {reason}" if worker else reason)
         self.role, self.worker, self.reason, self.outcome = role, worker, reason, outcome
         self.never_reached, self.retry_after = never_reached, retry_after
 
     @classmethod
-    def of(cls, worker: Worker, reason: str, outcome: Outcome, *, never_reached: bool = False,
-           retry_after: float | None = None) -> WorkerFailed:
+    def of(
+        cls,
+        worker: Worker,
+        reason: str,
+        outcome: Outcome,
+        *,
+        never_reached: bool = False,
+        retry_after: float | None = None,
+    ) -> WorkerFailed:
         return cls(worker.role, worker.name, reason, outcome, never_reached=never_reached, retry_after=retry_after)
 
     @property
@@ -78,33 +93,57 @@ NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 def _unreachable(worker: Worker, exc: httpx.HTTPError, what: str = "") -> WorkerFailed:
     """No answer: ``TIMED_OUT`` when it did not come in time, else ``UNREACHABLE`` (refused, reset)."""
     if isinstance(exc, httpx.TimeoutException):
-        return WorkerFailed.of(worker, f"timed out: {what}{exc!r}", Outcome.TIMED_OUT,
-                               never_reached=isinstance(exc, NOT_SENT))
-    return WorkerFailed.of(worker, f"unreachable: {what}{exc!r}", Outcome.UNREACHABLE,
-                           never_reached=isinstance(exc, NOT_SENT))
+        return WorkerFailed.of(
+            worker, f"timed out: {what}{exc!r}", Outcome.TIMED_OUT, never_reached=isinstance(exc, NOT_SENT)
+        )
+    return WorkerFailed.of(
+        worker, f"unreachable: {what}{exc!r}", Outcome.UNREACHABLE, never_reached=isinstance(exc, NOT_SENT)
+    )
 
 
 def _ignore(worker: Worker) -> None:
     pass
 
 
-def _refusal(worker: Worker, resp: httpx.Response, default: Outcome, *, never_reached: bool = False,
-             retry_after: float | None = None) -> WorkerFailed:
+def _refusal(
+    worker: Worker,
+    resp: httpx.Response,
+    default: Outcome,
+    *,
+    never_reached: bool = False,
+    retry_after: float | None = None,
+) -> WorkerFailed:
     """The server's ErrorReply as a WorkerFailed (``default`` when the body is not one)."""
     try:
         reply = ErrorReply.model_validate_json(resp.content)
     except ValidationError:
-        return WorkerFailed.of(worker, f"HTTP {resp.status_code}: {resp.text[:200]}", default,
-                               never_reached=never_reached, retry_after=retry_after)
-    return WorkerFailed.of(worker, f"HTTP {resp.status_code}: {reply.error}", reply.code,
-                           never_reached=never_reached, retry_after=retry_after)
+        return WorkerFailed.of(
+            worker,
+            f"HTTP {resp.status_code}: {resp.text[:200]}",
+            default,
+            never_reached=never_reached,
+            retry_after=retry_after,
+        )
+    return WorkerFailed.of(
+        worker,
+        f"HTTP {resp.status_code}: {reply.error}",
+        reply.code,
+        never_reached=never_reached,
+        retry_after=retry_after,
+    )
 
 
 class DecodeStream:
     """One open ``/generate`` stream; ``reservation`` is its first event."""
 
-    def __init__(self, worker: Worker, response: httpx.Response, lines: AsyncIterator[str],
-                 answered: Callable[[Worker], None] = _ignore, sequences: int = 1) -> None:
+    def __init__(
+        self,
+        worker: Worker,
+        response: httpx.Response,
+        lines: AsyncIterator[str],
+        answered: Callable[[Worker], None] = _ignore,
+        sequences: int = 1,
+    ) -> None:
         self.worker = worker
         self.sequences = sequences  # the request's n: the stream ends after each one's last event
         self.reservation: Reservation | None = None
@@ -156,8 +195,11 @@ class DecodeStream:
                 if not line.strip():
                     continue
                 # A line of a prompt's log-probabilities can be megabytes: parsed off the event loop.
-                event = DECODE_EVENT.validate_json(line) if len(line) < BIG_LINE_BYTES else \
-                    await asyncio.to_thread(DECODE_EVENT.validate_json, line)
+                event = (
+                    DECODE_EVENT.validate_json(line)
+                    if len(line) < BIG_LINE_BYTES
+                    else await asyncio.to_thread(DECODE_EVENT.validate_json, line)
+                )
                 self._answered(self.worker)
                 if not isinstance(event, AliveEvent):
                     return event
@@ -175,9 +217,14 @@ class DecodeStream:
 class WorkerClient:
     """``answered(worker)`` is called on every answer from a worker (router/cluster/health.py)."""
 
-    def __init__(self, http: httpx.AsyncClient, *, prefill_timeout_s: float,
-                 answered: Callable[[Worker], None] = _ignore,
-                 stream_stall_s: float = RouterSettings.stream_stall_s) -> None:
+    def __init__(
+        self,
+        http: httpx.AsyncClient,
+        *,
+        prefill_timeout_s: float,
+        answered: Callable[[Worker], None] = _ignore,
+        stream_stall_s: float = RouterSettings.stream_stall_s,
+    ) -> None:
         self._http = http
         self._prefill_timeout_s = prefill_timeout_s
         # A decode stream (its answer's start included) silent this long: the server stopped. A live
@@ -189,8 +236,11 @@ class WorkerClient:
     async def open_decode(self, worker: Worker, req: GenerateRequest) -> DecodeStream:
         """Start ``/generate``; returns once the reservation (first event) is in."""
         request = self._http.build_request(
-            "POST", f"{worker.url}/generate", content=req.model_dump_json(),
-            headers={"content-type": "application/json"}, timeout=httpx.Timeout(10.0, read=self._stream_stall_s),
+            "POST",
+            f"{worker.url}/generate",
+            content=req.model_dump_json(),
+            headers={"content-type": "application/json"},
+            timeout=httpx.Timeout(10.0, read=self._stream_stall_s),
         )
         try:
             response = await self._http.send(request, stream=True)
@@ -200,8 +250,13 @@ class WorkerClient:
             await response.aread()
             await response.aclose()
             if response.status_code == 503:  # no room, draining, engine down: try another, or later
-                raise _refusal(worker, response, Outcome.NO_ROOM, never_reached=True,
-                               retry_after=float(response.headers.get("retry-after", "1")))
+                raise _refusal(
+                    worker,
+                    response,
+                    Outcome.NO_ROOM,
+                    never_reached=True,
+                    retry_after=float(response.headers.get("retry-after", "1")),
+                )
             raise _refusal(worker, response, Outcome.WORKER_ERROR)
         stream = DecodeStream(worker, response, response.aiter_lines(), self._answered, req.sampling.n)
         try:
@@ -228,8 +283,10 @@ class WorkerClient:
     async def _prefill(self, worker: Worker, req: PrefillRequest) -> PrefillResult:
         try:
             resp = await self._http.post(
-                f"{worker.url}/prefill", content=req.model_dump_json(),
-                headers={"content-type": "application/json"}, timeout=self._prefill_timeout_s,
+                f"{worker.url}/prefill",
+                content=req.model_dump_json(),
+                headers={"content-type": "application/json"},
+                timeout=self._prefill_timeout_s,
             )
         except httpx.HTTPError as exc:
             raise _unreachable(worker, exc) from exc
@@ -247,8 +304,10 @@ class WorkerClient:
         """Best effort: the worker may already be gone or done with it."""
         try:
             await self._http.post(
-                f"{worker.url}/abort", content=AbortRequest(request_id=request_id).model_dump_json(),
-                headers={"content-type": "application/json"}, timeout=2.0,
+                f"{worker.url}/abort",
+                content=AbortRequest(request_id=request_id).model_dump_json(),
+                headers={"content-type": "application/json"},
+                timeout=2.0,
             )
         except httpx.HTTPError as exc:
             log.info("abort %s on %s failed: %r", request_id, worker.name, exc)

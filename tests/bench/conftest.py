@@ -7,19 +7,23 @@ def _train_tokenizer(out_dir, add_bos: bool):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    words = ("alpha beta gamma delta epsilon zeta theta kappa lambda omega river stone cloud "
-             "paper tiger lemon orange purple silver garden window market engine signal").split()
+    words = (
+        "alpha beta gamma delta epsilon zeta theta kappa lambda omega river stone cloud "
+        "paper tiger lemon orange purple silver garden window market engine signal"
+    ).split()
     corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(200)]
     corpus += ["Hello, world! 123 -- ok?", "naïve café über"]
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(corpus, trainer)
     if add_bos:
         tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
     fast.save_pretrained(str(out_dir))
     return out_dir
@@ -73,8 +77,10 @@ class _FakeOpenAI:
                     chunk = {"choices": [{"text": f" t{i}", "finish_reason": None}]}
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
-                usage = {"prompt_tokens": len(body["prompt"]) if isinstance(body["prompt"], list) else -1,
-                         "completion_tokens": body["max_tokens"]}
+                usage = {
+                    "prompt_tokens": len(body["prompt"]) if isinstance(body["prompt"], list) else -1,
+                    "completion_tokens": body["max_tokens"],
+                }
                 self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
                 self.wfile.write(b"data: [DONE]\n\n")
                 self.close_connection = True

@@ -18,6 +18,15 @@ def fake_profile(per_token_1=0.001, speedup_2=1.6):
     (1.6x: two CPU threads rarely double a small model's speed)."""
     one = StepCost(0.005, per_token_1, 0.0, 0.0)
     two = StepCost(0.005 / speedup_2, per_token_1 / speedup_2, 0.0, 0.0)
-    return Profile("fake", "float32", "cpu", num_layers=4, kv_bytes_per_token=1024, step_costs={1: one, 2: two},
-                   fit_errors={1: 0.0, 2: 0.0}, transfer_bandwidth=1e9, transfer_latency=1e-4,
-                   transfer_source="test")
+    return Profile(
+        "fake",
+        "float32",
+        "cpu",
+        num_layers=4,
+        kv_bytes_per_token=1024,
+        step_costs={1: one, 2: two},
+        fit_errors={1: 0.0, 2: 0.0},
+        transfer_bandwidth=1e9,
+        transfer_latency=1e-4,
+        transfer_source="test",
+    )

@@ -34,12 +34,33 @@ def test_bench_engine_and_transfer_help_is_their_own_under_pdserve_s_name(comman
 
 def test_bench_serve_runs_against_an_endpoint_and_writes_json_and_plots(fake_openai_url, tmp_path, capsys):
     out = tmp_path / "run.json"
-    args = parser().parse_args([
-        "bench", "serve", "--url", fake_openai_url, "--num-requests", "6", "--concurrency", "2",
-        "--prompt-len", "uniform(8,40)", "--output-len", "5", "--prompt-format", "tokens",
-        "--slo-ttft-ms", "5000", "--slo-tpot-ms", "1000", "--json", str(out),
-        "--plot-dir", str(tmp_path / "plots"), "--no-progress",
-    ])
+    args = parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--url",
+            fake_openai_url,
+            "--num-requests",
+            "6",
+            "--concurrency",
+            "2",
+            "--prompt-len",
+            "uniform(8,40)",
+            "--output-len",
+            "5",
+            "--prompt-format",
+            "tokens",
+            "--slo-ttft-ms",
+            "5000",
+            "--slo-tpot-ms",
+            "1000",
+            "--json",
+            str(out),
+            "--plot-dir",
+            str(tmp_path / "plots"),
+            "--no-progress",
+        ]
+    )
     assert args.func(args) == 0
     printed = capsys.readouterr().out
     assert "Requests completed:" in printed and "Goodput" in printed
@@ -57,8 +78,21 @@ def test_bench_serve_runs_against_an_endpoint_and_writes_json_and_plots(fake_ope
 def test_bench_serve_reports_an_unreachable_server_as_failed_requests(tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": [1, 2, 3], "max_tokens": 2}\n')
-    args = parser().parse_args(["bench", "serve", "--url", "http://127.0.0.1:9", "--model", "m",
-                                "--dataset", str(data), "--num-requests", "2", "--no-progress"])
+    args = parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--url",
+            "http://127.0.0.1:9",
+            "--model",
+            "m",
+            "--dataset",
+            str(data),
+            "--num-requests",
+            "2",
+            "--no-progress",
+        ]
+    )
     assert args.func(args) == 1
     assert "error: connection error: ConnectError" in capsys.readouterr().out
 
@@ -71,7 +105,8 @@ def test_bench_serve_without_a_server_to_ask_for_the_model_is_a_clear_error():
 
 def test_empty_dataset_is_a_clear_error(tmp_path):
     (tmp_path / "e.jsonl").write_text("")
-    args = parser().parse_args(["bench", "serve", "--model", "m", "--dataset", str(tmp_path / "e.jsonl"),
-                                "--num-requests", "1"])
+    args = parser().parse_args(
+        ["bench", "serve", "--model", "m", "--dataset", str(tmp_path / "e.jsonl"), "--num-requests", "1"]
+    )
     with pytest.raises(ValueError, match="no requests"):
         args.func(args)

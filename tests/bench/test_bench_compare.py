@@ -94,13 +94,22 @@ def test_idle_prediction_simulates_each_request_alone():
 
 def record(i, ttft, tpot, n=4):
     first = i + ttft
-    return RequestRecord(i, 100, n, start=float(i), end=first + tpot * (n - 1), ok=True, output_tokens=n,
-                         token_times=[first + tpot * k for k in range(n)])
+    return RequestRecord(
+        i,
+        100,
+        n,
+        start=float(i),
+        end=first + tpot * (n - 1),
+        ok=True,
+        output_tokens=n,
+        token_times=[first + tpot * k for k in range(n)],
+    )
 
 
 def test_report_has_headline_ratios_planner_errors_and_idle_transfer(tmp_path):
-    heavy = Scenario("prefill-heavy", "long and short", Workload.single("100", "4"), 2, rate=1.0,
-                     slo_ttft_ms=1000, slo_tpot_ms=50)
+    heavy = Scenario(
+        "prefill-heavy", "long and short", Workload.single("100", "4"), 2, rate=1.0, slo_ttft_ms=1000, slo_tpot_ms=50
+    )
     co = [record(0, 0.2, 0.100), record(1, 0.2, 0.020)]
     pd = [record(0, 0.3, 0.020), record(1, 0.3, 0.020)]
 
@@ -113,16 +122,46 @@ def test_report_has_headline_ratios_planner_errors_and_idle_transfer(tmp_path):
     pd_rounds = [s(pd, heavy), s(pd, heavy)]
     runs = [
         Run("colocated", heavy, co, s(co, heavy), s(co, heavy), None, (1.0, 1.2), rounds=co_rounds),
-        Run("1P1D", heavy, pd, s(pd, heavy), s(co, heavy), None, (1.0, 1.0), rounds=pd_rounds,
-            engines={"d0": {"prefill_steps": 0, "prefill_step_ms": None, "decode_steps": 90, "decode_step_ms": 41.25,
-                            "mixed_steps": 0, "mixed_step_ms": None, "preemptions": 2}}),
+        Run(
+            "1P1D",
+            heavy,
+            pd,
+            s(pd, heavy),
+            s(co, heavy),
+            None,
+            (1.0, 1.0),
+            rounds=pd_rounds,
+            engines={
+                "d0": {
+                    "prefill_steps": 0,
+                    "prefill_step_ms": None,
+                    "decode_steps": 90,
+                    "decode_step_ms": 41.25,
+                    "mixed_steps": 0,
+                    "mixed_step_ms": None,
+                    "preemptions": 2,
+                }
+            },
+        ),
         Run("colocated", idle, [record(0, 1.0, 0.01)], s([record(0, 1.0, 0.01)], idle), None),
-        Run("1P1D-P2t", idle, [record(0, 1.01, 0.01)], s([record(0, 1.01, 0.01)], idle), None,
-            {"p0": {"span_s": 1.0, "exposed_s": 0.030, "bytes": 50e6}}),
+        Run(
+            "1P1D-P2t",
+            idle,
+            [record(0, 1.01, 0.01)],
+            s([record(0, 1.01, 0.01)], idle),
+            None,
+            {"p0": {"span_s": 1.0, "exposed_s": 0.030, "bytes": 50e6}},
+        ),
     ]
-    meta = {"model": "m", "cpus": [0, 1], "layout": "1P1D", "threads": {"colocated": 2, "1P1D": 1},
-            "wall_s": 60, "command": "pdserve bench compare",
-            "transfer": {"bandwidth": 0.5e9, "source": "test", "tail_2k_s": {1: 0.008}}}
+    meta = {
+        "model": "m",
+        "cpus": [0, 1],
+        "layout": "1P1D",
+        "threads": {"colocated": 2, "1P1D": 1},
+        "wall_s": 60,
+        "command": "pdserve bench compare",
+        "transfer": {"bandwidth": 0.5e9, "source": "test", "tail_2k_s": {1: 0.008}},
+    }
     text = write_report(tmp_path, runs, meta).read_text()
     assert "| prefill-heavy | goodput (req/s) | 0.500 | 1.000 | 2.00x | 2.00x, 1.00x |" in text
     # The sweep re-scores the pooled records: at 150 ms colocated's 100 ms request is good too.
@@ -147,8 +186,18 @@ def test_calibration_reads_fixed_step_and_request_costs_off_probe_requests():
     for i in range(3):
         first = i + request + 0.013 + step
         n = PROBE.workload.classes[0].output.upper
-        recs.append(RequestRecord(i, 8, n, start=float(i), end=first + (0.006 + step) * (n - 1), ok=True,
-                                  output_tokens=n, token_times=[first]))
+        recs.append(
+            RequestRecord(
+                i,
+                8,
+                n,
+                start=float(i),
+                end=first + (0.006 + step) * (n - 1),
+                ok=True,
+                output_tokens=n,
+                token_times=[first],
+            )
+        )
     calibrated, found = calibrate(layout, recs)
     assert found["step_ms"] == pytest.approx(4.0)
     assert found["request_ms"] == pytest.approx(20.0)
@@ -189,8 +238,18 @@ def test_calibration_splits_the_tpot_gap_into_per_step_and_per_sequence_costs():
         for r in recs:
             first = r.start + 0.05
             n = r.max_tokens
-            out.append(RequestRecord(r.index, r.prompt_len, n, start=r.start, end=first + (tpot + step + seq * width)
-                                     * (n - 1), ok=True, output_tokens=n, token_times=[first]))
+            out.append(
+                RequestRecord(
+                    r.index,
+                    r.prompt_len,
+                    n,
+                    start=r.start,
+                    end=first + (tpot + step + seq * width) * (n - 1),
+                    ok=True,
+                    output_tokens=n,
+                    token_times=[first],
+                )
+            )
         return out
 
     _, found = calibrate(layout, live(bare, tpot1, 1), live(wide, tpot4, PROBE_BATCH.concurrency))
@@ -202,18 +261,33 @@ def test_with_a_wide_probe_the_per_sequence_cost_is_the_line_through_the_two_bat
     from bench.compare.compare_run import PROBE, PROBE_BATCH, PROBE_WIDE, calibrate
 
     layout = build_layout(Candidate(0, 1, 1), fake_profile(), EngineSettings(), Overheads())
-    probes = {PROBE: [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)],
-              PROBE_BATCH: [RequestRecord(i, 8, 32, start=0.0, ok=True) for i in range(PROBE_BATCH.concurrency)],
-              PROBE_WIDE: [RequestRecord(i, 8, 32, start=0.0, ok=True) for i in range(PROBE_WIDE.concurrency)]}
+    probes = {
+        PROBE: [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)],
+        PROBE_BATCH: [RequestRecord(i, 8, 32, start=0.0, ok=True) for i in range(PROBE_BATCH.concurrency)],
+        PROBE_WIDE: [RequestRecord(i, 8, 32, start=0.0, ok=True) for i in range(PROBE_WIDE.concurrency)],
+    }
     # A lone stream pays 1 ms a step; a batch 10 ms a step and 0.5 ms per sequence in it.
-    gaps = {1: 0.001, PROBE_BATCH.concurrency: 0.010 + 0.0005 * PROBE_BATCH.concurrency,
-            PROBE_WIDE.concurrency: 0.010 + 0.0005 * PROBE_WIDE.concurrency}
+    gaps = {
+        1: 0.001,
+        PROBE_BATCH.concurrency: 0.010 + 0.0005 * PROBE_BATCH.concurrency,
+        PROBE_WIDE.concurrency: 0.010 + 0.0005 * PROBE_WIDE.concurrency,
+    }
     live = {}
     for probe, recs in probes.items():
         tpot = predict(layout, probe, recs).tpot.p50 / 1000 + gaps[probe.concurrency or 1]
-        live[probe] = [RequestRecord(r.index, r.prompt_len, r.max_tokens, start=r.start,
-                                     end=r.start + 0.05 + tpot * (r.max_tokens - 1), ok=True,
-                                     output_tokens=r.max_tokens, token_times=[r.start + 0.05]) for r in recs]
+        live[probe] = [
+            RequestRecord(
+                r.index,
+                r.prompt_len,
+                r.max_tokens,
+                start=r.start,
+                end=r.start + 0.05 + tpot * (r.max_tokens - 1),
+                ok=True,
+                output_tokens=r.max_tokens,
+                token_times=[r.start + 0.05],
+            )
+            for r in recs
+        ]
     _, found = calibrate(layout, live[PROBE], live[PROBE_BATCH], None, live[PROBE_WIDE])
     assert found["seq_ms"] == pytest.approx(0.5)
     assert found["step_ms"] == pytest.approx(10.0)
@@ -230,15 +304,36 @@ def test_calibration_scales_prefill_compute_to_the_live_cluster_under_load():
     probe = [RequestRecord(i, 8, 16, start=float(i), ok=True) for i in range(3)]
     tpot = predict(layout, PROBE, probe).tpot.p50 / 1000
     ttft = predict(layout, PROBE, probe).ttft.p50 / 1000
-    probe = [RequestRecord(r.index, 8, 16, start=r.start, end=r.start + ttft + 15 * tpot, ok=True, output_tokens=16,
-                           token_times=[r.start + ttft]) for r in probe]
+    probe = [
+        RequestRecord(
+            r.index,
+            8,
+            16,
+            start=r.start,
+            end=r.start + ttft + 15 * tpot,
+            ok=True,
+            output_tokens=16,
+            token_times=[r.start + ttft],
+        )
+        for r in probe
+    ]
     # Two 1024-token prompts, each arriving while 8-token requests decode (so it waits for their step).
-    sent = [RequestRecord(0, 8, 48, start=0.0), RequestRecord(1, 1024, 2, start=0.005),
-            RequestRecord(2, 8, 48, start=50.0), RequestRecord(3, 1024, 2, start=50.005)]
+    sent = [
+        RequestRecord(0, 8, 48, start=0.0),
+        RequestRecord(1, 1024, 2, start=0.005),
+        RequestRecord(2, 8, 48, start=50.0),
+        RequestRecord(3, 1024, 2, start=50.005),
+    ]
     cost = layout.serving[0].cost
     # The live cluster prefills 30% slower under load than the profile measured alone.
-    slow = replace(layout, serving=(replace(layout.serving[0], cost=replace(
-        cost, per_token=1.3 * cost.per_token, per_attn=1.3 * cost.per_attn)),))
+    slow = replace(
+        layout,
+        serving=(
+            replace(
+                layout.serving[0], cost=replace(cost, per_token=1.3 * cost.per_token, per_attn=1.3 * cost.per_attn)
+            ),
+        ),
+    )
     live = [replace(r, ok=True) for r in simulated(slow, PROBE_PREFILL, sent)]
     calibrated, found = calibrate(layout, probe, None, live)
     assert (found["step_ms"], found["request_ms"]) == (pytest.approx(0.0, abs=1e-6), pytest.approx(0.0, abs=1e-6))
@@ -251,18 +346,32 @@ def test_calibration_scales_prefill_compute_to_the_live_cluster_under_load():
 def test_transfer_and_engine_activity_come_from_two_reads_of_the_servers_samples():
     from bench.compare.compare_run import _transfer_summary, engine_activity
 
-    before = {"p0": {"pdserve_transfer_seconds_count": 2, "pdserve_transfer_seconds_sum": 5.0,
-                     "pdserve_transfer_exposed_seconds_sum": 0.01, "pdserve_transfer_bytes_total": 100.0,
-                     'pdserve_engine_steps_total{kind="prefill"}': 4,
-                     'pdserve_engine_step_seconds_total{kind="prefill"}': 8},
-              "d0": {}}
-    after = {"p0": {"pdserve_transfer_seconds_count": 5, "pdserve_transfer_seconds_sum": 14.0,
-                    "pdserve_transfer_exposed_seconds_sum": 0.031, "pdserve_transfer_bytes_total": 400.0,
-                    'pdserve_engine_steps_total{kind="prefill"}': 7,
-                    'pdserve_engine_step_seconds_total{kind="prefill"}': 17,
-                    "pdserve_preemptions_total": 1},
-             "d0": {'pdserve_engine_steps_total{kind="decode"}': 10,
-                    'pdserve_engine_step_seconds_total{kind="decode"}': 0.5}}
+    before = {
+        "p0": {
+            "pdserve_transfer_seconds_count": 2,
+            "pdserve_transfer_seconds_sum": 5.0,
+            "pdserve_transfer_exposed_seconds_sum": 0.01,
+            "pdserve_transfer_bytes_total": 100.0,
+            'pdserve_engine_steps_total{kind="prefill"}': 4,
+            'pdserve_engine_step_seconds_total{kind="prefill"}': 8,
+        },
+        "d0": {},
+    }
+    after = {
+        "p0": {
+            "pdserve_transfer_seconds_count": 5,
+            "pdserve_transfer_seconds_sum": 14.0,
+            "pdserve_transfer_exposed_seconds_sum": 0.031,
+            "pdserve_transfer_bytes_total": 400.0,
+            'pdserve_engine_steps_total{kind="prefill"}': 7,
+            'pdserve_engine_step_seconds_total{kind="prefill"}': 17,
+            "pdserve_preemptions_total": 1,
+        },
+        "d0": {
+            'pdserve_engine_steps_total{kind="decode"}': 10,
+            'pdserve_engine_step_seconds_total{kind="decode"}': 0.5,
+        },
+    }
     got = _transfer_summary(before, after)
     assert got.keys() == {"p0"}
     assert got["p0"] == {"span_s": pytest.approx(3.0), "exposed_s": pytest.approx(0.007), "bytes": pytest.approx(100.0)}
@@ -289,8 +398,13 @@ def test_a_side_calibrates_from_every_probe_set_it_measured_pooled(monkeypatch):
         return [replace(r, ok=True, end=r.end + gap * (n - 1), token_times=r.token_times[:1]) for r in bare]
 
     monkeypatch.setattr(compare_run, "measure", fake_measure)
-    side = SimpleNamespace(name="colocated", cand=Candidate(0, 1, 1), prefill_threads=None, probe_sets=[],
-                           cluster=SimpleNamespace(url="", model=""))
+    side = SimpleNamespace(
+        name="colocated",
+        cand=Candidate(0, 1, 1),
+        prefill_threads=None,
+        probe_sets=[],
+        cluster=SimpleNamespace(url="", model=""),
+    )
     ctx = {"builder": None, "seed": 0, "layout_for": lambda cand, threads: layout}
     current = [next(sets)]
     compare_run.calibrate_side(side, ctx)

@@ -28,9 +28,29 @@ def test_bench_serve_measures_every_request_of_a_real_cluster(cand, tiny_model, 
         parser = argparse.ArgumentParser(prog="pdserve")
         cli.add_parser(parser.add_subparsers(dest="command", required=True))
         out = tmp_path / "result.json"
-        common = ["bench", "serve", "--url", cluster.url, "--num-requests", "5", "--concurrency", "2",
-                  "--prompt-len", "uniform(8,40)", "--output-len", "6", "--json", str(out), "--no-progress",
-                  "--slo-ttft-ms", "60000", "--slo-tpot-ms", "10000", "--timeline", str(tmp_path / "timeline.png")]
+        common = [
+            "bench",
+            "serve",
+            "--url",
+            cluster.url,
+            "--num-requests",
+            "5",
+            "--concurrency",
+            "2",
+            "--prompt-len",
+            "uniform(8,40)",
+            "--output-len",
+            "6",
+            "--json",
+            str(out),
+            "--no-progress",
+            "--slo-ttft-ms",
+            "60000",
+            "--slo-tpot-ms",
+            "10000",
+            "--timeline",
+            str(tmp_path / "timeline.png"),
+        ]
         # Without the secret the timeline cannot be read: said before the run, in one line.
         with pytest.raises(ValueError, match=r"^the router answered /debug/timeline with HTTP 401: .* --run-dir"):
             cli_args = parser.parse_args(common)
@@ -57,8 +77,7 @@ def test_bench_serve_measures_every_request_of_a_real_cluster(cand, tiny_model, 
     assert "different prompt length" not in printed
     # Every request's time, from the servers' own timings: the prefill stages exist exactly when a
     # prefill server took part, and the stages of one request follow each other.
-    want = set(timeline.STAGES) - {"prefill on D"} if cand.num_prefill else {"router wait", "prefill on D",
-                                                                              "decode"}
+    want = set(timeline.STAGES) - {"prefill on D"} if cand.num_prefill else {"router wait", "prefill on D", "decode"}
     assert len(stages) == 5 and {r.request_id for r in stages} == set(ids)
     for req in stages:
         assert {name for name, _, _ in req.stages} == want, req

@@ -33,7 +33,7 @@ def fake_server(token_delay=0.002, seen=None):
                     return
                 last = i == body["max_tokens"] - 1
                 text = "" if prompt == "partial" and i == 1 else f" w{i}"  # half a character
-                choice = ({"delta": {"content": text}} if chat else {"text": text})
+                choice = {"delta": {"content": text}} if chat else {"text": text}
                 choice["finish_reason"] = "length" if last else None
                 yield f"data: {json.dumps({'choices': [choice]})}\n\n".encode()
             usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}
@@ -49,6 +49,7 @@ def source(prompts=None, max_tokens=4):
     def make(i):
         text = prompts[i % len(prompts)] if prompts else "hello"
         return PreparedRequest(i, text, 7, max_tokens)
+
     return make
 
 
@@ -137,13 +138,16 @@ def test_warmup_requests_are_not_measured():
     assert len(seen) == 5 and len(result.records) == 2
 
 
-@pytest.mark.parametrize("kw, message", [
-    (dict(), "exactly one of"),
-    (dict(num_requests=1, duration=1.0), "exactly one of"),
-    (dict(num_requests=0), "num-requests"),
-    (dict(num_requests=1, rate=0), "rate"),
-    (dict(duration=1.0, rate=float("inf")), "needs --concurrency"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(), "exactly one of"),
+        (dict(num_requests=1, duration=1.0), "exactly one of"),
+        (dict(num_requests=0), "num-requests"),
+        (dict(num_requests=1, rate=0), "rate"),
+        (dict(duration=1.0, rate=float("inf")), "needs --concurrency"),
+    ],
+)
 def test_bad_load_settings_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
         cfg(**kw)

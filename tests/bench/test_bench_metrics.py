@@ -35,7 +35,13 @@ def test_per_request_latencies():
 def test_percentiles_interpolate_linearly_between_ranks():
     s = Stats.of([0.1, 0.3, 0.2])
     assert (s.count, s.mean, s.p50, s.p90, s.p99, s.max) == (
-        3, pytest.approx(200), pytest.approx(200), pytest.approx(280), pytest.approx(298), pytest.approx(300))
+        3,
+        pytest.approx(200),
+        pytest.approx(200),
+        pytest.approx(280),
+        pytest.approx(298),
+        pytest.approx(300),
+    )
     assert Stats.of([0.001, 0.002, 0.003, 0.004]).p50 == pytest.approx(2.5)
     assert Stats.of([]) == Stats(0, None, None, None, None, None)
 
@@ -51,7 +57,11 @@ def test_summary_aggregates_completed_requests_and_counts_failures():
     assert s.total_token_throughput == pytest.approx(66 / 1.35)
     assert (s.ttft.mean, s.ttft.p50, s.ttft.p90) == (pytest.approx(200), pytest.approx(200), pytest.approx(280))
     assert (s.tpot.count, s.tpot.mean, s.tpot.p90, s.tpot.p99) == (
-        2, pytest.approx(100), pytest.approx(140), pytest.approx(149))
+        2,
+        pytest.approx(100),
+        pytest.approx(140),
+        pytest.approx(149),
+    )
     assert (s.itl.count, s.itl.p50, s.itl.p90) == (3, pytest.approx(100), pytest.approx(180))
     assert (s.e2e.mean, s.e2e.max) == (pytest.approx(350), pytest.approx(400))
     assert s.goodput is None and s.good_requests is None and s.slo_attainment is None

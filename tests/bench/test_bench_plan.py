@@ -68,9 +68,29 @@ def test_plan_command_prints_a_table_and_writes_json(tmp_path, capsys):
     fake_profile().save(path)
     p = argparse.ArgumentParser(prog="pdserve")
     cli.add_parser(p.add_subparsers(dest="command", required=True))
-    args = p.parse_args(["plan", "--profile", str(path), "--cores", "2", "--rate", "1", "--num-requests", "40",
-                         "--mix", "0.2:1000:8", "--mix", "0.8:32:32", "--slo-ttft-ms", "5000", "--slo-tpot-ms", "10",
-                         "--json", str(tmp_path / "plan.json")])
+    args = p.parse_args(
+        [
+            "plan",
+            "--profile",
+            str(path),
+            "--cores",
+            "2",
+            "--rate",
+            "1",
+            "--num-requests",
+            "40",
+            "--mix",
+            "0.2:1000:8",
+            "--mix",
+            "0.8:32:32",
+            "--slo-ttft-ms",
+            "5000",
+            "--slo-tpot-ms",
+            "10",
+            "--json",
+            str(tmp_path / "plan.json"),
+        ]
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "| 1P1D **(recommended)** |" in out and "| colocated |" in out
@@ -164,7 +184,9 @@ def test_repeated_step_shapes_are_fitted_at_their_median_time():
 
     samples = [StepSample(10, 55, 1, t) for t in (0.010, 0.011, 0.050)] + [StepSample(1, 20, 1, 0.002)]
     assert sorted(median_by_shape(samples), key=lambda s: s.new_tokens) == [
-        StepSample(1, 20, 1, 0.002), StepSample(10, 55, 1, 0.011)]
+        StepSample(1, 20, 1, 0.002),
+        StepSample(10, 55, 1, 0.011),
+    ]
 
 
 def test_planner_finds_1p1d_carries_a_higher_rate_than_colocated_on_a_prefill_heavy_mix():
@@ -172,8 +194,11 @@ def test_planner_finds_1p1d_carries_a_higher_rate_than_colocated_on_a_prefill_he
     from bench.plan.sweep import ladder
 
     profile = fake_profile()
-    layouts = [(c, build_layout(c, profile, EngineSettings(), Overheads())) for c in candidates(2)
-               if c.name in ("colocated", "1P1D")]
+    layouts = [
+        (c, build_layout(c, profile, EngineSettings(), Overheads()))
+        for c in candidates(2)
+        if c.name in ("colocated", "1P1D")
+    ]
     workload = Workload.mix(["0.2:1000:8", "0.8:32:32"])
     found = max_rates(layouts, workload, ladder(0.25, 2.0, 6), 60, 5000, 10, 0.9, seed=1)
     colocated, split = found["colocated"], found["1P1D"]
@@ -193,18 +218,40 @@ def test_plan_command_answers_the_highest_rate_per_layout(tmp_path, capsys):
     fake_profile().save(path)
     p = argparse.ArgumentParser(prog="pdserve")
     cli.add_parser(p.add_subparsers(dest="command", required=True))
-    args = p.parse_args(["plan", "--profile", str(path), "--cores", "2", "--rate", "1", "--num-requests", "30",
-                         "--layouts", "colocated,1p1d", "--mix", "0.2:1000:8", "--mix", "0.8:32:32",
-                         "--slo-ttft-ms", "5000", "--slo-tpot-ms", "10", "--max-rate",
-                         "--json", str(tmp_path / "plan.json")])
+    args = p.parse_args(
+        [
+            "plan",
+            "--profile",
+            str(path),
+            "--cores",
+            "2",
+            "--rate",
+            "1",
+            "--num-requests",
+            "30",
+            "--layouts",
+            "colocated,1p1d",
+            "--mix",
+            "0.2:1000:8",
+            "--mix",
+            "0.8:32:32",
+            "--slo-ttft-ms",
+            "5000",
+            "--slo-tpot-ms",
+            "10",
+            "--max-rate",
+            "--json",
+            str(tmp_path / "plan.json"),
+        ]
+    )
     assert args.func(args) == 0
     assert "| layout | highest rate at >= 90% (req/s) |" in capsys.readouterr().out
     data = json.loads((tmp_path / "plan.json").read_text())["max_rate"]
     assert set(data) == {"colocated", "1P1D"} and len(data["1P1D"]["curve"]) == 16
     # 30 requests: colocated misses 90% even at the lowest rung; 1P1D holds up to the 12th (0.25 * 1.25**11).
-    assert data["colocated"]["rate"] is None and data["1P1D"]["rate"] == pytest.approx(0.25 * 1.25 ** 11, rel=1e-5)
+    assert data["colocated"]["rate"] is None and data["1P1D"]["rate"] == pytest.approx(0.25 * 1.25**11, rel=1e-5)
     # Where 1P1D's attainment falls through 90%: between the 12th rung and the 13th.
-    assert 0.25 * 1.25 ** 11 < data["1P1D"]["crossing"] < 0.25 * 1.25 ** 12
+    assert 0.25 * 1.25**11 < data["1P1D"]["crossing"] < 0.25 * 1.25**12
     assert data["colocated"]["crossing"] is None
 
 
@@ -217,9 +264,28 @@ def _plan_command(tmp_path, *extra: str, profile=None):
     (profile or fake_profile()).save(path)
     p = argparse.ArgumentParser(prog="pdserve")
     cli.add_parser(p.add_subparsers(dest="command", required=True))
-    args = p.parse_args(["plan", "--profile", str(path), "--cores", "2", "--num-requests", "30",
-                         "--layouts", "colocated,1p1d", "--mix", "0.2:1000:8", "--mix", "0.8:32:32",
-                         "--slo-ttft-ms", "5000", "--json", str(tmp_path / "plan.json"), *extra])
+    args = p.parse_args(
+        [
+            "plan",
+            "--profile",
+            str(path),
+            "--cores",
+            "2",
+            "--num-requests",
+            "30",
+            "--layouts",
+            "colocated,1p1d",
+            "--mix",
+            "0.2:1000:8",
+            "--mix",
+            "0.8:32:32",
+            "--slo-ttft-ms",
+            "5000",
+            "--json",
+            str(tmp_path / "plan.json"),
+            *extra,
+        ]
+    )
     assert args.func(args) == 0
     return json.loads((tmp_path / "plan.json").read_text())
 
@@ -230,7 +296,7 @@ def test_a_rate_no_layout_carries_gets_no_recommendation_but_the_highest_rate_on
     assert data["recommended"] is None and "(recommended)" not in out
     assert "no layout meets the SLO at 8 req/s: the best, 1P1D, has " in out
     # The same ladder as the --max-rate test: 1P1D holds up to its 12th rung, colocated at none.
-    assert data["highest_rate_met"] == {"rate": pytest.approx(0.25 * 1.25 ** 11, rel=1e-5), "layout": "1P1D"}
+    assert data["highest_rate_met"] == {"rate": pytest.approx(0.25 * 1.25**11, rel=1e-5), "layout": "1P1D"}
     assert "the highest rate a layout meets it at: 2.91 req/s (1P1D); plan again with --rate 2.91" in out
 
 

@@ -52,15 +52,35 @@ def test_a_shared_prefix_best_hit_rate_counts_each_group_once():
     assert w.best_hit_rate(10, 1) == pytest.approx(8 * 91 / (10 * 101))
 
 
-@pytest.mark.parametrize("flags, lengths", [
-    (["--shared-prefix", "64", "--prompt-len", "16"], [80] * 4),
-    (["--multi-turn", "2", "--conversations", "2", "--prompt-len", "16"], [16, 16, 37, 37]),
-])
+@pytest.mark.parametrize(
+    "flags, lengths",
+    [
+        (["--shared-prefix", "64", "--prompt-len", "16"], [80] * 4),
+        (["--multi-turn", "2", "--conversations", "2", "--prompt-len", "16"], [16, 16, 37, 37]),
+    ],
+)
 def test_bench_serve_sends_the_prefix_workloads(fake_openai_url, tmp_path, flags, lengths):
     out = tmp_path / "run.json"
-    args = parser().parse_args(["bench", "serve", "--url", fake_openai_url, "--num-requests", "4", "--concurrency",
-                                "1", "--output-len", "5", "--prompt-format", "tokens", "--json", str(out),
-                                "--no-progress", *flags])
+    args = parser().parse_args(
+        [
+            "bench",
+            "serve",
+            "--url",
+            fake_openai_url,
+            "--num-requests",
+            "4",
+            "--concurrency",
+            "1",
+            "--output-len",
+            "5",
+            "--prompt-format",
+            "tokens",
+            "--json",
+            str(out),
+            "--no-progress",
+            *flags,
+        ]
+    )
     assert args.func(args) == 0
     data = json.loads(out.read_text())
     assert sorted(r["prompt_len"] for r in data["requests"]) == lengths

@@ -20,8 +20,9 @@ def colocated(**kw):
 
 
 def pd(transfer=INSTANT, num_p=1, num_d=1, **kw):
-    return Layout("1p1d", serving=(InstanceSpec(COST, **kw),) * num_d,
-                  prefill=(InstanceSpec(COST),) * num_p, transfer=transfer)
+    return Layout(
+        "1p1d", serving=(InstanceSpec(COST, **kw),) * num_d, prefill=(InstanceSpec(COST),) * num_p, transfer=transfer
+    )
 
 
 def reqs(*lengths):
@@ -70,8 +71,11 @@ def test_simulated_steps_are_counted_by_kind_as_the_engine_counts_them():
     result = simulate(colocated(), reqs((100, 3), (20, 2)), [0.0, 0.115])
     # C0: A's prefill (110 ms); A decodes alone (11 ms); B's prompt joins A's last decode (10 + 21 ms);
     # B decodes alone.
-    assert result.steps["C0"] == {"prefill": (1, pytest.approx(0.110)), "decode": (2, pytest.approx(0.022)),
-                                  "mixed": (1, pytest.approx(0.031))}
+    assert result.steps["C0"] == {
+        "prefill": (1, pytest.approx(0.110)),
+        "decode": (2, pytest.approx(0.022)),
+        "mixed": (1, pytest.approx(0.031)),
+    }
 
 
 def test_prefill_first_policy_runs_a_prefill_only_step_between_decodes():
@@ -104,8 +108,12 @@ def test_decode_without_free_blocks_queues_the_reservation_until_one_finishes():
 
 def test_prefill_holds_its_blocks_until_the_kv_reached_decode():
     # P has 2 blocks of 16; a 20-token prompt holds ceil(21 / 16) = 2 until its transfer ends.
-    layout = Layout("1p1d", serving=(InstanceSpec(COST),), prefill=(InstanceSpec(COST, kv_blocks=2),),
-                    transfer=TransferCost(1, 1e18, latency=0.1))
+    layout = Layout(
+        "1p1d",
+        serving=(InstanceSpec(COST),),
+        prefill=(InstanceSpec(COST, kv_blocks=2),),
+        transfer=TransferCost(1, 1e18, latency=0.1),
+    )
     a, b = simulate(layout, reqs((20, 1), (20, 1)), [0.0, 0.0]).records
     assert times(a) == [0.130]
     assert times(b) == [0.130 + 0.030 + 0.100]
@@ -117,8 +125,13 @@ def test_request_larger_than_the_whole_cache_fails_instead_of_waiting_forever():
 
 
 def test_short_prompts_under_the_threshold_are_prefilled_on_decode():
-    layout = Layout("1p1d", serving=(InstanceSpec(COST),), prefill=(InstanceSpec(COST),),
-                    transfer=TransferCost(1, 1e18, latency=0.5), local_prefill_below=50)
+    layout = Layout(
+        "1p1d",
+        serving=(InstanceSpec(COST),),
+        prefill=(InstanceSpec(COST),),
+        transfer=TransferCost(1, 1e18, latency=0.5),
+        local_prefill_below=50,
+    )
     short, long_ = simulate(layout, reqs((10, 1), (100, 1)), [0.0, 0.0]).records
     assert times(short) == [0.020]  # on D, no transfer latency
     assert times(long_) == [0.610]  # on P, then 0.5 s transfer

@@ -50,8 +50,17 @@ def test_no_crossing_when_the_first_rung_misses_or_none_does():
 def _record(ttft: float, tpot: float, tokens: int = 3, ok: bool = True) -> RequestRecord:
     first = 1.0 + ttft
     times = [first + i * tpot for i in range(tokens)]
-    return RequestRecord(index=0, prompt_len=8, max_tokens=tokens, start=1.0, end=times[-1],
-                         token_times=times, output_tokens=tokens, ok=ok, error=None if ok else "http 500")
+    return RequestRecord(
+        index=0,
+        prompt_len=8,
+        max_tokens=tokens,
+        start=1.0,
+        end=times[-1],
+        token_times=times,
+        output_tokens=tokens,
+        ok=ok,
+        error=None if ok else "http 500",
+    )
 
 
 def test_attainment_scales_both_slos():
@@ -70,8 +79,10 @@ def test_the_verdict_says_who_carries_more_at_which_slo_scale():
     from bench.compare.compare_sweep import verdict
 
     text = verdict({0.5: [], 1.0: ["1P1D"], 1.5: ["colocated", "1P1D"], 2.0: ["colocated"]}, ["colocated", "1P1D"])
-    assert text == ("Measured: neither layout meets the SLO at SLO scale 0.5; 1P1D carries more at SLO scale 1; "
-                    "the layouts tie (same highest rung) at SLO scale 1.5; colocated carries more at SLO scale 2.")
+    assert text == (
+        "Measured: neither layout meets the SLO at SLO scale 0.5; 1P1D carries more at SLO scale 1; "
+        "the layouts tie (same highest rung) at SLO scale 1.5; colocated carries more at SLO scale 2."
+    )
 
 
 def test_a_layout_missing_the_first_rung_steps_down_and_the_others_climb_until_they_miss(monkeypatch):
@@ -95,8 +106,14 @@ def test_a_layout_missing_the_first_rung_steps_down_and_the_others_climb_until_t
         for side in sides:
             tpot = 0.05 if at.rate <= limits[side.name] else 0.3
             recs = [_record(0.5, tpot) for _ in range(at.num_requests)]
-            out.append(SimpleNamespace(layout=side.name, records=recs, scenario=at,
-                                       measured=summarize(recs, None, at.slo_ttft_ms, at.slo_tpot_ms)))
+            out.append(
+                SimpleNamespace(
+                    layout=side.name,
+                    records=recs,
+                    scenario=at,
+                    measured=summarize(recs, None, at.slo_ttft_ms, at.slo_tpot_ms),
+                )
+            )
         return out
 
     monkeypatch.setattr(compare_sweep, "run_scenario", fake_run)
@@ -135,8 +152,16 @@ def test_every_scenario_after_the_first_is_predicted_from_probes_taken_just_befo
     def fake_run(at, sides, ctx):
         events.append(("run", at.name, at.rate))
         recs = [_record(0.5, 0.05) for _ in range(at.num_requests)]
-        return [SimpleNamespace(layout=s.name, records=recs, scenario=at, calibration=s.calibration,
-                                measured=summarize(recs, None, at.slo_ttft_ms, at.slo_tpot_ms)) for s in sides]
+        return [
+            SimpleNamespace(
+                layout=s.name,
+                records=recs,
+                scenario=at,
+                calibration=s.calibration,
+                measured=summarize(recs, None, at.slo_ttft_ms, at.slo_tpot_ms),
+            )
+            for s in sides
+        ]
 
     monkeypatch.setattr(compare_sweep, "calibrate_side", fake_calibrate)
     monkeypatch.setattr(compare_sweep, "run_scenario", fake_run)
@@ -144,12 +169,22 @@ def test_every_scenario_after_the_first_is_predicted_from_probes_taken_just_befo
     sides = [SimpleNamespace(name="a", layout=None), SimpleNamespace(name="b", layout=None)]
     for side in sides:
         fake_calibrate(side, {})  # at launch
-    scenarios = [Scenario(name, "x", Workload.single("8", "3"), num_requests=0, rate=1.0, slo_ttft_ms=1000,
-                          slo_tpot_ms=100) for name in ("first", "second")]
+    scenarios = [
+        Scenario(name, "x", Workload.single("8", "3"), num_requests=0, rate=1.0, slo_ttft_ms=1000, slo_tpot_ms=100)
+        for name in ("first", "second")
+    ]
     args = SimpleNamespace(attainment=90.0, sweep_rates="1,2", sweep_requests=2)
     sweeps = sweep_all(scenarios, sides, {"deadline": time.time() + 60}, args, quick=True)
-    assert events == [("calibrate", "a"), ("calibrate", "b"), ("run", "first", 1.0), ("run", "first", 2.0),
-                      ("calibrate", "a"), ("calibrate", "b"), ("run", "second", 1.0), ("run", "second", 2.0)]
+    assert events == [
+        ("calibrate", "a"),
+        ("calibrate", "b"),
+        ("run", "first", 1.0),
+        ("run", "first", 2.0),
+        ("calibrate", "a"),
+        ("calibrate", "b"),
+        ("run", "second", 1.0),
+        ("run", "second", 2.0),
+    ]
     assert [sw.calibration["a"]["found"]["step_ms"] for sw in sweeps] == [0.0, 4.0]
     assert [sw.calibration["b"]["found"]["step_ms"] for sw in sweeps] == [1.0, 5.0]
     assert sweeps[1].calibration["b"]["probes"]["probe"] == [_record(0.1, 0.01).to_json()]

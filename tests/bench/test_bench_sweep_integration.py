@@ -35,8 +35,21 @@ def test_quick_sweep_writes_curves_and_a_highest_rate_per_layout(tiny_model, tmp
     out = tmp_path / "sweep"
     parser = argparse.ArgumentParser(prog="pdserve")
     cli.add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["bench", "compare", "--quick", "--model", tiny_model, "--out", str(out),
-                              "--cpus", ",".join(map(str, cpus)), "--launch-timeout", "180"])
+    args = parser.parse_args(
+        [
+            "bench",
+            "compare",
+            "--quick",
+            "--model",
+            tiny_model,
+            "--out",
+            str(out),
+            "--cpus",
+            ",".join(map(str, cpus)),
+            "--launch-timeout",
+            "180",
+        ]
+    )
     try:
         assert args.func(args) == 0
     finally:
@@ -60,7 +73,7 @@ def test_quick_sweep_writes_curves_and_a_highest_rate_per_layout(tiny_model, tmp
         # A layout climbs until it misses: the ladder rungs it ran are the first ones, 2 rounds of 4
         # requests each, none failed; the planner predicts every rung for every layout.
         ran = [g for g in quick["rungs"] if name in g["measured"]]
-        assert [g for g in ran if g["rate"] >= 2.0] == ladder[:len([g for g in ran if g["rate"] >= 2.0])]
+        assert [g for g in ran if g["rate"] >= 2.0] == ladder[: len([g for g in ran if g["rate"] >= 2.0])]
         assert [g["measured"][name]["num_requests"] for g in ran] == [8] * len(ran)
         assert [g["measured"][name]["failed"] for g in ran] == [0] * len(ran)
         assert [len(g["rounds"][name]) for g in ran] == [2] * len(ran)

@@ -13,16 +13,25 @@ T = 1_000.0
 def timelines() -> dict[str, list[dict]]:
     # r1 went through a prefill server; r2 was prefilled on the decode server; r3 is not ours.
     return {
-        "router": [{"request_id": "r1", "arrived": T, "opened": T + 0.2, "first_token": T + 1.6, "last_token": T + 2.0},
-                   {"request_id": "r2", "arrived": T + 0.5, "opened": T + 0.6, "first_token": T + 0.9,
-                    "last_token": T + 1.1},
-                   {"request_id": "r3", "arrived": T, "opened": T + 0.1},
-                   {"request_id": "r4", "arrived": T + 3, "opened": T + 3.1, "first_token": T + 3.2,
-                    "last_token": T + 3.3}],
-        "decode": [{"request_id": "r1", "reserved": T + 0.1, "kv_arrived": T + 1.5, "first_token": T + 1.6},
-                   {"request_id": "r2", "reserved": T + 0.55, "first_token": T + 0.9}],
-        "prefill": [{"request_id": "r1", "received": T + 0.25, "computing": T + 0.5, "prefilled": T + 1.4,
-                     "transfer_ended": T + 1.45}],
+        "router": [
+            {"request_id": "r1", "arrived": T, "opened": T + 0.2, "first_token": T + 1.6, "last_token": T + 2.0},
+            {"request_id": "r2", "arrived": T + 0.5, "opened": T + 0.6, "first_token": T + 0.9, "last_token": T + 1.1},
+            {"request_id": "r3", "arrived": T, "opened": T + 0.1},
+            {"request_id": "r4", "arrived": T + 3, "opened": T + 3.1, "first_token": T + 3.2, "last_token": T + 3.3},
+        ],
+        "decode": [
+            {"request_id": "r1", "reserved": T + 0.1, "kv_arrived": T + 1.5, "first_token": T + 1.6},
+            {"request_id": "r2", "reserved": T + 0.55, "first_token": T + 0.9},
+        ],
+        "prefill": [
+            {
+                "request_id": "r1",
+                "received": T + 0.25,
+                "computing": T + 0.5,
+                "prefilled": T + 1.4,
+                "transfer_ended": T + 1.45,
+            }
+        ],
     }
 
 
@@ -30,11 +39,19 @@ def test_stages_are_joined_by_request_id_in_order_of_arrival():
     r1, r2 = timeline.join(timelines(), ["r1", "r2"])
     assert r1.request_id == "r1" and r2.request_id == "r2"
     assert [(n, round(a - T, 2), round(b - T, 2)) for n, a, b in r1.stages] == [
-        ("router wait", 0.0, 0.1), ("reservation", 0.1, 0.2), ("prefill queue", 0.25, 0.5),
-        ("prefill compute", 0.5, 1.4), ("KV after compute", 1.4, 1.5), ("decode", 1.5, 2.0)]
+        ("router wait", 0.0, 0.1),
+        ("reservation", 0.1, 0.2),
+        ("prefill queue", 0.25, 0.5),
+        ("prefill compute", 0.5, 1.4),
+        ("KV after compute", 1.4, 1.5),
+        ("decode", 1.5, 2.0),
+    ]
     # r2 was prefilled on the decode server: its first token splits that from decoding
     assert [(n, round(a - T, 2), round(b - T, 2)) for n, a, b in r2.stages] == [
-        ("router wait", 0.5, 0.55), ("prefill on D", 0.55, 0.9), ("decode", 0.9, 1.1)]
+        ("router wait", 0.5, 0.55),
+        ("prefill on D", 0.55, 0.9),
+        ("decode", 0.9, 1.1),
+    ]
     assert [r.request_id for r in timeline.join(timelines())] == ["r1", "r2", "r4"]  # r3 never finished
 
 

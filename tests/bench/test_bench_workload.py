@@ -59,8 +59,12 @@ def test_poisson_arrivals_start_at_zero_and_have_the_rate_asked():
 
 def test_jsonl_dataset_reads_text_and_token_prompts(tmp_path, tiny_tokenizer_dir):
     path = tmp_path / "d.jsonl"
-    path.write_text(json.dumps({"prompt": "alpha beta", "max_tokens": 4}) + "\n\n"
-                    + json.dumps({"prompt": [5, 6, 7], "output_len": 2}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": "alpha beta", "max_tokens": 4})
+        + "\n\n"
+        + json.dumps({"prompt": [5, 6, 7], "output_len": 2})
+        + "\n"
+    )
     specs = load_jsonl(path, load_tokenizer(tiny_tokenizer_dir))
     assert [(s.prompt_len, s.output_len) for s in specs] == [(2, 4), (3, 2)]
     path.write_text('{"prompt": "x"}\n')

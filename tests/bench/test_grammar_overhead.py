@@ -9,8 +9,25 @@ from bench.micro.grammar_overhead import main
 
 def test_grammar_overhead_reports_both_sides_per_token(tiny_model, tmp_path, capsys):
     out = tmp_path / "grammar.json"
-    assert main(["--model", tiny_model, "--batch", "1,2", "--tokens", "8", "--repeats", "1", "--threads", "1",
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--model",
+                tiny_model,
+                "--batch",
+                "1,2",
+                "--tokens",
+                "8",
+                "--repeats",
+                "1",
+                "--threads",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     rows = json.loads(out.read_text())["rows"]
     assert [r["batch"] for r in rows] == [1, 2]
     for r in rows:

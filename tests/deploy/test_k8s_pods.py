@@ -41,8 +41,9 @@ class Pod:
         self.log = log
         # `pdserve ARGS` as the manifest says, from this checkout
         argv = [*IN_PODS_HOSTS, str(hosts), sys.executable, "-m", "deploy.cli", *command[1:]]
-        self.popen = subprocess.Popen(argv, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
-                                      env=dict(os.environ, PYTHONPATH=str(REPO)))
+        self.popen = subprocess.Popen(
+            argv, cwd=REPO, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(REPO))
+        )
 
     def stop(self) -> int:
         """SIGTERM (what the kubelet sends after preStop), SIGKILL if it outlives the wait."""
@@ -58,8 +59,9 @@ class Pod:
 @pytest.fixture(scope="module")
 def pods(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("pods")
-    config = make_config(tmp, "tiny-1p1d", tiny_model, {"security": {"internal_secret": INTERNAL},
-                                                        "router": {"api_keys": [KEY]}})
+    config = make_config(
+        tmp, "tiny-1p1d", tiny_model, {"security": {"internal_secret": INTERNAL}, "router": {"api_keys": [KEY]}}
+    )
     m = render(config, tmp / "manifests", "--name", "pods")
     (cm,) = m.of_kind("ConfigMap")
     mounted = tmp / "secrets"
@@ -85,10 +87,13 @@ def pods(tmp_path_factory, tiny_model):
             command = container(w)["command"]
             command = [str(tmp / "cluster.yaml") if part == command[3] else part for part in command]
             started.append(Pod(w["metadata"]["name"], command, hosts, tmp / f"{w['metadata']['name']}.log"))
-        urls = {i["name"]: f"http://{addresses[i['name']]}:{i['port']}"
-                for i in pod_config["prefill"] + pod_config["decode"]}
+        urls = {
+            i["name"]: f"http://{addresses[i['name']]}:{i['port']}"
+            for i in pod_config["prefill"] + pod_config["decode"]
+        }
         router = f"http://127.0.0.1:{pod_config['router']['port']}"
         with httpx.Client(timeout=5) as http:
+
             def healthy() -> bool:
                 for pod in started:
                     assert pod.popen.poll() is None, f"{pod.name} exited:\n{pod.log.read_text()}"
@@ -124,8 +129,9 @@ def test_greedy_answers_through_the_rendered_pods_equal_transformers(pods, tiny_
     with httpx.Client(timeout=5) as http:
         # internal routes want the secret from the mounted file
         assert http.post(f"{pods['urls']['d0']}/abort", json={"request_id": "x"}).status_code == 401
-        ok = http.post(f"{pods['urls']['d0']}/abort", json={"request_id": "x"},
-                       headers={"Authorization": f"Bearer {INTERNAL}"})
+        ok = http.post(
+            f"{pods['urls']['d0']}/abort", json={"request_id": "x"}, headers={"Authorization": f"Bearer {INTERNAL}"}
+        )
         assert ok.status_code == 200
 
         def idle() -> bool:

@@ -20,8 +20,12 @@ def test_every_rendered_object_validates_strictly_against_the_api_schemas(config
     kinds = sorted(o["kind"] for o in m.objects)
     roles = [r for r in ("prefill", "decode", "colocated") if m.pod_config().model_dump()[r]]
     instances = len(m.pod_config().instances())
-    assert kinds == sorted(["ConfigMap", "Deployment", "Service"] + ["Service"] * len(roles)
-                           + ["StatefulSet"] * instances + ["PodDisruptionBudget", "NetworkPolicy"] * (len(roles) + 1))
+    assert kinds == sorted(
+        ["ConfigMap", "Deployment", "Service"]
+        + ["Service"] * len(roles)
+        + ["StatefulSet"] * instances
+        + ["PodDisruptionBudget", "NetworkPolicy"] * (len(roles) + 1)
+    )
     for obj in m.objects:
         for version in VERSIONS:
             kubernetes_validate.validate(obj, version, strict=True)  # raises on any error

@@ -21,11 +21,17 @@ KEYS = ["sk-client-one-90d2e1", "sk-client-two-77ab03"]
 
 def _config_with_secrets(tmp_path):
     config = tmp_path / "secret-demo.yaml"
-    config.write_text(yaml.safe_dump({
-        "model": "tiny", "security": {"internal_secret": INTERNAL},
-        "router": {"port": 8000, "api_keys": KEYS},
-        "prefill": [{"name": "p0", "port": 8100}], "decode": [{"name": "d0", "port": 8200}],
-    }))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": "tiny",
+                "security": {"internal_secret": INTERNAL},
+                "router": {"port": 8000, "api_keys": KEYS},
+                "prefill": [{"name": "p0", "port": 8100}],
+                "decode": [{"name": "d0", "port": 8200}],
+            }
+        )
+    )
     return config
 
 
@@ -45,8 +51,10 @@ def test_no_secret_value_reaches_the_manifests_or_the_output(tmp_path, capsys):
         assert vol["secret"]["secretName"] == "pdserve-secret-demo-secrets"
         assert [i["key"] for i in vol["secret"]["items"]] == ["internal-secret", "api-keys"]
         assert {"name": "secrets", "mountPath": SECRET_DIR, "readOnly": True} in container(w)["volumeMounts"]
-    assert ("kubectl -n default create secret generic pdserve-secret-demo-secrets "
-            "--from-file=internal-secret=./internal-secret --from-file=api-keys=./api-keys") in printed
+    assert (
+        "kubectl -n default create secret generic pdserve-secret-demo-secrets "
+        "--from-file=internal-secret=./internal-secret --from-file=api-keys=./api-keys"
+    ) in printed
 
 
 def test_a_config_without_api_keys_mounts_only_the_internal_secret(tmp_path):
@@ -82,8 +90,13 @@ def test_discovery_is_static_unless_dns_names_are_given(tmp_path):
 
 
 def test_render_help_names_the_command_and_its_options():
-    out = subprocess.run([sys.executable, "-m", "deploy.cli", "render", "k8s", "--help"], cwd=REPO,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "render", "k8s", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("usage: pdserve render k8s")
     for option in ("--out", "--name", "--namespace", "--image"):
@@ -108,8 +121,9 @@ def test_rendering_again_replaces_the_previous_render_and_keeps_other_files(tmp_
 
 def test_instance_names_that_kubernetes_cannot_tell_apart_are_refused(tmp_path, capsys):
     config = tmp_path / "clash.yaml"
-    config.write_text("model: tiny\nprefill: [{name: p_0, port: 8100}, {name: P.0, port: 8110}]\n"
-                      "decode: [{name: d0, port: 8200}]\n")
+    config.write_text(
+        "model: tiny\nprefill: [{name: p_0, port: 8100}, {name: P.0, port: 8110}]\ndecode: [{name: d0, port: 8200}]\n"
+    )
     assert main(["render", "k8s", str(config), "--out", str(tmp_path / "out")]) == 2
     assert "['pdserve-clash-p-0']" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -146,8 +160,10 @@ def test_a_pod_gets_its_settings_from_the_rendered_config_and_the_mounted_secret
     assert (router.host, router.api_keys, router.internal_secret) == ("0.0.0.0", tuple(KEYS), INTERNAL)
     # No fixed worker list: the router finds them by re-resolving the headless Services (router/cluster/discovery.py).
     assert router.workers == () and router.discovery.kind == "dns"
-    assert router.discovery.names == ("pdserve-secret-demo-prefill-headless:8100",
-                                      "pdserve-secret-demo-decode-headless:8200")
+    assert router.discovery.names == (
+        "pdserve-secret-demo-prefill-headless:8100",
+        "pdserve-secret-demo-decode-headless:8200",
+    )
     assert d0.bind_host == "0.0.0.0" and d0.listen_host == "0.0.0.0"
 
 

@@ -33,10 +33,15 @@ def routes() -> dict[str, set[str]]:
     """GET routes of the app each `pdserve` subcommand serves (apps built, not started)."""
     settings = ServerSettings(name="d0", role="decode", engine=EngineConfig(model="unused"))
     service = SimpleNamespace(settings=settings, drain=Drain(lambda: 0), faults=None)
-    router = router_app(RouterSettings(model_path="unused", served_model_name="m", workers=()),
-                        model=SimpleNamespace(vocab_size=512, max_model_len=4096))  # what the OpenAPI document reads
-    return {"decode": _get_routes(decode_app(service)), "prefill": _get_routes(prefill_app(service)),
-            "router": _get_routes(router)}
+    router = router_app(
+        RouterSettings(model_path="unused", served_model_name="m", workers=()),
+        model=SimpleNamespace(vocab_size=512, max_model_len=4096),
+    )  # what the OpenAPI document reads
+    return {
+        "decode": _get_routes(decode_app(service)),
+        "prefill": _get_routes(prefill_app(service)),
+        "router": _get_routes(router),
+    }
 
 
 def _matches(selector: dict, labels: dict) -> bool:
@@ -50,11 +55,13 @@ def test_selectors_pick_exactly_their_own_pods(config, tmp_path):
     for w in m.workloads():
         assert _matches(w["spec"]["selector"]["matchLabels"], w["spec"]["template"]["metadata"]["labels"])
         others = [o for o in m.workloads() if o is not w]
-        assert not any(_matches(w["spec"]["selector"]["matchLabels"], o["spec"]["template"]["metadata"]["labels"])
-                       for o in others), w["metadata"]["name"]
+        assert not any(
+            _matches(w["spec"]["selector"]["matchLabels"], o["spec"]["template"]["metadata"]["labels"]) for o in others
+        ), w["metadata"]["name"]
     for svc in m.of_kind("Service"):
-        backends = [w for w in m.workloads()
-                    if _matches(svc["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])]
+        backends = [
+            w for w in m.workloads() if _matches(svc["spec"]["selector"], w["spec"]["template"]["metadata"]["labels"])
+        ]
         picked = {container(w)["command"][-1] if w["kind"] == "StatefulSet" else "router" for w in backends}
         component = svc["metadata"]["labels"]["app.kubernetes.io/component"]
         expected = {"router"} if component == "router" else {i.name for i in getattr(cluster, component)}
@@ -138,15 +145,19 @@ def test_a_leaving_pod_has_time_to_drain(config, tmp_path):
 
 def test_cpu_requests_follow_threads_a_cuda_instance_gets_a_gpu_and_nixl_crosses_pods(tmp_path):
     config = tmp_path / "gpu.yaml"
-    config.write_text("model: /models/qwen3\nengine: {num_threads: 2}\ndevice: cpu\n"
-                      "security: {internal_secret_file: /nowhere}\ntransfer: {backend: nixl}\n"
-                      "prefill: [{name: p0, port: 8100, device: cuda, num_threads: 4}]\n"
-                      "decode: [{name: d0, port: 8200}]\n"
-                      "kubernetes: {memory: 12Gi, model_pvc: qwen3-weights, namespace: llm}\n")
+    config.write_text(
+        "model: /models/qwen3\nengine: {num_threads: 2}\ndevice: cpu\n"
+        "security: {internal_secret_file: /nowhere}\ntransfer: {backend: nixl}\n"
+        "prefill: [{name: p0, port: 8100, device: cuda, num_threads: 4}]\n"
+        "decode: [{name: d0, port: 8200}]\n"
+        "kubernetes: {memory: 12Gi, model_pvc: qwen3-weights, namespace: llm}\n"
+    )
     m = render(config, tmp_path / "out")
     p0, d0 = (container(m.named("StatefulSet", f"pdserve-gpu-{n}")) for n in ("p0", "d0"))
-    assert p0["resources"] == {"requests": {"cpu": "4", "memory": "12Gi"},
-                               "limits": {"memory": "12Gi", "nvidia.com/gpu": 1}}
+    assert p0["resources"] == {
+        "requests": {"cpu": "4", "memory": "12Gi"},
+        "limits": {"memory": "12Gi", "nvidia.com/gpu": 1},
+    }
     assert d0["resources"] == {"requests": {"cpu": "2", "memory": "12Gi"}, "limits": {"memory": "12Gi"}}
     assert {"name": "model", "mountPath": "/models/qwen3", "readOnly": True} in d0["volumeMounts"]
     assert {o["metadata"]["namespace"] for o in m.objects} == {"llm"}
@@ -179,10 +190,18 @@ def test_pods_run_unprivileged_with_a_pinned_image_and_memory_limits(config, tmp
     for w in m.workloads():
         pod, c = w["spec"]["template"]["spec"], container(w)
         assert c["image"] == f"pdserve:{version()}"  # the package's own tag, never a moving latest
-        assert pod["securityContext"] == {"runAsNonRoot": True, "runAsUser": RUN_AS, "runAsGroup": RUN_AS,
-                                          "fsGroup": RUN_AS, "seccompProfile": {"type": "RuntimeDefault"}}
-        assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                                        "capabilities": {"drop": ["ALL"]}}
+        assert pod["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        assert c["securityContext"] == {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        }
         assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"]  # the one writable place, also HOME
         assert {"name": "HOME", "value": "/tmp"} in c["env"]
         assert c["resources"]["limits"]["memory"] == c["resources"]["requests"]["memory"]
@@ -197,8 +216,11 @@ def test_budgets_and_policies_select_exactly_their_role_s_pods(config, tmp_path)
         assert sorted(o["metadata"]["labels"]["app.kubernetes.io/component"] for o in objects) == sorted(roles)
         for obj in objects:
             selector = obj["spec"]["selector" if kind == "PodDisruptionBudget" else "podSelector"]["matchLabels"]
-            picked = {w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
-                      for w in m.workloads() if _matches(selector, w["spec"]["template"]["metadata"]["labels"])}
+            picked = {
+                w["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+                for w in m.workloads()
+                if _matches(selector, w["spec"]["template"]["metadata"]["labels"])
+            }
             assert picked == {obj["metadata"]["labels"]["app.kubernetes.io/component"]}
     for pdb in m.of_kind("PodDisruptionBudget"):
         assert pdb["spec"]["maxUnavailable"] == 1
@@ -211,8 +233,17 @@ def test_the_network_policy_keeps_strangers_off_the_data_plane_but_not_off_http(
     cluster = m.pod_config()
     (prefill,) = [p for p in m.of_kind("NetworkPolicy") if p["metadata"]["name"].endswith("-prefill")]
     members, http_only = prefill["spec"]["ingress"]
-    assert members == {"from": [{"podSelector": {"matchLabels": {
-        "app.kubernetes.io/instance": prefill["metadata"]["labels"]["app.kubernetes.io/instance"]}}}]}
+    assert members == {
+        "from": [
+            {
+                "podSelector": {
+                    "matchLabels": {
+                        "app.kubernetes.io/instance": prefill["metadata"]["labels"]["app.kubernetes.io/instance"]
+                    }
+                }
+            }
+        ]
+    }
     assert http_only == {"ports": [{"protocol": "TCP", "port": cluster.prefill[0].port}]}
     assert all(cluster.prefill[0].transfer_port != p["port"] for p in http_only["ports"])
     (router,) = [p for p in m.of_kind("NetworkPolicy") if p["metadata"]["name"].endswith("-router")]
@@ -221,12 +252,14 @@ def test_the_network_policy_keeps_strangers_off_the_data_plane_but_not_off_http(
 
 def test_gpu_placement_hooks_go_to_server_pods_and_policies_can_be_left_out(tmp_path):
     config = tmp_path / "placed.yaml"
-    config.write_text("model: /models/qwen3\nsecurity: {internal_secret_file: /nowhere}\n"
-                      "prefill: [{name: p0, port: 8100}]\ndecode: [{name: d0, port: 8200}]\n"
-                      "kubernetes:\n  image: registry.example.com/pdserve@sha256:" + "a" * 64 + "\n"
-                      "  network_policy: false\n"
-                      "  node_selector: {nvidia.com/gpu.present: 'true'}\n"
-                      "  tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]\n")
+    config.write_text(
+        "model: /models/qwen3\nsecurity: {internal_secret_file: /nowhere}\n"
+        "prefill: [{name: p0, port: 8100}]\ndecode: [{name: d0, port: 8200}]\n"
+        "kubernetes:\n  image: registry.example.com/pdserve@sha256:" + "a" * 64 + "\n"
+        "  network_policy: false\n"
+        "  node_selector: {nvidia.com/gpu.present: 'true'}\n"
+        "  tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]\n"
+    )
     m = render(config, tmp_path / "out")
     assert m.of_kind("NetworkPolicy") == []
     for w in m.workloads():

@@ -33,10 +33,11 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, ignore_eos: boo
         config.eos_token_id = None
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             generation_config=config,
         )
-    return out[0, len(prompt):].tolist()
+    return out[0, len(prompt) :].tolist()
 
 
 def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:

@@ -7,12 +7,18 @@ from engine.scheduler import Scheduler, SchedulerConfig
 EOS = 99
 
 
-def make(num_blocks=8, block_size=4, budget=64, max_seqs=8, chunked=True, mode="colocated", max_len=64,
-         prefix_caching=True):
+def make(
+    num_blocks=8, block_size=4, budget=64, max_seqs=8, chunked=True, mode="colocated", max_len=64, prefix_caching=True
+):
     config = SchedulerConfig(
-        max_num_seqs=max_seqs, max_num_batched_tokens=budget, chunked_prefill=chunked,
-        max_model_len=max_len, mode=mode, eos_token_ids=(EOS,),
-        prefix_caching=prefix_caching, cache_salt="model|float32",
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        chunked_prefill=chunked,
+        max_model_len=max_len,
+        mode=mode,
+        eos_token_ids=(EOS,),
+        prefix_caching=prefix_caching,
+        cache_salt="model|float32",
     )
     return Scheduler(config, BlockManager(num_blocks, block_size))
 
@@ -27,8 +33,9 @@ def plan_shape(plan):
 
 
 def req(rid, tokens, max_tokens=8, salt=None):
-    return Request(rid, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
-                   cache_salt=salt)
+    return Request(
+        rid, list(tokens), SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True), cache_salt=salt
+    )
 
 
 def run_to_end(s, token=7):

@@ -55,8 +55,10 @@ def test_a_prompt_the_whole_cache_cannot_hold_is_refused_at_once_and_waits_nowhe
     # sit at the head of the queue for good, and every request behind it with it.
     e = engine(tiny_model, block_size=16, num_blocks=2, mode=mode)
     sampling = SamplingParams(max_tokens=4, temperature=0)
-    message = "the prompt has 45 tokens; with its first generated token they need 3 KV blocks, and this server's " \
-              "cache holds 2"
+    message = (
+        "the prompt has 45 tokens; with its first generated token they need 3 KV blocks, and this server's "
+        "cache holds 2"
+    )
     with pytest.raises(ValueError) as info:
         e.reserve("big", PROMPT, sampling) if mode == "decode" else e.add_request("big", PROMPT, sampling)
     assert str(info.value) == message
@@ -182,8 +184,12 @@ def test_bad_requests_raise_clear_errors(tiny_model, prompt, sampling_kwargs, me
 
 @pytest.mark.parametrize(
     "kwargs,message",
-    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-     ({"top_k": -2}, "top_k")],
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+    ],
 )
 def test_bad_sampling_parameters_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -18,8 +18,17 @@ PROMPTS = [[(13 * i + 7 * n) % 480 + 3 for i in range(n)] for n in (1, 9, 40, 77
 
 
 def engine(path, chunked=True, **kw) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=path, num_threads=1, num_blocks=96, block_size=16,
-                                  max_num_batched_tokens=24 if chunked else 4096, chunked_prefill=chunked, **kw))
+    return LLMEngine(
+        EngineConfig(
+            model=path,
+            num_threads=1,
+            num_blocks=96,
+            block_size=16,
+            max_num_batched_tokens=24 if chunked else 4096,
+            chunked_prefill=chunked,
+            **kw,
+        )
+    )
 
 
 def run(e: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, dict]:
@@ -58,7 +67,7 @@ def assert_close(got: Logprob, want: Logprob) -> None:
 def check_sampled(path, prompt, sampling: SamplingParams, got: dict) -> None:
     """Each output token's log-probabilities against the processed distribution it came from."""
     tokens = got["tokens"]
-    logits = hf_logits(path, prompt + tokens)[len(prompt) - 1:-1]
+    logits = hf_logits(path, prompt + tokens)[len(prompt) - 1 : -1]
     temperature = sampling.temperature if not sampling.greedy or sampling.temperature > 0 else 1.0
     assert len(got["logprobs"]) == len(tokens)
     for t, (row, lp) in enumerate(zip(logits, got["logprobs"])):
@@ -80,8 +89,7 @@ def model(request):
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "oneshot"])
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])
 def test_batched_logprobs_equal_transformers(model, chunked, kind):
-    base = (dict(temperature=0) if kind == "greedy"
-            else dict(temperature=0.8, top_k=40, top_p=0.9, seed=11))
+    base = dict(temperature=0) if kind == "greedy" else dict(temperature=0.8, top_k=40, top_p=0.9, seed=11)
     requests = {
         "plain": (PROMPTS[2], SamplingParams(max_tokens=6, ignore_eos=True, **base)),
         "top5": (PROMPTS[3], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=5, **base)),
@@ -138,16 +146,17 @@ def test_a_token_of_probability_zero_reports_the_floor_not_minus_infinity(tiny_m
     got = run(e, {"r": (PROMPTS[1], SamplingParams(max_tokens=3, temperature=0, logprobs=5, structured=spec))})
     for lp in got["r"]["logprobs"]:
         allowed = [v for _, v in lp.top if v > LOGPROB_FLOOR]
-        assert 1 <= len(allowed) < 5 and [v for _, v in lp.top[len(allowed):]] == [LOGPROB_FLOOR] * (5 - len(allowed))
+        assert 1 <= len(allowed) < 5 and [v for _, v in lp.top[len(allowed) :]] == [LOGPROB_FLOOR] * (5 - len(allowed))
         assert sum(torch.tensor(allowed).exp()) == pytest.approx(1.0, abs=TOL)
 
 
 def test_prompt_logprobs_survive_a_preemption_mid_prompt(tiny_model):
-    e = LLMEngine(EngineConfig(model=tiny_model, num_threads=1, num_blocks=12, block_size=4,
-                               max_num_batched_tokens=16))
+    e = LLMEngine(EngineConfig(model=tiny_model, num_threads=1, num_blocks=12, block_size=4, max_num_batched_tokens=16))
     prompts = [PROMPTS[2], [(5 * i) % 300 + 3 for i in range(30)]]
-    requests = {str(i): (p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=2,
-                                           logprobs=2)) for i, p in enumerate(prompts)}
+    requests = {
+        str(i): (p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, prompt_logprobs=2, logprobs=2))
+        for i, p in enumerate(prompts)
+    }
     got = run(e, requests)
     assert e.counters.preemptions >= 1, "the scenario must exercise preemption"
     for rid, (prompt, sampling) in requests.items():

@@ -46,8 +46,18 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_generate_cli_prints_the_engine_tokens_as_json(tiny_model):
-    proc = run_cli("generate", "--model", tiny_model, "--prompt", "The quick brown fox", "--max-tokens", "6",
-                   "--json", "--threads", "1")
+    proc = run_cli(
+        "generate",
+        "--model",
+        tiny_model,
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "6",
+        "--json",
+        "--threads",
+        "1",
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     from transformers import AutoTokenizer
@@ -60,15 +70,49 @@ def test_generate_cli_prints_the_engine_tokens_as_json(tiny_model):
 @pytest.mark.slow
 def test_generate_builds_a_builtin_model_into_the_cache_once_and_uses_it(tiny_model, tmp_path):
     # The built-in name a cluster config accepts works here too, and is the same model.
-    first = run_cli("generate", "--model", "tiny", "--model-cache", str(tmp_path), "--prompt", "The quick brown fox",
-                    "--max-tokens", "6", "--json", "--threads", "1")
+    first = run_cli(
+        "generate",
+        "--model",
+        "tiny",
+        "--model-cache",
+        str(tmp_path),
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "6",
+        "--json",
+        "--threads",
+        "1",
+    )
     assert first.returncode == 0, first.stderr
     assert "building model 'tiny'" in first.stderr and (tmp_path / "tiny" / "config.json").is_file()
-    again = run_cli("generate", "--model", "tiny", "--model-cache", str(tmp_path), "--prompt", "The quick brown fox",
-                    "--max-tokens", "6", "--json", "--threads", "1")
+    again = run_cli(
+        "generate",
+        "--model",
+        "tiny",
+        "--model-cache",
+        str(tmp_path),
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "6",
+        "--json",
+        "--threads",
+        "1",
+    )
     assert again.returncode == 0 and "building" not in again.stderr
-    direct = run_cli("generate", "--model", tiny_model, "--prompt", "The quick brown fox", "--max-tokens", "6",
-                     "--json", "--threads", "1")
+    direct = run_cli(
+        "generate",
+        "--model",
+        tiny_model,
+        "--prompt",
+        "The quick brown fox",
+        "--max-tokens",
+        "6",
+        "--json",
+        "--threads",
+        "1",
+    )
     assert json.loads(first.stdout) == json.loads(again.stdout) == json.loads(direct.stdout)
 
 
@@ -77,8 +121,10 @@ def test_generate_builds_a_builtin_model_into_the_cache_once_and_uses_it(tiny_mo
     "args,message",
     [
         (["generate", "--model", "/nonexistent/model", "--prompt", "x"], "does not exist"),
-        (["generate", "--model", "{tiny}", "--prompt", "x", "--max-tokens", "0"],
-         "error: max_tokens: Input should be greater than or equal to 1\n"),
+        (
+            ["generate", "--model", "{tiny}", "--prompt", "x", "--max-tokens", "0"],
+            "error: max_tokens: Input should be greater than or equal to 1\n",
+        ),
         (["generate", "--model", "{tiny}", "--prompt", "x" * 5000], "context holds"),
         (["make-model", "tiny", "--out", "{tmp}/m", "--heads", "3", "--kv-heads", "2"], "multiple of kv_heads"),
     ],

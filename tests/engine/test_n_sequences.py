@@ -145,14 +145,16 @@ def test_a_sequence_stopping_early_leaves_the_others_their_shared_blocks(tiny_mo
     unstopped = collect(free)
     stop = unstopped["r", 0][1]
     assert stop != unstopped["r", 0][0]
-    want = {k: v[:v.index(stop) + 1] if stop in v else v for k, v in unstopped.items()}
+    want = {k: v[: v.index(stop) + 1] if stop in v else v for k, v in unstopped.items()}
     assert len(want["r", 0]) == 2 and max(len(v) for v in want.values()) > 3
     e = engine(tiny_model)
     e.add_request("r", PROMPT, SamplingParams(n=3, max_tokens=8, stop_token_ids=(stop,), **SEEDED))
     shared_refs = []
+
     def look():
         seqs = e.scheduler.requests.get("r", [])
         shared_refs.append((len(seqs), refs(e, [0, 1, 2, 3]) if seqs else None))
+
     assert collect(e, each_step=look) == want
     # sequence 0 ends at its 2nd token; the other two keep the 4 full prompt blocks to the end
     steps = max(len(v) for v in want.values())
@@ -181,8 +183,12 @@ def test_forks_beyond_max_num_seqs_wait_and_are_recomputed(tiny_model):
     e.add_request("r", PROMPT, SamplingParams(n=4, max_tokens=6, temperature=0, ignore_eos=True))
     first = e.step()
     seqs = e.scheduler.requests["r"]
-    assert [(s.status.value, len(s.block_ids)) for s in seqs] == [("running", 5), ("running", 5), ("waiting", 0),
-                                                                  ("waiting", 0)]
+    assert [(s.status.value, len(s.block_ids)) for s in seqs] == [
+        ("running", 5),
+        ("running", 5),
+        ("waiting", 0),
+        ("waiting", 0),
+    ]
     got = collect(e, {("r", o.index): list(o.new_token_ids) for o in first})
     assert got == {("r", i): hf_greedy(tiny_model, PROMPT, 6, ignore_eos=True) for i in range(4)}
     assert_all_free(e)
@@ -206,8 +212,9 @@ def test_prefill_engine_draws_n_first_tokens_and_a_decode_engine_continues_them_
     prefill.release("r")
     assert_all_free(prefill)
     firsts = decode.admit_remote("r", out.new_token_ids)
-    assert [(o.index, o.new_token_ids, o.logprobs) for o in firsts] == [(i, [t], None) for i, t in
-                                                                         enumerate(out.new_token_ids)]
+    assert [(o.index, o.new_token_ids, o.logprobs) for o in firsts] == [
+        (i, [t], None) for i, t in enumerate(out.new_token_ids)
+    ]
     # blocks 0, 1 (tokens 0..31) shared; block 2 (tokens 32..36) copied into 3, 4, 5
     assert [s.block_ids for s in decode.scheduler.requests["r"]] == [[0, 1, 2], [0, 1, 3], [0, 1, 4], [0, 1, 5]]
     assert refs(decode, range(6)) == [4, 4, 1, 1, 1, 1]
@@ -227,13 +234,16 @@ def test_admit_remote_wants_one_first_token_per_sequence(tiny_model):
     assert_all_free(decode)
 
 
-@pytest.mark.parametrize("sampling,tokens,reasons", [
-    (SamplingParams(max_tokens=3), [5, 6, 7], [None, None, "length"]),  # max_tokens
-    (SamplingParams(max_tokens=9), [5, 2], [None, "stop"]),  # EOS
-    (SamplingParams(max_tokens=9, ignore_eos=True), [2, 2], [None, None]),  # EOS ignored
-    (SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=[7]), [2, 7], [None, "stop"]),  # a stop token
-    (SamplingParams(max_tokens=9), [5, 6, 8], [None, None, "length"]),  # the context: 5 prompt + 3 = max_model_len
-])
+@pytest.mark.parametrize(
+    "sampling,tokens,reasons",
+    [
+        (SamplingParams(max_tokens=3), [5, 6, 7], [None, None, "length"]),  # max_tokens
+        (SamplingParams(max_tokens=9), [5, 2], [None, "stop"]),  # EOS
+        (SamplingParams(max_tokens=9, ignore_eos=True), [2, 2], [None, None]),  # EOS ignored
+        (SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=[7]), [2, 7], [None, "stop"]),  # a stop token
+        (SamplingParams(max_tokens=9), [5, 6, 8], [None, None, "length"]),  # the context: 5 prompt + 3 = max_model_len
+    ],
+)
 def test_a_sequence_stops_for_the_first_reason_its_token_gives(sampling, tokens, reasons):
     request = Request("r", [1, 1, 1, 1, 1], sampling)
     assert [record_token(request, t, eos_token_ids=(2,), max_model_len=8) for t in tokens] == reasons

@@ -38,8 +38,9 @@ CASES = {
     "frequency": dict(frequency_penalty=1.5),
     "presence": dict(presence_penalty=2.0),
     "logit_bias": dict(logit_bias=((11, 6.0), (40, 4.0), (7, -3.0))),
-    "combined": dict(repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.5,
-                     logit_bias=((11, 3.0),), min_tokens=4),
+    "combined": dict(
+        repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.5, logit_bias=((11, 3.0),), min_tokens=4
+    ),
 }
 
 
@@ -96,9 +97,9 @@ def test_min_tokens_holds_back_stop_token_ids_too_and_a_stop_token_ends_the_outp
     held = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=(stop,), min_tokens=first + 2)
     e.add_request("held", PROMPT, held)
     got = collect(e)
-    assert got["stop"]["tokens"] == greedy[:first + 1] and got["stop"]["reason"] == "stop"
+    assert got["stop"]["tokens"] == greedy[: first + 1] and got["stop"]["reason"] == "stop"
     want, _ = hf_processed_greedy(model, PROMPT, held, e.eos_token_ids)
-    assert got["held"]["tokens"] == want and stop not in want[:first + 2]
+    assert got["held"]["tokens"] == want and stop not in want[: first + 2]
 
 
 def test_first_token_on_a_prefill_engine_the_rest_on_a_decode_engine_equal_the_reference(model):
@@ -135,8 +136,11 @@ def test_seeded_sampling_with_processing_is_the_same_split_over_two_engines(tiny
     colocated = engine(tiny_model)
     colocated.add_request("r", prompt, p)
     want = collect(colocated)["r"]["tokens"]
-    unprocessed = engine(tiny_model).generate([prompt], SamplingParams(max_tokens=10, temperature=0.9, seed=3,
-                                                                       ignore_eos=True))[0].token_ids
+    unprocessed = (
+        engine(tiny_model)
+        .generate([prompt], SamplingParams(max_tokens=10, temperature=0.9, seed=3, ignore_eos=True))[0]
+        .token_ids
+    )
     assert want != unprocessed
     prefill, decode = engine(tiny_model, mode="prefill"), engine(tiny_model, mode="decode")
     blocks = decode.reserve("r", prompt, p)

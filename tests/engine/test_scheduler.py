@@ -54,7 +54,9 @@ def test_eos_max_tokens_and_stop_ids_finish_and_free():
     s.add(req("stop", 4, stop_token_ids=(7,)))
     outs = update(s, s.schedule(), {"eos": EOS, "len": 1, "stop": 7})
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [
-        ("eos", True, "stop"), ("len", False, None), ("stop", True, "stop"),
+        ("eos", True, "stop"),
+        ("len", False, None),
+        ("stop", True, "stop"),
     ]
     outs = update(s, s.schedule(), {"len": 2})
     assert [(o.request_id, o.finished, o.finish_reason) for o in outs] == [("len", True, "length")]
@@ -162,9 +164,12 @@ def test_alone_a_long_prefill_takes_the_whole_step():
     s = make(num_blocks=32, budget=8, prefix_caching=False)
     s.add(req("long1", 20))
     s.add(req("long2", 20))
-    assert steps(s, 3) == [[("long1", 0, 8, False)], [("long1", 8, 8, False)],
-                           # long1 has 3 tokens left, so it is not long: beside it, long2 starts on 2
-                           [("long1", 16, 4, True), ("long2", 0, 2, False)]]
+    assert steps(s, 3) == [
+        [("long1", 0, 8, False)],
+        [("long1", 8, 8, False)],
+        # long1 has 3 tokens left, so it is not long: beside it, long2 starts on 2
+        [("long1", 16, 4, True), ("long2", 0, 2, False)],
+    ]
 
 
 def test_reservation_waits_for_remote_kv_then_decodes():
@@ -204,8 +209,9 @@ def test_prefill_mode_holds_blocks_until_released():
     s = make(mode="prefill")
     s.add(req("p", 6))
     outs = update(s, s.schedule(), {"p": 9})
-    assert [(o.request_id, o.new_token_ids, o.finish_reason, o.block_ids) for o in outs] == \
-        [("p", [9], "prefilled", [0, 1])]
+    assert [(o.request_id, o.new_token_ids, o.finish_reason, o.block_ids) for o in outs] == [
+        ("p", [9], "prefilled", [0, 1])
+    ]
     assert s.block_counts() == {"free": 6, "reserved": 2, "running": 0}
     assert not s.has_unfinished()
     s.release("p")
@@ -219,7 +225,10 @@ def test_n_sequences_fork_after_the_first_tokens_sharing_full_blocks_and_copying
     plan = s.schedule()
     outs = s.update(plan, {plan.chunks[0].request: ChunkResult([10, 11, 12])})
     assert [(o.request_id, o.index, o.new_token_ids, o.finished) for o in outs] == [
-        ("a", 0, [10], False), ("a", 1, [11], False), ("a", 2, [12], False)]
+        ("a", 0, [10], False),
+        ("a", 1, [11], False),
+        ("a", 2, [12], False),
+    ]
     assert [r.block_ids for r in s.requests["a"]] == [[0, 1], [0, 2], [0, 3]]
     assert [r.output_token_ids for r in s.requests["a"]] == [[10], [11], [12]]
     assert s.take_block_copies() == [(1, 2), (1, 3)] and s.take_block_copies() == []

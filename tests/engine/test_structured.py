@@ -80,8 +80,9 @@ def test_grammar_rows_and_free_rows_in_one_batch_are_each_exact(tiny_model):
 
     e = engine(tiny_model)
     prompts = {"json": PROMPT, "free": PROMPT[:20], "regex": PROMPT[5:30]}
-    e.add_request("json", prompts["json"],
-                  SamplingParams(max_tokens=60, temperature=0, structured=SPECS["json_schema"]))
+    e.add_request(
+        "json", prompts["json"], SamplingParams(max_tokens=60, temperature=0, structured=SPECS["json_schema"])
+    )
     e.add_request("free", prompts["free"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     e.add_request("regex", prompts["regex"], SamplingParams(max_tokens=20, temperature=0, structured=SPECS["regex"]))
     got = {k: [] for k in prompts}
@@ -143,7 +144,8 @@ def test_a_remote_first_token_the_grammar_forbids_fails_the_request_and_frees_it
     decode.reserve("r", PROMPT, SamplingParams(max_tokens=8, temperature=0, structured=SPECS["regex"]))
     letter = decode.tokenizer.convert_tokens_to_ids("x")  # the regex starts with a digit
     assert decode.remote_token_problem("r", [letter]) == (
-        f"first token {letter} is not allowed by the request's structured output grammar")
+        f"first token {letter} is not allowed by the request's structured output grammar"
+    )
     assert decode.remote_token_problem("r", [10**6]) == "first token 1000000 is outside the vocabulary"
     (out,) = decode.admit_remote("r", [letter])
     assert (out.new_token_ids, out.finished, out.finish_reason) == ([], True, "grammar")
@@ -186,14 +188,17 @@ def test_a_forked_grammar_is_independent(tiny_model):
     assert blue.accept(tok.eos_token_id) and blue.done and not red.done
 
 
-@pytest.mark.parametrize("spec,message", [
-    (StructuredSpec("json_schema", '{"type": "foo"}'), "the JSON schema does not compile: Invalid type: foo"),
-    (StructuredSpec("json_schema", '{"type": '), "the JSON schema is not valid JSON"),
-    (StructuredSpec("json_schema", "[1]"), "the JSON schema must be an object or a boolean"),
-    (StructuredSpec("regex", "a(b"), "the regular expression does not compile"),
-    (StructuredSpec("choice", "[]"), "the choices must be a non-empty list of non-empty strings"),
-    (StructuredSpec("lark", "start: foo"), 'the grammar does not compile: at 1(8): unknown name: "foo"'),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        (StructuredSpec("json_schema", '{"type": "foo"}'), "the JSON schema does not compile: Invalid type: foo"),
+        (StructuredSpec("json_schema", '{"type": '), "the JSON schema is not valid JSON"),
+        (StructuredSpec("json_schema", "[1]"), "the JSON schema must be an object or a boolean"),
+        (StructuredSpec("regex", "a(b"), "the regular expression does not compile"),
+        (StructuredSpec("choice", "[]"), "the choices must be a non-empty list of non-empty strings"),
+        (StructuredSpec("lark", "start: foo"), 'the grammar does not compile: at 1(8): unknown name: "foo"'),
+    ],
+)
 def test_a_grammar_that_does_not_compile_is_refused_with_the_problem(tiny_model, spec, message):
     with pytest.raises(ValueError) as exc:
         compile_grammar(spec)
@@ -225,6 +230,7 @@ def test_preempted_constrained_requests_resume_their_grammar_and_stay_exact(tiny
                 outputs[o.request_id] += o.new_token_ids
         e.check_integrity()
     assert preempted, "the scenario must exercise preemption"
-    assert [outputs[str(i)] for i in range(4)] == [hf_masked_greedy(tiny_model, p, SPECS["json_schema"], 40)
-                                                   for p in prompts]
+    assert [outputs[str(i)] for i in range(4)] == [
+        hf_masked_greedy(tiny_model, p, SPECS["json_schema"], 40) for p in prompts
+    ]
     assert e.block_counts() == {"free": 24, "reserved": 0, "running": 0}

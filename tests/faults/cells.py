@@ -49,12 +49,25 @@ class CellResult:
         return sum(o.kind == kind for o in self.outcomes)
 
     def row(self) -> dict:
-        return {"layout": self.layout, "fault": self.fault, "stage": self.stage, "requests": len(self.outcomes),
-                "correct": self.count("correct"), "clear_errors": self.count("error"), "left": self.count("left"),
-                "wrong": self.count("wrong"), "leaked_blocks": self.leaked, "router_ok": self.router_ok,
-                "seconds": round(self.seconds, 1), "evidence": self.evidence,
-                "not_correct": [f"{o.kind} ({'streamed' if o.stream else 'whole'}, {o.seconds:.1f} s): {o.detail}"
-                                for o in self.outcomes if o.kind != "correct"]}
+        return {
+            "layout": self.layout,
+            "fault": self.fault,
+            "stage": self.stage,
+            "requests": len(self.outcomes),
+            "correct": self.count("correct"),
+            "clear_errors": self.count("error"),
+            "left": self.count("left"),
+            "wrong": self.count("wrong"),
+            "leaked_blocks": self.leaked,
+            "router_ok": self.router_ok,
+            "seconds": round(self.seconds, 1),
+            "evidence": self.evidence,
+            "not_correct": [
+                f"{o.kind} ({'streamed' if o.stream else 'whole'}, {o.seconds:.1f} s): {o.detail}"
+                for o in self.outcomes
+                if o.kind != "correct"
+            ],
+        }
 
 
 async def reach_stage(c: FaultCluster, client: Client, stage: str) -> list[Call]:
@@ -91,7 +104,7 @@ async def apply_fault(c: FaultCluster, client: Client, calls: list[Call], fault:
     elif fault == "corrupt_block":
         c.arm(d, corrupt_writes=1)
     elif fault == "client_disconnect":
-        await asyncio.gather(*(client.hang_up(x) for x in calls[:BURST // 2]))
+        await asyncio.gather(*(client.hang_up(x) for x in calls[: BURST // 2]))
     return []
 
 
@@ -122,10 +135,13 @@ async def run_cell(c: FaultCluster, layout: str, fault: str, stage: str, expecte
     result = CellResult(layout, fault, stage)
     started = time.monotonic()
     p, d = c.prefill[0], c.decode[0]
-    before = {"dropped": c.faults(p)["injected"]["notices_dropped"],
-              "delayed": c.faults(p)["injected"]["notices_delayed"], "discarded": discarded(c),
-              "corrupted": c.faults(d)["injected"]["writes_corrupted"],
-              "checksum": c.metric(d, 'pdserve_transfer_failures_total{outcome="checksum_mismatch"}')}
+    before = {
+        "dropped": c.faults(p)["injected"]["notices_dropped"],
+        "delayed": c.faults(p)["injected"]["notices_delayed"],
+        "discarded": discarded(c),
+        "corrupted": c.faults(d)["injected"]["writes_corrupted"],
+        "checksum": c.metric(d, 'pdserve_transfer_failures_total{outcome="checksum_mismatch"}'),
+    }
     client = Client(c.router_url, expected, deadline_s=c.lease_s + MARGIN_S)
     try:
         calls = await reach_stage(c, client, stage)

@@ -63,8 +63,9 @@ class Client:
         self.url = f"{router_url}/v1/completions"
         self.expected = expected
         self.deadline_s = deadline_s
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(deadline_s + 5),
-                                      limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(deadline_s + 5), limits=httpx.Limits(max_connections=64, max_keepalive_connections=0)
+        )
 
     def start(self, prompt: str, stream: bool) -> Call:
         call = Call(prompt, stream)
@@ -91,8 +92,13 @@ class Client:
 
     async def _run(self, call: Call) -> Outcome:
         started = time.monotonic()
-        body = {"model": "tiny", "prompt": call.prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-                "stream": call.stream}
+        body = {
+            "model": "tiny",
+            "prompt": call.prompt,
+            "max_tokens": MAX_TOKENS,
+            "temperature": 0,
+            "stream": call.stream,
+        }
         try:
             async with asyncio.timeout(self.deadline_s):
                 outcome = await (self._streamed(call, body) if call.stream else self._whole(body, call.prompt))
@@ -131,7 +137,7 @@ class Client:
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                payload = line[len("data: "):]
+                payload = line[len("data: ") :]
                 if payload == "[DONE]":
                     done = True
                     break

@@ -12,8 +12,20 @@ from tests.serving.oracle import expected_completion
 
 RESULTS = pytest.StashKey[list]()
 FOLDER = pytest.StashKey[object]()
-COLUMNS = ("layout", "fault", "stage", "requests", "correct", "clear_errors", "left", "wrong", "leaked_blocks",
-           "router_ok", "seconds", "evidence")
+COLUMNS = (
+    "layout",
+    "fault",
+    "stage",
+    "requests",
+    "correct",
+    "clear_errors",
+    "left",
+    "wrong",
+    "leaked_blocks",
+    "router_ok",
+    "seconds",
+    "evidence",
+)
 
 
 def pytest_configure(config) -> None:
@@ -36,8 +48,9 @@ def expected(tiny_model) -> dict[str, str]:
 def markdown(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
-    totals = {c: sum(r[c] for r in rows) for c in ("requests", "correct", "clear_errors", "left", "wrong",
-                                                  "leaked_blocks")}
+    totals = {
+        c: sum(r[c] for r in rows) for c in ("requests", "correct", "clear_errors", "left", "wrong", "leaked_blocks")
+    }
     lines.append(f"\n{len(rows)} cells; totals: " + ", ".join(f"{k} {v}" for k, v in totals.items()))
     return "\n".join(lines)
 

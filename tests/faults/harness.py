@@ -29,9 +29,13 @@ START_TIMEOUT_S = 180.0
 def fault_config(folder: Path, model: str, num_prefill: int, num_decode: int, changes: dict) -> Path:
     """tiny-1p1d with ``num_prefill`` P (NHD, block size 4) and ``num_decode`` D (block size 16; d0 HND,
     d1 NHD), free ports."""
-    layout = {"prefill": [{"name": f"p{i}", "port": 1, "block_size": 4} for i in range(num_prefill)],
-              "decode": [{"name": f"d{i}", "port": 1, "block_size": 16, "kv_layout": "NHD" if i % 2 else "HND"}
-                         for i in range(num_decode)]}
+    layout = {
+        "prefill": [{"name": f"p{i}", "port": 1, "block_size": 4} for i in range(num_prefill)],
+        "decode": [
+            {"name": f"d{i}", "port": 1, "block_size": 16, "kv_layout": "NHD" if i % 2 else "HND"}
+            for i in range(num_decode)
+        ],
+    }
     return make_config(folder, "tiny-1p1d", model, {**layout, "fault_injection": True, **changes})
 
 
@@ -101,8 +105,10 @@ class FaultCluster:
         deadline = time.monotonic() + timeout
         while True:
             blocks = self.blocks()
-            held = sum(b["reserved"] + b["running"] + (b["total"] - b["free"] - b["reserved"] - b["running"])
-                       for b in blocks.values())
+            held = sum(
+                b["reserved"] + b["running"] + (b["total"] - b["free"] - b["reserved"] - b["running"])
+                for b in blocks.values()
+            )
             if held == 0 and all(b["free"] == b["total"] for b in blocks.values()):
                 return 0, blocks
             if time.monotonic() > deadline:

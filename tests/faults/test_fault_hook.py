@@ -26,10 +26,14 @@ def test_fault_injection_is_off_by_default_and_recovery_keys_are_strict():
     cluster = parse_config(BASE, "c.yaml")
     settings = cluster.server_settings("d0", "/m")
     assert not cluster.fault_injection and not settings.fault_injection
-    assert (cluster.recovery.prefill_failure, settings.lease_expiry, settings.checksum_failure) == \
-        ("retry", "fail", "fail")
+    assert (cluster.recovery.prefill_failure, settings.lease_expiry, settings.checksum_failure) == (
+        "retry",
+        "fail",
+        "fail",
+    )
     assert "bad value 'maybe' for 'recovery.prefill_failure'" in error_of(
-        {**BASE, "recovery": {"prefill_failure": "maybe"}})
+        {**BASE, "recovery": {"prefill_failure": "maybe"}}
+    )
     assert "unknown key 'recovery.on_lease'" in error_of({**BASE, "recovery": {"on_lease": "local"}})
     on = parse_config({**BASE, "fault_injection": True, "recovery": {"lease_expiry": "local"}}, "c.yaml")
     assert on.server_settings("p0", "/m").fault_injection and on.server_settings("d0", "/m").lease_expiry == "local"
@@ -76,8 +80,9 @@ def test_a_hold_ends_by_itself_after_its_timeout():
     assert faults.status().injected["held"] == 1 and faults.status().held == 0
 
 
-LAYOUT = KVLayout.for_engine_cache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8,
-                                   dtype="float32")
+LAYOUT = KVLayout.for_engine_cache(
+    num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32"
+)
 
 
 @pytest.fixture

@@ -42,14 +42,20 @@ class Stream(threading.Thread):
         self.ended_at = 0.0
 
     def run(self) -> None:
-        body = {"model": "tiny", "prompt": f"stream {self.i}", "max_tokens": 3000, "ignore_eos": True,
-                "temperature": 0, "stream": True}
+        body = {
+            "model": "tiny",
+            "prompt": f"stream {self.i}",
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         try:
             with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=60) as r:
                 for line in r.iter_lines():
                     if not line.startswith("data: {"):
                         continue
-                    event = json.loads(line[len("data: "):])
+                    event = json.loads(line[len("data: ") :])
                     if "error" in event:
                         self.outcome = f"error: {event['error']['message']}"
                         break
@@ -82,14 +88,19 @@ def test_a_frozen_decode_servers_streams_fail_within_the_stall_time_and_it_leave
         for s in streams:
             s.join(STALL_S + 30)
         waited = [round(s.ended_at - frozen_at, 1) for s in streams]
-        print(f"{STREAMS} streams on a frozen d0 ended after {waited} s (stall {STALL_S} s): "
-              f"{[s.outcome for s in streams]}")
+        print(
+            f"{STREAMS} streams on a frozen d0 ended after {waited} s (stall {STALL_S} s): "
+            f"{[s.outcome for s in streams]}"
+        )
         assert all(s.outcome and s.outcome.startswith("error") for s in streams), [s.outcome for s in streams]
         assert all("d0" in s.outcome and "timed out" in s.outcome for s in streams), [s.outcome for s in streams]
         assert max(waited) < STALL_S + 5
         wait_until(lambda: not router_view(cluster, "d0")["healthy"], 30, "d0 out of rotation")
-        refused = httpx.post(f"{cluster.router_url}/v1/completions", timeout=30,
-                             json={"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0})
+        refused = httpx.post(
+            f"{cluster.router_url}/v1/completions",
+            timeout=30,
+            json={"model": "tiny", "prompt": "hello", "max_tokens": 2, "temperature": 0},
+        )
         assert refused.status_code == 503, refused.text  # no decode server in rotation: said at once
     finally:
         os.kill(d0["pid"], signal.SIGCONT)

@@ -23,8 +23,11 @@ from tests.faults.harness import FaultCluster, fault_config
 
 pytestmark = pytest.mark.integration
 
-COMMON = {"lease_s": 2.0, "router": {"health_interval_s": 0.5, "health_backoff_max_s": 1.0, "prefill_timeout_s": 30},
-          "transfer": {"timeout_s": 5.0}}
+COMMON = {
+    "lease_s": 2.0,
+    "router": {"health_interval_s": 0.5, "health_backoff_max_s": 1.0, "prefill_timeout_s": 30},
+    "transfer": {"timeout_s": 5.0},
+}
 LAYOUTS = {
     "1P1D": (1, 1, {"recovery": {"prefill_failure": "local", "lease_expiry": "local", "checksum_failure": "fail"}}),
     "2P2D": (2, 2, {"recovery": {"prefill_failure": "retry", "lease_expiry": "fail", "checksum_failure": "local"}}),

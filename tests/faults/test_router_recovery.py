@@ -26,8 +26,10 @@ SAMPLING = SamplingParams(max_tokens=3, temperature=0)
 PREFILL_DOWN = WorkerFailed("prefill", "p0", "unreachable", Outcome.UNREACHABLE)
 
 
-@pytest.mark.parametrize("mode,other,action", [("retry", True, "retry"), ("retry", False, "local"),
-                                               ("local", True, "local"), ("fail", True, "fail")])
+@pytest.mark.parametrize(
+    "mode,other,action",
+    [("retry", True, "retry"), ("retry", False, "local"), ("local", True, "local"), ("fail", True, "fail")],
+)
 def test_a_prefill_failure_before_the_first_token_follows_the_configured_mode(mode, other, action):
     assert decide(mode, PREFILL_DOWN, tokens_sent=False, attempts=1, other_prefill=other).action == action
 
@@ -39,22 +41,29 @@ def test_no_second_retry_no_retry_after_tokens_and_never_after_a_decode_failure(
     assert decide("local", decode_down, tokens_sent=False, attempts=1, other_prefill=True).action == "fail"
 
 
-@pytest.mark.parametrize("outcome,stage", [(Outcome.LEASE_EXPIRED, "prefill"), (Outcome.CHECKSUM_MISMATCH, "prefill"),
-                                           (Outcome.OUT_OF_BOUNDS, "prefill"), (Outcome.STREAM_CUT, "decode"),
-                                           (Outcome.ABORTED, "decode")])
+@pytest.mark.parametrize(
+    "outcome,stage",
+    [
+        (Outcome.LEASE_EXPIRED, "prefill"),
+        (Outcome.CHECKSUM_MISMATCH, "prefill"),
+        (Outcome.OUT_OF_BOUNDS, "prefill"),
+        (Outcome.STREAM_CUT, "decode"),
+        (Outcome.ABORTED, "decode"),
+    ],
+)
 def test_a_decode_stream_error_is_a_prefill_failure_exactly_when_the_kv_never_arrived(outcome, stage):
     assert WorkerFailed("decode", "d0", "it failed", outcome).stage == stage
 
 
 def workers(num_prefill: int = 2, num_decode: int = 1) -> list[Worker]:
-    return ([Worker(f"p{i}", "prefill", f"http://p{i}") for i in range(num_prefill)]
-            + [Worker(f"d{i}", "decode", f"http://d{i}") for i in range(num_decode)])
+    return [Worker(f"p{i}", "prefill", f"http://p{i}") for i in range(num_prefill)] + [
+        Worker(f"d{i}", "decode", f"http://d{i}") for i in range(num_decode)
+    ]
 
 
 def make(fake, ws, mode: str):
     registry = WorkerRegistry(ws)
-    return registry, Dispatcher(registry, RoundRobin(), RoundRobin(), fake,
-                                DispatchSettings(prefill_failure=mode))
+    return registry, Dispatcher(registry, RoundRobin(), RoundRobin(), fake, DispatchSettings(prefill_failure=mode))
 
 
 async def tokens(dispatcher, rid: str = "r1") -> list[int]:

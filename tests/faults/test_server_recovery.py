@@ -39,13 +39,13 @@ def prefill_engine(tiny_model):
     return LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="prefill"))
 
 
-
 def sample(metrics: str, name: str) -> float:
     return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
 
 
-@pytest.mark.parametrize("code,setting", [(Outcome.LEASE_EXPIRED, "lease_expiry"),
-                                          (Outcome.CHECKSUM_MISMATCH, "checksum_failure")])
+@pytest.mark.parametrize(
+    "code,setting", [(Outcome.LEASE_EXPIRED, "lease_expiry"), (Outcome.CHECKSUM_MISMATCH, "checksum_failure")]
+)
 def test_failed_remote_kv_is_prefilled_here_when_configured(decode_engine, code, setting):
     expected = decode_engine.generate([list(range(10, 16))], SamplingParams(max_tokens=3, temperature=0))[0].token_ids
 
@@ -90,8 +90,9 @@ def test_blocks_by_age_show_a_waiting_reservation(decode_engine):
 
 def run_prefill(engine, scenario):
     make_sender, made = scripted(ScriptedSender)
-    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender,
-                             peers=ScriptedPeers())
+    service = PrefillService(
+        ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender, peers=ScriptedPeers()
+    )
     (sender,) = made
 
     async def main():
@@ -117,10 +118,12 @@ def test_a_prefill_aborted_before_it_arrived_is_refused_without_any_work(prefill
     run_prefill(prefill_engine, scenario)
 
 
-@pytest.mark.parametrize("code,decided", [(Outcome.REFUSED, True), (Outcome.CANCELLED, True),
-                                          (Outcome.PEER_LOST, False)])
+@pytest.mark.parametrize(
+    "code,decided", [(Outcome.REFUSED, True), (Outcome.CANCELLED, True), (Outcome.PEER_LOST, False)]
+)
 def test_prefill_failure_passes_the_transfer_outcome_on_unchanged(prefill_engine, code, decided):
     """The router reads from the code alone whether the decode server decided the transfer's end."""
+
     async def scenario(service, sender):
         task = asyncio.ensure_future(service.prefill(prefill_request("x", 5)))
         await until(lambda: any(c[0] == "finish" for c in sender.calls))
@@ -135,8 +138,12 @@ def test_prefill_failure_passes_the_transfer_outcome_on_unchanged(prefill_engine
 
 def test_the_admin_fault_routes_exist_only_when_fault_injection_is_on(decode_engine):
     def paths(faults):
-        service = GenerationService(ServerSettings(name="d0", role="decode", engine=decode_engine.config),
-                                    decode_engine, ScriptedReceiver, faults)
+        service = GenerationService(
+            ServerSettings(name="d0", role="decode", engine=decode_engine.config),
+            decode_engine,
+            ScriptedReceiver,
+            faults,
+        )
         return {route.path for route in create_app(service).routes}
 
     assert not any(p.startswith("/admin/faults") for p in paths(None))  # /admin/drain and /resume always exist

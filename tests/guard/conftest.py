@@ -26,12 +26,21 @@ def start(tmp_path_factory, template: str, model: str, changes: dict) -> Cluster
 @pytest.fixture(scope="package")
 def guarded(tmp_path_factory, tiny_model):
     """1P1D with API keys, an internal secret and limits on body, prompt and max_tokens."""
-    c = start(tmp_path_factory, "tiny-1p1d", tiny_model, {
-        "max_model_len": 512,
-        "security": {"internal_secret": SECRET},
-        "router": {"api_keys": [API_KEY], "max_body_bytes": MAX_BODY, "max_prompt_tokens": MAX_PROMPT,
-                   "max_tokens": MAX_TOKENS},
-    })
+    c = start(
+        tmp_path_factory,
+        "tiny-1p1d",
+        tiny_model,
+        {
+            "max_model_len": 512,
+            "security": {"internal_secret": SECRET},
+            "router": {
+                "api_keys": [API_KEY],
+                "max_body_bytes": MAX_BODY,
+                "max_prompt_tokens": MAX_PROMPT,
+                "max_tokens": MAX_TOKENS,
+            },
+        },
+    )
     yield c
     c.stop()
 

@@ -23,9 +23,15 @@ SAMPLING = SamplingParams(max_tokens=2, temperature=0)
 def make(workers, admission=AdmissionSettings(), drain=None, local_prefill_threshold=0):
     registry = WorkerRegistry(workers)
     fake = FakeWorkerClient(reply=[1, 2])
-    dispatcher = Dispatcher(registry, RoundRobin(), RoundRobin(), fake,
-                            DispatchSettings(local_prefill_threshold=local_prefill_threshold),
-                            admission=Admission(admission), drain=drain)
+    dispatcher = Dispatcher(
+        registry,
+        RoundRobin(),
+        RoundRobin(),
+        fake,
+        DispatchSettings(local_prefill_threshold=local_prefill_threshold),
+        admission=Admission(admission),
+        drain=drain,
+    )
     return registry, fake, dispatcher
 
 

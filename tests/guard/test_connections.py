@@ -29,13 +29,17 @@ def test_the_last_connections_are_kept_for_trusted_addresses():
 
 def test_the_cap_stays_under_the_file_descriptor_limit():
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    guard = ConnectionGuard(1, 1, max_per_client=3, max_connections=10 ** 9)
+    guard = ConnectionGuard(1, 1, max_per_client=3, max_connections=10**9)
     assert guard.max_connections == resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_HEADROOM >= soft - FD_HEADROOM
 
 
-@pytest.mark.parametrize("section, fields", [
-    ("router", {"max_connections": 100, "reserved_connections": 100}),
-    ("security", {"server_max_connections": 64, "server_reserved_connections": 64})])
+@pytest.mark.parametrize(
+    "section, fields",
+    [
+        ("router", {"max_connections": 100, "reserved_connections": 100}),
+        ("security", {"server_max_connections": 64, "server_reserved_connections": 64}),
+    ],
+)
 def test_a_reserve_as_large_as_the_cap_is_a_config_error(section, fields):
     base = {"model": "tiny", "prefill": [{"name": "p0"}], "decode": [{"name": "d0"}]}
     with pytest.raises(ValueError, match="reserved_connections must be below"):

@@ -56,8 +56,14 @@ class LongStream(threading.Thread):
         self.text, self.finish, self.error = "", None, None
 
     def run(self) -> None:
-        body = {"model": "tiny", "prompt": self.prompt, "max_tokens": LONG, "temperature": 0, "stream": True,
-                "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": self.prompt,
+            "max_tokens": LONG,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         try:
             with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=60) as resp:
                 assert resp.status_code == 200, resp.read()
@@ -113,8 +119,9 @@ def wait_idle(cluster, names: list[str], timeout: float = 5.0) -> None:
 def reserved(cluster, name: str) -> float:
     """Requests the decode server took: reserved for a prefill server, or prefilled itself (a
     prompt whose all but last token it holds in its prefix cache)."""
-    return sum(cluster.metric(name, f'pdserve_request_paths_total{{path="{path}"}}')
-               for path in ("remote_kv", "local_prefill"))
+    return sum(
+        cluster.metric(name, f'pdserve_request_paths_total{{path="{path}"}}') for path in ("remote_kv", "local_prefill")
+    )
 
 
 def test_a_worker_drained_through_the_router_finishes_its_requests_and_gets_no_new_ones(cluster, tiny_model):
@@ -142,8 +149,9 @@ def test_sigterm_drains_a_decode_server_whose_requests_finish_while_new_ones_go_
     while cluster.http.get(f"{d0['url']}/health").json()["status"] != "draining":
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    refused = cluster.http.post(f"{d0['url']}/generate", json={"request_id": "late", "prompt_token_ids": [1],
-                                                               "sampling": {"max_tokens": 1}})
+    refused = cluster.http.post(
+        f"{d0['url']}/generate", json={"request_id": "late", "prompt_token_ids": [1], "sampling": {"max_tokens": 1}}
+    )
     assert refused.status_code == 503 and refused.json()["code"] == "draining"
     short_answers(cluster, 4, tiny_model)
     assert reserved(cluster, "d1") == before + 4  # all four went to d1 (d0 may have exited by now)
@@ -163,8 +171,9 @@ def test_stopping_the_launcher_lets_requests_in_flight_finish(cluster, tiny_mode
     cluster.launcher.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + 5
     while True:  # the router drains: new requests get a clear 503 while the old ones finish
-        resp = cluster.http.post(f"{cluster.router_url}/v1/completions",
-                                 json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+        resp = cluster.http.post(
+            f"{cluster.router_url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1}
+        )
         if resp.status_code == 503:
             break
         assert resp.status_code == 200 and time.monotonic() < deadline

@@ -41,13 +41,15 @@ def test_the_router_answers_as_its_openapi_document_says_under_every_schemathesi
                 continue
 
             @given(case=operation.as_strategy(mode))
-            @settings(max_examples=EXAMPLES, deadline=DEADLINE, suppress_health_check=list(HealthCheck),
-                      database=None)
+            @settings(max_examples=EXAMPLES, deadline=DEADLINE, suppress_health_check=list(HealthCheck), database=None)
             @seed(SEED)
             def fuzz(case, mode) -> None:
-                response = case.call_and_validate(base_url=guarded.router_url, checks=checks,
-                                                  headers={"Authorization": f"Bearer {API_KEY}"},
-                                                  timeout=REQUEST_TIMEOUT_S)
+                response = case.call_and_validate(
+                    base_url=guarded.router_url,
+                    checks=checks,
+                    headers={"Authorization": f"Bearer {API_KEY}"},
+                    timeout=REQUEST_TIMEOUT_S,
+                )
                 statuses[(case.method, case.path, mode.value, response.status_code)] += 1
 
             fuzz(mode=mode)

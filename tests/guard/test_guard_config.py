@@ -8,8 +8,11 @@ import pytest
 from deploy.config import ROUTER_KEYS_AS_IS, ConfigError, RouterConfig, parse_config
 
 SECRET = "a-secret-of-at-least-16-chars"
-BASE = {"model": "tiny", "prefill": [{"name": "p0", "port": 9100}],
-        "decode": [{"name": "d0", "port": 9200, "max_num_seqs": 8}]}
+BASE = {
+    "model": "tiny",
+    "prefill": [{"name": "p0", "port": 9100}],
+    "decode": [{"name": "d0", "port": 9200, "max_num_seqs": 8}],
+}
 
 
 def error_of(data) -> str:
@@ -18,15 +21,19 @@ def error_of(data) -> str:
     return str(info.value)
 
 
-@pytest.mark.parametrize("data", [
-    {**BASE, "security": {"internal_secrt": SECRET}},
-    {**BASE, "security": {"internal_secret": SECRET, "internal_secret_file": "/x"}},
-    {**BASE, "security": {"internal_secret": SECRET[:10]}},
-    {**BASE, "router": {"api_keys": [SECRET], "api_keyz": [SECRET]}},
-    {**BASE, "router": {"api_keys": SECRET}},
-    {**BASE, "internal_secret": SECRET},
-    {**BASE, "router": {"api_key": SECRET}},
-], ids=["unknown-key", "both", "too-short", "typo-next-to-keys", "keys-not-a-list", "misplaced", "singular"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        {**BASE, "security": {"internal_secrt": SECRET}},
+        {**BASE, "security": {"internal_secret": SECRET, "internal_secret_file": "/x"}},
+        {**BASE, "security": {"internal_secret": SECRET[:10]}},
+        {**BASE, "router": {"api_keys": [SECRET], "api_keyz": [SECRET]}},
+        {**BASE, "router": {"api_keys": SECRET}},
+        {**BASE, "internal_secret": SECRET},
+        {**BASE, "router": {"api_key": SECRET}},
+    ],
+    ids=["unknown-key", "both", "too-short", "typo-next-to-keys", "keys-not-a-list", "misplaced", "singular"],
+)
 def test_config_errors_never_show_a_secret(data):
     message = error_of(data)
     assert message.startswith("c.yaml: ")
@@ -34,8 +41,9 @@ def test_config_errors_never_show_a_secret(data):
 
 
 def test_secrets_are_not_in_any_repr(tmp_path):
-    cluster = parse_config({**BASE, "security": {"internal_secret": SECRET}, "router": {"api_keys": [SECRET + "k"]}},
-                           "c.yaml")
+    cluster = parse_config(
+        {**BASE, "security": {"internal_secret": SECRET}, "router": {"api_keys": [SECRET + "k"]}}, "c.yaml"
+    )
     router = cluster.router_settings(tmp_path)
     server = cluster.server_settings("d0", tmp_path)
     assert router.internal_secret == SECRET and router.api_keys == (SECRET + "k",)
@@ -72,16 +80,36 @@ def test_in_flight_limits_default_to_each_engines_max_num_seqs(tmp_path):
 
     assert limits(BASE) == {"p0": 64, "d0": 8}
     assert limits({**BASE, "router": {"max_inflight_per_worker": 3}}) == {"p0": 3, "d0": 3}
-    assert limits({**BASE, "router": {"max_inflight_per_worker": 3},
-                   "prefill": [{"name": "p0", "port": 9100, "max_inflight": 5}]}) == {"p0": 5, "d0": 3}
+    assert limits(
+        {**BASE, "router": {"max_inflight_per_worker": 3}, "prefill": [{"name": "p0", "port": 9100, "max_inflight": 5}]}
+    ) == {"p0": 5, "d0": 3}
 
 
 def test_overload_and_limit_keys_reach_the_router(tmp_path):
-    router = parse_config({**BASE, "drain_timeout_s": 7, "router": {
-        "max_queued_requests": 9, "queue_timeout_s": 2, "retry_after_s": 4, "max_body_bytes": 2048,
-        "max_prompt_tokens": 100, "max_tokens": 50}}, "c.yaml").router_settings(tmp_path)
-    assert (router.max_queued_requests, router.queue_timeout_s, router.retry_after_s, router.max_body_bytes,
-            router.max_prompt_tokens, router.max_tokens, router.drain_timeout_s) == (9, 2, 4, 2048, 100, 50, 7)
+    router = parse_config(
+        {
+            **BASE,
+            "drain_timeout_s": 7,
+            "router": {
+                "max_queued_requests": 9,
+                "queue_timeout_s": 2,
+                "retry_after_s": 4,
+                "max_body_bytes": 2048,
+                "max_prompt_tokens": 100,
+                "max_tokens": 50,
+            },
+        },
+        "c.yaml",
+    ).router_settings(tmp_path)
+    assert (
+        router.max_queued_requests,
+        router.queue_timeout_s,
+        router.retry_after_s,
+        router.max_body_bytes,
+        router.max_prompt_tokens,
+        router.max_tokens,
+        router.drain_timeout_s,
+    ) == (9, 2, 4, 2048, 100, 50, 7)
 
 
 def test_every_router_key_reaches_the_router_under_its_own_name():

@@ -28,16 +28,20 @@ def model(tmp_path_factory):
 
 def client(model, **settings) -> TestClient:
     s = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS, **settings)
-    return TestClient(in_rotation(create_app(s, model=model, client=FakeWorkerClient(reply=[65, 66]))),
-                      raise_server_exceptions=False)
+    return TestClient(
+        in_rotation(create_app(s, model=model, client=FakeWorkerClient(reply=[65, 66]))), raise_server_exceptions=False
+    )
 
 
 def test_bodies_over_the_limit_get_413_declared_or_streamed(model):
     with client(model, max_body_bytes=1024) as c:
         small = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 1, "pad": "y" * 900})
         declared = c.post("/v1/completions", json={"model": "tiny", "prompt": "x" * 1100})
-        streamed = c.post("/v1/completions", content=iter([b"{" + b" " * 600, b" " * 600 + b"}"]),
-                          headers={"content-type": "application/json"})
+        streamed = c.post(
+            "/v1/completions",
+            content=iter([b"{" + b" " * 600, b" " * 600 + b"}"]),
+            headers={"content-type": "application/json"},
+        )
     assert small.status_code == 200
     for r in (declared, streamed):
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
@@ -62,8 +66,10 @@ def test_the_router_applies_the_caps_in_openai_shape(model):
     with client(model, max_prompt_tokens=30, max_tokens=1) as c:
         long_prompt = c.post("/v1/completions", json={"model": "tiny", "prompt": "x" * 31})
         default_max = c.post("/v1/completions", json={"model": "tiny", "prompt": "12"})
-        big_max = c.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 2,
-                                                       "messages": [{"role": "user", "content": "hi"}]})
+        big_max = c.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+        )
     assert long_prompt.status_code == 400 and long_prompt.json()["error"]["param"] == "prompt"
     assert default_max.status_code == 200 and default_max.json()["usage"]["completion_tokens"] == 1
     assert big_max.status_code == 400 and big_max.json()["error"]["param"] == "max_tokens"
@@ -88,14 +94,20 @@ def test_bearer_tokens_are_parsed_and_compared_exactly():
     assert not token_matches("", [""]) and not token_matches("ab", ["abc"]) and not token_matches("abcd", ["abc"])
 
 
-UNSAFE = re.compile(r"\bimport pickle\b|\bpickle\.|\bcloudpickle\b|\bdill\b|recv_pyobj|\bmarshal\.loads|"
-                    r"allow_pickle\s*=\s*True|yaml\.load\(|yaml\.unsafe_load|torch\.load\(")
+UNSAFE = re.compile(
+    r"\bimport pickle\b|\bpickle\.|\bcloudpickle\b|\bdill\b|recv_pyobj|\bmarshal\.loads|"
+    r"allow_pickle\s*=\s*True|yaml\.load\(|yaml\.unsafe_load|torch\.load\("
+)
 
 
 def test_nothing_is_unpickled_anywhere_in_the_product():
     """Wire formats are JSON (pydantic), msgpack (msgspec) and raw tensor bytes; weights are safetensors."""
     packages = ["engine", "transfer", "prefill_server", "decode_server", "router", "server_common", "deploy", "bench"]
-    hits = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
-            for package in packages for path in sorted((REPO / package).rglob("*.py"))
-            for n, line in enumerate(path.read_text().splitlines(), 1) if UNSAFE.search(line)]
+    hits = [
+        f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+        for package in packages
+        for path in sorted((REPO / package).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if UNSAFE.search(line)
+    ]
     assert hits == []

@@ -28,10 +28,19 @@ MAX_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
-    c = start(tmp_path_factory, "tiny-1p1d", tiny_model, {
-        "router": {"max_inflight_per_worker": INFLIGHT, "max_queued_requests": QUEUED, "queue_timeout_s": 30,
-                   "retry_after_s": 2},
-    })
+    c = start(
+        tmp_path_factory,
+        "tiny-1p1d",
+        tiny_model,
+        {
+            "router": {
+                "max_inflight_per_worker": INFLIGHT,
+                "max_queued_requests": QUEUED,
+                "queue_timeout_s": 30,
+                "retry_after_s": 2,
+            },
+        },
+    )
     yield c
     c.stop()
 
@@ -54,8 +63,13 @@ class Outcome:
 async def one(client: httpx.AsyncClient, url: str, i: int) -> Outcome:
     """Request i of a burst: prompt i % 4, streamed when i is odd."""
     stream = i % 2 == 1
-    body = {"model": "tiny", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": MAX_TOKENS, "temperature": 0,
-            "stream": stream}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPTS[i % len(PROMPTS)],
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "stream": stream,
+    }
     started = time.monotonic()
     async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
         raw = (await resp.aread()).decode()
@@ -120,8 +134,10 @@ def test_a_burst_of_ten_times_capacity_gets_429s_and_correct_answers(cluster, ti
         assert len(ok) >= CAPACITY and refused, (len(ok), len(refused))
         assert sampler.most <= INFLIGHT
         report.append((len(ok), len(refused), round(max(r.seconds for r in refused), 2), sampler.most))
-    print(f"\nbursts of {BURST} then {3 * BURST}: (200s, 429s, slowest 429 s, most on d0) {report}; "
-          f"router RSS MiB {[round(x, 1) for x in rss]}")
+    print(
+        f"\nbursts of {BURST} then {3 * BURST}: (200s, 429s, slowest 429 s, most on d0) {report}; "
+        f"router RSS MiB {[round(x, 1) for x in rss]}"
+    )
     assert rss[2] - rss[1] < 16, rss  # a 3x larger burst after the first barely grows the router
     assert rss[1] - rss[0] < 64, rss
     blocks = cluster.blocks()

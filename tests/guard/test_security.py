@@ -33,14 +33,19 @@ def error_of(resp: httpx.Response, status: int) -> dict:
     return err
 
 
-@pytest.mark.parametrize("key", ["", "sk-wrong", API_KEY + "x", API_KEY[:-1]],
-                         ids=["none", "wrong", "longer", "shorter"])
+@pytest.mark.parametrize(
+    "key", ["", "sk-wrong", API_KEY + "x", API_KEY[:-1]], ids=["none", "wrong", "longer", "shorter"]
+)
 def test_router_refuses_a_missing_or_wrong_key_with_401(idle_after, key):
     headers = {"authorization": f"Bearer {key}"} if key else {}
-    for method, path, body in (("POST", "/v1/chat/completions", CHAT), ("GET", "/v1/models", None),
-                               ("POST", "/v1/completions", {"model": "tiny", "prompt": "x"})):
-        err = error_of(idle_after.http.request(method, f"{idle_after.router_url}{path}", json=body, headers=headers),
-                       401)
+    for method, path, body in (
+        ("POST", "/v1/chat/completions", CHAT),
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/completions", {"model": "tiny", "prompt": "x"}),
+    ):
+        err = error_of(
+            idle_after.http.request(method, f"{idle_after.router_url}{path}", json=body, headers=headers), 401
+        )
         assert err["type"] == "authentication_error" and err["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         sdk(idle_after, key or "none").chat.completions.create(**CHAT)
@@ -48,8 +53,9 @@ def test_router_refuses_a_missing_or_wrong_key_with_401(idle_after, key):
 
 def test_router_answers_correctly_with_the_key(idle_after, tiny_model):
     text, _ = expected_completion(tiny_model, PROMPTS[0], MAX_TOKENS)
-    r = sdk(idle_after, API_KEY).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
-                                                    temperature=0)
+    r = sdk(idle_after, API_KEY).completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0
+    )
     assert r.choices[0].text == text
 
 
@@ -59,21 +65,37 @@ def test_health_and_metrics_need_no_key(idle_after):
 
 
 INTERNAL_CALLS = {
-    "decode": [("POST", "/generate"), ("POST", "/abort"), ("POST", "/kv/hello"), ("POST", "/admin/drain"),
-               ("POST", "/admin/resume"), ("GET", "/openapi.json"), ("GET", "/kv/events"), ("GET", "/kv/blocks")],
-    "prefill": [("POST", "/prefill"), ("POST", "/abort"), ("POST", "/admin/drain"), ("POST", "/admin/resume"),
-                ("GET", "/openapi.json"), ("GET", "/kv/events"), ("GET", "/kv/blocks")],
+    "decode": [
+        ("POST", "/generate"),
+        ("POST", "/abort"),
+        ("POST", "/kv/hello"),
+        ("POST", "/admin/drain"),
+        ("POST", "/admin/resume"),
+        ("GET", "/openapi.json"),
+        ("GET", "/kv/events"),
+        ("GET", "/kv/blocks"),
+    ],
+    "prefill": [
+        ("POST", "/prefill"),
+        ("POST", "/abort"),
+        ("POST", "/admin/drain"),
+        ("POST", "/admin/resume"),
+        ("GET", "/openapi.json"),
+        ("GET", "/kv/events"),
+        ("GET", "/kv/blocks"),
+    ],
 }
 
 
-@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer nope"}, KEY,
-                                     {"authorization": SECRET}, {"x-api-key": SECRET}],
-                         ids=["none", "wrong", "api-key", "no-bearer", "other-header"])
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"authorization": "Bearer nope"}, KEY, {"authorization": SECRET}, {"x-api-key": SECRET}],
+    ids=["none", "wrong", "api-key", "no-bearer", "other-header"],
+)
 def test_internal_endpoints_refuse_calls_without_the_secret(idle_after, headers):
     for server in idle_after.servers:
         for method, path in INTERNAL_CALLS[server["role"]]:
-            resp = idle_after.http.request(method, f"{server['url']}{path}", json={"request_id": "x"},
-                                           headers=headers)
+            resp = idle_after.http.request(method, f"{server['url']}{path}", json={"request_id": "x"}, headers=headers)
             assert resp.status_code == 401, (server["name"], path, resp.text)
             assert resp.json() == {"error": "missing or wrong internal secret", "code": "unauthorized"}
         assert idle_after.http.get(f"{server['url']}/health").json()["status"] == "ok"  # probes stay open
@@ -102,18 +124,24 @@ def test_a_body_over_the_limit_gets_413(idle_after):
         for _ in range(2 * MAX_BODY // 4096):
             yield b" " * 4096
 
-    resp = httpx.post(f"{idle_after.router_url}/v1/completions", content=chunks(),
-                      headers={**KEY, "content-type": "application/json"}, timeout=10)
+    resp = httpx.post(
+        f"{idle_after.router_url}/v1/completions",
+        content=chunks(),
+        headers={**KEY, "content-type": "application/json"},
+        timeout=10,
+    )
     error_of(resp, 413)
 
 
 def test_too_many_prompt_tokens_or_max_tokens_get_400_in_openai_shape(idle_after):
     url = f"{idle_after.router_url}/v1/completions"
-    err = error_of(idle_after.http.post(url, json={"model": "tiny", "prompt": [5] * (MAX_PROMPT + 1)}, headers=KEY),
-                   400)
+    err = error_of(
+        idle_after.http.post(url, json={"model": "tiny", "prompt": [5] * (MAX_PROMPT + 1)}, headers=KEY), 400
+    )
     assert err["param"] == "prompt" and err["type"] == "invalid_request_error" and str(MAX_PROMPT) in err["message"]
-    err = error_of(idle_after.http.post(url, json={"model": "tiny", "prompt": "x", "max_tokens": MAX_TOKENS + 1},
-                                        headers=KEY), 400)
+    err = error_of(
+        idle_after.http.post(url, json={"model": "tiny", "prompt": "x", "max_tokens": MAX_TOKENS + 1}, headers=KEY), 400
+    )
     assert err["param"] == "max_tokens" and err["code"] == "invalid_value"
     body = {**CHAT, "max_tokens": None, "max_completion_tokens": MAX_TOKENS + 1}
     err = error_of(idle_after.http.post(f"{idle_after.router_url}/v1/chat/completions", json=body, headers=KEY), 400)

@@ -137,8 +137,9 @@ class Network:
         host = Host(name=name, netns=self.prefix + name, device=f"v-{name}"[:15], address=f"{SUBNET}.{index}")
         peer = f"b-{name}"[:15]
         self._add_netns(host.netns)
-        _ip("link", "add", host.device, "netns", host.netns, "type", "veth", "peer", "name", peer,
-            "netns", self._bridge)
+        _ip(
+            "link", "add", host.device, "netns", host.netns, "type", "veth", "peer", "name", peer, "netns", self._bridge
+        )
         _ip("-n", self._bridge, "link", "set", peer, "master", "br0", "up")
         _ip("-n", host.netns, "addr", "add", f"{host.address}/24", "dev", host.device)
         _ip("-n", host.netns, "link", "set", host.device, "up")
@@ -154,15 +155,28 @@ class Network:
             folder.mkdir(parents=True, exist_ok=True)
             (folder / "hosts").write_text(text)
 
-    def spawn(self, host: Host, argv: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-              log: Path | None = None, stdout: Path | None = None) -> subprocess.Popen:
+    def spawn(
+        self,
+        host: Host,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        log: Path | None = None,
+        stdout: Path | None = None,
+    ) -> subprocess.Popen:
         """``argv`` run inside ``host`` (``ip netns exec`` execs it: the pid is the program's); its
         output goes to ``log``, or its stdout alone to ``stdout`` when given."""
         with contextlib.ExitStack() as files:
             err = files.enter_context(open(log, "wb")) if log is not None else subprocess.DEVNULL
             out = files.enter_context(open(stdout, "wb")) if stdout is not None else err
-            proc = subprocess.Popen(["ip", "netns", "exec", host.netns, *argv], env=env, cwd=cwd,
-                                    stdout=out, stderr=err if stdout is not None else subprocess.STDOUT)
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", host.netns, *argv],
+                env=env,
+                cwd=cwd,
+                stdout=out,
+                stderr=err if stdout is not None else subprocess.STDOUT,
+            )
         self._procs.append(proc)
         return proc
 

@@ -73,15 +73,19 @@ def _config(folder: Path, model: str, backend: str, net: Network) -> Path:
     secret.write_text(SECRET)
     secret.chmod(0o600)
     data = {
-        "model": model, "served_model_name": "tiny", "lease_s": 10,
+        "model": model,
+        "served_model_name": "tiny",
+        "lease_s": 10,
         # Prefix caching off: the same prompts again must reach a prefill server (and cross the link).
         "engine": {"num_threads": 1, "kv_cache_bytes": 16 << 20, "prefix_caching": False},
         "router": {"host": net.hosts["router"].address, "port": ROUTER_PORT, "health_interval_s": 0.5},
         "transfer": {"backend": backend},
         "fault_injection": True,  # p0 holds the prefills it was given, so that its kill hits work in flight
         "security": {"internal_secret_file": str(secret)},
-        **{role: [{"name": n, "host": f"{n}.{DOMAIN}", "port": port, "block_size": bs} for n, port, bs in entries]
-           for role, entries in INSTANCES.items()},
+        **{
+            role: [{"name": n, "host": f"{n}.{DOMAIN}", "port": port, "block_size": bs} for n, port, bs in entries]
+            for role, entries in INSTANCES.items()
+        },
     }
     path = folder / "cluster.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -136,9 +140,11 @@ class Servers:
         return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(family + "{"))
 
     async def complete(self, prompt: str) -> httpx.Response:
-        return await self.http.post(f"{self.urls['router']}/v1/completions", timeout=60,
-                                    json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS,
-                                          "temperature": 0})
+        return await self.http.post(
+            f"{self.urls['router']}/v1/completions",
+            timeout=60,
+            json={"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0},
+        )
 
     def stop(self) -> None:
         for name in ("router", "p0", "p1", "d0", "d1", JOINER):  # the router first: nothing new reaches them
@@ -149,10 +155,12 @@ class Servers:
 async def _wait_all_healthy(servers: Servers) -> None:
     for name in ("d0", "d1", "p0", "p1", "router"):
         await until_async(lambda n=name: servers.healthy(n), START_TIMEOUT_S, f"{name} healthy")
+
     # The router routes only to workers its health checks saw: all four, before the first request.
     async def router_sees_all() -> bool:
         body = (await servers.http.get(f"{servers.urls['router']}/admin/workers")).json()
         return sum(1 for w in body["workers"] if w["healthy"]) == 4
+
     await until_async(router_sees_all, 30, "the router sees all four workers healthy")
 
 
@@ -182,15 +190,24 @@ async def _answers_and_link(servers: Servers, net: Network, expected: dict[str, 
     assert received >= sum(kv.values()), f"decode veths received {received} < KV {sum(kv.values())}"
 
 
-async def _a_decode_server_joins_and_leaves_under_load(servers: Servers, net: Network, config: Path,
-                                                      expected: dict[str, str]) -> None:
+async def _a_decode_server_joins_and_leaves_under_load(
+    servers: Servers, net: Network, config: Path, expected: dict[str, str]
+) -> None:
     """d2 starts mid-load on its own host, joins through the router's admin API, takes requests within
     seconds; then it is removed under load: drained, zero failed requests, forgotten by the prefill servers."""
     host = net.hosts[JOINER]
     url = f"http://{host.address}:{JOINER_PORT}"
     env = dict(os.environ, PYTHONPATH=str(REPO), UCX_TLS="tcp", UCX_NET_DEVICES=host.device)
-    argv = [sys.executable, "-m", "deploy.cli", "decode", "--config", str(config.parent / "joiner.yaml"),
-            "--name", JOINER]
+    argv = [
+        sys.executable,
+        "-m",
+        "deploy.cli",
+        "decode",
+        "--config",
+        str(config.parent / "joiner.yaml"),
+        "--name",
+        JOINER,
+    ]
     load = asyncio.ensure_future(asyncio.gather(*(servers.complete(p) for p in PROMPTS * 3)))
     servers.procs[JOINER] = net.spawn(host, argv, env=env, cwd=str(REPO), log=servers.logs / f"{JOINER}.log")
     servers.urls[JOINER] = url
@@ -201,8 +218,7 @@ async def _a_decode_server_joins_and_leaves_under_load(servers: Servers, net: Ne
     replies = list(await load)
     replies += await asyncio.gather(*(servers.complete(p) for p in PROMPTS * 2))
     assert await servers.metric(JOINER, reserved) > 0, f"{JOINER} got no request after it joined"
-    leaving = asyncio.ensure_future(servers.http.delete(f"{servers.urls['router']}/admin/workers/{JOINER}",
-                                                        timeout=60))
+    leaving = asyncio.ensure_future(servers.http.delete(f"{servers.urls['router']}/admin/workers/{JOINER}", timeout=60))
     replies += await asyncio.gather(*(servers.complete(p) for p in PROMPTS * 2))
     assert (await leaving).json()["left"]
     for reply in replies:
@@ -220,16 +236,19 @@ async def _a_decode_server_joins_and_leaves_under_load(servers: Servers, net: Ne
 
 async def _killed_prefill_under_load(servers: Servers, expected: dict[str, str]) -> None:
     victim = servers.procs["p0"]
-    recovered_before = (await servers.total("router", "pdserve_router_retries_total")
-                        + await servers.total("router", "pdserve_router_decode_reprefills_total"))
+    recovered_before = await servers.total("router", "pdserve_router_retries_total") + await servers.total(
+        "router", "pdserve_router_decode_reprefills_total"
+    )
 
-    armed = await servers.http.post(f"{servers.urls['p0']}/admin/faults",
-                                    json={"hold_prefill": True, "pause_timeout_s": 60})
+    armed = await servers.http.post(
+        f"{servers.urls['p0']}/admin/faults", json={"hold_prefill": True, "pause_timeout_s": 60}
+    )
     assert armed.status_code == 200, armed.text
 
     async def kill_mid_load() -> None:
         async def p0_holds_work() -> bool:
             return (await servers.http.get(f"{servers.urls['p0']}/admin/faults")).json()["held"] > 0
+
         await until_async(p0_holds_work, 60, "p0 holds prefills of the load")
         os.kill(victim.pid, signal.SIGKILL)
 
@@ -246,8 +265,11 @@ async def _killed_prefill_under_load(servers: Servers, expected: dict[str, str])
         else:  # a clear error in OpenAI's shape, with its outcome code
             assert reply.status_code >= 500 and reply.json()["error"]["code"], reply.text
     assert ok > len(prompts) // 2, f"only {ok} of {len(prompts)} answered"
-    recovered = (await servers.total("router", "pdserve_router_retries_total")
-                 + await servers.total("router", "pdserve_router_decode_reprefills_total") - recovered_before)
+    recovered = (
+        await servers.total("router", "pdserve_router_retries_total")
+        + await servers.total("router", "pdserve_router_decode_reprefills_total")
+        - recovered_before
+    )
     print(f"after killing p0 under load: {ok} of {len(prompts)} answered, {recovered:.0f} started over")
     assert recovered + (len(prompts) - ok) >= 1, "the kill hit no request in flight on p0"
     # And the cluster keeps serving on p1 alone.
@@ -262,6 +284,7 @@ async def _all_blocks_free(servers: Servers) -> None:
             if b["reserved"] or b["running"]:
                 return False
         return True
+
     await until_async(idle, 15, "no reserved or running block on d0, d1, p1")
 
 

@@ -41,9 +41,18 @@ def net():
 def test_hosts_talk_over_the_bridge_and_the_bytes_show_on_their_veths(net, tmp_path):
     a, b = net.add_host("a"), net.add_host("b")
     assert (a.address, b.address) == (f"{SUBNET}.10", f"{SUBNET}.11")
-    server = net.spawn(b, [sys.executable, "-c", (
-        f"import socket; s = socket.create_server(('{b.address}', 7000)); c, _ = s.accept(); "
-        "n = 0\nwhile (d := c.recv(65536)): n += len(d)\nprint(n)")], stdout=tmp_path / "n")
+    server = net.spawn(
+        b,
+        [
+            sys.executable,
+            "-c",
+            (
+                f"import socket; s = socket.create_server(('{b.address}', 7000)); c, _ = s.accept(); "
+                "n = 0\nwhile (d := c.recv(65536)): n += len(d)\nprint(n)"
+            ),
+        ],
+        stdout=tmp_path / "n",
+    )
     sent_before, received_before = net.counters(a)[1], net.counters(b)[0]
     conns = []
 
@@ -66,21 +75,28 @@ def test_hosts_talk_over_the_bridge_and_the_bytes_show_on_their_veths(net, tmp_p
 
 def test_a_host_has_only_its_subnet_route_and_no_way_out(net):
     a = net.add_host("a")
-    routes = json.loads(subprocess.run(["ip", "-n", a.netns, "-j", "route", "show"], capture_output=True,
-                                       text=True, check=True).stdout)
+    routes = json.loads(
+        subprocess.run(["ip", "-n", a.netns, "-j", "route", "show"], capture_output=True, text=True, check=True).stdout
+    )
     assert [r["dst"] for r in routes] == [f"{SUBNET}.0/24"]
     with net.entered(a), pytest.raises(OSError), socket.create_connection(("10.214.0.1", 80), timeout=2):
         pass
-    bridge_addresses = json.loads(subprocess.run(["ip", "-n", f"{PREFIX}bridge", "-j", "addr", "show", "br0"],
-                                                 capture_output=True, text=True, check=True).stdout)
+    bridge_addresses = json.loads(
+        subprocess.run(
+            ["ip", "-n", f"{PREFIX}bridge", "-j", "addr", "show", "br0"], capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert [i for i in bridge_addresses[0]["addr_info"] if i["family"] == "inet"] == []
 
 
 def test_names_resolve_inside_the_hosts(net, tmp_path):
     a, b = net.add_host("a"), net.add_host("b")
     net.names({"a.example.test": a.address, "b.example.test": b.address})
-    proc = net.spawn(a, [sys.executable, "-c", "import socket; print(socket.gethostbyname('b.example.test'))"],
-                     stdout=tmp_path / "out")
+    proc = net.spawn(
+        a,
+        [sys.executable, "-c", "import socket; print(socket.gethostbyname('b.example.test'))"],
+        stdout=tmp_path / "out",
+    )
     assert proc.wait(30) == 0
     assert (tmp_path / "out").read_text().strip() == b.address
 

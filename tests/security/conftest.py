@@ -31,21 +31,36 @@ class Target:
         hf = AutoConfig.from_pretrained(self.model)
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         # A prefill-side layout the decode server accepts (block size and count are converted).
-        self.layout = KVLayout.for_engine_cache(num_layers=hf.num_hidden_layers, num_blocks=8, block_size=4,
-                                                num_kv_heads=hf.num_key_value_heads, head_dim=head_dim,
-                                                dtype="float32")
+        self.layout = KVLayout.for_engine_cache(
+            num_layers=hf.num_hidden_layers,
+            num_blocks=8,
+            block_size=4,
+            num_kv_heads=hf.num_key_value_heads,
+            head_dim=head_dim,
+            dtype="float32",
+        )
         self.secret = (cluster.run_dir / "internal_secret").read_text().strip()
 
 
 @pytest.fixture(scope="package")
 def target(tmp_path_factory, tiny_model):
     folder = tmp_path_factory.mktemp("attacked")
-    config = make_config(folder, "tiny-1p1d", tiny_model, {
-        "drain_timeout_s": 5, "restart": {"backoff_s": 0.2}, "fault_injection": True,
-        "router": {"header_timeout_s": HEADER_TIMEOUT_S, "max_connections_per_client": MAX_CONNECTIONS},
-        "security": {"server_header_timeout_s": SERVER_HEADER_TIMEOUT_S,
-                     "server_max_connections": SERVER_MAX_CONNECTIONS,
-                     "server_reserved_connections": SERVER_RESERVED_CONNECTIONS}})
+    config = make_config(
+        folder,
+        "tiny-1p1d",
+        tiny_model,
+        {
+            "drain_timeout_s": 5,
+            "restart": {"backoff_s": 0.2},
+            "fault_injection": True,
+            "router": {"header_timeout_s": HEADER_TIMEOUT_S, "max_connections_per_client": MAX_CONNECTIONS},
+            "security": {
+                "server_header_timeout_s": SERVER_HEADER_TIMEOUT_S,
+                "server_max_connections": SERVER_MAX_CONNECTIONS,
+                "server_reserved_connections": SERVER_RESERVED_CONNECTIONS,
+            },
+        },
+    )
     cluster = Cluster(config, folder)
     yield Target(cluster, config)
     cluster.stop()

@@ -65,8 +65,7 @@ class Reservation:
 
     def __init__(self, target, rid: str) -> None:
         body = {"request_id": rid, "prompt_token_ids": list(range(3, 40)), "sampling": {"max_tokens": 4}}
-        self._stream = target.cluster.http.stream("POST", f"{target.cluster.server('d0')['url']}/generate",
-                                                  json=body)
+        self._stream = target.cluster.http.stream("POST", f"{target.cluster.server('d0')['url']}/generate", json=body)
         self._lines = self._stream.__enter__().iter_lines()  # kept: dropping it would close the stream
         self.transfer_id = json.loads(next(self._lines))["reservation"]["transfer_id"]
 
@@ -77,9 +76,10 @@ class Reservation:
 def test_an_oversized_write_header_is_dropped_before_allocating_and_the_server_keeps_serving(target, tiny_model):
     ctx = zmq.Context()
     before = discarded(target, "oversized")
-    answer = target.cluster.http.post(f"{target.cluster.server('d0')['url']}/kv/hello",
-                                      json={"hello": base64.b64encode(sender_hello("mallory", target.model,
-                                                                                   target.layout)).decode()})
+    answer = target.cluster.http.post(
+        f"{target.cluster.server('d0')['url']}/kv/hello",
+        json={"hello": base64.b64encode(sender_hello("mallory", target.model, target.layout)).decode()},
+    )
     assert answer.status_code == 200
     sock = bound_socket(ctx, base64.b64decode(answer.json()["hello"]))
     reservation = Reservation(target, "victim")
@@ -127,13 +127,26 @@ def test_the_prefill_server_never_follows_a_hello_url_it_is_given(target):
     listener.setblocking(False)
     port = listener.getsockname()[1]
     before = target.cluster.metric("p0", 'pdserve_requests_total{outcome="handshake_failed"}')
-    reservation = {"instance": "evil", "request_id": "r", "transfer_id": "evil-1", "block_ids": [0, 1],
-                   "block_size": 16, "num_tokens": 5, "lease_s": 30,
-                   "kv_target": {"peer": "evil", "hello_url": f"http://127.0.0.1:{port}/kv/hello"}}
+    reservation = {
+        "instance": "evil",
+        "request_id": "r",
+        "transfer_id": "evil-1",
+        "block_ids": [0, 1],
+        "block_size": 16,
+        "num_tokens": 5,
+        "lease_s": 30,
+        "kv_target": {"peer": "evil", "hello_url": f"http://127.0.0.1:{port}/kv/hello"},
+    }
     try:
-        resp = target.cluster.http.post(f"{target.cluster.server('p0')['url']}/prefill", json={
-            "request_id": "r", "prompt_token_ids": [3, 4, 5, 6, 7], "sampling": {"max_tokens": 1},
-            "reservation": reservation})
+        resp = target.cluster.http.post(
+            f"{target.cluster.server('p0')['url']}/prefill",
+            json={
+                "request_id": "r",
+                "prompt_token_ids": [3, 4, 5, 6, 7],
+                "sampling": {"max_tokens": 1},
+                "reservation": reservation,
+            },
+        )
         assert resp.status_code == 502 and "is not one of this cluster's" in resp.text
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody came: the secret went nowhere
@@ -148,9 +161,11 @@ def test_a_hello_under_the_prefill_servers_name_leaves_its_live_binding_alone(ta
     a whole lease (then a local prefill on d0)."""
     still_correct(target, tiny_model, n=1)  # p0 has met d0
     refused = 'pdserve_peer_refusals_total{reason="bound_to_live_instance"}'
-    before = {"refused": target.cluster.metric("d0", refused),
-              "reprefilled": target.cluster.metric("d0", 'pdserve_reprefills_total{outcome="lease_expired"}'),
-              "prefilled": target.cluster.metric("p0", 'pdserve_requests_total{outcome="ok"}')}
+    before = {
+        "refused": target.cluster.metric("d0", refused),
+        "reprefilled": target.cluster.metric("d0", 'pdserve_reprefills_total{outcome="lease_expired"}'),
+        "prefilled": target.cluster.metric("p0", 'pdserve_requests_total{outcome="ok"}'),
+    }
     hello = base64.b64encode(sender_hello("p0", target.model, target.layout)).decode()
     answer = target.cluster.http.post(f"{target.cluster.server('d0')['url']}/kv/hello", json={"hello": hello})
     assert answer.status_code == 409 and answer.json()["code"] == "peer_bound", answer.text
@@ -167,8 +182,9 @@ def test_a_decode_server_the_config_lists_is_never_re_pointed(target, tiny_model
     refused = 'pdserve_peer_refusals_total{reason="configured_peer"}'
     before = target.cluster.metric("p0", refused)
     try:
-        resp = target.cluster.http.post(f"{p0}/admin/peers",
-                                        json={"name": "d0", "url": f"http://127.0.0.1:{listener.getsockname()[1]}"})
+        resp = target.cluster.http.post(
+            f"{p0}/admin/peers", json={"name": "d0", "url": f"http://127.0.0.1:{listener.getsockname()[1]}"}
+        )
         assert resp.status_code == 409 and resp.json()["code"] == "peer_bound", resp.text
         assert target.cluster.http.get(f"{p0}/admin/peers").json()["peers"]["d0"] == d0
         still_correct(target, tiny_model, n=2)
@@ -179,61 +195,117 @@ def test_a_decode_server_the_config_lists_is_never_re_pointed(target, tiny_model
     assert target.cluster.metric("p0", refused) - before == 1
 
 
-@pytest.mark.parametrize("sampling", [
-    '{"max_tokens": 1, "temperature": NaN}', '{"max_tokens": 1, "temperature": Infinity}',
-    '{"max_tokens": 9223372036854775808}', '{"max_tokens": 1, "top_k": 1180591620717411303424}',
-    '{"max_tokens": 1, "seed": 1180591620717411303424}'], ids=["nan", "inf", "max_tokens", "top_k", "seed"])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        '{"max_tokens": 1, "temperature": NaN}',
+        '{"max_tokens": 1, "temperature": Infinity}',
+        '{"max_tokens": 9223372036854775808}',
+        '{"max_tokens": 1, "top_k": 1180591620717411303424}',
+        '{"max_tokens": 1, "seed": 1180591620717411303424}',
+    ],
+    ids=["nan", "inf", "max_tokens", "top_k", "seed"],
+)
 def test_bad_numbers_on_internal_routes_get_a_422_that_names_the_field(target, sampling):
     body = f'{{"request_id": "bad", "prompt_token_ids": [3, 4], "sampling": {sampling}}}'
-    resp = target.cluster.http.post(f"{target.cluster.server('d0')['url']}/generate", content=body,
-                                    headers={"content-type": "application/json"})
+    resp = target.cluster.http.post(
+        f"{target.cluster.server('d0')['url']}/generate", content=body, headers={"content-type": "application/json"}
+    )
     assert resp.status_code == 422
     assert resp.json()["code"] == "bad_request" and resp.json()["error"].startswith("body.sampling.")
 
 
 def bad_reservation(**changes) -> dict:
-    reservation = {"instance": "d0", "request_id": "bad", "transfer_id": "t-bad", "block_ids": [0, 1], "block_size": 16,
-                   "num_tokens": 5, "lease_s": 30, "kv_target": {"peer": "d0"}}
+    reservation = {
+        "instance": "d0",
+        "request_id": "bad",
+        "transfer_id": "t-bad",
+        "block_ids": [0, 1],
+        "block_size": 16,
+        "num_tokens": 5,
+        "lease_s": 30,
+        "kv_target": {"peer": "d0"},
+    }
     return reservation | changes
 
 
-@pytest.mark.parametrize("changes, field", [
-    ({"lease_s": "NaN"}, "lease_s"), ({"lease_s": "Infinity"}, "lease_s"), ({"lease_s": "1e999"}, "lease_s"),
-    ({"lease_s": 86400.0}, "lease_s"), ({"lease_s": 0}, "lease_s"), ({"block_size": 0}, "block_size"),
-    ({"num_tokens": -5}, "num_tokens"), ({"block_ids": [-1, 0]}, "block_ids"), ({"instance": "../d0"}, "instance"),
-    ({"num_tokens": 40}, None), ({"num_cached_tokens": 6}, None)],
-    ids=["nan_lease", "inf_lease", "huge_lease", "lease_a_day", "no_lease", "block_size_0", "negative_tokens",
-         "negative_block", "bad_instance", "blocks_too_few", "cached_past_the_prompt"])
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        ({"lease_s": "NaN"}, "lease_s"),
+        ({"lease_s": "Infinity"}, "lease_s"),
+        ({"lease_s": "1e999"}, "lease_s"),
+        ({"lease_s": 86400.0}, "lease_s"),
+        ({"lease_s": 0}, "lease_s"),
+        ({"block_size": 0}, "block_size"),
+        ({"num_tokens": -5}, "num_tokens"),
+        ({"block_ids": [-1, 0]}, "block_ids"),
+        ({"instance": "../d0"}, "instance"),
+        ({"num_tokens": 40}, None),
+        ({"num_cached_tokens": 6}, None),
+    ],
+    ids=[
+        "nan_lease",
+        "inf_lease",
+        "huge_lease",
+        "lease_a_day",
+        "no_lease",
+        "block_size_0",
+        "negative_tokens",
+        "negative_block",
+        "bad_instance",
+        "blocks_too_few",
+        "cached_past_the_prompt",
+    ],
+)
 def test_a_reservation_out_of_range_gets_a_422_naming_the_field_before_any_connection(target, changes, field):
     constants = {k: v for k, v in changes.items() if v in ("NaN", "Infinity", "1e999")}  # json.dumps writes none
-    body = json.dumps({"request_id": "bad", "prompt_token_ids": [3, 4, 5, 6, 7], "sampling": {"max_tokens": 1},
-                       "reservation": bad_reservation(**(changes | {k: f"<{k}>" for k in constants}))})
+    body = json.dumps(
+        {
+            "request_id": "bad",
+            "prompt_token_ids": [3, 4, 5, 6, 7],
+            "sampling": {"max_tokens": 1},
+            "reservation": bad_reservation(**(changes | {k: f"<{k}>" for k in constants})),
+        }
+    )
     for key, constant in constants.items():
         body = body.replace(f'"<{key}>"', constant)
     before = target.cluster.metric("p0", 'pdserve_requests_total{outcome="handshake_failed"}')
-    resp = target.cluster.http.post(f"{target.cluster.server('p0')['url']}/prefill", content=body,
-                                    headers={"content-type": "application/json"})
+    resp = target.cluster.http.post(
+        f"{target.cluster.server('p0')['url']}/prefill", content=body, headers={"content-type": "application/json"}
+    )
     assert resp.status_code == 422, resp.text
     error = resp.json()["error"]
     assert error.startswith(f"body.reservation.{field}" if field else "body.reservation: "), error
     assert target.cluster.metric("p0", 'pdserve_requests_total{outcome="handshake_failed"}') == before
 
 
-@pytest.mark.parametrize("fields, param", [
-    ('"temperature": Infinity', "temperature"), ('"top_p": 1e999', "top_p"),
-    ('"logit_bias": {"5": NaN}', "logit_bias.5"),
-    ('"guided_json": {"type": "number", "minimum": NaN}', "guided_json.minimum"),
-    ('"user": "u", "extra": [1, -Infinity]', "extra.1")])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ('"temperature": Infinity', "temperature"),
+        ('"top_p": 1e999', "top_p"),
+        ('"logit_bias": {"5": NaN}', "logit_bias.5"),
+        ('"guided_json": {"type": "number", "minimum": NaN}', "guided_json.minimum"),
+        ('"user": "u", "extra": [1, -Infinity]', "extra.1"),
+    ],
+)
 def test_the_router_refuses_numbers_that_are_not_json_naming_the_field(target, fields, param):
-    resp = target.cluster.http.post(f"{target.cluster.router_url}/v1/completions", headers={
-        "content-type": "application/json"}, content=f'{{"model": "tiny", "prompt": "x", {fields}}}')
+    resp = target.cluster.http.post(
+        f"{target.cluster.router_url}/v1/completions",
+        headers={"content-type": "application/json"},
+        content=f'{{"model": "tiny", "prompt": "x", {fields}}}',
+    )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     assert "is not a finite number" in resp.json()["error"]["message"]
 
 
 def test_the_router_answers_400_to_a_nan_temperature(target):
-    resp = target.cluster.http.post(f"{target.cluster.router_url}/v1/completions", headers={
-        "content-type": "application/json"}, content='{"model": "tiny", "prompt": "x", "temperature": NaN}')
+    resp = target.cluster.http.post(
+        f"{target.cluster.router_url}/v1/completions",
+        headers={"content-type": "application/json"},
+        content='{"model": "tiny", "prompt": "x", "temperature": NaN}',
+    )
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "temperature"
 
 
@@ -242,8 +314,10 @@ def test_a_64_mib_body_gets_413_before_it_is_read(target, server):
     url = httpx.URL(target.cluster.server(server)["url"])
     started = time.monotonic()
     with socket.create_connection((url.host, url.port)) as sock:
-        sock.sendall(f"POST /generate HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {target.secret}\r\n"
-                     f"content-type: application/json\r\ncontent-length: {64 << 20}\r\n\r\n".encode())
+        sock.sendall(
+            f"POST /generate HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {target.secret}\r\n"
+            f"content-type: application/json\r\ncontent-length: {64 << 20}\r\n\r\n".encode()
+        )
         sock.settimeout(10)
         head = sock.recv(4096).decode()
     assert head.startswith("HTTP/1.1 413") and time.monotonic() - started < 5
@@ -268,13 +342,15 @@ def test_slow_and_piled_up_connections_are_closed_by_the_router(target, tiny_mod
         for sock in socks:
             sock.close()
     refused = [a for a in answers if a]  # past the cap: a 503 saying why, then closed
-    assert len(refused) >= 4 and all(a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a
-                                     for a in refused), refused
+    assert len(refused) >= 4 and all(a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a for a in refused), (
+        refused
+    )
     after = {r: target.cluster.metric("router", metric.format(r)) for r in before}
     assert after["too_many"] - before["too_many"] >= 4
     # Every one of ours was closed (an idle keep-alive connection of the test's own client may be too).
-    assert (after["too_many"] - before["too_many"]) + (after["header_timeout"] - before["header_timeout"]) \
-        >= MAX_CONNECTIONS + 4
+    assert (after["too_many"] - before["too_many"]) + (
+        after["header_timeout"] - before["header_timeout"]
+    ) >= MAX_CONNECTIONS + 4
     still_correct(target, tiny_model, n=1)
 
 
@@ -338,7 +414,8 @@ def test_strangers_filling_a_server_s_connections_leave_the_reserve_to_its_clust
             sock.close()
     refused = [a for a in answers if a]
     assert len(refused) >= SERVER_RESERVED_CONNECTIONS and all(
-        a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a for a in refused)
+        a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a for a in refused
+    )
     assert target.cluster.metric("d0", metric) - before == len(refused) + 1  # and 127.0.0.30's
     assert health_from("127.0.0.30", url).startswith(b"HTTP/1.1 200")  # room again
     still_correct(target, tiny_model, n=1)

@@ -81,7 +81,7 @@ class Load:
             for line in resp.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                event = json.loads(line[len("data: "):])
+                event = json.loads(line[len("data: ") :])
                 if "error" in event:
                     return "clear_errors"
                 text += event["choices"][0]["text"] if event["choices"] else ""
@@ -110,13 +110,24 @@ def wait_back(cluster: Cluster, kills: int, timeout: float = 60.0) -> None:
 
 
 def test_kill_9_of_random_servers_under_load_costs_no_wrong_answer_and_no_block(tmp_path, tiny_model):
-    layout = {"prefill": [{"name": f"p{i}", "port": 1, "block_size": 4} for i in range(2)],
-              "decode": [{"name": f"d{i}", "port": 1, "block_size": 16, "kv_layout": "NHD" if i else "HND"}
-                         for i in range(2)]}
-    config = make_config(tmp_path, "tiny-1p1d", tiny_model, {
-        **layout, "lease_s": LEASE_S, "drain_timeout_s": 5,
-        "restart": {"backoff_s": 0.2, "max_restarts": 3},
-        "router": {"health_interval_s": 0.25, "health_backoff_max_s": 0.5}})
+    layout = {
+        "prefill": [{"name": f"p{i}", "port": 1, "block_size": 4} for i in range(2)],
+        "decode": [
+            {"name": f"d{i}", "port": 1, "block_size": 16, "kv_layout": "NHD" if i else "HND"} for i in range(2)
+        ],
+    }
+    config = make_config(
+        tmp_path,
+        "tiny-1p1d",
+        tiny_model,
+        {
+            **layout,
+            "lease_s": LEASE_S,
+            "drain_timeout_s": 5,
+            "restart": {"backoff_s": 0.2, "max_restarts": 3},
+            "router": {"health_interval_s": 0.25, "health_backoff_max_s": 0.5},
+        },
+    )
     expected = {p: expected_completion(tiny_model, p, MAX_TOKENS)[0] for p in PROMPTS}
     rng = random.Random(SEED)
     cluster = Cluster(config, tmp_path)
@@ -133,9 +144,14 @@ def test_kill_9_of_random_servers_under_load_costs_no_wrong_answer_and_no_block(
         load.stop()
         idle_s = cluster.wait_idle(LEASE_S + 5)
         assert cluster.launcher.poll() is None  # nobody stopped the cluster
-        summary = {"kills": killed, **load.counts, "leaked_blocks": 0, "slowest_request_s": round(load.slowest_s, 2),
-                   "idle_after_s": round(idle_s, 2),
-                   "restart_s": [r["back_after_s"] for r in restarts(cluster)]}
+        summary = {
+            "kills": killed,
+            **load.counts,
+            "leaked_blocks": 0,
+            "slowest_request_s": round(load.slowest_s, 2),
+            "idle_after_s": round(idle_s, 2),
+            "restart_s": [r["back_after_s"] for r in restarts(cluster)],
+        }
         (tmp_path / "chaos.json").write_text(json.dumps(summary, indent=1) + "\n")
         print(f"\nchaos: {summary}")
         assert load.counts["wrong"] == 0 and load.counts["hung"] == 0

@@ -34,11 +34,17 @@ WINDOW = 30  # normal requests finished in each window: alone, then during the a
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
     folder = tmp_path_factory.mktemp("everyone")
-    path = make_config(folder, "1p2d", tiny_model, {
-        "lease_s": 10,
-        "router": {"stream_stall_s": STALL_S, "header_timeout_s": 2, "max_connections_per_client": 16},
-        "security": {"server_header_timeout_s": 4, "server_max_connections": 64,
-                     "server_reserved_connections": 16}}, instances={"p0": {"num_blocks": P_BLOCKS}})
+    path = make_config(
+        folder,
+        "1p2d",
+        tiny_model,
+        {
+            "lease_s": 10,
+            "router": {"stream_stall_s": STALL_S, "header_timeout_s": 2, "max_connections_per_client": 16},
+            "security": {"server_header_timeout_s": 4, "server_max_connections": 64, "server_reserved_connections": 16},
+        },
+        instances={"p0": {"num_blocks": P_BLOCKS}},
+    )
     cluster = Cluster(path, folder)
     yield cluster
     cluster.stop()
@@ -63,7 +69,7 @@ class NormalClient(threading.Thread):
                         for line in r.iter_lines():
                             if not line.startswith("data: {"):
                                 continue
-                            event, now = json.loads(line[len("data: "):]), time.monotonic()
+                            event, now = json.loads(line[len("data: ") :]), time.monotonic()
                             if "error" in event:
                                 text = f"error: {event['error']['message']}"
                                 break
@@ -140,20 +146,49 @@ def test_every_abuser_at_once_costs_the_normal_clients_nothing_wrong_hung_or_lea
         os.kill(d1["pid"], signal.SIGSTOP)
         frozen = True
         wait_until(lambda: not router_view(url, "d1")["in_rotation"], STALL_S + 30, "d1 out of rotation")
-        wait_until(lambda: all(c.done and c.done[-1][1] > time.monotonic() - 0.5 for c in clients)
-                   and finished(time.monotonic() - 0.5) >= 2, 30, "every normal client past the freeze")
+        wait_until(
+            lambda: (
+                all(c.done and c.done[-1][1] > time.monotonic() - 0.5 for c in clients)
+                and finished(time.monotonic() - 0.5) >= 2
+            ),
+            30,
+            "every normal client past the freeze",
+        )
         t2 = time.monotonic()
         ids = lambda n: [10 + i % 490 for i in range(n)]  # noqa: E731
-        threads = [threading.Thread(target=timed_post, args=args, daemon=True) for args in [
-            (url, "/v1/completions", {"model": "tiny", "prompt": ids(1100), "max_tokens": 2, "temperature": 0},
-             abusers["over_p_cache"]),
-            (url, "/v1/completions", {"model": "tiny", "prompt": ids(2000), "n": 16, "max_tokens": 2000,
-                                      "ignore_eos": True}, abusers["kv_hog"]),
-            (url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 100_000},
-             abusers["messages"]),
-            (url, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                           "tools": [{"type": "function", "function": {"name": f"t{i}"}}
-                                                     for i in range(2000)]}, abusers["tools"])]]
+        threads = [
+            threading.Thread(target=timed_post, args=args, daemon=True)
+            for args in [
+                (
+                    url,
+                    "/v1/completions",
+                    {"model": "tiny", "prompt": ids(1100), "max_tokens": 2, "temperature": 0},
+                    abusers["over_p_cache"],
+                ),
+                (
+                    url,
+                    "/v1/completions",
+                    {"model": "tiny", "prompt": ids(2000), "n": 16, "max_tokens": 2000, "ignore_eos": True},
+                    abusers["kv_hog"],
+                ),
+                (
+                    url,
+                    "/v1/chat/completions",
+                    {"model": "tiny", "messages": [{"role": "user", "content": ""}] * 100_000},
+                    abusers["messages"],
+                ),
+                (
+                    url,
+                    "/v1/chat/completions",
+                    {
+                        "model": "tiny",
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "tools": [{"type": "function", "function": {"name": f"t{i}"}} for i in range(2000)],
+                    },
+                    abusers["tools"],
+                ),
+            ]
+        ]
         for t in threads:
             t.start()
         socks = pile_up(url, 48, 2) + pile_up(d0["url"], 64, 20)
@@ -178,11 +213,13 @@ def test_every_abuser_at_once_costs_the_normal_clients_nothing_wrong_hung_or_lea
     ok_alone, ok_onset, ok_during = served(alone), served(onset), served(during)
     failed = [d for d in onset if d not in ok_onset]
     alone_p99, during_p99 = p99([d[2] for d in ok_alone]), p99([d[2] for d in ok_during])
-    print(f"normal clients alone: {len(alone)} requests, p99 TTFT {alone_p99 * 1000:.0f} ms, longest gap "
-          f"{max(d[3] for d in ok_alone) * 1000:.0f} ms; while d1 froze and left rotation: {len(onset)}, the "
-          f"longest {max(d[1] - d[0] for d in onset):.1f} s, {len(failed)} failed ({[d[4][:80] for d in failed]}); "
-          f"during the abuse: {len(during)}, p99 TTFT {during_p99 * 1000:.0f} ms, longest gap "
-          f"{max(d[3] for d in ok_during) * 1000:.0f} ms; abusers (status, seconds): {abusers}")
+    print(
+        f"normal clients alone: {len(alone)} requests, p99 TTFT {alone_p99 * 1000:.0f} ms, longest gap "
+        f"{max(d[3] for d in ok_alone) * 1000:.0f} ms; while d1 froze and left rotation: {len(onset)}, the "
+        f"longest {max(d[1] - d[0] for d in onset):.1f} s, {len(failed)} failed ({[d[4][:80] for d in failed]}); "
+        f"during the abuse: {len(during)}, p99 TTFT {during_p99 * 1000:.0f} ms, longest gap "
+        f"{max(d[3] for d in ok_during) * 1000:.0f} ms; abusers (status, seconds): {abusers}"
+    )
     assert all(d[4] == expected for d in ok_alone + ok_onset + ok_during)  # 0 wrong
     assert not [d for d in alone + onset + during if d[4] == "hung"]  # 0 hung
     assert len(ok_alone) == len(alone) and len(ok_during) == len(during) >= WINDOW

@@ -24,8 +24,9 @@ from transfer.layout import KVLayout
 from transfer.messages import Cancel, CancelAck, Done, encode
 from transfer.receiver import KVReceiver
 
-LAYOUT = KVLayout.for_engine_cache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8,
-                                   dtype="float32")
+LAYOUT = KVLayout.for_engine_cache(
+    num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32"
+)
 RESERVED = [5, 2]
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
 SIZES = st.one_of(st.integers(0, 4096), st.integers(0, 1 << 62), st.sampled_from([LAYOUT.block_bytes, 1 << 50]))
@@ -60,24 +61,43 @@ def messages(draw, live_tid: str) -> list[bytes]:
         return draw(st.lists(st.binary(max_size=64), min_size=1, max_size=5))
     if kind == "notice":
         tid = draw(st.sampled_from([live_tid, "nope", ""]))
-        msg = draw(st.sampled_from([
-            Done(tid, "fuzzer", tuple(draw(st.lists(INT64, max_size=20))), draw(INT64), draw(INT64),
-                 tuple(draw(st.lists(INT64, max_size=3))),
-                 draw(st.integers(0, (1 << 64) - 1)), draw(st.sampled_from(["sampled", "all", "none", "x"]))),
-            Cancel(tid), CancelAck(tid, "fuzzer")]))
+        msg = draw(
+            st.sampled_from(
+                [
+                    Done(
+                        tid,
+                        "fuzzer",
+                        tuple(draw(st.lists(INT64, max_size=20))),
+                        draw(INT64),
+                        draw(INT64),
+                        tuple(draw(st.lists(INT64, max_size=3))),
+                        draw(st.integers(0, (1 << 64) - 1)),
+                        draw(st.sampled_from(["sampled", "all", "none", "x"])),
+                    ),
+                    Cancel(tid),
+                    CancelAck(tid, "fuzzer"),
+                ]
+            )
+        )
         return [encode(msg)]
     n = draw(st.integers(0, 6))
     offsets = draw(st.lists(st.one_of(INT64, st.integers(0, LAYOUT.total_bytes)), min_size=n, max_size=n))
     lengths = draw(st.lists(st.one_of(INT64, st.integers(0, 2 * LAYOUT.block_bytes)), min_size=n, max_size=n))
-    frames = write_frames(draw(st.sampled_from([live_tid, "nope"])), draw(st.integers(-2, 4)), offsets, lengths,
-                          nbytes=draw(st.one_of(st.none(), SIZES)), payload=draw(st.one_of(
-                              st.none(), st.binary(max_size=512))))
+    frames = write_frames(
+        draw(st.sampled_from([live_tid, "nope"])),
+        draw(st.integers(-2, 4)),
+        offsets,
+        lengths,
+        nbytes=draw(st.one_of(st.none(), SIZES)),
+        payload=draw(st.one_of(st.none(), st.binary(max_size=512))),
+    )
     cut = draw(st.integers(1, 5))  # truncated (missing frames) or with extra frames
     return frames[:cut] if cut < 4 else frames + [b"extra"] * (cut - 4)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 def test_fuzzed_frames_never_kill_the_receiver_or_land_outside_the_reservation(live, data):
     receiver, cache, sock, stranger = live

@@ -29,9 +29,16 @@ def deep_schema(levels: int) -> str:
 BOMBS = [  # (request fields, the parameter the 400 names, what its message says)
     ({"guided_grammar": CHAINED}, "guided_grammar", "3001 rules"),
     ({"structured_outputs": {"grammar": CHAINED}}, "structured_outputs.grammar", "3001 rules"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
-        "anyOf": [{"const": i} for i in range(3000)]}}}},
-     "response_format", "3000 alternatives"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"anyOf": [{"const": i} for i in range(3000)]}},
+            }
+        },
+        "response_format",
+        "3000 alternatives",
+    ),
     ({"guided_json": deep_schema(3000)}, "guided_json", "nested too deeply"),
     ({"guided_json": deep_schema(200)}, "guided_json", "levels of nesting"),
     ({"guided_regex": "(" * 40 + "a" + ")" * 40}, "guided_regex", "40 levels of nesting"),
@@ -55,8 +62,9 @@ class NormalClient:
         with httpx.Client(timeout=60) as http:
             while not self._stop.is_set():
                 start = time.monotonic()
-                r = http.post(self.url, json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS,
-                                              "temperature": 0})
+                r = http.post(
+                    self.url, json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0}
+                )
                 self.latencies.append(time.monotonic() - start)
                 if r.status_code != 200 or r.json()["choices"][0]["text"] != self.expected:
                     self.failures.append(f"{r.status_code} {r.text[:200]}")
@@ -110,10 +118,16 @@ def test_a_grammar_bomb_is_a_fast_400_naming_the_parameter(target, fields, param
 
 
 def test_a_request_body_nested_thousands_deep_is_a_4xx(target):
-    body = ('{"model": "tiny", "prompt": "x", "max_tokens": 4, "response_format": {"type": "json_schema", '
-            '"json_schema": {"name": "x", "schema": ' + deep_schema(3000) + "}}}")
-    r = httpx.post(f"{target.cluster.router_url}/v1/completions", content=body,
-                   headers={"content-type": "application/json"}, timeout=60)
+    body = (
+        '{"model": "tiny", "prompt": "x", "max_tokens": 4, "response_format": {"type": "json_schema", '
+        '"json_schema": {"name": "x", "schema": ' + deep_schema(3000) + "}}}"
+    )
+    r = httpx.post(
+        f"{target.cluster.router_url}/v1/completions",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code in (400, 422), r.text[:300]
     assert "error" in r.json()
 
@@ -122,11 +136,14 @@ def test_a_multi_mib_prompt_is_refused_before_tokenizing_while_others_are_served
     huge = "lorem ipsum " * 340_000  # 4.08 MB of text (under the 4 MiB body cap): far more than 4096 tokens
     with NormalClient(target, tiny_model) as normal:
         times = []
-        for endpoint, body in (("completions", {"prompt": huge}),
-                               ("chat/completions", {"messages": [{"role": "user", "content": huge}]})):
+        for endpoint, body in (
+            ("completions", {"prompt": huge}),
+            ("chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+        ):
             start = time.monotonic()
-            r = httpx.post(f"{target.cluster.router_url}/v1/{endpoint}",
-                           json={"model": "tiny", "max_tokens": 4} | body, timeout=60)
+            r = httpx.post(
+                f"{target.cluster.router_url}/v1/{endpoint}", json={"model": "tiny", "max_tokens": 4} | body, timeout=60
+            )
             times.append(time.monotonic() - start)
             assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
         deadline = time.monotonic() + 30
@@ -147,25 +164,46 @@ def test_an_ambiguous_grammar_with_many_sequences_is_answered_and_takes_nothing_
 
 def _grammars() -> st.SearchStrategy[dict]:
     name = st.sampled_from(["a", "b", "r", "x_1"])
-    literal = st.text(alphabet="abc{}[]()|*+?\\\"/ .", min_size=1, max_size=6).map(json.dumps)
-    lark = st.lists(st.tuples(name, st.lists(st.one_of(name, literal), min_size=1, max_size=4)),
-                    min_size=1, max_size=6).map(
-        lambda rules: "start: " + " | ".join(r for r, _ in rules) + "\n"
-        + "\n".join(f"{r}: {' '.join(body)}" for r, body in rules))
+    literal = st.text(alphabet='abc{}[]()|*+?\\"/ .', min_size=1, max_size=6).map(json.dumps)
+    lark = st.lists(
+        st.tuples(name, st.lists(st.one_of(name, literal), min_size=1, max_size=4)), min_size=1, max_size=6
+    ).map(
+        lambda rules: (
+            "start: "
+            + " | ".join(r for r, _ in rules)
+            + "\n"
+            + "\n".join(f"{r}: {' '.join(body)}" for r, body in rules)
+        )
+    )
     regex = st.text(alphabet="ab()[]|*+?{}^$.\\0-9,", min_size=0, max_size=40)
-    leaf = st.sampled_from([{"type": "integer"}, {"type": "string"}, {"type": "boolean"}, {"enum": ["a", 1]},
-                            {"type": "strinx"}, {"minimum": "x"}, {}])
-    schema = st.recursive(leaf, lambda inner: st.one_of(
-        st.builds(lambda p: {"type": "object", "properties": p}, st.dictionaries(name, inner, max_size=3)),
-        st.builds(lambda xs: {"anyOf": xs}, st.lists(inner, max_size=4)),
-        st.builds(lambda x: {"type": "array", "items": x}, inner)), max_leaves=12)
+    leaf = st.sampled_from(
+        [
+            {"type": "integer"},
+            {"type": "string"},
+            {"type": "boolean"},
+            {"enum": ["a", 1]},
+            {"type": "strinx"},
+            {"minimum": "x"},
+            {},
+        ]
+    )
+    schema = st.recursive(
+        leaf,
+        lambda inner: st.one_of(
+            st.builds(lambda p: {"type": "object", "properties": p}, st.dictionaries(name, inner, max_size=3)),
+            st.builds(lambda xs: {"anyOf": xs}, st.lists(inner, max_size=4)),
+            st.builds(lambda x: {"type": "array", "items": x}, inner),
+        ),
+        max_leaves=12,
+    )
     return st.one_of(
         lark.map(lambda g: {"guided_grammar": g}),
         st.text(max_size=60).map(lambda g: {"structured_outputs": {"grammar": g}}),
         regex.map(lambda r: {"guided_regex": r}),
         schema.map(lambda s: {"guided_json": s}),
         schema.map(lambda s: {"response_format": {"type": "json_schema", "json_schema": {"name": "f", "schema": s}}}),
-        st.lists(st.text(max_size=4), max_size=5).map(lambda c: {"guided_choice": c}))
+        st.lists(st.text(max_size=4), max_size=5).map(lambda c: {"guided_choice": c}),
+    )
 
 
 def test_generated_grammars_schemas_and_regexes_never_get_a_5xx(target, tiny_model):
@@ -173,8 +211,12 @@ def test_generated_grammars_schemas_and_regexes_never_get_a_5xx(target, tiny_mod
     assert all(live_pids(target).values())
     statuses: dict[int, int] = {}
 
-    @settings(max_examples=60, deadline=None, database=None,
-              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @settings(
+        max_examples=60,
+        deadline=None,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    )
     @given(_grammars())
     def one(fields):
         r = post(target, fields)

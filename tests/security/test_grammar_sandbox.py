@@ -93,7 +93,19 @@ def test_the_engine_thread_compiles_a_grammar_at_the_ceiling_whatever_the_hosts_
     from engine.structured import GRAMMAR_CEILING
     from tests.serving.cluster import REPO
 
-    run = subprocess.run(["bash", "-c", 'ulimit -s 1024 && exec "$0" -c "$1" "$2" "$3"', sys.executable,
-                          ENGINE_COMPILES, tiny_model, str(GRAMMAR_CEILING.max_rules)],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    run = subprocess.run(
+        [
+            "bash",
+            "-c",
+            'ulimit -s 1024 && exec "$0" -c "$1" "$2" "$3"',
+            sys.executable,
+            ENGINE_COMPILES,
+            tiny_model,
+            str(GRAMMAR_CEILING.max_rules),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert (run.returncode, run.stdout.strip().splitlines()[-1:]) == (0, ["compiled"]), run.stderr[-2000:]

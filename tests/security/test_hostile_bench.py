@@ -27,8 +27,11 @@ def test_every_attack_is_answered_without_a_5xx_or_a_restart_and_the_victim_is_s
         statuses = dict(row["statuses"])
         # This cluster lets one address hold MAX_CONNECTIONS connections: of 8 prompts sent at once beside
         # the victim's, those over it get a 503 and are closed before a byte is read (server_common/connections.py).
-        refused = sum(statuses.pop(k) for k in (503, "RemoteProtocolError", "ConnectError", "ReadError", "WriteError")
-                      if k in statuses)
+        refused = sum(
+            statuses.pop(k)
+            for k in (503, "RemoteProtocolError", "ConnectError", "ReadError", "WriteError")
+            if k in statuses
+        )
         assert refused <= max(0, copies + 1 - MAX_CONNECTIONS), row
         expected = 200 if name in ANSWERED else 400
         assert statuses == {expected: copies * times - refused}, row
@@ -43,9 +46,15 @@ def test_every_attack_is_answered_without_a_5xx_or_a_restart_and_the_victim_is_s
 
 
 def test_help_and_a_folder_without_a_cluster(tmp_path):
-    help_run = subprocess.run([sys.executable, "-m", "bench.micro.hostile", "--help"], capture_output=True, text=True,
-                              cwd=REPO, timeout=60)
+    help_run = subprocess.run(
+        [sys.executable, "-m", "bench.micro.hostile", "--help"], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert help_run.returncode == 0 and "run_dir" in help_run.stdout
-    bad = subprocess.run([sys.executable, "-m", "bench.micro.hostile", str(tmp_path)], capture_output=True, text=True,
-                         cwd=REPO, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "bench.micro.hostile", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "no cluster.json" in bad.stderr

@@ -25,8 +25,11 @@ def engine(tiny_model):
 
 def test_a_caller_past_its_unfilled_blocks_gets_503_and_others_still_reserve(engine):
     make_receiver, made = scripted(ScriptedReceiver)
-    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0,
-                                               max_unfilled_blocks_per_caller=3), engine, make_receiver)
+    service = GenerationService(
+        ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0, max_unfilled_blocks_per_caller=3),
+        engine,
+        make_receiver,
+    )
     (receiver,) = made
 
     async def main():

@@ -73,8 +73,9 @@ def crash(cluster: FakeCluster, name: str, code: int = 9) -> Proc:
 
 def test_a_failed_process_is_restarted_after_a_doubling_backoff_until_the_cap(cluster):
     clock, lines = Clock(), []
-    sup = Supervisor(cluster, RestartConfig(backoff_s=1.0, backoff_max_s=3.0, max_restarts=3, window_s=100),
-                     clock, lines.append)
+    sup = Supervisor(
+        cluster, RestartConfig(backoff_s=1.0, backoff_max_s=3.0, max_restarts=3, window_s=100), clock, lines.append
+    )
     delays = []
     for _ in range(3):
         crash(cluster, "p0")

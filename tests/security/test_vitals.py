@@ -18,9 +18,9 @@ from transfer.inproc import InprocHub
 from transfer.layout import KVLayout
 from transfer.messages import Done, encode
 
-LAYOUT = KVLayout.for_engine_cache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8,
-                                   dtype="float32")
-
+LAYOUT = KVLayout.for_engine_cache(
+    num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32"
+)
 
 
 @pytest.fixture

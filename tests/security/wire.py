@@ -33,8 +33,9 @@ def bound_socket(ctx: zmq.Context, receiver_hello: bytes) -> zmq.Socket:
     return connect_as(ctx, meta["endpoint"], meta["identity"])
 
 
-def write_frames(transfer_id: str, layer: int, offsets, lengths, nbytes: int | None = None,
-                 payload: bytes | None = None) -> list[bytes]:
+def write_frames(
+    transfer_id: str, layer: int, offsets, lengths, nbytes: int | None = None, payload: bytes | None = None
+) -> list[bytes]:
     offsets = np.asarray(offsets, dtype=np.int64)
     lengths = np.asarray(lengths, dtype=np.int64)
     nbytes = int(lengths.sum()) if nbytes is None else nbytes

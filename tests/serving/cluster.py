@@ -28,14 +28,21 @@ def merge(base: dict, changes: dict) -> dict:
     return out
 
 
-def make_config(folder: Path, template: str, model: str, changes: dict | None = None,
-                instances: dict[str, dict] | None = None) -> Path:
+def make_config(
+    folder: Path, template: str, model: str, changes: dict | None = None, instances: dict[str, dict] | None = None
+) -> Path:
     """``configs/<template>.yaml`` with the given model, free ports, one torch thread per server;
     ``changes`` merged into it, ``instances`` (name -> fields) into those instances' entries."""
     data = yaml.safe_load((CONFIGS / f"{template}.yaml").read_text())
-    data = merge(data, {"model": model, "served_model_name": "tiny",
-                        "engine": {"num_threads": 1, "kv_cache_bytes": 16 << 20},
-                        "router": {"health_interval_s": 0.5}})
+    data = merge(
+        data,
+        {
+            "model": model,
+            "served_model_name": "tiny",
+            "engine": {"num_threads": 1, "kv_cache_bytes": 16 << 20},
+            "router": {"health_interval_s": 0.5},
+        },
+    )
     data = merge(data, changes or {})
     entries = [i for role in ("prefill", "decode", "colocated") for i in data.get(role) or []]
     for entry in entries:
@@ -50,14 +57,32 @@ def make_config(folder: Path, template: str, model: str, changes: dict | None = 
 
 
 class Cluster:
-    def __init__(self, config: Path, run_dir: Path, start_timeout: float = 180.0, only: str | None = None,
-                 secret: str | None = None) -> None:
+    def __init__(
+        self,
+        config: Path,
+        run_dir: Path,
+        start_timeout: float = 180.0,
+        only: str | None = None,
+        secret: str | None = None,
+    ) -> None:
         self.run_dir = run_dir
         env = dict(os.environ, PYTHONPATH=str(REPO))
         self.launcher = subprocess.Popen(
-            [sys.executable, "-m", "deploy.cli", "launch", str(config), "--run-dir", str(run_dir),
-             *(["--only", only] if only else [])],
-            stdout=open(run_dir / "launcher.log", "wb"), stderr=subprocess.STDOUT, env=env, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "deploy.cli",
+                "launch",
+                str(config),
+                "--run-dir",
+                str(run_dir),
+                *(["--only", only] if only else []),
+            ],
+            stdout=open(run_dir / "launcher.log", "wb"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=REPO,
+        )
         manifest = run_dir / "cluster.json"
         deadline = time.monotonic() + start_timeout
         while not manifest.exists():
@@ -79,8 +104,7 @@ class Cluster:
         leaving idle ones open on the router (which keeps them router.client_keepalive_s)."""
         key = tuple(sorted(kw.items()))
         if key not in self._clients:
-            self._clients[key] = openai.OpenAI(base_url=f"{self.router_url}/v1", api_key="test", max_retries=0,
-                                               **kw)
+            self._clients[key] = openai.OpenAI(base_url=f"{self.router_url}/v1", api_key="test", max_retries=0, **kw)
         return self._clients[key]
 
     def async_client(self) -> openai.AsyncOpenAI:

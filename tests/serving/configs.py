@@ -4,8 +4,11 @@ import pytest
 
 from deploy.config import ConfigError, parse_config
 
-BASE = {"model": "tiny", "prefill": [{"name": "p0", "port": 9100}],
-        "decode": [{"name": "d0", "port": 9200, "block_size": 32}]}
+BASE = {
+    "model": "tiny",
+    "prefill": [{"name": "p0", "port": 9100}],
+    "decode": [{"name": "d0", "port": 9200, "block_size": 32}],
+}
 
 
 def error_of(data) -> str:

@@ -25,9 +25,16 @@ def one_p_one_d(tmp_path_factory, tiny_model):
     Prefix caching is off here: these modules send the same prompts again and
     count the tokens each server computes (test_prefix_disaggregated.py runs
     a cluster with caching on)."""
-    c = start_cluster(tmp_path_factory, "tiny-1p1d", tiny_model,
-                      {"max_model_len": MAX_MODEL_LEN, "router": {"local_prefill_threshold": THRESHOLD},
-                       "engine": {"prefix_caching": False}})
+    c = start_cluster(
+        tmp_path_factory,
+        "tiny-1p1d",
+        tiny_model,
+        {
+            "max_model_len": MAX_MODEL_LEN,
+            "router": {"local_prefill_threshold": THRESHOLD},
+            "engine": {"prefix_caching": False},
+        },
+    )
     yield c
     c.stop()
 

@@ -70,9 +70,16 @@ class FakeWorkerClient:
         reservation = None
         if not req.local_prefill:
             num_tokens = len(req.prompt_token_ids)
-            reservation = Reservation(instance=worker.name, request_id=req.request_id, transfer_id="t-" +
-                                      req.request_id, block_ids=list(range(num_tokens // 16 + 1)), block_size=16,
-                                      num_tokens=num_tokens, lease_s=30, kv_target={})
+            reservation = Reservation(
+                instance=worker.name,
+                request_id=req.request_id,
+                transfer_id="t-" + req.request_id,
+                block_ids=list(range(num_tokens // 16 + 1)),
+                block_size=16,
+                num_tokens=num_tokens,
+                lease_s=30,
+                kv_target={},
+            )
         events = [e for i in range(req.sampling.n) for e in self.sequence(req, i)]
         stream = FakeStream(worker, reservation, events, self.delay, num_cached_tokens=self.cached_tokens)
         self.streams.append(stream)
@@ -93,19 +100,25 @@ class FakeWorkerClient:
             if pos == 0 and index == 0 and req.local_prefill and sampling.prompt_logprobs is not None:
                 prompt = fake_prompt_logprobs(len(req.prompt_token_ids), sampling.prompt_logprobs)
             reason = (self.finish_reason if n == len(self.reply) else "length") if pos == n - 1 else None
-            events.append(TokensEvent(token_ids=[t], index=index, logprobs=logprobs, prompt_logprobs=prompt,
-                                      finish_reason=reason))
+            events.append(
+                TokensEvent(token_ids=[t], index=index, logprobs=logprobs, prompt_logprobs=prompt, finish_reason=reason)
+            )
         return events
 
     async def prefill(self, worker, req):
         self.prefills.append((worker.name, req))
         sampling = req.sampling
         return PrefillResult(
-            request_id=req.request_id, first_token_ids=[self.reply[0]] * sampling.n,
-            num_tokens=len(req.prompt_token_ids), transfer_bytes=0, seconds=0.0,
+            request_id=req.request_id,
+            first_token_ids=[self.reply[0]] * sampling.n,
+            num_tokens=len(req.prompt_token_ids),
+            transfer_bytes=0,
+            seconds=0.0,
             first_logprobs=None if sampling.logprobs is None else [fake_logprob(0, sampling.logprobs)] * sampling.n,
-            prompt_logprobs=None if sampling.prompt_logprobs is None else fake_prompt_logprobs(
-                len(req.prompt_token_ids), sampling.prompt_logprobs))
+            prompt_logprobs=None
+            if sampling.prompt_logprobs is None
+            else fake_prompt_logprobs(len(req.prompt_token_ids), sampling.prompt_logprobs),
+        )
 
     async def abort(self, worker, request_id):
         self.aborts.append((worker.name, request_id))

@@ -13,8 +13,9 @@ SALT = "model|float32"
 
 def page(log: KvEventLog, after: int, block_size: int = 4) -> KvEventsReply:
     p = log.since(after)
-    return KvEventsReply(epoch=p.epoch, oldest=p.oldest, last=p.last, events=p.events, block_size=block_size,
-                         salt=SALT, enabled=True)
+    return KvEventsReply(
+        epoch=p.epoch, oldest=p.oldest, last=p.last, events=p.events, block_size=block_size, salt=SALT, enabled=True
+    )
 
 
 def snapshot(log: KvEventLog, block_size: int = 4) -> KvBlocksReply:

@@ -28,17 +28,28 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 GENERATION_REQUESTS = ("ChatCompletionRequest", "CompletionRequest")
 UNSTATED_LIMITS = {
-    ("prompt", "invalid_value"), ("messages", "invalid_value"),  # router.max_prompt_tokens
-    ("prompt", "context_length_exceeded"), ("messages", "context_length_exceeded"),  # the context
-    ("max_tokens", "context_length_exceeded"), ("max_completion_tokens", "context_length_exceeded"),
+    ("prompt", "invalid_value"),
+    ("messages", "invalid_value"),  # router.max_prompt_tokens
+    ("prompt", "context_length_exceeded"),
+    ("messages", "context_length_exceeded"),  # the context
+    ("max_tokens", "context_length_exceeded"),
+    ("max_completion_tokens", "context_length_exceeded"),
     ("min_tokens", "invalid_value"),  # above the request's max_tokens
     ("max_tokens", "invalid_value"),  # 0 without echo
     ("top_logprobs", "invalid_value"),  # without logprobs true
     ("best_of", "invalid_value"),  # other than n
 }
 
-GRAMMAR_PARAMS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                  "guided_grammar", "tools", "tool_choice")
+GRAMMAR_PARAMS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "tools",
+    "tool_choice",
+)
 
 
 def pinned(doc: dict, model: str) -> dict:

@@ -22,16 +22,31 @@ from transfer.outcome import Outcome, TransferEnded
 
 def generate_request(rid: str, n: int = 6, max_tokens: int = 3) -> GenerateRequest:
     """A greedy request for a decode server: an ``n``-token prompt."""
-    return GenerateRequest(request_id=rid, prompt_token_ids=list(range(10, 10 + n)),
-                           sampling=SamplingParams(max_tokens=max_tokens, temperature=0))
+    return GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=list(range(10, 10 + n)),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
+    )
 
 
 def prefill_request(rid: str, n: int) -> PrefillRequest:
     """A greedy request for a prefill server: an ``n``-token prompt into a reservation on d0."""
-    res = Reservation(instance="d0", request_id=rid, transfer_id=f"t-{rid}", block_ids=[3, 4], block_size=16,
-                      num_tokens=n, lease_s=30, kv_target={"peer": "d0"})
-    return PrefillRequest(request_id=rid, prompt_token_ids=list(range(20, 20 + n)),
-                          sampling=SamplingParams(max_tokens=4, temperature=0), reservation=res)
+    res = Reservation(
+        instance="d0",
+        request_id=rid,
+        transfer_id=f"t-{rid}",
+        block_ids=[3, 4],
+        block_size=16,
+        num_tokens=n,
+        lease_s=30,
+        kv_target={"peer": "d0"},
+    )
+    return PrefillRequest(
+        request_id=rid,
+        prompt_token_ids=list(range(20, 20 + n)),
+        sampling=SamplingParams(max_tokens=4, temperature=0),
+        reservation=res,
+    )
 
 
 class ScriptedEnds:
@@ -132,8 +147,9 @@ def decode_engine(tiny_model) -> LLMEngine:
     """The decode engine ``run_decode_service`` serves: 8 blocks of 4 tokens."""
     # No prefix caching: the scripted receiver admits reservations whose KV never arrived
     # (test_prefix_cache_service.py runs with caching on).
-    return LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=8, num_threads=1, mode="decode",
-                                  prefix_caching=False))
+    return LLMEngine(
+        EngineConfig(model=tiny_model, block_size=4, num_blocks=8, num_threads=1, mode="decode", prefix_caching=False)
+    )
 
 
 def run_decode_service(engine, scenario, **settings) -> str:
@@ -141,8 +157,9 @@ def run_decode_service(engine, scenario, **settings) -> str:
     (ServerSettings fields), run ``await scenario(service, receiver)``, then wait until every block is
     free again and check the engine. Returns the service's metrics (Prometheus text)."""
     make_receiver, made = scripted(ScriptedReceiver)
-    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0,
-                                               **settings), engine, make_receiver)
+    service = GenerationService(
+        ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0, **settings), engine, make_receiver
+    )
     (receiver,) = made
 
     async def main():

@@ -61,8 +61,12 @@ def test_bad_chat_request_gets_400(served, body, param):
 
 
 def test_malformed_json_gets_400(served):
-    resp = post(served, "/v1/chat/completions", content=b'{"model": "tiny", "messages": [',
-                headers={"content-type": "application/json"})
+    resp = post(
+        served,
+        "/v1/chat/completions",
+        content=b'{"model": "tiny", "messages": [',
+        headers={"content-type": "application/json"},
+    )
     assert "JSON" in assert_openai_error(resp, 400)["message"]
 
 
@@ -73,10 +77,12 @@ def test_prompt_beyond_the_context_gets_400(served):
 
 
 def test_max_tokens_0_without_echo_and_logprobs_beyond_20_are_refused(served):
-    assert_openai_error(post(served, "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}),
-                        400, "max_tokens")
-    assert_openai_error(post(served, "/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 21}),
-                        400, "logprobs")
+    assert_openai_error(
+        post(served, "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 0}), 400, "max_tokens"
+    )
+    assert_openai_error(
+        post(served, "/v1/completions", json={"model": "tiny", "prompt": "x", "logprobs": 21}), 400, "logprobs"
+    )
 
 
 @pytest.mark.parametrize("fields", [{"best_of": 2}, {"suffix": "tail"}], ids=["best-of-2", "suffix"])
@@ -90,16 +96,24 @@ def test_the_servers_take_every_sampling_field_the_router_accepts(served, tiny_m
     SamplingParams, and those fields change it (the bias alone forces token 5)."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    fields = {"presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.2,
-              "logit_bias": {"5": 100, "7": -100}, "min_tokens": 1, "stop_token_ids": [9], "seed": 3}
+    fields = {
+        "presence_penalty": 0.5,
+        "frequency_penalty": -0.5,
+        "repetition_penalty": 1.2,
+        "logit_bias": {"5": 100, "7": -100},
+        "min_tokens": 1,
+        "stop_token_ids": [9],
+        "seed": 3,
+    }
     engine = LLMEngine(EngineConfig(model=tiny_model, num_blocks=64, num_threads=1))
     prompt = engine.tokenizer("hello").input_ids
     params = {**fields, "logit_bias": ((5, 100.0), (7, -100.0)), "stop_token_ids": (9,)}
     (offline,) = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0, **params))
     (plain,) = engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0))
     assert offline.token_ids[0] == 5 and offline.token_ids != plain.token_ids
-    r = served.client().completions.create(model="tiny", prompt="hello", max_tokens=4, temperature=0,
-                                           extra_body={**fields, "user": "u-1", "best_of": 1})
+    r = served.client().completions.create(
+        model="tiny", prompt="hello", max_tokens=4, temperature=0, extra_body={**fields, "user": "u-1", "best_of": 1}
+    )
     assert (r.choices[0].text, r.usage.completion_tokens) == (offline.text, len(offline.token_ids))
 
 

@@ -25,9 +25,15 @@ LOCAL = 'pdserve_request_paths_total{path="local_prefill"}'
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
-    c = start_cluster(tmp_path_factory, "1p2d", tiny_model,
-                      {"max_model_len": 1024, "router": {"policy": "cache_aware", "kv_events_interval_s": 0.05,
-                                                       "local_prefill_threshold": THRESHOLD}})
+    c = start_cluster(
+        tmp_path_factory,
+        "1p2d",
+        tiny_model,
+        {
+            "max_model_len": 1024,
+            "router": {"policy": "cache_aware", "kv_events_interval_s": 0.05, "local_prefill_threshold": THRESHOLD},
+        },
+    )
     yield c
     c.stop()
 
@@ -41,10 +47,10 @@ def wait_synced(c, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         index = router_index(c)
-        last = {d: c.http.get(f"{c.server(d)['url']}/kv/events", params={"after": 10 ** 9}).json()
-                for d in ("d0", "d1")}
-        if all(d in index and (index[d]["epoch"], index[d]["seq"]) == (last[d]["epoch"], last[d]["last"])
-               for d in last):
+        last = {d: c.http.get(f"{c.server(d)['url']}/kv/events", params={"after": 10**9}).json() for d in ("d0", "d1")}
+        if all(
+            d in index and (index[d]["epoch"], index[d]["seq"]) == (last[d]["epoch"], last[d]["last"]) for d in last
+        ):
             return index
         if time.monotonic() > deadline:
             raise AssertionError(f"router index {index} never caught up with {last}")
@@ -98,8 +104,7 @@ def test_a_rediscovered_server_is_reloaded_from_its_snapshot_and_routing_stays_e
     assert complete(c, tiny_model, B[:100] + [9, 8, 7, 6]) == (96, {"d0": 0, "d1": 96})
 
 
-def test_a_request_whose_uncached_part_is_short_is_prefilled_on_the_decode_server_holding_the_rest(
-        served, tiny_model):
+def test_a_request_whose_uncached_part_is_short_is_prefilled_on_the_decode_server_holding_the_rest(served, tiny_model):
     c = served
     wait_synced(c)
     counts = lambda: (c.metric("p0", PREFILLED), c.metric("d0", LOCAL), c.metric("d1", LOCAL))  # noqa: E731

@@ -28,7 +28,8 @@ def small_prefill(tmp_path_factory, tiny_model):
 
 
 def test_a_prompt_the_prefill_cache_cannot_hold_is_prefilled_on_the_decode_server_and_holds_nobody_up(
-        small_prefill, tiny_model):
+    small_prefill, tiny_model
+):
     cluster = small_prefill
     num_tokens = len(tokenizer(tiny_model)(LONG)["input_ids"])
     assert num_tokens + 1 > P_BLOCKS * 4
@@ -48,8 +49,10 @@ def test_a_prompt_the_prefill_cache_cannot_hold_is_prefilled_on_the_decode_serve
     out = client.completions.create(model="tiny", prompt=LONG, max_tokens=4, temperature=0)
     long_s = time.monotonic() - start
     beside.join(60)
-    print(f"{num_tokens}-token prompt over p0's {P_BLOCKS * 4}-token cache: answered in {long_s:.2f} s; "
-          f"a short request beside it in {short_times[0]:.2f} s")
+    print(
+        f"{num_tokens}-token prompt over p0's {P_BLOCKS * 4}-token cache: answered in {long_s:.2f} s; "
+        f"a short request beside it in {short_times[0]:.2f} s"
+    )
     assert (out.choices[0].text, out.usage.completion_tokens) == expected_completion(tiny_model, LONG, 4)
     assert short_times and short_times[0] < 5.0  # the 10 s lease never came into it
     assert long_s < 5.0

@@ -20,8 +20,11 @@ def feed(tokenizer, text: str, stops: list[str], last_reason: str = "length"):
     choice = ChoiceText(3, tokenizer, tokenizer("p")["input_ids"], stops, scored=True)
     deltas = []
     for k, t in enumerate(ids):
-        event = TokensEvent(token_ids=[t], logprobs=[TokenLogprob(logprob=-float(k))],
-                            finish_reason=last_reason if k == len(ids) - 1 else None)
+        event = TokensEvent(
+            token_ids=[t],
+            logprobs=[TokenLogprob(logprob=-float(k))],
+            finish_reason=last_reason if k == len(ids) - 1 else None,
+        )
         delta = choice.push(event)
         if delta is not None:
             deltas.append(delta)
@@ -31,7 +34,10 @@ def feed(tokenizer, text: str, stops: list[str], last_reason: str = "length"):
 def test_a_multibyte_character_s_tokens_go_out_with_it(tokenizer):
     ids, deltas = feed(tokenizer, "a€b", [])
     assert [(d.text, [s.token_id for s in d.tokens]) for d in deltas] == [
-        ("a", ids[:1]), ("€", ids[1:4]), ("b", ids[4:])]
+        ("a", ids[:1]),
+        ("€", ids[1:4]),
+        ("b", ids[4:]),
+    ]
     assert [s.logprob.logprob for d in deltas for s in d.tokens] == [0.0, -1.0, -2.0, -3.0, -4.0]
     assert deltas[-1].finish_reason == "length" and deltas[-1].completion_tokens == 5 and deltas[0].index == 3
 

@@ -25,8 +25,10 @@ def test_default_config_is_smollm2_with_different_block_sizes():
 
 
 def test_unknown_key_names_file_key_and_value():
-    assert error_of({**BASE, "decode": [{"name": "d0", "port": 9200, "block_sise": 32}]}) == \
-        "c.yaml: unknown key 'decode[0].block_sise' (value 32)"
+    assert (
+        error_of({**BASE, "decode": [{"name": "d0", "port": 9200, "block_sise": 32}]})
+        == "c.yaml: unknown key 'decode[0].block_sise' (value 32)"
+    )
 
 
 def test_bad_value_names_file_key_and_value():
@@ -60,8 +62,14 @@ def test_unreadable_and_invalid_yaml_files_are_named(tmp_path):
 
 
 def test_instance_overrides_win_over_engine_defaults(tmp_path):
-    cluster = parse_config({**BASE, "engine": {"num_threads": 3, "block_size": 8},
-                            "prefill": [{"name": "p0", "port": 9100, "num_threads": 1, "device": "cpu"}]}, "c.yaml")
+    cluster = parse_config(
+        {
+            **BASE,
+            "engine": {"num_threads": 3, "block_size": 8},
+            "prefill": [{"name": "p0", "port": 9100, "num_threads": 1, "device": "cpu"}],
+        },
+        "c.yaml",
+    )
     p = cluster.server_settings("p0", tmp_path)
     d = cluster.server_settings("d0", tmp_path)
     assert (p.engine.num_threads, p.engine.block_size, p.engine.mode) == (1, 8, "prefill")
@@ -70,11 +78,14 @@ def test_instance_overrides_win_over_engine_defaults(tmp_path):
 
 
 def test_router_settings_list_every_worker_with_its_role(tmp_path):
-    cluster = parse_config({**BASE, "router": {"port": 9000, "policy": "least_loaded",
-                                               "local_prefill_threshold": 32}}, "c.yaml")
+    cluster = parse_config(
+        {**BASE, "router": {"port": 9000, "policy": "least_loaded", "local_prefill_threshold": 32}}, "c.yaml"
+    )
     r = cluster.router_settings(tmp_path)
     assert [(w.name, w.role, w.url) for w in r.workers] == [
-        ("p0", "prefill", "http://127.0.0.1:9100"), ("d0", "decode", "http://127.0.0.1:9200")]
+        ("p0", "prefill", "http://127.0.0.1:9100"),
+        ("d0", "decode", "http://127.0.0.1:9200"),
+    ]
     assert (r.port, r.policy, r.local_prefill_threshold, r.served_model_name) == (9000, "least_loaded", 32, "tiny")
 
 

@@ -91,12 +91,16 @@ def test_duplicate_request_id_is_refused(engine):
 
 def test_n_sequences_stream_with_their_index_and_the_stream_ends_after_the_last_one(engine):
     async def scenario(service, receiver):
-        req = GenerateRequest(request_id="g", prompt_token_ids=list(range(10, 16)),
-                              sampling=SamplingParams(max_tokens=3, temperature=0, n=2, logprobs=2))
+        req = GenerateRequest(
+            request_id="g",
+            prompt_token_ids=list(range(10, 16)),
+            sampling=SamplingParams(max_tokens=3, temperature=0, n=2, logprobs=2),
+        )
         first, active = await service.open(req)
         receiver.end("t0", Outcome.OK, first_tokens=(42, 43))
-        events = [TokensEvent.model_validate_json(line) for line in
-                  [line async for line in service.events(first, active)][1:]]
+        events = [
+            TokensEvent.model_validate_json(line) for line in [line async for line in service.events(first, active)][1:]
+        ]
         by_index = {i: [e for e in events if e.index == i] for i in (0, 1)}
         assert len(events) == 6 and [e.token_ids for e in by_index[0]][0] == [42]
         assert [e.token_ids for e in by_index[1]][0] == [43]
@@ -112,8 +116,11 @@ def test_n_sequences_stream_with_their_index_and_the_stream_ends_after_the_last_
 @pytest.mark.parametrize("first_tokens", [(42,), (42, 43, 44), (42, 1 << 20)])
 def test_a_notice_without_one_first_token_in_the_vocabulary_per_sequence_fails_the_request(engine, first_tokens):
     async def scenario(service, receiver):
-        req = GenerateRequest(request_id="h", prompt_token_ids=list(range(10, 16)),
-                              sampling=SamplingParams(max_tokens=3, temperature=0, n=2))
+        req = GenerateRequest(
+            request_id="h",
+            prompt_token_ids=list(range(10, 16)),
+            sampling=SamplingParams(max_tokens=3, temperature=0, n=2),
+        )
         first, active = await service.open(req)
         receiver.end("t0", Outcome.OK, first_tokens=first_tokens)
         lines = [line async for line in service.events(first, active)]

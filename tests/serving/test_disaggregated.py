@@ -30,13 +30,24 @@ def test_prefill_and_decode_block_sizes_differ(served):
 def test_completions_greedy_equal_transformers(served, tiny_model, stream):
     client = served.client()
     prefilled_before = served.metric("p0", 'pdserve_requests_total{outcome="ok"}')
-    counters = {(name, kind): served.metric(name, f'pdserve_engine_tokens_total{{kind="{kind}"}}')
-                for name in ("p0", "d0") for kind in ("prompt", "decode")}
+    counters = {
+        (name, kind): served.metric(name, f'pdserve_engine_tokens_total{{kind="{kind}"}}')
+        for name in ("p0", "d0")
+        for kind in ("prompt", "decode")
+    }
     for prompt in PROMPTS:
         text, count = expected_completion(tiny_model, prompt, 24)
         if stream:
-            chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
-                                                    stream=True, stream_options={"include_usage": True}))
+            chunks = list(
+                client.completions.create(
+                    model="tiny",
+                    prompt=prompt,
+                    max_tokens=24,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+            )
             got = "".join(c.choices[0].text for c in chunks if c.choices)
             usage = chunks[-1].usage
             finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
@@ -49,24 +60,38 @@ def test_completions_greedy_equal_transformers(served, tiny_model, stream):
         assert finish == ("length" if count == 24 else "stop")
     assert served.metric("p0", 'pdserve_requests_total{outcome="ok"}') == prefilled_before + len(PROMPTS)
     # Every prompt token computed once, on P; D only decodes.
-    grew = {key: served.metric(key[0], f'pdserve_engine_tokens_total{{kind="{key[1]}"}}') - v
-            for key, v in counters.items()}
+    grew = {
+        key: served.metric(key[0], f'pdserve_engine_tokens_total{{kind="{key[1]}"}}') - v for key, v in counters.items()
+    }
     prompt_tokens = sum(len(tokenizer(tiny_model)(p)["input_ids"]) for p in PROMPTS)
-    assert grew == {("p0", "prompt"): prompt_tokens, ("p0", "decode"): 0, ("d0", "prompt"): 0,
-                    ("d0", "decode"): grew[("d0", "decode")]} and grew[("d0", "decode")] > 0
+    assert (
+        grew
+        == {
+            ("p0", "prompt"): prompt_tokens,
+            ("p0", "decode"): 0,
+            ("d0", "prompt"): 0,
+            ("d0", "decode"): grew[("d0", "decode")],
+        }
+        and grew[("d0", "decode")] > 0
+    )
     assert served.metric("d0", "pdserve_preemptions_total") == 0
     assert served.metric("d0", 'pdserve_engine_steps_total{kind="decode"}') > 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_greedy_equal_transformers(served, tiny_model, stream):
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "What is the capital of France? Numbers: 1 2 3."}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "What is the capital of France? Numbers: 1 2 3."},
+    ]
     text, count = expected_chat(tiny_model, messages, 20)
     client = served.client()
     if stream:
-        chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=20,
-                                                     temperature=0, stream=True))
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny", messages=messages, max_completion_tokens=20, temperature=0, stream=True
+            )
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         got = "".join(c.choices[0].delta.content or "" for c in chunks)
         assert chunks[-1].choices[0].finish_reason in ("stop", "length")
@@ -112,8 +137,14 @@ def test_stop_string_ends_the_answer_before_it(served, tiny_model):
 
 
 def test_client_disconnect_mid_stream_frees_blocks_on_both_servers_within_a_second(served):
-    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 900, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "prompt": PROMPTS[1],
+        "max_tokens": 900,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{served.router_url}/v1/completions", json=body) as resp:
             assert resp.status_code == 200
@@ -150,6 +181,12 @@ def test_seeded_sampling_across_prefill_and_decode_equals_the_engine_alone(serve
     engine = LLMEngine(EngineConfig(model=tiny_model, num_blocks=64, num_threads=1))
     (offline,) = engine.generate([prompt], SamplingParams(**params))
     client = served.client()
-    answers = [client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0.9, top_p=0.95,
-                                         seed=1234, extra_body={"top_k": 50}).choices[0].text for _ in range(2)]
+    answers = [
+        client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=16, temperature=0.9, top_p=0.95, seed=1234, extra_body={"top_k": 50}
+        )
+        .choices[0]
+        .text
+        for _ in range(2)
+    ]
     assert answers == [offline.text, offline.text]

@@ -29,14 +29,20 @@ class Workers:
             if base not in self.reports:
                 raise httpx.ConnectError("refused")
             return httpx.Response(200, json=self.reports[base])
-        self.calls.append((request.method, base, request.url.path + (f" {request.content.decode()}"
-                                                                    if request.content else "")))
+        self.calls.append(
+            (request.method, base, request.url.path + (f" {request.content.decode()}" if request.content else ""))
+        )
         return httpx.Response(200, json={})
 
 
 def report(name: str, role: str, model: str = MODEL) -> dict:
-    return {"instance": name, "role": role, "model": model, "status": "ok",
-            "kv_blocks": {"free": 8, "reserved": 0, "running": 0, "total": 8}}
+    return {
+        "instance": name,
+        "role": role,
+        "model": model,
+        "status": "ok",
+        "kv_blocks": {"free": 8, "reserved": 0, "running": 0, "total": 8},
+    }
 
 
 def run(workers: Workers, dns: dict[str, list[str]], scenario) -> RouterMetrics:
@@ -62,19 +68,27 @@ def sample(metrics: RouterMetrics, line_start: str) -> float:
 
 
 def test_addresses_dns_finds_join_and_each_decode_server_is_announced_to_the_prefill_servers():
-    workers = Workers({"http://10.1.0.1:8200": report("d0", "decode"), "http://10.1.0.2:8200": report("d1", "decode"),
-                       "http://10.1.0.3:8100": report("p0", "prefill")})
+    workers = Workers(
+        {
+            "http://10.1.0.1:8200": report("d0", "decode"),
+            "http://10.1.0.2:8200": report("d1", "decode"),
+            "http://10.1.0.3:8100": report("p0", "prefill"),
+        }
+    )
     dns = {"decode.svc": ["10.1.0.1", "10.1.0.2"], "prefill.svc": ["10.1.0.3"]}
 
     async def scenario(discovery, registry):
         await discovery.resolve_once()
         assert sorted((w.name, w.role, w.url) for w in registry.workers) == [
-            ("d0", "decode", "http://10.1.0.1:8200"), ("d1", "decode", "http://10.1.0.2:8200"),
-            ("p0", "prefill", "http://10.1.0.3:8100")]
+            ("d0", "decode", "http://10.1.0.1:8200"),
+            ("d1", "decode", "http://10.1.0.2:8200"),
+            ("p0", "prefill", "http://10.1.0.3:8100"),
+        ]
         # d0 and d1 joined before p0: p0 is told both when it joins
         assert sorted(workers.calls) == [
             ("POST", "http://10.1.0.3:8100", '/admin/peers {"name":"d0","url":"http://10.1.0.1:8200"}'),
-            ("POST", "http://10.1.0.3:8100", '/admin/peers {"name":"d1","url":"http://10.1.0.2:8200"}')]
+            ("POST", "http://10.1.0.3:8100", '/admin/peers {"name":"d1","url":"http://10.1.0.2:8200"}'),
+        ]
         await discovery.resolve_once()  # nothing changed: nothing happens
         assert len(registry.workers) == 3 and len(workers.calls) == 2
 
@@ -83,9 +97,13 @@ def test_addresses_dns_finds_join_and_each_decode_server_is_announced_to_the_pre
 
 
 def test_another_model_a_name_in_use_and_a_silent_address_are_refused_and_counted():
-    workers = Workers({"http://10.1.0.1:8200": report("d0", "decode"),
-                       "http://10.1.0.2:8200": report("d0", "decode"),  # same name, other address
-                       "http://10.1.0.3:8200": report("d9", "decode", model="other")})
+    workers = Workers(
+        {
+            "http://10.1.0.1:8200": report("d0", "decode"),
+            "http://10.1.0.2:8200": report("d0", "decode"),  # same name, other address
+            "http://10.1.0.3:8200": report("d9", "decode", model="other"),
+        }
+    )
     dns = {"decode.svc": ["10.1.0.1", "10.1.0.2", "10.1.0.3", "10.1.0.4"]}
 
     async def scenario(discovery, registry):
@@ -99,8 +117,13 @@ def test_another_model_a_name_in_use_and_a_silent_address_are_refused_and_counte
 
 
 def test_an_address_dns_no_longer_gives_is_drained_then_forgotten_everywhere():
-    workers = Workers({"http://10.1.0.1:8200": report("d0", "decode"), "http://10.1.0.2:8200": report("d1", "decode"),
-                       "http://10.1.0.3:8100": report("p0", "prefill")})
+    workers = Workers(
+        {
+            "http://10.1.0.1:8200": report("d0", "decode"),
+            "http://10.1.0.2:8200": report("d1", "decode"),
+            "http://10.1.0.3:8100": report("p0", "prefill"),
+        }
+    )
     dns = {"decode.svc": ["10.1.0.1", "10.1.0.2"], "prefill.svc": ["10.1.0.3"]}
 
     async def scenario(discovery, registry):
@@ -125,8 +148,10 @@ def test_an_address_dns_no_longer_gives_is_drained_then_forgotten_everywhere():
 
 def test_a_worker_whose_name_is_no_name_is_refused_and_every_joined_worker_can_leave():
     names = ["", "../../admin/workers", ".", "..", "a b", "x" * 65, None, 7]
-    workers = Workers({f"http://10.1.0.{i + 1}:8200": report(name, "decode") for i, name in enumerate(names)}
-                      | {"http://10.1.0.99:8200": report("d-0.ok_1", "decode")})
+    workers = Workers(
+        {f"http://10.1.0.{i + 1}:8200": report(name, "decode") for i, name in enumerate(names)}
+        | {"http://10.1.0.99:8200": report("d-0.ok_1", "decode")}
+    )
     dns = {"decode.svc": [f"10.1.0.{i + 1}" for i in range(len(names))] + ["10.1.0.99"]}
 
     async def scenario(discovery, registry):

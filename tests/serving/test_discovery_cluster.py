@@ -27,8 +27,9 @@ def two_launches(tmp_path_factory, tiny_model):
     """Launch A: p0, d0 and the router (config A lists only those). Launch B: d1 alone, from
     config B = A + d1 (what a second host runs)."""
     folder = tmp_path_factory.mktemp("discovery")
-    path_a = make_config(folder, "tiny-1p1d", tiny_model, {"security": {"internal_secret": SECRET},
-                                                           "engine": {"prefix_caching": False}})
+    path_a = make_config(
+        folder, "tiny-1p1d", tiny_model, {"security": {"internal_secret": SECRET}, "engine": {"prefix_caching": False}}
+    )
     data = yaml.safe_load(path_a.read_text())
     port, kv_port = free_ports(2)
     data_b = copy.deepcopy(data)
@@ -56,8 +57,11 @@ def answer(cluster: Cluster, tiny_model: str) -> None:
 def prefill_usage(a: Cluster) -> tuple[int, int]:
     """(resident KiB, open file descriptors) of the prefill server."""
     pid = a.server("p0")["pid"]
-    rss = next(int(line.split()[1]) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-               if line.startswith("VmRSS:"))
+    rss = next(
+        int(line.split()[1])
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if line.startswith("VmRSS:")
+    )
     return rss, len(os.listdir(f"/proc/{pid}/fd"))
 
 
@@ -100,7 +104,8 @@ def test_a_decode_server_joins_serves_and_leaves_and_churn_leaves_nothing_behind
 
 
 def test_a_router_launched_with_only_part_of_the_cluster_starts_and_serves_the_other_launchs_servers(
-        tmp_path, tiny_model):
+    tmp_path, tiny_model
+):
     # One host runs `launch --only p0`, another `launch --only router,d0`: the router reports its own
     # launch (what its launcher waits for) and takes p0 though another launch started it.
     path = make_config(tmp_path, "tiny-1p1d", tiny_model, {"security": {"internal_secret": SECRET}})
@@ -114,7 +119,7 @@ def test_a_router_launched_with_only_part_of_the_cluster_starts_and_serves_the_o
             assert health["launch_id"] == rd.http.get(f"{rd.server('d0')['url']}/health").json()["launch_id"]
             assert health["launch_id"] != p.http.get(f"{p.server('p0')['url']}/health").json()["launch_id"]
             answer(rd, tiny_model)
-            assert rd.metric("d0", "pdserve_request_paths_total{path=\"remote_kv\"}") >= 1  # p0 prefilled it
+            assert rd.metric("d0", 'pdserve_request_paths_total{path="remote_kv"}') >= 1  # p0 prefilled it
         finally:
             rd.stop()
     finally:

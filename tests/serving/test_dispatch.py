@@ -21,8 +21,14 @@ SAMPLING = SamplingParams(max_tokens=4, temperature=0)
 def make(fake, workers=None, admission=None, **settings):
     workers = workers or [Worker("p0", "prefill", "http://p0"), Worker("d0", "decode", "http://d0")]
     registry = WorkerRegistry(workers)
-    return registry, Dispatcher(registry, RoundRobin(), RoundRobin(), fake, DispatchSettings(**settings),
-                                admission=Admission(admission or AdmissionSettings()))
+    return registry, Dispatcher(
+        registry,
+        RoundRobin(),
+        RoundRobin(),
+        fake,
+        DispatchSettings(**settings),
+        admission=Admission(admission or AdmissionSettings()),
+    )
 
 
 async def drain(session):
@@ -74,8 +80,9 @@ def test_unreachable_decode_server_is_skipped_and_marked_down():
 
 def test_no_room_anywhere_waits_up_to_the_queue_timeout_then_429():
     fake = FakeWorkerClient(reply=[1], full={"d0"})
-    _, dispatcher = make(fake, admission=AdmissionSettings(queue_timeout_s=0.2, poll=0.05, retry_after_s=2.0),
-                         no_room_cooldown=0.01)
+    _, dispatcher = make(
+        fake, admission=AdmissionSettings(queue_timeout_s=0.2, poll=0.05, retry_after_s=2.0), no_room_cooldown=0.01
+    )
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -147,13 +154,22 @@ def test_local_prefill_is_decided_on_the_part_the_chosen_decode_server_does_not_
 
     prompt = list(range(1, 102))
     index = index_holding({"d1": 24}, prompt)  # 24 blocks of 4
-    workers = [Worker("p0", "prefill", "http://p0"), Worker("d0", "decode", "http://d0"),
-               Worker("d1", "decode", "http://d1")]
+    workers = [
+        Worker("p0", "prefill", "http://p0"),
+        Worker("d0", "decode", "http://d0"),
+        Worker("d1", "decode", "http://d1"),
+    ]
     registry = WorkerRegistry(workers)
     fake = FakeWorkerClient(reply=[5, 6])
-    dispatcher = Dispatcher(registry, CacheAware(index), RoundRobin(), fake,
-                            DispatchSettings(local_prefill_threshold=20), admission=Admission(AdmissionSettings()),
-                            kv_index=index)
+    dispatcher = Dispatcher(
+        registry,
+        CacheAware(index),
+        RoundRobin(),
+        fake,
+        DispatchSettings(local_prefill_threshold=20),
+        admission=Admission(AdmissionSettings()),
+        kv_index=index,
+    )
 
     async def run(request_id):
         session = await dispatcher.start(request_id, prompt, SAMPLING)
@@ -247,8 +263,11 @@ def test_a_request_over_its_share_of_the_kv_cache_is_a_400_naming_what_to_lower_
 
 
 def test_the_kv_share_is_configurable_and_a_server_that_reports_no_size_limits_nothing():
-    _, whole = make(FakeWorkerClient(reply=[1]), workers=[Worker("p0", "prefill", "http://p0"), decode_of(512)],
-                    max_request_kv_share=1.0)
+    _, whole = make(
+        FakeWorkerClient(reply=[1]),
+        workers=[Worker("p0", "prefill", "http://p0"), decode_of(512)],
+        max_request_kv_share=1.0,
+    )
     # the whole cache: 125 shared blocks and 16 x 24 own ones, where half of it allowed 16 x 8
     assert whole.kv_budget(2000, 2000, 16, explicit=False) == (125 + 24) * 16 - 2000 == 384
     _, unsized = make(FakeWorkerClient(reply=[1]))  # workers that never reported a cache
@@ -257,8 +276,9 @@ def test_the_kv_share_is_configurable_and_a_server_that_reports_no_size_limits_n
 
 def test_a_request_goes_only_to_a_decode_server_whose_share_holds_it():
     fake = FakeWorkerClient(reply=[1])
-    registry, dispatcher = make(fake, workers=[Worker("p0", "prefill", "http://p0"), decode_of(64, name="d0"),
-                                               decode_of(512, name="d1")])
+    registry, dispatcher = make(
+        fake, workers=[Worker("p0", "prefill", "http://p0"), decode_of(64, name="d0"), decode_of(512, name="d1")]
+    )
     sampling = SamplingParams(max_tokens=400, n=2, temperature=0)  # 2 x 25 blocks + none shared: > 32, <= 256
 
     async def run(rid):

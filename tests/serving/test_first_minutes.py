@@ -43,8 +43,7 @@ QUICK_S = 5.0  # well under a second on an idle machine; loose for a busy CI run
 
 def probe(*args: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=REPO,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, cwd=REPO, timeout=120)
     return proc, time.monotonic() - started
 
 
@@ -68,12 +67,13 @@ def test_version_is_the_package_s_without_importing_torch():
 
 def test_a_config_error_answers_quickly_without_importing_torch(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model: tiny\nrouter: {port: 8000, polcy: round_robin}\n"
-                   "prefill: [{name: p0, port: 8100}]\ndecode: [{name: d0, port: 8200}]\n")
+    bad.write_text(
+        "model: tiny\nrouter: {port: 8000, polcy: round_robin}\n"
+        "prefill: [{name: p0, port: 8100}]\ndecode: [{name: d0, port: 8200}]\n"
+    )
     proc, seconds = probe("launch", str(bad))
     lines = proc.stderr.splitlines()
-    assert lines == [f"pdserve launch: error: {bad}: unknown key 'router.polcy' (value 'round_robin')",
-                     "2 False False"]
+    assert lines == [f"pdserve launch: error: {bad}: unknown key 'router.polcy' (value 'round_robin')", "2 False False"]
     assert seconds < QUICK_S
 
 
@@ -83,7 +83,8 @@ def test_a_model_folder_that_does_not_exist_is_named_as_missing(tmp_path):
     folder = tmp_path / "no-such-model"
     assert proc.stderr.splitlines()[0] == (
         f"pdserve launch: error: model folder {folder} does not exist (a model is a local folder, or one of "
-        "the built-in models tiny, smollm2)")
+        "the built-in models tiny, smollm2)"
+    )
     assert proc.stderr.splitlines()[-1] == "2 False False"
     assert not (tmp_path / "run" / "cluster.json").exists()
 
@@ -91,9 +92,18 @@ def test_a_model_folder_that_does_not_exist_is_named_as_missing(tmp_path):
 # ---- health answers from processes the launch did not start ---------------------------------------------
 class _ForeignHealth(http.server.BaseHTTPRequestHandler):
     def do_GET(self):  # noqa: N802 (http.server's name)
-        body = json.dumps({"status": "ok", "role": "decode", "instance": "d0", "launch_id": "someone-else",
-                           "kv_blocks": {"free": 8, "reserved": 0, "running": 0, "total": 8},
-                           "queue_depth": 0, "queued_tokens": 0, "num_requests": 0}).encode()
+        body = json.dumps(
+            {
+                "status": "ok",
+                "role": "decode",
+                "instance": "d0",
+                "launch_id": "someone-else",
+                "kv_blocks": {"free": 8, "reserved": 0, "running": 0, "total": 8},
+                "queue_depth": 0,
+                "queued_tokens": 0,
+                "num_requests": 0,
+            }
+        ).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
@@ -128,7 +138,8 @@ def test_the_launcher_rejects_a_health_answer_from_a_process_it_did_not_start(tm
         assert time.monotonic() - started < 5
         assert str(raised.value) == (
             f"{foreign_server}/health is answered by a process this launch did not start (launch 'someone-else', "
-            f"instance 'd0'), not by decode d0 (pid {silent.pid}); is another cluster on its port?")
+            f"instance 'd0'), not by decode d0 (pid {silent.pid}); is another cluster on its port?"
+        )
     finally:
         silent.kill()
         silent.wait()
@@ -137,8 +148,16 @@ def test_the_launcher_rejects_a_health_answer_from_a_process_it_did_not_start(tm
 def test_the_router_takes_no_worker_whose_health_names_another_launch():
     def handler(request):
         launch = "ours" if request.url.host == "d0" else "theirs"
-        return httpx.Response(200, json={"instance": request.url.host, "launch_id": launch,
-                                         "kv_blocks": {"free": 7}, "queue_depth": 0, "queued_tokens": 0})
+        return httpx.Response(
+            200,
+            json={
+                "instance": request.url.host,
+                "launch_id": launch,
+                "kv_blocks": {"free": 7},
+                "queue_depth": 0,
+                "queued_tokens": 0,
+            },
+        )
 
     d0, d1 = Worker("d0", "decode", "http://d0"), Worker("d1", "decode", "http://d1")
     registry = WorkerRegistry([d0, d1], launch_id="ours")
@@ -174,26 +193,32 @@ def test_a_second_launch_on_ports_in_use_fails_fast_and_leaves_the_first_cluster
     first = one_p_one_d
     pids = {p["name"]: p["pid"] for p in first.manifest["processes"]}
     router_port = int(first.router_url.rsplit(":", 1)[1])
-    before = first.client().completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8,
-                                               temperature=0)
+    before = first.client().completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0)
     second_run = tmp_path / "second"
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", first.manifest["config"], "--run-dir",
-                           str(second_run)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "launch", first.manifest["config"], "--run-dir", str(second_run)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     seconds = time.monotonic() - started
     assert proc.returncode == 1
     lines = proc.stderr.splitlines()
-    assert lines[0].startswith(f"pdserve launch: error: port {router_port} on 127.0.0.1 (router) is held by "
-                               f"pid {pids['router']} (")
+    assert lines[0].startswith(
+        f"pdserve launch: error: port {router_port} on 127.0.0.1 (router) is held by pid {pids['router']} ("
+    )
     assert len(lines) == 5  # router, p0 and d0 HTTP, d0 kv_port; then the launch they belong to
     assert any(f"(d0 (kv_port)) is held by pid {pids['d0']} (" in line for line in lines)
-    assert lines[4].startswith(f"they belong to another `pdserve launch` (pid {first.launcher.pid}, "
-                               f"run dir {first.run_dir.resolve()}): stop it")
+    assert lines[4].startswith(
+        f"they belong to another `pdserve launch` (pid {first.launcher.pid}, "
+        f"run dir {first.run_dir.resolve()}): stop it"
+    )
     assert seconds < QUICK_S
     assert not second_run.exists()  # nothing started, not even a run folder
     assert all(_alive(pid) for pid in pids.values())
-    after = first.client().completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8,
-                                              temperature=0)
+    after = first.client().completions.create(model="tiny", prompt="The quick brown fox", max_tokens=8, temperature=0)
     assert after.choices[0].text == before.choices[0].text
     assert first.wait_idle() >= 0
     assert all(b["free"] == b["total"] for b in first.blocks().values())
@@ -211,15 +236,24 @@ def test_a_port_held_by_another_process_is_named_with_its_holder(tmp_path):
     config = load_config(make_config(tmp_path, "tiny-1p1d", "tiny"))
     assert busy_ports(config) == []
     port = config.router.port
-    holder = subprocess.Popen([sys.executable, "-c", f"import socket, time; s = socket.socket(); "
-                               f"s.bind(('127.0.0.1', {port})); s.listen(); print('ok', flush=True); "
-                               "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import socket, time; s = socket.socket(); "
+            f"s.bind(('127.0.0.1', {port})); s.listen(); print('ok', flush=True); "
+            "time.sleep(120)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline() == "ok\n"
         busy = busy_ports(config)
         assert len(busy) == 1
-        assert busy[0].startswith(f"port {port} on 127.0.0.1 (router) is held by pid {holder.pid} "
-                                  f"({sys.executable} -c import socket")
+        assert busy[0].startswith(
+            f"port {port} on 127.0.0.1 (router) is held by pid {holder.pid} ({sys.executable} -c import socket"
+        )
     finally:
         holder.kill()
         holder.wait()
@@ -246,9 +280,23 @@ def test_the_process_start_time_counts_the_interpreter_start():
 @pytest.mark.integration
 def test_a_launch_that_fails_while_starting_stops_what_it_started_without_talk_of_draining(tmp_path, tiny_model):
     config = make_config(tmp_path, "tiny-1p1d", tiny_model)
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", str(config), "--run-dir",
-                           str(tmp_path / "run"), "--health-timeout", "0.01"], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "launch",
+            str(config),
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--health-timeout",
+            "0.01",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert proc.stderr.startswith("pdserve launch: error: not healthy after 0 s: p0, d0")
     assert proc.stdout.splitlines()[-1] == "pdserve: stopping the 2 processes started"

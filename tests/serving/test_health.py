@@ -121,8 +121,13 @@ def test_a_decode_streams_heartbeats_are_answers_and_never_events():
     from router.cluster.worker_client import DecodeStream
     from server_common.worker_replies import AliveEvent, ReservationEvent, TokensEvent
 
-    lines = [ReservationEvent(reservation=None).model_dump_json(), AliveEvent().model_dump_json(), "",
-             AliveEvent().model_dump_json(), TokensEvent(token_ids=[7], finish_reason="length").model_dump_json()]
+    lines = [
+        ReservationEvent(reservation=None).model_dump_json(),
+        AliveEvent().model_dump_json(),
+        "",
+        AliveEvent().model_dump_json(),
+        TokensEvent(token_ids=[7], finish_reason="length").model_dump_json(),
+    ]
 
     async def source():
         for line in lines:

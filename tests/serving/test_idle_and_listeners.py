@@ -24,8 +24,12 @@ TICK = os.sysconf("SC_CLK_TCK")
 def cluster(request, tmp_path_factory, tiny_model):
     c = start_cluster(tmp_path_factory, "tiny-1p1d", tiny_model, {"transfer": {"backend": request.param}})
     # Serve one remote prefill first, so the KV connection is up: idle means idle after work.
-    reply = c.client().completions.create(model="tiny", prompt="one two three four five six seven eight nine ten "
-                                          "eleven twelve", max_tokens=4, temperature=0)
+    reply = c.client().completions.create(
+        model="tiny",
+        prompt="one two three four five six seven eight nine ten eleven twelve",
+        max_tokens=4,
+        temperature=0,
+    )
     assert reply.usage.completion_tokens == 4
     c.wait_idle()
     yield c
@@ -36,7 +40,7 @@ def _address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
     raw = bytes.fromhex(hex_address)
     if len(raw) == 4:
         return ipaddress.IPv4Address(raw[::-1])
-    return ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))  # 32-bit words, host order
+    return ipaddress.IPv6Address(b"".join(raw[i : i + 4][::-1] for i in range(0, 16, 4)))  # 32-bit words, host order
 
 
 def bound_sockets(pid: int) -> list[tuple[str, str, int]]:
@@ -90,7 +94,7 @@ def _cpu_seconds(stat_path: str) -> float:
         stat = Path(stat_path).read_text()
     except OSError:
         return 0.0
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / TICK
 
 

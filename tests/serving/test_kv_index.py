@@ -104,8 +104,10 @@ def test_cache_aware_weighs_a_partial_match_against_load():
     policy = CacheAware(index_holding({"d0": 2, "d1": 6}, prompt))
     assert names(policy.order(workers(0, 0), prompt)) == ["d1", "d0"]  # 24 tokens beat 8
     assert names(policy.order(workers(0, 4), prompt)) == ["d0", "d1"]  # 8/33 - 0 > 24/33 - 4/8
-    assert names(CacheAware(index_holding({"d0": 2, "d1": 6}, prompt), load_weight=0).order(
-        workers(0, 4), prompt)) == ["d1", "d0"]  # weight 0: the cache alone decides
+    assert names(CacheAware(index_holding({"d0": 2, "d1": 6}, prompt), load_weight=0).order(workers(0, 4), prompt)) == [
+        "d1",
+        "d0",
+    ]  # weight 0: the cache alone decides
 
 
 def test_cache_aware_with_nothing_cached_or_no_limit_balances_load():

@@ -17,10 +17,13 @@ from tests.serving.cluster import REPO, Cluster, _alive, make_config
 
 def test_bad_config_stops_the_launch_with_file_key_and_value(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model: tiny\nrouter: {port: 8000, polcy: round_robin}\n"
-                   "prefill: [{name: p0, port: 8100}]\ndecode: [{name: d0, port: 8200}]\n")
-    proc = subprocess.run([sys.executable, "-m", "deploy.cli", "launch", str(bad)], capture_output=True, text=True,
-                          cwd=REPO, timeout=60)
+    bad.write_text(
+        "model: tiny\nrouter: {port: 8000, polcy: round_robin}\n"
+        "prefill: [{name: p0, port: 8100}]\ndecode: [{name: d0, port: 8200}]\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "launch", str(bad)], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
     assert proc.returncode == 2
     assert f"{bad}: unknown key 'router.polcy' (value 'round_robin')" in proc.stderr
 

@@ -38,8 +38,9 @@ def test_concurrent_greedy_answers_equal_transformers_on_every_server(served, ti
 
     async def run():
         client = served.async_client()
-        return await asyncio.gather(*(client.completions.create(model="tiny", prompt=p, max_tokens=12,
-                                                                temperature=0) for p in prompts))
+        return await asyncio.gather(
+            *(client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0) for p in prompts)
+        )
 
     assert [r.choices[0].text for r in asyncio.run(run())] == expected
     servers, counter = served.spread
@@ -50,6 +51,7 @@ def test_concurrent_greedy_answers_equal_transformers_on_every_server(served, ti
 def test_streamed_chat_equals_transformers(served, tiny_model):
     messages = [{"role": "user", "content": "Hello, world! How are you today?"}]
     text, _ = expected_chat(tiny_model, messages, 16)
-    chunks = served.client().chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
-                                                     stream=True)
+    chunks = served.client().chat.completions.create(
+        model="tiny", messages=messages, max_tokens=16, temperature=0, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == text

@@ -24,8 +24,12 @@ def cluster(request, tmp_path_factory, tiny_model):
     if request.param == "1p1d":
         yield request.getfixturevalue("one_p_one_d")
         return
-    c = start_cluster(tmp_path_factory, "colocated", tiny_model,
-                      {"max_model_len": MAX_MODEL_LEN, "engine": {"prefix_caching": False, "block_size": 8}})
+    c = start_cluster(
+        tmp_path_factory,
+        "colocated",
+        tiny_model,
+        {"max_model_len": MAX_MODEL_LEN, "engine": {"prefix_caching": False, "block_size": 8}},
+    )
     yield c
     c.stop()
 
@@ -35,8 +39,15 @@ def scores(path: str, tokens: list[int]) -> torch.Tensor:
     return torch.log_softmax(hf_logits(path, tokens), dim=-1)
 
 
-def check_token(path: str, got_logprob: float, got_top: dict[str, float], row: torch.Tensor, token: int,
-                top: int, with_chosen: bool = False) -> None:
+def check_token(
+    path: str,
+    got_logprob: float,
+    got_top: dict[str, float],
+    row: torch.Tensor,
+    token: int,
+    top: int,
+    with_chosen: bool = False,
+) -> None:
     """The chosen token's log-probability and the top ones (with the chosen one: completions')."""
     tok = tokenizer(path)
     assert abs(got_logprob - row[token].item()) < TOL
@@ -58,12 +69,23 @@ def test_the_prompt_is_long_enough_to_be_prefilled_remotely_on_1p1d(served, tiny
 def test_chat_logprobs_equal_transformers(served, tiny_model, stream):
     prompt = chat_prompt_ids(tiny_model, MESSAGES)
     ids = hf_greedy(tiny_model, prompt, 8, ignore_eos=True)
-    kw = dict(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=TOP,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=TOP,
+        extra_body={"ignore_eos": True},
+    )
     client = served.client()
     if stream:
-        content = [x for ch in client.chat.completions.create(stream=True, **kw)
-                   if ch.choices and ch.choices[0].logprobs for x in ch.choices[0].logprobs.content]
+        content = [
+            x
+            for ch in client.chat.completions.create(stream=True, **kw)
+            if ch.choices and ch.choices[0].logprobs
+            for x in ch.choices[0].logprobs.content
+        ]
     else:
         content = client.chat.completions.create(**kw).choices[0].logprobs.content
     rows = scores(tiny_model, prompt + ids)
@@ -71,8 +93,9 @@ def test_chat_logprobs_equal_transformers(served, tiny_model, stream):
     assert [x.token for x in content] == [tok.decode([i]) for i in ids]
     for k, (x, token) in enumerate(zip(content, ids)):
         assert x.bytes == list(x.token.encode())
-        check_token(tiny_model, x.logprob, {t.token: t.logprob for t in x.top_logprobs},
-                    rows[len(prompt) - 1 + k], token, TOP)
+        check_token(
+            tiny_model, x.logprob, {t.token: t.logprob for t in x.top_logprobs}, rows[len(prompt) - 1 + k], token, TOP
+        )
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -80,8 +103,15 @@ def test_completion_echo_with_logprobs_scores_prompt_and_answer_as_transformers(
     tok = tokenizer(tiny_model)
     prompt = tok(PROMPT)["input_ids"]
     ids = hf_greedy(tiny_model, prompt, 4, ignore_eos=True)
-    kw = dict(model="tiny", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=TOP, echo=True,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=TOP,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
     client = served.client()
     if stream:
         chunks = [ch.choices[0] for ch in client.completions.create(stream=True, **kw) if ch.choices]
@@ -116,12 +146,14 @@ def test_max_tokens_0_with_echo_scores_the_prompt_only(served, tiny_model):
 def test_prompt_logprobs_in_vllm_s_shape_equal_transformers(served, tiny_model):
     tok = tokenizer(tiny_model)
     prompt = tok(PROMPT)["input_ids"]
-    r = served.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,
-                                                extra_body={"prompt_logprobs": TOP})
+    r = served.client().chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=1, extra_body={"prompt_logprobs": TOP}
+    )
     chat_prompt = chat_prompt_ids(tiny_model, MESSAGES)
     got = r.model_extra["prompt_logprobs"]
-    c = served.client().completions.create(model="tiny", prompt=PROMPT, max_tokens=1,
-                                           extra_body={"prompt_logprobs": TOP})
+    c = served.client().completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": TOP}
+    )
     for ids, entries in ((chat_prompt, got), (prompt, c.choices[0].model_extra["prompt_logprobs"])):
         rows = scores(tiny_model, ids)
         assert entries[0] is None and len(entries) == len(ids)
@@ -178,25 +210,41 @@ def test_every_block_is_free_again_on_every_server(served):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_penalties_and_logit_bias_through_the_router_equal_the_reference_on_transformers(served, tiny_model,
-                                                                                         stream):
+def test_penalties_and_logit_bias_through_the_router_equal_the_reference_on_transformers(served, tiny_model, stream):
     from engine.request import SamplingParams
 
     tok = tokenizer(tiny_model)
     prompt = tok(PROMPT)["input_ids"]
     first = hf_greedy(tiny_model, prompt, 1, ignore_eos=True)[0]
-    fields = {"presence_penalty": 0.7, "frequency_penalty": 0.4, "repetition_penalty": 1.3,
-              "logit_bias": {str(first): -30.0, "17": 4.0}, "min_tokens": 3, "ignore_eos": True}
-    params = SamplingParams(max_tokens=10, temperature=0, presence_penalty=0.7, frequency_penalty=0.4,
-                            repetition_penalty=1.3, logit_bias=((first, -30.0), (17, 4.0)), min_tokens=3,
-                            ignore_eos=True)
+    fields = {
+        "presence_penalty": 0.7,
+        "frequency_penalty": 0.4,
+        "repetition_penalty": 1.3,
+        "logit_bias": {str(first): -30.0, "17": 4.0},
+        "min_tokens": 3,
+        "ignore_eos": True,
+    }
+    params = SamplingParams(
+        max_tokens=10,
+        temperature=0,
+        presence_penalty=0.7,
+        frequency_penalty=0.4,
+        repetition_penalty=1.3,
+        logit_bias=((first, -30.0), (17, 4.0)),
+        min_tokens=3,
+        ignore_eos=True,
+    )
     want, _ = hf_processed_greedy(tiny_model, prompt, params, (tok.eos_token_id,))
     assert want != hf_greedy(tiny_model, prompt, 10, ignore_eos=True)  # the processing changes the answer
     kw = dict(model="tiny", prompt=prompt, max_tokens=10, temperature=0, logprobs=0, extra_body=fields)
     client = served.client()
     if stream:
-        tokens = [t for ch in client.completions.create(stream=True, **kw)
-                  if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens]
+        tokens = [
+            t
+            for ch in client.completions.create(stream=True, **kw)
+            if ch.choices and ch.choices[0].logprobs
+            for t in ch.choices[0].logprobs.tokens
+        ]
     else:
         tokens = client.completions.create(**kw).choices[0].logprobs.tokens
     assert tokens == [tok.decode([i]) for i in want]

@@ -26,8 +26,12 @@ CONTEXT = 512
 MAX_TOKENS = 16
 EXAMPLES = 25  # per operation and generation mode
 SEED = 20261201
-OPENAI_ROUTES = {("post", "/v1/chat/completions"), ("post", "/v1/completions"), ("get", "/v1/models"),
-                 ("get", "/v1/models/{model}")}
+OPENAI_ROUTES = {
+    ("post", "/v1/chat/completions"),
+    ("post", "/v1/completions"),
+    ("get", "/v1/models"),
+    ("get", "/v1/models/{model}"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -36,10 +40,12 @@ def model(tmp_path_factory):
 
 
 def make_app(model, **overrides):
-    settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS, queue_timeout_s=0.1,
-                              **overrides)
-    return in_rotation(create_app(settings, model=model,
-                                  client=FakeWorkerClient(reply=model.tokenizer("hello")["input_ids"])))
+    settings = RouterSettings(
+        model_path=model.root, served_model_name="tiny", workers=WORKERS, queue_timeout_s=0.1, **overrides
+    )
+    return in_rotation(
+        create_app(settings, model=model, client=FakeWorkerClient(reply=model.tokenizer("hello")["input_ids"]))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +60,21 @@ def operations(doc):
 def test_every_route_documents_its_real_statuses_each_error_in_openai_shape_and_never_422(guarded_doc):
     statuses = {(m, p): sorted(op["responses"]) for m, p, op in operations(guarded_doc)}
     generation = ["200", "400", "401", "404", "413", "429", "500", "503"]
-    assert statuses == {("post", "/v1/chat/completions"): generation, ("post", "/v1/completions"): generation,
-                        ("get", "/v1/models"): ["200", "401", "500"],
-                        ("get", "/v1/models/{model}"): ["200", "401", "404", "500"],
-                        ("get", "/health"): ["200", "500", "503"], ("get", "/metrics"): ["200"]}
+    assert statuses == {
+        ("post", "/v1/chat/completions"): generation,
+        ("post", "/v1/completions"): generation,
+        ("get", "/v1/models"): ["200", "401", "500"],
+        ("get", "/v1/models/{model}"): ["200", "401", "404", "500"],
+        ("get", "/health"): ["200", "500", "503"],
+        ("get", "/metrics"): ["200"],
+    }
     for method, path, op in operations(guarded_doc):
         for status, answer in op["responses"].items():
             assert answer["headers"]["X-Request-Id"]["required"]
             if status.startswith(("4", "5")) and path != "/health":
-                assert answer["content"] == {"application/json": {"schema": {
-                    "$ref": "#/components/schemas/ErrorResponse"}}}, (method, path, status)
+                assert answer["content"] == {
+                    "application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}
+                }, (method, path, status)
     schemas = guarded_doc["components"]["schemas"]
     assert "HTTPValidationError" not in schemas and "ValidationError" not in schemas
     assert schemas["ErrorDetail"]["required"] == ["message", "type", "param", "code"]
@@ -76,13 +87,16 @@ def test_success_bodies_are_documented_as_the_router_sends_them(guarded_doc):
         assert content["application/json"]["schema"] == {"$ref": f"#/components/schemas/{body}"}
         assert content["text/event-stream"]["schema"]["required"] == ["data"]
     assert paths["/v1/models"]["get"]["responses"]["200"]["content"]["application/json"]["schema"] == {
-        "$ref": "#/components/schemas/ModelList"}
+        "$ref": "#/components/schemas/ModelList"
+    }
     assert paths["/v1/models/{model}"]["get"]["responses"]["200"]["content"]["application/json"]["schema"] == {
-        "$ref": "#/components/schemas/ModelCard"}
+        "$ref": "#/components/schemas/ModelCard"
+    }
     assert list(paths["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     for status in ("200", "503"):
         assert paths["/health"]["get"]["responses"][status]["content"]["application/json"]["schema"] == {
-            "$ref": "#/components/schemas/Health"}
+            "$ref": "#/components/schemas/Health"
+        }
 
 
 def test_usage_always_has_prompt_tokens_details_with_cached_tokens(guarded_doc):
@@ -135,8 +149,7 @@ def test_every_schemathesis_check_passes_against_the_router_with_scripted_worker
                     continue  # no parameter, no body, no auth: nothing in these requests can be made invalid
 
                 @given(case=operation.as_strategy(mode))
-                @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
-                          database=None)
+                @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), database=None)
                 @seed(SEED)
                 def fuzz(case, mode) -> None:
                     response = case.call_and_validate(headers={"Authorization": f"Bearer {KEY}"}, checks=checks)

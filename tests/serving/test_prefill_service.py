@@ -20,14 +20,24 @@ from transfer.outcome import Outcome
 
 @pytest.fixture(scope="module")
 def engine(tiny_model):
-    return LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="prefill",
-                                  max_num_batched_tokens=8, prefix_caching=False))
+    return LLMEngine(
+        EngineConfig(
+            model=tiny_model,
+            block_size=4,
+            num_blocks=16,
+            num_threads=1,
+            mode="prefill",
+            max_num_batched_tokens=8,
+            prefix_caching=False,
+        )
+    )
 
 
 def run(engine, scenario):
     make_sender, made = scripted(ScriptedSender)
-    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender,
-                             peers=ScriptedPeers())
+    service = PrefillService(
+        ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender, peers=ScriptedPeers()
+    )
     (sender,) = made
 
     async def main():
@@ -105,8 +115,9 @@ def test_expired_reservation_is_refused_before_any_work(engine):
 def test_the_result_has_every_sequence_s_first_token_with_its_logprob_and_the_prompt_s(engine):
     async def scenario(service, sender):
         req = prefill_request("lp", 9)
-        req = req.model_copy(update={"sampling": SamplingParams(max_tokens=4, temperature=0, n=3, logprobs=2,
-                                                              prompt_logprobs=1)})
+        req = req.model_copy(
+            update={"sampling": SamplingParams(max_tokens=4, temperature=0, n=3, logprobs=2, prompt_logprobs=1)}
+        )
         task = asyncio.ensure_future(service.prefill(req))
         await until(lambda: any(c[0] == "finish" for c in sender.calls))
         sender.end("t-lp", Outcome.OK)

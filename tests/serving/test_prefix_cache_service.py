@@ -22,17 +22,18 @@ from transfer.outcome import Outcome
 PROMPT = list(range(10, 24))  # 14 tokens: 3 full blocks of 4
 
 
-
 def generate(rid: str, prompt: list[int]) -> GenerateRequest:
-    return GenerateRequest(request_id=rid, prompt_token_ids=prompt,
-                           sampling=SamplingParams(max_tokens=3, temperature=0))
+    return GenerateRequest(
+        request_id=rid, prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=3, temperature=0)
+    )
 
 
 def test_decode_reservation_pins_the_cached_prefix_and_an_almost_whole_hit_is_prefilled_here(tiny_model):
     engine = LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="decode"))
     make_receiver, made = scripted(ScriptedReceiver)
-    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0),
-                                engine, make_receiver)
+    service = GenerationService(
+        ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0), engine, make_receiver
+    )
     (receiver,) = made
 
     async def main():
@@ -40,7 +41,10 @@ def test_decode_reservation_pins_the_cached_prefix_and_an_almost_whole_hit_is_pr
         try:
             first, active = await service.open(generate("a", PROMPT))
             assert (first.num_cached_tokens, first.reservation.block_ids, receiver.writable_from["t0"]) == (
-                0, [0, 1, 2, 3], 0)
+                0,
+                [0, 1, 2, 3],
+                0,
+            )
             receiver.end("t0", Outcome.OK, first_tokens=(42,))
             assert len([line async for line in service.events(first, active)]) == 1 + 3
             # b shares a's first 12 tokens: 3 blocks pinned, only the 2 others are written
@@ -68,18 +72,28 @@ def test_decode_reservation_pins_the_cached_prefix_and_an_almost_whole_hit_is_pr
 
 
 def prefill_request(rid: str, cached: int) -> PrefillRequest:
-    res = Reservation(instance="d0", request_id=rid, transfer_id=f"t-{rid}", block_ids=[3, 4, 5, 6], block_size=4,
-                      num_tokens=len(PROMPT), lease_s=30, kv_target={"peer": "d0"},
-                      num_cached_tokens=cached)
-    return PrefillRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=4, temperature=0),
-                          reservation=res)
+    res = Reservation(
+        instance="d0",
+        request_id=rid,
+        transfer_id=f"t-{rid}",
+        block_ids=[3, 4, 5, 6],
+        block_size=4,
+        num_tokens=len(PROMPT),
+        lease_s=30,
+        kv_target={"peer": "d0"},
+        num_cached_tokens=cached,
+    )
+    return PrefillRequest(
+        request_id=rid, prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=4, temperature=0), reservation=res
+    )
 
 
 def test_prefill_sends_only_what_the_decode_server_lacks_and_reuses_its_own_cache(tiny_model):
     engine = LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="prefill"))
     make_sender, made = scripted(ScriptedSender)
-    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender,
-                             peers=ScriptedPeers())
+    service = PrefillService(
+        ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender, peers=ScriptedPeers()
+    )
     (sender,) = made
     per_token = engine.cache.bytes_per_token
 
@@ -119,8 +133,9 @@ def test_a_request_for_prompt_log_probabilities_reports_no_cached_tokens_and_tak
     # counts no prefix lookup, even with the prompt's prefix cached.
     engine = LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="decode"))
     make_receiver, made = scripted(ScriptedReceiver)
-    service = GenerationService(ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0),
-                                engine, make_receiver)
+    service = GenerationService(
+        ServerSettings(name="d0", role="decode", engine=engine.config, lease_s=5.0), engine, make_receiver
+    )
     (receiver,) = made
     scored = SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1)
 
@@ -134,7 +149,8 @@ def test_a_request_for_prompt_log_probabilities_reports_no_cached_tokens_and_tak
             before = (counters.prefix_queries_tokens, counters.prefix_hits_tokens)
             for rid, prompt in (("b", PROMPT), ("c", PROMPT[:12] + [77])):  # a whole hit, and all but the last token
                 first, active = await service.open(
-                    GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=scored))
+                    GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=scored)
+                )
                 assert (first.num_cached_tokens, first.reservation.num_cached_tokens) == (0, 0)
                 tid = first.reservation.transfer_id
                 assert receiver.writable_from[tid] == 0
@@ -158,10 +174,16 @@ def test_a_colocated_request_for_prompt_log_probabilities_reports_no_cached_toke
         await service.start()
         try:
             got = []
-            for rid, sampling in (("a", None), ("b", SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1)),
-                                  ("c", None)):
-                req = generate(rid, PROMPT) if sampling is None else GenerateRequest(
-                    request_id=rid, prompt_token_ids=PROMPT, sampling=sampling)
+            for rid, sampling in (
+                ("a", None),
+                ("b", SamplingParams(max_tokens=3, temperature=0, prompt_logprobs=1)),
+                ("c", None),
+            ):
+                req = (
+                    generate(rid, PROMPT)
+                    if sampling is None
+                    else GenerateRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=sampling)
+                )
                 first, active = await service.open(req)
                 assert len([line async for line in service.events(first, active)]) == 1 + 3
                 got.append(first.num_cached_tokens)

@@ -20,21 +20,27 @@ C = A[:129]  # D holds A's first 128 tokens: only the last one is missing
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
-    c = start_cluster(tmp_path_factory, "tiny-1p1d", tiny_model,
-                      {"max_model_len": MAX_MODEL_LEN, "router": {"local_prefill_threshold": THRESHOLD}})
+    c = start_cluster(
+        tmp_path_factory,
+        "tiny-1p1d",
+        tiny_model,
+        {"max_model_len": MAX_MODEL_LEN, "router": {"local_prefill_threshold": THRESHOLD}},
+    )
     yield c
     c.stop()
 
 
 def test_a_shared_prefix_moves_fewer_bytes_computes_less_and_stays_exact(served, tiny_model):
     client = served.client()
-    names = {"bytes": ("p0", "pdserve_transfer_bytes_total"),
-             "p_prompt": ("p0", 'pdserve_engine_tokens_total{kind="prompt"}'),
-             "p_hits": ("p0", "pdserve_prefix_cache_hits_tokens_total"),
-             "p_prefilled": ("p0", 'pdserve_requests_total{outcome="ok"}'),
-             "d_prompt": ("d0", 'pdserve_engine_tokens_total{kind="prompt"}'),
-             "d_hits": ("d0", "pdserve_prefix_cache_hits_tokens_total"),
-             "d_local": ("d0", 'pdserve_request_paths_total{path="local_prefill"}')}
+    names = {
+        "bytes": ("p0", "pdserve_transfer_bytes_total"),
+        "p_prompt": ("p0", 'pdserve_engine_tokens_total{kind="prompt"}'),
+        "p_hits": ("p0", "pdserve_prefix_cache_hits_tokens_total"),
+        "p_prefilled": ("p0", 'pdserve_requests_total{outcome="ok"}'),
+        "d_prompt": ("d0", 'pdserve_engine_tokens_total{kind="prompt"}'),
+        "d_hits": ("d0", "pdserve_prefix_cache_hits_tokens_total"),
+        "d_local": ("d0", 'pdserve_request_paths_total{path="local_prefill"}'),
+    }
 
     def snapshot() -> dict[str, float]:
         return {key: served.metric(*where) for key, where in names.items()}

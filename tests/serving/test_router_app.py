@@ -17,7 +17,7 @@ def chat_body(**kw):
 
 
 def sse_payloads(text):
-    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    lines = [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(x) for x in lines[:-1]]
 
@@ -32,10 +32,14 @@ def test_chat_non_streamed_goes_decode_first_then_prefill(model):
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "héllo"}
     assert body["choices"][0]["finish_reason"] == "stop"
     prompt = model.encode_chat([{"role": "user", "content": "hi"}])
-    assert body["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 6, "total_tokens": len(prompt) + 6,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
-    (d_name, greq), = fake.opened
-    (p_name, preq), = fake.prefills
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": 6,
+        "total_tokens": len(prompt) + 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
+    ((d_name, greq),) = fake.opened
+    ((p_name, preq),) = fake.prefills
     assert d_name == "d0" and p_name == "p0"
     assert greq.prompt_token_ids == prompt and not greq.local_prefill
     assert greq.sampling.temperature == 0 and greq.sampling.max_tokens == 64 - len(prompt)
@@ -172,8 +176,13 @@ def test_metrics_count_requests(model):
 @pytest.mark.parametrize("stream", [False, True])
 def test_usage_reports_the_prompt_tokens_the_decode_server_found_cached(model, stream):
     fake = FakeWorkerClient(reply=reply_ids(model, "abc"), cached_tokens=32)
-    body = {"model": "tiny", "prompt": "x" * 40, "max_tokens": 3, "stream": stream,
-            "stream_options": {"include_usage": True} if stream else None}
+    body = {
+        "model": "tiny",
+        "prompt": "x" * 40,
+        "max_tokens": 3,
+        "stream": stream,
+        "stream_options": {"include_usage": True} if stream else None,
+    }
     with make_client(model, fake) as c:
         r = c.post("/v1/completions", json=body)
     usage = sse_payloads(r.text)[-1]["usage"] if stream else r.json()["usage"]
@@ -201,6 +210,7 @@ def test_a_long_request_is_tokenized_on_the_tokenizer_thread_into_the_same_token
         def run():
             threads.append(threading.current_thread().name)
             return handlers.prepare_completion(CompletionRequest(model="tiny", prompt=text, max_tokens=1), "r1")
+
         return run
 
     long_text = "héllo wörld " * (LONG_REQUEST_BYTES // 10)
@@ -210,22 +220,33 @@ def test_a_long_request_is_tokenized_on_the_tokenizer_thread_into_the_same_token
     assert threads[0].startswith("tokenize") and threads[1] == threading.main_thread().name
 
 
-SAMPLING_FIELDS = {"presence_penalty": 0.5, "frequency_penalty": -1.25, "repetition_penalty": 1.1,
-                   "logit_bias": {"66": 5.0, "3": -100}, "min_tokens": 2, "stop_token_ids": [67, 0], "seed": 7,
-                   "user": "someone", "max_tokens": 3}
+SAMPLING_FIELDS = {
+    "presence_penalty": 0.5,
+    "frequency_penalty": -1.25,
+    "repetition_penalty": 1.1,
+    "logit_bias": {"66": 5.0, "3": -100},
+    "min_tokens": 2,
+    "stop_token_ids": [67, 0],
+    "seed": 7,
+    "user": "someone",
+    "max_tokens": 3,
+}
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/chat/completions", chat_body(**SAMPLING_FIELDS)),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", **SAMPLING_FIELDS}),
-])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/chat/completions", chat_body(**SAMPLING_FIELDS)),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", **SAMPLING_FIELDS}),
+    ],
+)
 def test_sampling_fields_reach_the_decode_and_prefill_servers(model, path, body):
     fake = FakeWorkerClient(reply=reply_ids(model, "abc"))
     with make_client(model, fake) as c:
         r = c.post(path, json=body)
     assert r.status_code == 200, r.text
-    (_, greq), = fake.opened
-    (_, preq), = fake.prefills
+    ((_, greq),) = fake.opened
+    ((_, preq),) = fake.prefills
     for spec in (greq.sampling, preq.sampling):
         assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty) == (0.5, -1.25, 1.1)
         assert spec.logit_bias == ((66, 5.0), (3, -100.0))
@@ -238,46 +259,49 @@ def test_sampling_fields_left_out_get_the_servers_defaults(model):
     fake = FakeWorkerClient(reply=reply_ids(model, "a"))
     with make_client(model, fake) as c:
         assert c.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3}).status_code == 200
-    (_, greq), = fake.opened
+    ((_, greq),) = fake.opened
     assert greq.sampling == SamplingParams(max_tokens=3)
 
 
 VOCAB = 257  # the byte tokenizer: 256 bytes and <|eos|>
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"presence_penalty": "high"}, "presence_penalty"),
-    ({"frequency_penalty": -2.01}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"repetition_penalty": -1.0}, "repetition_penalty"),
-    ({"logit_bias": {"5": 101}}, "logit_bias"),
-    ({"logit_bias": {"5": -100.5}}, "logit_bias"),
-    ({"logit_bias": {"five": 1}}, "logit_bias"),
-    ({"logit_bias": {"-1": 1}}, "logit_bias"),
-    ({"logit_bias": {"5": "1"}}, "logit_bias"),
-    ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
-    ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
-    ({"logit_bias": [5, 1]}, "logit_bias"),
-    ({"min_tokens": -1}, "min_tokens"),
-    ({"min_tokens": 4, "max_tokens": 3}, "min_tokens"),
-    ({"min_tokens": 1.5}, "min_tokens"),
-    ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
-    ({"stop_token_ids": "1"}, "stop_token_ids"),
-    ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
-    ({"seed": "7"}, "seed"),
-    ({"seed": 1 << 53}, "seed"),
-    ({"seed": -(1 << 53)}, "seed"),
-    ({"seed": 7.5}, "seed"),
-    ({"user": 5}, "user"),
-    ({"best_of": 2}, "best_of"),
-    ({"suffix": "tail"}, "suffix"),
-    ({"temperature": "0.5"}, "temperature"),
-    ({"stream": "true"}, "stream"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"stop": ""}, "stop"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"presence_penalty": "high"}, "presence_penalty"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"repetition_penalty": -1.0}, "repetition_penalty"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"logit_bias": {"5": -100.5}}, "logit_bias"),
+        ({"logit_bias": {"five": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": "1"}}, "logit_bias"),
+        ({"logit_bias": {str(VOCAB): 1}}, "logit_bias"),
+        ({"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+        ({"logit_bias": [5, 1]}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 4, "max_tokens": 3}, "min_tokens"),
+        ({"min_tokens": 1.5}, "min_tokens"),
+        ({"stop_token_ids": [VOCAB]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+        ({"stop_token_ids": "1"}, "stop_token_ids"),
+        ({"stop_token_ids": [1] * 1025}, "stop_token_ids"),
+        ({"seed": "7"}, "seed"),
+        ({"seed": 1 << 53}, "seed"),
+        ({"seed": -(1 << 53)}, "seed"),
+        ({"seed": 7.5}, "seed"),
+        ({"user": 5}, "user"),
+        ({"best_of": 2}, "best_of"),
+        ({"suffix": "tail"}, "suffix"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"stream": "true"}, "stream"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ""}, "stop"),
+    ],
+)
 def test_bad_sampling_fields_get_400_naming_the_field(model, fields, param):
     fake = FakeWorkerClient(reply=[1])
     with make_client(model, fake) as c:
@@ -290,9 +314,17 @@ def test_bad_sampling_fields_get_400_naming_the_field(model, fields, param):
 
 def test_best_of_equal_to_n_and_the_limits_of_each_range_are_accepted(model):
     fake = FakeWorkerClient(reply=reply_ids(model, "a"))
-    edges = {"best_of": 1, "presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 100,
-             "logit_bias": {str(i): -100 if i % 2 else 100 for i in range(VOCAB)},
-             "min_tokens": 16, "stop_token_ids": [VOCAB - 1], "seed": (1 << 53) - 1, "top_k": 5.0}
+    edges = {
+        "best_of": 1,
+        "presence_penalty": -2,
+        "frequency_penalty": 2.0,
+        "repetition_penalty": 100,
+        "logit_bias": {str(i): -100 if i % 2 else 100 for i in range(VOCAB)},
+        "min_tokens": 16,
+        "stop_token_ids": [VOCAB - 1],
+        "seed": (1 << 53) - 1,
+        "top_k": 5.0,
+    }
     with make_client(model, fake) as c:
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "x", **edges})
     assert r.status_code == 200, r.text
@@ -302,7 +334,7 @@ def test_best_of_equal_to_n_and_the_limits_of_each_range_are_accepted(model):
 def test_a_model_is_retrieved_by_its_id_and_any_other_id_is_404_model_not_found(model):
     with make_client(model, FakeWorkerClient(reply=[1])) as c:
         card = c.get("/v1/models/tiny").json()
-        listed, = c.get("/v1/models").json()["data"]
+        (listed,) = c.get("/v1/models").json()["data"]
         others = [c.get(f"/v1/models/{other}") for other in ("gpt-4o", "org/tiny", "tiny/", "Tiny")]
     assert card == listed and (card["id"], card["object"], card["root"]) == ("tiny", "model", model.root)
     for r in others:
@@ -318,13 +350,16 @@ def test_a_model_id_with_a_slash_is_retrieved(model):
     assert r.status_code == 200 and r.json()["id"] == "org/tiny-v2"
 
 
-@pytest.mark.parametrize("method, path, allow", [
-    ("GET", "/v1/chat/completions", "POST"),
-    ("PUT", "/v1/completions", "POST"),
-    ("POST", "/v1/models", "GET"),
-    ("DELETE", "/v1/models/tiny", "GET"),
-    ("POST", "/health", "GET"),
-])
+@pytest.mark.parametrize(
+    "method, path, allow",
+    [
+        ("GET", "/v1/chat/completions", "POST"),
+        ("PUT", "/v1/completions", "POST"),
+        ("POST", "/v1/models", "GET"),
+        ("DELETE", "/v1/models/tiny", "GET"),
+        ("POST", "/health", "GET"),
+    ],
+)
 def test_a_method_the_route_does_not_allow_is_405_naming_the_allowed_ones(model, method, path, allow):
     with make_client(model, FakeWorkerClient(reply=[1])) as c:
         r = c.request(method, path)
@@ -338,8 +373,9 @@ def test_the_router_is_not_ready_and_admits_nothing_before_a_decode_server_passe
     # enter rotation on their first passing check (these fake addresses never answer one), so the
     # router never says ready for a worker it has not seen.
     settings = RouterSettings(model_path=model.root, served_model_name="tiny", workers=WORKERS, queue_timeout_s=0.1)
-    with TestClient(create_app(settings, model=model, client=FakeWorkerClient(reply=[1])),
-                    raise_server_exceptions=False) as c:
+    with TestClient(
+        create_app(settings, model=model, client=FakeWorkerClient(reply=[1])), raise_server_exceptions=False
+    ) as c:
         health = c.get("/health")
         r = c.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert health.status_code == 503 and health.json()["status"] == "degraded"
@@ -369,8 +405,7 @@ def test_requests_are_prepared_and_answered_off_the_event_loop_by_their_size(mod
     with make_client(model, fake) as c:
         handlers = c.app.state.handlers
         prepare = handlers.prepare_chat
-        monkeypatch.setattr(handlers, "prepare_chat",
-                            lambda *a: prepared.append(where()) or prepare(*a))
+        monkeypatch.setattr(handlers, "prepare_chat", lambda *a: prepared.append(where()) or prepare(*a))
         empty = c.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": ""}] * 1000))
         plain = c.post("/v1/chat/completions", json=chat_body(max_tokens=3))
         scored = c.post("/v1/chat/completions", json=chat_body(max_tokens=3, logprobs=True, top_logprobs=2))
@@ -381,10 +416,21 @@ def test_requests_are_prepared_and_answered_off_the_event_loop_by_their_size(mod
     assert answered == ["event loop", "answers"]
 
 
-@pytest.mark.parametrize("field, body, message", [
-    ("messages", chat_body(messages=[{"role": "user", "content": ""}] * 100_000), "at most 8192 messages, not 100000"),
-    ("tools", chat_body(tools=[{"type": "function", "function": {"name": f"t{i}"}} for i in range(129)]),
-     "at most 128 tools, not 129")])
+@pytest.mark.parametrize(
+    "field, body, message",
+    [
+        (
+            "messages",
+            chat_body(messages=[{"role": "user", "content": ""}] * 100_000),
+            "at most 8192 messages, not 100000",
+        ),
+        (
+            "tools",
+            chat_body(tools=[{"type": "function", "function": {"name": f"t{i}"}} for i in range(129)]),
+            "at most 128 tools, not 129",
+        ),
+    ],
+)
 def test_too_many_messages_or_tools_are_refused_before_any_is_read(model, field, body, message):
     fake = FakeWorkerClient(reply=reply_ids(model, "abc"))
     with make_client(model, fake) as c:

@@ -15,19 +15,20 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-BODY = {"model": "stub", "prompt": "hello there", "max_tokens": 4, "stream": True, "temperature": 0,
-        "ignore_eos": True}
+BODY = {"model": "stub", "prompt": "hello there", "max_tokens": 4, "stream": True, "temperature": 0, "ignore_eos": True}
 
 
 def sse_events(text: str) -> list[str]:
-    return [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in text.split("\n\n") if line.startswith("data: ")]
 
 
 def test_a_thousand_sequential_requests_reuse_one_connection_per_server(tmp_path):
     # Idle connections outlive the test on both ends: no count depends on how long a request took.
     router = {"worker_keepalive_s": 600}
-    with StubCluster(tmp_path, router=router, keep_alive=1200) as cluster, \
-            httpx.Client(base_url=cluster.router_url, timeout=30) as http:
+    with (
+        StubCluster(tmp_path, router=router, keep_alive=1200) as cluster,
+        httpx.Client(base_url=cluster.router_url, timeout=30) as http,
+    ):
         for _ in range(1000):
             r = http.post("/v1/completions", json=BODY)
             assert r.status_code == 200, r.text
@@ -79,8 +80,11 @@ def test_a_client_that_leaves_mid_stream_is_aborted_on_both_servers(tmp_path):
                 lines = r.iter_lines()
                 assert next(line for line in lines if line.startswith("data: "))  # one token streamed
         # The client is gone: the router closes the decode stream and aborts the request on both servers.
-        wait_until(lambda: cluster.stats("decode")["aborts"] == 1 and cluster.stats("prefill")["aborts"] == 1,
-                   30.0, "an abort on both stubs")
+        wait_until(
+            lambda: cluster.stats("decode")["aborts"] == 1 and cluster.stats("prefill")["aborts"] == 1,
+            30.0,
+            "an abort on both stubs",
+        )
         wait_until(lambda: cluster.stats("decode")["open_streams"] == 0, 30.0, "the decode stream closed")
         decode, prefill = cluster.stats("decode"), cluster.stats("prefill")
     assert (decode["requests"], decode["aborts"]) == (1, 1)

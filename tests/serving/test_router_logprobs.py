@@ -19,29 +19,39 @@ def text_of(model, token_id: int) -> str:
     return model.tokenizer.decode([token_id])
 
 
-@pytest.mark.parametrize("local, delay", [(False, 0.0), (False, 0.02), (True, 0.0)],
-                         ids=["remote-decode-first", "remote-prefill-result-first", "local"])
+@pytest.mark.parametrize(
+    "local, delay",
+    [(False, 0.0), (False, 0.02), (True, 0.0)],
+    ids=["remote-decode-first", "remote-prefill-result-first", "local"],
+)
 def test_chat_logprobs_have_every_token_and_its_top_ones_the_first_from_the_prefill_server(model, local, delay):
     fake = FakeWorkerClient(reply=reply_ids(model, "abc"), finish_reason="length", delay=delay)
     with make_client(model, fake, local_prefill_threshold=1000 if local else 0) as c:
-        r = sdk(c).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
-                                           logprobs=True, top_logprobs=2, max_tokens=3)
+        r = sdk(c).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], logprobs=True, top_logprobs=2, max_tokens=3
+        )
     assert [req.local_prefill for _, req in fake.opened] == [local]
     assert len(fake.prefills) == (0 if local else 1)
     content = r.choices[0].logprobs.content
-    assert [(x.token, x.logprob, x.bytes) for x in content] == [("a", -1.0, [97]), ("b", -2.0, [98]),
-                                                                ("c", -3.0, [99])]
+    assert [(x.token, x.logprob, x.bytes) for x in content] == [("a", -1.0, [97]), ("b", -2.0, [98]), ("c", -3.0, [99])]
     assert [[(t.token, t.logprob) for t in x.top_logprobs] for x in content] == [
-        [(text_of(model, 0), -0.5), (text_of(model, 1), -1.0)]] * 3
+        [(text_of(model, 0), -0.5), (text_of(model, 1), -1.0)]
+    ] * 3
 
 
 def test_streamed_chat_chunks_carry_the_logprobs_of_their_text_and_a_stop_string_cuts_both(model):
     fake = FakeWorkerClient(reply=reply_ids(model, "ab, cd"))
     with make_client(model, fake) as c:
-        chunks = list(sdk(c).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], logprobs=True, stream=True, stop=[", "]))
-    pieces = [(ch.choices[0].delta.content, [x.token for x in ch.choices[0].logprobs.content])
-              for ch in chunks if ch.choices and ch.choices[0].logprobs]
+        chunks = list(
+            sdk(c).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], logprobs=True, stream=True, stop=[", "]
+            )
+        )
+    pieces = [
+        (ch.choices[0].delta.content, [x.token for x in ch.choices[0].logprobs.content])
+        for ch in chunks
+        if ch.choices and ch.choices[0].logprobs
+    ]
     assert "".join(text for text, _ in pieces) == "ab"
     assert all(text == "".join(tokens) for text, tokens in pieces)
     assert chunks[-1].choices[0].finish_reason == "stop"
@@ -73,8 +83,10 @@ def test_prompt_logprobs_come_in_vllm_s_shape(model):
     got = r.choices[0].model_extra["prompt_logprobs"]
     assert got[0] is None
     (b,) = reply_ids(model, "b")
-    assert got[1] == {str(b): {"logprob": -102.0, "rank": None, "decoded_token": "b"},
-                      "0": {"logprob": -0.5, "rank": 1, "decoded_token": text_of(model, 0)}}
+    assert got[1] == {
+        str(b): {"logprob": -102.0, "rank": None, "decoded_token": "b"},
+        "0": {"logprob": -0.5, "rank": 1, "decoded_token": text_of(model, 0)},
+    }
 
 
 def test_n_sequences_are_numbered_choices_with_usage_counting_the_prompt_once(model):
@@ -83,7 +95,10 @@ def test_n_sequences_are_numbered_choices_with_usage_counting_the_prompt_once(mo
         r = sdk(c).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=3)
         chunks = list(sdk(c).completions.create(model="tiny", prompt="p", n=2, stream=True))
     assert [(ch.index, ch.message.content, ch.finish_reason) for ch in r.choices] == [
-        (0, "ok", "stop"), (1, "ok", "stop"), (2, "ok", "stop")]
+        (0, "ok", "stop"),
+        (1, "ok", "stop"),
+        (2, "ok", "stop"),
+    ]
     assert r.usage.completion_tokens == 6 and r.usage.prompt_tokens == fake.opened[0][1].prompt_token_ids.__len__()
     assert len(fake.opened) == 2 and fake.opened[0][1].sampling.n == 3 and len(fake.prefills) == 2
     texts = {0: "", 1: ""}
@@ -96,14 +111,22 @@ def test_a_list_of_prompts_is_one_request_each_one_choice_per_prompt_and_sequenc
     fake = FakeWorkerClient(reply=reply_ids(model, "z"))
     with make_client(model, fake) as c:
         r = sdk(c).completions.create(model="tiny", prompt=["a", "bb", "abc"], n=2, echo=True, max_tokens=1)
-        ids = sdk(c).completions.create(model="tiny", prompt=[reply_ids(model, "q"), reply_ids(model, "rs")],
-                                        max_tokens=1, echo=True)
+        ids = sdk(c).completions.create(
+            model="tiny", prompt=[reply_ids(model, "q"), reply_ids(model, "rs")], max_tokens=1, echo=True
+        )
         chunks = list(sdk(c).completions.create(model="tiny", prompt=["a", "bb"], stream=True, max_tokens=1))
-    assert [(ch.index, ch.text) for ch in r.choices] == [(0, "az"), (1, "az"), (2, "bbz"), (3, "bbz"),
-                                                         (4, "abcz"), (5, "abcz")]
+    assert [(ch.index, ch.text) for ch in r.choices] == [
+        (0, "az"),
+        (1, "az"),
+        (2, "bbz"),
+        (3, "bbz"),
+        (4, "abcz"),
+        (5, "abcz"),
+    ]
     assert r.usage.prompt_tokens == 1 + 2 + 3 and r.usage.completion_tokens == 6
     assert sorted(req.prompt_token_ids for _, req in fake.opened[:3]) == sorted(
-        [reply_ids(model, "a"), reply_ids(model, "bb"), reply_ids(model, "abc")])
+        [reply_ids(model, "a"), reply_ids(model, "bb"), reply_ids(model, "abc")]
+    )
     assert [(ch.index, ch.text) for ch in ids.choices] == [(0, "qz"), (1, "rsz")]
     assert sorted((ch.choices[0].index, ch.choices[0].text) for ch in chunks) == [(0, "z"), (1, "z")]
 
@@ -119,10 +142,20 @@ def test_a_prompt_of_the_list_that_cannot_be_served_fails_the_request_and_aborts
 def test_streamed_prompt_logprobs_come_once_for_chat_and_on_each_completion_choice_s_first_chunk(model):
     fake = FakeWorkerClient(reply=reply_ids(model, "ok"))
     with make_client(model, fake) as c:
-        chat = list(sdk(c).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], n=2,
-                                                   stream=True, extra_body={"prompt_logprobs": 0}))
-        comp = list(sdk(c).completions.create(model="tiny", prompt="ab", n=2, stream=True, max_tokens=2,
-                                              extra_body={"prompt_logprobs": 0}))
+        chat = list(
+            sdk(c).chat.completions.create(
+                model="tiny",
+                messages=[{"role": "user", "content": "hi"}],
+                n=2,
+                stream=True,
+                extra_body={"prompt_logprobs": 0},
+            )
+        )
+        comp = list(
+            sdk(c).completions.create(
+                model="tiny", prompt="ab", n=2, stream=True, max_tokens=2, extra_body={"prompt_logprobs": 0}
+            )
+        )
     prompt = fake.opened[0][1].prompt_token_ids
     with_prompt = [ch.model_extra["prompt_logprobs"] for ch in chat if ch.model_extra.get("prompt_logprobs")]
     assert len(with_prompt) == 1 and len(with_prompt[0]) == len(prompt) and with_prompt[0][0] is None

@@ -18,27 +18,63 @@ from tests.waiting import wait_until
 
 
 def snap(at, **kw) -> ServerSnapshot:
-    fields = dict(running=0, waiting=0, blocks_held=0, blocks_total=200, prompt_tokens=0, decode_tokens=0,
-                  prefix_queried=0, prefix_hits=0, transfers=0, preemptions=0)
+    fields = dict(
+        running=0,
+        waiting=0,
+        blocks_held=0,
+        blocks_total=200,
+        prompt_tokens=0,
+        decode_tokens=0,
+        prefix_queried=0,
+        prefix_hits=0,
+        transfers=0,
+        preemptions=0,
+    )
     return ServerSnapshot(at, **(fields | kw))
 
 
 def test_a_server_s_stats_line_covers_the_interval_and_says_nothing_when_idle():
     before = snap(0.0, prompt_tokens=100, decode_tokens=10, prefix_queried=40, prefix_hits=10, transfers=3)
-    now = snap(2.0, running=3, waiting=1, blocks_held=25, prompt_tokens=1724, decode_tokens=202, prefix_queried=140,
-               prefix_hits=43, transfers=11, preemptions=1)
+    now = snap(
+        2.0,
+        running=3,
+        waiting=1,
+        blocks_held=25,
+        prompt_tokens=1724,
+        decode_tokens=202,
+        prefix_queried=140,
+        prefix_hits=43,
+        transfers=11,
+        preemptions=1,
+    )
     assert server_line("d0", before, now) == (
         "stats d0: running 3, waiting 1; KV 12.5% used; prompt 812.0 tok/s, generation 96.0 tok/s; "
-        "prefix-cache hits 33%; transfers 4.0/s; preemptions 1")
-    assert server_line("d0", now, snap(4.0, prompt_tokens=1724, decode_tokens=202, prefix_queried=140,
-                                       prefix_hits=43, transfers=11, preemptions=1)) is None
+        "prefix-cache hits 33%; transfers 4.0/s; preemptions 1"
+    )
+    assert (
+        server_line(
+            "d0",
+            now,
+            snap(
+                4.0,
+                prompt_tokens=1724,
+                decode_tokens=202,
+                prefix_queried=140,
+                prefix_hits=43,
+                transfers=11,
+                preemptions=1,
+            ),
+        )
+        is None
+    )
 
 
 def test_the_router_s_stats_line():
     before = RouterSnapshot(10.0, 4, 0, 0, 100, 50, 2, 2)
     assert router_line(before, RouterSnapshot(15.0, 14, 3, 1, 600, 300, 1, 2)) == (
         "stats router: requests 2.0/s, streams open 3, queued 1; prompt 100.0 tok/s, generation 50.0 tok/s; "
-        "workers in rotation 1/2")
+        "workers in rotation 1/2"
+    )
     assert router_line(before, RouterSnapshot(15.0, 4, 0, 0, 100, 50, 2, 2)) is None
 
 
@@ -51,7 +87,8 @@ def test_the_access_log_says_each_request_once(caplog):
         AccessLog(enabled=False).served("r3", "chat", "ok", 1, 1, None, 0.1, "local", "d0")
     assert [r.getMessage() for r in caplog.records] == [
         "access r1 chat ok prompt=12 completion=8 ttft=45ms total=160ms prefill=p0 decode=d0",
-        "access r2 completions 400 context_length_exceeded"]
+        "access r2 completions 400 context_length_exceeded",
+    ]
 
 
 def test_the_launcher_echoes_only_whole_stats_lines_prefixed(tmp_path: Path, capsys):
@@ -65,8 +102,10 @@ def test_the_launcher_echoes_only_whole_stats_lines_prefixed(tmp_path: Path, cap
 
     echo = StatsEcho(Cluster(), stop=None)
     with open(tmp_path / "d0.log", "a") as f:
-        f.write("t d0 INFO pdserve.stats: stats d0: running 1\nt d0 INFO uvicorn: GET /health\n"
-                "t d0 INFO pdserve.stats: stats d0: runn")
+        f.write(
+            "t d0 INFO pdserve.stats: stats d0: running 1\nt d0 INFO uvicorn: GET /health\n"
+            "t d0 INFO pdserve.stats: stats d0: runn"
+        )
     echo.poll()
     with open(tmp_path / "d0.log", "a") as f:
         f.write("ing 2\n")
@@ -74,7 +113,10 @@ def test_the_launcher_echoes_only_whole_stats_lines_prefixed(tmp_path: Path, cap
         f.write("t router INFO pdserve.stats: stats router: requests 1.0/s\n")
     echo.poll()
     assert capsys.readouterr().out.splitlines() == [
-        "d0 | stats d0: running 1", "d0 | stats d0: running 2", "router | stats router: requests 1.0/s"]
+        "d0 | stats d0: running 1",
+        "d0 | stats d0: running 2",
+        "router | stats router: requests 1.0/s",
+    ]
 
 
 def test_the_launcher_s_stats_echo_stops_when_told_and_joins(tmp_path: Path):
@@ -112,7 +154,8 @@ def test_a_launched_cluster_logs_each_request_and_its_stats(tmp_path, tiny_model
         assert "pdserve: starting p0 (prefill), d0 (decode): each loads the model" in said
         assert all(f"pdserve: {who} ready (" in said for who in ("prefill p0", "decode d0", "router"))
         for name in ("router", "d0", "p0"):
-            wait_until(lambda name=name: f"{name} | stats {name}: " in launcher.read_text(), 10,
-                       f"{name}'s stats echoed")
+            wait_until(
+                lambda name=name: f"{name} | stats {name}: " in launcher.read_text(), 10, f"{name}'s stats echoed"
+            )
     finally:
         cluster.stop()

@@ -11,9 +11,10 @@ def test_sse_event_is_one_data_line_and_a_blank_line():
 
 
 def test_chunk_keeps_null_finish_reason_and_can_drop_usage():
-    chunk = out.ChatCompletionChunk(id="x", created=1, model="m",
-                                    choices=[out.ChatChunkChoice(delta=out.Delta(content="hi"))])
-    body = json.loads(sse_event(chunk, exclude={"usage"})[len("data: "):])
+    chunk = out.ChatCompletionChunk(
+        id="x", created=1, model="m", choices=[out.ChatChunkChoice(delta=out.Delta(content="hi"))]
+    )
+    body = json.loads(sse_event(chunk, exclude={"usage"})[len("data: ") :])
     assert body["choices"][0]["finish_reason"] is None
     assert body["choices"][0]["delta"] == {"role": None, "content": "hi"}
     assert "usage" not in body
@@ -22,12 +23,13 @@ def test_chunk_keeps_null_finish_reason_and_can_drop_usage():
 
 def test_a_chunk_template_writes_what_the_model_would_for_any_text():
     def make(text, reason):
-        return out.Completion(id="cmpl-1", created=7, model="m", choices=[out.CompletionChoice(text=text,
-                                                                                                 finish_reason=reason)])
+        return out.Completion(
+            id="cmpl-1", created=7, model="m", choices=[out.CompletionChoice(text=text, finish_reason=reason)]
+        )
 
     for exclude in ({"usage"}, None):
         template = ChunkTemplate(make, exclude)
-        for text, reason in [("héllo \"quoted\"\n", None), ("", "stop"), ("\u2028\x00\ufdd0x", "length")]:
+        for text, reason in [('héllo "quoted"\n', None), ("", "stop"), ("\u2028\x00\ufdd0x", "length")]:
             event = template.event(text, reason)
             assert event.startswith("data: ") and event.endswith("\n\n")
             assert json.loads(event[6:]) == json.loads(sse_event(make(text, reason), exclude)[6:])

@@ -18,8 +18,11 @@ def engine(tiny_model):
 
 def constrained(rid: str) -> GenerateRequest:
     spec = StructuredSpec(kind="regex", value="[0-9]+")
-    return GenerateRequest(request_id=rid, prompt_token_ids=list(range(10, 16)),
-                           sampling=SamplingParams(max_tokens=3, temperature=0, structured=spec))
+    return GenerateRequest(
+        request_id=rid,
+        prompt_token_ids=list(range(10, 16)),
+        sampling=SamplingParams(max_tokens=3, temperature=0, structured=spec),
+    )
 
 
 def test_a_first_token_the_grammar_forbids_fails_the_request_clearly(engine):

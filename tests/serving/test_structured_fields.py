@@ -16,8 +16,14 @@ from router.api.tools import ToolPlan, plan_tools
 from router.errors import OpenAIError
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-TOOL = {"type": "function", "function": {"name": "get_weather", "description": "Weather",
-                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 def chat(**kw) -> ChatCompletionRequest:
@@ -42,19 +48,30 @@ def checked_spec(constraints, grammars=None, limits=GrammarLimits()):
     return found[1]
 
 
-@pytest.mark.parametrize("fields,kind,value", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA, "strict": True}}},
-     "json_schema", json.dumps(SCHEMA)),
-    ({"response_format": {"type": "json_object"}}, "json_schema", '{"type": "object"}'),
-    ({"structured_outputs": {"json": SCHEMA}}, "json_schema", json.dumps(SCHEMA)),
-    ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "[0-9]+"),
-    ({"structured_outputs": {"choice": ["x", "y"]}}, "choice", '["x", "y"]'),
-    ({"structured_outputs": {"grammar": 'start: "a"'}}, "lark", 'start: "a"'),
-    ({"guided_json": json.dumps(SCHEMA)}, "json_schema", json.dumps(SCHEMA)),
-    ({"guided_regex": "a|b"}, "regex", "a|b"),
-    ({"guided_choice": ["x"]}, "choice", '["x"]'),
-    ({"guided_grammar": 'root ::= "a" | "b"'}, "lark", '%llguidance {}\n\nstart: "a"\n     | "b"\n\n'),
-])
+@pytest.mark.parametrize(
+    "fields,kind,value",
+    [
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": SCHEMA, "strict": True},
+                }
+            },
+            "json_schema",
+            json.dumps(SCHEMA),
+        ),
+        ({"response_format": {"type": "json_object"}}, "json_schema", '{"type": "object"}'),
+        ({"structured_outputs": {"json": SCHEMA}}, "json_schema", json.dumps(SCHEMA)),
+        ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "[0-9]+"),
+        ({"structured_outputs": {"choice": ["x", "y"]}}, "choice", '["x", "y"]'),
+        ({"structured_outputs": {"grammar": 'start: "a"'}}, "lark", 'start: "a"'),
+        ({"guided_json": json.dumps(SCHEMA)}, "json_schema", json.dumps(SCHEMA)),
+        ({"guided_regex": "a|b"}, "regex", "a|b"),
+        ({"guided_choice": ["x"]}, "choice", '["x"]'),
+        ({"guided_grammar": 'root ::= "a" | "b"'}, "lark", '%llguidance {}\n\nstart: "a"\n     | "b"\n\n'),
+    ],
+)
 def test_each_way_of_asking_for_structured_output_maps_to_one_spec(fields, kind, value):
     for req in (chat(**fields), CompletionRequest(model="tiny", prompt="x", **fields)):
         spec = checked_spec(req.structured_constraints())
@@ -66,18 +83,33 @@ def test_text_response_format_and_no_fields_mean_no_grammar():
     assert checked_spec(chat().structured_constraints()) is None
 
 
-@pytest.mark.parametrize("fields,param,message", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "foo"}}}},
-     "response_format", "response_format: the JSON schema does not compile: Invalid type: foo"),
-    ({"guided_regex": "a(b"}, "guided_regex", "guided_regex: the regular expression does not compile"),
-    ({"guided_json": "{nope"}, "guided_json", "guided_json: the JSON schema is not valid JSON"),
-    ({"structured_outputs": {"grammar": "root ::= ("}}, "structured_outputs.grammar",
-     "structured_outputs.grammar: the grammar is neither Lark nor GBNF"),
-    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex",
-     "only one structured output constraint per request, got response_format, guided_regex"),
-    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema",
-     "response_format of type json_schema needs a json_schema object"),
-])
+@pytest.mark.parametrize(
+    "fields,param,message",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "foo"}}}},
+            "response_format",
+            "response_format: the JSON schema does not compile: Invalid type: foo",
+        ),
+        ({"guided_regex": "a(b"}, "guided_regex", "guided_regex: the regular expression does not compile"),
+        ({"guided_json": "{nope"}, "guided_json", "guided_json: the JSON schema is not valid JSON"),
+        (
+            {"structured_outputs": {"grammar": "root ::= ("}},
+            "structured_outputs.grammar",
+            "structured_outputs.grammar: the grammar is neither Lark nor GBNF",
+        ),
+        (
+            {"guided_regex": "a", "response_format": {"type": "json_object"}},
+            "guided_regex",
+            "only one structured output constraint per request, got response_format, guided_regex",
+        ),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "response_format.json_schema",
+            "response_format of type json_schema needs a json_schema object",
+        ),
+    ],
+)
 def test_a_bad_or_second_constraint_is_a_400_naming_the_parameter(fields, param, message, grammars):
     with pytest.raises(OpenAIError) as exc:
         checked_spec(chat(**fields).structured_constraints(), grammars)
@@ -85,19 +117,35 @@ def test_a_bad_or_second_constraint_is_a_400_naming_the_parameter(fields, param,
     assert exc.value.message.startswith(message)
 
 
-@pytest.mark.parametrize("tools,choice,param,message", [
-    ([{"type": "code_interpreter"}], None, "tools[0].type", "only tools of type 'function'"),
-    ([{"type": "function", "function": {"description": "x"}}], None, "tools[0].function.name", "needs function.name"),
-    ([{"type": "function", "function": {"name": "a b"}}], None, "tools[0].function.name", "function name 'a b'"),
-    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None,
-     "tools[0].function.parameters", "function.parameters must be a JSON schema of type 'object'"),
-    ([TOOL, TOOL], None, "tools[1].function.name", "the function name 'get_weather' is given twice"),
-    ([TOOL], {"type": "function", "function": {"name": "nope"}}, "tool_choice",
-     "tool_choice names the function 'nope'"),
-    ([TOOL], "sometimes", "tool_choice", "tool_choice must be"),
-    (None, "required", "tool_choice", "tool_choice is only allowed when tools are given"),
-    ([TOOL], "auto", "tools", "this model's chat template does not support tools"),
-])
+@pytest.mark.parametrize(
+    "tools,choice,param,message",
+    [
+        ([{"type": "code_interpreter"}], None, "tools[0].type", "only tools of type 'function'"),
+        (
+            [{"type": "function", "function": {"description": "x"}}],
+            None,
+            "tools[0].function.name",
+            "needs function.name",
+        ),
+        ([{"type": "function", "function": {"name": "a b"}}], None, "tools[0].function.name", "function name 'a b'"),
+        (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
+            None,
+            "tools[0].function.parameters",
+            "function.parameters must be a JSON schema of type 'object'",
+        ),
+        ([TOOL, TOOL], None, "tools[1].function.name", "the function name 'get_weather' is given twice"),
+        (
+            [TOOL],
+            {"type": "function", "function": {"name": "nope"}},
+            "tool_choice",
+            "tool_choice names the function 'nope'",
+        ),
+        ([TOOL], "sometimes", "tool_choice", "tool_choice must be"),
+        (None, "required", "tool_choice", "tool_choice is only allowed when tools are given"),
+        ([TOOL], "auto", "tools", "this model's chat template does not support tools"),
+    ],
+)
 def test_invalid_tools_are_a_400_naming_the_field(tools, choice, param, message):
     template_has_tools = message != "this model's chat template does not support tools"
     with pytest.raises(OpenAIError) as exc:
@@ -117,34 +165,44 @@ def test_tool_choice_decides_rendering_parsing_and_grammar():
 
 
 def test_calls_are_parsed_out_of_the_answer_with_the_text_around_them():
-    text = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-            '<tool_call>\n{"name":"f","arguments":{}}\n</tool_call>')
+    text = (
+        'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name":"f","arguments":{}}\n</tool_call>'
+    )
     content, calls = split_calls(text)
     assert content == "Let me look."
-    assert [(c.function.name, c.function.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}'),
-                                                                         ("f", "{}")]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [
+        ("get_weather", '{"city": "Paris"}'),
+        ("f", "{}"),
+    ]
     assert all(c.id.startswith("call_") and c.type == "function" for c in calls) and calls[0].id != calls[1].id
     message, reason = chat_message(text, "stop", True)
     assert reason == "tool_calls" and message.tool_calls == calls[:0] + message.tool_calls
     assert chat_message("<tool_call>\nnot json\n</tool_call>", "stop", True)[0].content == (
-        "<tool_call>\nnot json\n</tool_call>")
+        "<tool_call>\nnot json\n</tool_call>"
+    )
     assert chat_message(text, "stop", False)[0].content == text
 
 
-STREAMED = ('Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "<tool"} }\n</tool_call> and '
-            '<tool_call>{"arguments": {}, "name": "f"}</tool_call><tool_call>\n{"name": "g", "arguments": {"a": [1')
+STREAMED = (
+    'Hi <tool_call>\n{"name": "get_weather", "arguments": {"city": "<tool"} }\n</tool_call> and '
+    '<tool_call>{"arguments": {}, "name": "f"}</tool_call><tool_call>\n{"name": "g", "arguments": {"a": [1'
+)
 
 
 def test_a_streamed_answer_gives_the_same_calls_and_content_in_any_split():
     content, calls = split_calls(STREAMED)
     assert content == "Hi  and"
     assert [(c.function.name, c.function.arguments) for c in calls] == [
-        ("get_weather", '{"city": "<tool"} '), ("f", "{}"), ("g", '{"a": [1')]  # the last one was cut short
+        ("get_weather", '{"city": "<tool"} '),
+        ("f", "{}"),
+        ("g", '{"a": [1'),
+    ]  # the last one was cut short
     for step in (1, 2, 3, 7, len(STREAMED)):
         stream = ToolCallStream()
         pieces = []
         for i in range(0, len(STREAMED), step):
-            pieces += stream.feed(STREAMED[i:i + step], i + step >= len(STREAMED))
+            pieces += stream.feed(STREAMED[i : i + step], i + step >= len(STREAMED))
         assert "".join(p for p in pieces if isinstance(p, str)) == "Hi  and "
         streamed: dict[int, list] = {}
         for p in pieces:
@@ -162,6 +220,7 @@ def test_a_streamed_answer_gives_the_same_calls_and_content_in_any_split():
 
 # ---- through the router app, against a scripted worker and a template without tools ----------------
 
+
 @pytest.fixture(scope="module")
 def byte_model(tmp_path_factory):
     from router.api.model import ServedModel
@@ -177,10 +236,19 @@ def test_tools_to_a_model_whose_template_has_no_tools_get_400_and_reach_no_serve
     assert not byte_model.tools_in_template
     fake = FakeWorkerClient(reply=[104, 105])
     with make_client(byte_model, fake) as c:
-        r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                                 "tools": [TOOL]})
-        none = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                                    "tools": [TOOL], "tool_choice": "none"})
+        r = c.post(
+            "/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [TOOL]},
+        )
+        none = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [TOOL],
+                "tool_choice": "none",
+            },
+        )
     assert r.status_code == 400
     assert r.json()["error"]["param"] == "tools"
     assert r.json()["error"]["message"] == "this model's chat template does not support tools"
@@ -206,9 +274,10 @@ def test_a_malformed_earlier_tool_call_in_the_conversation_is_a_400(byte_model):
     from tests.serving.fakes import FakeWorkerClient
     from tests.serving.router_client import make_client
 
-    messages = [{"role": "user", "content": "hi"},
-                {"role": "assistant", "content": None,
-                 "tool_calls": [{"id": "c", "type": "function", "function": "f"}]}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function", "function": "f"}]},
+    ]
     with make_client(byte_model, FakeWorkerClient(reply=[104])) as c:
         r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": messages})
     assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages.1.tool_calls.0.function")

@@ -28,16 +28,29 @@ SCHEMA = {
     "required": ["city", "population", "sunny"],
     "additionalProperties": False,
 }
-MESSAGES = [{"role": "system", "content": "Answer in JSON."},
-            {"role": "user", "content": "What is the capital of France? Numbers: 1 2 3."}]
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-        "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "The time", "parameters": TIME}}]
+MESSAGES = [
+    {"role": "system", "content": "Answer in JSON."},
+    {"role": "user", "content": "What is the capital of France? Numbers: 1 2 3."},
+]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TIME = {
+    "type": "object",
+    "properties": {"zone": {"enum": ["UTC", "CET"]}},
+    "required": ["zone"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "The weather in a city", "parameters": WEATHER},
+    },
+    {"type": "function", "function": {"name": "get_time", "description": "The time", "parameters": TIME}},
+]
 PARAMETERS = {"get_weather": WEATHER, "get_time": TIME}
 
 
@@ -55,8 +68,11 @@ def cluster(request, tmp_path_factory, tiny_model):
 
 
 def in_rotation(c) -> None:
-    wait_until(lambda: all(w["healthy"] for w in c.http.get(f"{c.router_url}/health").json()["workers"]), 30,
-               "every server in the router's rotation")
+    wait_until(
+        lambda: all(w["healthy"] for w in c.http.get(f"{c.router_url}/health").json()["workers"]),
+        30,
+        "every server in the router's rotation",
+    )
 
 
 def chat_ids(path: str, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -99,8 +115,9 @@ def test_the_sdk_parse_helper_reads_a_json_schema_answer(served):
         word: str = Field(max_length=6)
         count: int = Field(ge=0, le=999)
 
-    r = served.client().beta.chat.completions.parse(model="tiny", messages=MESSAGES, max_tokens=60, temperature=0,
-                                                    response_format=Answer)
+    r = served.client().beta.chat.completions.parse(
+        model="tiny", messages=MESSAGES, max_tokens=60, temperature=0, response_format=Answer
+    )
     parsed = r.choices[0].message.parsed
     assert isinstance(parsed, Answer) and len(parsed.word) <= 6 and 0 <= parsed.count <= 999
 
@@ -108,8 +125,14 @@ def test_the_sdk_parse_helper_reads_a_json_schema_answer(served):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_json_object_answer_is_a_json_object(served, stream):
     # Seed 3 closes its object within the budget on this model (a random model's keys run long).
-    kw = dict(model="tiny", messages=MESSAGES, max_tokens=150, temperature=1.0, seed=3,
-              response_format={"type": "json_object"})
+    kw = dict(
+        model="tiny",
+        messages=MESSAGES,
+        max_tokens=150,
+        temperature=1.0,
+        seed=3,
+        response_format={"type": "json_object"},
+    )
     if stream:
         chunks = list(served.client().chat.completions.create(stream=True, **kw))
         text, finish = streamed_text(chunks), chunks[-1].choices[0].finish_reason
@@ -125,12 +148,16 @@ def test_json_object_answer_is_a_json_object(served, stream):
 def test_completions_regex_and_choice_answers_match(served, tiny_model, stream):
     client = served.client()
     prompt = PROMPTS[0]
-    for extra, check in (({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2,5}"}},
-                          lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", t)),
-                         ({"guided_choice": ["Paris", "Lyon", "Nice"]}, lambda t: t in ("Paris", "Lyon", "Nice"))):
+    for extra, check in (
+        ({"structured_outputs": {"regex": r"[0-9]{3}-[a-z]{2,5}"}}, lambda t: re.fullmatch(r"[0-9]{3}-[a-z]{2,5}", t)),
+        ({"guided_choice": ["Paris", "Lyon", "Nice"]}, lambda t: t in ("Paris", "Lyon", "Nice")),
+    ):
         if stream:
-            chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=30, temperature=0,
-                                                    stream=True, extra_body=extra))
+            chunks = list(
+                client.completions.create(
+                    model="tiny", prompt=prompt, max_tokens=30, temperature=0, stream=True, extra_body=extra
+                )
+            )
             text = "".join(c.choices[0].text for c in chunks if c.choices)
             finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
         else:
@@ -143,32 +170,50 @@ def test_completions_regex_and_choice_answers_match(served, tiny_model, stream):
     assert text == decode(tiny_model, hf_masked_greedy(tiny_model, ids, spec, 30))
 
 
-@pytest.mark.parametrize("body,param,message", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
-     "response_format", "response_format: the JSON schema does not compile: Invalid type: bogus"),
-    ({"guided_regex": "[0-9"}, "guided_regex", "guided_regex: the regular expression does not compile"),
-    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "only one structured output constraint"),
-    ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "only tools of type 'function' are supported"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
-     "tools[0].function.parameters", "function.parameters must be a JSON schema of type 'object'"),
-    ({"tools": TOOLS + TOOLS[:1]}, "tools[2].function.name", "the function name 'get_weather' is given twice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}}, "tool_choice",
-     "tool_choice names the function 'launch', which is not among the tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
-     "only one structured output constraint"),
-])
+@pytest.mark.parametrize(
+    "body,param,message",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}},
+            "response_format",
+            "response_format: the JSON schema does not compile: Invalid type: bogus",
+        ),
+        ({"guided_regex": "[0-9"}, "guided_regex", "guided_regex: the regular expression does not compile"),
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "only one structured output constraint"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type", "only tools of type 'function' are supported"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+            "tools[0].function.parameters",
+            "function.parameters must be a JSON schema of type 'object'",
+        ),
+        ({"tools": TOOLS + TOOLS[:1]}, "tools[2].function.name", "the function name 'get_weather' is given twice"),
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch"}}},
+            "tool_choice",
+            "tool_choice names the function 'launch', which is not among the tools",
+        ),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "tool_choice",
+            "only one structured output constraint",
+        ),
+    ],
+)
 def test_bad_structured_fields_and_tools_are_refused_with_400_naming_the_problem(served, body, param, message):
     with pytest.raises(openai.BadRequestError) as exc:
-        served.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8,
-                                                extra_body=body)
+        served.client().chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, extra_body=body)
     error = exc.value.body
     assert error["param"] == param and message in error["message"], error
 
 
 def test_a_server_refuses_a_grammar_that_does_not_compile_whatever_the_router_let_through(served):
     name = "d0" if "d0" in _names(served) else "c0"
-    body = {"request_id": "bad-grammar", "prompt_token_ids": [5, 6, 7],
-            "sampling": {"max_tokens": 4, "structured": {"kind": "regex", "value": "[0-9"}}, "local_prefill": True}
+    body = {
+        "request_id": "bad-grammar",
+        "prompt_token_ids": [5, 6, 7],
+        "sampling": {"max_tokens": 4, "structured": {"kind": "regex", "value": "[0-9"}},
+        "local_prefill": True,
+    }
     r = served.http.post(f"{served.server(name)['url']}/generate", json=body)
     assert r.status_code == 400 and "the regular expression does not compile" in r.text
 
@@ -177,12 +222,19 @@ def call_pairs(message) -> list[tuple[str, str]]:
     return [(c.function.name, c.function.arguments) for c in message.tool_calls]
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}],
-                         ids=["required", "named"])
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"]
+)
 def test_forced_tool_calls_validate_and_stream_as_the_same_deltas(served, choice):
     client = served.client()
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "What is the weather in Paris?"}], tools=TOOLS,
-              tool_choice=choice, max_tokens=120, temperature=0)
+    kw = dict(
+        model="tiny",
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+        tools=TOOLS,
+        tool_choice=choice,
+        max_tokens=120,
+        temperature=0,
+    )
     r = client.chat.completions.create(**kw)
     message = r.choices[0].message
     assert r.choices[0].finish_reason == "tool_calls" and message.content is None
@@ -212,17 +264,37 @@ def test_forced_tool_calls_validate_and_stream_as_the_same_deltas(served, choice
 
 
 def test_auto_renders_the_tools_and_a_conversation_with_calls_and_results_is_accepted(served, tiny_model):
-    messages = [{"role": "user", "content": "What is the weather in Paris?"},
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": "call_1", "type": "function",
-                     "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-                {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"}]
-    r = served.client().chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=16,
-                                                temperature=0)
-    rendered = [messages[0], {**messages[1], "tool_calls": [
-        {**messages[1]["tool_calls"][0], "function": {"name": "get_weather",
-                                                       "arguments": {"city": "Paris", "unit": "celsius"}}}]},
-                messages[2]]
+    messages = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21"},
+    ]
+    r = served.client().chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, max_tokens=16, temperature=0
+    )
+    rendered = [
+        messages[0],
+        {
+            **messages[1],
+            "tool_calls": [
+                {
+                    **messages[1]["tool_calls"][0],
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}},
+                }
+            ],
+        },
+        messages[2],
+    ]
     ids = chat_ids(tiny_model, rendered, TOOLS)
     assert "<tools>" in tokenizer(tiny_model).decode(ids) and "<tool_response>" in tokenizer(tiny_model).decode(ids)
     assert r.usage.prompt_tokens == len(ids)
@@ -232,8 +304,9 @@ def test_auto_renders_the_tools_and_a_conversation_with_calls_and_results_is_acc
 
 def test_tool_choice_none_renders_no_tools(served, tiny_model):
     messages = [{"role": "user", "content": "Hello"}]
-    r = served.client().chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="none",
-                                                max_tokens=4, temperature=0)
+    r = served.client().chat.completions.create(
+        model="tiny", messages=messages, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0
+    )
     assert r.usage.prompt_tokens == len(chat_ids(tiny_model, messages))
 
 

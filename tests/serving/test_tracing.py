@@ -35,13 +35,19 @@ class Collector:
                 req = ExportTraceServiceRequest.FromString(body)
                 with lock:
                     for rs in req.resource_spans:
-                        service = next(a.value.string_value for a in rs.resource.attributes
-                                       if a.key == "service.name")
+                        service = next(a.value.string_value for a in rs.resource.attributes if a.key == "service.name")
                         for ss in rs.scope_spans:
                             for s in ss.spans:
-                                spans.append({"service": service, "name": s.name, "trace": s.trace_id.hex(),
-                                              "id": s.span_id.hex(), "parent": s.parent_span_id.hex(),
-                                              "attributes": {a.key: a.value for a in s.attributes}})
+                                spans.append(
+                                    {
+                                        "service": service,
+                                        "name": s.name,
+                                        "trace": s.trace_id.hex(),
+                                        "id": s.span_id.hex(),
+                                        "parent": s.parent_span_id.hex(),
+                                        "attributes": {a.key: a.value for a in s.attributes},
+                                    }
+                                )
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
                 self.send_header("Content-Length", "0")
@@ -77,13 +83,27 @@ def test_one_request_is_one_trace_across_router_decode_and_prefill(traced, tiny_
     cluster, collector = traced
     prompt = "a prompt long enough for the prefill server"
     out = cluster.client().completions.create(
-        model="tiny", prompt=prompt, max_tokens=5, temperature=0,
-        extra_headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"})
+        model="tiny",
+        prompt=prompt,
+        max_tokens=5,
+        temperature=0,
+        extra_headers={"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"},
+    )
     text, count = expected_completion(tiny_model, prompt, 5)
     assert (out.choices[0].text, out.usage.completion_tokens) == (text, count)
 
-    wanted = {"pdserve.request", "router.admission", "router.stream", "decode.generate", "decode.kv_wait",
-              "decode.decode", "prefill.prefill", "prefill.queue", "prefill.compute", "prefill.kv_transfer"}
+    wanted = {
+        "pdserve.request",
+        "router.admission",
+        "router.stream",
+        "decode.generate",
+        "decode.kv_wait",
+        "decode.decode",
+        "prefill.prefill",
+        "prefill.queue",
+        "prefill.compute",
+        "prefill.kv_transfer",
+    }
     wait_until(lambda: wanted <= set(collector.by_name()), 15, f"spans {sorted(wanted)}")
     s = collector.by_name()
     assert {x["trace"] for x in s.values()} == {TRACE_ID}
@@ -96,7 +116,10 @@ def test_one_request_is_one_trace_across_router_decode_and_prefill(traced, tiny_
     for name in ("prefill.queue", "prefill.compute", "prefill.kv_transfer"):
         assert s[name]["parent"] == s["prefill.prefill"]["id"], name
     assert {s[n]["service"] for n in ("pdserve.request", "decode.generate", "prefill.prefill")} == {
-        "pdserve-router", "pdserve-decode", "pdserve-prefill"}
+        "pdserve-router",
+        "pdserve-decode",
+        "pdserve-prefill",
+    }
     assert s["decode.kv_wait"]["attributes"]["pdserve.outcome"].string_value == "ok"
     assert s["prefill.kv_transfer"]["attributes"]["pdserve.bytes"].int_value > 0
     assert s["pdserve.request"]["attributes"]["pdserve.generated_tokens"].int_value == count

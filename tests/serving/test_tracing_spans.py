@@ -46,8 +46,12 @@ def spans(exporter: InMemorySpanExporter) -> dict[str, object]:
 def test_a_decode_stream_whose_kv_never_arrived_carries_the_outcome_code(decode_engine):
     exporter = InMemorySpanExporter()
     make_receiver, made = scripted(ScriptedReceiver)
-    service = GenerationService(ServerSettings(name="d0", role="decode", engine=decode_engine.config, lease_s=5.0),
-                                decode_engine, make_receiver, tracing=Tracing(TracingSettings(), "d", exporter))
+    service = GenerationService(
+        ServerSettings(name="d0", role="decode", engine=decode_engine.config, lease_s=5.0),
+        decode_engine,
+        make_receiver,
+        tracing=Tracing(TracingSettings(), "d", exporter),
+    )
 
     async def main():
         await service.start()
@@ -75,9 +79,13 @@ def test_a_decode_stream_whose_kv_never_arrived_carries_the_outcome_code(decode_
 def test_a_prefill_records_queue_compute_and_transfer_under_the_routers_span(prefill_engine):
     exporter = InMemorySpanExporter()
     make_sender, made = scripted(ScriptedSender)
-    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=prefill_engine.config),
-                             prefill_engine, make_sender, tracing=Tracing(TracingSettings(), "p", exporter),
-                             peers=ScriptedPeers())
+    service = PrefillService(
+        ServerSettings(name="p0", role="prefill", engine=prefill_engine.config),
+        prefill_engine,
+        make_sender,
+        tracing=Tracing(TracingSettings(), "p", exporter),
+        peers=ScriptedPeers(),
+    )
 
     async def main():
         await service.start()

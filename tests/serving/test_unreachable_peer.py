@@ -27,8 +27,13 @@ def engine(tiny_model):
 
 def test_an_unreachable_decode_address_fails_the_prefill_at_once_with_handshake_failed(engine):
     closed = free_ports(1)[0]  # nothing listens there
-    settings = ServerSettings(name="p0", role="prefill", engine=engine.config, transfer_timeout_s=30.0,
-                              decode_peers=(("d0", f"http://127.0.0.1:{closed}"),))
+    settings = ServerSettings(
+        name="p0",
+        role="prefill",
+        engine=engine.config,
+        transfer_timeout_s=30.0,
+        decode_peers=(("d0", f"http://127.0.0.1:{closed}"),),
+    )
     service = PrefillService(settings, engine, sender_factory(settings, engine))
 
     async def main() -> WorkerError:

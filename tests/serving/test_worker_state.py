@@ -23,8 +23,11 @@ def direct_writes(source: str) -> list[str]:
         else:
             continue
         for t in targets:
-            if isinstance(t, ast.Attribute) and t.attr in STATE and not (
-                    isinstance(t.value, ast.Name) and t.value.id == "self"):
+            if (
+                isinstance(t, ast.Attribute)
+                and t.attr in STATE
+                and not (isinstance(t.value, ast.Name) and t.value.id == "self")
+            ):
                 found.append(f"{t.lineno}: {ast.unparse(t)}")
     return found
 
@@ -35,8 +38,7 @@ def test_no_router_module_writes_a_workers_state_field_directly():
 
 
 def test_the_check_sees_direct_writes():
-    source = ("def f(worker, slot):\n"
-              "    worker.inflight += 1\n"
-              "    slot.worker.healthy = False\n"
-              "    self.draining = True\n")
+    source = (
+        "def f(worker, slot):\n    worker.inflight += 1\n    slot.worker.healthy = False\n    self.draining = True\n"
+    )
     assert direct_writes(source) == ["2: worker.inflight", "3: slot.worker.healthy"]

@@ -22,9 +22,15 @@ from transfer.sender import KVSender
 
 def layout_of(engine: LLMEngine) -> KVLayout:
     c = engine.cache
-    return KVLayout.for_engine_cache(num_layers=c.num_layers, num_blocks=c.num_blocks,
-                                     block_size=c.block_size, num_kv_heads=c.num_kv_heads,
-                                     head_dim=c.head_dim, dtype=c.dtype, order=c.order)
+    return KVLayout.for_engine_cache(
+        num_layers=c.num_layers,
+        num_blocks=c.num_blocks,
+        block_size=c.block_size,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        dtype=c.dtype,
+        order=c.order,
+    )
 
 
 class PrefillSide:
@@ -32,11 +38,13 @@ class PrefillSide:
 
     def __init__(self, cfg: dict, spec: dict) -> None:
         self.tids: dict[str, str] = {}
-        self.engine = LLMEngine(EngineConfig(model=cfg["model"], block_size=spec["block_size"],
-                                             num_blocks=64, mode="prefill", num_threads=1))
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=cfg["model"], block_size=spec["block_size"], num_blocks=64, mode="prefill", num_threads=1
+            )
+        )
         backend = make_backend(cfg["backend"], spec["name"], **backend_options(cfg["backend"], None, "send"))
-        self.kv = KVSender(backend, self.engine.cache.kv, layout_of(self.engine), name=spec["name"],
-                           model="tiny")
+        self.kv = KVSender(backend, self.engine.cache.kv, layout_of(self.engine), name=spec["name"], model="tiny")
         self.kv.start()
 
     def _hook(self, layer: int, chunks) -> None:
@@ -68,12 +76,18 @@ class DecodeSide:
     """An engine in decode mode whose cache a KVReceiver fills."""
 
     def __init__(self, cfg: dict, spec: dict) -> None:
-        self.engine = LLMEngine(EngineConfig(model=cfg["model"], block_size=spec["block_size"],
-                                             num_blocks=64, mode="decode", num_threads=1,
-                                             kv_layout=spec.get("kv_layout", "NHD")))
+        self.engine = LLMEngine(
+            EngineConfig(
+                model=cfg["model"],
+                block_size=spec["block_size"],
+                num_blocks=64,
+                mode="decode",
+                num_threads=1,
+                kv_layout=spec.get("kv_layout", "NHD"),
+            )
+        )
         backend = make_backend(cfg["backend"], spec["name"], **backend_options(cfg["backend"], None, "recv"))
-        self.kv = KVReceiver(backend, self.engine.cache.kv, layout_of(self.engine), name=spec["name"],
-                             model="tiny")
+        self.kv = KVReceiver(backend, self.engine.cache.kv, layout_of(self.engine), name=spec["name"], model="tiny")
         self.kv.start()
         self.rids: dict[str, str] = {}
 

@@ -27,16 +27,28 @@ def backend_options(kind: str, hub: InprocHub | None, role: str) -> dict:
 def make_sender(kind, hub, name, layout: KVLayout, cache=None, **kw) -> KVSender:
     if cache is None:
         cache = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
-    sender = KVSender(make_backend(kind, name, **backend_options(kind, hub, "send")), cache, layout,
-                      name=name, model=kw.pop("model", "m"), **kw)
+    sender = KVSender(
+        make_backend(kind, name, **backend_options(kind, hub, "send")),
+        cache,
+        layout,
+        name=name,
+        model=kw.pop("model", "m"),
+        **kw,
+    )
     sender.start()
     return sender
 
 
 def make_receiver(kind, hub, name, layout: KVLayout, **kw) -> KVReceiver:
     cache = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype))
-    receiver = KVReceiver(make_backend(kind, name, **backend_options(kind, hub, "recv")), cache, layout,
-                          name=name, model=kw.pop("model", "m"), **kw)
+    receiver = KVReceiver(
+        make_backend(kind, name, **backend_options(kind, hub, "recv")),
+        cache,
+        layout,
+        name=name,
+        model=kw.pop("model", "m"),
+        **kw,
+    )
     receiver.start()
     return receiver
 
@@ -70,8 +82,9 @@ def wait_events(side, timeout_s: float = 10.0, count: int = 1) -> Ended:
     return got
 
 
-def push_all(sender: KVSender, tid: str, layout: KVLayout, src_blocks, start, end, first_tokens=(1,),
-             finish=True) -> None:
+def push_all(
+    sender: KVSender, tid: str, layout: KVLayout, src_blocks, start, end, first_tokens=(1,), finish=True
+) -> None:
     for layer in range(layout.num_layers):
         sender.push_layer(tid, layer, src_blocks, start, end)
     if finish:

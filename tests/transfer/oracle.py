@@ -20,8 +20,7 @@ def logical(buf: np.ndarray, layout: KVLayout) -> np.ndarray:
     return view
 
 
-def expected_after_copy(src_buf, src: KVLayout, src_ids, start, end,
-                        dst_buf, dst: KVLayout, dst_ids) -> np.ndarray:
+def expected_after_copy(src_buf, src: KVLayout, src_ids, start, end, dst_buf, dst: KVLayout, dst_ids) -> np.ndarray:
     """What the destination must hold after copying tokens [start, end)."""
     out = dst_buf.copy()
     s_view, d_view = logical(src_buf, src), logical(out, dst)

@@ -64,12 +64,14 @@ def serve_raw(role: str, cfg: dict) -> None:
     cfg["role"] = role
     if role == "send":
         cache = seeded_cache(layout, cfg["seed"])
-        side = KVSender(backend_for(cfg), cache, layout, name=cfg["name"], model="m",
-                        checksum=cfg.get("checksum", "sampled"))
+        side = KVSender(
+            backend_for(cfg), cache, layout, name=cfg["name"], model="m", checksum=cfg.get("checksum", "sampled")
+        )
     else:
         cache = torch.zeros(layout.shape, dtype=getattr(torch, layout.dtype))
-        side = KVReceiver(backend_for(cfg), cache, layout, name=cfg["name"], model="m",
-                          cancel_grace_s=cfg.get("grace", 1.0))
+        side = KVReceiver(
+            backend_for(cfg), cache, layout, name=cfg["name"], model="m", cancel_grace_s=cfg.get("grace", 1.0)
+        )
     side.start()
     reply(hello=side.hello().hex(), pid=os.getpid())
     for line in sys.stdin:
@@ -107,6 +109,7 @@ def main() -> None:
         serve_raw(role[4:], cfg)
     else:
         from tests.transfer.engine_peers import serve_engine
+
         serve_engine(role[7:], cfg, reply)
 
 

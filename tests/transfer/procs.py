@@ -27,8 +27,14 @@ class Peer:
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.transfer.peers", role, json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, cwd=ROOT, env=env,
-            text=True, bufsize=1)
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            cwd=ROOT,
+            env=env,
+            text=True,
+            bufsize=1,
+        )
         self.pid = self.proc.pid
         self._answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()

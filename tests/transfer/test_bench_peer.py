@@ -16,8 +16,22 @@ from transfer.bench_peer import split_address
 from transfer.layout import KVLayout
 
 REPO = Path(__file__).resolve().parents[2]
-SHAPE = ["--layers", "2", "--blocks", "8", "--block-size", "4", "--kv-heads", "2", "--head-dim", "16",
-         "--dtype", "float32", "--iters", "1"]
+SHAPE = [
+    "--layers",
+    "2",
+    "--blocks",
+    "8",
+    "--block-size",
+    "4",
+    "--kv-heads",
+    "2",
+    "--head-dim",
+    "16",
+    "--dtype",
+    "float32",
+    "--iters",
+    "1",
+]
 
 
 def test_split_address_takes_host_and_port_and_refuses_anything_else():
@@ -34,11 +48,17 @@ def test_the_sender_names_the_shape_and_the_listener_serves_one_run_then_exits(t
     port = free_ports(1)[0]
     bench = [sys.executable, "-m", "transfer.bench", "--backend", "zmq"]
     with open(tmp_path / "recv.log", "wb") as log:
-        receiver = subprocess.Popen([*bench, "--listen", f"127.0.0.1:{port}"], cwd=REPO,
-                                    stdout=subprocess.DEVNULL, stderr=log)
+        receiver = subprocess.Popen(
+            [*bench, "--listen", f"127.0.0.1:{port}"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log
+        )
     try:
-        sender = subprocess.run([*bench, "--peer", f"127.0.0.1:{port}", "--json", *SHAPE], cwd=REPO,
-                                capture_output=True, text=True, timeout=120)
+        sender = subprocess.run(
+            [*bench, "--peer", f"127.0.0.1:{port}", "--json", *SHAPE],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert sender.returncode == 0, sender.stderr
         assert receiver.wait(30) == 0, (tmp_path / "recv.log").read_text()
     finally:
@@ -46,8 +66,9 @@ def test_the_sender_names_the_shape_and_the_listener_serves_one_run_then_exits(t
             receiver.kill()
             receiver.wait()
     result = json.loads(sender.stdout)
-    layout = KVLayout.for_engine_cache(num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16,
-                                       dtype="float32")
+    layout = KVLayout.for_engine_cache(
+        num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=16, dtype="float32"
+    )
     assert result["bytes"] == layout.total_bytes == 2 * 2 * 8 * 4 * 2 * 16 * 4
     assert result["peer"] == f"127.0.0.1:{port}"
     assert result["gbps"] > 0 and result["memcpy_gbps"] > 0

@@ -25,8 +25,14 @@ def test_unknown_and_ended_ids_are_dropped_and_counted_apart():
     assert reg.live(tid) is None and reg.live("D-never") is None  # looking counts nothing
     reg.count_drop(tid)
     reg.count_drop("D-never")
-    assert reg.counters == {"issued": 1, "completed": 1, "failed": 0, "dropped_unknown": 1,
-                                 "dropped_expired": 1, "checksum_failures": 0}
+    assert reg.counters == {
+        "issued": 1,
+        "completed": 1,
+        "failed": 0,
+        "dropped_unknown": 1,
+        "dropped_expired": 1,
+        "checksum_failures": 0,
+    }
 
 
 def test_overdue_lists_only_reservations_past_their_lease():
@@ -47,19 +53,22 @@ def test_sampled_checksum_covers_first_last_and_is_deterministic():
 
 
 def test_checksum_is_the_same_over_the_same_kv_in_different_layouts():
-    src = KVLayout.for_engine_cache(num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_dim=4,
-                                    dtype="float32")
+    src = KVLayout.for_engine_cache(
+        num_layers=2, num_blocks=8, block_size=16, num_kv_heads=2, head_dim=4, dtype="float32"
+    )
     dst = src.replace(block_size=8, num_blocks=12, order="HND", kv_fused=True)
     a, b = torch.randn(src.shape), torch.zeros(dst.shape)
     plan = make_plan(src, [3, 1], 0, 30, dst, [9, 0, 4, 7])
     for layer in range(2):
         copy_ranges(region_bytes(a), region_bytes(b), *plan.layer(layer))
     pos = checksum_positions("t", 8, 0, 30, "all")
-    assert kv_checksum(region_bytes(a), src, [3, 1], pos, (0, 1)) == \
-        kv_checksum(region_bytes(b), dst, [9, 0, 4, 7], pos, (0, 1))
+    assert kv_checksum(region_bytes(a), src, [3, 1], pos, (0, 1)) == kv_checksum(
+        region_bytes(b), dst, [9, 0, 4, 7], pos, (0, 1)
+    )
     b.view(-1)[dst.vector_offsets(0, 4, 3, 1) // 4] += 1.0  # one element of K, token 19
-    assert kv_checksum(region_bytes(a), src, [3, 1], pos, (0, 1)) != \
-        kv_checksum(region_bytes(b), dst, [9, 0, 4, 7], pos, (0, 1))
+    assert kv_checksum(region_bytes(a), src, [3, 1], pos, (0, 1)) != kv_checksum(
+        region_bytes(b), dst, [9, 0, 4, 7], pos, (0, 1)
+    )
 
 
 def test_missing_nixl_names_the_zmq_option(monkeypatch):

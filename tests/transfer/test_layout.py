@@ -7,8 +7,7 @@ from transfer.layout import IncompatiblePeer, KVLayout, check_compatible, heads_
 
 
 def engine_layout(**kw):
-    args = dict(num_layers=2, num_blocks=10, block_size=16, num_kv_heads=4, head_dim=8,
-                dtype=torch.bfloat16)
+    args = dict(num_layers=2, num_blocks=10, block_size=16, num_kv_heads=4, head_dim=8, dtype=torch.bfloat16)
     args.update(kw)
     return KVLayout.for_engine_cache(**args)
 
@@ -37,9 +36,10 @@ def test_hnd_and_fused_layouts_have_their_shapes():
     assert base.replace(kv_fused=True).shape == (2, 10, 2, 16, 4, 8)
 
 
-@pytest.mark.parametrize("total,rank,size,heads", [
-    (8, 0, 2, (0, 1, 2, 3)), (8, 1, 2, (4, 5, 6, 7)), (2, 3, 4, (1,)), (2, 0, 4, (0,)),
-    (1, 1, 2, (0,))])
+@pytest.mark.parametrize(
+    "total,rank,size,heads",
+    [(8, 0, 2, (0, 1, 2, 3)), (8, 1, 2, (4, 5, 6, 7)), (2, 3, 4, (1,)), (2, 0, 4, (0,)), (1, 1, 2, (0,))],
+)
 def test_heads_for_rank_splits_or_replicates(total, rank, size, heads):
     assert heads_for_rank(total, rank, size) == heads
 
@@ -54,10 +54,13 @@ def test_bad_dtype_is_refused_with_the_value():
         engine_layout(dtype="int8")
 
 
-@pytest.mark.parametrize("field,value,message", [
-    ("num_layers", 3, "num_layers: prefill has 2, decode has 3"),
-    ("head_dim", 16, "head_dim: prefill has 8, decode has 16"),
-])
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("num_layers", 3, "num_layers: prefill has 2, decode has 3"),
+        ("head_dim", 16, "head_dim: prefill has 8, decode has 16"),
+    ],
+)
 def test_incompatible_peer_error_names_both_values(field, value, message):
     mine = engine_layout()
     theirs = engine_layout(**{field: value})
@@ -74,6 +77,7 @@ def test_different_total_heads_and_models_are_refused():
 
 def test_convertible_differences_are_accepted():
     mine = engine_layout()
-    theirs = engine_layout(block_size=32, dtype="float32", tp_rank=1, tp_size=2, num_kv_heads=2,
-                           num_kv_heads_total=4).replace(order="HND")
+    theirs = engine_layout(
+        block_size=32, dtype="float32", tp_rank=1, tp_size=2, num_kv_heads=2, num_kv_heads_total=4
+    ).replace(order="HND")
     check_compatible("m", mine, "m", theirs, "prefill", "decode")

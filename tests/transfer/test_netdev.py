@@ -21,8 +21,11 @@ def test_a_wildcard_host_leaves_ucx_every_device():
 
 
 def test_an_address_no_interface_holds_is_a_clear_error():
-    with pytest.raises(ValueError, match=r"host '192\.0\.2\.254' \(192\.0\.2\.254\) is not an address of any "
-                                         r"network interface of this machine"):
+    with pytest.raises(
+        ValueError,
+        match=r"host '192\.0\.2\.254' \(192\.0\.2\.254\) is not an address of any "
+        r"network interface of this machine",
+    ):
         interface_of("192.0.2.254")
 
 

@@ -17,9 +17,12 @@ BLOCK_SIZES = (1, 2, 3, 4, 8, 16, 32, 64)
 @st.composite
 def layout_pairs(draw):
     total = draw(st.sampled_from((1, 2, 4)))
-    common = dict(num_layers=draw(st.integers(1, 3)), num_kv_heads_total=total,
-                  head_dim=draw(st.sampled_from((1, 2, 4))),
-                  dtype=draw(st.sampled_from(("float32", "bfloat16", "float8_e4m3fn"))))
+    common = dict(
+        num_layers=draw(st.integers(1, 3)),
+        num_kv_heads_total=total,
+        head_dim=draw(st.sampled_from((1, 2, 4))),
+        dtype=draw(st.sampled_from(("float32", "bfloat16", "float8_e4m3fn"))),
+    )
     end = draw(st.integers(0, 80))
     start = draw(st.integers(0, end))
     sides = []
@@ -34,10 +37,16 @@ def layout_pairs(draw):
             ids = list(range(first, first + need))
         else:
             ids = draw(st.permutations(range(num_blocks)))[:need]
-        layout = KVLayout(**common, head_ids=heads_for_rank(total, tp_rank, tp_size),
-                          block_size=bs, num_blocks=num_blocks,
-                          order=draw(st.sampled_from(("NHD", "HND"))), kv_fused=draw(st.booleans()),
-                          tp_rank=tp_rank, tp_size=tp_size)
+        layout = KVLayout(
+            **common,
+            head_ids=heads_for_rank(total, tp_rank, tp_size),
+            block_size=bs,
+            num_blocks=num_blocks,
+            order=draw(st.sampled_from(("NHD", "HND"))),
+            kv_fused=draw(st.booleans()),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+        )
         sides.append((layout, ids))
     return sides[0], sides[1], start, end
 
@@ -78,15 +87,23 @@ def test_dtype_change_through_staging_reproduces_converted_values(pair, dst_dtyp
     plan = make_plan(staging_layout(src, dst_dtype), src_ids, start, end, dst, dst_ids)
     for layer in range(src.num_layers):
         copy_ranges(region_bytes(staging), region_bytes(dst_cache), *plan.layer(layer))
-    expected = expected_after_copy(region_bytes(staging).numpy(), staging_layout(src, dst_dtype),
-                                   src_ids, start, end, region_bytes(torch.zeros_like(dst_cache)).numpy(),
-                                   dst, dst_ids)
+    expected = expected_after_copy(
+        region_bytes(staging).numpy(),
+        staging_layout(src, dst_dtype),
+        src_ids,
+        start,
+        end,
+        region_bytes(torch.zeros_like(dst_cache)).numpy(),
+        dst,
+        dst_ids,
+    )
     np.testing.assert_array_equal(region_bytes(dst_cache).numpy(), expected)
 
 
 def engine(bs, blocks, **kw):
-    return KVLayout.for_engine_cache(num_layers=2, num_blocks=blocks, block_size=bs,
-                                     num_kv_heads=2, head_dim=4, dtype="float32", **kw)
+    return KVLayout.for_engine_cache(
+        num_layers=2, num_blocks=blocks, block_size=bs, num_kv_heads=2, head_dim=4, dtype="float32", **kw
+    )
 
 
 def test_identical_layouts_with_contiguous_blocks_merge_into_one_range_per_plane():
@@ -94,10 +111,17 @@ def test_identical_layouts_with_contiguous_blocks_merge_into_one_range_per_plane
     plan = make_plan(layout, [2, 3, 4], 0, 48, layout, [5, 6, 7])
     assert plan.num_ranges == 2
     assert plan.ranges(1) == [
-        (layout.layer_bytes + 2 * layout.block_bytes, layout.layer_bytes + 5 * layout.block_bytes,
-         3 * layout.block_bytes),
-        (layout.layer_bytes + 10 * layout.block_bytes, layout.layer_bytes + 13 * layout.block_bytes,
-         3 * layout.block_bytes)]
+        (
+            layout.layer_bytes + 2 * layout.block_bytes,
+            layout.layer_bytes + 5 * layout.block_bytes,
+            3 * layout.block_bytes,
+        ),
+        (
+            layout.layer_bytes + 10 * layout.block_bytes,
+            layout.layer_bytes + 13 * layout.block_bytes,
+            3 * layout.block_bytes,
+        ),
+    ]
 
 
 def test_block_size_16_into_32_moves_half_blocks():
@@ -122,8 +146,9 @@ def test_disjoint_heads_give_an_empty_plan():
     assert make_plan(src, [0], 0, 16, dst, [0]).num_ranges == 0
 
 
-@pytest.mark.parametrize("ids,end,message", [
-    ([0], 17, "cannot hold 17 tokens"), ([0, 9], 20, "outside"), ([1, 1], 20, "repeat")])
+@pytest.mark.parametrize(
+    "ids,end,message", [([0], 17, "cannot hold 17 tokens"), ([0, 9], 20, "outside"), ([1, 1], 20, "repeat")]
+)
 def test_bad_block_tables_are_refused(ids, end, message):
     layout = engine(16, 4)
     with pytest.raises(ValueError, match=message):

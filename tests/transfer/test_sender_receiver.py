@@ -18,13 +18,17 @@ from transfer.messages import Done, encode
 from transfer.outcome import PeerBound
 from transfer.sender import Abort, Begin, Push
 
-KINDS = ["inproc", "zmq", pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(),
-                                                                        reason="nixl not installed"))]
+KINDS = [
+    "inproc",
+    "zmq",
+    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed")),
+]
 
 
 def layout(bs=16, blocks=16, dtype="float32", **kw) -> KVLayout:
-    return KVLayout.for_engine_cache(num_layers=3, num_blocks=blocks, block_size=bs, num_kv_heads=kw.pop(
-        "heads", 4), head_dim=8, dtype=dtype, **kw)
+    return KVLayout.for_engine_cache(
+        num_layers=3, num_blocks=blocks, block_size=bs, num_kv_heads=kw.pop("heads", 4), head_dim=8, dtype=dtype, **kw
+    )
 
 
 def expected(sender, src_layout, src_blocks, end, receiver_layout, dst_blocks, base=None):
@@ -33,8 +37,16 @@ def expected(sender, src_layout, src_blocks, end, receiver_layout, dst_blocks, b
     staging = sender._cache.to(getattr(torch, receiver_layout.dtype))
     if base is None:
         base = np.zeros(receiver_layout.total_bytes, dtype=np.uint8)
-    return expected_after_copy(region_bytes(staging).numpy(), src_layout.replace(dtype=receiver_layout.dtype),
-                               src_blocks, 0, end, base, receiver_layout, dst_blocks)
+    return expected_after_copy(
+        region_bytes(staging).numpy(),
+        src_layout.replace(dtype=receiver_layout.dtype),
+        src_blocks,
+        0,
+        end,
+        base,
+        receiver_layout,
+        dst_blocks,
+    )
 
 
 @pytest.fixture
@@ -58,13 +70,14 @@ def test_chunked_prefill_arrives_converted_exactly(kind, hub, closing):
     peer = meet(sender, receiver)
     tid = receiver.expect([6, 2], lease_s=10)
     sender.begin(tid, peer, [6, 2], lease_s=10)
-    push_all(sender, tid, src, [3, 0, 9], 0, 20, finish=False)      # chunk 1
-    push_all(sender, tid, src, [3, 0, 9], 20, 41, first_tokens=(99,))   # chunk 2
+    push_all(sender, tid, src, [3, 0, 9], 0, 20, finish=False)  # chunk 1
+    push_all(sender, tid, src, [3, 0, 9], 20, 41, first_tokens=(99,))  # chunk 2
     got = wait_events(receiver)
     assert [(c.transfer_id, c.first_tokens) for c in got.completed] == [(tid, (99,))], got
     assert [c.transfer_id for c in wait_events(sender).completed] == [tid]
-    np.testing.assert_array_equal(region_bytes(receiver._cache).numpy(),
-                                  expected(sender, src, [3, 0, 9], 41, dst, [6, 2]))
+    np.testing.assert_array_equal(
+        region_bytes(receiver._cache).numpy(), expected(sender, src, [3, 0, 9], 41, dst, [6, 2])
+    )
 
 
 def test_two_tp_prefill_ranks_fill_one_decode_rank(hub, closing):
@@ -96,8 +109,9 @@ def test_one_prefill_rank_splits_heads_over_two_decode_ranks(hub, closing):
         sender.begin(tid, peer, [5 - r], 10)
         push_all(sender, tid, src, [2], 0, 16)
         assert [c.transfer_id for c in wait_events(receivers[r]).completed] == [tid]
-        np.testing.assert_array_equal(region_bytes(receivers[r]._cache).numpy(),
-                                      expected(sender, src, [2], 16, dsts[r], [5 - r]))
+        np.testing.assert_array_equal(
+            region_bytes(receivers[r]._cache).numpy(), expected(sender, src, [2], 16, dsts[r], [5 - r])
+        )
 
 
 def test_transfer_id_the_receiver_never_issued_is_dropped_and_counted(hub, closing):
@@ -118,7 +132,8 @@ def test_transfer_arriving_after_its_lease_expired_is_dropped(hub, closing):
     peer = meet(sender, receiver)
     tid = receiver.expect([0], lease_s=0.05)
     assert [(f.reason, f.outcome) for f in wait_events(receiver).failed] == [
-        ("lease expired before the KV arrived", "lease_expired")]
+        ("lease expired before the KV arrived", "lease_expired")
+    ]
     sender.begin(tid, peer, [0], 10)
     push_all(sender, tid, src, [1], 0, 16)
     assert wait_events(sender).failed  # refused (cancelled or unknown id), never applied
@@ -174,8 +189,7 @@ def test_write_outside_the_reserved_blocks_fails_the_transfer_and_is_not_applied
     dst = layout()
     receiver, rogue = rogue_pair(hub, closing, dst)
     tid = receiver.expect([2], lease_s=10)
-    rogue.write("D", tid, 0, "kv", np.array([0]), np.array([dst.chunk_offsets(0, 3)]),
-                np.array([dst.block_bytes]))
+    rogue.write("D", tid, 0, "kv", np.array([0]), np.array([dst.chunk_offsets(0, 3)]), np.array([dst.block_bytes]))
     (failed,) = wait_events(receiver).failed
     assert (failed.reason, failed.outcome) == ("'rogue' wrote outside the reserved blocks", "out_of_bounds")
     assert not region_bytes(receiver._cache).numpy().any()
@@ -231,8 +245,7 @@ def test_write_into_a_pinned_cached_prefix_block_fails_the_transfer_and_is_not_a
     dst = layout()
     receiver, rogue = rogue_pair(hub, closing, dst)
     tid = receiver.expect([3, 2], lease_s=10, writable_from=1)  # block 3 holds a cached prefix others read
-    rogue.write("D", tid, 0, "kv", np.array([0]), np.array([dst.chunk_offsets(0, 3)]),
-                np.array([dst.block_bytes]))
+    rogue.write("D", tid, 0, "kv", np.array([0]), np.array([dst.chunk_offsets(0, 3)]), np.array([dst.block_bytes]))
     (failed,) = wait_events(receiver).failed
     assert (failed.reason, failed.outcome) == ("'rogue' wrote outside the reserved blocks", "out_of_bounds")
     assert not region_bytes(receiver._cache).numpy().any()

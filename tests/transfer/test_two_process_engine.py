@@ -21,17 +21,31 @@ MAX_TOKENS = 10
 PAIRS = [("P16", 16, "D32", 32, "NHD"), ("P64", 64, "D16", 16, "NHD"), ("P16h", 16, "D8h", 8, "HND")]
 
 
-@pytest.mark.parametrize("backend", [
-    pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed")),
-    "zmq"])
+@pytest.mark.parametrize(
+    "backend",
+    [pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed")), "zmq"],
+)
 def test_prefill_engine_pushes_into_decode_engine_and_tokens_match_transformers(tiny_model, backend):
     want = hf_greedy(tiny_model, PROMPT, MAX_TOKENS)
     started = [
-        Peer("engine-prefill", {"backend": backend, "model": tiny_model,
-                                "engines": [{"name": f"{p}-{backend}", "block_size": pb} for p, pb, _, _, _ in PAIRS]}),
-        Peer("engine-decode", {"backend": backend, "model": tiny_model,
-                               "engines": [{"name": f"{d}-{backend}", "block_size": db, "kv_layout": order}
-                                           for _, _, d, db, order in PAIRS]}),
+        Peer(
+            "engine-prefill",
+            {
+                "backend": backend,
+                "model": tiny_model,
+                "engines": [{"name": f"{p}-{backend}", "block_size": pb} for p, pb, _, _, _ in PAIRS],
+            },
+        ),
+        Peer(
+            "engine-decode",
+            {
+                "backend": backend,
+                "model": tiny_model,
+                "engines": [
+                    {"name": f"{d}-{backend}", "block_size": db, "kv_layout": order} for _, _, d, db, order in PAIRS
+                ],
+            },
+        ),
     ]
     prefill, decode = started
     try:
@@ -40,8 +54,16 @@ def test_prefill_engine_pushes_into_decode_engine_and_tokens_match_transformers(
             answer = decode.ask(op="accept", engine=d, hello=prefill.first["hellos"][p])
             peer = prefill.ask(op="connect", engine=p, hello=answer["reply"])["peer"]
             res = decode.ask(op="reserve", engine=d, rid="r1", prompt=PROMPT, max_tokens=MAX_TOKENS, lease=30)
-            done = prefill.ask(op="prefill", engine=p, rid="r1", prompt=PROMPT, tid=res["tid"], peer=peer,
-                               dst_blocks=res["blocks"], lease=30)
+            done = prefill.ask(
+                op="prefill",
+                engine=p,
+                rid="r1",
+                prompt=PROMPT,
+                tid=res["tid"],
+                peer=peer,
+                dst_blocks=res["blocks"],
+                lease=30,
+            )
             assert done["status"] == "completed", done
             assert done["blocks"]["free"] == 64  # released after the decode side accepted
             got = decode.ask(op="decode", engine=d, rid="r1", timeout=30)
