@@ -15,11 +15,13 @@ block size and thread count comes from this one file. Example (see configs/)::
     decode:  [{name: d0, port: 8200, block_size: 32}]
 
 A colocated cluster lists ``colocated:`` instances instead of prefill/decode.
-Overload, limits and security keys (all optional) are described on
-``RouterConfig`` and ``SecurityConfig``, the router's worker discovery on
-``DiscoveryConfig``, and the ``kubernetes:`` section (read only by
-`pdserve render k8s`) in deploy/k8s_config.py; secrets are ``SecretStr`` so
-no repr, log line or config error ever shows them.
+Every field carries its meaning as the docstring under it; docs/config.md,
+the reference of every key with its type and default, is generated from
+this schema by scripts/config_reference.py (a test fails when it is stale or
+a field has no docstring). The ``kubernetes:`` section (read only by
+`pdserve render k8s`) is in deploy/k8s_config.py, ``security:`` in
+deploy/config_security.py; secrets are ``SecretStr`` so no repr, log line or
+config error ever shows them.
 
 The defaults and allowed values of the processes' settings are not written
 here: each is taken from the settings object of the process that uses it
@@ -64,15 +66,25 @@ class EngineDefaults(Strict):
     """Engine settings every instance inherits unless it overrides them (defaults and bounds: EngineConfig)."""
 
     block_size: BlockSize = EngineConfig.block_size
+    """Tokens per KV block; prefill and decode servers may differ (the transfer converts)."""
     num_threads: AtLeastOne | None = EngineConfig.num_threads
-    device: str | None = None  # default: the cluster's device
+    """Torch threads of each server process; null: torch's own default."""
+    device: str | None = None
+    """The torch device of each server (cpu, cuda, cuda:1, ...); null: the cluster's `device`."""
     kv_cache_bytes: AtLeastOne = EngineConfig.kv_cache_bytes
+    """Bytes of KV cache per server (`num_blocks` wins when both are set)."""
     num_blocks: AtLeastOne | None = EngineConfig.num_blocks
+    """KV blocks per server; null: as many as `kv_cache_bytes` holds."""
     max_num_seqs: AtLeastOne = EngineConfig.max_num_seqs
+    """Sequences an engine runs at once, at most; also each worker's default in-flight limit at the router."""
     max_num_batched_tokens: AtLeastOne = EngineConfig.max_num_batched_tokens
+    """The token budget of one engine step: prompt tokens and decoded tokens together, at most."""
     chunked_prefill: bool = EngineConfig.chunked_prefill
+    """Split a prompt longer than a step's budget over several steps; false: it runs alone in one step."""
     kv_layout: KvLayout = EngineConfig.kv_layout
+    """The order inside a KV block: NHD (slot, head, dim) or HND (head, slot, dim)."""
     prefix_caching: bool = EngineConfig.prefix_caching
+    """Reuse the KV of the full blocks a prompt shares with an earlier one."""
 
 
 # The engine keys one instance may override (None: the engine: section's value).
@@ -81,20 +93,38 @@ INSTANCE_ENGINE_KEYS = ("block_size", "num_threads", "device", "kv_cache_bytes",
 
 
 class Instance(Strict):
+    """One server of the cluster: its name, addresses and ports, and the engine keys it overrides (null: the
+    ``engine:`` section's value)."""
+
     name: str = Field(pattern=INSTANCE_NAME)
+    """Its name, unique in the cluster: `pdserve prefill|decode --name`, its log, its transfer identity."""
     port: int = Field(ge=1, le=65535)
-    kv_port: int | None = Field(default=None, ge=1, le=65535)  # default: port + 1
-    host: str | None = None  # the address others reach it at (default: the cluster's host)
-    bind_host: str | None = None  # the address it binds (default: host; 0.0.0.0 for every interface)
-    max_inflight: int | None = Field(default=None, ge=1)  # router's in-flight limit for it (see RouterConfig)
+    """Its HTTP port."""
+    kv_port: int | None = Field(default=None, ge=1, le=65535)
+    """Its transfer port (where a decode server's ZeroMQ receiver listens); null: `port` + 1."""
+    host: str | None = None
+    """The address others reach it at (advertised in reservations and handshakes); null: the cluster's `host`."""
+    bind_host: str | None = None
+    """The address it binds (0.0.0.0: every interface); null: its `host`."""
+    max_inflight: int | None = Field(default=None, ge=1)
+    """Requests the router sends it at once, at most; null: `router.max_inflight_per_worker`, else its
+    `max_num_seqs`."""
     block_size: BlockSize | None = None
+    """Its tokens per KV block."""
     num_threads: AtLeastOne | None = None
+    """Its torch threads."""
     device: str | None = None
+    """Its torch device."""
     kv_cache_bytes: AtLeastOne | None = None
+    """Its bytes of KV cache."""
     num_blocks: AtLeastOne | None = None
+    """Its KV blocks."""
     max_num_seqs: AtLeastOne | None = None
+    """Its sequences at once, at most."""
     max_num_batched_tokens: AtLeastOne | None = None
+    """Its token budget per engine step."""
     kv_layout: KvLayout | None = None
+    """Its order inside a KV block."""
 
     @property
     def transfer_port(self) -> int:
@@ -102,17 +132,22 @@ class Instance(Strict):
 
 
 class GrammarLimitsConfig(Strict):
-    """router.grammar_limits: how large a grammar, JSON schema, regex or choice list (``guided_*``,
+    """How large a grammar, JSON schema, regex or choice list (``guided_*``,
     ``structured_outputs``, ``response_format``, forced tool calls) a request may send; larger ones get
     400 before anything is compiled. Each is capped by what the compiler survives (GRAMMAR_CEILING)."""
 
     max_bytes: int = Field(default=GrammarLimits.max_bytes, ge=1, le=GRAMMAR_CEILING.max_bytes)
+    """Bytes of its text (a grammar, the schema as JSON, the regex, the choices as JSON)."""
     max_rules: int = Field(default=GrammarLimits.max_rules, ge=1, le=GRAMMAR_CEILING.max_rules)
+    """Rule and terminal definitions in a Lark grammar."""
     max_depth: int = Field(default=GrammarLimits.max_depth, ge=1, le=GRAMMAR_CEILING.max_depth)
+    """Levels of nesting: of a schema's objects and lists, of a grammar's or regex's groups."""
     max_branches: int = Field(default=GrammarLimits.max_branches, ge=1, le=GRAMMAR_CEILING.max_branches)
-    # The process the router compiles them in: one compile at most this long, in at most this memory.
+    """Alternatives: `anyOf`/`oneOf`/`allOf` and `enum` items, choices, `|` in a grammar or regex."""
     compile_timeout_s: float = Field(default=CompileSandbox.timeout_s, gt=0)
+    """Seconds one compile in the router's grammar process may take; past it the request gets 400."""
     compile_memory_bytes: int = Field(default=CompileSandbox.memory_bytes, ge=64 << 20)
+    """Bytes of address space the router's grammar process may use."""
 
     def limits(self) -> GrammarLimits:
         return GrammarLimits(max_bytes=self.max_bytes, max_rules=self.max_rules, max_depth=self.max_depth,
@@ -136,39 +171,74 @@ class RouterConfig(Strict):
     must send (none: no auth)."""
 
     port: int = Field(default=RouterSettings.port, ge=1, le=65535)
-    host: str | None = None  # the address clients reach the router at (default: the cluster's host)
-    bind_host: str | None = None  # the address it binds (default: host); e.g. 0.0.0.0 to serve others
+    """The router's HTTP port: the OpenAI API, /health, /metrics, /admin."""
+    host: str | None = None
+    """The address clients reach the router at; null: the cluster's `host`."""
+    bind_host: str | None = None
+    """The address the router binds (e.g. 0.0.0.0 to serve other machines); null: its `host`."""
     policy: PolicyName = RouterSettings.policy
+    """How a request's servers are picked: in turn, the least loaded, or the one caching most of its prompt."""
     local_prefill_threshold: int = Field(default=RouterSettings.local_prefill_threshold, ge=0)
+    """A prompt whose part the decode server does not cache is shorter than this many tokens is prefilled on
+    that decode server; 0: none is."""
     cache_aware_load_weight: float = Field(default=RouterSettings.cache_aware_load_weight, ge=0)
+    """`cache_aware` policy: how much a server's load counts against the share of the prompt it caches."""
     kv_events_interval_s: float = Field(default=RouterSettings.kv_events_interval_s, gt=0)
+    """Seconds between polls of the servers' block-hash events (for `cache_aware` and local prefill)."""
     health_interval_s: float = Field(default=RouterSettings.health_interval_s, gt=0)
+    """Seconds between health checks of a worker that answers."""
     health_timeout_s: float = Field(default=RouterSettings.health_timeout_s, gt=0)
-    stream_stall_s: float = Field(default=RouterSettings.stream_stall_s, ge=3)  # above the servers' 1 s heartbeat
+    """Seconds a health check waits for its answer."""
+    stream_stall_s: float = Field(default=RouterSettings.stream_stall_s, ge=3)
+    """Seconds a decode stream may stay silent (servers send a heartbeat every second) before it fails and its
+    server leaves rotation."""
     health_backoff_max_s: float = Field(default=RouterSettings.health_backoff_max_s, gt=0)
+    """A worker that is down is checked at doubling intervals, up to this many seconds."""
     queue_timeout_s: float = Field(default=RouterSettings.queue_timeout_s, ge=0)
+    """Seconds a request waits for a free slot before it gets 429."""
     max_queued_requests: int = Field(default=RouterSettings.max_queued_requests, ge=0)
+    """Requests waiting for a slot, at most; one more gets 429 at once."""
     retry_after_s: float = Field(default=RouterSettings.retry_after_s, gt=0)
+    """Seconds in the `Retry-After` header of a 429."""
     max_inflight_per_worker: int | None = Field(default=None, ge=1)
+    """Requests the router sends one worker at once, at most; null: that instance's `max_num_seqs`."""
     prefill_timeout_s: float = Field(default=RouterSettings.prefill_timeout_s, gt=0)
-    worker_connections: int = Field(default=RouterSettings.worker_connections, ge=1)  # to all workers, at most
-    worker_keepalive: int = Field(default=RouterSettings.worker_keepalive, ge=0)  # idle ones kept for reuse
-    worker_keepalive_s: float = Field(default=RouterSettings.worker_keepalive_s, gt=0)  # below the servers' 5 s
+    """Seconds the router waits for a prefill server's answer."""
+    worker_connections: int = Field(default=RouterSettings.worker_connections, ge=1)
+    """Open HTTP connections to all workers together, at most."""
+    worker_keepalive: int = Field(default=RouterSettings.worker_keepalive, ge=0)
+    """Idle connections to workers kept open for reuse."""
+    worker_keepalive_s: float = Field(default=RouterSettings.worker_keepalive_s, gt=0)
+    """Seconds an idle connection to a worker stays open (below the servers' own 5 s)."""
     max_body_bytes: int = Field(default=RouterSettings.max_body_bytes, ge=1024)
+    """Request bodies over this many bytes get 413 before they are read."""
     max_prompt_tokens: int | None = Field(default=RouterSettings.max_prompt_tokens, ge=1)
+    """Longer prompts get 400; null: only the context length limits them."""
     max_tokens: int | None = Field(default=RouterSettings.max_tokens, ge=1)
+    """A larger `max_tokens` gets 400, and a request without one gets at most this; null: only the context."""
     max_request_kv_share: float = Field(default=RouterSettings.max_request_kv_share, gt=0, le=1)
+    """The share of a decode server's KV cache one request may need (its prompt and `n` sequences of
+    `max_tokens`); more is a 400, or a lower `max_tokens` for a request that set none."""
     api_keys: list[SecretStr] = Field(default_factory=list)
-    # Slow and greedy clients (server_common/connections.py): closed past these.
+    """Bearer keys clients must send to the OpenAI routes (401 otherwise); empty: no auth."""
     header_timeout_s: float = Field(default=RouterSettings.header_timeout_s, gt=0)
+    """Seconds a client has to send a request's headers before its connection is closed."""
     body_timeout_s: float = Field(default=RouterSettings.body_timeout_s, gt=0)
+    """Seconds a client has to send a request's body after its headers."""
     max_connections_per_client: int = Field(default=RouterSettings.max_connections_per_client, ge=1)
-    client_keepalive_s: float = Field(default=RouterSettings.client_keepalive_s, gt=0)  # idle client connections
-    access_log: bool = RouterSettings.access_log  # one line per request in the router's log
-    max_connections: int = Field(default=RouterSettings.max_connections, ge=2)  # open, in all
-    reserved_connections: int = Field(default=RouterSettings.reserved_connections, ge=0)  # of them, loopback only
-    api_keys_file: str | None = None  # instead of api_keys: one key per line (on Kubernetes, a mounted Secret)
+    """Open connections from one address, at most; one more gets 503 `too_many_connections`."""
+    client_keepalive_s: float = Field(default=RouterSettings.client_keepalive_s, gt=0)
+    """Seconds an idle kept-alive client connection stays open (longer than clients keep theirs)."""
+    access_log: bool = RouterSettings.access_log
+    """One line per request in the router's log."""
+    max_connections: int = Field(default=RouterSettings.max_connections, ge=2)
+    """Open client connections in all (also kept 256 under the file-descriptor limit)."""
+    reserved_connections: int = Field(default=RouterSettings.reserved_connections, ge=0)
+    """Of `max_connections`, the last ones only for loopback callers (health checks on the host)."""
+    api_keys_file: str | None = None
+    """A file with one API key per line, instead of `api_keys` (on Kubernetes, a mounted Secret)."""
     grammar_limits: GrammarLimitsConfig = GrammarLimitsConfig()
+    """How large a grammar a request may send, and the process the router compiles it in."""
 
     @model_validator(mode="after")
     def _one_key_source(self) -> RouterConfig:
@@ -203,8 +273,11 @@ class DiscoveryConfig(Strict):
     deploy/k8s.py)."""
 
     kind: DiscoveryKind = DiscoverySettings.kind
-    names: list[str] = Field(default_factory=list)  # HOST:PORT each
+    """static: the instances this file lists; dns: the addresses `names` resolve to."""
+    names: list[str] = Field(default_factory=list)
+    """The DNS names to re-resolve, `HOST:PORT` each (the servers' HTTP port); kind dns only."""
     interval_s: float = Field(default=DiscoverySettings.interval_s, gt=0)
+    """Seconds between two resolutions of `names`."""
 
     @model_validator(mode="after")
     def _names_for_dns(self) -> DiscoveryConfig:
@@ -231,62 +304,101 @@ class RecoveryConfig(Strict):
     """
 
     prefill_failure: PrefillFailure = RouterSettings.prefill_failure
+    """Router, when a prefill failed: once more on another prefill server (`retry`), on the decode server
+    (`local`), or a clear error (`fail`)."""
     lease_expiry: KvFailureAction = ServerSettings.lease_expiry
+    """Decode server, when a lease expired before the KV arrived: fail the request, or prefill it itself."""
     checksum_failure: KvFailureAction = ServerSettings.checksum_failure
+    """Decode server, when the KV failed its checksum: fail the request, or prefill it itself."""
 
 
 class RestartConfig(Strict):
     """What ``pdserve launch`` does when a process fails (deploy/supervisor.py)."""
 
     policy: Literal["on-failure", "never"] = "on-failure"
-    backoff_s: float = Field(default=1.0, ge=0)  # before the first restart; doubles with each failure in the window
+    """on-failure: a failed process is started again; never: one failure stops the cluster."""
+    backoff_s: float = Field(default=1.0, ge=0)
+    """Seconds before the first restart; doubles with each failure in the window."""
     backoff_max_s: float = Field(default=30.0, ge=0)
-    max_restarts: int = Field(default=5, ge=0)  # failures of one process within window_s before giving up
+    """The longest wait before a restart, in seconds."""
+    max_restarts: int = Field(default=5, ge=0)
+    """Failures of one process within `window_s` before the launcher gives up and stops them all."""
     window_s: float = Field(default=300.0, gt=0)
+    """Seconds in which a process's failures count toward `max_restarts`."""
 
 
 class TracingConfig(Strict):
     """OpenTelemetry traces (off unless ``endpoint`` is set): one trace per request across the
     router, decode and prefill servers, sent over OTLP/HTTP (server_common/tracing.py)."""
 
-    endpoint: str | None = Field(default=TracingSettings.endpoint, pattern=r"^https?://")  # .../v1/traces
+    endpoint: str | None = Field(default=TracingSettings.endpoint, pattern=r"^https?://")
+    """The OTLP/HTTP traces endpoint, e.g. http://collector:4318/v1/traces; null: tracing off."""
     sample_ratio: float = Field(default=TracingSettings.sample_ratio, ge=0.0, le=1.0)
+    """The share of new traces recorded (a client's sampled `traceparent` is honoured)."""
 
     def settings(self) -> TracingSettings:
         return TracingSettings(endpoint=self.endpoint, sample_ratio=self.sample_ratio)
 
 
 class TransferConfig(Strict):
+    """How prefill servers write KV into the decode servers' blocks (transfer/)."""
+
     backend: TransferBackendName = ServerSettings.transfer_backend
+    """zmq (ZeroMQ over TCP) or nixl (NIXL over UCX)."""
     timeout_s: float = Field(default=ServerSettings.transfer_timeout_s, gt=0)
+    """Seconds a KV handshake (a prefill server connecting to a decode server's transfer backend) may take."""
 
 
 class ClusterConfig(Strict):
+    """The whole file: the model, the sections, and the instances (prefill and decode, or colocated)."""
+
     model: str
+    """A local Hugging Face folder (Llama or Qwen3 family), or a built-in model built on first use: tiny or
+    smollm2."""
     served_model_name: str | None = None
+    """The model's name in the API; null: the built-in model's name, or the folder's name."""
     model_cache: str = MODEL_CACHE
+    """The folder built-in models are built into."""
     dtype: Dtype = EngineConfig.dtype
+    """The dtype of the weights and the KV cache."""
     device: str = EngineConfig.device
+    """The torch device of every server, unless `engine.device` or an instance's `device` names another."""
     host: str = LOOPBACK_HOST
+    """The address of every process, unless its own `host` names another."""
     max_model_len: ModelLen | None = EngineConfig.max_model_len
+    """The context length in tokens; null: the model's `max_position_embeddings` (also its upper bound)."""
     lease_s: float = Field(default=ServerSettings.lease_s, gt=0)
-    drain_timeout_s: float = Field(default=DRAIN_TIMEOUT_S, gt=0)  # SIGTERM: the longest a process waits
-    # Every process logs a stats line this often while it has traffic; launch shows them (0: none).
+    """Seconds a decode server holds blocks reserved for KV that has not arrived."""
+    drain_timeout_s: float = Field(default=DRAIN_TIMEOUT_S, gt=0)
+    """On SIGTERM, the longest a process waits for its requests in flight, in seconds."""
     log_stats_interval_s: float = Field(default=ServerSettings.log_stats_interval_s, ge=0)
+    """Seconds between the stats lines each process logs while it has traffic (launch shows them); 0: none."""
     security: SecurityConfig = SecurityConfig()
+    """The internal secret, and the prefill and decode servers' connection limits."""
     engine: EngineDefaults = EngineDefaults()
+    """Engine settings every instance inherits unless it overrides them."""
     router: RouterConfig = RouterConfig()
+    """The router: address, policy, overload and request limits, API keys."""
     transfer: TransferConfig = TransferConfig()
+    """How KV moves from prefill to decode servers."""
     recovery: RecoveryConfig = RecoveryConfig()
-    restart: RestartConfig = RestartConfig()  # pdserve launch restarts a failed process (deploy/supervisor.py)
+    """What happens when a step of a request fails before its first token."""
+    restart: RestartConfig = RestartConfig()
+    """What `pdserve launch` does when a process fails (deploy/supervisor.py)."""
     tracing: TracingConfig = TracingConfig()
+    """OpenTelemetry traces, off unless `tracing.endpoint` is set."""
     discovery: DiscoveryConfig = DiscoveryConfig()
-    kubernetes: KubernetesConfig = KubernetesConfig()  # read only by `pdserve render k8s`
-    # Test hook, off by default: servers mount /admin/faults to inject faults deterministically.
+    """How the router finds its workers."""
+    kubernetes: KubernetesConfig = KubernetesConfig()
+    """What `pdserve render k8s` needs beyond the cluster; read by nothing else."""
     fault_injection: bool = ServerSettings.fault_injection
+    """Test hook: servers mount /admin/faults to inject faults deterministically; keep it false in service."""
     prefill: list[Instance] = Field(default_factory=list)
+    """The prefill servers (with `decode`, instead of `colocated`)."""
     decode: list[Instance] = Field(default_factory=list)
+    """The decode servers: they own the KV cache and stream the tokens."""
     colocated: list[Instance] = Field(default_factory=list)
+    """Servers that prefill and decode in one engine, instead of `prefill` and `decode` (the baseline)."""
 
     @model_validator(mode="after")
     def _check_layout(self) -> ClusterConfig:

@@ -28,7 +28,11 @@ class ConfigError(ValueError):
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    """The base of every section of the cluster config: unknown keys are errors, values frozen. The
+    docstring under each field is its meaning in docs/config.md (scripts/config_reference.py), and a test
+    fails when a field has none."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
 class SecurityConfig(Strict):
@@ -39,16 +43,25 @@ class SecurityConfig(Strict):
     interface other than loopback."""
 
     internal_secret: SecretStr | None = Field(default=None, min_length=16)
+    """The secret internal calls carry (16+ characters); null: none, or the one in `internal_secret_file`."""
     internal_secret_file: str | None = None
-    # Blocks one caller may hold reserved and not yet filled on a decode server (server_common/quota.py).
+    """A file holding the internal secret, instead of `internal_secret` (on Kubernetes, a mounted Secret)."""
     max_unfilled_blocks_per_caller: int | None = Field(default=None, ge=1)
-    # Slow and greedy clients of the prefill and decode servers' HTTP (server_common/connections.py).
+    """KV blocks one caller (address) may hold reserved and not yet filled on a decode server, beyond which a
+    reservation gets 503 `no_room` (server_common/quota.py); null: only the cache bounds it."""
     server_header_timeout_s: float = Field(default=10.0, gt=0)
+    """Seconds a client of a prefill or decode server has to send a request's headers before it is closed."""
     server_body_timeout_s: float = Field(default=30.0, gt=0)
+    """Seconds a client of a prefill or decode server has to send a request's body after its headers."""
     server_max_connections_per_client: int = Field(default=2048, ge=1)
-    # Open connections in all; the last server_reserved_connections only for loopback and the cluster's hosts.
+    """Open connections a prefill or decode server takes from one address; one more gets 503
+    `too_many_connections` (above the router's pool, `router.worker_connections`)."""
     server_max_connections: int = Field(default=4096, ge=2)
+    """Open connections a prefill or decode server keeps in all (also kept 256 under its file-descriptor
+    limit)."""
     server_reserved_connections: int = Field(default=64, ge=0)
+    """Of `server_max_connections`, the last ones only for loopback and the hosts of the cluster's router and
+    servers, so that strangers never lock those out."""
 
     @model_validator(mode="after")
     def _one_source(self) -> SecurityConfig:

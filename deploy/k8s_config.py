@@ -26,34 +26,44 @@ QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|Ki|Mi|Gi|Ti)?$"  # a Kubernetes resour
 
 
 class KubernetesConfig(Strict):
-    """``name`` prefixes every object (default ``pdserve-<config file stem>``);
-    ``image`` defaults to ``pdserve:<version>`` (the tag deploy/Dockerfile's
-    build line gives; never a moving ``latest``); ``secret_name`` is the Secret
-    the user creates with the internal secret and the API keys (default
-    ``<name>-secrets``); ``memory`` is each server pod's memory request and
-    limit (its CPU request is its engine's ``num_threads``);
-    ``node_selector`` and ``tolerations`` go to the server pods (GPU nodes:
-    the router needs none); ``network_policy`` renders a NetworkPolicy per
-    role (see deploy/k8s.py);
-    ``prestop_s`` is how long a leaving pod keeps serving before SIGTERM starts
-    its drain, so that the router's DNS discovery (``discovery.interval_s``)
-    has stopped picking it first."""
+    """What `pdserve render k8s` needs beyond the cluster itself: names, image, resources, placement. It only
+    shapes the rendered manifests (deploy/k8s.py); no server process reads it."""
 
     name: str | None = Field(default=None, pattern=DNS_LABEL, max_length=40)
+    """Prefix of every object's name; null: `pdserve-<config file stem>` (`render k8s --name` overrides)."""
     namespace: str = Field(default="default", pattern=DNS_LABEL, max_length=63)
+    """The namespace of every object."""
     image: str | None = Field(default=None, min_length=1)
+    """The image of every pod; null: `pdserve:<this package's version>` (`render k8s --image` overrides)."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """The `imagePullPolicy` of every container."""
     cluster_domain: str = "cluster.local"
+    """The cluster's DNS domain, the end of each server pod's advertised name."""
     secret_name: str | None = Field(default=None, pattern=DNS_LABEL, max_length=63)
+    """The Secret the user creates with the internal secret and the API keys; null: `<name>-secrets`."""
     memory: str = Field(default="4Gi", pattern=QUANTITY)
+    """Memory request and limit of each server pod (its CPU request is its engine's `num_threads`)."""
     router_cpu: str = Field(default="1", pattern=QUANTITY)
+    """CPU request of each router pod (a Kubernetes quantity, e.g. 500m)."""
     router_memory: str = Field(default="2Gi", pattern=QUANTITY)
+    """Memory request and limit of each router pod."""
     router_replicas: int = Field(default=1, ge=1)
+    """Replicas of the router's Deployment."""
     router_service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    """The type of the router's Service."""
     prestop_s: int = Field(default=10, ge=0, le=600)
-    model_pvc: str | None = None  # a PersistentVolumeClaim mounted read-only at `model:` when it is a folder
-    # UCX_TLS of server pods with the nixl backend (default: transports that cross pods, see deploy/k8s.py)
+    """Seconds a leaving pod keeps serving before SIGTERM starts its drain, so that the router's DNS discovery
+    has stopped picking it first."""
+    model_pvc: str | None = None
+    """A PersistentVolumeClaim mounted read-only at `model` when that is a folder; null: the model is in the
+    image."""
     ucx_tls: str | None = None
+    """`UCX_TLS` of server pods with the nixl backend; null: transports that cross pods (`tcp` on CPU,
+    `^sm,cma,cuda_ipc` on CUDA)."""
     node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict] = Field(default_factory=list)  # Kubernetes Toleration objects, as written there
+    """The `nodeSelector` of the server pods (e.g. GPU nodes; the router's pods get none)."""
+    tolerations: list[dict] = Field(default_factory=list)
+    """The tolerations of the server pods, Kubernetes Toleration objects as written there."""
     network_policy: bool = True
+    """Render a NetworkPolicy per role: server pods take any port from the cluster's pods, only their HTTP port
+    from anyone else."""
