@@ -199,9 +199,11 @@ def sections() -> list[Section]:
     out: list[Section] = []
     _walk(ClusterConfig, "", "Top level", out)
     _walk(Instance, f"{INSTANCE_PATH}.", INSTANCE_TITLE, out)
-    out[-1].doc += (f" Each item of `prefill`, `decode` and `colocated` takes these keys (`{INSTANCE_PATH}` "
-                    "below stands for any of them); an engine key left out (null) takes the value of the "
-                    "`engine` section, named in the default column.")
+    out[-1].doc += (
+        f" Each item of `prefill`, `decode` and `colocated` takes these keys (`{INSTANCE_PATH}` "
+        "below stands for any of them); an engine key left out (null) takes the value of the "
+        "`engine` section, named in the default column."
+    )
     return out
 
 
@@ -232,8 +234,9 @@ def render() -> str:
         raise SystemExit(f"config_reference.py: these keys have no docstring in the schema: {', '.join(missing)}")
     parts = [HEADER]
     all_sections = sections()
-    parts.append("Sections: " + ", ".join(f"[{s.title.split(':')[0]}](#{anchor(s.title)})"
-                                          for s in all_sections) + ".\n")
+    parts.append(
+        "Sections: " + ", ".join(f"[{s.title.split(':')[0]}](#{anchor(s.title)})" for s in all_sections) + ".\n"
+    )
     for section in all_sections:
         parts.append(f"## {section.title}\n")
         if section.doc:
@@ -252,9 +255,11 @@ def count_keys() -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="Write docs/config.md, the reference of every cluster YAML key, from the schema in "
-                    "deploy/config.py (each field's docstring is its meaning).")
-    parser.add_argument("--check", action="store_true",
-                        help="write nothing; exit 1 when the file differs from what would be written")
+        "deploy/config.py (each field's docstring is its meaning)."
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 when the file differs from what would be written"
+    )
     parser.add_argument("--out", type=Path, default=OUT, help=f"the file (default {OUT.relative_to(REPO)})")
     args = parser.parse_args(argv)
     text = render()

@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 PY="$(bash scripts/python)"
 "$PY" -m ruff check .
+"$PY" -m ruff format --check .
 "$PY" -c "from importlinter.cli import lint_imports_command; lint_imports_command(['--no-cache'])"  # lint-imports
 "$PY" -m mypy
 "$PY" -m pytest -q tests "$@"

@@ -30,8 +30,9 @@ def ref() -> ModuleType:
 
 
 def test_docs_config_md_is_what_the_schema_gives(ref):
-    assert (REPO / "docs" / "config.md").read_text() == ref.render(), \
+    assert (REPO / "docs" / "config.md").read_text() == ref.render(), (
         "docs/config.md is stale: run python3 scripts/config_reference.py and commit it"
+    )
 
 
 def test_every_key_has_a_meaning(ref):
@@ -59,8 +60,14 @@ def test_a_key_without_a_docstring_is_named(ref):
 
 def test_every_key_of_the_schema_is_in_the_reference(ref):
     text = (REPO / "docs" / "config.md").read_text()
-    for name in ("model", "router.grammar_limits.compile_memory_bytes", "security.internal_secret",
-                 "kubernetes.ucx_tls", "<role>[].kv_port", "<role>[].kv_layout"):
+    for name in (
+        "model",
+        "router.grammar_limits.compile_memory_bytes",
+        "security.internal_secret",
+        "kubernetes.ucx_tls",
+        "<role>[].kv_port",
+        "<role>[].kv_layout",
+    ):
         assert f"`{name}`" in text
     assert ref.count_keys() >= len(RouterConfig.model_fields)
 
@@ -89,8 +96,9 @@ def test_a_secret_default_is_never_shown(ref):
 def test_check_names_a_stale_file(tmp_path):
     stale = tmp_path / "config.md"
     stale.write_text("# old\n")
-    done = subprocess.run([sys.executable, str(SCRIPT), "--check", "--out", str(stale)],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--check", "--out", str(stale)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 1
     assert done.stderr.strip() == f"{stale} is stale: run python3 scripts/config_reference.py and commit it"
     assert stale.read_text() == "# old\n"
