@@ -54,6 +54,7 @@ from router.settings import (
     DiscoverySettings,
     PolicyName,
     PrefillFailure,
+    ResponseStoreSettings,
     RouterSettings,
     WorkerSpec,
 )
@@ -88,8 +89,16 @@ class EngineDefaults(Strict):
 
 
 # The engine keys one instance may override (None: the engine: section's value).
-INSTANCE_ENGINE_KEYS = ("block_size", "num_threads", "device", "kv_cache_bytes", "num_blocks", "max_num_seqs",
-                        "max_num_batched_tokens", "kv_layout")
+INSTANCE_ENGINE_KEYS = (
+    "block_size",
+    "num_threads",
+    "device",
+    "kv_cache_bytes",
+    "num_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_layout",
+)
 
 
 class Instance(Strict):
@@ -150,11 +159,28 @@ class GrammarLimitsConfig(Strict):
     """Bytes of address space the router's grammar process may use."""
 
     def limits(self) -> GrammarLimits:
-        return GrammarLimits(max_bytes=self.max_bytes, max_rules=self.max_rules, max_depth=self.max_depth,
-                             max_branches=self.max_branches)
+        return GrammarLimits(
+            max_bytes=self.max_bytes, max_rules=self.max_rules, max_depth=self.max_depth, max_branches=self.max_branches
+        )
 
     def sandbox(self) -> CompileSandbox:
         return CompileSandbox(timeout_s=self.compile_timeout_s, memory_bytes=self.compile_memory_bytes)
+
+
+class ResponseStoreConfig(Strict):
+    """router.response_store: where stored ``/v1/responses`` live (router/api/response_store.py)."""
+
+    path: str | None = None
+    """The SQLite file; None: `pdserve launch`'s run folder (responses.sqlite), or memory for a router
+    started alone; several routers may share one file on a shared disk."""
+    ttl_s: float = Field(default=ResponseStoreSettings.ttl_s, gt=0)
+    """Seconds a stored response is kept."""
+    max_rows: int = Field(default=ResponseStoreSettings.max_rows, ge=1)
+    """Stored responses kept at most; beyond it the oldest go."""
+
+    def settings(self, default_path: str | None) -> ResponseStoreSettings:
+        path = self.path or default_path or ResponseStoreSettings.path
+        return ResponseStoreSettings(path=path, ttl_s=self.ttl_s, max_rows=self.max_rows)
 
 
 class RouterConfig(Strict):
@@ -239,6 +265,8 @@ class RouterConfig(Strict):
     """A file with one API key per line, instead of `api_keys` (on Kubernetes, a mounted Secret)."""
     grammar_limits: GrammarLimitsConfig = GrammarLimitsConfig()
     """How large a grammar a request may send, and the process the router compiles it in."""
+    response_store: ResponseStoreConfig = ResponseStoreConfig()
+    """Where /v1/responses keeps stored responses."""
 
     @model_validator(mode="after")
     def _one_key_source(self) -> RouterConfig:
@@ -260,8 +288,13 @@ class RouterConfig(Strict):
 
 
 # The router: keys whose value RouterSettings takes as is, under the same name (the rest are derived).
-ROUTER_KEYS_AS_IS = tuple(sorted(set(RouterConfig.model_fields) & {f.name for f in dataclasses.fields(RouterSettings)}
-                                 - {"host", "api_keys", "grammar_limits"}))
+ROUTER_KEYS_AS_IS = tuple(
+    sorted(
+        set(RouterConfig.model_fields)
+        & {f.name for f in dataclasses.fields(RouterSettings)}
+        - {"host", "api_keys", "grammar_limits", "response_store"}
+    )
+)
 
 
 class DiscoveryConfig(Strict):
@@ -413,13 +446,17 @@ class ClusterConfig(Strict):
         ports = [self.router.port] + [p for i in self.instances() for p in (i.port, i.transfer_port)]
         dup_ports = sorted({p for p in ports if ports.count(p) > 1})
         if dup_ports:
-            raise ValueError(f"ports must be unique (router, instance port and kv_port = port + 1 by "
-                             f"default), repeated: {dup_ports}")
-        exposed = [f"{i.name} ({self.bind_host_of(i)})" for i in self.instances()
-                   if not is_loopback(self.bind_host_of(i))]
+            raise ValueError(
+                f"ports must be unique (router, instance port and kv_port = port + 1 by default), repeated: {dup_ports}"
+            )
+        exposed = [
+            f"{i.name} ({self.bind_host_of(i)})" for i in self.instances() if not is_loopback(self.bind_host_of(i))
+        ]
         if exposed and not self.security.configured:
-            raise ValueError(f"internal servers bind to interfaces other machines can reach: {', '.join(exposed)}; "
-                             "set security.internal_secret (or internal_secret_file) so they refuse strangers")
+            raise ValueError(
+                f"internal servers bind to interfaces other machines can reach: {', '.join(exposed)}; "
+                "set security.internal_secret (or internal_secret_file) so they refuse strangers"
+            )
         return self
 
     # ---- derived ------------------------------------------------------------
@@ -437,8 +474,11 @@ class ClusterConfig(Strict):
         return [*self.prefill, *self.decode, *self.colocated]
 
     def role_of(self, name: str) -> EngineMode:
-        roles: dict[EngineMode, list[Instance]] = {"prefill": self.prefill, "decode": self.decode,
-                                                   "colocated": self.colocated}
+        roles: dict[EngineMode, list[Instance]] = {
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "colocated": self.colocated,
+        }
         for role, instances in roles.items():
             if any(i.name == name for i in instances):
                 return role
@@ -480,41 +520,75 @@ class ClusterConfig(Strict):
         """The model folder, built first if it is a built-in model not built yet."""
         return resolve_model(self.model, self.model_cache)
 
-    def router_settings(self, model_path: Path) -> RouterSettings:
-        """With ``discovery.kind: dns`` the router starts with no worker: they join as DNS finds them."""
-        workers = () if self.discovery.kind == "dns" else tuple(
-            WorkerSpec(i.name, "prefill" if i in self.prefill else "decode", self.url_of(i), self.max_inflight_of(i))
-            for i in self.instances()
+    def router_settings(self, model_path: Path, response_store_file: str | None = None) -> RouterSettings:
+        """With ``discovery.kind: dns`` the router starts with no worker: they join as DNS finds them.
+        ``response_store_file``: where stored responses go unless ``router.response_store.path`` says
+        (`pdserve launch` gives its run folder's)."""
+        workers = (
+            ()
+            if self.discovery.kind == "dns"
+            else tuple(
+                WorkerSpec(
+                    i.name, "prefill" if i in self.prefill else "decode", self.url_of(i), self.max_inflight_of(i)
+                )
+                for i in self.instances()
+            )
         )
         r = self.router
-        discovery = DiscoverySettings(kind=self.discovery.kind, names=tuple(self.discovery.names),
-                                      interval_s=self.discovery.interval_s,
-                                      max_inflight=r.max_inflight_per_worker or self.engine.max_num_seqs)
+        discovery = DiscoverySettings(
+            kind=self.discovery.kind,
+            names=tuple(self.discovery.names),
+            interval_s=self.discovery.interval_s,
+            max_inflight=r.max_inflight_per_worker or self.engine.max_num_seqs,
+        )
         return RouterSettings(
-            model_path=str(model_path), served_model_name=self.model_name, workers=workers, host=self.router_host,
-            max_model_len=self.max_model_len, drain_timeout_s=self.drain_timeout_s,
-            log_stats_interval_s=self.log_stats_interval_s, prefill_failure=self.recovery.prefill_failure,
-            api_keys=r.api_key_values(), internal_secret=self.security.secret(), tracing=self.tracing.settings(),
-            discovery=discovery, grammar_limits=r.grammar_limits.limits(), grammar_sandbox=r.grammar_limits.sandbox(),
+            model_path=str(model_path),
+            served_model_name=self.model_name,
+            workers=workers,
+            host=self.router_host,
+            max_model_len=self.max_model_len,
+            drain_timeout_s=self.drain_timeout_s,
+            log_stats_interval_s=self.log_stats_interval_s,
+            prefill_failure=self.recovery.prefill_failure,
+            api_keys=r.api_key_values(),
+            internal_secret=self.security.secret(),
+            tracing=self.tracing.settings(),
+            discovery=discovery,
+            grammar_limits=r.grammar_limits.limits(),
+            grammar_sandbox=r.grammar_limits.sandbox(),
+            response_store=r.response_store.settings(response_store_file),
             **{name: getattr(r, name) for name in ROUTER_KEYS_AS_IS},
         )
 
     def server_settings(self, name: str, model_path: Path) -> ServerSettings:
         role = self.role_of(name)
         inst = self.instance(name)
-        knobs = {**self.engine.model_dump(),
-                 **{key: getattr(inst, key) for key in INSTANCE_ENGINE_KEYS if getattr(inst, key) is not None}}
+        knobs = {
+            **self.engine.model_dump(),
+            **{key: getattr(inst, key) for key in INSTANCE_ENGINE_KEYS if getattr(inst, key) is not None},
+        }
         knobs["device"] = knobs["device"] or self.device
-        engine = EngineConfig(model=str(model_path), dtype=self.dtype, max_model_len=self.max_model_len, mode=role,
-                              **knobs)
+        engine = EngineConfig(
+            model=str(model_path), dtype=self.dtype, max_model_len=self.max_model_len, mode=role, **knobs
+        )
         return ServerSettings(
-            name=name, role=role, engine=engine, host=self.host_of(inst), bind_host=inst.bind_host,
-            port=inst.port, kv_port=inst.transfer_port,
-            transfer_backend=self.transfer.backend, lease_s=self.lease_s, transfer_timeout_s=self.transfer.timeout_s,
-            lease_expiry=self.recovery.lease_expiry, checksum_failure=self.recovery.checksum_failure,
-            fault_injection=self.fault_injection, drain_timeout_s=self.drain_timeout_s,
+            name=name,
+            role=role,
+            engine=engine,
+            host=self.host_of(inst),
+            bind_host=inst.bind_host,
+            port=inst.port,
+            kv_port=inst.transfer_port,
+            transfer_backend=self.transfer.backend,
+            lease_s=self.lease_s,
+            transfer_timeout_s=self.transfer.timeout_s,
+            lease_expiry=self.recovery.lease_expiry,
+            checksum_failure=self.recovery.checksum_failure,
+            fault_injection=self.fault_injection,
+            drain_timeout_s=self.drain_timeout_s,
             log_stats_interval_s=self.log_stats_interval_s,
-            internal_secret=self.security.secret(), tracing=self.tracing.settings(),
+            internal_secret=self.security.secret(),
+            tracing=self.tracing.settings(),
             decode_peers=tuple((i.name, self.url_of(i)) for i in self.decode),
             max_unfilled_blocks_per_caller=self.security.max_unfilled_blocks_per_caller,
             header_timeout_s=self.security.server_header_timeout_s,

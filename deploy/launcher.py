@@ -105,8 +105,12 @@ class Cluster:
                 started.append(self._spawn(role, inst.name, self.cluster.url_of(inst), [command, "--name", inst.name]))
         return started
 
+    def router_args(self) -> list[str]:
+        """The router keeps stored /v1/responses in the run folder, so a restarted router still has them."""
+        return ["router", "--response-store", str(self.run_dir / "responses.sqlite")]
+
     def start_router(self) -> Proc:
-        return self._spawn("router", "router", self.cluster.router_url, ["router"])
+        return self._spawn("router", "router", self.cluster.router_url, self.router_args())
 
     def wait_healthy(
         self, procs: list[Proc], timeout: float, stop: threading.Event, on_ready: Callable[[Proc], None] | None = None
@@ -161,7 +165,7 @@ class Cluster:
             raise LaunchError(f"{old.role} {name} is still running (pid {old.popen.pid})")
         self.procs.remove(old)
         command = "decode" if old.role == "colocated" else old.role
-        args = ["router"] if old.role == "router" else [command, "--name", name]
+        args = self.router_args() if old.role == "router" else [command, "--name", name]
         return self._spawn(old.role, name, old.url, args)
 
     def first_dead(self, skip: Collection[str] = frozenset()) -> Proc | None:

@@ -28,6 +28,13 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log this and above (default info)")
+    p.add_argument(
+        "--response-store",
+        metavar="FILE",
+        help="the SQLite file /v1/responses stores responses in, unless the config's "
+        "router.response_store.path names one; `pdserve launch` gives its run folder's "
+        "responses.sqlite (default: in memory, gone with the router)",
+    )
     _add_launch_id(p)
     # A router of a multi-host cluster (``launch --only``) reports its launch but accepts workers of any.
     p.add_argument("--any-worker-launch", action="store_true", help=argparse.SUPPRESS)
@@ -80,7 +87,7 @@ def run_router(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "router")
     cluster = load_config(args.config)
     settings = dataclasses.replace(
-        cluster.router_settings(cluster.model_path()),
+        cluster.router_settings(cluster.model_path(), args.response_store),
         launch_id=args.launch_id,
         workers_launch_id=None if args.any_worker_launch else args.launch_id,
     )

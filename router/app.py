@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -29,6 +29,9 @@ from router.api.grammar_check import GrammarChecker
 from router.api.limits import RequestLimits, openai_413
 from router.api.model import ServedModel
 from router.api.openai_handlers import Answered, OpenAIHandlers
+from router.api.response_store import ResponseStore, owner_of
+from router.api.responses import ResponsesHandler, ResponsesRequest
+from router.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize_answer, tokenize_answer
 from router.cluster.admission import Admission, AdmissionSettings
 from router.cluster.discovery import Discovery
 from router.cluster.dispatch import Dispatcher, DispatchSettings
@@ -85,6 +88,10 @@ class Auth:
         if self.api_keys and not token_matches(bearer_token(request.headers.get("authorization", "")), self.api_keys):
             raise OpenAIError(401, "missing or invalid API key", code="invalid_api_key")
 
+    def owner(self, request: Request) -> str:
+        """Whose stored responses a caller sees: its API key's (everyone's the same without keys)."""
+        return owner_of(bearer_token(request.headers.get("authorization", "")) if self.api_keys else None)
+
     def admin(self, request: Request) -> None:
         if self.internal_secret:
             if not token_matches(bearer_token(request.headers.get("authorization", "")), [self.internal_secret]):
@@ -115,6 +122,7 @@ class RouterParts:
     tracing: Tracing
     access: AccessLog
     auth: Auth
+    responses: ResponseStore  # stored /v1/responses (router/api/response_store.py)
 
     @classmethod
     def build(cls, settings: RouterSettings, model: ServedModel) -> RouterParts:
@@ -164,6 +172,9 @@ class RouterParts:
             tracing=Tracing(settings.tracing, "pdserve-router"),
             access=AccessLog(settings.access_log),  # one line per request (router/access_log.py)
             auth=Auth(settings.api_keys, settings.internal_secret),
+            responses=ResponseStore(
+                settings.response_store.path, settings.response_store.ttl_s, settings.response_store.max_rows
+            ),
         )
 
     def snapshot(self) -> RouterSnapshot:
@@ -233,6 +244,7 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
                 settings.grammar_limits,
                 parts.access,
             )
+            app.state.responses = ResponsesHandler(app.state.handlers, parts.responses)
             app.state.discovery = Discovery(
                 parts.registry,
                 http,
@@ -268,6 +280,7 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
                 await asyncio.gather(*tasks, return_exceptions=True)
                 app.state.handlers.shutdown()
                 parts.tracing.shutdown()
+                parts.responses.close()
 
     return run
 
@@ -367,6 +380,70 @@ def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
         """The SDK's ``client.models.retrieve(id)``; ids may contain '/' (``org/name``)."""
         parts.auth.client(request)
         return JSONResponse(request.app.state.handlers.model_card(model).model_dump())
+
+    # ---- the Responses API (router/api/responses.py) ----
+    @app.post(
+        "/v1/responses",
+        responses=openapi.answered(
+            "A response object; with `stream: true`, its typed events (`response.created` ... `response.completed`)."
+        )
+        | openapi.errors(400, 401, 404, 413, 429, 500, 503),
+    )
+    async def create_response(req: ResponsesRequest, request: Request) -> Response:
+        owner = parts.auth.owner(request)
+        return await respond(request, "responses", lambda *args: request.app.state.responses.create(req, owner, *args))
+
+    @app.get(
+        "/v1/responses/{response_id}",
+        responses=openapi.answered("The stored response.") | openapi.errors(401, 404, 500),
+    )
+    async def get_response(response_id: str, request: Request) -> JSONResponse:
+        parts.auth.client(request)
+        stored = await request.app.state.responses.get(response_id, parts.auth.owner(request))
+        return JSONResponse(stored.response)
+
+    @app.delete(
+        "/v1/responses/{response_id}",
+        responses=openapi.answered("`{id, object, deleted: true}`.") | openapi.errors(401, 404, 500),
+    )
+    async def delete_response(response_id: str, request: Request) -> JSONResponse:
+        parts.auth.client(request)
+        return JSONResponse(await request.app.state.responses.delete(response_id, parts.auth.owner(request)))
+
+    @app.get(
+        "/v1/responses/{response_id}/input_items",
+        responses=openapi.answered("A list of the response's input items.") | openapi.errors(400, 401, 404, 500),
+    )
+    async def response_input_items(
+        response_id: str, request: Request, order: Literal["asc", "desc"] = "desc"
+    ) -> JSONResponse:
+        """This turn's input items (``order``: desc, OpenAI's default, or asc)."""
+        parts.auth.client(request)
+        stored = await request.app.state.responses.get(response_id, parts.auth.owner(request))
+        items = stored.input_items if order == "asc" else stored.input_items[::-1]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": items,
+                "first_id": items[0]["id"] if items else None,
+                "last_id": items[-1]["id"] if items else None,
+                "has_more": False,
+            }
+        )
+
+    # ---- vLLM's tokenizer endpoints (evaluation harnesses probe them) ----
+    @app.post(
+        "/tokenize",
+        responses=openapi.answered("`{count, max_model_len, tokens}`.") | openapi.errors(400, 401, 404, 413, 500),
+    )
+    async def tokenize(req: TokenizeRequest, request: Request) -> JSONResponse:
+        parts.auth.client(request)
+        return JSONResponse(tokenize_answer(parts.model, req))
+
+    @app.post("/detokenize", responses=openapi.answered("`{prompt}`.") | openapi.errors(400, 401, 404, 413, 500))
+    async def detokenize(req: DetokenizeRequest, request: Request) -> JSONResponse:
+        parts.auth.client(request)
+        return JSONResponse(detokenize_answer(parts.model, req))
 
 
 def add_operator_routes(app: FastAPI, parts: RouterParts) -> None:

@@ -137,10 +137,10 @@ UNION_MEMBER_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "con
 
 def is_union_member(part: str) -> bool:
     """Whether a step of a pydantic error's location names the member of a union that was tried
-    (``prompt.list[int].0``), not a field: the client's ``param`` is the field, ``prompt.0``.
-    Field names in the API are identifiers, so a tag (``list[str]``, ``function-after[...]``)
-    never shadows one."""
-    return part in UNION_MEMBER_TAGS or "[" in part or "-" in part
+    (``prompt.list[int].0``, ``input.0.MessageItem.role``), not a field: the client's ``param`` is
+    the field, ``prompt.0``. Field names in the API are lowercase identifiers, so a tag (``list[str]``,
+    ``function-after[...]``, a model's class name) never shadows one."""
+    return part in UNION_MEMBER_TAGS or "[" in part or "-" in part or (part[:1].isupper() and part.isidentifier())
 
 
 def install_error_handlers(app: FastAPI) -> None:

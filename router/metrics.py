@@ -20,7 +20,7 @@ FinishReason = Literal["stop", "length", "tool_calls"]
 
 # Why discovery refused a worker (router/cluster/discovery.py): the label of pdserve_router_workers_refused.
 JoinRefusal = Literal["no_health_report", "bad_name", "other_model", "name_in_use"]
-ENDPOINTS = ("chat", "completions")  # the label of pdserve_router_requests (router/app.py)
+ENDPOINTS = ("chat", "completions", "responses")  # the label of pdserve_router_requests (router/app.py)
 
 # The buckets vLLM's users already chart (time_to_first_token_seconds, inter_token_latency_seconds, ...).
 LATENCY_BUCKETS = (

@@ -54,6 +54,16 @@ class CompileSandbox:
 
 
 @dataclass(frozen=True)
+class ResponseStoreSettings:
+    """Where ``/v1/responses`` keeps stored responses (router/api/response_store.py): a SQLite file, or
+    ``:memory:`` (gone with the router); rows live ``ttl_s`` and at most ``max_rows`` are kept."""
+
+    path: str = ":memory:"
+    ttl_s: float = 30 * 24 * 3600.0
+    max_rows: int = 100_000
+
+
+@dataclass(frozen=True)
 class RouterSettings:
     model_path: str  # local Hugging Face folder (tokenizer, config, chat template)
     served_model_name: str
@@ -118,6 +128,7 @@ class RouterSettings:
     workers_launch_id: str | None = None
     tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
     discovery: DiscoverySettings = field(default_factory=DiscoverySettings)
+    response_store: ResponseStoreSettings = field(default_factory=ResponseStoreSettings)
 
     @property
     def listen_host(self) -> str:

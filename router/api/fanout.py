@@ -49,6 +49,7 @@ class Prepared:
     drop_generated: bool = False
     tools: ToolPlan = field(default_factory=ToolPlan)  # how the answer's tool calls are read (router/api/tools.py)
     structured_param: str | None = None  # the parameter that asked for ``sampling.structured``
+    prefer_decode: str | None = None  # the decode server to try first (it holds the conversation's KV)
 
     @property
     def num_prompt_tokens(self) -> int:

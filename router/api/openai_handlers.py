@@ -181,7 +181,10 @@ class OpenAIHandlers:
 
     # ---- preparing ---------------------------------------------------------
 
-    def prepare_chat(self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None) -> Prepared:
+    def prepare_chat(
+        self, req: ChatCompletionRequest, request_id: str, traceparent: str | None = None, endpoint: str = "chat"
+    ) -> Prepared:
+        """``endpoint``: what metrics and the timeline call it (``responses`` runs as chat)."""
         self.model.check_prompt_chars(sum(len(m.text()) for m in req.messages), "messages")
         self.model.check_name(req.model)
         req.check_supported()
@@ -204,11 +207,11 @@ class OpenAIHandlers:
         sampling = sampling_params(req, max_tokens, top, req.prompt_logprobs, structured)
         return Prepared(
             request_id,
-            "chat",
+            endpoint,
             [prompt],
             sampling,
             req.stop_strings(),
-            self._timeline(request_id, traceparent, "chat"),
+            self._timeline(request_id, traceparent, endpoint),
             top_logprobs=top,
             prompt_top=req.prompt_logprobs,
             tools=tools,
@@ -270,7 +273,10 @@ class OpenAIHandlers:
         ids = [p.request_id] if len(p.prompts) == 1 else [f"{p.request_id}-{j}" for j in range(len(p.prompts))]
         trace = p.timeline.traceparent
         opened = await asyncio.gather(
-            *(self.dispatcher.start(rid, prompt, p.sampling, trace) for rid, prompt in zip(ids, p.prompts)),
+            *(
+                self.dispatcher.start(rid, prompt, p.sampling, trace, prefer=p.prefer_decode)
+                for rid, prompt in zip(ids, p.prompts)
+            ),
             return_exceptions=True,
         )
         sessions = [x for x in opened if isinstance(x, Session)]

@@ -71,7 +71,7 @@ class Health(BaseModel):
 REASONS = {
     400: "Bad input, naming the field in `param`.",
     401: "Missing or wrong API key.",
-    404: "No such model (`code: model_not_found`).",
+    404: "No such model (`code: model_not_found`), or no such stored response (`code: not_found`).",
     413: "The body is larger than `router.max_body_bytes`.",
     429: "Every decode server is at its limit and the waiting room is full or the wait too long "
     "(`Retry-After` says when to try again).",
@@ -104,6 +104,11 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
         }
         for status in statuses
     }
+
+
+def answered(description: str) -> dict[int | str, dict[str, Any]]:
+    """A route's 200, its body described in words (the Responses API's shapes are OpenAI's own)."""
+    return {200: {"description": description, "headers": REQUEST_ID}}
 
 
 def generation_responses(body: type[BaseModel], chunk: str) -> dict[int | str, dict[str, Any]]:

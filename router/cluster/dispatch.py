@@ -124,9 +124,15 @@ class Dispatcher:
         )
 
     async def start(
-        self, request_id: str, prompt: list[int], sampling: SamplingParams, trace: str | None = None
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        trace: str | None = None,
+        prefer: str | None = None,
     ) -> Session:
-        """Admit the request and open its decode stream (reservation first).
+        """Admit the request and open its decode stream (reservation first). ``prefer``: a decode
+        server to try before the policy's order (one that holds the conversation's KV), if it can.
 
         Raises OpenAIError 503 when no decode server is in rotation or the router
         is shutting down, and 429 (with Retry-After) when every one is at its
@@ -140,7 +146,9 @@ class Dispatcher:
                 code="draining",
                 retry_after=self.admission.settings.retry_after_s,
             )
-        stream, slot = await self.open_stream(request_id, prompt, sampling, None, prefill_slot=True, trace=trace)
+        stream, slot = await self.open_stream(
+            request_id, prompt, sampling, None, prefill_slot=True, trace=trace, prefer=prefer
+        )
         return Session(self._sessions, request_id, prompt, sampling, stream, slot, trace)
 
     async def open_stream(
@@ -151,6 +159,7 @@ class Dispatcher:
         local: bool | None,
         prefill_slot: bool = False,
         trace: str | None = None,
+        prefer: str | None = None,
     ) -> tuple[DecodeStream, Slot]:
         """A decode stream on the first server in policy order with a free slot that takes it,
         waiting for one (``Admission.admit``). ``local``: D prefills the prompt itself; None:
@@ -161,10 +170,10 @@ class Dispatcher:
         req = GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling, local_prefill=bool(local), trace=trace
         )
-        return await self.admission.admit(lambda: self._try_open(req, prefill_slot, local))
+        return await self.admission.admit(lambda: self._try_open(req, prefill_slot, local, prefer))
 
     async def _try_open(
-        self, req: GenerateRequest, prefill_slot: bool, local: bool | None
+        self, req: GenerateRequest, prefill_slot: bool, local: bool | None, prefer: str | None = None
     ) -> tuple[DecodeStream, Slot] | None:
         """None when every decode server in rotation is full (or, with ``prefill_slot``, the prefill
         servers are). The prefill slot is claimed with the decode slot, so that no prefill server is
@@ -198,7 +207,10 @@ class Dispatcher:
         prefill_full = prefill_slot and self.admission.prefill_is_full(self.registry.healthy("prefill"))
         prompt = req.prompt_token_ids
         matched = self.kv_index.matcher(prompt) if self.kv_index is not None else (lambda name: 0)
-        for worker in self.decode_policy.order([w for w in in_rotation if w.has_room()], prompt):
+        order = self.decode_policy.order([w for w in in_rotation if w.has_room()], prompt)
+        if prefer is not None:  # first, if it is in rotation and has room; then the policy's order
+            order = sorted(order, key=lambda w: w.name != prefer)
+        for worker in order:
             here = local if local is not None else self.wants_local_prefill(len(prompt) - matched(worker.name))
             if not here and prefill_full:  # it would need a prefill server, and they are all busy
                 continue

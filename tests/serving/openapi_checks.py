@@ -26,7 +26,13 @@ import schemathesis
 from schemathesis.checks import CHECKS, load_all_checks
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-GENERATION_REQUESTS = ("ChatCompletionRequest", "CompletionRequest")
+GENERATION_REQUESTS = (
+    "ChatCompletionRequest",
+    "CompletionRequest",
+    "ResponsesRequest",
+    "TokenizeRequest",
+    "DetokenizeRequest",
+)
 UNSTATED_LIMITS = {
     ("prompt", "invalid_value"),
     ("messages", "invalid_value"),  # router.max_prompt_tokens
@@ -38,6 +44,9 @@ UNSTATED_LIMITS = {
     ("max_tokens", "invalid_value"),  # 0 without echo
     ("top_logprobs", "invalid_value"),  # without logprobs true
     ("best_of", "invalid_value"),  # other than n
+    ("input", "invalid_value"),  # /v1/responses: router.max_prompt_tokens
+    ("input", "context_length_exceeded"),  # the context
+    ("max_output_tokens", "context_length_exceeded"),
 }
 
 GRAMMAR_PARAMS = (
@@ -49,6 +58,7 @@ GRAMMAR_PARAMS = (
     "guided_grammar",
     "tools",
     "tool_choice",
+    "text",  # /v1/responses: text.format
 )
 
 

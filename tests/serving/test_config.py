@@ -116,3 +116,12 @@ def test_every_engine_key_of_the_file_is_an_engine_setting_and_instances_overrid
     assert set(INSTANCE_ENGINE_KEYS) <= set(EngineDefaults.model_fields) & set(Instance.model_fields)
     assert error_of({**BASE, "engine": {"block_size": 0}}).endswith("Input should be greater than or equal to 1")
     assert "'prefill[0].block_size'" in error_of({**BASE, "prefill": [{"name": "p0", "port": 9100, "block_size": 257}]})
+
+
+def test_stored_responses_go_where_the_config_says_else_where_the_launcher_says_else_memory(tmp_path):
+    alone = parse_config(BASE, "c.yaml")
+    assert alone.router_settings(tmp_path).response_store.path == ":memory:"
+    assert alone.router_settings(tmp_path, "/run/x/responses.sqlite").response_store.path == "/run/x/responses.sqlite"
+    named = parse_config({**BASE, "router": {"response_store": {"path": "/data/r.sqlite", "max_rows": 5}}}, "c.yaml")
+    store = named.router_settings(tmp_path, "/run/x/responses.sqlite").response_store
+    assert (store.path, store.max_rows) == ("/data/r.sqlite", 5)

@@ -31,6 +31,12 @@ OPENAI_ROUTES = {
     ("post", "/v1/completions"),
     ("get", "/v1/models"),
     ("get", "/v1/models/{model}"),
+    ("post", "/v1/responses"),
+    ("get", "/v1/responses/{response_id}"),
+    ("delete", "/v1/responses/{response_id}"),
+    ("get", "/v1/responses/{response_id}/input_items"),
+    ("post", "/tokenize"),
+    ("post", "/detokenize"),
 }
 
 
@@ -65,6 +71,12 @@ def test_every_route_documents_its_real_statuses_each_error_in_openai_shape_and_
         ("post", "/v1/completions"): generation,
         ("get", "/v1/models"): ["200", "401", "500"],
         ("get", "/v1/models/{model}"): ["200", "401", "404", "500"],
+        ("post", "/v1/responses"): generation,
+        ("get", "/v1/responses/{response_id}"): ["200", "401", "404", "500"],
+        ("delete", "/v1/responses/{response_id}"): ["200", "401", "404", "500"],
+        ("get", "/v1/responses/{response_id}/input_items"): ["200", "400", "401", "404", "500"],
+        ("post", "/tokenize"): ["200", "400", "401", "404", "413", "500"],
+        ("post", "/detokenize"): ["200", "400", "401", "404", "413", "500"],
         ("get", "/health"): ["200", "500", "503"],
         ("get", "/metrics"): ["200"],
     }
