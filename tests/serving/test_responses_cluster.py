@@ -7,6 +7,7 @@ import json
 import os
 import signal
 
+import jsonschema
 import pytest
 
 from tests.engine.oracle import hf_greedy
@@ -98,3 +99,50 @@ def test_stored_responses_survive_a_router_killed_and_restarted_by_the_launcher(
         assert follow.output_text == greedy_answer(tiny_model, [*messages, {"role": "user", "content": TURNS[1]}])
     finally:
         c.stop()
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": WEATHER}
+
+
+def test_a_forced_function_call_round_trip_matches_its_schema_and_the_answer_equals_transformers(served, tiny_model):
+    client = served.client()
+    choice = {"type": "function", "name": "get_weather"}
+    made = client.responses.create(
+        model="tiny", input="Weather in Paris?", tools=[TOOL], tool_choice=choice, max_output_tokens=120, temperature=0
+    )
+    (call,) = made.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, WEATHER)
+    answer = client.responses.create(
+        model="tiny",
+        previous_response_id=made.id,
+        tools=[TOOL],
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21"}],
+        max_output_tokens=MAX_TOKENS,
+        temperature=0,
+    )
+    rendered = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": call.call_id, "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.call_id, "content": "sunny, 21"},
+    ]
+    tools = [{"type": "function", "function": {k: v for k, v in TOOL.items() if k != "type"}}]
+    tok = tokenizer(tiny_model)
+    text = tok.apply_chat_template(rendered, tools=tools, tokenize=False, add_generation_prompt=True)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    assert answer.usage.input_tokens == len(prompt)
+    expected = tok.decode(hf_greedy(tiny_model, prompt, MAX_TOKENS), skip_special_tokens=True)
+    assert answer.output_text == expected
