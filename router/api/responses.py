@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from router.api import api_responses as out
 from router.api.api_requests import MAX_TOOLS, AtLeast1, ChatCompletionRequest, Seed
@@ -50,6 +50,7 @@ from router.metrics import FinishReason
 
 MAX_METADATA = 16  # keys, as OpenAI
 MAX_INPUT_ITEMS = 8192
+MetadataKey = Annotated[str, StringConstraints(max_length=64)]
 Strict = ConfigDict(extra="ignore", strict=True)
 
 
@@ -135,7 +136,10 @@ class ResponsesRequest(BaseModel):
     tools: Annotated[list[FunctionTool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: Any = None
     text: TextConfig | None = None
-    metadata: Annotated[dict[str, Annotated[str, Field(max_length=512)]], Field(max_length=MAX_METADATA)] | None = None
+    # As OpenAI: at most 16 pairs, keys of at most 64 characters, values of at most 512.
+    metadata: (
+        Annotated[dict[MetadataKey, Annotated[str, Field(max_length=512)]], Field(max_length=MAX_METADATA)] | None
+    ) = None
     user: str | None = None
     # Not supported: only the value that asks for nothing.
     parallel_tool_calls: Literal[True] | None = Field(default=None, description="an answer may call several tools")

@@ -257,3 +257,17 @@ def test_tokenize_and_detokenize_use_the_served_tokenizer(served):
         assert c.post("/tokenize", json={"prompt": "x", "messages": messages}).status_code == 400
         bad = c.post("/detokenize", json={"tokens": [served.vocab_size]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_metadata_is_bounded_as_openai_bounds_it_and_comes_back_with_the_response(served):
+    fake = FakeWorkerClient(reply=ids(served, "ok"))
+    with router(served, fake) as c:
+        r = sdk(c).responses.create(model="tiny", input="hi", metadata={"session": "s-1"})
+        assert r.metadata == {"session": "s-1"} and sdk(c).responses.retrieve(r.id).metadata == {"session": "s-1"}
+        for metadata, param in (
+            ({"k" * 65: "v"}, "metadata"),
+            ({"k": "v" * 513}, "metadata.k"),
+            ({f"k{i}": "v" for i in range(17)}, "metadata"),
+        ):
+            bad = c.post("/v1/responses", json={"model": "tiny", "input": "hi", "metadata": metadata})
+            assert bad.status_code == 400 and bad.json()["error"]["param"].startswith(param), bad.text
