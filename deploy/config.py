@@ -168,17 +168,32 @@ class GrammarLimitsConfig(Strict):
 
 
 class ResponseStoreConfig(Strict):
-    """router.response_store: where stored ``/v1/responses`` live (router/api/response_store.py)."""
+    """router.response_store: where stored ``/v1/responses`` live (router/api/response_store/): a SQLite
+    file (the default), or a PostgreSQL database (``url``) that several routers share."""
 
     path: str | None = None
-    """The SQLite file; None: `pdserve launch`'s run folder (responses.sqlite), or memory for a router
+    """The SQLite file; null: `pdserve launch`'s run folder (responses.sqlite), or memory for a router
     started alone; several routers may share one file on a shared disk."""
+    url: SecretStr | None = None
+    """A PostgreSQL database instead of `path`, postgresql://user:password@host:5432/db (the database must
+    exist; the table is made): routers that name the same one share their stored responses. Needs the
+    postgres extra (psycopg)."""
     ttl_s: float = Field(default=ResponseStoreSettings.ttl_s, gt=0)
     """Seconds a stored response is kept."""
     max_rows: int = Field(default=ResponseStoreSettings.max_rows, ge=1)
     """Stored responses kept at most; beyond it the oldest go."""
 
+    @model_validator(mode="after")
+    def _one_backend(self) -> ResponseStoreConfig:
+        if self.path is not None and self.url is not None:
+            raise ValueError("set router.response_store.path or router.response_store.url, not both")
+        if self.url is not None and not self.url.get_secret_value().startswith(("postgresql://", "postgres://")):
+            raise ValueError("router.response_store.url must be a postgresql:// URL")
+        return self
+
     def settings(self, default_path: str | None) -> ResponseStoreSettings:
+        if self.url is not None:
+            return ResponseStoreSettings(url=self.url.get_secret_value(), ttl_s=self.ttl_s, max_rows=self.max_rows)
         path = self.path or default_path or ResponseStoreSettings.path
         return ResponseStoreSettings(path=path, ttl_s=self.ttl_s, max_rows=self.max_rows)
 
@@ -634,6 +649,10 @@ def parse_config(data: object, source: str) -> ClusterConfig:
                 lines.append(f"{source}: missing key {key!r}")
             elif not loc:
                 lines.append(f"{source}: {err['msg'].removeprefix('Value error, ')}")
+            elif isinstance(_lookup(data, loc), dict):
+                # A section's own check (its message names the keys): the section is not echoed, since
+                # it may hold a secret (router.api_keys, router.response_store.url).
+                lines.append(f"{source}: bad {key!r}: {err['msg'].removeprefix('Value error, ')}")
             else:
                 value = "(hidden)" if secret else repr(_lookup(data, loc))
                 lines.append(f"{source}: bad value {value} for {key!r}: {err['msg']}")

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-SECRET_WORDS = ("secret", "key", "token", "password")  # a config error never echoes a value under such a key
+# A config error never echoes a value under such a key (a URL may hold a password).
+SECRET_WORDS = ("secret", "key", "token", "password", "url")
 # Set by ``pdserve launch`` for its children when the config names no secret: the file holding the
 # secret it generated for this cluster (deploy.launcher.generate_secret).
 GENERATED_SECRET_ENV = "PDSERVE_GENERATED_SECRET_FILE"

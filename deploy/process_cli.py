@@ -32,8 +32,8 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "--response-store",
         metavar="FILE",
         help="the SQLite file /v1/responses stores responses in, unless the config's "
-        "router.response_store.path names one; `pdserve launch` gives its run folder's "
-        "responses.sqlite (default: in memory, gone with the router)",
+        "router.response_store.path names one (or its url a PostgreSQL database); `pdserve launch` "
+        "gives its run folder's responses.sqlite (default: in memory, gone with the router)",
     )
     _add_launch_id(p)
     # A router of a multi-host cluster (``launch --only``) reports its launch but accepts workers of any.

@@ -29,7 +29,7 @@ from router.api.grammar_check import GrammarChecker
 from router.api.limits import RequestLimits, openai_413
 from router.api.model import ServedModel
 from router.api.openai_handlers import Answered, OpenAIHandlers
-from router.api.response_store import ResponseStore, owner_of
+from router.api.response_store import ResponseStore, open_store, owner_of
 from router.api.responses import ResponsesHandler, ResponsesRequest
 from router.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize_answer, tokenize_answer
 from router.cluster.admission import Admission, AdmissionSettings
@@ -122,7 +122,7 @@ class RouterParts:
     tracing: Tracing
     access: AccessLog
     auth: Auth
-    responses: ResponseStore  # stored /v1/responses (router/api/response_store.py)
+    responses: ResponseStore  # stored /v1/responses (router/api/response_store/): SQLite or PostgreSQL
 
     @classmethod
     def build(cls, settings: RouterSettings, model: ServedModel) -> RouterParts:
@@ -172,9 +172,7 @@ class RouterParts:
             tracing=Tracing(settings.tracing, "pdserve-router"),
             access=AccessLog(settings.access_log),  # one line per request (router/access_log.py)
             auth=Auth(settings.api_keys, settings.internal_secret),
-            responses=ResponseStore(
-                settings.response_store.path, settings.response_store.ttl_s, settings.response_store.max_rows
-            ),
+            responses=open_store(settings.response_store),
         )
 
     def snapshot(self) -> RouterSnapshot:

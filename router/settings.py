@@ -55,12 +55,19 @@ class CompileSandbox:
 
 @dataclass(frozen=True)
 class ResponseStoreSettings:
-    """Where ``/v1/responses`` keeps stored responses (router/api/response_store.py): a SQLite file, or
-    ``:memory:`` (gone with the router); rows live ``ttl_s`` and at most ``max_rows`` are kept."""
+    """Where ``/v1/responses`` keeps stored responses (router/api/response_store/): a SQLite file, or
+    ``:memory:`` (gone with the router); or, with ``url``, a PostgreSQL database several routers share.
+    Rows live ``ttl_s`` and at most ``max_rows`` are kept."""
 
     path: str = ":memory:"
     ttl_s: float = 30 * 24 * 3600.0
     max_rows: int = 100_000
+    # postgresql://user:password@host/db instead of path; it may hold a password, so no repr shows it.
+    url: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.url is not None and self.path != ResponseStoreSettings.path:
+            raise ValueError("a response store is a SQLite path or a PostgreSQL url, not both")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ decode on separate servers included:
 The answer's output is a message item with one ``output_text`` part and/or ``function_call`` items,
 the usage in input/output tokens. Streamed, it is OpenAI's typed events (``response.created`` ...
 ``response.completed``), which reassemble to the same response. ``store`` (default true) keeps it
-(router/api/response_store.py) for ``GET``, ``DELETE`` and ``input_items``, visible only to the API
+(router/api/response_store/) for ``GET``, ``DELETE`` and ``input_items``, visible only to the API
 key that made it. Fields that would change the answer and are not supported (``background``,
 ``include``, ``reasoning``, ``truncation: auto``, ``conversation``, ``prompt``, ``top_logprobs``,
 ``max_tool_calls``, ``parallel_tool_calls: false``, non-function tools, non-text input parts) are a

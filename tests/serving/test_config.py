@@ -125,3 +125,19 @@ def test_stored_responses_go_where_the_config_says_else_where_the_launcher_says_
     named = parse_config({**BASE, "router": {"response_store": {"path": "/data/r.sqlite", "max_rows": 5}}}, "c.yaml")
     store = named.router_settings(tmp_path, "/run/x/responses.sqlite").response_store
     assert (store.path, store.max_rows) == ("/data/r.sqlite", 5)
+
+
+def test_a_postgres_url_is_a_secret_instead_of_the_sqlite_path(tmp_path):
+    url = "postgresql://pdserve:hunter2-hunter2@db.internal:5432/pdserve"
+    shared = parse_config({**BASE, "router": {"response_store": {"url": url, "ttl_s": 60}}}, "c.yaml")
+    store = shared.router_settings(tmp_path, "/run/x/responses.sqlite").response_store  # the launcher's file unused
+    assert (store.url, store.path, store.ttl_s) == (url, ":memory:", 60)
+    assert "hunter2" not in repr(shared) + repr(shared.router_settings(tmp_path))
+    both = error_of({**BASE, "router": {"response_store": {"url": url, "path": "/data/r.sqlite"}}})
+    assert "router.response_store.path or router.response_store.url, not both" in both and "hunter2" not in both
+    mysql = error_of({**BASE, "router": {"response_store": {"url": "mysql://u:hunter2-hunter2@h/db"}}})
+    assert "must be a postgresql:// URL" in mysql and "hunter2" not in mysql
+    assert "hunter2" not in error_of({**BASE, "router": {"response_store": {"urll": url}}})
+    # A section's own check never echoes the section, which may hold other secrets too.
+    keys = error_of({**BASE, "router": {"api_keys": ["hunter2-hunter2"], "api_keys_file": "/k"}})
+    assert "router.api_keys or router.api_keys_file, not both" in keys and "hunter2" not in keys

@@ -1,30 +1,15 @@
-"""Where stored responses live (``store: true`` on ``/v1/responses``): one small interface, SQLite behind it.
-
-A stored response keeps what the API returns for it (the response object and its input items) and
-what a continuation needs: the conversation so far as chat messages (every earlier turn's input and
-output, this turn's too), so that ``previous_response_id`` costs one lookup however long the chain,
-and the decode server that answered it, a hint for sending the next turn where the conversation's KV
-is cached. Each row has an owner (a hash of the API key that made it, "" without keys): another key's
-lookup finds nothing, exactly as an id that never existed.
-
-SQLite (the standard library's) in WAL mode: one file, or ``:memory:`` for a router whose responses
-need not outlive it. Rows older than ``ttl_s`` are deleted, and beyond ``max_rows`` the oldest go,
-at most once a minute on a write. Calls block (milliseconds): the handlers make them off the event
-loop.
+"""The embedded store: SQLite (the standard library's) in WAL mode, one file, or ``:memory:`` for a router
+whose responses need not outlive it. Several routers on one machine (or one shared disk) may share the file.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-PRUNE_EVERY_S = 60.0
+from router.api.response_store.base import COLUMNS, PRUNE_EVERY_S, StoredResponse
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -40,23 +25,7 @@ CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at);
 """
 
 
-def owner_of(api_key: str | None) -> str:
-    """The owner a request's key stands for: a hash, so the store never holds a key."""
-    return "" if not api_key else hashlib.sha256(api_key.encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class StoredResponse:
-    id: str
-    owner: str
-    created_at: float
-    response: dict[str, Any]
-    input_items: list[dict[str, Any]]
-    conversation: list[dict[str, Any]]
-    decode_worker: str | None = None
-
-
-class ResponseStore:
+class SqliteResponseStore:
     """``path``: the SQLite file (made if missing), or ``:memory:``."""
 
     def __init__(self, path: str = ":memory:", ttl_s: float = 30 * 24 * 3600.0, max_rows: int = 100_000) -> None:
@@ -73,17 +42,8 @@ class ResponseStore:
         self._pruned_at = 0.0
 
     def put(self, r: StoredResponse) -> None:
-        row = (
-            r.id,
-            r.owner,
-            r.created_at,
-            json.dumps(r.response),
-            json.dumps(r.input_items),
-            json.dumps(r.conversation),
-            r.decode_worker,
-        )
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+            self._db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", r.row())
             if time.monotonic() - self._pruned_at >= PRUNE_EVERY_S:
                 self._prune()
 
@@ -91,16 +51,10 @@ class ResponseStore:
         """The response, if it exists, belongs to ``owner`` and has not expired."""
         with self._lock:
             row = self._db.execute(
-                "SELECT id, owner, created_at, response, input_items, conversation, decode_worker FROM responses "
-                "WHERE id = ? AND owner = ? AND created_at >= ?",
+                f"SELECT {COLUMNS} FROM responses WHERE id = ? AND owner = ? AND created_at >= ?",
                 (response_id, owner, time.time() - self.ttl_s),
             ).fetchone()
-        if row is None:
-            return None
-        rid, own, created, response, items, conversation, worker = row
-        return StoredResponse(
-            rid, own, created, json.loads(response), json.loads(items), json.loads(conversation), worker
-        )
+        return None if row is None else StoredResponse.from_row(row)
 
     def delete(self, response_id: str, owner: str) -> bool:
         with self._lock:

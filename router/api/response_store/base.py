@@ -1,0 +1,72 @@
+"""What every response store shares: the stored row, its owner, the interface, the JSON encoding."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+PRUNE_EVERY_S = 60.0  # a store deletes expired and surplus rows at most this often, on a write
+
+# The columns, in the order both backends store and read them.
+COLUMNS = "id, owner, created_at, response, input_items, conversation, decode_worker"
+
+Row = tuple[str, str, float, str, str, str, str | None]
+
+
+def owner_of(api_key: str | None) -> str:
+    """The owner a request's key stands for: a hash, so the store never holds a key."""
+    return "" if not api_key else hashlib.sha256(api_key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    id: str
+    owner: str
+    created_at: float
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    conversation: list[dict[str, Any]]
+    decode_worker: str | None = None
+
+    def row(self) -> Row:
+        """The row both backends store: the JSON columns as text, exactly as written (key order kept, and
+        ASCII, so a NUL or a lone surrogate in a string is an escape, never a byte a database refuses)."""
+        return (
+            self.id,
+            self.owner,
+            self.created_at,
+            json.dumps(self.response),
+            json.dumps(self.input_items),
+            json.dumps(self.conversation),
+            self.decode_worker,
+        )
+
+    @classmethod
+    def from_row(cls, row: tuple[Any, ...]) -> StoredResponse:
+        rid, owner, created, response, items, conversation, worker = row
+        return cls(rid, owner, created, json.loads(response), json.loads(items), json.loads(conversation), worker)
+
+
+class ResponseStore(Protocol):
+    """Where stored responses live. Every call blocks (milliseconds) and may come from any thread: the
+    handlers make them off the event loop (``asyncio.to_thread``)."""
+
+    def put(self, r: StoredResponse) -> None:
+        """Keep ``r`` (replacing a row with its id)."""
+        ...
+
+    def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        """The response, if it exists, belongs to ``owner`` and has not expired."""
+        ...
+
+    def delete(self, response_id: str, owner: str) -> bool:
+        """Whether ``owner`` had such a response (now gone)."""
+        ...
+
+    def count(self) -> int:
+        """Rows held, expired ones not yet pruned included."""
+        ...
+
+    def close(self) -> None: ...

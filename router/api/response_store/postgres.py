@@ -1,0 +1,155 @@
+"""The shared store: PostgreSQL, so that several routers share their stored responses (a conversation
+started on one continues on any). psycopg 3 (the ``postgres`` extra).
+
+The table is the SQLite store's, with ``created_at`` a DOUBLE PRECISION; the JSON columns are TEXT, as
+written (JSONB would reorder an object's keys and refuse a ``\\u0000`` in a string). One connection in
+autocommit mode, used one call at a time under a lock (calls are short): a connection the server dropped
+(a restart, a failover, an idle timeout) is opened again once and the call retried on it. The URL may
+hold a password: it is never in a repr, a log line or an error, which name only host, port and database.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeAlias, TypeVar
+
+import psycopg
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import TupleRow
+
+from router.api.response_store.base import COLUMNS, PRUNE_EVERY_S, StoredResponse
+
+SCHEMA = (
+    """CREATE TABLE IF NOT EXISTS responses (
+        id TEXT PRIMARY KEY,
+        owner TEXT NOT NULL,
+        created_at DOUBLE PRECISION NOT NULL,
+        response TEXT NOT NULL,      -- the response object, as the API returns it
+        input_items TEXT NOT NULL,   -- this turn's input items, with their ids
+        conversation TEXT NOT NULL,  -- chat messages: every turn's input and output, this one's included
+        decode_worker TEXT           -- the decode server that answered (a routing hint for the next turn)
+    )""",
+    "CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at)",
+)
+# Routers starting together would race in CREATE TABLE IF NOT EXISTS (a duplicate-key error on the
+# catalog): each holds this advisory lock while it creates the table.
+SCHEMA_LOCK = 0x7064_7365_7276_6531
+CONNECT_TIMEOUT_S = 10
+UPSERT = (
+    f"INSERT INTO responses ({COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s) ON CONFLICT (id) DO UPDATE SET "
+    "owner = EXCLUDED.owner, created_at = EXCLUDED.created_at, response = EXCLUDED.response, "
+    "input_items = EXCLUDED.input_items, conversation = EXCLUDED.conversation, decode_worker = EXCLUDED.decode_worker"
+)
+
+T = TypeVar("T")
+Connection: TypeAlias = psycopg.Connection[TupleRow]
+
+
+class ResponseStoreUnavailable(RuntimeError):
+    """The database cannot be reached; the message names host, port and database, never the URL."""
+
+
+def where(url: str) -> str:
+    """``host:port/database`` of a PostgreSQL URL or conninfo: what errors name instead of the URL."""
+    try:
+        info = conninfo_to_dict(url)
+    except psycopg.Error:
+        return "(a URL that does not parse)"
+    return (
+        f"{info.get('host') or 'localhost'}:{info.get('port') or 5432}/{info.get('dbname') or info.get('user') or ''}"
+    )
+
+
+class PostgresResponseStore:
+    """``url``: ``postgresql://user:password@host:port/database`` (or a libpq conninfo string). The table is
+    made if missing; the database must exist."""
+
+    def __init__(self, url: str, ttl_s: float = 30 * 24 * 3600.0, max_rows: int = 100_000) -> None:
+        self._url = url
+        self.where = where(url)
+        self.ttl_s, self.max_rows = ttl_s, max_rows
+        self._lock = threading.Lock()  # one connection, used from the handlers' threads one call at a time
+        self._pruned_at = 0.0
+        self._closed = False
+        with self._lock:
+            self._conn: Connection | None = self._connect()
+            with self._conn.transaction():
+                self._conn.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK,))
+                for statement in SCHEMA:
+                    self._conn.execute(statement)
+
+    def __repr__(self) -> str:
+        return f"PostgresResponseStore({self.where!r})"
+
+    def put(self, r: StoredResponse) -> None:
+        def put(conn: Connection) -> None:
+            conn.execute(UPSERT, r.row())
+            if time.monotonic() - self._pruned_at >= PRUNE_EVERY_S:
+                self._prune(conn)
+
+        self._call(put)
+
+    def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        """The response, if it exists, belongs to ``owner`` and has not expired."""
+        row = self._call(
+            lambda conn: conn.execute(
+                f"SELECT {COLUMNS} FROM responses WHERE id = %s AND owner = %s AND created_at >= %s",
+                (response_id, owner, time.time() - self.ttl_s),
+            ).fetchone()
+        )
+        return None if row is None else StoredResponse.from_row(row)
+
+    def delete(self, response_id: str, owner: str) -> bool:
+        # Retried on a new connection after a drop, a delete that went through before it reads as not found.
+        cursor = self._call(
+            lambda conn: conn.execute("DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner))
+        )
+        return cursor.rowcount > 0
+
+    def count(self) -> int:
+        row = self._call(lambda conn: conn.execute("SELECT COUNT(*) FROM responses").fetchone())
+        return 0 if row is None else int(row[0])
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def _connect(self) -> Connection:
+        try:
+            return psycopg.connect(self._url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+        except psycopg.Error as exc:
+            # libpq's message names host, port and user, never the password; the URL itself stays out.
+            reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise ResponseStoreUnavailable(f"response store {self.where}: cannot connect: {reason}") from None
+
+    def _call(self, work: Callable[[Connection], T]) -> T:
+        """``work`` on the connection; once more on a new one if the server dropped it."""
+        with self._lock:
+            if self._closed:
+                raise ResponseStoreUnavailable(f"response store {self.where}: closed")
+            for attempt in (1, 2):
+                if self._conn is None or self._conn.closed:
+                    self._conn = self._connect()
+                conn = self._conn
+                try:
+                    return work(conn)
+                except psycopg.OperationalError:
+                    if attempt == 2 or not (conn.broken or conn.closed):
+                        raise
+                    conn.close()
+                    self._conn = None
+            raise AssertionError("unreachable")
+
+    def _prune(self, conn: Connection) -> None:
+        """Expired rows, then the oldest beyond ``max_rows`` (the caller holds the lock)."""
+        self._pruned_at = time.monotonic()
+        conn.execute("DELETE FROM responses WHERE created_at < %s", (time.time() - self.ttl_s,))
+        conn.execute(
+            "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at DESC OFFSET %s)",
+            (self.max_rows,),
+        )
