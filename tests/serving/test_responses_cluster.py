@@ -146,3 +146,23 @@ def test_a_forced_function_call_round_trip_matches_its_schema_and_the_answer_equ
     assert answer.usage.input_tokens == len(prompt)
     expected = tok.decode(hf_greedy(tiny_model, prompt, MAX_TOKENS), skip_special_tokens=True)
     assert answer.output_text == expected
+
+
+def test_text_format_json_schema_validates_and_equals_the_chat_answer_with_response_format(served):
+    client = served.client()
+    made = client.responses.create(
+        model="tiny",
+        input="Describe the weather in Paris.",
+        text={"format": {"type": "json_schema", "name": "weather", "schema": WEATHER, "strict": True}},
+        max_output_tokens=64,
+        temperature=0,
+    )
+    jsonschema.validate(json.loads(made.output_text), WEATHER)
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Describe the weather in Paris."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER, "strict": True}},
+        max_completion_tokens=64,
+        temperature=0,
+    )
+    assert made.output_text == chat.choices[0].message.content
