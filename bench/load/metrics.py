@@ -49,6 +49,8 @@ class RequestRecord:
     error: str | None = None
     server_prompt_tokens: int | None = None
     request_id: str | None = None  # the router's X-Request-Id (joins the servers' timelines)
+    turn: int | None = None  # the turn of its conversation (multi-turn workloads), from 0
+    cached_tokens: int | None = None  # prompt tokens the server found cached (usage), when it says
 
     @property
     def ttft(self) -> float | None:
@@ -195,3 +197,70 @@ def summarize(
         e2e=Stats.of([r.e2e for r in done if r.e2e is not None]),
         errors=errors,
     )
+
+
+@dataclass(frozen=True)
+class TurnStats:
+    """The completed requests of one turn index of a multi-turn workload. Token counts are the
+    server's (usage), summed over the requests that reported them (``reported``)."""
+
+    turn: int
+    completed: int
+    failed: int
+    ttft: Stats
+    tpot: Stats
+    e2e: Stats
+    reported: int
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+
+    @property
+    def computed_tokens(self) -> int:
+        """Input tokens the server did not find cached: computed for this request."""
+        return self.input_tokens - self.cached_tokens
+
+    @property
+    def computed_share(self) -> float | None:
+        return self.computed_tokens / self.input_tokens if self.input_tokens else None
+
+    def to_json(self) -> dict:
+        data = dataclasses.asdict(self)
+        data.update(computed_tokens=self.computed_tokens, computed_share=self.computed_share)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> TurnStats:
+        """Back from ``to_json`` (the derived values left out)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in names}
+        for k in ("ttft", "tpot", "e2e"):
+            values[k] = Stats(**values[k])
+        return cls(**values)
+
+
+def per_turn(records: list[RequestRecord]) -> list[TurnStats]:
+    """One ``TurnStats`` per turn index, in order; records without a turn are left out."""
+    turns: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        if r.turn is not None:
+            turns.setdefault(r.turn, []).append(r)
+    out = []
+    for turn in sorted(turns):
+        done = [r for r in turns[turn] if r.ok]
+        usage = [r for r in done if r.server_prompt_tokens is not None]
+        out.append(
+            TurnStats(
+                turn=turn,
+                completed=len(done),
+                failed=len(turns[turn]) - len(done),
+                ttft=Stats.of([r.ttft for r in done if r.ttft is not None]),
+                tpot=Stats.of([r.tpot for r in done if r.tpot is not None]),
+                e2e=Stats.of([r.e2e for r in done if r.e2e is not None]),
+                reported=len(usage),
+                input_tokens=sum(r.server_prompt_tokens or 0 for r in usage),
+                cached_tokens=sum(r.cached_tokens or 0 for r in usage),
+                output_tokens=sum(r.output_tokens for r in done),
+            )
+        )
+    return out

@@ -14,7 +14,10 @@ question and answer of that chat followed by the new question. The earlier
 answers are words of the output length, not what the server answered, so that
 lengths stay exact and runs compare. With a closed loop of at most
 ``conversations`` requests in flight, turn t of a chat is sent after turn t-1
-was sent (and, in practice, answered).
+was sent (and, in practice, answered). To continue chats from the server's own
+answers instead (``bench serve --history messages`` or ``previous-response``,
+``/v1/responses``), the load client sends only each turn's question from here
+(``position`` names its chat and turn) and keeps the rest (bench/load/loadgen.py).
 
 A prompt's length is ``num_special`` (the tokenizer's BOS, if any) plus the
 sum of its segments' lengths, exactly: the builder checks it.
@@ -65,8 +68,7 @@ class PrefixWorkload:
         if self.kind == "shared_prefix":
             q, out = self._lengths(seed, warm, QUESTION, i)
             return [Segment((PREFIX, i % self.groups), self.shared_tokens), Segment((QUESTION, warm, i), q)], out
-        chat = (i // (self.conversations * self.turns)) * self.conversations + i % self.conversations
-        turn = (i // self.conversations) % self.turns
+        chat, turn = self.position(index)
         segments = []
         for t in range(turn + 1):
             q, a = self._lengths(seed, warm, chat, t)
@@ -74,6 +76,15 @@ class PrefixWorkload:
             if t < turn:
                 segments.append(Segment((ANSWER, warm, chat, t), a))
         return segments, self._lengths(seed, warm, chat, turn)[1]
+
+    def position(self, index: int) -> tuple[int, int]:
+        """(chat, turn) of multi-turn request ``index``; a warmup index (negative) has chats of its own,
+        numbered the same way (its prompts differ: see ``request``)."""
+        if self.kind != "multi_turn":
+            raise ValueError("only a multi-turn workload has chats and turns")
+        i = abs(index)
+        chat = (i // (self.conversations * self.turns)) * self.conversations + i % self.conversations
+        return chat, (i // self.conversations) % self.turns
 
     def best_hit_rate(self, count: int, num_special: int, seed: int = 0) -> float:
         """The share of prompt tokens a cache of unlimited size could reuse over requests 0..count-1,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.load.metrics import RequestRecord, Stats, Summary
+from bench.load.metrics import RequestRecord, Stats, Summary, TurnStats
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:
@@ -57,6 +57,25 @@ def format_summary(summary: Summary, title: str = "Serving benchmark") -> str:
     return "\n".join(lines)
 
 
+def format_turns(turns: list[TurnStats]) -> str:
+    """Per turn of a multi-turn workload: TTFT p50/p99 and the input tokens per request, the share the
+    server found cached, and the share computed (input - cached; usage, so as the server counts)."""
+    lines = [
+        f"{'turn':>4} {'ok':>4} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'input/req':>9} "
+        f"{'cached/req':>10} {'computed':>9}",
+    ]
+    for t in turns:
+        input_per, cached_per = (
+            _fmt(n / t.reported if t.reported else None, 1) for n in (t.input_tokens, t.cached_tokens)
+        )
+        share = "-" if t.computed_share is None else f"{100 * t.computed_share:.1f}%"
+        lines.append(
+            f"{t.turn:>4} {t.completed:>4} {_fmt(t.ttft.p50, 1):>9} {_fmt(t.ttft.p99, 1):>9} "
+            f"{_fmt(t.tpot.p50, 1):>9} {input_per:>9} {cached_per:>10} {share:>9}"
+        )
+    return "Per turn (ms; tokens from the server's usage; computed = input - cached):\n" + "\n".join(lines)
+
+
 def prompt_length_mismatches(records: list[RequestRecord]) -> int:
     """Completed requests whose server-counted prompt differs from ours."""
     return sum(
@@ -64,10 +83,14 @@ def prompt_length_mismatches(records: list[RequestRecord]) -> int:
     )
 
 
-def write_json(path: str | Path, config: dict, summary: Summary, records: list[RequestRecord]) -> None:
+def write_json(
+    path: str | Path, config: dict, summary: Summary, records: list[RequestRecord], extra: dict | None = None
+) -> None:
+    """``extra``: more top-level keys (before the requests)."""
     data = {
         "config": config,
         "summary": summary.to_json(),
+        **(extra or {}),
         "requests": [r.to_json() for r in records],
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -13,12 +13,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.load.loadgen import CHAT, LoadConfig, LoadResult, PreparedRequest, run_load
-from bench.load.metrics import summarize
+from bench.load.loadgen import ENDPOINTS, HISTORIES, RESPONSES, LoadConfig, LoadResult, PreparedRequest, run_load
+from bench.load.metrics import per_turn, summarize
 from bench.load.prefix_workload import PrefixWorkload
 from bench.load.prompts import PromptBuilder, load_tokenizer
 from bench.load.report import (
     format_summary,
+    format_turns,
     plot_latency_cdfs,
     plot_tpot_over_time,
     prompt_length_mismatches,
@@ -33,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument(
         "--endpoint",
         default="/v1/completions",
-        choices=["/v1/completions", CHAT],
-        help="the API to load (default %(default)s)",
+        choices=ENDPOINTS,
+        help="the API to load (default %(default)s; /v1/responses takes text prompts, and with --multi-turn "
+        "continues each chat with previous_response_id: see --history)",
     )
     target.add_argument("--model", help="model name to send (default: the first of GET /v1/models)")
     target.add_argument("--api-key", metavar="KEY", help="sent as a Bearer token")
@@ -96,6 +98,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=8,
         metavar="C",
         help="chats run side by side with --multi-turn (default 8; keep >= --concurrency)",
+    )
+    work.add_argument(
+        "--history",
+        choices=HISTORIES,
+        help="with --multi-turn, what a turn sends of the turns before it: words, one prompt of synthetic "
+        "questions and answers (the default on completions and chat); messages, every earlier question and "
+        "the server's own answer (chat, responses); previous-response, only the new question with the "
+        "previous turn's previous_response_id (responses, its default). With messages and previous-response "
+        "a turn is sent once the one before it is answered",
     )
     work.add_argument(
         "--prompt-format",
@@ -164,13 +175,30 @@ def prefix_workload(args: argparse.Namespace) -> PrefixWorkload | None:
     return None
 
 
+def history_of(args: argparse.Namespace, workload: object) -> str:
+    """What a turn sends of the turns before it (``LoadConfig.history``): --history, or the endpoint's
+    default; anything but words needs the multi-turn workload."""
+    multi_turn = isinstance(workload, PrefixWorkload) and workload.kind == "multi_turn"
+    if args.history is None:
+        return "previous-response" if multi_turn and args.endpoint == RESPONSES else "words"
+    if args.history != "words" and not multi_turn:
+        raise ValueError(f"--history {args.history} continues chats: it needs --multi-turn")
+    return args.history
+
+
 def request_source(
     specs_or_workload: Workload | PrefixWorkload | list[RequestSpec],
     builder: PromptBuilder | None,
     prompt_format: str = "text",
     seed: int = 0,
+    chained: bool = False,
 ) -> Callable[[int], PreparedRequest]:
-    """``index -> PreparedRequest``; deterministic per index (warmup: negative)."""
+    """``index -> PreparedRequest``; deterministic per index (warmup: negative).
+
+    ``chained`` (a multi-turn workload): a turn's prompt is only its new question, and the request names
+    its chat, whose earlier turns the load client sends as the server answered them (``LoadConfig.history``);
+    a warmup request is one question of a chat of its own, alone.
+    """
 
     def synthetic(index: int) -> PreparedRequest:
         rng = np.random.default_rng([seed, int(index < 0), abs(index)])
@@ -181,14 +209,22 @@ def request_source(
 
     def with_prefixes(index: int) -> PreparedRequest:
         segments, output_len = specs_or_workload.request(index, seed)
+        chat = turn = None
+        if specs_or_workload.kind == "multi_turn" and index >= 0:
+            chat, turn = specs_or_workload.position(index)
+        conversation = chat if chained else None
+        if chained:
+            segments = segments[-1:]  # the new question
         prompt = builder.from_segments(segments, seed)
         body = prompt.text if prompt_format == "text" else prompt.token_ids
-        return PreparedRequest(index, body, prompt.num_tokens, output_len)
+        return PreparedRequest(index, body, prompt.num_tokens, output_len, turn, conversation)
 
     def from_file(index: int) -> PreparedRequest:
         spec = specs_or_workload[abs(index) % len(specs_or_workload)]
         return PreparedRequest(index, spec.prompt, spec.prompt_len, spec.output_len)
 
+    if chained and not (isinstance(specs_or_workload, PrefixWorkload) and specs_or_workload.kind == "multi_turn"):
+        raise ValueError("only a multi-turn workload continues chats")
     if isinstance(specs_or_workload, (Workload, PrefixWorkload)):
         if builder is None:
             raise ValueError("synthetic prompts need a tokenizer: pass --tokenizer DIR")
@@ -269,6 +305,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = Workload.mix(args.mix) if args.mix else Workload.single(args.prompt_len, args.output_len)
     builder = PromptBuilder(tokenizer) if tokenizer is not None and not args.dataset else None
+    history = history_of(args, workload)
+    if args.endpoint == RESPONSES and args.prompt_format == "tokens":
+        raise ValueError(f"{RESPONSES} takes text prompts: drop --prompt-format tokens")
     concurrency = args.concurrency
     if concurrency is None and args.rate is None:
         concurrency = 1
@@ -286,15 +325,19 @@ def run(args: argparse.Namespace) -> int:
         extra_body=extra,
         api_key=args.api_key,
         seed=args.seed,
+        history=history,
     )
     if args.timeline:  # a refusal now, not after the whole run
         from bench.load import timeline
 
         timeline.check_access(args.url, timeline_headers(args))
-    source = request_source(workload, builder, args.prompt_format, args.seed)
+    source = request_source(workload, builder, args.prompt_format, args.seed, chained=history != "words")
     result = run_benchmark(config, source, args.warmup, args.progress)
     summary = summarize(result.records, result.duration_s, args.slo_ttft_ms, args.slo_tpot_ms)
     print(format_summary(summary, f"Serving benchmark: {args.label}"))
+    turns = per_turn(result.records)
+    if turns:
+        print(format_turns(turns))
     mismatches = prompt_length_mismatches(result.records)
     if mismatches:
         print(f"note: the server counted a different prompt length for {mismatches} request(s)")
@@ -306,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
             "warmup": args.warmup,
             "label": args.label,
         }
-        write_json(args.json, described, summary, result.records)
+        write_json(args.json, described, summary, result.records, {"per_turn": [t.to_json() for t in turns]})
         print(f"results: {args.json}")
     if args.plot_dir:  # the plots first: the timeline asks the cluster again, which may have gone
         runs = {args.label: result.records}
