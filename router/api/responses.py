@@ -39,7 +39,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from router.api import api_responses as out
-from router.api.api_requests import MAX_TOOLS, AtLeast1, ChatCompletionRequest, Seed
+from router.api.api_requests import MAX_TOOLS, NEW_TOKENS, AtLeast1, ChatCompletionRequest, Seed
 from router.api.fanout import Collected, Prepared, SessionGroup, choice_deltas
 from router.api.openai_handlers import Answered, OpenAIHandlers
 from router.api.response_store import ResponseStore, StoredResponse
@@ -129,7 +129,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
-    max_output_tokens: AtLeast1 | None = None
+    max_output_tokens: AtLeast1 | None = Field(default=None, json_schema_extra=NEW_TOKENS)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     seed: Seed | None = None  # an extension, as on chat
@@ -168,6 +168,14 @@ def responses_param(param: str | None) -> str | None:
         if param is not None and (param == chat or param.startswith((chat + ".", chat + "["))):
             return ours + param[len(chat) :]
     return param
+
+
+def renamed(exc: OpenAIError) -> OpenAIError:
+    """``exc`` from the chat path, naming this API's field in its ``param`` and message."""
+    chat_param, ours = exc.param, responses_param(exc.param)
+    if chat_param is not None and ours is not None and ours != chat_param:
+        exc.param, exc.message = ours, exc.message.replace(chat_param.split(".")[0], ours.split(".")[0])
+    return exc
 
 
 # ---- input items -> chat messages -----------------------------------------------------------------
@@ -410,8 +418,7 @@ class ResponsesHandler:
             chat = chat_request(req, history, turn.items)
             p = await h._prepare(lambda: h.prepare_chat(chat, request_id, traceparent, "responses"), body_bytes)
         except OpenAIError as exc:  # named as the chat path calls it: renamed to this API's field
-            exc.param = responses_param(exc.param)
-            raise
+            raise renamed(exc) from None
         p.prefer_decode = prefer
         if req.stream:
             sessions = await h.open(p)

@@ -271,3 +271,15 @@ def test_metadata_is_bounded_as_openai_bounds_it_and_comes_back_with_the_respons
         ):
             bad = c.post("/v1/responses", json={"model": "tiny", "input": "hi", "metadata": metadata})
             assert bad.status_code == 400 and bad.json()["error"]["param"].startswith(param), bad.text
+
+
+def test_limits_of_the_chat_path_are_reported_with_this_apis_field_names(served):
+    fake = FakeWorkerClient(reply=ids(served, "ok"))
+    with router(served, fake, max_tokens=16) as c:
+        doc = c.get("/openapi.json").json()
+        props = doc["components"]["schemas"]["ResponsesRequest"]["properties"]
+        assert props["max_output_tokens"]["anyOf"][0]["maximum"] == 16  # the published bound, as on chat
+        r = c.post("/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 17})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "max_output_tokens"
+    assert "max_output_tokens" in error["message"] and "max_completion_tokens" not in error["message"]
