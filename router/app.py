@@ -383,7 +383,9 @@ def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
     @app.post(
         "/v1/responses",
         responses=openapi.answered(
-            "A response object; with `stream: true`, its typed events (`response.created` ... `response.completed`)."
+            "A response object; with `stream: true`, its typed events (`response.created` ... `response.completed`).",
+            events="one typed event as JSON (its `type` is also the SSE `event:` line); `error` if the request "
+            "fails mid-stream",
         )
         | openapi.errors(400, 401, 404, 413, 429, 500, 503),
     )

@@ -106,27 +106,30 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
     }
 
 
-def answered(description: str) -> dict[int | str, dict[str, Any]]:
-    """A route's 200, its body described in words (the Responses API's shapes are OpenAI's own)."""
-    return {200: {"description": description, "headers": REQUEST_ID}}
+def answered(description: str, events: str | None = None) -> dict[int | str, dict[str, Any]]:
+    """A route's 200, its body described in words (the Responses API's shapes are OpenAI's own);
+    ``events``: with ``stream: true`` it answers server-sent events, each described so."""
+    answer: dict[str, Any] = {"description": description, "headers": REQUEST_ID}
+    if events is not None:
+        answer["content"] = {"application/json": {"schema": {"type": "object"}}, "text/event-stream": _events(events)}
+    return {200: answer}
 
 
-def generation_responses(body: type[BaseModel], chunk: str) -> dict[int | str, dict[str, Any]]:
-    """A generation route's answers: ``body`` as JSON, or with ``stream: true`` server-sent events of ``chunk``."""
-    stream = {
+def _events(description: str) -> dict[str, Any]:
+    return {
         "schema": {  # in OpenAPI 3.1, the schema of one event
             "type": "object",
             "required": ["data"],
             "properties": {
-                "data": {
-                    "type": "string",
-                    "contentMediaType": "application/json",
-                    "description": f"a {chunk} as JSON; an ErrorResponse if the request fails "
-                    "mid-stream; `[DONE]` last",
-                }
+                "data": {"type": "string", "contentMediaType": "application/json", "description": description}
             },
         }
     }
+
+
+def generation_responses(body: type[BaseModel], chunk: str) -> dict[int | str, dict[str, Any]]:
+    """A generation route's answers: ``body`` as JSON, or with ``stream: true`` server-sent events of ``chunk``."""
+    stream = _events(f"a {chunk} as JSON; an ErrorResponse if the request fails mid-stream; `[DONE]` last")
     return {
         200: {
             "model": body,
