@@ -38,11 +38,15 @@ VARIANTS = {
 }
 
 
-def config_for(model: str, caching: bool, policy: str) -> dict:
+def config_for(model: str, caching: bool, policy: str, local_prefill_threshold: int | None = None) -> dict:
+    """configs/1p2d.yaml with ``model``, prefix caching on or off, ``policy``, one torch thread, free ports;
+    ``local_prefill_threshold`` when given (the router's: shorter uncached parts are prefilled on D)."""
     data = yaml.safe_load((REPO / "configs" / "1p2d.yaml").read_text())
     data["model"] = model
     data["engine"] = {**(data.get("engine") or {}), "prefix_caching": caching, "num_threads": 1}
     data["router"] = {**data["router"], "policy": policy}
+    if local_prefill_threshold is not None:
+        data["router"]["local_prefill_threshold"] = local_prefill_threshold
     instances = [*data["prefill"], *data["decode"]]
     ports = free_port_pairs(1 + len(instances))
     data["router"]["port"] = ports[0]
@@ -52,6 +56,7 @@ def config_for(model: str, caching: bool, policy: str) -> dict:
 
 
 def counter(samples: dict, server: str, name: str) -> float:
+    """The sum of a counter's samples (every label set) on one server."""
     return sum(v for k, v in samples.get(server, {}).items() if k == name or k.startswith(name + "{"))
 
 

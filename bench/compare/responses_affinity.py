@@ -46,7 +46,8 @@ from pathlib import Path
 
 import yaml
 
-from bench.load.cluster import free_port_pairs, launch
+from bench.compare.cache_sweep import config_for, counter
+from bench.load.cluster import launch
 from bench.load.loadgen import CHAT, RESPONSES, LoadConfig, run_load
 from bench.load.metrics import RequestRecord, TurnStats, per_turn, summarize
 from bench.load.prefix_workload import PrefixWorkload
@@ -55,7 +56,6 @@ from bench.load.serve import request_source
 from bench.load.workload import LengthDist
 from engine.models import MODEL_CACHE, resolve_model
 
-REPO = Path(__file__).resolve().parents[2]
 SERVERS = ("p0", "d0", "d1")
 
 
@@ -71,28 +71,6 @@ VARIANTS = {
     "full-input": Variant(RESPONSES, "messages", "/v1/responses, whole conversation as input, no hint"),
     "chat": Variant(CHAT, "messages", "/v1/chat/completions, whole conversation as messages"),
 }
-
-
-def config_for(model: str, policy: str = "round_robin", local_prefill_threshold: int | None = None) -> dict:
-    """configs/1p2d.yaml with ``model``, prefix caching on, ``policy``, one torch thread, free ports;
-    ``local_prefill_threshold`` when given (the router's: shorter uncached parts are prefilled on D)."""
-    data = yaml.safe_load((REPO / "configs" / "1p2d.yaml").read_text())
-    data["model"] = model
-    data["engine"] = {**(data.get("engine") or {}), "prefix_caching": True, "num_threads": 1}
-    data["router"] = {**data["router"], "policy": policy}
-    if local_prefill_threshold is not None:
-        data["router"]["local_prefill_threshold"] = local_prefill_threshold
-    instances = [*data["prefill"], *data["decode"]]
-    ports = free_port_pairs(1 + len(instances))
-    data["router"]["port"] = ports[0]
-    for inst, port in zip(instances, ports[1:]):
-        inst["port"], inst["kv_port"] = port, port + 1
-    return data
-
-
-def counter(samples: dict, server: str, name: str) -> float:
-    """The sum of a counter's samples (every label set) on one server."""
-    return sum(v for k, v in samples.get(server, {}).items() if k == name or k.startswith(name + "{"))
 
 
 def engine_counters(before: dict, after: dict) -> dict[str, float]:
@@ -116,7 +94,7 @@ def run_variant(name: str, rnd: int, args, workload: PrefixWorkload, builder: Pr
     out.mkdir(parents=True, exist_ok=True)
     path = out / "1p2d.yaml"
     path.write_text(
-        yaml.safe_dump(config_for(args.model, "round_robin", args.local_prefill_threshold), sort_keys=False)
+        yaml.safe_dump(config_for(args.model, True, "round_robin", args.local_prefill_threshold), sort_keys=False)
     )
     cluster = launch(path, out / "run", sorted(os.sched_getaffinity(0)))
     try:
