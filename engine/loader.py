@@ -7,8 +7,10 @@ the fused projections on load; tied embeddings share one tensor.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -64,7 +66,7 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> tupl
     qk_norm, bias = ARCHITECTURES[cfg.model_type]
     if bias is None:
         bias = bool(getattr(cfg, "attention_bias", False))
-    with torch.device("meta"):
+    with torch.device("meta"), _no_random_init():
         model = CausalLM(cfg, head_dim_of(cfg), qk_norm, bias)
     model = model.to_empty(device=device).to(dtype)
     params = dict(model.named_parameters())
@@ -99,6 +101,21 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> tupl
         raise ValueError(f"{model_dir}: weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     model.eval()
     return model, cfg
+
+
+@contextlib.contextmanager
+def _no_random_init() -> Iterator[None]:
+    """Build modules without drawing their random initial weights: every weight is loaded from
+    the folder. Drawing them even on the meta device costs torch's first import of its compiler
+    (about 2 s of every server start)."""
+    saved = {cls: cls.reset_parameters for cls in (torch.nn.Linear, torch.nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        yield
+    finally:
+        for cls, method in saved.items():
+            cls.reset_parameters = method  # type: ignore[method-assign]
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:
