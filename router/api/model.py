@@ -7,12 +7,14 @@ local Hugging Face folder the servers load.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import transformers
 from jinja2 import TemplateError
-from transformers import AutoConfig, AutoTokenizer
 
 from router.api.tools import template_uses_tools
 from router.errors import OpenAIError
@@ -25,6 +27,28 @@ def _chars_per_token(tokenizer: Any) -> int:
     longest = max((len(entry) for entry in tokenizer.get_vocab()), default=1)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return longest * (1 if backend is not None and backend.normalizer is None else 4)
+
+
+def load_tokenizer(folder: str) -> Any:
+    """The tokenizer ``AutoTokenizer`` would load, without its import of torch when the folder names
+    its class: ``AutoTokenizer`` reads the model's config class, and transformers' config module
+    imports torch (about half of the router's start). A folder that names no class, or one
+    transformers does not export, goes through ``AutoTokenizer``."""
+    settings = Path(folder) / "tokenizer_config.json"
+    name = json.loads(settings.read_text()).get("tokenizer_class") if settings.is_file() else None
+    cls = getattr(transformers, name, None) if isinstance(name, str) else None
+    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedTokenizerBase):
+        return cls.from_pretrained(folder)
+    return transformers.AutoTokenizer.from_pretrained(folder)
+
+
+def max_position_embeddings(folder: str) -> int:
+    """The model's context length from its config.json (through ``AutoConfig``, which imports torch,
+    only when the file nests it elsewhere)."""
+    value = json.loads((Path(folder) / "config.json").read_text()).get("max_position_embeddings")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    return int(transformers.AutoConfig.from_pretrained(folder).max_position_embeddings)
 
 
 @dataclass(frozen=True)
@@ -41,9 +65,9 @@ class ServedModel:
 
     @classmethod
     def load(cls, name: str, folder: str, max_model_len: int | None = None) -> ServedModel:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = load_tokenizer(folder)
         # the same rule as the engine: the configured length, capped by the model's
-        limit = int(AutoConfig.from_pretrained(folder).max_position_embeddings)
+        limit = max_position_embeddings(folder)
         max_model_len = min(max_model_len or limit, limit)
         return cls(
             name=name,
