@@ -66,9 +66,11 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> tupl
     qk_norm, bias = ARCHITECTURES[cfg.model_type]
     if bias is None:
         bias = bool(getattr(cfg, "attention_bias", False))
-    with torch.device("meta"), _no_random_init():
+    # Built in place, uninitialized: a meta-device build's to_empty() goes through torch's
+    # reference ops, whose import (sympy) costs about a second of every start.
+    with torch.device(device), _no_random_init():
         model = CausalLM(cfg, head_dim_of(cfg), qk_norm, bias)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype)
     params = dict(model.named_parameters())
     parts: dict[str, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()

@@ -47,11 +47,12 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_servers_start_without_the_imports_they_do_not_need(tiny_model, tmp_path):
     """The router loads its tokenizer and context length without torch, and the engine builds its
-    model without drawing random weights (which imports torch's compiler): both cost seconds of
+    model in place without drawing random weights (which imports torch's compiler and sympy): both cost seconds of
     every start. The router's tokenizer is the one AutoTokenizer picks."""
     code = (
         "import sys, torch; from engine.loader import load_model; "
-        "load_model(sys.argv[1], torch.float32, torch.device('cpu')); print('torch._dynamo' in sys.modules)"
+        "load_model(sys.argv[1], torch.float32, torch.device('cpu')); "
+        "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)"
     )
     engine = subprocess.run([sys.executable, "-c", code, tiny_model], capture_output=True, text=True, check=True)
     code = (
@@ -63,7 +64,7 @@ def test_servers_start_without_the_imports_they_do_not_need(tiny_model, tmp_path
     from transformers import AutoConfig, AutoTokenizer
 
     expected = AutoTokenizer.from_pretrained(tiny_model), AutoConfig.from_pretrained(tiny_model)
-    assert engine.stdout.split() == ["False"]
+    assert engine.stdout.split() == ["False", "False"]
     assert router.stdout.split() == ["False", type(expected[0]).__name__, str(expected[1].max_position_embeddings)]
 
 
