@@ -1,4 +1,10 @@
-"""Fixtures of the bench tests: a tiny tokenizer trained on the spot."""
+"""Fixtures of the bench tests: a tiny tokenizer trained on the spot, a fake OpenAI server."""
+
+import http.server
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 
@@ -41,15 +47,33 @@ def bos_tokenizer_dir(tmp_path_factory):
     return _train_tokenizer(tmp_path_factory.mktemp("tok_bos"), add_bos=True)
 
 
-class _FakeOpenAI:
-    """A real-socket fake OpenAI server: /v1/models and streamed completions."""
+def stream_completion(path: str, body: dict) -> tuple[int, Iterator[str]]:
+    """A streamed completion of ``max_tokens`` tokens " t0", " t1", ..., then usage and [DONE]."""
 
-    def __init__(self, model_root):
-        import http.server
-        import json
-        import threading
-        import time
+    def events() -> Iterator[str]:
+        for i in range(body["max_tokens"]):
+            time.sleep(0.001)  # a token's time, so that inter-token latencies are not zero
+            yield json.dumps({"choices": [{"text": f" t{i}", "finish_reason": None}]})
+        usage = {
+            "prompt_tokens": len(body["prompt"]) if isinstance(body["prompt"], list) else -1,
+            "completion_tokens": body["max_tokens"],
+        }
+        yield json.dumps({"choices": [], "usage": usage})
+        yield "[DONE]"
 
+    return 200, events()
+
+
+class SocketFake:
+    """A fake OpenAI server on a real socket: GET /v1/models names ``model_root`` as the folder;
+    a POST is answered by ``answer(path, body) -> (status, SSE data payloads)``."""
+
+    def __init__(
+        self,
+        model_root,
+        answer: Callable[[str, dict], tuple[int, Iterable[str]]] = stream_completion,
+        model_id: str = "tiny",
+    ):
         root = str(model_root)
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -59,7 +83,7 @@ class _FakeOpenAI:
                 pass
 
             def do_GET(self):
-                data = json.dumps({"object": "list", "data": [{"id": "tiny", "root": root}]}).encode()
+                data = json.dumps({"object": "list", "data": [{"id": model_id, "root": root}]}).encode()
                 self.send_response(200)
                 self.send_header("content-type", "application/json")
                 self.send_header("content-length", str(len(data)))
@@ -68,21 +92,14 @@ class _FakeOpenAI:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                self.send_response(200)
+                status, payloads = answer(self.path, body)
+                self.send_response(status)
                 self.send_header("content-type", "text/event-stream")
                 self.send_header("connection", "close")
                 self.end_headers()
-                for i in range(body["max_tokens"]):
-                    time.sleep(0.001)
-                    chunk = {"choices": [{"text": f" t{i}", "finish_reason": None}]}
-                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                for data in payloads:
+                    self.wfile.write(f"data: {data}\n\n".encode())
                     self.wfile.flush()
-                usage = {
-                    "prompt_tokens": len(body["prompt"]) if isinstance(body["prompt"], list) else -1,
-                    "completion_tokens": body["max_tokens"],
-                }
-                self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n".encode())
-                self.wfile.write(b"data: [DONE]\n\n")
                 self.close_connection = True
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -99,6 +116,6 @@ class _FakeOpenAI:
 @pytest.fixture
 def fake_openai_url(tiny_tokenizer_dir):
     """URL of a fake OpenAI server whose model folder is the tiny tokenizer."""
-    server = _FakeOpenAI(tiny_tokenizer_dir)
+    server = SocketFake(tiny_tokenizer_dir)
     yield server.url
     server.close()

@@ -5,10 +5,8 @@ and the affinity comparison's tables (bench/compare/responses_affinity.py), agai
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
 import os
-import threading
 
 import httpx
 import pytest
@@ -22,6 +20,7 @@ from bench.load.prompts import PromptBuilder, load_tokenizer
 from bench.load.report import format_turns
 from bench.load.serve import history_of, request_source
 from bench.load.workload import LengthDist
+from tests.bench.conftest import SocketFake
 from tests.bench.helpers import parser
 
 
@@ -268,52 +267,9 @@ def test_chained_prompts_are_the_new_question_and_name_their_chat(tiny_tokenizer
         request_source(PrefixWorkload("shared_prefix", w.question, w.output, shared_tokens=4), builder, chained=True)
 
 
-class _SocketServer:
-    """The fake on a real socket, for `pdserve bench serve`: GET /v1/models, POST the rest."""
-
-    def __init__(self, fake: FakeServer, root: str):
-        def handler_class():
-            class Handler(http.server.BaseHTTPRequestHandler):
-                protocol_version = "HTTP/1.1"
-
-                def log_message(self, *args):
-                    pass
-
-                def do_GET(self):
-                    data = json.dumps({"object": "list", "data": [{"id": "m", "root": root}]}).encode()
-                    self.send_response(200)
-                    self.send_header("content-type", "application/json")
-                    self.send_header("content-length", str(len(data)))
-                    self.end_headers()
-                    self.wfile.write(data)
-
-                def do_POST(self):
-                    body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                    status, payloads = fake.answer(self.path, body)
-                    self.send_response(status)
-                    self.send_header("content-type", "text/event-stream")
-                    self.send_header("connection", "close")
-                    self.end_headers()
-                    for data in payloads:
-                        self.wfile.write(f"data: {data}\n\n".encode())
-                        self.wfile.flush()
-                    self.close_connection = True
-
-            return Handler
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler_class())
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 def test_bench_serve_runs_multi_turn_chats_through_responses(tiny_tokenizer_dir, tmp_path, capsys):
     fake = FakeServer()
-    server = _SocketServer(fake, str(tiny_tokenizer_dir))
+    server = SocketFake(tiny_tokenizer_dir, fake.answer, model_id="m")
     out = tmp_path / "run.json"
     try:
         args = parser().parse_args(
