@@ -194,10 +194,9 @@ def normalize_items(given: str | list[InputItem]) -> list[dict[str, Any]]:
         if isinstance(item, MessageItem):
             text = item.content if isinstance(item.content, str) else "".join(part.text for part in item.content)
             items.append(_message_item(item.role, text, item.id))
-        elif isinstance(item, FunctionCallItem):
-            items.append({"id": item.id or _item_id("fc"), **item.model_dump(exclude={"id"}), "status": "completed"})
         else:
-            items.append({"id": item.id or _item_id("fco"), **item.model_dump(exclude={"id"}), "status": "completed"})
+            prefix = "fc" if isinstance(item, FunctionCallItem) else "fco"
+            items.append({"id": item.id or _item_id(prefix), **item.model_dump(exclude={"id"}), "status": "completed"})
     return items
 
 
