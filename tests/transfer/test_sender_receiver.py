@@ -86,7 +86,7 @@ def test_two_tp_prefill_ranks_fill_one_decode_rank(hub, closing):
     receiver = closing(make_receiver("inproc", hub, "D", dst))
     senders = [closing(make_sender("inproc", hub, f"P{r}", ranks[r])) for r in (0, 1)]
     peers = [meet(s, receiver) for s in senders]
-    tid = receiver.expect([1], lease_s=10, num_senders=2)
+    tid = receiver.expect([1], lease_s=10)
     senders[0].begin(tid, peers[0], [1], 10)
     push_all(senders[0], tid, ranks[0], [4, 5], 0, 30, first_tokens=(5,))
     assert wait_events(receiver, timeout_s=0.3).completed == []  # one rank is not enough
