@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from server_common.worker_replies import Reservation
 from tests.transfer.oracle import logical
 from transfer.inproc import InprocBackend, InprocHub
 from transfer.layout import IncompatiblePeer, KVLayout, heads_for_rank
@@ -170,10 +171,13 @@ def test_rank_parts_name_each_decode_ranks_transfer_id_and_peer():
     }
 
 
-def test_the_decode_group_crosses_json_and_a_reservation_without_it_is_tp1():
-    target = {"peer": "D", "epoch": "e", "tp": group_to_target(decode_group())}
-    assert group_from_target(target) == decode_group()
-    assert group_from_target({"peer": "D", "epoch": "e"}) is None
+def test_the_decode_group_crosses_a_reservation_and_one_without_it_is_tp1():
+    fields = dict(instance="D", request_id="r", block_ids=[3, 1], block_size=16, num_tokens=20, lease_s=5.0)
+    today = Reservation(transfer_id="D-t", kv_target={"peer": "D", "epoch": "e"}, **fields)
+    assert group_from_target(Reservation.model_validate_json(today.model_dump_json()).kv_target) is None
+    tp_target = {"peer": "D", "epoch": "e", "tp": group_to_target(decode_group())}
+    tp = Reservation(transfer_id="D-r0-t", kv_target=tp_target, **fields)
+    assert group_from_target(Reservation.model_validate_json(tp.model_dump_json()).kv_target) == decode_group()
 
 
 @pytest.mark.parametrize(
