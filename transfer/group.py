@@ -73,9 +73,8 @@ class RankParts:
         stop: list[PartKey] = []
         if not ended.ok and group.failure is None:
             stop = sorted(group.running)
-            group.failure = TransferEnded(
-                group_id, ended.outcome, f"rank {rank}: {ended.reason}".rstrip(": "), None, ended.at
-            )
+            reason = f"rank {rank}: {ended.reason}" if ended.reason else f"rank {rank}"
+            group.failure = TransferEnded(group_id, ended.outcome, reason, None, ended.at)
         if group.running:
             return stop, None
         del self._groups[group_id]
@@ -85,10 +84,6 @@ class RankParts:
         """The parts of ``group_id`` still running (to cancel or abort them all)."""
         group = self._groups.get(group_id)
         return sorted(group.running) if group is not None else []
-
-    def parts(self, group_id: str) -> list[PartKey]:
-        group = self._groups.get(group_id)
-        return sorted(group.running | set(group.ended)) if group is not None else []
 
     def __len__(self) -> int:
         """Groups not ended yet."""

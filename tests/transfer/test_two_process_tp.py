@@ -107,12 +107,8 @@ def test_tp2_prefill_fills_tp4_decode_and_one_rank_failure_fails_every_part(peer
     )
     assert recv.ask(op="wait", timeout=10)["ended"] == [[res["gid"], "cancelled", "rank 3: rank 3 is gone", None]]
     [[gid, outcome, reason, _]] = send.ask(op="wait", timeout=10)["ended"]
-    # P rank 1 hears the Cancel, or the refusal of a Done it sent before the Cancel came
-    assert (gid, outcome in (Outcome.CANCELLED, Outcome.REFUSED), reason.startswith("rank 1: ")) == (
-        res["gid"],
-        True,
-        True,
-    )
+    # the P ranks hear a Cancel (D's leader cancels the other parts too), or the refusal of a Done sent before it
+    assert (gid, outcome in (Outcome.CANCELLED, Outcome.REFUSED), reason[:5]) == (res["gid"], True, "rank ")
 
     # prefill rank 1 fails on its own: its group fails at once, the decode group at the lease
     gid, _ = transfer(lease=1.0, fail_rank=1)
