@@ -1,6 +1,8 @@
 """TP routes move every head of every token into the right decode rank, block
 and slot, and nothing else: a byte-level oracle over random TP pairs."""
 
+import argparse
+
 import numpy as np
 import pytest
 import torch
@@ -9,6 +11,7 @@ from hypothesis import strategies as st
 
 from server_common.worker_replies import Reservation
 from tests.transfer.oracle import logical
+from transfer import bench
 from transfer.inproc import InprocBackend, InprocHub
 from transfer.layout import IncompatiblePeer, KVLayout, heads_for_rank
 from transfer.messages import DecodeGroup, DecodeRank, group_from_target, group_to_target
@@ -16,6 +19,9 @@ from transfer.plan import make_plan, ranges_inside
 from transfer.tp import Route, rank_parts, route_heads
 
 SIZES = (1, 2, 4, 8)
+BENCH_ARGS = argparse.Namespace(
+    layers=3, blocks=4, block_size=16, kv_heads=2, head_dim=16, dtype="bfloat16", kv_order="NHD"
+)
 
 
 def group(total: int, tp: int, **kw) -> list[KVLayout]:
@@ -197,3 +203,22 @@ def test_a_malformed_decode_group_is_refused_naming_what_is_wrong(change, messag
     change(tp)
     with pytest.raises(ValueError, match=message):
         group_from_target({"tp": tp})
+
+
+def test_the_tp_benchmark_counts_the_bytes_of_each_link():
+    src = [bench._layout(BENCH_ARGS, r, 2) for r in range(2)]
+    dst = [bench._layout(BENCH_ARGS, r, 4) for r in range(4)]
+    per_head = 64 * 3 * 2 * 16 * 2  # tokens, layers, K and V, head_dim, bfloat16
+    assert bench.link_bytes(src, dst, 64) == {f"P{d // 2}->D{d}": per_head for d in range(4)}
+    # the whole cache (64 tokens), each head twice: D replicates them
+    assert sum(bench.link_bytes(src, dst, 64).values()) == 2 * bench._layout(BENCH_ARGS).total_bytes
+
+
+@pytest.mark.parametrize("text,message", [("2", "two rank counts"), ("2,x", "two rank counts"), ("0,2", "1 to 64")])
+def test_the_tp_benchmark_refuses_a_bad_pair(text, message):
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--tp", text])
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        bench._tp_pair(text)
