@@ -36,7 +36,7 @@ class Expected:
     transfer_id: str
     block_ids: tuple[int, ...]
     deadline: float  # time.monotonic()
-    done: dict[str, Done] = field(default_factory=dict)  # sender name -> verified notice
+    done: dict[str, Done] = field(default_factory=dict)  # sending peer -> its verified notice
     senders_seen: set[str] = field(default_factory=set)
     cancel_reason: str | None = None  # set once a cancel was sent to the senders
     cancel_code: Outcome = Outcome.CANCELLED  # how it ends once the senders confirmed

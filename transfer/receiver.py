@@ -260,18 +260,18 @@ class KVReceiver(TransferThread):
         if entry is None or entry.cancelling:
             self._send_quietly(peer, Ack(done.transfer_id, False, "unknown or expired transfer id"))
             return
-        outcome, reason = self._verify(entry, done)
+        outcome, reason = self._verify(entry, done, peer)
         self._send_quietly(peer, Ack(done.transfer_id, outcome is Outcome.OK, reason))
         if outcome is not Outcome.OK:
             if outcome is Outcome.CHECKSUM_MISMATCH:
                 self._bump("checksum_failures")
             self._end(entry, outcome, reason)
             return
-        entry.done[done.sender] = done
+        entry.done[peer] = done  # by the connection it came on, not the name the notice claims
         if entry.heads_arrived() == set(self._layout.head_ids):
             self._end(entry, Outcome.OK, "", done.first_tokens)
 
-    def _verify(self, entry: Expected, done: Done) -> tuple[Outcome, str]:
+    def _verify(self, entry: Expected, done: Done, peer: str) -> tuple[Outcome, str]:
         """(outcome, reason)."""
         capacity = len(entry.block_ids) * self._layout.block_size
         if done.checksum_mode not in CHECKSUM_MODES:
@@ -282,8 +282,8 @@ class KVReceiver(TransferThread):
             return Outcome.BAD_NOTICE, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots"
         if not set(done.heads) <= set(self._layout.head_ids) or len(set(done.heads)) != len(done.heads):
             return Outcome.BAD_NOTICE, f"heads {done.heads} are not distinct heads held here"
-        if done.sender in entry.done:
-            return Outcome.BAD_NOTICE, f"{done.sender!r} already sent its Done notice"
+        if peer in entry.done:
+            return Outcome.BAD_NOTICE, f"{peer!r} already sent its Done notice"
         overlap = set(done.heads) & entry.heads_arrived()
         if overlap:
             return Outcome.BAD_NOTICE, f"heads {sorted(overlap)} already arrived from another sender"

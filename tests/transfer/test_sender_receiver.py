@@ -299,3 +299,16 @@ def test_a_second_instance_under_a_bound_name_is_refused_while_the_first_is_conn
     restarted.begin(tid, peer, [7], 10)
     push_all(restarted, tid, src, [2], 0, 16)
     assert [c.transfer_id for c in wait_events(receiver).completed] == [tid]
+
+
+def test_one_connection_covers_heads_once_whatever_sender_names_its_notices_claim(hub, closing):
+    receiver, rogue = rogue_pair(hub, closing, layout())
+    tid = receiver.expect([2], lease_s=10)
+    rogue.send_notice("D", encode(Done(tid, "rank-0", (1,), 0, 16, (0, 1), 0, "none")))
+    rogue.send_notice("D", encode(Done(tid, "rank-1", (1,), 0, 16, (2, 3), 0, "none")))
+    (failed,) = wait_events(receiver).failed
+    assert (failed.transfer_id, failed.outcome, failed.reason) == (
+        tid,
+        "bad_notice",
+        "'rogue' already sent its Done notice",
+    )
