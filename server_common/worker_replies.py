@@ -38,7 +38,11 @@ class Reservation(Reply):
     """Blocks a decode server holds for one request until its KV arrives.
 
     ``kv_target`` is the transfer layer's own description of where to write
-    (layout, address, agent); the router passes it through untouched.
+    (layout, address, agent); the router passes it through untouched. A
+    tensor-parallel decode server adds ``kv_target["tp"]``
+    (``transfer.messages.DecodeGroup``: per rank its transfer id, agent name
+    and layout; ``transfer_id`` is then rank 0's, the group's id); without it
+    the reservation is one rank's, as for tp_size 1.
     ``lease_s`` is how long the decode server still waits for the KV,
     counted from when the reservation is sent: then it frees the blocks and
     fails the request. Whoever holds the reservation before passing it on

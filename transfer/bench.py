@@ -15,6 +15,13 @@ runs there instead of in a local process, the KV crosses the network on the
 interface of those addresses (NIXL: UCX over TCP unless ``--ucx-tls`` says
 otherwise), and memcpy is still measured by the sender in the same run.
 
+``--tp P,D``: a prefill group of P ranks (this process) into a decode group
+of D ranks (the receiver process), each rank with its own cache slice and
+backend agent; every P rank pushes its heads to the D ranks holding them
+(transfer/tp.py) and a run ends when every part's Ack came. Reported: the
+bytes of each link (P rank -> D rank) and their sum, against the model's KV
+bytes (more than them when D replicates heads).
+
 Wire into the CLI with ``add_arguments(parser)`` and ``run(args) -> int``;
 or ``python -m transfer.bench --backend nixl --json``.
 """
@@ -34,9 +41,12 @@ import torch
 
 from transfer import bench_peer
 from transfer.factory import make_backend
-from transfer.layout import KVLayout
+from transfer.group import ReceiverGroup, SenderGroup
+from transfer.layout import KVLayout, heads_for_rank
+from transfer.messages import DecodeGroup, group_from_target, group_to_target
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
+from transfer.tp import route_heads
 
 SHAPE_KEYS = bench_peer.SHAPE_KEYS
 
@@ -50,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--kv-order",
+        choices=("NHD", "HND"),
+        default="NHD",
+        help="inside a block: slot-major (NHD) or head-major (HND); with --tp, HND keeps a rank's heads contiguous",
+    )
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument(
         "--scatter", action="store_true", help="decode blocks in random order (no contiguous runs to merge)"
@@ -81,17 +97,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer-timeout", type=float, default=120.0, help="seconds to keep trying to reach the --peer receiver"
     )
+    parser.add_argument(
+        "--tp",
+        type=_tp_pair,
+        default=None,
+        metavar="P,D",
+        help="tensor parallelism: P prefill ranks into D decode ranks, each rank its own agent (one host only)",
+    )
 
 
-def _layout(args) -> KVLayout:
+def _tp_pair(text: str) -> tuple[int, int]:
+    try:
+        p, d = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tp takes two rank counts, P,D (e.g. 2,4), not {text!r}") from None
+    if not (1 <= p <= 64 and 1 <= d <= 64):
+        raise argparse.ArgumentTypeError(f"--tp {text!r}: rank counts are 1 to 64")
+    return p, d
+
+
+def _layout(args, tp_rank: int = 0, tp_size: int = 1) -> KVLayout:
+    """One rank's slice of a cache of ``args.kv_heads`` KV heads (the whole cache for tp_size 1)."""
+    heads = len(heads_for_rank(args.kv_heads, tp_rank, tp_size))
     return KVLayout.for_engine_cache(
         num_layers=args.layers,
         num_blocks=args.blocks,
         block_size=args.block_size,
-        num_kv_heads=args.kv_heads,
+        num_kv_heads=heads,
         head_dim=args.head_dim,
         dtype=args.dtype,
+        order=args.kv_order,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        num_kv_heads_total=args.kv_heads,
     )
+
+
+def link_bytes(src: list[KVLayout], dst: list[KVLayout], tokens: int) -> dict[str, int]:
+    """Bytes each link (``"P<r>->D<r>"``) carries for ``tokens`` tokens of every layer, K and V."""
+    return {
+        f"P{r.src_rank}->D{r.dst_rank}": tokens * src[0].num_layers * 2 * len(r.heads) * src[0].vec_bytes
+        for r in route_heads(src, dst)
+    }
 
 
 def _own_address(args) -> str | None:
@@ -122,7 +169,39 @@ def _backend(args, name: str, role: str):
 
 def _receiver_main(conn, args_dict: dict) -> None:
     """The decode side, in its own process: answers JSON requests on ``conn``."""
-    _serve(conn, argparse.Namespace(**args_dict))
+    args = argparse.Namespace(**args_dict)
+    if args.tp is not None:
+        _serve_tp(conn, args)
+    else:
+        _serve(conn, args)
+
+
+def _serve_tp(conn, args) -> None:
+    """The decode group: one receiver per rank; meets every prefill rank, then issues group transfers."""
+    torch.set_num_threads(1)
+    ranks = []
+    for r in range(args.tp[1]):
+        layout = _layout(args, r, args.tp[1])
+        cache = torch.ones(layout.shape, dtype=getattr(torch, layout.dtype))  # ones: pages touched
+        name = f"bench-decode-r{r}"
+        ranks.append(KVReceiver(_backend(args, name, "recv"), cache, layout, name=name, model="bench"))
+        ranks[-1].start()
+    group = ReceiverGroup(ranks)
+    try:
+        while True:
+            cmd = json.loads(conn.recv_bytes())
+            if cmd["op"] == "quit":
+                conn.send_bytes(b"{}")
+                return
+            if cmd["op"] == "accept":
+                conn.send_bytes(ranks[cmd["rank"]].accept(bytes.fromhex(cmd["hello"])))
+                continue
+            group.take_finished()
+            gid, target = group.expect(cmd["blocks"], lease_s=60)
+            conn.send_bytes(json.dumps({"gid": gid, "target": group_to_target(target)}).encode())
+    finally:
+        for receiver in ranks:
+            receiver.close()
 
 
 def _listen(args) -> int:
@@ -206,7 +285,87 @@ def _memcpy_gbps(nbytes: int, iters: int) -> float:
     return nbytes / min(times) / 1e9
 
 
+def _transfer_tp(conn, senders: SenderGroup, ended: threading.Event, layouts: list[KVLayout], num_blocks: int):
+    """One group transfer of ``num_blocks`` blocks: seconds from the first push to the last part's Ack."""
+    blocks = list(range(num_blocks))
+    answer = _ask(conn, op="expect", blocks=blocks)
+    target: DecodeGroup | None = group_from_target({"tp": answer["target"]})
+    assert target is not None
+    senders.begin(answer["gid"], target, blocks, lease_s=60)
+    t0 = time.perf_counter()
+    for layer in range(layouts[0].num_layers):
+        senders.push_layer(answer["gid"], layer, blocks, 0, num_blocks * layouts[0].block_size)
+    senders.finish(answer["gid"], [0])
+    while True:
+        ended.wait()
+        ended.clear()
+        for done in senders.take_finished():
+            if not done.ok:
+                raise RuntimeError(f"bench transfer failed: {done.outcome}: {done.reason}")
+            return time.perf_counter() - t0
+
+
+def _run_tp(args) -> int:
+    """``--tp P,D``: a prefill group here, a decode group in a receiver process."""
+    p_size, d_size = args.tp
+    src = [_layout(args, r, p_size) for r in range(p_size)]
+    dst = [_layout(args, r, d_size) for r in range(d_size)]
+    links = link_bytes(src, dst, args.blocks * args.block_size)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(child, vars(args)), daemon=True)
+    proc.start()
+    ended = threading.Event()
+    ranks = []
+    try:
+        for r, layout in enumerate(src):
+            cache = torch.randn(layout.shape).to(getattr(torch, layout.dtype))
+            name = f"bench-prefill-r{r}"
+            sender = KVSender(_backend(args, name, "send"), cache, layout, name=name, model="bench", notify=ended.set)
+            sender.start()
+            ranks.append(sender)
+            for d in range(d_size):
+                parent.send_bytes(json.dumps({"op": "accept", "rank": d, "hello": sender.hello().hex()}).encode())
+                sender.connect(parent.recv_bytes())
+        group = SenderGroup(ranks)
+        _transfer_tp(parent, group, ended, src, args.blocks)  # warm-up: connections, page faults
+        times = [_transfer_tp(parent, group, ended, src, args.blocks) for _ in range(args.iters)]
+        _ask(parent, op="quit")
+    finally:
+        for sender in ranks:
+            sender.close()
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+    moved = sum(links.values())
+    memcpy = _memcpy_gbps(moved, args.iters)
+    gbps = moved / min(times) / 1e9
+    result = {
+        "backend": args.backend,
+        "tp": f"{p_size},{d_size}",
+        "model_kv_bytes": _layout(args).total_bytes,
+        "bytes": moved,
+        "link_bytes": links,
+        "gbps": round(gbps, 3),
+        "median_gbps": round(moved / statistics.median(times) / 1e9, 3),
+        "memcpy_gbps": round(memcpy, 3),
+        "ratio": round(gbps / memcpy, 3),
+        "ms": round(min(times) * 1e3, 2),
+    }
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>18}: {value}")
+    return 0
+
+
 def run(args) -> int:
+    if args.tp is not None:
+        if args.listen or args.peer:
+            print("--tp runs both groups on this host: no --listen or --peer", file=sys.stderr)
+            return 2
+        return _run_tp(args)
     if args.listen:
         return _listen(args)
     layout = _layout(args)

@@ -21,7 +21,7 @@ import socket
 import struct
 import time
 
-SHAPE_KEYS = ("backend", "layers", "blocks", "block_size", "kv_heads", "head_dim", "dtype")
+SHAPE_KEYS = ("backend", "layers", "blocks", "block_size", "kv_heads", "head_dim", "dtype", "kv_order")
 MAX_MESSAGE_BYTES = 16 << 20
 MAX_CACHE_BYTES = 64 << 30
 

@@ -36,13 +36,16 @@ class Expected:
     transfer_id: str
     block_ids: tuple[int, ...]
     deadline: float  # time.monotonic()
-    num_senders: int
-    done: dict[str, Done] = field(default_factory=dict)  # sender name -> notice
+    done: dict[str, Done] = field(default_factory=dict)  # sending peer -> its verified notice
     senders_seen: set[str] = field(default_factory=set)
     cancel_reason: str | None = None  # set once a cancel was sent to the senders
     cancel_code: Outcome = Outcome.CANCELLED  # how it ends once the senders confirmed
     cancel_deadline: float = 0.0
     writable_from: int = 0  # writes may touch block_ids[writable_from:] only (the rest is a shared cached prefix)
+
+    def heads_arrived(self) -> set[int]:
+        """Global KV heads covered by the verified notices so far."""
+        return {h for done in self.done.values() for h in done.heads}
 
     @property
     def cancelling(self) -> bool:
@@ -66,16 +69,12 @@ class IssuedTransfers:
             "checksum_failures": 0,
         }
 
-    def issue(
-        self, block_ids, lease_s: float, num_senders: int = 1, now: float | None = None, writable_from: int = 0
-    ) -> str:
-        if lease_s <= 0 or num_senders < 1:
-            raise ValueError(f"lease_s={lease_s} and num_senders={num_senders} must be positive")
+    def issue(self, block_ids, lease_s: float, now: float | None = None, writable_from: int = 0) -> str:
+        if lease_s <= 0:
+            raise ValueError(f"lease_s={lease_s} must be positive")
         tid = f"{self._name}-{secrets.token_hex(8)}"
         now = time.monotonic() if now is None else now
-        self._active[tid] = Expected(
-            tid, tuple(int(b) for b in block_ids), now + lease_s, num_senders, writable_from=writable_from
-        )
+        self._active[tid] = Expected(tid, tuple(int(b) for b in block_ids), now + lease_s, writable_from=writable_from)
         self.counters["issued"] += 1
         return tid
 

@@ -18,6 +18,7 @@ import msgspec
 
 from transfer.layout import KVLayout
 
+MAX_TP = 64  # ranks in one TP group, at most
 MAX_SEQUENCES = 16  # first tokens per Done notice at most: engine.request.MAX_N (transfer imports no engine)
 
 
@@ -67,6 +68,59 @@ class Cancel(msgspec.Struct, frozen=True, tag="cancel"):
 class CancelAck(msgspec.Struct, frozen=True, tag="cancel_ack"):
     transfer_id: str
     sender: str
+
+
+class DecodeRank(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One decode rank in a reservation: its transfer id, the agent name its
+    receiver answered the handshake with (``Hello.name``), and its layout."""
+
+    rank: int
+    peer: str
+    transfer_id: str
+    layout: KVLayout
+
+
+class DecodeGroup(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The decode side's TP layout, carried in a reservation's ``kv_target["tp"]``
+    (absent for tp_size 1: the reservation's own transfer id is then the only one).
+    Every rank's blocks are the reservation's ``block_ids`` (one block table)."""
+
+    tp_size: int
+    ranks: tuple[DecodeRank, ...]
+
+
+def single_rank(transfer_id: str, peer: str, layout: KVLayout) -> DecodeGroup:
+    """A tp_size 1 decode server as a group: a reservation without ``kv_target["tp"]``
+    (its transfer id; the peer and layout its handshake gave)."""
+    return DecodeGroup(1, (DecodeRank(0, peer, transfer_id, layout),))
+
+
+def group_to_target(group: DecodeGroup) -> dict:
+    """``kv_target["tp"]``: JSON-ready builtins (lists, dicts, numbers, strings)."""
+    return msgspec.json.decode(msgspec.json.encode(group))
+
+
+def group_from_target(kv_target: dict) -> DecodeGroup | None:
+    """The decode group a reservation's ``kv_target`` names, None without one (tp_size 1).
+    Raises ValueError naming what is wrong: it came over the network."""
+    raw = kv_target.get("tp")
+    if raw is None:
+        return None
+    try:
+        group = msgspec.convert(raw, DecodeGroup)
+    except (msgspec.ValidationError, ValueError, TypeError) as exc:
+        raise ValueError(f"kv_target.tp: {exc}") from None
+    if not 1 <= group.tp_size <= MAX_TP or len(group.ranks) != group.tp_size:
+        raise ValueError(f"kv_target.tp: tp_size {group.tp_size} with {len(group.ranks)} ranks")
+    for i, rank in enumerate(group.ranks):
+        if rank.rank != i or (rank.layout.tp_rank, rank.layout.tp_size) != (i, group.tp_size):
+            raise ValueError(f"kv_target.tp: entry {i} is rank {rank.rank} (layout rank {rank.layout.tp_rank})")
+        if not (1 <= len(rank.peer) <= 200 and 1 <= len(rank.transfer_id) <= 200):
+            raise ValueError(f"kv_target.tp: rank {i} needs a peer and a transfer id of 1 to 200 characters")
+    peers, tids = {r.peer for r in group.ranks}, {r.transfer_id for r in group.ranks}
+    if len(peers) != group.tp_size or len(tids) != group.tp_size:
+        raise ValueError("kv_target.tp: ranks repeat a peer or a transfer id")
+    return group
 
 
 Message = Hello | WriteHeader | Done | Ack | Cancel | CancelAck

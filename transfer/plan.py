@@ -73,9 +73,10 @@ def common_heads(src: KVLayout, dst: KVLayout) -> tuple[int, ...]:
     return tuple(h for h in src.head_ids if h in held)
 
 
-def make_plan(src: KVLayout, src_block_ids, start: int, end: int, dst: KVLayout, dst_block_ids) -> CopyPlan:
+def make_plan(src: KVLayout, src_block_ids, start: int, end: int, dst: KVLayout, dst_block_ids, heads=None) -> CopyPlan:
     """Plan copying tokens ``[start, end)`` of one request from ``src`` blocks
-    into ``dst`` blocks, for the heads both sides hold.
+    into ``dst`` blocks, for the heads both sides hold, or for ``heads`` (global
+    ids, all held by both sides: a TP route, ``transfer.tp``).
 
     Raises ValueError when the layouts cannot be copied byte for byte (a
     different dtype: plan from ``staging_layout`` instead) or a block table is
@@ -92,7 +93,13 @@ def make_plan(src: KVLayout, src_block_ids, start: int, end: int, dst: KVLayout,
         raise ValueError(f"bad token range [{start}, {end})")
     src_ids = src.check_block_ids(src_block_ids, end, "source block ids")
     dst_ids = dst.check_block_ids(dst_block_ids, end, "destination block ids")
-    heads = common_heads(src, dst)
+    if heads is None:
+        heads = common_heads(src, dst)
+    else:
+        heads = tuple(int(h) for h in heads)
+        shared = set(common_heads(src, dst))
+        if len(set(heads)) != len(heads) or not set(heads) <= shared:
+            raise ValueError(f"heads {heads} are not distinct heads held by both sides ({sorted(shared)})")
     empty = np.zeros(0, dtype=np.int64)
     if start == end or not heads:
         return CopyPlan(empty, empty, empty, src.layer_bytes, dst.layer_bytes, heads)

@@ -122,19 +122,25 @@ class KVReceiver(TransferThread):
             )
         )
 
-    def expect(self, block_ids, lease_s: float, num_senders: int = 1, writable_from: int = 0) -> str:
+    @property
+    def layout(self) -> KVLayout:
+        """This rank's cache layout (its KV heads, block size, order, dtype)."""
+        return self._layout
+
+    def expect(self, block_ids, lease_s: float, writable_from: int = 0) -> str:
         """Issue a transfer id for ``block_ids`` (reserved by the engine),
-        valid for ``lease_s`` seconds; ``num_senders`` prefill ranks (TP) must
-        each send a verified Done before it completes. Writes may touch only
-        ``block_ids[writable_from:]``: the blocks before are a cached prefix
-        that other requests may be reading."""
+        valid for ``lease_s`` seconds. It completes once verified Done notices
+        cover every KV head this rank holds, each head from exactly one sender:
+        one prefill rank, or several (TP, ``transfer.tp``) each sending its
+        heads. Writes may touch only ``block_ids[writable_from:]``: the blocks
+        before are a cached prefix that other requests may be reading."""
         ids = np.asarray(block_ids, dtype=np.int64)
         if len(ids) and (ids.min() < 0 or ids.max() >= self._layout.num_blocks):
             raise ValueError(f"block ids outside [0, {self._layout.num_blocks}): {ids.tolist()}")
         if not 0 <= writable_from < max(len(ids), 1):
             raise ValueError(f"writable_from {writable_from} is outside the {len(ids)} reserved blocks")
         with self._lock:
-            tid = self._issued.issue(ids, lease_s, num_senders, writable_from=writable_from)
+            tid = self._issued.issue(ids, lease_s, writable_from=writable_from)
         self._cmds.put(Wake())  # a resting thread now looks for this transfer's notices
         return tid
 
@@ -254,18 +260,18 @@ class KVReceiver(TransferThread):
         if entry is None or entry.cancelling:
             self._send_quietly(peer, Ack(done.transfer_id, False, "unknown or expired transfer id"))
             return
-        outcome, reason = self._verify(entry, done)
+        outcome, reason = self._verify(entry, done, peer)
         self._send_quietly(peer, Ack(done.transfer_id, outcome is Outcome.OK, reason))
         if outcome is not Outcome.OK:
             if outcome is Outcome.CHECKSUM_MISMATCH:
                 self._bump("checksum_failures")
             self._end(entry, outcome, reason)
             return
-        entry.done[done.sender] = done
-        if len(entry.done) >= entry.num_senders:
+        entry.done[peer] = done  # by the connection it came on, not the name the notice claims
+        if entry.heads_arrived() == set(self._layout.head_ids):
             self._end(entry, Outcome.OK, "", done.first_tokens)
 
-    def _verify(self, entry: Expected, done: Done) -> tuple[Outcome, str]:
+    def _verify(self, entry: Expected, done: Done, peer: str) -> tuple[Outcome, str]:
         """(outcome, reason)."""
         capacity = len(entry.block_ids) * self._layout.block_size
         if done.checksum_mode not in CHECKSUM_MODES:
@@ -274,8 +280,16 @@ class KVReceiver(TransferThread):
             return Outcome.BAD_NOTICE, f"bad first tokens {done.first_tokens[: MAX_SEQUENCES + 1]}"
         if not 0 <= done.token_start <= done.token_end <= capacity:
             return Outcome.BAD_NOTICE, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots"
-        if not set(done.heads) <= set(self._layout.head_ids):
-            return Outcome.BAD_NOTICE, f"heads {done.heads} are not held here"
+        if not set(done.heads) <= set(self._layout.head_ids) or len(set(done.heads)) != len(done.heads):
+            return Outcome.BAD_NOTICE, f"heads {done.heads} are not distinct heads held here"
+        if peer in entry.done:
+            return Outcome.BAD_NOTICE, f"{peer!r} already sent its Done notice"
+        overlap = set(done.heads) & entry.heads_arrived()
+        if overlap:
+            return Outcome.BAD_NOTICE, f"heads {sorted(overlap)} already arrived from another sender"
+        first = next(iter(entry.done.values()), None)
+        if first is not None and first.first_tokens != done.first_tokens:
+            return Outcome.BAD_NOTICE, f"first tokens {done.first_tokens} differ from {first.first_tokens}"
         pos = checksum_positions(
             done.transfer_id, self._layout.block_size, done.token_start, done.token_end, done.checksum_mode
         )

@@ -32,7 +32,7 @@ from transfer.integrity import CHECKSUM_MODES, checksum_positions, kv_checksum
 from transfer.layout import KVLayout, check_compatible
 from transfer.messages import Ack, Cancel, CancelAck, Done, Hello, decode, encode
 from transfer.outcome import Outcome
-from transfer.plan import CopyPlan, make_plan, staging_layout
+from transfer.plan import CopyPlan, common_heads, make_plan, staging_layout
 from transfer.thread import TransferThread, cache_as_layout, chunk_hint
 
 ACK_GRACE_S = 1.0  # past its lease, how long a sent Done may wait for the receiver's Ack
@@ -44,6 +44,7 @@ class _Out:
     peer: str
     dst_ids: np.ndarray
     deadline: float
+    heads: tuple[int, ...] | None = None  # global heads to send (a TP route); None: all both sides hold
     plans: dict = field(default_factory=dict)
     inflight: list = field(default_factory=list)
     src_ids: np.ndarray | None = None
@@ -72,6 +73,7 @@ class Begin:
     peer: str
     dst_ids: np.ndarray
     deadline: float  # time.monotonic()
+    heads: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -145,10 +147,23 @@ class KVSender(TransferThread):
         fut.result(timeout_s)
         return hello.name
 
-    def begin(self, transfer_id: str, peer: str, dst_block_ids, lease_s: float) -> None:
+    @property
+    def layout(self) -> KVLayout:
+        """This rank's cache layout (its KV heads, block size, order, dtype)."""
+        return self._layout
+
+    def peer_layout(self, peer: str) -> KVLayout:
+        """The layout a decode rank met by ``connect`` announced (KeyError if not met)."""
+        return self._peers[peer].layout
+
+    def begin(self, transfer_id: str, peer: str, dst_block_ids, lease_s: float, heads=None) -> None:
         """Start a transfer into ``peer``'s reserved ``dst_block_ids``; writes
-        stop when ``lease_s`` runs out."""
-        self._submit(Begin(transfer_id, peer, np.asarray(dst_block_ids, dtype=np.int64), time.monotonic() + lease_s))
+        stop when ``lease_s`` runs out. ``heads``: the global KV heads this rank
+        sends (its part of a TP route, ``transfer.tp.rank_parts``); None sends
+        every head both sides hold."""
+        heads = None if heads is None else tuple(int(h) for h in heads)
+        ids = np.asarray(dst_block_ids, dtype=np.int64)
+        self._submit(Begin(transfer_id, peer, ids, time.monotonic() + lease_s, heads))
 
     def push_layer(self, transfer_id: str, layer: int, src_block_ids, start: int, end: int) -> None:
         """Queue layer ``layer`` of tokens [start, end) (already in the cache)."""
@@ -190,13 +205,13 @@ class KVSender(TransferThread):
         match cmd:
             case Connect(hello, done):
                 self._connect(hello, done)
-            case Begin(tid, peer, dst_ids, deadline):
+            case Begin(tid, peer, dst_ids, deadline, heads):
                 if tid in self._cancelled:
                     self._ended(tid, Outcome.CANCELLED, "cancelled by the receiver before it started")
                 elif peer not in self._peers:
                     self._ended(tid, Outcome.TRANSPORT, f"not connected to {peer!r}")
                 else:
-                    self._out[tid] = _Out(tid, peer, dst_ids, deadline)
+                    self._out[tid] = _Out(tid, peer, dst_ids, deadline, heads)
             case Push():
                 self._push(cmd)
             case Finish(tid, first_tokens):
@@ -242,7 +257,8 @@ class KVSender(TransferThread):
         plan: CopyPlan | None = out.plans.get(key)
         try:
             if plan is None:
-                plan = make_plan(staging_layout(self._layout, dst.dtype), src_ids, start, end, dst, out.dst_ids)
+                src = staging_layout(self._layout, dst.dtype)
+                plan = make_plan(src, src_ids, start, end, dst, out.dst_ids, out.heads)
                 out.plans[key] = plan
             if push.event is not None:
                 push.event.synchronize()
@@ -297,8 +313,8 @@ class KVSender(TransferThread):
         dst = self._peers[out.peer].layout
         start = max(out.token_start, 0)
         pos = checksum_positions(out.tid, dst.block_size, start, out.token_end, self._checksum)
-        heads = tuple(h for h in self._layout.head_ids if h in set(dst.head_ids))
         src = staging_layout(self._layout, dst.dtype)
+        heads = common_heads(src, dst) if out.heads is None else out.heads
         region = region_bytes(self._staging.get(dst.dtype, self._cache))
         checksum = kv_checksum(region, src, out.src_ids if out.src_ids is not None else [], pos, heads)
         done = Done(out.tid, self.name, out.first_tokens, start, out.token_end, heads, checksum, self._checksum)

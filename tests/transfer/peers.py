@@ -3,7 +3,8 @@
     python -m tests.transfer.peers ROLE CONFIG_JSON
 
 Roles: ``raw-send`` / ``raw-recv`` (a bare cache: random bytes from a seed,
-or zeros) and ``engine-prefill`` / ``engine-decode`` (real engines, see
+or zeros), ``tp-send`` / ``tp-recv`` (a TP group: one bare cache, backend agent
+and transfer thread per rank, see tp_peers.py) and ``engine-prefill`` / ``engine-decode`` (real engines, see
 engine_peers.py). Each answer is one line starting with ``@@ `` on stdout (other
 output is ignored by the parent). The parent plays the control plane: it
 carries hellos, reservations and transfer ids between the two processes.
@@ -107,6 +108,10 @@ def main() -> None:
     role, cfg = sys.argv[1], json.loads(sys.argv[2])
     if role.startswith("raw-"):
         serve_raw(role[4:], cfg)
+    elif role.startswith("tp-"):
+        from tests.transfer.tp_peers import serve_tp
+
+        serve_tp(role[3:], cfg)
     else:
         from tests.transfer.engine_peers import serve_engine
 

@@ -86,7 +86,7 @@ def test_two_tp_prefill_ranks_fill_one_decode_rank(hub, closing):
     receiver = closing(make_receiver("inproc", hub, "D", dst))
     senders = [closing(make_sender("inproc", hub, f"P{r}", ranks[r])) for r in (0, 1)]
     peers = [meet(s, receiver) for s in senders]
-    tid = receiver.expect([1], lease_s=10, num_senders=2)
+    tid = receiver.expect([1], lease_s=10)
     senders[0].begin(tid, peers[0], [1], 10)
     push_all(senders[0], tid, ranks[0], [4, 5], 0, 30, first_tokens=(5,))
     assert wait_events(receiver, timeout_s=0.3).completed == []  # one rank is not enough
@@ -299,3 +299,16 @@ def test_a_second_instance_under_a_bound_name_is_refused_while_the_first_is_conn
     restarted.begin(tid, peer, [7], 10)
     push_all(restarted, tid, src, [2], 0, 16)
     assert [c.transfer_id for c in wait_events(receiver).completed] == [tid]
+
+
+def test_one_connection_covers_heads_once_whatever_sender_names_its_notices_claim(hub, closing):
+    receiver, rogue = rogue_pair(hub, closing, layout())
+    tid = receiver.expect([2], lease_s=10)
+    rogue.send_notice("D", encode(Done(tid, "rank-0", (1,), 0, 16, (0, 1), 0, "none")))
+    rogue.send_notice("D", encode(Done(tid, "rank-1", (1,), 0, 16, (2, 3), 0, "none")))
+    (failed,) = wait_events(receiver).failed
+    assert (failed.transfer_id, failed.outcome, failed.reason) == (
+        tid,
+        "bad_notice",
+        "'rogue' already sent its Done notice",
+    )
