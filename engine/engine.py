@@ -150,6 +150,8 @@ class LLMEngine:
                 config.torch_dtype,
                 device,
                 order=config.kv_layout,
+                shard=shard,
+                num_kv_heads_total=cfg.num_key_value_heads,
             )
             if self.ranks is not None:
                 self.ranks.connect()

@@ -68,6 +68,8 @@ def main() -> int:
         config.torch_dtype,
         device,
         order=config.kv_layout,
+        shard=shard,
+        num_kv_heads_total=cfg.num_key_value_heads,
     )
     runner = ModelRunner(
         model, cache, RoPE(cfg, head_dim, int(spec["max_model_len"]), config.torch_dtype, device), device

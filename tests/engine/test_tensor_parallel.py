@@ -1,21 +1,21 @@
 """A tensor-parallel engine computes what one rank computes: transformers' greedy tokens, the same
-log-probabilities, forks and prefix hits copied on every rank; its ranks live and die with it."""
+log-probabilities, forks and prefix hits copied on every rank; a rank that dies fails it.
+(Ranks ending with a killed leader: tests/serving/test_tensor_parallel_cluster.py.)"""
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.make_model import TinySpec, make_tiny
 from engine.tensor_parallel import Shard, kv_heads_for_rank, split_problem
 from engine.tp_wire import StepInputs, decode, encode
 from tests.engine.oracle import hf_greedy
 from tests.waiting import wait_until
-from transfer.layout import heads_for_rank
+from transfer.layout import KVLayout, heads_for_rank
 
 MAX_NEW = 8
 PROMPTS = [[(7 * i + 3 * n) % 500 + 3 for i in range(n)] for n in (1, 5, 17, 40, 100)]
@@ -107,12 +107,33 @@ def test_two_ranks_give_one_ranks_logprobs_forks_and_prefix_hits(tp1, tp2):
             assert [v for _, v in la.top] == pytest.approx([v for _, v in lb.top], abs=1e-4)
 
 
-def test_more_ranks_than_kv_heads_replicate_them(tiny_llama_model):
-    engine = LLMEngine(engine_config(tiny_llama_model, 4))
+@pytest.fixture(scope="module")
+def one_kv_head_model(tmp_path_factory) -> str:
+    """A tiny Llama with 2 query heads sharing 1 KV head: two ranks must both hold it."""
+    spec = TinySpec(arch="llama", seed=2, hidden=32, heads=2, kv_heads=1, head_dim=16, intermediate=64)
+    return str(make_tiny(tmp_path_factory.mktemp("tiny-llama-1kv"), spec))
+
+
+def test_more_ranks_than_kv_heads_replicate_them(one_kv_head_model):
+    engine = LLMEngine(engine_config(one_kv_head_model, 2))
     try:
-        assert engine.cache.kv.shape[4] == 1  # each rank holds one of the 2 KV heads
+        cache = engine.cache  # rank 0's slice, described to a transfer layer as rank 0 of 2
+        assert cache.kv.shape[4] == 1 and cache.head_ids == (0,)
+        layout = KVLayout.for_engine_cache(
+            num_layers=cache.num_layers,
+            num_blocks=cache.num_blocks,
+            block_size=cache.block_size,
+            num_kv_heads=cache.num_kv_heads,
+            head_dim=cache.head_dim,
+            dtype=cache.dtype,
+            order=cache.order,
+            tp_rank=cache.tp_rank,
+            tp_size=cache.tp_size,
+            num_kv_heads_total=cache.num_kv_heads_total,
+        )
+        assert (layout.head_ids, layout.tp_rank, layout.tp_size) == ((0,), 0, 2)
         got = [r.token_ids for r in engine.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_NEW, temperature=0))]
-        assert got == [hf_greedy(tiny_llama_model, p, MAX_NEW) for p in PROMPTS[:3]]
+        assert got == [hf_greedy(one_kv_head_model, p, MAX_NEW) for p in PROMPTS[:3]]
         assert engine.block_counts() == {"free": 96, "reserved": 0, "running": 0}
     finally:
         engine.close()
@@ -127,37 +148,3 @@ def test_a_killed_rank_fails_the_engine(tp2):  # the last test of the module's t
     tp2.add_request("after", PROMPTS[1], SamplingParams(max_tokens=2, temperature=0))
     with pytest.raises((BrokenPipeError, RuntimeError)):
         tp2.step()
-
-
-LEADER = """
-import sys
-from engine import EngineConfig, LLMEngine
-engine = LLMEngine(EngineConfig(model=sys.argv[1], tensor_parallel_size=2, num_blocks=32, num_threads=1))
-print(engine.ranks.pids[0], flush=True)
-sys.stdin.read()
-"""
-
-
-def test_ranks_exit_when_their_leader_is_killed(tiny_model):
-    leader = subprocess.Popen(
-        [sys.executable, "-c", LEADER, tiny_model], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    try:
-        rank_pid = int(leader.stdout.readline())
-        assert _alive(rank_pid)
-        leader.kill()
-        leader.wait(timeout=30)
-        wait_until(lambda: not _alive(rank_pid), timeout=30)
-    finally:
-        if leader.poll() is None:
-            leader.kill()
-            leader.wait()
-
-
-def _alive(pid: int) -> bool:
-    """A process that exited and was reaped, or is a zombie, is not alive."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
