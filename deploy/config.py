@@ -35,6 +35,7 @@ exist only in the cluster file (ports, instance lists, ``model_cache``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -48,6 +49,7 @@ from deploy.k8s_config import KubernetesConfig
 from engine.config import AtLeastOne, BlockSize, Dtype, EngineConfig, EngineMode, KvLayout, ModelLen
 from engine.models import MODEL_CACHE, is_builtin, resolve_model
 from engine.structured import GRAMMAR_CEILING, GrammarLimits
+from engine.tensor_parallel import split_problem
 from router.settings import (
     CompileSandbox,
     DiscoveryKind,
@@ -523,6 +525,24 @@ class ClusterConfig(Strict):
 
     def tensor_parallel_size_of(self, instance: Instance) -> int:
         return instance.tensor_parallel_size or self.engine.tensor_parallel_size
+
+    def tensor_parallel_problems(self, model_path: Path) -> list[str]:
+        """One line per instance whose tensor_parallel_size the model's heads or MLP do not divide
+        (read from its config.json, as the engine would split it: engine/tensor_parallel.py)."""
+        sizes = {self.tensor_parallel_size_of(i) for i in self.instances()} - {1}
+        if not sizes:
+            return []
+        cfg = json.loads((model_path / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        problems = {
+            size: split_problem(heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], size)
+            for size in sizes
+        }
+        return [
+            f"{i.name}: {problems[self.tensor_parallel_size_of(i)]} ({model_path})"
+            for i in self.instances()
+            if problems.get(self.tensor_parallel_size_of(i))
+        ]
 
     def host_of(self, instance: Instance) -> str:
         return instance.host or self.host

@@ -153,3 +153,17 @@ def test_tensor_parallel_size_flows_to_colocated_engines_and_is_refused_on_prefi
     assert "tensor_parallel_size above 1 on prefill or decode instances: d0 (2)" in msg
     assert "p0" not in msg
     assert "p0 (4)" in error_of({**BASE, "engine": {"tensor_parallel_size": 4}})
+
+
+def test_a_tensor_parallel_size_the_model_does_not_divide_is_named_before_any_server_starts(tiny_model):
+    cluster = parse_config(
+        {
+            "model": "tiny",
+            "engine": {"tensor_parallel_size": 2},
+            "colocated": [{"name": "c0", "port": 9300}, {"name": "c1", "port": 9400, "tensor_parallel_size": 3}],
+        },
+        "c.yaml",
+    )
+    assert cluster.tensor_parallel_problems(Path(tiny_model)) == [
+        f"c1: 4 attention heads cannot be split evenly over tensor_parallel_size=3 ({tiny_model})"
+    ]

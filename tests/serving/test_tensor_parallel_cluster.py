@@ -1,7 +1,7 @@
 """A colocated server split over two ranks, through the router with the openai SDK: transformers'
 greedy tokens and log-probabilities, n sequences, a JSON schema; every block free afterwards; a
 rank killed with -9 takes its instance down, the launcher restarts the whole instance, and it
-answers right again."""
+answers right again; a server killed with -9 leaves no rank behind."""
 
 from __future__ import annotations
 
@@ -131,3 +131,20 @@ def test_a_rank_killed_restarts_the_whole_instance_which_answers_right_again(clu
         "the restarted server back in the router's rotation",
     )
     answer_is_right(cluster, tiny_model)
+
+
+def test_a_killed_server_leaves_no_rank_behind(cluster):
+    restarts = json.loads((cluster.run_dir / "restarts.json").read_text())["restarts"]
+    server = restarts[-1]["pid"]  # the instance the previous test's restart started
+    (rank,) = ranks_of(server)
+    os.kill(server, signal.SIGKILL)
+    wait_until(lambda: not alive(rank), 30, "the rank of a killed server exits (its stdin pipe closed)")
+
+
+def alive(pid: int) -> bool:
+    """Running, or a zombie not reaped yet (exited: not alive)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
