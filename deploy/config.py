@@ -35,6 +35,7 @@ exist only in the cluster file (ports, instance lists, ``model_cache``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -48,6 +49,7 @@ from deploy.k8s_config import KubernetesConfig
 from engine.config import AtLeastOne, BlockSize, Dtype, EngineConfig, EngineMode, KvLayout, ModelLen
 from engine.models import MODEL_CACHE, is_builtin, resolve_model
 from engine.structured import GRAMMAR_CEILING, GrammarLimits
+from engine.tensor_parallel import split_problem
 from router.settings import (
     CompileSandbox,
     DiscoveryKind,
@@ -86,6 +88,10 @@ class EngineDefaults(Strict):
     """The order inside a KV block: NHD (slot, head, dim) or HND (head, slot, dim)."""
     prefix_caching: bool = EngineConfig.prefix_caching
     """Reuse the KV of the full blocks a prompt shares with an earlier one."""
+    tensor_parallel_size: AtLeastOne = EngineConfig.tensor_parallel_size
+    """Ranks each server splits the model over (one process each, one device each on CUDA; rank 0 is the
+    server); it must divide the model's attention heads and MLP. `kv_cache_bytes` and `num_blocks` are per
+    rank. Colocated servers only for now: a prefill or decode server with more than 1 is refused."""
 
 
 # The engine keys one instance may override (None: the engine: section's value).
@@ -98,6 +104,7 @@ INSTANCE_ENGINE_KEYS = (
     "max_num_seqs",
     "max_num_batched_tokens",
     "kv_layout",
+    "tensor_parallel_size",
 )
 
 
@@ -134,6 +141,8 @@ class Instance(Strict):
     """Its token budget per engine step."""
     kv_layout: KvLayout | None = None
     """Its order inside a KV block."""
+    tensor_parallel_size: AtLeastOne | None = None
+    """Ranks it splits the model over."""
 
     @property
     def transfer_port(self) -> int:
@@ -464,6 +473,17 @@ class ClusterConfig(Strict):
             raise ValueError(
                 f"ports must be unique (router, instance port and kv_port = port + 1 by default), repeated: {dup_ports}"
             )
+        split = [
+            f"{i.name} ({self.tensor_parallel_size_of(i)})"
+            for i in [*self.prefill, *self.decode]
+            if self.tensor_parallel_size_of(i) > 1
+        ]
+        if split:
+            raise ValueError(
+                f"tensor_parallel_size above 1 on prefill or decode instances: {', '.join(split)}; their KV "
+                "transfer moves one rank's KV only, so they run with tensor_parallel_size 1 (colocated "
+                "instances may use more)"
+            )
         exposed = [
             f"{i.name} ({self.bind_host_of(i)})" for i in self.instances() if not is_loopback(self.bind_host_of(i))
         ]
@@ -502,6 +522,27 @@ class ClusterConfig(Strict):
     def instance(self, name: str) -> Instance:
         self.role_of(name)
         return next(i for i in self.instances() if i.name == name)
+
+    def tensor_parallel_size_of(self, instance: Instance) -> int:
+        return instance.tensor_parallel_size or self.engine.tensor_parallel_size
+
+    def tensor_parallel_problems(self, model_path: Path) -> list[str]:
+        """One line per instance whose tensor_parallel_size the model's heads or MLP do not divide
+        (read from its config.json, as the engine would split it: engine/tensor_parallel.py)."""
+        sizes = {self.tensor_parallel_size_of(i) for i in self.instances()} - {1}
+        if not sizes:
+            return []
+        cfg = json.loads((model_path / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        problems = {
+            size: split_problem(heads, cfg.get("num_key_value_heads") or heads, cfg["intermediate_size"], size)
+            for size in sizes
+        }
+        return [
+            f"{i.name}: {problems[self.tensor_parallel_size_of(i)]} ({model_path})"
+            for i in self.instances()
+            if problems.get(self.tensor_parallel_size_of(i))
+        ]
 
     def host_of(self, instance: Instance) -> str:
         return instance.host or self.host

@@ -22,6 +22,14 @@ and /metrics wants the internal secret); the KV ports and UCX's listeners,
 the unauthenticated data plane, are thereby closed to everything outside the
 cluster. The router's lets anyone in on its port (the OpenAI endpoint).
 
+A tensor-parallel instance (``tensor_parallel_size`` N) is one pod too: its
+server is rank 0 and starts ranks 1..N-1 in the same container, so the pod
+requests N times ``num_threads`` CPUs and, on CUDA, ``nvidia.com/gpu: N``. A
+TP group larger than one node would need a pod per node placed together and
+started as one unit (the LeaderWorkerSet API: a leader pod, rank 0, and
+worker pods that are restarted with it); pdserve's ranks are child processes
+of rank 0, so that is not rendered, and it is not claimed to run.
+
 A named instance is one pod, and a role's replicas are its named instances:
 instances of one role may differ (ports, block size, layout, device), and each
 needs a name of its own (its NIXL agent name and ZeroMQ identity; two live
@@ -386,12 +394,15 @@ def _statefulset(pods: _PodParts, role: str, inst: Instance) -> dict:
     # as ServerSettings would pick them (deploy/config.py), without reading the secret file it names
     threads = inst.num_threads or cluster.engine.num_threads or 1
     device = inst.device or cluster.engine.device or cluster.device
+    # A tensor-parallel instance is one pod: its server process is rank 0 and starts the other ranks
+    # inside the same container, each with num_threads threads (and one GPU on CUDA).
+    ranks = cluster.tensor_parallel_size_of(inst)
     resources: dict = {
-        "requests": {"cpu": str(threads), "memory": pods.k8s.memory},
+        "requests": {"cpu": str(threads * ranks), "memory": pods.k8s.memory},
         "limits": {"memory": pods.k8s.memory},
     }
     if device.startswith("cuda"):
-        resources["limits"]["nvidia.com/gpu"] = 1
+        resources["limits"]["nvidia.com/gpu"] = ranks
     env = {}
     if cluster.transfer.backend == "nixl":
         env["UCX_TLS"] = pods.k8s.ucx_tls or (UCX_TLS_CUDA if device.startswith("cuda") else UCX_TLS_CPU)

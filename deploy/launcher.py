@@ -332,6 +332,9 @@ def launch(
         else:
             model = cluster.model_path()
         print(f"pdserve: model folder {model} ({time.monotonic() - started:.1f} s)", flush=True)
+        unsplittable = cluster.tensor_parallel_problems(model)
+        if unsplittable:  # each server would fail its start, again at every restart
+            raise LaunchError("tensor_parallel_size does not fit the model:\n" + "\n".join(unsplittable))
 
         def ready(proc: Proc) -> None:
             who = proc.name if proc.name == proc.role else f"{proc.role} {proc.name}"

@@ -54,6 +54,9 @@ class EngineConfig:
     mode: EngineMode = "colocated"
     kv_layout: KvLayout = "NHD"
     prefix_caching: bool = True  # reuse the K/V of cached full blocks (engine/block_manager.py)
+    # Ranks the model is split over (engine/tensor_parallel.py): rank 0 is this engine, the others its
+    # child processes (engine/tp_leader.py). kv_cache_bytes and num_blocks are per rank.
+    tensor_parallel_size: AtLeastOne = 1
 
     @property
     def cache_salt(self) -> str:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import AutoTokenizer
@@ -19,11 +20,15 @@ from transformers import AutoTokenizer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
-from engine.loader import head_dim_of, load_model
+from engine.loader import check_split, head_dim_of, load_config, load_model
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.runner import ModelRunner, RoPE
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from engine.structured import StructuredOutputs
+from engine.tensor_parallel import Shard
+
+if TYPE_CHECKING:
+    from engine.tp_leader import RankProcesses
 
 
 @dataclass(frozen=True)
@@ -106,31 +111,53 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device = config.torch_device
-        self.model, self.hf_config = load_model(config.model, config.torch_dtype, device)
+        cfg = load_config(config.model)
+        self.hf_config = cfg
+        size = config.tensor_parallel_size
+        shard = Shard(0, size)
+        if size > 1:
+            check_split(cfg, size)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
-        self.eos_token_ids = _eos_token_ids(config.model, self.hf_config)
-        limit = self.hf_config.max_position_embeddings
+        self.eos_token_ids = _eos_token_ids(config.model, cfg)
+        limit = cfg.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        cfg = self.hf_config
         head_dim = head_dim_of(cfg)
+        num_kv_heads = len(shard.kv_heads(cfg.num_key_value_heads))  # this rank's: every rank holds as many
         num_blocks = config.num_blocks or KVCache.blocks_for_bytes(
             config.kv_cache_bytes,
             cfg.num_hidden_layers,
             config.block_size,
-            cfg.num_key_value_heads,
+            num_kv_heads,
             head_dim,
             config.torch_dtype,
         )
-        self.cache = KVCache(
-            cfg.num_hidden_layers,
-            num_blocks,
-            config.block_size,
-            cfg.num_key_value_heads,
-            head_dim,
-            config.torch_dtype,
-            device,
-            order=config.kv_layout,
-        )
+        self.ranks: RankProcesses | None = None
+        group = None
+        if size > 1:
+            from engine.tp_group import COLLECTIVE_TIMEOUT_S, TPGroup
+            from engine.tp_leader import RankProcesses
+
+            group = TPGroup(0, size, device, COLLECTIVE_TIMEOUT_S)
+            self.ranks = RankProcesses(config, group, num_blocks, self.max_model_len)
+        try:
+            self.model, _ = load_model(config.model, config.torch_dtype, device, shard, group)
+            self.cache = KVCache(
+                cfg.num_hidden_layers,
+                num_blocks,
+                config.block_size,
+                num_kv_heads,
+                head_dim,
+                config.torch_dtype,
+                device,
+                order=config.kv_layout,
+                shard=shard,
+                num_kv_heads_total=cfg.num_key_value_heads,
+            )
+            if self.ranks is not None:
+                self.ranks.connect()
+        except BaseException:
+            self.close()
+            raise
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -145,7 +172,7 @@ class LLMEngine:
             BlockManager(num_blocks, config.block_size),
         )
         rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
-        self.runner = ModelRunner(self.model, self.cache, rope, device, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.cache, rope, device, self.eos_token_ids, self.ranks)
         self.counters = EngineCounters()
         self._structured: StructuredOutputs | None = None
 
@@ -203,7 +230,7 @@ class LLMEngine:
         (one per sequence, ``sampling.n`` of them) were drawn remotely; continue decoding.
         One output per sequence, with no log-probabilities (the prefill side has them)."""
         outputs = self.scheduler.admit_remote(request_id, first_token_ids)
-        self.cache.copy_blocks(self.scheduler.take_block_copies())
+        self.runner.copy_blocks(self.scheduler.take_block_copies())
         return outputs
 
     def abort(self, request_id: str) -> bool:
@@ -212,6 +239,16 @@ class LLMEngine:
     def release(self, request_id: str) -> None:
         """Prefill mode: the held blocks of a prefilled request may be reused."""
         self.scheduler.release(request_id)
+
+    def rank_problem(self) -> str | None:
+        """Why a tensor-parallel engine cannot compute (one of its ranks exited); None otherwise.
+        Safe from any thread."""
+        return None if self.ranks is None else self.ranks.problem()
+
+    def close(self) -> None:
+        """Stops the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -238,7 +275,7 @@ class LLMEngine:
         t0 = time.perf_counter()
         tokens = self.runner.run(plan, None if layer_hook is None else self._layer_callback(plan, layer_hook))
         outputs = self.scheduler.update(plan, tokens)
-        self.cache.copy_blocks(self.scheduler.take_block_copies())  # forks' blocks, before anyone writes there
+        self.runner.copy_blocks(self.scheduler.take_block_copies())  # forks' blocks, before anyone writes there
         self.counters.add(plan, time.perf_counter() - t0)
         return outputs
 

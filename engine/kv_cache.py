@@ -17,6 +17,12 @@ offset: ``((layer * 2 + kv) * num_blocks + block) * block_bytes``; inside a
 block the order is NHD or HND. One contiguous allocation also means one memory
 registration for NIXL. NHD keeps a token's heads together (cheap slot writes);
 HND keeps a head's tokens together, the order many GPU attention kernels read.
+
+A rank of a tensor-parallel engine holds a cache of its own KV heads
+(``head_ids``, global numbers of the model's ``num_kv_heads_total``; see
+engine/tensor_parallel.py) with every block, the same block table as every
+other rank: ``tp_rank``, ``tp_size`` and those two describe it to a transfer
+layer (transfer/layout.py ``KVLayout.for_engine_cache``).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import KV_LAYOUTS, KvLayout
+from engine.tensor_parallel import Shard
 
 
 class KVCache:
@@ -37,8 +44,14 @@ class KVCache:
         dtype: torch.dtype,
         device: torch.device,
         order: KvLayout,
+        shard: Shard = Shard(),
+        num_kv_heads_total: int | None = None,
     ) -> None:
         assert order in KV_LAYOUTS, order
+        self.tp_rank, self.tp_size = shard.rank, shard.size
+        self.num_kv_heads_total = num_kv_heads if num_kv_heads_total is None else num_kv_heads_total
+        self.head_ids = shard.kv_heads(self.num_kv_heads_total)
+        assert len(self.head_ids) == num_kv_heads, (self.head_ids, num_kv_heads)
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size

@@ -2,7 +2,9 @@
 
 Nothing is downloaded: config and tokenizer are read with
 ``local_files_only=True``. q/k/v and gate/up weights are concatenated into
-the fused projections on load; tied embeddings share one tensor.
+the fused projections on load; tied embeddings share one tensor. A rank of a
+tensor-parallel engine loads only its ``Shard``'s slices
+(engine/tensor_parallel.py): each tensor is read whole, sliced, and dropped.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
-from engine.model import CausalLM
+from engine.model import CausalLM, RankGroup
+from engine.tensor_parallel import Shard, split_problem
 
 # model_type -> (per-head q/k RMSNorm, q/k/v bias)
 ARCHITECTURES = {"llama": (False, None), "qwen3": (True, None), "qwen2": (False, True), "mistral": (False, False)}
@@ -61,15 +64,26 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> tuple[CausalLM, object]:
+def check_split(cfg, size: int) -> None:
+    """Raises ValueError, naming the sizes, when the model cannot be split over ``size`` ranks."""
+    problem = split_problem(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, size)
+    if problem is not None:
+        raise ValueError(f"{problem} (tensor_parallel_size must divide the model's heads and MLP)")
+
+
+def load_model(
+    model_dir: str, dtype: torch.dtype, device: torch.device, shard: Shard = Shard(), group: RankGroup | None = None
+) -> tuple[CausalLM, object]:
     cfg = load_config(model_dir)
     qk_norm, bias = ARCHITECTURES[cfg.model_type]
     if bias is None:
         bias = bool(getattr(cfg, "attention_bias", False))
+    if not shard.whole:
+        check_split(cfg, shard.size)
     # Built in place, uninitialized: a meta-device build's to_empty() goes through torch's
     # reference ops, whose import (sympy) costs about a second of every start.
     with torch.device(device), _no_random_init():
-        model = CausalLM(cfg, head_dim_of(cfg), qk_norm, bias)
+        model = CausalLM(cfg, head_dim_of(cfg), qk_norm, bias, shard, group)
     model = model.to(dtype)
     params = dict(model.named_parameters())
     parts: dict[str, dict[int, torch.Tensor]] = {}
@@ -84,6 +98,8 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> tupl
                 if target not in params:
                     raise ValueError(f"unexpected weight {key!r} in {file}")
                 tensor = f.get_tensor(key)
+                if not shard.whole:
+                    tensor = _slice(name, tensor, cfg, shard)
                 if part is None:
                     _copy(params[target], tensor, key)
                     loaded.add(target)
@@ -96,7 +112,10 @@ def load_model(model_dir: str, dtype: torch.dtype, device: torch.device) -> tupl
         _copy(params[target], torch.cat([pieces[i] for i in range(expected)]), target)
         loaded.add(target)
     if "lm_head.weight" not in loaded and getattr(cfg, "tie_word_embeddings", False):
-        model.lm_head.weight = model.embed_tokens.weight
+        if shard.whole:
+            model.lm_head.weight = model.embed_tokens.weight
+        else:
+            _copy(model.lm_head.weight, _slice("lm_head.weight", model.embed_tokens.weight, cfg, shard), "lm_head")
         loaded.add("lm_head.weight")
     missing = sorted(set(params) - loaded)
     if missing:
@@ -118,6 +137,41 @@ def _no_random_init() -> Iterator[None]:
     finally:
         for cls, method in saved.items():
             cls.reset_parameters = method  # type: ignore[method-assign]
+
+
+def _slice(name: str, tensor: torch.Tensor, cfg, shard: Shard) -> torch.Tensor:
+    """The part of the whole model's tensor ``name`` (Hugging Face's name, no ``model.``) that ``shard`` holds."""
+    head_dim = head_dim_of(cfg)
+    match = _LAYER_KEY.match(name)
+    rest = match.group(2) if match else name
+    if name == "lm_head.weight":
+        rows = shard.vocab(cfg.vocab_size)
+        out = tensor.new_zeros((shard.vocab_rows(cfg.vocab_size), *tensor.shape[1:]))
+        out[: len(rows)] = tensor[rows.start : rows.stop]
+        return out
+    if match is None:
+        return tensor  # embeddings and the final norm are whole on every rank
+    if rest.startswith("self_attn.q_proj."):
+        return _rows(tensor, [h for h in shard.q_heads(cfg.num_attention_heads)], head_dim)
+    if rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+        return _rows(tensor, list(shard.kv_heads(cfg.num_key_value_heads)), head_dim)
+    if rest == "self_attn.o_proj.weight":
+        return _rows(tensor.T, list(shard.q_heads(cfg.num_attention_heads)), head_dim).T.contiguous()
+    if rest.startswith(("mlp.gate_proj.", "mlp.up_proj.")):
+        features = shard.intermediate(cfg.intermediate_size)
+        return tensor[features.start : features.stop].contiguous()
+    if rest == "mlp.down_proj.weight":
+        features = shard.intermediate(cfg.intermediate_size)
+        return tensor[:, features.start : features.stop].contiguous()
+    if rest in ("mlp.down_proj.bias", "self_attn.o_proj.bias"):
+        return tensor if shard.rank == 0 else torch.zeros_like(tensor)  # added once, before the sum
+    return tensor  # norms (q_norm, k_norm, layer norms) are whole
+
+
+def _rows(tensor: torch.Tensor, heads: list[int], head_dim: int) -> torch.Tensor:
+    """The rows of ``heads`` (each ``head_dim`` rows) of a projection's weight or bias, in that order."""
+    index = torch.tensor([h * head_dim + d for h in heads for d in range(head_dim)], dtype=torch.long)
+    return tensor.index_select(0, index).contiguous()
 
 
 def _fused_target(name: str) -> tuple[str, int | None]:

@@ -3,17 +3,36 @@
 Parameter names follow Hugging Face's, except that q/k/v and gate/up are
 fused into one matmul each (``engine.loader`` concatenates them on load):
 fewer, larger matmuls are markedly faster on CPU.
+
+Under tensor parallelism (engine/tensor_parallel.py) each rank builds the
+model with its ``Shard``'s slice of heads, MLP features and vocabulary, and a
+``RankGroup`` that sums the partial outputs of ``o_proj`` and ``down_proj``
+over the ranks and gathers the logits on rank 0.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.tensor_parallel import Shard
+
+
+class RankGroup(Protocol):
+    """The collectives a sharded model needs; every rank calls each in the same order."""
+
+    def all_reduce(self, x: torch.Tensor) -> None:
+        """Sums ``x`` over the ranks, in place."""
+        ...
+
+    def gather_logits(self, part: torch.Tensor) -> torch.Tensor | None:
+        """Every rank's [rows, vocab slice] side by side on rank 0; None on the others."""
+        ...
 
 
 class RMSNorm(nn.Module):
@@ -37,10 +56,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, head_dim: int, qk_norm: bool, bias: bool) -> None:
+    def __init__(self, cfg, head_dim: int, qk_norm: bool, bias: bool, shard: Shard) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
+        self.num_heads = len(shard.q_heads(cfg.num_attention_heads))
+        self.num_kv_heads = len(shard.kv_heads(cfg.num_key_value_heads))
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
@@ -78,29 +97,49 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, head_dim: int, qk_norm: bool, bias: bool) -> None:
+    def __init__(self, cfg, head_dim: int, qk_norm: bool, bias: bool, shard: Shard, group: RankGroup | None) -> None:
         super().__init__()
+        self.group = group
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, head_dim, qk_norm, bias)
+        self.self_attn = Attention(cfg, head_dim, qk_norm, bias, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, bias=getattr(cfg, "mlp_bias", False))
+        intermediate = len(shard.intermediate(cfg.intermediate_size))
+        self.mlp = MLP(cfg.hidden_size, intermediate, bias=getattr(cfg, "mlp_bias", False))
 
     def forward(self, x, cos, sin, cache_layer, meta) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_layer, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.group is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_layer, meta)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache_layer, meta)
+        self.group.all_reduce(attn)
+        x = x + attn
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        self.group.all_reduce(mlp)
+        return x + mlp
 
 
 class CausalLM(nn.Module):
     """Decoder-only LM over a flattened batch of tokens from many requests."""
 
-    def __init__(self, cfg, head_dim: int, qk_norm: bool, attention_bias: bool) -> None:
+    def __init__(
+        self,
+        cfg,
+        head_dim: int,
+        qk_norm: bool,
+        attention_bias: bool,
+        shard: Shard = Shard(),
+        group: RankGroup | None = None,
+    ) -> None:
         super().__init__()
+        assert shard.whole or group is not None, "a shard needs its rank group"
+        self.vocab_size = cfg.vocab_size
+        self.group = group
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, head_dim, qk_norm, attention_bias) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, head_dim, qk_norm, attention_bias, shard, group) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows(cfg.vocab_size), bias=False)
 
     def forward(
         self,
@@ -111,8 +150,9 @@ class CausalLM(nn.Module):
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,
         on_layer: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
-        """Runs every layer; returns float32 logits for ``logits_rows`` only.
+    ) -> torch.Tensor | None:
+        """Runs every layer; returns float32 logits for ``logits_rows`` only (on rank 0 of a
+        sharded model; None on the other ranks).
 
         ``on_layer(i)`` is called once layer i has run (its K/V are in the cache),
         so a prefill server can ship that layer while the next one computes.
@@ -123,4 +163,8 @@ class CausalLM(nn.Module):
             if on_layer is not None:
                 on_layer(i)
         x = self.norm(x[logits_rows])
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.group is None:
+            return logits
+        gathered = self.group.gather_logits(logits)
+        return None if gathered is None else gathered[:, : self.vocab_size]

@@ -4,11 +4,18 @@ The model returns logits only for the rows asked for: each sampling chunk's
 last row and, for a request asking for prompt log-probabilities, every row of
 its prompt chunks (engine/model.py ``logits_rows``), so the prompt's
 log-probabilities come from the same pass that computes its KV.
+
+A step is turned into plain ``StepInputs`` (token ids, positions, slots, block
+tables) first, then ``forward`` runs the model on them. In a tensor-parallel
+engine rank 0 sends the same inputs to the other ranks before its own
+``forward`` (engine/tp_leader.py); they run ``forward`` on their shards
+(engine/tp_worker.py), and rank 0 alone samples from the gathered logits.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -19,6 +26,13 @@ from engine.model import CausalLM
 from engine.request import ChunkResult, Logprob, Request
 from engine.sampler import sample, top_logprobs
 from engine.scheduler import ScheduledChunk, SchedulePlan
+from engine.tp_wire import StepInputs
+
+
+class RankDriver(Protocol):
+    """Rank 0's link to the other ranks of a tensor-parallel engine (engine/tp_leader.py)."""
+
+    def send_step(self, inputs: StepInputs) -> None: ...
 
 
 class RoPE:
@@ -44,9 +58,17 @@ class RoPE:
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, cache: KVCache, rope: RoPE, device: torch.device, eos_token_ids: tuple[int, ...] = ()
+        self,
+        model: CausalLM,
+        cache: KVCache,
+        rope: RoPE,
+        device: torch.device,
+        eos_token_ids: tuple[int, ...] = (),
+        ranks: RankDriver | None = None,
     ) -> None:
         self.model = model
+        self.ranks = ranks  # rank 0 of a tensor-parallel engine: sends each step to the other ranks
+        self._pending_copies: list[tuple[int, int]] = []  # block copies the other ranks make next step
         self.eos_token_ids = eos_token_ids  # masked while a request's min_tokens are not reached
         self.cache = cache
         self.rope = rope
@@ -62,45 +84,32 @@ class ModelRunner:
         # Decodes first, shortest context first (decode groups are runs of similar length).
         chunks = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start if c.num_tokens == 1 else 0))
         num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
-        token_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        prefills: list[PrefillSpan] = []
-        logits_rows: list[int] = []
+        inputs = StepInputs(copies=self._pending_copies)
+        self._pending_copies = []
         sampled: list[tuple[ScheduledChunk, int]] = []  # (chunk, its row of logits)
         prompt_rows: list[tuple[ScheduledChunk, int, int]] = []  # (chunk, first row of logits, count)
         for chunk in chunks:
             request, start, n = chunk.request, chunk.start, chunk.num_tokens
-            row = len(token_ids)
-            token_ids += request.token_ids(start, start + n)
-            positions += range(start, start + n)
+            row = len(inputs.token_ids)
+            inputs.token_ids += request.token_ids(start, start + n)
+            inputs.positions += range(start, start + n)
             table = request.block_ids
-            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            inputs.slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             if n != 1:
-                blocks = torch.tensor(table[: -(-(start + n) // bs)], dtype=torch.long, device=self.device)
-                prefills.append(PrefillSpan(row, n, start, blocks))
+                inputs.prefills.append((row, n, start, table[: -(-(start + n) // bs)]))
             if request.wants_prompt_logprobs:  # every row but the sampled one predicts a prompt token
                 count = n - 1 if chunk.sample else n
-                prompt_rows.append((chunk, len(logits_rows), count))
-                logits_rows += range(row, row + count)
+                prompt_rows.append((chunk, len(inputs.logits_rows), count))
+                inputs.logits_rows += range(row, row + count)
             if chunk.sample:
-                sampled.append((chunk, len(logits_rows)))
-                logits_rows.append(row + n - 1)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
-            num_decodes=num_decodes,
-            decodes=[],
-            prefills=prefills,
-            hnd=self.cache.order == "HND",
-        )
+                sampled.append((chunk, len(inputs.logits_rows)))
+                inputs.logits_rows.append(row + n - 1)
         if num_decodes:
-            self._decode_tables(chunks[:num_decodes], meta)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
-        cos = self.rope.cos.index_select(0, pos).unsqueeze(1)
-        sin = self.rope.sin.index_select(0, pos).unsqueeze(1)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=self.device)
-        logits = self.model(ids, cos, sin, self.cache.kv, meta, rows, on_layer)
+            inputs.decodes = self._decode_groups(chunks[:num_decodes])
+        if self.ranks is not None:
+            self.ranks.send_step(inputs)  # the other ranks compute their shards of the same step
+        logits = self.forward(inputs, on_layer)
+        assert logits is not None  # rank 0 holds the gathered logits
         results: dict[Request, ChunkResult] = {}
         prompt = self._prompt_logprobs(logits, prompt_rows) if prompt_rows else {}
         if sampled:
@@ -112,6 +121,51 @@ class ModelRunner:
         for request, entries in prompt.items():
             results[request] = ChunkResult(prompt_logprobs=entries)
         return results
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copies blocks in this rank's cache now, and in the other ranks' before their next step."""
+        self.cache.copy_blocks(pairs)
+        if self.ranks is not None:
+            self._pending_copies += pairs
+
+    @torch.inference_mode()
+    def forward(self, inputs: StepInputs, on_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """The model over one step's inputs, on this rank's shard: logits of ``inputs.logits_rows``
+        (None on a rank other than 0). Every rank of a tensor-parallel engine calls it with the same
+        inputs; ``inputs.copies`` are made first (rank 0 made them when they were queued)."""
+        device = self.device
+        if inputs.copies and self.ranks is None:
+            self.cache.copy_blocks(inputs.copies)
+        prefills = [
+            PrefillSpan(row, n, start, torch.tensor(blocks, dtype=torch.long, device=device))
+            for row, n, start, blocks in inputs.prefills
+        ]
+        bs = self.cache.block_size
+        decodes = []
+        for start, lengths, table in inputs.decodes:
+            span = torch.arange(len(table[0]) * bs, device=device)
+            lens = torch.tensor(lengths, device=device)
+            decodes.append(
+                DecodeGroup(
+                    start,
+                    len(lengths),
+                    torch.tensor(table, dtype=torch.long, device=device),
+                    (span[None, :] < lens[:, None])[:, None, None, :],
+                )
+            )
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=device),
+            num_decodes=sum(len(lengths) for _, lengths, _ in inputs.decodes),
+            decodes=decodes,
+            prefills=prefills,
+            hnd=self.cache.order == "HND",
+        )
+        pos = torch.tensor(inputs.positions, dtype=torch.long, device=device)
+        cos = self.rope.cos.index_select(0, pos).unsqueeze(1)
+        sin = self.rope.sin.index_select(0, pos).unsqueeze(1)
+        ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=device)
+        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=device)
+        return self.model(ids, cos, sin, self.cache.kv, meta, rows, on_layer)
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, prompt_rows: list[tuple[ScheduledChunk, int, int]]
@@ -130,21 +184,14 @@ class ModelRunner:
             at += count
         return out
 
-    def _decode_tables(self, decodes, meta: AttentionMetadata) -> None:
+    def _decode_groups(self, decodes) -> list[tuple[int, list[int], list[list[int]]]]:
+        """(first row, context lengths, block table padded to the longest) of each decode group."""
         bs = self.cache.block_size
         lengths = [c.start + 1 for c in decodes]  # sorted ascending by run()
+        groups = []
         for start, count in decode_groups(lengths):
             group = lengths[start : start + count]
             max_blocks = -(-max(group) // bs)
             table = [c.request.block_ids[: -(-n // bs)] for c, n in zip(decodes[start : start + count], group)]
-            table = [t + [0] * (max_blocks - len(t)) for t in table]
-            span = torch.arange(max_blocks * bs, device=self.device)
-            lens = torch.tensor(group, device=self.device)
-            meta.decodes.append(
-                DecodeGroup(
-                    start,
-                    count,
-                    torch.tensor(table, dtype=torch.long, device=self.device),
-                    (span[None, :] < lens[:, None])[:, None, None, :],
-                )
-            )
+            groups.append((start, group, [t + [0] * (max_blocks - len(t)) for t in table]))
+        return groups

@@ -52,6 +52,7 @@ class EngineThread:
         layer_hook: LayerHook | None = None,
     ) -> None:
         self._engine = engine
+        self._rank_problem = engine.rank_problem  # safe from any thread (it asks the OS, not the engine)
         self._on_outputs = on_outputs
         self._between_steps = between_steps
         self._layer_hook = layer_hook
@@ -84,10 +85,14 @@ class EngineThread:
         return self._thread.is_alive() and self.error is None
 
     def problem(self, stuck_after_s: float) -> str | None:
-        """Why the engine cannot serve: its thread died, or it has work and went
-        no round (one step at most) for ``stuck_after_s``; None when it works."""
+        """Why the engine cannot serve: its thread died, one of its tensor-parallel ranks exited
+        (both deaths: the watchdog ends the process), or it has work and went no round (one step
+        at most) for ``stuck_after_s``; None when it works."""
         if self._thread.ident is not None and not self.alive and not self._stopping.is_set():
             return f"engine thread died: {self.error!r}"
+        rank = self._rank_problem()  # a tensor-parallel rank that exited: the engine cannot compute again
+        if rank is not None and not self._stopping.is_set():
+            return rank
         stalled = time.monotonic() - self.last_round
         if stalled > stuck_after_s and (self._stepping or self.stats.scheduler.num_requests or not self._calls.empty()):
             return f"engine thread made no progress for {stalled:.0f} s with work queued"

@@ -42,6 +42,9 @@ def _layout(engine: LLMEngine):
         head_dim=c.head_dim,
         dtype=c.dtype,
         order=c.order,
+        tp_rank=c.tp_rank,
+        tp_size=c.tp_size,
+        num_kv_heads_total=c.num_kv_heads_total,
     )
 
 

@@ -1,6 +1,10 @@
 """Engine vs transformers on the same model, measured side by side in one run.
 
     python -m bench.micro.engine_bench [--model DIR] [--threads 2] [--json FILE]
+    python -m bench.micro.engine_bench --tp 1,2 [--model DIR] [--threads 1]
+
+With ``--tp`` it compares the engine with itself at each tensor-parallel size
+instead (bench/micro/tp_bench.py).
 
 Builds the ~90M benchmark model (12 layers, hidden 768, 12 heads, 4 KV heads)
 when no --model is given. Each measurement alternates engine and HF runs
@@ -183,12 +187,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs per measurement (median)")
     parser.add_argument("--skip-rss", action="store_true", help="skip the SmolLM2 peak-RSS run")
     parser.add_argument("--json", help="write results to this file")
+    parser.add_argument(
+        "--tp",
+        type=_sizes,
+        help="comma-separated tensor-parallel sizes (e.g. 1,2): compare the engine at each, side by side, "
+        "instead of against transformers; --threads is then per rank",
+    )
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected sizes like 1,2, got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"sizes must be 1 or more, got {text!r}")
+    return sizes
 
 
 def run(args: argparse.Namespace) -> int:
     model = args.model
     if model is None:
         model = str(make_tiny(Path(tempfile.mkdtemp()) / "bench90m", BENCH_SPEC))
+    if args.tp:
+        return _run_tp(model, args)
     bench = Bench(model, args.threads, args.repeats)
     results = {"model": model, "threads": args.threads, "decode": [], "prefill": []}
     for batch in (1, 8):
@@ -207,6 +229,19 @@ def run(args: argparse.Namespace) -> int:
     results["this_process_peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+def _run_tp(model: str, args: argparse.Namespace) -> int:
+    from bench.micro.tp_bench import measure, table
+
+    rows = []
+    for tp in args.tp:
+        rows.append(measure(model, tp, args.threads, args.repeats))
+        print(json.dumps(rows[-1]), flush=True)
+    print(table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": model, "threads_per_rank": args.threads, "tp": rows}, indent=2))
     return 0
 
 

@@ -19,6 +19,12 @@ One engine step (any mix of prefill chunks and decode tokens) costs
 * ``seqs``: sequences that sample a token this step (the LM head and the
   sampler run once per sequence, not per prompt token).
 
+On N tensor-parallel ranks (:func:`split_step_cost`) every term but ``base``
+is divided by N (each rank computes 1/N of the heads, MLP features, vocabulary
+and KV reads) and each layer adds two all-reduces of the step's hidden states,
+``latency + 2 (N-1)/N * bytes / bandwidth`` each (a ring), from the profile's
+all-reduce measurement.
+
 A KV transfer of n prompt tokens takes ``latency + n * bytes_per_token /
 bandwidth``; pushed layer by layer, all but the last layer's share overlaps
 the prefill compute (see :meth:`TransferCost.arrival`).
@@ -86,6 +92,31 @@ class StepCost:
             **{k: float(data[k]) for k in ("base", "per_token", "per_attn", "per_seq")},
             per_key=float(data.get("per_key", 0.0)),
         )
+
+
+@dataclass(frozen=True)
+class AllReduceCost:
+    """One all-reduce of ``n`` bytes over a group: ``latency + n / bandwidth`` (bandwidth as measured at
+    the group size it was measured at; :func:`split_step_cost` scales it to a ring of N)."""
+
+    latency: float  # seconds
+    bandwidth: float  # bytes per second
+
+
+def split_step_cost(cost: StepCost, tp: int, allreduce: AllReduceCost, num_layers: int, hidden_bytes: int) -> StepCost:
+    """The step cost on ``tp`` ranks: compute divided by ``tp`` (``base``, the per-step Python and launch
+    overhead, is not), plus two all-reduces a layer of ``hidden_bytes`` per new token."""
+    if tp == 1:
+        return cost
+    calls = 2 * num_layers
+    ring = 2 * (tp - 1) / tp  # bytes each rank sends and receives per byte reduced, over the 2-rank measurement's 1
+    return StepCost(
+        base=cost.base + calls * allreduce.latency,
+        per_token=cost.per_token / tp + calls * hidden_bytes * ring / allreduce.bandwidth,
+        per_attn=cost.per_attn / tp,
+        per_seq=cost.per_seq / tp,
+        per_key=cost.per_key / tp,
+    )
 
 
 @dataclass(frozen=True)

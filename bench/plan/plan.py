@@ -9,6 +9,15 @@ On CPU an instance gets ``cores // instances`` torch threads, so colocated
 uses every core in one engine while 1P1D splits them: that trade (faster
 steps vs no interference) is exactly what the planner weighs. With
 ``--gpus N`` each instance is one device and the profile's one cost applies.
+
+With ``--tp 1,2`` the candidates also split instances over tensor-parallel
+ranks (one core share or one GPU each): ``1P1D tp2/1`` is a prefill
+instance on 2 ranks and a decode instance on 1, next to ``2P1D`` on the
+same units. A split instance's step costs its compute over N plus two
+all-reduces a layer (bench/plan/costmodel.py ``split_step_cost``), and it
+holds N times the KV blocks. pdserve runs tensor parallelism on colocated
+instances only for now: layouts with a split prefill or decode instance
+are predictions of what that would give.
 """
 
 from __future__ import annotations
@@ -43,10 +52,11 @@ class EngineSettings:
     chunked_prefill: bool = EngineConfig.chunked_prefill
     policy: str = "mixed"
 
-    def spec(self, profile: Profile, threads: int) -> InstanceSpec:
-        blocks = self.kv_cache_bytes // (profile.kv_bytes_per_token * self.block_size)
+    def spec(self, profile: Profile, threads: int, tp: int = 1) -> InstanceSpec:
+        # kv_cache_bytes is per rank and each rank holds 1/tp of the KV heads (replicated heads ignored)
+        blocks = self.kv_cache_bytes * tp // (profile.kv_bytes_per_token * self.block_size)
         return InstanceSpec(
-            profile.cost(threads),
+            profile.cost(threads, tp),
             self.max_num_seqs,
             self.max_num_batched_tokens,
             self.chunked_prefill,
@@ -60,41 +70,62 @@ class EngineSettings:
 class Candidate:
     num_prefill: int  # 0: colocated
     num_serving: int
-    threads: int  # per instance
+    threads: int  # per instance (per rank of a tensor-parallel one)
+    prefill_tp: int = 1  # ranks of each prefill instance
+    serving_tp: int = 1  # ranks of each decode or colocated instance
 
     @property
     def name(self) -> str:
         if self.num_prefill == 0:
-            return "colocated" if self.num_serving == 1 else f"colocated x{self.num_serving}"
-        return f"{self.num_prefill}P{self.num_serving}D"
+            base = "colocated" if self.num_serving == 1 else f"colocated x{self.num_serving}"
+            return base if self.serving_tp == 1 else f"{base} tp{self.serving_tp}"
+        base = f"{self.num_prefill}P{self.num_serving}D"
+        return base if self.prefill_tp == self.serving_tp == 1 else f"{base} tp{self.prefill_tp}/{self.serving_tp}"
 
     @property
     def instances(self) -> int:
         return self.num_prefill + self.num_serving
 
+    @property
+    def ranks(self) -> int:
+        """Cores shares (or GPUs) it takes: one per rank."""
+        return self.num_prefill * self.prefill_tp + self.num_serving * self.serving_tp
+
     @classmethod
     def parse(cls, name: str, units: int, per_device: bool) -> Candidate:
-        """``colocated``, ``colocated x2`` / ``colocatedx2`` or ``xPyD``."""
-        text = name.strip().lower().replace(" ", "")
+        """``colocated``, ``colocated x2`` / ``colocatedx2`` or ``xPyD``, each optionally followed by
+        ``tpN`` (colocated) or ``tpP/D`` (prefill and decode ranks per instance)."""
+        text, _, tp = name.strip().lower().replace(" ", "").partition("tp")
         if text.startswith("colocated"):
             x, y = 0, int(text.removeprefix("colocated").removeprefix("x") or 1)
         elif "p" in text and text.endswith("d"):
             x, y = (int(v) for v in text[:-1].split("p"))
         else:
-            raise ValueError(f"bad layout {name!r}: use colocated, colocatedx2, 1p1d, 2p1d, ...")
-        if x < 0 or y < 1 or x + y > units:
-            raise ValueError(f"layout {name!r} needs {x + y} instances; only {units} fit")
-        return cls(x, y, 1 if per_device else units // (x + y))
+            raise ValueError(f"bad layout {name!r}: use colocated, colocatedx2, 1p1d, 2p1d, 1p1d tp2/1, ...")
+        sizes = [int(v) for v in tp.split("/")] if tp else [1] * (1 if x == 0 else 2)
+        if len(sizes) != (1 if x == 0 else 2) or min(sizes) < 1:
+            raise ValueError(f"bad layout {name!r}: tensor-parallel sizes are tpN (colocated) or tpP/D")
+        pt, dt = (1, sizes[0]) if x == 0 else (sizes[0], sizes[1])
+        ranks = x * pt + y * dt
+        if x < 0 or y < 1 or ranks > units:
+            raise ValueError(f"layout {name!r} needs {ranks} instances or ranks; only {units} fit")
+        return cls(x, y, 1 if per_device else units // ranks, pt, dt)
 
 
-def candidates(units: int, max_instances: int | None = None, per_device: bool = False) -> list[Candidate]:
-    """Every colocated and xPyD layout with at most ``units`` instances."""
+def candidates(
+    units: int, max_instances: int | None = None, per_device: bool = False, tp_sizes: tuple[int, ...] = (1,)
+) -> list[Candidate]:
+    """Every colocated and xPyD layout with at most ``units`` instances, each instance on one of
+    ``tp_sizes`` ranks, with at most ``units`` ranks in all."""
     limit = min(units, max_instances or units)
     out = []
     for total in range(1, limit + 1):
-        threads = 1 if per_device else units // total
-        out.append(Candidate(0, total, threads))
-        out += [Candidate(x, total - x, threads) for x in range(1, total)]
+        for x in range(total):
+            for pt in tp_sizes if x else (1,):
+                for dt in tp_sizes:
+                    ranks = x * pt + (total - x) * dt
+                    if ranks <= units:
+                        out.append(Candidate(x, total - x, 1 if per_device else units // ranks, pt, dt))
     return out
 
 
@@ -107,12 +138,13 @@ def build_layout(
     layerwise: bool = True,
     bandwidth: float | None = None,
 ) -> Layout:
-    spec = settings.spec(profile, c.threads)
+    serving = settings.spec(profile, c.threads, c.serving_tp)
+    prefill = settings.spec(profile, c.threads, c.prefill_tp)
     transfer = profile.transfer_cost(layerwise, bandwidth) if c.num_prefill else None
     return Layout(
         c.name,
-        (spec,) * c.num_serving,
-        (spec,) * c.num_prefill,
+        (serving,) * c.num_serving,
+        (prefill,) * c.num_prefill,
         transfer,
         overheads,
         local_prefill_below if c.num_prefill else 0,
@@ -296,6 +328,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     cl.add_argument("--gpus", type=int, metavar="N", help="GPUs instead of cores: one instance per GPU")
     cl.add_argument("--max-instances", type=int, metavar="N", help="cap on x + y")
+    cl.add_argument(
+        "--tp",
+        default="1",
+        metavar="LIST",
+        help="tensor-parallel sizes an instance may have, e.g. 1,2 (default 1); each rank takes a core share or a GPU",
+    )
     cl.add_argument("--layouts", metavar="LIST", help="only these, e.g. colocated,1p1d,2p1d")
     cl.add_argument(
         "--block-size", type=int, default=EngineConfig.block_size, help="tokens per KV block (default %(default)s)"
@@ -356,6 +394,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write predictions as JSON")
 
 
+def _tp_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(sorted({int(v) for v in text.split(",")}))
+    except ValueError:
+        raise ValueError(f"--tp takes sizes like 1,2, got {text!r}") from None
+    if min(sizes) < 1:
+        raise ValueError(f"--tp sizes must be 1 or more, got {text!r}")
+    return sizes
+
+
 def load_or_measure(args: argparse.Namespace, print_fn=print) -> Profile:
     if args.profile:
         return Profile.load(args.profile)
@@ -378,10 +426,11 @@ def run(args: argparse.Namespace) -> int:
     units = args.gpus if per_device else args.cores
     if not units or units < 1:
         raise ValueError("need at least one core or GPU")
+    tp_sizes = _tp_sizes(args.tp)
     if args.layouts:
         cands = [Candidate.parse(n, units, per_device) for n in args.layouts.split(",")]
     else:
-        cands = candidates(units, args.max_instances, per_device)
+        cands = candidates(units, args.max_instances, per_device, tp_sizes)
     profile = load_or_measure(args)
     settings = EngineSettings(
         args.block_size, args.kv_cache_mib * MIB, args.max_num_seqs, args.max_num_batched_tokens, True, args.policy

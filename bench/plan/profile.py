@@ -22,12 +22,13 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from bench.plan.costmodel import (
+    AllReduceCost,
     StepCost,
     StepSample,
     TransferCost,
@@ -35,6 +36,7 @@ from bench.plan.costmodel import (
     fit_error,
     fit_step_cost,
     prefill_pairs,
+    split_step_cost,
 )
 from engine.config import Dtype, EngineConfig
 
@@ -72,12 +74,20 @@ class Profile:
     transfer_source: str
     samples: dict[int, list[StepSample]] = field(default_factory=dict)
     machine: dict = field(default_factory=dict)
+    hidden_bytes: int = 0  # one token's hidden state (what a tensor-parallel all-reduce sums per token)
+    allreduce: AllReduceCost | None = None  # measured between two ranks (measure_allreduce); None: not measured
+    allreduce_source: str = ""
 
-    def cost(self, threads: int) -> StepCost:
-        """The cost at ``threads``, or at the nearest profiled count below it."""
+    def cost(self, threads: int, tp: int = 1) -> StepCost:
+        """The cost at ``threads`` (per rank), or at the nearest profiled count below it, on ``tp`` ranks."""
         known = sorted(self.step_costs)
         below = [t for t in known if t <= threads]
-        return self.step_costs[below[-1] if below else known[0]]
+        cost = self.step_costs[below[-1] if below else known[0]]
+        if tp == 1:
+            return cost
+        if self.allreduce is None or not self.hidden_bytes:
+            raise ValueError("this profile has no all-reduce measurement for tensor parallelism: profile again")
+        return split_step_cost(cost, tp, self.allreduce, self.num_layers, self.hidden_bytes)
 
     def transfer_cost(self, layerwise: bool = True, bandwidth: float | None = None) -> TransferCost:
         return TransferCost(
@@ -108,6 +118,10 @@ class Profile:
                 for t, ss in self.samples.items()
             },
             "machine": self.machine,
+            "hidden_bytes": self.hidden_bytes,
+            "allreduce": None
+            if self.allreduce is None
+            else {**asdict(self.allreduce), "source": self.allreduce_source},
         }
 
     @classmethod
@@ -131,6 +145,9 @@ class Profile:
                 transfer_source=str(data["transfer"]["source"]),
                 samples={int(t): [StepSample(*s) for s in ss] for t, ss in data.get("samples", {}).items()},
                 machine=data.get("machine", {}),
+                hidden_bytes=int(data.get("hidden_bytes", 0)),
+                allreduce=_allreduce(data.get("allreduce")),
+                allreduce_source=str((data.get("allreduce") or {}).get("source", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"not a pdserve profile ({type(exc).__name__}: {exc})") from None
@@ -252,6 +269,48 @@ def measure_steps(
             torch.set_num_threads(count)
             scenario(samples[count])
     return samples
+
+
+def _allreduce(data: dict | None) -> AllReduceCost | None:
+    return None if data is None else AllReduceCost(float(data["latency"]), float(data["bandwidth"]))
+
+
+def measure_allreduce(hidden: int, element: int, repeats: int = 20) -> AllReduceCost:
+    """Two gloo ranks as two threads of this process (loopback TCP, as two rank processes of one
+    host would use): the median time of all-reduces of 1, 16 and 256 tokens' hidden states, fitted
+    to latency + bytes / bandwidth. On CUDA, NCCL over NVLink is far faster: measure it there."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    sizes = (1, 16, 256)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+
+    def rank(r: int) -> None:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = datetime.timedelta(seconds=60)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        group = dist.ProcessGroupGloo(store, r, 2, options)
+        for n in sizes:
+            x = torch.ones(n * hidden * element // 4)  # float32 elements holding n tokens' bytes
+            group.allreduce([x]).wait()
+            for _ in range(repeats):
+                start = time.perf_counter()
+                group.allreduce([x]).wait()
+                if r == 0:
+                    times[n].append(time.perf_counter() - start)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    nbytes = np.array([n * hidden * element for n in sizes], dtype=float)
+    seconds = np.array([statistics.median(times[n]) for n in sizes])
+    slope, intercept = np.polyfit(nbytes, seconds, 1)
+    return AllReduceCost(max(float(intercept), 0.0), 1.0 / max(float(slope), 1e-15))
 
 
 def measure_zmq_transfer(message_bytes: int, count: int = 32, pings: int = 20) -> tuple[float, float]:
@@ -394,7 +453,26 @@ def profile_engine(
         bandwidth, latency = measure_zmq_transfer(kv_bytes // cache.num_layers * 512)
         source = "raw zmq loopback (transfer.bench unavailable)"
     progress(f"transfer: {source}: {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e3:.2f} ms")
+    hidden = engine.hf_config.hidden_size
+    allreduce = measure_allreduce(hidden, element)
+    progress(
+        f"all-reduce (2 gloo ranks): {allreduce.bandwidth / 1e9:.2f} GB/s, latency {allreduce.latency * 1e6:.0f} us"
+    )
     info["loadavg_1m_after"] = os.getloadavg()[0]
     return Profile(
-        model, dtype, device, cache.num_layers, kv_bytes, costs, errors, bandwidth, latency, source, all_samples, info
+        model,
+        dtype,
+        device,
+        cache.num_layers,
+        kv_bytes,
+        costs,
+        errors,
+        bandwidth,
+        latency,
+        source,
+        all_samples,
+        info,
+        hidden * element,
+        allreduce,
+        "gloo, 2 ranks as threads, loopback",
     )

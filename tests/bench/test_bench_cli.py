@@ -32,6 +32,35 @@ def test_bench_engine_and_transfer_help_is_their_own_under_pdserve_s_name(comman
     assert capsys.readouterr().out.startswith(f"usage: pdserve bench {command} ")
 
 
+@pytest.mark.parametrize("bad", ["0", "1,x", ""])
+def test_bench_engine_tp_sizes_are_checked_before_anything_runs(bad, capsys):
+    from bench.micro import engine_bench
+
+    with pytest.raises(SystemExit) as exit_:
+        engine_bench.main(["--tp", bad], prog="pdserve bench engine")
+    assert exit_.value.code == 2
+    assert "--tp" in capsys.readouterr().err
+
+
+def test_bench_engine_tp_table_puts_the_sizes_side_by_side():
+    from bench.micro.tp_bench import table
+
+    rows = [
+        {
+            "tp": tp,
+            "decode_tok_s": 10.0 * tp,
+            "decode_step_ms": 5.0,
+            "decode_collective_share": share,
+            "prefill_tok_s": 100.0,
+            "prefill_collective_share": share / 2,
+        }
+        for tp, share in ((1, 0.0), (2, 0.25))
+    ]
+    lines = table(rows).splitlines()
+    assert lines[2] == "| 1 | 10.0 | 5.0 | 0% | 100.0 | 0% |"
+    assert lines[3] == "| 2 | 20.0 | 5.0 | 25% | 100.0 | 12% |"
+
+
 def test_bench_serve_runs_against_an_endpoint_and_writes_json_and_plots(fake_openai_url, tmp_path, capsys):
     out = tmp_path / "run.json"
     args = parser().parse_args(

@@ -1,12 +1,21 @@
 """The planner: candidates, recommendation, the command, and the profiler."""
 
+import dataclasses
 import json
 from dataclasses import astuple
 
 import pytest
 
 from bench.load.workload import Workload
-from bench.plan.costmodel import Overheads, StepCost, StepSample, chunk_attn_pairs, fit_step_cost
+from bench.plan.costmodel import (
+    AllReduceCost,
+    Overheads,
+    StepCost,
+    StepSample,
+    chunk_attn_pairs,
+    fit_step_cost,
+    split_step_cost,
+)
 from bench.plan.plan import Candidate, EngineSettings, build_layout, candidates, evaluate, recommend
 from bench.plan.profile import Profile, ProfileGrid, profile_engine
 from tests.bench.helpers import fake_profile
@@ -126,6 +135,9 @@ def test_profile_of_the_tiny_model_round_trips_through_json(tiny_model, tmp_path
     profile.save(tmp_path / "p.json")
     again = Profile.load(tmp_path / "p.json")
     assert again.step_costs == profile.step_costs and again.cost(4) == cost
+    assert profile.hidden_bytes == 64 * 4 and profile.allreduce.bandwidth > 0  # hidden 64, float32
+    assert (again.allreduce, again.hidden_bytes) == (profile.allreduce, profile.hidden_bytes)
+    assert again.cost(1, tp=2).per_token > cost.per_token / 2  # the all-reduces are not free
 
 
 def test_a_file_that_is_not_a_profile_is_a_clear_error(tmp_path):
@@ -315,3 +327,49 @@ def test_a_profile_whose_fit_misses_its_samples_is_flagged(tmp_path, capsys):
     assert "warning: the step-cost fit for 2 thread(s) misses its own samples by 59% on average (bound 15%)" in out
     assert "fit for 1 thread" not in out and len(data["poor_fits"]) == 1
     assert data["recommended"] == "1P1D"
+
+
+def test_a_split_step_costs_its_compute_over_n_plus_two_all_reduces_a_layer():
+    cost = StepCost(base=0.002, per_token=0.001, per_attn=1e-6, per_seq=1e-4, per_key=1e-7)
+    allreduce = AllReduceCost(latency=50e-6, bandwidth=1e9)
+    two = split_step_cost(cost, 2, allreduce, num_layers=4, hidden_bytes=1000)
+    assert two.base == pytest.approx(0.002 + 8 * 50e-6)  # the step's fixed overhead is not split
+    assert two.per_token == pytest.approx(0.0005 + 8 * 1000 / 1e9)  # ring of 2: each byte once
+    assert (two.per_attn, two.per_seq, two.per_key) == pytest.approx((0.5e-6, 0.5e-4, 0.5e-7))
+    four = split_step_cost(cost, 4, allreduce, num_layers=4, hidden_bytes=1000)
+    assert four.per_token == pytest.approx(0.00025 + 8 * 1000 * 1.5 / 1e9)  # ring of 4: 2 (N-1)/N
+    assert split_step_cost(cost, 1, allreduce, 4, 1000) is cost
+
+
+def test_tp_candidates_fit_their_ranks_in_the_units_and_their_names_parse():
+    names = {c.name: c for c in candidates(3, per_device=True, tp_sizes=(1, 2))}
+    assert {"colocated tp2", "2P1D", "1P1D tp2/1", "1P1D tp1/2", "colocated x3"} <= set(names)
+    assert "1P1D tp2/2" not in names and "2P1D tp2/1" not in names  # 4 and 5 ranks do not fit 3
+    assert names["1P1D tp2/1"] == Candidate(1, 1, 1, 2, 1) == Candidate.parse("1p1d tp2/1", 3, True)
+    assert Candidate.parse("colocated tp2", 4, False) == Candidate(0, 1, 2, 1, 2)
+    with pytest.raises(ValueError, match="needs 4 instances or ranks; only 3 fit"):
+        Candidate.parse("1p1d tp2/2", 3, True)
+
+
+def test_planner_weighs_one_split_prefill_against_two_by_the_all_reduce_cost():
+    # Long prompts at a low rate: TTFT is one prefill; on 2 ranks it is about half, unless the
+    # all-reduces cost more than the compute they split.
+    workload = Workload.single("1000", "4")
+
+    def ttft(allreduce: AllReduceCost) -> dict[str, float]:
+        profile = dataclasses.replace(fake_profile(), hidden_bytes=4096, allreduce=allreduce)
+        cands = [Candidate.parse(n, 3, True) for n in ("2p1d", "1p1d tp2/1")]
+        layouts = [(c, build_layout(c, profile, EngineSettings(), Overheads())) for c in cands]
+        preds = evaluate(layouts, workload, 0.2, 20, None, None, seed=1)
+        return {p.candidate.name: p.summary.ttft.p50 for p in preds}
+
+    fast = ttft(AllReduceCost(latency=10e-6, bandwidth=50e9))  # NVLink-like
+    assert fast["1P1D tp2/1"] < 0.6 * fast["2P1D"]
+    slow = ttft(AllReduceCost(latency=2e-3, bandwidth=0.05e9))  # all-reduces dearer than the split saves
+    assert slow["1P1D tp2/1"] > slow["2P1D"]
+
+
+def test_a_profile_without_an_all_reduce_measurement_refuses_tp_layouts():
+    with pytest.raises(ValueError, match="no all-reduce measurement"):
+        fake_profile().cost(1, tp=2)
+    assert fake_profile().cost(1) == fake_profile().step_costs[1]

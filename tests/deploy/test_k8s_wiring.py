@@ -270,3 +270,21 @@ def test_gpu_placement_hooks_go_to_server_pods_and_policies_can_be_left_out(tmp_
             assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
         else:
             assert "nodeSelector" not in pod and "tolerations" not in pod
+
+
+def test_a_tensor_parallel_instance_is_one_pod_with_a_gpu_and_threads_per_rank(tmp_path):
+    config = tmp_path / "tp.yaml"
+    config.write_text(
+        "model: /models/qwen3\nengine: {num_threads: 2, tensor_parallel_size: 2}\ndevice: cuda\n"
+        "security: {internal_secret_file: /nowhere}\n"
+        "colocated: [{name: c0, port: 8200}, {name: c1, port: 8300, tensor_parallel_size: 4, device: cpu}]\n"
+        "kubernetes: {memory: 12Gi, model_pvc: qwen3-weights}\n"
+    )
+    m = render(config, tmp_path / "out")
+    c0, c1 = (container(m.named("StatefulSet", f"pdserve-tp-{n}")) for n in ("c0", "c1"))
+    assert c0["resources"] == {
+        "requests": {"cpu": "4", "memory": "12Gi"},
+        "limits": {"memory": "12Gi", "nvidia.com/gpu": 2},
+    }
+    assert c1["resources"] == {"requests": {"cpu": "8", "memory": "12Gi"}, "limits": {"memory": "12Gi"}}
+    assert [w["spec"]["replicas"] for w in m.workloads() if w["kind"] == "StatefulSet"] == [1, 1]

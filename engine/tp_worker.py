@@ -1,0 +1,94 @@
+"""A rank other than 0 of a tensor-parallel engine: ``python -m engine.tp_worker``.
+
+Started by rank 0 (engine/tp_leader.py), which writes one JSON line to its
+stdin: the ``EngineConfig``, its rank, the cache's block count, the context
+length and the rendezvous (store port and key prefix, which is why it does not
+travel on the command line). The rank loads its shard, allocates its slice
+of the KV cache (its KV heads, every block), says it is ready, joins the
+group, then runs every step rank 0 broadcasts until rank 0 says stop.
+
+It holds no scheduler, no block manager and no tokenizer: block ids come in
+each step's inputs, so its cache slice has the same block table as rank 0's.
+Between steps it waits on its stdin for the next step's header (so an idle
+engine has no collective pending, and collectives keep a short timeout); the
+payload comes by broadcast. It ends when rank 0 goes, however it goes: stdin
+reaches EOF when rank 0's process ends, and a collective fails when a peer's
+connection closes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCache
+from engine.loader import head_dim_of, load_model
+from engine.runner import ModelRunner, RoPE
+from engine.tensor_parallel import Shard
+from engine.tp_group import COLLECTIVE_TIMEOUT_S, TPGroup, ready_key, store_for
+from engine.tp_wire import HEADER, OP_STEP, decode
+
+log = logging.getLogger("pdserve.tp_worker")
+EXIT_LEADER_GONE = 0  # nothing to report: rank 0 ended
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r's device: the CPU for every rank, or the r-th CUDA device after the configured one."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    pipe = sys.stdin.buffer
+    spec = json.loads(pipe.readline())
+    config = EngineConfig(**spec["config"])
+    rank, size = int(spec["rank"]), int(spec["size"])
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    device = rank_device(config.torch_device, rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    shard = Shard(rank, size)
+    group = TPGroup(rank, size, device, COLLECTIVE_TIMEOUT_S)
+    model, cfg = load_model(config.model, config.torch_dtype, device, shard, group)
+    head_dim = head_dim_of(cfg)
+    cache = KVCache(
+        cfg.num_hidden_layers,
+        int(spec["num_blocks"]),
+        config.block_size,
+        len(shard.kv_heads(cfg.num_key_value_heads)),
+        head_dim,
+        config.torch_dtype,
+        device,
+        order=config.kv_layout,
+        shard=shard,
+        num_kv_heads_total=cfg.num_key_value_heads,
+    )
+    runner = ModelRunner(
+        model, cache, RoPE(cfg, head_dim, int(spec["max_model_len"]), config.torch_dtype, device), device
+    )
+    store, _ = store_for(int(spec["store_port"]), spec["prefix"], size, COLLECTIVE_TIMEOUT_S, leader=False)
+    store.set(ready_key(rank), "1")
+    group.connect(store)
+    log.info("tensor-parallel rank %d of %d ready (pid %d)", rank, size, os.getpid())
+    with torch.inference_mode():
+        while True:
+            header = pipe.read(HEADER.size)
+            if len(header) < HEADER.size:  # EOF: rank 0 stopped us or its process ended
+                break
+            op, length = HEADER.unpack(header)
+            assert op == OP_STEP, op
+            runner.forward(decode(group.broadcast(torch.empty(length, dtype=torch.long))))
+    group.close()
+    return EXIT_LEADER_GONE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
