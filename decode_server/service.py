@@ -184,8 +184,8 @@ class GenerationService:
                     ), active
 
             def add(e: LLMEngine) -> int:
-                cached = e.cached_prefix(req.prompt_token_ids, sampling)
-                e.add_request(rid, req.prompt_token_ids, sampling)
+                cached = e.cached_prefix(req.prompt_token_ids + req.generated_token_ids, sampling)
+                e.add_request(rid, req.prompt_token_ids, sampling, generated=req.generated_token_ids)
                 return cached
 
             cached = await self.engine_thread.run(add)
