@@ -340,7 +340,7 @@ class DiscoveryConfig(Strict):
 
 
 class RecoveryConfig(Strict):
-    """What happens when a step of a request fails before its first token.
+    """What happens when a step of a request fails.
 
     ``prefill_failure`` (router; a prefill server failed, or the decode server
     reported the KV never arrived intact): ``retry`` once more on another
@@ -354,6 +354,10 @@ class RecoveryConfig(Strict):
     prefill_failure: PrefillFailure = RouterSettings.prefill_failure
     """Router, when a prefill failed: once more on another prefill server (`retry`), on the decode server
     (`local`), or a clear error (`fail`)."""
+    migration_limit: int = Field(default=RouterSettings.migration_limit, ge=0, le=16)
+    """Router, when a decode stream broke (server died, stream cut or stalled, engine down, draining): how many
+    times one request moves to another decode server, which continues it from the tokens already streamed;
+    past it the client gets the error. 0: never."""
     lease_expiry: KvFailureAction = ServerSettings.lease_expiry
     """Decode server, when a lease expired before the KV arrived: fail the request, or prefill it itself."""
     checksum_failure: KvFailureAction = ServerSettings.checksum_failure
@@ -430,7 +434,7 @@ class ClusterConfig(Strict):
     transfer: TransferConfig = TransferConfig()
     """How KV moves from prefill to decode servers."""
     recovery: RecoveryConfig = RecoveryConfig()
-    """What happens when a step of a request fails before its first token."""
+    """What happens when a step of a request fails (prefill before its first token; decode: migration)."""
     restart: RestartConfig = RestartConfig()
     """What `pdserve launch` does when a process fails (deploy/supervisor.py)."""
     tracing: TracingConfig = TracingConfig()
@@ -565,6 +569,7 @@ class ClusterConfig(Strict):
             drain_timeout_s=self.drain_timeout_s,
             log_stats_interval_s=self.log_stats_interval_s,
             prefill_failure=self.recovery.prefill_failure,
+            migration_limit=self.recovery.migration_limit,
             api_keys=r.api_key_values(),
             internal_secret=self.security.secret(),
             tracing=self.tracing.settings(),

@@ -221,6 +221,7 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
                 DispatchSettings(
                     local_prefill_threshold=settings.local_prefill_threshold,
                     prefill_failure=settings.prefill_failure,
+                    migration_limit=settings.migration_limit,
                     max_request_kv_share=settings.max_request_kv_share,
                 ),
                 parts.metrics.recovery,

@@ -104,6 +104,7 @@ class RouterSettings:
     # router closes it first and never sends a request on a connection the server is closing.
     worker_keepalive_s: float = 2.0
     prefill_failure: PrefillFailure = "retry"
+    migration_limit: int = 2  # decode failures one request survives, moved to another decode server each time
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     max_prompt_tokens: int | None = None  # longer prompts get 400 (None: only the context length limits them)
     max_tokens: int | None = None  # larger max_tokens gets 400; a request without one gets at most this
