@@ -322,6 +322,8 @@ class GenerationService:
         for out in outputs:
             self.metrics.tokens.inc(len(out.new_token_ids))
             self._hub.publish(out.request_id, tokens_event(out))
+        if self.faults is not None:
+            self.faults.streamed(sum(len(out.new_token_ids) for out in outputs))
 
     def _drop(self, e: LLMEngine, request_id: str, transfer_id: str | None) -> None:
         """The request's client left. A reservation still waiting for KV is cancelled
