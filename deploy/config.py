@@ -58,7 +58,7 @@ from router.settings import (
     RouterSettings,
     WorkerSpec,
 )
-from server_common.process_defaults import DRAIN_TIMEOUT_S, INSTANCE_NAME, LOOPBACK_HOST, is_loopback
+from server_common.process_defaults import DRAIN_TIMEOUT_S, INSTANCE_NAME, LOOPBACK_HOST, DrainMode, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 from server_common.tracing import TracingSettings
 
@@ -423,6 +423,12 @@ class ClusterConfig(Strict):
     """Seconds a decode server holds blocks reserved for KV that has not arrived."""
     drain_timeout_s: float = Field(default=DRAIN_TIMEOUT_S, gt=0)
     """On SIGTERM, the longest a process waits for its requests in flight, in seconds."""
+    drain: DrainMode = RouterSettings.drain
+    """A decode server that drains (SIGTERM, and so a Kubernetes pod after its preStop; its `POST /admin/drain`;
+    the router's `DELETE /admin/workers/NAME` or `.../drain`): `migrate` moves its running streams to other
+    decode servers at once, which continue them from the tokens already streamed (so it leaves in seconds);
+    `wait` lets them finish there, up to `drain_timeout_s`. A prefill server always finishes the prefills and
+    transfers it started."""
     log_stats_interval_s: float = Field(default=ServerSettings.log_stats_interval_s, ge=0)
     """Seconds between the stats lines each process logs while it has traffic (launch shows them); 0: none."""
     security: SecurityConfig = SecurityConfig()
@@ -567,6 +573,7 @@ class ClusterConfig(Strict):
             host=self.router_host,
             max_model_len=self.max_model_len,
             drain_timeout_s=self.drain_timeout_s,
+            drain=self.drain,
             log_stats_interval_s=self.log_stats_interval_s,
             prefill_failure=self.recovery.prefill_failure,
             migration_limit=self.recovery.migration_limit,
@@ -606,6 +613,7 @@ class ClusterConfig(Strict):
             checksum_failure=self.recovery.checksum_failure,
             fault_injection=self.fault_injection,
             drain_timeout_s=self.drain_timeout_s,
+            drain=self.drain,
             log_stats_interval_s=self.log_stats_interval_s,
             internal_secret=self.security.secret(),
             tracing=self.tracing.settings(),

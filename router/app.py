@@ -312,7 +312,8 @@ def create_app(
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 too, has an id
     install_error_handlers(app)
     add_openai_routes(app, parts)
-    add_admin_routes(app, parts.registry, parts.auth.admin, lambda: app.state.discovery)
+    move_off = (lambda name: app.state.handlers.dispatcher.move_off(name)) if settings.drain == "migrate" else None
+    add_admin_routes(app, parts.registry, parts.auth.admin, lambda: app.state.discovery, move_off)
     add_operator_routes(app, parts)
     return app
 

@@ -83,6 +83,17 @@ class Dispatcher:
             migration_limit=settings.migration_limit,
         )
 
+    def move_off(self, name: str) -> int:
+        """Migrate every request streaming from decode server ``name`` (which is being drained or
+        removed) to other decode servers; how many were told to."""
+        worker = self.registry.find(name)
+        if worker is None or worker.role != "decode":
+            return 0
+        moved = sum(session.move_off(worker) for session in list(self._sessions.live))
+        if moved:
+            log.info("decode server %s leaves: %d requests migrate off it", name, moved)
+        return moved
+
     def wants_local_prefill(self, num_uncached_tokens: int) -> bool:
         """No prefill servers at all (colocated), a prompt whose part the decode server does not
         hold is short enough for D, or (unless recovery is "fail") no prefill server in rotation

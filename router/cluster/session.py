@@ -43,7 +43,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from engine.request import SamplingParams
 from router.cluster.admission import Admission, Slot
@@ -93,6 +93,7 @@ class SessionContext:
     prefill_failure: PrefillFailure
     open_stream: OpenStream  # for a new attempt (no prefill slot: the first attempt's covers the request)
     migration_limit: int = 2  # decode failures a request survives (router.cluster.recovery)
+    live: set[Session] = field(default_factory=set)  # sessions not closed yet (``Dispatcher.move_off``)
 
 
 class Session:
@@ -132,7 +133,9 @@ class Session:
         self._unfinished = set(range(sampling.n))  # sequences whose last event is still to come
         self._finished = False
         self._closed = False
+        self._queue: asyncio.Queue | None = None  # the current attempt's
         ctx.admission.session_started()
+        ctx.live.add(self)
 
     async def deltas(self) -> AsyncIterator[TokensEvent]:
         """Token events up to and including the one with a finish_reason.
@@ -192,6 +195,7 @@ class Session:
     def _start_attempt(self) -> asyncio.Queue:
         # A fresh queue per attempt: whatever an old attempt's tasks still put goes nowhere.
         queue: asyncio.Queue = asyncio.Queue()
+        self._queue = queue
         assert self._legs
         self._tasks = [asyncio.create_task(self._pump_decode(queue, leg)) for leg in self._legs]
         if self.reservation is not None:
@@ -256,6 +260,17 @@ class Session:
                 queue.put_nowait(exc)
                 return
         queue.put_nowait(WorkerFailed("prefill", "", "no healthy prefill server", Outcome.NO_PREFILL))
+
+    def move_off(self, worker: Worker) -> bool:
+        """``worker`` (a decode server) is leaving: if this request streams from it, it migrates now, as
+        on a stream that broke (the old attempt is aborted there, which frees its blocks)."""
+        if self._closed or self._finished or self._queue is None:
+            return False
+        if not any(leg.stream.worker is worker for leg in self._legs):
+            return False
+        failure = WorkerFailed.of(worker, "draining: its streams move to another decode server", Outcome.DRAINING)
+        self._queue.put_nowait(failure)
+        return True
 
     def _prefill_abandoned(self, event: ReprefillEvent) -> None:
         """The decode server computes the prompt itself: stop the prefill server's part."""
@@ -376,6 +391,7 @@ class Session:
         if self._closed:
             return
         self._closed = True
+        self._ctx.live.discard(self)
         await self._end_attempt()
         self._first_slot.release_prefill()
         self._ctx.admission.session_ended()

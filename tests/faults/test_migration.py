@@ -1,17 +1,22 @@
 """Request migration on a real 1P2D: the decode server holding a request is killed with kill -9
 after it streamed k tokens (the engine thread paused there by ``pause_after_tokens``, so k is
 exact), and the request goes on on the other decode server. For greedy and seeded sampling, chat
-and completions, streamed and not, with a JSON schema, log-probabilities, n = 2 and a stop string,
+and completions, streamed and not, with a JSON schema, log-probabilities, n = 2 and min_tokens,
 the answer equals the same request never migrated (greedy: transformers' float32 output), the
 stream is one unbroken stream with one id, usage is counted once, and afterwards every block on
 every server is free. Then the outcomes with nothing to migrate to: both decode servers killed
 (a clear error in the stream), and a client that leaves while its request migrates (nothing
-leaked)."""
+leaked). Last, draining with ``drain: migrate``: a decode server drained through the router's
+admin API, and one sent SIGTERM, hand their streams to the other decode server at once."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import threading
+import time
 
 import httpx
 import jsonschema
@@ -134,10 +139,10 @@ def paused(c: FaultCluster) -> str | None:
     return next((d for d in c.decode if c.alive(d) and c.faults(d)["stalled"]), None)
 
 
-def start_paused(c: FaultCluster, endpoint: str, body: dict, k: int) -> tuple[Call, str]:
+def start_paused(c: FaultCluster, endpoint: str, body: dict, k: int, pause_s: float = WAIT_S) -> tuple[Call, str]:
     """The request running, its decode server paused right after its k-th token (the other disarmed)."""
     for d in c.decode:
-        c.arm(d, pause_after_tokens=k, pause_timeout_s=WAIT_S)
+        c.arm(d, pause_after_tokens=k, pause_timeout_s=pause_s)
     call = Call(c.router_url, endpoint, body)
     call.start()
     wait_until(lambda: paused(c) is not None, WAIT_S, "a decode server paused after k tokens")
@@ -263,3 +268,39 @@ def test_with_no_decode_server_left_the_stream_ends_with_a_clear_error_and_nothi
     c.restart(first)
     all_free(c)
     assert c.metric(other, 'pdserve_requests_total{outcome="aborted"}') >= 1
+
+
+def test_a_draining_decode_server_hands_its_streams_to_the_other_at_once(cluster):
+    c = cluster
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    body |= {"stream": True, **USAGE}
+    want = answer(run(c, "completions", body))
+    draining = 'pdserve_router_migrations_total{cause="draining"}'
+
+    # Through the router's admin API: the drain answers at once, the stream goes on elsewhere.
+    before = c.metric("router", draining)
+    call, victim = start_paused(c, "completions", body, 4)
+    c.http.post(f"{c.router_url}/admin/workers/{victim}/drain").raise_for_status()
+    call.join(WAIT_S)
+    same(answer(call), want)
+    assert c.metric("router", draining) == before + 1
+    c.release(victim)
+    c.http.post(f"{c.router_url}/admin/workers/{victim}/resume").raise_for_status()
+    all_free(c)
+
+    # SIGTERM (a Kubernetes pod after its preStop): the server ends its streams with "draining", the
+    # router continues them on the other one, and the server exits without waiting for them.
+    before = c.metric("router", draining)
+    pause_s = 20.0  # while paused, a server that waited for its stream could not have ended
+    call, victim = start_paused(c, "completions", body, 4, pause_s=pause_s)
+    sent = time.monotonic()
+    os.kill(c.proc(victim).popen.pid, signal.SIGTERM)
+    call.join(WAIT_S)
+    same(answer(call), want)
+    assert c.metric("router", draining) == before + 1
+    with contextlib.suppress(httpx.HTTPError):  # its engine thread goes on to its end; the server may be gone
+        c.release(victim)
+    assert c.proc(victim).popen.wait(WAIT_S) == -signal.SIGTERM  # drained, then ended by the signal, as always
+    assert time.monotonic() - sent < pause_s  # it did not wait for its stream
+    c.restart(victim)
+    all_free(c)

@@ -360,3 +360,29 @@ def test_an_error_the_decode_server_sends_about_the_request_itself_is_not_migrat
     with pytest.raises(OpenAIError):
         run_session(dispatcher, SamplingParams(max_tokens=3, temperature=0))
     assert len(fake.opened) == 1
+
+
+def test_a_decode_server_drained_with_migrate_hands_its_streams_to_another_at_once():
+    fake = Breaks(set(), 0, reply=[31, 32, 33, 34, 35, 36], delay=0.05)
+    registry, dispatcher = make(fake, workers(num_prefill=1, num_decode=2), "retry")
+
+    async def go():
+        session = await dispatcher.start("r1", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0))
+        try:
+            events = []
+            async for event in session.deltas():
+                events.append(event)
+                if len(events) == 2:
+                    assert dispatcher.move_off(session.decode.name) == 1
+                    assert dispatcher.move_off("p0") == 0  # not a decode server
+            return events, session
+        finally:
+            await session.close()
+
+    events, session = asyncio.run(go())
+    assert [t for e in events for t in e.token_ids] == [31, 32, 33, 34, 35, 36]
+    first, second = fake.opened
+    assert first[0] != second[0] and second[1].generated_token_ids == [31, 32]
+    assert (first[0], "r1") in fake.aborts and session.migrations == 1
+    assert dispatcher.recovery.migrations.labels(cause="draining")._value.get() == 1
+    assert all(w.inflight == 0 for w in registry.workers) and not dispatcher._sessions.live
