@@ -181,5 +181,5 @@ def test_a_decode_server_killed_and_one_drained_under_load_cost_the_clients_noth
     result = decode_chaos(args)
     (tmp_path / "decode-chaos.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"\ndecode chaos: {result}")
-    assert result["correct"] > 0 and result["streams_hit_by_a_fault"] > 0
+    assert result["correct"] > 0 and sum(result["migrations"].values()) >= 1
     assert (result["error"], result["wrong"], result["hung"], result["leaked_blocks"]) == (0, 0, 0, 0)
