@@ -7,7 +7,8 @@ stream is one unbroken stream with one id, usage is counted once, and afterwards
 every server is free. Then the outcomes with nothing to migrate to: both decode servers killed
 (a clear error in the stream), and a client that leaves while its request migrates (nothing
 leaked). Last, draining with ``drain: migrate``: a decode server drained through the router's
-admin API, and one sent SIGTERM, hand their streams to the other decode server at once."""
+admin API, and one sent SIGTERM, hand their streams to the other decode server at once; a prefill
+server sent SIGTERM mid-transfer finishes that transfer before it exits."""
 
 from __future__ import annotations
 
@@ -270,7 +271,9 @@ def test_with_no_decode_server_left_the_stream_ends_with_a_clear_error_and_nothi
     assert c.metric(other, 'pdserve_requests_total{outcome="aborted"}') >= 1
 
 
-def test_a_draining_decode_server_hands_its_streams_to_the_other_at_once(cluster):
+def test_a_draining_decode_server_moves_its_streams_and_a_draining_prefill_server_finishes_its_transfer(
+    cluster, tiny_model
+):
     c = cluster
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     body |= {"stream": True, **USAGE}
@@ -303,4 +306,23 @@ def test_a_draining_decode_server_hands_its_streams_to_the_other_at_once(cluster
     assert c.proc(victim).popen.wait(WAIT_S) == -signal.SIGTERM  # drained, then ended by the signal, as always
     assert time.monotonic() - sent < pause_s  # it did not wait for its stream
     c.restart(victim)
+    all_free(c)
+
+    # A prefill server sent SIGTERM mid-transfer finishes the transfer it started, then exits.
+    prompt = "A prefill server that leaves finishes what it started: " + "blocks and leases " * 4
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    (p0,) = c.prefill
+    c.arm(p0, stall_after_layer=0, pause_timeout_s=WAIT_S)
+    call = Call(c.router_url, "completions", body)
+    call.start()
+    wait_until(lambda: c.faults(p0)["stalled"], WAIT_S, "the prefill server stalled mid-transfer")
+    os.kill(c.proc(p0).popen.pid, signal.SIGTERM)
+    wait_until(lambda: c.http.get(f"{c.url(p0)}/health").json()["status"] == "draining", WAIT_S, "p0 draining")
+    assert c.alive(p0)  # it waits for its transfer
+    c.release(p0)
+    call.join(WAIT_S)
+    assert answer(call)["choices"][0]["text"] == expected_completion(tiny_model, prompt, 6)[0]
+    assert c.proc(p0).popen.wait(WAIT_S) == -signal.SIGTERM
+    c.restart(p0)
+    c.wait_back([p0])
     all_free(c)
