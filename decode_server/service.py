@@ -85,6 +85,7 @@ class Active:
     transfer_id: str | None = None
     lease: asyncio.TimerHandle | None = None
     finished: bool = False  # every sequence's last event was sent
+    moved: bool = False  # draining moved it off: its engine request is already dropped
     sequences: int = 1  # how many sequences' last events the stream waits for (sampling.n)
     started: float = field(default_factory=time.monotonic)
     trace: StreamTrace | None = None
@@ -128,11 +129,15 @@ class GenerationService:
         self._cancelling: dict[str, str] = {}  # cancelled, waiting for the receiver to confirm; engine thread only
         self._active: dict[str, Active] = {}  # event loop only
         self._hub: StreamHub | None = None
-        self.drain = Drain(lambda: len(self._active))  # draining: new requests are refused, active ones finish
+        # Draining: new requests are refused; active ones finish here ("wait"), or ("migrate") their streams
+        # end at once with a "draining" error, on which the router continues them on another decode server.
+        self.drain = Drain(lambda: len(self._active), self._move_streams if settings.drain == "migrate" else None)
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ---- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
-        self._hub = StreamHub(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        self._hub = StreamHub(self._loop)
         if self._receiver is not None:
             self._receiver.start()
         self.engine_thread.start()
@@ -184,8 +189,8 @@ class GenerationService:
                     ), active
 
             def add(e: LLMEngine) -> int:
-                cached = e.cached_prefix(req.prompt_token_ids, sampling)
-                e.add_request(rid, req.prompt_token_ids, sampling)
+                cached = e.cached_prefix(req.prompt_token_ids + req.generated_token_ids, sampling)
+                e.add_request(rid, req.prompt_token_ids, sampling, generated=req.generated_token_ids)
                 return cached
 
             cached = await self.engine_thread.run(add)
@@ -296,6 +301,9 @@ class GenerationService:
         active.trace.close()
         if active.lease is not None:
             active.lease.cancel()
+        if active.moved:
+            self.metrics.requests.labels(outcome=Outcome.DRAINING).inc()
+            return
         if active.finished:
             self.metrics.requests.labels(outcome=Outcome.OK).inc()
             return
@@ -310,6 +318,27 @@ class GenerationService:
         await self.close(request_id)
         return active is not None
 
+    def _move_streams(self) -> None:
+        """Draining with ``drain: migrate`` (from SIGTERM's handler or an admin call): every open stream
+        ends with a "draining" error, which the router answers by continuing the request elsewhere from
+        the tokens it already has; each stream's end frees the request's blocks (``events``)."""
+        if self._loop is None:
+            return
+
+        def end_all() -> None:
+            message = f"{self.settings.name} is draining: its streams move to another decode server"
+            for active in list(self._active.values()):
+                if active.finished:
+                    continue
+                active.queue.put_nowait(ErrorEvent(message=message, code=Outcome.DRAINING))
+                active.moved = True
+                rid, transfer_id = active.request_id, active.transfer_id
+                self.engine_thread.call(lambda e, rid=rid, transfer_id=transfer_id: self._drop(e, rid, transfer_id))
+            if self._active:
+                log.info("draining: %d streams moved off", len(self._active))
+
+        self._loop.call_soon_threadsafe(end_all)
+
     def _forget(self, active: Active, outcome: Outcome = Outcome.CANCELLED) -> None:
         self._active.pop(active.request_id, None)
         self._hub.close(active.request_id)
@@ -322,6 +351,8 @@ class GenerationService:
         for out in outputs:
             self.metrics.tokens.inc(len(out.new_token_ids))
             self._hub.publish(out.request_id, tokens_event(out))
+        if self.faults is not None:
+            self.faults.streamed(sum(len(out.new_token_ids) for out in outputs))
 
     def _drop(self, e: LLMEngine, request_id: str, transfer_id: str | None) -> None:
         """The request's client left. A reservation still waiting for KV is cancelled

@@ -60,7 +60,7 @@ from router.settings import (
     RouterSettings,
     WorkerSpec,
 )
-from server_common.process_defaults import DRAIN_TIMEOUT_S, INSTANCE_NAME, LOOPBACK_HOST, is_loopback
+from server_common.process_defaults import DRAIN_TIMEOUT_S, INSTANCE_NAME, LOOPBACK_HOST, DrainMode, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 from server_common.tracing import TracingSettings
 
@@ -349,7 +349,7 @@ class DiscoveryConfig(Strict):
 
 
 class RecoveryConfig(Strict):
-    """What happens when a step of a request fails before its first token.
+    """What happens when a step of a request fails.
 
     ``prefill_failure`` (router; a prefill server failed, or the decode server
     reported the KV never arrived intact): ``retry`` once more on another
@@ -363,6 +363,10 @@ class RecoveryConfig(Strict):
     prefill_failure: PrefillFailure = RouterSettings.prefill_failure
     """Router, when a prefill failed: once more on another prefill server (`retry`), on the decode server
     (`local`), or a clear error (`fail`)."""
+    migration_limit: int = Field(default=RouterSettings.migration_limit, ge=0, le=16)
+    """Router, when a decode stream broke (server died, stream cut or stalled, engine down, draining): how many
+    times one request moves to another decode server, which continues it from the tokens already streamed;
+    past it the client gets the error. 0: never."""
     lease_expiry: KvFailureAction = ServerSettings.lease_expiry
     """Decode server, when a lease expired before the KV arrived: fail the request, or prefill it itself."""
     checksum_failure: KvFailureAction = ServerSettings.checksum_failure
@@ -428,6 +432,12 @@ class ClusterConfig(Strict):
     """Seconds a decode server holds blocks reserved for KV that has not arrived."""
     drain_timeout_s: float = Field(default=DRAIN_TIMEOUT_S, gt=0)
     """On SIGTERM, the longest a process waits for its requests in flight, in seconds."""
+    drain: DrainMode = RouterSettings.drain
+    """A decode server that drains (SIGTERM, and so a Kubernetes pod after its preStop; its `POST /admin/drain`;
+    the router's `DELETE /admin/workers/NAME` or `.../drain`): `migrate` moves its running streams to other
+    decode servers at once, which continue them from the tokens already streamed (so it leaves in seconds);
+    `wait` lets them finish there, up to `drain_timeout_s`. A prefill server always finishes the prefills and
+    transfers it started."""
     log_stats_interval_s: float = Field(default=ServerSettings.log_stats_interval_s, ge=0)
     """Seconds between the stats lines each process logs while it has traffic (launch shows them); 0: none."""
     security: SecurityConfig = SecurityConfig()
@@ -439,7 +449,7 @@ class ClusterConfig(Strict):
     transfer: TransferConfig = TransferConfig()
     """How KV moves from prefill to decode servers."""
     recovery: RecoveryConfig = RecoveryConfig()
-    """What happens when a step of a request fails before its first token."""
+    """What happens when a step of a request fails (prefill before its first token; decode: migration)."""
     restart: RestartConfig = RestartConfig()
     """What `pdserve launch` does when a process fails (deploy/supervisor.py)."""
     tracing: TracingConfig = TracingConfig()
@@ -604,8 +614,10 @@ class ClusterConfig(Strict):
             host=self.router_host,
             max_model_len=self.max_model_len,
             drain_timeout_s=self.drain_timeout_s,
+            drain=self.drain,
             log_stats_interval_s=self.log_stats_interval_s,
             prefill_failure=self.recovery.prefill_failure,
+            migration_limit=self.recovery.migration_limit,
             api_keys=r.api_key_values(),
             internal_secret=self.security.secret(),
             tracing=self.tracing.settings(),
@@ -642,6 +654,7 @@ class ClusterConfig(Strict):
             checksum_failure=self.recovery.checksum_failure,
             fault_injection=self.fault_injection,
             drain_timeout_s=self.drain_timeout_s,
+            drain=self.drain,
             log_stats_interval_s=self.log_stats_interval_s,
             internal_secret=self.security.secret(),
             tracing=self.tracing.settings(),

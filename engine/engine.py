@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -24,6 +24,7 @@ from engine.loader import check_split, head_dim_of, load_config, load_model
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.runner import ModelRunner, RoPE
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from engine.sequences import record_token
 from engine.structured import StructuredOutputs
 from engine.tensor_parallel import Shard
 
@@ -178,10 +179,21 @@ class LLMEngine:
 
     # ---- requests ----------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        cache_salt: str | None = None,
+        generated: Sequence[int] = (),
     ) -> None:
-        """Queue a request; ``cache_salt`` keeps its cached blocks apart from other salts' (tenants)."""
-        self.scheduler.add(self._new_request(request_id, prompt_token_ids, sampling, cache_salt))
+        """Queue a request; ``cache_salt`` keeps its cached blocks apart from other salts' (tenants).
+
+        ``generated``: a sequence that continues (a request migrated from another server): the
+        tokens it already produced after ``prompt_token_ids``. They are computed with the prompt
+        and start its output, as a preempted sequence's are: token i is still drawn with (seed, i),
+        its grammar has taken them, and ``min_tokens`` / ``max_tokens`` count them. Only for a
+        request of one sequence (``sampling.n`` 1)."""
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, sampling, cache_salt, generated))
 
     def reserve(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None
@@ -301,28 +313,40 @@ class LLMEngine:
 
     # ---- helpers ---------------------------------------------------------------
     def _new_request(
-        self, request_id: str, prompt: list[int], sampling: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt: list[int],
+        sampling: SamplingParams,
+        cache_salt: str | None = None,
+        generated: Sequence[int] = (),
     ) -> Request:
         if not prompt:
             raise ValueError("the prompt is empty")
         vocab = self.hf_config.vocab_size
-        bad = [t for t in prompt if not 0 <= t < vocab]
+        bad = [t for t in (*prompt, *generated) if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        if generated:
+            if sampling.n != 1:
+                raise ValueError("generated tokens continue one sequence: sampling.n must be 1")
+            if len(generated) >= sampling.max_tokens:
+                raise ValueError(
+                    f"{len(generated)} generated tokens leave nothing to generate (max_tokens {sampling.max_tokens})"
+                )
         named = [t for t, _ in sampling.logit_bias] + list(sampling.stop_token_ids)
         bad = [t for t in named if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"logit_bias or stop_token_ids name token ids {bad[:5]} outside the vocabulary")
-        if len(prompt) >= self.max_model_len:
+        if len(prompt) + len(generated) >= self.max_model_len:
             raise ValueError(
-                f"the prompt has {len(prompt)} tokens; the context holds {self.max_model_len} "
+                f"the prompt has {len(prompt) + len(generated)} tokens; the context holds {self.max_model_len} "
                 "including at least one generated token"
             )
         blocks = self.scheduler.blocks
-        needed = blocks.blocks_needed(len(prompt) + 1)
+        needed = blocks.blocks_needed(len(prompt) + len(generated) + 1)
         if needed > blocks.num_blocks:  # it could never be admitted, and would hold up the queue behind it
             raise ValueError(
-                f"the prompt has {len(prompt)} tokens; with its first generated token they need "
+                f"the prompt has {len(prompt) + len(generated)} tokens; with its first generated token they need "
                 f"{needed} KV blocks, and this server's cache holds {blocks.num_blocks}"
             )
         if self.config.mode != "prefill":  # here it also generates: each sequence must fit the cache alone
@@ -334,7 +358,11 @@ class LLMEngine:
                     f"{needed} KV blocks; this server's cache holds {blocks.num_blocks}"
                 )
         grammar = None if sampling.structured is None else self._structured_outputs().grammar(sampling.structured)
-        return Request(request_id, list(prompt), sampling, cache_salt=cache_salt, grammar=grammar)
+        request = Request(request_id, list(prompt), sampling, cache_salt=cache_salt, grammar=grammar)
+        for position, token in enumerate(generated):
+            if record_token(request, token, self.eos_token_ids, self.max_model_len) is not None:
+                raise ValueError(f"generated token {position} ({token}) ends the sequence: nothing is left to generate")
+        return request
 
     def _structured_outputs(self) -> StructuredOutputs:
         """Built on the first request with a grammar (about a second for a large vocabulary), then kept."""

@@ -3,9 +3,14 @@
     GET    /admin/workers                  every worker: health, draining, requests in flight, limit
     POST   /admin/workers {"url": U}       the worker at U joins (router/cluster/discovery.py: asked for its role,
                                            name and model; 409 when refused, naming why)
-    DELETE /admin/workers/{name}           it leaves: drained (its requests finish), then forgotten
-    POST   /admin/workers/{name}/drain     no new request goes to it; its requests in flight finish
+    DELETE /admin/workers/{name}           it leaves: drained (its requests finish, or move), then forgotten
+    POST   /admin/workers/{name}/drain     no new request goes to it; its requests in flight finish, or move
                                            (?wait_s=N: answer once they did, or after N seconds)
+
+With ``drain: migrate`` (the default) the requests a decode server streams
+move to other decode servers at once (``Dispatcher.move_off``: migration,
+router/cluster/session.py), so it is empty within about a prefill of their
+tokens, not after the longest of them; with ``wait`` they finish where they are.
     POST   /admin/workers/{name}/resume    back in rotation
 
 A worker can also drain itself (its own ``POST /admin/drain``, or SIGTERM);
@@ -52,8 +57,19 @@ def describe(w: Worker) -> dict:
 
 
 def add_admin_routes(
-    app: FastAPI, registry: WorkerRegistry, authorize: Callable[[Request], None], discovery: Callable[[], Discovery]
+    app: FastAPI,
+    registry: WorkerRegistry,
+    authorize: Callable[[Request], None],
+    discovery: Callable[[], Discovery],
+    move_off: Callable[[str], int] | None = None,
 ) -> None:
+    """``move_off(name)``: migrate the requests a leaving decode server streams (None: they finish there)."""
+
+    def drain_out(w: Worker) -> None:
+        w.set_draining(True)  # out of rotation first: nothing migrates back onto it
+        if move_off is not None:
+            move_off(w.name)
+
     def worker(name: str) -> Worker:
         found = registry.find(name)
         if found is None:
@@ -79,7 +95,7 @@ def add_admin_routes(
     @app.delete("/admin/workers/{name}", include_in_schema=False)
     async def leave(name: str, request: Request) -> JSONResponse:
         authorize(request)
-        worker(name)
+        drain_out(worker(name))
         left = await discovery().leave(name)
         if left is None:  # another call made it leave meanwhile
             raise OpenAIError(404, f"no worker named {name!r}", param="name")
@@ -89,6 +105,7 @@ def add_admin_routes(
     async def drain(name: str, request: Request, wait_s: float = Query(0.0, ge=0, le=600)) -> JSONResponse:
         authorize(request)
         w = worker(name)
+        drain_out(w)
         await registry.drain(w, wait_s, WAIT_POLL_S)
         return JSONResponse(describe(w))
 

@@ -221,6 +221,7 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
                 DispatchSettings(
                     local_prefill_threshold=settings.local_prefill_threshold,
                     prefill_failure=settings.prefill_failure,
+                    migration_limit=settings.migration_limit,
                     max_request_kv_share=settings.max_request_kv_share,
                 ),
                 parts.metrics.recovery,
@@ -311,7 +312,8 @@ def create_app(
     app.add_middleware(RequestIdMiddleware)  # outermost: every answer, a 413 too, has an id
     install_error_handlers(app)
     add_openai_routes(app, parts)
-    add_admin_routes(app, parts.registry, parts.auth.admin, lambda: app.state.discovery)
+    move_off = (lambda name: app.state.handlers.dispatcher.move_off(name)) if settings.drain == "migrate" else None
+    add_admin_routes(app, parts.registry, parts.auth.admin, lambda: app.state.discovery, move_off)
     add_operator_routes(app, parts)
     return app
 

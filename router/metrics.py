@@ -88,6 +88,12 @@ class RecoveryMetrics:
             ["action", "outcome"],
             registry=r,
         )
+        self.migrations = Counter(
+            "pdserve_router_migrations",
+            "Requests moved to another decode server when their decode stream broke, by cause (outcome code)",
+            ["cause"],
+            registry=r,
+        )
         self.reprefills = Counter(
             "pdserve_router_decode_reprefills",
             "Requests a decode server prefilled itself after the remote KV failed, by outcome code",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.structured import GrammarLimits
-from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, DrainMode
 from server_common.tracing import TracingSettings
 
 PolicyName = Literal["round_robin", "least_loaded", "cache_aware"]  # router/cluster/policies.py
@@ -104,6 +104,10 @@ class RouterSettings:
     # router closes it first and never sends a request on a connection the server is closing.
     worker_keepalive_s: float = 2.0
     prefill_failure: PrefillFailure = "retry"
+    migration_limit: int = 2  # decode failures one request survives, moved to another decode server each time
+    # A decode server drained or removed through the admin API: its streams move to other decode servers
+    # ("migrate") or finish there ("wait").
+    drain: DrainMode = "migrate"
     max_body_bytes: int = 4 << 20  # larger request bodies get 413
     max_prompt_tokens: int | None = None  # longer prompts get 400 (None: only the context length limits them)
     max_tokens: int | None = None  # larger max_tokens gets 400; a request without one gets at most this

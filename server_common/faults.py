@@ -13,6 +13,8 @@ releases. Faults and where they act::
     delay_notices n     P  the next n notices leave notice_delay_s late
     corrupt_writes n    D  one byte of each of the next n KV writes received is flipped
     step_delay_s        D  the engine thread sleeps after each step that produced tokens
+    pause_after_tokens k D  the engine thread stops (once) right after it streamed its k-th token
+                            since the plan was armed: the tokens so far are on their way, no more come
     break_transport n   P/D the transfer backend's next n polls raise: the transfer thread dies,
                             so /health turns 503 and the server exits to be restarted
 
@@ -43,6 +45,7 @@ class FaultPlan(BaseModel):
     corrupt_writes: int = Field(default=0, ge=0)
     break_transport: int = Field(default=0, ge=0)
     step_delay_s: float = Field(default=0.0, ge=0, le=5)
+    pause_after_tokens: int | None = Field(default=None, ge=1)
     pause_timeout_s: float = Field(default=5.0, gt=0, le=60)
 
 
@@ -60,6 +63,7 @@ class FaultInjector:
         self._release = threading.Event()
         self._held = 0
         self._stalled = False
+        self._tokens = 0  # streamed since the plan was armed (pause_after_tokens)
         self._injected = {
             "held": 0,
             "stalled": 0,
@@ -75,12 +79,18 @@ class FaultInjector:
         with self._lock:
             self._release.set()
             self._plan, self._release = plan, threading.Event()
+            self._tokens = 0
 
     def release(self) -> None:
         """End holds, stalls and slow steps now; counted faults stay armed."""
         with self._lock:
             self._plan = self._plan.model_copy(
-                update={"hold_prefill": False, "stall_after_layer": None, "step_delay_s": 0.0}
+                update={
+                    "hold_prefill": False,
+                    "stall_after_layer": None,
+                    "step_delay_s": 0.0,
+                    "pause_after_tokens": None,
+                }
             )
             self._release.set()
 
@@ -132,12 +142,29 @@ class FaultInjector:
             with self._lock:
                 self._held -= 1
 
+    def streamed(self, num_tokens: int) -> None:
+        """Engine thread, after a step's tokens were handed to their streams: stop once, until
+        released, when they make ``pause_after_tokens``."""
+        with self._lock:
+            limit = self._plan.pause_after_tokens
+            if limit is None or not num_tokens:
+                return
+            self._tokens += num_tokens
+            if self._tokens < limit:
+                return
+            self._plan = self._plan.model_copy(update={"pause_after_tokens": None})  # once per arming
+        self._pause()
+
     def stall(self, layer: int) -> None:
         """Engine thread, after ``layer`` was pushed: stop once, until released."""
         with self._lock:
             if self._plan.stall_after_layer != layer:
                 return
             self._plan = self._plan.model_copy(update={"stall_after_layer": None})  # once per arming
+        self._pause()
+
+    def _pause(self) -> None:
+        with self._lock:
             release, timeout = self._release, self._plan.pause_timeout_s
             self._stalled = True
             self._injected["stalled"] += 1

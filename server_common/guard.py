@@ -161,14 +161,17 @@ class Drain:
 
     POLL_S = 0.05
 
-    def __init__(self, inflight: Callable[[], int]) -> None:
+    def __init__(self, inflight: Callable[[], int], on_start: Callable[[], None] | None = None) -> None:
         self._inflight = inflight
+        self._on_start = on_start  # called once when draining starts (a decode server moves its streams off)
         self.draining = False
         self.since: float | None = None
 
     def start(self) -> None:
         if not self.draining:
             self.draining, self.since = True, time.monotonic()
+            if self._on_start is not None:
+                self._on_start()
 
     def resume(self) -> None:
         self.draining, self.since = False, None

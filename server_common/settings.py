@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from engine.config import EngineConfig, EngineMode
-from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST
+from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, DrainMode
 from server_common.tracing import TracingSettings
 
 TransferBackendName = Literal["zmq", "nixl"]  # transfer's in-process backend is for tests inside one process
@@ -37,6 +37,7 @@ class ServerSettings:
     checksum_failure: KvFailureAction = "fail"
     fault_injection: bool = False  # mount /admin/faults (tests only)
     drain_timeout_s: float = DRAIN_TIMEOUT_S
+    drain: DrainMode = "migrate"  # a decode server told to drain (SIGTERM, POST /admin/drain): see DrainMode
     # Slow and greedy clients (server_common/connections.py): a request's headers within header_timeout_s,
     # its body within body_timeout_s after them, at most max_connections_per_client open from one address
     # (the router's pool to one worker, worker_connections, stays under it).

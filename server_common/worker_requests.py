@@ -9,7 +9,7 @@ request asks for is the engine's own ``SamplingParams``, bounds included.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.request import SamplingParams, TokenId
 from server_common.process_defaults import INSTANCE_NAME
@@ -28,6 +28,15 @@ class GenerateRequest(Strict):
     ``local_prefill``: the server computes the prompt itself (colocated mode,
     or a prompt below the conditional-disaggregation threshold) instead of
     reserving blocks for a prefill server to fill.
+
+    ``generated_token_ids``: the request continues a sequence that another
+    decode server started (migration, router/cluster/session.py): the tokens
+    it already produced after ``prompt_token_ids``, which the client has
+    already received. They are computed here with the prompt and are never
+    sent again; the next token is drawn as token ``len(generated_token_ids)``
+    of the sequence (its seed, its grammar, ``min_tokens`` and ``max_tokens``
+    count them). Only with ``local_prefill`` and one sequence (``sampling.n``
+    1), and fewer than ``sampling.max_tokens``.
     """
 
     request_id: str = Field(min_length=1, max_length=200)
@@ -35,6 +44,21 @@ class GenerateRequest(Strict):
     sampling: SamplingParams  # the engine's own, with its bounds
     local_prefill: bool = False
     trace: str | None = Field(default=None, max_length=128)  # the router's W3C traceparent (tracing on)
+    generated_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_PROMPT)
+
+    @model_validator(mode="after")
+    def _continuation(self) -> GenerateRequest:
+        if not self.generated_token_ids:
+            return self
+        if not self.local_prefill:
+            raise ValueError("generated_token_ids needs local_prefill: a continued sequence is computed here")
+        if self.sampling.n != 1:
+            raise ValueError("generated_token_ids continues one sequence: sampling.n must be 1")
+        if len(self.generated_token_ids) >= self.sampling.max_tokens:
+            raise ValueError("generated_token_ids must be fewer than sampling.max_tokens")
+        if len(self.prompt_token_ids) + len(self.generated_token_ids) > MAX_PROMPT:
+            raise ValueError(f"prompt_token_ids and generated_token_ids hold more than {MAX_PROMPT} tokens together")
+        return self
 
 
 class PrefillRequest(Strict):

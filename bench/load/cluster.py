@@ -153,8 +153,11 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def launch(config: Path, run_dir: Path, cores: list[int], timeout: float = 600.0) -> RunningCluster:
-    """Runs ``pdserve launch CONFIG --run-dir RUN_DIR`` pinned to ``cores``."""
+def launch(
+    config: Path, run_dir: Path, cores: list[int], timeout: float = 600.0, cwd: Path | None = None
+) -> RunningCluster:
+    """Runs ``pdserve launch CONFIG --run-dir RUN_DIR`` pinned to ``cores``; ``cwd``: the checkout whose
+    pdserve runs it (default: the one this process imports)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = run_dir / "cluster.json"
     manifest_path.unlink(missing_ok=True)
@@ -176,6 +179,8 @@ def launch(config: Path, run_dir: Path, cores: list[int], timeout: float = 600.0
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
         preexec_fn=lambda: os.sched_setaffinity(0, cores),
+        cwd=cwd,
+        env=None if cwd is None else {**os.environ, "PYTHONPATH": str(cwd)},
     )
     log.close()
     manifest: dict = {"processes": []}

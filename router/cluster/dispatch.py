@@ -43,6 +43,7 @@ class DispatchSettings:
     prefill_failure: PrefillFailure = RouterSettings.prefill_failure  # router/cluster/recovery.py
     no_room_cooldown: float = 0.2  # after a decode server said "no room", skip it this long (or until a slot frees)
     max_request_kv_share: float = RouterSettings.max_request_kv_share  # of a decode server's cache, per request
+    migration_limit: int = RouterSettings.migration_limit  # decode failures a request survives (recovery.py)
 
 
 class Dispatcher:
@@ -76,10 +77,22 @@ class Dispatcher:
             admission=self.admission,
             recovery=self.recovery,
             prefill_failure=settings.prefill_failure,
-            open_stream=lambda rid, prompt, sampling, local, trace: self.open_stream(
-                rid, prompt, sampling, local, trace=trace
+            open_stream=lambda rid, prompt, sampling, local, trace, generated, avoid: self.open_stream(
+                rid, prompt, sampling, local, trace=trace, generated=generated, avoid=avoid
             ),
+            migration_limit=settings.migration_limit,
         )
+
+    def move_off(self, name: str) -> int:
+        """Migrate every request streaming from decode server ``name`` (which is being drained or
+        removed) to other decode servers; how many were told to."""
+        worker = self.registry.find(name)
+        if worker is None or worker.role != "decode":
+            return 0
+        moved = sum(session.move_off(worker) for session in list(self._sessions.live))
+        if moved:
+            log.info("decode server %s leaves: %d requests migrate off it", name, moved)
+        return moved
 
     def wants_local_prefill(self, num_uncached_tokens: int) -> bool:
         """No prefill servers at all (colocated), a prompt whose part the decode server does not
@@ -160,25 +173,40 @@ class Dispatcher:
         prefill_slot: bool = False,
         trace: str | None = None,
         prefer: str | None = None,
+        generated: list[int] | None = None,
+        avoid: frozenset[str] = frozenset(),
     ) -> tuple[DecodeStream, Slot]:
         """A decode stream on the first server in policy order with a free slot that takes it,
         waiting for one (``Admission.admit``). ``local``: D prefills the prompt itself; None:
         decided per decode server on the part of the prompt it does not cache
         (``wants_local_prefill``). ``prefill_slot``: also claim one of the prefill servers'
         slots when the request needs a prefill server (a new request; a retry runs its
-        prefill without one)."""
+        prefill without one). ``generated``: the tokens a migrated sequence already produced
+        (prefilled on the decode server with the prompt); ``avoid``: decode servers it broke on."""
         req = GenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt, sampling=sampling, local_prefill=bool(local), trace=trace
+            request_id=request_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            local_prefill=bool(local) or bool(generated),
+            trace=trace,
+            generated_token_ids=generated or [],
         )
-        return await self.admission.admit(lambda: self._try_open(req, prefill_slot, local, prefer))
+        if generated:
+            local = True
+        return await self.admission.admit(lambda: self._try_open(req, prefill_slot, local, prefer, avoid))
 
     async def _try_open(
-        self, req: GenerateRequest, prefill_slot: bool, local: bool | None, prefer: str | None = None
+        self,
+        req: GenerateRequest,
+        prefill_slot: bool,
+        local: bool | None,
+        prefer: str | None = None,
+        avoid: frozenset[str] = frozenset(),
     ) -> tuple[DecodeStream, Slot] | None:
         """None when every decode server in rotation is full (or, with ``prefill_slot``, the prefill
         servers are). The prefill slot is claimed with the decode slot, so that no prefill server is
         sent more than its share and no reservation is made that could not be prefilled soon."""
-        in_rotation = self.registry.healthy("decode")
+        in_rotation = [w for w in self.registry.healthy("decode") if w.name not in avoid]
         if not in_rotation:
             raise OpenAIError(503, "no healthy decode server", retry_after=1)
         # A prompt a server's whole cache cannot hold would wait at the head of its queue until its

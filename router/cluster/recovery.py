@@ -10,9 +10,13 @@ Two kinds of failure (``WorkerFailed.stage``; see docs/architecture.md,
   can start over, once: ``retry`` on another prefill server (on the decode
   server itself when there is none), ``local`` on the decode server, or
   ``fail`` (recovery.prefill_failure in the config).
-* **decode failures**: the decode server died or broke the stream. The
-  client's request ends at once with a clear error; the prefill server is
-  told to drop it.
+* **decode failures**: the decode server died, broke or cut the stream,
+  stopped sending (``stream_stall_s``), said its engine is down, or moves
+  its streams off as it drains (``MIGRATES``). The request is migrated to
+  another decode server (router/cluster/session.py), at most
+  ``migration_limit`` times (recovery.migration_limit in the config); past
+  that, or on any other decode failure, the client gets a clear error and
+  the prefill server is told to drop the request.
 
 A prefill server whose transfer the decode server ended (cancelled at lease
 expiry, refused on a checksum mismatch) reports the transfer layer's outcome
@@ -27,23 +31,50 @@ from dataclasses import dataclass
 
 from router.cluster.worker_client import WorkerFailed
 from router.settings import PrefillFailure
+from transfer.outcome import Outcome
 
 MAX_ATTEMPTS = 2  # the first try and one more
+
+# Decode failures that say the server (not the request) is the problem: the request moves on.
+MIGRATES = frozenset(
+    {
+        Outcome.UNREACHABLE,
+        Outcome.TIMED_OUT,
+        Outcome.STREAM_CUT,
+        Outcome.WORKER_ERROR,
+        Outcome.ENGINE_DOWN,
+        Outcome.DRAINING,
+    }
+)
 
 
 @dataclass(frozen=True)
 class Decision:
-    action: str  # "retry" (another prefill server) | "local" (prefill on the decode server) | "fail"
+    # "retry" (another prefill server) | "local" (prefill on the decode server) | "migrate" (another
+    # decode server continues it) | "fail"
+    action: str
     why: str = ""  # for "fail": what to tell the client besides the failure itself
 
 
 def decide(
-    mode: PrefillFailure, failure: WorkerFailed, *, tokens_sent: bool, attempts: int, other_prefill: bool
+    mode: PrefillFailure,
+    failure: WorkerFailed,
+    *,
+    tokens_sent: bool,
+    attempts: int,
+    other_prefill: bool,
+    migrations: int = 0,
+    migration_limit: int = 0,
 ) -> Decision:
     """The next move after ``failure``; ``attempts`` made so far, ``other_prefill``: a healthy
-    prefill server this request has not tried yet exists."""
+    prefill server this request has not tried yet exists; ``migrations`` made so far, of at
+    most ``migration_limit``."""
     if failure.stage == "decode":
-        return Decision("fail")
+        if failure.outcome not in MIGRATES:
+            return Decision("fail")
+        if migrations >= migration_limit:
+            return Decision("fail", f"recovery.migration_limit ({migration_limit}) reached")
+        return Decision("migrate")
     if tokens_sent:
         return Decision("fail", "tokens were already sent")
     if mode == "fail":

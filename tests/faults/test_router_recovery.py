@@ -261,3 +261,128 @@ def test_the_health_watch_takes_a_dead_worker_out_and_brings_it_back_after_a_res
     # Backed off: the waits between checks double from the interval up to backoff_max (never shorter).
     gaps = [round(b - a, 3) for a, b in zip(failed_at[:6], failed_at[1:6])]
     assert all(gap >= least - 0.001 for gap, least in zip(gaps, [0.02, 0.04, 0.08, 0.08, 0.08], strict=True)), gaps
+
+
+class Breaks(FakeWorkerClient):
+    """A decode stream opened on a server in ``dying`` sends its first ``after`` events, then breaks as
+    a killed server's does; a continued sequence (``generated_token_ids``) gets the rest of ``reply``."""
+
+    def __init__(self, dying: set[str], after: int, outcome: Outcome = Outcome.UNREACHABLE, **kw) -> None:
+        super().__init__(**kw)
+        self.dying, self.after, self.outcome = dying, after, outcome
+
+    def sequence(self, req, index):
+        events = super().sequence(req, index)
+        return events[len(req.generated_token_ids) :]
+
+    async def open_decode(self, worker, req):
+        stream = await super().open_decode(worker, req)
+        if worker.name not in self.dying:
+            return stream
+        return Breaking(stream, self.after, WorkerFailed.of(worker, "stream broken: reset", self.outcome))
+
+
+class Breaking(FakeStream):
+    def __init__(self, stream: FakeStream, after: int, failure: WorkerFailed) -> None:
+        super().__init__(stream.worker, stream.reservation, stream.events_to_send, stream.delay)
+        self.after, self.failure = after, failure
+
+    async def events(self):
+        for event in self.events_to_send[: self.after]:
+            yield event
+        raise self.failure
+
+
+def run_session(dispatcher, sampling: SamplingParams, rid: str = "r1"):
+    async def go():
+        session = await dispatcher.start(rid, [5, 6, 7], sampling)
+        try:
+            return [x async for x in session.deltas()], session.migrations
+        finally:
+            await session.close()
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("after", [0, 1, 3, 4])
+def test_a_broken_decode_stream_moves_to_another_decode_server_with_the_tokens_already_sent(after):
+    fake = Breaks({"d0"}, after, reply=[11, 12, 13, 14, 15])
+    registry, dispatcher = make(fake, workers(num_prefill=1, num_decode=2), "retry")
+    sampling = SamplingParams(max_tokens=5, temperature=0.7, seed=3)
+    events, migrations = run_session(dispatcher, sampling)
+    assert [t for e in events for t in e.token_ids] == [11, 12, 13, 14, 15]  # none missing, none twice
+    assert [e.finish_reason for e in events][-1] == "stop" and migrations == 1
+    (_, first), (second_on, second) = fake.opened
+    assert second_on == "d1" and second.request_id == "r1-migrate1" and second.sampling == sampling
+    assert second.generated_token_ids == [11, 12, 13, 14][:after]
+    assert second.local_prefill == (after > 0)  # nothing sent yet: it opens again as a new request would
+    assert ("d0", "r1") in fake.aborts and not registry.workers[1].healthy
+    assert dispatcher.recovery.migrations.labels(cause="unreachable")._value.get() == 1
+    assert all(w.inflight == 0 for w in registry.workers)
+
+
+def test_each_unfinished_sequence_of_n_continues_from_its_own_tokens_seeded_seed_plus_i():
+    fake = Breaks({"d0"}, 5, reply=[21, 22, 23])  # sequence 0 sent all 3 (done), sequence 1 two
+    _, dispatcher = make(fake, workers(num_prefill=1, num_decode=2), "retry")
+    sampling = SamplingParams(max_tokens=3, temperature=1.0, seed=40, n=3)
+    events, _ = run_session(dispatcher, sampling)
+    by_index = {i: [t for e in events if e.index == i for t in e.token_ids] for i in range(3)}
+    assert by_index == {0: [21, 22, 23], 1: [21, 22, 23], 2: [21, 22, 23]}
+    continued = {req.request_id: req for name, req in fake.opened if name == "d1"}
+    assert sorted(continued) == ["r1-migrate1-1", "r1-migrate1-2"]
+    assert continued["r1-migrate1-1"].generated_token_ids == [21, 22]
+    assert continued["r1-migrate1-2"].generated_token_ids == []
+    assert [(r.sampling.seed, r.sampling.n) for r in continued.values()] == [(41, 1), (42, 1)]
+
+
+def test_past_the_migration_limit_or_with_no_decode_server_left_the_client_gets_the_decode_error():
+    fake = Breaks({"d0", "d1", "d2"}, 1, reply=[1, 2, 3, 4, 5])
+    registry, dispatcher = make(fake, workers(num_prefill=1, num_decode=3), "retry")
+    with pytest.raises(OpenAIError) as info:
+        run_session(dispatcher, SamplingParams(max_tokens=5, temperature=0))
+    assert info.value.status == 500 and "recovery.migration_limit (2) reached" in info.value.message
+    assert [req.generated_token_ids for _, req in fake.opened] == [[], [1], [1, 2]]
+    assert all(w.inflight == 0 for w in registry.workers)
+
+    fake = Breaks({"d0"}, 2, reply=[1, 2, 3])
+    registry, dispatcher = make(fake, workers(num_prefill=1, num_decode=1), "retry")
+    with pytest.raises(OpenAIError) as info:
+        run_session(dispatcher, SamplingParams(max_tokens=3, temperature=0), "r7")
+    err = info.value
+    assert err.status == 500 and err.code == "unreachable" and "d0" in err.message and "r7" in err.message
+    assert "no other decode server could continue it" in err.message
+    assert all(w.inflight == 0 for w in registry.workers)
+
+
+def test_an_error_the_decode_server_sends_about_the_request_itself_is_not_migrated():
+    fake = Breaks({"d0"}, 1, Outcome.BAD_REQUEST, reply=[1, 2, 3])
+    _, dispatcher = make(fake, workers(num_prefill=1, num_decode=2), "retry")
+    with pytest.raises(OpenAIError):
+        run_session(dispatcher, SamplingParams(max_tokens=3, temperature=0))
+    assert len(fake.opened) == 1
+
+
+def test_a_decode_server_drained_with_migrate_hands_its_streams_to_another_at_once():
+    fake = Breaks(set(), 0, reply=[31, 32, 33, 34, 35, 36], delay=0.05)
+    registry, dispatcher = make(fake, workers(num_prefill=1, num_decode=2), "retry")
+
+    async def go():
+        session = await dispatcher.start("r1", [5, 6, 7], SamplingParams(max_tokens=6, temperature=0))
+        try:
+            events = []
+            async for event in session.deltas():
+                events.append(event)
+                if len(events) == 2:
+                    assert dispatcher.move_off(session.decode.name) == 1
+                    assert dispatcher.move_off("p0") == 0  # not a decode server
+            return events, session
+        finally:
+            await session.close()
+
+    events, session = asyncio.run(go())
+    assert [t for e in events for t in e.token_ids] == [31, 32, 33, 34, 35, 36]
+    first, second = fake.opened
+    assert first[0] != second[0] and second[1].generated_token_ids == [31, 32]
+    assert (first[0], "r1") in fake.aborts and session.migrations == 1
+    assert dispatcher.recovery.migrations.labels(cause="draining")._value.get() == 1
+    assert all(w.inflight == 0 for w in registry.workers) and not dispatcher._sessions.live

@@ -127,3 +127,62 @@ def test_a_notice_without_one_first_token_in_the_vocabulary_per_sequence_fails_t
         assert len(lines) == 2 and '"code":"bad_notice"' in lines[-1]
 
     run_decode_service(engine, scenario)
+
+
+def test_a_continued_sequence_streams_only_its_new_tokens_and_a_bad_one_is_a_400(engine):
+    prompt, sampling = list(range(10, 16)), SamplingParams(max_tokens=5, temperature=0, logprobs=1)
+
+    async def tokens(service, rid: str, generated: list[int]) -> list[TokensEvent]:
+        req = GenerateRequest(
+            request_id=rid,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            local_prefill=True,
+            generated_token_ids=generated,
+        )
+        first, active = await service.open(req)
+        assert first.reservation is None
+        lines = [line async for line in service.events(first, active)]
+        return [TokensEvent.model_validate_json(line) for line in lines[1:]]
+
+    async def scenario(service, receiver):
+        whole = await tokens(service, "whole", [])
+        ids = [e.token_ids[0] for e in whole]
+        rest = await tokens(service, "rest", ids[:2])
+        assert [e.token_ids[0] for e in rest] == ids[2:]
+        assert [e.logprobs[0].logprob for e in rest] == pytest.approx([e.logprobs[0].logprob for e in whole[2:]])
+        assert rest[-1].finish_reason == whole[-1].finish_reason == "length"
+        stops = SamplingParams(max_tokens=5, temperature=0, stop_token_ids=(ids[0],))
+        bad = GenerateRequest(
+            request_id="bad", prompt_token_ids=prompt, sampling=stops, local_prefill=True, generated_token_ids=ids[:2]
+        )
+        with pytest.raises(WorkerError) as info:
+            await service.open(bad)
+        assert info.value.status == 400 and "ends the sequence" in str(info.value)
+        await until(lambda: blocks(service)[0] == service.engine_thread.stats.scheduler.total)
+
+    run_decode_service(engine, scenario)
+
+
+@pytest.mark.parametrize(
+    "change,why",
+    [
+        ({"local_prefill": False}, "needs local_prefill"),
+        ({"sampling": SamplingParams(max_tokens=3, n=2)}, "sampling.n must be 1"),
+        ({"sampling": SamplingParams(max_tokens=1)}, "fewer than sampling.max_tokens"),
+        ({"generated_token_ids": [-1]}, "greater than or equal to 0"),
+        ({"generated_token_ids": [1 << 40]}, "less than"),
+        ({"generated_token_ids": "12"}, "list"),
+    ],
+)
+def test_a_hostile_continuation_is_refused_by_validation(change, why):
+    fields = {
+        "request_id": "x",
+        "prompt_token_ids": [1, 2],
+        "sampling": SamplingParams(max_tokens=3),
+        "local_prefill": True,
+        "generated_token_ids": [5],
+        **change,
+    }
+    with pytest.raises(ValueError, match=why):
+        GenerateRequest.model_validate(fields)
