@@ -1,0 +1,181 @@
+"""What one decode step of the engine costs, and the same step of another checkout beside it.
+
+    python -m bench.micro.decode_step [--model smollm2] [--dtype float32] [--batch 1,8] [--threads 2] \\
+        [--steps 64] [--rounds 5] [--against DIR] [--json FILE]
+
+Each side is a worker process holding one engine (``--threads`` torch
+threads, pinned to the same cores): it admits ``batch`` requests of 16-token
+prompts, prefills them, then times ``--steps`` decode-only steps and reports
+milliseconds per step. With ``--against DIR`` a second worker imports the
+engine from DIR (another checkout of this repository, e.g. ``git archive``
+of an earlier commit) and the two take turns, the order reversed each round,
+so a change is measured as one ratio from one run on the same machine
+(ratio = DIR's ms / this checkout's ms: above 1, this checkout is faster).
+
+``--profile-dir DIR`` runs a single side under ``py-spy record`` (``pip
+install py-spy``) and writes one speedscope/flame file per batch size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[2]
+
+
+# ---- worker (runs with either checkout's engine on sys.path) ---------------------------------
+
+
+def _worker(model: str, dtype: str, threads: int) -> None:
+    results = os.fdopen(os.dup(1), "w")  # the driver reads only these lines: anything printed goes to stderr
+    os.dup2(2, 1)
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from engine.models import MODEL_CACHE, resolve_model
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(resolve_model(model, MODEL_CACHE)),
+            dtype=dtype,
+            num_threads=threads,
+            num_blocks=1024,
+            block_size=16,
+            max_num_seqs=64,
+        )
+    )
+    salt = 0
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        batch, steps = int(cmd["batch"]), int(cmd["steps"])
+        params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+        for _ in range(batch):
+            salt += 1
+            engine.add_request(f"r{salt}", [(31 * j + 7 * salt) % 500 + 3 for j in range(16)], params)
+        engine.step()  # the prefill (one chunk for every prompt)
+        engine.step()  # the first decode step is not timed (lazy allocations)
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        ms = (time.perf_counter() - start) * 1000 / steps
+        while engine.has_unfinished():
+            engine.step()
+        print(json.dumps({"ms_per_step": ms}), file=results, flush=True)
+
+
+# ---- driver --------------------------------------------------------------------------------------
+
+
+class Side:
+    def __init__(self, name: str, root: Path, args, cores: list[int], profile: Path | None = None) -> None:
+        self.name = name
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, str(HERE), "--worker", "--model", args.model, "--dtype", args.dtype]
+        cmd += ["--threads", str(args.threads)]
+        if profile is not None:
+            cmd = ["py-spy", "record", "--format", "speedscope", "-o", str(profile), "--", *cmd]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=root,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, cores),
+        )
+
+    def run(self, batch: int, steps: int) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"batch": batch, "steps": steps}) + "\n")
+        self.proc.stdin.flush()
+        while True:  # py-spy, when it wraps the worker, writes its own lines here too
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{self.name} worker exited ({self.proc.wait()})")
+            if line.startswith("{"):
+                return float(json.loads(line)["ms_per_step"])
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.micro.decode_step", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2", help="model folder or built-in name (default smollm2)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--batch", default="1,8", help="comma-separated batch sizes (default 1,8)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--cpus", default=None, help="cores for the workers, e.g. 0,1 (default: this process's)")
+    p.add_argument("--steps", type=int, default=64, help="decode steps timed per measurement")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--against", type=Path, default=None, help="another checkout to measure beside this one")
+    p.add_argument("--profile-dir", type=Path, default=None, help="py-spy record this checkout's worker")
+    p.add_argument("--json", default=None, help="write every sample here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        _worker(args.model, args.dtype, args.threads)
+        return 0
+    from bench.load.cluster import cpu_list
+
+    cores = cpu_list(args.cpus)
+    batches = [int(b) for b in args.batch.split(",")]
+    if args.profile_dir is not None:
+        if args.against is not None:
+            p.error("--profile-dir profiles this checkout alone: drop --against")
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        for b in batches:
+            side = Side("this", REPO, args, cores, args.profile_dir / f"decode-{args.dtype}-b{b}.speedscope.json")
+            try:
+                for _ in range(args.rounds):
+                    print(f"batch {b}: {side.run(b, args.steps):.2f} ms/step", flush=True)
+            finally:
+                side.close()
+        return 0
+    sides = [Side("this", REPO, args, cores)]
+    if args.against is not None:
+        sides.append(Side("against", args.against.resolve(), args, cores))
+    samples: dict[str, dict[int, list[float]]] = {s.name: {b: [] for b in batches} for s in sides}
+    try:
+        for s in sides:  # warm-up
+            s.run(batches[0], 4)
+        for r in range(args.rounds):
+            for b in batches:
+                for s in sides if r % 2 == 0 else reversed(sides):
+                    samples[s.name][b].append(s.run(b, args.steps))
+    finally:
+        for s in sides:
+            s.close()
+    print(f"decode step, {args.dtype}, {args.threads} threads, ms per step (median, range of {args.rounds})")
+    for b in batches:
+        line = f"batch {b:>3}:"
+        for s in sides:
+            v = samples[s.name][b]
+            line += f"  {s.name} {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+        if args.against is not None:
+            line += f"  ratio {statistics.median(samples['against'][b]) / statistics.median(samples['this'][b]):.2f}x"
+        print(line)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"args": vars(args) | {"against": str(args.against), "profile_dir": None}, "samples": samples}, indent=2
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
