@@ -155,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
             for b in batches:
                 for s in sides if r % 2 == 0 else reversed(sides):
                     samples[s.name][b].append(s.run(b, args.steps))
+                    print(f"round {r + 1}, batch {b}, {s.name}: {samples[s.name][b][-1]:.2f} ms/step", flush=True)
     finally:
         for s in sides:
             s.close()
