@@ -275,16 +275,24 @@ class GenerationService:
                     yield alive
                     continue
                 event, get = get.result(), None
-                active.trace.event(event)
-                yield event.model_dump_json() + "\n"
-                if isinstance(event, ErrorEvent):
+                # Every event already queued goes out in one write: a client that fell behind
+                # catches up by several steps at once.
+                lines, last = [], False
+                while True:
+                    active.trace.event(event)
+                    lines.append(event.model_dump_json() + "\n")
+                    if isinstance(event, ErrorEvent):
+                        last = True
+                    elif isinstance(event, TokensEvent) and event.finish_reason:
+                        active.sequences -= 1
+                        last = active.sequences == 0
+                    if last or active.queue.empty():
+                        break
+                    event = active.queue.get_nowait()
+                yield "".join(lines)
+                if last:
                     active.finished = True
                     return
-                if isinstance(event, TokensEvent) and event.finish_reason:
-                    active.sequences -= 1
-                    if active.sequences == 0:
-                        active.finished = True
-                        return
         finally:
             if get is not None:
                 get.cancel()
@@ -348,9 +356,8 @@ class GenerationService:
     def _emit(self, e: LLMEngine, outputs: list[StepOutput]) -> None:
         if self.faults is not None:
             self.faults.step_delay()
-        for out in outputs:
-            self.metrics.tokens.inc(len(out.new_token_ids))
-            self._hub.publish(out.request_id, tokens_event(out))
+        self.metrics.tokens.inc(sum(len(out.new_token_ids) for out in outputs))
+        self._hub.publish_many([(out.request_id, tokens_event(out)) for out in outputs])
         if self.faults is not None:
             self.faults.streamed(sum(len(out.new_token_ids) for out in outputs))
 

@@ -36,7 +36,17 @@ class StreamHub:
     def publish(self, request_id: str, item: Any) -> None:
         self._loop.call_soon_threadsafe(self._deliver, request_id, item)
 
+    def publish_many(self, items: list[tuple[str, Any]]) -> None:
+        """``(request_id, item)`` pairs in order, with one wake-up of the loop for all of them
+        (an engine step's tokens for every stream at once)."""
+        if items:
+            self._loop.call_soon_threadsafe(self._deliver_many, items)
+
     def _deliver(self, request_id: str, item: Any) -> None:
         q = self._queues.get(request_id)
         if q is not None:
             q.put_nowait(item)
+
+    def _deliver_many(self, items: list[tuple[str, Any]]) -> None:
+        for request_id, item in items:
+            self._deliver(request_id, item)

@@ -20,6 +20,7 @@ from tests.serving.scripted import (
     ScriptedPeers,
     ScriptedReceiver,
     ScriptedSender,
+    event_lines,
     generate_request,
     prefill_request,
     run_decode_service,
@@ -52,7 +53,7 @@ def test_failed_remote_kv_is_prefilled_here_when_configured(decode_engine, code,
     async def scenario(service, receiver):
         first, active = await service.open(generate_request("a", max_tokens=3))
         receiver.end("t0", code, "it failed")
-        lines = [line async for line in service.events(first, active)]
+        lines = await event_lines(service.events(first, active))
         assert '"type":"reprefill"' in lines[1] and f'"code":"{code}"' in lines[1]
         got = [t for line in lines[2:] for t in json.loads(line)["token_ids"]]
         assert got == expected  # the same greedy tokens as a plain local prefill
@@ -65,7 +66,7 @@ def test_checksum_mismatch_fails_the_request_by_default_and_is_counted(decode_en
     async def scenario(service, receiver):
         first, active = await service.open(generate_request("b"))
         receiver.end("t0", Outcome.CHECKSUM_MISMATCH, "checksum mismatch (sent 0x1, received 0x2)")
-        lines = [line async for line in service.events(first, active)]
+        lines = await event_lines(service.events(first, active))
         assert '"type":"error"' in lines[-1] and '"code":"checksum_mismatch"' in lines[-1]
 
     metrics = run_decode_service(decode_engine, scenario)

@@ -20,6 +20,11 @@ from tests.waiting import until
 from transfer.outcome import Outcome, TransferEnded
 
 
+async def event_lines(stream) -> list[str]:
+    """The NDJSON lines of a decode stream, each with its newline, however the writes grouped them."""
+    return "".join([chunk async for chunk in stream]).splitlines(keepends=True)
+
+
 def generate_request(rid: str, n: int = 6, max_tokens: int = 3) -> GenerateRequest:
     """A greedy request for a decode server: an ``n``-token prompt."""
     return GenerateRequest(

@@ -10,7 +10,7 @@ import pytest
 from engine.request import SamplingParams
 from server_common.worker_replies import TokensEvent, WorkerError
 from server_common.worker_requests import GenerateRequest
-from tests.serving.scripted import decode_engine, generate_request, run_decode_service
+from tests.serving.scripted import decode_engine, event_lines, generate_request, run_decode_service
 from tests.waiting import until
 from transfer.outcome import Outcome
 
@@ -32,8 +32,21 @@ def test_reservation_then_kv_then_tokens_until_max_tokens(engine):
         assert (res.transfer_id, res.block_ids, res.block_size, res.num_tokens) == ("t0", [0, 1], 4, 6)
         await until(lambda: blocks(service) == (6, 2, 0))
         receiver.end("t0", Outcome.OK, first_tokens=(42,))
-        lines = [line async for line in service.events(first, active)]
+        lines = await event_lines(service.events(first, active))
         assert len(lines) == 1 + 3 and '"token_ids":[42]' in lines[1] and '"finish_reason":"length"' in lines[-1]
+
+    run_decode_service(engine, scenario)
+
+
+def test_tokens_queued_while_the_client_was_away_go_out_in_one_write(engine):
+    async def scenario(service, receiver):
+        first, active = await service.open(generate_request("a"))
+        receiver.end("t0", Outcome.OK, first_tokens=(42,))
+        await until(lambda: active.queue.qsize() == 3, what="every step's tokens queued")
+        writes = [chunk async for chunk in service.events(first, active)]
+        assert len(writes) == 2 and writes[1].count("\n") == 3 and '"finish_reason":"length"' in writes[1]
+        assert active.finished
+        await until(lambda: blocks(service) == (8, 0, 0))
 
     run_decode_service(engine, scenario)
 
@@ -42,7 +55,7 @@ def test_failed_transfer_ends_the_stream_with_an_error_and_frees_the_blocks(engi
     async def scenario(service, receiver):
         first, active = await service.open(generate_request("b"))
         receiver.end("t0", Outcome.LEASE_EXPIRED, "lease expired before the KV arrived")
-        lines = [line async for line in service.events(first, active)]
+        lines = await event_lines(service.events(first, active))
         assert '"code":"lease_expired"' in lines[-1]
 
     run_decode_service(engine, scenario)
@@ -99,7 +112,7 @@ def test_n_sequences_stream_with_their_index_and_the_stream_ends_after_the_last_
         first, active = await service.open(req)
         receiver.end("t0", Outcome.OK, first_tokens=(42, 43))
         events = [
-            TokensEvent.model_validate_json(line) for line in [line async for line in service.events(first, active)][1:]
+            TokensEvent.model_validate_json(line) for line in (await event_lines(service.events(first, active)))[1:]
         ]
         by_index = {i: [e for e in events if e.index == i] for i in (0, 1)}
         assert len(events) == 6 and [e.token_ids for e in by_index[0]][0] == [42]
@@ -123,7 +136,7 @@ def test_a_notice_without_one_first_token_in_the_vocabulary_per_sequence_fails_t
         )
         first, active = await service.open(req)
         receiver.end("t0", Outcome.OK, first_tokens=first_tokens)
-        lines = [line async for line in service.events(first, active)]
+        lines = await event_lines(service.events(first, active))
         assert len(lines) == 2 and '"code":"bad_notice"' in lines[-1]
 
     run_decode_service(engine, scenario)

@@ -15,7 +15,7 @@ from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
 from server_common.worker_replies import Reservation, WorkerError
 from server_common.worker_requests import GenerateRequest, PrefillRequest
-from tests.serving.scripted import ScriptedPeers, ScriptedReceiver, ScriptedSender, scripted
+from tests.serving.scripted import ScriptedPeers, ScriptedReceiver, ScriptedSender, event_lines, scripted
 from tests.waiting import until
 from transfer.outcome import Outcome
 
@@ -46,7 +46,7 @@ def test_decode_reservation_pins_the_cached_prefix_and_an_almost_whole_hit_is_pr
                 0,
             )
             receiver.end("t0", Outcome.OK, first_tokens=(42,))
-            assert len([line async for line in service.events(first, active)]) == 1 + 3
+            assert len(await event_lines(service.events(first, active))) == 1 + 3
             # b shares a's first 12 tokens: 3 blocks pinned, only the 2 others are written
             first, active = await service.open(generate("b", PROMPT[:12] + [300, 301, 302, 303]))
             res = first.reservation
@@ -60,7 +60,7 @@ def test_decode_reservation_pins_the_cached_prefix_and_an_almost_whole_hit_is_pr
             # c lacks only its last token: no reservation, no prefill server
             first, active = await service.open(generate("c", PROMPT[:12] + [77]))
             assert (first.reservation, first.num_cached_tokens, len(receiver.expected)) == (None, 12, 2)
-            assert len([line async for line in service.events(first, active)]) == 1 + 3
+            assert len(await event_lines(service.events(first, active))) == 1 + 3
             await until(lambda: service.engine_thread.stats.scheduler.free == 16)
             counters = service.engine_thread.stats.counters
             assert (counters.prefix_queries_tokens, counters.prefix_hits_tokens) == (14 + 16 + 13, 24)
@@ -144,7 +144,7 @@ def test_a_request_for_prompt_log_probabilities_reports_no_cached_tokens_and_tak
         try:
             first, active = await service.open(generate("a", PROMPT))
             receiver.end("t0", Outcome.OK, first_tokens=(42,))
-            assert len([line async for line in service.events(first, active)]) == 1 + 3
+            assert len(await event_lines(service.events(first, active))) == 1 + 3
             counters = service.engine_thread.stats.counters
             before = (counters.prefix_queries_tokens, counters.prefix_hits_tokens)
             for rid, prompt in (("b", PROMPT), ("c", PROMPT[:12] + [77])):  # a whole hit, and all but the last token
@@ -155,7 +155,7 @@ def test_a_request_for_prompt_log_probabilities_reports_no_cached_tokens_and_tak
                 tid = first.reservation.transfer_id
                 assert receiver.writable_from[tid] == 0
                 receiver.end(tid, Outcome.OK, first_tokens=(42,))
-                assert len([line async for line in service.events(first, active)]) == 1 + 3
+                assert len(await event_lines(service.events(first, active))) == 1 + 3
             counters = service.engine_thread.stats.counters
             assert (counters.prefix_queries_tokens, counters.prefix_hits_tokens) == before
             await until(lambda: service.engine_thread.stats.scheduler.free == 16)
@@ -185,7 +185,7 @@ def test_a_colocated_request_for_prompt_log_probabilities_reports_no_cached_toke
                     else GenerateRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=sampling)
                 )
                 first, active = await service.open(req)
-                assert len([line async for line in service.events(first, active)]) == 1 + 3
+                assert len(await event_lines(service.events(first, active))) == 1 + 3
                 got.append(first.num_cached_tokens)
             assert got == [0, 0, 12]  # b computed its whole prompt; c reused a's 3 full blocks
             counters = service.engine_thread.stats.counters

@@ -7,7 +7,7 @@ import pytest
 
 from engine.request import SamplingParams, StructuredSpec
 from server_common.worker_requests import GenerateRequest
-from tests.serving.scripted import decode_engine, run_decode_service
+from tests.serving.scripted import decode_engine, event_lines, run_decode_service
 from transfer.outcome import Outcome
 
 
@@ -31,7 +31,7 @@ def test_a_first_token_the_grammar_forbids_fails_the_request_clearly(engine):
     async def scenario(service, receiver):
         first, active = await service.open(constrained("g"))
         receiver.end("t0", Outcome.OK, first_tokens=(letter,))
-        lines = [line async for line in service.events(first, active)]
+        lines = await event_lines(service.events(first, active))
         assert len(lines) == 2 and '"code":"bad_notice"' in lines[-1]
         assert f"first token {letter} is not allowed by the request's structured output grammar" in lines[-1]
 
@@ -44,7 +44,7 @@ def test_a_first_token_the_grammar_allows_continues_under_the_grammar(engine):
     async def scenario(service, receiver):
         first, active = await service.open(constrained("h"))
         receiver.end("t0", Outcome.OK, first_tokens=(digit,))
-        lines = [line async for line in service.events(first, active)]
+        lines = await event_lines(service.events(first, active))
         assert f'"token_ids":[{digit}]' in lines[1]
         tokens = [int(t) for line in lines[1:] for t in line.split('"token_ids":[')[1].split("]")[0].split(",") if t]
         assert engine.tokenizer.decode(tokens, skip_special_tokens=True).isdigit()

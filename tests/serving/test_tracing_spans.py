@@ -19,6 +19,7 @@ from tests.serving.scripted import (
     ScriptedPeers,
     ScriptedReceiver,
     ScriptedSender,
+    event_lines,
     generate_request,
     prefill_request,
     scripted,
@@ -59,7 +60,7 @@ def test_a_decode_stream_whose_kv_never_arrived_carries_the_outcome_code(decode_
             req = generate_request("a").model_copy(update={"trace": ROUTER_TRACE})
             first, active = await service.open(req)
             made[0].end("t0", Outcome.CHECKSUM_MISMATCH, "checksum mismatch")
-            lines = [line async for line in service.events(first, active)]
+            lines = await event_lines(service.events(first, active))
             assert '"code":"checksum_mismatch"' in lines[-1]
             await until(lambda: service.engine_thread.stats.scheduler.free == 8, 5, "blocks freed")
         finally:
