@@ -155,7 +155,7 @@ def test_a_continued_sequence_streams_only_its_new_tokens_and_a_bad_one_is_a_400
         )
         first, active = await service.open(req)
         assert first.reservation is None
-        lines = [line async for line in service.events(first, active)]
+        lines = await event_lines(service.events(first, active))
         return [TokensEvent.model_validate_json(line) for line in lines[1:]]
 
     async def scenario(service, receiver):
