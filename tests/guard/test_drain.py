@@ -1,6 +1,7 @@
-"""Draining through a real 1P2D cluster: a drained worker finishes its requests
-in flight and gets no new ones, whether drained through the router's admin
-endpoint or by SIGTERM; stopping the launcher drains the router first.
+"""Draining through a real 1P2D cluster with `drain: wait` (tests/faults/test_migration.py
+covers the default, `migrate`): a drained worker finishes its requests in flight and gets
+no new ones, whether drained through the router's admin endpoint or by SIGTERM; stopping
+the launcher drains the router first.
 
 The tests share one cluster and run in file order: the SIGTERM test stops d0
 for good, the last one stops the whole cluster."""
@@ -34,7 +35,12 @@ def cluster(tmp_path_factory, tiny_model):
     for prompt in LONG_PROMPTS:  # the oracle's long answers, before the cluster competes for the cores
         expected(tiny_model, prompt, LONG, ignore_eos=True)
     # round robin: four requests in a row are two on each decode server, whatever their reported load
-    c = start(tmp_path_factory, "1p2d", tiny_model, {"max_model_len": 1024, "router": {"policy": "round_robin"}})
+    c = start(
+        tmp_path_factory,
+        "1p2d",
+        tiny_model,
+        {"max_model_len": 1024, "drain": "wait", "router": {"policy": "round_robin"}},
+    )
     yield c
     c.stop()
 
