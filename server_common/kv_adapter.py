@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 import httpx
 
 from engine import LLMEngine
+from engine.kv_cache import KVCache
 from server_common.faults import FaultInjector
 from server_common.guard import auth_headers
 from server_common.kv_port import Notify
 from server_common.settings import ServerSettings
+from server_common.tp_sender import RankSenders
 from transfer.outcome import PeerBound
 
 if TYPE_CHECKING:
@@ -31,9 +33,13 @@ log = logging.getLogger(__name__)
 
 
 def _layout(engine: LLMEngine):
+    return cache_layout(engine.cache)
+
+
+def cache_layout(c: KVCache):
+    """The transfer layout of one rank's KV cache slice."""
     from transfer.layout import KVLayout
 
-    c = engine.cache
     return KVLayout.for_engine_cache(
         num_layers=c.num_layers,
         num_blocks=c.num_blocks,
@@ -107,15 +113,25 @@ class DecodePeers:
         url = self._known.get(peer) if isinstance(peer, str) else None
         if url is None:
             raise UnknownPeer(f"decode server {str(peer)[:64]!r} is not one of this cluster's")
-        hello = base64.b64encode(self._sender.hello()).decode()
+        sender = self._sender
+        # one handshake per prefill rank (server_common.tp_sender), each with the decode server's receiver
+        hellos = await asyncio.to_thread(sender.rank_hellos) if isinstance(sender, RankSenders) else [sender.hello()]
+        answers = []
         async with httpx.AsyncClient(
             timeout=self._settings.transfer_timeout_s, headers=auth_headers(self._settings.internal_secret)
         ) as client:
-            resp = await client.post(f"{url}/kv/hello", json={"hello": hello})
-        if resp.status_code != 200:
-            raise RuntimeError(f"decode server {peer} refused the handshake (HTTP {resp.status_code})")
-        answer = base64.b64decode(resp.json()["hello"])
-        return await asyncio.to_thread(self._sender.connect, answer, self._settings.transfer_timeout_s)
+            for hello in hellos:
+                resp = await client.post(f"{url}/kv/hello", json={"hello": base64.b64encode(hello).decode()})
+                if resp.status_code != 200:
+                    raise RuntimeError(f"decode server {peer} refused the handshake (HTTP {resp.status_code})")
+                answers.append(base64.b64decode(resp.json()["hello"]))
+        timeout_s = self._settings.transfer_timeout_s
+        if not isinstance(sender, RankSenders):
+            return await asyncio.to_thread(sender.connect, answers[0], timeout_s)
+        names = await asyncio.to_thread(sender.connect_ranks, answers, timeout_s)
+        if len(set(names)) != 1:  # a tp_size 1 decode server answers every prefill rank as itself
+            raise RuntimeError(f"decode server {peer} answered the prefill ranks as {sorted(set(names))}")
+        return names[0]
 
     def add(self, name: str, url: str) -> None:
         """The router vouches for a decode server that joined (its discovery found it). One the
@@ -156,15 +172,31 @@ def receiver_factory(
 
 def sender_factory(
     settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None
-) -> Callable[[Notify], KVSender]:
-    """What a prefill server calls with its engine thread's ``wake`` (``kv_port.SenderFactory``)."""
+) -> Callable[[Notify], KVSender | RankSenders]:
+    """What a prefill server calls with its engine thread's ``wake`` (``kv_port.SenderFactory``):
+    a ``KVSender``, or with tensor-parallel ranks a ``RankSenders`` over one per rank (the engine's
+    ranks run server_common/tp_rank.py)."""
     from transfer.sender import KVSender
 
-    return lambda notify: KVSender(
-        _backend(settings, listen=False, faults=faults),
-        engine.cache.kv,
-        _layout(engine),
-        name=settings.name,
-        model=engine.config.model,
-        notify=notify,
-    )
+    def make(notify: Notify) -> KVSender | RankSenders:
+        local = KVSender(
+            _backend(settings, listen=False, faults=faults),
+            engine.cache.kv,
+            _layout(engine),
+            name=settings.name,
+            model=engine.config.model,
+            notify=notify,
+        )
+        if engine.ranks is None:
+            return local
+        return RankSenders(
+            local,
+            engine.ranks,
+            name=settings.name,
+            model=engine.config.model,
+            backend=settings.transfer_backend,
+            timeout_s=settings.transfer_timeout_s,
+            notify=notify,
+        )
+
+    return make

@@ -59,10 +59,10 @@ class ServerSettings:
     tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
 
     def __post_init__(self) -> None:
-        if self.role != "colocated" and self.engine.tensor_parallel_size > 1:
+        if self.role == "decode" and self.engine.tensor_parallel_size > 1:
             raise ValueError(
-                f"{self.name}: tensor_parallel_size {self.engine.tensor_parallel_size} on a {self.role} server; "
-                "its KV transfer moves one rank's KV only, so prefill and decode servers run with 1"
+                f"{self.name}: tensor_parallel_size {self.engine.tensor_parallel_size} on a decode server; "
+                "it receives KV into one rank only, so decode servers run with 1"
             )
 
     @property
