@@ -1,10 +1,13 @@
-"""A prefill server split over two ranks feeding a one-rank decode server, through the router with
-the openai SDK, over ZeroMQ and NIXL: each prefill rank sends its own KV head from its own process
-straight into the decode server's blocks; the tokens equal transformers' greedy ones in float32,
-every request took the remote-KV path, and every block is free on both servers afterwards."""
+"""Prefill and decode servers of different tensor-parallel sizes, through the router with the openai
+SDK, over ZeroMQ and NIXL: P TP 2 -> D TP 1, and (one decode server fed by two prefill servers in
+turn) P TP 1 -> D TP 2 and P TP 2 -> D TP 2 with other block sizes and cache orders. Each prefill
+rank sends its own KV heads from its own process straight into the decode ranks holding them; the
+tokens equal transformers' greedy ones in float32, every request took the remote-KV path through
+every prefill server, and every block is free on every server afterwards."""
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tests.engine.oracle import hf_greedy
@@ -16,8 +19,26 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-BACKENDS = [pytest.param("nixl", marks=pytest.mark.skipif(not nixl_available(), reason="nixl not installed")), "zmq"]
+NIXL = pytest.mark.skipif(not nixl_available(), reason="nixl not installed")
+TWO_TO_ONE = {
+    "prefill": [{"name": "p0", "block_size": 4, "tensor_parallel_size": 2}],
+    "decode": [{"name": "d0", "block_size": 16, "kv_layout": "HND"}],
+}
+ONE_AND_TWO_TO_TWO = {
+    "prefill": [
+        {"name": "p0", "block_size": 4},
+        {"name": "p1", "block_size": 8, "tensor_parallel_size": 2},
+    ],
+    "decode": [{"name": "d0", "block_size": 16, "kv_layout": "HND", "tensor_parallel_size": 2}],
+}
+SHAPES = [
+    pytest.param(("zmq", TWO_TO_ONE), id="zmq-P2-D1"),
+    pytest.param(("nixl", TWO_TO_ONE), id="nixl-P2-D1", marks=NIXL),
+    pytest.param(("zmq", ONE_AND_TWO_TO_TWO), id="zmq-P1,P2-D2"),
+    pytest.param(("nixl", ONE_AND_TWO_TO_TWO), id="nixl-P1,P2-D2", marks=NIXL),
+]
 REMOTE = 'pdserve_request_paths_total{path="remote_kv"}'
+OK = 'pdserve_requests_total{outcome="ok"}'
 CONVERSATIONS = [
     [{"role": "user", "content": "Name three colours and say why the sky is blue."}],
     [{"role": "user", "content": "Count from one to twenty in words, please, slowly and carefully."}],
@@ -25,17 +46,19 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+@pytest.fixture(scope="module", params=SHAPES)
 def cluster(request, tmp_path_factory, tiny_model):
+    backend, shape = request.param
     c = start_cluster(
         tmp_path_factory,
         "tiny-1p1d",
         tiny_model,
         {
             "max_model_len": 1024,
-            "transfer": {"backend": request.param},
+            "transfer": {"backend": backend},
             "engine": {"prefix_caching": False},
-            "prefill": [{"name": "p0", "port": 0, "block_size": 4, "tensor_parallel_size": 2}],
+            "fault_injection": True,
+            **shape,
         },
     )
     wait_until(
@@ -43,15 +66,19 @@ def cluster(request, tmp_path_factory, tiny_model):
         60,
         "both servers in the router's rotation",
     )
-    yield c
+    yield c, shape
     c.stop()
 
 
-def test_two_prefill_ranks_into_one_decode_rank_answer_as_transformers(cluster, tiny_model):
-    assert len(ranks_of(cluster.server("p0")["pid"])) == 1  # rank 1; rank 0 is the server itself
-    assert len(ranks_of(cluster.server("d0")["pid"])) == 0
+def test_every_rank_pair_answers_as_transformers_with_every_block_free_after(cluster, tiny_model):
+    cluster, shape = cluster
+    prefills = [i["name"] for i in shape["prefill"]]
+    for instance in shape["prefill"] + shape["decode"]:  # rank 0 is the server itself
+        size = instance.get("tensor_parallel_size", 1)
+        assert len(ranks_of(cluster.server(instance["name"])["pid"])) == size - 1, instance["name"]
     client = cluster.client()
     before = cluster.metric("d0", REMOTE)
+    served = {p: cluster.metric(p, OK) for p in prefills}
     for messages in CONVERSATIONS:
         want = hf_greedy(tiny_model, chat_prompt_ids(tiny_model, messages), 8, ignore_eos=True)
         r = client.chat.completions.create(
@@ -65,6 +92,7 @@ def test_two_prefill_ranks_into_one_decode_rank_answer_as_transformers(cluster, 
         )
         assert [[x.token for x in choice.logprobs.content] for choice in r.choices] == [texts(tiny_model, want)] * 2
     assert cluster.metric("d0", REMOTE) == before + len(CONVERSATIONS)
+    assert all(cluster.metric(p, OK) > served[p] for p in prefills)  # every prefill server took its turn
     cluster.wait_idle(timeout=10)
     assert all(b["free"] == b["total"] for b in cluster.blocks().values())
 
@@ -72,3 +100,35 @@ def test_two_prefill_ranks_into_one_decode_rank_answer_as_transformers(cluster, 
 def texts(path: str, ids: list[int]) -> list[str]:
     tok = tokenizer(path)
     return [tok.decode([i]) for i in ids]
+
+
+def test_one_corrupted_rank_part_fails_the_whole_transfer_with_its_code_and_leaks_nothing(cluster, tiny_model):
+    """Decode rank 0 flips a byte of one write it receives: its part fails its checksum, the other
+    parts are stopped, the request ends with checksum_mismatch (or the router's recovery answers it
+    right), and every block on every server is free; the next request is exact again."""
+    cluster, shape = cluster
+    failed = 'pdserve_transfer_failures_total{outcome="checksum_mismatch"}'
+    before = cluster.metric("d0", failed)
+    cluster.http.post(f"{cluster.server('d0')['url']}/admin/faults", json={"corrupt_writes": 1}).raise_for_status()
+    messages = CONVERSATIONS[0]
+    want = texts(tiny_model, hf_greedy(tiny_model, chat_prompt_ids(tiny_model, messages), 8, ignore_eos=True))
+    client = cluster.client()
+    try:
+        r = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
+        )
+    except openai.APIStatusError as exc:
+        assert exc.body["code"] == "checksum_mismatch", exc.body
+    else:
+        assert [x.token for x in r.choices[0].logprobs.content] == want
+    status = cluster.http.get(f"{cluster.server('d0')['url']}/admin/faults").json()
+    assert status["injected"]["writes_corrupted"] == 1
+    assert cluster.metric("d0", failed) == before + 1
+    cluster.wait_idle(timeout=10)
+    assert all(b["free"] == b["total"] for b in cluster.blocks().values())
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
+    )
+    assert [x.token for x in r.choices[0].logprobs.content] == want
+    cluster.wait_idle(timeout=10)
+    assert all(b["free"] == b["total"] for b in cluster.blocks().values())
