@@ -64,6 +64,7 @@ class _RankLink:
             first.replace(head_ids=heads_for_rank(total, r, self.size), tp_rank=r) for r in range(self.size)
         )
         self._parts = RankParts()  # engine thread only
+        self._single: set[str] = set()  # transfers of one part; engine thread only
         self._lock = threading.Lock()
         self._ended: list[tuple[int, TransferEnded]] = []  # from the ranks' answer threads
         self._waiting: dict[int, Future] = {}
@@ -88,10 +89,18 @@ class _RankLink:
         return len(self._parts)
 
     def _feed(self) -> list[tuple[TransferEnded | None, list[tuple[int, str]]]]:
-        """Every part that ended since the last call: (the group's end or None, parts to stop)."""
+        """Every part that ended since the last call: (the group's end or None, parts to stop). A
+        transfer of one part (no tensor parallelism on either side) ends as that part did."""
         with self._lock:
             ended, self._ended = self._ended, []
-        return [self._parts.feed(rank, e)[::-1] for rank, e in [(0, e) for e in self._local.take_finished()] + ended]
+        out = []
+        for rank, e in [(0, e) for e in self._local.take_finished()] + ended:
+            stop, group_end = self._parts.feed(rank, e)
+            if group_end is not None and group_end.transfer_id in self._single:
+                self._single.discard(group_end.transfer_id)
+                group_end = e  # its own reason, not prefixed with a rank
+            out.append((group_end, stop))
+        return out
 
     def _send(self, rank: int, message: dict) -> None:
         """A message to a rank; a rank that is gone is the engine's problem (its step fails, /health
@@ -183,6 +192,7 @@ class RankSenders(_RankLink):
         Raises IncompatiblePeer before anything starts when the groups cannot exchange KV."""
         if target is None and self.size == 1:  # the plain transfer: every head both sides hold
             self._parts.open(transfer_id, [(0, transfer_id)])
+            self._single.add(transfer_id)
             self._tids[transfer_id] = {0: [transfer_id]}
             self._local.begin(transfer_id, peer, dst_block_ids, lease_s)
             return
