@@ -38,12 +38,13 @@ def create_app(service: GenerationService) -> FastAPI:
     async def kv_hello(req: KVHello) -> JSONResponse:
         """Transfer handshake from a prefill server: its hello in, ours back (base64 msgpack)."""
         try:
-            answer = await service.accept_sender(base64.b64decode(req.hello, validate=True))
+            answers = await service.accept_sender(base64.b64decode(req.hello, validate=True))
         except WorkerError as exc:
             return JSONResponse(exc.reply().model_dump(mode="json"), status_code=exc.status)
         except (ValueError, TimeoutError, RuntimeError) as exc:
             reply = ErrorReply(error=str(exc), code=Outcome.INCOMPATIBLE_PEER)
             return JSONResponse(reply.model_dump(mode="json"), status_code=400)
-        return JSONResponse(KVHello(hello=base64.b64encode(answer).decode()).model_dump())
+        first, *ranks = [base64.b64encode(a).decode() for a in answers]
+        return JSONResponse(KVHello(hello=first, ranks=ranks).model_dump())
 
     return app

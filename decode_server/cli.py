@@ -17,7 +17,7 @@ def run(settings: ServerSettings, log_level: str) -> int:
     from server_common.faults import FaultInjector
     from server_common.run import serve
 
-    engine = LLMEngine(settings.engine)
+    engine = LLMEngine(settings.engine, rank_module="server_common.tp_rank")  # a decode rank holds its receiver
     faults = FaultInjector() if settings.fault_injection else None
     make_receiver = None
     if settings.role == "decode":

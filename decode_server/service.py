@@ -46,6 +46,7 @@ from server_common.quota import UnfilledBlocks
 from server_common.settings import ServerSettings
 from server_common.streams import StreamHub
 from server_common.timeline_log import TimelineLog
+from server_common.tp_transfer import RankReceivers
 from server_common.tracing import Tracing
 from server_common.vitals import Vitals
 from server_common.worker_replies import (
@@ -148,11 +149,16 @@ class GenerationService:
         if self._receiver is not None:
             self._receiver.close()
 
-    async def accept_sender(self, hello: bytes) -> bytes:
-        if self._receiver is None:
+    async def accept_sender(self, hello: bytes) -> list[bytes]:
+        """Every rank's answer to a prefill rank's hello (one: a server without tensor-parallel ranks)."""
+        receiver = self._receiver
+        if receiver is None:
             raise ValueError(f"{self.settings.name} is a colocated server: it takes no KV transfers")
+        timeout_s = self.settings.transfer_timeout_s
         try:
-            return await asyncio.to_thread(self._receiver.accept, hello, self.settings.transfer_timeout_s)
+            if isinstance(receiver, RankReceivers):
+                return await asyncio.to_thread(receiver.accept_ranks, hello, timeout_s)
+            return [await asyncio.to_thread(receiver.accept, hello, timeout_s)]
         except PeerBound as exc:
             self.metrics.peer_refusals.labels(reason="bound_to_live_instance").inc()
             log.warning("refused a KV handshake: %s", exc)
@@ -218,7 +224,7 @@ class GenerationService:
         receiver = self._receiver
         prompt = req.prompt_token_ids
 
-        def reserve(e: LLMEngine) -> tuple[list[int], str, int] | None:
+        def reserve(e: LLMEngine) -> tuple[list[int], str, int, dict | None] | None:
             cached = e.cached_prefix(prompt, sampling)
             if cached and cached >= len(prompt) - 1:
                 return None
@@ -239,12 +245,13 @@ class GenerationService:
                 raise
             self.unfilled.claim(caller, transfer_id, unfilled)
             self._awaiting[transfer_id] = Awaiting(rid, prompt, sampling)
-            return block_ids, transfer_id, cached
+            tp = receiver.target(transfer_id) if isinstance(receiver, RankReceivers) else None
+            return block_ids, transfer_id, cached, tp
 
         reserved = await self.engine_thread.run(reserve)
         if reserved is None:
             return None
-        block_ids, transfer_id, cached = reserved
+        block_ids, transfer_id, cached, tp = reserved
         active.transfer_id = transfer_id
         # The receiver enforces the lease; this backstop only guards against a transfer layer that never reports.
         active.lease = asyncio.get_running_loop().call_later(lease_s + BACKSTOP_S, self._backstop, transfer_id)
@@ -257,7 +264,7 @@ class GenerationService:
             block_size=self.settings.engine.block_size,
             num_tokens=len(prompt),
             lease_s=max(lease_s - (time.monotonic() - started), 1e-3),
-            kv_target={"peer": self.settings.name, "epoch": self._epoch},
+            kv_target={"peer": self.settings.name, "epoch": self._epoch, **({"tp": tp} if tp else {})},
             num_cached_tokens=cached,
         )
 

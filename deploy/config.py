@@ -91,7 +91,7 @@ class EngineDefaults(Strict):
     tensor_parallel_size: AtLeastOne = EngineConfig.tensor_parallel_size
     """Ranks each server splits the model over (one process each, one device each on CUDA; rank 0 is the
     server); it must divide the model's attention heads and MLP. `kv_cache_bytes` and `num_blocks` are per
-    rank. Colocated servers only for now: a prefill or decode server with more than 1 is refused."""
+    rank. Prefill, decode and colocated servers alike."""
 
 
 # The engine keys one instance may override (None: the engine: section's value).
@@ -482,17 +482,6 @@ class ClusterConfig(Strict):
         if dup_ports:
             raise ValueError(
                 f"ports must be unique (router, instance port and kv_port = port + 1 by default), repeated: {dup_ports}"
-            )
-        split = [
-            f"{i.name} ({self.tensor_parallel_size_of(i)})"
-            for i in [*self.prefill, *self.decode]
-            if self.tensor_parallel_size_of(i) > 1
-        ]
-        if split:
-            raise ValueError(
-                f"tensor_parallel_size above 1 on prefill or decode instances: {', '.join(split)}; their KV "
-                "transfer moves one rank's KV only, so they run with tensor_parallel_size 1 (colocated "
-                "instances may use more)"
             )
         exposed = [
             f"{i.name} ({self.bind_host_of(i)})" for i in self.instances() if not is_loopback(self.bind_host_of(i))

@@ -107,7 +107,8 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, rank_module: str = "engine.tp_worker") -> None:
+        """``rank_module``: what ranks 1..N-1 of a tensor-parallel engine run (engine/tp_leader.py)."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -139,7 +140,7 @@ class LLMEngine:
             from engine.tp_leader import RankProcesses
 
             group = TPGroup(0, size, device, COLLECTIVE_TIMEOUT_S)
-            self.ranks = RankProcesses(config, group, num_blocks, self.max_model_len)
+            self.ranks = RankProcesses(config, group, num_blocks, self.max_model_len, rank_module)
         try:
             self.model, _ = load_model(config.model, config.torch_dtype, device, shard, group)
             self.cache = KVCache(

@@ -21,8 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-HEADER = struct.Struct("<qq")  # op, payload elements
+HEADER = struct.Struct("<qq")  # op, payload elements (OP_MESSAGE: bytes of its body)
 OP_STEP = 1
+# A message for the rank's agent (``engine.tp_worker.Agent``, e.g. its KV transfer agent): its JSON
+# body follows the header on the pipe itself, so it is handled between two steps, in pipe order.
+OP_MESSAGE = 2
 
 
 @dataclass

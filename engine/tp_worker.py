@@ -11,7 +11,10 @@ It holds no scheduler, no block manager and no tokenizer: block ids come in
 each step's inputs, so its cache slice has the same block table as rank 0's.
 Between steps it waits on its stdin for the next step's header (so an idle
 engine has no collective pending, and collectives keep a short timeout); the
-payload comes by broadcast. It ends when rank 0 goes, however it goes: stdin
+payload comes by broadcast. A message for its agent (``Agent``: what a server
+adds to a rank, e.g. server_common/tp_rank.py's KV sender) comes down the
+same pipe between steps; the agent answers on the pipe whose descriptor the
+spec names (``reply_fd``), one JSON line each. It ends when rank 0 goes, however it goes: stdin
 reaches EOF when rank 0's process ends, and a collective fails when a peer's
 connection closes.
 """
@@ -22,6 +25,8 @@ import json
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 
 import torch
 
@@ -31,10 +36,15 @@ from engine.loader import head_dim_of, load_model
 from engine.runner import ModelRunner, RoPE
 from engine.tensor_parallel import Shard
 from engine.tp_group import COLLECTIVE_TIMEOUT_S, TPGroup, ready_key, store_for
-from engine.tp_wire import HEADER, OP_STEP, decode
+from engine.tp_wire import HEADER, OP_MESSAGE, OP_STEP, decode
 
 log = logging.getLogger("pdserve.tp_worker")
 EXIT_LEADER_GONE = 0  # nothing to report: rank 0 ended
+
+Reply = Callable[[dict], None]  # sends one JSON-ready message to rank 0; any thread
+Agent = Callable[[dict], None]  # handles one message from rank 0, on the rank's main thread, between steps
+# Builds a rank's agent from its spec, its KV cache slice and its reply channel.
+AgentFactory = Callable[[dict, KVCache, Reply], Agent]
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
@@ -44,7 +54,21 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
-def main() -> int:
+def reply_channel(fd: int) -> Reply:
+    """One JSON line per message on the pipe to rank 0 (a lock keeps lines whole across threads)."""
+    pipe = os.fdopen(fd, "wb")
+    lock = threading.Lock()
+
+    def reply(message: dict) -> None:
+        line = json.dumps(message).encode() + b"\n"
+        with lock:
+            pipe.write(line)
+            pipe.flush()
+
+    return reply
+
+
+def main(make_agent: AgentFactory | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     pipe = sys.stdin.buffer
     spec = json.loads(pipe.readline())
@@ -74,6 +98,7 @@ def main() -> int:
     runner = ModelRunner(
         model, cache, RoPE(cfg, head_dim, int(spec["max_model_len"]), config.torch_dtype, device), device
     )
+    agent = make_agent(spec, cache, reply_channel(int(spec["reply_fd"]))) if make_agent is not None else None
     store, _ = store_for(int(spec["store_port"]), spec["prefix"], size, COLLECTIVE_TIMEOUT_S, leader=False)
     store.set(ready_key(rank), "1")
     group.connect(store)
@@ -84,6 +109,12 @@ def main() -> int:
             if len(header) < HEADER.size:  # EOF: rank 0 stopped us or its process ended
                 break
             op, length = HEADER.unpack(header)
+            if op == OP_MESSAGE:
+                message = json.loads(pipe.read(length))
+                if agent is None:
+                    raise RuntimeError(f"rank {rank} has no agent for the message {message.get('op')!r}")
+                agent(message)
+                continue
             assert op == OP_STEP, op
             runner.forward(decode(group.broadcast(torch.empty(length, dtype=torch.long))))
     group.close()

@@ -18,7 +18,7 @@ def run(settings: ServerSettings, log_level: str) -> int:
     from server_common.kv_adapter import sender_factory
     from server_common.run import serve
 
-    engine = LLMEngine(settings.engine)
+    engine = LLMEngine(settings.engine, rank_module="server_common.tp_rank")  # ranks hold their KV senders
     faults = FaultInjector() if settings.fault_injection else None
     service = PrefillService(settings, engine, sender_factory(settings, engine, faults), faults)
     guard = server_guard(settings)

@@ -54,6 +54,7 @@ from server_common.worker_replies import (
     token_logprobs,
 )
 from server_common.worker_requests import PrefillRequest
+from transfer.messages import group_from_target
 from transfer.outcome import Outcome, PeerBound, TransferEnded
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ class PrefillService:
         peers: DecodePeersPort | None = None,
     ) -> None:
         """``peers``: the decode servers it may meet (default: ``DecodePeers`` with ``make_sender``'s
-        sender, which must be a ``transfer`` KVSender; tests give scripted ones)."""
+        sender, which must be a ``tp_transfer.RankSenders``; tests give scripted ones)."""
         self.settings = settings
         self.faults = faults
         self.engine_thread = EngineThread(
@@ -188,6 +189,10 @@ class PrefillService:
         lease_s = res.lease_s - (time.monotonic() - received)
         if lease_s <= 0:
             raise WorkerError(409, f"the reservation on {res.instance} has expired", Outcome.LEASE_EXPIRED)
+        try:
+            group = group_from_target(res.kv_target)  # the decode server's ranks; None: one
+        except ValueError as exc:
+            raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from exc
         job = Job(rid, res.transfer_id, len(req.prompt_token_ids), res.num_cached_tokens, loop.create_future(), loop)
         sampling = req.sampling
 
@@ -197,7 +202,14 @@ class PrefillService:
             if rid in self._aborted:
                 raise WorkerError(409, f"request {rid} was aborted", Outcome.ABORTED)
             e.add_request(rid, req.prompt_token_ids, sampling)  # ValueError: nothing to undo
-            self._sender.begin(res.transfer_id, peer, res.block_ids, lease_s)
+            try:
+                if group is None:
+                    self._sender.begin(res.transfer_id, peer, res.block_ids, lease_s)
+                else:  # IncompatiblePeer (a ValueError) before any part starts
+                    self._sender.begin(res.transfer_id, peer, res.block_ids, lease_s, group)
+            except BaseException:
+                e.abort(rid)
+                raise
             self._jobs[rid] = job
             self._by_transfer[res.transfer_id] = rid
 

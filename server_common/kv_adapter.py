@@ -17,23 +17,29 @@ from typing import TYPE_CHECKING
 import httpx
 
 from engine import LLMEngine
+from engine.kv_cache import KVCache
 from server_common.faults import FaultInjector
 from server_common.guard import auth_headers
 from server_common.kv_port import Notify
 from server_common.settings import ServerSettings
+from server_common.tp_transfer import RankReceivers, RankSenders
+from transfer.messages import DecodeGroup, group_from_target
 from transfer.outcome import PeerBound
 
 if TYPE_CHECKING:
     from transfer.receiver import KVReceiver
-    from transfer.sender import KVSender
 
 log = logging.getLogger(__name__)
 
 
 def _layout(engine: LLMEngine):
+    return cache_layout(engine.cache)
+
+
+def cache_layout(c: KVCache):
+    """The transfer layout of one rank's KV cache slice."""
     from transfer.layout import KVLayout
 
-    c = engine.cache
     return KVLayout.for_engine_cache(
         num_layers=c.num_layers,
         num_blocks=c.num_blocks,
@@ -80,7 +86,7 @@ class DecodePeers:
     restarted decode server, with a new epoch, is met again, which replaces the connection to its
     dead predecessor). Event loop only."""
 
-    def __init__(self, settings: ServerSettings, sender: KVSender) -> None:
+    def __init__(self, settings: ServerSettings, sender: RankSenders) -> None:
         self._settings = settings
         self._sender = sender
         self._met: dict[str, tuple[str, asyncio.Task]] = {}  # peer -> (its epoch, handshake)
@@ -88,6 +94,7 @@ class DecodePeers:
         # (POST /admin/peers).
         self._configured: dict[str, str] = dict(settings.decode_peers)
         self._known: dict[str, str] = dict(self._configured)
+        self._ranks: dict[str, tuple[str, ...]] = {}  # decode server -> its ranks' agent names, as met
 
     async def ensure(self, target: dict) -> str:
         """The transfer peer for a reservation's ``kv_target`` (``{"peer", "epoch"}``), met if need be."""
@@ -97,7 +104,9 @@ class DecodePeers:
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
             task = asyncio.ensure_future(self._handshake(target))
             self._met[peer] = (epoch, task)
-        return await asyncio.shield(task)
+        name = await asyncio.shield(task)
+        self.check_group(target)
+        return name
 
     async def _handshake(self, target: dict) -> str:
         """Only with a decode server of this cluster, at the address the cluster config (or the
@@ -107,15 +116,38 @@ class DecodePeers:
         url = self._known.get(peer) if isinstance(peer, str) else None
         if url is None:
             raise UnknownPeer(f"decode server {str(peer)[:64]!r} is not one of this cluster's")
-        hello = base64.b64encode(self._sender.hello()).decode()
+        # one handshake per (prefill rank, decode rank) pair: each prefill rank's hello is accepted
+        # by every decode rank (server_common.tp_transfer), whose answers come back in rank order
+        sender = self._sender
+        hellos = await asyncio.to_thread(sender.rank_hellos)
+        answers = []
         async with httpx.AsyncClient(
             timeout=self._settings.transfer_timeout_s, headers=auth_headers(self._settings.internal_secret)
         ) as client:
-            resp = await client.post(f"{url}/kv/hello", json={"hello": hello})
-        if resp.status_code != 200:
-            raise RuntimeError(f"decode server {peer} refused the handshake (HTTP {resp.status_code})")
-        answer = base64.b64decode(resp.json()["hello"])
-        return await asyncio.to_thread(self._sender.connect, answer, self._settings.transfer_timeout_s)
+            for hello in hellos:
+                resp = await client.post(f"{url}/kv/hello", json={"hello": base64.b64encode(hello).decode()})
+                if resp.status_code != 200:
+                    raise RuntimeError(f"decode server {peer} refused the handshake (HTTP {resp.status_code})")
+                body = resp.json()
+                answers.append([base64.b64decode(h) for h in [body["hello"], *(body.get("ranks") or [])]])
+        met = await asyncio.to_thread(sender.connect_ranks, answers, self._settings.transfer_timeout_s)
+        if any(names != met[0] for names in met):
+            raise RuntimeError(f"decode server {peer} answered the prefill ranks as different groups: {met}")
+        self._ranks[peer] = tuple(met[0])
+        return met[0][0]
+
+    def check_group(self, target: dict) -> DecodeGroup | None:
+        """The decode group a reservation's ``kv_target`` names (None: one rank), once its decode
+        server was met: every rank it names must be one that server answered the handshake with
+        (ValueError otherwise: the reservation came over the network)."""
+        group = group_from_target(target)
+        if group is None:
+            return None
+        met = self._ranks.get(target["peer"], ())
+        strangers = [r.peer for r in group.ranks if r.peer not in met]
+        if strangers:
+            raise ValueError(f"kv_target.tp names agents {strangers[:4]} its decode server did not answer with")
+        return group
 
     def add(self, name: str, url: str) -> None:
         """The router vouches for a decode server that joined (its discovery found it). One the
@@ -131,7 +163,8 @@ class DecodePeers:
         """A decode server left: no handshake with it any more; its transfer state is released."""
         known = self._known.pop(name, None) is not None
         self._met.pop(name, None)
-        self._sender.forget(name)
+        for agent in self._ranks.pop(name, (name,)):
+            self._sender.forget(agent)
         return known
 
     def known(self) -> dict[str, str]:
@@ -140,31 +173,63 @@ class DecodePeers:
 
 def receiver_factory(
     settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None
-) -> Callable[[Notify], KVReceiver]:
-    """What a decode server calls with its engine thread's ``wake`` (``kv_port.ReceiverFactory``)."""
+) -> Callable[[Notify], KVReceiver | RankReceivers]:
+    """What a decode server calls with its engine thread's ``wake`` (``kv_port.ReceiverFactory``):
+    a ``KVReceiver``, or with tensor-parallel ranks a ``RankReceivers`` over one per rank (the
+    engine's ranks run server_common/tp_rank.py)."""
     from transfer.receiver import KVReceiver
 
-    return lambda notify: KVReceiver(
-        _backend(settings, listen=True, faults=faults),
-        engine.cache.kv,
-        _layout(engine),
-        name=settings.name,
-        model=engine.config.model,
-        notify=notify,
-    )
+    def make(notify: Notify) -> KVReceiver | RankReceivers:
+        local = KVReceiver(
+            _backend(settings, listen=True, faults=faults),
+            engine.cache.kv,
+            _layout(engine),
+            name=settings.name,
+            model=engine.config.model,
+            notify=notify,
+        )
+        if engine.ranks is None:
+            return local
+        return RankReceivers(
+            local,
+            engine.ranks,
+            name=settings.name,
+            model=engine.config.model,
+            backend=settings.transfer_backend,
+            timeout_s=settings.transfer_timeout_s,
+            host=settings.listen_host,
+            advertise=settings.host,
+            notify=notify,
+        )
+
+    return make
 
 
 def sender_factory(
     settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None = None
-) -> Callable[[Notify], KVSender]:
-    """What a prefill server calls with its engine thread's ``wake`` (``kv_port.SenderFactory``)."""
+) -> Callable[[Notify], RankSenders]:
+    """What a prefill server calls with its engine thread's ``wake`` (``kv_port.SenderFactory``):
+    a ``RankSenders`` over rank 0's ``KVSender`` and, with tensor-parallel ranks, theirs (the
+    engine's ranks run server_common/tp_rank.py)."""
     from transfer.sender import KVSender
 
-    return lambda notify: KVSender(
-        _backend(settings, listen=False, faults=faults),
-        engine.cache.kv,
-        _layout(engine),
-        name=settings.name,
-        model=engine.config.model,
-        notify=notify,
-    )
+    def make(notify: Notify) -> RankSenders:
+        local = KVSender(
+            _backend(settings, listen=False, faults=faults),
+            engine.cache.kv,
+            _layout(engine),
+            name=settings.name,
+            model=engine.config.model,
+            notify=notify,
+        )
+        return RankSenders(
+            local,
+            engine.ranks,
+            name=settings.name,
+            model=engine.config.model,
+            backend=settings.transfer_backend,
+            timeout_s=settings.transfer_timeout_s,
+            notify=notify,
+        )
+
+    return make

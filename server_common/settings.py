@@ -59,13 +59,6 @@ class ServerSettings:
     launch_id: str | None = None  # reported in /health; from `pdserve launch` (deploy/process_cli.py)
     tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
 
-    def __post_init__(self) -> None:
-        if self.role != "colocated" and self.engine.tensor_parallel_size > 1:
-            raise ValueError(
-                f"{self.name}: tensor_parallel_size {self.engine.tensor_parallel_size} on a {self.role} server; "
-                "its KV transfer moves one rank's KV only, so prefill and decode servers run with 1"
-            )
-
     @property
     def listen_host(self) -> str:
         """The address it binds (``bind_host``; by default the one others reach it at, ``host``)."""

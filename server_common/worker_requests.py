@@ -79,9 +79,12 @@ class AbortRequest(Strict):
 
 class KVHello(Strict):
     """POST /kv/hello on a decode server, and its answer: a transfer handshake
-    message (msgpack bytes made by ``transfer``), base64-encoded."""
+    message (msgpack bytes made by ``transfer``), base64-encoded. A tensor-parallel decode
+    server's answer: rank 0's in ``hello``, ranks 1..N-1's in ``ranks`` (each met the hello's
+    sender)."""
 
     hello: str = Field(max_length=1 << 20)
+    ranks: list[str] = Field(default_factory=list, max_length=64)
 
 
 class DecodePeer(Strict):

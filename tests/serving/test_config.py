@@ -143,16 +143,14 @@ def test_a_postgres_url_is_a_secret_instead_of_the_sqlite_path(tmp_path):
     assert "router.api_keys or router.api_keys_file, not both" in keys and "hunter2" not in keys
 
 
-def test_tensor_parallel_size_flows_to_colocated_engines_and_is_refused_on_prefill_and_decode():
+def test_tensor_parallel_size_flows_to_every_role_per_instance():
     colocated = parse_config(
         {"model": "tiny", "engine": {"tensor_parallel_size": 2}, "colocated": [{"name": "c0", "port": 9300}]}, "c.yaml"
     )
     assert colocated.server_settings("c0", Path("/m")).engine.tensor_parallel_size == 2
-    one = {**BASE, "decode": [{"name": "d0", "port": 9200, "tensor_parallel_size": 2}]}
-    msg = error_of(one)
-    assert "tensor_parallel_size above 1 on prefill or decode instances: d0 (2)" in msg
-    assert "p0" not in msg
-    assert "p0 (4)" in error_of({**BASE, "engine": {"tensor_parallel_size": 4}})
+    split = parse_config({**BASE, "decode": [{"name": "d0", "port": 9200, "tensor_parallel_size": 4}]}, "c.yaml")
+    assert split.server_settings("d0", Path("/m")).engine.tensor_parallel_size == 4
+    assert split.server_settings("p0", Path("/m")).engine.tensor_parallel_size == 1
 
 
 def test_a_tensor_parallel_size_the_model_does_not_divide_is_named_before_any_server_starts(tiny_model):
