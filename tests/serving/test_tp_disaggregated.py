@@ -3,15 +3,17 @@ SDK, over ZeroMQ and NIXL: (one prefill server feeding two decode servers in tur
 and P TP 2 -> D TP 4, and (one decode server fed by two prefill servers in turn) P TP 1 -> D TP 2
 and P TP 2 -> D TP 2, with other block sizes and cache orders. Each prefill
 rank sends its own KV heads from its own process straight into the decode ranks holding them; the
-tokens equal transformers' greedy ones in float32, every request took the remote-KV path through
-every pair of servers, and every block is free on every server afterwards."""
+tokens equal transformers' greedy ones in float32 (their log-probabilities within 1e-4), every
+request took the remote-KV path through every pair of servers, and every block is free on every
+server afterwards."""
 
 from __future__ import annotations
 
 import openai
 import pytest
+import torch
 
-from tests.engine.oracle import hf_greedy
+from tests.engine.oracle import hf_greedy, hf_logits
 from tests.serving.conftest import start_cluster
 from tests.serving.oracle import chat_prompt_ids, tokenizer
 from tests.serving.test_tensor_parallel_cluster import ranks_of
@@ -84,7 +86,9 @@ def test_every_rank_pair_answers_as_transformers_with_every_block_free_after(clu
     client = cluster.client()
     served = {name: cluster.metric(name, REMOTE if name in decodes else OK) for name in prefills + decodes}
     for messages in CONVERSATIONS:
-        want = hf_greedy(tiny_model, chat_prompt_ids(tiny_model, messages), 8, ignore_eos=True)
+        prompt = chat_prompt_ids(tiny_model, messages)
+        want = hf_greedy(tiny_model, prompt, 8, ignore_eos=True)
+        rows = torch.log_softmax(hf_logits(tiny_model, prompt + want), dim=-1)[len(prompt) - 1 :]
         r = client.chat.completions.create(
             model="tiny",
             messages=messages,
@@ -95,6 +99,9 @@ def test_every_rank_pair_answers_as_transformers_with_every_block_free_after(clu
             extra_body={"ignore_eos": True},
         )
         assert [[x.token for x in choice.logprobs.content] for choice in r.choices] == [texts(tiny_model, want)] * 2
+        for choice in r.choices:  # the first token's from the prefill ranks, the rest from the decode ranks
+            for x, token, row in zip(choice.logprobs.content, want, rows):
+                assert abs(x.logprob - row[token].item()) < 1e-4
     now = {name: cluster.metric(name, REMOTE if name in decodes else OK) for name in prefills + decodes}
     assert sum(now[d] - served[d] for d in decodes) == len(CONVERSATIONS)  # every request's KV came from P
     assert all(now[name] > served[name] for name in now), (served, now)  # every server took its turn
