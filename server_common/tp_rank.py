@@ -121,19 +121,7 @@ class RankAgent:
             )
         else:
             backend = make_backend(kind, name)
-        if receiving:
-            self._receiver = KVReceiver(
-                backend,
-                self._cache.kv,
-                cache_layout(self._cache),
-                name=name,
-                model=message["model"],
-                notify=self._ended.set,
-            )
-            self._receiver.start()
-            threading.Thread(target=self._forward_ended, name="tp-rank-ended", daemon=True).start()
-            return
-        self._sender = KVSender(
+        agent = (KVReceiver if receiving else KVSender)(
             backend,
             self._cache.kv,
             cache_layout(self._cache),
@@ -141,7 +129,11 @@ class RankAgent:
             model=message["model"],
             notify=self._ended.set,
         )
-        self._sender.start()
+        if receiving:
+            self._receiver = agent
+        else:
+            self._sender = agent
+        agent.start()
         threading.Thread(target=self._forward_ended, name="tp-rank-ended", daemon=True).start()
 
     def _forward_ended(self) -> None:
