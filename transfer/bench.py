@@ -259,13 +259,19 @@ def _transfer(
         sender.push_layer(tid, layer, blocks, 0, end)
     pushed = time.perf_counter() - t0
     sender.finish(tid, [0])
+    _wait_acked(sender, ended)
+    return time.perf_counter() - t0, pushed
+
+
+def _wait_acked(sender, ended: threading.Event) -> None:
+    """Until the bench's one transfer ended (``ended`` is the sender's notify); raises if it failed."""
     while True:
         ended.wait()
         ended.clear()
         for done in sender.take_finished():
             if not done.ok:
                 raise RuntimeError(f"bench transfer failed: {done.outcome}: {done.reason}")
-            return time.perf_counter() - t0, pushed
+            return
 
 
 def _memcpy_gbps(nbytes: int, iters: int) -> float:
@@ -296,13 +302,8 @@ def _transfer_tp(conn, senders: SenderGroup, ended: threading.Event, layouts: li
     for layer in range(layouts[0].num_layers):
         senders.push_layer(answer["gid"], layer, blocks, 0, num_blocks * layouts[0].block_size)
     senders.finish(answer["gid"], [0])
-    while True:
-        ended.wait()
-        ended.clear()
-        for done in senders.take_finished():
-            if not done.ok:
-                raise RuntimeError(f"bench transfer failed: {done.outcome}: {done.reason}")
-            return time.perf_counter() - t0
+    _wait_acked(senders, ended)
+    return time.perf_counter() - t0
 
 
 def _run_tp(args) -> int:
