@@ -143,18 +143,7 @@ class LLMEngine:
             self.ranks = RankProcesses(config, group, num_blocks, self.max_model_len, rank_module)
         try:
             self.model, _ = load_model(config.model, config.torch_dtype, device, shard, group)
-            self.cache = KVCache(
-                cfg.num_hidden_layers,
-                num_blocks,
-                config.block_size,
-                num_kv_heads,
-                head_dim,
-                config.torch_dtype,
-                device,
-                order=config.kv_layout,
-                shard=shard,
-                num_kv_heads_total=cfg.num_key_value_heads,
-            )
+            self.cache = KVCache.for_shard(cfg, shard, num_blocks, head_dim, config, device)
             if self.ranks is not None:
                 self.ranks.connect()
         except BaseException:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import KV_LAYOUTS, KvLayout
+from engine.config import KV_LAYOUTS, EngineConfig, KvLayout
 from engine.tensor_parallel import Shard
 
 
@@ -80,6 +80,25 @@ class KVCache:
     def bytes_per_token(self) -> int:
         """K and V of one token over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv.element_size()
+
+    @classmethod
+    def for_shard(
+        cls, cfg, shard: Shard, num_blocks: int, head_dim: int, config: EngineConfig, device: torch.device
+    ) -> KVCache:
+        """Rank ``shard``'s slice of model ``cfg``'s cache: every layer, its KV heads, ``num_blocks``
+        blocks (every rank of an instance holds as many, under the same block table)."""
+        return cls(
+            cfg.num_hidden_layers,
+            num_blocks,
+            config.block_size,
+            len(shard.kv_heads(cfg.num_key_value_heads)),
+            head_dim,
+            config.torch_dtype,
+            device,
+            order=config.kv_layout,
+            shard=shard,
+            num_kv_heads_total=cfg.num_key_value_heads,
+        )
 
     @staticmethod
     def blocks_for_bytes(

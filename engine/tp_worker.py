@@ -83,18 +83,7 @@ def main(make_agent: AgentFactory | None = None) -> int:
     group = TPGroup(rank, size, device, COLLECTIVE_TIMEOUT_S)
     model, cfg = load_model(config.model, config.torch_dtype, device, shard, group)
     head_dim = head_dim_of(cfg)
-    cache = KVCache(
-        cfg.num_hidden_layers,
-        int(spec["num_blocks"]),
-        config.block_size,
-        len(shard.kv_heads(cfg.num_key_value_heads)),
-        head_dim,
-        config.torch_dtype,
-        device,
-        order=config.kv_layout,
-        shard=shard,
-        num_kv_heads_total=cfg.num_key_value_heads,
-    )
+    cache = KVCache.for_shard(cfg, shard, int(spec["num_blocks"]), head_dim, config, device)
     runner = ModelRunner(
         model, cache, RoPE(cfg, head_dim, int(spec["max_model_len"]), config.torch_dtype, device), device
     )
