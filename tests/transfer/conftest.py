@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.transfer.procs import Peer
+from transfer.inproc import InprocHub
 
 
 @pytest.fixture
@@ -28,3 +29,18 @@ def nixl_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+@pytest.fixture
+def hub():
+    """One in-process fabric for the senders and receivers of a test."""
+    return InprocHub()
+
+
+@pytest.fixture
+def closing():
+    """``closing(side)`` returns ``side`` and closes it when the test ends, passed or failed."""
+    sides = []
+    yield lambda side: sides.append(side) or side
+    for side in sides:
+        side.close()

@@ -49,19 +49,6 @@ def expected(sender, src_layout, src_blocks, end, receiver_layout, dst_blocks, b
     )
 
 
-@pytest.fixture
-def hub():
-    return InprocHub()
-
-
-@pytest.fixture
-def closing():
-    sides = []
-    yield lambda side: sides.append(side) or side
-    for side in sides:
-        side.close()
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_chunked_prefill_arrives_converted_exactly(kind, hub, closing):
     src, dst = layout(16, dtype="bfloat16"), layout(32, blocks=8).replace(order="HND")

@@ -12,7 +12,6 @@ from tests.transfer.helpers import make_receiver, make_sender, meet, wait_events
 from tests.transfer.oracle import expected_after_copy
 from transfer.copy import region_bytes
 from transfer.group import RankParts, ReceiverGroup, SenderGroup
-from transfer.inproc import InprocHub
 from transfer.layout import KVLayout, heads_for_rank
 from transfer.messages import group_from_target, group_to_target, single_rank
 from transfer.outcome import Outcome, TransferEnded
@@ -66,19 +65,6 @@ def tp(hub, closing):
         return SenderGroup(senders), ReceiverGroup(receivers)
 
     return build
-
-
-@pytest.fixture
-def hub():
-    return InprocHub()
-
-
-@pytest.fixture
-def closing():
-    sides = []
-    yield lambda side: sides.append(side) or side
-    for side in sides:
-        side.close()
 
 
 def wanted(senders: SenderGroup, receivers: ReceiverGroup, start: int, end: int) -> list[np.ndarray]:
