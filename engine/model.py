@@ -36,23 +36,28 @@ class RankGroup(Protocol):
 
 
 class RMSNorm(nn.Module):
-    """Same arithmetic as Hugging Face's: normalise in float32, scale in the model dtype."""
+    """Same arithmetic as Hugging Face's: normalise in float32, scale in the model dtype.
+
+    ``F.rms_norm`` is one kernel where the spelled-out form is five, with the same result
+    bit for bit (tests/engine/test_layers.py)."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.shape = (dim,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [tokens, heads, dim]: ``x * cos + rotate_half(x) * sin``.
+
+    ``rotate_half(x) * sin`` is ``roll(x, dim / 2) * sin_signed``, where ``sin_signed`` is sin with
+    its first half negated: one roll instead of a negation, two slices and a concatenation, and
+    the same numbers bit for bit (negating a factor of a product is exact)."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 class Attention(nn.Module):
@@ -71,14 +76,15 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, cache_layer, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # q and k side by side in qkv: rotated together
+            qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim))
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         write_kv(cache_layer, k, v, meta)
         out = paged_attention(q, k, v, cache_layer, meta, self.scale)
         return self.o_proj(out.view(n, self.q_size))

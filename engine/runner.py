@@ -36,7 +36,10 @@ class RankDriver(Protocol):
 
 
 class RoPE:
-    """cos/sin tables for every position up to the context length, built once."""
+    """cos and signed sin tables for every position up to the context length, built once.
+
+    ``sin_signed`` is sin with the first half of every row negated, the form
+    ``engine.model.rotate`` multiplies by."""
 
     def __init__(self, hf_config, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
         params = getattr(hf_config, "rope_parameters", None) or {}
@@ -53,7 +56,9 @@ class RoPE:
         freqs = torch.outer(positions, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scaling).to(dtype=dtype, device=device)
-        self.sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
+        sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
+        half = head_dim // 2
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
 
 class ModelRunner:
@@ -162,7 +167,7 @@ class ModelRunner:
         )
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=device)
         cos = self.rope.cos.index_select(0, pos).unsqueeze(1)
-        sin = self.rope.sin.index_select(0, pos).unsqueeze(1)
+        sin = self.rope.sin_signed.index_select(0, pos).unsqueeze(1)
         ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=device)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=device)
         return self.model(ids, cos, sin, self.cache.kv, meta, rows, on_layer)
