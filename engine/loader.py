@@ -5,6 +5,7 @@ Nothing is downloaded: config and tokenizer are read with
 the fused projections on load; tied embeddings share one tensor. A rank of a
 tensor-parallel engine loads only its ``Shard``'s slices
 (engine/tensor_parallel.py): each tensor is read whole, sliced, and dropped.
+On CPU the projections are then packed for oneDNN (``CausalLM.pack_for_cpu``).
 """
 
 from __future__ import annotations
@@ -121,6 +122,8 @@ def load_model(
     if missing:
         raise ValueError(f"{model_dir}: weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     model.eval()
+    if torch.device(device).type == "cpu":
+        model.pack_for_cpu()  # weights laid out for the CPU's matmul kernels (engine/model.py Linear)
     return model, cfg
 
 

@@ -2,7 +2,9 @@
 
 Parameter names follow Hugging Face's, except that q/k/v and gate/up are
 fused into one matmul each (``engine.loader`` concatenates them on load):
-fewer, larger matmuls are markedly faster on CPU.
+fewer, larger matmuls are markedly faster on CPU. On CPU every projection's
+weight is then laid out for the kernel that reads it fastest
+(:meth:`Linear.pack_for_cpu`, called by the loader).
 
 Under tensor parallelism (engine/tensor_parallel.py) each rank builds the
 model with its ``Shard``'s slice of heads, MLP features and vocabulary, and a
@@ -60,6 +62,45 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` whose weight can be laid out for the CPU's matmul kernels.
+
+    Until :meth:`pack_for_cpu` it is plain ``F.linear``. After it:
+
+    - bfloat16: one oneDNN-packed copy of the weight serves every batch; it is what makes a
+      bfloat16 step faster than a float32 one (plain ``F.linear`` on bfloat16 is slower at
+      one row);
+    - float32: the weight becomes a transposed view of an input-major [in, out] tensor, which
+      the one-row matmul (a decode step of one sequence) streams fastest, and a oneDNN-packed
+      copy serves ``packed_min_rows`` rows and more (several decodes, prefill), where packing
+      wins. float32 then holds its projections twice.
+
+    ``weight`` keeps its [out, in] shape and values either way, so reading or sharding it
+    elsewhere is unchanged.
+    """
+
+    packed_min_rows = 2
+
+    packed: torch.Tensor | None = None
+    packed_all = False  # the packed copy serves every batch size
+
+    def pack_for_cpu(self) -> None:
+        weight = self.weight.detach()
+        if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return
+        if weight.dtype == torch.bfloat16:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            self.packed_all = True
+        elif weight.dtype == torch.float32:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            self.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and (self.packed_all or x.shape[0] >= self.packed_min_rows):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, head_dim: int, qk_norm: bool, bias: bool, shard: Shard) -> None:
         super().__init__()
@@ -69,8 +110,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
         self.scale = head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
 
@@ -94,8 +135,8 @@ class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=bias)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
+        self.down_proj = Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -145,7 +186,14 @@ class CausalLM(nn.Module):
             DecoderLayer(cfg, head_dim, qk_norm, attention_bias, shard, group) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, shard.vocab_rows(cfg.vocab_size), bias=False)
+        self.lm_head = Linear(cfg.hidden_size, shard.vocab_rows(cfg.vocab_size), bias=False)
+
+    def pack_for_cpu(self) -> None:
+        """Lays every projection's weight out for the CPU (:class:`Linear`). A float32 tied lm_head
+        gets its own input-major copy; the embedding keeps the rows its lookups read."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
 
     def forward(
         self,
