@@ -45,7 +45,7 @@ class DecodeGroup:
     start: int
     count: int
     block_table: torch.Tensor  # [count, max_blocks]
-    mask: torch.Tensor  # [count, 1, 1, max_blocks * block_size], True = attend
+    mask: torch.Tensor  # [count, 1, 1, max_blocks * block_size], 0 = attend, -inf = padding
 
 
 @dataclass

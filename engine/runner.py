@@ -148,16 +148,15 @@ class ModelRunner:
         bs = self.cache.block_size
         decodes = []
         for start, lengths, table in inputs.decodes:
+            # Additive, in the cache's dtype: attention adds it as it is in every layer, where a
+            # boolean mask would be converted to this once per layer.
             span = torch.arange(len(table[0]) * bs, device=device)
             lens = torch.tensor(lengths, device=device)
-            decodes.append(
-                DecodeGroup(
-                    start,
-                    len(lengths),
-                    torch.tensor(table, dtype=torch.long, device=device),
-                    (span[None, :] < lens[:, None])[:, None, None, :],
-                )
-            )
+            padding = span[None, :] >= lens[:, None]
+            mask = torch.zeros(padding.shape, dtype=self.cache.kv.dtype, device=device)
+            mask.masked_fill_(padding, -torch.inf)
+            blocks = torch.tensor(table, dtype=torch.long, device=device)
+            decodes.append(DecodeGroup(start, len(lengths), blocks, mask[:, None, None, :]))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=device),
             num_decodes=sum(len(lengths) for _, lengths, _ in inputs.decodes),
