@@ -12,12 +12,12 @@ from server_common.settings import ServerSettings
 def run(settings: ServerSettings, log_level: str) -> int:
     from decode_server.app import create_app
     from decode_server.service import GenerationService
-    from engine import LLMEngine
     from server_common.connections import server_guard
+    from server_common.engine_thread import build_engine
     from server_common.faults import FaultInjector
     from server_common.run import serve
 
-    engine = LLMEngine(settings.engine, rank_module="server_common.tp_rank")  # a decode rank holds its receiver
+    engine = build_engine(settings.engine, "server_common.tp_rank")  # a decode rank holds its receiver
     faults = FaultInjector() if settings.fault_injection else None
     make_receiver = None
     if settings.role == "decode":

@@ -10,15 +10,15 @@ from server_common.settings import ServerSettings
 
 
 def run(settings: ServerSettings, log_level: str) -> int:
-    from engine import LLMEngine
     from prefill_server.app import create_app
     from prefill_server.service import PrefillService
     from server_common.connections import server_guard
+    from server_common.engine_thread import build_engine
     from server_common.faults import FaultInjector
     from server_common.kv_adapter import sender_factory
     from server_common.run import serve
 
-    engine = LLMEngine(settings.engine, rank_module="server_common.tp_rank")  # ranks hold their KV senders
+    engine = build_engine(settings.engine, "server_common.tp_rank")  # ranks hold their KV senders
     faults = FaultInjector() if settings.fault_injection else None
     service = PrefillService(settings, engine, sender_factory(settings, engine, faults), faults)
     guard = server_guard(settings)
