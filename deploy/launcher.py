@@ -44,6 +44,29 @@ from engine.models import needs_build
 
 GRACE_S = 10.0
 REPO_ROOT = Path(__file__).resolve().parents[1]
+# libgomp's spin between parallel kernels, in pause iterations, for servers that share their cores.
+SHARED_CORES_SPINCOUNT = "10000"
+
+
+def openmp_spin(cluster: ClusterConfig, only: set[str] | None, cores: int) -> dict[str, str]:
+    """The OpenMP environment of the servers this launcher starts: a short spin when their torch
+    threads outnumber its cores, nothing otherwise.
+
+    A server's OpenMP workers spin between the kernels of a step (libgomp's default, about 300000
+    pause iterations), which is what makes a CPU step fast when they have cores of their own
+    (server_common/engine_thread.py ``build_engine``). On cores shared with other servers a long
+    spin takes the time another server computes in, and no spin at all (``OMP_WAIT_POLICY=PASSIVE``)
+    makes every kernel a wake-up; ``GOMP_SPINCOUNT=10000`` spans the gap between one step's kernels
+    and yields soon after (measured: docs/architecture.md, Threads). Nothing is set when
+    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is (the operator's choice stands)."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return {}
+    threads = 0
+    for inst in cluster.instances():
+        if only is None or inst.name in only:
+            per_rank = inst.num_threads or cluster.engine.num_threads or cores  # None: torch's default, the cores
+            threads += per_rank * cluster.tensor_parallel_size_of(inst)
+    return {"GOMP_SPINCOUNT": SHARED_CORES_SPINCOUNT} if threads > cores else {}
 
 
 class LaunchError(RuntimeError):
@@ -78,6 +101,7 @@ class Cluster:
         self.stopped: set[str] = set()  # servers that drained and stopped on someone else's SIGTERM
         # Every child reports it in /health: an answer without it comes from a process this launch did not start.
         self.launch_id = secrets.token_hex(8)
+        self.openmp_env = openmp_spin(cluster, only, len(os.sched_getaffinity(0)))
 
     def _spawn(self, role: str, name: str, url: str, args: list[str]) -> Proc:
         log = self.run_dir / f"{name}.log"
@@ -87,6 +111,8 @@ class Cluster:
             cmd += ["--any-worker-launch"]  # a multi-host cluster's other hosts run servers of other launches
         # Children import this very checkout, whatever the working directory or installed copy.
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
+        if role != "router":
+            env.update(self.openmp_env)
         with open(log, "ab") as out:
             popen = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
@@ -340,6 +366,13 @@ def launch(
             who = proc.name if proc.name == proc.role else f"{proc.role} {proc.name}"
             print(f"pdserve: {who} ready ({time.monotonic() - started:.1f} s)", flush=True)
 
+        if c.openmp_env:
+            print(
+                f"pdserve: the servers' torch threads outnumber this host's {len(os.sched_getaffinity(0))} cores: "
+                f"{' '.join(f'{k}={v}' for k, v in c.openmp_env.items())} for them, a short OpenMP spin "
+                "(set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose)",
+                flush=True,
+            )
         servers = c.start_servers()
         print(
             f"pdserve: starting {', '.join(f'{p.name} ({p.role})' for p in servers)}: each loads the model, "
