@@ -88,11 +88,11 @@ class Linear(nn.Linear):
         weight = self.weight.detach()
         if weight.device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return
-        if weight.dtype == torch.bfloat16:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-            self.packed_all = True
-        elif weight.dtype == torch.float32:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        if weight.dtype not in (torch.bfloat16, torch.float32):
+            return
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+        self.packed_all = weight.dtype == torch.bfloat16
+        if weight.dtype == torch.float32:  # input-major for the one-row matmul
             self.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -115,17 +115,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
 
-    def forward(self, x, cos, sin, cache_layer, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin_signed, cache_layer, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size :].view(n, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:  # q and k side by side in qkv: rotated together
             qk = qkv[:, : self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+            q, k = rotate(qk, cos, sin_signed).split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q = self.q_norm(qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim))
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            q, k = rotate(q, cos, sin_signed), rotate(k, cos, sin_signed)
         write_kv(cache_layer, k, v, meta)
         out = paged_attention(q, k, v, cache_layer, meta, self.scale)
         return self.o_proj(out.view(n, self.q_size))
@@ -153,11 +153,11 @@ class DecoderLayer(nn.Module):
         intermediate = len(shard.intermediate(cfg.intermediate_size))
         self.mlp = MLP(cfg.hidden_size, intermediate, bias=getattr(cfg, "mlp_bias", False))
 
-    def forward(self, x, cos, sin, cache_layer, meta) -> torch.Tensor:
+    def forward(self, x, cos, sin_signed, cache_layer, meta) -> torch.Tensor:
         if self.group is None:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_layer, meta)
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed, cache_layer, meta)
             return x + self.mlp(self.post_attention_layernorm(x))
-        attn = self.self_attn(self.input_layernorm(x), cos, sin, cache_layer, meta)
+        attn = self.self_attn(self.input_layernorm(x), cos, sin_signed, cache_layer, meta)
         self.group.all_reduce(attn)
         x = x + attn
         mlp = self.mlp(self.post_attention_layernorm(x))
@@ -199,7 +199,7 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         cos: torch.Tensor,
-        sin: torch.Tensor,
+        sin_signed: torch.Tensor,
         kv: torch.Tensor,
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,
@@ -213,7 +213,7 @@ class CausalLM(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv[i], meta)
+            x = layer(x, cos, sin_signed, kv[i], meta)
             if on_layer is not None:
                 on_layer(i)
         x = self.norm(x[logits_rows])

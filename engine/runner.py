@@ -166,10 +166,10 @@ class ModelRunner:
         )
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=device)
         cos = self.rope.cos.index_select(0, pos).unsqueeze(1)
-        sin = self.rope.sin_signed.index_select(0, pos).unsqueeze(1)
+        sin_signed = self.rope.sin_signed.index_select(0, pos).unsqueeze(1)
         ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=device)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=device)
-        return self.model(ids, cos, sin, self.cache.kv, meta, rows, on_layer)
+        return self.model(ids, cos, sin_signed, self.cache.kv, meta, rows, on_layer)
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, prompt_rows: list[tuple[ScheduledChunk, int, int]]
