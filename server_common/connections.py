@@ -26,7 +26,8 @@ protocol (``protocol_class``) three limits, on the router (config
 
 A connection that passes a limit is closed and counted in
 ``pdserve_router_connections_refused{reason="header_timeout|body_timeout|too_many|full"}``
-(``pdserve_connections_refused`` on the servers).
+(``pdserve_connections_refused`` on the servers); the connections open now are
+``pdserve_router_connections_open`` (``pdserve_connections_open``).
 A response being streamed is never cut: the timers stop once the request has
 been read.
 """
@@ -39,7 +40,7 @@ import socket
 from collections.abc import Iterable
 
 import h11
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 REASONS = ("header_timeout", "body_timeout", "too_many", "full")
@@ -143,6 +144,9 @@ class ConnectionGuard:
         for reason in REASONS:
             family.add_metric([reason], self.refused[reason])
         yield family
+        yield GaugeMetricFamily(
+            self.metric.removesuffix("_refused") + "_open", f"Client connections open on {self.who}", value=self.total
+        )
 
     def protocol_class(self) -> type[H11Protocol]:
         """uvicorn's h11 protocol with this guard's limits (pass as ``uvicorn.Config(http=...)``)."""

@@ -7,18 +7,33 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import httpx
 import pytest
 
 from bench.micro import hostile
 from tests.security.conftest import MAX_CONNECTIONS
 from tests.serving.cluster import REPO
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 # Attacks the cluster serves: the rest are refused with a 400.
 ANSWERED = {"ambiguous n=16", "prompt over P's cache", "two greedy n=8", "4 x scored 4000", "n=16 logprobs answer"}
 
 
+def router_connections_open(url: str) -> float:
+    """The router's open client connections, this request's own among them (closed after it)."""
+    metrics = httpx.get(f"{url}/metrics", headers={"connection": "close"}, timeout=10).text
+    return next(
+        float(line.split()[1]) for line in metrics.splitlines() if line.startswith("pdserve_router_connections_open ")
+    )
+
+
 def test_every_attack_is_answered_without_a_5xx_or_a_restart_and_the_victim_is_served(target):
+    # The refusals below count on no other connection from this address: earlier tests' kept-alive ones go first.
+    target.cluster.close_connections()
+    wait_until(
+        lambda: router_connections_open(target.cluster.router_url) == 1, 10, "the router's idle connections closed"
+    )
     result = hostile.run(target.cluster.run_dir, None, baseline_s=2.0)
     rows = {r["attack"]: r for r in result["rows"]}
     assert set(rows) == {"(none: the client alone)", *(name for name, *_ in hostile.ATTACKS)}

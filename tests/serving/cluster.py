@@ -96,8 +96,18 @@ class Cluster:
         # The secret `pdserve launch` generated when the config names none: internal routes need it.
         generated = run_dir / "internal_secret"
         secret = secret or (generated.read_text().strip() if generated.exists() else None)
-        self.http = httpx.Client(timeout=30, headers={"authorization": f"Bearer {secret}"} if secret else {})
+        self._headers = {"authorization": f"Bearer {secret}"} if secret else {}
+        self.http = httpx.Client(timeout=30, headers=self._headers)
         self._clients: dict[tuple, openai.OpenAI] = {}
+
+    def close_connections(self) -> None:
+        """Closes the kept-alive connections of this object's clients (the router counts each against
+        the address's max_connections_per_client until it closes it, client_keepalive_s later)."""
+        self.http.close()
+        for client in self._clients.values():
+            client.close()
+        self.http = httpx.Client(timeout=30, headers=self._headers)
+        self._clients = {}
 
     def client(self, **kw) -> openai.OpenAI:
         """One client per set of options, for the cluster's life: tests reuse its connections instead of
