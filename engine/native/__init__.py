@@ -1,0 +1,118 @@
+"""CPU kernels of pdserve's own, built on the machine that runs them.
+
+One today: ``gemv_bf16``, the one-row bfloat16 projection of a decode step of
+one sequence (``engine.model.Linear`` uses it for one row; oneDNN's packed
+matmul, which serves every other batch, streams the weights of one row about
+1.6x slower). It needs AVX512-BF16 (Intel Cooper Lake, Sapphire Rapids and
+later; AMD Zen 4 and later).
+
+The source is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and
+ninja) into ``~/.cache/pdserve/native`` (``PDSERVE_NATIVE_CACHE``), once per
+torch version and source: ``scripts/install.sh`` does it (``python -m
+engine.native``), else the first engine that needs it, tens of seconds, with
+a line saying so. Where the CPU lacks the instructions, or there is no
+compiler, or ``PDSERVE_NATIVE=0``, :func:`kernels` is None and the engine
+keeps oneDNN's path; :func:`status` says which and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger("pdserve.native")
+
+SOURCE = Path(__file__).with_name("gemv_bf16.cpp")
+NEEDS = ("avx512f", "avx512bw", "avx512_bf16")  # /proc/cpuinfo flags the kernel's instructions need
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16"]  # -fopenmp: at::parallel_for is inline OpenMP
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("PDSERVE_NATIVE_CACHE", "~/.cache/pdserve/native")
+    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '_')}"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def unavailable() -> str | None:
+    """Why the kernels cannot run here (None: they can, once built)."""
+    if os.environ.get("PDSERVE_NATIVE", "1") == "0":
+        return "PDSERVE_NATIVE=0"
+    missing = [flag for flag in NEEDS if flag not in cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    return None
+
+
+_failure: str | None = None
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The built kernels, building them first if needed; None where they cannot run or be built."""
+    global _failure
+    _failure = unavailable()
+    if _failure is not None:
+        return None
+    from torch.utils.cpp_extension import load
+
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    fresh = not any(folder.glob("pdserve_native*.so"))
+    if fresh:
+        log.warning("pdserve: building the native CPU kernels into %s (once; tens of seconds)", folder)
+    started = time.monotonic()
+    try:
+        module = load(
+            name="pdserve_native",
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            build_directory=str(folder),
+            verbose=False,
+        )
+    except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
+        last = (str(exc).strip().splitlines() or [""])[-1]
+        _failure = f"the build failed: {type(exc).__name__}: {last}"
+        log.warning("pdserve: native CPU kernels not used: %s; oneDNN's kernels serve instead", _failure)
+        return None
+    if fresh or time.monotonic() - started > 5:
+        log.warning("pdserve: native CPU kernels built in %.0f s", time.monotonic() - started)
+    return module
+
+
+def status() -> str:
+    """One line: whether the kernels are in use here, and why not."""
+    return "native CPU kernels: in use" if kernels() is not None else f"native CPU kernels: not used ({_failure})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.native",
+        description="Builds pdserve's native CPU kernels for this machine (if it can run them) and says "
+        "whether the engine will use them. Exit status 0 either way: the engine falls back to oneDNN.",
+    )
+    parser.add_argument("--require", action="store_true", help="exit 1 when the kernels are not in use")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    print(f"{status()} ({cache_dir()})")
+    return 1 if args.require and kernels() is None else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
