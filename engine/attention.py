@@ -12,7 +12,9 @@ A step's tokens are flattened into one batch: decode rows first (one query
 token each), then prefill chunks. Every layer first writes the step's new K/V
 through the slot mapping, then attends:
 
-- decodes: K/V gathered by block table into [batch, kv_heads, len, dim]; the
+- decodes, on CPU where ``engine.native`` is built: its ``decode_attention``,
+  which reads each row's context in place through its block table;
+- decodes otherwise: K/V gathered by block table into [batch, kv_heads, len, dim]; the
   query heads are viewed as [batch, kv_heads, group, dim] so grouped-query
   attention is one batched matmul with no repeat_interleave. A batch is
   padded to its longest context, and the gather is memory-bound, so decodes
@@ -24,6 +26,7 @@ through the slot mapping, then attends:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +48,8 @@ class DecodeGroup:
     start: int
     count: int
     block_table: torch.Tensor  # [count, max_blocks]
-    mask: torch.Tensor  # [count, 1, 1, max_blocks * block_size], 0 = attend, -inf = padding
+    lengths: torch.Tensor  # [count] context lengths, this step's token included
+    mask: torch.Tensor | None  # [count, 1, 1, max_blocks * block_size], 0 = attend, -inf = padding (None: native)
 
 
 @dataclass
@@ -55,6 +59,8 @@ class AttentionMetadata:
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
     hnd: bool = False  # the cache's memory order inside a block
+    # engine.native's decode_attention where it runs (CPU): reads each row's context in place
+    decode_kernel: Callable | None = None
 
 
 # A decode starts a new group when its context is both twice the group's
@@ -109,6 +115,9 @@ def paged_attention(
     cache_k, cache_v = cache_layer[0], cache_layer[1]
     for g in meta.decodes:
         rows = slice(g.start, g.start + g.count)
+        if meta.decode_kernel is not None:
+            out[rows] = meta.decode_kernel(q[rows], cache_k, cache_v, g.block_table, g.lengths, scale, meta.hnd)
+            continue
         keys = _gather(cache_k, g.block_table, meta.hnd)  # [count, kv_heads, len, dim]
         values = _gather(cache_v, g.block_table, meta.hnd)
         query = q[rows].view(g.count, num_kv_heads, group, head_dim)

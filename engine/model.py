@@ -41,8 +41,10 @@ class RankGroup(Protocol):
 class RMSNorm(nn.Module):
     """Same arithmetic as Hugging Face's: normalise in float32, scale in the model dtype.
 
-    ``F.rms_norm`` is one kernel where the spelled-out form is five, with the same result
-    bit for bit (tests/engine/test_layers.py)."""
+    ``F.rms_norm`` is one call where the spelled-out form is five, with the same result bit
+    for bit (tests/engine/test_layers.py)."""
+
+    native: Callable | None = None  # engine.native's kernel, for a bfloat16 norm on CPU
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -50,7 +52,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.shape = (dim,)
 
+    def use_cpu_kernel(self) -> None:
+        """A bfloat16 norm on CPU runs as engine.native's one-pass kernel where it is built: the
+        same arithmetic, its float32 sum of squares in another order (float32 keeps torch's, bit
+        for bit Hugging Face's)."""
+        if self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
+            found = native.kernels()
+            self.native = None if found is None else found.rms_norm_bf16
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None and x.dtype == torch.bfloat16:
+            return self.native(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
 
 
@@ -197,11 +209,14 @@ class CausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, shard.vocab_rows(cfg.vocab_size), bias=False)
 
     def pack_for_cpu(self) -> None:
-        """Lays every projection's weight out for the CPU (:class:`Linear`). A float32 tied lm_head
-        gets its own input-major copy; the embedding keeps the rows its lookups read."""
+        """Lays every projection's weight out for the CPU (:class:`Linear`), and gives bfloat16 norms
+        their CPU kernel (:class:`RMSNorm`). A float32 tied lm_head gets its own input-major copy;
+        the embedding keeps the rows its lookups read."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
+            elif isinstance(module, RMSNorm):
+                module.use_cpu_kernel()
 
     def forward(
         self,

@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from engine import native
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, decode_groups
 from engine.grammar_mask import apply_grammar_masks
 from engine.kv_cache import KVCache
@@ -80,6 +81,10 @@ class ModelRunner:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.seed()
+        self.decode_kernel = None  # engine.native's decode attention, on CPU where it is built
+        if device.type == "cpu" and cache.kv.dtype in (torch.float32, torch.bfloat16):
+            found = native.kernels()
+            self.decode_kernel = None if found is None else found.decode_attention
 
     @torch.inference_mode()
     def run(self, plan: SchedulePlan, on_layer: Callable[[int], None] | None = None) -> dict[Request, ChunkResult]:
@@ -148,21 +153,25 @@ class ModelRunner:
         bs = self.cache.block_size
         decodes = []
         for start, lengths, table in inputs.decodes:
-            # Additive, in the cache's dtype: attention adds it as it is in every layer, where a
-            # boolean mask would be converted to this once per layer.
-            span = torch.arange(len(table[0]) * bs, device=device)
-            lens = torch.tensor(lengths, device=device)
-            padding = span[None, :] >= lens[:, None]
-            mask = torch.zeros(padding.shape, dtype=self.cache.kv.dtype, device=device)
-            mask.masked_fill_(padding, -torch.inf)
+            lens = torch.tensor(lengths, dtype=torch.long, device=device)
             blocks = torch.tensor(table, dtype=torch.long, device=device)
-            decodes.append(DecodeGroup(start, len(lengths), blocks, mask[:, None, None, :]))
+            mask = None  # the native kernel reads each row's own length
+            if self.decode_kernel is None:
+                # Additive, in the cache's dtype: attention adds it as it is in every layer, where a
+                # boolean mask would be converted to this once per layer.
+                span = torch.arange(len(table[0]) * bs, device=device)
+                padding = span[None, :] >= lens[:, None]
+                mask = torch.zeros(padding.shape, dtype=self.cache.kv.dtype, device=device)
+                mask.masked_fill_(padding, -torch.inf)
+                mask = mask[:, None, None, :]
+            decodes.append(DecodeGroup(start, len(lengths), blocks, lens, mask))
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=device),
             num_decodes=sum(len(lengths) for _, lengths, _ in inputs.decodes),
             decodes=decodes,
             prefills=prefills,
             hnd=self.cache.order == "HND",
+            decode_kernel=self.decode_kernel,
         )
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=device)
         cos = self.rope.cos.index_select(0, pos).unsqueeze(1)

@@ -1,24 +1,35 @@
 """CPU kernels of pdserve's own, built on the machine that runs them.
 
-One today: ``gemv_bf16``, the one-row bfloat16 projection of a decode step of
-one sequence (``engine.model.Linear`` uses it for one row; oneDNN's packed
-matmul, which serves every other batch, streams the weights of one row about
-1.6x slower). It needs AVX512-BF16 (Intel Cooper Lake, Sapphire Rapids and
-later; AMD Zen 4 and later).
+Where a decode step's time goes to torch's dispatch of small kernels, or to a
+kernel well below memory speed, ``kernels.cpp`` does the work in one call:
+
+- ``gemv_bf16``: the one-row bfloat16 projection of a decode step of one
+  sequence (``engine.model.Linear``; oneDNN's packed matmul, which serves
+  every other batch, streams one row's weights about 1.6x slower);
+- ``rms_norm_bf16``: a bfloat16 model's RMSNorm in one pass
+  (``engine.model.RMSNorm``; torch's takes eight kernels);
+- ``decode_attention``: float32 or bfloat16 decode rows against their
+  contexts in the paged cache, read in place through the block table
+  (``engine.attention``; torch's path gathers each context into a padded
+  copy, then runs its attention over it).
+
+They need AVX-512 with BF16 (Intel Cooper Lake, Sapphire Rapids and later;
+AMD Zen 4 and later).
 
 The source is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and
 ninja) into ``~/.cache/pdserve/native`` (``PDSERVE_NATIVE_CACHE``), once per
-torch version and source: ``scripts/install.sh`` does it (``python -m
+torch version, source and flags: ``scripts/install.sh`` does it (``python -m
 engine.native``), else the first engine that needs it, tens of seconds, with
 a line saying so. Where the CPU lacks the instructions, or there is no
 compiler, or ``PDSERVE_NATIVE=0``, :func:`kernels` is None and the engine
-keeps oneDNN's path; :func:`status` says which and why.
+keeps torch's paths (as on CUDA); :func:`status` says which and why.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import hashlib
 import logging
 import os
 import subprocess
@@ -31,14 +42,17 @@ import torch
 
 log = logging.getLogger("pdserve.native")
 
-SOURCE = Path(__file__).with_name("gemv_bf16.cpp")
-NEEDS = ("avx512f", "avx512bw", "avx512_bf16")  # /proc/cpuinfo flags the kernel's instructions need
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512bf16"]  # -fopenmp: at::parallel_for is inline OpenMP
+SOURCE = Path(__file__).with_name("kernels.cpp")
+NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo flags the kernel's instructions need
+# -fopenmp: at::parallel_for is inline OpenMP, compiled into calls to the runtime torch has loaded
+CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
 
 def cache_dir() -> Path:
+    """One folder per torch version, source and flags: checkouts that differ never share a build."""
     root = os.environ.get("PDSERVE_NATIVE_CACHE", "~/.cache/pdserve/native")
-    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '_')}"
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '_')}-{key}"
 
 
 def cpu_flags() -> set[str]:

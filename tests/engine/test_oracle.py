@@ -1,4 +1,5 @@
-"""Greedy tokens from the engine equal transformers `generate`, exactly."""
+"""Greedy tokens from the engine equal transformers `generate`, exactly, with decode attention native
+(engine.native, where this CPU runs it) and gathered (torch's, as on CUDA)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ def test_reference_outputs_are_not_degenerate(model_and_reference):
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "oneshot"])
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "single"])
-def test_greedy_tokens_equal_transformers(model_and_reference, block_size, chunked, batched, kv_layout):
+@pytest.mark.parametrize("decode_attention", ["native", "gathered"])
+def test_greedy_tokens_equal_transformers(
+    model_and_reference, block_size, chunked, batched, kv_layout, decode_attention
+):
     path, reference = model_and_reference
     engine = LLMEngine(
         EngineConfig(
@@ -45,6 +49,8 @@ def test_greedy_tokens_equal_transformers(model_and_reference, block_size, chunk
             kv_layout=kv_layout,
         )
     )
+    if decode_attention == "gathered":  # the path of CUDA and of CPUs without engine.native's kernels
+        engine.runner.decode_kernel = None
     sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     if batched:
         got = [r.token_ids for r in engine.generate(prompts(), sampling)]
