@@ -49,9 +49,10 @@ CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512b
 
 
 def cache_dir() -> Path:
-    """One folder per torch version, source and flags: checkouts that differ never share a build."""
+    """One folder per torch version, source file (its path and bytes) and flags: two checkouts never
+    rebuild over each other's build (the build names its source by path)."""
     root = os.environ.get("PDSERVE_NATIVE_CACHE", "~/.cache/pdserve/native")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{SOURCE.resolve()}\0{' '.join(CFLAGS)}\0".encode() + SOURCE.read_bytes()).hexdigest()[:12]
     return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '_')}-{key}"
 
 
