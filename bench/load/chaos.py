@@ -208,6 +208,9 @@ def run(args: argparse.Namespace) -> dict:
         d0 = next(p for p in cluster.processes("decode") if p["name"] == "d0")
         faults = [time.monotonic()]
         os.kill(d0["pid"], signal.SIGKILL)
+        # Out first, then back: read at once, the router may not have seen the kill yet, and d1 would
+        # then be drained while d0 is still restarting (every request 503 until d0 is back).
+        wait_for(lambda: not workers(url)["d0"]["in_rotation"], 60, "the router took d0 out of rotation")
         wait_for(lambda: workers(url)["d0"]["in_rotation"], 120, "d0 restarted and back in rotation")
         time.sleep(args.phase_s)
         faults.append(time.monotonic())
