@@ -57,8 +57,7 @@ class RMSNorm(nn.Module):
         same arithmetic, its float32 sum of squares in another order (float32 keeps torch's, bit
         for bit Hugging Face's)."""
         if self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
-            found = native.kernels()
-            self.native = None if found is None else found.rms_norm_bf16
+            self.native = native.kernel("rms_norm_bf16")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dtype == torch.bfloat16:
@@ -108,8 +107,7 @@ class Linear(nn.Linear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         self.packed_all = weight.dtype == torch.bfloat16
         if weight.dtype == torch.bfloat16 and weight.is_contiguous():
-            found = native.kernels()
-            self.one_row = None if found is None else found.gemv_bf16
+            self.one_row = native.kernel("gemv_bf16")
         if weight.dtype == torch.float32:  # input-major for the one-row matmul
             self.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
 

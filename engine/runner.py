@@ -83,8 +83,7 @@ class ModelRunner:
         self.generator.seed()
         self.decode_kernel = None  # engine.native's decode attention, on CPU where it is built
         if device.type == "cpu" and cache.kv.dtype in (torch.float32, torch.bfloat16):
-            found = native.kernels()
-            self.decode_kernel = None if found is None else found.decode_attention
+            self.decode_kernel = native.kernel("decode_attention")
 
     @torch.inference_mode()
     def run(self, plan: SchedulePlan, on_layer: Callable[[int], None] | None = None) -> dict[Request, ChunkResult]:

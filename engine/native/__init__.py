@@ -35,6 +35,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -104,11 +105,17 @@ def kernels() -> ModuleType | None:
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
         last = (str(exc).strip().splitlines() or [""])[-1]
         _failure = f"the build failed: {type(exc).__name__}: {last}"
-        log.warning("pdserve: native CPU kernels not used: %s; oneDNN's kernels serve instead", _failure)
+        log.warning("pdserve: native CPU kernels not used: %s; torch's kernels serve instead", _failure)
         return None
     if fresh or time.monotonic() - started > 5:
         log.warning("pdserve: native CPU kernels built in %.0f s", time.monotonic() - started)
     return module
+
+
+def kernel(name: str) -> Callable | None:
+    """One kernel of the module by name, or None where the kernels are not in use (torch's path then)."""
+    found = kernels()
+    return None if found is None else getattr(found, name)
 
 
 def status() -> str:
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m engine.native",
         description="Builds pdserve's native CPU kernels for this machine (if it can run them) and says "
-        "whether the engine will use them. Exit status 0 either way: the engine falls back to oneDNN.",
+        "whether the engine will use them. Exit status 0 either way: the engine falls back to torch's kernels.",
     )
     parser.add_argument("--require", action="store_true", help="exit 1 when the kernels are not in use")
     args = parser.parse_args(argv)
