@@ -226,9 +226,16 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const int64_t kv_heads = hnd ? k.size(1) : k.size(2), block = hnd ? k.size(2) : k.size(1);
   TORCH_CHECK(q.size(2) == k.size(3) && kv_heads > 0 && q.size(1) % kv_heads == 0,
               "decode_attention: q heads must be a multiple of the cache's kv heads, of one head size");
+  // Every block a row reads is checked before any is read: a wrong table raises, as torch's gather would,
+  // instead of reading outside the cache.
   const int64_t* lp = lengths.data_ptr<int64_t>();
-  for (int64_t r = 0; r < q.size(0); ++r)
+  const int64_t* tp = table.data_ptr<int64_t>();
+  for (int64_t r = 0; r < q.size(0); ++r) {
     TORCH_CHECK(lp[r] > 0 && lp[r] <= table.size(1) * block, "decode_attention: a length outside its block table");
+    for (int64_t i = 0; i < (lp[r] + block - 1) / block; ++i)
+      TORCH_CHECK(tp[r * table.size(1) + i] >= 0 && tp[r * table.size(1) + i] < k.size(0),
+                  "decode_attention: a block id outside the cache");
+  }
   torch::Tensor out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
   if (q.scalar_type() == at::kFloat) {
     decode_rows<float>(q, k, v, table, lengths, scale, out, hnd);

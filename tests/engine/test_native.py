@@ -144,11 +144,17 @@ def test_decode_attention_equals_sdpa_over_each_row_s_own_context(dtype, hnd):
 
 
 @needs_cpu
-def test_decode_attention_refuses_a_length_past_its_table():
+def test_decode_attention_refuses_a_length_past_its_table_or_a_block_outside_the_cache():
     cache = torch.zeros(4, 16, 1, 64)
     q = torch.zeros(1, 2, 64)
     with pytest.raises(RuntimeError, match="length outside its block table"):
         native.kernels().decode_attention(q, cache, cache, torch.tensor([[1, 2]]), torch.tensor([33]), 0.125, False)
+    for block_id in (4, -1):  # the cache holds blocks 0..3; the padding past a row's length is not read
+        with pytest.raises(RuntimeError, match="block id outside the cache"):
+            native.kernels().decode_attention(
+                q, cache, cache, torch.tensor([[1, block_id, 99]]), torch.tensor([20]), 0.125, False
+            )
+    native.kernels().decode_attention(q, cache, cache, torch.tensor([[1, 3, 99]]), torch.tensor([20]), 0.125, False)
     with pytest.raises(RuntimeError, match="multiple of the cache's kv heads"):
         native.kernels().decode_attention(
             torch.zeros(1, 3, 64),
