@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
     ``F.rms_norm`` is one call where the spelled-out form is five, with the same result bit
     for bit (tests/engine/test_layers.py)."""
 
-    native: Callable | None = None  # engine.native's kernel, for a bfloat16 norm on CPU
+    native: Callable | None = None  # engine.native's kernel for this norm's dtype on CPU
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -53,14 +53,15 @@ class RMSNorm(nn.Module):
         self.shape = (dim,)
 
     def use_cpu_kernel(self) -> None:
-        """A bfloat16 norm on CPU runs as engine.native's one-pass kernel where it is built: the
-        same arithmetic, its float32 sum of squares in another order (float32 keeps torch's, bit
-        for bit Hugging Face's)."""
-        if self.weight.device.type == "cpu" and self.weight.dtype == torch.bfloat16:
-            self.native = native.kernel("rms_norm_bf16")
+        """On CPU, where engine.native is built, a bfloat16 norm runs as its one-pass kernel: the same
+        arithmetic, its float32 sum of squares in another order. A float32 norm runs as its
+        ``rms_norm_f32``: torch's arithmetic bit for bit (its sum of squares is torch's sum) in two
+        calls where torch's composite makes six."""
+        if self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float32):
+            self.native = native.kernel("rms_norm_bf16" if self.weight.dtype == torch.bfloat16 else "rms_norm_f32")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and x.dtype == torch.bfloat16:
+        if self.native is not None and x.dtype == self.weight.dtype:
             return self.native(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
 
@@ -72,6 +73,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torc
     its first half negated: one roll instead of a negation, two slices and a concatenation, and
     the same numbers bit for bit (negating a factor of a product is exact)."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
 
 
 class Linear(nn.Linear):
@@ -162,6 +167,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # engine.native's DecodeLayer over this layer's weights: the whole layer in one call for a step that is one
+    # decode row on CPU (the same numbers as the ops below, bit for bit)
+    fused: Callable | None = None
+
     def __init__(self, cfg, head_dim: int, qk_norm: bool, bias: bool, shard: Shard, group: RankGroup | None) -> None:
         super().__init__()
         self.group = group
@@ -171,7 +180,41 @@ class DecoderLayer(nn.Module):
         intermediate = len(shard.intermediate(cfg.intermediate_size))
         self.mlp = MLP(cfg.hidden_size, intermediate, bias=getattr(cfg, "mlp_bias", False))
 
+    def use_cpu_kernel(self) -> None:
+        """A float32 or bfloat16 layer on CPU, whole (not sharded), runs a step that is one decode row as
+        engine.native's DecodeLayer where it is built. Called once its projections are packed: float32
+        passes the input-major weight its one-row matmul reads."""
+        attn, mlp = self.self_attn, self.mlp
+        kinds = {(p.device.type, p.dtype) for p in self.parameters()}
+        if self.group is not None or kinds not in ({("cpu", torch.float32)}, {("cpu", torch.bfloat16)}):
+            return
+        layer = native.kernel("DecodeLayer")
+        if layer is None:
+            return
+        self.fused = layer(
+            input_norm=self.input_layernorm.weight.detach(),
+            qkv=attn.qkv_proj.weight.detach(),
+            qkv_bias=_detached(attn.qkv_proj.bias),
+            q_norm=None if attn.q_norm is None else attn.q_norm.weight.detach(),
+            k_norm=None if attn.k_norm is None else attn.k_norm.weight.detach(),
+            o=attn.o_proj.weight.detach(),
+            post_norm=self.post_attention_layernorm.weight.detach(),
+            gate_up=mlp.gate_up_proj.weight.detach(),
+            gate_up_bias=_detached(mlp.gate_up_proj.bias),
+            down=mlp.down_proj.weight.detach(),
+            down_bias=_detached(mlp.down_proj.bias),
+            heads=attn.num_heads,
+            kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            eps=self.input_layernorm.eps,
+            scale=attn.scale,
+        )
+
     def forward(self, x, cos, sin_signed, cache_layer, meta) -> torch.Tensor:
+        if self.fused is not None and x.shape[0] == 1 and meta.num_decodes == 1 and meta.decode_kernel is not None:
+            row = meta.decodes[0]
+            slot = meta.slot_mapping
+            return self.fused(x, cos, sin_signed, cache_layer, slot, row.block_table, row.lengths, meta.hnd)
         if self.group is None:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed, cache_layer, meta)
             return x + self.mlp(self.post_attention_layernorm(x))
@@ -215,6 +258,8 @@ class CausalLM(nn.Module):
                 module.pack_for_cpu()
             elif isinstance(module, RMSNorm):
                 module.use_cpu_kernel()
+        for layer in self.layers:  # over the weights as packed: bfloat16 keeps each [out, in] as it is
+            layer.use_cpu_kernel()
 
     def forward(
         self,

@@ -46,7 +46,7 @@ log = logging.getLogger("pdserve.native")
 SOURCE = Path(__file__).with_name("kernels.cpp")
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo flags the kernel's instructions need
 # -fopenmp: at::parallel_for is inline OpenMP, compiled into calls to the runtime torch has loaded
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
 
 def cache_dir() -> Path:

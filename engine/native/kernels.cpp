@@ -44,24 +44,13 @@ inline at::BFloat16 finish(__m512 acc, const at::BFloat16* bias, int64_t row) {
 
 }  // namespace
 
-torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "gemv_bf16: x must be one row [1, in]");
-  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "gemv_bf16: w must be [out, in]");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bfloat16 only");
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(), "gemv_bf16: contiguous CPU weight");
-  const torch::Tensor xc = x.contiguous();
-  torch::Tensor bc;
-  if (b.has_value() && b->defined()) {
-    TORCH_CHECK(b->numel() == w.size(0) && b->scalar_type() == at::kBFloat16, "gemv_bf16: bias must be [out] bfloat16");
-    bc = b->contiguous();
-  }
-  const int64_t out = w.size(0), in = w.size(1);
+// y[o] = sum_i x[i] * w[o, i] (+ b[o]) for one bfloat16 row x [in] and w [out, in]: rows split across
+// torch's threads, kRows weight rows per pass. The rows of w are read in order, but as kRows
+// interleaved streams that the hardware prefetcher follows late: each pass also prefetches the
+// same lines of the next kRows rows (1.2x on SmolLM2's projections streamed from L3).
+void gemv_into(const uint16_t* xp, const uint16_t* wp, const at::BFloat16* bp, at::BFloat16* yp, int64_t out,
+               int64_t in) {
   const int64_t full = in / kLanes * kLanes, tail = in - full;
-  torch::Tensor y = torch::empty({1, out}, x.options());
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  const at::BFloat16* bp = bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr;
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
   const int64_t blocks = (out + kRows - 1) / kRows;
   const int64_t grain = std::max<int64_t>(1, kGrain / (kRows * in));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -69,8 +58,13 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, const c1
       const int64_t r = blk * kRows;
       if (r + kRows <= out) {
         const uint16_t* w0 = wp + r * in;
+        const uint16_t* next = w0 + kRows * in;  // a prefetch never faults, even past the end
         __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t i = 0; i < full; i += kLanes) {
+          _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next + in + i), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next + 2 * in + i), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(next + 3 * in + i), _MM_HINT_T0);
           const __m512bh xx = load(xp + i);
           a0 = _mm512_dpbf16_ps(a0, load(w0 + i), xx);
           a1 = _mm512_dpbf16_ps(a1, load(w0 + in + i), xx);
@@ -99,21 +93,29 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, const c1
       }
     }
   });
+}
+
+inline const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "gemv_bf16: x must be one row [1, in]");
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "gemv_bf16: w must be [out, in]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bfloat16 only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(), "gemv_bf16: contiguous CPU weight");
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor bc;
+  if (b.has_value() && b->defined()) {
+    TORCH_CHECK(b->numel() == w.size(0) && b->scalar_type() == at::kBFloat16, "gemv_bf16: bias must be [out] bfloat16");
+    bc = b->contiguous();
+  }
+  torch::Tensor y = torch::empty({1, w.size(0)}, x.options());
+  gemv_into(bits(xc), bits(w), bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
+            w.size(0), w.size(1));
   return y;
 }
 
-torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "rms_norm_bf16: bfloat16 only");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "rms_norm_bf16: a CPU tensor");
-  const int64_t dim = x.size(-1);
-  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim, "rms_norm_bf16: weight must be [dim]");
-  const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  torch::Tensor y = torch::empty_like(xc);
-  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-  const at::BFloat16* wp = wc.data_ptr<at::BFloat16>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  const int64_t rows = dim == 0 ? 0 : xc.numel() / dim;
-  const float epsilon = static_cast<float>(eps);
+// Hugging Face's RMSNorm of `rows` rows of `dim` values each (rows split across torch's threads).
+void norm_into(const at::BFloat16* xp, const at::BFloat16* wp, at::BFloat16* yp, int64_t rows, int64_t dim, float eps) {
   at::parallel_for(0, rows, std::max<int64_t>(1, kGrain / std::max<int64_t>(1, dim)), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const at::BFloat16* xr = xp + r * dim;
@@ -123,13 +125,24 @@ torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight,
         const float v = static_cast<float>(xr[i]);
         squares += v * v;
       }
-      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(dim) + epsilon);
+      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
       for (int64_t i = 0; i < dim; ++i) {
         const float h = static_cast<float>(at::BFloat16(static_cast<float>(xr[i]) * scale));
         yr[i] = at::BFloat16(static_cast<float>(wp[i]) * h);
       }
     }
   });
+}
+
+torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16, "rms_norm_bf16: bfloat16 only");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1, "rms_norm_bf16: a CPU tensor");
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == dim, "rms_norm_bf16: weight must be [dim]");
+  const torch::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  torch::Tensor y = torch::empty_like(xc);
+  norm_into(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(),
+            dim == 0 ? 0 : xc.numel() / dim, dim, static_cast<float>(eps));
   return y;
 }
 
@@ -246,6 +259,247 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
+// DecodeLayer: one decoder layer (Llama, Qwen2, Qwen3) for one decode row, in one call from Python
+// where engine/model.py's DecoderLayer makes some twenty: RMSNorm, the fused q/k/v projection,
+// Qwen3's per-head q/k norms, rotary embedding, the write of k and v into the paged cache, attention,
+// o_proj, the residual, RMSNorm, gate/up, SiLU(gate) * up, down_proj and the residual.
+//
+// The layer's output and the cache it writes equal the op-by-op layer's on the same CPU bit for bit
+// (tests/engine/test_native.py): every value is rounded to the model's dtype exactly where torch's
+// ops round it on that path, the file is compiled without contracting a * b + c into one rounding,
+// and SiLU's exp is torch's own (Sleef's, as its vectorised kernel calls it; std::exp for the tail
+// its scalar loop takes). bfloat16 runs this file's kernels; float32 calls torch's linear and
+// rms_norm, the ops the op-by-op float32 layer runs (engine.model.Linear, RMSNorm), and keeps the
+// rest (rotary embedding, cache write, SiLU, residuals) here.
+extern "C" __m512 Sleef_expf16_u10(__m512);
+
+namespace {
+
+template <typename T>
+inline T round_to(float v) { return static_cast<T>(v); }  // float32: as is; bfloat16: to nearest even
+
+template <typename T>
+inline float widen(T v) { return static_cast<float>(v); }
+
+// x [heads, dim] in place: x * cos + roll(x, dim / 2) * sin_signed, each product and the sum rounded.
+template <typename T>
+void rotate_heads(T* x, int64_t heads, int64_t dim, const T* cos, const T* sin) {
+  std::vector<float> row(dim);
+  const int64_t half = dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* xh = x + h * dim;
+    for (int64_t i = 0; i < dim; ++i) row[i] = widen(xh[i]);
+    for (int64_t i = 0; i < dim; ++i) {
+      const float a = widen(round_to<T>(row[i] * widen(cos[i])));
+      const float b = widen(round_to<T>(row[(i + half) % dim] * widen(sin[i])));
+      xh[i] = round_to<T>(a + b);
+    }
+  }
+}
+
+// out[i] = silu(gate[i]) * up[i], each rounded, silu as torch's kernel computes it: x / (1 + exp(-x)) in
+// float32, two vectors of T at a time with Sleef's exp, the remainder one by one with std::exp.
+template <typename T>
+void silu_mul(const T* gate, const T* up, T* out, int64_t n) {
+  const int64_t step = 2 * 64 / static_cast<int64_t>(sizeof(T)), vectorised = n / step * step;
+  alignas(64) float lanes[16];
+  for (int64_t i = 0; i < vectorised; i += 16) {
+    const __m512 x = load16(gate + i, 0xFFFF);
+    const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), x));
+    _mm512_store_ps(lanes, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+    for (int64_t j = 0; j < 16; ++j) out[i + j] = round_to<T>(widen(round_to<T>(lanes[j])) * widen(up[i + j]));
+  }
+  for (int64_t i = vectorised; i < n; ++i) {
+    const float x = widen(gate[i]);
+    out[i] = round_to<T>(widen(round_to<T>(x / (1.0f + std::exp(-x)))) * widen(up[i]));
+  }
+}
+
+// torch's float32 rms_norm, then the weight (engine.model.RMSNorm): x * rsqrt(mean(x * x) + eps), each op
+// rounded as torch's are, its sum of squares by torch's own sum (the one order-dependent step); the rest
+// without the five kernel launches of torch's composite.
+torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& w, int64_t dim, double eps) {
+  const int64_t rows = x.numel() / dim;
+  torch::Tensor squares = torch::empty({rows, dim}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* sp = squares.data_ptr<float>();
+  for (int64_t i = 0; i < rows * dim; ++i) sp[i] = xp[i] * xp[i];
+  const torch::Tensor sums = squares.sum(-1);
+  const float* total = sums.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  torch::Tensor y = torch::empty_like(x);
+  float* yp = y.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float mean = total[r] / static_cast<float>(dim);
+    const float rstd = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+    for (int64_t i = 0; i < dim; ++i) {
+      const float normed = xp[r * dim + i] * rstd;
+      yp[r * dim + i] = wp[i] * normed;
+    }
+  }
+  return y;
+}
+
+}  // namespace
+
+torch::Tensor rms_norm_f32_checked(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "rms_norm_f32: float32 only");
+  TORCH_CHECK(x.device().is_cpu() && x.dim() >= 1 && x.size(-1) > 0, "rms_norm_f32: a CPU tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "rms_norm_f32: weight must be [dim]");
+  const torch::Tensor xc = x.contiguous();
+  return rms_norm_f32(xc, weight.contiguous(), x.size(-1), eps).view(x.sizes());
+}
+
+namespace {
+
+template <typename T>
+void add_into(const T* a, const T* b, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = round_to<T>(widen(a[i]) + widen(b[i]));
+}
+
+}  // namespace
+
+class DecodeLayer {
+ public:
+  DecodeLayer(const torch::Tensor& input_norm, const torch::Tensor& qkv, const c10::optional<torch::Tensor>& qkv_bias,
+              const c10::optional<torch::Tensor>& q_norm, const c10::optional<torch::Tensor>& k_norm,
+              const torch::Tensor& o, const torch::Tensor& post_norm, const torch::Tensor& gate_up,
+              const c10::optional<torch::Tensor>& gate_up_bias, const torch::Tensor& down,
+              const c10::optional<torch::Tensor>& down_bias, int64_t heads, int64_t kv_heads, int64_t head_dim,
+              double eps, double scale)
+      : dtype_(qkv.scalar_type()), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps), scale_(scale) {
+    TORCH_CHECK(dtype_ == at::kBFloat16 || dtype_ == at::kFloat, "DecodeLayer: float32 or bfloat16 weights");
+    TORCH_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && heads % kv_heads == 0, "DecodeLayer: bad head counts");
+    hidden_ = input_norm.numel();
+    intermediate_ = down.dim() == 2 ? down.size(1) : 0;
+    const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+    input_norm_ = values(input_norm, hidden_, "input_norm");
+    post_norm_ = values(post_norm, hidden_, "post_norm");
+    qkv_ = weight(qkv, q_size + 2 * kv_size, hidden_, "qkv");
+    qkv_bias_ = values(qkv_bias, q_size + 2 * kv_size, "qkv_bias");
+    q_norm_ = values(q_norm, head_dim, "q_norm");
+    k_norm_ = values(k_norm, head_dim, "k_norm");
+    TORCH_CHECK(q_norm_.defined() == k_norm_.defined(), "DecodeLayer: q_norm and k_norm go together");
+    o_ = weight(o, hidden_, q_size, "o");
+    gate_up_ = weight(gate_up, 2 * intermediate_, hidden_, "gate_up");
+    gate_up_bias_ = values(gate_up_bias, 2 * intermediate_, "gate_up_bias");
+    down_ = weight(down, hidden_, intermediate_, "down");
+    down_bias_ = values(down_bias, hidden_, "down_bias");
+    TORCH_CHECK(input_norm_.defined() && post_norm_.defined(), "DecodeLayer: both norms' weights are needed");
+  }
+
+  // x [1, hidden]; cos and sin_signed this row's position's [..., head_dim]; cache one layer's [2, blocks, ...]
+  // (NHD or HND); slot [1] the row's flat slot; table [1, blocks] and lengths [1] as for decode_attention.
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                        const torch::Tensor& cache, const torch::Tensor& slot, const torch::Tensor& table,
+                        const torch::Tensor& lengths, bool hnd) const {
+    TORCH_CHECK(x.scalar_type() == dtype_ && x.dim() == 2 && x.size(0) == 1 && x.size(1) == hidden_ && x.is_contiguous(),
+                "DecodeLayer: x must be one contiguous row [1, ", hidden_, "] of the weights' dtype");
+    TORCH_CHECK(cos.scalar_type() == dtype_ && sin_signed.scalar_type() == dtype_ && cos.numel() == dim_ &&
+                    sin_signed.numel() == dim_ && cos.is_contiguous() && sin_signed.is_contiguous(),
+                "DecodeLayer: cos and sin_signed must be one position's ", dim_, " values of the weights' dtype");
+    TORCH_CHECK(cache.scalar_type() == dtype_ && cache.dim() == 5 && cache.size(0) == 2 && cache.size(4) == dim_ &&
+                    (hnd ? cache.size(2) : cache.size(3)) == kv_heads_ && cache.stride(4) == 1,
+                "DecodeLayer: cache must be one layer's [2, blocks, ...] of the weights' dtype with ", kv_heads_,
+                " heads of ", dim_);
+    TORCH_CHECK(slot.scalar_type() == at::kLong && slot.numel() == 1, "DecodeLayer: slot must be one int64");
+    if (dtype_ == at::kFloat) return run<float>(x, cos, sin_signed, cache, slot, table, lengths, hnd);
+    return run<at::BFloat16>(x, cos, sin_signed, cache, slot, table, lengths, hnd);
+  }
+
+ private:
+  template <typename T>
+  torch::Tensor run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                    const torch::Tensor& cache, const torch::Tensor& slot, const torch::Tensor& table,
+                    const torch::Tensor& lengths, bool hnd) const {
+    const torch::Tensor k_cache = cache.select(0, 0), v_cache = cache.select(0, 1);
+    const int64_t block = hnd ? k_cache.size(2) : k_cache.size(1);
+    const int64_t at_slot = slot.data_ptr<int64_t>()[0];
+    TORCH_CHECK(at_slot >= 0 && at_slot < k_cache.size(0) * block, "DecodeLayer: a slot outside the cache");
+    const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
+
+    const torch::Tensor qkv = project(norm(x, input_norm_), qkv_, qkv_bias_);
+    torch::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
+    const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+    if (q_norm_.defined()) {
+      q = norm(q.view({1, heads_, dim_}), q_norm_);
+      k = norm(k.view({1, kv_heads_, dim_}), k_norm_);
+    }
+    T* qp = q.data_ptr<T>();
+    T* kp = k.data_ptr<T>();
+    const T* vp = v.data_ptr<T>();
+    rotate_heads(qp, heads_, dim_, cos.data_ptr<T>(), sin_signed.data_ptr<T>());
+    rotate_heads(kp, kv_heads_, dim_, cos.data_ptr<T>(), sin_signed.data_ptr<T>());
+
+    const int64_t slot_stride = hnd ? k_cache.stride(2) : k_cache.stride(1);
+    const int64_t head_stride = hnd ? k_cache.stride(1) : k_cache.stride(2);
+    const int64_t offset = at_slot / block * k_cache.stride(0) + at_slot % block * slot_stride;
+    T* k_to = k_cache.data_ptr<T>() + offset;
+    T* v_to = v_cache.data_ptr<T>() + offset;
+    for (int64_t head = 0; head < kv_heads_; ++head) {
+      std::copy(kp + head * dim_, kp + (head + 1) * dim_, k_to + head * head_stride);
+      std::copy(vp + head * dim_, vp + (head + 1) * dim_, v_to + head * head_stride);
+    }
+    const torch::Tensor attn =
+        decode_attention(q.view({1, heads_, dim_}), k_cache, v_cache, table, lengths, scale_, hnd);
+
+    const torch::Tensor o = project(attn.view({1, q_size}), o_, torch::Tensor());
+    torch::Tensor mid = torch::empty({1, hidden_}, x.options());
+    add_into(x.data_ptr<T>(), o.data_ptr<T>(), mid.data_ptr<T>(), hidden_);
+    const torch::Tensor gate_up = project(norm(mid, post_norm_), gate_up_, gate_up_bias_);
+    torch::Tensor act = torch::empty({1, intermediate_}, x.options());
+    const T* gu = gate_up.data_ptr<T>();
+    silu_mul(gu, gu + intermediate_, act.data_ptr<T>(), intermediate_);
+    const torch::Tensor down = project(act, down_, down_bias_);
+    torch::Tensor out = torch::empty({1, hidden_}, x.options());
+    add_into(mid.data_ptr<T>(), down.data_ptr<T>(), out.data_ptr<T>(), hidden_);
+    return out;
+  }
+
+  // x [1, in] -> [1, out], contiguous: the one-row kernel (bfloat16) or torch's linear (float32).
+  torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const {
+    if (dtype_ == at::kFloat) return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
+    const torch::Tensor xc = x.contiguous();
+    torch::Tensor y = torch::empty({1, w.size(0)}, x.options());
+    gemv_into(bits(xc), bits(w), b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
+              w.size(0), w.size(1));
+    return y;
+  }
+
+  // Hugging Face's RMSNorm over the last dim, contiguous: the one-pass kernel (bfloat16) or, as
+  // engine.model.RMSNorm runs it in float32, weight * torch's rms_norm.
+  torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w) const {
+    const int64_t dim = x.size(-1);
+    const torch::Tensor xc = x.contiguous();
+    if (dtype_ == at::kFloat) return rms_norm_f32(xc, w, dim, eps_);
+    torch::Tensor y = torch::empty_like(xc);
+    norm_into(xc.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), xc.numel() / dim,
+              dim, static_cast<float>(eps_));
+    return y;
+  }
+
+  torch::Tensor weight(const torch::Tensor& w, int64_t rows, int64_t cols, const char* name) const {
+    // bfloat16 weights are read in place ([out, in] rows); float32 ones go to torch's linear in any layout
+    TORCH_CHECK(w.scalar_type() == dtype_ && w.device().is_cpu() && w.dim() == 2 && w.size(0) == rows &&
+                    w.size(1) == cols && (dtype_ == at::kFloat || w.is_contiguous()),
+                "DecodeLayer: ", name, " must be a CPU tensor [", rows, ", ", cols, "] of the weights' dtype",
+                dtype_ == at::kFloat ? "" : ", contiguous");
+    return w;
+  }
+
+  torch::Tensor values(const c10::optional<torch::Tensor>& v, int64_t n, const char* name) const {
+    if (!v.has_value() || !v->defined()) return torch::Tensor();
+    TORCH_CHECK(v->scalar_type() == dtype_ && v->device().is_cpu() && v->is_contiguous() && v->numel() == n,
+                "DecodeLayer: ", name, " must be a contiguous CPU tensor of ", n, " values of the weights' dtype");
+    return v->view({n});
+  }
+
+  at::ScalarType dtype_;
+  int64_t heads_, kv_heads_, dim_, hidden_ = 0, intermediate_ = 0;
+  double eps_, scale_;
+  torch::Tensor input_norm_, qkv_, qkv_bias_, q_norm_, k_norm_, o_, post_norm_, gate_up_, gate_up_bias_, down_, down_bias_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "y = x w^T (+ b) for one bfloat16 row x [1, in], w [out, in]",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none());
@@ -254,4 +508,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query token per row over its context in the paged cache",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("table"), pybind11::arg("lengths"),
         pybind11::arg("scale"), pybind11::arg("hnd"));
+  m.def("rms_norm_f32", &rms_norm_f32_checked, "torch's float32 rms_norm of x [..., dim], times weight [dim]",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
+  pybind11::class_<DecodeLayer>(m, "DecodeLayer", "one decoder layer of a float32 or bfloat16 model for one decode row")
+      .def(pybind11::init<const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&,
+                          const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&, const torch::Tensor&,
+                          const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&,
+                          const torch::Tensor&, const c10::optional<torch::Tensor>&, int64_t, int64_t, int64_t, double,
+                          double>(),
+           pybind11::arg("input_norm"), pybind11::arg("qkv"), pybind11::arg("qkv_bias"), pybind11::arg("q_norm"),
+           pybind11::arg("k_norm"), pybind11::arg("o"), pybind11::arg("post_norm"), pybind11::arg("gate_up"),
+           pybind11::arg("gate_up_bias"), pybind11::arg("down"), pybind11::arg("down_bias"), pybind11::arg("heads"),
+           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"))
+      .def("__call__", &DecodeLayer::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin_signed"),
+           pybind11::arg("cache"), pybind11::arg("slot"), pybind11::arg("table"), pybind11::arg("lengths"),
+           pybind11::arg("hnd"));
 }

@@ -2,20 +2,25 @@
 float32 arithmetic rounded once, and what ``Linear`` uses for one row; the bfloat16 RMSNorm Hugging
 Face's arithmetic to one bfloat16 step; decode attention over each row's context read in place
 through its block table, as sdpa over that context (tests/engine/test_oracle.py: greedy tokens with it
-and without it equal transformers)."""
+and without it equal transformers); DecodeLayer, a whole layer for one decode row, bit for bit the
+layer run op by op, in the cache it writes too."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import native
-from engine.model import Linear
+from engine import EngineConfig, LLMEngine, SamplingParams, native
+from engine.attention import AttentionMetadata, DecodeGroup
+from engine.model import DecoderLayer, Linear, RMSNorm
+from engine.runner import RoPE
+from engine.tensor_parallel import Shard
 from tests.serving.cluster import REPO
 
 CAN_RUN = native.unavailable() is None
@@ -113,6 +118,19 @@ def test_rms_norm_is_hugging_face_arithmetic_to_one_bfloat16_step(rows):
 
 
 @needs_cpu
+@pytest.mark.parametrize(("rows", "dim", "scale"), [(1, 576, 1.0), (1, 576, 300.0), (9, 64, 0.01), (3, 1000, 1.0)])
+def test_float32_rms_norm_is_torch_s_bit_for_bit(rows, dim, scale):
+    torch.manual_seed(rows * dim)
+    for _ in range(20):
+        x = torch.randn(rows, dim) * scale
+        w = 1 + 0.2 * torch.randn(dim)
+        assert torch.equal(native.kernels().rms_norm_f32(x, w, 1e-6), w * F.rms_norm(x, (dim,), eps=1e-6))
+    heads = torch.randn(2, 9, 64)[:, 1:]  # per-head norms take a slice of [tokens, heads, dim]
+    w = torch.randn(64)
+    assert torch.equal(native.kernels().rms_norm_f32(heads, w, 1e-5), w * F.rms_norm(heads, (64,), eps=1e-5))
+
+
+@needs_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hnd", [False, True])
 def test_decode_attention_equals_sdpa_over_each_row_s_own_context(dtype, hnd):
@@ -165,3 +183,119 @@ def test_decode_attention_refuses_a_length_past_its_table_or_a_block_outside_the
             0.125,
             False,
         )
+
+
+# Sizes off every kernel's stride: hidden 80 (the projections' 32-value loads end in a tail), head_dim 20,
+# intermediate 100 (SiLU's vectorised loop ends in a scalar tail in both dtypes).
+LAYER = SimpleNamespace(
+    hidden_size=80, num_attention_heads=4, num_key_value_heads=2, intermediate_size=100, rms_norm_eps=1e-6
+)
+HEAD_DIM, BLOCK, BLOCKS = 20, 16, 6
+
+
+def packed_layer(dtype: torch.dtype, qk_norm: bool, bias: bool) -> DecoderLayer:
+    """A layer with random weights, laid out for the CPU as CausalLM.pack_for_cpu does it."""
+    torch.manual_seed(7)
+    cfg = SimpleNamespace(**vars(LAYER), mlp_bias=bias)
+    layer = DecoderLayer(cfg, HEAD_DIM, qk_norm, bias, Shard(), None)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    layer = layer.to(dtype)
+    for module in layer.modules():
+        if isinstance(module, Linear):
+            module.pack_for_cpu()
+        elif isinstance(module, RMSNorm):
+            module.use_cpu_kernel()
+    layer.use_cpu_kernel()
+    return layer
+
+
+def one_decode(hnd: bool, length: int = 40, table: tuple[int, ...] = (3, 0, 5)) -> AttentionMetadata:
+    position = length - 1
+    slot = table[position // BLOCK] * BLOCK + position % BLOCK
+    row = DecodeGroup(0, 1, torch.tensor([list(table)]), torch.tensor([length]), None)
+    return AttentionMetadata(torch.tensor([slot]), 1, [row], [], hnd, native.kernel("decode_attention"))
+
+
+@needs_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+def test_decode_layer_is_the_layer_op_by_op_bit_for_bit(dtype, qk_norm, bias, hnd):
+    layer = packed_layer(dtype, qk_norm, bias)
+    assert layer.fused is not None
+    rope = RoPE(SimpleNamespace(rope_theta=10000.0), HEAD_DIM, 64, dtype, torch.device("cpu"))
+    meta = one_decode(hnd)
+    cos, sin_signed = rope.cos[39:40].unsqueeze(1), rope.sin_signed[39:40].unsqueeze(1)
+    inner = (2, BLOCK) if hnd else (BLOCK, 2)
+    cache = torch.randn(2, BLOCKS, *inner, HEAD_DIM).to(dtype)
+    x = torch.randn(1, LAYER.hidden_size).to(dtype)
+    with torch.inference_mode():
+        fused_cache = cache.clone()
+        fused = layer(x, cos, sin_signed, fused_cache, meta)
+        fused_layer, layer.fused = layer.fused, None
+        ops_cache = cache.clone()
+        ops = layer(x, cos, sin_signed, ops_cache, meta)
+        layer.fused = fused_layer
+    assert torch.isfinite(fused).all() and not torch.equal(fused, x)
+    assert torch.equal(fused, ops)
+    assert torch.equal(fused_cache, ops_cache)
+    written = (fused_cache != cache).nonzero()[:, 1:3].unique(dim=0).tolist()
+    assert written == ([[5, 0], [5, 1]] if hnd else [[5, 7]])  # block 5 (k and v): slot 7 only
+
+
+@needs_cpu
+def test_decode_layer_refuses_a_slot_or_block_outside_the_cache_and_wrong_weights():
+    layer = packed_layer(torch.bfloat16, False, False)
+    x = torch.zeros(1, LAYER.hidden_size, dtype=torch.bfloat16)
+    cos = sin = torch.zeros(1, 1, HEAD_DIM, dtype=torch.bfloat16)
+    cache = torch.zeros(2, BLOCKS, BLOCK, 2, HEAD_DIM, dtype=torch.bfloat16)
+    row = one_decode(False).decodes[0]
+    for slot in (BLOCKS * BLOCK, -1):
+        with pytest.raises(RuntimeError, match="slot outside the cache"):
+            layer.fused(x, cos, sin, cache, torch.tensor([slot]), row.block_table, row.lengths, False)
+    with pytest.raises(RuntimeError, match="block id outside the cache"):
+        layer.fused(x, cos, sin, cache, torch.tensor([3]), torch.tensor([[BLOCKS, 0, 5]]), row.lengths, False)
+    with pytest.raises(RuntimeError, match="one contiguous row"):
+        layer.fused(x.float(), cos, sin, cache, torch.tensor([3]), row.block_table, row.lengths, False)
+    attn = layer.self_attn
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        native.kernels().DecodeLayer(
+            layer.input_layernorm.weight,
+            attn.qkv_proj.weight,
+            None,
+            None,
+            None,
+            attn.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            attn.qkv_proj.weight,  # not [2 x intermediate, hidden]
+            None,
+            layer.mlp.down_proj.weight,
+            None,
+            heads=4,
+            kv_heads=2,
+            head_dim=HEAD_DIM,
+            eps=1e-6,
+            scale=HEAD_DIM**-0.5,
+        )
+
+
+@needs_cpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_engine_decoding_one_sequence_runs_each_layer_as_one_call_with_the_same_tokens(tiny_model, dtype):
+    prompt = [(17 * i + 5) % 500 + 3 for i in range(20)]
+    runs = []
+    for fused in (True, False):
+        engine = LLMEngine(EngineConfig(model=tiny_model, dtype=dtype, num_blocks=32, block_size=4, num_threads=1))
+        layers = engine.runner.model.layers
+        assert all(layer.fused is not None for layer in layers)
+        if not fused:
+            for layer in layers:
+                layer.fused = None
+        tokens = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].token_ids
+        runs.append((tokens, engine.cache.kv.clone()))
+    (fused_tokens, fused_kv), (ops_tokens, ops_kv) = runs
+    assert len(fused_tokens) == 24 and fused_tokens == ops_tokens
+    assert torch.equal(fused_kv, ops_kv)
