@@ -8,10 +8,15 @@ kernel well below memory speed, ``kernels.cpp`` does the work in one call:
   every other batch, streams one row's weights about 1.6x slower);
 - ``rms_norm_bf16``: a bfloat16 model's RMSNorm in one pass
   (``engine.model.RMSNorm``; torch's takes eight kernels);
+- ``rms_norm_f32``: torch's float32 rms_norm bit for bit, in two calls
+  where its composite makes six;
 - ``decode_attention``: float32 or bfloat16 decode rows against their
   contexts in the paged cache, read in place through the block table
   (``engine.attention``; torch's path gathers each context into a padded
-  copy, then runs its attention over it).
+  copy, then runs its attention over it);
+- ``DecodeLayer``: a whole decoder layer for a step of one decode row
+  (``engine.model.DecoderLayer``), bit for bit the layer run op by op: one
+  call where the layer makes some twenty.
 
 They need AVX-512 with BF16 (Intel Cooper Lake, Sapphire Rapids and later;
 AMD Zen 4 and later).
@@ -89,12 +94,13 @@ def kernels() -> ModuleType | None:
     from torch.utils.cpp_extension import load
 
     folder = cache_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    fresh = not any(folder.glob("pdserve_native*.so"))
-    if fresh:
-        log.warning("pdserve: building the native CPU kernels into %s (once; tens of seconds)", folder)
     started = time.monotonic()
+    fresh = False
     try:
+        folder.mkdir(parents=True, exist_ok=True)  # a read-only cache folder is a failed build, not a crash
+        fresh = not any(folder.glob("pdserve_native*.so"))
+        if fresh:
+            log.warning("pdserve: building the native CPU kernels into %s (once; tens of seconds)", folder)
         module = load(
             name="pdserve_native",
             sources=[str(SOURCE)],

@@ -52,6 +52,21 @@ def test_turned_off_it_says_so_and_the_command_reports_it(monkeypatch):
     )
 
 
+@needs_cpu
+def test_a_cache_folder_it_cannot_write_is_a_failed_build_and_torch_serves(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    run = subprocess.run(
+        [sys.executable, "-m", "engine.native", "--require"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+        env={**os.environ, "PDSERVE_NATIVE_CACHE": str(blocker / "native")},
+    )
+    assert run.returncode == 1 and "not used (the build failed: " in run.stdout, run.stdout + run.stderr
+
+
 def one_ulp_of(expected: torch.Tensor) -> torch.Tensor:
     """A bfloat16 value's spacing (8 bits of precision) at each of ``expected``'s magnitudes."""
     exponent = torch.floor(torch.log2(expected.float().abs().clamp_min(1e-30)))
