@@ -167,8 +167,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    # engine.native's DecodeLayer over this layer's weights: the whole layer in one call for a step that is one
-    # decode row on CPU (the same numbers as the ops below, bit for bit)
+    # engine.native's DecodeLayer over this layer's weights: the whole layer in one call for a step of decode
+    # rows only, on CPU (the same numbers as the ops below, bit for bit)
     fused: Callable | None = None
 
     def __init__(self, cfg, head_dim: int, qk_norm: bool, bias: bool, shard: Shard, group: RankGroup | None) -> None:
@@ -181,9 +181,9 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg.hidden_size, intermediate, bias=getattr(cfg, "mlp_bias", False))
 
     def use_cpu_kernel(self) -> None:
-        """A float32 or bfloat16 layer on CPU, whole (not sharded), runs a step that is one decode row as
-        engine.native's DecodeLayer where it is built. Called once its projections are packed: float32
-        passes the input-major weight its one-row matmul reads."""
+        """A float32 or bfloat16 layer on CPU, whole (not sharded), runs a step of decode rows only as
+        engine.native's DecodeLayer where it is built. Called once its projections are packed: the layer
+        projects as :class:`Linear` does, with the same weights and packed copies."""
         attn, mlp = self.self_attn, self.mlp
         kinds = {(p.device.type, p.dtype) for p in self.parameters()}
         if self.group is not None or kinds not in ({("cpu", torch.float32)}, {("cpu", torch.bfloat16)}):
@@ -191,6 +191,7 @@ class DecoderLayer(nn.Module):
         layer = native.kernel("DecodeLayer")
         if layer is None:
             return
+        packed = [attn.qkv_proj.packed, attn.o_proj.packed, mlp.gate_up_proj.packed, mlp.down_proj.packed]
         self.fused = layer(
             input_norm=self.input_layernorm.weight.detach(),
             qkv=attn.qkv_proj.weight.detach(),
@@ -208,13 +209,15 @@ class DecoderLayer(nn.Module):
             head_dim=attn.head_dim,
             eps=self.input_layernorm.eps,
             scale=attn.scale,
+            packed=[] if any(p is None for p in packed) else packed,
+            packed_min_rows=Linear.packed_min_rows,
         )
 
     def forward(self, x, cos, sin_signed, cache_layer, meta) -> torch.Tensor:
-        if self.fused is not None and x.shape[0] == 1 and meta.num_decodes == 1 and meta.decode_kernel is not None:
-            row = meta.decodes[0]
-            slot = meta.slot_mapping
-            return self.fused(x, cos, sin_signed, cache_layer, slot, row.block_table, row.lengths, meta.hnd)
+        if self.fused is not None and meta.decode_kernel is not None and x.shape[0] == meta.num_decodes:
+            rows = meta.decodes[0]  # one group: the runner does not split decodes for the native kernel
+            slots = meta.slot_mapping
+            return self.fused(x, cos, sin_signed, cache_layer, slots, rows.block_table, rows.lengths, meta.hnd)
         if self.group is None:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed, cache_layer, meta)
             return x + self.mlp(self.post_attention_layernorm(x))

@@ -197,11 +197,13 @@ class ModelRunner:
         return out
 
     def _decode_groups(self, decodes) -> list[tuple[int, list[int], list[list[int]]]]:
-        """(first row, context lengths, block table padded to the longest) of each decode group."""
+        """(first row, context lengths, block table padded to the longest) of each decode group. The
+        native decode attention reads each row's own context (no padding): all decodes are one group."""
         bs = self.cache.block_size
         lengths = [c.start + 1 for c in decodes]  # sorted ascending by run()
         groups = []
-        for start, count in decode_groups(lengths):
+        runs = [(0, len(lengths))] if self.decode_kernel is not None else decode_groups(lengths)
+        for start, count in runs:
             group = lengths[start : start + count]
             max_blocks = -(-max(group) // bs)
             table = [c.request.block_ids[: -(-n // bs)] for c, n in zip(decodes[start : start + count], group)]

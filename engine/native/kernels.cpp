@@ -16,6 +16,7 @@
 // Rows are split across torch's own intra-op threads (at::parallel_for, compiled with -fopenmp so
 // it calls the OpenMP runtime torch already loaded): no second thread pool competes for the cores.
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
@@ -259,7 +260,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
-// DecodeLayer: one decoder layer (Llama, Qwen2, Qwen3) for one decode row, in one call from Python
+// DecodeLayer: one decoder layer (Llama, Qwen2, Qwen3) for a step of decode rows only, in one call from Python
 // where engine/model.py's DecoderLayer makes some twenty: RMSNorm, the fused q/k/v projection,
 // Qwen3's per-head q/k norms, rotary embedding, the write of k and v into the paged cache, attention,
 // o_proj, the residual, RMSNorm, gate/up, SiLU(gate) * up, down_proj and the residual.
@@ -268,9 +269,9 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // (tests/engine/test_native.py): every value is rounded to the model's dtype exactly where torch's
 // ops round it on that path, the file is compiled without contracting a * b + c into one rounding,
 // and SiLU's exp is torch's own (Sleef's, as its vectorised kernel calls it; std::exp for the tail
-// its scalar loop takes). bfloat16 runs this file's kernels; float32 calls torch's linear and
-// rms_norm, the ops the op-by-op float32 layer runs (engine.model.Linear, RMSNorm), and keeps the
-// rest (rotary embedding, cache write, SiLU, residuals) here.
+// its scalar loop takes). Projections and norms run what engine.model.Linear and RMSNorm run for the
+// same rows: this file's one-row kernel or oneDNN's packed matmul (bfloat16), torch's linear or the
+// packed matmul (float32), rms_norm_bf16 or rms_norm_f32.
 extern "C" __m512 Sleef_expf16_u10(__m512);
 
 namespace {
@@ -366,8 +367,14 @@ class DecodeLayer {
               const torch::Tensor& o, const torch::Tensor& post_norm, const torch::Tensor& gate_up,
               const c10::optional<torch::Tensor>& gate_up_bias, const torch::Tensor& down,
               const c10::optional<torch::Tensor>& down_bias, int64_t heads, int64_t kv_heads, int64_t head_dim,
-              double eps, double scale)
-      : dtype_(qkv.scalar_type()), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps), scale_(scale) {
+              double eps, double scale, const std::vector<torch::Tensor>& packed, int64_t packed_min_rows)
+      : dtype_(qkv.scalar_type()),
+        heads_(heads),
+        kv_heads_(kv_heads),
+        dim_(head_dim),
+        eps_(eps),
+        scale_(scale),
+        packed_min_rows_(packed_min_rows) {
     TORCH_CHECK(dtype_ == at::kBFloat16 || dtype_ == at::kFloat, "DecodeLayer: float32 or bfloat16 weights");
     TORCH_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && heads % kv_heads == 0, "DecodeLayer: bad head counts");
     hidden_ = input_norm.numel();
@@ -386,88 +393,132 @@ class DecodeLayer {
     down_ = weight(down, hidden_, intermediate_, "down");
     down_bias_ = values(down_bias, hidden_, "down_bias");
     TORCH_CHECK(input_norm_.defined() && post_norm_.defined(), "DecodeLayer: both norms' weights are needed");
+    TORCH_CHECK(packed.empty() || packed.size() == 4, "DecodeLayer: packed is qkv, o, gate_up and down's, or none");
+    if (!packed.empty()) {
+      for (const torch::Tensor& p : packed)
+        TORCH_CHECK(p.scalar_type() == dtype_ && p.device().is_cpu(), "DecodeLayer: packed weights of the weights' dtype");
+      qkv_packed_ = packed[0];
+      o_packed_ = packed[1];
+      gate_up_packed_ = packed[2];
+      down_packed_ = packed[3];
+    }
   }
 
-  // x [1, hidden]; cos and sin_signed this row's position's [..., head_dim]; cache one layer's [2, blocks, ...]
-  // (NHD or HND); slot [1] the row's flat slot; table [1, blocks] and lengths [1] as for decode_attention.
+  // The decode rows of a step, and nothing else: x [rows, hidden]; cos and sin_signed [rows, ..., head_dim], each
+  // row's position; cache one layer's [2, blocks, ...] (NHD or HND); slots [rows] each row's flat slot; table
+  // [rows, blocks] and lengths [rows] as for decode_attention.
   torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed,
-                        const torch::Tensor& cache, const torch::Tensor& slot, const torch::Tensor& table,
+                        const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& table,
                         const torch::Tensor& lengths, bool hnd) const {
-    TORCH_CHECK(x.scalar_type() == dtype_ && x.dim() == 2 && x.size(0) == 1 && x.size(1) == hidden_ && x.is_contiguous(),
-                "DecodeLayer: x must be one contiguous row [1, ", hidden_, "] of the weights' dtype");
-    TORCH_CHECK(cos.scalar_type() == dtype_ && sin_signed.scalar_type() == dtype_ && cos.numel() == dim_ &&
-                    sin_signed.numel() == dim_ && cos.is_contiguous() && sin_signed.is_contiguous(),
-                "DecodeLayer: cos and sin_signed must be one position's ", dim_, " values of the weights' dtype");
+    TORCH_CHECK(x.scalar_type() == dtype_ && x.dim() == 2 && x.size(0) >= 1 && x.size(1) == hidden_ && x.is_contiguous(),
+                "DecodeLayer: x must be contiguous rows [rows, ", hidden_, "] of the weights' dtype");
+    const int64_t rows = x.size(0);
+    TORCH_CHECK(cos.scalar_type() == dtype_ && sin_signed.scalar_type() == dtype_ && cos.numel() == rows * dim_ &&
+                    sin_signed.numel() == rows * dim_ && cos.is_contiguous() && sin_signed.is_contiguous(),
+                "DecodeLayer: cos and sin_signed must be each row's ", dim_, " values of the weights' dtype");
     TORCH_CHECK(cache.scalar_type() == dtype_ && cache.dim() == 5 && cache.size(0) == 2 && cache.size(4) == dim_ &&
                     (hnd ? cache.size(2) : cache.size(3)) == kv_heads_ && cache.stride(4) == 1,
                 "DecodeLayer: cache must be one layer's [2, blocks, ...] of the weights' dtype with ", kv_heads_,
                 " heads of ", dim_);
-    TORCH_CHECK(slot.scalar_type() == at::kLong && slot.numel() == 1, "DecodeLayer: slot must be one int64");
-    if (dtype_ == at::kFloat) return run<float>(x, cos, sin_signed, cache, slot, table, lengths, hnd);
-    return run<at::BFloat16>(x, cos, sin_signed, cache, slot, table, lengths, hnd);
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == rows && slots.is_contiguous(),
+                "DecodeLayer: slots must be one int64 per row");
+    if (dtype_ == at::kFloat) return run<float>(x, cos, sin_signed, cache, slots, table, lengths, hnd);
+    return run<at::BFloat16>(x, cos, sin_signed, cache, slots, table, lengths, hnd);
   }
 
  private:
   template <typename T>
   torch::Tensor run(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin_signed,
-                    const torch::Tensor& cache, const torch::Tensor& slot, const torch::Tensor& table,
+                    const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& table,
                     const torch::Tensor& lengths, bool hnd) const {
     const torch::Tensor k_cache = cache.select(0, 0), v_cache = cache.select(0, 1);
-    const int64_t block = hnd ? k_cache.size(2) : k_cache.size(1);
-    const int64_t at_slot = slot.data_ptr<int64_t>()[0];
-    TORCH_CHECK(at_slot >= 0 && at_slot < k_cache.size(0) * block, "DecodeLayer: a slot outside the cache");
-    const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
+    const int64_t rows = x.size(0), block = hnd ? k_cache.size(2) : k_cache.size(1);
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r)
+      TORCH_CHECK(slot[r] >= 0 && slot[r] < k_cache.size(0) * block, "DecodeLayer: a slot outside the cache");
+    const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_, width = q_size + 2 * kv_size;
 
-    const torch::Tensor qkv = project(norm(x, input_norm_), qkv_, qkv_bias_);
+    const torch::Tensor qkv = project(norm(x, input_norm_), qkv_, qkv_packed_, qkv_bias_);
     torch::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
     const torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
+    int64_t q_stride = width, k_stride = width;  // from one row's heads to the next row's
     if (q_norm_.defined()) {
-      q = norm(q.view({1, heads_, dim_}), q_norm_);
-      k = norm(k.view({1, kv_heads_, dim_}), k_norm_);
+      q = norm(q.view({rows, heads_, dim_}), q_norm_);
+      k = norm(k.view({rows, kv_heads_, dim_}), k_norm_);
+      q_stride = q_size;
+      k_stride = kv_size;
     }
     T* qp = q.data_ptr<T>();
     T* kp = k.data_ptr<T>();
     const T* vp = v.data_ptr<T>();
-    rotate_heads(qp, heads_, dim_, cos.data_ptr<T>(), sin_signed.data_ptr<T>());
-    rotate_heads(kp, kv_heads_, dim_, cos.data_ptr<T>(), sin_signed.data_ptr<T>());
-
+    const T* cp = cos.data_ptr<T>();
+    const T* sp = sin_signed.data_ptr<T>();
     const int64_t slot_stride = hnd ? k_cache.stride(2) : k_cache.stride(1);
     const int64_t head_stride = hnd ? k_cache.stride(1) : k_cache.stride(2);
-    const int64_t offset = at_slot / block * k_cache.stride(0) + at_slot % block * slot_stride;
-    T* k_to = k_cache.data_ptr<T>() + offset;
-    T* v_to = v_cache.data_ptr<T>() + offset;
-    for (int64_t head = 0; head < kv_heads_; ++head) {
-      std::copy(kp + head * dim_, kp + (head + 1) * dim_, k_to + head * head_stride);
-      std::copy(vp + head * dim_, vp + (head + 1) * dim_, v_to + head * head_stride);
+    for (int64_t r = 0; r < rows; ++r) {
+      T* qr = qp + r * q_stride;
+      T* kr = kp + r * k_stride;
+      const T* vr = vp + r * width;
+      rotate_heads(qr, heads_, dim_, cp + r * dim_, sp + r * dim_);
+      rotate_heads(kr, kv_heads_, dim_, cp + r * dim_, sp + r * dim_);
+      const int64_t offset = slot[r] / block * k_cache.stride(0) + slot[r] % block * slot_stride;
+      T* k_to = k_cache.data_ptr<T>() + offset;
+      T* v_to = v_cache.data_ptr<T>() + offset;
+      for (int64_t head = 0; head < kv_heads_; ++head) {
+        std::copy(kr + head * dim_, kr + (head + 1) * dim_, k_to + head * head_stride);
+        std::copy(vr + head * dim_, vr + (head + 1) * dim_, v_to + head * head_stride);
+      }
     }
     const torch::Tensor attn =
-        decode_attention(q.view({1, heads_, dim_}), k_cache, v_cache, table, lengths, scale_, hnd);
+        decode_attention(q.view({rows, heads_, dim_}), k_cache, v_cache, table, lengths, scale_, hnd);
 
-    const torch::Tensor o = project(attn.view({1, q_size}), o_, torch::Tensor());
-    torch::Tensor mid = torch::empty({1, hidden_}, x.options());
-    add_into(x.data_ptr<T>(), o.data_ptr<T>(), mid.data_ptr<T>(), hidden_);
-    const torch::Tensor gate_up = project(norm(mid, post_norm_), gate_up_, gate_up_bias_);
-    torch::Tensor act = torch::empty({1, intermediate_}, x.options());
-    const T* gu = gate_up.data_ptr<T>();
-    silu_mul(gu, gu + intermediate_, act.data_ptr<T>(), intermediate_);
-    const torch::Tensor down = project(act, down_, down_bias_);
-    torch::Tensor out = torch::empty({1, hidden_}, x.options());
-    add_into(mid.data_ptr<T>(), down.data_ptr<T>(), out.data_ptr<T>(), hidden_);
+    const torch::Tensor o = project(attn.view({rows, q_size}), o_, o_packed_, torch::Tensor());
+    torch::Tensor mid = torch::empty({rows, hidden_}, x.options());
+    add_into(x.data_ptr<T>(), o.data_ptr<T>(), mid.data_ptr<T>(), rows * hidden_);
+    const torch::Tensor gate_up = project(norm(mid, post_norm_), gate_up_, gate_up_packed_, gate_up_bias_);
+    torch::Tensor act = torch::empty({rows, intermediate_}, x.options());
+    if (rows * intermediate_ < at::internal::GRAIN_SIZE) {
+      // torch's SiLU runs on one thread below this many values, row by row: the same loop here
+      for (int64_t r = 0; r < rows; ++r) {
+        const T* gu = gate_up.data_ptr<T>() + r * 2 * intermediate_;
+        silu_mul(gu, gu + intermediate_, act.data_ptr<T>() + r * intermediate_, intermediate_);
+      }
+    } else {  // above it, torch splits the values across threads where a row's vectorised part ends elsewhere
+      act = at::mul(at::silu(gate_up.narrow(1, 0, intermediate_)), gate_up.narrow(1, intermediate_, intermediate_));
+    }
+    const torch::Tensor down = project(act, down_, down_packed_, down_bias_);
+    torch::Tensor out = torch::empty({rows, hidden_}, x.options());
+    add_into(mid.data_ptr<T>(), down.data_ptr<T>(), out.data_ptr<T>(), rows * hidden_);
     return out;
   }
 
-  // x [1, in] -> [1, out], contiguous: the one-row kernel (bfloat16) or torch's linear (float32).
-  torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) const {
-    if (dtype_ == at::kFloat) return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
-    const torch::Tensor xc = x.contiguous();
-    torch::Tensor y = torch::empty({1, w.size(0)}, x.options());
-    gemv_into(bits(xc), bits(w), b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
-              w.size(0), w.size(1));
-    return y;
+  // x [rows, in] -> [rows, out], as engine.model.Linear projects it: one bfloat16 row by the one-row
+  // kernel; the oneDNN-packed weight for two bfloat16 rows and more, and for packed_min_rows float32
+  // rows and more; torch's linear otherwise (float32 below that: the input-major weight).
+  torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
+                        const torch::Tensor& b) const {
+    const int64_t rows = x.size(0);
+    if (dtype_ == at::kBFloat16 && rows == 1) {
+      const torch::Tensor xc = x.contiguous();
+      torch::Tensor y = torch::empty({1, w.size(0)}, x.options());
+      gemv_into(bits(xc), bits(w), b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
+                w.size(0), w.size(1));
+      return y;
+    }
+    if (packed.defined() && (dtype_ == at::kBFloat16 || rows >= packed_min_rows_)) {
+      static auto op = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                             c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                             std::optional<c10::string_view>)>();
+      const std::optional<at::Tensor> bias = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
+      return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+    }
+    return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
   }
 
-  // Hugging Face's RMSNorm over the last dim, contiguous: the one-pass kernel (bfloat16) or, as
-  // engine.model.RMSNorm runs it in float32, weight * torch's rms_norm.
+  // Hugging Face's RMSNorm over the last dim, contiguous, as engine.model.RMSNorm runs it: the one-pass kernel
+  // (bfloat16) or rms_norm_f32, torch's arithmetic bit for bit (float32).
   torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w) const {
     const int64_t dim = x.size(-1);
     const torch::Tensor xc = x.contiguous();
@@ -479,7 +530,7 @@ class DecodeLayer {
   }
 
   torch::Tensor weight(const torch::Tensor& w, int64_t rows, int64_t cols, const char* name) const {
-    // bfloat16 weights are read in place ([out, in] rows); float32 ones go to torch's linear in any layout
+    // bfloat16 weights are read in place ([out, in] rows) by one row; float32 ones go to torch's linear in any layout
     TORCH_CHECK(w.scalar_type() == dtype_ && w.device().is_cpu() && w.dim() == 2 && w.size(0) == rows &&
                     w.size(1) == cols && (dtype_ == at::kFloat || w.is_contiguous()),
                 "DecodeLayer: ", name, " must be a CPU tensor [", rows, ", ", cols, "] of the weights' dtype",
@@ -497,7 +548,9 @@ class DecodeLayer {
   at::ScalarType dtype_;
   int64_t heads_, kv_heads_, dim_, hidden_ = 0, intermediate_ = 0;
   double eps_, scale_;
+  int64_t packed_min_rows_;
   torch::Tensor input_norm_, qkv_, qkv_bias_, q_norm_, k_norm_, o_, post_norm_, gate_up_, gate_up_bias_, down_, down_bias_;
+  torch::Tensor qkv_packed_, o_packed_, gate_up_packed_, down_packed_;  // oneDNN's layout (engine.model.Linear.packed)
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -510,17 +563,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("scale"), pybind11::arg("hnd"));
   m.def("rms_norm_f32", &rms_norm_f32_checked, "torch's float32 rms_norm of x [..., dim], times weight [dim]",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
-  pybind11::class_<DecodeLayer>(m, "DecodeLayer", "one decoder layer of a float32 or bfloat16 model for one decode row")
+  pybind11::class_<DecodeLayer>(m, "DecodeLayer", "one decoder layer of a float32 or bfloat16 model for a step of decode rows")
       .def(pybind11::init<const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&,
                           const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&, const torch::Tensor&,
                           const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&,
                           const torch::Tensor&, const c10::optional<torch::Tensor>&, int64_t, int64_t, int64_t, double,
-                          double>(),
+                          double, const std::vector<torch::Tensor>&, int64_t>(),
            pybind11::arg("input_norm"), pybind11::arg("qkv"), pybind11::arg("qkv_bias"), pybind11::arg("q_norm"),
            pybind11::arg("k_norm"), pybind11::arg("o"), pybind11::arg("post_norm"), pybind11::arg("gate_up"),
            pybind11::arg("gate_up_bias"), pybind11::arg("down"), pybind11::arg("down_bias"), pybind11::arg("heads"),
-           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"))
+           pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
+           pybind11::arg("packed"), pybind11::arg("packed_min_rows"))
       .def("__call__", &DecodeLayer::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin_signed"),
-           pybind11::arg("cache"), pybind11::arg("slot"), pybind11::arg("table"), pybind11::arg("lengths"),
+           pybind11::arg("cache"), pybind11::arg("slots"), pybind11::arg("table"), pybind11::arg("lengths"),
            pybind11::arg("hnd"));
 }

@@ -226,11 +226,17 @@ def packed_layer(dtype: torch.dtype, qk_norm: bool, bias: bool) -> DecoderLayer:
     return layer
 
 
-def one_decode(hnd: bool, length: int = 40, table: tuple[int, ...] = (3, 0, 5)) -> AttentionMetadata:
-    position = length - 1
-    slot = table[position // BLOCK] * BLOCK + position % BLOCK
-    row = DecodeGroup(0, 1, torch.tensor([list(table)]), torch.tensor([length]), None)
-    return AttentionMetadata(torch.tensor([slot]), 1, [row], [], hnd, native.kernel("decode_attention"))
+ROWS = [(40, (3, 0, 5)), (17, (1, 2)), (5, (4,))]  # (context length, block table) of up to three decode rows
+
+
+def decodes(hnd: bool, rows: int) -> tuple[AttentionMetadata, list[int]]:
+    """A step of ``rows`` decode rows (one group, as the runner makes it for the native kernel), and their slots."""
+    lengths = [n for n, _ in ROWS[:rows]]
+    tables = [list(t) + [0] * (3 - len(t)) for _, t in ROWS[:rows]]
+    slots = [t[(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for n, t in zip(lengths, tables)]
+    group = DecodeGroup(0, rows, torch.tensor(tables), torch.tensor(lengths), None)
+    meta = AttentionMetadata(torch.tensor(slots), rows, [group], [], hnd, native.kernel("decode_attention"))
+    return meta, slots
 
 
 @needs_cpu
@@ -238,15 +244,17 @@ def one_decode(hnd: bool, length: int = 40, table: tuple[int, ...] = (3, 0, 5)) 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
-def test_decode_layer_is_the_layer_op_by_op_bit_for_bit(dtype, qk_norm, bias, hnd):
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_layer_is_the_layer_op_by_op_bit_for_bit(dtype, qk_norm, bias, hnd, rows):
     layer = packed_layer(dtype, qk_norm, bias)
     assert layer.fused is not None
     rope = RoPE(SimpleNamespace(rope_theta=10000.0), HEAD_DIM, 64, dtype, torch.device("cpu"))
-    meta = one_decode(hnd)
-    cos, sin_signed = rope.cos[39:40].unsqueeze(1), rope.sin_signed[39:40].unsqueeze(1)
+    meta, slots = decodes(hnd, rows)
+    positions = torch.tensor([n - 1 for n, _ in ROWS[:rows]])
+    cos, sin_signed = rope.cos[positions].unsqueeze(1), rope.sin_signed[positions].unsqueeze(1)
     inner = (2, BLOCK) if hnd else (BLOCK, 2)
     cache = torch.randn(2, BLOCKS, *inner, HEAD_DIM).to(dtype)
-    x = torch.randn(1, LAYER.hidden_size).to(dtype)
+    x = torch.randn(rows, LAYER.hidden_size).to(dtype)
     with torch.inference_mode():
         fused_cache = cache.clone()
         fused = layer(x, cos, sin_signed, fused_cache, meta)
@@ -257,8 +265,9 @@ def test_decode_layer_is_the_layer_op_by_op_bit_for_bit(dtype, qk_norm, bias, hn
     assert torch.isfinite(fused).all() and not torch.equal(fused, x)
     assert torch.equal(fused, ops)
     assert torch.equal(fused_cache, ops_cache)
-    written = (fused_cache != cache).nonzero()[:, 1:3].unique(dim=0).tolist()
-    assert written == ([[5, 0], [5, 1]] if hnd else [[5, 7]])  # block 5 (k and v): slot 7 only
+    written = sorted(map(tuple, (fused_cache != cache).nonzero()[:, 1:3].unique(dim=0).tolist()))
+    at = [(slot // BLOCK, slot % BLOCK) for slot in slots]  # k and v of each row at its slot, nowhere else
+    assert written == sorted({(b, h) for b, _ in at for h in (0, 1)} if hnd else at)
 
 
 @needs_cpu
@@ -267,13 +276,13 @@ def test_decode_layer_refuses_a_slot_or_block_outside_the_cache_and_wrong_weight
     x = torch.zeros(1, LAYER.hidden_size, dtype=torch.bfloat16)
     cos = sin = torch.zeros(1, 1, HEAD_DIM, dtype=torch.bfloat16)
     cache = torch.zeros(2, BLOCKS, BLOCK, 2, HEAD_DIM, dtype=torch.bfloat16)
-    row = one_decode(False).decodes[0]
+    row = decodes(False, 1)[0].decodes[0]
     for slot in (BLOCKS * BLOCK, -1):
         with pytest.raises(RuntimeError, match="slot outside the cache"):
             layer.fused(x, cos, sin, cache, torch.tensor([slot]), row.block_table, row.lengths, False)
     with pytest.raises(RuntimeError, match="block id outside the cache"):
         layer.fused(x, cos, sin, cache, torch.tensor([3]), torch.tensor([[BLOCKS, 0, 5]]), row.lengths, False)
-    with pytest.raises(RuntimeError, match="one contiguous row"):
+    with pytest.raises(RuntimeError, match="must be contiguous rows"):
         layer.fused(x.float(), cos, sin, cache, torch.tensor([3]), row.block_table, row.lengths, False)
     attn = layer.self_attn
     with pytest.raises(RuntimeError, match="gate_up must be"):
@@ -294,23 +303,37 @@ def test_decode_layer_refuses_a_slot_or_block_outside_the_cache_and_wrong_weight
             head_dim=HEAD_DIM,
             eps=1e-6,
             scale=HEAD_DIM**-0.5,
+            packed=[],
+            packed_min_rows=2,
         )
 
 
 @needs_cpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_an_engine_decoding_one_sequence_runs_each_layer_as_one_call_with_the_same_tokens(tiny_model, dtype):
-    prompt = [(17 * i + 5) % 500 + 3 for i in range(20)]
+def test_an_engine_decoding_runs_each_layer_as_one_call_with_the_same_tokens(tiny_model, dtype):
+    prompts = [[(17 * i + 5 * s) % 500 + 3 for i in range(20 + 7 * s)] for s in range(3)]
     runs = []
     for fused in (True, False):
-        engine = LLMEngine(EngineConfig(model=tiny_model, dtype=dtype, num_blocks=32, block_size=4, num_threads=1))
+        engine = LLMEngine(EngineConfig(model=tiny_model, dtype=dtype, num_blocks=64, block_size=4, num_threads=1))
         layers = engine.runner.model.layers
         assert all(layer.fused is not None for layer in layers)
-        if not fused:
-            for layer in layers:
-                layer.fused = None
-        tokens = engine.generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0].token_ids
-        runs.append((tokens, engine.cache.kv.clone()))
-    (fused_tokens, fused_kv), (ops_tokens, ops_kv) = runs
-    assert len(fused_tokens) == 24 and fused_tokens == ops_tokens
+        rows_seen: list[int] = []
+        for layer in layers:
+            layer.fused = counted(layer.fused, rows_seen) if fused else None
+        sampling = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        one = engine.generate(prompts[:1], sampling)[0].token_ids  # one decode row a step
+        three = [r.token_ids for r in engine.generate(prompts, sampling)]  # three decode rows a step
+        runs.append((one, three, engine.cache.kv.clone()))
+        if fused:
+            assert {1, 3} <= set(rows_seen)
+    (fused_one, fused_three, fused_kv), (ops_one, ops_three, ops_kv) = runs
+    assert len(fused_one) == 24 and fused_one == ops_one and fused_three == ops_three
     assert torch.equal(fused_kv, ops_kv)
+
+
+def counted(fused, rows_seen: list[int]):
+    def call(x, *args):
+        rows_seen.append(x.shape[0])
+        return fused(x, *args)
+
+    return call
