@@ -3,9 +3,9 @@
 Where a decode step's time goes to torch's dispatch of small kernels, or to a
 kernel well below memory speed, ``kernels.cpp`` does the work in one call:
 
-- ``gemv_bf16``: the one-row bfloat16 projection of a decode step of one
-  sequence (``engine.model.Linear``; oneDNN's packed matmul, which serves
-  every other batch, streams one row's weights about 1.6x slower);
+- ``gemv_bf16``: the bfloat16 projection of a few rows, a decode step of
+  one to three sequences (``engine.model.Linear``; oneDNN's packed matmul,
+  which serves more rows, streams the weights slower for so few);
 - ``rms_norm_bf16``: a bfloat16 model's RMSNorm in one pass
   (``engine.model.RMSNorm``; torch's takes eight kernels);
 - ``rms_norm_f32``: torch's float32 rms_norm bit for bit, in two calls
@@ -14,7 +14,7 @@ kernel well below memory speed, ``kernels.cpp`` does the work in one call:
   contexts in the paged cache, read in place through the block table
   (``engine.attention``; torch's path gathers each context into a padded
   copy, then runs its attention over it);
-- ``DecodeLayer``: a whole decoder layer for a step of one decode row
+- ``DecodeLayer``: a whole decoder layer for a step of decode rows only
   (``engine.model.DecoderLayer``), bit for bit the layer run op by op: one
   call where the layer makes some twenty.
 

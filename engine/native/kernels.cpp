@@ -45,52 +45,89 @@ inline at::BFloat16 finish(__m512 acc, const at::BFloat16* bias, int64_t row) {
 
 }  // namespace
 
-// y[o] = sum_i x[i] * w[o, i] (+ b[o]) for one bfloat16 row x [in] and w [out, in]: rows split across
-// torch's threads, kRows weight rows per pass. The rows of w are read in order, but as kRows
-// interleaved streams that the hardware prefetcher follows late: each pass also prefetches the
-// same lines of the next kRows rows (1.2x on SmolLM2's projections streamed from L3).
-void gemv_into(const uint16_t* xp, const uint16_t* wp, const at::BFloat16* bp, at::BFloat16* yp, int64_t out,
-               int64_t in) {
+// The kRows weight rows at w0 against one x row (X = 1) or two (X = 2): X * kRows float32 sums in acc,
+// each over the lanes in one order whatever X is, so a row's result is the same alone or paired. With
+// `next`, the same lines of the next kRows weight rows are prefetched on the way.
+template <int X>
+inline void block_dots(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0, int64_t in, const uint16_t* next,
+                       __m512* acc) {
+  const int64_t full = in / kLanes * kLanes, tail = in - full;
+  for (int j = 0; j < X * kRows; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < full; i += kLanes) {
+    if (next != nullptr) {
+      for (int64_t j = 0; j < kRows; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * in + i), _MM_HINT_T0);
+    }
+    const __m512bh w_0 = load(w0 + i), w_1 = load(w0 + in + i), w_2 = load(w0 + 2 * in + i), w_3 = load(w0 + 3 * in + i);
+    const __m512bh u = load(x0 + i);
+    acc[0] = _mm512_dpbf16_ps(acc[0], w_0, u);
+    acc[1] = _mm512_dpbf16_ps(acc[1], w_1, u);
+    acc[2] = _mm512_dpbf16_ps(acc[2], w_2, u);
+    acc[3] = _mm512_dpbf16_ps(acc[3], w_3, u);
+    if (X == 2) {
+      const __m512bh v = load(x1 + i);
+      acc[4] = _mm512_dpbf16_ps(acc[4], w_0, v);
+      acc[5] = _mm512_dpbf16_ps(acc[5], w_1, v);
+      acc[6] = _mm512_dpbf16_ps(acc[6], w_2, v);
+      acc[7] = _mm512_dpbf16_ps(acc[7], w_3, v);
+    }
+  }
+  if (tail != 0) {
+    const __m512bh w_0 = load_tail(w0 + full, tail), w_1 = load_tail(w0 + in + full, tail);
+    const __m512bh w_2 = load_tail(w0 + 2 * in + full, tail), w_3 = load_tail(w0 + 3 * in + full, tail);
+    const __m512bh u = load_tail(x0 + full, tail);
+    acc[0] = _mm512_dpbf16_ps(acc[0], w_0, u);
+    acc[1] = _mm512_dpbf16_ps(acc[1], w_1, u);
+    acc[2] = _mm512_dpbf16_ps(acc[2], w_2, u);
+    acc[3] = _mm512_dpbf16_ps(acc[3], w_3, u);
+    if (X == 2) {
+      const __m512bh v = load_tail(x1 + full, tail);
+      acc[4] = _mm512_dpbf16_ps(acc[4], w_0, v);
+      acc[5] = _mm512_dpbf16_ps(acc[5], w_1, v);
+      acc[6] = _mm512_dpbf16_ps(acc[6], w_2, v);
+      acc[7] = _mm512_dpbf16_ps(acc[7], w_3, v);
+    }
+  }
+}
+
+// y[m, o] = sum_i x[m, i] * w[o, i] (+ b[o]) for a few bfloat16 rows x [rows, in] and w [out, in]: weight
+// rows split across torch's threads, kRows per pass, each pass read from memory once for every x row (two
+// at a time, from L1 after the first). The rows of w are read in order, but as kRows interleaved streams
+// that the hardware prefetcher follows late: each pass also prefetches the same lines of the next kRows
+// rows (1.2x on SmolLM2's projections streamed from L3).
+void gemv_into(const uint16_t* xp, int64_t rows, const uint16_t* wp, const at::BFloat16* bp, at::BFloat16* yp,
+               int64_t out, int64_t in) {
   const int64_t full = in / kLanes * kLanes, tail = in - full;
   const int64_t blocks = (out + kRows - 1) / kRows;
   const int64_t grain = std::max<int64_t>(1, kGrain / (kRows * in));
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
+    __m512 acc[2 * kRows];
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t r = blk * kRows;
       if (r + kRows <= out) {
         const uint16_t* w0 = wp + r * in;
-        const uint16_t* next = w0 + kRows * in;  // a prefetch never faults, even past the end
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t i = 0; i < full; i += kLanes) {
-          _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next + in + i), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next + 2 * in + i), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next + 3 * in + i), _MM_HINT_T0);
-          const __m512bh xx = load(xp + i);
-          a0 = _mm512_dpbf16_ps(a0, load(w0 + i), xx);
-          a1 = _mm512_dpbf16_ps(a1, load(w0 + in + i), xx);
-          a2 = _mm512_dpbf16_ps(a2, load(w0 + 2 * in + i), xx);
-          a3 = _mm512_dpbf16_ps(a3, load(w0 + 3 * in + i), xx);
+        for (int64_t m = 0; m < rows; m += 2) {
+          const uint16_t* next = m == 0 ? w0 + kRows * in : nullptr;  // a prefetch never faults, even past the end
+          const uint16_t* x0 = xp + m * in;
+          const int64_t pair = m + 1 < rows ? 2 : 1;
+          if (pair == 2) {
+            block_dots<2>(x0, x0 + in, w0, in, next, acc);
+          } else {
+            block_dots<1>(x0, nullptr, w0, in, next, acc);
+          }
+          for (int64_t k = 0; k < pair; ++k)
+            for (int64_t j = 0; j < kRows; ++j) yp[(m + k) * out + r + j] = finish(acc[k * kRows + j], bp, r + j);
         }
-        if (tail != 0) {
-          const __m512bh xx = load_tail(xp + full, tail);
-          a0 = _mm512_dpbf16_ps(a0, load_tail(w0 + full, tail), xx);
-          a1 = _mm512_dpbf16_ps(a1, load_tail(w0 + in + full, tail), xx);
-          a2 = _mm512_dpbf16_ps(a2, load_tail(w0 + 2 * in + full, tail), xx);
-          a3 = _mm512_dpbf16_ps(a3, load_tail(w0 + 3 * in + full, tail), xx);
-        }
-        yp[r] = finish(a0, bp, r);
-        yp[r + 1] = finish(a1, bp, r + 1);
-        yp[r + 2] = finish(a2, bp, r + 2);
-        yp[r + 3] = finish(a3, bp, r + 3);
         continue;
       }
       for (int64_t row = r; row < out; ++row) {  // the last rows, fewer than kRows
         const uint16_t* wr = wp + row * in;
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < full; i += kLanes) acc = _mm512_dpbf16_ps(acc, load(wr + i), load(xp + i));
-        if (tail != 0) acc = _mm512_dpbf16_ps(acc, load_tail(wr + full, tail), load_tail(xp + full, tail));
-        yp[row] = finish(acc, bp, row);
+        for (int64_t m = 0; m < rows; ++m) {
+          const uint16_t* x0 = xp + m * in;
+          __m512 sum = _mm512_setzero_ps();
+          for (int64_t i = 0; i < full; i += kLanes) sum = _mm512_dpbf16_ps(sum, load(wr + i), load(x0 + i));
+          if (tail != 0) sum = _mm512_dpbf16_ps(sum, load_tail(wr + full, tail), load_tail(x0 + full, tail));
+          yp[m * out + row] = finish(sum, bp, row);
+        }
       }
     }
   });
@@ -99,7 +136,7 @@ void gemv_into(const uint16_t* xp, const uint16_t* wp, const at::BFloat16* bp, a
 inline const uint16_t* bits(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
-  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1, "gemv_bf16: x must be one row [1, in]");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "gemv_bf16: x must be rows [rows, in]");
   TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "gemv_bf16: w must be [out, in]");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "gemv_bf16: bfloat16 only");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.is_contiguous(), "gemv_bf16: contiguous CPU weight");
@@ -109,9 +146,9 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, const c1
     TORCH_CHECK(b->numel() == w.size(0) && b->scalar_type() == at::kBFloat16, "gemv_bf16: bias must be [out] bfloat16");
     bc = b->contiguous();
   }
-  torch::Tensor y = torch::empty({1, w.size(0)}, x.options());
-  gemv_into(bits(xc), bits(w), bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
-            w.size(0), w.size(1));
+  torch::Tensor y = torch::empty({x.size(0), w.size(0)}, x.options());
+  gemv_into(bits(xc), x.size(0), bits(w), bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr,
+            y.data_ptr<at::BFloat16>(), w.size(0), w.size(1));
   return y;
 }
 
@@ -367,14 +404,16 @@ class DecodeLayer {
               const torch::Tensor& o, const torch::Tensor& post_norm, const torch::Tensor& gate_up,
               const c10::optional<torch::Tensor>& gate_up_bias, const torch::Tensor& down,
               const c10::optional<torch::Tensor>& down_bias, int64_t heads, int64_t kv_heads, int64_t head_dim,
-              double eps, double scale, const std::vector<torch::Tensor>& packed, int64_t packed_min_rows)
+              double eps, double scale, const std::vector<torch::Tensor>& packed, int64_t packed_min_rows,
+              int64_t few_rows_max)
       : dtype_(qkv.scalar_type()),
         heads_(heads),
         kv_heads_(kv_heads),
         dim_(head_dim),
         eps_(eps),
         scale_(scale),
-        packed_min_rows_(packed_min_rows) {
+        packed_min_rows_(packed_min_rows),
+        few_rows_max_(few_rows_max) {
     TORCH_CHECK(dtype_ == at::kBFloat16 || dtype_ == at::kFloat, "DecodeLayer: float32 or bfloat16 weights");
     TORCH_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && heads % kv_heads == 0, "DecodeLayer: bad head counts");
     hidden_ = input_norm.numel();
@@ -492,17 +531,17 @@ class DecodeLayer {
     return out;
   }
 
-  // x [rows, in] -> [rows, out], as engine.model.Linear projects it: one bfloat16 row by the one-row
-  // kernel; the oneDNN-packed weight for two bfloat16 rows and more, and for packed_min_rows float32
+  // x [rows, in] -> [rows, out], as engine.model.Linear projects it: up to few_rows_max bfloat16 rows by
+  // this file's kernel; the oneDNN-packed weight for more bfloat16 rows, and for packed_min_rows float32
   // rows and more; torch's linear otherwise (float32 below that: the input-major weight).
   torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                         const torch::Tensor& b) const {
     const int64_t rows = x.size(0);
-    if (dtype_ == at::kBFloat16 && rows == 1) {
+    if (dtype_ == at::kBFloat16 && rows <= few_rows_max_) {
       const torch::Tensor xc = x.contiguous();
-      torch::Tensor y = torch::empty({1, w.size(0)}, x.options());
-      gemv_into(bits(xc), bits(w), b.defined() ? b.data_ptr<at::BFloat16>() : nullptr, y.data_ptr<at::BFloat16>(),
-                w.size(0), w.size(1));
+      torch::Tensor y = torch::empty({rows, w.size(0)}, x.options());
+      gemv_into(bits(xc), rows, bits(w), b.defined() ? b.data_ptr<at::BFloat16>() : nullptr,
+                y.data_ptr<at::BFloat16>(), w.size(0), w.size(1));
       return y;
     }
     if (packed.defined() && (dtype_ == at::kBFloat16 || rows >= packed_min_rows_)) {
@@ -530,7 +569,7 @@ class DecodeLayer {
   }
 
   torch::Tensor weight(const torch::Tensor& w, int64_t rows, int64_t cols, const char* name) const {
-    // bfloat16 weights are read in place ([out, in] rows) by one row; float32 ones go to torch's linear in any layout
+    // bfloat16 weights are read in place ([out, in] rows) for a few rows; float32 ones go to torch's linear in any layout
     TORCH_CHECK(w.scalar_type() == dtype_ && w.device().is_cpu() && w.dim() == 2 && w.size(0) == rows &&
                     w.size(1) == cols && (dtype_ == at::kFloat || w.is_contiguous()),
                 "DecodeLayer: ", name, " must be a CPU tensor [", rows, ", ", cols, "] of the weights' dtype",
@@ -548,7 +587,7 @@ class DecodeLayer {
   at::ScalarType dtype_;
   int64_t heads_, kv_heads_, dim_, hidden_ = 0, intermediate_ = 0;
   double eps_, scale_;
-  int64_t packed_min_rows_;
+  int64_t packed_min_rows_, few_rows_max_;
   torch::Tensor input_norm_, qkv_, qkv_bias_, q_norm_, k_norm_, o_, post_norm_, gate_up_, gate_up_bias_, down_, down_bias_;
   torch::Tensor qkv_packed_, o_packed_, gate_up_packed_, down_packed_;  // oneDNN's layout (engine.model.Linear.packed)
 };
@@ -568,12 +607,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           const c10::optional<torch::Tensor>&, const c10::optional<torch::Tensor>&, const torch::Tensor&,
                           const torch::Tensor&, const torch::Tensor&, const c10::optional<torch::Tensor>&,
                           const torch::Tensor&, const c10::optional<torch::Tensor>&, int64_t, int64_t, int64_t, double,
-                          double, const std::vector<torch::Tensor>&, int64_t>(),
+                          double, const std::vector<torch::Tensor>&, int64_t, int64_t>(),
            pybind11::arg("input_norm"), pybind11::arg("qkv"), pybind11::arg("qkv_bias"), pybind11::arg("q_norm"),
            pybind11::arg("k_norm"), pybind11::arg("o"), pybind11::arg("post_norm"), pybind11::arg("gate_up"),
            pybind11::arg("gate_up_bias"), pybind11::arg("down"), pybind11::arg("down_bias"), pybind11::arg("heads"),
            pybind11::arg("kv_heads"), pybind11::arg("head_dim"), pybind11::arg("eps"), pybind11::arg("scale"),
-           pybind11::arg("packed"), pybind11::arg("packed_min_rows"))
+           pybind11::arg("packed"), pybind11::arg("packed_min_rows"), pybind11::arg("few_rows_max"))
       .def("__call__", &DecodeLayer::forward, pybind11::arg("x"), pybind11::arg("cos"), pybind11::arg("sin_signed"),
            pybind11::arg("cache"), pybind11::arg("slots"), pybind11::arg("table"), pybind11::arg("lengths"),
            pybind11::arg("hnd"));

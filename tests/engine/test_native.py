@@ -1,5 +1,5 @@
-"""engine.native's kernels: built wherever the CPU can run them; the one-row bfloat16 projection
-float32 arithmetic rounded once, and what ``Linear`` uses for one row; the bfloat16 RMSNorm Hugging
+"""engine.native's kernels: built wherever the CPU can run them; the bfloat16 projection of a few rows
+float32 arithmetic rounded once, and what ``Linear`` uses for a few rows; the bfloat16 RMSNorm Hugging
 Face's arithmetic to one bfloat16 step; decode attention over each row's context read in place
 through its block table, as sdpa over that context (tests/engine/test_oracle.py: greedy tokens with it
 and without it equal transformers); DecodeLayer, a whole layer for one decode row, bit for bit the
@@ -90,30 +90,43 @@ def test_gemv_is_float32_arithmetic_rounded_once(inputs, outputs, bias):
 
 
 @needs_cpu
+@pytest.mark.parametrize("rows", [2, 3, 5])
+def test_gemv_gives_each_of_several_rows_what_it_gives_that_row_alone(rows):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 200).to(torch.bfloat16)  # 200: the 32-value loads end in a tail
+    w = torch.randn(70, 200).to(torch.bfloat16)  # 70: the last weight rows fewer than a pass's four
+    b = torch.randn(70).to(torch.bfloat16)
+    gemv = native.kernels().gemv_bf16
+    assert torch.equal(gemv(x, w, b), torch.cat([gemv(x[m : m + 1], w, b) for m in range(rows)]))
+
+
+@needs_cpu
 def test_gemv_refuses_what_it_does_not_compute():
     gemv = native.kernels().gemv_bf16
     w = torch.zeros(8, 32, dtype=torch.bfloat16)
-    for x in (torch.zeros(2, 32, dtype=torch.bfloat16), torch.zeros(1, 32), torch.zeros(1, 16, dtype=torch.bfloat16)):
+    bf16 = torch.bfloat16
+    for x in (torch.zeros(1, 1, 32, dtype=bf16), torch.zeros(1, 32), torch.zeros(1, 16, dtype=bf16)):
         with pytest.raises(RuntimeError, match="gemv_bf16"):
             gemv(x, w)
 
 
 @needs_cpu
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_sends_one_bfloat16_row_to_the_kernel_and_more_to_onednn(bias):
+def test_linear_sends_a_few_bfloat16_rows_to_the_kernel_and_more_to_onednn(bias):
     torch.manual_seed(1)
     linear = Linear(96, 160, bias=bias).to(torch.bfloat16)
     weight = linear.weight.detach().clone()
     b = None if linear.bias is None else linear.bias.detach().clone()
     linear.pack_for_cpu()
-    assert linear.one_row is not None
-    x = torch.randn(4, 96).to(torch.bfloat16)
+    assert linear.few_rows is not None and Linear.few_rows_max == 3
+    x = torch.randn(6, 96).to(torch.bfloat16)
     with torch.inference_mode():
-        assert torch.equal(linear(x[:1]), native.kernels().gemv_bf16(x[:1], weight, b))
-        assert torch.equal(linear(x), F.linear(x, weight, b))  # two rows and more: the packed copy
+        for rows in (1, 3):
+            assert torch.equal(linear(x[:rows]), native.kernels().gemv_bf16(x[:rows], weight, b))
+        assert torch.equal(linear(x), F.linear(x, weight, b))  # more rows: the packed copy
     float32 = Linear(96, 160).float()
     float32.pack_for_cpu()
-    assert float32.one_row is None
+    assert float32.few_rows is None
 
 
 @needs_cpu
@@ -226,7 +239,8 @@ def packed_layer(dtype: torch.dtype, qk_norm: bool, bias: bool) -> DecoderLayer:
     return layer
 
 
-ROWS = [(40, (3, 0, 5)), (17, (1, 2)), (5, (4,))]  # (context length, block table) of up to three decode rows
+# (context length, block table) of up to six decode rows
+ROWS = [(40, (3, 0, 5)), (17, (1, 2)), (5, (4,)), (35, (3, 0, 2)), (2, (1,)), (16, (5,))]
 
 
 def decodes(hnd: bool, rows: int) -> tuple[AttentionMetadata, list[int]]:
@@ -244,7 +258,7 @@ def decodes(hnd: bool, rows: int) -> tuple[AttentionMetadata, list[int]]:
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 6])
 def test_decode_layer_is_the_layer_op_by_op_bit_for_bit(dtype, qk_norm, bias, hnd, rows):
     layer = packed_layer(dtype, qk_norm, bias)
     assert layer.fused is not None
@@ -305,6 +319,7 @@ def test_decode_layer_refuses_a_slot_or_block_outside_the_cache_and_wrong_weight
             scale=HEAD_DIM**-0.5,
             packed=[],
             packed_min_rows=2,
+            few_rows_max=3,
         )
 
 
