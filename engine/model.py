@@ -218,9 +218,9 @@ class DecoderLayer(nn.Module):
         )
 
     def forward(self, x, cos, sin_signed, cache_layer, meta) -> torch.Tensor:
-        if self.fused is not None and meta.decode_kernel is not None and x.shape[0] == meta.num_decodes:
-            rows = meta.decodes[0]  # one group: the runner does not split decodes for the native kernel
-            slots = meta.slot_mapping
+        decodes_only = x.shape[0] == meta.num_decodes and len(meta.decodes) == 1  # the runner's one group
+        if self.fused is not None and meta.decode_kernel is not None and decodes_only:
+            rows, slots = meta.decodes[0], meta.slot_mapping
             return self.fused(x, cos, sin_signed, cache_layer, slots, rows.block_table, rows.lengths, meta.hnd)
         if self.group is None:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed, cache_layer, meta)

@@ -361,20 +361,25 @@ torch::Tensor rms_norm_f32(const torch::Tensor& x, const torch::Tensor& w, int64
   torch::Tensor squares = torch::empty({rows, dim}, x.options());
   const float* xp = x.data_ptr<float>();
   float* sp = squares.data_ptr<float>();
-  for (int64_t i = 0; i < rows * dim; ++i) sp[i] = xp[i] * xp[i];
+  const int64_t grain = std::max<int64_t>(1, kGrain / dim);  // rows split across torch's threads, as its own ops do
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * dim; i < end * dim; ++i) sp[i] = xp[i] * xp[i];
+  });
   const torch::Tensor sums = squares.sum(-1);
   const float* total = sums.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   torch::Tensor y = torch::empty_like(x);
   float* yp = y.data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float mean = total[r] / static_cast<float>(dim);
-    const float rstd = 1.0f / std::sqrt(mean + static_cast<float>(eps));
-    for (int64_t i = 0; i < dim; ++i) {
-      const float normed = xp[r * dim + i] * rstd;
-      yp[r * dim + i] = wp[i] * normed;
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float mean = total[r] / static_cast<float>(dim);
+      const float rstd = 1.0f / std::sqrt(mean + static_cast<float>(eps));
+      for (int64_t i = 0; i < dim; ++i) {
+        const float normed = xp[r * dim + i] * rstd;
+        yp[r * dim + i] = wp[i] * normed;
+      }
     }
-  }
+  });
   return y;
 }
 
