@@ -1,8 +1,8 @@
 // pdserve's CPU kernels for decode steps, where torch's are far from what the CPU can do.
 //
-// gemv_bf16: one-row projections, y[0, o] = sum_i x[0, i] * w[o, i] (+ b[o]), on CPUs with
-// AVX512-BF16. A decode step of one sequence multiplies one row by every weight of the model: it
-// is a stream of the weights through the cores, and the kernel's whole job is to keep that stream
+// gemv_bf16: projections of a few rows, y[m, o] = sum_i x[m, i] * w[o, i] (+ b[o]), on CPUs with
+// AVX512-BF16. A decode step of a few sequences multiplies a few rows by every weight of the model:
+// it is a stream of the weights through the cores, and the kernel's whole job is to keep that stream
 // at memory speed. Four weight rows at a time, 32 bfloat16 pairs per _mm512_dpbf16_ps,
 // accumulated in float32 and rounded to bfloat16 once (round to nearest even, as every other
 // bfloat16 result in torch).
@@ -45,6 +45,14 @@ inline at::BFloat16 finish(__m512 acc, const at::BFloat16* bias, int64_t row) {
 
 }  // namespace
 
+// acc[j] += w[j] . u for the kRows weight rows, and acc[kRows + j] += w[j] . v with a second x row (X = 2).
+template <int X>
+inline void accumulate(__m512* acc, const __m512bh* w, __m512bh u, __m512bh v) {
+  for (int64_t j = 0; j < kRows; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], w[j], u);
+  if (X == 2)
+    for (int64_t j = 0; j < kRows; ++j) acc[kRows + j] = _mm512_dpbf16_ps(acc[kRows + j], w[j], v);
+}
+
 // The kRows weight rows at w0 against one x row (X = 1) or two (X = 2): X * kRows float32 sums in acc,
 // each over the lanes in one order whatever X is, so a row's result is the same alone or paired. With
 // `next`, the same lines of the next kRows weight rows are prefetched on the way.
@@ -52,40 +60,20 @@ template <int X>
 inline void block_dots(const uint16_t* x0, const uint16_t* x1, const uint16_t* w0, int64_t in, const uint16_t* next,
                        __m512* acc) {
   const int64_t full = in / kLanes * kLanes, tail = in - full;
-  for (int j = 0; j < X * kRows; ++j) acc[j] = _mm512_setzero_ps();
+  __m512bh w[kRows];
+  for (int64_t j = 0; j < X * kRows; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < full; i += kLanes) {
     if (next != nullptr) {
       for (int64_t j = 0; j < kRows; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * in + i), _MM_HINT_T0);
     }
-    const __m512bh w_0 = load(w0 + i), w_1 = load(w0 + in + i), w_2 = load(w0 + 2 * in + i), w_3 = load(w0 + 3 * in + i);
+    for (int64_t j = 0; j < kRows; ++j) w[j] = load(w0 + j * in + i);
     const __m512bh u = load(x0 + i);
-    acc[0] = _mm512_dpbf16_ps(acc[0], w_0, u);
-    acc[1] = _mm512_dpbf16_ps(acc[1], w_1, u);
-    acc[2] = _mm512_dpbf16_ps(acc[2], w_2, u);
-    acc[3] = _mm512_dpbf16_ps(acc[3], w_3, u);
-    if (X == 2) {
-      const __m512bh v = load(x1 + i);
-      acc[4] = _mm512_dpbf16_ps(acc[4], w_0, v);
-      acc[5] = _mm512_dpbf16_ps(acc[5], w_1, v);
-      acc[6] = _mm512_dpbf16_ps(acc[6], w_2, v);
-      acc[7] = _mm512_dpbf16_ps(acc[7], w_3, v);
-    }
+    accumulate<X>(acc, w, u, X == 2 ? load(x1 + i) : u);
   }
   if (tail != 0) {
-    const __m512bh w_0 = load_tail(w0 + full, tail), w_1 = load_tail(w0 + in + full, tail);
-    const __m512bh w_2 = load_tail(w0 + 2 * in + full, tail), w_3 = load_tail(w0 + 3 * in + full, tail);
+    for (int64_t j = 0; j < kRows; ++j) w[j] = load_tail(w0 + j * in + full, tail);
     const __m512bh u = load_tail(x0 + full, tail);
-    acc[0] = _mm512_dpbf16_ps(acc[0], w_0, u);
-    acc[1] = _mm512_dpbf16_ps(acc[1], w_1, u);
-    acc[2] = _mm512_dpbf16_ps(acc[2], w_2, u);
-    acc[3] = _mm512_dpbf16_ps(acc[3], w_3, u);
-    if (X == 2) {
-      const __m512bh v = load_tail(x1 + full, tail);
-      acc[4] = _mm512_dpbf16_ps(acc[4], w_0, v);
-      acc[5] = _mm512_dpbf16_ps(acc[5], w_1, v);
-      acc[6] = _mm512_dpbf16_ps(acc[6], w_2, v);
-      acc[7] = _mm512_dpbf16_ps(acc[7], w_3, v);
-    }
+    accumulate<X>(acc, w, u, X == 2 ? load_tail(x1 + full, tail) : u);
   }
 }
 
@@ -307,8 +295,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // ops round it on that path, the file is compiled without contracting a * b + c into one rounding,
 // and SiLU's exp is torch's own (Sleef's, as its vectorised kernel calls it; std::exp for the tail
 // its scalar loop takes). Projections and norms run what engine.model.Linear and RMSNorm run for the
-// same rows: this file's one-row kernel or oneDNN's packed matmul (bfloat16), torch's linear or the
-// packed matmul (float32), rms_norm_bf16 or rms_norm_f32.
+// same rows: gemv_bf16 or oneDNN's packed matmul (bfloat16), torch's linear or the packed matmul
+// (float32), rms_norm_bf16 or rms_norm_f32.
 extern "C" __m512 Sleef_expf16_u10(__m512);
 
 namespace {
@@ -542,20 +530,14 @@ class DecodeLayer {
   torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                         const torch::Tensor& b) const {
     const int64_t rows = x.size(0);
-    if (dtype_ == at::kBFloat16 && rows <= few_rows_max_) {
-      const torch::Tensor xc = x.contiguous();
-      torch::Tensor y = torch::empty({rows, w.size(0)}, x.options());
-      gemv_into(bits(xc), rows, bits(w), b.defined() ? b.data_ptr<at::BFloat16>() : nullptr,
-                y.data_ptr<at::BFloat16>(), w.size(0), w.size(1));
-      return y;
-    }
+    const std::optional<at::Tensor> bias = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
+    if (dtype_ == at::kBFloat16 && rows <= few_rows_max_) return gemv_bf16(x, w, bias);
     if (packed.defined() && (dtype_ == at::kBFloat16 || rows >= packed_min_rows_)) {
       static auto op = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                              c10::string_view, c10::List<std::optional<at::Scalar>>,
                                              std::optional<c10::string_view>)>();
-      const std::optional<at::Tensor> bias = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
       return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
     }
     return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
@@ -564,13 +546,7 @@ class DecodeLayer {
   // Hugging Face's RMSNorm over the last dim, contiguous, as engine.model.RMSNorm runs it: the one-pass kernel
   // (bfloat16) or rms_norm_f32, torch's arithmetic bit for bit (float32).
   torch::Tensor norm(const torch::Tensor& x, const torch::Tensor& w) const {
-    const int64_t dim = x.size(-1);
-    const torch::Tensor xc = x.contiguous();
-    if (dtype_ == at::kFloat) return rms_norm_f32(xc, w, dim, eps_);
-    torch::Tensor y = torch::empty_like(xc);
-    norm_into(xc.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), xc.numel() / dim,
-              dim, static_cast<float>(eps_));
-    return y;
+    return dtype_ == at::kFloat ? rms_norm_f32_checked(x, w, eps_) : rms_norm_bf16(x, w, eps_);
   }
 
   torch::Tensor weight(const torch::Tensor& w, int64_t rows, int64_t cols, const char* name) const {
@@ -598,7 +574,7 @@ class DecodeLayer {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_bf16", &gemv_bf16, "y = x w^T (+ b) for one bfloat16 row x [1, in], w [out, in]",
+  m.def("gemv_bf16", &gemv_bf16, "y = x w^T (+ b) for a few bfloat16 rows x [rows, in], w [out, in]",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none());
   m.def("rms_norm_bf16", &rms_norm_bf16, "Hugging Face's RMSNorm of bfloat16 x [..., dim] with weight [dim]",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
