@@ -35,35 +35,31 @@ def test_the_kernels_build_wherever_the_cpu_can_run_them():
         assert native.kernels() is None and native.unavailable() in native.status()
 
 
-def test_turned_off_it_says_so_and_the_command_reports_it(monkeypatch):
-    monkeypatch.setenv("PDSERVE_NATIVE", "0")
-    assert native.unavailable() == "PDSERVE_NATIVE=0"
-    run = subprocess.run(
-        [sys.executable, "-m", "engine.native", "--require"],
+def native_command(*args: str, **env: str) -> subprocess.CompletedProcess:
+    """``python -m engine.native ARGS`` with ``env`` added to this process's environment."""
+    return subprocess.run(
+        [sys.executable, "-m", "engine.native", *args],
         capture_output=True,
         text=True,
         cwd=REPO,
         timeout=300,
-        env={**os.environ, "PDSERVE_NATIVE": "0"},
+        env={**os.environ, **env},
     )
+
+
+def test_turned_off_it_says_so_and_the_command_reports_it(monkeypatch):
+    monkeypatch.setenv("PDSERVE_NATIVE", "0")
+    assert native.unavailable() == "PDSERVE_NATIVE=0"
+    run = native_command("--require", PDSERVE_NATIVE="0")
     assert run.returncode == 1 and "not used (PDSERVE_NATIVE=0)" in run.stdout
-    assert (
-        subprocess.run([sys.executable, "-m", "engine.native", "--help"], cwd=REPO, capture_output=True).returncode == 0
-    )
+    assert native_command("--help").returncode == 0
 
 
 @needs_cpu
 def test_a_cache_folder_it_cannot_write_is_a_failed_build_and_torch_serves(tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    run = subprocess.run(
-        [sys.executable, "-m", "engine.native", "--require"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=300,
-        env={**os.environ, "PDSERVE_NATIVE_CACHE": str(blocker / "native")},
-    )
+    run = native_command("--require", PDSERVE_NATIVE_CACHE=str(blocker / "native"))
     assert run.returncode == 1 and "not used (the build failed: " in run.stdout, run.stdout + run.stderr
 
 
