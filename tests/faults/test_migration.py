@@ -258,19 +258,24 @@ def test_with_no_decode_server_left_the_stream_ends_with_a_clear_error_and_nothi
     all_free(c)
 
     # A client that leaves while its request moves (here off a server drained through the router, which
-    # needs no restart): the new decode server drops it, nothing is held on either.
+    # needs no restart): the new decode server drops it, nothing is held on either. The client hangs up at
+    # the first line it reads after `leave`: the token the other server streams before it pauses, so it is
+    # gone while that server still holds the request (released later, the request's last tokens would take
+    # a few milliseconds, and the request could finish before the router saw the client go).
     call, first = start_paused(c, "completions", body, 2)
     other = next(d for d in c.decode if d != first)
     c.arm(other, pause_after_tokens=1, pause_timeout_s=WAIT_S)
+    call.leave.set()
     c.http.post(f"{c.router_url}/admin/workers/{first}/drain").raise_for_status()
     wait_until(lambda: c.faults(other)["stalled"], WAIT_S, "the migrated request paused on the other server")
-    call.leave.set()
     call.join(WAIT_S)
+    aborted = 'pdserve_requests_total{outcome="aborted"}'
+    wait_until(lambda: c.metric(other, aborted) >= 1, WAIT_S, "the other server dropped the request of the client gone")
     for name in (first, other):
         c.release(name)
     c.http.post(f"{c.router_url}/admin/workers/{first}/resume").raise_for_status()
     all_free(c)
-    assert c.metric(other, 'pdserve_requests_total{outcome="aborted"}') >= 1
+    assert c.metric(other, aborted) >= 1
 
 
 def test_a_draining_decode_server_moves_its_streams_and_a_draining_prefill_server_finishes_its_transfer(

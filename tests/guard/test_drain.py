@@ -26,6 +26,9 @@ from tests.serving.oracle import PROMPTS, tokenizer
 pytestmark = pytest.mark.integration
 
 LONG = 500  # tokens: long enough to be in flight while the test acts, on a slow shared machine
+# Each decode server's engine waits this long after every step (server_common.faults): a long answer then
+# takes seconds however fast the engine decodes the tiny model, and is still in flight while the test acts.
+STEP_DELAY_S = 0.005
 SHORT = 8
 LONG_PROMPTS = (PROMPTS[0], PROMPTS[3])  # two, so that the oracle computes two long answers
 
@@ -39,8 +42,10 @@ def cluster(tmp_path_factory, tiny_model):
         tmp_path_factory,
         "1p2d",
         tiny_model,
-        {"max_model_len": 1024, "drain": "wait", "router": {"policy": "round_robin"}},
+        {"max_model_len": 1024, "drain": "wait", "router": {"policy": "round_robin"}, "fault_injection": True},
     )
+    for name in ("d0", "d1"):
+        c.http.post(f"{c.server(name)['url']}/admin/faults", json={"step_delay_s": STEP_DELAY_S}).raise_for_status()
     yield c
     c.stop()
 
