@@ -85,26 +85,29 @@ class Linear(nn.Linear):
     Until :meth:`pack_for_cpu` it is plain ``F.linear``. After it:
 
     - bfloat16: a oneDNN-packed copy of the weight serves many rows; it is what makes a
-      bfloat16 step faster than a float32 one. Up to ``few_rows_max`` rows (decode steps of a
-      few sequences) go to ``engine.native``'s ``gemv_bf16`` over the plain weight, where this
-      CPU has it (it reads each weight once for all of them: a decode step of one sequence 1.16x
-      faster than on the packed matmul, of two 1.24x, of three 1.09x; at four the packed matmul
-      is as fast), else to the packed copy too;
-    - float32: the weight becomes a transposed view of an input-major [in, out] tensor, which
-      the one-row matmul (a decode step of one sequence) streams fastest, and a oneDNN-packed
-      copy serves ``packed_min_rows`` rows and more (several decodes, prefill), where packing
-      wins. float32 then holds its projections twice.
+      bfloat16 step faster than a float32 one. Up to ``FEW_ROWS[bfloat16]`` rows (decode steps
+      of a few sequences) go to ``engine.native``'s ``gemv_bf16`` over the plain weight, where
+      this CPU has it (it reads each weight once for all of them: a decode step of one sequence
+      1.16x faster than on the packed matmul, of two 1.24x, of three 1.09x; at four the packed
+      matmul is as fast), else to the packed copy too;
+    - float32: the weight becomes a transposed view of an input-major [in, out] tensor. Up to
+      ``FEW_ROWS[float32]`` rows go to ``engine.native``'s ``gemv_f32``, which streams that
+      tensor at memory speed for one to eight rows; without it, one row goes to torch's matmul
+      (which streams that layout fastest). A oneDNN-packed copy serves more rows (prefill, and
+      without ``gemv_f32`` from ``packed_min_rows``), where packing wins. float32 then holds its
+      projections twice.
 
     ``weight`` keeps its [out, in] shape and values either way, so reading or sharding it
     elsewhere is unchanged.
     """
 
     packed_min_rows = 2
-    few_rows_max = 3
+    FEW_ROWS = {torch.bfloat16: 3, torch.float32: 8}  # the most rows the native kernel of each dtype serves
+    few_rows_max = 0
 
     packed: torch.Tensor | None = None
     packed_all = False  # the packed copy serves every batch size
-    few_rows: Callable | None = None  # the native kernel for up to few_rows_max rows (bfloat16)
+    few_rows: Callable | None = None  # the native kernel for up to few_rows_max rows
 
     def pack_for_cpu(self) -> None:
         weight = self.weight.detach()
@@ -116,11 +119,14 @@ class Linear(nn.Linear):
         self.packed_all = weight.dtype == torch.bfloat16
         if weight.dtype == torch.bfloat16 and weight.is_contiguous():
             self.few_rows = native.kernel("gemv_bf16")
-        if weight.dtype == torch.float32:  # input-major for the one-row matmul
+        if weight.dtype == torch.float32:  # input-major, for gemv_f32 or the one-row matmul
             self.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+            self.few_rows = native.kernel("gemv_f32")
+        if self.few_rows is not None:
+            self.few_rows_max = self.FEW_ROWS[weight.dtype]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.few_rows is not None and x.shape[0] <= self.few_rows_max:
+        if self.few_rows is not None and 0 < x.shape[0] <= self.few_rows_max:
             return self.few_rows(x, self.weight, self.bias)
         if self.packed is not None and (self.packed_all or x.shape[0] >= self.packed_min_rows):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -214,7 +220,7 @@ class DecoderLayer(nn.Module):
             scale=attn.scale,
             packed=[] if any(p is None for p in packed) else packed,
             packed_min_rows=Linear.packed_min_rows,
-            few_rows_max=Linear.few_rows_max,
+            few_rows_max=min(p.few_rows_max for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)),
         )
 
     def forward(self, x, cos, sin_signed, cache_layer, meta) -> torch.Tensor:

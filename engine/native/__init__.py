@@ -6,6 +6,9 @@ kernel well below memory speed, ``kernels.cpp`` does the work in one call:
 - ``gemv_bf16``: the bfloat16 projection of a few rows, a decode step of
   one to three sequences (``engine.model.Linear``; oneDNN's packed matmul,
   which serves more rows, streams the weights slower for so few);
+- ``gemv_f32``: the float32 projection of one to eight rows over the
+  input-major weight ``engine.model.Linear`` keeps (oneDNN's packed matmul
+  streams the weights slower for so few; torch's one-row matmul as fast);
 - ``rms_norm_bf16``: a bfloat16 model's RMSNorm in one pass
   (``engine.model.RMSNorm``; torch's takes eight kernels);
 - ``rms_norm_f32``: torch's float32 rms_norm bit for bit, in two calls

@@ -7,6 +7,8 @@
 // accumulated in float32 and rounded to bfloat16 once (round to nearest even, as every other
 // bfloat16 result in torch).
 //
+// gemv_f32 (below): the same for one to eight float32 rows, over the input-major weight.
+//
 // rms_norm_bf16: Hugging Face's RMSNorm arithmetic for a bfloat16 model, in one pass per row where
 // torch runs eight kernels (each tens of microseconds of dispatch on a 576-value row):
 // h = bf16(x * rsqrt(mean(x^2) + eps)) in float32, then bf16(w * h).
@@ -137,6 +139,120 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, const c1
   torch::Tensor y = torch::empty({x.size(0), w.size(0)}, x.options());
   gemv_into(bits(xc), x.size(0), bits(w), bc.defined() ? bc.data_ptr<at::BFloat16>() : nullptr,
             y.data_ptr<at::BFloat16>(), w.size(0), w.size(1));
+  return y;
+}
+
+// gemv_f32: the float32 projection of a few rows (up to kF32Rows), y[m, o] = sum_i x[m, i] * w[o, i] (+ b[o]),
+// reading the weight where engine.model.Linear keeps it for float32: input-major, wt[i, o] = w[o, i]. A
+// step of a few decodes streams every weight of the model through the cores, and oneDNN's packed matmul
+// streams them below memory speed for so few rows (1.3x slower at eight). Each thread owns a range of
+// 16-column units; the input runs in chunks of kChunk rows of wt, so a chunk is kChunk sequential streams
+// through the thread's columns, with every x row's sums for up to kF32Units units held in registers and
+// kept in y between chunks. Each sum runs over the input in order, one fused multiply-add per value: a
+// row's result is the same alone or with others, on any number of threads.
+constexpr int64_t kF32Rows = 8;
+constexpr int64_t kF32Lanes = 16;
+
+// The units [col, col + Z * 16) of y's rows over wt's rows [k0, k1): sums start at zero (k0 == 0) or from
+// y, and end with the bias when k1 is the last input row. Masked: one unit of fewer than 16 columns.
+template <int M, int Z, bool Masked>
+inline void f32_units(const float* x, int64_t in, const float* wt, int64_t out, const float* bias, float* y,
+                      int64_t k0, int64_t k1, int64_t col, __mmask16 mask) {
+  __m512 acc[M][Z];
+  for (int m = 0; m < M; ++m)
+    for (int z = 0; z < Z; ++z)
+      acc[m][z] = k0 == 0 ? _mm512_setzero_ps()
+                  : Masked ? _mm512_maskz_loadu_ps(mask, y + m * out + col + 16 * z)
+                           : _mm512_loadu_ps(y + m * out + col + 16 * z);
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* w = wt + k * out + col;
+    __m512 wv[Z];
+    for (int z = 0; z < Z; ++z) wv[z] = Masked ? _mm512_maskz_loadu_ps(mask, w + 16 * z) : _mm512_loadu_ps(w + 16 * z);
+    for (int m = 0; m < M; ++m) {
+      const __m512 xm = _mm512_set1_ps(x[m * in + k]);
+      for (int z = 0; z < Z; ++z) acc[m][z] = _mm512_fmadd_ps(xm, wv[z], acc[m][z]);
+    }
+  }
+  for (int z = 0; z < Z; ++z) {
+    if (k1 == in && bias != nullptr) {
+      const __m512 b = Masked ? _mm512_maskz_loadu_ps(mask, bias + col + 16 * z) : _mm512_loadu_ps(bias + col + 16 * z);
+      for (int m = 0; m < M; ++m) acc[m][z] = _mm512_add_ps(acc[m][z], b);
+    }
+    for (int m = 0; m < M; ++m) {
+      if (Masked) {
+        _mm512_mask_storeu_ps(y + m * out + col + 16 * z, mask, acc[m][z]);
+      } else {
+        _mm512_storeu_ps(y + m * out + col + 16 * z, acc[m][z]);
+      }
+    }
+  }
+}
+
+// Z = 4 units (64 columns) per pass for up to four rows, 2 for more: M * Z sums in registers, 16 at most.
+// The chunk's lines of the pass two ahead are prefetched (2 ahead in the thread's order: the next chunk's
+// first passes at the end of a chunk). Chunks and passes as measured on SmolLM2's projections.
+template <int M>
+void f32_rows(const float* x, int64_t in, const float* wt, int64_t out, const float* bias, float* y) {
+  constexpr int Z = M <= 4 ? 4 : 2;
+  constexpr int64_t kChunk = M <= 4 ? 16 : 32;
+  const int64_t full = out / kF32Lanes, tail = out % kF32Lanes;
+  const __mmask16 mask = static_cast<__mmask16>((1u << tail) - 1);
+  at::parallel_for(0, full + (tail != 0), 1, [&](int64_t begin, int64_t end) {
+    const int64_t last = std::min(end, full);  // units [begin, last) are whole; [last, end) is the masked one
+    const int64_t passes = (last - begin + Z - 1) / Z;
+    for (int64_t k0 = 0; k0 < in; k0 += kChunk) {
+      const int64_t k1 = std::min(in, k0 + kChunk);
+      for (int64_t p = 0; p < passes; ++p) {
+        int64_t ahead = p + 2, chunk = k0;
+        if (ahead >= passes) ahead -= passes, chunk += kChunk;
+        if (ahead < passes)
+          for (int64_t k = chunk; k < std::min(in, chunk + kChunk); ++k) {
+            const float* line = wt + k * out + (begin + ahead * Z) * kF32Lanes;
+            for (int z = 0; z < Z; ++z) _mm_prefetch(reinterpret_cast<const char*>(line + z * kF32Lanes), _MM_HINT_T0);
+          }
+        const int64_t unit = begin + p * Z, col = unit * kF32Lanes;
+        if (last - unit >= Z) {
+          f32_units<M, Z, false>(x, in, wt, out, bias, y, k0, k1, col, 0);
+        } else {  // the thread's last pass, short
+          for (int64_t u = unit; u < last; ++u)
+            f32_units<M, 1, false>(x, in, wt, out, bias, y, k0, k1, u * kF32Lanes, 0);
+        }
+      }
+      if (last < end) f32_units<M, 1, true>(x, in, wt, out, bias, y, k0, k1, last * kF32Lanes, mask);
+    }
+  });
+}
+
+// w is [out, in] as engine.model.Linear holds a float32 weight: a transposed view of an input-major tensor.
+torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kF32Rows, "gemv_f32: x must be 1 to ", kF32Rows,
+              " rows [rows, in]");
+  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(1), "gemv_f32: w must be [out, in]");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "gemv_f32: float32 only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu() && w.stride(0) == 1 && w.stride(1) == w.size(0),
+              "gemv_f32: w must be a CPU tensor whose transpose [in, out] is contiguous");
+  const torch::Tensor xc = x.contiguous();
+  torch::Tensor bc;
+  if (b.has_value() && b->defined()) {
+    TORCH_CHECK(b->numel() == w.size(0) && b->scalar_type() == at::kFloat, "gemv_f32: bias must be [out] float32");
+    bc = b->contiguous();
+  }
+  const int64_t in = w.size(1), out = w.size(0);
+  torch::Tensor y = torch::empty({x.size(0), out}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  switch (x.size(0)) {
+    case 1: f32_rows<1>(xp, in, wp, out, bp, yp); break;
+    case 2: f32_rows<2>(xp, in, wp, out, bp, yp); break;
+    case 3: f32_rows<3>(xp, in, wp, out, bp, yp); break;
+    case 4: f32_rows<4>(xp, in, wp, out, bp, yp); break;
+    case 5: f32_rows<5>(xp, in, wp, out, bp, yp); break;
+    case 6: f32_rows<6>(xp, in, wp, out, bp, yp); break;
+    case 7: f32_rows<7>(xp, in, wp, out, bp, yp); break;
+    default: f32_rows<8>(xp, in, wp, out, bp, yp); break;
+  }
   return y;
 }
 
@@ -295,8 +411,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // ops round it on that path, the file is compiled without contracting a * b + c into one rounding,
 // and SiLU's exp is torch's own (Sleef's, as its vectorised kernel calls it; std::exp for the tail
 // its scalar loop takes). Projections and norms run what engine.model.Linear and RMSNorm run for the
-// same rows: gemv_bf16 or oneDNN's packed matmul (bfloat16), torch's linear or the packed matmul
-// (float32), rms_norm_bf16 or rms_norm_f32.
+// same rows: gemv_bf16 or oneDNN's packed matmul (bfloat16), gemv_f32, torch's linear or the packed
+// matmul (float32), rms_norm_bf16 or rms_norm_f32.
 extern "C" __m512 Sleef_expf16_u10(__m512);
 
 namespace {
@@ -409,6 +525,8 @@ class DecodeLayer {
         few_rows_max_(few_rows_max) {
     TORCH_CHECK(dtype_ == at::kBFloat16 || dtype_ == at::kFloat, "DecodeLayer: float32 or bfloat16 weights");
     TORCH_CHECK(heads > 0 && kv_heads > 0 && head_dim > 0 && heads % kv_heads == 0, "DecodeLayer: bad head counts");
+    TORCH_CHECK(few_rows_max >= 0 && (dtype_ == at::kBFloat16 || few_rows_max <= kF32Rows),
+                "DecodeLayer: few_rows_max must be 0 to ", kF32Rows, " for float32");
     hidden_ = input_norm.numel();
     intermediate_ = down.dim() == 2 ? down.size(1) : 0;
     const int64_t q_size = heads * head_dim, kv_size = kv_heads * head_dim;
@@ -524,14 +642,14 @@ class DecodeLayer {
     return out;
   }
 
-  // x [rows, in] -> [rows, out], as engine.model.Linear projects it: up to few_rows_max bfloat16 rows by
-  // this file's kernel; the oneDNN-packed weight for more bfloat16 rows, and for packed_min_rows float32
-  // rows and more; torch's linear otherwise (float32 below that: the input-major weight).
+  // x [rows, in] -> [rows, out], as engine.model.Linear projects it: up to few_rows_max rows by this file's
+  // gemv of the dtype; the oneDNN-packed weight for more bfloat16 rows, and for packed_min_rows float32 rows
+  // and more; torch's linear otherwise (float32 below that: the input-major weight).
   torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& packed,
                         const torch::Tensor& b) const {
     const int64_t rows = x.size(0);
     const std::optional<at::Tensor> bias = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
-    if (dtype_ == at::kBFloat16 && rows <= few_rows_max_) return gemv_bf16(x, w, bias);
+    if (rows <= few_rows_max_) return dtype_ == at::kBFloat16 ? gemv_bf16(x, w, bias) : gemv_f32(x, w, bias);
     if (packed.defined() && (dtype_ == at::kBFloat16 || rows >= packed_min_rows_)) {
       static auto op = c10::Dispatcher::singleton()
                            .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
@@ -550,11 +668,14 @@ class DecodeLayer {
   }
 
   torch::Tensor weight(const torch::Tensor& w, int64_t rows, int64_t cols, const char* name) const {
-    // bfloat16 weights are read in place ([out, in] rows) for a few rows; float32 ones go to torch's linear in any layout
+    // read in place for a few rows: bfloat16 as [out, in] rows, float32 input-major (gemv_f32); float32 weights
+    // go to torch's linear in any layout where no rows do
+    const bool input_major = dtype_ == at::kFloat && few_rows_max_ > 0;
     TORCH_CHECK(w.scalar_type() == dtype_ && w.device().is_cpu() && w.dim() == 2 && w.size(0) == rows &&
-                    w.size(1) == cols && (dtype_ == at::kFloat || w.is_contiguous()),
+                    w.size(1) == cols &&
+                    (input_major ? w.stride(0) == 1 && w.stride(1) == rows : dtype_ == at::kFloat || w.is_contiguous()),
                 "DecodeLayer: ", name, " must be a CPU tensor [", rows, ", ", cols, "] of the weights' dtype",
-                dtype_ == at::kFloat ? "" : ", contiguous");
+                input_major ? ", input-major (its transpose contiguous)" : dtype_ == at::kFloat ? "" : ", contiguous");
     return w;
   }
 
@@ -575,6 +696,8 @@ class DecodeLayer {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_bf16", &gemv_bf16, "y = x w^T (+ b) for a few bfloat16 rows x [rows, in], w [out, in]",
+        pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none());
+  m.def("gemv_f32", &gemv_f32, "y = x w^T (+ b) for 1 to 8 float32 rows x [rows, in], w [out, in] input-major",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none());
   m.def("rms_norm_bf16", &rms_norm_bf16, "Hugging Face's RMSNorm of bfloat16 x [..., dim] with weight [dim]",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));

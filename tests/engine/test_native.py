@@ -1,5 +1,6 @@
 """engine.native's kernels: built wherever the CPU can run them; the bfloat16 projection of a few rows
-float32 arithmetic rounded once, and what ``Linear`` uses for a few rows; the bfloat16 RMSNorm Hugging
+float32 arithmetic rounded once, the float32 one each row's exact projection where that is exact in
+float32, the same for a row alone or with others, and what ``Linear`` uses for a few rows; the bfloat16 RMSNorm Hugging
 Face's arithmetic to one bfloat16 step; decode attention over each row's context read in place
 through its block table, as sdpa over that context (tests/engine/test_oracle.py: greedy tokens with it
 and without it equal transformers); DecodeLayer, a whole layer for one decode row, bit for bit the
@@ -114,15 +115,89 @@ def test_linear_sends_a_few_bfloat16_rows_to_the_kernel_and_more_to_onednn(bias)
     weight = linear.weight.detach().clone()
     b = None if linear.bias is None else linear.bias.detach().clone()
     linear.pack_for_cpu()
-    assert linear.few_rows is not None and Linear.few_rows_max == 3
+    assert linear.few_rows is not None and linear.few_rows_max == 3
     x = torch.randn(6, 96).to(torch.bfloat16)
     with torch.inference_mode():
         for rows in (1, 3):
             assert torch.equal(linear(x[:rows]), native.kernels().gemv_bf16(x[:rows], weight, b))
         assert torch.equal(linear(x), F.linear(x, weight, b))  # more rows: the packed copy
-    float32 = Linear(96, 160).float()
-    float32.pack_for_cpu()
-    assert float32.few_rows is None
+
+
+def input_major(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] as Linear keeps a float32 weight: a transposed view of an input-major tensor."""
+    return w.t().contiguous().t()
+
+
+@needs_cpu
+@pytest.mark.parametrize(("inputs", "outputs"), [(576, 960), (1536, 576), (40, 7), (19, 37), (64, 200), (5, 16)])
+def test_float32_gemv_gives_each_row_its_projection_exactly_where_float32_holds_it(inputs, outputs):
+    # Small integers: every partial sum is exact in float32, so any wrong row, column, tail or bias shows.
+    # outputs 200 and 37 end in a unit of fewer than 16 columns; 960 and 200 leave a thread a short last pass.
+    g = torch.Generator().manual_seed(inputs * outputs)
+    w = input_major(torch.randint(-4, 5, (outputs, inputs), generator=g).float())
+    b = torch.randint(-50, 51, (outputs,), generator=g).float()
+    x = torch.randint(-4, 5, (8, inputs), generator=g).float()
+    gemv = native.kernels().gemv_f32
+    for rows in range(1, 9):
+        for bias in (None, b):
+            exact = x[:rows].double() @ w.double().T + (0 if bias is None else bias.double())
+            got = gemv(x[:rows], w, bias)
+            assert got.shape == (rows, outputs) and got.dtype == torch.float32
+            assert torch.equal(got.double(), exact), (rows, bias is None)
+
+
+@needs_cpu
+def test_float32_gemv_rounds_like_float32_and_a_row_s_result_is_the_same_alone_with_others_and_on_one_thread():
+    torch.manual_seed(3)
+    w, b, x = input_major(torch.randn(200, 300)), torch.randn(200), torch.randn(8, 300)
+    gemv = native.kernels().gemv_f32
+    every = gemv(x, w, b)
+    exact = x.double() @ w.double().T + b.double()
+    # float32 sums of 300 products: far inside 300 float32 roundings of the products' magnitudes
+    bound = 300 * 2.0**-24 * ((x.double().abs() @ w.double().abs().T) + b.double().abs())
+    assert ((every.double() - exact).abs() <= bound).all()
+    for rows in range(1, 8):
+        assert torch.equal(gemv(x[:rows], w, b), every[:rows])
+        assert torch.equal(gemv(x[rows : rows + 1], w, b), every[rows : rows + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(gemv(x, w, b), every)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_cpu
+def test_float32_gemv_refuses_what_it_does_not_compute():
+    gemv = native.kernels().gemv_f32
+    w = input_major(torch.zeros(8, 32))
+    for x in (torch.zeros(9, 32), torch.zeros(0, 32), torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 16)):
+        with pytest.raises(RuntimeError, match="gemv_f32"):
+            gemv(x, w)
+    with pytest.raises(RuntimeError, match="transpose"):
+        gemv(torch.zeros(1, 32), torch.zeros(8, 32))  # [out, in] rows: not the layout it reads
+    with pytest.raises(RuntimeError, match="bias"):
+        gemv(torch.zeros(1, 32), w, torch.zeros(7))
+
+
+@needs_cpu
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_sends_up_to_eight_float32_rows_to_the_kernel_and_more_to_onednn(bias):
+    torch.manual_seed(2)
+    linear = Linear(96, 160, bias=bias).float()
+    weight = linear.weight.detach().clone()
+    b = None if linear.bias is None else linear.bias.detach().clone()
+    linear.pack_for_cpu()
+    assert linear.few_rows is not None and linear.few_rows_max == 8
+    assert torch.equal(linear.weight, weight) and linear.weight.t().is_contiguous()
+    x = torch.randn(12, 96)
+    with torch.inference_mode():
+        for rows in (1, 5, 8):
+            assert torch.equal(linear(x[:rows]), native.kernels().gemv_f32(x[:rows], linear.weight, b))
+        assert linear(x[:0]).shape == (0, 160)  # no rows (an empty step's slice): not the kernel's
+        packed = torch.ops.mkldnn._linear_pointwise(x, linear.packed, b, "none", [], "")
+        assert torch.equal(linear(x), packed)  # more rows: the packed copy
+        assert torch.allclose(linear(x), F.linear(x, weight, b), atol=1e-5)
 
 
 @needs_cpu
@@ -235,8 +310,18 @@ def packed_layer(dtype: torch.dtype, qk_norm: bool, bias: bool) -> DecoderLayer:
     return layer
 
 
-# (context length, block table) of up to six decode rows
-ROWS = [(40, (3, 0, 5)), (17, (1, 2)), (5, (4,)), (35, (3, 0, 2)), (2, (1,)), (16, (5,))]
+# (context length, block table) of up to nine decode rows, each writing its own slot
+ROWS = [
+    (40, (3, 0, 5)),
+    (17, (1, 2)),
+    (5, (4,)),
+    (35, (3, 0, 2)),
+    (2, (1,)),
+    (16, (5,)),
+    (9, (0,)),
+    (30, (1, 3)),
+    (12, (4,)),
+]
 
 
 def decodes(hnd: bool, rows: int) -> tuple[AttentionMetadata, list[int]]:
@@ -254,7 +339,7 @@ def decodes(hnd: bool, rows: int) -> tuple[AttentionMetadata, list[int]]:
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
-@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("rows", [1, 3, 6, 9])  # 9: more than either dtype's gemv serves (the packed matmul)
 def test_decode_layer_is_the_layer_op_by_op_bit_for_bit(dtype, qk_norm, bias, hnd, rows):
     layer = packed_layer(dtype, qk_norm, bias)
     assert layer.fused is not None
@@ -317,6 +402,42 @@ def test_decode_layer_refuses_a_slot_or_block_outside_the_cache_and_wrong_weight
             packed_min_rows=2,
             few_rows_max=3,
         )
+
+
+@needs_cpu
+def test_a_float32_decode_layer_with_the_native_gemv_needs_input_major_weights_and_at_most_eight_rows():
+    layer = packed_layer(torch.float32, False, False)
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def build(few_rows_max: int, qkv: torch.Tensor):
+        return native.kernels().DecodeLayer(
+            layer.input_layernorm.weight,
+            qkv,
+            None,
+            None,
+            None,
+            attn.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            mlp.gate_up_proj.weight,
+            None,
+            mlp.down_proj.weight,
+            None,
+            heads=4,
+            kv_heads=2,
+            head_dim=HEAD_DIM,
+            eps=1e-6,
+            scale=HEAD_DIM**-0.5,
+            packed=[],
+            packed_min_rows=2,
+            few_rows_max=few_rows_max,
+        )
+
+    build(8, attn.qkv_proj.weight.detach())  # as use_cpu_kernel builds it
+    with pytest.raises(RuntimeError, match="qkv must be .* input-major"):
+        build(8, attn.qkv_proj.weight.detach().contiguous())
+    build(0, attn.qkv_proj.weight.detach().contiguous())  # no rows to gemv_f32: torch's linear takes any layout
+    with pytest.raises(RuntimeError, match="few_rows_max must be 0 to 8"):
+        build(9, attn.qkv_proj.weight.detach())
 
 
 @needs_cpu
