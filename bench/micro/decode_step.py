@@ -1,11 +1,11 @@
 """What one decode step of the engine costs, and the same step of another checkout beside it.
 
     python -m bench.micro.decode_step [--model smollm2] [--dtype float32] [--batch 1,8] [--threads 2] \\
-        [--steps 64] [--rounds 5] [--against DIR] [--json FILE]
+        [--steps 64] [--prompt-len 16] [--rounds 5] [--against DIR] [--json FILE]
 
 Each side is a worker process holding one engine (``--threads`` torch
-threads, pinned to the same cores): it admits ``batch`` requests of 16-token
-prompts, prefills them, then times ``--steps`` decode-only steps and reports
+threads, pinned to the same cores): it admits ``batch`` requests of ``--prompt-len``-token
+prompts (16 by default), prefills them, then times ``--steps`` decode-only steps and reports
 milliseconds per step. With ``--against DIR`` a second worker imports the
 engine from DIR (another checkout of this repository, e.g. ``git archive``
 of an earlier commit) and the two take turns, the order reversed each round,
@@ -53,12 +53,15 @@ def _worker(model: str, dtype: str, threads: int) -> None:
     salt = 0
     for line in sys.stdin:
         cmd = json.loads(line)
-        batch, steps = int(cmd["batch"]), int(cmd["steps"])
+        batch, steps, prompt_len = int(cmd["batch"]), int(cmd["steps"]), int(cmd["prompt_len"])
         params = SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True)
+        waiting = set()
         for _ in range(batch):
             salt += 1
-            engine.add_request(f"r{salt}", [(31 * j + 7 * salt) % 500 + 3 for j in range(16)], params)
-        engine.step()  # the prefill (one chunk for every prompt)
+            engine.add_request(f"r{salt}", [(31 * j + 7 * salt) % 500 + 3 for j in range(prompt_len)], params)
+            waiting.add(f"r{salt}")
+        while waiting:  # the prefill (one chunk for every prompt, or more for long ones)
+            waiting -= {out.request_id for out in engine.step() if out.new_token_ids}
         engine.step()  # the first decode step is not timed (lazy allocations)
         start = time.perf_counter()
         for _ in range(steps):
@@ -90,9 +93,9 @@ class Side:
             preexec_fn=lambda: os.sched_setaffinity(0, cores),
         )
 
-    def run(self, batch: int, steps: int) -> float:
+    def run(self, batch: int, steps: int, prompt_len: int) -> float:
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"batch": batch, "steps": steps}) + "\n")
+        self.proc.stdin.write(json.dumps({"batch": batch, "steps": steps, "prompt_len": prompt_len}) + "\n")
         self.proc.stdin.flush()
         while True:  # py-spy, when it wraps the worker, writes its own lines here too
             line = self.proc.stdout.readline()
@@ -119,6 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--cpus", default=None, help="cores for the workers, e.g. 0,1 (default: this process's)")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per measurement")
+    p.add_argument(
+        "--prompt-len",
+        type=int,
+        default=16,
+        help="prompt tokens per sequence: the timed steps attend over prompt-len to prompt-len + steps (default 16)",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--against", type=Path, default=None, help="another checkout to measure beside this one")
     p.add_argument("--profile-dir", type=Path, default=None, help="py-spy record this checkout's worker")
@@ -140,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             side = Side("this", REPO, args, cores, args.profile_dir / f"decode-{args.dtype}-b{b}.speedscope.json")
             try:
                 for _ in range(args.rounds):
-                    print(f"batch {b}: {side.run(b, args.steps):.2f} ms/step", flush=True)
+                    print(f"batch {b}: {side.run(b, args.steps, args.prompt_len):.2f} ms/step", flush=True)
             finally:
                 side.close()
         return 0
@@ -150,11 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, dict[int, list[float]]] = {s.name: {b: [] for b in batches} for s in sides}
     try:
         for s in sides:  # warm-up
-            s.run(batches[0], 4)
+            s.run(batches[0], 4, args.prompt_len)
         for r in range(args.rounds):
             for b in batches:
                 for s in sides if r % 2 == 0 else reversed(sides):
-                    samples[s.name][b].append(s.run(b, args.steps))
+                    samples[s.name][b].append(s.run(b, args.steps, args.prompt_len))
                     print(f"round {r + 1}, batch {b}, {s.name}: {samples[s.name][b][-1]:.2f} ms/step", flush=True)
     finally:
         for s in sides:

@@ -299,6 +299,26 @@ inline __m512 load16(const at::BFloat16* p, __mmask16 m) {  // bfloat16 is float
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// torch's own vectorised exp (Sleef's, exported by libtorch_cpu), for decode attention's softmax and SiLU.
+extern "C" __m512 Sleef_expf16_u10(__m512);
+
+// The sums of 16 vectors' lanes at once: lane i of the result is v[i]'s sum (in another order than
+// _mm512_reduce_add_ps's), where 16 of those would each wait on a chain of shuffles.
+inline __m512 sums_of_16(const __m512* v) {
+  __m512 quads[4];  // 128-bit lane j of quads[g] holds v[4g..4g+3]'s partial sums over their lane j
+  for (int g = 0; g < 4; ++g) {
+    const __m512 a = v[4 * g], b = v[4 * g + 1], c = v[4 * g + 2], d = v[4 * g + 3];
+    const __m512d ab = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)));
+    const __m512d cd = _mm512_castps_pd(_mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d)));
+    quads[g] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ab, cd)), _mm512_castpd_ps(_mm512_unpackhi_pd(ab, cd)));
+  }
+  const __m512 h01 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x44), _mm512_shuffle_f32x4(quads[0], quads[1], 0xEE));
+  const __m512 h23 = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x44), _mm512_shuffle_f32x4(quads[2], quads[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xDD));
+}
+
+inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); }
+
 template <typename T>
 void decode_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& table,
                  const torch::Tensor& lengths, double scale, torch::Tensor& out, bool hnd) {
@@ -314,41 +334,53 @@ void decode_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   const int64_t* lp = lengths.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t table_width = table.size(1);
-  const float factor = static_cast<float>(scale);
-  auto mask_of = [&](int64_t c) -> __mmask16 {  // the lanes of chunk c inside dim
-    const int64_t n = std::min<int64_t>(16, dim - c * 16);
-    return static_cast<__mmask16>((1u << n) - 1);
-  };
+  const __m512 factor = _mm512_set1_ps(static_cast<float>(scale));
+  auto mask_of = [&](int64_t c) { return first_lanes(dim - c * 16); };  // the lanes of chunk c inside dim
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, total(group);
     std::vector<__m512> query(group * chunks), acc(group * chunks);
+    __m512 dots[16];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / kv_heads, head = task % kv_heads, length = lp[row];
       const int64_t* blocks = tp + row * table_width;
+      auto slot = [&](const T* base, int64_t t) {
+        return base + blocks[t / block] * block_stride + (t % block) * slot_stride + head * head_stride;
+      };
       scores.resize(group * length);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < chunks; ++c)
           query[g * chunks + c] = load16(qp + row * q.stride(0) + (head * group + g) * q.stride(1) + c * 16, mask_of(c));
-      for (int64_t t = 0; t < length; ++t) {  // scores: q . k, scaled
-        const T* key = kp + blocks[t / block] * block_stride + (t % block) * slot_stride + head * head_stride;
+      for (int64_t t0 = 0; t0 < length; t0 += 16) {  // scores: q . k, scaled, 16 tokens at a time
+        const int64_t n = std::min<int64_t>(16, length - t0);
         for (int64_t g = 0; g < group; ++g) {
-          __m512 dot = _mm512_setzero_ps();
-          for (int64_t c = 0; c < chunks; ++c) dot = _mm512_fmadd_ps(query[g * chunks + c], load16(key + c * 16, mask_of(c)), dot);
-          scores[g * length + t] = _mm512_reduce_add_ps(dot) * factor;
+          for (int64_t i = 0; i < 16; ++i) {
+            dots[i] = _mm512_setzero_ps();
+            if (i >= n) continue;
+            const T* key = slot(kp, t0 + i);
+            for (int64_t c = 0; c < chunks; ++c)
+              dots[i] = _mm512_fmadd_ps(query[g * chunks + c], load16(key + c * 16, mask_of(c)), dots[i]);
+          }
+          _mm512_mask_storeu_ps(scores.data() + g * length + t0, first_lanes(n), _mm512_mul_ps(sums_of_16(dots), factor));
         }
       }
       for (int64_t g = 0; g < group; ++g) {  // softmax, its division left for the end
         float* s = scores.data() + g * length;
-        const float top = *std::max_element(s, s + length);
-        total[g] = 0.0f;
-        for (int64_t t = 0; t < length; ++t) {
-          s[t] = std::exp(s[t] - top);
-          total[g] += s[t];
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < length; t += 16)
+          top = _mm512_max_ps(top, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), first_lanes(length - t), s + t));
+        const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < length; t += 16) {
+          const __mmask16 m = first_lanes(length - t);
+          const __m512 e = _mm512_maskz_mov_ps(m, Sleef_expf16_u10(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), peak)));
+          _mm512_mask_storeu_ps(s + t, m, e);
+          sum = _mm512_add_ps(sum, e);
         }
+        total[g] = _mm512_reduce_add_ps(sum);
       }
       std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
       for (int64_t t = 0; t < length; ++t) {  // the weighted sum of values
-        const T* value = vp + blocks[t / block] * block_stride + (t % block) * slot_stride + head * head_stride;
+        const T* value = slot(vp, t);
         for (int64_t c = 0; c < chunks; ++c) {
           const __m512 x = load16(value + c * 16, mask_of(c));
           for (int64_t g = 0; g < group; ++g)
@@ -413,7 +445,6 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
 // its scalar loop takes). Projections and norms run what engine.model.Linear and RMSNorm run for the
 // same rows: gemv_bf16 or oneDNN's packed matmul (bfloat16), gemv_f32, torch's linear or the packed
 // matmul (float32), rms_norm_bf16 or rms_norm_f32.
-extern "C" __m512 Sleef_expf16_u10(__m512);
 
 namespace {
 

@@ -232,10 +232,11 @@ def test_float32_rms_norm_is_torch_s_bit_for_bit(rows, dim, scale):
 @needs_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hnd", [False, True])
-def test_decode_attention_equals_sdpa_over_each_row_s_own_context(dtype, hnd):
+@pytest.mark.parametrize("dim", [64, 20])  # 20: each key and value ends in a partial 16-lane load
+def test_decode_attention_equals_sdpa_over_each_row_s_own_context(dtype, hnd, dim):
     torch.manual_seed(3)
-    q_heads, kv_heads, dim, block_size, blocks = 9, 3, 64, 16, 40
-    lengths = [1, 16, 17, 150]
+    q_heads, kv_heads, block_size, blocks = 9, 3, 16, 40
+    lengths = [1, 16, 17, 150]  # scores go 16 tokens at a time: one, a whole 16, 16 and one, nine and a part
     tables = [[5], [7, 0], [2, 9], list(range(10, 20))]
     width = max(len(t) for t in tables)
     keys = [torch.randn(n, kv_heads, dim).to(dtype) for n in lengths]
