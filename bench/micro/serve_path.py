@@ -16,7 +16,8 @@ one request of ``--prompt-len`` prompt tokens and ``--tokens`` output tokens
 - router: the same request as a streamed ``/v1/completions`` through the
   router: TPOT over its SSE chunks the same way.
 
-Both served sides also report CPU time per output token from ``/proc``:
+Both served sides also report CPU time per output token from ``/proc`` (each
+thread's ``schedstat``):
 the router process, the server's event loop (its main thread) and the
 server's other threads (the engine thread and torch's OpenMP workers). On a
 machine with as many cores as engine threads, every millisecond the event
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -61,15 +61,14 @@ def cluster_config(model: str, dtype: str, threads: int) -> dict:
 
 
 def thread_cpu_ms(pid: int) -> dict[int, float]:
-    """CPU time (user + system) of each thread of ``pid``, in ms."""
-    tick_ms = 1000.0 / os.sysconf("SC_CLK_TCK")
+    """CPU time of each thread of ``pid``, in ms: the scheduler's nanoseconds on a CPU (``schedstat``),
+    where ``stat``'s clock ticks (10 ms) would be a tenth of what one stream's event loop uses."""
     out = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e6
         except OSError:
             continue  # the thread ended
-        out[int(task.name)] = (int(fields[11]) + int(fields[12])) * tick_ms
     return out
 
 

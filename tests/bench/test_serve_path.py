@@ -38,10 +38,10 @@ def test_cpu_meter_puts_the_main_thread_apart_from_the_others():
         leave.set()
         worker.join()
     per_token = meter.per_token(10)
-    # /proc counts in clock ticks (10 ms): each side within a tick or two of what it spun
-    assert per_token["server_engine_cpu_ms"] * 10 == pytest.approx(300, abs=25)
-    assert per_token["server_loop_cpu_ms"] * 10 == pytest.approx(100, abs=25)
-    assert per_token["router_cpu_ms"] * 10 == pytest.approx(400, abs=40)
+    # schedstat counts nanoseconds on a CPU: each side what it spun, and a little more (the loop, the start)
+    assert 300 <= per_token["server_engine_cpu_ms"] * 10 < 320
+    assert 100 <= per_token["server_loop_cpu_ms"] * 10 < 120
+    assert 400 <= per_token["router_cpu_ms"] * 10 < 440
 
 
 def test_the_cluster_is_the_colocated_config_with_the_model_dtype_threads_and_free_ports():
