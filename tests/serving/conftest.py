@@ -33,6 +33,7 @@ def one_p_one_d(tmp_path_factory, tiny_model):
             "max_model_len": MAX_MODEL_LEN,
             "router": {"local_prefill_threshold": THRESHOLD},
             "engine": {"prefix_caching": False},
+            "fault_injection": True,  # /admin/faults: a test can slow a server's steps (none by default)
         },
     )
     yield c

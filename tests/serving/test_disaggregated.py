@@ -166,11 +166,18 @@ def test_models_lists_the_tiny_model_with_its_folder(served, tiny_model):
 
 
 def test_client_giving_up_on_a_whole_answer_frees_its_blocks(served):
+    # The decode server waits 5 ms after every step (server_common.faults), so the 900-token answer takes
+    # seconds however fast the engine decodes the tiny model: the client gives up with it in flight.
+    faults = f"{served.server('d0')['url']}/admin/faults"
     body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
     with httpx.Client(timeout=httpx.Timeout(30, read=0.5)) as http:
-        with pytest.raises(httpx.ReadTimeout):
-            http.post(f"{served.router_url}/v1/completions", json=body)
-    served.wait_idle(timeout=1.5)
+        served.http.post(faults, json={"step_delay_s": 0.005}).raise_for_status()  # with the internal secret
+        try:
+            with pytest.raises(httpx.ReadTimeout):
+                http.post(f"{served.router_url}/v1/completions", json=body)
+            served.wait_idle(timeout=1.5)
+        finally:
+            served.http.post(faults, json={"step_delay_s": 0.0}).raise_for_status()
 
 
 def test_seeded_sampling_across_prefill_and_decode_equals_the_engine_alone(served, tiny_model):
