@@ -271,17 +271,21 @@ class GenerationService:
     async def events(self, first: ReservationEvent, active: Active) -> AsyncIterator[str]:
         """NDJSON lines: the reservation, then tokens until finished (or an error)."""
         alive = AliveEvent().model_dump_json() + "\n"
-        get: asyncio.Future | None = None
+        queue = active.queue
         try:
             yield first.model_dump_json() + "\n"
             while True:
-                # Waited on, never cancelled while waiting, so that no event is lost to a heartbeat.
-                get = get or asyncio.ensure_future(active.queue.get())
-                done, _ = await asyncio.wait({get}, timeout=STREAM_HEARTBEAT_S)
-                if not done:
-                    yield alive
-                    continue
-                event, get = get.result(), None
+                if queue.empty():
+                    # A get cancelled by the timeout takes nothing: an event that arrives at that moment
+                    # stays queued for the next round. One timer per wait, and no task.
+                    try:
+                        async with asyncio.timeout(STREAM_HEARTBEAT_S):
+                            event = await queue.get()
+                    except TimeoutError:
+                        yield alive
+                        continue
+                else:
+                    event = queue.get_nowait()
                 # Every event already queued goes out in one write: a client that fell behind
                 # catches up by several steps at once.
                 lines, last = [], False
@@ -293,16 +297,14 @@ class GenerationService:
                     elif isinstance(event, TokensEvent) and event.finish_reason:
                         active.sequences -= 1
                         last = active.sequences == 0
-                    if last or active.queue.empty():
+                    if last or queue.empty():
                         break
-                    event = active.queue.get_nowait()
+                    event = queue.get_nowait()
                 yield "".join(lines)
                 if last:
                     active.finished = True
                     return
         finally:
-            if get is not None:
-                get.cancel()
             # Shielded: after a disconnect the scope is cancelled and any await would raise at once.
             with anyio.CancelScope(shield=True):
                 await self.close(active.request_id)

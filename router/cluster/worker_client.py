@@ -133,6 +133,27 @@ def _refusal(
     )
 
 
+async def ndjson_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The lines of an NDJSON byte stream, without their newlines; a line cut across chunks comes
+    whole, and a last line without a newline comes too. Bytes, as pydantic parses them: no text
+    decoding and no line decoder per token (``aiter_lines`` stacks both on the same chunks)."""
+    pending: list[bytes] = []  # a line's parts so far: a megabyte line in many chunks is joined once
+    async for chunk in chunks:
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            if pending:
+                pending.append(chunk[start:end])
+                yield b"".join(pending)
+                pending.clear()
+            else:
+                yield chunk[start:end]
+            start = end + 1
+        if start < len(chunk):
+            pending.append(chunk[start:])
+    if pending:
+        yield b"".join(pending)
+
+
 class DecodeStream:
     """One open ``/generate`` stream; ``reservation`` is its first event."""
 
@@ -140,7 +161,7 @@ class DecodeStream:
         self,
         worker: Worker,
         response: httpx.Response,
-        lines: AsyncIterator[str],
+        lines: AsyncIterator[bytes],
         answered: Callable[[Worker], None] = _ignore,
         sequences: int = 1,
     ) -> None:
@@ -258,7 +279,7 @@ class WorkerClient:
                     retry_after=float(response.headers.get("retry-after", "1")),
                 )
             raise _refusal(worker, response, Outcome.WORKER_ERROR)
-        stream = DecodeStream(worker, response, response.aiter_lines(), self._answered, req.sampling.n)
+        stream = DecodeStream(worker, response, ndjson_lines(response.aiter_bytes()), self._answered, req.sampling.n)
         try:
             await stream.read_reservation()
         except BaseException:

@@ -131,7 +131,7 @@ def test_a_decode_streams_heartbeats_are_answers_and_never_events():
 
     async def source():
         for line in lines:
-            yield line
+            yield line.encode()
 
     class Response:
         async def aiter_lines(self):  # nothing after the last event
@@ -149,3 +149,31 @@ def test_a_decode_streams_heartbeats_are_answers_and_never_events():
     events = asyncio.run(run())
     assert [(e.type, e.token_ids) for e in events] == [("tokens", [7])]
     assert len(answered) == 4  # the reservation, two heartbeats, the tokens
+
+
+def test_a_decode_stream_s_lines_come_whole_however_its_chunks_cut_them():
+    from router.cluster.worker_client import ndjson_lines
+
+    big = b"x" * 70_000
+
+    def cut(data: bytes, sizes: list[int]) -> list[bytes]:
+        chunks, start = [], 0
+        for n in sizes:
+            chunks.append(data[start : start + n])
+            start += n
+        return chunks + ([data[start:]] if start < len(data) else [])
+
+    data = b'{"a":1}\n{"b":2}\n\n' + big + b"\n" + b'{"c":3}'  # an empty line, a long one, no final newline
+    expected = [b'{"a":1}', b'{"b":2}', b"", big, b'{"c":3}']
+
+    async def lines(chunks: list[bytes]) -> list[bytes]:
+        async def source():
+            for chunk in chunks:
+                yield chunk
+
+        return [line async for line in ndjson_lines(source())]
+
+    for sizes in ([len(data)], [1] * len(data), [3, 5, 8, 13, 21, 34, 55, 89], [20, 1000, 1000, 1000, 1000]):
+        assert asyncio.run(lines(cut(data, sizes))) == expected, sizes
+    assert asyncio.run(lines([b"one\n", b"two\n"])) == [b"one", b"two"]
+    assert asyncio.run(lines([])) == []
