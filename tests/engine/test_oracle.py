@@ -1,11 +1,14 @@
-"""Greedy tokens from the engine equal transformers `generate`, exactly, with decode attention native
-(engine.native, where this CPU runs it) and gathered (torch's, as on CUDA)."""
+"""Greedy tokens from the engine equal transformers `generate`, exactly, with engine.native's decode
+kernels (where this CPU runs them: decode attention, the decode layer, the projections of a few rows) and
+with torch's alone (decode attention gathered and every projection torch's, as on CUDA and on CPUs
+without engine.native)."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.model import Linear
 from tests.engine.oracle import hf_greedy
 
 MAX_NEW = 10
@@ -33,10 +36,8 @@ def test_reference_outputs_are_not_degenerate(model_and_reference):
 @pytest.mark.parametrize("block_size", [1, 16, 64])
 @pytest.mark.parametrize("chunked", [True, False], ids=["chunked", "oneshot"])
 @pytest.mark.parametrize("batched", [True, False], ids=["batched", "single"])
-@pytest.mark.parametrize("decode_attention", ["native", "gathered"])
-def test_greedy_tokens_equal_transformers(
-    model_and_reference, block_size, chunked, batched, kv_layout, decode_attention
-):
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_greedy_tokens_equal_transformers(model_and_reference, block_size, chunked, batched, kv_layout, kernels):
     path, reference = model_and_reference
     engine = LLMEngine(
         EngineConfig(
@@ -49,8 +50,11 @@ def test_greedy_tokens_equal_transformers(
             kv_layout=kv_layout,
         )
     )
-    if decode_attention == "gathered":  # the path of CUDA and of CPUs without engine.native's kernels
-        engine.runner.decode_kernel = None
+    if kernels == "torch":  # the path of CUDA and of CPUs without engine.native's kernels
+        engine.runner.decode_kernel = None  # no native decode attention, and so no DecodeLayer
+        for module in engine.runner.model.modules():
+            if isinstance(module, Linear):
+                module.few_rows = None  # torch's matmul for every row count (the packed copy from two rows)
     sampling = SamplingParams(max_tokens=MAX_NEW, temperature=0)
     if batched:
         got = [r.token_ids for r in engine.generate(prompts(), sampling)]
