@@ -1,5 +1,6 @@
 """Sampling parameters at the edges of what the API accepts never produce NaN
-(one such request used to kill the engine thread, and with it the server)."""
+(one such request used to kill the engine thread, and with it the server), and
+greedy picks what argmax picks at the edges too."""
 
 import pytest
 import torch
@@ -17,6 +18,19 @@ def test_a_tiny_temperature_is_greedy(temperature):
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 10
     params = [SamplingParams(temperature=temperature, seed=s) for s in (None, 1, 2)]
     assert sample(logits, rows(*params), torch.Generator()) == [([t], None) for t in logits.argmax(-1).tolist()]
+
+
+def test_greedy_takes_the_first_of_equal_logits_and_a_nan_where_there_is_one():
+    # a vocabulary as wide as SmolLM2's, so the reduction runs in many vector chunks and on both threads
+    logits = torch.zeros(5, 49152)
+    for r in range(4):
+        logits[r, [40000 - 3000 * r, 100 + 5000 * r, 49151]] = 7.0
+    logits[4, [777, 30000]] = float("nan")
+    expected = [100, 5100, 10100, 15100, 777]
+    assert logits.argmax(-1).tolist() == expected
+    assert sample(logits, rows(*[SamplingParams(temperature=0)] * 5), torch.Generator()) == [
+        ([t], None) for t in expected
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
