@@ -46,10 +46,12 @@ PROMPTS = [
 ]
 
 
-def cluster_config(folder: Path) -> Path:
-    """2P2D of the built-in tiny model on free ports, restart on failure."""
+def cluster_config(folder: Path, step_delay: bool = False) -> Path:
+    """2P2D of the built-in tiny model on free ports, restart on failure; ``step_delay``: with fault
+    injection, so that the decode servers can be slowed."""
     pairs = free_port_pairs(4)
     config = {
+        **({"fault_injection": True} if step_delay else {}),
         "model": "tiny",
         "served_model_name": "tiny",
         "engine": {"num_threads": 1, "kv_cache_bytes": 16 << 20},
@@ -190,11 +192,20 @@ def percentile(values: list[float], q: float) -> float | None:
 def run(args: argparse.Namespace) -> dict:
     folder = Path(args.run_dir or tempfile.mkdtemp(prefix="pdserve-chaos-")).resolve()
     folder.mkdir(parents=True, exist_ok=True)
-    config = cluster_config(folder)
+    config = cluster_config(folder, args.step_delay_s > 0)
     code = args.code.resolve() if args.code else None
     cluster = launch(config, folder / "run", cpu_list(args.cpus), cwd=code)
+    secret = folder / "run" / "internal_secret"  # pdserve launch's, for the admin API
+    admin = {"authorization": f"Bearer {secret.read_text().strip()}"} if secret.is_file() else {}
+
+    def slow_decodes() -> None:  # each decode server waits this long after every step (server_common.faults)
+        for proc in cluster.processes("decode") if args.step_delay_s > 0 else []:
+            body = {"step_delay_s": args.step_delay_s}
+            httpx.post(f"{proc['url']}/admin/faults", json=body, headers=admin, timeout=10).raise_for_status()
+
     try:
         url = cluster.url
+        slow_decodes()
         with httpx.Client(timeout=args.deadline_s) as http:
             expected = {}
             for prompt in PROMPTS:  # each answer before any fault: what every later one must equal
@@ -212,10 +223,9 @@ def run(args: argparse.Namespace) -> dict:
         # then be drained while d0 is still restarting (every request 503 until d0 is back).
         wait_for(lambda: not workers(url)["d0"]["in_rotation"], 60, "the router took d0 out of rotation")
         wait_for(lambda: workers(url)["d0"]["in_rotation"], 120, "d0 restarted and back in rotation")
+        slow_decodes()  # the restarted d0 too
         time.sleep(args.phase_s)
         faults.append(time.monotonic())
-        secret = folder / "run" / "internal_secret"  # pdserve launch's, for the admin API
-        admin = {"authorization": f"Bearer {secret.read_text().strip()}"} if secret.is_file() else {}
         httpx.post(f"{url}/admin/workers/d1/drain", headers=admin, timeout=30).raise_for_status()
         time.sleep(args.phase_s)
         httpx.post(f"{url}/admin/workers/d1/resume", headers=admin, timeout=30).raise_for_status()
@@ -258,6 +268,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per answer (default 32)")
     parser.add_argument("--phase-s", type=float, default=4.0, help="seconds of load around each fault (default 4)")
     parser.add_argument("--deadline-s", type=float, default=60.0, help="a request not done by then hung (default 60)")
+    parser.add_argument(
+        "--step-delay-s",
+        type=float,
+        default=0.0,
+        help="each decode server waits this long after every step (fault injection), so that streams are in "
+        "flight when the faults land however fast the engine decodes (default 0: no delay)",
+    )
     parser.add_argument("--cpus", help="cores for the cluster, e.g. 0-1 (default: all this process may use)")
     parser.add_argument("--run-dir", help="where the config and logs go (default: a new temporary folder)")
     args = parser.parse_args(argv)

@@ -176,7 +176,16 @@ def test_a_decode_server_killed_and_one_drained_under_load_cost_the_clients_noth
     router): with migration no client sees an error, none a wrong answer, none hangs, no block
     is left held; the figures are written to RUN_DIR/decode-chaos.json."""
     args = argparse.Namespace(
-        code=None, clients=3, max_tokens=24, phase_s=2.0, deadline_s=60.0, cpus=None, run_dir=str(tmp_path)
+        code=None,
+        clients=3,
+        max_tokens=24,
+        phase_s=2.0,
+        deadline_s=60.0,
+        cpus=None,
+        run_dir=str(tmp_path),
+        # every decode step waits 20 ms: a 24-token stream lasts half a second, so the kill and the drain
+        # find streams in flight on their server however fast the engine decodes the tiny model
+        step_delay_s=0.02,
     )
     result = decode_chaos(args)
     (tmp_path / "decode-chaos.json").write_text(json.dumps(result, indent=1) + "\n")
