@@ -46,12 +46,12 @@ PROMPTS = [
 ]
 
 
-def cluster_config(folder: Path, step_delay: bool = False) -> Path:
-    """2P2D of the built-in tiny model on free ports, restart on failure; ``step_delay``: with fault
-    injection, so that the decode servers can be slowed."""
+def cluster_config(folder: Path, fault_injection: bool = False) -> Path:
+    """2P2D of the built-in tiny model on free ports, restart on failure; with ``fault_injection``, the
+    servers' /admin/faults (a decode server can be slowed)."""
     pairs = free_port_pairs(4)
     config = {
-        **({"fault_injection": True} if step_delay else {}),
+        **({"fault_injection": True} if fault_injection else {}),
         "model": "tiny",
         "served_model_name": "tiny",
         "engine": {"num_threads": 1, "kv_cache_bytes": 16 << 20},

@@ -147,8 +147,8 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, const c1
 // step of a few decodes streams every weight of the model through the cores, and oneDNN's packed matmul
 // streams them below memory speed for so few rows (1.3x slower at eight). Each thread owns a range of
 // 16-column units; the input runs in chunks of kChunk rows of wt, so a chunk is kChunk sequential streams
-// through the thread's columns, with every x row's sums for up to kF32Units units held in registers and
-// kept in y between chunks. Each sum runs over the input in order, one fused multiply-add per value: a
+// through the thread's columns, with every x row's sums for a pass of units held in registers and kept
+// in y between chunks. Each sum runs over the input in order, one fused multiply-add per value: a
 // row's result is the same alone or with others, on any number of threads.
 constexpr int64_t kF32Rows = 8;
 constexpr int64_t kF32Lanes = 16;

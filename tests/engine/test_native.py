@@ -311,6 +311,33 @@ def packed_layer(dtype: torch.dtype, qk_norm: bool, bias: bool) -> DecoderLayer:
     return layer
 
 
+def decode_layer_of(layer: DecoderLayer, few_rows_max: int, qkv=None, gate_up=None):
+    """engine.native's DecodeLayer over ``layer``'s weights (no packed copies), with ``qkv`` or ``gate_up``
+    in place of the layer's own."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return native.kernels().DecodeLayer(
+        layer.input_layernorm.weight,
+        attn.qkv_proj.weight if qkv is None else qkv,
+        None,
+        None,
+        None,
+        attn.o_proj.weight,
+        layer.post_attention_layernorm.weight,
+        mlp.gate_up_proj.weight if gate_up is None else gate_up,
+        None,
+        mlp.down_proj.weight,
+        None,
+        heads=4,
+        kv_heads=2,
+        head_dim=HEAD_DIM,
+        eps=1e-6,
+        scale=HEAD_DIM**-0.5,
+        packed=[],
+        packed_min_rows=2,
+        few_rows_max=few_rows_max,
+    )
+
+
 # (context length, block table) of up to nine decode rows, each writing its own slot
 ROWS = [
     (40, (3, 0, 5)),
@@ -382,63 +409,23 @@ def test_decode_layer_refuses_a_slot_or_block_outside_the_cache_and_wrong_weight
         layer.fused(x.float(), cos, sin, cache, torch.tensor([3]), row.block_table, row.lengths, False)
     attn = layer.self_attn
     with pytest.raises(RuntimeError, match="gate_up must be"):
-        native.kernels().DecodeLayer(
-            layer.input_layernorm.weight,
-            attn.qkv_proj.weight,
-            None,
-            None,
-            None,
-            attn.o_proj.weight,
-            layer.post_attention_layernorm.weight,
-            attn.qkv_proj.weight,  # not [2 x intermediate, hidden]
-            None,
-            layer.mlp.down_proj.weight,
-            None,
-            heads=4,
-            kv_heads=2,
-            head_dim=HEAD_DIM,
-            eps=1e-6,
-            scale=HEAD_DIM**-0.5,
-            packed=[],
-            packed_min_rows=2,
-            few_rows_max=3,
-        )
+        decode_layer_of(layer, 3, gate_up=attn.qkv_proj.weight)  # not [2 x intermediate, hidden]
 
 
 @needs_cpu
 def test_a_float32_decode_layer_with_the_native_gemv_needs_input_major_weights_and_at_most_eight_rows():
     layer = packed_layer(torch.float32, False, False)
-    attn, mlp = layer.self_attn, layer.mlp
+    qkv = layer.self_attn.qkv_proj.weight.detach()
 
     def build(few_rows_max: int, qkv: torch.Tensor):
-        return native.kernels().DecodeLayer(
-            layer.input_layernorm.weight,
-            qkv,
-            None,
-            None,
-            None,
-            attn.o_proj.weight,
-            layer.post_attention_layernorm.weight,
-            mlp.gate_up_proj.weight,
-            None,
-            mlp.down_proj.weight,
-            None,
-            heads=4,
-            kv_heads=2,
-            head_dim=HEAD_DIM,
-            eps=1e-6,
-            scale=HEAD_DIM**-0.5,
-            packed=[],
-            packed_min_rows=2,
-            few_rows_max=few_rows_max,
-        )
+        return decode_layer_of(layer, few_rows_max, qkv=qkv)
 
-    build(8, attn.qkv_proj.weight.detach())  # as use_cpu_kernel builds it
+    build(8, qkv)  # as use_cpu_kernel builds it
     with pytest.raises(RuntimeError, match="qkv must be .* input-major"):
-        build(8, attn.qkv_proj.weight.detach().contiguous())
-    build(0, attn.qkv_proj.weight.detach().contiguous())  # no rows to gemv_f32: torch's linear takes any layout
+        build(8, qkv.contiguous())
+    build(0, qkv.contiguous())  # no rows to gemv_f32: torch's linear takes any layout
     with pytest.raises(RuntimeError, match="few_rows_max must be 0 to 8"):
-        build(9, attn.qkv_proj.weight.detach())
+        build(9, qkv)
 
 
 @needs_cpu
