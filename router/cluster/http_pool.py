@@ -11,7 +11,8 @@ connections it was about to reuse). And it asks an idle connection whether
 it expired (a ``poll`` on its socket: did the server close it?) when it is
 about to be reused, and all idle ones at most every ``SWEEP_S``, instead of
 every idle connection on every scan. Everything else (which connection a
-request gets, when one is opened or closed) is httpcore's own code path.
+request gets, when one is opened or closed) is httpcore's own code path. Its
+connections are asyncio transports (``router/cluster/net_backend.py``).
 
 An httpcore other than 1.x gets its own pool unchanged.
 """
@@ -23,6 +24,8 @@ import time
 import httpcore
 import httpx
 from httpcore._async.interfaces import AsyncConnectionInterface
+
+from router.cluster.net_backend import AsyncioBackend
 
 SWEEP_S = 1.0  # idle connections that expired (timed out, or closed by the server) are closed this often
 
@@ -94,5 +97,6 @@ def worker_http(
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
             keepalive_expiry=limits.keepalive_expiry,
+            network_backend=AsyncioBackend(),
         )
     return httpx.AsyncClient(transport=transport, headers=headers)
