@@ -13,7 +13,9 @@ sends the same load two ways, side by side:
 It reports, at concurrency 1, p50/p99 end-to-end latency and time to first
 chunk of each and what the router adds; at concurrency 64 (``--concurrency``)
 requests/s and errors of each; and the router process's CPU time per request
-(``/proc/<pid>/stat``, user + system) in both phases. ``--profile FILE``
+and per token (``/proc/<pid>/stat``, user + system) in both phases. ``--token-delay S``
+has the decode stub wait before each token event, so that each reaches the router
+alone, as an engine's steps send them. ``--profile FILE``
 then records the router under the concurrent load with py-spy
 (``pip install py-spy``) and prints the functions with the most samples.
 The numbers are the machine's: run it on an otherwise idle machine.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import json
 import os
 import shutil
@@ -37,7 +40,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.micro.stub_cluster import StubCluster
+from bench.micro.stub_cluster import REPO, StubCluster
 from engine.request import SamplingParams
 from server_common.worker_requests import GenerateRequest
 
@@ -65,7 +68,7 @@ class Phase:
     def pct(self, values: list[float], q: float) -> float:
         return float(np.percentile(values, q)) if values else float("nan")
 
-    def summary(self) -> dict:
+    def summary(self, tokens: int) -> dict:
         out = {
             "target": self.target,
             "concurrency": self.concurrency,
@@ -82,6 +85,7 @@ class Phase:
             out["error_kinds"] = dict(self.error_kinds.most_common(5))
         if self.router_cpu_ms is not None:
             out["router_cpu_ms_per_request"] = round(self.router_cpu_ms / max(1, self.requests), 3)
+            out["router_cpu_us_per_token"] = round(1000 * self.router_cpu_ms / max(1, self.requests * tokens), 1)
         return out
 
 
@@ -122,8 +126,8 @@ class Targets:
             raise RuntimeError("no token event")
         return (first - start) * 1000
 
-    async def router(self, http: httpx.AsyncClient) -> float:
-        """One streamed completion through the router; returns ms to the first chunk."""
+    async def router(self, http: httpx.AsyncClient, url: str | None = None) -> float:
+        """One streamed completion through the router (or the one at ``url``); returns ms to the first chunk."""
         body = {
             "model": "stub",
             "prompt": PROMPT,
@@ -135,7 +139,7 @@ class Targets:
         start = time.perf_counter()
         first = None
         done = False
-        async with http.stream("POST", f"{self.cluster.router_url}/v1/completions", json=body) as resp:
+        async with http.stream("POST", f"{url or self.cluster.router_url}/v1/completions", json=body) as resp:
             if resp.status_code != 200:
                 await resp.aread()
                 raise RuntimeError(f"HTTP {resp.status_code}: {resp.text[:200]}")
@@ -277,6 +281,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=2000,
         help="requests per target in the concurrent phase (default %(default)s)",
     )
+    p.add_argument(
+        "--token-delay",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="the decode stub waits S seconds before each token event, so each reaches the router on its own, "
+        "as from an engine's steps (default 0: the events of a request arrive together)",
+    )
     p.add_argument("--warmup", type=int, default=50, help="unmeasured requests per target first")
     p.add_argument("--model", type=Path, help="the router's tokenizer folder (default: a byte-level one)")
     p.add_argument("--profile", type=Path, metavar="FILE", help="also record the router with py-spy (FILE.txt)")
@@ -288,18 +300,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="put DIRS first on the router's PYTHONPATH (e.g. to compare without uvloop)",
     )
     p.add_argument("--keep", type=Path, metavar="DIR", help="run in DIR and keep the logs (default: a temp dir)")
+    p.add_argument(
+        "--against",
+        type=Path,
+        metavar="CHECKOUT",
+        help="instead of the phases above: this checkout's router and CHECKOUT's, in front of the same stubs, "
+        "under the concurrent load in turn for --rounds rounds; their CPU per token side by side",
+    )
+    p.add_argument("--rounds", type=int, default=5, help="rounds of --against (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
     folder = args.keep or Path(tempfile.mkdtemp(prefix="pdserve-router-bench-"))
     # The concurrent phase must not queue in the router: a slot per request in flight.
     router = {"max_inflight_per_worker": max(args.concurrency, 1) * 2, "max_queued_requests": 4 * args.concurrency}
-    with StubCluster(folder, router=router, model=args.model, router_pythonpath=args.router_pythonpath) as cluster:
+    with StubCluster(
+        folder, router=router, model=args.model, router_pythonpath=args.router_pythonpath, token_delay=args.token_delay
+    ) as cluster:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(str(args.model or folder / "model"))
         targets = Targets(cluster, args.tokens, tok(PROMPT)["input_ids"])
         pid = cluster.router_pid
+        if args.against is not None:
+            result = against(args, cluster, targets)
+            if args.json:
+                args.json.write_text(json.dumps(result, indent=2))
+            return 0
 
         async def measure() -> list[Phase]:
             await run_phase(Phase("direct", 1), targets.direct, args.warmup, None)
@@ -327,6 +354,46 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def against(args: argparse.Namespace, cluster: StubCluster, targets: Targets) -> dict:
+    """This checkout's router and ``args.against``'s, the same concurrent load in turn (the order
+    reversed every round): requests/s and CPU per token of each, and their ratio per round."""
+    routers = {"this": (cluster.router_url, cluster.router_pid)}
+    url = cluster.add_router("against", args.against.resolve())
+    routers["against"] = (url, cluster.procs["against"].pid)
+    c, n = args.concurrency, args.concurrent_requests
+    samples: dict[str, list[Phase]] = {side: [] for side in routers}
+
+    async def measure() -> None:
+        for side, (url, _) in routers.items():
+            await run_phase(Phase(side, c), functools.partial(targets.router, url=url), args.warmup, None)
+        for r in range(args.rounds):
+            for side in list(routers)[:: 1 if r % 2 == 0 else -1]:
+                url, pid = routers[side]
+                phase = await run_phase(Phase(side, c), functools.partial(targets.router, url=url), n, pid)
+                samples[side].append(phase)
+
+    asyncio.run(measure())
+    print(f"{args.tokens}-token streamed requests at concurrency {c}, {n} per side and round, {args.rounds} rounds")
+    print(f"  this:    {REPO}\n  against: {args.against.resolve()}")
+    rows = {}
+    for side, phases in samples.items():
+        cpu = [p.router_cpu_ms * 1000 / max(1, p.requests * args.tokens) for p in phases if p.router_cpu_ms is not None]
+        errors = sum(p.errors for p in phases)
+        rows[side] = {
+            "cpu_us_per_token": [round(v, 1) for v in cpu],
+            "cpu_us_per_token_median": round(float(np.median(cpu)), 1),
+            "requests_per_s_median": round(float(np.median([p.rps for p in phases])), 2),
+            "errors": errors,
+        }
+        print(
+            f"{side:8} router CPU {rows[side]['cpu_us_per_token_median']:7.1f} us/token "
+            f"(rounds {min(cpu):.1f}-{max(cpu):.1f}), {rows[side]['requests_per_s_median']} req/s, {errors} errors"
+        )
+    ratio = rows["this"]["cpu_us_per_token_median"] / rows["against"]["cpu_us_per_token_median"]
+    print(f"this / against, CPU per token: {ratio:.3f}x")
+    return {"tokens": args.tokens, "concurrency": c, "routers": rows, "cpu_ratio_this_over_against": round(ratio, 3)}
+
+
 def report(phases: list[Phase], tokens: int) -> dict:
     d1, r1, dc, rc = phases
     added = {
@@ -334,17 +401,17 @@ def report(phases: list[Phase], tokens: int) -> dict:
         "p99_ms": round(r1.pct(r1.e2e_ms, 99) - d1.pct(d1.e2e_ms, 99), 3),
         "first_chunk_p50_ms": round(r1.pct(r1.first_chunk_ms, 50) - d1.pct(d1.first_chunk_ms, 50), 3),
     }
-    rows = [p.summary() for p in phases]
+    rows = [p.summary(tokens) for p in phases]
     print(f"{tokens}-token streamed requests; router CPU from /proc")
     print(
         f"{'target':8} {'conc':>4} {'reqs':>6} {'err':>4} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} "
-        f"{'1st p50':>8} {'1st p99':>8} {'cpu ms/req':>10}"
+        f"{'1st p50':>8} {'1st p99':>8} {'cpu ms/req':>10} {'cpu us/tok':>10}"
     )
     for s in rows:
         print(
             f"{s['target']:8} {s['concurrency']:>4} {s['requests']:>6} {s['errors']:>4} {s['requests_per_s']:>8} "
             f"{s['p50_ms']:>8} {s['p99_ms']:>8} {s['first_chunk_p50_ms']:>8} {s['first_chunk_p99_ms']:>8} "
-            f"{s.get('router_cpu_ms_per_request', ''):>10}"
+            f"{s.get('router_cpu_ms_per_request', ''):>10} {s.get('router_cpu_us_per_token', ''):>10}"
         )
     for s in rows:
         for kind, n in s.get("error_kinds", {}).items():

@@ -92,9 +92,23 @@ class StubCluster:
             self.stop()
             raise
 
-    def _start(self, name: str, argv: list[str], env: dict) -> None:
+    def add_router(self, name: str, repo: Path, log_level: str = "warning", start_timeout: float = 60.0) -> str:
+        """A second router in front of the same stubs, run from the checkout ``repo`` (its code, this
+        cluster's config on a port of its own); returns its URL. Stopped with the others, by pid."""
+        config = yaml.safe_load(self.config.read_text())
+        port = free_ports(1)[0]
+        config["router"]["port"] = port
+        path = self.folder / f"cluster-{name}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        argv = [sys.executable, "-m", "deploy.cli", "router", "--config", str(path), "--log-level", log_level]
+        self._start(name, argv, dict(os.environ, PYTHONPATH=str(repo)), cwd=repo)
+        url = f"http://127.0.0.1:{port}"
+        self._wait_ok(f"{url}/health", start_timeout)
+        return url
+
+    def _start(self, name: str, argv: list[str], env: dict, cwd: Path = REPO) -> None:
         log = open(self.folder / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
 
     def _wait_ok(self, url: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -1,0 +1,45 @@
+"""``pdserve bench router --against``: two routers, from two checkouts, in front of the same stubs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from bench.micro import router_bench
+from bench.micro.stub_cluster import REPO
+
+
+def test_against_runs_both_routers_on_the_same_stubs_and_stops_them(tmp_path: Path):
+    other = tmp_path / "other"  # a second checkout: a copy of this tree (what git tracks or would)
+    other.mkdir()
+    listed = ["git", "-C", str(REPO), "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+    archive = subprocess.run(listed, capture_output=True, check=True).stdout
+    files = [f for f in archive.decode().split("\0") if f]
+    subprocess.run(["tar", "-C", str(REPO), "-cf", str(tmp_path / "t.tar"), *files], check=True)
+    subprocess.run(["tar", "-C", str(other), "-xf", str(tmp_path / "t.tar")], check=True)
+    init = other / "router" / "__init__.py"  # the other checkout's router leaves a mark when imported
+    init.write_text(init.read_text() + "\nopen(__file__.replace('__init__.py', 'imported'), 'w').close()\n")
+
+    out = tmp_path / "r.json"
+    keep = tmp_path / "run"
+    argv = ["--against", str(other), "--tokens", "6", "--token-delay", "0.002", "--concurrency", "2"]
+    argv += ["--concurrent-requests", "4", "--warmup", "1", "--rounds", "2", "--json", str(out), "--keep", str(keep)]
+    assert router_bench.main(argv) == 0
+
+    result = json.loads(out.read_text())
+    assert set(result["routers"]) == {"this", "against"}
+    for side in result["routers"].values():
+        assert side["errors"] == 0
+        assert len(side["cpu_us_per_token"]) == 2 and all(v > 0 for v in side["cpu_us_per_token"])
+    assert (other / "router" / "imported").exists() and not (REPO / "router" / "imported").exists()
+    logs = sorted(p.name for p in keep.glob("*.log"))
+    assert logs == ["against.log", "d0.log", "p0.log", "router.log"]
+    for pid_dir in Path("/proc").iterdir():
+        if pid_dir.name.isdigit():
+            try:
+                cwd = os.readlink(pid_dir / "cwd")
+            except OSError:
+                continue
+            assert cwd != str(other), f"process {pid_dir.name} still runs from the other checkout"
