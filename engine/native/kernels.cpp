@@ -338,20 +338,32 @@ void decode_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
   auto mask_of = [&](int64_t c) { return first_lanes(dim - c * 16); };  // the lanes of chunk c inside dim
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, total(group);
+    std::vector<int64_t> offsets;  // token t's K (and V) for this task's head: kp + offsets[t] (vp + offsets[t])
     std::vector<__m512> query(group * chunks), acc(group * chunks);
     __m512 dots[16];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t row = task / kv_heads, head = task % kv_heads, length = lp[row];
       const int64_t* blocks = tp + row * table_width;
-      auto slot = [&](const T* base, int64_t t) {
-        return base + blocks[t / block] * block_stride + (t % block) * slot_stride + head * head_stride;
-      };
+      offsets.resize(length);  // walked block by block: no division per token
+      for (int64_t t0 = 0, b = 0; t0 < length; t0 += block, ++b) {
+        const int64_t start = blocks[b] * block_stride + head * head_stride;
+        for (int64_t s = 0; s < std::min(block, length - t0); ++s) offsets[t0 + s] = start + s * slot_stride;
+      }
+      auto slot = [&](const T* base, int64_t t) { return base + offsets[t]; };
       scores.resize(group * length);
       for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < chunks; ++c)
           query[g * chunks + c] = load16(qp + row * q.stride(0) + (head * group + g) * q.stride(1) + c * 16, mask_of(c));
       for (int64_t t0 = 0; t0 < length; t0 += 16) {  // scores: q . k, scaled, 16 tokens at a time
         const int64_t n = std::min<int64_t>(16, length - t0);
+        // The cache is read in scattered blocks, too short for the hardware to run ahead of: the next
+        // 16 keys, and these 16 tokens' values for the pass below, are fetched while these are scored.
+        for (int64_t i = 0; i < std::min<int64_t>(16, length - t0 - 16); ++i)
+          for (int64_t line = 0; line < dim * int64_t(sizeof(T)); line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(slot(kp, t0 + 16 + i)) + line, _MM_HINT_T0);
+        for (int64_t i = 0; i < n; ++i)
+          for (int64_t line = 0; line < dim * int64_t(sizeof(T)); line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(slot(vp, t0 + i)) + line, _MM_HINT_T1);
         for (int64_t g = 0; g < group; ++g) {
           for (int64_t i = 0; i < 16; ++i) {
             dots[i] = _mm512_setzero_ps();
