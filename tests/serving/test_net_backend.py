@@ -1,5 +1,6 @@
 """router/cluster/net_backend.py: httpcore's network streams on asyncio transports, against real
-servers on 127.0.0.1, and the router's worker client on it (httpx's exceptions for each failure)."""
+servers on 127.0.0.1, and the router's worker client on it (httpx's exceptions for each failure).
+Every test runs on asyncio's own event loop and on uvloop's, which the router serves on."""
 
 from __future__ import annotations
 
@@ -15,12 +16,25 @@ from pathlib import Path
 import httpcore
 import httpx
 import pytest
+import uvloop
 
 from router.cluster import net_backend
 from router.cluster.http_pool import worker_http
 from router.cluster.net_backend import AsyncioBackend, AsyncioStream
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request) -> Callable[[Awaitable[None]], None]:
+    """Runs a test's coroutine to its end on the loop the parameter names."""
+    factory = uvloop.new_event_loop if request.param == "uvloop" else asyncio.new_event_loop
+
+    def go(coro: Awaitable[None]) -> None:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            runner.run(coro)  # type: ignore[arg-type]
+
+    return go
 
 
 async def serve(handler: Handler, ssl_context: ssl.SSLContext | None = None) -> tuple[asyncio.Server, int]:
@@ -42,7 +56,7 @@ async def read_all(stream: httpcore.AsyncNetworkStream, timeout: float = 10.0) -
     return bytes(out)
 
 
-def test_a_stream_reads_what_the_server_wrote_then_the_end():
+def test_a_stream_reads_what_the_server_wrote_then_the_end(run):
     async def main():
         async def handler(reader, writer):
             line = await reader.readline()
@@ -63,10 +77,10 @@ def test_a_stream_reads_what_the_server_wrote_then_the_end():
             assert stream.get_extra_info("is_readable") is True
             await stream.aclose()
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_a_read_returns_at_most_max_bytes_and_keeps_the_rest_in_order():
+def test_a_read_returns_at_most_max_bytes_and_keeps_the_rest_in_order(run):
     payload = bytes(range(256)) * 64  # 16 KiB
 
     async def main():
@@ -84,10 +98,10 @@ def test_a_read_returns_at_most_max_bytes_and_keeps_the_rest_in_order():
                 got += chunk
             assert bytes(got) == payload
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_a_reader_slower_than_the_server_pauses_the_transport_and_loses_nothing():
+def test_a_reader_slower_than_the_server_pauses_the_transport_and_loses_nothing(run):
     payload = bytes(i % 251 for i in range(3 * net_backend.HIGH_WATER))
 
     async def main():
@@ -109,7 +123,7 @@ def test_a_reader_slower_than_the_server_pauses_the_transport_and_loses_nothing(
             assert first + rest == payload
             assert not conn.reading_paused and conn.buffered == 0
 
-    asyncio.run(main())
+    run(main())
 
 
 def more_data(conn: net_backend._Connection) -> asyncio.Future:
@@ -119,7 +133,7 @@ def more_data(conn: net_backend._Connection) -> asyncio.Future:
     return conn.readable
 
 
-def test_a_silent_server_times_a_read_out_and_a_later_read_still_works():
+def test_a_silent_server_times_a_read_out_and_a_later_read_still_works(run):
     async def main():
         go = asyncio.Event()
 
@@ -138,10 +152,10 @@ def test_a_silent_server_times_a_read_out_and_a_later_read_still_works():
             go.set()
             assert await read_all(stream) == b"late"
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_a_cancelled_read_leaves_the_stream_usable():
+def test_a_cancelled_read_leaves_the_stream_usable(run):
     async def main():
         go = asyncio.Event()
 
@@ -164,10 +178,10 @@ def test_a_cancelled_read_leaves_the_stream_usable():
             go.set()
             assert await read_all(stream) == b"after"
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_a_reset_connection_is_a_read_error():
+def test_a_reset_connection_is_a_read_error(run):
     async def main():
         async def handler(reader, writer):
             await reader.readline()
@@ -183,10 +197,10 @@ def test_a_reset_connection_is_a_read_error():
                 await stream.read(100, timeout=10)
             assert stream.get_extra_info("is_readable") is True
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_an_idle_connection_turns_readable_when_the_server_closes_it():
+def test_an_idle_connection_turns_readable_when_the_server_closes_it(run):
     async def main():
         close = asyncio.Event()
 
@@ -202,10 +216,10 @@ def test_an_idle_connection_turns_readable_when_the_server_closes_it():
             assert await stream.read(100, timeout=10) == b""
             assert stream.get_extra_info("is_readable") is True
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_writing_to_a_closed_stream_is_a_write_error():
+def test_writing_to_a_closed_stream_is_a_write_error(run):
     async def main():
         async def handler(reader, writer):
             await reader.read()
@@ -218,10 +232,10 @@ def test_writing_to_a_closed_stream_is_a_write_error():
             with pytest.raises(httpcore.WriteError):
                 await stream.write(b"x")
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_a_refused_connection_is_a_connect_error_and_socket_options_are_refused():
+def test_a_refused_connection_is_a_connect_error_and_socket_options_are_refused(run):
     async def main():
         with pytest.raises(httpcore.ConnectError):
             await AsyncioBackend().connect_tcp("127.0.0.1", refused_port(), timeout=5)
@@ -229,10 +243,10 @@ def test_a_refused_connection_is_a_connect_error_and_socket_options_are_refused(
             options = [(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)]
             await AsyncioBackend().connect_tcp("127.0.0.1", 1, socket_options=options)
 
-    asyncio.run(main())
+    run(main())
 
 
-def test_a_unix_socket_connects_and_reads(tmp_path: Path):
+def test_a_unix_socket_connects_and_reads(run, tmp_path: Path):
     async def main():
         async def handler(reader, writer):
             writer.write(b"unix")
@@ -247,7 +261,7 @@ def test_a_unix_socket_connects_and_reads(tmp_path: Path):
         with pytest.raises(httpcore.ConnectError):
             await AsyncioBackend().connect_unix_socket(str(tmp_path / "none"), timeout=5)
 
-    asyncio.run(main())
+    run(main())
 
 
 def self_signed(folder: Path) -> tuple[Path, Path]:
@@ -279,7 +293,7 @@ def self_signed(folder: Path) -> tuple[Path, Path]:
     return cert_path, key_path
 
 
-def test_tls_through_start_tls_and_a_certificate_it_does_not_trust(tmp_path: Path):
+def test_tls_through_start_tls_and_a_certificate_it_does_not_trust(run, tmp_path: Path):
     cert, key = self_signed(tmp_path)
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ctx.load_cert_chain(cert, key)
@@ -304,7 +318,7 @@ def test_tls_through_start_tls_and_a_certificate_it_does_not_trust(tmp_path: Pat
             with pytest.raises(httpcore.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
                 await plain.start_tls(ssl.create_default_context(), server_hostname="127.0.0.1", timeout=5)
 
-    asyncio.run(main())
+    run(main())
 
 
 # ---- the router's worker client on it: httpx's exceptions, as the router's fault handling reads them ----
@@ -315,7 +329,7 @@ def _chunked(*chunks: bytes) -> bytes:
     return head + b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in chunks)
 
 
-def test_the_worker_client_streams_lines_and_reuses_its_connection():
+def test_the_worker_client_streams_lines_and_reuses_its_connection(run):
     async def main():
         connections = 0
 
@@ -337,7 +351,7 @@ def test_the_worker_client_streams_lines_and_reuses_its_connection():
                     assert [line async for line in r.aiter_lines()] == ['{"a": 1}', '{"b": 2}']
             assert connections == 1
 
-    asyncio.run(main())
+    run(main())
 
 
 @pytest.mark.parametrize(
@@ -349,7 +363,7 @@ def test_the_worker_client_streams_lines_and_reuses_its_connection():
         ("refuse", httpx.ConnectError),
     ],
 )
-def test_the_worker_client_raises_httpx_errors_on_a_broken_stream(server_does: str, expected: type[Exception]):
+def test_the_worker_client_raises_httpx_errors_on_a_broken_stream(run, server_does: str, expected: type[Exception]):
     async def main():
         stall = asyncio.Event()
 
@@ -378,4 +392,4 @@ def test_the_worker_client_raises_httpx_errors_on_a_broken_stream(server_does: s
                         pass
             stall.set()
 
-    asyncio.run(main())
+    run(main())
