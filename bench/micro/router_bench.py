@@ -321,32 +321,7 @@ def run(args: argparse.Namespace) -> int:
 
         tok = AutoTokenizer.from_pretrained(str(args.model or folder / "model"))
         targets = Targets(cluster, args.tokens, tok(PROMPT)["input_ids"])
-        pid = cluster.router_pid
-        if args.against is not None:
-            result = against(args, cluster, targets)
-            if args.json:
-                args.json.write_text(json.dumps(result, indent=2))
-            return 0
-
-        async def measure() -> list[Phase]:
-            await run_phase(Phase("direct", 1), targets.direct, args.warmup, None)
-            await run_phase(Phase("router", 1), targets.router, args.warmup, None)
-            phases = [
-                await run_phase(Phase("direct", 1), targets.direct, args.requests, None),
-                await run_phase(Phase("router", 1), targets.router, args.requests, pid),
-            ]
-            c = args.concurrency
-            phases.append(await run_phase(Phase("direct", c), targets.direct, args.concurrent_requests, None))
-            phases.append(await run_phase(Phase("router", c), targets.router, args.concurrent_requests, pid))
-            return phases
-
-        phases = asyncio.run(measure())
-        result = report(phases, args.tokens)
-        if args.profile:
-            result["profile"] = profile(cluster, targets, args.profile, args.concurrency, args.profile_seconds)
-            print("\n".join(result["profile"]))
-        result["connections"] = {"prefill": cluster.stats("prefill"), "decode": cluster.stats("decode")}
-        print(f"connections accepted by the stubs: {json.dumps(result['connections'])}")
+        result = against(args, cluster, targets) if args.against is not None else phases_of(args, cluster, targets)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     if not args.keep:
@@ -354,9 +329,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def phases_of(args: argparse.Namespace, cluster: StubCluster, targets: Targets) -> dict:
+    """The direct and router phases at concurrency 1 and ``args.concurrency`` (and the profile)."""
+    pid = cluster.router_pid
+
+    async def measure() -> list[Phase]:
+        await run_phase(Phase("direct", 1), targets.direct, args.warmup, None)
+        await run_phase(Phase("router", 1), targets.router, args.warmup, None)
+        phases = [
+            await run_phase(Phase("direct", 1), targets.direct, args.requests, None),
+            await run_phase(Phase("router", 1), targets.router, args.requests, pid),
+        ]
+        c = args.concurrency
+        phases.append(await run_phase(Phase("direct", c), targets.direct, args.concurrent_requests, None))
+        phases.append(await run_phase(Phase("router", c), targets.router, args.concurrent_requests, pid))
+        return phases
+
+    result = report(asyncio.run(measure()), args.tokens)
+    if args.profile:
+        result["profile"] = profile(cluster, targets, args.profile, args.concurrency, args.profile_seconds)
+        print("\n".join(result["profile"]))
+    result["connections"] = {"prefill": cluster.stats("prefill"), "decode": cluster.stats("decode")}
+    print(f"connections accepted by the stubs: {json.dumps(result['connections'])}")
+    return result
+
+
 def against(args: argparse.Namespace, cluster: StubCluster, targets: Targets) -> dict:
     """This checkout's router and ``args.against``'s, the same concurrent load in turn (the order
-    reversed every round): requests/s and CPU per token of each, and their ratio per round."""
+    reversed every round): requests/s and CPU per token of each, and the ratio of their medians."""
     routers = {"this": (cluster.router_url, cluster.router_pid)}
     url = cluster.add_router("against", args.against.resolve())
     routers["against"] = (url, cluster.procs["against"].pid)
