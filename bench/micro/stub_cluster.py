@@ -82,12 +82,7 @@ class StubCluster:
             router_env = (
                 dict(env, PYTHONPATH=os.pathsep.join([router_pythonpath, str(REPO)])) if router_pythonpath else env
             )
-            self._start(
-                "router",
-                [sys.executable, "-m", "deploy.cli", "router", "--config", str(self.config), "--log-level", log_level],
-                router_env,
-            )
-            self._wait_ok(f"{self.router_url}/health", start_timeout)
+            self._start_router("router", self.config, self.router_url, router_env, REPO, log_level, start_timeout)
         except BaseException:
             self.stop()
             raise
@@ -100,11 +95,16 @@ class StubCluster:
         config["router"]["port"] = port
         path = self.folder / f"cluster-{name}.yaml"
         path.write_text(yaml.safe_dump(config))
-        argv = [sys.executable, "-m", "deploy.cli", "router", "--config", str(path), "--log-level", log_level]
-        self._start(name, argv, dict(os.environ, PYTHONPATH=str(repo)), cwd=repo)
         url = f"http://127.0.0.1:{port}"
-        self._wait_ok(f"{url}/health", start_timeout)
+        self._start_router(name, path, url, dict(os.environ, PYTHONPATH=str(repo)), repo, log_level, start_timeout)
         return url
+
+    def _start_router(
+        self, name: str, config: Path, url: str, env: dict, cwd: Path, log_level: str, start_timeout: float
+    ) -> None:
+        argv = [sys.executable, "-m", "deploy.cli", "router", "--config", str(config), "--log-level", log_level]
+        self._start(name, argv, env, cwd)
+        self._wait_ok(f"{url}/health", start_timeout)
 
     def _start(self, name: str, argv: list[str], env: dict, cwd: Path = REPO) -> None:
         log = open(self.folder / f"{name}.log", "wb")

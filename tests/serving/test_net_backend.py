@@ -42,6 +42,25 @@ async def serve(handler: Handler, ssl_context: ssl.SSLContext | None = None) -> 
     return server, server.sockets[0].getsockname()[1]
 
 
+def sends(data: bytes, after: asyncio.Event | None = None) -> Handler:
+    """A server that writes ``data`` (once ``after`` is set, if given) and closes."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if after is not None:
+            await after.wait()
+        writer.write(data)
+        await writer.drain()
+        writer.close()
+
+    return handler
+
+
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Close with SO_LINGER 0: the peer sees a reset, not an end."""
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    writer.transport.abort()
+
+
 def refused_port() -> int:
     """A port on 127.0.0.1 that nothing listens on (bound, never listened, then closed)."""
     with socket.socket() as s:
@@ -84,12 +103,7 @@ def test_a_read_returns_at_most_max_bytes_and_keeps_the_rest_in_order(run):
     payload = bytes(range(256)) * 64  # 16 KiB
 
     async def main():
-        async def handler(reader, writer):
-            writer.write(payload)
-            await writer.drain()
-            writer.close()
-
-        server, port = await serve(handler)
+        server, port = await serve(sends(payload))
         async with server:
             stream = await AsyncioBackend().connect_tcp("127.0.0.1", port)
             got = bytearray()
@@ -105,12 +119,7 @@ def test_a_reader_slower_than_the_server_pauses_the_transport_and_loses_nothing(
     payload = bytes(i % 251 for i in range(3 * net_backend.HIGH_WATER))
 
     async def main():
-        async def handler(reader, writer):
-            writer.write(payload)
-            await writer.drain()
-            writer.close()
-
-        server, port = await serve(handler)
+        server, port = await serve(sends(payload))
         async with server:
             stream = await AsyncioBackend().connect_tcp("127.0.0.1", port)
             assert isinstance(stream, AsyncioStream)
@@ -136,14 +145,7 @@ def more_data(conn: net_backend._Connection) -> asyncio.Future:
 def test_a_silent_server_times_a_read_out_and_a_later_read_still_works(run):
     async def main():
         go = asyncio.Event()
-
-        async def handler(reader, writer):
-            await go.wait()
-            writer.write(b"late")
-            await writer.drain()
-            writer.close()
-
-        server, port = await serve(handler)
+        server, port = await serve(sends(b"late", after=go))
         async with server:
             stream = await AsyncioBackend().connect_tcp("127.0.0.1", port)
             with pytest.raises(httpcore.ReadTimeout):
@@ -158,14 +160,7 @@ def test_a_silent_server_times_a_read_out_and_a_later_read_still_works(run):
 def test_a_cancelled_read_leaves_the_stream_usable(run):
     async def main():
         go = asyncio.Event()
-
-        async def handler(reader, writer):
-            await go.wait()
-            writer.write(b"after")
-            await writer.drain()
-            writer.close()
-
-        server, port = await serve(handler)
+        server, port = await serve(sends(b"after", after=go))
         async with server:
             stream = await AsyncioBackend().connect_tcp("127.0.0.1", port)
             task = asyncio.create_task(stream.read(100))
@@ -185,9 +180,7 @@ def test_a_reset_connection_is_a_read_error(run):
     async def main():
         async def handler(reader, writer):
             await reader.readline()
-            sock = writer.get_extra_info("socket")
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            writer.transport.abort()  # closed with SO_LINGER 0: a reset, not an end
+            reset(writer)
 
         server, port = await serve(handler)
         async with server:
@@ -248,13 +241,8 @@ def test_a_refused_connection_is_a_connect_error_and_socket_options_are_refused(
 
 def test_a_unix_socket_connects_and_reads(run, tmp_path: Path):
     async def main():
-        async def handler(reader, writer):
-            writer.write(b"unix")
-            await writer.drain()
-            writer.close()
-
         path = str(tmp_path / "s")
-        server = await asyncio.start_unix_server(handler, path)
+        server = await asyncio.start_unix_server(sends(b"unix"), path)
         async with server:
             stream = await AsyncioBackend().connect_unix_socket(path, timeout=5)
             assert await read_all(stream) == b"unix"
@@ -375,9 +363,7 @@ def test_the_worker_client_raises_httpx_errors_on_a_broken_stream(run, server_do
             if server_does == "stall":
                 await stall.wait()
             elif server_does == "reset":
-                sock = writer.get_extra_info("socket")
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                writer.transport.abort()
+                reset(writer)
             else:
                 writer.close()
 
