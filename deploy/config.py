@@ -46,7 +46,16 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 from deploy.config_security import ConfigError as ConfigError  # callers catch it as deploy.config's
 from deploy.config_security import SecurityConfig, Strict, looks_secret
 from deploy.k8s_config import KubernetesConfig
-from engine.config import AtLeastOne, BlockSize, Dtype, EngineConfig, EngineMode, KvLayout, ModelLen
+from engine.config import (
+    AtLeastOne,
+    AttentionBackend,
+    BlockSize,
+    Dtype,
+    EngineConfig,
+    EngineMode,
+    KvLayout,
+    ModelLen,
+)
 from engine.models import MODEL_CACHE, is_builtin, resolve_model
 from engine.structured import GRAMMAR_CEILING, GrammarLimits
 from engine.tensor_parallel import split_problem
@@ -92,6 +101,10 @@ class EngineDefaults(Strict):
     """Ranks each server splits the model over (one process each, one device each on CUDA; rank 0 is the
     server); it must divide the model's attention heads and MLP. `kv_cache_bytes` and `num_blocks` are per
     rank. Prefill, decode and colocated servers alike."""
+    attention_backend: AttentionBackend = EngineConfig.attention_backend
+    """The kernels of paged attention: auto (Triton's on CUDA, engine/triton_attention.py; on CPU
+    engine.native's where built, else torch's), torch (torch's ops alone, the fallback), or triton (CUDA
+    only)."""
 
 
 # The engine keys one instance may override (None: the engine: section's value).

@@ -22,6 +22,11 @@ through the slot mapping, then attends:
   contexts do not read 2048 padded keys because one long one is running;
 - prefill chunks: one causal attention per chunk over cached prefix + new
   tokens, so chunked prefill computes exactly what one-shot prefill does.
+
+With the Triton backend (``attention_backend``, engine/config.py; the default
+on CUDA) both run as engine/triton_attention.py's kernels instead, which read
+every row's context in place through its block table: the decodes in one
+launch (one group), the prefill chunks in another (:class:`PrefillBatch`).
 """
 
 from __future__ import annotations
@@ -53,14 +58,34 @@ class DecodeGroup:
 
 
 @dataclass
+class PrefillBatch:
+    """Every prefill chunk of a step, as tensors a kernel reads (engine/triton_attention.py)."""
+
+    query_starts: torch.Tensor  # [chunks] row of each chunk's first token
+    query_lens: torch.Tensor  # [chunks]
+    context_starts: torch.Tensor  # [chunks] tokens already cached before each chunk
+    block_table: torch.Tensor  # [chunks, max_blocks] each chunk's blocks, padded with 0
+    max_query_len: int
+
+    @property
+    def count(self) -> int:
+        return self.query_lens.shape[0]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat slot per token
     num_decodes: int
     decodes: list[DecodeGroup]
     prefills: list[PrefillSpan]
     hnd: bool = False  # the cache's memory order inside a block
-    # engine.native's decode_attention where it runs (CPU): reads each row's context in place
+    # reads each row's context in place through its block table: engine.native's decode_attention (CPU),
+    # or engine/triton_attention.py's
     decode_kernel: Callable | None = None
+    fused_decode: bool = False  # decode_kernel is engine.native's: its DecodeLayer may run a decode step whole
+    # engine/triton_attention.py's prefill_attention over ``prefill_batch``; None: one torch call per chunk
+    prefill_kernel: Callable | None = None
+    prefill_batch: PrefillBatch | None = None
 
 
 # A decode starts a new group when its context is both twice the group's
@@ -123,6 +148,9 @@ def paged_attention(
         query = q[rows].view(g.count, num_kv_heads, group, head_dim)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask, scale=scale)
         out[rows] = attn.reshape(g.count, -1, head_dim)
+    if meta.prefill_kernel is not None and meta.prefill_batch is not None:
+        meta.prefill_kernel(q, cache_k, cache_v, out, meta.prefill_batch, scale, meta.hnd)
+        return out
     for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, q_heads, len, dim]

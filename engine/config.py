@@ -20,9 +20,13 @@ if TYPE_CHECKING:
 Dtype = Literal["float32", "bfloat16", "float16"]
 EngineMode = Literal["colocated", "prefill", "decode"]  # a server's role is its engine's mode
 KvLayout = Literal["NHD", "HND"]
+# auto: Triton's kernels on CUDA (engine/triton_attention.py), torch's ops elsewhere (with engine.native's
+# kernels on CPU where they are built); triton on CPU runs only under Triton's interpreter (tests)
+AttentionBackend = Literal["auto", "torch", "triton"]
 DTYPES: tuple[str, ...] = get_args(Dtype)
 MODES: tuple[str, ...] = get_args(EngineMode)
 KV_LAYOUTS: tuple[str, ...] = get_args(KvLayout)
+ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
 
 # The bounds of the engine's knobs, written once: EngineConfig checks them when it is made, and the
 # cluster config (deploy/config.py) types its engine keys with them, so a bad value in a file is named
@@ -57,6 +61,8 @@ class EngineConfig:
     # Ranks the model is split over (engine/tensor_parallel.py): rank 0 is this engine, the others its
     # child processes (engine/tp_leader.py). kv_cache_bytes and num_blocks are per rank.
     tensor_parallel_size: AtLeastOne = 1
+    # Which kernels compute paged attention (engine/runner.py ``attention_kernels``).
+    attention_backend: AttentionBackend = "auto"
 
     @property
     def cache_salt(self) -> str:

@@ -163,7 +163,9 @@ class LLMEngine:
             BlockManager(num_blocks, config.block_size),
         )
         rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
-        self.runner = ModelRunner(self.model, self.cache, rope, device, self.eos_token_ids, self.ranks)
+        self.runner = ModelRunner(
+            self.model, self.cache, rope, device, self.eos_token_ids, self.ranks, config.attention_backend
+        )
         self.counters = EngineCounters()
         self._structured: StructuredOutputs | None = None
 

@@ -225,7 +225,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin_signed, cache_layer, meta) -> torch.Tensor:
         decodes_only = x.shape[0] == meta.num_decodes and len(meta.decodes) == 1  # the runner's one group
-        if self.fused is not None and meta.decode_kernel is not None and decodes_only:
+        if self.fused is not None and meta.fused_decode and decodes_only:
             rows, slots = meta.decodes[0], meta.slot_mapping
             return self.fused(x, cos, sin_signed, cache_layer, slots, rows.block_table, rows.lengths, meta.hnd)
         if self.group is None:

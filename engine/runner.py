@@ -14,13 +14,18 @@ engine rank 0 sends the same inputs to the other ranks before its own
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from engine import native
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillSpan, decode_groups
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan, decode_groups
+from engine.config import AttentionBackend
 from engine.grammar_mask import apply_grammar_masks
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
@@ -29,11 +34,49 @@ from engine.sampler import sample, top_logprobs
 from engine.scheduler import ScheduledChunk, SchedulePlan
 from engine.tp_wire import StepInputs
 
+log = logging.getLogger(__name__)
+
 
 class RankDriver(Protocol):
     """Rank 0's link to the other ranks of a tensor-parallel engine (engine/tp_leader.py)."""
 
     def send_step(self, inputs: StepInputs) -> None: ...
+
+
+@dataclass(frozen=True)
+class AttentionKernels:
+    """The kernels a runner's attention calls beside torch's ops (engine/attention.py)."""
+
+    decode: Callable | None = None  # reads each decode row's context in place through its block table
+    prefill: Callable | None = None  # every prefill chunk of a step in one call
+    fused_decode: bool = False  # decode is engine.native's: a decode step may run as its DecodeLayer
+    name: str = "torch"
+
+
+def attention_kernels(backend: AttentionBackend, device: torch.device, dtype: torch.dtype) -> AttentionKernels:
+    """What ``attention_backend`` means on ``device``. auto: Triton's kernels on CUDA where Triton imports,
+    engine.native's decode attention (and DecodeLayer) on CPU where it is built, else torch's ops. torch:
+    torch's ops alone. triton: Triton's kernels; on a CPU they run only under Triton's own interpreter
+    (``TRITON_INTERPRET=1``, which Triton reads), for tests."""
+    if backend == "auto" and device.type == "cuda":
+        if importlib.util.find_spec("triton") is not None:
+            backend = "triton"
+        else:
+            log.warning("attention on CUDA with torch's ops: Triton is not installed")
+    if backend == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(
+                f"attention_backend 'triton' needs a CUDA device, not {device.type!r} "
+                "(on CPU it runs only under Triton's interpreter, TRITON_INTERPRET=1)"
+            )
+        from engine import triton_attention
+
+        return AttentionKernels(triton_attention.decode_attention, triton_attention.prefill_attention, name="triton")
+    if backend == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        decode = native.kernel("decode_attention")
+        if decode is not None:
+            return AttentionKernels(decode, fused_decode=True, name="native")
+    return AttentionKernels()
 
 
 class RoPE:
@@ -71,6 +114,7 @@ class ModelRunner:
         device: torch.device,
         eos_token_ids: tuple[int, ...] = (),
         ranks: RankDriver | None = None,
+        attention_backend: AttentionBackend = "auto",
     ) -> None:
         self.model = model
         self.ranks = ranks  # rank 0 of a tensor-parallel engine: sends each step to the other ranks
@@ -81,9 +125,7 @@ class ModelRunner:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.seed()
-        self.decode_kernel = None  # engine.native's decode attention, on CPU where it is built
-        if device.type == "cpu" and cache.kv.dtype in (torch.float32, torch.bfloat16):
-            self.decode_kernel = native.kernel("decode_attention")
+        self.kernels = attention_kernels(attention_backend, device, cache.kv.dtype)
 
     @torch.inference_mode()
     def run(self, plan: SchedulePlan, on_layer: Callable[[int], None] | None = None) -> dict[Request, ChunkResult]:
@@ -145,17 +187,22 @@ class ModelRunner:
         device = self.device
         if inputs.copies and self.ranks is None:
             self.cache.copy_blocks(inputs.copies)
-        prefills = [
-            PrefillSpan(row, n, start, torch.tensor(blocks, dtype=torch.long, device=device))
-            for row, n, start, blocks in inputs.prefills
-        ]
+        prefills: list[PrefillSpan] = []
+        prefill_batch = None
+        if self.kernels.prefill is not None and inputs.prefills:
+            prefill_batch = self._prefill_batch(inputs.prefills)
+        else:
+            prefills = [
+                PrefillSpan(row, n, start, torch.tensor(blocks, dtype=torch.long, device=device))
+                for row, n, start, blocks in inputs.prefills
+            ]
         bs = self.cache.block_size
         decodes = []
         for start, lengths, table in inputs.decodes:
             lens = torch.tensor(lengths, dtype=torch.long, device=device)
             blocks = torch.tensor(table, dtype=torch.long, device=device)
             mask = None  # the native kernel reads each row's own length
-            if self.decode_kernel is None:
+            if self.kernels.decode is None:
                 # Additive, in the cache's dtype: attention adds it as it is in every layer, where a
                 # boolean mask would be converted to this once per layer.
                 span = torch.arange(len(table[0]) * bs, device=device)
@@ -170,7 +217,10 @@ class ModelRunner:
             decodes=decodes,
             prefills=prefills,
             hnd=self.cache.order == "HND",
-            decode_kernel=self.decode_kernel,
+            decode_kernel=self.kernels.decode,
+            fused_decode=self.kernels.fused_decode,
+            prefill_kernel=self.kernels.prefill,
+            prefill_batch=prefill_batch,
         )
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=device)
         cos = self.rope.cos.index_select(0, pos).unsqueeze(1)
@@ -178,6 +228,21 @@ class ModelRunner:
         ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=device)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=device)
         return self.model(ids, cos, sin_signed, self.cache.kv, meta, rows, on_layer)
+
+    def _prefill_batch(self, spans: list[tuple[int, int, int, list[int]]]) -> PrefillBatch:
+        """The step's prefill chunks (row, length, cached tokens before it, blocks) as one kernel's input."""
+        count, width = len(spans), max(len(blocks) for *_, blocks in spans)
+        flat = [row for row, *_ in spans] + [n for _, n, *_ in spans] + [start for _, _, start, _ in spans]
+        for *_, blocks in spans:
+            flat += blocks + [0] * (width - len(blocks))
+        data = torch.tensor(flat, dtype=torch.long).to(self.device)  # one copy to the device for the batch
+        return PrefillBatch(
+            query_starts=data[:count],
+            query_lens=data[count : 2 * count],
+            context_starts=data[2 * count : 3 * count],
+            block_table=data[3 * count :].view(count, width),
+            max_query_len=max(n for _, n, _, _ in spans),
+        )
 
     def _prompt_logprobs(
         self, logits: torch.Tensor, prompt_rows: list[tuple[ScheduledChunk, int, int]]
@@ -197,12 +262,12 @@ class ModelRunner:
         return out
 
     def _decode_groups(self, decodes) -> list[tuple[int, list[int], list[list[int]]]]:
-        """(first row, context lengths, block table padded to the longest) of each decode group. The
-        native decode attention reads each row's own context (no padding): all decodes are one group."""
+        """(first row, context lengths, block table padded to the longest) of each decode group. A decode
+        kernel (native or Triton) reads each row's own context (no padding): all decodes are one group."""
         bs = self.cache.block_size
         lengths = [c.start + 1 for c in decodes]  # sorted ascending by run()
         groups = []
-        runs = [(0, len(lengths))] if self.decode_kernel is not None else decode_groups(lengths)
+        runs = [(0, len(lengths))] if self.kernels.decode is not None else decode_groups(lengths)
         for start, count in runs:
             group = lengths[start : start + count]
             max_blocks = -(-max(group) // bs)

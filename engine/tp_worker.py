@@ -84,9 +84,8 @@ def main(make_agent: AgentFactory | None = None) -> int:
     model, cfg = load_model(config.model, config.torch_dtype, device, shard, group)
     head_dim = head_dim_of(cfg)
     cache = KVCache.for_shard(cfg, shard, int(spec["num_blocks"]), head_dim, config, device)
-    runner = ModelRunner(
-        model, cache, RoPE(cfg, head_dim, int(spec["max_model_len"]), config.torch_dtype, device), device
-    )
+    rope = RoPE(cfg, head_dim, int(spec["max_model_len"]), config.torch_dtype, device)
+    runner = ModelRunner(model, cache, rope, device, attention_backend=config.attention_backend)
     agent = make_agent(spec, cache, reply_channel(int(spec["reply_fd"]))) if make_agent is not None else None
     store, _ = store_for(int(spec["store_port"]), spec["prefix"], size, COLLECTIVE_TIMEOUT_S, leader=False)
     store.set(ready_key(rank), "1")

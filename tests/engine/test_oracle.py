@@ -48,10 +48,12 @@ def test_greedy_tokens_equal_transformers(model_and_reference, block_size, chunk
             chunked_prefill=chunked,
             num_threads=1,
             kv_layout=kv_layout,
+            # torch: the path of CPUs without engine.native's kernels (no native decode attention, and so
+            # no DecodeLayer), and of CUDA with attention_backend torch
+            attention_backend="auto" if kernels == "native" else "torch",
         )
     )
-    if kernels == "torch":  # the path of CUDA and of CPUs without engine.native's kernels
-        engine.runner.decode_kernel = None  # no native decode attention, and so no DecodeLayer
+    if kernels == "torch":
         for module in engine.runner.model.modules():
             if isinstance(module, Linear):
                 module.few_rows = None  # torch's matmul for every row count (the packed copy from two rows)
