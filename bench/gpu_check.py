@@ -100,12 +100,19 @@ def hf_generate(model, prompts: list[list[int]], new_tokens: int, exact_length: 
 
 
 def engine(path: str, device: str, dtype: str, backend: str, **knobs):
+    """An engine on ``backend``: auto, torch, triton, or triton+graphs (decode steps as CUDA graphs; on a
+    CPU their padded buffers run eagerly, engine/decode_graphs.py)."""
     from engine import EngineConfig, LLMEngine
 
-    config = dict(block_size=16, num_blocks=4096, max_num_seqs=64, max_num_batched_tokens=4096)
-    return LLMEngine(
-        EngineConfig(model=path, device=device, dtype=dtype, attention_backend=backend, **{**config, **knobs})
+    graphs = backend == "triton+graphs"
+    config = dict(block_size=16, num_blocks=4096, max_num_seqs=64, max_num_batched_tokens=4096, max_model_len=4096)
+    knobs = {**config, **knobs, "cuda_graphs": graphs and device == "cuda"}
+    eng = LLMEngine(
+        EngineConfig(model=path, device=device, dtype=dtype, attention_backend=backend.split("+")[0], **knobs)
     )
+    if graphs and device != "cuda":
+        eng.runner.use_decode_graphs(eng.max_model_len, knobs["max_num_seqs"], capture=False)
+    return eng
 
 
 def prompt_logprobs(eng, prompt: list[int], sampling) -> list[float]:
@@ -125,7 +132,7 @@ def check_oracle(models: dict[str, str], device: str, sizes: Sizes) -> list[Row]
     greedy = SamplingParams(max_tokens=sizes.new_tokens, temperature=0)
     for name, path in models.items():
         want = hf_generate(hf_model(path, device), prompts, sizes.new_tokens)
-        for backend in ("triton", "torch"):
+        for backend in ("triton", "triton+graphs", "torch"):
             eng = engine(path, device, "float32", backend, max_num_batched_tokens=64)  # chunked prefill too
             got = [r.token_ids for r in eng.generate(prompts, greedy)]
             same = sum(g == w for g, w in zip(got, want))
@@ -185,7 +192,7 @@ def check_speed(path: str, device: str, sizes: Sizes, bandwidth: float) -> list[
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     rows = []
-    for backend in ("triton", "torch"):
+    for backend in ("triton", "triton+graphs", "torch"):
         eng = engine(path, device, dtype, backend)
         salt = iter(range(1, 1 << 30, 997))
 

@@ -105,6 +105,9 @@ class EngineDefaults(Strict):
     """The kernels of paged attention: auto (Triton's on CUDA, engine/triton_attention.py; on CPU
     engine.native's where built, else torch's), torch (torch's ops alone, the fallback), or triton (CUDA
     only)."""
+    cuda_graphs: bool = EngineConfig.cuda_graphs
+    """Replay decode-only steps as CUDA graphs, one per padded batch size (engine/decode_graphs.py); needs
+    CUDA, tensor_parallel_size 1 and the Triton backend. Off by default: not yet measured on a device."""
 
 
 # The engine keys one instance may override (None: the engine: section's value).

@@ -63,6 +63,9 @@ class EngineConfig:
     tensor_parallel_size: AtLeastOne = 1
     # Which kernels compute paged attention (engine/runner.py ``attention_kernels``).
     attention_backend: AttentionBackend = "auto"
+    # Decode-only steps replayed as CUDA graphs, one per padded batch size (engine/decode_graphs.py): CUDA,
+    # one rank, the Triton backend. Off until measured on a device.
+    cuda_graphs: bool = False
 
     @property
     def cache_salt(self) -> str:

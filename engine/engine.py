@@ -166,6 +166,12 @@ class LLMEngine:
         self.runner = ModelRunner(
             self.model, self.cache, rope, device, self.eos_token_ids, self.ranks, config.attention_backend
         )
+        if config.cuda_graphs:
+            try:
+                self.runner.use_decode_graphs(self.max_model_len, config.max_num_seqs)
+            except BaseException:
+                self.close()
+                raise
         self.counters = EngineCounters()
         self._structured: StructuredOutputs | None = None
 

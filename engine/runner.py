@@ -26,6 +26,7 @@ import torch
 from engine import native
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillBatch, PrefillSpan, decode_groups
 from engine.config import AttentionBackend
+from engine.decode_graphs import DecodeGraphs
 from engine.grammar_mask import apply_grammar_masks
 from engine.kv_cache import KVCache
 from engine.model import CausalLM
@@ -126,6 +127,31 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.seed()
         self.kernels = attention_kernels(attention_backend, device, cache.kv.dtype)
+        self.graphs: DecodeGraphs | None = None  # decode-only steps as CUDA graphs (use_decode_graphs)
+
+    def use_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True) -> None:
+        """Runs decode-only steps from padded static buffers, captured as CUDA graphs (engine/decode_graphs.py);
+        ``capture=False`` runs the same buffers eagerly (tests on CPU)."""
+        if capture and self.device.type != "cuda":
+            raise ValueError(f"cuda_graphs needs a CUDA device, not {self.device.type!r}")
+        if self.ranks is not None:
+            raise ValueError("cuda_graphs needs tensor_parallel_size 1 (collectives are not captured)")
+        if self.kernels.decode is None:
+            raise ValueError(
+                "cuda_graphs needs a decode kernel that reads the cache in place (attention_backend triton)"
+            )
+        self.graphs = DecodeGraphs(
+            self.model,
+            self.cache.kv,
+            self.rope.cos,
+            self.rope.sin_signed,
+            self.kernels.decode,
+            self.cache.order == "HND",
+            self.cache.block_size,
+            max_model_len,
+            max_num_seqs,
+            capture,
+        )
 
     @torch.inference_mode()
     def run(self, plan: SchedulePlan, on_layer: Callable[[int], None] | None = None) -> dict[Request, ChunkResult]:
@@ -187,6 +213,8 @@ class ModelRunner:
         device = self.device
         if inputs.copies and self.ranks is None:
             self.cache.copy_blocks(inputs.copies)
+        if self.graphs is not None and on_layer is None and self.graphs.fits(inputs):
+            return self.graphs.run(inputs)
         prefills: list[PrefillSpan] = []
         prefill_batch = None
         if self.kernels.prefill is not None and inputs.prefills:

@@ -1,6 +1,7 @@
-"""scripts/gpu-check.sh, the run a leased GPU gets, works on CPU: every part runs small, the oracle rows say
-that the Triton path (under Triton's interpreter here) and the torch path give transformers' tokens, both
-clusters serve every request and move KV, and the table comes last."""
+"""scripts/gpu-check.sh, the run a leased GPU gets, works on CPU: every part runs small; the oracle rows say
+that the Triton path (under Triton's interpreter here, also with the padded buffers CUDA graphs replay,
+run eagerly) and the torch path give transformers' tokens; both clusters serve every request and move KV;
+the table comes last."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def test_the_gpu_check_runs_on_cpu_and_every_check_passes(tmp_path):
     assert report["ok"] and report["info"]["device"] == "cpu"
     rows = {(r["part"], r["name"]): r["value"] for r in report["rows"]}
     for model in ("tiny-qwen3", "tiny-llama"):
-        for backend in ("triton", "torch"):
+        for backend in ("triton", "triton+graphs", "torch"):
             assert rows["oracle", f"{model} float32 {backend}: prompts equal to transformers"] == "3/3"
         assert 0 < rows["oracle", f"{model} bfloat16: largest prompt logprob difference from float32"] <= 0.1
     for layout in ("colocated", "1p1d"):
