@@ -444,6 +444,24 @@ class GenerationService:
         self.engine_thread.call(expire)
 
     # ---- status ---------------------------------------------------------------
+    def bookkeeping(self) -> dict[str, int]:
+        """Entries of each map here that grows with traffic (GET /debug/bookkeeping). Per request, 0 once
+        idle: ``active``, ``streams``, ``awaiting``, ``cancelling``, ``unfilled_claims``,
+        ``receiver_transfers``, ``engine_requests``. Bounded: ``timeline_entries``, ``prefix_cached_blocks``
+        (the cache's blocks)."""
+        scheduler = self.engine_thread.stats.scheduler
+        return {
+            "active": len(self._active),
+            "streams": len(self._hub) if self._hub is not None else 0,
+            "awaiting": len(self._awaiting),
+            "cancelling": len(self._cancelling),
+            "unfilled_claims": len(self.unfilled),
+            "receiver_transfers": self._receiver.open_transfers() if self._receiver is not None else 0,
+            "engine_requests": scheduler.num_requests,
+            "timeline_entries": len(self.timeline),
+            "prefix_cached_blocks": scheduler.cached,
+        }
+
     def health(self) -> HealthReport:
         s = self.engine_thread.stats.scheduler
         return HealthReport(

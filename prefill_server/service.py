@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from engine import LLMEngine, PrefillChunk, StepOutput
@@ -56,6 +55,7 @@ from server_common.worker_replies import (
 from server_common.worker_requests import PrefillRequest
 from transfer.messages import group_from_target
 from transfer.outcome import Outcome, PeerBound, TransferEnded
+from transfer.recent import RecentIds
 
 log = logging.getLogger(__name__)
 REMEMBER_ABORTED = 4096
@@ -134,7 +134,7 @@ class PrefillService:
         self._bytes_per_token = engine.cache.bytes_per_token
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
-        self._aborted: OrderedDict[str, None] = OrderedDict()  # recently aborted request ids; engine thread only
+        self._aborted = RecentIds(REMEMBER_ABORTED)  # recently aborted request ids; engine thread only
         self._pending = 0  # requests between /prefill and their answer (event loop only)
         self.drain = Drain(lambda: self._pending)  # draining: new prefills are refused, pending ones finish
 
@@ -274,9 +274,7 @@ class PrefillService:
         the transfer id, so whatever they carry is never used."""
         job = self._jobs.pop(request_id, None)
         e.abort(request_id)
-        self._aborted[request_id] = None
-        while len(self._aborted) > REMEMBER_ABORTED:
-            self._aborted.popitem(last=False)
+        self._aborted.add(request_id)
         if job is None:
             return False
         self._by_transfer.pop(job.transfer_id, None)
@@ -351,6 +349,24 @@ class PrefillService:
                 prompt_logprobs=prompt_token_logprobs(out.prompt_logprobs),
             )
         )
+
+    def bookkeeping(self) -> dict[str, int]:
+        """Entries of each map here that grows with traffic (GET /debug/bookkeeping). Per request, 0 once
+        idle: ``jobs``, ``transfers``, ``pending``, ``sender_transfers``, ``engine_requests``. Bounded:
+        ``aborted_remembered`` (REMEMBER_ABORTED), ``timeline_entries``, ``prefix_cached_blocks`` (the
+        cache's blocks), ``peers`` (the config's and those the router announced)."""
+        scheduler = self.engine_thread.stats.scheduler
+        return {
+            "jobs": len(self._jobs),
+            "transfers": len(self._by_transfer),
+            "pending": self._pending,
+            "sender_transfers": self._sender.open_transfers(),
+            "engine_requests": scheduler.num_requests,
+            "aborted_remembered": len(self._aborted),
+            "timeline_entries": len(self.timeline),
+            "prefix_cached_blocks": scheduler.cached,
+            "peers": len(self._peers.known()),
+        }
 
     def health(self) -> HealthReport:
         s = self.engine_thread.stats.scheduler

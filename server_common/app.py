@@ -1,11 +1,13 @@
 """Both servers' FastAPI app: the service starts and stops with it, behind the guard
 (``server_common.guard``), with the routes both share (/abort, /health, /metrics, /kv/events,
-/kv/blocks, /debug/timeline, and /admin/faults when fault injection is on)."""
+/kv/blocks, /debug/timeline, /debug/bookkeeping, /debug/tracemalloc[/start|/stop], and /admin/faults when fault
+injection is on). Every route but /health and /metrics needs the internal secret (the guard)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,10 +16,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server_common.fault_routes import add_fault_routes
 from server_common.guard import BodyCapMiddleware, install_guard
+from server_common.heap_debug import HeapSnapshots
 from server_common.stats_log import log_stats, server_line, server_snapshot
 from server_common.strict_json import StrictJSONRoute
-from server_common.worker_replies import KvBlocksReply, KvEventsReply
+from server_common.worker_replies import ErrorReply, KvBlocksReply, KvEventsReply
 from server_common.worker_requests import AbortRequest
+from transfer.outcome import Outcome
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -35,7 +39,8 @@ def service_app(service, title: str) -> FastAPI:
     with the routes both servers share.
 
     ``service`` has async ``start()``/``stop()``/``abort(id)``, ``health()``, ``engine``,
-    ``metrics``, ``faults``, ``settings``, ``drain``, ``kv_events`` (engine/kv_events.py) and
+    ``metrics``, ``faults``, ``settings``, ``drain``, ``kv_events`` (engine/kv_events.py), ``bookkeeping()``
+    (entries per map that grows with traffic) and
     ``vitals`` (``server_common.vitals``:
     /health answers 503 while a thread is dead or stuck, and a dead one ends the process).
     """
@@ -95,6 +100,38 @@ def _add_common_routes(app: FastAPI, service) -> None:
         return JSONResponse(
             {"instance": service.settings.name, "role": service.settings.role, "requests": service.timeline.entries()}
         )
+
+    @app.get("/debug/bookkeeping")
+    async def bookkeeping() -> JSONResponse:
+        """Entries in each map that grows with traffic: per-request ones are 0 once idle, the others stay
+        within their bounds (bench/load/soak.py samples this)."""
+        return JSONResponse(
+            {"instance": service.settings.name, "role": service.settings.role, "sizes": service.bookkeeping()}
+        )
+
+    heap = HeapSnapshots()
+
+    @app.post("/debug/tracemalloc/start")
+    async def heap_start(frames: int = 8) -> JSONResponse:
+        """Trace Python allocations from now on (server_common/heap_debug.py); costly, off by default."""
+        heap.start(max(1, min(frames, 64)))
+        return JSONResponse({"tracing": True, "frames": max(1, min(frames, 64))})
+
+    @app.post("/debug/tracemalloc/stop")
+    async def heap_stop() -> JSONResponse:
+        heap.stop()
+        return JSONResponse({"tracing": False})
+
+    @app.get("/debug/tracemalloc")
+    async def heap_growth(top: int = 25, group_by: Literal["lineno", "traceback", "filename"] = "lineno"):
+        """Where traced Python memory grew since the last call (server_common/heap_debug.py); 409 while
+        tracing is off."""
+        if not heap.tracing():
+            reply = ErrorReply(
+                error="tracemalloc is off: POST /debug/tracemalloc/start first", code=Outcome.BAD_REQUEST
+            )
+            return JSONResponse(reply.model_dump(mode="json"), status_code=409)
+        return JSONResponse(await asyncio.to_thread(heap.growth, max(1, min(top, 500)), group_by))
 
     @app.get("/kv/events")
     async def kv_events(after: int = 0) -> JSONResponse:

@@ -61,6 +61,8 @@ class KVReceiverPort(Protocol):
 
     def counters(self) -> dict[str, int]: ...
 
+    def open_transfers(self) -> int: ...  # transfers expected and not ended (GET /debug/bookkeeping)
+
     def problem(self, stuck_after_s: float) -> str | None: ...  # dead or stuck transfer thread (server_common.vitals)
 
     def close(self) -> None: ...
@@ -78,6 +80,8 @@ class KVSenderPort(Protocol):
     def abort(self, transfer_id: str) -> None: ...
 
     def take_finished(self) -> list[TransferEnded]: ...
+
+    def open_transfers(self) -> int: ...  # transfers begun and not ended (GET /debug/bookkeeping)
 
     def problem(self, stuck_after_s: float) -> str | None: ...
 

@@ -43,5 +43,9 @@ class UnfilledBlocks:
         else:
             self._held.pop(caller, None)
 
+    def __len__(self) -> int:
+        """Reservations claimed and not released."""
+        return len(self._claims)
+
     def held(self, caller: str) -> int:
         return self._held.get(caller, 0)

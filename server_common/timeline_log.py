@@ -15,7 +15,9 @@ from collections import deque
 
 
 class TimelineLog:
-    def __init__(self, capacity: int = 4096) -> None:
+    CAPACITY = 4096
+
+    def __init__(self, capacity: int = CAPACITY) -> None:
         self._entries: deque[dict] = deque(maxlen=capacity)
         self._offset = time.time() - time.monotonic()  # monotonic -> Unix time, one offset for all stamps
 
@@ -24,6 +26,9 @@ class TimelineLog:
         entry = {"request_id": request_id}
         entry.update({k: round(v + self._offset, 6) for k, v in stamps.items() if v is not None})
         self._entries.append(entry)
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def entries(self) -> list[dict]:
         return list(self._entries)

@@ -17,7 +17,6 @@ The prefill server calls ``release(request)`` on its engine for every id that
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -33,9 +32,11 @@ from transfer.layout import KVLayout, check_compatible
 from transfer.messages import Ack, Cancel, CancelAck, Done, Hello, decode, encode
 from transfer.outcome import Outcome
 from transfer.plan import CopyPlan, common_heads, make_plan, staging_layout
+from transfer.recent import RecentIds
 from transfer.thread import TransferThread, cache_as_layout, chunk_hint
 
 ACK_GRACE_S = 1.0  # past its lease, how long a sent Done may wait for the receiver's Ack
+REMEMBER_CANCELLED = 4096  # transfer ids the receiver cancelled, kept to refuse a late Begin
 
 
 @dataclass
@@ -129,7 +130,7 @@ class KVSender(TransferThread):
         self._peers: dict[str, Hello] = {}
         self._staging: dict[str, torch.Tensor] = {}  # dtype -> converted mirror of the cache
         self._out: dict[str, _Out] = {}
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._cancelled = RecentIds(REMEMBER_CANCELLED)  # transfer thread only
         self._stats = {"writes": 0, "ranges": 0, "bytes": 0, "post_s": 0.0}
         backend.register("kv", self._cache)
         super().__init__(backend, name, notify)
@@ -186,6 +187,14 @@ class KVSender(TransferThread):
         held for it (NIXL remote agent and descriptor lists, ZeroMQ socket). A replacement at the
         same name is met afresh by ``connect``."""
         self._submit(Forget(peer))
+
+    def open_transfers(self) -> int:
+        """Transfers begun and not ended (read from any thread: a size, for GET /debug/bookkeeping)."""
+        return len(self._out)
+
+    def remembered_cancels(self) -> int:
+        """Cancelled transfer ids remembered (at most ``REMEMBER_CANCELLED``)."""
+        return len(self._cancelled)
 
     def stats(self) -> dict:
         """Layer writes posted, their ranges and bytes, and the transfer
@@ -344,9 +353,7 @@ class KVSender(TransferThread):
                 else:
                     self._end(out, Outcome.REFUSED, msg.reason or "refused by the receiver")
         elif isinstance(msg, Cancel):
-            self._cancelled[msg.transfer_id] = None
-            while len(self._cancelled) > 4096:
-                self._cancelled.popitem(last=False)
+            self._cancelled.add(msg.transfer_id)
             out = self._out.get(msg.transfer_id)
             if out is not None:  # answered by _end, once nothing of it is in flight
                 out.fail("cancelled by the receiver", Outcome.CANCELLED)

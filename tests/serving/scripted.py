@@ -59,6 +59,7 @@ class ScriptedEnds:
         self._notify = notify
         self._lock = threading.Lock()
         self._ended: list[TransferEnded] = []
+        self.ended_ids: set[str] = set()  # every transfer id reported ended
 
     def start(self) -> None:
         pass
@@ -66,6 +67,7 @@ class ScriptedEnds:
     def end(self, tid: str, outcome: Outcome, reason: str = "", first_tokens: tuple[int, ...] | None = None) -> None:
         with self._lock:
             self._ended.append(TransferEnded(tid, outcome, reason, first_tokens))
+            self.ended_ids.add(tid)
         self._notify()
 
     def take_finished(self) -> list[TransferEnded]:
@@ -99,6 +101,10 @@ class ScriptedReceiver(ScriptedEnds):
     def counters(self) -> dict[str, int]:
         return {"dropped_expired": 2}
 
+    def open_transfers(self) -> int:
+        """Expected and not reported ended."""
+        return len(set(self.expected) - self.ended_ids)
+
 
 class ScriptedSender(ScriptedEnds):
     def __init__(self, notify) -> None:
@@ -116,6 +122,10 @@ class ScriptedSender(ScriptedEnds):
 
     def abort(self, tid) -> None:
         self.calls.append(("abort", tid))
+
+    def open_transfers(self) -> int:
+        """Begun and not reported ended."""
+        return len({c[1] for c in self.calls if c[0] == "begin"} - self.ended_ids)
 
 
 class ScriptedPeers:

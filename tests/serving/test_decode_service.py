@@ -77,6 +77,24 @@ def test_client_leaving_cancels_and_frees_only_when_the_receiver_confirms(engine
     run_decode_service(engine, scenario)
 
 
+def test_bookkeeping_holds_a_reservation_until_its_transfer_ended_then_nothing(engine):
+    per_request = ("active", "streams", "awaiting", "cancelling", "unfilled_claims", "receiver_transfers")
+
+    async def scenario(service, receiver):
+        await service.open(generate_request("c"))
+        held = service.bookkeeping()
+        assert {k: held[k] for k in per_request} == dict.fromkeys(per_request, 1) | {"cancelling": 0}
+        await service.close("c")  # the client left: cancelled, waiting for the receiver to confirm
+        assert service.bookkeeping()["cancelling"] == 1
+        receiver.end("t0", Outcome.CANCELLED, "cancelled")
+        await until(lambda: blocks(service) == (8, 0, 0))
+        await until(lambda: service.bookkeeping()["engine_requests"] == 0)
+        idle = service.bookkeeping()
+        assert {k: idle[k] for k in per_request} == dict.fromkeys(per_request, 0)
+
+    run_decode_service(engine, scenario)
+
+
 def test_no_room_is_refused_at_once_with_503(engine):
     async def scenario(service, receiver):
         first, active = await service.open(generate_request("d", n=27))  # 28 tokens: 7 of 8 blocks

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+import prefill_server.service
 from engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from prefill_server.service import PrefillService
@@ -96,6 +97,47 @@ def test_abort_stops_the_job_and_tells_the_sender(engine):
         assert ("abort", "t-c") in sender.calls
         sender.end("t-c", Outcome.ABORTED, "aborted")  # late report: nothing left to do
         assert not await service.abort("c")
+
+    run(engine, scenario)
+
+
+def test_bookkeeping_is_empty_once_every_job_ended(engine):
+    async def scenario(service, sender):
+        tasks = [asyncio.ensure_future(service.prefill(prefill_request(rid, 5))) for rid in ("e", "f")]
+        await until(lambda: sum(c[0] == "finish" for c in sender.calls) == 2)
+        busy = service.bookkeeping()
+        assert (busy["jobs"], busy["transfers"], busy["pending"], busy["sender_transfers"]) == (2, 2, 2, 2)
+        sender.end("t-e", Outcome.OK)
+        sender.end("t-f", Outcome.REFUSED, "checksum mismatch")
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await until(lambda: service.bookkeeping()["engine_requests"] == 0)
+        idle = service.bookkeeping()
+        assert {k: idle[k] for k in ("jobs", "transfers", "pending", "sender_transfers", "aborted_remembered")} == {
+            "jobs": 0,
+            "transfers": 0,
+            "pending": 0,
+            "sender_transfers": 0,
+            "aborted_remembered": 0,
+        }
+        assert idle["timeline_entries"] == 2
+
+    run(engine, scenario)
+
+
+def test_aborted_request_ids_are_remembered_up_to_the_bound(engine, monkeypatch):
+    monkeypatch.setattr(prefill_server.service, "REMEMBER_ABORTED", 4)
+
+    async def scenario(service, sender):
+        for i in range(6):  # aborts of requests whose /prefill has not come (the router's client left)
+            assert not await service.abort(f"gone-{i}")
+        assert service.bookkeeping()["aborted_remembered"] == 4
+        with pytest.raises(WorkerError) as info:  # among the 4 newest: refused
+            await service.prefill(prefill_request("gone-5", 5))
+        assert info.value.code == Outcome.ABORTED
+        task = asyncio.ensure_future(service.prefill(prefill_request("gone-0", 5)))  # forgotten: computed
+        await until(lambda: ("finish", "t-gone-0") in [c[:2] for c in sender.calls])
+        sender.end("t-gone-0", Outcome.OK)
+        assert (await task).num_tokens == 5
 
     run(engine, scenario)
 
