@@ -101,6 +101,9 @@ class EngineDefaults(Strict):
     """Ranks each server splits the model over (one process each, one device each on CUDA; rank 0 is the
     server); it must divide the model's attention heads and MLP. `kv_cache_bytes` and `num_blocks` are per
     rank. Prefill, decode and colocated servers alike."""
+    expert_parallel_size: AtLeastOne = EngineConfig.expert_parallel_size
+    """A mixture-of-experts model's experts split whole over the tensor-parallel ranks (each holds 1/N of
+    them): 1 (every rank holds every expert, its features split) or `tensor_parallel_size`."""
     attention_backend: AttentionBackend = EngineConfig.attention_backend
     """The kernels of paged attention: auto (Triton's on CUDA, engine/triton_attention.py; on CPU
     engine.native's where built, else torch's), torch (torch's ops alone, the fallback), or triton (CUDA
@@ -121,6 +124,7 @@ INSTANCE_ENGINE_KEYS = (
     "max_num_batched_tokens",
     "kv_layout",
     "tensor_parallel_size",
+    "expert_parallel_size",
 )
 
 
@@ -159,6 +163,8 @@ class Instance(Strict):
     """Its order inside a KV block."""
     tensor_parallel_size: AtLeastOne | None = None
     """Ranks it splits the model over."""
+    expert_parallel_size: AtLeastOne | None = None
+    """Ranks it splits a mixture of experts' experts over."""
 
     @property
     def transfer_port(self) -> int:
@@ -499,6 +505,13 @@ class ClusterConfig(Strict):
             raise ValueError(
                 f"ports must be unique (router, instance port and kv_port = port + 1 by default), repeated: {dup_ports}"
             )
+        for i in self.instances():
+            tp = self.tensor_parallel_size_of(i)
+            ep = i.expert_parallel_size or self.engine.expert_parallel_size
+            if ep not in (1, tp):
+                raise ValueError(
+                    f"{i.name}: expert_parallel_size must be 1 or its tensor_parallel_size ({tp}), got {ep}"
+                )
         exposed = [
             f"{i.name} ({self.bind_host_of(i)})" for i in self.instances() if not is_loopback(self.bind_host_of(i))
         ]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 
-from engine.config import DTYPES, EngineConfig
+from engine.config import DTYPES, TINY_ARCHS, EngineConfig
 from engine.models import BUILTIN_MODELS, MODEL_CACHE, needs_build, resolve_model
 
 
@@ -18,10 +19,13 @@ def add_parser(subparsers) -> None:
         description="Build a Hugging Face model folder that pdserve (and transformers) can load.",
     )
     make.add_argument(
-        "kind", choices=["tiny", "smollm2"], help="tiny: random small model; smollm2: SmolLM2-135M-Instruct"
+        "kind",
+        choices=["tiny", "tiny-moe", "smollm2"],
+        help="tiny: random small model (--arch); tiny-moe: the built-in tiny Qwen3-MoE (a dense first layer, then "
+        "8 experts, 2 per token; --seed only); smollm2: SmolLM2-135M-Instruct",
     )
     make.add_argument("--out", required=True, help="output folder")
-    make.add_argument("--arch", choices=["qwen3", "llama"], default="qwen3", help="tiny only (default qwen3)")
+    make.add_argument("--arch", choices=list(TINY_ARCHS), default="qwen3", help="tiny only (default qwen3)")
     make.add_argument("--seed", type=int, default=0, help="tiny only: weight seed (default 0)")
     make.add_argument("--layers", type=int, default=2, help="tiny only: decoder layers (default 2)")
     make.add_argument("--hidden", type=int, default=64, help="tiny only: hidden size (default 64)")
@@ -34,6 +38,9 @@ def add_parser(subparsers) -> None:
     make.add_argument(
         "--init-std", type=float, default=0.2, help="tiny only: weights' standard deviation (default 0.2)"
     )
+    make.add_argument("--experts", type=int, default=8, help="qwen3_moe and mixtral: experts per layer (default 8)")
+    make.add_argument("--top-k", type=int, default=2, help="qwen3_moe and mixtral: experts per token (default 2)")
+    make.add_argument("--moe-intermediate", type=int, default=32, help="features of one expert (default 32)")
     make.set_defaults(func=run_make_model)
 
     gen = subparsers.add_parser(
@@ -82,11 +89,13 @@ def add_parser(subparsers) -> None:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from engine.make_model import TinySpec, make_smollm2, make_tiny
+    from engine.make_model import TINY_MOE, TinySpec, make_smollm2, make_tiny
 
     start = time.perf_counter()
     if args.kind == "smollm2":
         out = make_smollm2(args.out)
+    elif args.kind == "tiny-moe":
+        out = make_tiny(args.out, dataclasses.replace(TINY_MOE, seed=args.seed))
     else:
         spec = TinySpec(
             arch=args.arch,
@@ -100,6 +109,9 @@ def run_make_model(args: argparse.Namespace) -> int:
             vocab=args.vocab,
             max_positions=args.max_positions,
             init_std=args.init_std,
+            experts=args.experts,
+            top_k=args.top_k,
+            moe_intermediate=args.moe_intermediate,
         )
         out = make_tiny(args.out, spec)
     print(f"wrote {out} in {time.perf_counter() - start:.1f}s", file=sys.stderr)

@@ -23,6 +23,7 @@ KvLayout = Literal["NHD", "HND"]
 # auto: Triton's kernels on CUDA (engine/triton_attention.py), torch's ops elsewhere (with engine.native's
 # kernels on CPU where they are built); triton on CPU runs only under Triton's interpreter (tests)
 AttentionBackend = Literal["auto", "torch", "triton"]
+TINY_ARCHS = ("llama", "mixtral", "qwen3", "qwen3_moe")  # the families engine/make_model.py builds tiny ones of
 DTYPES: tuple[str, ...] = get_args(Dtype)
 MODES: tuple[str, ...] = get_args(EngineMode)
 KV_LAYOUTS: tuple[str, ...] = get_args(KvLayout)
@@ -61,11 +62,21 @@ class EngineConfig:
     # Ranks the model is split over (engine/tensor_parallel.py): rank 0 is this engine, the others its
     # child processes (engine/tp_leader.py). kv_cache_bytes and num_blocks are per rank.
     tensor_parallel_size: AtLeastOne = 1
+    # A mixture-of-experts model's experts split whole over the tensor-parallel ranks (engine/moe.py): 1 (each
+    # expert's features split instead) or tensor_parallel_size.
+    expert_parallel_size: AtLeastOne = 1
     # Which kernels compute paged attention (engine/runner.py ``attention_kernels``).
     attention_backend: AttentionBackend = "auto"
     # Decode-only steps replayed as CUDA graphs, one per padded batch size (engine/decode_graphs.py): CUDA,
     # one rank, the Triton backend. Off until measured on a device.
     cuda_graphs: bool = False
+
+    def __post_init__(self) -> None:
+        if self.expert_parallel_size not in (1, self.tensor_parallel_size):
+            raise ValueError(
+                f"expert_parallel_size must be 1 or tensor_parallel_size ({self.tensor_parallel_size}), "
+                f"got {self.expert_parallel_size}"
+            )
 
     @property
     def cache_salt(self) -> str:

@@ -116,9 +116,9 @@ class LLMEngine:
         cfg = load_config(config.model)
         self.hf_config = cfg
         size = config.tensor_parallel_size
-        shard = Shard(0, size)
+        shard = Shard(0, size, config.expert_parallel_size > 1)
         if size > 1:
-            check_split(cfg, size)
+            check_split(cfg, size, shard.expert_parallel)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model, local_files_only=True)
         self.eos_token_ids = _eos_token_ids(config.model, cfg)
         limit = cfg.max_position_embeddings

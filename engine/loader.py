@@ -21,12 +21,26 @@ from safetensors import safe_open
 from transformers import AutoConfig
 
 from engine.model import CausalLM, RankGroup
+from engine.moe import MoESpec
 from engine.tensor_parallel import Shard, split_problem
 
 # model_type -> (per-head q/k RMSNorm, q/k/v bias)
-ARCHITECTURES = {"llama": (False, None), "qwen3": (True, None), "qwen2": (False, True), "mistral": (False, False)}
+ARCHITECTURES = {
+    "llama": (False, None),
+    "qwen3": (True, None),
+    "qwen2": (False, True),
+    "mistral": (False, False),
+    "qwen3_moe": (True, None),  # mixture of experts (engine/moe.py)
+    "mixtral": (False, False),
+}
 
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
+# One expert's weight as checkpoints name it: Qwen3-MoE's, Mixtral's (w1 gate, w3 up, w2 down).
+_EXPERT_KEY = re.compile(
+    r"^layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)"
+    r"|block_sparse_moe\.experts\.(\d+)\.(w1|w3|w2))\.weight$"
+)
+_EXPERT_PART = {"gate_proj": 0, "up_proj": 1, "down_proj": 2, "w1": 0, "w3": 1, "w2": 2}
 _FUSED = {
     "self_attn.q_proj": ("self_attn.qkv_proj", 0),
     "self_attn.k_proj": ("self_attn.qkv_proj", 1),
@@ -65,9 +79,19 @@ def _weight_files(path: Path) -> list[Path]:
     return files
 
 
-def check_split(cfg, size: int) -> None:
+def check_split(cfg, size: int, expert_parallel: bool = False) -> None:
     """Raises ValueError, naming the sizes, when the model cannot be split over ``size`` ranks."""
     problem = split_problem(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, size)
+    experts = MoESpec.of(cfg)
+    if problem is None and experts is not None:
+        if expert_parallel and experts.num_experts % size:
+            problem = f"{experts.num_experts} experts cannot be split evenly over expert_parallel_size={size}"
+        elif not expert_parallel and experts.intermediate % size:
+            problem = (
+                f"each expert's {experts.intermediate} features cannot be split evenly over tensor_parallel_size={size}"
+            )
+    elif problem is None and expert_parallel:
+        problem = "expert_parallel_size > 1 needs a mixture-of-experts model"
     if problem is not None:
         raise ValueError(f"{problem} (tensor_parallel_size must divide the model's heads and MLP)")
 
@@ -80,7 +104,7 @@ def load_model(
     if bias is None:
         bias = bool(getattr(cfg, "attention_bias", False))
     if not shard.whole:
-        check_split(cfg, shard.size)
+        check_split(cfg, shard.size, shard.expert_parallel)
     # Built in place, uninitialized: a meta-device build's to_empty() goes through torch's
     # reference ops, whose import (sympy) costs about a second of every start.
     with torch.device(device), _no_random_init():
@@ -89,11 +113,12 @@ def load_model(
     params = dict(model.named_parameters())
     parts: dict[str, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()
+    experts = _ExpertLoader(cfg, shard, params)
     for file in _weight_files(Path(model_dir)):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
-                name = key.removeprefix("model.")
-                if "rotary_emb" in name:
+                name = key.removeprefix("model.").replace(".block_sparse_moe.gate.", ".mlp.gate.")
+                if "rotary_emb" in name or experts.take(name, key, f):
                     continue
                 target, part = _fused_target(name)
                 if target not in params:
@@ -118,6 +143,7 @@ def load_model(
         else:
             _copy(model.lm_head.weight, _slice("lm_head.weight", model.embed_tokens.weight, cfg, shard), "lm_head")
         loaded.add("lm_head.weight")
+    loaded |= experts.complete()
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"{model_dir}: weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -169,6 +195,66 @@ def _slice(name: str, tensor: torch.Tensor, cfg, shard: Shard) -> torch.Tensor:
     if rest in ("mlp.down_proj.bias", "self_attn.o_proj.bias"):
         return tensor if shard.rank == 0 else torch.zeros_like(tensor)  # added once, before the sum
     return tensor  # norms (q_norm, k_norm, layer norms) are whole
+
+
+class _ExpertLoader:
+    """Puts experts' weights into a rank's stacked ``mlp.experts.gate_up_proj`` / ``down_proj``
+    (engine/moe.py): from one tensor per expert and projection (checkpoints' names), or from the stacked
+    tensors themselves (transformers' in-memory names). Another rank's experts are never read."""
+
+    def __init__(self, cfg, shard: Shard, params: dict[str, torch.Tensor]) -> None:
+        self.spec = MoESpec.of(cfg)
+        self.shard, self.params = shard, params
+        self.pieces: dict[str, int] = {}
+
+    def take(self, name: str, key: str, f) -> bool:
+        """True when ``name`` is an expert weight (copied, or skipped as another rank's)."""
+        if self.spec is None:
+            return False
+        experts = self.shard.experts(self.spec.num_experts)
+        features = self.shard.expert_intermediate(self.spec.intermediate)
+        match = _EXPERT_KEY.match(name)
+        if match is not None:
+            layer, expert, part = (
+                match.group(1),
+                int(match.group(2) or match.group(4)),
+                _EXPERT_PART[match.group(3) or match.group(5)],
+            )
+            if expert not in experts:
+                return True
+            local = expert - experts.start
+            tensor = f.get_tensor(key)
+            if part == 2:
+                target = f"layers.{layer}.mlp.experts.down_proj"
+                self._copy(target, self.params[target][local], tensor[:, features.start : features.stop], key)
+            else:
+                target = f"layers.{layer}.mlp.experts.gate_up_proj"
+                rows = self.params[target][local].chunk(2)[part]
+                self._copy(target, rows, tensor[features.start : features.stop], key)
+            return True
+        stacked = name.rsplit(".", 1)
+        if not (name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) and name in self.params):
+            return False
+        tensor = f.get_tensor(key)[experts.start : experts.stop]
+        if stacked[1] == "down_proj":
+            tensor = tensor[:, :, features.start : features.stop]
+        else:
+            gate, up = tensor.chunk(2, dim=1)
+            tensor = torch.cat([gate[:, features.start : features.stop], up[:, features.start : features.stop]], 1)
+        self._copy(name, self.params[name], tensor, key, pieces=len(experts) * (1 if stacked[1] == "down_proj" else 2))
+        return True
+
+    def _copy(self, target: str, into: torch.Tensor, tensor: torch.Tensor, key: str, pieces: int = 1) -> None:
+        _copy(into, tensor, key)
+        self.pieces[target] = self.pieces.get(target, 0) + pieces
+
+    def complete(self) -> set[str]:
+        """The stacked parameters every piece of which was loaded."""
+        if self.spec is None:
+            return set()
+        count = len(self.shard.experts(self.spec.num_experts))
+        need = {"gate_up_proj": 2 * count, "down_proj": count}
+        return {t for t, n in self.pieces.items() if n == need[t.rsplit(".", 1)[1]]}
 
 
 def _rows(tensor: torch.Tensor, heads: list[int], head_dim: int) -> torch.Tensor:

