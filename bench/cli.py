@@ -46,6 +46,7 @@ def add_parser(subparsers, command: str | None = None) -> None:
     from bench.compare import compare
     from bench.load import serve
     from bench.micro import router_bench
+    from bench.plan import kv as plan_kv
     from bench.plan import plan
 
     bench = subparsers.add_parser(
@@ -109,3 +110,12 @@ def add_parser(subparsers, command: str | None = None) -> None:
     )
     plan.add_arguments(p)
     p.set_defaults(func=plan.run)
+    plan_sub = p.add_subparsers(dest="plan_command", metavar="[kv]")
+    kv_parser = plan_sub.add_parser(
+        "kv",
+        help="KV cache bytes per token of a model, and for a sequence",
+        description="Reads a model's config.json and prints the KV cache it keeps per token and for a sequence "
+        "of --tokens tokens (full, grouped-query, latent and sliding-window attention).",
+    )
+    plan_kv.add_arguments(kv_parser)
+    kv_parser.set_defaults(func=plan_kv.run)

@@ -310,7 +310,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     src.add_argument("--device", default=EngineConfig.device, help="torch device to profile (default %(default)s)")
     work = p.add_argument_group("workload")
-    work.add_argument("--rate", type=float, required=True, metavar="R", help="Poisson arrivals per second")
+    work.add_argument("--rate", type=float, metavar="R", help="Poisson arrivals per second (required)")
     work.add_argument("--num-requests", type=int, default=300, metavar="N", help="simulated requests (300)")
     work.add_argument("--prompt-len", default="512", metavar="SPEC", help="N, uniform(LO,HI), normal(M,S)")
     work.add_argument("--output-len", default="128", metavar="SPEC", help="same forms")
@@ -421,6 +421,8 @@ def load_or_measure(args: argparse.Namespace, print_fn=print) -> Profile:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.rate is None:
+        raise ValueError("--rate is required (or `pdserve plan kv --model DIR` for a model's KV bytes)")
     workload = Workload.mix(args.mix) if args.mix else Workload.single(args.prompt_len, args.output_len)
     per_device = args.gpus is not None
     units = args.gpus if per_device else args.cores
