@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache
-from engine.loader import check_split, head_dim_of, load_config, load_model
+from engine.loader import check_features, check_split, head_dim_of, load_config, load_model
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.runner import ModelRunner, RoPE
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
@@ -123,6 +123,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config.model, cfg)
         limit = cfg.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
+        check_features(cfg, self.max_model_len)
         head_dim = head_dim_of(cfg)
         num_kv_heads = len(shard.kv_heads(cfg.num_key_value_heads))  # this rank's: every rank holds as many
         num_blocks = config.num_blocks or KVCache.blocks_for_bytes(
