@@ -83,6 +83,7 @@ class AttentionMetadata:
     # or engine/triton_attention.py's
     decode_kernel: Callable | None = None
     fused_decode: bool = False  # decode_kernel is engine.native's: its DecodeLayer may run a decode step whole
+    decode_windows: bool = False  # decode_kernel takes a sliding window (Triton's); else windowed layers use torch's
     # engine/triton_attention.py's prefill_attention over ``prefill_batch``; None: one torch call per chunk
     prefill_kernel: Callable | None = None
     prefill_batch: PrefillBatch | None = None
@@ -130,40 +131,67 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, hnd: bool) -> torch.Tensor
     return blocks.flatten(lead, lead + 1).transpose(lead, lead + 1)
 
 
+def _window_mask(group: DecodeGroup, block_size: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+    """[count, 1, 1, max_blocks * block_size], -inf past each row's length and before its last ``window`` keys."""
+    span = torch.arange(group.block_table.shape[1] * block_size, device=group.lengths.device)
+    lengths = group.lengths[:, None]
+    mask = torch.zeros((group.count, span.shape[0]), dtype=dtype, device=lengths.device)
+    mask.masked_fill_((span[None, :] >= lengths) | (span[None, :] < lengths - window), -torch.inf)
+    return mask[:, None, None, :]
+
+
 def paged_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache_layer: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """q: [tokens, q_heads, dim]; k, v: the step's new [tokens, kv_heads, dim]."""
+    """q: [tokens, q_heads, dim]; k, v: the step's new [tokens, kv_heads, dim]. ``window``: sliding-window
+    attention, each query token seeing only the last ``window`` keys up to itself (Mistral's, Gemma's)."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
     cache_k, cache_v = cache_layer[0], cache_layer[1]
+    block_size = cache_k.shape[2] if meta.hnd else cache_k.shape[1]
+    windowed = {} if window is None else {"window": window}
     for g in meta.decodes:
         rows = slice(g.start, g.start + g.count)
-        if meta.decode_kernel is not None:
-            out[rows] = meta.decode_kernel(q[rows], cache_k, cache_v, g.block_table, g.lengths, scale, meta.hnd)
+        if meta.decode_kernel is not None and (window is None or meta.decode_windows):
+            out[rows] = meta.decode_kernel(
+                q[rows], cache_k, cache_v, g.block_table, g.lengths, scale, meta.hnd, **windowed
+            )
             continue
         keys = _gather(cache_k, g.block_table, meta.hnd)  # [count, kv_heads, len, dim]
         values = _gather(cache_v, g.block_table, meta.hnd)
         query = q[rows].view(g.count, num_kv_heads, group, head_dim)
-        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=g.mask, scale=scale)
+        mask = g.mask if window is None else _window_mask(g, block_size, window, q.dtype)
+        attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
         out[rows] = attn.reshape(g.count, -1, head_dim)
     if meta.prefill_kernel is not None and meta.prefill_batch is not None:
-        meta.prefill_kernel(q, cache_k, cache_v, out, meta.prefill_batch, scale, meta.hnd)
+        meta.prefill_kernel(q, cache_k, cache_v, out, meta.prefill_batch, scale, meta.hnd, **windowed)
         return out
     for span in meta.prefills:
         rows = slice(span.query_start, span.query_start + span.query_len)
         query = q[rows].transpose(0, 1).unsqueeze(0)  # [1, q_heads, len, dim]
-        if span.context_start == 0:
+        if span.context_start == 0 and window is None:
             keys = k[rows].transpose(0, 1).unsqueeze(0)
             values = v[rows].transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
             total = span.context_start + span.query_len
-            keys = _gather(cache_k, span.block_ids, meta.hnd)[:, :total].unsqueeze(0)
-            values = _gather(cache_v, span.block_ids, meta.hnd)[:, :total].unsqueeze(0)
+            if span.context_start == 0:
+                keys, values = k[rows].transpose(0, 1).unsqueeze(0), v[rows].transpose(0, 1).unsqueeze(0)
+            else:
+                keys = _gather(cache_k, span.block_ids, meta.hnd)[:, :total].unsqueeze(0)
+                values = _gather(cache_v, span.block_ids, meta.hnd)[:, :total].unsqueeze(0)
             positions = torch.arange(total, device=q.device)
-            mask = positions[None, :] <= (positions[span.context_start :, None])
+            queries = positions[span.context_start :, None]
+            mask = positions[None, :] <= queries
+            if window is not None:
+                mask &= positions[None, :] > queries - window
             attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[rows] = attn[0].transpose(0, 1)
     return out

@@ -23,7 +23,8 @@ KvLayout = Literal["NHD", "HND"]
 # auto: Triton's kernels on CUDA (engine/triton_attention.py), torch's ops elsewhere (with engine.native's
 # kernels on CPU where they are built); triton on CPU runs only under Triton's interpreter (tests)
 AttentionBackend = Literal["auto", "torch", "triton"]
-TINY_ARCHS = ("llama", "mixtral", "qwen3", "qwen3_moe")  # the families engine/make_model.py builds tiny ones of
+# the families engine/make_model.py builds tiny ones of
+TINY_ARCHS = ("llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
 DTYPES: tuple[str, ...] = get_args(Dtype)
 MODES: tuple[str, ...] = get_args(EngineMode)
 KV_LAYOUTS: tuple[str, ...] = get_args(KvLayout)

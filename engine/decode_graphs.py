@@ -40,6 +40,7 @@ class DecodeGraphs:
         cos: torch.Tensor,
         sin_signed: torch.Tensor,
         decode_kernel: Callable,
+        decode_windows: bool,
         hnd: bool,
         block_size: int,
         max_model_len: int,
@@ -47,7 +48,8 @@ class DecodeGraphs:
         capture: bool,
     ) -> None:
         self.model, self.kv, self.cos, self.sin_signed = model, kv, cos, sin_signed
-        self.decode_kernel, self.hnd, self.block_size = decode_kernel, hnd, block_size
+        self.decode_kernel, self.decode_windows = decode_kernel, decode_windows
+        self.hnd, self.block_size = hnd, block_size
         self.buckets = sorted({b for b in BUCKETS if b < max_num_seqs} | {min(max_num_seqs, BUCKETS[-1])})
         self.largest = self.buckets[-1]
         self.width = -(-max_model_len // block_size)
@@ -107,6 +109,7 @@ class DecodeGraphs:
             prefills=[],
             hnd=self.hnd,
             decode_kernel=self.decode_kernel,
+            decode_windows=self.decode_windows,
         )
         positions = self.positions[:bucket]
         cos = self.cos.index_select(0, positions).unsqueeze(1)

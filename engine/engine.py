@@ -123,7 +123,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(config.model, cfg)
         limit = cfg.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
-        check_features(cfg, self.max_model_len)
+        check_features(cfg)
         head_dim = head_dim_of(cfg)
         num_kv_heads = len(shard.kv_heads(cfg.num_key_value_heads))  # this rank's: every rank holds as many
         num_blocks = config.num_blocks or KVCache.blocks_for_bytes(

@@ -64,24 +64,13 @@ def load_config(model_dir: str):
     return cfg
 
 
-def sliding_window_of(cfg) -> int | None:
-    """The window of a config's sliding-window attention, where it is on (Mistral's and Mixtral's
-    ``sliding_window``; Qwen's only with ``use_sliding_window``); None: full attention."""
-    window = getattr(cfg, "sliding_window", None)
-    if cfg.model_type.startswith("qwen") and not getattr(cfg, "use_sliding_window", False):
-        return None
-    return int(window) if window else None
-
-
-def check_features(cfg, max_model_len: int) -> None:
+def check_features(cfg) -> None:
     """Raises ValueError naming a feature of a supported architecture that the engine does not compute, so
-    that a model is refused rather than served wrongly. A sliding window at least as long as every
-    sequence attends to every earlier token anyway: it is full attention then."""
-    window = sliding_window_of(cfg)
-    if window is not None and max_model_len > window:
+    that a model is refused rather than served wrongly: Qwen3-MoE's sliding window (its config does not say
+    which layers slide)."""
+    if cfg.model_type == "qwen3_moe" and getattr(cfg, "use_sliding_window", False) and cfg.sliding_window:
         raise ValueError(
-            f"sliding_window={window} in the model's config is not supported (attention over only the last "
-            f"{window} tokens); with max_model_len at most {window} it is full attention and is served"
+            f"sliding_window={cfg.sliding_window} with use_sliding_window in a qwen3_moe config is not supported"
         )
 
 

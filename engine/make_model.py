@@ -91,6 +91,7 @@ class TinySpec:
     top_k: int = 2
     moe_intermediate: int = 32
     dense_layers: tuple[int, ...] = ()
+    sliding_window: int | None = None  # mistral: every layer's attention over the last this many tokens
 
     def __post_init__(self) -> None:
         if self.arch not in TINY_ARCHS:
@@ -99,7 +100,7 @@ class TinySpec:
             raise ValueError(f"top_k must be between 1 and experts ({self.experts}), got {self.top_k}")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if self.arch in ("llama", "mixtral") and self.head_dim * self.heads != self.hidden:
+        if self.arch in ("llama", "mistral", "mixtral") and self.head_dim * self.heads != self.hidden:
             raise ValueError(
                 f"{self.arch} needs heads x head_dim == hidden ({self.heads} x {self.head_dim} != {self.hidden})"
             )
@@ -187,6 +188,11 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos: int, pad: int):
             sliding_window=None,
             **moe,
         )
+    if spec.arch == "mistral":
+        from transformers import MistralConfig
+
+        window = spec.sliding_window
+        return MistralConfig(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=window, **common)
     return LlamaConfig(tie_word_embeddings=False, rope_theta=10000.0, **common)
 
 

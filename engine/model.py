@@ -135,8 +135,10 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, head_dim: int, qk_norm: bool, bias: bool, shard: Shard) -> None:
+    def __init__(self, cfg, head_dim: int, qk_norm: bool, bias: bool, shard: Shard, window: int | None = None) -> None:
+        """``window``: sliding-window attention over the last that many tokens (engine/attention.py)."""
         super().__init__()
+        self.window = window
         self.num_heads = len(shard.q_heads(cfg.num_attention_heads))
         self.num_kv_heads = len(shard.kv_heads(cfg.num_key_value_heads))
         self.head_dim = head_dim
@@ -160,7 +162,7 @@ class Attention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim))
             q, k = rotate(q, cos, sin_signed), rotate(k, cos, sin_signed)
         write_kv(cache_layer, k, v, meta)
-        out = paged_attention(q, k, v, cache_layer, meta, self.scale)
+        out = paged_attention(q, k, v, cache_layer, meta, self.scale, self.window)
         return self.o_proj(out.view(n, self.q_size))
 
 
@@ -190,12 +192,14 @@ class DecoderLayer(nn.Module):
         shard: Shard,
         group: RankGroup | None,
         experts: MoESpec | None = None,
+        window: int | None = None,
     ) -> None:
-        """``experts``: this layer's MLP is a mixture of experts (engine/moe.py); None: a dense MLP."""
+        """``experts``: this layer's MLP is a mixture of experts (engine/moe.py); None: a dense MLP.
+        ``window``: its attention is over the last that many tokens (sliding window); None: all of them."""
         super().__init__()
         self.group = group
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, head_dim, qk_norm, bias, shard)
+        self.self_attn = Attention(cfg, head_dim, qk_norm, bias, shard, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MLP | MoE
         if experts is None:
@@ -220,7 +224,7 @@ class DecoderLayer(nn.Module):
         kinds = {(p.device.type, p.dtype) for p in self.parameters()}
         if self.group is not None or kinds not in ({("cpu", torch.float32)}, {("cpu", torch.bfloat16)}):
             return
-        if not isinstance(mlp, MLP):  # the experts run as torch ops
+        if not isinstance(mlp, MLP) or attn.window is not None:  # experts and windows run as torch ops
             return
         layer = native.kernel("DecodeLayer")
         if layer is None:
@@ -264,6 +268,18 @@ class DecoderLayer(nn.Module):
         return x + mlp
 
 
+def layer_windows(cfg) -> list[int | None]:
+    """Each layer's sliding window (None: full attention): ``layer_types`` where the config has them
+    (Qwen2/Qwen3's sliding layers), else Mistral's and Mixtral's ``sliding_window`` on every layer."""
+    window = getattr(cfg, "sliding_window", None)
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return [int(window) if kind == "sliding_attention" and window else None for kind in types]
+    if cfg.model_type in ("mistral", "mixtral") and window:
+        return [int(window)] * cfg.num_hidden_layers
+    return [None] * cfg.num_hidden_layers
+
+
 class CausalLM(nn.Module):
     """Decoder-only LM over a flattened batch of tokens from many requests."""
 
@@ -282,6 +298,7 @@ class CausalLM(nn.Module):
         self.group = group
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         experts = MoESpec.of(cfg)
+        windows = layer_windows(cfg)
         self.layers = nn.ModuleList(
             DecoderLayer(
                 cfg,
@@ -291,6 +308,7 @@ class CausalLM(nn.Module):
                 shard,
                 group,
                 experts if experts and i in experts.layers else None,
+                windows[i],
             )
             for i in range(cfg.num_hidden_layers)
         )

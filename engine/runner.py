@@ -51,6 +51,7 @@ class AttentionKernels:
     decode: Callable | None = None  # reads each decode row's context in place through its block table
     prefill: Callable | None = None  # every prefill chunk of a step in one call
     fused_decode: bool = False  # decode is engine.native's: a decode step may run as its DecodeLayer
+    windows: bool = False  # decode takes a sliding window (else windowed layers decode with torch's ops)
     name: str = "torch"
 
 
@@ -72,7 +73,9 @@ def attention_kernels(backend: AttentionBackend, device: torch.device, dtype: to
             )
         from engine import triton_attention
 
-        return AttentionKernels(triton_attention.decode_attention, triton_attention.prefill_attention, name="triton")
+        return AttentionKernels(
+            triton_attention.decode_attention, triton_attention.prefill_attention, windows=True, name="triton"
+        )
     if backend == "auto" and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
         decode = native.kernel("decode_attention")
         if decode is not None:
@@ -146,6 +149,7 @@ class ModelRunner:
             self.rope.cos,
             self.rope.sin_signed,
             self.kernels.decode,
+            self.kernels.windows,
             self.cache.order == "HND",
             self.cache.block_size,
             max_model_len,
@@ -247,6 +251,7 @@ class ModelRunner:
             hnd=self.cache.order == "HND",
             decode_kernel=self.kernels.decode,
             fused_decode=self.kernels.fused_decode,
+            decode_windows=self.kernels.windows,
             prefill_kernel=self.kernels.prefill,
             prefill_batch=prefill_batch,
         )

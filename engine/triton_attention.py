@@ -88,6 +88,7 @@ def _decode_split_kernel(
     stride_bt,
     split_len,
     scale,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -104,6 +105,7 @@ def _decode_split_kernel(
     length = tl.load(Lengths + row)
     start = split * split_len
     end = tl.minimum(start + split_len, length)
+    start = tl.maximum(start, tl.where(window > 0, length - window, 0))  # a sliding window: its last keys only
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -125,8 +127,9 @@ def _decode_split_kernel(
         scores = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale
         scores = tl.where(ok[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet (outside its window)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
         v = tl.load(V + where[:, None] + d[None, :], mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
         total = total * alpha + tl.sum(p, 1)
@@ -179,10 +182,12 @@ def decode_attention(
     lengths: torch.Tensor,
     scale: float,
     hnd: bool,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per row over its paged context: q [rows, q_heads, dim], block_table
-    [rows, max_blocks], lengths [rows] (this step's token included, already in the cache). The signature
-    of ``engine.native``'s decode kernel, so ``engine.attention`` calls either."""
+    [rows, max_blocks], lengths [rows] (this step's token included, already in the cache); ``window``:
+    the last that many keys only (sliding-window attention). ``engine.native``'s decode kernel has the
+    same signature without ``window``, so ``engine.attention`` calls either."""
     rows, q_heads, head_dim = q.shape
     kv_heads = cache_k.shape[2] if not hnd else cache_k.shape[1]
     block_size = cache_k.shape[1] if not hnd else cache_k.shape[2]
@@ -211,6 +216,7 @@ def decode_attention(
         block_table.stride(0),
         split_len,
         scale,
+        window or 0,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
@@ -254,6 +260,7 @@ def _prefill_kernel(
     stride_kh,
     stride_bt,
     scale,
+    window,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
@@ -284,10 +291,14 @@ def _prefill_kernel(
     # Causal: this tile's last query token sees every key up to its own position (0 keys past the chunk).
     keys_end = tl.where(tile * BLOCK_M < query_len, context_start + tl.minimum((tile + 1) * BLOCK_M, query_len), 0)
 
+    # Sliding window: query position p sees keys (p - window, p]; this tile's first query the fewest.
+    keys_start = tl.where(window > 0, tl.maximum(context_start + tile * BLOCK_M - window + 1, 0), 0)
+    keys_start = keys_start // BLOCK_N * BLOCK_N
+
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     total = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for first in range(0, keys_end, BLOCK_N):
+    for first in range(keys_start, keys_end, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         ok = pos < keys_end
         block = tl.load(BlockTable + span * stride_bt + pos // BLOCK_SIZE, mask=ok, other=0)
@@ -295,10 +306,13 @@ def _prefill_kernel(
         kv_ok = ok[:, None] & d_ok[None, :]
         k = tl.load(K + where[:, None] + d[None, :], mask=kv_ok, other=0.0)
         scores = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale
-        scores = tl.where(ok[None, :] & (pos[None, :] <= query_pos[:, None]), scores, float("-inf"))
+        seen = ok[None, :] & (pos[None, :] <= query_pos[:, None])
+        seen = seen & ((window <= 0) | (pos[None, :] > query_pos[:, None] - window))
+        scores = tl.where(seen, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m - m_new)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet (outside its window)
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
         v = tl.load(V + where[:, None] + d[None, :], mask=kv_ok, other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
         total = total * alpha + tl.sum(p, 1)
@@ -320,10 +334,12 @@ def prefill_attention(
     spans: PrefillBatch,
     scale: float,
     hnd: bool,
+    window: int | None = None,
 ) -> None:
     """Causal attention of every prefill chunk of a step, written into ``out`` [tokens, q_heads, dim] at
     the chunks' rows. Each chunk's keys are its cached prefix and itself, read from the paged cache (this
-    layer's K/V of the step are written before attention)."""
+    layer's K/V of the step are written before attention); ``window``: each query token sees only the
+    last that many keys up to itself."""
     q_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = cache_k.shape[2] if not hnd else cache_k.shape[1]
     block_size = cache_k.shape[1] if not hnd else cache_k.shape[2]
@@ -347,6 +363,7 @@ def prefill_attention(
         stride_kh,
         spans.block_table.stride(0),
         scale,
+        window or 0,
         GROUP=q_heads // kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,

@@ -87,7 +87,7 @@ def test_buckets_stop_at_max_num_seqs():
     table = torch.zeros(512, 8)
 
     def graphs(max_num_seqs: int) -> list[int]:
-        return DecodeGraphs(None, kv, table, table, print, False, 16, 64, max_num_seqs, capture=False).buckets
+        return DecodeGraphs(None, kv, table, table, print, True, False, 16, 64, max_num_seqs, capture=False).buckets
 
     assert graphs(1) == [1]
     assert graphs(6) == [1, 2, 4, 6]

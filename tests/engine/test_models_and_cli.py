@@ -196,15 +196,3 @@ def test_smollm2_converted_from_its_wheel_says_paris(tmp_path_factory):
     result = e.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
     assert "Paris" in result.text
     assert result.token_ids == hf_greedy(str(folder), prompt, 24)
-
-
-def test_a_sliding_window_is_refused_unless_every_sequence_fits_in_it(tmp_path):
-    """Mistral-style sliding_window: attention over the last N tokens only, which the engine does not
-    compute; up to max_model_len N it is full attention and the model is served."""
-    path = make_tiny(tmp_path / "windowed", TinySpec(arch="llama", seed=3))
-    config = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**config, "model_type": "mistral", "sliding_window": 64}))
-    with pytest.raises(ValueError, match="sliding_window=64 in the model's config is not supported"):
-        LLMEngine(EngineConfig(model=str(path), num_blocks=64, max_model_len=65))
-    engine = LLMEngine(EngineConfig(model=str(path), num_blocks=64, max_model_len=64))
-    assert engine.max_model_len == 64

@@ -1,6 +1,6 @@
 """engine/triton_attention.py's kernels, run on CPU by Triton's interpreter: they compute what the torch
-path of engine/attention.py computes, in every cache order, block size, head grouping and dtype, and an
-engine on them gives transformers' greedy tokens.
+path of engine/attention.py computes, in every cache order, block size, head grouping, dtype and sliding
+window, and an engine on them gives transformers' greedy tokens.
 
 float32 agrees to a few units in the last place, not bit for bit: the kernels sum a row's keys in tiles
 with a running maximum (online softmax), torch's scaled_dot_product_attention in its own order."""
@@ -60,7 +60,7 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> N
     assert (got.float() - want.float()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1.0)
 
 
-def torch_decode(s: Scenario, q: torch.Tensor, lengths: list[int], scale: float) -> torch.Tensor:
+def torch_decode(s: Scenario, q: torch.Tensor, lengths: list[int], scale: float, window=None) -> torch.Tensor:
     rows = list(range(len(lengths)))
     table, lens = s.padded_table(rows), torch.tensor(lengths)
     span = torch.arange(table.shape[1] * s.block_size)
@@ -73,9 +73,10 @@ def torch_decode(s: Scenario, q: torch.Tensor, lengths: list[int], scale: float)
         hnd=s.hnd,
     )
     unused = torch.zeros(len(rows), s.kv_heads, s.head_dim, dtype=q.dtype)
-    return paged_attention(q, unused, unused, s.cache, meta, scale)
+    return paged_attention(q, unused, unused, s.cache, meta, scale, window)
 
 
+windows = st.sampled_from([None, 1, 5, 40])  # sliding windows (None: full attention)
 shapes = st.tuples(
     st.sampled_from([1, 2, 5, 16, 32]),  # block size
     st.sampled_from([(1, 1), (2, 3), (1, 8), (4, 2)]),  # (kv heads, query heads per KV head)
@@ -86,16 +87,21 @@ shapes = st.tuples(
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), shape=shapes, lengths=st.lists(st.integers(1, 300), min_size=1, max_size=4))
-def test_decode_kernel_equals_the_torch_path(seed, shape, lengths):
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    shape=shapes,
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=4),
+    window=windows,
+)
+def test_decode_kernel_equals_the_torch_path(seed, shape, lengths, window):
     block_size, (kv_heads, group), head_dim, hnd, dtype = shape
     s = Scenario(seed, lengths, block_size, kv_heads, head_dim, hnd, dtype)
     gen = torch.Generator().manual_seed(len(lengths))
     q = torch.randn(len(lengths), kv_heads * group, head_dim, generator=gen).to(dtype)
     scale = head_dim**-0.5
-    want = torch_decode(s, q, lengths, scale)
+    want = torch_decode(s, q, lengths, scale, window)
     table = s.padded_table(list(range(len(lengths))))
-    got = ta.decode_attention(q, s.cache[0], s.cache[1], table, torch.tensor(lengths), scale, hnd)
+    got = ta.decode_attention(q, s.cache[0], s.cache[1], table, torch.tensor(lengths), scale, hnd, window)
     assert got.dtype == dtype and got.shape == q.shape
     assert_close(got, want, dtype)
 
@@ -117,8 +123,9 @@ def test_a_long_decode_splits_its_context_and_merges_the_splits():
     seed=st.integers(0, 2**31 - 1),
     shape=shapes,
     chunks=st.lists(st.tuples(st.integers(0, 200), st.integers(1, 70)), min_size=1, max_size=3),
+    window=windows,
 )
-def test_prefill_kernel_equals_the_torch_path(seed, shape, chunks):
+def test_prefill_kernel_equals_the_torch_path(seed, shape, chunks, window):
     """Chunks (cached prefix, new tokens): the kernel reads prefix and chunk from the cache, the torch path
     the prefix from the cache and a fresh chunk (no prefix) from the step's own K/V."""
     block_size, (kv_heads, group), head_dim, hnd, dtype = shape
@@ -137,7 +144,7 @@ def test_prefill_kernel_equals_the_torch_path(seed, shape, chunks):
         row += n
     meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), 0, [], spans, hnd=hnd)
     scale = head_dim**-0.5
-    want = paged_attention(q, k, v, s.cache, meta, scale)
+    want = paged_attention(q, k, v, s.cache, meta, scale, window)
     width = max(len(t) for t in s.tables)
     batch = ta.PrefillBatch(
         query_starts=torch.tensor([r for r, *_ in rows]),
@@ -147,7 +154,7 @@ def test_prefill_kernel_equals_the_torch_path(seed, shape, chunks):
         max_query_len=max(n for _, n in chunks),
     )
     got = torch.full_like(q, float("nan"))
-    ta.prefill_attention(q, s.cache[0], s.cache[1], got, batch, scale, hnd)
+    ta.prefill_attention(q, s.cache[0], s.cache[1], got, batch, scale, hnd, window)
     assert_close(got, want, dtype)
 
 
