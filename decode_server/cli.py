@@ -6,10 +6,12 @@ package never reads the config itself.
 
 from __future__ import annotations
 
+from server_common.kernel_cache import bound_kernel_caches
 from server_common.settings import ServerSettings
 
 
 def run(settings: ServerSettings, log_level: str) -> int:
+    bound_kernel_caches()  # before the engine's first oneDNN kernel (server_common/kernel_cache.py)
     from decode_server.app import create_app
     from decode_server.service import GenerationService
     from server_common.connections import server_guard
