@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from server_common.fault_routes import add_fault_routes
 from server_common.guard import BodyCapMiddleware, install_guard
 from server_common.heap_debug import HeapSnapshots
+from server_common.memory import Trimmer, trim_while_busy
 from server_common.stats_log import log_stats, server_line, server_snapshot
 from server_common.strict_json import StrictJSONRoute
 from server_common.worker_replies import ErrorReply, KvBlocksReply, KvEventsReply
@@ -49,6 +50,12 @@ def service_app(service, title: str) -> FastAPI:
     async def lifespan(app: FastAPI):
         await service.start()
         tasks = [asyncio.ensure_future(service.vitals.watch())]
+
+        def steps() -> tuple[int, ...]:  # changes while the engine works
+            return tuple(service.engine_thread.stats.counters.steps.values())
+
+        # Freed pages back to the system while the engine works (server_common/memory.py).
+        tasks.append(asyncio.ensure_future(trim_while_busy(Trimmer(), steps)))
         interval = service.settings.log_stats_interval_s
         if interval > 0:
             name = service.settings.name

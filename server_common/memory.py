@@ -10,15 +10,25 @@ once a request that moved at least ``threshold`` bytes (its body and its
 answer) has been answered, refused or abandoned: ``TrimAfterLargeRequests``
 counts them around the whole app, so that the request's objects are gone by
 then. Where glibc is not the allocator (musl, macOS) it does nothing.
+
+The prefill and decode servers trim on a clock instead (``trim_while_busy``):
+their engine thread frees and allocates oneDNN kernels and step buffers of
+every size in its own arena, and the pages freed there stayed with the
+process, a few MB every few minutes under a steady mix of prompt lengths
+(bench/README.md, "Memory under a steady load"). Once a minute while the
+engine stepped, and once more after it stopped, the free pages go back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import threading
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
+TRIM_INTERVAL_S = 60.0
 
 
 def _malloc_trim():
@@ -40,6 +50,12 @@ class Trimmer:
         if self._trim is None or nbytes < self.threshold or not self._running.acquire(blocking=False):
             return
         threading.Thread(target=self._run, name="malloc-trim", daemon=True).start()
+
+    def trim_now(self) -> None:
+        """``malloc_trim(0)`` on this thread (where there is one), unless a trim is running."""
+        if self._trim is None or not self._running.acquire(blocking=False):
+            return
+        self._run()
 
     def _run(self) -> None:
         try:
@@ -78,3 +94,17 @@ class TrimAfterLargeRequests:
             await self.app(scope, counted_receive, counted_send)
         finally:
             self.trimmer.after(moved)
+
+
+async def trim_while_busy(
+    trimmer: Trimmer, activity: Callable[[], object], interval_s: float = TRIM_INTERVAL_S
+) -> None:
+    """Until cancelled: every ``interval_s``, a trim on a worker thread if ``activity()`` (a value that
+    changes while the server works, such as its engine's step counts) changed since the last trim."""
+    trimmed_at = activity()
+    while True:
+        await asyncio.sleep(interval_s)
+        now = activity()
+        if now != trimmed_at:
+            trimmed_at = now
+            await asyncio.to_thread(trimmer.trim_now)

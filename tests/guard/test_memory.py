@@ -1,12 +1,17 @@
-"""After a large request the router gives its freed heap back (server_common/memory.py)."""
+"""Freed heap goes back to the system: the router's after a large request, a server's while its engine works
+(server_common/memory.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from server_common.memory import trim_while_busy
+from tests.waiting import until
 
 CHILD = textwrap.dedent("""
     import sys
@@ -39,3 +44,34 @@ def test_a_large_request_s_freed_heap_goes_back_to_the_system():
     held, after, trims = map(int, out.stdout.split())
     assert held > 350  # freed, but the heap kept the pages
     assert after < 50 and trims == 1
+
+
+class CountingTrimmer:
+    def __init__(self) -> None:
+        self.trims = 0
+
+    def trim_now(self) -> None:
+        self.trims += 1
+
+
+def test_a_server_trims_once_per_interval_while_its_engine_steps_and_once_after_it_stopped():
+    trimmer, steps, reads = CountingTrimmer(), [0], [0]
+
+    def activity() -> int:
+        reads[0] += 1
+        return steps[0]
+
+    async def main() -> None:
+        task = asyncio.ensure_future(trim_while_busy(trimmer, activity, interval_s=0.001))
+        try:
+            await until(lambda: reads[0] >= 5)
+            assert trimmer.trims == 0  # idle since it started: nothing to give back
+            steps[0] = 7  # the engine stepped
+            await until(lambda: trimmer.trims == 1)
+            seen = reads[0]
+            await until(lambda: reads[0] >= seen + 5)
+            assert trimmer.trims == 1  # no step since: no second trim
+        finally:
+            task.cancel()
+
+    asyncio.run(main())
