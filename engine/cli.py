@@ -20,9 +20,10 @@ def add_parser(subparsers) -> None:
     )
     make.add_argument(
         "kind",
-        choices=["tiny", "tiny-moe", "smollm2"],
+        choices=["tiny", "tiny-moe", "tiny-swa", "smollm2"],
         help="tiny: random small model (--arch); tiny-moe: the built-in tiny Qwen3-MoE (a dense first layer, then "
-        "8 experts, 2 per token; --seed only); smollm2: SmolLM2-135M-Instruct",
+        "8 experts, 2 per token); tiny-swa: the built-in tiny Gemma 3 (sliding-window layers of 8 tokens and "
+        "global ones); both take --seed only; smollm2: SmolLM2-135M-Instruct",
     )
     make.add_argument("--out", required=True, help="output folder")
     make.add_argument("--arch", choices=list(TINY_ARCHS), default="qwen3", help="tiny only (default qwen3)")
@@ -89,13 +90,15 @@ def add_parser(subparsers) -> None:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from engine.make_model import TINY_MOE, TinySpec, make_smollm2, make_tiny
+    from engine.make_model import TINY_MOE, TINY_SWA, TinySpec, make_smollm2, make_tiny
 
     start = time.perf_counter()
     if args.kind == "smollm2":
         out = make_smollm2(args.out)
-    elif args.kind == "tiny-moe":
-        out = make_tiny(args.out, dataclasses.replace(TINY_MOE, seed=args.seed))
+    elif args.kind in ("tiny-moe", "tiny-swa"):
+        out = make_tiny(
+            args.out, dataclasses.replace(TINY_MOE if args.kind == "tiny-moe" else TINY_SWA, seed=args.seed)
+        )
     else:
         spec = TinySpec(
             arch=args.arch,

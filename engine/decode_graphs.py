@@ -112,8 +112,8 @@ class DecodeGraphs:
             decode_windows=self.decode_windows,
         )
         positions = self.positions[:bucket]
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin_signed = self.sin_signed.index_select(0, positions).unsqueeze(1)
+        cos = self.cos.index_select(1, positions).unsqueeze(2)
+        sin_signed = self.sin_signed.index_select(1, positions).unsqueeze(2)
         return self.model(self.ids[:bucket], cos, sin_signed, self.kv, meta, self.rows[:bucket])
 
     @torch.inference_mode()

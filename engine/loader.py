@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "mistral": (False, False),
     "qwen3_moe": (True, None),  # mixture of experts (engine/moe.py)
     "mixtral": (False, False),
+    "gemma3_text": (True, None),  # sliding-window and global layers, sandwich norms (engine/model.py Flavor)
 }
 
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -67,11 +68,18 @@ def load_config(model_dir: str):
 def check_features(cfg) -> None:
     """Raises ValueError naming a feature of a supported architecture that the engine does not compute, so
     that a model is refused rather than served wrongly: Qwen3-MoE's sliding window (its config does not say
-    which layers slide)."""
+    which layers slide), Gemma 3's attention soft-capping, bidirectional attention, another activation."""
     if cfg.model_type == "qwen3_moe" and getattr(cfg, "use_sliding_window", False) and cfg.sliding_window:
         raise ValueError(
             f"sliding_window={cfg.sliding_window} with use_sliding_window in a qwen3_moe config is not supported"
         )
+    if cfg.model_type == "gemma3_text":
+        if cfg.attn_logit_softcapping is not None:
+            raise ValueError(f"attn_logit_softcapping={cfg.attn_logit_softcapping} in a gemma3 config is not supported")
+        if getattr(cfg, "use_bidirectional_attention", False):
+            raise ValueError("use_bidirectional_attention in a gemma3 config is not supported")
+        if cfg.hidden_activation != "gelu_pytorch_tanh":
+            raise ValueError(f"hidden_activation={cfg.hidden_activation!r} in a gemma3 config is not supported")
 
 
 def head_dim_of(cfg) -> int:

@@ -91,7 +91,7 @@ class TinySpec:
     top_k: int = 2
     moe_intermediate: int = 32
     dense_layers: tuple[int, ...] = ()
-    sliding_window: int | None = None  # mistral: every layer's attention over the last this many tokens
+    sliding_window: int | None = None  # mistral: every layer's; gemma3: its sliding layers' window
 
     def __post_init__(self) -> None:
         if self.arch not in TINY_ARCHS:
@@ -114,6 +114,9 @@ class TinySpec:
 # The built-in tiny mixture of experts (`make-model tiny-moe`, model: tiny-moe): a dense first layer, then
 # layers of 8 experts, 2 per token.
 TINY_MOE = TinySpec(arch="qwen3_moe", layers=3, dense_layers=(0,))
+# The built-in tiny sliding-window model (`make-model tiny-swa`, model: tiny-swa): Gemma 3's shape, two
+# sliding layers (a window of 8 tokens) to one global, each kind with its RoPE base.
+TINY_SWA = TinySpec(arch="gemma3", layers=4, sliding_window=8, init_std=0.05)
 
 
 def build_tokenizer(vocab: int):
@@ -188,6 +191,18 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos: int, pad: int):
             sliding_window=None,
             **moe,
         )
+    if spec.arch == "gemma3":
+        from transformers import Gemma3TextConfig
+
+        # Gemma 3's pattern: sliding layers with every third global (the real models: every sixth)
+        types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(spec.layers)]
+        return Gemma3TextConfig(
+            tie_word_embeddings=True,
+            sliding_window=spec.sliding_window or 8,
+            layer_types=types,
+            query_pre_attn_scalar=spec.head_dim,
+            **common,
+        )
     if spec.arch == "mistral":
         from transformers import MistralConfig
 
@@ -237,7 +252,8 @@ def make_tiny(out_dir: str | Path, spec: TinySpec = TinySpec()) -> Path:
     for name in sorted(shapes):
         shape = shapes[name]
         if name.endswith("norm.weight"):
-            tensor = torch.ones(shape)
+            # Gemma's norms scale by 1 + w: small random w, so that a norm read as Llama's would show
+            tensor = torch.randn(shape, generator=gen) * 0.1 if spec.arch == "gemma3" else torch.ones(shape)
         else:
             tensor = torch.randn(shape, generator=gen) * spec.init_std
         weights.update(_checkpoint_names(name, tensor, spec.arch))

@@ -15,6 +15,7 @@ over the ranks and gathers the logits on rank 0.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -47,24 +48,73 @@ class RMSNorm(nn.Module):
 
     native: Callable | None = None  # engine.native's kernel for this norm's dtype on CPU
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: bool = False) -> None:
+        """``offset``: Gemma's norm, which scales by ``1 + weight`` in float32 and rounds after the scale."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.shape = (dim,)
+        self.offset = offset
 
     def use_cpu_kernel(self) -> None:
         """On CPU, where engine.native is built, a bfloat16 norm runs as its one-pass kernel: the same
         arithmetic, its float32 sum of squares in another order. A float32 norm runs as its
         ``rms_norm_f32``: torch's arithmetic bit for bit (its sum of squares is torch's sum) in two
         calls where torch's composite makes six."""
+        if self.offset:
+            return
         if self.weight.device.type == "cpu" and self.weight.dtype in (torch.bfloat16, torch.float32):
             self.native = native.kernel("rms_norm_bf16" if self.weight.dtype == torch.bfloat16 else "rms_norm_f32")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is not None and x.dtype == self.weight.dtype:
             return self.native(x, self.weight, self.eps)
+        if self.offset:
+            return (F.rms_norm(x.float(), self.shape, eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Flavor:
+    """What a family changes in the decoder layer's shape (Gemma 3's, besides the Llama-like default)."""
+
+    norm_offset: bool = False  # every norm scales by 1 + weight (:class:`RMSNorm`)
+    sandwich: bool = False  # norms after attention and around the MLP as well as before attention
+    gelu: bool = False  # the MLP's gate through tanh-approximated GELU, not SiLU
+    embed_scale: float | None = None  # embeddings multiplied by this (rounded to the model dtype)
+    attn_scale: float | None = None  # attention's scale; None: head_dim ** -0.5
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+
+    @classmethod
+    def of(cls, cfg) -> Flavor:
+        if cfg.model_type != "gemma3_text":
+            return cls()
+        return cls(
+            norm_offset=True,
+            sandwich=True,
+            gelu=True,
+            embed_scale=cfg.hidden_size**0.5,
+            attn_scale=cfg.query_pre_attn_scalar**-0.5,
+            final_softcap=cfg.final_logit_softcapping,
+        )
+
+
+def rope_kinds(hf_config) -> tuple[str | None, ...]:
+    """The RoPE tables a model needs: one (None) for most models; one per layer type where
+    ``rope_parameters`` is keyed by them (Gemma 3: its sliding layers' base, its global layers')."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    types = getattr(hf_config, "layer_types", None)
+    if types is None or not all(kind in params for kind in types):
+        return (None,)
+    return tuple(sorted(set(types)))
+
+
+def rope_tables(hf_config) -> tuple[tuple[str | None, ...], list[int]]:
+    """:func:`rope_kinds`, and the index of each layer's among them."""
+    kinds = rope_kinds(hf_config)
+    if kinds == (None,):
+        return kinds, [0] * hf_config.num_hidden_layers
+    return kinds, [kinds.index(kind) for kind in hf_config.layer_types]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
@@ -135,7 +185,16 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg, head_dim: int, qk_norm: bool, bias: bool, shard: Shard, window: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg,
+        head_dim: int,
+        qk_norm: bool,
+        bias: bool,
+        shard: Shard,
+        window: int | None = None,
+        flavor: Flavor = Flavor(),
+    ) -> None:
         """``window``: sliding-window attention over the last that many tokens (engine/attention.py)."""
         super().__init__()
         self.window = window
@@ -144,11 +203,11 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.q_size = self.num_heads * head_dim
         self.kv_size = self.num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
+        self.scale = flavor.attn_scale or head_dim**-0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, flavor.norm_offset) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, flavor.norm_offset) if qk_norm else None
 
     def forward(self, x, cos, sin_signed, cache_layer, meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
@@ -167,15 +226,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, gelu: bool = False) -> None:
         super().__init__()
         self.intermediate = intermediate
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
+        self.gelu = gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -193,18 +254,28 @@ class DecoderLayer(nn.Module):
         group: RankGroup | None,
         experts: MoESpec | None = None,
         window: int | None = None,
+        flavor: Flavor = Flavor(),
+        rope_index: int = 0,
     ) -> None:
         """``experts``: this layer's MLP is a mixture of experts (engine/moe.py); None: a dense MLP.
-        ``window``: its attention is over the last that many tokens (sliding window); None: all of them."""
+        ``window``: its attention is over the last that many tokens (sliding window); None: all of them.
+        ``rope_index``: which of the model's RoPE tables it rotates with (engine/runner.py ``RoPE``)."""
         super().__init__()
         self.group = group
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, head_dim, qk_norm, bias, shard, window)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rope_index = rope_index
+        self.sandwich = flavor.sandwich
+        hidden, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, flavor.norm_offset
+        self.input_layernorm = RMSNorm(hidden, eps, offset)
+        self.self_attn = Attention(cfg, head_dim, qk_norm, bias, shard, window, flavor)
+        # Llama's norm before the MLP; with sandwich norms (Gemma 3) the norm of the attention's output
+        self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
+        if flavor.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, offset)
         self.mlp: MLP | MoE
         if experts is None:
             intermediate = len(shard.intermediate(cfg.intermediate_size))
-            self.mlp = MLP(cfg.hidden_size, intermediate, bias=getattr(cfg, "mlp_bias", False))
+            self.mlp = MLP(hidden, intermediate, bias=getattr(cfg, "mlp_bias", False), gelu=flavor.gelu)
         else:
             self.mlp = MoE(
                 cfg.hidden_size,
@@ -224,8 +295,8 @@ class DecoderLayer(nn.Module):
         kinds = {(p.device.type, p.dtype) for p in self.parameters()}
         if self.group is not None or kinds not in ({("cpu", torch.float32)}, {("cpu", torch.bfloat16)}):
             return
-        if not isinstance(mlp, MLP) or attn.window is not None:  # experts and windows run as torch ops
-            return
+        if not isinstance(mlp, MLP) or attn.window is not None or self.sandwich or mlp.gelu:
+            return  # experts, windows and Gemma's layer run as torch ops
         layer = native.kernel("DecodeLayer")
         if layer is None:
             return
@@ -257,14 +328,20 @@ class DecoderLayer(nn.Module):
         if self.fused is not None and meta.fused_decode and decodes_only:
             rows, slots = meta.decodes[0], meta.slot_mapping
             return self.fused(x, cos, sin_signed, cache_layer, slots, rows.block_table, rows.lengths, meta.hnd)
-        if self.group is None:
+        if self.group is None and not self.sandwich:
             x = x + self.self_attn(self.input_layernorm(x), cos, sin_signed, cache_layer, meta)
             return x + self.mlp(self.post_attention_layernorm(x))
         attn = self.self_attn(self.input_layernorm(x), cos, sin_signed, cache_layer, meta)
-        self.group.all_reduce(attn)
+        if self.group is not None:
+            self.group.all_reduce(attn)
+        if self.sandwich:
+            attn = self.post_attention_layernorm(attn)
         x = x + attn
-        mlp = self.mlp(self.post_attention_layernorm(x))
-        self.group.all_reduce(mlp)
+        mlp = self.mlp(self.pre_feedforward_layernorm(x) if self.sandwich else self.post_attention_layernorm(x))
+        if self.group is not None:
+            self.group.all_reduce(mlp)
+        if self.sandwich:
+            mlp = self.post_feedforward_layernorm(mlp)
         return x + mlp
 
 
@@ -299,6 +376,8 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         experts = MoESpec.of(cfg)
         windows = layer_windows(cfg)
+        self.flavor = flavor = Flavor.of(cfg)
+        _, ropes = rope_tables(cfg)
         self.layers = nn.ModuleList(
             DecoderLayer(
                 cfg,
@@ -309,10 +388,12 @@ class CausalLM(nn.Module):
                 group,
                 experts if experts and i in experts.layers else None,
                 windows[i],
+                flavor,
+                ropes[i],
             )
             for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, flavor.norm_offset)
         self.lm_head = Linear(cfg.hidden_size, shard.vocab_rows(cfg.vocab_size), bias=False)
 
     def pack_for_cpu(self) -> None:
@@ -338,18 +419,24 @@ class CausalLM(nn.Module):
         on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor | None:
         """Runs every layer; returns float32 logits for ``logits_rows`` only (on rank 0 of a
-        sharded model; None on the other ranks).
+        sharded model; None on the other ranks). ``cos`` and ``sin_signed``: [tables, tokens, 1, head_dim],
+        a table per RoPE the model uses (:func:`rope_tables`).
 
         ``on_layer(i)`` is called once layer i has run (its K/V are in the cache),
         so a prefill server can ship that layer while the next one computes.
         """
         x = self.embed_tokens(input_ids)
+        if self.flavor.embed_scale is not None:
+            x = x * torch.tensor(self.flavor.embed_scale, dtype=x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin_signed, kv[i], meta)
+            x = layer(x, cos[layer.rope_index], sin_signed[layer.rope_index], kv[i], meta)
             if on_layer is not None:
                 on_layer(i)
         x = self.norm(x[logits_rows])
-        logits = self.lm_head(x).float()
+        logits = self.lm_head(x)
+        if self.flavor.final_softcap is not None:
+            logits = torch.tanh(logits / self.flavor.final_softcap) * self.flavor.final_softcap
+        logits = logits.float()
         if self.group is None:
             return logits
         gathered = self.group.gather_logits(logits)

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-BUILTIN_MODELS = ("tiny", "tiny-moe", "smollm2")
+BUILTIN_MODELS = ("tiny", "tiny-moe", "tiny-swa", "smollm2")
 MODEL_CACHE = "~/.cache/pdserve/models"  # where built-in models are built (a cluster's model_cache)
 MARKER = "pdserve_model.json"  # written last by engine.make_model
 
@@ -60,12 +60,14 @@ def resolve_model(model: str, cache_dir: str | Path) -> Path:
 
 
 def build_builtin(model: str, out: Path) -> None:
-    from engine.make_model import TINY_MOE, make_smollm2, make_tiny
+    from engine.make_model import TINY_MOE, TINY_SWA, make_smollm2, make_tiny
 
     if model == "tiny":
         make_tiny(out)
     elif model == "tiny-moe":
         make_tiny(out, TINY_MOE)
+    elif model == "tiny-swa":
+        make_tiny(out, TINY_SWA)
     elif model == "smollm2":
         make_smollm2(out)
     else:

@@ -29,7 +29,7 @@ from engine.config import AttentionBackend
 from engine.decode_graphs import DecodeGraphs
 from engine.grammar_mask import apply_grammar_masks
 from engine.kv_cache import KVCache
-from engine.model import CausalLM
+from engine.model import CausalLM, rope_kinds
 from engine.request import ChunkResult, Logprob, Request
 from engine.sampler import sample, top_logprobs
 from engine.scheduler import ScheduledChunk, SchedulePlan
@@ -84,13 +84,25 @@ def attention_kernels(backend: AttentionBackend, device: torch.device, dtype: to
 
 
 class RoPE:
-    """cos and signed sin tables for every position up to the context length, built once.
+    """cos and signed sin tables for every position up to the context length, built once: one table per
+    entry of ``engine.model.rope_kinds``, stacked, [tables, max_len, head_dim].
 
     ``sin_signed`` is sin with the first half of every row negated, the form
     ``engine.model.rotate`` multiplies by."""
 
     def __init__(self, hf_config, head_dim: int, max_len: int, dtype: torch.dtype, device: torch.device) -> None:
+        kinds = rope_kinds(hf_config)
+        tables = [self._table(hf_config, kind, head_dim, max_len) for kind in kinds]
+        self.cos = torch.stack([cos for cos, _ in tables]).to(dtype=dtype, device=device)
+        sin = torch.stack([sin for _, sin in tables]).to(dtype=dtype, device=device)
+        half = head_dim // 2
+        self.sin_signed = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+    @staticmethod
+    def _table(hf_config, kind: str | None, head_dim: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         params = getattr(hf_config, "rope_parameters", None) or {}
+        if kind is not None:
+            params = params[kind]
         rope_type = params.get("rope_type", "default")
         if rope_type == "default":
             theta = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -99,14 +111,12 @@ class RoPE:
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+            extra = {} if kind is None else {"layer_type": kind}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **extra)
         positions = torch.arange(max_len, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scaling).to(dtype=dtype, device=device)
-        sin = (emb.sin() * scaling).to(dtype=dtype, device=device)
-        half = head_dim // 2
-        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return emb.cos() * scaling, emb.sin() * scaling
 
 
 class ModelRunner:
@@ -256,8 +266,8 @@ class ModelRunner:
             prefill_batch=prefill_batch,
         )
         pos = torch.tensor(inputs.positions, dtype=torch.long, device=device)
-        cos = self.rope.cos.index_select(0, pos).unsqueeze(1)
-        sin_signed = self.rope.sin_signed.index_select(0, pos).unsqueeze(1)
+        cos = self.rope.cos.index_select(1, pos).unsqueeze(2)  # [tables, tokens, 1, head_dim]
+        sin_signed = self.rope.sin_signed.index_select(1, pos).unsqueeze(2)
         ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=device)
         rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=device)
         return self.model(ids, cos, sin_signed, self.cache.kv, meta, rows, on_layer)

@@ -38,8 +38,8 @@ def test_rotate_equals_rotate_half_form(dtype):
 
     rope = RoPE(Config(), 64, 512, dtype, torch.device("cpu"))
     positions = torch.tensor([0, 1, 5, 77, 511])
-    cos = rope.cos[positions].unsqueeze(1)
-    sin_signed = rope.sin_signed[positions].unsqueeze(1)
+    cos = rope.cos[0, positions].unsqueeze(1)  # the one table of a model without per-layer RoPE
+    sin_signed = rope.sin_signed[0, positions].unsqueeze(1)
     half = 32
     sin = torch.cat((-sin_signed[..., :half], sin_signed[..., half:]), dim=-1)  # the table before signing
     assert torch.equal(sin[..., :half], sin[..., half:])  # sin repeats over the two halves, as HF's does

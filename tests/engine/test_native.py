@@ -374,7 +374,7 @@ def test_decode_layer_is_the_layer_op_by_op_bit_for_bit(dtype, qk_norm, bias, hn
     rope = RoPE(SimpleNamespace(rope_theta=10000.0), HEAD_DIM, 64, dtype, torch.device("cpu"))
     meta, slots = decodes(hnd, rows)
     positions = torch.tensor([n - 1 for n, _ in ROWS[:rows]])
-    cos, sin_signed = rope.cos[positions].unsqueeze(1), rope.sin_signed[positions].unsqueeze(1)
+    cos, sin_signed = rope.cos[0, positions].unsqueeze(1), rope.sin_signed[0, positions].unsqueeze(1)
     inner = (2, BLOCK) if hnd else (BLOCK, 2)
     cache = torch.randn(2, BLOCKS, *inner, HEAD_DIM).to(dtype)
     x = torch.randn(rows, LAYER.hidden_size).to(dtype)

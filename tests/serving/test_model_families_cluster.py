@@ -1,0 +1,69 @@
+"""The model families beyond dense Llama/Qwen, served 1P1D through the router with the openai SDK (prefill
+blocks of 4, decode blocks of 16 in HND), greedy answers and log-probabilities equal to transformers, every
+block free after:
+
+- tiny-moe (Qwen3-MoE): the decode server on two ranks with expert parallelism (each holds 4 of the 8
+  experts), so the KV crosses from one rank to two and each decode step sums the two halves of the experts;
+- tiny-swa (Gemma 3's shape): sliding-window layers of 8 tokens and global ones, on prompts many windows
+  long, the KV of every layer computed on the prefill server and read windowed on the decode server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.make_model import TINY_MOE, TINY_SWA, make_tiny
+from tests.engine.oracle import hf_greedy, hf_logits
+from tests.serving.conftest import start_cluster
+from tests.serving.oracle import chat_prompt_ids, expected_completion, tokenizer
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = [{"role": "user", "content": "Name three colours and say why the sky is blue."}]
+FAMILIES = {
+    "tiny-moe": (TINY_MOE, {"tensor_parallel_size": 2, "expert_parallel_size": 2}),
+    "tiny-swa": (TINY_SWA, {}),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    spec, decode = FAMILIES[request.param]
+    model = str(make_tiny(tmp_path_factory.mktemp(request.param), spec))
+    c = start_cluster(
+        tmp_path_factory,
+        "tiny-1p1d",
+        model,
+        {"decode": [{"name": "d0", "block_size": 16, "kv_layout": "HND", **decode}]},
+    )
+    wait_until(
+        lambda: all(w["healthy"] for w in c.http.get(f"{c.router_url}/health").json()["workers"]),
+        60,
+        "the decode server in the router's rotation",
+    )
+    yield c, model
+    c.stop()
+
+
+def test_answers_and_logprobs_equal_transformers(family):
+    cluster, model = family
+    client = cluster.client()
+    for prompt in ("Hello, world! How are you today?", "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 2026."):
+        want, _ = expected_completion(model, prompt, 12)
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want
+    prompt = chat_prompt_ids(model, MESSAGES)
+    ids = hf_greedy(model, prompt, 8, ignore_eos=True)
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
+    )
+    tok = tokenizer(model)
+    rows = torch.log_softmax(hf_logits(model, prompt + ids), dim=-1)
+    content = r.choices[0].logprobs.content
+    assert [x.token for x in content] == [tok.decode([i]) for i in ids]
+    for k, (x, token) in enumerate(zip(content, ids)):
+        assert abs(x.logprob - rows[len(prompt) - 1 + k][token].item()) < 1e-4
+    assert cluster.metric("p0", 'pdserve_requests_total{outcome="ok"}') >= 3  # every prompt prefilled on p0
+    cluster.wait_idle(timeout=10)
+    assert all(b["free"] == b["total"] for b in cluster.blocks().values())
