@@ -5,7 +5,7 @@ naming the file, the key and the value. Each process derives its own frozen
 settings from it (``router_settings``, ``server_settings``), so every port,
 block size and thread count comes from this one file. Example (see configs/)::
 
-    model: smollm2            # a local Hugging Face folder, or tiny / smollm2
+    model: smollm2            # a local Hugging Face folder, or a built-in model (tiny, smollm2, ...)
     engine: {num_threads: 1}  # defaults for every instance
     router: {port: 8000, policy: round_robin, local_prefill_threshold: 0}
     transfer: {backend: zmq}
@@ -436,8 +436,8 @@ class ClusterConfig(Strict):
     """The whole file: the model, the sections, and the instances (prefill and decode, or colocated)."""
 
     model: str
-    """A local Hugging Face folder (Llama or Qwen3 family), or a built-in model built on first use: tiny or
-    smollm2."""
+    """A local Hugging Face folder (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral or Gemma 3 family), or a
+    built-in model built on first use: tiny, tiny-moe, tiny-swa, smollm2 or gemma3-270m."""
     served_model_name: str | None = None
     """The model's name in the API; null: the built-in model's name, or the folder's name."""
     model_cache: str = MODEL_CACHE
