@@ -78,6 +78,10 @@ class IssuedTransfers:
         self.counters["issued"] += 1
         return tid
 
+    def __len__(self) -> int:
+        """Transfer ids issued and not ended."""
+        return len(self._active)
+
     def live(self, transfer_id: str) -> Expected | None:
         """The reservation of a transfer id not ended yet, or None."""
         return self._active.get(transfer_id)

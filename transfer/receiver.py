@@ -149,6 +149,11 @@ class KVReceiver(TransferThread):
         reports it (``Outcome.CANCELLED``) once no write can still land."""
         self._submit(CancelTransfer(transfer_id, reason))
 
+    def open_transfers(self) -> int:
+        """Transfer ids issued and not ended (GET /debug/bookkeeping)."""
+        with self._lock:
+            return len(self._issued)
+
     def counters(self) -> dict[str, int]:
         with self._lock:
             counters = dict(self._issued.counters)
