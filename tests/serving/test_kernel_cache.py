@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -16,7 +17,6 @@ NEW_LENGTHS = """
 import json, sys
 from server_common.kernel_cache import bound_kernel_caches
 bound_kernel_caches(int(sys.argv[2]))
-import psutil
 from engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 engine = LLMEngine(EngineConfig(model=sys.argv[1], block_size=4, num_blocks=256, num_threads=1, prefix_caching=False))
@@ -28,10 +28,14 @@ def prefill(lengths):
         while engine.has_unfinished():
             engine.step()
 
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
 prefill(range(9, 40))
-before = psutil.Process().memory_info().rss
+before = rss_mb()
 prefill(range(40, 240))
-print(json.dumps([before / 1e6, psutil.Process().memory_info().rss / 1e6]))
+print(json.dumps([before, rss_mb()]))
 """
 
 
@@ -44,7 +48,7 @@ def test_the_bound_is_set_for_both_caches_unless_the_operator_set_one():
 @pytest.mark.slow
 def test_two_hundred_new_prompt_lengths_past_a_bound_of_sixteen_kernels_keep_memory_flat(tiny_model):
     # Unbounded, these 200 lengths kept about 2 MB each (400 MB); bounded, the cache holds 16 kernels.
-    env = {k: v for k, v in __import__("os").environ.items() if k not in CACHE_VARIABLES}
+    env = {k: v for k, v in os.environ.items() if k not in CACHE_VARIABLES}
     out = subprocess.run(
         [sys.executable, "-c", NEW_LENGTHS, tiny_model, "16"], capture_output=True, text=True, timeout=300, env=env
     )
