@@ -6,9 +6,10 @@ for each number of rows a step multiplies, and keeps it in two caches: ideep's
 (``LRU_CACHE_CAPACITY``) and oneDNN's primitive cache (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``), each
 1024 entries by default. A prefill server meets a new row count with nearly every new prompt length
 or batch, and each new one kept about 2 MB, so under a steady mix of prompt lengths its resident
-memory grew for as long as new lengths kept coming: in ~2 MB steps, and to about 1.2 GB over idle for
-the tiny model once both caches were full (bench/README.md, "Soak"). A decode server's row counts are
-its batch sizes, fewer, but the same kind of growth.
+memory grew in ~2 MB steps for as long as new lengths kept coming, and levelled off only once both
+caches were full: 1.1 GB for the tiny model, from 330 MB before any request (bench/README.md,
+"Memory under a steady load"). A decode server's row counts are its batch sizes: fewer, but the same
+kind of growth.
 
 ``bound_kernel_caches`` caps both at ``KERNEL_CACHE_ENTRIES``: a few entries for every projection of
 every batch size a decode server runs at the default ``max_num_seqs``, far from 1024 of them. An
