@@ -72,6 +72,30 @@ def _dot(a, b, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _load_tile(K, V, table, pos, ok, kv_head, stride_kb, stride_ks, stride_kh, d, d_ok, BLOCK_SIZE: tl.constexpr):
+    """One sequence's keys and values at positions ``pos`` (where ``ok``) for one KV head, [len(pos), dim],
+    each found through ``table``, its row of the block table."""
+    block = tl.load(table + pos // BLOCK_SIZE, mask=ok, other=0)
+    where = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+    kv_ok = ok[:, None] & d_ok[None, :]
+    k = tl.load(K + where[:, None] + d[None, :], mask=kv_ok, other=0.0)
+    v = tl.load(V + where[:, None] + d[None, :], mask=kv_ok, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _softmax_step(scores, v, m, total, acc, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    """Online softmax: one tile's scores (-inf where masked) and values into the running maximum ``m``,
+    sum of weights ``total`` and weighted sum of values ``acc``."""
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet (outside its window)
+    p = tl.exp(scores - m_safe[:, None])
+    alpha = tl.exp(m - m_safe)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
+    return m_new, total * alpha + tl.sum(p, 1), acc
+
+
+@triton.jit
 def _decode_split_kernel(
     Q,
     K,
@@ -120,20 +144,11 @@ def _decode_split_kernel(
     for first in range(start, end, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         ok = pos < end
-        block = tl.load(BlockTable + row * stride_bt + pos // BLOCK_SIZE, mask=ok, other=0)
-        where = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        kv_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(K + where[:, None] + d[None, :], mask=kv_ok, other=0.0)
-        scores = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale
-        scores = tl.where(ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet (outside its window)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        v = tl.load(V + where[:, None] + d[None, :], mask=kv_ok, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
-        total = total * alpha + tl.sum(p, 1)
-        m = m_new
+        k, v = _load_tile(
+            K, V, BlockTable + row * stride_bt, pos, ok, kv_head, stride_kb, stride_ks, stride_kh, d, d_ok, BLOCK_SIZE
+        )
+        scores = tl.where(ok[None, :], _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale, float("-inf"))
+        m, total, acc = _softmax_step(scores, v, m, total, acc, PRECISION, DOT_F32)
 
     # An empty split (past the row's length) leaves total 0: its log-sum-exp is -inf, its weight 0.
     seen = total > 0
@@ -301,22 +316,13 @@ def _prefill_kernel(
     for first in range(keys_start, keys_end, BLOCK_N):
         pos = first + tl.arange(0, BLOCK_N)
         ok = pos < keys_end
-        block = tl.load(BlockTable + span * stride_bt + pos // BLOCK_SIZE, mask=ok, other=0)
-        where = block * stride_kb + (pos % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        kv_ok = ok[:, None] & d_ok[None, :]
-        k = tl.load(K + where[:, None] + d[None, :], mask=kv_ok, other=0.0)
-        scores = _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale
+        k, v = _load_tile(
+            K, V, BlockTable + span * stride_bt, pos, ok, kv_head, stride_kb, stride_ks, stride_kh, d, d_ok, BLOCK_SIZE
+        )
         seen = ok[None, :] & (pos[None, :] <= query_pos[:, None])
         seen = seen & ((window <= 0) | (pos[None, :] > query_pos[:, None] - window))
-        scores = tl.where(seen, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet (outside its window)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m - m_safe)
-        v = tl.load(V + where[:, None] + d[None, :], mask=kv_ok, other=0.0)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, DOT_F32)
-        total = total * alpha + tl.sum(p, 1)
-        m = m_new
+        scores = tl.where(seen, _dot(q, tl.trans(k), PRECISION, DOT_F32) * scale, float("-inf"))
+        m, total, acc = _softmax_step(scores, v, m, total, acc, PRECISION, DOT_F32)
 
     out = acc / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(
