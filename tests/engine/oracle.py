@@ -40,6 +40,15 @@ def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, ignore_eos: boo
     return out[0, len(prompt) :].tolist()
 
 
+def engine_prompt_logprobs(engine, prompt: list[int]) -> list[float]:
+    """The engine's side of :func:`hf_logits`: each prompt token's log-probability after the first."""
+    engine.add_request("scored", prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    entries = []
+    while engine.has_unfinished():
+        entries += [e.logprob for out in engine.step() for e in (out.prompt_logprobs or [])[1:]]
+    return entries
+
+
 def hf_logits(path: str, tokens: list[int]) -> torch.Tensor:
     """transformers' float32 logits [len(tokens), vocab] of one full forward pass."""
     with torch.no_grad():

@@ -17,7 +17,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams  # noqa: E402
 from engine.loader import load_config  # noqa: E402
 from engine.make_model import TINY_SWA, make_tiny  # noqa: E402
 from engine.model import layer_windows, rope_tables  # noqa: E402
-from tests.engine.oracle import hf_greedy, hf_logits  # noqa: E402
+from tests.engine.oracle import engine_prompt_logprobs, hf_greedy, hf_logits  # noqa: E402
 
 PROMPTS = [[(7 * i + 3 * n) % 500 + 3 for i in range(n)] for n in (1, 5, 17, 40, 70)]
 
@@ -57,22 +57,14 @@ def test_greedy_tokens_equal_transformers(gemma, backend, block_size):
     assert engine.block_counts() == {"free": engine.cache.num_blocks, "reserved": 0, "running": 0}
 
 
-def prompt_logprobs(engine: LLMEngine, prompt: list[int]) -> list[float]:
-    engine.add_request("scored", prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-    entries = []
-    while engine.has_unfinished():
-        entries += [e.logprob for out in engine.step() for e in (out.prompt_logprobs or [])[1:]]
-    return entries
-
-
 def test_logprobs_equal_transformers_on_one_rank_and_on_two(gemma):
     prompt = PROMPTS[-1]
     rows = torch.log_softmax(hf_logits(gemma, prompt), dim=-1)
     expected = [rows[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
-    assert prompt_logprobs(engine_on(gemma), prompt) == pytest.approx(expected, abs=1e-4)
+    assert engine_prompt_logprobs(engine_on(gemma), prompt) == pytest.approx(expected, abs=1e-4)
     two = engine_on(gemma, tp=2)
     try:
-        assert prompt_logprobs(two, prompt) == pytest.approx(expected, abs=1e-4)
+        assert engine_prompt_logprobs(two, prompt) == pytest.approx(expected, abs=1e-4)
         got = [r.token_ids for r in two.generate(PROMPTS, SamplingParams(max_tokens=10, temperature=0))]
         assert got == [hf_greedy(gemma, p, 10) for p in PROMPTS]
     finally:

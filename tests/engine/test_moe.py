@@ -15,7 +15,7 @@ from engine.loader import check_split, load_config, load_model
 from engine.make_model import TinySpec, make_tiny
 from engine.moe import MoE, MoESpec
 from engine.tensor_parallel import Shard
-from tests.engine.oracle import hf_greedy, hf_logits
+from tests.engine.oracle import engine_prompt_logprobs, hf_greedy, hf_logits
 
 MAX_NEW = 8
 PROMPTS = [[(7 * i + 3 * n) % 500 + 3 for i in range(n)] for n in (1, 5, 17, 40, 70)]
@@ -67,21 +67,13 @@ def test_greedy_tokens_equal_transformers(request, model, block_size):
     assert engine.block_counts() == {"free": engine.cache.num_blocks, "reserved": 0, "running": 0}
 
 
-def prompt_logprobs(engine: LLMEngine, prompt: list[int]) -> list[float]:
-    engine.add_request("scored", prompt, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-    entries = []
-    while engine.has_unfinished():
-        entries += [e.logprob for out in engine.step() for e in (out.prompt_logprobs or [])[1:]]
-    return entries
-
-
 @pytest.mark.parametrize("model", ["tiny_qwen3_moe", "tiny_mixtral"])
 def test_prompt_logprobs_are_transformers_within_1e_4(request, model):
     path = request.getfixturevalue(model)
     prompt = PROMPTS[-1]
     want = torch.log_softmax(hf_logits(path, prompt), dim=-1)
     expected = [want[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
-    assert prompt_logprobs(engine_on(path), prompt) == pytest.approx(expected, abs=1e-4)
+    assert engine_prompt_logprobs(engine_on(path), prompt) == pytest.approx(expected, abs=1e-4)
 
 
 @pytest.mark.parametrize("ep", [1, 2], ids=["tp2", "tp2-ep2"])
@@ -94,7 +86,9 @@ def test_two_ranks_give_one_ranks_tokens_and_logprobs(tiny_qwen3_moe, ep):
         want = [r.token_ids for r in one.generate(PROMPTS, sampling)]
         assert [r.token_ids for r in two.generate(PROMPTS, sampling)] == want
         assert want == [hf_greedy(tiny_qwen3_moe, p, MAX_NEW) for p in PROMPTS]
-        assert prompt_logprobs(two, PROMPTS[-1]) == pytest.approx(prompt_logprobs(one, PROMPTS[-1]), abs=1e-4)
+        assert engine_prompt_logprobs(two, PROMPTS[-1]) == pytest.approx(
+            engine_prompt_logprobs(one, PROMPTS[-1]), abs=1e-4
+        )
         two.check_integrity()
         assert two.block_counts() == {"free": 96, "reserved": 0, "running": 0}
     finally:
