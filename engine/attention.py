@@ -32,7 +32,7 @@ launch (one group), the prefill chunks in another (:class:`PrefillBatch`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,19 @@ class DecodeGroup:
     block_table: torch.Tensor  # [count, max_blocks]
     lengths: torch.Tensor  # [count] context lengths, this step's token included
     mask: torch.Tensor | None  # [count, 1, 1, max_blocks * block_size], 0 = attend, -inf = padding (None: native)
+    # a sliding window's mask per window, made by the first windowed layer of the step and kept for the others
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def window_mask(self, block_size: int, window: int, dtype: torch.dtype) -> torch.Tensor:
+        """[count, 1, 1, max_blocks * block_size], -inf past each row's length and before its last ``window``
+        keys."""
+        if window not in self.window_masks:
+            span = torch.arange(self.block_table.shape[1] * block_size, device=self.lengths.device)
+            lengths = self.lengths[:, None]
+            mask = torch.zeros((self.count, span.shape[0]), dtype=dtype, device=lengths.device)
+            mask.masked_fill_((span[None, :] >= lengths) | (span[None, :] < lengths - window), -torch.inf)
+            self.window_masks[window] = mask[:, None, None, :]
+        return self.window_masks[window]
 
 
 @dataclass
@@ -131,13 +144,9 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, hnd: bool) -> torch.Tensor
     return blocks.flatten(lead, lead + 1).transpose(lead, lead + 1)
 
 
-def _window_mask(group: DecodeGroup, block_size: int, window: int, dtype: torch.dtype) -> torch.Tensor:
-    """[count, 1, 1, max_blocks * block_size], -inf past each row's length and before its last ``window`` keys."""
-    span = torch.arange(group.block_table.shape[1] * block_size, device=group.lengths.device)
-    lengths = group.lengths[:, None]
-    mask = torch.zeros((group.count, span.shape[0]), dtype=dtype, device=lengths.device)
-    mask.masked_fill_((span[None, :] >= lengths) | (span[None, :] < lengths - window), -torch.inf)
-    return mask[:, None, None, :]
+def cache_geometry(cache: torch.Tensor, hnd: bool) -> tuple[int, int]:
+    """(block size, KV heads) of one layer's K or V: [blocks, S, H, D] (NHD) or [blocks, H, S, D] (HND)."""
+    return (cache.shape[2], cache.shape[1]) if hnd else (cache.shape[1], cache.shape[2])
 
 
 def paged_attention(
@@ -155,7 +164,7 @@ def paged_attention(
     group = q.shape[1] // num_kv_heads
     out = torch.empty_like(q)
     cache_k, cache_v = cache_layer[0], cache_layer[1]
-    block_size = cache_k.shape[2] if meta.hnd else cache_k.shape[1]
+    block_size, _ = cache_geometry(cache_k, meta.hnd)
     windowed = {} if window is None else {"window": window}
     for g in meta.decodes:
         rows = slice(g.start, g.start + g.count)
@@ -167,7 +176,7 @@ def paged_attention(
         keys = _gather(cache_k, g.block_table, meta.hnd)  # [count, kv_heads, len, dim]
         values = _gather(cache_v, g.block_table, meta.hnd)
         query = q[rows].view(g.count, num_kv_heads, group, head_dim)
-        mask = g.mask if window is None else _window_mask(g, block_size, window, q.dtype)
+        mask = g.mask if window is None else g.window_mask(block_size, window, q.dtype)
         attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
         out[rows] = attn.reshape(g.count, -1, head_dim)
     if meta.prefill_kernel is not None and meta.prefill_batch is not None:

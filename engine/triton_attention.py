@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import PrefillBatch
+from engine.attention import PrefillBatch, cache_geometry
 
 # Keys per inner step, query tokens per prefill tile, and the shortest context split worth a program
 # of its own in a decode (shorter contexts run in fewer splits).
@@ -204,8 +204,7 @@ def decode_attention(
     the last that many keys only (sliding-window attention). ``engine.native``'s decode kernel has the
     same signature without ``window``, so ``engine.attention`` calls either."""
     rows, q_heads, head_dim = q.shape
-    kv_heads = cache_k.shape[2] if not hnd else cache_k.shape[1]
-    block_size = cache_k.shape[1] if not hnd else cache_k.shape[2]
+    block_size, kv_heads = cache_geometry(cache_k, hnd)
     group = q_heads // kv_heads
     # The padded table bounds every row's length without reading the lengths back from the device.
     splits, split_len = decode_splits(block_table.shape[1] * block_size)
@@ -347,8 +346,7 @@ def prefill_attention(
     layer's K/V of the step are written before attention); ``window``: each query token sees only the
     last that many keys up to itself."""
     q_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = cache_k.shape[2] if not hnd else cache_k.shape[1]
-    block_size = cache_k.shape[1] if not hnd else cache_k.shape[2]
+    block_size, kv_heads = cache_geometry(cache_k, hnd)
     stride_kb, stride_ks, stride_kh = _cache_strides(cache_k, hnd)
     grid = (spans.count, triton.cdiv(spans.max_query_len, BLOCK_M), q_heads)
     _prefill_kernel[grid](
