@@ -250,16 +250,16 @@ class _ExpertLoader:
                 rows = self.params[target][local].chunk(2)[part]
                 self._copy(target, rows, tensor[features.start : features.stop], key)
             return True
-        stacked = name.rsplit(".", 1)
-        if not (name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")) and name in self.params):
+        if not (name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and name in self.params):
             return False
+        down = name.endswith("down_proj")
         tensor = f.get_tensor(key)[experts.start : experts.stop]
-        if stacked[1] == "down_proj":
+        if down:
             tensor = tensor[:, :, features.start : features.stop]
         else:
             gate, up = tensor.chunk(2, dim=1)
             tensor = torch.cat([gate[:, features.start : features.stop], up[:, features.start : features.stop]], 1)
-        self._copy(name, self.params[name], tensor, key, pieces=len(experts) * (1 if stacked[1] == "down_proj" else 2))
+        self._copy(name, self.params[name], tensor, key, pieces=len(experts) * (1 if down else 2))
         return True
 
     def _copy(self, target: str, into: torch.Tensor, tensor: torch.Tensor, key: str, pieces: int = 1) -> None:
