@@ -25,6 +25,7 @@ from torch import nn
 from engine import native
 from engine.attention import AttentionMetadata, paged_attention, write_kv
 from engine.moe import MoE, MoESpec
+from engine.row_buckets import packed_linear
 from engine.tensor_parallel import Shard
 
 
@@ -180,7 +181,7 @@ class Linear(nn.Linear):
         if self.few_rows is not None and 0 < x.shape[0] <= self.few_rows_max:
             return self.few_rows(x, self.weight, self.bias)
         if self.packed is not None and (self.packed_all or x.shape[0] >= self.packed_min_rows):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return packed_linear(x, self.packed, self.bias)  # rows padded to a few sizes (engine/row_buckets.py)
         return F.linear(x, self.weight, self.bias)
 
 
