@@ -159,7 +159,14 @@ def _soak(args: argparse.Namespace, run_dir: Path, out: Path) -> dict:
         if args.tracemalloc:
             start_tracing(run_dir, http, headers, args.tracemalloc)
             save_heap_growth(run_dir, http, headers, out, 0.0)  # the first snapshot, to compare with
-        load = MixLoad(manifest["router_url"], manifest["model"], parse_mix(args.mix), args.clients, seed=args.seed)
+        load = MixLoad(
+            manifest["router_url"],
+            manifest["model"],
+            parse_mix(args.mix),
+            args.clients,
+            seed=args.seed,
+            pause_s=args.pause_s,
+        )
         load.start()
         fault_at: float | None = None
         next_sample, next_heap = args.interval_s, args.tracemalloc_every_s
@@ -266,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--interval-s", type=float, default=30.0, help="seconds between samples (default 30)")
     parser.add_argument("--bound-mb-per-h", type=float, default=5.0, help="the slope a flat process stays under")
     parser.add_argument("--clients", type=int, default=4, help="client threads (default 4)")
+    parser.add_argument("--pause-s", type=float, default=0.0, help="each client's wait between requests (default 0)")
     parser.add_argument("--mix", default=DEFAULT_MIX, help=f"KIND=WEIGHT,... (default {DEFAULT_MIX})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--restart-decode-at", type=float, help="kill -9 the first decode server this many s in")

@@ -120,7 +120,8 @@ class Tally:
 
 
 class MixLoad:
-    """``clients`` threads, each sending one request after another from ``mix`` until ``stop()``."""
+    """``clients`` threads, each sending one request after another from ``mix`` until ``stop()``, waiting
+    ``pause_s`` between a reply and its next request (0: none; a moderate load on a shared machine)."""
 
     def __init__(
         self,
@@ -133,6 +134,7 @@ class MixLoad:
         max_tokens: int = 16,
         timeout_s: float = 60.0,
         seed: int = 0,
+        pause_s: float = 0.0,
         headers: dict[str, str] | None = None,
         make_client: Callable[[], httpx.Client] | None = None,
     ) -> None:
@@ -141,6 +143,7 @@ class MixLoad:
         self.weights = [mix[k] for k in self.kinds]
         self.tally = Tally()
         self._timeout_s, self._seed, self._headers = timeout_s, seed, headers or {}
+        self._pause_s = pause_s
         self._make_client = make_client
         self._stop = threading.Event()
         self._threads = [
@@ -166,3 +169,5 @@ class MixLoad:
                 prompt = " ".join(rng.choices(WORDS, k=rng.randint(1, self.max_words)))
                 path, body = request_for(kind, prompt, self.model, self.max_tokens)
                 self.tally.add(kind, send(http, self.url, path, body), time.monotonic())
+                if self._pause_s:
+                    self._stop.wait(self._pause_s)  # a client's think time; stop() ends it
