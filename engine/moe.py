@@ -1,8 +1,10 @@
 """Mixture-of-experts MLP: a router picks ``top_k`` of ``num_experts`` experts per token (Qwen3-MoE,
-Mixtral), computed grouped by expert.
+Mixtral, DeepSeek-V3), computed grouped by expert.
 
 The arithmetic is transformers' own, in its order, so float32 tokens equal it: the router's logits in
-the model dtype, its softmax in float32, top-k, optionally renormalised; each expert takes its tokens
+the model dtype, its softmax in float32, top-k, optionally renormalised (DeepSeek-V3's router instead:
+:class:`GroupLimitedGate`, all in float32; and its shared experts added to the routed ones, a dense MLP
+whose features are split over tensor-parallel ranks as a dense layer's are); each expert takes its tokens
 in the order transformers visits them (by top-k slot, then token) and adds its weighted output into
 the result with one ``index_add_``, experts in ascending order. The loop is over the experts a step
 hits, never over tokens.
@@ -35,6 +37,8 @@ class MoESpec:
     normalize: bool  # the top-k weights renormalised to sum to 1
     weights_in_model_dtype: bool
     layers: frozenset[int]  # the layers whose MLP is the experts (the others are dense)
+    routing: GroupLimited | None = None  # DeepSeek-V3's router; None: softmax over every expert
+    shared_intermediate: int = 0  # features of the shared experts' MLP (DeepSeek's), 0: none
 
     @classmethod
     def of(cls, cfg) -> MoESpec | None:
@@ -50,7 +54,56 @@ class MoESpec:
             return cls(
                 cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob, True, sparse
             )
+        if cfg.model_type == "deepseek_v3" and cfg.n_routed_experts:
+            return cls(
+                cfg.n_routed_experts,
+                cfg.num_experts_per_tok,
+                cfg.moe_intermediate_size,
+                cfg.norm_topk_prob,
+                False,
+                frozenset(range(cfg.first_k_dense_replace, cfg.num_hidden_layers)),
+                GroupLimited(cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor),
+                cfg.moe_intermediate_size * cfg.n_shared_experts,
+            )
         return None
+
+
+@dataclass(frozen=True)
+class GroupLimited:
+    """DeepSeek-V3's routing: experts in ``groups`` equal groups, a token's experts drawn from its best
+    ``topk_groups`` groups only, their weights scaled by ``scaling`` (``routed_scaling_factor``)."""
+
+    groups: int
+    topk_groups: int
+    scaling: float
+
+
+class GroupLimitedGate(nn.Module):
+    """DeepSeek-V3's router, transformers' ``DeepseekV3TopkRouter`` step for step, in float32 (its weight and
+    ``e_score_correction_bias`` stay float32 in any model dtype): sigmoid scores; the bias added only to
+    choose experts; a group's score the sum of its best two; top-k over the best groups' experts; the
+    chosen experts' unbiased scores, renormalised if ``normalize``, times ``scaling``."""
+
+    def __init__(self, hidden: int, num_experts: int, routing: GroupLimited) -> None:
+        super().__init__()
+        self.routing = routing
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        self.e_score_correction_bias = nn.Parameter(torch.empty(num_experts))
+
+    def route(self, x: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        groups, experts = self.routing.groups, self.weight.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        group_scores = choice.view(-1, groups, experts // groups).topk(2, dim=-1)[0].sum(dim=-1)
+        best = torch.topk(group_scores, k=self.routing.topk_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, best, 1)
+        allowed = group_mask.unsqueeze(-1).expand(-1, groups, experts // groups).reshape(-1, experts)
+        choice = choice.masked_fill(~allowed.bool(), float("-inf"))
+        ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if normalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.routing.scaling, ids
 
 
 class MoE(nn.Module):
@@ -63,19 +116,30 @@ class MoE(nn.Module):
         normalize: bool,
         experts: range,
         weights_in_model_dtype: bool,
+        routing: GroupLimited | None = None,
+        shared: nn.Module | None = None,
     ) -> None:
         """``intermediate``: each local expert's features (this rank's share); ``experts``: the global ids
         this rank holds; ``weights_in_model_dtype``: the routing weights are rounded to the model dtype
-        before they scale an expert's output (Qwen3-MoE), or kept in float32 (Mixtral)."""
+        before they scale an expert's output (Qwen3-MoE), or kept in float32 (Mixtral, DeepSeek-V3);
+        ``routing``: DeepSeek-V3's router (:class:`GroupLimitedGate`); ``shared``: the shared experts, an
+        MLP every token goes through, added to the routed experts' output."""
         super().__init__()
         self.num_experts, self.top_k, self.normalize = num_experts, top_k, normalize
         self.first_expert, self.intermediate = experts.start, intermediate
         self.weights_in_model_dtype = weights_in_model_dtype
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate: nn.Linear | GroupLimitedGate
+        if routing is None:
+            self.gate = nn.Linear(hidden, num_experts, bias=False)
+        else:
+            self.gate = GroupLimitedGate(hidden, num_experts, routing)
         self.experts = Experts(len(experts), hidden, intermediate)
+        self.shared_experts = shared
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, expert ids), each [tokens, top_k]."""
+        if isinstance(self.gate, GroupLimitedGate):
+            return self.gate.route(x, self.top_k, self.normalize)
         logits = F.linear(x, self.gate.weight)
         weights, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
         if self.normalize:
@@ -99,6 +163,8 @@ class MoE(nn.Module):
             gate, up = F.linear(x[token], self.experts.gate_up_proj[local]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, self.experts.down_proj[local])
             out.index_add_(0, token, (y * weights[token, slot, None]).to(x.dtype))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
         return out
 
 
