@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.kv_cache import KVCache
+from engine.kv_cache import KVCache, cache_heads
 from engine.loader import check_features, check_split, head_dim_of, load_config, load_model
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.runner import ModelRunner, RoPE
@@ -125,13 +125,13 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         check_features(cfg)
         head_dim = head_dim_of(cfg)
-        num_kv_heads = len(shard.kv_heads(cfg.num_key_value_heads))  # this rank's: every rank holds as many
+        num_kv_heads, width, _ = cache_heads(cfg, shard, head_dim)  # this rank's: every rank holds as many
         num_blocks = config.num_blocks or KVCache.blocks_for_bytes(
             config.kv_cache_bytes,
             cfg.num_hidden_layers,
             config.block_size,
             num_kv_heads,
-            head_dim,
+            width,
             config.torch_dtype,
         )
         self.ranks: RankProcesses | None = None

@@ -23,6 +23,15 @@ A rank of a tensor-parallel engine holds a cache of its own KV heads
 engine/tensor_parallel.py) with every block, the same block table as every
 other rank: ``tp_rank``, ``tp_size`` and those two describe it to a transfer
 layer (transfer/layout.py ``KVLayout.for_engine_cache``).
+
+A model with multi-head latent attention (DeepSeek-V3) keeps one latent of
+``L = kv_lora_rank + qk_rope_head_dim`` values per token and layer instead of K
+and V: its cache is one KV head of width L / 2, the latent's first half in the
+K plane and its second half in the V plane (engine/mla.py), the same on every
+tensor-parallel rank (one head, replicated)::
+
+    kv: [num_layers, 2, num_blocks, block_size, 1, L / 2]      (NHD)
+               K plane = latent[:L/2], V plane = latent[L/2:]
 """
 
 from __future__ import annotations
@@ -30,7 +39,19 @@ from __future__ import annotations
 import torch
 
 from engine.config import KV_LAYOUTS, EngineConfig, KvLayout
+from engine.mla import latent_width
 from engine.tensor_parallel import Shard
+
+
+def cache_heads(cfg, shard: Shard, head_dim: int) -> tuple[int, int, int]:
+    """(KV heads rank ``shard`` holds, their width, the model's KV heads) of one layer's K (or V) plane:
+    the model's KV heads of ``head_dim``, split as engine/tensor_parallel.py says; or for a latent of L
+    values, one head of L / 2 on every rank."""
+    width = latent_width(cfg)
+    if width is not None:
+        assert width % 2 == 0, width  # engine/loader.py check_features refuses an odd latent
+        return 1, width // 2, 1
+    return len(shard.kv_heads(cfg.num_key_value_heads)), head_dim, cfg.num_key_value_heads
 
 
 class KVCache:
@@ -85,19 +106,20 @@ class KVCache:
     def for_shard(
         cls, cfg, shard: Shard, num_blocks: int, head_dim: int, config: EngineConfig, device: torch.device
     ) -> KVCache:
-        """Rank ``shard``'s slice of model ``cfg``'s cache: every layer, its KV heads, ``num_blocks``
-        blocks (every rank of an instance holds as many, under the same block table)."""
+        """Rank ``shard``'s slice of model ``cfg``'s cache: every layer, its KV heads (:func:`cache_heads`),
+        ``num_blocks`` blocks (every rank of an instance holds as many, under the same block table)."""
+        heads, width, total = cache_heads(cfg, shard, head_dim)
         return cls(
             cfg.num_hidden_layers,
             num_blocks,
             config.block_size,
-            len(shard.kv_heads(cfg.num_key_value_heads)),
-            head_dim,
+            heads,
+            width,
             config.torch_dtype,
             device,
             order=config.kv_layout,
             shard=shard,
-            num_kv_heads_total=cfg.num_key_value_heads,
+            num_kv_heads_total=total,
         )
 
     @staticmethod

@@ -20,8 +20,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig
 
+from engine.mla import latent_width
 from engine.model import CausalLM, RankGroup
-from engine.moe import MoESpec
+from engine.moe import GroupLimitedGate, MoESpec
 from engine.tensor_parallel import Shard, split_problem
 
 # model_type -> (per-head q/k RMSNorm, q/k/v bias)
@@ -33,6 +34,7 @@ ARCHITECTURES = {
     "qwen3_moe": (True, None),  # mixture of experts (engine/moe.py)
     "mixtral": (False, False),
     "gemma3_text": (True, None),  # sliding-window and global layers, sandwich norms (engine/model.py Flavor)
+    "deepseek_v3": (False, None),  # latent attention (engine/mla.py), shared and routed experts (engine/moe.py)
 }
 
 _LAYER_KEY = re.compile(r"^layers\.(\d+)\.(.+)$")
@@ -48,6 +50,8 @@ _FUSED = {
     "self_attn.v_proj": ("self_attn.qkv_proj", 2),
     "mlp.gate_proj": ("mlp.gate_up_proj", 0),
     "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.shared_experts.gate_proj": ("mlp.shared_experts.gate_up_proj", 0),
+    "mlp.shared_experts.up_proj": ("mlp.shared_experts.gate_up_proj", 1),
 }
 
 
@@ -80,6 +84,44 @@ def check_features(cfg) -> None:
             raise ValueError("use_bidirectional_attention in a gemma3 config is not supported")
         if cfg.hidden_activation != "gelu_pytorch_tanh":
             raise ValueError(f"hidden_activation={cfg.hidden_activation!r} in a gemma3 config is not supported")
+    if cfg.model_type == "deepseek_v3":
+        _check_deepseek(cfg)
+
+
+def _check_deepseek(cfg) -> None:
+    """What DeepSeek-V3's layout may say that the engine would not compute as transformers does: another
+    RoPE than default or YaRN, another activation, quantized weights, another router than sigmoid scores
+    with group-limited top-k; and a latent whose halves would not be equal (engine/kv_cache.py)."""
+    rope_type = (cfg.rope_parameters or {}).get("rope_type", "default")
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"rope_parameters.rope_type={rope_type!r} in a deepseek_v3 config is not supported")
+    if cfg.hidden_act != "silu":
+        raise ValueError(f"hidden_act={cfg.hidden_act!r} in a deepseek_v3 config is not supported")
+    if getattr(cfg, "quantization_config", None):
+        raise ValueError("quantization_config in a deepseek_v3 config is not supported (quantized weights)")
+    if cfg.num_key_value_heads != cfg.num_attention_heads:
+        raise ValueError(
+            f"num_key_value_heads={cfg.num_key_value_heads} in a deepseek_v3 config is not supported "
+            f"(latent attention has one key and value per query head: {cfg.num_attention_heads})"
+        )
+    if (cfg.kv_lora_rank + cfg.qk_rope_head_dim) % 2 or cfg.qk_rope_head_dim % 2:
+        raise ValueError(
+            f"kv_lora_rank={cfg.kv_lora_rank} with qk_rope_head_dim={cfg.qk_rope_head_dim} in a deepseek_v3 "
+            "config is not supported (both must be even)"
+        )
+    for name, supported in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        value = getattr(cfg, name, supported)
+        if value != supported:
+            raise ValueError(f"{name}={value!r} in a deepseek_v3 config is not supported (only {supported!r})")
+    if cfg.n_routed_experts and cfg.first_k_dense_replace < cfg.num_hidden_layers:
+        groups = cfg.n_group or 0
+        if groups < 1 or cfg.n_routed_experts % groups or cfg.n_routed_experts // groups < 2:
+            raise ValueError(
+                f"n_group={cfg.n_group} in a deepseek_v3 config is not supported "
+                f"(it must divide n_routed_experts={cfg.n_routed_experts} into groups of two or more)"
+            )
+        if not 1 <= (cfg.topk_group or 0) <= groups:
+            raise ValueError(f"topk_group={cfg.topk_group} in a deepseek_v3 config is not supported")
 
 
 def head_dim_of(cfg) -> int:
@@ -99,10 +141,16 @@ def _weight_files(path: Path) -> list[Path]:
 
 def check_split(cfg, size: int, expert_parallel: bool = False) -> None:
     """Raises ValueError, naming the sizes, when the model cannot be split over ``size`` ranks."""
-    problem = split_problem(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size, size)
+    # a latent is one KV head, replicated on every rank (engine/kv_cache.py)
+    kv_heads = 1 if latent_width(cfg) is not None else cfg.num_key_value_heads
+    problem = split_problem(cfg.num_attention_heads, kv_heads, cfg.intermediate_size, size)
     experts = MoESpec.of(cfg)
     if problem is None and experts is not None:
-        if expert_parallel and experts.num_experts % size:
+        if experts.shared_intermediate % size:
+            problem = (
+                f"the shared experts' {experts.shared_intermediate} features cannot be split evenly over {size} ranks"
+            )
+        elif expert_parallel and experts.num_experts % size:
             problem = f"{experts.num_experts} experts cannot be split evenly over expert_parallel_size={size}"
         elif not expert_parallel and experts.intermediate % size:
             problem = (
@@ -128,6 +176,9 @@ def load_model(
     with torch.device(device), _no_random_init():
         model = CausalLM(cfg, head_dim_of(cfg), qk_norm, bias, shard, group)
     model = model.to(dtype)
+    for module in model.modules():
+        if isinstance(module, GroupLimitedGate):
+            module.float()  # DeepSeek-V3's router stays float32 in any model dtype, as transformers keeps it
     params = dict(model.named_parameters())
     parts: dict[str, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()
@@ -136,12 +187,13 @@ def load_model(
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
                 name = key.removeprefix("model.").replace(".block_sparse_moe.gate.", ".mlp.gate.")
-                if "rotary_emb" in name or experts.take(name, key, f):
+                if "rotary_emb" in name or _beyond_layers(name, cfg) or experts.take(name, key, f):
                     continue
-                target, part = _fused_target(name)
+                # a parameter of that name is not fused (latent attention's q_proj)
+                target, part = (name, None) if name in params else _fused_target(name)
                 if target not in params:
                     raise ValueError(f"unexpected weight {key!r} in {file}")
-                tensor = f.get_tensor(key)
+                tensor = _rope_deinterleaved(name, f.get_tensor(key), cfg)
                 if not shard.whole:
                     tensor = _slice(name, tensor, cfg, shard)
                 if part is None:
@@ -186,6 +238,40 @@ def _no_random_init() -> Iterator[None]:
             cls.reset_parameters = method  # type: ignore[method-assign]
 
 
+def _beyond_layers(name: str, cfg) -> bool:
+    """A layer past the model's last: DeepSeek-V3's multi-token prediction module (``layers.61`` in its
+    checkpoints), which transformers does not load either."""
+    match = _LAYER_KEY.match(name)
+    return cfg.model_type == "deepseek_v3" and match is not None and int(match.group(1)) >= cfg.num_hidden_layers
+
+
+def _rope_deinterleaved(name: str, tensor: torch.Tensor, cfg) -> torch.Tensor:
+    """With ``rope_interleave`` (DeepSeek's checkpoints), RoPE rotates pairs (x0, x1), (x2, x3), ... of the
+    query's and the latent key's RoPE values, and transformers returns them as evens then odds. The rows
+    that make those values are put in that order here (each head's of ``q_proj`` / ``q_b_proj``, those
+    of ``kv_a_proj_with_mqa``), so that rotate-half's rotation (engine/model.py ``rotate``) computes
+    transformers' result exactly; their dot products are unchanged, the pair's order being the same in
+    query and key."""
+    if cfg.model_type != "deepseek_v3" or not cfg.rope_interleave:
+        return tensor
+    match = _LAYER_KEY.match(name)
+    rest = match.group(2) if match else ""
+    rope = cfg.qk_rope_head_dim
+    order = list(range(0, rope, 2)) + list(range(1, rope, 2))
+    if rest in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
+        qk = cfg.qk_nope_head_dim + rope
+        heads = tensor.shape[0] // qk
+        starts = [h * qk + cfg.qk_nope_head_dim for h in range(heads)]
+    elif rest in ("self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_a_proj_with_mqa.bias"):
+        starts = [cfg.kv_lora_rank]
+    else:
+        return tensor
+    index = torch.arange(tensor.shape[0])
+    for start in starts:
+        index[start : start + rope] = torch.tensor(order) + start
+    return tensor.index_select(0, index).contiguous()
+
+
 def _slice(name: str, tensor: torch.Tensor, cfg, shard: Shard) -> torch.Tensor:
     """The part of the whole model's tensor ``name`` (Hugging Face's name, no ``model.``) that ``shard`` holds."""
     head_dim = head_dim_of(cfg)
@@ -198,6 +284,10 @@ def _slice(name: str, tensor: torch.Tensor, cfg, shard: Shard) -> torch.Tensor:
         return out
     if match is None:
         return tensor  # embeddings and the final norm are whole on every rank
+    if latent_width(cfg) is not None:
+        sliced = _slice_latent(rest, tensor, cfg, shard)
+        if sliced is not None:
+            return sliced
     if rest.startswith("self_attn.q_proj."):
         return _rows(tensor, [h for h in shard.q_heads(cfg.num_attention_heads)], head_dim)
     if rest.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
@@ -273,6 +363,27 @@ class _ExpertLoader:
         count = len(self.shard.experts(self.spec.num_experts))
         need = {"gate_up_proj": 2 * count, "down_proj": count}
         return {t for t, n in self.pieces.items() if n == need[t.rsplit(".", 1)[1]]}
+
+
+def _slice_latent(rest: str, tensor: torch.Tensor, cfg, shard: Shard) -> torch.Tensor | None:
+    """A rank's part of a DeepSeek-V3 layer's tensor ``rest``, or None where it is sliced as another model's:
+    its query heads' rows of ``q_proj`` / ``q_b_proj`` and ``kv_b_proj``, their columns of ``o_proj``, its
+    features of the shared experts. The latent's projections and norms are whole (the latent is replicated)."""
+    heads = list(shard.q_heads(cfg.num_attention_heads))
+    if rest in ("self_attn.q_proj.weight", "self_attn.q_b_proj.weight"):
+        return _rows(tensor, heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    if rest == "self_attn.kv_b_proj.weight":
+        return _rows(tensor, heads, cfg.qk_nope_head_dim + cfg.v_head_dim)
+    if rest == "self_attn.o_proj.weight":
+        return _rows(tensor.T, heads, cfg.v_head_dim).T.contiguous()
+    if rest.startswith("self_attn.") and rest != "self_attn.o_proj.bias":
+        return tensor
+    features = shard.intermediate(cfg.moe_intermediate_size * cfg.n_shared_experts)
+    if rest in ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"):
+        return tensor[features.start : features.stop].contiguous()
+    if rest == "mlp.shared_experts.down_proj.weight":
+        return tensor[:, features.start : features.stop].contiguous()
+    return None
 
 
 def _rows(tensor: torch.Tensor, heads: list[int], head_dim: int) -> torch.Tensor:

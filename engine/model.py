@@ -21,9 +21,11 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_rope_utils import yarn_apply_mscale
 
 from engine import native
 from engine.attention import AttentionMetadata, paged_attention, write_kv
+from engine.mla import latent_attention, latent_width, write_latent
 from engine.moe import MoE, MoESpec
 from engine.row_buckets import packed_linear
 from engine.tensor_parallel import Shard
@@ -226,6 +228,51 @@ class Attention(nn.Module):
         return self.o_proj(out.view(n, self.q_size))
 
 
+class LatentAttention(nn.Module):
+    """DeepSeek-V2/V3's multi-head latent attention (engine/mla.py): the query through ``q_a_proj``,
+    ``q_a_layernorm`` and ``q_b_proj`` (or one ``q_proj`` where ``q_lora_rank`` is None), the latent from
+    ``kv_a_proj_with_mqa``; RoPE on the query's and the key's last ``qk_rope_head_dim`` values only.
+
+    DeepSeek's checkpoints interleave RoPE's pairs (``rope_interleave``); the loader permutes those rows
+    of the weights to rotate-half's order (engine/loader.py), so :func:`rotate` computes transformers'
+    rotation, and the cached ``k_rope`` is in that order."""
+
+    window = None  # no sliding window
+
+    def __init__(self, cfg, shard: Shard, bias: bool) -> None:
+        super().__init__()
+        self.num_heads = len(shard.q_heads(cfg.num_attention_heads))
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.rank = cfg.kv_lora_rank
+        qk = self.nope + self.rope
+        hidden, heads = cfg.hidden_size, self.num_heads
+        self.q_lora = cfg.q_lora_rank is not None
+        if self.q_lora:
+            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * qk, bias=False)
+        else:
+            self.q_proj = Linear(hidden, heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.rank, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias)
+        self.scale = yarn_apply_mscale(cfg.rope_parameters or {}, qk**-0.5)  # YaRN's mscale in the softmax's scale
+
+    def forward(self, x, cos, sin_signed, cache_layer, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q_nope, q_rope = q.view(n, self.num_heads, -1).split([self.nope, self.rope], dim=-1)
+        c, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
+        latent = torch.cat((self.kv_a_layernorm(c.contiguous()), rotate(k_rope[:, None], cos, sin_signed)[:, 0]), -1)
+        write_latent(cache_layer, latent, meta)
+        out = latent_attention(
+            q_nope, rotate(q_rope, cos, sin_signed), latent, cache_layer, meta,
+            self.kv_b_proj, self.kv_b_proj.weight, self.scale,
+        )  # fmt: skip
+        return self.o_proj(out.reshape(n, self.num_heads * self.v_dim))
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False, gelu: bool = False) -> None:
         super().__init__()
@@ -267,7 +314,11 @@ class DecoderLayer(nn.Module):
         self.sandwich = flavor.sandwich
         hidden, eps, offset = cfg.hidden_size, cfg.rms_norm_eps, flavor.norm_offset
         self.input_layernorm = RMSNorm(hidden, eps, offset)
-        self.self_attn = Attention(cfg, head_dim, qk_norm, bias, shard, window, flavor)
+        self.self_attn: Attention | LatentAttention
+        if latent_width(cfg) is not None:
+            self.self_attn = LatentAttention(cfg, shard, bias)
+        else:
+            self.self_attn = Attention(cfg, head_dim, qk_norm, bias, shard, window, flavor)
         # Llama's norm before the MLP; with sandwich norms (Gemma 3) the norm of the attention's output
         self.post_attention_layernorm = RMSNorm(hidden, eps, offset)
         if flavor.sandwich:
@@ -286,6 +337,11 @@ class DecoderLayer(nn.Module):
                 experts.normalize,
                 shard.experts(experts.num_experts),
                 experts.weights_in_model_dtype,
+                experts.routing,
+                # shared experts: a dense MLP, its features split over the ranks (with expert parallelism too)
+                MLP(hidden, len(shard.intermediate(experts.shared_intermediate)))
+                if experts.shared_intermediate
+                else None,
             )
 
     def use_cpu_kernel(self) -> None:
@@ -296,8 +352,10 @@ class DecoderLayer(nn.Module):
         kinds = {(p.device.type, p.dtype) for p in self.parameters()}
         if self.group is not None or kinds not in ({("cpu", torch.float32)}, {("cpu", torch.bfloat16)}):
             return
-        if not isinstance(mlp, MLP) or attn.window is not None or self.sandwich or mlp.gelu:
-            return  # experts, windows and Gemma's layer run as torch ops
+        if not isinstance(mlp, MLP) or not isinstance(attn, Attention) or attn.window is not None:
+            return  # experts, latent attention and windows run as torch ops
+        if self.sandwich or mlp.gelu:
+            return  # so does Gemma's layer
         layer = native.kernel("DecodeLayer")
         if layer is None:
             return
@@ -374,6 +432,7 @@ class CausalLM(nn.Module):
         assert shard.whole or group is not None, "a shard needs its rank group"
         self.vocab_size = cfg.vocab_size
         self.group = group
+        self.latent = latent_width(cfg) is not None  # multi-head latent attention (engine/mla.py)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         experts = MoESpec.of(cfg)
         windows = layer_windows(cfg)

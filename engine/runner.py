@@ -140,6 +140,11 @@ class ModelRunner:
         self.generator = torch.Generator(device=device)
         self.generator.seed()
         self.kernels = attention_kernels(attention_backend, device, cache.kv.dtype)
+        if model.latent and self.kernels.name != "torch":
+            # latent attention runs on torch's ops alone (engine/mla.py): its decodes are padded into groups
+            # with the runner's masks, its prefill chunks are spans
+            log.info("latent attention: torch's ops, not %s's kernels", self.kernels.name)
+            self.kernels = AttentionKernels()
         self.graphs: DecodeGraphs | None = None  # decode-only steps as CUDA graphs (use_decode_graphs)
 
     def use_decode_graphs(self, max_model_len: int, max_num_seqs: int, capture: bool = True) -> None:
@@ -149,6 +154,8 @@ class ModelRunner:
             raise ValueError(f"cuda_graphs needs a CUDA device, not {self.device.type!r}")
         if self.ranks is not None:
             raise ValueError("cuda_graphs needs tensor_parallel_size 1 (collectives are not captured)")
+        if self.model.latent:
+            raise ValueError("cuda_graphs is not supported with latent attention (a config with kv_lora_rank)")
         if self.kernels.decode is None:
             raise ValueError(
                 "cuda_graphs needs a decode kernel that reads the cache in place (attention_backend triton)"
