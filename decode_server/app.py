@@ -10,9 +10,9 @@ from starlette.background import BackgroundTask
 
 from decode_server.service import GenerationService
 from server_common.app import service_app
-from server_common.worker_replies import ErrorReply, WorkerError
-from server_common.worker_requests import GenerateRequest, KVHello
 from transfer.outcome import Outcome
+from wire.replies import ErrorReply, WorkerError
+from wire.requests import GenerateRequest, KVHello
 
 
 def create_app(service: GenerationService) -> FastAPI:
@@ -20,7 +20,7 @@ def create_app(service: GenerationService) -> FastAPI:
 
     @app.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> Response:
-        """NDJSON stream: reservation first, then tokens (see server_common.worker_replies)."""
+        """NDJSON stream: reservation first, then tokens (see wire.replies)."""
         try:
             first, active = await service.open(req, request.client.host if request.client else "")
         except WorkerError as exc:

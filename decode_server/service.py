@@ -26,8 +26,8 @@ is prefilled here.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -36,20 +36,20 @@ import anyio
 
 from decode_server.stream_trace import StreamTrace
 from engine import LLMEngine, NoCapacityError, SamplingParams, StepOutput
+from kvlink.ports import Expected, KVReceiverPort, ReceiverFactory
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
 from server_common.guard import Drain
-from server_common.kv_port import KVReceiverPort, ReceiverFactory
 from server_common.metrics import ServerMetrics
 from server_common.model_id import model_fingerprint
 from server_common.quota import UnfilledBlocks
 from server_common.settings import ServerSettings
 from server_common.streams import StreamHub
 from server_common.timeline_log import TimelineLog
-from server_common.tp_transfer import RankReceivers
 from server_common.tracing import Tracing
 from server_common.vitals import Vitals
-from server_common.worker_replies import (
+from transfer.outcome import Outcome, PeerBound, TransferEnded
+from wire.replies import (
     STREAM_HEARTBEAT_S,
     AliveEvent,
     ErrorEvent,
@@ -62,8 +62,7 @@ from server_common.worker_replies import (
     WorkerError,
     tokens_event,
 )
-from server_common.worker_requests import GenerateRequest
-from transfer.outcome import Outcome, PeerBound, TransferEnded
+from wire.requests import GenerateRequest
 
 log = logging.getLogger(__name__)
 BACKSTOP_S = 5.0
@@ -83,13 +82,13 @@ class Awaiting:
 class Active:
     request_id: str
     queue: asyncio.Queue
+    trace: StreamTrace
     transfer_id: str | None = None
     lease: asyncio.TimerHandle | None = None
     finished: bool = False  # every sequence's last event was sent
     moved: bool = False  # draining moved it off: its engine request is already dropped
     sequences: int = 1  # how many sequences' last events the stream waits for (sampling.n)
     started: float = field(default_factory=time.monotonic)
-    trace: StreamTrace | None = None
 
 
 class GenerationService:
@@ -119,8 +118,6 @@ class GenerationService:
         self.timeline = TimelineLog()
         self._model_id = model_fingerprint(settings.engine.model)  # reported on /health
         self._receiver: KVReceiverPort | None = None
-        # In every reservation: a prefill server that sees a new epoch (this server restarted) meets it afresh.
-        self._epoch = secrets.token_hex(8)
         if make_receiver is not None:
             self._receiver = make_receiver(self.engine_thread.wake)
             self.vitals.add(self._receiver.problem)
@@ -134,6 +131,11 @@ class GenerationService:
         # end at once with a "draining" error, on which the router continues them on another decode server.
         self.drain = Drain(lambda: len(self._active), self._move_streams if settings.drain == "migrate" else None)
         self._loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def _streams(self) -> StreamHub:
+        assert self._hub is not None, "the service has not started"
+        return self._hub
 
     # ---- lifecycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -156,9 +158,7 @@ class GenerationService:
             raise ValueError(f"{self.settings.name} is a colocated server: it takes no KV transfers")
         timeout_s = self.settings.transfer_timeout_s
         try:
-            if isinstance(receiver, RankReceivers):
-                return await asyncio.to_thread(receiver.accept_ranks, hello, timeout_s)
-            return [await asyncio.to_thread(receiver.accept, hello, timeout_s)]
+            return await asyncio.to_thread(receiver.accept, hello, timeout_s)
         except PeerBound as exc:
             self.metrics.peer_refusals.labels(reason="bound_to_live_instance").inc()
             log.warning("refused a KV handshake: %s", exc)
@@ -181,7 +181,7 @@ class GenerationService:
         local = req.local_prefill or self.settings.role == "colocated"
         active = Active(
             rid,
-            self._hub.open(rid),
+            self._streams.open(rid),
             sequences=sampling.n,
             trace=StreamTrace(self.tracing, self.timeline, req.trace, rid, not local, self.settings.name),
         )
@@ -222,9 +222,10 @@ class GenerationService:
         rid, lease_s = req.request_id, self.settings.lease_s
         started = time.monotonic()  # the receiver's lease starts in reserve(), after this
         receiver = self._receiver
+        assert receiver is not None, "a colocated server reserves nothing"
         prompt = req.prompt_token_ids
 
-        def reserve(e: LLMEngine) -> tuple[list[int], str, int, dict | None] | None:
+        def reserve(e: LLMEngine) -> tuple[list[int], Expected, int] | None:
             cached = e.cached_prefix(prompt, sampling)
             if cached and cached >= len(prompt) - 1:
                 return None
@@ -239,19 +240,19 @@ class GenerationService:
                     f"waiting for KV (at most {self.unfilled.limit})"
                 )
             try:
-                transfer_id = receiver.expect(block_ids, lease_s, writable_from=writable_from)
+                expected = receiver.expect(block_ids, lease_s, writable_from=writable_from)
             except BaseException:
                 e.abort(rid)
                 raise
-            self.unfilled.claim(caller, transfer_id, unfilled)
-            self._awaiting[transfer_id] = Awaiting(rid, prompt, sampling)
-            tp = receiver.target(transfer_id) if isinstance(receiver, RankReceivers) else None
-            return block_ids, transfer_id, cached, tp
+            self.unfilled.claim(caller, expected.transfer_id, unfilled)
+            self._awaiting[expected.transfer_id] = Awaiting(rid, prompt, sampling)
+            return block_ids, expected, cached
 
         reserved = await self.engine_thread.run(reserve)
         if reserved is None:
             return None
-        block_ids, transfer_id, cached, tp = reserved
+        block_ids, expected, cached = reserved
+        transfer_id = expected.transfer_id
         active.transfer_id = transfer_id
         # The receiver enforces the lease; this backstop only guards against a transfer layer that never reports.
         active.lease = asyncio.get_running_loop().call_later(lease_s + BACKSTOP_S, self._backstop, transfer_id)
@@ -264,7 +265,7 @@ class GenerationService:
             block_size=self.settings.engine.block_size,
             num_tokens=len(prompt),
             lease_s=max(lease_s - (time.monotonic() - started), 1e-3),
-            kv_target={"peer": self.settings.name, "epoch": self._epoch, **({"tp": tp} if tp else {})},
+            kv_target=expected.target,
             num_cached_tokens=cached,
         )
 
@@ -314,7 +315,7 @@ class GenerationService:
         active = self._active.pop(request_id, None)
         if active is None:
             return
-        self._hub.close(request_id)
+        self._streams.close(request_id)
         active.trace.close()
         if active.lease is not None:
             active.lease.cancel()
@@ -350,7 +351,7 @@ class GenerationService:
                 active.queue.put_nowait(ErrorEvent(message=message, code=Outcome.DRAINING))
                 active.moved = True
                 rid, transfer_id = active.request_id, active.transfer_id
-                self.engine_thread.call(lambda e, rid=rid, transfer_id=transfer_id: self._drop(e, rid, transfer_id))
+                self.engine_thread.call(functools.partial(self._drop, request_id=rid, transfer_id=transfer_id))
             if self._active:
                 log.info("draining: %d streams moved off", len(self._active))
 
@@ -358,7 +359,7 @@ class GenerationService:
 
     def _forget(self, active: Active, outcome: Outcome = Outcome.CANCELLED) -> None:
         self._active.pop(active.request_id, None)
-        self._hub.close(active.request_id)
+        self._streams.close(active.request_id)
         active.trace.close(outcome)
 
     # ---- engine-thread callbacks ------------------------------------------------
@@ -366,7 +367,7 @@ class GenerationService:
         if self.faults is not None:
             self.faults.step_delay()
         self.metrics.tokens.inc(sum(len(out.new_token_ids) for out in outputs))
-        self._hub.publish_many([(out.request_id, tokens_event(out)) for out in outputs])
+        self._streams.publish_many([(out.request_id, tokens_event(out)) for out in outputs])
         if self.faults is not None:
             self.faults.streamed(sum(len(out.new_token_ids) for out in outputs))
 
@@ -375,12 +376,14 @@ class GenerationService:
         first and freed once the receiver reports the id ended (no write can land)."""
         if transfer_id is not None and self._take_awaiting(transfer_id) is not None:
             self._cancelling[transfer_id] = request_id
+            assert self._receiver is not None  # only a decode server waits for KV
             self._receiver.cancel(transfer_id)
             return
         e.abort(request_id)
 
     def _collect_transfers(self, e: LLMEngine) -> None:
         """Between two steps: act on every transfer the receiver saw end."""
+        assert self._receiver is not None  # the engine thread calls it on a decode server only
         for ended in self._receiver.take_finished():
             self._transfer_ended(e, ended)
 
@@ -422,11 +425,11 @@ class GenerationService:
             log.warning("request %s: remote KV failed (%s: %s); prefilling it here", rid, outcome, reason)
             e.add_request(rid, pending.prompt, pending.sampling)
             self.metrics.reprefills.labels(outcome=outcome).inc()
-            self._hub.publish(
+            self._streams.publish(
                 rid, ReprefillEvent(message=f"remote KV failed ({reason}); prefilling locally", code=outcome)
             )
             return
-        self._hub.publish(rid, ErrorEvent(message=f"KV transfer failed: {reason}; blocks freed", code=outcome))
+        self._streams.publish(rid, ErrorEvent(message=f"KV transfer failed: {reason}; blocks freed", code=outcome))
 
     def _backstop(self, transfer_id: str) -> None:
         def expire(e: LLMEngine) -> None:
@@ -437,7 +440,7 @@ class GenerationService:
             log.error("transfer %s never ended; freeing request %s without the receiver", transfer_id, rid)
             e.abort(rid)
             self.metrics.transfer_failures.labels(outcome=Outcome.LEASE_EXPIRED).inc()
-            self._hub.publish(
+            self._streams.publish(
                 rid, ErrorEvent(message="no KV arrived within the lease; blocks freed", code=Outcome.LEASE_EXPIRED)
             )
 

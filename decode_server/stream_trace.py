@@ -9,8 +9,8 @@ import time
 
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
-from server_common.worker_replies import ErrorEvent, ReprefillEvent, TokensEvent
 from transfer.outcome import Outcome
+from wire.replies import DecodeEvent, ErrorEvent, ReprefillEvent, TokensEvent
 
 
 class StreamTrace:
@@ -21,7 +21,7 @@ class StreamTrace:
     ) -> None:
         self._tracing = tracing
         self._log = log
-        self._request_id = request_id
+        self._request_id: str | None = request_id
         self._remote = remote
         self._kv_at: float | None = None
         self._started = time.monotonic()
@@ -42,7 +42,7 @@ class StreamTrace:
         """No KV will arrive: this server computes the prompt (all but its last token may be cached)."""
         self._remote = False
 
-    def event(self, event) -> None:
+    def event(self, event: DecodeEvent) -> None:
         if self._request_id is None:
             return  # closed
         now = time.monotonic()
@@ -77,7 +77,7 @@ class StreamTrace:
             last_token=self._last,
         )
         self._request_id = None
-        if self._first is not None:
+        if self._first is not None and self._last is not None:
             self._tracing.record("decode.decode", self._span, self._first, self._last, pdserve__tokens=self._tokens)
         self._tracing.end(
             self._span, outcome=self._outcome or outcome or Outcome.CANCELLED, pdserve__tokens=self._tokens

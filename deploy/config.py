@@ -69,9 +69,10 @@ from router.settings import (
     RouterSettings,
     WorkerSpec,
 )
-from server_common.process_defaults import DRAIN_TIMEOUT_S, INSTANCE_NAME, LOOPBACK_HOST, DrainMode, is_loopback
+from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, DrainMode, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 from server_common.tracing import TracingSettings
+from wire.names import INSTANCE_NAME
 
 
 class EngineDefaults(Strict):

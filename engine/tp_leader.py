@@ -9,7 +9,7 @@ each step's header go down it, and its EOF, when rank 0 closes it or its
 process ends for any reason, ends them.
 
 A rank may also hold an agent (``engine.tp_worker.Agent``: a prefill
-server's ranks hold their KV sender, server_common/tp_rank.py). Rank 0
+server's ranks hold their KV sender, kvlink/agent.py). Rank 0
 writes it messages down the same pipe (``send_message``, between steps, in
 order with them) and reads what it answers from a second pipe, one JSON
 line each (``listen``).

@@ -12,7 +12,7 @@ each step's inputs, so its cache slice has the same block table as rank 0's.
 Between steps it waits on its stdin for the next step's header (so an idle
 engine has no collective pending, and collectives keep a short timeout); the
 payload comes by broadcast. A message for its agent (``Agent``: what a server
-adds to a rank, e.g. server_common/tp_rank.py's KV sender) comes down the
+adds to a rank, e.g. kvlink/agent.py's KV sender) comes down the
 same pipe between steps; the agent answers on the pipe whose descriptor the
 spec names (``reply_fd``), one JSON line each. It ends when rank 0 goes, however it goes: stdin
 reaches EOF when rank 0's process ends, and a collective fails when a peer's

@@ -7,8 +7,8 @@ from fastapi.responses import JSONResponse
 
 from prefill_server.service import PrefillService
 from server_common.app import service_app
-from server_common.worker_replies import WorkerError
-from server_common.worker_requests import DecodePeer, PrefillRequest
+from wire.replies import WorkerError
+from wire.requests import DecodePeer, PrefillRequest
 
 
 def create_app(service: PrefillService) -> FastAPI:

@@ -12,17 +12,17 @@ from server_common.settings import ServerSettings
 
 def run(settings: ServerSettings, log_level: str) -> int:
     bound_kernel_caches()  # before the engine's first oneDNN kernel (server_common/kernel_cache.py)
+    from kvlink.factory import RANK_AGENT, prefill_link_factory
     from prefill_server.app import create_app
     from prefill_server.service import PrefillService
     from server_common.connections import server_guard
     from server_common.engine_thread import build_engine
     from server_common.faults import FaultInjector
-    from server_common.kv_adapter import sender_factory
     from server_common.run import serve
 
-    engine = build_engine(settings.engine, "server_common.tp_rank")  # ranks hold their KV senders
+    engine = build_engine(settings.engine, RANK_AGENT)  # ranks hold their KV senders
     faults = FaultInjector() if settings.fault_injection else None
-    service = PrefillService(settings, engine, sender_factory(settings, engine, faults), faults)
+    service = PrefillService(settings, engine, prefill_link_factory(settings, engine, faults), faults)
     guard = server_guard(settings)
     service.metrics.registry.register(guard)
     serve(

@@ -33,18 +33,19 @@ import time
 from dataclasses import dataclass, field
 
 from engine import LLMEngine, PrefillChunk, StepOutput
+from kvlink.ports import PrefillLinkFactory
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
 from server_common.guard import Drain
-from server_common.kv_adapter import DecodePeers
-from server_common.kv_port import DecodePeersPort, SenderFactory
 from server_common.metrics import ServerMetrics
 from server_common.model_id import model_fingerprint
 from server_common.settings import ServerSettings
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing
 from server_common.vitals import Vitals
-from server_common.worker_replies import (
+from transfer.outcome import Outcome, PeerBound, TransferEnded
+from transfer.recent import RecentIds
+from wire.replies import (
     HealthReport,
     KVBlocks,
     PrefillResult,
@@ -52,10 +53,7 @@ from server_common.worker_replies import (
     prompt_token_logprobs,
     token_logprobs,
 )
-from server_common.worker_requests import PrefillRequest
-from transfer.messages import group_from_target
-from transfer.outcome import Outcome, PeerBound, TransferEnded
-from transfer.recent import RecentIds
+from wire.requests import PrefillRequest
 
 log = logging.getLogger(__name__)
 REMEMBER_ABORTED = 4096
@@ -109,13 +107,10 @@ class PrefillService:
         self,
         settings: ServerSettings,
         engine: LLMEngine,
-        make_sender: SenderFactory,
+        make_link: PrefillLinkFactory,
         faults: FaultInjector | None = None,
         tracing: Tracing | None = None,
-        peers: DecodePeersPort | None = None,
     ) -> None:
-        """``peers``: the decode servers it may meet (default: ``DecodePeers`` with ``make_sender``'s
-        sender, which must be a ``tp_transfer.RankSenders``; tests give scripted ones)."""
         self.settings = settings
         self.faults = faults
         self.engine_thread = EngineThread(
@@ -126,8 +121,8 @@ class PrefillService:
         self.tracing = tracing or Tracing(settings.tracing, "pdserve-prefill")
         self.timeline = TimelineLog()
         self._model_id = model_fingerprint(settings.engine.model)  # reported on /health
-        self._sender = make_sender(self.engine_thread.wake)
-        self._peers = peers if peers is not None else DecodePeers(settings, self._sender)
+        link = make_link(self.engine_thread.wake)
+        self._sender, self._peers = link.sender, link.peers
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
         self.vitals.add(self.engine_thread.problem)
         self.vitals.add(self._sender.problem)
@@ -173,7 +168,7 @@ class PrefillService:
             self._pending -= 1
             self.tracing.end(span, outcome=outcome)
 
-    async def _prefill(self, req: PrefillRequest, span) -> PrefillResult:
+    async def _prefill(self, req: PrefillRequest, span: object | None) -> PrefillResult:
         loop = asyncio.get_running_loop()
         received = time.monotonic()  # the reservation's lease_s counts from about now
         rid, res = req.request_id, req.reservation
@@ -181,7 +176,7 @@ class PrefillService:
         if self.faults is not None:
             await self.faults.hold()
         try:
-            peer = await self._peers.ensure(res.kv_target)
+            route = await self._peers.route(res)
         except Exception as exc:
             raise WorkerError(
                 502, f"cannot connect to decode server {res.instance}: {exc}", Outcome.HANDSHAKE_FAILED
@@ -189,10 +184,6 @@ class PrefillService:
         lease_s = res.lease_s - (time.monotonic() - received)
         if lease_s <= 0:
             raise WorkerError(409, f"the reservation on {res.instance} has expired", Outcome.LEASE_EXPIRED)
-        try:
-            group = group_from_target(res.kv_target)  # the decode server's ranks; None: one
-        except ValueError as exc:
-            raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from exc
         job = Job(rid, res.transfer_id, len(req.prompt_token_ids), res.num_cached_tokens, loop.create_future(), loop)
         sampling = req.sampling
 
@@ -203,10 +194,7 @@ class PrefillService:
                 raise WorkerError(409, f"request {rid} was aborted", Outcome.ABORTED)
             e.add_request(rid, req.prompt_token_ids, sampling)  # ValueError: nothing to undo
             try:
-                if group is None:
-                    self._sender.begin(res.transfer_id, peer, res.block_ids, lease_s)
-                else:  # IncompatiblePeer (a ValueError) before any part starts
-                    self._sender.begin(res.transfer_id, peer, res.block_ids, lease_s, group)
+                self._sender.begin(route, lease_s)  # IncompatiblePeer (a ValueError) before any part starts
             except BaseException:
                 e.abort(rid)
                 raise
@@ -222,7 +210,7 @@ class PrefillService:
         finally:
             self._trace_job(span, job)
 
-    def _trace_job(self, span, job: Job) -> None:
+    def _trace_job(self, span: object | None, job: Job) -> None:
         """The job's stages into the timeline log and as spans (tracing on). Its timestamps were
         written on the engine thread before ``job.done`` was resolved, so they are complete here."""
         self.timeline.add(
@@ -316,10 +304,11 @@ class PrefillService:
     def _transfer_ended(self, e: LLMEngine, ended: TransferEnded) -> None:
         rid = self._by_transfer.pop(ended.transfer_id, None)
         job = self._jobs.pop(rid, None) if rid is not None else None
-        if job is None:
+        if rid is None or job is None:
             return  # aborted earlier
         job.ended = ended
-        if job.prefilled_out is not None:
+        out = job.prefilled_out
+        if out is not None:
             e.release(rid)
         else:
             e.abort(rid)  # failed before the prompt was done (decode side cancelled, peer gone)
@@ -337,7 +326,7 @@ class PrefillService:
         self.metrics.transfer_gbps.observe(nbytes / max(on_wire, 1e-9) / 1e9)
         if job.prefilled is not None:
             self.metrics.transfer_exposed_seconds.observe(max(0.0, ended.at - job.prefilled))
-        out = job.prefilled_out
+        assert out is not None, "a transfer completes only after finish(), sent once the prompt was computed"
         job.resolve(
             PrefillResult(
                 request_id=rid,

@@ -1,8 +1,7 @@
-"""Parts shared by the prefill and decode servers (and the router's view of them).
-
-``worker_requests`` (router -> server) and ``worker_replies`` (server ->
-router) are the internal control plane's JSON messages, one module per
-direction; they import nothing heavy, so the router can use them without
-torch. ``engine_thread`` and ``metrics`` are the server-side plumbing both
-servers run.
+"""The server runtime the prefill and decode servers (and the router, for its
+own HTTP side) run on: the engine thread, settings, metrics, health and
+vitals, the request guard and connection limits, tracing and timelines,
+memory upkeep, fault injection's routes, and ``run`` (uvicorn with pdserve's
+defaults). The control plane's schemas are ``wire``; everything KV is
+``kvlink``.
 """

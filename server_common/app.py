@@ -20,9 +20,9 @@ from server_common.heap_debug import HeapSnapshots
 from server_common.memory import Trimmer, trim_while_busy
 from server_common.stats_log import log_stats, server_line, server_snapshot
 from server_common.strict_json import StrictJSONRoute
-from server_common.worker_replies import ErrorReply, KvBlocksReply, KvEventsReply
-from server_common.worker_requests import AbortRequest
 from transfer.outcome import Outcome
+from wire.replies import ErrorReply, KvBlocksReply, KvEventsReply
+from wire.requests import AbortRequest
 
 
 async def _on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

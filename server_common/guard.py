@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 
 from fastapi.responses import JSONResponse
 
-from server_common.worker_replies import ErrorReply
 from transfer.outcome import Outcome
+from wire.replies import ErrorReply
 
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 

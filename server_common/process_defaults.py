@@ -5,7 +5,6 @@ error must be reported without first importing fastapi."""
 from __future__ import annotations
 
 import ipaddress
-import re
 from typing import Literal
 
 LOOPBACK_HOST = "127.0.0.1"  # every process binds here unless the cluster config names another interface
@@ -13,13 +12,6 @@ DRAIN_TIMEOUT_S = 30.0  # on SIGTERM: the longest a process waits for its reques
 # A decode server told to drain or leave: its streams end with a "draining" error on which the router
 # continues them on another decode server ("migrate"), or they finish where they are ("wait").
 DrainMode = Literal["migrate", "wait"]
-# An instance's name (config, health reports, peers, admin paths): it starts with a letter or digit, so
-# it is never empty, "." or "..", and it goes into URL paths and file names as it is.
-INSTANCE_NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
-
-
-def is_instance_name(name: object) -> bool:
-    return isinstance(name, str) and re.fullmatch(INSTANCE_NAME, name) is not None
 
 
 def is_loopback(host: str) -> bool:

@@ -43,7 +43,7 @@ from transfer import bench_peer
 from transfer.factory import make_backend
 from transfer.group import ReceiverGroup, SenderGroup
 from transfer.layout import KVLayout, heads_for_rank
-from transfer.messages import DecodeGroup, group_from_target, group_to_target
+from transfer.messages import group_to_builtins, parse_group
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from transfer.tp import route_heads
@@ -198,7 +198,7 @@ def _serve_tp(conn, args) -> None:
                 continue
             group.take_finished()
             gid, target = group.expect(cmd["blocks"], lease_s=60)
-            conn.send_bytes(json.dumps({"gid": gid, "target": group_to_target(target)}).encode())
+            conn.send_bytes(json.dumps({"gid": gid, "target": group_to_builtins(target)}).encode())
     finally:
         for receiver in ranks:
             receiver.close()
@@ -295,8 +295,7 @@ def _transfer_tp(conn, senders: SenderGroup, ended: threading.Event, layouts: li
     """One group transfer of ``num_blocks`` blocks: seconds from the first push to the last part's Ack."""
     blocks = list(range(num_blocks))
     answer = _ask(conn, op="expect", blocks=blocks)
-    target: DecodeGroup | None = group_from_target({"tp": answer["target"]})
-    assert target is not None
+    target = parse_group(answer["target"])
     senders.begin(answer["gid"], target, blocks, lease_s=60)
     t0 = time.perf_counter()
     for layer in range(layouts[0].num_layers):

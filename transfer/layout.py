@@ -98,7 +98,7 @@ class KVLayout:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: str,
+        dtype: object,  # a name ("bfloat16") or a torch dtype
         tp_rank: int = 0,
         tp_size: int = 1,
         num_kv_heads_total: int | None = None,

@@ -95,19 +95,16 @@ def single_rank(transfer_id: str, peer: str, layout: KVLayout) -> DecodeGroup:
     return DecodeGroup(1, (DecodeRank(0, peer, transfer_id, layout),))
 
 
-def group_to_target(group: DecodeGroup) -> dict:
+def group_to_builtins(group: DecodeGroup) -> dict:
     """``kv_target["tp"]``: JSON-ready builtins (lists, dicts, numbers, strings)."""
     return msgspec.json.decode(msgspec.json.encode(group))
 
 
-def group_from_target(kv_target: dict) -> DecodeGroup | None:
-    """The decode group a reservation's ``kv_target`` names, None without one (tp_size 1).
-    Raises ValueError naming what is wrong: it came over the network."""
-    raw = kv_target.get("tp")
-    if raw is None:
-        return None
+def parse_group(raw: object) -> DecodeGroup:
+    """The decode group of a reservation's ``kv_target["tp"]``. Raises ValueError naming what
+    is wrong: it came over the network."""
     try:
-        group = msgspec.convert(raw, DecodeGroup)
+        group = raw if isinstance(raw, DecodeGroup) else msgspec.convert(raw, DecodeGroup)
     except (msgspec.ValidationError, ValueError, TypeError) as exc:
         raise ValueError(f"kv_target.tp: {exc}") from None
     if not 1 <= group.tp_size <= MAX_TP or len(group.ranks) != group.tp_size:

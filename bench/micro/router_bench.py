@@ -42,7 +42,7 @@ import numpy as np
 
 from bench.micro.stub_cluster import REPO, StubCluster
 from engine.request import SamplingParams
-from server_common.worker_requests import GenerateRequest
+from wire.requests import GenerateRequest
 
 PROMPT = "Tell me about the history of the city of Paris in a few sentences."
 

@@ -71,12 +71,10 @@ class StubCluster:
             str(keep_alive),
         ]
         try:
-            for name, role, port in (("p0", "prefill", p_port), ("d0", "decode", d_port)):
-                self._start(
-                    name,
-                    [sys.executable, "-m", "bench.micro.stubs", role, "--port", str(port), "--name", name, *stub_args],
-                    env,
-                )
+            peer = ["--decode-peer", f"d0={self.decode_url}"]
+            for name, role, port, extra in (("p0", "prefill", p_port, peer), ("d0", "decode", d_port, [])):
+                argv = [sys.executable, "-m", "bench.micro.stubs", role, "--port", str(port), "--name", name]
+                self._start(name, [*argv, *stub_args, *extra], env)
             self._wait_ok(f"{self.prefill_url}/stub/stats", start_timeout)
             self._wait_ok(f"{self.decode_url}/stub/stats", start_timeout)
             router_env = (

@@ -1,13 +1,14 @@
 """Stub prefill and decode servers: pdserve's internal protocol, no model.
 
 They answer the router exactly as the real servers do
-(``server_common/worker_requests.py`` in, ``server_common/worker_replies.py``
+(``wire/requests.py`` in, ``wire/replies.py``
 out): a decode stub's ``/generate`` streams a reservation (null when asked
 to prefill locally) and then ``max_tokens`` token events, the last with
 ``finish_reason: "length"``; a prefill stub's ``/prefill`` "writes the
-KV" by telling the decode stub (``POST /stub/kv_done`` at the URL the
-reservation's ``kv_target`` names, where the real servers send a completion
-notice) and answers a ``PrefillResult``. As on the real decode server,
+KV" by telling the decode stub the reservation's ``kv_target`` names
+(``POST /stub/kv_done`` at the address given with ``--decode-peer``, as a
+real prefill server knows its decode peers' addresses; where the real
+servers send a completion notice) and answers a ``PrefillResult``. As on the real decode server,
 tokens of a request with a reservation follow only once its KV is in. Both answer ``/abort`` and ``/health``. What the
 router costs is then everything that is not the stubs' (bench/micro/router_bench.py).
 
@@ -33,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from server_common.worker_replies import (
+from wire.replies import (
     HealthReport,
     KVBlocks,
     PrefillResult,
@@ -41,7 +42,7 @@ from server_common.worker_replies import (
     ReservationEvent,
     TokensEvent,
 )
-from server_common.worker_requests import AbortRequest, GenerateRequest, PrefillRequest
+from wire.requests import AbortRequest, GenerateRequest, PrefillRequest
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -102,10 +103,18 @@ def _token_lines(n: int) -> list[bytes]:
     return [e.model_dump_json().encode() + b"\n" for e in events]
 
 
-def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: float = 0.0) -> Starlette:
+def create_app(
+    role: str,
+    name: str,
+    token_delay: float = 0.0,
+    health_delay: float = 0.0,
+    decode_peers: dict[str, str] | None = None,
+) -> Starlette:
     """A stub server of ``role`` ("decode" or "prefill"); ``token_delay`` s before each token event,
     ``health_delay`` s before each health answer while it serves a request (a server too busy to
-    answer health checks; idle, it answers at once)."""
+    answer health checks; idle, it answers at once). ``decode_peers``: a prefill stub's decode
+    stubs, name -> URL."""
+    peers = dict(decode_peers or {})
     stats = StubStats()
     lines_by_count: dict[int, list[bytes]] = {}
     kv_arrived: dict[str, asyncio.Event] = {}  # decode: transfer id -> set by /stub/kv_done
@@ -143,7 +152,7 @@ def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: flo
                 block_size=16,
                 num_tokens=len(req.prompt_token_ids),
                 lease_s=KV_WAIT_S,
-                kv_target={"stub_notify": f"{str(request.base_url).rstrip('/')}/stub/kv_done"},
+                kv_target={"peer": name},
             )
         n = req.sampling.max_tokens
         if n not in lines_by_count:
@@ -167,9 +176,8 @@ def create_app(role: str, name: str, token_delay: float = 0.0, health_delay: flo
             notify.append(httpx.AsyncClient(timeout=10.0))
         stats.prefilling += 1
         try:
-            await notify[0].post(
-                req.reservation.kv_target["stub_notify"], json={"transfer_id": req.reservation.transfer_id}
-            )
+            url = peers[req.reservation.kv_target.peer]
+            await notify[0].post(f"{url}/stub/kv_done", json={"transfer_id": req.reservation.transfer_id})
         finally:
             stats.prefilling -= 1
         result = PrefillResult(
@@ -236,8 +244,16 @@ def main(argv: list[str] | None = None) -> int:
         default=5.0,
         help="seconds an idle connection stays open (uvicorn's default, as on the real servers)",
     )
+    p.add_argument(
+        "--decode-peer",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="a prefill stub's decode stub (repeat for several)",
+    )
     args = p.parse_args(argv)
-    app = create_app(args.role, args.name or args.role, args.token_delay, args.health_delay)
+    peers = dict(peer.split("=", 1) for peer in args.decode_peer)
+    app = create_app(args.role, args.name or args.role, args.token_delay, args.health_delay, peers)
     uvicorn.run(
         app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_keep_alive=args.keep_alive
     )

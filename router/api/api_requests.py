@@ -66,7 +66,7 @@ NEW_TOKENS: JsonDict = {MAX_NEW_TOKENS: True}  # bounded in the published schema
 # ``Field()``, so that the JSON schema states them (as ``minimum``, ...).
 AtLeast0 = Annotated[int, Field(ge=0), Integral]
 AtLeast1 = Annotated[int, Field(ge=1), Integral]
-TopK = Annotated[int, Field(ge=-1, le=1 << 24), Integral]  # the ranges of server_common.worker_requests
+TopK = Annotated[int, Field(ge=-1, le=1 << 24), Integral]  # the ranges of wire.requests
 Seed = Annotated[int, Field(ge=-JSON_EXACT, le=JSON_EXACT), Integral]
 NumSequences = Annotated[int, Field(ge=1, le=MAX_N), Integral]
 NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), Integral]

@@ -19,7 +19,7 @@ from typing import Any
 
 from router.api.textstream import IncrementalDetokenizer, StopMatcher
 from router.metrics import FinishReason
-from server_common.worker_replies import TokenLogprob, TokensEvent
+from wire.replies import TokenLogprob, TokensEvent
 
 
 @dataclass(frozen=True)

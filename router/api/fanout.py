@@ -23,7 +23,7 @@ from router.cluster.session import Session
 from router.errors import OpenAIError
 from router.metrics import FinishReason
 from router.timeline import RequestTimeline
-from server_common.worker_replies import TokenLogprob, TokensEvent
+from wire.replies import TokenLogprob, TokensEvent
 
 
 @dataclass

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from router.api import api_responses as out
 from router.api.choices import Scored, TokenStrings
-from server_common.worker_replies import TokenLogprob
+from wire.replies import TokenLogprob
 
 
 def _utf8(text: str) -> list[int]:

@@ -42,7 +42,7 @@ from router.metrics import FinishReason, RouterMetrics
 from router.timeline import RequestTimeline
 from server_common.timeline_log import TimelineLog
 from server_common.tracing import Tracing, TracingSettings
-from server_common.worker_replies import TokenLogprob
+from wire.replies import TokenLogprob
 
 # Requests with a body longer than this (bytes) are checked, templated and tokenized on the handlers'
 # tokenizer thread: a 4,600-token chat prompt takes ~8 ms (SmolLM2's tokenizer), and 100,000 empty

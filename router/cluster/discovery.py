@@ -35,7 +35,7 @@ import httpx
 from router.cluster.registry import Worker, WorkerRegistry
 from router.metrics import JoinRefusal, RouterMetrics
 from router.settings import DiscoverySettings, WorkerRole
-from server_common.process_defaults import INSTANCE_NAME, is_instance_name
+from wire.names import INSTANCE_NAME, is_instance_name
 
 log = logging.getLogger(__name__)
 ROLES: dict[str, WorkerRole] = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}

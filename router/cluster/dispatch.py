@@ -26,8 +26,8 @@ from router.errors import OpenAIError
 from router.metrics import RecoveryMetrics
 from router.settings import PrefillFailure, RouterSettings
 from server_common.guard import Drain
-from server_common.worker_requests import GenerateRequest
 from transfer.outcome import Outcome
+from wire.requests import GenerateRequest
 
 log = logging.getLogger(__name__)
 

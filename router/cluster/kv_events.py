@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from router.cluster.kv_index import KvIndex
 from router.cluster.registry import Worker, WorkerRegistry
-from server_common.worker_replies import KvBlocksReply, KvEventsReply
+from wire.replies import KvBlocksReply, KvEventsReply
 
 log = logging.getLogger(__name__)
 

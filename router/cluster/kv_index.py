@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.prefix_cache import chain_hashes
-from server_common.worker_replies import KvBlocksReply, KvEventsReply
+from wire.replies import KvBlocksReply, KvEventsReply
 
 
 @dataclass

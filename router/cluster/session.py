@@ -23,7 +23,7 @@ times per request: the attempt is ended and the request continues on
 another decode server under ``<id>-migrate<k>``, the client's stream
 untouched. The session counts every token it passed on, per sequence; the
 new decode server is sent the prompt and those tokens as
-``generated_token_ids`` (server_common/worker_requests.py), prefills them
+``generated_token_ids`` (wire/requests.py), prefills them
 itself (its prefix cache holds what it has seen) and draws the next token
 as the old one would have: the same position for the seed, the grammar fed,
 ``min_tokens``/``max_tokens`` counted across the seam. A request with
@@ -55,9 +55,9 @@ from router.cluster.worker_client import DecodeStream, WorkerClient, WorkerFaile
 from router.errors import OpenAIError
 from router.metrics import RecoveryMetrics
 from router.settings import PrefillFailure
-from server_common.worker_replies import PrefillResult, ReprefillEvent, TokensEvent
-from server_common.worker_requests import PrefillRequest
 from transfer.outcome import DECIDED_BY_DECODE, Outcome
+from wire.replies import PrefillResult, ReprefillEvent, TokensEvent
+from wire.requests import PrefillRequest
 
 log = logging.getLogger(__name__)
 

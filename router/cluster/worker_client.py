@@ -30,7 +30,8 @@ from pydantic import ValidationError
 
 from router.cluster.registry import Worker
 from router.settings import RouterSettings
-from server_common.worker_replies import (
+from transfer.outcome import KV_NEVER_ARRIVED, Outcome
+from wire.replies import (
     DECODE_EVENT,
     AliveEvent,
     ErrorEvent,
@@ -41,8 +42,7 @@ from server_common.worker_replies import (
     ReservationEvent,
     TokensEvent,
 )
-from server_common.worker_requests import AbortRequest, GenerateRequest, PrefillRequest
-from transfer.outcome import KV_NEVER_ARRIVED, Outcome
+from wire.requests import AbortRequest, GenerateRequest, PrefillRequest
 
 log = logging.getLogger(__name__)
 

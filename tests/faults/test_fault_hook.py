@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deploy.config import parse_config
-from server_common.fault_backend import FaultyBackend
+from kvlink.faulty_backend import FaultyBackend
 from server_common.faults import FaultInjector, FaultPlan
 from tests.serving.configs import BASE, error_of
 from tests.transfer.helpers import make_receiver, push_all, wait_events

@@ -17,10 +17,10 @@ from router.cluster.recovery import decide
 from router.cluster.registry import Worker, WorkerRegistry
 from router.cluster.worker_client import WorkerFailed
 from router.errors import OpenAIError
-from server_common.worker_replies import ReprefillEvent
 from tests.serving.fakes import FakeStream, FakeWorkerClient
 from tests.waiting import until
 from transfer.outcome import Outcome
+from wire.replies import ReprefillEvent
 
 SAMPLING = SamplingParams(max_tokens=3, temperature=0)
 PREFILL_DOWN = WorkerFailed("prefill", "p0", "unreachable", Outcome.UNREACHABLE)

@@ -15,19 +15,17 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from prefill_server.service import PrefillService
 from server_common.faults import FaultInjector
 from server_common.settings import ServerSettings
-from server_common.worker_replies import WorkerError
 from tests.serving.scripted import (
-    ScriptedPeers,
     ScriptedReceiver,
-    ScriptedSender,
     event_lines,
     generate_request,
     prefill_request,
     run_decode_service,
-    scripted,
+    scripted_link,
 )
 from tests.waiting import until
 from transfer.outcome import DECIDED_BY_DECODE, Outcome
+from wire.replies import WorkerError
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +88,8 @@ def test_blocks_by_age_show_a_waiting_reservation(decode_engine):
 
 
 def run_prefill(engine, scenario):
-    make_sender, made = scripted(ScriptedSender)
-    service = PrefillService(
-        ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender, peers=ScriptedPeers()
-    )
+    make_link, made = scripted_link()
+    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_link)
     (sender,) = made
 
     async def main():

@@ -123,6 +123,8 @@ def test_reservations_need_the_internal_secret_which_launch_generated(target):
 
 
 def test_the_prefill_server_never_follows_a_hello_url_it_is_given(target):
+    """An address in the reservation is refused where it enters (kv_target is typed: no unknown
+    field), and a decode server the cluster does not know is never met, whatever it is called."""
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     port = listener.getsockname()[1]
@@ -137,8 +139,9 @@ def test_the_prefill_server_never_follows_a_hello_url_it_is_given(target):
         "lease_s": 30,
         "kv_target": {"peer": "evil", "hello_url": f"http://127.0.0.1:{port}/kv/hello"},
     }
-    try:
-        resp = target.cluster.http.post(
+
+    def prefill(reservation: dict) -> httpx.Response:
+        return target.cluster.http.post(
             f"{target.cluster.server('p0')['url']}/prefill",
             json={
                 "request_id": "r",
@@ -147,6 +150,11 @@ def test_the_prefill_server_never_follows_a_hello_url_it_is_given(target):
                 "reservation": reservation,
             },
         )
+
+    try:
+        resp = prefill(reservation)
+        assert resp.status_code == 422 and "hello_url" in resp.text
+        resp = prefill({**reservation, "kv_target": {"peer": "evil"}})
         assert resp.status_code == 502 and "is not one of this cluster's" in resp.text
         with pytest.raises(BlockingIOError):
             listener.accept()  # nobody came: the secret went nowhere

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from bench.micro.stubs import make_byte_tokenizer  # noqa: F401  (the byte-level tokenizer the tests use)
 from router.cluster.worker_client import WorkerFailed
-from server_common.worker_replies import PrefillResult, Reservation, TokenLogprob, TokensEvent
 from transfer.outcome import Outcome
+from wire.replies import PrefillResult, Reservation, TokenLogprob, TokensEvent
 
 
 def in_rotation(app):
@@ -78,7 +78,7 @@ class FakeWorkerClient:
                 block_size=16,
                 num_tokens=num_tokens,
                 lease_s=30,
-                kv_target={},
+                kv_target={"peer": worker.name},
             )
         events = [e for i in range(req.sampling.n) for e in self.sequence(req, i)]
         stream = FakeStream(worker, reservation, events, self.delay, num_cached_tokens=self.cached_tokens)

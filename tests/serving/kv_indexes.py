@@ -6,7 +6,7 @@ from __future__ import annotations
 from engine.kv_events import KvEventLog
 from engine.prefix_cache import chain_hashes
 from router.cluster.kv_index import KvIndex
-from server_common.worker_replies import KvBlocksReply, KvEventsReply
+from wire.replies import KvBlocksReply, KvEventsReply
 
 SALT = "model|float32"
 

@@ -13,11 +13,15 @@ from prometheus_client import generate_latest
 from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
+from kvlink.ports import Expected, PrefillLink, Route
 from server_common.settings import ServerSettings
-from server_common.worker_replies import Reservation
-from server_common.worker_requests import GenerateRequest, PrefillRequest
 from tests.waiting import until
+from transfer.layout import KVLayout
+from transfer.messages import single_rank
 from transfer.outcome import Outcome, TransferEnded
+from wire.kv_target import KVTarget
+from wire.replies import Reservation
+from wire.requests import GenerateRequest, PrefillRequest
 
 
 async def event_lines(stream) -> list[str]:
@@ -89,11 +93,11 @@ class ScriptedReceiver(ScriptedEnds):
         self.writable_from: dict[str, int] = {}
         self.cancelled: list[str] = []
 
-    def expect(self, block_ids, lease_s, writable_from=0) -> str:
+    def expect(self, block_ids, lease_s, writable_from=0) -> Expected:
         tid = f"t{len(self.expected)}"
         self.expected[tid] = list(block_ids)
         self.writable_from[tid] = writable_from
-        return tid
+        return Expected(tid, KVTarget(peer="d0", epoch="e"))
 
     def cancel(self, transfer_id: str) -> None:
         self.cancelled.append(transfer_id)
@@ -111,8 +115,8 @@ class ScriptedSender(ScriptedEnds):
         super().__init__(notify)
         self.calls: list[tuple] = []
 
-    def begin(self, tid, peer, dst_block_ids, lease_s) -> None:
-        self.calls.append(("begin", tid, peer, list(dst_block_ids)))
+    def begin(self, route: Route, lease_s: float) -> None:
+        self.calls.append(("begin", route.transfer_id, route.group.ranks[0].peer, list(route.block_ids)))
 
     def push_layer(self, tid, layer, src_block_ids, start, end) -> None:
         self.calls.append(("push", tid, layer, start, end))
@@ -134,8 +138,11 @@ class ScriptedPeers:
     def __init__(self) -> None:
         self.added: dict[str, str] = {}
 
-    async def ensure(self, target: dict) -> str:
-        return target["peer"]
+    async def route(self, reservation: Reservation) -> Route:
+        """A decode server of one rank with the reservation's own transfer."""
+        peer, tid = reservation.kv_target.peer, reservation.transfer_id
+        layout = KVLayout(num_layers=1, num_kv_heads_total=1, head_ids=(0,), head_dim=1, block_size=1, num_blocks=1)
+        return Route(tid, single_rank(tid, peer, layout), tuple(reservation.block_ids))
 
     def add(self, name: str, url: str) -> None:
         self.added[name] = url
@@ -145,6 +152,18 @@ class ScriptedPeers:
 
     def known(self) -> dict[str, str]:
         return dict(self.added)
+
+
+def scripted_link():
+    """A prefill server's link factory (a ScriptedSender, ScriptedPeers) that keeps the sender it
+    made: (factory, [sender])."""
+    made: list = []
+
+    def factory(notify):
+        made.append(ScriptedSender(notify))
+        return PrefillLink(made[-1], ScriptedPeers())
+
+    return factory, made
 
 
 def scripted(cls):

@@ -4,8 +4,8 @@ and a stop string cuts text and tokens alike."""
 import pytest
 
 from router.api.choices import ChoiceText
-from server_common.worker_replies import TokenLogprob, TokensEvent
 from tests.serving.fakes import make_byte_tokenizer
+from wire.replies import TokenLogprob, TokensEvent
 
 
 @pytest.fixture(scope="module")

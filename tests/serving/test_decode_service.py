@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 
 from engine.request import SamplingParams
-from server_common.worker_replies import TokensEvent, WorkerError
-from server_common.worker_requests import GenerateRequest
 from tests.serving.scripted import decode_engine, event_lines, generate_request, run_decode_service
 from tests.waiting import until
 from transfer.outcome import Outcome
+from wire.replies import TokensEvent, WorkerError
+from wire.requests import GenerateRequest
 
 
 @pytest.fixture(scope="module")

@@ -119,7 +119,7 @@ def test_the_health_check_waits_the_configured_timeout_not_the_interval():
 
 def test_a_decode_streams_heartbeats_are_answers_and_never_events():
     from router.cluster.worker_client import DecodeStream
-    from server_common.worker_replies import AliveEvent, ReservationEvent, TokensEvent
+    from wire.replies import AliveEvent, ReservationEvent, TokensEvent
 
     lines = [
         ReservationEvent(reservation=None).model_dump_json(),

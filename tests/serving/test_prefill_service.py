@@ -13,10 +13,10 @@ from engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
-from server_common.worker_replies import WorkerError
-from tests.serving.scripted import ScriptedPeers, ScriptedSender, prefill_request, scripted
+from tests.serving.scripted import prefill_request, scripted_link
 from tests.waiting import until
 from transfer.outcome import Outcome
+from wire.replies import WorkerError
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +35,8 @@ def engine(tiny_model):
 
 
 def run(engine, scenario):
-    make_sender, made = scripted(ScriptedSender)
-    service = PrefillService(
-        ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender, peers=ScriptedPeers()
-    )
+    make_link, made = scripted_link()
+    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_link)
     (sender,) = made
 
     async def main():

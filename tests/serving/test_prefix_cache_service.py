@@ -13,11 +13,11 @@ from engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
-from server_common.worker_replies import Reservation, WorkerError
-from server_common.worker_requests import GenerateRequest, PrefillRequest
-from tests.serving.scripted import ScriptedPeers, ScriptedReceiver, ScriptedSender, event_lines, scripted
+from tests.serving.scripted import ScriptedReceiver, event_lines, scripted, scripted_link
 from tests.waiting import until
 from transfer.outcome import Outcome
+from wire.replies import Reservation, WorkerError
+from wire.requests import GenerateRequest, PrefillRequest
 
 PROMPT = list(range(10, 24))  # 14 tokens: 3 full blocks of 4
 
@@ -90,10 +90,8 @@ def prefill_request(rid: str, cached: int) -> PrefillRequest:
 
 def test_prefill_sends_only_what_the_decode_server_lacks_and_reuses_its_own_cache(tiny_model):
     engine = LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=16, num_threads=1, mode="prefill"))
-    make_sender, made = scripted(ScriptedSender)
-    service = PrefillService(
-        ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_sender, peers=ScriptedPeers()
-    )
+    make_link, made = scripted_link()
+    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_link)
     (sender,) = made
     per_token = engine.cache.bytes_per_token
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from engine.request import SamplingParams, StructuredSpec
-from server_common.worker_requests import GenerateRequest
 from tests.serving.scripted import decode_engine, event_lines, run_decode_service
 from transfer.outcome import Outcome
+from wire.requests import GenerateRequest
 
 
 @pytest.fixture(scope="module")

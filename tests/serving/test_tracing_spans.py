@@ -14,18 +14,17 @@ from engine import EngineConfig, LLMEngine
 from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
 from server_common.tracing import Tracing, TracingSettings
-from server_common.worker_replies import WorkerError
 from tests.serving.scripted import (
-    ScriptedPeers,
     ScriptedReceiver,
-    ScriptedSender,
     event_lines,
     generate_request,
     prefill_request,
     scripted,
+    scripted_link,
 )
 from tests.waiting import until
 from transfer.outcome import Outcome
+from wire.replies import WorkerError
 
 ROUTER_TRACE = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
@@ -79,13 +78,12 @@ def test_a_decode_stream_whose_kv_never_arrived_carries_the_outcome_code(decode_
 
 def test_a_prefill_records_queue_compute_and_transfer_under_the_routers_span(prefill_engine):
     exporter = InMemorySpanExporter()
-    make_sender, made = scripted(ScriptedSender)
+    make_link, made = scripted_link()
     service = PrefillService(
         ServerSettings(name="p0", role="prefill", engine=prefill_engine.config),
         prefill_engine,
-        make_sender,
+        make_link,
         tracing=Tracing(TracingSettings(), "p", exporter),
-        peers=ScriptedPeers(),
     )
 
     async def main():

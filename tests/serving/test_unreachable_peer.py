@@ -10,14 +10,14 @@ import pytest
 from prometheus_client import generate_latest
 
 from engine import EngineConfig, LLMEngine
+from kvlink.factory import prefill_link_factory
 from prefill_server.service import PrefillService
-from server_common.kv_adapter import sender_factory
 from server_common.settings import ServerSettings
-from server_common.worker_replies import WorkerError
 from tests.serving.cluster import free_ports
 from tests.serving.scripted import prefill_request
 from tests.waiting import until
 from transfer.outcome import Outcome
+from wire.replies import WorkerError
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def test_an_unreachable_decode_address_fails_the_prefill_at_once_with_handshake_
         transfer_timeout_s=30.0,
         decode_peers=(("d0", f"http://127.0.0.1:{closed}"),),
     )
-    service = PrefillService(settings, engine, sender_factory(settings, engine))
+    service = PrefillService(settings, engine, prefill_link_factory(settings, engine))
 
     async def main() -> WorkerError:
         await service.start()

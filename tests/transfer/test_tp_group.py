@@ -13,7 +13,7 @@ from tests.transfer.oracle import expected_after_copy
 from transfer.copy import region_bytes
 from transfer.group import RankParts, ReceiverGroup, SenderGroup
 from transfer.layout import KVLayout, heads_for_rank
-from transfer.messages import group_from_target, group_to_target, single_rank
+from transfer.messages import group_to_builtins, parse_group, single_rank
 from transfer.outcome import Outcome, TransferEnded
 from transfer.tp import route_heads
 
@@ -113,7 +113,7 @@ PAIRS = {
 def test_every_tp_pair_moves_each_ranks_heads_exactly_in_two_chunks(tp, pair):
     senders, receivers = tp(*PAIRS[pair])
     gid, target = receivers.expect(DST_BLOCKS, lease_s=10, writable_from=1)
-    target = group_from_target({"tp": group_to_target(target)})  # as the reservation carries it
+    target = parse_group(group_to_builtins(target))  # as the reservation carries it
     senders.begin(gid, target, DST_BLOCKS, lease_s=10)
     for start, end in ((16, 40), (40, TOKENS)):  # tokens 0-15: D's cached prefix (block 6 is not writable)
         for layer in range(3):

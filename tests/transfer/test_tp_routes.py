@@ -2,21 +2,24 @@
 and slot, and nothing else: a byte-level oracle over random TP pairs."""
 
 import argparse
+import json
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
-from server_common.worker_replies import Reservation
 from tests.transfer.oracle import logical
 from transfer import bench
 from transfer.inproc import InprocBackend, InprocHub
 from transfer.layout import IncompatiblePeer, KVLayout, heads_for_rank
-from transfer.messages import DecodeGroup, DecodeRank, group_from_target, group_to_target
+from transfer.messages import DecodeGroup, DecodeRank, group_to_builtins, parse_group
 from transfer.plan import make_plan, ranges_inside
 from transfer.tp import Route, rank_parts, route_heads
+from wire.kv_target import KVTarget
+from wire.replies import Reservation
 
 SIZES = (1, 2, 4, 8)
 BENCH_ARGS = argparse.Namespace(
@@ -180,10 +183,12 @@ def test_rank_parts_name_each_decode_ranks_transfer_id_and_peer():
 def test_the_decode_group_crosses_a_reservation_and_one_without_it_is_tp1():
     fields = dict(instance="D", request_id="r", block_ids=[3, 1], block_size=16, num_tokens=20, lease_s=5.0)
     today = Reservation(transfer_id="D-t", kv_target={"peer": "D", "epoch": "e"}, **fields)
-    assert group_from_target(Reservation.model_validate_json(today.model_dump_json()).kv_target) is None
-    tp_target = {"peer": "D", "epoch": "e", "tp": group_to_target(decode_group())}
+    assert json.loads(today.model_dump_json())["kv_target"] == {"peer": "D", "epoch": "e"}  # no "tp": null
+    assert Reservation.model_validate_json(today.model_dump_json()).kv_target.tp is None
+    tp_target = {"peer": "D", "epoch": "e", "tp": group_to_builtins(decode_group())}
     tp = Reservation(transfer_id="D-r0-t", kv_target=tp_target, **fields)
-    assert group_from_target(Reservation.model_validate_json(tp.model_dump_json()).kv_target) == decode_group()
+    assert json.loads(tp.model_dump_json())["kv_target"] == tp_target
+    assert Reservation.model_validate_json(tp.model_dump_json()).kv_target.tp == decode_group()
 
 
 @pytest.mark.parametrize(
@@ -199,10 +204,12 @@ def test_the_decode_group_crosses_a_reservation_and_one_without_it_is_tp1():
     ],
 )
 def test_a_malformed_decode_group_is_refused_naming_what_is_wrong(change, message):
-    tp = group_to_target(decode_group())
+    tp = group_to_builtins(decode_group())
     change(tp)
     with pytest.raises(ValueError, match=message):
-        group_from_target({"tp": tp})
+        parse_group(tp)
+    with pytest.raises(ValidationError, match=message):  # where a reservation enters a process
+        KVTarget.model_validate({"peer": "D", "tp": tp})
 
 
 def test_the_tp_benchmark_counts_the_bytes_of_each_link():

@@ -20,7 +20,7 @@ from tests.transfer.peers import backend_for, reply, seeded_cache
 from transfer.copy import region_bytes
 from transfer.group import ReceiverGroup, SenderGroup
 from transfer.layout import KVLayout
-from transfer.messages import group_from_target, group_to_target
+from transfer.messages import group_to_builtins, parse_group
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from transfer.tp import rank_parts
@@ -80,12 +80,12 @@ def serve_tp(role: str, cfg: dict) -> None:
             reply(peer=sides[cmd["rank"]].connect(bytes.fromhex(cmd["hello"])))
         elif op == "expect":
             gid, target = group.expect(cmd["blocks"], cmd["lease"], writable_from=cmd.get("writable_from", 0))
-            reply(gid=gid, target=group_to_target(target))
+            reply(gid=gid, target=group_to_builtins(target))
         elif op == "cancel_part":  # one decode rank fails on its own
             sides[cmd["rank"]].cancel(cmd["tid"], cmd["reason"])
             reply(cancelled=True)
         elif op == "send":
-            target = group_from_target({"tp": cmd["target"]})
+            target = parse_group(cmd["target"])
             group.begin(cmd["gid"], target, cmd["dst_blocks"], cmd["lease"])
             if cmd.get("fail_rank") is not None:  # one prefill rank fails on its own
                 for part in rank_parts(group.layouts, target)[cmd["fail_rank"]]:

@@ -15,12 +15,15 @@ raises ``WorkerError`` and its route answers with ``ErrorReply`` (or an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from server_common.process_defaults import INSTANCE_NAME
+from engine.request import Logprob, StepOutput
 from transfer.outcome import Outcome
+from wire.kv_target import KVTarget
+from wire.names import INSTANCE_NAME
 
 
 class Reply(BaseModel):
@@ -37,12 +40,10 @@ MAX_LEASE_S = 3600.0
 class Reservation(Reply):
     """Blocks a decode server holds for one request until its KV arrives.
 
-    ``kv_target`` is the transfer layer's own description of where to write
-    (layout, address, agent); the router passes it through untouched. A
-    tensor-parallel decode server adds ``kv_target["tp"]``
-    (``transfer.messages.DecodeGroup``: per rank its transfer id, agent name
-    and layout; ``transfer_id`` is then rank 0's, the group's id); without it
-    the reservation is one rank's, as for tp_size 1.
+    ``kv_target`` says where to write (``wire.kv_target.KVTarget``: the decode
+    server's transfer agent and epoch, and its tensor-parallel ranks if it has
+    several; ``transfer_id`` is then rank 0's, the group's id). The router
+    passes it on as it came.
     ``lease_s`` is how long the decode server still waits for the KV,
     counted from when the reservation is sent: then it frees the blocks and
     fails the request. Whoever holds the reservation before passing it on
@@ -60,7 +61,7 @@ class Reservation(Reply):
     block_size: int = Field(ge=1, le=256)  # engine/config.py's range
     num_tokens: int = Field(ge=1, le=MAX_BLOCKS)
     lease_s: float = Field(gt=0, le=MAX_LEASE_S)  # finite
-    kv_target: dict
+    kv_target: KVTarget
     num_cached_tokens: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
@@ -103,27 +104,29 @@ class TokensEvent(Reply):
     prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
-def token_logprobs(logprobs) -> list[TokenLogprob] | None:
-    """``StepOutput.logprobs`` (``engine.request.Logprob``s; duck-typed: this module does not
-    import the engine) as sent."""
+def token_logprobs(logprobs: Sequence[Logprob] | None) -> list[TokenLogprob] | None:
+    """``StepOutput.logprobs`` as sent."""
     if logprobs is None:
         return None
     return [TokenLogprob(logprob=lp.logprob, top=list(lp.top)) for lp in logprobs]
 
 
-def prompt_token_logprobs(logprobs) -> list[TokenLogprob | None] | None:
+def prompt_token_logprobs(logprobs: Sequence[Logprob | None] | None) -> list[TokenLogprob | None] | None:
     """``StepOutput.prompt_logprobs`` as sent: None for the first prompt token."""
     if logprobs is None:
         return None
     return [None if lp is None else TokenLogprob(logprob=lp.logprob, top=list(lp.top)) for lp in logprobs]
 
 
-def tokens_event(out) -> TokensEvent:
+def tokens_event(out: StepOutput) -> TokensEvent:
     """An ``engine.request.StepOutput`` of a decode or colocated server as its stream event."""
+    reason = out.finish_reason if out.finished else None
+    if reason == "prefilled":
+        raise ValueError("a prefill server's output is not a stream event")
     return TokensEvent(
         index=out.index,
         token_ids=out.new_token_ids,
-        finish_reason=out.finish_reason if out.finished else None,
+        finish_reason=reason,
         logprobs=token_logprobs(out.logprobs),
         prompt_logprobs=prompt_token_logprobs(out.prompt_logprobs),
     )
@@ -153,7 +156,7 @@ class AliveEvent(Reply):
 DecodeEvent = Annotated[
     ReservationEvent | TokensEvent | ErrorEvent | ReprefillEvent | AliveEvent, Field(discriminator="type")
 ]
-DECODE_EVENT = TypeAdapter(DecodeEvent)
+DECODE_EVENT: TypeAdapter[DecodeEvent] = TypeAdapter(DecodeEvent)
 
 
 class PrefillResult(Reply):

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.request import SamplingParams, TokenId
-from server_common.process_defaults import INSTANCE_NAME
-from server_common.worker_replies import Reservation
+from wire.names import INSTANCE_NAME
+from wire.replies import Reservation
 
 MAX_PROMPT = 1 << 22
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import Any
 
 import msgspec
 import numpy as np
 
 from server_common.faults import FaultInjector
-from transfer.backend import Backend, TransferError, WriteIn
+from transfer.backend import Backend, Dropped, NoticeIn, PeerLost, TransferError, WriteIn
 from transfer.messages import Done, decode
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ class FaultyBackend(Backend):
         self._faults = faults
         self._delayed: deque[tuple[float, str, bytes]] = deque()  # (due, peer, payload); transfer thread only
 
-    def __getattr__(self, name: str):  # backend-specific extras (e.g. zmq's endpoint)
+    def __getattr__(self, name: str) -> Any:  # backend-specific extras (e.g. zmq's endpoint)
         return getattr(self.inner, name)
 
     # ---- the faults ------------------------------------------------------------------
@@ -48,7 +49,7 @@ class FaultyBackend(Backend):
                 return
         self.inner.send_notice(peer, payload)
 
-    def poll(self, timeout_s: float = 0.0):
+    def poll(self, timeout_s: float = 0.0) -> list[NoticeIn | WriteIn | PeerLost | Dropped]:
         if self._faults.take("break_transport"):
             raise RuntimeError("fault injection: the transport broke")
         while self._delayed and self._delayed[0][0] <= time.monotonic():
@@ -66,7 +67,7 @@ class FaultyBackend(Backend):
         return items
 
     # ---- plain delegation --------------------------------------------------------------
-    def register(self, region: str, tensor) -> None:
+    def register(self, region: str, tensor: Any) -> None:
         self.inner.register(region, tensor)
 
     def metadata(self) -> bytes:
@@ -75,7 +76,7 @@ class FaultyBackend(Backend):
     def metadata_for(self, peer: str) -> bytes:
         return self.inner.metadata_for(peer)
 
-    def set_write_limit(self, limit) -> None:
+    def set_write_limit(self, limit: Any) -> None:
         self.inner.set_write_limit(limit)
 
     def peer_connected(self, peer: str) -> bool:
@@ -87,10 +88,19 @@ class FaultyBackend(Backend):
     def prepare(self, peer: str, region: str, chunk_bytes: int) -> None:
         self.inner.prepare(peer, region, chunk_bytes)
 
-    def write(self, peer, transfer_id, layer, region, src_offsets, dst_offsets, lengths):
+    def write(
+        self,
+        peer: str,
+        transfer_id: str,
+        layer: int,
+        region: str,
+        src_offsets: np.ndarray,
+        dst_offsets: np.ndarray,
+        lengths: np.ndarray,
+    ) -> Any:
         return self.inner.write(peer, transfer_id, layer, region, src_offsets, dst_offsets, lengths)
 
-    def write_done(self, handle) -> bool:
+    def write_done(self, handle: Any) -> bool:
         return self.inner.write_done(handle)
 
     def apply(self, write: WriteIn) -> None:
