@@ -20,7 +20,7 @@ def _passthrough(sub, name: str, help_: str, description: str, main) -> None:
 
 
 def _run_transfer_bench(argv: list[str]) -> int:
-    from transfer import bench as transfer_bench
+    from bench.micro import transfer as transfer_bench
 
     return transfer_bench.main(argv)
 
@@ -89,8 +89,8 @@ def add_parser(subparsers, command: str | None = None) -> None:
     _passthrough(
         sub,
         "transfer",
-        "KV transfer bandwidth and latency (transfer.bench; --help for its options)",
-        "Measures the KV transfer backends; all arguments go to transfer.bench.",
+        "KV transfer bandwidth and latency (bench.micro.transfer; --help for its options)",
+        "Measures the KV transfer backends; all arguments go to bench.micro.transfer.",
         _run_transfer_bench,
     )
     _passthrough(

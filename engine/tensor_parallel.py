@@ -15,8 +15,9 @@ after ``down_proj`` (one all-reduce each); a bias of those projections is added
 by rank 0 alone. The logits' vocabulary slices are gathered on rank 0, which
 samples. With more ranks than KV heads each KV head is replicated on
 N / KV ranks (rank r holds head r * KV // N) and each rank's query heads are
-the ones that read that head, the split of ``transfer/layout.py``'s
-``heads_for_rank``, which a test keeps equal to this one.
+the ones that read that head (vLLM's split). This is the one place the
+split is written: a rank's cache reports its heads (``KVCache.head_ids``)
+and the KV transfer takes them from there.
 """
 
 from __future__ import annotations

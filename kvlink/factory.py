@@ -37,6 +37,7 @@ def cache_layout(c: KVCache) -> KVLayout:
         tp_rank=c.tp_rank,
         tp_size=c.tp_size,
         num_kv_heads_total=c.num_kv_heads_total,
+        head_ids=c.head_ids,
     )
 
 

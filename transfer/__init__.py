@@ -1,10 +1,12 @@
 """The transfer layer: prefill writes KV straight into blocks a decode server
 reserved, layer by layer (see docs/architecture.md and transfer/README.md).
 
-Two halves (STYLE 5): pure planning (``layout``, ``plan``: which byte ranges go
+Two halves: pure planning (``layout``, ``plan``, ``tp``: which byte ranges go
 where) and byte movers behind one interface (``backend``: NIXL, ZeroMQ,
-in-process). ``KVSender`` and ``KVReceiver`` are what the servers call; each
-owns one transfer thread that owns its backend.
+in-process), so the planning is tested without a network and a new backend
+plans nothing. ``KVSender`` and ``KVReceiver`` are what ``kvlink`` calls
+(one per rank of a server); each owns one transfer thread that owns its
+backend.
 
 Decode server::
 

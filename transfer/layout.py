@@ -26,6 +26,7 @@ does.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,20 +43,6 @@ ORDERS = ("NHD", "HND")
 
 class IncompatiblePeer(ValueError):
     """Two sides that cannot exchange KV (different model, layers, head_dim...)."""
-
-
-def heads_for_rank(num_kv_heads_total: int, tp_rank: int, tp_size: int) -> tuple[int, ...]:
-    """Global KV head ids held by ``tp_rank`` of ``tp_size`` (vLLM's split)."""
-    if tp_size < 1 or not 0 <= tp_rank < tp_size:
-        raise ValueError(f"tp_rank {tp_rank} is not in [0, tp_size={tp_size})")
-    if num_kv_heads_total >= tp_size:
-        if num_kv_heads_total % tp_size:
-            raise ValueError(f"{num_kv_heads_total} KV heads cannot be split evenly over tp_size={tp_size}")
-        per = num_kv_heads_total // tp_size
-        return tuple(range(tp_rank * per, (tp_rank + 1) * per))
-    if tp_size % num_kv_heads_total:
-        raise ValueError(f"tp_size={tp_size} is not a multiple of {num_kv_heads_total} KV heads")
-    return (tp_rank * num_kv_heads_total // tp_size,)
 
 
 @dataclass(frozen=True)
@@ -102,23 +89,27 @@ class KVLayout:
         tp_rank: int = 0,
         tp_size: int = 1,
         num_kv_heads_total: int | None = None,
+        head_ids: Sequence[int] | None = None,
         order: str = "NHD",
     ) -> KVLayout:
         """Layout of the engine's cache tensor
         ``[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`` (``order="NHD"``)
         or ``[num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim]`` (``"HND"``).
 
-        ``num_kv_heads`` is what this rank holds; ``num_kv_heads_total`` is the
-        model's count (defaults to ``num_kv_heads * tp_size``, or the model's
-        count when heads are replicated: pass it explicitly then).
-        ``dtype`` is a name ("bfloat16") or a torch dtype.
+        ``num_kv_heads`` is what this rank holds, ``head_ids`` which ones (global
+        ids, in the cache's order: the engine's split, ``engine.kv_cache.KVCache.head_ids``;
+        needed with ``tp_size`` > 1, else every head); ``num_kv_heads_total`` is the
+        model's count (defaults to ``num_kv_heads * tp_size``; pass it when heads are
+        replicated). ``dtype`` is a name ("bfloat16") or a torch dtype.
         """
         total = num_kv_heads_total if num_kv_heads_total is not None else num_kv_heads * tp_size
-        heads = heads_for_rank(total, tp_rank, tp_size)
+        if head_ids is None:
+            if tp_size != 1:
+                raise ValueError(f"rank {tp_rank}/{tp_size}: say which KV heads it holds (head_ids)")
+            head_ids = range(num_kv_heads)
+        heads = tuple(int(h) for h in head_ids)
         if len(heads) != num_kv_heads:
-            raise ValueError(
-                f"rank {tp_rank}/{tp_size} of {total} KV heads holds {len(heads)}, but the cache has {num_kv_heads}"
-            )
+            raise ValueError(f"rank {tp_rank}/{tp_size} holds KV heads {heads}, but the cache has {num_kv_heads}")
         return cls(
             num_layers=num_layers,
             num_kv_heads_total=total,

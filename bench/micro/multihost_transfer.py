@@ -6,7 +6,7 @@ Makes two hosts with the multi-host test harness (tests/multihost/netns.py:
 namespaces ``pdmh-bench-send`` and ``pdmh-bench-recv`` on one bridge,
 10.213.0.0/24, deleted at the end), then for each backend runs
 `pdserve bench transfer --listen` in the receiving namespace and
-`pdserve bench transfer --peer` in the sending one (transfer/bench_peer.py),
+`pdserve bench transfer --peer` in the sending one (bench/micro/transfer_peer.py),
 with UCX on TCP over the sending host's veth. It prints, per backend, the
 sender's figures (GB/s, memcpy GB/s measured in the same run, their ratio,
 one-block latency) and the bytes the sender's veth sent during the run
@@ -35,7 +35,7 @@ PORT = 7400
 def _one(net: Network, backend: str, extra: list[str], folder: Path) -> dict:
     send, recv = net.hosts["send"], net.hosts["recv"]
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    bench = [sys.executable, "-m", "transfer.bench", "--backend", backend]
+    bench = [sys.executable, "-m", "bench.micro.transfer", "--backend", backend]
     receiver = net.spawn(
         recv, [*bench, "--listen", f"{recv.address}:{PORT}"], env=env, cwd=str(REPO), log=folder / f"{backend}-recv.log"
     )

@@ -4,7 +4,7 @@ For each torch thread count it times real engine steps (prefill-only steps
 of several prompt lengths, decode steps of several batch sizes and
 contexts, and a few mixed steps) and fits :class:`bench.plan.costmodel.StepCost`
 to them. It also records the KV bytes per token and the KV transfer
-bandwidth: from ``transfer.bench`` (the real sender and receiver over
+bandwidth: from ``bench.micro.transfer`` (the real sender and receiver over
 ZeroMQ, this model's KV layout), else a raw ZeroMQ loopback measurement.
 
 Steps are timed as the engine runs them (schedule, run, update) through the
@@ -361,7 +361,7 @@ def measure_zmq_transfer(message_bytes: int, count: int = 32, pings: int = 20) -
 def measure_transfer_bench(
     num_layers: int, kv_heads: int, head_dim: int, dtype: str, backend: str = "zmq"
 ) -> tuple[float, float] | None:
-    """(bandwidth bytes/s, latency s) from ``transfer.bench``: the real sender
+    """(bandwidth bytes/s, latency s) from ``bench.micro.transfer``: the real sender
     and receiver, a 512-token KV of this model's layout; None when it fails.
 
     Latency is its one-block (16 tokens, all layers, push to Ack) time.
@@ -369,7 +369,7 @@ def measure_transfer_bench(
     cmd = [
         sys.executable,
         "-m",
-        "transfer.bench",
+        "bench.micro.transfer",
         "--backend",
         backend,
         "--json",
@@ -448,10 +448,10 @@ def profile_engine(
     progress(f"profiled in {time.perf_counter() - start:.1f}s")
     measured = measure_transfer_bench(cache.num_layers, cache.num_kv_heads, cache.head_dim, dtype)
     if measured is not None:
-        (bandwidth, latency), source = measured, "transfer.bench zmq (median, 512 tokens)"
+        (bandwidth, latency), source = measured, "bench.micro.transfer zmq (median, 512 tokens)"
     else:
         bandwidth, latency = measure_zmq_transfer(kv_bytes // cache.num_layers * 512)
-        source = "raw zmq loopback (transfer.bench unavailable)"
+        source = "raw zmq loopback (bench.micro.transfer unavailable)"
     progress(f"transfer: {source}: {bandwidth / 1e9:.2f} GB/s, latency {latency * 1e3:.2f} ms")
     hidden = engine.hf_config.hidden_size
     allreduce = measure_allreduce(hidden, element)

@@ -1,6 +1,6 @@
 """A tensor-parallel engine computes what one rank computes: transformers' greedy tokens, the same
 log-probabilities, forks and prefix hits copied on every rank; a rank that dies fails it.
-(Ranks ending with a killed leader: tests/serving/test_tensor_parallel_cluster.py.)"""
+(Ranks ending with a killed leader: tests/cluster/test_tensor_parallel_cluster.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from engine.tensor_parallel import Shard, kv_heads_for_rank, split_problem
 from engine.tp_wire import StepInputs, decode, encode
 from tests.engine.oracle import hf_greedy
 from tests.waiting import wait_until
-from transfer.layout import KVLayout, heads_for_rank
+from transfer.layout import KVLayout
 
 MAX_NEW = 8
 PROMPTS = [[(7 * i + 3 * n) % 500 + 3 for i in range(n)] for n in (1, 5, 17, 40, 100)]
@@ -26,13 +26,24 @@ def engine_config(path: str, tp: int, **kw) -> EngineConfig:
     return EngineConfig(**{**base, **kw})
 
 
-@pytest.mark.parametrize("total", [1, 2, 4, 8])
-@pytest.mark.parametrize("size", [1, 2, 4, 8])
-def test_kv_heads_of_a_rank_are_the_transfer_layouts(total, size):
-    if split_problem(8, total, 8, size) is not None:
-        return
-    for rank in range(size):
-        assert kv_heads_for_rank(total, rank, size) == heads_for_rank(total, rank, size)
+@pytest.mark.parametrize(
+    "total,rank,size,heads",
+    [(8, 0, 2, (0, 1, 2, 3)), (8, 1, 2, (4, 5, 6, 7)), (2, 3, 4, (1,)), (2, 0, 4, (0,)), (1, 1, 2, (0,))],
+)
+def test_a_rank_holds_its_share_of_kv_heads_or_one_replicated(total, rank, size, heads):
+    assert kv_heads_for_rank(total, rank, size) == heads
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,size,message",
+    [
+        (8, 6, 4, "6 KV heads cannot be split evenly over tensor_parallel_size=4"),
+        (8, 4, 8, None),
+        (12, 4, 6, "tensor_parallel_size=6 is not a multiple of the model's 4 KV heads"),
+    ],
+)
+def test_kv_heads_that_do_not_split_over_the_ranks_are_refused(heads, kv_heads, size, message):
+    assert split_problem(heads, kv_heads, 8 * size, size) == message
 
 
 def test_a_model_that_does_not_divide_is_refused_by_name(tiny_model):
@@ -130,6 +141,7 @@ def test_more_ranks_than_kv_heads_replicate_them(one_kv_head_model):
             tp_rank=cache.tp_rank,
             tp_size=cache.tp_size,
             num_kv_heads_total=cache.num_kv_heads_total,
+            head_ids=cache.head_ids,
         )
         assert (layout.head_ids, layout.tp_rank, layout.tp_size) == ((0,), 0, 2)
         got = [r.token_ids for r in engine.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_NEW, temperature=0))]

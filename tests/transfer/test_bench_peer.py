@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.cluster import free_ports
-from transfer.bench_peer import split_address
+from bench.micro.transfer_peer import split_address
+from tests.support.cluster import free_ports
 from transfer.layout import KVLayout
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,7 +46,7 @@ def test_split_address_takes_host_and_port_and_refuses_anything_else():
 @pytest.mark.integration
 def test_the_sender_names_the_shape_and_the_listener_serves_one_run_then_exits(tmp_path):
     port = free_ports(1)[0]
-    bench = [sys.executable, "-m", "transfer.bench", "--backend", "zmq"]
+    bench = [sys.executable, "-m", "bench.micro.transfer", "--backend", "zmq"]
     with open(tmp_path / "recv.log", "wb") as log:
         receiver = subprocess.Popen(
             [*bench, "--listen", f"127.0.0.1:{port}"], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log

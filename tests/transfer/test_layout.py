@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from transfer.layout import IncompatiblePeer, KVLayout, check_compatible, heads_for_rank
+from transfer.layout import IncompatiblePeer, KVLayout, check_compatible
 
 
 def engine_layout(**kw):
@@ -36,17 +36,10 @@ def test_hnd_and_fused_layouts_have_their_shapes():
     assert base.replace(kv_fused=True).shape == (2, 10, 2, 16, 4, 8)
 
 
-@pytest.mark.parametrize(
-    "total,rank,size,heads",
-    [(8, 0, 2, (0, 1, 2, 3)), (8, 1, 2, (4, 5, 6, 7)), (2, 3, 4, (1,)), (2, 0, 4, (0,)), (1, 1, 2, (0,))],
-)
-def test_heads_for_rank_splits_or_replicates(total, rank, size, heads):
-    assert heads_for_rank(total, rank, size) == heads
-
-
-def test_uneven_head_split_is_refused():
-    with pytest.raises(ValueError, match="evenly"):
-        heads_for_rank(6, 0, 4)
+def test_a_rank_of_several_must_say_which_heads_it_holds():
+    with pytest.raises(ValueError, match="say which KV heads it holds"):
+        engine_layout(tp_rank=1, tp_size=2, num_kv_heads=2, num_kv_heads_total=4)
+    assert engine_layout(tp_rank=1, tp_size=2, num_kv_heads=2, head_ids=(2, 3)).head_ids == (2, 3)
 
 
 def test_bad_dtype_is_refused_with_the_value():
@@ -78,6 +71,6 @@ def test_different_total_heads_and_models_are_refused():
 def test_convertible_differences_are_accepted():
     mine = engine_layout()
     theirs = engine_layout(
-        block_size=32, dtype="float32", tp_rank=1, tp_size=2, num_kv_heads=2, num_kv_heads_total=4
+        block_size=32, dtype="float32", tp_rank=1, tp_size=2, num_kv_heads=2, num_kv_heads_total=4, head_ids=(2, 3)
     ).replace(order="HND")
     check_compatible("m", mine, "m", theirs, "prefill", "decode")

@@ -6,9 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.tensor_parallel import kv_heads_for_rank
 from tests.transfer.oracle import copy_ranges, expected_after_copy
 from transfer.copy import region_bytes
-from transfer.layout import KVLayout, heads_for_rank
+from transfer.layout import KVLayout
 from transfer.plan import make_plan, ranges_inside, staging_layout
 
 BLOCK_SIZES = (1, 2, 3, 4, 8, 16, 32, 64)
@@ -39,7 +40,7 @@ def layout_pairs(draw):
             ids = draw(st.permutations(range(num_blocks)))[:need]
         layout = KVLayout(
             **common,
-            head_ids=heads_for_rank(total, tp_rank, tp_size),
+            head_ids=kv_heads_for_rank(total, tp_rank, tp_size),
             block_size=bs,
             num_blocks=num_blocks,
             order=draw(st.sampled_from(("NHD", "HND"))),
@@ -101,6 +102,8 @@ def test_dtype_change_through_staging_reproduces_converted_values(pair, dst_dtyp
 
 
 def engine(bs, blocks, **kw):
+    if kw.get("tp_size", 1) > 1:
+        kw["head_ids"] = kv_heads_for_rank(kw["num_kv_heads_total"], kw["tp_rank"], kw["tp_size"])
     return KVLayout.for_engine_cache(
         num_layers=2, num_blocks=blocks, block_size=bs, num_kv_heads=2, head_dim=4, dtype="float32", **kw
     )

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from engine.tensor_parallel import kv_heads_for_rank
 from tests.transfer.conftest import nixl_available
 from tests.transfer.helpers import make_receiver, make_sender, meet, push_all, wait_events
 from tests.transfer.oracle import expected_after_copy
@@ -26,8 +27,11 @@ KINDS = [
 
 
 def layout(bs=16, blocks=16, dtype="float32", **kw) -> KVLayout:
+    heads = kw.pop("heads", 4)
+    if kw.get("tp_size", 1) > 1:
+        kw["head_ids"] = kv_heads_for_rank(heads * kw["tp_size"], kw["tp_rank"], kw["tp_size"])
     return KVLayout.for_engine_cache(
-        num_layers=3, num_blocks=blocks, block_size=bs, num_kv_heads=kw.pop("heads", 4), head_dim=8, dtype=dtype, **kw
+        num_layers=3, num_blocks=blocks, block_size=bs, num_kv_heads=heads, head_dim=8, dtype=dtype, **kw
     )
 
 

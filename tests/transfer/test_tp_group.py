@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from engine.tensor_parallel import kv_heads_for_rank
 from tests.transfer.helpers import make_receiver, make_sender, meet, wait_events
 from tests.transfer.oracle import expected_after_copy
 from transfer.copy import region_bytes
 from transfer.group import RankParts, ReceiverGroup, SenderGroup
-from transfer.layout import KVLayout, heads_for_rank
+from transfer.layout import KVLayout
 from transfer.messages import group_to_builtins, parse_group, single_rank
 from transfer.outcome import Outcome, TransferEnded
 from transfer.tp import route_heads
@@ -25,7 +26,7 @@ def ranks(total: int, tp: int, bs: int, blocks: int, **kw) -> list[KVLayout]:
         KVLayout(
             num_layers=3,
             num_kv_heads_total=total,
-            head_ids=heads_for_rank(total, r, tp),
+            head_ids=kv_heads_for_rank(total, r, tp),
             head_dim=8,
             block_size=bs,
             num_blocks=blocks,

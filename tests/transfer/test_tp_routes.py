@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from bench.micro import transfer as bench
+from engine.tensor_parallel import kv_heads_for_rank
 from tests.transfer.oracle import logical
-from transfer import bench
 from transfer.inproc import InprocBackend, InprocHub
-from transfer.layout import IncompatiblePeer, KVLayout, heads_for_rank
+from transfer.layout import IncompatiblePeer, KVLayout
 from transfer.messages import DecodeGroup, DecodeRank, group_to_builtins, parse_group
 from transfer.plan import make_plan, ranges_inside
 from transfer.tp import Route, rank_parts, route_heads
@@ -29,7 +30,7 @@ BENCH_ARGS = argparse.Namespace(
 
 def group(total: int, tp: int, **kw) -> list[KVLayout]:
     return [
-        KVLayout(num_kv_heads_total=total, head_ids=heads_for_rank(total, r, tp), tp_rank=r, tp_size=tp, **kw)
+        KVLayout(num_kv_heads_total=total, head_ids=kv_heads_for_rank(total, r, tp), tp_rank=r, tp_size=tp, **kw)
         for r in range(tp)
     ]
 
@@ -153,13 +154,6 @@ def test_different_block_sizes_and_orders_do_not_change_the_routes():
 def test_incompatible_groups_are_refused_naming_the_values(src, dst, message):
     with pytest.raises(IncompatiblePeer, match=message.replace("[", r"\[").replace("]", r"\]")):
         route_heads(src, dst)
-
-
-def test_heads_that_do_not_split_over_the_ranks_are_refused():
-    with pytest.raises(ValueError, match="6 KV heads cannot be split evenly over tp_size=4"):
-        heads_for_rank(6, 0, 4)
-    with pytest.raises(ValueError, match="tp_size=6 is not a multiple of 4 KV heads"):
-        heads_for_rank(4, 0, 6)
 
 
 def test_a_plan_refuses_heads_one_side_does_not_hold():

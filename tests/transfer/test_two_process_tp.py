@@ -13,9 +13,10 @@ import msgspec
 import numpy as np
 import pytest
 
+from engine.tensor_parallel import kv_heads_for_rank
 from tests.transfer.conftest import nixl_available
 from tests.transfer.oracle import expected_after_copy
-from transfer.layout import KVLayout, heads_for_rank
+from transfer.layout import KVLayout
 from transfer.outcome import Outcome
 from transfer.tp import route_heads
 
@@ -30,7 +31,7 @@ def group(tp: int, **cache) -> list[KVLayout]:
         KVLayout(
             num_layers=3,
             num_kv_heads_total=2,
-            head_ids=heads_for_rank(2, r, tp),
+            head_ids=kv_heads_for_rank(2, r, tp),
             head_dim=32,
             dtype="bfloat16",
             tp_rank=r,

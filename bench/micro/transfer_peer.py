@@ -3,7 +3,7 @@
 `pdserve bench transfer --listen HOST:PORT` on the receiving host waits for
 one sender; `pdserve bench transfer --peer HOST:PORT` on the sending host
 connects to it (retrying while the receiver starts) and runs the benchmark
-as it does with a local receiver process (transfer/bench.py). The control
+as it does with a local receiver process (bench/micro/transfer.py). The control
 channel carries the same messages as the local pipe: the two backends'
 hellos (msgpack made by ``transfer``) and small JSON commands, each framed
 as a 4-byte big-endian length and its bytes, nothing unpickled. The first

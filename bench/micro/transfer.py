@@ -10,7 +10,7 @@ push to Ack) and the posting overhead per layer (the engine thread's
 ``push_layer`` call, and the transfer thread's plan + post of one layer).
 
 Across two hosts: ``--listen HOST:PORT`` on the receiving one, ``--peer
-HOST:PORT`` on the sending one (transfer/bench_peer.py); the receiver then
+HOST:PORT`` on the sending one (bench/micro/transfer_peer.py); the receiver then
 runs there instead of in a local process, the KV crosses the network on the
 interface of those addresses (NIXL: UCX over TCP unless ``--ucx-tls`` says
 otherwise), and memcpy is still measured by the sender in the same run.
@@ -23,7 +23,7 @@ bytes of each link (P rank -> D rank) and their sum, against the model's KV
 bytes (more than them when D replicates heads).
 
 Wire into the CLI with ``add_arguments(parser)`` and ``run(args) -> int``;
-or ``python -m transfer.bench --backend nixl --json``.
+or ``python -m bench.micro.transfer --backend nixl --json``.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ import time
 
 import torch
 
-from transfer import bench_peer
+from bench.micro import transfer_peer as bench_peer
+from engine.tensor_parallel import kv_heads_for_rank
 from transfer.factory import make_backend
 from transfer.group import ReceiverGroup, SenderGroup
-from transfer.layout import KVLayout, heads_for_rank
+from transfer.layout import KVLayout
 from transfer.messages import group_to_builtins, parse_group
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
@@ -118,12 +119,13 @@ def _tp_pair(text: str) -> tuple[int, int]:
 
 def _layout(args, tp_rank: int = 0, tp_size: int = 1) -> KVLayout:
     """One rank's slice of a cache of ``args.kv_heads`` KV heads (the whole cache for tp_size 1)."""
-    heads = len(heads_for_rank(args.kv_heads, tp_rank, tp_size))
+    heads = kv_heads_for_rank(args.kv_heads, tp_rank, tp_size)
     return KVLayout.for_engine_cache(
         num_layers=args.layers,
         num_blocks=args.blocks,
         block_size=args.block_size,
-        num_kv_heads=heads,
+        num_kv_heads=len(heads),
+        head_ids=heads,
         head_dim=args.head_dim,
         dtype=args.dtype,
         order=args.kv_order,
