@@ -156,7 +156,7 @@ class SenderGroup:
 
     def begin(self, group_id: str, target: DecodeGroup, dst_block_ids, lease_s: float) -> None:
         """Start every rank's parts of the transfer a reservation describes
-        (``transfer.messages.group_from_target``, or ``single_rank`` for a tp_size 1
+        (``transfer.messages.parse_group``, or ``single_rank`` for a tp_size 1
         decode server). Raises IncompatiblePeer before anything starts when the
         groups cannot exchange KV."""
         parts = rank_parts(self.layouts, target)
