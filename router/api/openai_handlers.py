@@ -35,7 +35,7 @@ from router.api.sse import DONE, ChunkTemplate, sse_event
 from router.api.structured import one_constraint
 from router.api.tool_calls import ToolCallStream, chat_message
 from router.api.tools import plan_tools
-from router.cluster.dispatch import Dispatcher
+from router.cluster.dispatch import Dispatcher, KVShareExceeded
 from router.cluster.session import Session
 from router.errors import OpenAIError
 from router.metrics import FinishReason, RouterMetrics
@@ -195,13 +195,12 @@ class OpenAIHandlers:
         max_tokens = self.limits.completion_budget(
             self.model, len(prompt), req.max_new_tokens(), "messages", tokens_param
         )
-        max_tokens = self.dispatcher.kv_budget(
-            len(prompt),
-            max_tokens,
-            req.num_sequences,
-            explicit=req.max_new_tokens() is not None,
-            tokens_param=tokens_param,
-        )
+        try:
+            max_tokens = self.dispatcher.kv_budget(
+                len(prompt), max_tokens, req.num_sequences, explicit=req.max_new_tokens() is not None
+            )
+        except KVShareExceeded as exc:
+            raise exc.named(tokens_param) from None
         req.check_tokens(self.model.vocab_size, max_tokens)
         top = (req.top_logprobs or 0) if req.logprobs else None
         sampling = sampling_params(req, max_tokens, top, req.prompt_logprobs, structured)

@@ -19,7 +19,7 @@ from router.cluster.admission import Admission, AdmissionSettings, Slot
 from router.cluster.health import PassiveHealth
 from router.cluster.kv_index import KvIndex
 from router.cluster.policies import Policy
-from router.cluster.registry import WorkerRegistry
+from router.cluster.registry import Worker, WorkerRegistry
 from router.cluster.session import Session, SessionContext
 from router.cluster.worker_client import DecodeStream, WorkerClient, WorkerFailed
 from router.errors import OpenAIError
@@ -35,6 +35,44 @@ log = logging.getLogger(__name__)
 TRY_ANOTHER_DECODE = frozenset(
     {Outcome.UNREACHABLE, Outcome.TIMED_OUT, Outcome.NO_ROOM, Outcome.DRAINING, Outcome.ENGINE_DOWN}
 )
+
+
+class KVShareExceeded(OpenAIError):
+    """No decode server's ``max_request_kv_share`` holds a request's whole KV need: its prompt and
+    ``n`` sequences of up to ``max_tokens``. ``most``: the largest ``max_tokens`` the best server
+    (``best``) would hold (0: not even the prompt). A 400 naming what to lower; ``named`` words it
+    with the name the request gave its token limit (``max_completion_tokens`` on chat)."""
+
+    def __init__(
+        self,
+        num_prompt_tokens: int,
+        max_tokens: int,
+        n: int,
+        most: int,
+        best: Worker,
+        share: float,
+        tokens_param: str = "max_tokens",
+    ) -> None:
+        self.facts = (num_prompt_tokens, max_tokens, n, most, best, share)
+        self.most = most
+        cap = best.blocks_per_request(share)
+        sequences = f"{n} sequences" if n > 1 else "a completion"
+        hint = (
+            (f"lower {tokens_param} (at most {most} here)" + (" or n" if n > 1 else ""))
+            if most >= 1
+            else "shorten the prompt" + (" or lower n" if n > 1 else "")
+        )
+        super().__init__(
+            400,
+            f"this request may need more KV cache than one request may use: the prompt's {num_prompt_tokens} "
+            f"tokens and {sequences} of up to {max_tokens} tokens, over {cap} blocks of {best.block_size} "
+            f"tokens ({share:g} of decode server {best.name}'s {best.total_blocks}); {hint}",
+            param=tokens_param if most >= 1 or n == 1 else "n",
+            code="context_length_exceeded",
+        )
+
+    def named(self, tokens_param: str) -> KVShareExceeded:
+        return KVShareExceeded(*self.facts, tokens_param=tokens_param)
 
 
 @dataclass(frozen=True)
@@ -105,36 +143,31 @@ class Dispatcher:
             return True
         return self.settings.prefill_failure != "fail" and not self.registry.healthy("prefill")
 
-    def kv_budget(
-        self, num_prompt_tokens: int, max_tokens: int, n: int, explicit: bool, tokens_param: str = "max_tokens"
-    ) -> int:
+    def kv_budget(self, num_prompt_tokens: int, max_tokens: int, n: int, explicit: bool) -> int:
         """``max_tokens``, or less when the client did not set it, such that the request's whole KV
         need (its prompt and ``n`` sequences of ``max_tokens``) is within ``max_request_kv_share``
-        of some decode server's cache; 400 when even that cannot be. A request that could fill a
-        cache would crowd out everyone else, and one that outgrew it would preempt itself for good."""
-        share = self.settings.max_request_kv_share
-        sized = [w for w in self.registry.healthy("decode") if w.capacity_tokens]
-        if not sized or any(w.holds_request(num_prompt_tokens, max_tokens, n, share) for w in sized):
+        of some decode server's cache; ``KVShareExceeded`` when even that cannot be. A request that
+        could fill a cache would crowd out everyone else, and one that outgrew it would preempt
+        itself for good."""
+        refusal = self._over_share(self.registry.healthy("decode"), num_prompt_tokens, max_tokens, n)
+        if refusal is None:
             return max_tokens
+        if not explicit and refusal.most >= 1:
+            return refusal.most
+        raise refusal
+
+    def _over_share(
+        self, workers: list[Worker], num_prompt_tokens: int, max_tokens: int, n: int
+    ) -> KVShareExceeded | None:
+        """Why no decode server of ``workers`` holds the request within its share (None: one does,
+        or none has said how much it holds)."""
+        share = self.settings.max_request_kv_share
+        sized = [w for w in workers if w.capacity_tokens]
+        if not sized or any(w.holds_request(num_prompt_tokens, max_tokens, n, share) for w in sized):
+            return None
         best = max(sized, key=lambda w: w.most_new_tokens(num_prompt_tokens, n, share))
         most = best.most_new_tokens(num_prompt_tokens, n, share)
-        if not explicit and most >= 1:
-            return most
-        cap = best.blocks_per_request(share)
-        sequences = f"{n} sequences" if n > 1 else "a completion"
-        hint = (
-            (f"lower {tokens_param} (at most {most} here)" + (" or n" if n > 1 else ""))
-            if most >= 1
-            else "shorten the prompt" + (" or lower n" if n > 1 else "")
-        )
-        raise OpenAIError(
-            400,
-            f"this request may need more KV cache than one request may use: the prompt's {num_prompt_tokens} "
-            f"tokens and {sequences} of up to {max_tokens} tokens, over {cap} blocks of {best.block_size} "
-            f"tokens ({share:g} of decode server {best.name}'s {best.total_blocks}); {hint}",
-            param=tokens_param if most >= 1 or n == 1 else "n",
-            code="context_length_exceeded",
-        )
+        return KVShareExceeded(num_prompt_tokens, max_tokens, n, most, best, share)
 
     async def start(
         self,
@@ -214,21 +247,13 @@ class Dispatcher:
         # On a decode server the request's whole KV need counts (``kv_budget``).
         need = len(req.prompt_token_ids) + 1  # the prompt and the first token drawn after it
         s = req.sampling
-        in_rotation = [
-            w
-            for w in in_rotation
-            if w.holds_request(len(req.prompt_token_ids), s.max_tokens, s.n, self.settings.max_request_kv_share)
-        ]
-        if not in_rotation:
-            most = max(w.capacity_tokens for w in self.registry.healthy("decode"))
-            raise OpenAIError(
-                400,
-                f"the prompt has {need - 1} tokens; with n={s.n} sequences of up to "
-                f"{s.max_tokens} tokens they may need more KV cache than one request may use on "
-                f"any decode server ({self.settings.max_request_kv_share:g} of at most {most} "
-                "tokens)",
-                code="context_length_exceeded",
-            )
+        share = self.settings.max_request_kv_share
+        fits = [w for w in in_rotation if w.holds_request(need - 1, s.max_tokens, s.n, share)]
+        if not fits:  # kv_budget let it in, but the servers in rotation changed since
+            refusal = self._over_share(in_rotation, need - 1, s.max_tokens, s.n)
+            assert refusal is not None  # a server that never said how much it holds holds anything
+            raise refusal
+        in_rotation = fits
         prefills = self.registry.healthy("prefill")
         if local is None and prefills and not any(w.can_hold(need) for w in prefills):
             local = True  # no prefill server could ever hold it: the decode server computes it
