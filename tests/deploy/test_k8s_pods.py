@@ -23,8 +23,8 @@ import yaml
 
 from deploy.k8s import SECRET_DIR
 from tests.deploy.manifests import REPO, container, render
-from tests.serving.cluster import make_config
-from tests.serving.oracle import PROMPTS, expected_completion
+from tests.support.cluster import make_config
+from tests.support.oracle import PROMPTS, expected_completion
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration

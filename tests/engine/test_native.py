@@ -22,7 +22,7 @@ from engine.attention import AttentionMetadata, DecodeGroup
 from engine.model import DecoderLayer, Linear, RMSNorm
 from engine.runner import RoPE
 from engine.tensor_parallel import Shard
-from tests.serving.cluster import REPO
+from tests.support.cluster import REPO
 
 CAN_RUN = native.unavailable() is None
 needs_cpu = pytest.mark.skipif(not CAN_RUN, reason=f"native kernels cannot run here: {native.unavailable()}")

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.faults.client import MAX_TOKENS, PROMPTS
-from tests.serving.oracle import expected_completion
+from tests.support.oracle import expected_completion
 
 RESULTS = pytest.StashKey[list]()
 FOLDER = pytest.StashKey[object]()

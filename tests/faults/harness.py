@@ -21,7 +21,7 @@ import httpx
 
 from deploy.config import load_config
 from deploy.launcher import Cluster, Proc
-from tests.serving.cluster import make_config
+from tests.support.cluster import make_config
 
 START_TIMEOUT_S = 180.0
 

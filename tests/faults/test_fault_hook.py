@@ -13,7 +13,7 @@ import torch
 from deploy.config import parse_config
 from kvlink.faulty_backend import FaultyBackend
 from server_common.faults import FaultInjector, FaultPlan
-from tests.serving.configs import BASE, error_of
+from tests.support.configs import BASE, error_of
 from tests.transfer.helpers import make_receiver, push_all, wait_events
 from transfer.factory import make_backend
 from transfer.inproc import InprocHub

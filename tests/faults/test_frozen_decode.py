@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 
-from tests.serving.cluster import Cluster, make_config
-from tests.serving.oracle import expected_completion
+from tests.support.cluster import Cluster, make_config
+from tests.support.oracle import expected_completion
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration

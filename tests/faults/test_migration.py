@@ -24,7 +24,7 @@ import jsonschema
 import pytest
 
 from tests.faults.harness import FaultCluster, fault_config
-from tests.serving.oracle import expected_chat, expected_completion
+from tests.support.oracle import expected_chat, expected_completion
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration

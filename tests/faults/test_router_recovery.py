@@ -17,7 +17,7 @@ from router.cluster.recovery import decide
 from router.cluster.registry import Worker, WorkerRegistry
 from router.cluster.worker_client import WorkerFailed
 from router.errors import OpenAIError
-from tests.serving.fakes import FakeStream, FakeWorkerClient
+from tests.support.fakes import FakeStream, FakeWorkerClient
 from tests.waiting import until
 from transfer.outcome import Outcome
 from wire.replies import ReprefillEvent

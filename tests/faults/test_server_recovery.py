@@ -15,7 +15,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from prefill_server.service import PrefillService
 from server_common.faults import FaultInjector
 from server_common.settings import ServerSettings
-from tests.serving.scripted import (
+from tests.support.scripted import (
     ScriptedReceiver,
     event_lines,
     generate_request,

@@ -1,5 +1,5 @@
 """Clusters for the guard tests: real processes on 127.0.0.1 started with
-`pdserve launch` (tests.serving.cluster), one torch thread each, stopped by pid.
+`pdserve launch` (tests.support.cluster), one torch thread each, stopped by pid.
 
 ``guarded`` has API keys, an internal secret and request limits; the overload
 and drain modules start their own, with tight in-flight limits or two decode
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.serving.cluster import Cluster, make_config
+from tests.support.cluster import Cluster, make_config
 
 API_KEY = "sk-guard-test-key-not-secret-elsewhere"
 SECRET = "guard-internal-secret-0123456789abcdef"

@@ -14,7 +14,7 @@ from router.cluster.policies import RoundRobin
 from router.cluster.registry import Worker, WorkerRegistry
 from router.errors import OpenAIError
 from server_common.guard import Drain
-from tests.serving.fakes import FakeWorkerClient
+from tests.support.fakes import FakeWorkerClient
 from tests.waiting import until
 
 SAMPLING = SamplingParams(max_tokens=2, temperature=0)

@@ -20,8 +20,8 @@ import pytest
 
 from tests.engine.oracle import hf_greedy
 from tests.guard.conftest import start
-from tests.serving.cluster import _alive
-from tests.serving.oracle import PROMPTS, tokenizer
+from tests.support.cluster import _alive
+from tests.support.oracle import PROMPTS, tokenizer
 
 pytestmark = pytest.mark.integration
 

@@ -1,6 +1,6 @@
 """Fuzzing the router against its own OpenAPI document (schemathesis), on a real cluster: valid
 and invalid requests, a bounded number per operation and generation mode, each held to every
-check schemathesis has (tests/serving/openapi_checks.py: status codes, content types, response
+check schemathesis has (tests/support/openapi_checks.py: status codes, content types, response
 schemas and headers, negative data rejected, positive data accepted, never a 5xx, 405 with Allow,
 auth not ignored, ...), with the request's ``model`` pinned to the served model so that valid
 requests reach generation; afterwards every server is up and holds no KV block.
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, seed, settings
 from schemathesis import GenerationMode
 
 from tests.guard.conftest import API_KEY
-from tests.serving.openapi_checks import all_checks, load
+from tests.support.openapi_checks import all_checks, load
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from router.app import create_app
 from router.errors import OpenAIError
 from router.settings import RouterSettings, WorkerSpec
 from server_common.guard import bearer_token, token_matches
-from tests.serving.fakes import FakeWorkerClient, in_rotation, make_byte_tokenizer
+from tests.support.fakes import FakeWorkerClient, in_rotation, make_byte_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 WORKERS = (WorkerSpec("p0", "prefill", "http://p0"), WorkerSpec("d0", "decode", "http://d0"))

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.guard.conftest import start
-from tests.serving.oracle import PROMPTS, expected_completion
+from tests.support.oracle import PROMPTS, expected_completion
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from tests.guard.conftest import API_KEY, MAX_BODY, MAX_PROMPT, MAX_TOKENS, SECRET
-from tests.serving.oracle import PROMPTS, expected_completion
+from tests.support.oracle import PROMPTS, expected_completion
 
 pytestmark = pytest.mark.integration
 

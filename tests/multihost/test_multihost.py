@@ -34,7 +34,7 @@ import pytest
 import yaml
 
 from tests.multihost.netns import NetnsUnavailable, Network
-from tests.serving.oracle import PROMPTS, expected_completion
+from tests.support.oracle import PROMPTS, expected_completion
 from tests.waiting import POLL_S
 
 pytestmark = pytest.mark.integration

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoConfig
 
 from deploy.config import load_config
-from tests.serving.cluster import Cluster, make_config
+from tests.support.cluster import Cluster, make_config
 from transfer.layout import KVLayout
 
 HEADER_TIMEOUT_S = 2.0

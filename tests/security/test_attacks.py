@@ -23,7 +23,7 @@ from tests.security.conftest import (
     SERVER_RESERVED_CONNECTIONS,
 )
 from tests.security.wire import bound_socket, connect_as, ping, sender_hello, write_frames
-from tests.serving.oracle import PROMPTS, expected_completion
+from tests.support.oracle import PROMPTS, expected_completion
 from tests.waiting import wait_until
 from transfer.messages import Done, encode
 

@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from bench.load.chaos import run as decode_chaos
-from tests.serving.cluster import Cluster, make_config
-from tests.serving.oracle import PROMPTS, expected_completion
+from tests.support.cluster import Cluster, make_config
+from tests.support.oracle import PROMPTS, expected_completion
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 8

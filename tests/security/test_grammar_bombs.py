@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.serving.oracle import PROMPTS, expected_completion
+from tests.support.oracle import PROMPTS, expected_completion
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 4

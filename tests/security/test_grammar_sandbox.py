@@ -91,7 +91,7 @@ def test_the_engine_thread_compiles_a_grammar_at_the_ceiling_whatever_the_hosts_
     import sys
 
     from engine.structured import GRAMMAR_CEILING
-    from tests.serving.cluster import REPO
+    from tests.support.cluster import REPO
 
     run = subprocess.run(
         [

@@ -12,7 +12,7 @@ import pytest
 
 from bench.micro import hostile
 from tests.security.conftest import MAX_CONNECTIONS
-from tests.serving.cluster import REPO
+from tests.support.cluster import REPO
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration

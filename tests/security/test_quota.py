@@ -12,7 +12,7 @@ import pytest
 from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine
 from server_common.settings import ServerSettings
-from tests.serving.scripted import ScriptedReceiver, generate_request, scripted
+from tests.support.scripted import ScriptedReceiver, generate_request, scripted
 from tests.waiting import until
 from transfer.outcome import Outcome
 from wire.replies import WorkerError

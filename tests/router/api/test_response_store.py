@@ -1,0 +1,243 @@
+"""The response store's contract, the same for both backends (router/api/response_store/): SQLite in a
+file, and PostgreSQL on a real server this module starts (tests/postgres_server.py); then two routers
+sharing one PostgreSQL database. Without the server's binaries (or psycopg) the PostgreSQL cases skip,
+naming what is missing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from router.api.model import ServedModel
+from router.api.response_store import ResponseStore, SqliteResponseStore, StoredResponse, open_store, owner_of
+from router.settings import ResponseStoreSettings
+from tests.postgres_server import PostgresServer, missing
+from tests.router.api.test_responses import ids, router, sdk
+from tests.support.fakes import FakeWorkerClient
+
+PASSWORD = "not-a-real-password-7f3a"  # in the URLs: trust auth ignores it, and no message may show it
+OWNER = owner_of("key-a")
+
+Opener = Callable[..., ResponseStore]
+
+
+@pytest.fixture(scope="module")
+def postgres_server() -> Iterator[PostgresServer]:
+    pytest.importorskip("psycopg", reason="psycopg not installed (pip install 'pdserve[postgres]')")
+    reason = missing()
+    if reason is not None:
+        pytest.skip(reason)
+    server = PostgresServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def postgres_url(postgres_server: PostgresServer) -> Iterator[str]:
+    """The URL of a new, empty database on the module's server (with a password in it)."""
+    name = postgres_server.create_database()
+    yield postgres_server.url(name, password=PASSWORD)
+    postgres_server.drop_database(name)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_on_one_database(request, tmp_path) -> Iterator[Opener]:
+    """Opens a store (through ``open_store``) on one database; each call another store object on it."""
+    if request.param == "sqlite":
+        where = {"path": str(tmp_path / "responses.sqlite")}
+    else:
+        where = {"url": request.getfixturevalue("postgres_url")}
+    opened: list[ResponseStore] = []
+
+    def open_one(**limits) -> ResponseStore:
+        store = open_store(ResponseStoreSettings(**where, **limits))
+        opened.append(store)
+        return store
+
+    yield open_one
+    for store in opened:
+        store.close()
+
+
+def stored(rid: str, owner: str = OWNER, created_at: float | None = None, text: str = "Paris.") -> StoredResponse:
+    return StoredResponse(
+        id=rid,
+        owner=owner,
+        created_at=time.time() if created_at is None else created_at,
+        response={"id": rid, "object": "response", "output": [{"type": "message", "content": text}]},
+        input_items=[{"id": f"msg_{rid}", "type": "message", "role": "user", "content": "Capital of France?"}],
+        conversation=[{"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": text}],
+        decode_worker="d0",
+    )
+
+
+def test_put_get_replace_and_delete(open_on_one_database):
+    store = open_on_one_database()
+    r = stored("resp_1")
+    store.put(r)
+    assert store.get("resp_1", OWNER) == r and store.count() == 1
+    assert store.get("resp_nope", OWNER) is None
+    newer = stored("resp_1", text="Paris, France.")
+    store.put(newer)  # the same id again: the row is replaced
+    assert store.get("resp_1", OWNER) == newer and store.count() == 1
+    assert store.delete("resp_1", OWNER) is True
+    assert store.get("resp_1", OWNER) is None and store.count() == 0
+    assert store.delete("resp_1", OWNER) is False
+
+
+def test_another_owner_finds_nothing_and_deletes_nothing(open_on_one_database):
+    store = open_on_one_database()
+    store.put(stored("resp_a"))
+    other = owner_of("key-b")
+    assert store.get("resp_a", other) is None and store.get("resp_a", "") is None
+    assert store.delete("resp_a", other) is False
+    assert store.get("resp_a", OWNER) is not None
+
+
+def test_expired_responses_are_not_found_and_are_pruned(open_on_one_database):
+    store = open_on_one_database(ttl_s=60.0)
+    store.put(stored("resp_fresh"))  # a store's first write prunes: nothing has expired yet
+    assert store.count() == 1
+    later = open_on_one_database(ttl_s=60.0)
+    later.put(stored("resp_old", created_at=time.time() - 120))  # written expired: pruned at once
+    assert later.get("resp_old", OWNER) is None and later.count() == 1
+    later.put(stored("resp_half", created_at=time.time() - 30))
+    assert later.get("resp_half", OWNER) is not None and later.get("resp_fresh", OWNER) is not None
+    # A store with a shorter ttl no longer finds what a longer one still does.
+    short = open_on_one_database(ttl_s=10.0)
+    assert short.get("resp_half", OWNER) is None and short.get("resp_fresh", OWNER) is not None
+
+
+def test_beyond_max_rows_the_oldest_go(open_on_one_database):
+    now = time.time()
+    first = open_on_one_database(max_rows=3)
+    for i in range(5):  # pruned once, on the first write only (at most once a minute per store)
+        first.put(stored(f"resp_{i}", created_at=now - 100 + i))
+    assert first.count() == 5
+    second = open_on_one_database(max_rows=3)
+    second.put(stored("resp_5", created_at=now))
+    assert second.count() == 3
+    assert [i for i in range(6) if second.get(f"resp_{i}", OWNER) is not None] == [3, 4, 5]
+
+
+def test_two_store_objects_on_one_database_share_it(open_on_one_database):
+    a = open_on_one_database()
+    a.put(stored("resp_shared"))
+    b = open_on_one_database()  # another router's store, or this one's after a restart
+    assert b.get("resp_shared", OWNER) == a.get("resp_shared", OWNER) is not None
+    assert b.delete("resp_shared", OWNER) is True
+    assert a.get("resp_shared", OWNER) is None
+    a.close()
+    c = open_on_one_database()
+    c.put(stored("resp_after"))
+    assert b.get("resp_after", OWNER) is not None
+
+
+def test_unicode_and_large_json_come_back_exactly(open_on_one_database):
+    store = open_on_one_database()
+    text = 'héllo 世界 🙂 \u0000 nul, \ud800 lone surrogate, "quotes" and \\ backslash'
+    big = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i} " + "x" * 4000} for i in range(500)]
+    r = StoredResponse(
+        id="resp_big",
+        owner=owner_of("ключ 🔑"),
+        created_at=time.time(),
+        response={"z": text, "a": [1, 2.5, None, True], "m": {"b": 1, "a": 2}},
+        input_items=[{"content": text}],
+        conversation=big,
+        decode_worker=None,
+    )
+    store.put(r)
+    got = open_on_one_database().get("resp_big", owner_of("ключ 🔑"))
+    assert got == r
+    assert list(got.response) == ["z", "a", "m"] and list(got.response["m"]) == ["b", "a"]  # key order kept
+
+
+def test_the_default_is_sqlite_in_memory():
+    store = open_store(ResponseStoreSettings())
+    try:
+        assert isinstance(store, SqliteResponseStore) and store.path == ":memory:"
+    finally:
+        store.close()
+
+
+def test_a_store_is_a_sqlite_path_or_a_postgres_url_not_both():
+    with pytest.raises(ValueError, match="not both"):
+        ResponseStoreSettings(path="/tmp/r.sqlite", url="postgresql://u@h/db")
+    assert PASSWORD not in repr(ResponseStoreSettings(url=f"postgresql://u:{PASSWORD}@h/db"))
+
+
+# ---- PostgreSQL only ----------------------------------------------------------------------------------------
+
+
+def test_postgres_reconnects_once_when_the_server_drops_the_connection(postgres_server, postgres_url):
+    import psycopg
+
+    store = open_store(ResponseStoreSettings(url=postgres_url))
+    try:
+        store.put(stored("resp_1"))
+        database = postgres_url.rsplit("/", 1)[1]
+        with psycopg.connect(postgres_server.url(), autocommit=True) as admin:
+            (ended,) = admin.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = %s", (database,)
+            ).fetchone()
+        assert ended == 1
+        assert store.get("resp_1", OWNER) is not None  # on a new connection
+        store.put(stored("resp_2"))
+        assert store.count() == 2
+    finally:
+        store.close()
+
+
+def test_postgres_errors_and_repr_name_the_server_never_the_password(postgres_url):
+    from router.api.response_store.postgres import ResponseStoreUnavailable
+
+    store = open_store(ResponseStoreSettings(url=postgres_url))
+    try:
+        assert PASSWORD not in repr(store) and "127.0.0.1" in repr(store)
+    finally:
+        store.close()
+    with pytest.raises(ResponseStoreUnavailable) as refused:
+        store.get("resp_1", OWNER)
+    assert "closed" in str(refused.value)
+    from tests.postgres_server import free_port
+
+    port = free_port()  # nothing listens there
+    with pytest.raises(ResponseStoreUnavailable) as unreachable:
+        open_store(ResponseStoreSettings(url=f"postgresql://pdserve:{PASSWORD}@127.0.0.1:{port}/db"))
+    message = str(unreachable.value)
+    assert f"127.0.0.1:{port}/db" in message and "cannot connect" in message
+    assert PASSWORD not in message and PASSWORD not in repr(unreachable.value.__context__)
+
+
+# ---- two routers, one database ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model) -> ServedModel:
+    return ServedModel.load("tiny", tiny_model)
+
+
+def test_two_routers_sharing_a_postgres_database_continue_each_others_conversations(served, postgres_url):
+    store = ResponseStoreSettings(url=postgres_url)
+    fake_a = FakeWorkerClient(reply=ids(served, "Paris."))
+    fake_b = FakeWorkerClient(reply=ids(served, "Rome."))
+    with router(served, fake_a, response_store=store) as a, router(served, fake_b, response_store=store) as b:
+        first = sdk(a).responses.create(model="tiny", input="Capital of France?")
+        assert sdk(b).responses.retrieve(first.id).output_text == "Paris."
+        second = sdk(b).responses.create(model="tiny", input="And of Italy?", previous_response_id=first.id)
+        assert second.output_text == "Rome." and second.previous_response_id == first.id
+        assert [i.content[0].text for i in sdk(a).responses.input_items.list(second.id).data] == ["And of Italy?"]
+        assert b.delete(f"/v1/responses/{first.id}").status_code == 200
+        assert a.get(f"/v1/responses/{first.id}").status_code == 404
+    assert fake_a.opened and len(fake_b.opened) == 1
+    assert fake_b.opened[0][1].prompt_token_ids == served.encode_chat(
+        [
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And of Italy?"},
+        ]
+    )
