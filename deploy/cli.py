@@ -7,7 +7,7 @@ lists everything and every subcommand has its own ``--help``.
 Only argument parsing happens at import: the subcommand modules import torch,
 transformers or uvicorn inside the function that runs the command, so
 ``pdserve --help`` and a config error answer in a fraction of a second
-(tests/serving/test_first_minutes.py checks that torch stays out).
+(tests/cluster/test_first_minutes.py checks that torch stays out).
 """
 
 from __future__ import annotations
