@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from functools import partial
 from typing import TypedDict, TypeVar
 
@@ -50,6 +51,18 @@ from wire.replies import TokenLogprob
 # stream in flight; a short request takes ~1 ms, less than handing it to a thread costs. The body
 # counts, not the prompt's text: tools, message count and everything else add to the work.
 LONG_REQUEST_BYTES = 8192
+
+
+@dataclass
+class Tally:
+    """What a stream has sent so far: tokens per choice, and the first finish reason."""
+
+    counts: dict[int, int] = field(default_factory=dict)
+    reason: FinishReason | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.counts.values())
 
 
 class _Given(TypedDict, total=False):
@@ -409,11 +422,50 @@ class OpenAIHandlers:
 
     # ---- streams -----------------------------------------------------------
 
-    async def _chat_stream(
-        self, p: Prepared, req: ChatCompletionRequest, sessions: list[Session]
+    async def _framed(
+        self,
+        p: Prepared,
+        sessions: list[Session],
+        choices: AsyncGenerator[str, None],
+        tally: Tally,
+        usage_event: Callable[[out.Usage], str] | None,
     ) -> AsyncIterator[str]:
+        """An SSE stream around its choices' events: the usage chunk when asked for and ``[DONE]``
+        after them, an error event and ``[DONE]`` when one fails, the sessions closed either way
+        (and when the client leaves), the request's end in its timeline."""
+        try:
+            async for event in choices:
+                yield event
+            p.timeline.finished(tally.reason or "length", tally.tokens)
+            if usage_event is not None:
+                yield usage_event(self._usage(p, sessions, tally.tokens))
+            yield DONE
+        except OpenAIError as exc:
+            p.timeline.failed(exc.code or str(exc.status))
+            yield sse_event(exc.body())
+            yield DONE
+        finally:
+            await choices.aclose()
+            await self.close(p, sessions, tally.tokens)
+
+    def _chat_stream(self, p: Prepared, req: ChatCompletionRequest, sessions: list[Session]) -> AsyncIterator[str]:
+        tally, created = Tally(), int(time.time())
+
+        def usage_event(usage: out.Usage) -> str:
+            chunk = out.ChatCompletionChunk(
+                id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name, choices=[], usage=usage
+            )
+            return sse_event(chunk, exclude={"prompt_logprobs"})
+
+        choices = self._chat_choices(p, req, sessions, tally, created)
+        return self._framed(p, sessions, choices, tally, usage_event if req.include_usage else None)
+
+    async def _chat_choices(
+        self, p: Prepared, req: ChatCompletionRequest, sessions: list[Session], tally: Tally, created: int
+    ) -> AsyncGenerator[str, None]:
+        """Every choice's chunks: its role first, then text (through the tool-call parser when the
+        answer may call tools), log-probabilities, its finish reason."""
         usage_field = {"prompt_logprobs"} | (set() if req.include_usage else {"usage"})
-        created = int(time.time())
 
         def chunk(
             index: int,
@@ -429,9 +481,7 @@ class OpenAIHandlers:
             )
 
         templates: dict[int, ChunkTemplate] = {}
-        counts: dict[int, int] = {}
         calls: dict[int, ToolCallStream] = {}  # per choice, when the answer may call tools
-        reason: FinishReason | None = None
 
         def content(index: int, text: str) -> str:
             if index not in templates:
@@ -442,63 +492,59 @@ class OpenAIHandlers:
                 templates[index] = ChunkTemplate(make, usage_field)
             return templates[index].event(text)
 
-        try:
-            for i in range(len(p.prompts) * p.sampling.n):
-                yield sse_event(chunk(i, out.Delta(role="assistant", content="")), exclude=usage_field)
-            async for d in choice_deltas(p, sessions, self.model.tokenizer):
-                counts[d.index] = d.completion_tokens
-                if d.prompt_logprobs is not None and p.prompt_top is not None and d.index == 0:  # one prompt
+        for i in range(len(p.prompts) * p.sampling.n):
+            yield sse_event(chunk(i, out.Delta(role="assistant", content="")), exclude=usage_field)
+        async for d in choice_deltas(p, sessions, self.model.tokenizer):
+            tally.counts[d.index] = d.completion_tokens
+            if d.prompt_logprobs is not None and p.prompt_top is not None and d.index == 0:  # one prompt
 
-                    def first_event(d: ChoiceDelta = d) -> str:
-                        first = chunk(d.index, out.Delta(content=""))
-                        first.prompt_logprobs = self._prompt_logprobs(p, 0, d.prompt_logprobs)
-                        return sse_event(first, exclude=usage_field - {"prompt_logprobs"})
+                def first_event(d: ChoiceDelta = d) -> str:
+                    first = chunk(d.index, out.Delta(content=""))
+                    first.prompt_logprobs = self._prompt_logprobs(p, 0, d.prompt_logprobs)
+                    return sse_event(first, exclude=usage_field - {"prompt_logprobs"})
 
-                    yield await self._answer(first_event, heavy=True)
-                logprobs = None
-                if p.top_logprobs is not None and d.tokens:
-                    logprobs = chat_logprobs(d.tokens, p.top_logprobs, self.token_strings)
-                if p.tools.parse:
-                    # Text through the call parser: content and call deltas in order; the tokens'
-                    # log-probabilities go in a chunk of their own.
-                    stream = calls.setdefault(d.index, ToolCallStream())
-                    for piece in stream.feed(d.text, d.finish_reason is not None):
-                        if isinstance(piece, out.ToolCallsDelta):
-                            yield sse_event(chunk(d.index, piece), exclude=usage_field)
-                        elif piece:
-                            yield content(d.index, piece)
-                    if logprobs is not None:
-                        yield sse_event(chunk(d.index, out.Delta(), logprobs=logprobs), exclude=usage_field)
-                elif logprobs is not None:
-                    yield sse_event(chunk(d.index, out.Delta(content=d.text), logprobs=logprobs), exclude=usage_field)
-                elif d.text:
-                    yield content(d.index, d.text)
-                if d.finish_reason:
-                    finish = calls[d.index].finish_reason(d.finish_reason) if d.index in calls else d.finish_reason
-                    reason = reason or finish
-                    yield sse_event(chunk(d.index, out.Delta(), finish), exclude=usage_field)
-            p.timeline.finished(reason or "length", sum(counts.values()))
-            if req.include_usage:
-                usage = self._usage(p, sessions, sum(counts.values()))
-                yield sse_event(
-                    out.ChatCompletionChunk(
-                        id=f"chatcmpl-{p.request_id}", created=created, model=self.model.name, choices=[], usage=usage
-                    ),
-                    exclude={"prompt_logprobs"},
-                )
-            yield DONE
-        except OpenAIError as exc:
-            p.timeline.failed(exc.code or str(exc.status))
-            yield sse_event(exc.body())
-            yield DONE
-        finally:
-            await self.close(p, sessions, sum(counts.values()))
+                yield await self._answer(first_event, heavy=True)
+            logprobs = None
+            if p.top_logprobs is not None and d.tokens:
+                logprobs = chat_logprobs(d.tokens, p.top_logprobs, self.token_strings)
+            if p.tools.parse:
+                # Text through the call parser: content and call deltas in order; the tokens'
+                # log-probabilities go in a chunk of their own.
+                stream = calls.setdefault(d.index, ToolCallStream())
+                for piece in stream.feed(d.text, d.finish_reason is not None):
+                    if isinstance(piece, out.ToolCallsDelta):
+                        yield sse_event(chunk(d.index, piece), exclude=usage_field)
+                    elif piece:
+                        yield content(d.index, piece)
+                if logprobs is not None:
+                    yield sse_event(chunk(d.index, out.Delta(), logprobs=logprobs), exclude=usage_field)
+            elif logprobs is not None:
+                yield sse_event(chunk(d.index, out.Delta(content=d.text), logprobs=logprobs), exclude=usage_field)
+            elif d.text:
+                yield content(d.index, d.text)
+            if d.finish_reason:
+                finish = calls[d.index].finish_reason(d.finish_reason) if d.index in calls else d.finish_reason
+                tally.reason = tally.reason or finish
+                yield sse_event(chunk(d.index, out.Delta(), finish), exclude=usage_field)
 
-    async def _completion_stream(
-        self, p: Prepared, req: CompletionRequest, sessions: list[Session]
-    ) -> AsyncIterator[str]:
+    def _completion_stream(self, p: Prepared, req: CompletionRequest, sessions: list[Session]) -> AsyncIterator[str]:
+        tally, created = Tally(), int(time.time())
+
+        def usage_event(usage: out.Usage) -> str:
+            chunk = out.Completion(
+                id=f"cmpl-{p.request_id}", created=created, model=self.model.name, choices=[], usage=usage
+            )
+            return sse_event(chunk)
+
+        choices = self._completion_choices(p, req, sessions, tally, created)
+        return self._framed(p, sessions, choices, tally, usage_event if req.include_usage else None)
+
+    async def _completion_choices(
+        self, p: Prepared, req: CompletionRequest, sessions: list[Session], tally: Tally, created: int
+    ) -> AsyncGenerator[str, None]:
+        """Every choice's chunks: text with its log-probabilities (and its prompt's, built off the
+        event loop) when asked for, the last with its finish reason."""
         usage_field = None if req.include_usage else {"usage"}
-        created = int(time.time())
         n = p.sampling.n
 
         def chunk(
@@ -521,40 +567,22 @@ class OpenAIHandlers:
 
         templates: dict[int, ChunkTemplate] = {}
         builders: dict[int, CompletionLogprobsBuilder] = {}
-        counts: dict[int, int] = {}
-        reason: FinishReason | None = None
-        try:
-            async for d in choice_deltas(p, sessions, self.model.tokenizer):
-                counts[d.index] = d.completion_tokens
-                reason = reason or d.finish_reason
-                if p.top_logprobs is not None or d.prompt_logprobs is not None:
-                    builder = builders.setdefault(
-                        d.index, CompletionLogprobsBuilder(p.top_logprobs or 0, self.token_strings)
-                    )
+        async for d in choice_deltas(p, sessions, self.model.tokenizer):
+            tally.counts[d.index] = d.completion_tokens
+            tally.reason = tally.reason or d.finish_reason
+            if p.top_logprobs is not None or d.prompt_logprobs is not None:
+                if d.index not in builders:
+                    builders[d.index] = CompletionLogprobsBuilder(p.top_logprobs or 0, self.token_strings)
+                builder = builders[d.index]
 
-                    def event(d: ChoiceDelta = d, builder: CompletionLogprobsBuilder = builder) -> str:
-                        prompt = self._prompt_logprobs(p, d.index // n, d.prompt_logprobs)
-                        logprobs = None if p.top_logprobs is None else builder.build(d.tokens)
-                        return sse_event(chunk(d.index, d.text, d.finish_reason, logprobs, prompt), exclude=usage_field)
+                def event(d: ChoiceDelta = d, builder: CompletionLogprobsBuilder = builder) -> str:
+                    prompt = self._prompt_logprobs(p, d.index // n, d.prompt_logprobs)
+                    logprobs = None if p.top_logprobs is None else builder.build(d.tokens)
+                    return sse_event(chunk(d.index, d.text, d.finish_reason, logprobs, prompt), exclude=usage_field)
 
-                    # A prompt's log-probabilities are one big event: built off the loop.
-                    yield await self._answer(event, heavy=d.prompt_logprobs is not None)
-                    continue
-                if d.index not in templates:
-                    templates[d.index] = ChunkTemplate(partial(chunk, d.index), usage_field)
-                yield templates[d.index].event(d.text, d.finish_reason)
-            p.timeline.finished(reason or "length", sum(counts.values()))
-            if req.include_usage:
-                usage = self._usage(p, sessions, sum(counts.values()))
-                yield sse_event(
-                    out.Completion(
-                        id=f"cmpl-{p.request_id}", created=created, model=self.model.name, choices=[], usage=usage
-                    )
-                )
-            yield DONE
-        except OpenAIError as exc:
-            p.timeline.failed(exc.code or str(exc.status))
-            yield sse_event(exc.body())
-            yield DONE
-        finally:
-            await self.close(p, sessions, sum(counts.values()))
+                # A prompt's log-probabilities are one big event: built off the loop.
+                yield await self._answer(event, heavy=d.prompt_logprobs is not None)
+                continue
+            if d.index not in templates:
+                templates[d.index] = ChunkTemplate(partial(chunk, d.index), usage_field)
+            yield templates[d.index].event(d.text, d.finish_reason)
