@@ -17,7 +17,7 @@ from router.settings import RouterSettings, WorkerSpec
 from server_common.guard import bearer_token, token_matches
 from tests.support.fakes import FakeWorkerClient, in_rotation, make_byte_tokenizer
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 WORKERS = (WorkerSpec("p0", "prefill", "http://p0"), WorkerSpec("d0", "decode", "http://d0"))
 
 
