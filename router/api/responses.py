@@ -447,135 +447,33 @@ class ResponsesHandler:
 
     async def _stream(self, turn: Turn, p: Prepared, sessions: list[Session]) -> AsyncIterator[str]:
         model = self.handlers.model.name
-        seq = 0
-
-        def event(kind: str, **fields: Any) -> str:
-            nonlocal seq
-            seq += 1
-            return _sse({"type": kind, "sequence_number": seq - 1, **fields})
-
+        events = OutputEvents(p.request_id)
         got = Collected()
         calls = ToolCallStream() if p.tools.parse else None
-        index = -1  # the open output item's
-        open_kind: str | None = None  # "message" or "call"
-        text = ""
-        call: dict[str, Any] = {}
-
-        def close_item() -> list[str]:
-            nonlocal open_kind
-            events = []
-            if open_kind == "message":
-                part = {"type": "output_text", "text": text, "annotations": []}
-                item_id = f"msg_{p.request_id}_{index}"
-                events.append(
-                    event(
-                        "response.output_text.done",
-                        item_id=item_id,
-                        output_index=index,
-                        content_index=0,
-                        text=text,
-                        logprobs=[],
-                    )
-                )
-                events.append(
-                    event("response.content_part.done", item_id=item_id, output_index=index, content_index=0, part=part)
-                )
-                item = _answer_message(p.request_id, index, text, "completed")
-                events.append(event("response.output_item.done", output_index=index, item=item))
-            elif open_kind == "call":
-                item = _call_item(p.request_id, index, call["call_id"], call["name"], call["arguments"])
-                events.append(
-                    event(
-                        "response.function_call_arguments.done",
-                        item_id=item["id"],
-                        output_index=index,
-                        name=call["name"],
-                        arguments=call["arguments"],
-                    )
-                )
-                events.append(event("response.output_item.done", output_index=index, item=item))
-            open_kind = None
-            return events
-
-        def on_text(piece: str) -> list[str]:
-            nonlocal index, open_kind, text
-            events = []
-            if open_kind != "message":
-                events += close_item()
-                index += 1
-                open_kind, text = "message", ""
-                item = _answer_message(p.request_id, index, "", "in_progress")
-                events.append(event("response.output_item.added", output_index=index, item=item))
-                part = {"type": "output_text", "text": "", "annotations": []}
-                events.append(
-                    event(
-                        "response.content_part.added",
-                        item_id=item["id"],
-                        output_index=index,
-                        content_index=0,
-                        part=part,
-                    )
-                )
-            text += piece
-            events.append(
-                event(
-                    "response.output_text.delta",
-                    item_id=f"msg_{p.request_id}_{index}",
-                    output_index=index,
-                    content_index=0,
-                    delta=piece,
-                    logprobs=[],
-                )
-            )
-            return events
-
-        def on_call(delta: out.ToolCallDelta) -> list[str]:
-            nonlocal index, open_kind, call
-            events = []
-            if delta.id is not None:  # a new call
-                events += close_item()
-                index += 1
-                open_kind = "call"
-                call = {"call_id": delta.id, "name": delta.function.name or "", "arguments": ""}
-                item = _call_item(p.request_id, index, delta.id, call["name"], "", "in_progress")
-                events.append(event("response.output_item.added", output_index=index, item=item))
-            if delta.function.arguments:
-                call["arguments"] += delta.function.arguments
-                item_id = f"fc_{p.request_id}_{index}"
-                events.append(
-                    event(
-                        "response.function_call_arguments.delta",
-                        item_id=item_id,
-                        output_index=index,
-                        delta=delta.function.arguments,
-                    )
-                )
-            return events
-
         try:
-            yield event("response.created", response=turn.response("in_progress", [], None, model))
-            yield event("response.in_progress", response=turn.response("in_progress", [], None, model))
+            yield events.event("response.created", response=turn.response("in_progress", [], None, model))
+            yield events.event("response.in_progress", response=turn.response("in_progress", [], None, model))
             async for d in choice_deltas(p, sessions, self.handlers.model.tokenizer):
                 got.add(d)
                 pieces: list[Any] = [d.text] if calls is None else calls.feed(d.text, d.finish_reason is not None)
                 for piece in pieces:
                     if isinstance(piece, out.ToolCallsDelta):
-                        for e in (e for c in piece.tool_calls for e in on_call(c)):
+                        for e in (e for c in piece.tool_calls for e in events.call(c)):
                             yield e
                     elif piece:
-                        for e in on_text(piece):
+                        for e in events.text(piece):
                             yield e
-            if index < 0:  # no text and no call: an empty message, as the whole response has
-                for e in on_text(""):
+            if events.index < 0:  # no text and no call: an empty message, as the whole response has
+                for e in events.text(""):
                     yield e
-            for e in close_item():
+            for e in events.close_item():
                 yield e
             p.timeline.finished(got.finish_reason or "length", got.count)
             answer = await self._finish(turn, p, got, sessions)
-            yield event("response.completed", response=answer)
+            yield events.event("response.completed", response=answer)
         except OpenAIError as exc:
             p.timeline.failed(exc.code or str(exc.status))
-            yield event("error", code=exc.code, message=exc.message, param=exc.param)
+            yield events.event("error", code=exc.code, message=exc.message, param=exc.param)
         finally:
             await self.handlers.close(p, sessions, got.count)
 
@@ -589,3 +487,88 @@ class ResponsesHandler:
         if not await asyncio.to_thread(self.store.delete, response_id, owner):
             raise OpenAIError(404, f"no stored response with id {response_id!r}", param="response_id", code="not_found")
         return {"id": response_id, "object": "response", "deleted": True}
+
+
+class OutputEvents:
+    """A streamed response's events: numbered in order (``sequence_number``), and its output items,
+    a message or a function call each, opened, filled and closed one after another."""
+
+    def __init__(self, request_id: str) -> None:
+        self._request_id = request_id
+        self._seq = 0
+        self.index = -1  # the open output item's
+        self._open: str | None = None  # "message" or "call"
+        self._text = ""
+        self._call: dict[str, Any] = {}
+
+    def event(self, kind: str, **fields: Any) -> str:
+        self._seq += 1
+        return _sse({"type": kind, "sequence_number": self._seq - 1, **fields})
+
+    def close_item(self) -> list[str]:
+        """The open item's closing events (none open: none)."""
+        rid, index, events = self._request_id, self.index, []
+        if self._open == "message":
+            part = {"type": "output_text", "text": self._text, "annotations": []}
+            item_id = f"msg_{rid}_{index}"
+            fields = dict(item_id=item_id, output_index=index, content_index=0)
+            events.append(self.event("response.output_text.done", **fields, text=self._text, logprobs=[]))
+            events.append(self.event("response.content_part.done", **fields, part=part))
+            item = _answer_message(rid, index, self._text, "completed")
+            events.append(self.event("response.output_item.done", output_index=index, item=item))
+        elif self._open == "call":
+            call = self._call
+            item = _call_item(rid, index, call["call_id"], call["name"], call["arguments"])
+            events.append(
+                self.event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    name=call["name"],
+                    arguments=call["arguments"],
+                )
+            )
+            events.append(self.event("response.output_item.done", output_index=index, item=item))
+        self._open = None
+        return events
+
+    def text(self, piece: str) -> list[str]:
+        """Answer text: into the open message, or a new one (closing a call before it)."""
+        events = []
+        if self._open != "message":
+            events += self.close_item()
+            self.index += 1
+            self._open, self._text = "message", ""
+            item = _answer_message(self._request_id, self.index, "", "in_progress")
+            events.append(self.event("response.output_item.added", output_index=self.index, item=item))
+            part = {"type": "output_text", "text": "", "annotations": []}
+            fields = dict(item_id=item["id"], output_index=self.index, content_index=0)
+            events.append(self.event("response.content_part.added", **fields, part=part))
+        self._text += piece
+        item_id = f"msg_{self._request_id}_{self.index}"
+        fields = dict(item_id=item_id, output_index=self.index, content_index=0)
+        events.append(self.event("response.output_text.delta", **fields, delta=piece, logprobs=[]))
+        return events
+
+    def call(self, delta: out.ToolCallDelta) -> list[str]:
+        """A function call's delta: a new call item when it carries an id, else more arguments."""
+        events = []
+        if delta.id is not None:
+            events += self.close_item()
+            self.index += 1
+            self._open = "call"
+            self._call = {"call_id": delta.id, "name": delta.function.name or "", "arguments": ""}
+            item = _call_item(self._request_id, self.index, delta.id, self._call["name"], "", "in_progress")
+            events.append(self.event("response.output_item.added", output_index=self.index, item=item))
+        if delta.function.arguments:
+            self._call["arguments"] += delta.function.arguments
+            item_id = f"fc_{self._request_id}_{self.index}"
+            events.append(
+                self.event(
+                    "response.function_call_arguments.delta",
+                    item_id=item_id,
+                    output_index=self.index,
+                    delta=delta.function.arguments,
+                )
+            )
+        return events
