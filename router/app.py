@@ -15,6 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -206,71 +207,8 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
             worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http,
             worker_http(n, n, keepalive_s, headers) as health_http,
         ):
-            worker_client = client or WorkerClient(
-                http,
-                prefill_timeout_s=settings.prefill_timeout_s,
-                answered=parts.passive_health.answered,
-                stream_stall_s=settings.stream_stall_s,
-            )
-            policy = settings.policy, parts.kv_index, settings.cache_aware_load_weight
-            dispatcher = Dispatcher(
-                parts.registry,
-                make_policy(*policy),
-                make_policy(*policy),
-                worker_client,
-                DispatchSettings(
-                    local_prefill_threshold=settings.local_prefill_threshold,
-                    prefill_failure=settings.prefill_failure,
-                    migration_limit=settings.migration_limit,
-                    max_request_kv_share=settings.max_request_kv_share,
-                ),
-                parts.metrics.recovery,
-                parts.admission,
-                parts.drain,
-                parts.passive_health,
-                parts.kv_index,
-            )
-            grammars = GrammarChecker(settings.grammar_sandbox)
-            await asyncio.to_thread(grammars.start)
-            limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
-            app.state.handlers = OpenAIHandlers(
-                parts.model,
-                dispatcher,
-                parts.metrics,
-                limits,
-                parts.tracing,
-                grammars,
-                settings.grammar_limits,
-                parts.access,
-            )
-            app.state.responses = ResponsesHandler(app.state.handlers, parts.responses)
-            app.state.discovery = Discovery(
-                parts.registry,
-                http,
-                settings.discovery,
-                model_fingerprint(settings.model_path),
-                parts.metrics,
-                settings.drain_timeout_s,
-            )
-            tasks = []
-            if client is None:
-                tasks += [
-                    asyncio.create_task(parts.registry.run(health_http)),
-                    asyncio.create_task(app.state.discovery.run()),
-                ]
-                if parts.kv_index is not None:
-                    poller = KvEventPoller(parts.registry, parts.kv_index, health_http, settings.kv_events_interval_s)
-                    tasks.append(asyncio.create_task(poller.run()))
-            if settings.log_stats_interval_s > 0:
-                tasks.append(
-                    asyncio.create_task(
-                        log_stats(
-                            parts.snapshot,
-                            router_line,  # type: ignore[arg-type]
-                            settings.log_stats_interval_s,
-                        )
-                    )
-                )
+            await _build_handlers(app, parts, client, http)
+            tasks = _background_tasks(app, parts, client, health_http)
             try:
                 yield
             finally:
@@ -282,6 +220,81 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
                 parts.responses.close()
 
     return run
+
+
+async def _build_handlers(
+    app: FastAPI, parts: RouterParts, client: WorkerClient | None, http: httpx.AsyncClient
+) -> None:
+    """What the routes call (``app.state.handlers``, ``responses``, ``discovery``), over one
+    dispatcher and the workers' request connections."""
+    settings = parts.settings
+    worker_client = client or WorkerClient(
+        http,
+        prefill_timeout_s=settings.prefill_timeout_s,
+        answered=parts.passive_health.answered,
+        stream_stall_s=settings.stream_stall_s,
+    )
+    policy = settings.policy, parts.kv_index, settings.cache_aware_load_weight
+    dispatcher = Dispatcher(
+        parts.registry,
+        make_policy(*policy),
+        make_policy(*policy),
+        worker_client,
+        DispatchSettings(
+            local_prefill_threshold=settings.local_prefill_threshold,
+            prefill_failure=settings.prefill_failure,
+            migration_limit=settings.migration_limit,
+            max_request_kv_share=settings.max_request_kv_share,
+        ),
+        parts.metrics.recovery,
+        parts.admission,
+        parts.drain,
+        parts.passive_health,
+        parts.kv_index,
+    )
+    grammars = GrammarChecker(settings.grammar_sandbox)
+    await asyncio.to_thread(grammars.start)
+    limits = RequestLimits(max_prompt_tokens=settings.max_prompt_tokens, max_tokens=settings.max_tokens)
+    app.state.handlers = OpenAIHandlers(
+        parts.model,
+        dispatcher,
+        parts.metrics,
+        limits,
+        parts.tracing,
+        grammars,
+        settings.grammar_limits,
+        parts.access,
+    )
+    app.state.responses = ResponsesHandler(app.state.handlers, parts.responses)
+    app.state.discovery = Discovery(
+        parts.registry,
+        http,
+        settings.discovery,
+        model_fingerprint(settings.model_path),
+        parts.metrics,
+        settings.drain_timeout_s,
+    )
+
+
+def _background_tasks(
+    app: FastAPI, parts: RouterParts, client: WorkerClient | None, health_http: httpx.AsyncClient
+) -> list[asyncio.Task]:
+    """Health checks, discovery and the KV index's event polling on the health connections (none
+    with a unit test's client), and the stats line."""
+    settings = parts.settings
+    tasks = []
+    if client is None:
+        tasks += [
+            asyncio.create_task(parts.registry.run(health_http)),
+            asyncio.create_task(app.state.discovery.run()),
+        ]
+        if parts.kv_index is not None:
+            poller = KvEventPoller(parts.registry, parts.kv_index, health_http, settings.kv_events_interval_s)
+            tasks.append(asyncio.create_task(poller.run()))
+    if settings.log_stats_interval_s > 0:
+        stats = log_stats(parts.snapshot, router_line, settings.log_stats_interval_s)  # type: ignore[arg-type]
+        tasks.append(asyncio.create_task(stats))
+    return tasks
 
 
 def create_app(
@@ -318,54 +331,61 @@ def create_app(
     return app
 
 
+async def respond(
+    parts: RouterParts,
+    request: Request,
+    endpoint: str,
+    call: Callable[[str, str | None, int], Awaitable[Answered]],
+) -> Response:
+    """A generation route's answer: the caller checked, the request counted in flight and then by
+    its status (a refusal into the access log), the handler's answer as JSON or as a stream of
+    server-sent events. ``call(request_id, traceparent, body_bytes)``: the handler's coroutine."""
+    metrics, access = parts.metrics, parts.access
+    rid = request_id_of(request)
+    try:
+        parts.auth.client(request)
+    except OpenAIError as exc:
+        access.refused(rid, endpoint, exc.status, exc.code)
+        raise
+    metrics.inflight.inc()
+    status, code = 500, None
+    try:
+        answer = await until_disconnect(
+            request, call(rid, request.headers.get("traceparent"), len(await request.body()))
+        )
+        status = 200
+    except OpenAIError as exc:
+        status, code = exc.status, exc.code
+        raise
+    finally:
+        metrics.inflight.dec()
+        metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        if status != 200:
+            access.refused(rid, endpoint, status, code)
+    if answer[0] is None:
+        return answer[1]  # encoded by the handler (off the event loop when large)
+    session, result = answer
+    # session.close is idempotent: the stream closes it in `finally`, the
+    # background task covers a client that left before the first chunk.
+    return StreamingResponse(
+        result,
+        media_type="text/event-stream",
+        background=BackgroundTask(session.close),
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
 def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
     """The OpenAI API: thin routes over ``OpenAIHandlers`` (router/api/openai_handlers.py)."""
-    metrics, access = parts.metrics, parts.access
-
-    async def respond(
-        request: Request, endpoint: str, call: Callable[[str, str | None, int], Awaitable[Answered]]
-    ) -> Response:
-        """``call(request_id, traceparent, body_bytes)``: the handler's coroutine for this request."""
-        rid = request_id_of(request)
-        try:
-            parts.auth.client(request)
-        except OpenAIError as exc:
-            access.refused(rid, endpoint, exc.status, exc.code)
-            raise
-        metrics.inflight.inc()
-        status, code = 500, None
-        try:
-            answer = await until_disconnect(
-                request, call(rid, request.headers.get("traceparent"), len(await request.body()))
-            )
-            status = 200
-        except OpenAIError as exc:
-            status, code = exc.status, exc.code
-            raise
-        finally:
-            metrics.inflight.dec()
-            metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-            if status != 200:
-                access.refused(rid, endpoint, status, code)
-        if answer[0] is None:
-            return answer[1]  # encoded by the handler (off the event loop when large)
-        session, result = answer
-        # session.close is idempotent: the stream closes it in `finally`, the
-        # background task covers a client that left before the first chunk.
-        return StreamingResponse(
-            result,
-            media_type="text/event-stream",
-            background=BackgroundTask(session.close),
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
 
     @app.post("/v1/chat/completions", responses=openapi.generation_responses(out.ChatCompletion, "ChatCompletionChunk"))
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        return await respond(request, "chat", lambda *args: request.app.state.handlers.chat(req, *args))
+        return await respond(parts, request, "chat", lambda *args: request.app.state.handlers.chat(req, *args))
 
     @app.post("/v1/completions", responses=openapi.generation_responses(out.Completion, "Completion"))
     async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await respond(request, "completions", lambda *args: request.app.state.handlers.completion(req, *args))
+        handlers = request.app.state.handlers
+        return await respond(parts, request, "completions", lambda *args: handlers.completion(req, *args))
 
     @app.get("/v1/models", responses=openapi.ok(out.ModelList, "The served model.") | openapi.errors(401, 500))
     async def models(request: Request) -> JSONResponse:
@@ -381,7 +401,13 @@ def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
         parts.auth.client(request)
         return JSONResponse(request.app.state.handlers.model_card(model).model_dump())
 
-    # ---- the Responses API (router/api/responses.py) ----
+    add_responses_routes(app, parts)
+    add_tokenizer_routes(app, parts)
+
+
+def add_responses_routes(app: FastAPI, parts: RouterParts) -> None:
+    """The Responses API (router/api/responses.py): create, get, delete, input items."""
+
     @app.post(
         "/v1/responses",
         responses=openapi.answered(
@@ -393,7 +419,8 @@ def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
     )
     async def create_response(req: ResponsesRequest, request: Request) -> Response:
         owner = parts.auth.owner(request)
-        return await respond(request, "responses", lambda *args: request.app.state.responses.create(req, owner, *args))
+        responses = request.app.state.responses
+        return await respond(parts, request, "responses", lambda *args: responses.create(req, owner, *args))
 
     @app.get(
         "/v1/responses/{response_id}",
@@ -433,7 +460,10 @@ def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
             }
         )
 
-    # ---- vLLM's tokenizer endpoints (evaluation harnesses probe them) ----
+
+def add_tokenizer_routes(app: FastAPI, parts: RouterParts) -> None:
+    """vLLM's tokenizer endpoints (evaluation harnesses probe them)."""
+
     @app.post(
         "/tokenize",
         responses=openapi.answered("`{count, max_model_len, tokens}`.") | openapi.errors(400, 401, 404, 413, 500),
