@@ -257,9 +257,13 @@ def test_a_request_over_its_share_of_the_kv_cache_is_a_400_naming_what_to_lower_
     assert kv_blocks_needed(2000, 128, 16, 16) <= 256 < kv_blocks_needed(2000, 129, 16, 16)
     assert dispatcher.kv_budget(4000, 96, 1, explicit=True) == 96  # 256 blocks exactly
     with pytest.raises(OpenAIError) as info:  # the prompt alone is over the share: no max_tokens helps
-        dispatcher.kv_budget(4200, 10, 1, explicit=False, tokens_param="max_completion_tokens")
-    assert (info.value.param, info.value.code) == ("max_completion_tokens", "context_length_exceeded")
-    assert info.value.message.endswith("shorten the prompt")
+        dispatcher.kv_budget(4200, 10, 1, explicit=False)
+    named = info.value.named("max_completion_tokens")  # as a chat request that gave that name words it
+    assert (named.param, named.code) == ("max_completion_tokens", "context_length_exceeded")
+    assert named.message.endswith("shorten the prompt")
+    with pytest.raises(OpenAIError) as info:
+        dispatcher.kv_budget(2000, 2000, 16, explicit=True)
+    assert "lower max_completion_tokens (at most 128 here) or n" in info.value.named("max_completion_tokens").message
 
 
 def test_the_kv_share_is_configurable_and_a_server_that_reports_no_size_limits_nothing():
