@@ -224,16 +224,6 @@ void f32_rows(const float* x, int64_t in, const float* wt, int64_t out, const fl
 }
 
 // w is [out, in] as engine.model.Linear holds a float32 weight: a transposed view of an input-major tensor.
-// engine/row_buckets.py's bucket_rows: a multiple of 16 up to 64 rows, then of a quarter of the power of two
-// below (four sizes an octave). tests/engine/test_row_buckets.py checks the two agree.
-int64_t bucket_rows(int64_t rows) {
-  TORCH_CHECK(rows > 0, "bucket_rows: no rows");
-  int64_t bits = 0;
-  while ((int64_t{1} << bits) <= rows) ++bits;  // rows' bit length
-  const int64_t step = std::max<int64_t>(16, int64_t{1} << std::max<int64_t>(bits - 3, 0));
-  return (rows + step - 1) / step * step;
-}
-
 torch::Tensor gemv_f32(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& b) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kF32Rows, "gemv_f32: x must be 1 to ", kF32Rows,
               " rows [rows, in]");
@@ -709,12 +699,7 @@ class DecodeLayer {
                            .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
                                              c10::string_view, c10::List<std::optional<at::Scalar>>,
                                              std::optional<c10::string_view>)>();
-      // rows padded to a few fixed sizes, as engine/row_buckets.py pads them: a bounded set of oneDNN kernels
-      const int64_t padded = bucket_rows(rows);
-      const torch::Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows});
-      const torch::Tensor out =
-          op.call(in, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
-      return padded == rows ? out : out.narrow(0, 0, rows);
+      return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
     }
     return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
   }
@@ -753,8 +738,6 @@ class DecodeLayer {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("bucket_rows", &bucket_rows, "the row count DecodeLayer pads a oneDNN projection to (engine/row_buckets.py)",
-        pybind11::arg("rows"));
   m.def("gemv_bf16", &gemv_bf16, "y = x w^T (+ b) for a few bfloat16 rows x [rows, in], w [out, in]",
         pybind11::arg("x"), pybind11::arg("w"), pybind11::arg("b") = pybind11::none());
   m.def("gemv_f32", &gemv_f32, "y = x w^T (+ b) for 1 to 8 float32 rows x [rows, in], w [out, in] input-major",

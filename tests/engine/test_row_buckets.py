@@ -1,29 +1,28 @@
 """engine/row_buckets.py: the row counts oneDNN's packed projections see are a few fixed sizes, the
-rows kept are the unpadded projection's bit for bit, and engine.native's DecodeLayer pads to the same
-sizes."""
+rows kept are the unpadded projection's bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine import native
 from engine.model import Linear
 from engine.row_buckets import bucket_rows, packed_linear
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 
 
-def test_rows_round_up_to_multiples_of_16_then_four_sizes_an_octave():
-    assert [bucket_rows(n) for n in (1, 16, 17, 48, 49, 64)] == [16, 16, 32, 48, 64, 64]
+def test_rows_round_up_to_multiples_of_8_then_four_sizes_an_octave():
+    assert [bucket_rows(n) for n in (1, 8, 9, 16, 17, 57, 64)] == [8, 8, 16, 16, 24, 64, 64]
     assert [bucket_rows(n) for n in (65, 80, 81, 127, 128)] == [80, 80, 96, 128, 128]
     assert [bucket_rows(n) for n in (129, 160, 161, 255, 256, 257)] == [160, 160, 192, 256, 256, 320]
     assert [bucket_rows(n) for n in (2047, 2048, 2049, 8191)] == [2048, 2048, 2560, 8192]
 
 
-def test_up_to_8192_rows_there_are_32_sizes_none_a_quarter_above_the_rows_past_64():
-    sizes = {bucket_rows(n) for n in range(1, 8193)}
-    assert len(sizes) == 32 and max(sizes) == 8192
+def test_up_to_2048_rows_there_are_28_sizes_none_a_quarter_above_the_rows_past_64():
+    sizes = {bucket_rows(n) for n in range(1, 2049)}
+    assert len(sizes) == 28 and max(sizes) == 2048
+    assert len({bucket_rows(n) for n in range(1, 8193)}) == 36
     assert all(n <= bucket_rows(n) <= max(64, n * 1.25) for n in range(1, 8193))
 
 
@@ -52,9 +51,3 @@ def test_a_packed_linear_gives_the_unpadded_projection_for_a_prompt_of_any_lengt
         for rows in (9, 33, 77, 200):
             x = torch.randn(rows, 64)
             assert torch.allclose(linear(x), plain(x), atol=1e-5), rows
-
-
-@pytest.mark.skipif(native.unavailable() is not None, reason=f"native kernels cannot run here: {native.unavailable()}")
-def test_the_native_decode_layer_pads_to_the_same_sizes():
-    bucket = native.kernel("bucket_rows")
-    assert [bucket(n) for n in range(1, 4097)] == [bucket_rows(n) for n in range(1, 4097)]
