@@ -437,8 +437,9 @@ class ClusterConfig(Strict):
     """The whole file: the model, the sections, and the instances (prefill and decode, or colocated)."""
 
     model: str
-    """A local Hugging Face folder (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral or Gemma 3 family), or a
-    built-in model built on first use: tiny, tiny-moe, tiny-swa, smollm2 or gemma3-270m."""
+    """A local Hugging Face folder (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Gemma 3 or DeepSeek-V3
+    family), or a built-in model built on first use: tiny, tiny-moe, tiny-swa, tiny-mla, smollm2 or
+    gemma3-270m."""
     served_model_name: str | None = None
     """The model's name in the API; null: the built-in model's name, or the folder's name."""
     model_cache: str = MODEL_CACHE

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-BUILTIN_MODELS = ("tiny", "tiny-moe", "tiny-swa", "smollm2", "gemma3-270m")
+BUILTIN_MODELS = ("tiny", "tiny-moe", "tiny-swa", "tiny-mla", "smollm2", "gemma3-270m")
 MODEL_CACHE = "~/.cache/pdserve/models"  # where built-in models are built (a cluster's model_cache)
 MARKER = "pdserve_model.json"  # written last by engine.make_model
 
@@ -60,7 +60,7 @@ def resolve_model(model: str, cache_dir: str | Path) -> Path:
 
 
 def build_builtin(model: str, out: Path) -> None:
-    from engine.make_model import TINY_MOE, TINY_SWA, make_gemma3_270m, make_smollm2, make_tiny
+    from engine.make_model import TINY_MLA, TINY_MOE, TINY_SWA, make_gemma3_270m, make_smollm2, make_tiny
 
     if model == "tiny":
         make_tiny(out)
@@ -68,6 +68,8 @@ def build_builtin(model: str, out: Path) -> None:
         make_tiny(out, TINY_MOE)
     elif model == "tiny-swa":
         make_tiny(out, TINY_SWA)
+    elif model == "tiny-mla":
+        make_tiny(out, TINY_MLA)
     elif model == "smollm2":
         make_smollm2(out)
     elif model == "gemma3-270m":

@@ -5,14 +5,16 @@ block free after:
 - tiny-moe (Qwen3-MoE): the decode server on two ranks with expert parallelism (each holds 4 of the 8
   experts), so the KV crosses from one rank to two and each decode step sums the two halves of the experts;
 - tiny-swa (Gemma 3's shape): sliding-window layers of 8 tokens and global ones, on prompts many windows
-  long, the KV of every layer computed on the prefill server and read windowed on the decode server."""
+  long, the KV of every layer computed on the prefill server and read windowed on the decode server;
+- tiny-mla (DeepSeek-V3's shape: latent attention, a dense first layer, then shared and routed experts):
+  the latent cache crosses from one prefill rank to two decode ranks, each receiving the whole latent."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.make_model import TINY_MOE, TINY_SWA, make_tiny
+from engine.make_model import TINY_MLA, TINY_MOE, TINY_SWA, make_tiny
 from tests.engine.oracle import hf_greedy, hf_logits
 from tests.serving.conftest import start_cluster
 from tests.serving.oracle import chat_prompt_ids, expected_completion, tokenizer
@@ -24,6 +26,7 @@ MESSAGES = [{"role": "user", "content": "Name three colours and say why the sky 
 FAMILIES = {
     "tiny-moe": (TINY_MOE, {"tensor_parallel_size": 2, "expert_parallel_size": 2}),
     "tiny-swa": (TINY_SWA, {}),
+    "tiny-mla": (TINY_MLA, {"tensor_parallel_size": 2}),
 }
 
 
