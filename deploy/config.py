@@ -114,21 +114,6 @@ class EngineDefaults(Strict):
     CUDA, tensor_parallel_size 1 and the Triton backend. Off by default: not yet measured on a device."""
 
 
-# The engine keys one instance may override (None: the engine: section's value).
-INSTANCE_ENGINE_KEYS = (
-    "block_size",
-    "num_threads",
-    "device",
-    "kv_cache_bytes",
-    "num_blocks",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "kv_layout",
-    "tensor_parallel_size",
-    "expert_parallel_size",
-)
-
-
 class Instance(Strict):
     """One server of the cluster: its name, addresses and ports, and the engine keys it overrides (null: the
     ``engine:`` section's value)."""
@@ -170,6 +155,11 @@ class Instance(Strict):
     @property
     def transfer_port(self) -> int:
         return self.kv_port if self.kv_port is not None else self.port + 1
+
+
+# The engine keys one instance may override (None: the engine: section's value): Instance's fields that
+# are EngineDefaults' too.
+INSTANCE_ENGINE_KEYS = tuple(key for key in Instance.model_fields if key in EngineDefaults.model_fields)
 
 
 class GrammarLimitsConfig(Strict):
