@@ -344,73 +344,11 @@ def launch(
     c = Cluster(config_path, cluster, run_dir, only)
     up = False
     try:
-        if needs_build(cluster.model, cluster.model_cache):
-            print(
-                f"pdserve: building model {cluster.model!r} into {cluster.model_cache} (first use only; minutes "
-                f"on a small CPU)",
-                flush=True,
-            )
-            with Heartbeat(f"building model {cluster.model!r}"):
-                model = cluster.model_path()
-            busy = busy_ports(cluster)  # the build took a while: check again
-            if busy:
-                raise LaunchError("\n".join(busy))
-        else:
-            model = cluster.model_path()
-        print(f"pdserve: model folder {model} ({time.monotonic() - started:.1f} s)", flush=True)
-        unsplittable = cluster.tensor_parallel_problems(model)
-        if unsplittable:  # each server would fail its start, again at every restart
-            raise LaunchError("tensor_parallel_size does not fit the model:\n" + "\n".join(unsplittable))
-
-        def ready(proc: Proc) -> None:
-            who = proc.name if proc.name == proc.role else f"{proc.role} {proc.name}"
-            print(f"pdserve: {who} ready ({time.monotonic() - started:.1f} s)", flush=True)
-
-        if c.openmp_env:
-            print(
-                f"pdserve: the servers' torch threads outnumber this host's {len(os.sched_getaffinity(0))} cores: "
-                f"{' '.join(f'{k}={v}' for k, v in c.openmp_env.items())} for them, a short OpenMP spin "
-                "(set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose)",
-                flush=True,
-            )
-        servers = c.start_servers()
-        print(
-            f"pdserve: starting {', '.join(f'{p.name} ({p.role})' for p in servers)}: each loads the model, "
-            "then answers its health check",
-            flush=True,
-        )
-        c.wait_healthy(servers, health_timeout, stop, ready)
-        if only is None or "router" in only:
-            print("pdserve: starting the router", flush=True)
-            c.wait_healthy([c.start_router()], health_timeout, stop, ready)
-        manifest = c.write_manifest()
+        _model_folder(cluster, started)
+        _start_all(c, health_timeout, stop, started)
         up = True
-        if only is None:
-            print(
-                f"pdserve: {cluster.mode} cluster up in {time.monotonic() - started:.1f} s; "
-                f"OpenAI endpoint {cluster.router_url}/v1 (model {cluster.model_name!r})",
-                flush=True,
-            )
-        else:
-            print(
-                f"pdserve: {', '.join(p.name for p in c.procs)} up in {time.monotonic() - started:.1f} s "
-                f"(this host's part; the cluster's OpenAI endpoint is {cluster.router_url}/v1)",
-                flush=True,
-            )
-        print(f"pdserve: processes and pids in {manifest}; logs in {run_dir}; Ctrl-C stops everything", flush=True)
-        supervisor = Supervisor(c, cluster.restart)
-        if cluster.log_stats_interval_s > 0:
-            StatsEcho(c, stop).start()
-        while not stop.wait(0.2):
-            dead = supervisor.tick()
-            if dead is not None:
-                print(
-                    f"pdserve: {dead.role} {dead.name} exited with status {dead.popen.returncode}; stopping "
-                    f"the cluster. Last lines of {dead.log}:\n{dead.log_tail()}",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return 1
+        if _supervise(c, stop):
+            return 1
         print("pdserve: stopping", flush=True)
         return 0
     except KeyboardInterrupt:
@@ -431,3 +369,87 @@ def launch(
         c.stop_all(hurry)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _model_folder(cluster: ClusterConfig, started: float) -> Path:
+    """The model's folder, built first if it is a built-in one not built yet (saying so, with a
+    heartbeat); LaunchError when the build took the ports meanwhile or TP cannot split it."""
+    if needs_build(cluster.model, cluster.model_cache):
+        print(
+            f"pdserve: building model {cluster.model!r} into {cluster.model_cache} (first use only; minutes "
+            f"on a small CPU)",
+            flush=True,
+        )
+        with Heartbeat(f"building model {cluster.model!r}"):
+            model = cluster.model_path()
+        busy = busy_ports(cluster)  # the build took a while: check again
+        if busy:
+            raise LaunchError("\n".join(busy))
+    else:
+        model = cluster.model_path()
+    print(f"pdserve: model folder {model} ({time.monotonic() - started:.1f} s)", flush=True)
+    unsplittable = cluster.tensor_parallel_problems(model)
+    if unsplittable:  # each server would fail its start, again at every restart
+        raise LaunchError("tensor_parallel_size does not fit the model:\n" + "\n".join(unsplittable))
+    return model
+
+
+def _start_all(c: Cluster, health_timeout: float, stop: threading.Event, started: float) -> None:
+    """The servers, then the router (this host's part of them), each healthy before the next
+    step, saying what starts and when each is ready; then the manifest and the endpoint."""
+    cluster, only = c.cluster, c.only
+
+    def ready(proc: Proc) -> None:
+        who = proc.name if proc.name == proc.role else f"{proc.role} {proc.name}"
+        print(f"pdserve: {who} ready ({time.monotonic() - started:.1f} s)", flush=True)
+
+    if c.openmp_env:
+        print(
+            f"pdserve: the servers' torch threads outnumber this host's {len(os.sched_getaffinity(0))} cores: "
+            f"{' '.join(f'{k}={v}' for k, v in c.openmp_env.items())} for them, a short OpenMP spin "
+            "(set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose)",
+            flush=True,
+        )
+    servers = c.start_servers()
+    print(
+        f"pdserve: starting {', '.join(f'{p.name} ({p.role})' for p in servers)}: each loads the model, "
+        "then answers its health check",
+        flush=True,
+    )
+    c.wait_healthy(servers, health_timeout, stop, ready)
+    if only is None or "router" in only:
+        print("pdserve: starting the router", flush=True)
+        c.wait_healthy([c.start_router()], health_timeout, stop, ready)
+    manifest = c.write_manifest()
+    if only is None:
+        print(
+            f"pdserve: {cluster.mode} cluster up in {time.monotonic() - started:.1f} s; "
+            f"OpenAI endpoint {cluster.router_url}/v1 (model {cluster.model_name!r})",
+            flush=True,
+        )
+    else:
+        print(
+            f"pdserve: {', '.join(p.name for p in c.procs)} up in {time.monotonic() - started:.1f} s "
+            f"(this host's part; the cluster's OpenAI endpoint is {cluster.router_url}/v1)",
+            flush=True,
+        )
+    print(f"pdserve: processes and pids in {manifest}; logs in {c.run_dir}; Ctrl-C stops everything", flush=True)
+
+
+def _supervise(c: Cluster, stop: threading.Event) -> bool:
+    """Restart what the config's ``restart`` allows until told to stop; True when a process died
+    for good (its log's last lines said)."""
+    supervisor = Supervisor(c, c.cluster.restart)
+    if c.cluster.log_stats_interval_s > 0:
+        StatsEcho(c, stop).start()
+    while not stop.wait(0.2):
+        dead = supervisor.tick()
+        if dead is not None:
+            print(
+                f"pdserve: {dead.role} {dead.name} exited with status {dead.popen.returncode}; stopping "
+                f"the cluster. Last lines of {dead.log}:\n{dead.log_tail()}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return True
+    return False
