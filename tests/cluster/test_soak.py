@@ -19,7 +19,7 @@ from bench.load.soak_mix import DEFAULT_MIX, MixLoad, parse_mix
 from bench.load.soak_sample import sample, settle
 from prefill_server.service import REMEMBER_ABORTED
 from server_common.timeline_log import TimelineLog
-from tests.serving.cluster import Cluster, make_config
+from tests.support.cluster import Cluster, make_config
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

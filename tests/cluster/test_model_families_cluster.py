@@ -16,8 +16,8 @@ import torch
 
 from engine.make_model import TINY_MLA, TINY_MOE, TINY_SWA, make_tiny
 from tests.engine.oracle import hf_greedy, hf_logits
-from tests.serving.conftest import start_cluster
-from tests.serving.oracle import chat_prompt_ids, expected_completion, tokenizer
+from tests.support.cluster import start_cluster
+from tests.support.oracle import chat_prompt_ids, expected_completion, tokenizer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
