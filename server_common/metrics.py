@@ -35,37 +35,41 @@ DISCARDED = (
 )
 
 
+def _engine_gauges(r: CollectorRegistry, stats: Callable[[], EngineStats]) -> None:
+    """The engine's state read at each scrape from its published stats: blocks by state, queues, threads,
+    block ages and steps."""
+    sched = lambda: stats().scheduler  # noqa: E731
+    blocks = Gauge("pdserve_kv_blocks", "KV cache blocks by state", ["state"], registry=r)
+    blocks.labels(state="free").set_function(lambda: sched().free)
+    blocks.labels(state="reserved").set_function(lambda: sched().reserved)
+    blocks.labels(state="running").set_function(lambda: sched().running)
+    Gauge(
+        "pdserve_kv_blocks_cached",
+        "Prefix-cached blocks with no owner (counted as free: evicted when needed)",
+        registry=r,
+    ).set_function(lambda: sched().cached)
+    Gauge("pdserve_waiting_requests", "Requests waiting to be scheduled", registry=r).set_function(
+        lambda: sched().queue_depth
+    )
+    Gauge("pdserve_running_requests", "Requests being computed (prefill or decode)", registry=r).set_function(
+        lambda: sched().num_running
+    )
+    Gauge("pdserve_kv_cache_usage_ratio", "Share of KV blocks held (reserved or running)", registry=r).set_function(
+        lambda: 1.0 - sched().free / max(1, sched().total)
+    )
+    Gauge("pdserve_queued_tokens", "Prompt tokens not computed yet", registry=r).set_function(
+        lambda: sched().queued_tokens
+    )
+    Gauge("pdserve_engine_requests", "Requests the engine holds", registry=r).set_function(lambda: sched().num_requests)
+    Gauge("pdserve_torch_threads", "torch CPU threads", registry=r).set_function(torch.get_num_threads)
+    r.register(_BlockAges(stats))
+    r.register(_EngineSteps(stats))
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = r = CollectorRegistry()
-        sched = lambda: stats().scheduler  # noqa: E731
-        blocks = Gauge("pdserve_kv_blocks", "KV cache blocks by state", ["state"], registry=r)
-        blocks.labels(state="free").set_function(lambda: sched().free)
-        blocks.labels(state="reserved").set_function(lambda: sched().reserved)
-        blocks.labels(state="running").set_function(lambda: sched().running)
-        Gauge(
-            "pdserve_kv_blocks_cached",
-            "Prefix-cached blocks with no owner (counted as free: evicted when needed)",
-            registry=r,
-        ).set_function(lambda: sched().cached)
-        Gauge("pdserve_waiting_requests", "Requests waiting to be scheduled", registry=r).set_function(
-            lambda: sched().queue_depth
-        )
-        Gauge("pdserve_running_requests", "Requests being computed (prefill or decode)", registry=r).set_function(
-            lambda: sched().num_running
-        )
-        Gauge("pdserve_kv_cache_usage_ratio", "Share of KV blocks held (reserved or running)", registry=r).set_function(
-            lambda: 1.0 - sched().free / max(1, sched().total)
-        )
-        Gauge("pdserve_queued_tokens", "Prompt tokens not computed yet", registry=r).set_function(
-            lambda: sched().queued_tokens
-        )
-        Gauge("pdserve_engine_requests", "Requests the engine holds", registry=r).set_function(
-            lambda: sched().num_requests
-        )
-        Gauge("pdserve_torch_threads", "torch CPU threads", registry=r).set_function(torch.get_num_threads)
-        r.register(_BlockAges(stats))
-        r.register(_EngineSteps(stats))
+        _engine_gauges(r, stats)
         # How each request ended here, as an outcome code (transfer.outcome.Outcome: ok, no_room, aborted, ...);
         # the way a decode server computed its prompt is pdserve_request_paths.
         self.requests = Counter(
@@ -79,6 +83,12 @@ class ServerMetrics:
             registry=r,
         )
         self.tokens = Counter("pdserve_generated_tokens", "Tokens produced", registry=r)
+        self._transfer_metrics(r)
+        self._stage_metrics(r)
+        self._zero_labels()
+
+    def _transfer_metrics(self, r: CollectorRegistry) -> None:
+        """A KV transfer's bytes, time and rate, failures by outcome, what came of failures."""
         self.transfer_bytes = Counter("pdserve_transfer_bytes", "KV bytes transferred", registry=r)
         self.transfer_seconds = Histogram(
             "pdserve_transfer_seconds", "Time to transfer one request's KV", buckets=TRANSFER_BUCKETS, registry=r
@@ -90,24 +100,6 @@ class ServerMetrics:
             "pdserve_transfer_gigabytes_per_second",
             "One request's KV bytes over its transfer time",
             buckets=GBPS_BUCKETS,
-            registry=r,
-        )
-        self.kv_wait_seconds = Histogram(
-            "pdserve_kv_wait_seconds",
-            "Decode server: reservation made to its KV verified",
-            buckets=STAGE_BUCKETS,
-            registry=r,
-        )
-        self.prefill_queue_seconds = Histogram(
-            "pdserve_prefill_queue_seconds",
-            "Prefill server: request received to its first chunk computed",
-            buckets=STAGE_BUCKETS,
-            registry=r,
-        )
-        self.prefill_compute_seconds = Histogram(
-            "pdserve_prefill_compute_seconds",
-            "Prefill server: first chunk to first token sampled",
-            buckets=STAGE_BUCKETS,
             registry=r,
         )
         self.transfer_exposed_seconds = Histogram(
@@ -130,6 +122,29 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
+
+    def _stage_metrics(self, r: CollectorRegistry) -> None:
+        """How long a request spent in each stage on this server."""
+        self.kv_wait_seconds = Histogram(
+            "pdserve_kv_wait_seconds",
+            "Decode server: reservation made to its KV verified",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.prefill_queue_seconds = Histogram(
+            "pdserve_prefill_queue_seconds",
+            "Prefill server: request received to its first chunk computed",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.prefill_compute_seconds = Histogram(
+            "pdserve_prefill_compute_seconds",
+            "Prefill server: first chunk to first token sampled",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+
+    def _zero_labels(self) -> None:
         # Every known label value exported at 0 from the start, so rate() and absent() alerts work before
         # the first failure (prometheus-client's advice for labelled metrics).
         for code in Outcome:
