@@ -116,6 +116,14 @@ def _add_common_routes(app: FastAPI, service) -> None:
             {"instance": service.settings.name, "role": service.settings.role, "sizes": service.bookkeeping()}
         )
 
+    _add_heap_routes(app)
+    _add_kv_cache_routes(app, service)
+    if service.faults is not None:  # config fault_injection: true (tests only)
+        add_fault_routes(app, service.faults)
+
+
+def _add_heap_routes(app: FastAPI) -> None:
+    """Python allocations traced on demand (server_common/heap_debug.py): where memory grows."""
     heap = HeapSnapshots()
 
     @app.post("/debug/tracemalloc/start")
@@ -139,6 +147,10 @@ def _add_common_routes(app: FastAPI, service) -> None:
             )
             return JSONResponse(reply.model_dump(mode="json"), status_code=409)
         return JSONResponse(await asyncio.to_thread(heap.growth, max(1, min(top, 500)), group_by))
+
+
+def _add_kv_cache_routes(app: FastAPI, service) -> None:
+    """The engine's cached block hashes, as events and as a snapshot, for the router's cache index."""
 
     @app.get("/kv/events")
     async def kv_events(after: int = 0) -> JSONResponse:
@@ -170,6 +182,3 @@ def _add_common_routes(app: FastAPI, service) -> None:
                 enabled=engine.prefix_caching,
             ).model_dump(mode="json")
         )
-
-    if service.faults is not None:  # config fault_injection: true (tests only)
-        add_fault_routes(app, service.faults)
