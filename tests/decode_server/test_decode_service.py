@@ -87,8 +87,10 @@ def test_bookkeeping_holds_a_reservation_until_its_transfer_ended_then_nothing(e
         await service.close("c")  # the client left: cancelled, waiting for the receiver to confirm
         assert service.bookkeeping()["cancelling"] == 1
         receiver.end("t0", Outcome.CANCELLED, "cancelled")
-        await until(lambda: blocks(service) == (8, 0, 0))
-        await until(lambda: service.bookkeeping()["engine_requests"] == 0)
+        # The engine's stats are a copy published after its steps: waiting on them alone could pass
+        # before the engine thread took the receiver's answer. Every count must reach 0, and stay there.
+        await until(lambda: service.bookkeeping()["cancelling"] == 0)
+        await until(lambda: blocks(service) == (8, 0, 0) and service.bookkeeping()["engine_requests"] == 0)
         idle = service.bookkeeping()
         assert {k: idle[k] for k in per_request} == dict.fromkeys(per_request, 0)
 
