@@ -11,6 +11,7 @@ import torch
 from engine.tensor_parallel import kv_heads_for_rank
 from tests.transfer.helpers import make_receiver, make_sender, meet, wait_events
 from tests.transfer.oracle import expected_after_copy
+from tests.waiting import wait_until
 from transfer.copy import region_bytes
 from transfer.group import RankParts, ReceiverGroup, SenderGroup
 from transfer.layout import KVLayout
@@ -149,6 +150,8 @@ def test_one_decode_rank_failing_ends_every_part_with_its_code(tp):
     gid, target = receivers.expect(DST_BLOCKS, lease_s=10)
     senders.begin(gid, target, DST_BLOCKS, lease_s=10)
     receivers.ranks[2].cancel(target.ranks[2].transfer_id, "rank 2 gave up")  # one rank's own failure
+    # Ended before any write: a cancel still queued while the Done arrives loses to it (the part completes).
+    wait_until(lambda: receivers.ranks[2].open_transfers() == 0, what="D rank 2's part cancelled")
     for layer in range(3):
         senders.push_layer(gid, layer, SRC_BLOCKS, 0, TOKENS)
     senders.finish(gid, (1,))
