@@ -17,9 +17,8 @@ import os
 import sys
 
 from bench import cli as bench_cli
-from deploy import launch_cli, process_cli, render_cli
+from deploy import launch_cli, model_cli, process_cli, render_cli
 from deploy.version import version
-from engine import cli as engine_cli
 
 
 class CliError(Exception):
@@ -34,7 +33,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"pdserve {version()}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    engine_cli.add_parser(subparsers)
+    model_cli.add_parser(subparsers)
     launch_cli.add_parser(subparsers)
     render_cli.add_parser(subparsers)
     process_cli.add_parsers(subparsers)

@@ -187,7 +187,7 @@ def test_greedy_tokens_equal_transformers_on_cuda(tiny_model):
 
 @pytest.mark.slow
 def test_smollm2_converted_from_its_wheel_says_paris(tmp_path_factory):
-    from engine.cli import chat_prompt_ids
+    from deploy.model_cli import chat_prompt_ids
     from engine.make_model import make_smollm2
 
     folder = make_smollm2(tmp_path_factory.mktemp("smollm2"))

