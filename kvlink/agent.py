@@ -81,7 +81,7 @@ class RankAgent:
             for layer in range(self._cache.num_layers):
                 sender.push_layer(m.tid, layer, m.blocks, m.start, m.end)
         elif isinstance(m, Finish):
-            sender.finish(m.tid, m.first)
+            sender.finish(m.tid, m.first_tokens)
         elif isinstance(m, Abort):
             sender.abort(m.tid)
         elif isinstance(m, Forget):

@@ -16,7 +16,7 @@ unasked for every part the rank's sender or receiver saw end::
     Begin      tid, peer, blocks, deadline, heads (deadline: time.monotonic() on this host)
     Push       tid, blocks, start, end  every layer of tokens [start, end): sent after the step
                                         that computed them, so the rank's forward has written them
-    Finish     tid, first
+    Finish     tid, first_tokens
     Abort      tid
     Forget     peer
 """
@@ -88,7 +88,7 @@ class Push(_ToRank, frozen=True, tag="push"):
 
 class Finish(_ToRank, frozen=True, tag="finish"):
     tid: str
-    first: list[int]
+    first_tokens: list[int]
 
 
 class Abort(_ToRank, frozen=True, tag="abort"):
@@ -116,7 +116,7 @@ class PartEnded(msgspec.Struct, frozen=True, tag="ended", tag_field="op"):
     tid: str
     outcome: str
     reason: str
-    first: tuple[int, ...] | None
+    first_tokens: tuple[int, ...] | None
     at: float
 
 

@@ -162,7 +162,7 @@ class _RankLink:
     def _on_message(self, rank: int, raw: dict) -> None:
         message = from_rank(raw)
         if isinstance(message, PartEnded):
-            e = TransferEnded(message.tid, Outcome(message.outcome), message.reason, message.first, message.at)
+            e = TransferEnded(message.tid, Outcome(message.outcome), message.reason, message.first_tokens, message.at)
             with self._lock:
                 self._ended.append((rank, e))
             if self._notify is not None:

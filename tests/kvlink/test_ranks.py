@@ -339,7 +339,7 @@ def test_a_prefill_group_begins_pushes_and_finishes_every_rank_s_part(hub, closi
     senders.finish(tid, [7])
     # rank 1 pushes every layer once, after the step: one Push for all of them
     assert [(r, m.tid, m.blocks, m.start, m.end) for r, m in ranks.sent(Push)] == [(1, "r1-part", [1, 2], 0, 8)]
-    assert [(r, m.tid, m.first) for r, m in ranks.sent(Finish)] == [(1, "r1-part", [7])]
+    assert [(r, m.tid, m.first_tokens) for r, m in ranks.sent(Finish)] == [(1, "r1-part", [7])]
 
     (arrived,) = taken(d0.agent)
     assert (arrived.transfer_id, arrived.first_tokens) == (tid, (7,))
