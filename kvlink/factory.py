@@ -6,7 +6,7 @@ the module an engine with ranks runs in each of them).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine import LLMEngine
 from engine.kv_cache import KVCache
@@ -63,6 +63,11 @@ def _backend(settings: ServerSettings, listen: bool, faults: FaultInjector | Non
     return FaultyBackend(backend, faults)
 
 
+def _rank0(settings: ServerSettings, engine: LLMEngine) -> dict[str, Any]:
+    """Rank 0's agent's cache, its layout, name and model (a KVSender's or KVReceiver's arguments)."""
+    return dict(cache=engine.cache.kv, layout=cache_layout(engine.cache), name=settings.name, model=engine.config.model)
+
+
 def _opening(settings: ServerSettings, engine: LLMEngine, role: str) -> Open:
     """What every other rank opens its agent with (its name is made per rank)."""
     return Open(
@@ -87,14 +92,7 @@ def receiver_factory(
         from kvlink.ranks import RankReceivers
         from transfer.receiver import KVReceiver
 
-        local = KVReceiver(
-            _backend(settings, listen=True, faults=faults),
-            engine.cache.kv,
-            cache_layout(engine.cache),
-            name=settings.name,
-            model=engine.config.model,
-            notify=notify,
-        )
+        local = KVReceiver(_backend(settings, listen=True, faults=faults), **_rank0(settings, engine), notify=notify)
         return RankReceivers(local, engine.ranks, _opening(settings, engine, "decode"), notify)
 
     return make
@@ -112,14 +110,7 @@ def prefill_link_factory(
         from kvlink.ranks import RankSenders
         from transfer.sender import KVSender
 
-        local = KVSender(
-            _backend(settings, listen=False, faults=faults),
-            engine.cache.kv,
-            cache_layout(engine.cache),
-            name=settings.name,
-            model=engine.config.model,
-            notify=notify,
-        )
+        local = KVSender(_backend(settings, listen=False, faults=faults), **_rank0(settings, engine), notify=notify)
         sender = RankSenders(local, engine.ranks, _opening(settings, engine, "prefill"), notify)
         return PrefillLink(sender, DecodePeers(settings, sender))
 

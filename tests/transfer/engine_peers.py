@@ -13,6 +13,7 @@ import sys
 import time
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from kvlink.factory import cache_layout
 from tests.transfer.helpers import backend_options
 from transfer.factory import make_backend
 from transfer.layout import KVLayout
@@ -21,16 +22,7 @@ from transfer.sender import KVSender
 
 
 def layout_of(engine: LLMEngine) -> KVLayout:
-    c = engine.cache
-    return KVLayout.for_engine_cache(
-        num_layers=c.num_layers,
-        num_blocks=c.num_blocks,
-        block_size=c.block_size,
-        num_kv_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        dtype=c.dtype,
-        order=c.order,
-    )
+    return cache_layout(engine.cache)
 
 
 class PrefillSide:
