@@ -110,6 +110,20 @@ class RouterMetrics:
         self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight", registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens", registry=r)
         self.completion_tokens = Counter("pdserve_router_completion_tokens", "Generated tokens", registry=r)
+        self._latency_metrics(r)
+        self.finished = Counter(
+            "pdserve_router_finished_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
+        )
+        self.local_prefills = Counter(
+            "pdserve_router_local_prefills", "Requests prefilled on the decode server", registry=r
+        )
+        self.recovery = RecoveryMetrics(r)
+        r.register(_Workers(workers))  # workers join and leave: read at every scrape
+        self._worker_metrics(r)
+        self._zero_labels()
+
+    def _latency_metrics(self, r: CollectorRegistry) -> None:
+        """What a client waits: TTFT, ITL, TPOT, end to end, the queue; tokens per request."""
         self.ttft = Histogram(
             "pdserve_router_time_to_first_token_seconds",
             "Arrival at the router to the first generated token",
@@ -149,20 +163,21 @@ class RouterMetrics:
             buckets=TOKEN_COUNT_BUCKETS,
             registry=r,
         )
-        self.finished = Counter(
-            "pdserve_router_finished_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
-        )
-        self.local_prefills = Counter(
-            "pdserve_router_local_prefills", "Requests prefilled on the decode server", registry=r
-        )
-        self.recovery = RecoveryMetrics(r)
-        r.register(_Workers(workers))  # workers join and leave: read at every scrape
+
+    def _worker_metrics(self, r: CollectorRegistry) -> None:
+        """Workers discovery added, refused (by reason) and forgot."""
         self.workers_refused = Counter(
             "pdserve_router_workers_refused",
             "Workers discovery found but refused (another model, a name in use, ...)",
             ["reason"],
             registry=r,
         )
+        self.workers_joined = Counter("pdserve_router_workers_joined", "Workers added at runtime", registry=r)
+        self.workers_left = Counter(
+            "pdserve_router_workers_left", "Workers drained and forgotten at runtime", registry=r
+        )
+
+    def _zero_labels(self) -> None:
         # Every known label value exported at 0 from the start, so rate() and absent() alerts work before
         # the first event (prometheus-client's advice for labelled metrics).
         for endpoint in ENDPOINTS:
@@ -171,10 +186,6 @@ class RouterMetrics:
             self.finished.labels(finish_reason=reason)
         for refusal in get_args(JoinRefusal):
             self.workers_refused.labels(reason=refusal)
-        self.workers_joined = Counter("pdserve_router_workers_joined", "Workers added at runtime", registry=r)
-        self.workers_left = Counter(
-            "pdserve_router_workers_left", "Workers drained and forgotten at runtime", registry=r
-        )
 
     def watch_admission(self, admission: Admission) -> None:
         Gauge(
