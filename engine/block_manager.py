@@ -48,6 +48,9 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: int = NO_HASH
+    # Slots before this one hold no K/V in sliding-window layers: a remote prompt's block whose window
+    # layers arrived only for the prompt's last tokens (engine/prefix_cache.py trims hits over it).
+    window_from: int = 0
 
 
 class BlockManager:
@@ -100,6 +103,7 @@ class BlockManager:
             block = self.blocks[block_id]
             assert block.ref_count == 0
             block.ref_count = 1
+            block.window_from = 0
             ids.append(block_id)
         return ids
 

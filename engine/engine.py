@@ -21,6 +21,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.kv_cache import KVCache, cache_heads
 from engine.loader import check_features, check_split, head_dim_of, load_config, load_model
+from engine.model import layer_windows
 from engine.request import FinishReason, Request, SamplingParams, StepOutput
 from engine.runner import ModelRunner, RoPE
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
@@ -124,6 +125,9 @@ class LLMEngine:
         limit = cfg.max_position_embeddings
         self.max_model_len = min(config.max_model_len or limit, limit)
         check_features(cfg)
+        # Each layer's sliding window (None: full attention); a prefill server sends window layers' last tokens only.
+        self.layer_windows: tuple[int | None, ...] = tuple(layer_windows(cfg))
+        windows = [w for w in self.layer_windows if w is not None]
         head_dim = head_dim_of(cfg)
         num_kv_heads, width, _ = cache_heads(cfg, shard, head_dim)  # this rank's: every rank holds as many
         num_blocks = config.num_blocks or KVCache.blocks_for_bytes(
@@ -160,6 +164,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 prefix_caching=config.prefix_caching,
                 cache_salt=config.cache_salt,
+                window=max(windows) if windows else None,
             ),
             BlockManager(num_blocks, config.block_size),
         )

@@ -36,6 +36,8 @@ tensor-parallel rank (one head, replicated)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from engine.config import KV_LAYOUTS, EngineConfig, KvLayout
@@ -52,6 +54,16 @@ def cache_heads(cfg, shard: Shard, head_dim: int) -> tuple[int, int, int]:
         assert width % 2 == 0, width  # engine/loader.py check_features refuses an odd latent
         return 1, width // 2, 1
     return len(shard.kv_heads(cfg.num_key_value_heads)), head_dim, cfg.num_key_value_heads
+
+
+def layer_tokens_sent(windows: Sequence[int | None], num_tokens: int, num_cached: int = 0) -> int:
+    """Tokens of a ``num_tokens`` prompt a prefill server sends into a reservation already holding its first
+    ``num_cached``, summed over the layers (``windows``: each layer's sliding window, None for full
+    attention): a full layer's every token past the cached ones, a window layer's only those the decode
+    server's first query (at position ``num_tokens``) reads, the last ``window - 1``. Times one layer's K
+    and V of a token (``bytes_per_token // num_layers``): the bytes a request moves."""
+    first = [num_cached if w is None else max(num_cached, num_tokens - w + 1) for w in windows]
+    return sum(max(num_tokens - f, 0) for f in first)
 
 
 class KVCache:

@@ -5,6 +5,16 @@ Pure Python, used by the scheduler. A request's block hashes are a chain
 dtype) and the request's own ``cache_salt``; they are computed once from its
 tokens and kept on the request. ``lookup`` never returns the block holding a
 request's last token, so at least one token is computed and a token sampled.
+
+Sliding windows: a prompt whose K/V a prefill server wrote holds its
+window layers' K/V only for the positions its first decode reads, the last
+``window - 1`` (prefill_server/service.py sends no more). ``mark_remote``
+notes it on the blocks (``Block.window_from``) and ``lookup`` takes a hit of
+``c`` tokens only when positions (c - window, c) hold every layer's K/V::
+
+    remote prompt of n tokens, window W:   ..... | ..... | ..WWW | WWWW.
+    positions with window-layer K/V: W     (from n - W + 1 on; decoded ones too)
+    a hit ending at c reads (c - W, c):    ok only if those are all W
 """
 
 from __future__ import annotations
@@ -35,17 +45,42 @@ def chain_hashes(
 
 
 class PrefixCache:
-    def __init__(self, blocks: BlockManager, enabled: bool, salt: str) -> None:
+    def __init__(self, blocks: BlockManager, enabled: bool, salt: str, window: int | None = None) -> None:
+        """``window``: the widest sliding window of the model's layers (None: no layer has one)."""
         self.blocks = blocks
         self.enabled = enabled
         self.salt = salt
+        self.window = window
 
     def lookup(self, request: Request) -> list[int]:
         """Cached blocks of the request's longest cached prefix, its last token always left out; none
         for a request that wants its prompt's log-probabilities (its whole prompt is computed)."""
         if not self.enabled or request.wants_prompt_logprobs:
             return []
-        return self.blocks.match(self.hashes(request, (request.num_tokens - 1) // self.blocks.block_size))
+        ids = self.blocks.match(self.hashes(request, (request.num_tokens - 1) // self.blocks.block_size))
+        while ids and not self._window_held(ids):
+            ids.pop()
+        return ids
+
+    def mark_remote(self, request: Request) -> None:
+        """The request's prompt K/V past its cached prefix was written remotely: its window layers hold
+        only positions from ``num_prompt_tokens - window + 1`` on (the first decode query's window)."""
+        if self.window is None:
+            return
+        bs, first = self.blocks.block_size, request.num_prompt_tokens - self.window + 1
+        for i in range(request.num_cached_tokens // bs, len(request.block_ids)):
+            self.blocks.blocks[request.block_ids[i]].window_from = min(max(first - i * bs, 0), bs)
+
+    def _window_held(self, ids: list[int]) -> bool:
+        """Whether every block of a hit of ``ids`` holds window-layer K/V where the next query reads it."""
+        if self.window is None:
+            return True
+        bs, end = self.blocks.block_size, len(ids) * self.blocks.block_size
+        first = max(end - self.window + 1, 0)  # the first position a query at ``end`` reads
+        for i in range(first // bs, len(ids)):
+            if self.blocks.blocks[ids[i]].window_from > max(first - i * bs, 0):
+                return False
+        return True
 
     def register(self, request: Request) -> None:
         """Make the request's blocks that became full and computed findable."""

@@ -72,6 +72,7 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...]
     prefix_caching: bool
     cache_salt: str  # what besides tokens changes K/V (model, dtype): part of every block hash
+    window: int | None = None  # the widest sliding window of the model's layers; None: no layer has one
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.blocks = block_manager
-        self.prefix = PrefixCache(block_manager, config.prefix_caching, config.cache_salt)
+        self.prefix = PrefixCache(block_manager, config.prefix_caching, config.cache_salt, config.window)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV and PREFILLED (sequence 0 only)
@@ -165,6 +166,7 @@ class Scheduler:
             raise ValueError(f"{len(first_token_ids)} first tokens for a request of n={request.sampling.n}")
         del self.parked[request_id]
         request.num_computed = request.num_prompt_tokens
+        self.prefix.mark_remote(request)
         self.prefix.register(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
