@@ -8,7 +8,9 @@ accepts KV into blocks it reserved.
   the tokens in a sample of destination blocks (first, last and a few chosen by
   the transfer id; ``checksum="all"`` for every block), all layers, in the
   canonical order (layer, kv, token, head) so both sides compute it from their
-  own layout. The receiver recomputes it from its cache before accepting.
+  own layout; a layer sent from a later token (``Done.layer_starts``: a
+  sliding-window layer) only over the positions it sent. The receiver
+  recomputes it from its cache before accepting.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import secrets
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -129,12 +132,21 @@ def checksum_positions(
 
 
 def kv_checksum(
-    region: torch.Tensor, layout: KVLayout, block_ids, positions: np.ndarray, heads: tuple[int, ...]
+    region: torch.Tensor,
+    layout: KVLayout,
+    block_ids,
+    positions: np.ndarray,
+    heads: tuple[int, ...],
+    layer_starts: Sequence[int] = (),
 ) -> int:
     """CRC32 of the K/V vectors at ``positions`` for global ``heads``, all
-    layers, canonical order; ``region`` is the cache as flat uint8."""
+    layers, canonical order; ``region`` is the cache as flat uint8.
+    ``layer_starts`` (one per layer, or empty): layer l's positions before
+    ``layer_starts[l]`` are left out."""
     if len(positions) == 0 or not heads:
         return 0
+    if layer_starts:
+        assert len(layer_starts) == layout.num_layers, (len(layer_starts), layout.num_layers)
     ids = np.asarray(block_ids, dtype=np.int64)
     tok = positions[None, None, :, None]
     kv = np.arange(2)[None, :, None, None]
@@ -143,6 +155,11 @@ def kv_checksum(
         kv, ids[tok // layout.block_size], tok % layout.block_size, layout.local_head_index(heads)[None, None, None, :]
     )
     offsets = offsets + layer * layout.layer_bytes
+    if layer_starts:  # keep (layer, token) pairs at or past the layer's start, in canonical order
+        kept = positions[None, :] >= np.asarray(layer_starts, dtype=np.int64)[:, None]
+        offsets = offsets[np.broadcast_to(kept[:, None, :, None], offsets.shape)]
+        if len(offsets) == 0:
+            return 0
     rows = (offsets.reshape(-1) // layout.vec_bytes).astype(np.int64)
     table = region[: layout.total_bytes].view(-1, layout.vec_bytes)
     if table.is_cuda:

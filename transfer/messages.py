@@ -43,7 +43,10 @@ class WriteHeader(msgspec.Struct, frozen=True, tag="write"):
 
 class Done(msgspec.Struct, frozen=True, tag="done"):
     """Everything of ``transfer_id`` this sender writes has been written. ``first_tokens``:
-    the token each of the request's sequences starts with (one per sequence, n > 1)."""
+    the token each of the request's sequences starts with (one per sequence, n > 1).
+    ``layer_starts``: empty when every layer was sent for tokens [token_start, token_end);
+    else one per layer, layer l sent (and checksummed) for [layer_starts[l], token_end)
+    (sliding-window layers send a prompt's last tokens only)."""
 
     transfer_id: str
     sender: str
@@ -53,6 +56,7 @@ class Done(msgspec.Struct, frozen=True, tag="done"):
     heads: tuple[int, ...]
     checksum: int
     checksum_mode: str  # "sampled" | "all" | "none"
+    layer_starts: tuple[int, ...] = ()
 
 
 class Ack(msgspec.Struct, frozen=True, tag="ack"):

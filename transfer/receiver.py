@@ -285,6 +285,11 @@ class KVReceiver(TransferThread):
             return Outcome.BAD_NOTICE, f"bad first tokens {done.first_tokens[: MAX_SEQUENCES + 1]}"
         if not 0 <= done.token_start <= done.token_end <= capacity:
             return Outcome.BAD_NOTICE, f"tokens [{done.token_start}, {done.token_end}) do not fit {capacity} slots"
+        starts = done.layer_starts
+        if starts and (
+            len(starts) != self._layout.num_layers or not all(done.token_start <= s <= done.token_end for s in starts)
+        ):
+            return Outcome.BAD_NOTICE, f"layer starts {starts[: self._layout.num_layers + 1]} do not fit the layers"
         if not set(done.heads) <= set(self._layout.head_ids) or len(set(done.heads)) != len(done.heads):
             return Outcome.BAD_NOTICE, f"heads {done.heads} are not distinct heads held here"
         if peer in entry.done:
@@ -298,7 +303,7 @@ class KVReceiver(TransferThread):
         pos = checksum_positions(
             done.transfer_id, self._layout.block_size, done.token_start, done.token_end, done.checksum_mode
         )
-        got = kv_checksum(self._region, self._layout, entry.block_ids, pos, done.heads)
+        got = kv_checksum(self._region, self._layout, entry.block_ids, pos, done.heads, starts)
         if got != done.checksum:
             return Outcome.CHECKSUM_MISMATCH, f"checksum mismatch (sent {done.checksum:#x}, received {got:#x})"
         return Outcome.OK, ""

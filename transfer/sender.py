@@ -51,6 +51,7 @@ class _Out:
     src_ids: np.ndarray | None = None
     token_start: int = -1
     token_end: int = 0
+    layer_start: dict[int, int] = field(default_factory=dict)  # layer -> its first token pushed
     first_tokens: tuple[int, ...] | None = None
     noticed: bool = False
     failed: str = ""
@@ -288,6 +289,7 @@ class KVSender(TransferThread):
         out.src_ids = src_ids if out.src_ids is None or len(src_ids) >= len(out.src_ids) else out.src_ids
         out.token_start = start if out.token_start < 0 else min(out.token_start, start)
         out.token_end = max(out.token_end, end)
+        out.layer_start[layer] = min(out.layer_start.get(layer, start), start)
 
     def _convert(self, dtype: str, layer: int, blocks: torch.Tensor) -> None:
         src, dst = self._cache[layer], self._staging[dtype][layer]
@@ -325,8 +327,15 @@ class KVSender(TransferThread):
         src = staging_layout(self._layout, dst.dtype)
         heads = common_heads(src, dst) if out.heads is None else out.heads
         region = region_bytes(self._staging.get(dst.dtype, self._cache))
-        checksum = kv_checksum(region, src, out.src_ids if out.src_ids is not None else [], pos, heads)
-        done = Done(out.tid, self.name, out.first_tokens, start, out.token_end, heads, checksum, self._checksum)
+        # A layer pushed from a later token (a sliding window's) or not at all is named with where it starts.
+        layer_starts = tuple(max(out.layer_start.get(i, out.token_end), start) for i in range(src.num_layers))
+        if all(s == start for s in layer_starts):
+            layer_starts = ()
+        src_ids = out.src_ids if out.src_ids is not None else []
+        checksum = kv_checksum(region, src, src_ids, pos, heads, layer_starts)
+        done = Done(
+            out.tid, self.name, out.first_tokens, start, out.token_end, heads, checksum, self._checksum, layer_starts
+        )
         try:
             self.backend.send_notice(out.peer, encode(done))
             out.noticed = True

@@ -14,6 +14,7 @@ from tests.transfer.oracle import expected_after_copy
 from tests.waiting import wait_until
 from transfer.copy import region_bytes
 from transfer.inproc import InprocBackend, InprocHub
+from transfer.integrity import checksum_positions, kv_checksum
 from transfer.layout import IncompatiblePeer, KVLayout
 from transfer.messages import Done, encode
 from transfer.outcome import PeerBound
@@ -303,3 +304,57 @@ def test_one_connection_covers_heads_once_whatever_sender_names_its_notices_clai
         "bad_notice",
         "'rogue' already sent its Done notice",
     )
+
+
+@pytest.mark.parametrize("kind", ["inproc", "zmq"])
+@pytest.mark.parametrize("checksum", ["all", "sampled"])
+def test_a_window_layer_sent_from_a_later_token_arrives_verified_and_writes_nothing_before(
+    kind, checksum, hub, closing
+):
+    src, dst = layout(16), layout(32, blocks=8)
+    sender = closing(make_sender(kind, hub, "P", src, checksum=checksum))
+    receiver = closing(make_receiver(kind, hub, "D", dst))
+    sender._cache.copy_(torch.randn(src.shape))
+    peer = meet(sender, receiver)
+    tid = receiver.expect([6, 2], lease_s=10)
+    sender.begin(tid, peer, [6, 2], lease_s=10)
+    starts = (0, 34, 0)  # layer 1 slides: only its last 7 tokens are pushed
+    for first, end in ((0, 20), (20, 41)):  # two chunks; layer 1's first push is empty
+        for layer, start in enumerate(starts):
+            sender.push_layer(tid, layer, [3, 0, 9], max(first, start), end)
+    sender.finish(tid, (5,))
+    got = wait_events(receiver)
+    assert [(c.transfer_id, c.first_tokens) for c in got.completed] == [(tid, (5,))], got
+    assert sender.stats()["bytes"] == (41 + 7 + 41) * 2 * 4 * 8 * 4  # layer tokens x K,V x heads x dim x 4 B
+    s, d = sender._cache, receiver._cache
+    for layer, start in enumerate(starts):
+        for p in range(41):
+            want = s[layer, :, [3, 0, 9][p // 16], p % 16] if p >= start else torch.zeros_like(s[0, :, 0, 0])
+            assert torch.equal(d[layer, :, [6, 2][p // 32], p % 32], want), (layer, p)
+
+
+def test_a_notice_claiming_a_window_layer_from_earlier_than_it_was_written_is_refused(hub, closing):
+    dst = layout()
+    receiver, rogue = rogue_pair(hub, closing, dst)
+    kv = torch.randn(dst.shape)
+    rogue.register("kv", kv)
+    tid = receiver.expect([2], lease_s=10)
+    for layer in range(3):  # layer 1 written for tokens 8..16 only
+        first = 8 if layer == 1 else 0
+        off = np.array([dst.vector_offsets(kv, 2, first, 0) + layer * dst.layer_bytes for kv in (0, 1)])
+        rogue.write("D", tid, layer, "kv", off, off, np.full(2, (16 - first) * dst.num_heads * dst.vec_bytes))
+    pos = checksum_positions(tid, 16, 0, 16, "all")
+    region = region_bytes(kv)
+    honest = kv_checksum(region, dst, [2], pos, (0, 1, 2, 3), (0, 8, 0))
+    claims_all = kv_checksum(region, dst, [2], pos, (0, 1, 2, 3))
+    rogue.send_notice("D", encode(Done(tid, "rogue", (1,), 0, 16, (0, 1, 2, 3), claims_all, "all")))
+    (failed,) = wait_events(receiver).failed
+    assert (failed.transfer_id, failed.outcome) == (tid, "checksum_mismatch")
+    tid = receiver.expect([2], lease_s=10)
+    rogue.send_notice("D", encode(Done(tid, "rogue", (1,), 0, 16, (0, 1, 2, 3), honest, "all", (0, 8))))
+    (failed,) = wait_events(receiver).failed
+    assert (failed.outcome, failed.reason) == ("bad_notice", "layer starts (0, 8) do not fit the layers")
+    tid = receiver.expect([2], lease_s=10)
+    rogue.send_notice("D", encode(Done(tid, "rogue", (1,), 0, 16, (0, 1, 2, 3), honest, "all", (0, 17, 0))))
+    (failed,) = wait_events(receiver).failed
+    assert failed.outcome == "bad_notice"
