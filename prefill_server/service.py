@@ -13,7 +13,13 @@ touched on the engine thread only.
 
 The decode server's cached prefix (``Reservation.num_cached_tokens``) is not
 sent: every layer push starts past it. The prompt is still computed here up
-to what this engine's own prefix cache holds.
+to what this engine's own prefix cache holds. A sliding-window layer (window
+W) sends only the prompt's last W - 1 positions: the decode server's first
+query, at position ``num_tokens``, sees keys (num_tokens - W, num_tokens],
+the last of which it writes itself, and it computes no prompt
+log-probabilities (they are computed here). Its prefix cache keeps track of
+what it lacks (engine/prefix_cache.py). ``transfer_bytes`` counts what was
+pushed.
 
 A failed transfer's outcome goes back to the router unchanged: one in
 ``transfer.outcome.DECIDED_BY_DECODE`` means the decode server ended the
@@ -73,6 +79,7 @@ class Job:
     computing: float | None = None  # when the first layer of its first chunk was computed
     prefilled: float | None = None  # when the last layer was computed and the first token sampled
     ended: TransferEnded | None = None  # how and when its transfer ended
+    layer_tokens: int = 0  # tokens pushed, summed over layers (a layer's token is one layer's K and V of it)
 
     def resolve(self, result: PrefillResult | WorkerError) -> None:
         def set_it() -> None:
@@ -126,7 +133,10 @@ class PrefillService:
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
         self.vitals.add(self.engine_thread.problem)
         self.vitals.add(self._sender.problem)
-        self._bytes_per_token = engine.cache.bytes_per_token
+        self._bytes_per_layer_token = engine.cache.bytes_per_token // engine.cache.num_layers
+        # Each layer's sliding window, None for full attention. Not with ranks: kvlink's RankSenders hands
+        # ranks 1..N-1 layer 0's token range for every layer, so there every layer sends the whole range.
+        self._windows = engine.layer_windows if engine.ranks is None else (None,) * engine.cache.num_layers
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
         self._aborted = RecentIds(REMEMBER_ABORTED)  # recently aborted request ids; engine thread only
@@ -233,7 +243,7 @@ class PrefillService:
             ended.at if ended else now,
             ended.outcome if ended else Outcome.ABORTED,
             pdserve__transfer_id=job.transfer_id,
-            pdserve__bytes=(job.num_tokens - job.num_cached_tokens) * self._bytes_per_token,
+            pdserve__bytes=job.layer_tokens * self._bytes_per_layer_token,
             pdserve__cached_tokens=job.num_cached_tokens,
         )
 
@@ -271,14 +281,18 @@ class PrefillService:
         return True
 
     def _on_layer(self, layer: int, chunks: list[PrefillChunk]) -> None:
+        window = self._windows[layer]
         for chunk in chunks:
             job = self._jobs.get(chunk.request_id)
             if job is not None:
                 if job.computing is None:
                     job.computing = time.monotonic()
                 start = max(chunk.start, job.num_cached_tokens)
+                if window is not None:  # the decode server's first query, at num_tokens, reads keys past this
+                    start = max(start, job.num_tokens - window + 1)
                 if start < chunk.end:
                     self._sender.push_layer(job.transfer_id, layer, chunk.block_ids, start, chunk.end)
+                    job.layer_tokens += chunk.end - start
         if self.faults is not None:
             self.faults.stall(layer)
 
@@ -317,7 +331,7 @@ class PrefillService:
             job.resolve(WorkerError(502, f"KV transfer to the decode server failed: {ended.reason}", ended.outcome))
             return
         seconds = ended.at - job.started
-        nbytes = (job.num_tokens - job.num_cached_tokens) * self._bytes_per_token
+        nbytes = job.layer_tokens * self._bytes_per_layer_token
         self.metrics.transfer_bytes.inc(nbytes)
         self.metrics.transfer_seconds.observe(seconds)
         self.metrics.transfer_request_bytes.observe(nbytes)

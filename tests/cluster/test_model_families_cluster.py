@@ -5,7 +5,8 @@ block free after:
 - tiny-moe (Qwen3-MoE): the decode server on two ranks with expert parallelism (each holds 4 of the 8
   experts), so the KV crosses from one rank to two and each decode step sums the two halves of the experts;
 - tiny-swa (Gemma 3's shape): sliding-window layers of 8 tokens and global ones, on prompts many windows
-  long, the KV of every layer computed on the prefill server and read windowed on the decode server;
+  long, the prefill server sending a window layer's last 7 tokens only (all the decode server reads), the
+  bytes moved exactly those;
 - tiny-mla (DeepSeek-V3's shape: latent attention, a dense first layer, then shared and routed experts):
   the latent cache crosses from one prefill rank to two decode ranks, each receiving the whole latent."""
 
@@ -14,7 +15,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.kv_cache import cache_heads, layer_tokens_sent
+from engine.loader import head_dim_of, load_config
 from engine.make_model import TINY_MLA, TINY_MOE, TINY_SWA, make_tiny
+from engine.model import layer_windows
+from engine.tensor_parallel import Shard
 from tests.engine.oracle import hf_greedy, hf_logits
 from tests.support.cluster import start_cluster
 from tests.support.oracle import chat_prompt_ids, expected_completion, tokenizer
@@ -70,3 +75,22 @@ def test_answers_and_logprobs_equal_transformers(family):
     assert cluster.metric("p0", 'pdserve_requests_total{outcome="ok"}') >= 3  # every prompt prefilled on p0
     cluster.wait_idle(timeout=10)
     assert all(b["free"] == b["total"] for b in cluster.blocks().values())
+
+
+def test_the_kv_moved_is_each_full_layer_s_prompt_and_each_window_layer_s_last_tokens(family):
+    cluster, model = family
+    cfg = load_config(model)
+    heads, width, _ = cache_heads(cfg, Shard(0, 1, False), head_dim_of(cfg))  # the prefill server's one rank
+    layer_token_bytes = 2 * heads * width * 4  # K and V of a token in one layer, float32
+    before = cluster.metric("p0", "pdserve_transfer_bytes_total")
+    prompt = "Zebras graze while the kettle sings: " + " ".join(str(i * 7) for i in range(30))  # cached nowhere
+    r = cluster.client().completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0)
+    n = r.usage.prompt_tokens
+    moved = cluster.metric("p0", "pdserve_transfer_bytes_total") - before
+    windows = layer_windows(cfg)
+    assert moved == layer_tokens_sent(windows, n) * layer_token_bytes
+    full = n * cfg.num_hidden_layers * layer_token_bytes
+    if any(w is not None for w in windows):
+        assert moved < full / 2  # tiny-swa: 3 of its 4 layers send 7 of the prompt's n tokens
+    else:
+        assert moved == full

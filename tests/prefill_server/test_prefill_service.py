@@ -1,5 +1,6 @@
 """The prefill server's job lifecycle, in process, with a scripted KV sender:
-every layer of every chunk is pushed, blocks are held until the sender reports
+every layer of every chunk is pushed (a sliding-window layer only from where the
+decode server's first query reads), blocks are held until the sender reports
 the transfer ended, and aborts free everything."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import pytest
 
 import prefill_server.service
 from engine import EngineConfig, LLMEngine
+from engine.make_model import TINY_SWA, make_tiny
 from engine.request import SamplingParams
 from prefill_server.service import PrefillService
 from server_common.settings import ServerSettings
@@ -170,3 +172,29 @@ def test_the_result_has_every_sequence_s_first_token_with_its_logprob_and_the_pr
         assert all(len(lp.top) == 1 for lp in result.prompt_logprobs[1:])
 
     run(engine, scenario)
+
+
+@pytest.fixture(scope="module")
+def swa_engine(tmp_path_factory):
+    """tiny-swa in prefill mode: layers 0, 1 and 3 slide over 8 tokens, layer 2 is global."""
+    model = make_tiny(tmp_path_factory.mktemp("tiny-swa"), TINY_SWA)
+    config = EngineConfig(
+        model=str(model), block_size=4, num_blocks=16, num_threads=1, mode="prefill", max_num_batched_tokens=8
+    )
+    return LLMEngine(config)
+
+
+def test_window_layers_push_only_the_tokens_the_decode_server_s_first_query_reads(swa_engine):
+    async def scenario(service, sender):
+        task = asyncio.ensure_future(service.prefill(prefill_request("w", 13)))
+        await until(lambda: any(c[0] == "finish" for c in sender.calls))
+        pushes = [c[2:] for c in sender.calls if c[0] == "push"]  # (layer, start, end)
+        # The first decode query (at 13) reads keys 6..13 in a window of 8; the global layer 2 reads all.
+        assert pushes == [(0, 6, 8), (1, 6, 8), (2, 0, 8), (3, 6, 8), (0, 8, 13), (1, 8, 13), (2, 8, 13), (3, 8, 13)]
+        sender.end("t-w", Outcome.OK)
+        result = await task
+        per_layer_token = swa_engine.cache.bytes_per_token // 4
+        assert result.transfer_bytes == (3 * 7 + 13) * per_layer_token
+        assert service.metrics.registry.get_sample_value("pdserve_transfer_bytes_total") == result.transfer_bytes
+
+    run(swa_engine, scenario)
