@@ -1,0 +1,169 @@
+"""Each model family's engine beside transformers on the same folder, and the KV it moves in 1P1D.
+
+    python -m bench.micro.families [--real] [--families tiny,tiny-moe,tiny-swa,tiny-mla] \\
+        [--batch 1,8] [--prompt-len 32] [--new-tokens 16] [--threads 1] [--kv-prompt-len 4096] \\
+        [--model-cache DIR] [--json FILE]
+
+For every family (a built-in model, built into ``--model-cache`` if missing;
+with ``--real`` also gemma3-270m and smollm2 where already built there) and
+batch size, in one process on ``--threads`` torch threads, float32:
+
+* prefill tok/s: ``batch`` prompts of ``--prompt-len`` tokens, computed and
+  one token sampled (the engine's ``generate`` with ``max_tokens=1``;
+  transformers' forward over the unpadded ``[batch, prompt_len]`` batch);
+* decode tok/s: ``--new-tokens`` more tokens per prompt, the prefill time
+  above taken off (the engine's ``generate``; transformers' ``generate``,
+  greedy, EOS ignored);
+* ratio: the engine's tok/s over transformers'.
+
+Each timing is the best of ``--rounds`` after one warm-up. KV columns come
+from the engine's cache geometry, not a run: bytes of one token's K and V
+over every layer, and what a prefill server moves for a prompt of
+``--kv-prompt-len`` tokens in 1P1D (a sliding-window layer sends only the
+prompt's last ``window - 1`` tokens: engine/kv_cache.py ``layer_tokens_sent``),
+per request and per prompt token. A short run by default (tiny models,
+seconds each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable
+
+FAMILIES = ("tiny", "tiny-moe", "tiny-swa", "tiny-mla")
+REAL = ("gemma3-270m", "smollm2")
+
+
+def kv_bytes(engine, prompt_len: int) -> dict[str, int]:
+    """KV bytes of the engine's cache geometry: a token over every layer, and what 1P1D moves for a prompt."""
+    from engine.kv_cache import layer_tokens_sent
+
+    per_layer_token = engine.cache.bytes_per_token // engine.cache.num_layers
+    moved = layer_tokens_sent(engine.layer_windows, prompt_len) * per_layer_token
+    return {
+        "kv_bytes_per_token": engine.cache.bytes_per_token,
+        "kv_prompt_len": prompt_len,
+        "kv_bytes_moved_per_request": moved,
+        "kv_bytes_moved_per_token": moved // prompt_len,
+    }
+
+
+def best(fn: Callable[[], object], rounds: int) -> float:
+    """Seconds of the fastest of ``rounds`` calls, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
+    """Deterministic prompts of ordinary token ids (the lowest few, often special, left out)."""
+    return [[(7 * i + 31 * b) % (vocab - 10) + 5 for i in range(length)] for b in range(batch)]
+
+
+def measure(folder: str, batches: list[int], args: argparse.Namespace) -> list[dict]:
+    """One row per batch size: both sides' tok/s and their ratios, and the engine's KV bytes."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from engine import EngineConfig, LLMEngine
+
+    torch.set_num_threads(args.threads)
+    # No prefix caching: every call computes its prompts, as transformers does.
+    config = EngineConfig(
+        model=folder, num_threads=args.threads, num_blocks=1024, max_num_seqs=64, prefix_caching=False
+    )
+    engine = LLMEngine(config)
+    hf = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    try:
+        kv = kv_bytes(engine, args.kv_prompt_len)
+        return [{**measure_batch(engine, hf, batch, args), **kv} for batch in batches]
+    finally:
+        engine.close()
+
+
+def measure_batch(engine, hf, batch: int, args: argparse.Namespace) -> dict:
+    import torch
+
+    from engine import SamplingParams
+
+    ps = prompts(batch, args.prompt_len, engine.hf_config.vocab_size)
+    ids, new = torch.tensor(ps), args.new_tokens
+    first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    more = SamplingParams(max_tokens=1 + new, temperature=0, ignore_eos=True)
+    e_prefill = best(lambda: engine.generate(ps, first), args.rounds)
+    e_total = best(lambda: engine.generate(ps, more), args.rounds)
+    generate = {"do_sample": False, "max_new_tokens": 1 + new, "min_new_tokens": 1 + new, "eos_token_id": None}
+    with torch.no_grad():
+        h_prefill = best(lambda: hf(ids), args.rounds)
+        h_total = best(
+            lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **generate), args.rounds
+        )
+    row = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": new}
+    for side, prefill, total in (("engine", e_prefill, e_total), ("hf", h_prefill, h_total)):
+        row[f"{side}_prefill_tok_s"] = round(batch * args.prompt_len / prefill, 1)
+        row[f"{side}_decode_tok_s"] = round(batch * new / max(total - prefill, 1e-9), 1)
+    for kind in ("prefill", "decode"):
+        row[f"{kind}_ratio"] = round(row[f"engine_{kind}_tok_s"] / row[f"hf_{kind}_tok_s"], 2)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    cols = [
+        ("family", "family"),
+        ("batch", "batch"),
+        ("engine_prefill_tok_s", "prefill tok/s"),
+        ("hf_prefill_tok_s", "hf prefill"),
+        ("prefill_ratio", "ratio"),
+        ("engine_decode_tok_s", "decode tok/s"),
+        ("hf_decode_tok_s", "hf decode"),
+        ("decode_ratio", "ratio"),
+        ("kv_bytes_per_token", "KV B/token"),
+        ("kv_bytes_moved_per_token", "moved B/token"),
+        ("kv_bytes_moved_per_request", "moved B/request"),
+    ]
+    lines = ["| " + " | ".join(title for _, title in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(row[key]) for key, _ in cols) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.models import MODEL_CACHE, needs_build, resolve_model
+
+    p = argparse.ArgumentParser(prog="python -m bench.micro.families", description=__doc__.split("\n")[0])
+    p.add_argument("--families", default=",".join(FAMILIES), help="built-in models, comma-separated")
+    p.add_argument("--real", action="store_true", help="also gemma3-270m and smollm2 where already built")
+    p.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1, help="torch threads, both sides")
+    p.add_argument("--rounds", type=int, default=3, help="timed calls per measurement (the best is kept)")
+    p.add_argument("--kv-prompt-len", type=int, default=4096, help="the prompt the KV columns are for")
+    p.add_argument("--model-cache", default=MODEL_CACHE, help="where built-in models are (built tiny ones too)")
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args(argv)
+    families = [f for f in args.families.split(",") if f]
+    if args.real:
+        families += [m for m in REAL if not needs_build(m, args.model_cache)]
+        missing = [m for m in REAL if needs_build(m, args.model_cache)]
+        if missing:
+            print(f"not built in {args.model_cache}, left out: {', '.join(missing)}")
+    batches = [int(b) for b in args.batch.split(",")]
+    rows = []
+    for family in families:
+        folder = str(resolve_model(family, args.model_cache))
+        rows += [{"family": family, **row} for row in measure(folder, batches, args)]
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
