@@ -19,6 +19,7 @@ from transfer.layout import IncompatiblePeer, KVLayout
 from transfer.messages import Done, encode
 from transfer.outcome import PeerBound
 from transfer.sender import Abort, Begin, Push
+from transfer.tp import route_heads
 
 KINDS = [
     "inproc",
@@ -358,3 +359,40 @@ def test_a_notice_claiming_a_window_layer_from_earlier_than_it_was_written_is_re
     rogue.send_notice("D", encode(Done(tid, "rogue", (1,), 0, 16, (0, 1, 2, 3), honest, "all", (0, 17, 0))))
     (failed,) = wait_events(receiver).failed
     assert failed.outcome == "bad_notice"
+
+
+def latent_layout(bs: int, blocks: int, tp_rank: int = 0, tp_size: int = 1, order: str = "NHD") -> KVLayout:
+    """A latent cache as engine/kv_cache.py lays it out: one head of L / 2 = 20 values, held by every rank."""
+    return KVLayout.for_engine_cache(
+        num_layers=3,
+        num_blocks=blocks,
+        block_size=bs,
+        num_kv_heads=1,
+        head_dim=20,
+        dtype="float32",
+        num_kv_heads_total=1,
+        head_ids=(0,),
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    ).replace(order=order)
+
+
+def test_one_prefill_rank_writes_the_whole_latent_into_each_of_two_decode_ranks(hub, closing):
+    src = latent_layout(16, 8)
+    dsts = [latent_layout(4, 16, tp_rank=r, tp_size=2, order="HND") for r in (0, 1)]
+    assert [(r.src_rank, r.dst_rank, r.heads) for r in route_heads([src], dsts)] == [(0, 0, (0,)), (0, 1, (0,))]
+    sender = closing(make_sender("inproc", hub, "P", src, checksum="all"))
+    sender._cache.copy_(torch.randn(src.shape))
+    receivers = [closing(make_receiver("inproc", hub, f"D{r}", dsts[r])) for r in (0, 1)]
+    src_blocks, dst_blocks = [5, 2], [[9, 3, 4, 7, 11, 1, 0, 8], [2, 14, 6, 5, 13, 12, 10, 15]]
+    for r in (0, 1):
+        peer = meet(sender, receivers[r])
+        tid = receivers[r].expect(dst_blocks[r], lease_s=10)
+        sender.begin(tid, peer, dst_blocks[r], 10, heads=(0,))
+        push_all(sender, tid, src, src_blocks, 0, 30)
+        assert [c.transfer_id for c in wait_events(receivers[r]).completed] == [tid]
+    assert sender.stats()["bytes"] == 2 * 30 * 3 * 40 * 4  # two routes x tokens x layers x L values x 4 B
+    for r in (0, 1):
+        np.testing.assert_array_equal(
+            region_bytes(receivers[r]._cache).numpy(), expected(sender, src, src_blocks, 30, dsts[r], dst_blocks[r])
+        )
