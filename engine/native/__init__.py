@@ -26,7 +26,7 @@ AMD Zen 4 and later).
 
 The source is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and
 ninja) into ``~/.cache/pdserve/native`` (``PDSERVE_NATIVE_CACHE``), once per
-torch version, source and flags: ``scripts/install.sh`` does it (``python -m
+everything the build depends on (``build_key``): ``scripts/install.sh`` does it (``python -m
 engine.native``), else the first engine that needs it, tens of seconds, with
 a line saying so. Where the CPU lacks the instructions, or there is no
 compiler, or ``PDSERVE_NATIVE=0``, :func:`kernels` is None and the engine
@@ -57,12 +57,29 @@ NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo flag
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
 
 
+def build_key() -> str:
+    """Everything the build depends on: the source (its path, which the build names, and its bytes),
+    the flags, the compiler named by CXX, the interpreter and the torch it links (their paths, so two
+    virtual environments of one torch version still build apart: each build's commands name its own
+    include folders, and ninja rebuilds a folder whose commands changed)."""
+    parts = [
+        str(SOURCE.resolve()),
+        " ".join(CFLAGS),
+        os.environ.get("CXX", "c++"),
+        sys.executable,
+        sys.version,
+        torch.__version__,
+        str(Path(torch.__file__).resolve().parent),
+        str(torch._C._GLIBCXX_USE_CXX11_ABI),
+    ]
+    return hashlib.sha256("\0".join(parts).encode() + b"\0" + SOURCE.read_bytes()).hexdigest()[:12]
+
+
 def cache_dir() -> Path:
-    """One folder per torch version, source file (its path and bytes) and flags: two checkouts never
-    rebuild over each other's build (the build names its source by path)."""
+    """One folder per ``build_key``: a build is reused by every process whose build would be the same,
+    and never rebuilt over by one whose build differs."""
     root = os.environ.get("PDSERVE_NATIVE_CACHE", "~/.cache/pdserve/native")
-    key = hashlib.sha256(f"{SOURCE.resolve()}\0{' '.join(CFLAGS)}\0".encode() + SOURCE.read_bytes()).hexdigest()[:12]
-    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '_')}-{key}"
+    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '_')}-{build_key()}"
 
 
 def cpu_flags() -> set[str]:

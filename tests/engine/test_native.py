@@ -56,6 +56,26 @@ def test_turned_off_it_says_so_and_the_command_reports_it(monkeypatch):
     assert native_command("--help").returncode == 0
 
 
+def test_the_build_folder_is_keyed_by_everything_the_build_depends_on(monkeypatch):
+    # Two virtual environments of one torch version on one machine used to share a folder, and each
+    # start rebuilt over the other's build; the same environment must keep finding its own.
+    here = native.cache_dir()
+    assert native.cache_dir() == here
+    for name, value in [("executable", "/other/venv/bin/python"), ("version", sys.version + " other")]:
+        with monkeypatch.context() as m:
+            m.setattr(sys, name, value)
+            assert native.cache_dir() != here, name
+    with monkeypatch.context() as m:
+        m.setattr(torch, "__file__", "/other/venv/lib/site-packages/torch/__init__.py")
+        assert native.cache_dir() != here
+    with monkeypatch.context() as m:
+        m.setenv("CXX", "clang++")
+        assert native.cache_dir() != here
+    with monkeypatch.context() as m:
+        m.setattr(native, "CFLAGS", [*native.CFLAGS, "-g"])
+        assert native.cache_dir() != here
+
+
 @needs_cpu
 def test_a_cache_folder_it_cannot_write_is_a_failed_build_and_torch_serves(tmp_path):
     blocker = tmp_path / "a-file"
