@@ -78,8 +78,7 @@ class RankAgent:
         if isinstance(m, Begin):
             sender.begin(m.tid, m.peer, m.blocks, max(m.deadline - time.monotonic(), 1e-3), m.heads)
         elif isinstance(m, Push):
-            for layer in range(self._cache.num_layers):
-                sender.push_layer(m.tid, layer, m.blocks, m.start, m.end)
+            sender.push_layer(m.tid, m.layer, m.blocks, m.start, m.end)
         elif isinstance(m, Finish):
             sender.finish(m.tid, m.first_tokens)
         elif isinstance(m, Abort):

@@ -14,8 +14,9 @@ unasked for every part the rank's sender or receiver saw end::
     Expect     blocks, lease_s, writable_from   -> Answer(tid)       (receiver)
     CancelPart tid, reason                                           (receiver)
     Begin      tid, peer, blocks, deadline, heads (deadline: time.monotonic() on this host)
-    Push       tid, blocks, start, end  every layer of tokens [start, end): sent after the step
-                                        that computed them, so the rank's forward has written them
+    Push       tid, layer, blocks, start, end  a layer's tokens [start, end), sent while rank 0 computes
+                                        that layer; the rank takes it after the step, once its own
+                                        forward wrote every layer
     Finish     tid, first_tokens
     Abort      tid
     Forget     peer
@@ -81,6 +82,7 @@ class Begin(_ToRank, frozen=True, tag="begin"):
 
 class Push(_ToRank, frozen=True, tag="push"):
     tid: str
+    layer: int
     blocks: list[int]
     start: int
     end: int

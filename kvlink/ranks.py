@@ -8,8 +8,9 @@ by ``kvlink.messages`` down its pipe.
 ``begin`` maps the prefill ranks' heads onto the decode group of the route
 (``transfer.tp.rank_parts``) and starts every rank's parts, each an ordinary
 transfer with its own checksum and lease; the layer hook pushes rank 0's
-parts layer by layer and hands the other ranks their token ranges after the
-step (they push every layer then, once their own forward wrote them);
+parts layer by layer and sends the other ranks each layer's token range as
+it goes, which they take after the step, once their own forward wrote it
+(a window layer's range may start later than a full layer's);
 ``take_finished`` reports a request's transfer once every part ended
 (``transfer.group.RankParts``), with the first failed part's code after
 aborting the others.
@@ -227,8 +228,8 @@ class RankSenders(_RankLink):
             for tid in tids:
                 if r == 0:
                     self._sender.push_layer(tid, layer, src_block_ids, start, end)
-                elif layer == 0:  # handled after this step, once the rank's forward wrote every layer
-                    self._send(r, Push(tid, [int(b) for b in src_block_ids], start, end))
+                else:  # the rank takes it after this step, once its own forward wrote the layer
+                    self._send(r, Push(tid, layer, [int(b) for b in src_block_ids], start, end))
 
     def finish(self, transfer_id: str, first_tokens: Sequence[int]) -> None:
         first = [int(t) for t in first_tokens]

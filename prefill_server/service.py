@@ -133,10 +133,12 @@ class PrefillService:
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
         self.vitals.add(self.engine_thread.problem)
         self.vitals.add(self._sender.problem)
-        self._bytes_per_layer_token = engine.cache.bytes_per_token // engine.cache.num_layers
-        # Each layer's sliding window, None for full attention. Not with ranks: kvlink's RankSenders hands
-        # ranks 1..N-1 layer 0's token range for every layer, so there every layer sends the whole range.
-        self._windows = engine.layer_windows if engine.ranks is None else (None,) * engine.cache.num_layers
+        # The model's K and V of a token in one layer, every KV head once: what a request's transfer moves
+        # from all of this server's ranks together (each holds its heads' share; rank 0's cache alone
+        # would count a tensor-parallel server's bytes short).
+        c = engine.cache
+        self._bytes_per_layer_token = c.bytes_per_token * c.num_kv_heads_total // c.num_kv_heads // c.num_layers
+        self._windows = engine.layer_windows  # each layer's sliding window, None for full attention
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
         self._aborted = RecentIds(REMEMBER_ABORTED)  # recently aborted request ids; engine thread only

@@ -6,7 +6,8 @@ block free after:
   experts), so the KV crosses from one rank to two and each decode step sums the two halves of the experts;
 - tiny-swa (Gemma 3's shape): sliding-window layers of 8 tokens and global ones, on prompts many windows
   long, the prefill server sending a window layer's last 7 tokens only (all the decode server reads), the
-  bytes moved exactly those;
+  bytes moved exactly those; and the same from a prefill server on two ranks, each sending its heads'
+  part of every layer's own range;
 - tiny-mla (DeepSeek-V3's shape: latent attention, a dense first layer, then shared and routed experts):
   the latent cache crosses from one prefill rank to two decode ranks, each receiving the whole latent."""
 
@@ -28,22 +29,24 @@ from tests.waiting import wait_until
 pytestmark = pytest.mark.integration
 
 MESSAGES = [{"role": "user", "content": "Name three colours and say why the sky is blue."}]
-FAMILIES = {
-    "tiny-moe": (TINY_MOE, {"tensor_parallel_size": 2, "expert_parallel_size": 2}),
-    "tiny-swa": (TINY_SWA, {}),
-    "tiny-mla": (TINY_MLA, {"tensor_parallel_size": 2}),
+FAMILIES = {  # name: (model, the decode server's engine keys, the prefill server's)
+    "tiny-moe": (TINY_MOE, {"tensor_parallel_size": 2, "expert_parallel_size": 2}, {}),
+    "tiny-swa": (TINY_SWA, {}, {}),
+    "tiny-swa-p2": (TINY_SWA, {}, {"tensor_parallel_size": 2}),
+    "tiny-mla": (TINY_MLA, {"tensor_parallel_size": 2}, {}),
 }
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    spec, decode = FAMILIES[request.param]
+    spec, decode, prefill = FAMILIES[request.param]
     model = str(make_tiny(tmp_path_factory.mktemp(request.param), spec))
     c = start_cluster(
         tmp_path_factory,
         "tiny-1p1d",
         model,
         {"decode": [{"name": "d0", "block_size": 16, "kv_layout": "HND", **decode}]},
+        {"p0": prefill},
     )
     wait_until(
         lambda: all(w["healthy"] for w in c.http.get(f"{c.router_url}/health").json()["workers"]),

@@ -53,7 +53,7 @@ TO_RANK = [
     Expect(5, [3, 1, 2], 30.0, 1),
     CancelPart("t-1", "client left"),
     Begin("t-1", "d0-r1", [3, 1], 1234.5, (1,)),
-    Push("t-1", [7, 8], 0, 9),
+    Push("t-1", 3, [7, 8], 0, 9),
     Finish("t-1", [42, 43]),
     Abort("t-1"),
     Forget("d0"),

@@ -334,11 +334,13 @@ def test_a_prefill_group_begins_pushes_and_finishes_every_rank_s_part(hub, closi
     ((rank, begin),) = ranks.sent(Begin)
     assert (rank, begin.tid, begin.peer, begin.blocks, begin.heads) == (1, "r1-part", "D-r1", [5, 6], (1,))
     assert before + LEASE_S <= begin.deadline <= time.monotonic() + LEASE_S
+    starts = [0] + [3] * (LAYERS - 1)  # each layer its own range (a window layer's starts later)
     for layer in range(LAYERS):
-        senders.push_layer(tid, layer, [1, 2], 0, 2 * BLOCK)
+        senders.push_layer(tid, layer, [1, 2], starts[layer], 2 * BLOCK)
     senders.finish(tid, [7])
-    # rank 1 pushes every layer once, after the step: one Push for all of them
-    assert [(r, m.tid, m.blocks, m.start, m.end) for r, m in ranks.sent(Push)] == [(1, "r1-part", [1, 2], 0, 8)]
+    # rank 1 gets every layer's own range, and takes each after the step
+    pushes = [(r, m.tid, m.layer, m.blocks, m.start, m.end) for r, m in ranks.sent(Push)]
+    assert pushes == [(1, "r1-part", layer, [1, 2], starts[layer], 8) for layer in range(LAYERS)]
     assert [(r, m.tid, m.first_tokens) for r, m in ranks.sent(Finish)] == [(1, "r1-part", [7])]
 
     (arrived,) = taken(d0.agent)
@@ -350,7 +352,11 @@ def test_a_prefill_group_begins_pushes_and_finishes_every_rank_s_part(hub, closi
     (ended,) = taken(senders)
     assert (ended.transfer_id, ended.outcome, ended.first_tokens) == (tid, Outcome.OK, None)
     assert senders.open_transfers() == 0
-    assert torch.equal(d0.cache[:, :, [5, 6]], p0.cache[:, :, [1, 2]])
+    # rank 0's part: each layer's tokens from its own start (NHD: [layer, K|V, block, slot, ...])
+    sent, written = p0.cache[:, :, [1, 2]].flatten(2, 3), d0.cache[:, :, [5, 6]].flatten(2, 3)
+    for layer in range(LAYERS):
+        assert torch.equal(written[layer, :, starts[layer] :], sent[layer, :, starts[layer] :]), layer
+        assert not written[layer, :, : starts[layer]].any(), layer  # nothing before a layer's start
 
 
 def test_a_failed_rank_part_aborts_rank_0_s_and_the_request_ends_once_naming_the_rank(hub, closing):

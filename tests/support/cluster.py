@@ -177,6 +177,8 @@ THRESHOLD = 12  # tiny-1p1d as tests/cluster/conftest.py starts it: shorter prom
 MAX_MODEL_LEN = 1024
 
 
-def start_cluster(tmp_path_factory, template: str, model: str, changes: dict | None = None) -> Cluster:
+def start_cluster(
+    tmp_path_factory, template: str, model: str, changes: dict | None = None, instances: dict[str, dict] | None = None
+) -> Cluster:
     folder = tmp_path_factory.mktemp(template)
-    return Cluster(make_config(folder, template, model, changes), folder)
+    return Cluster(make_config(folder, template, model, changes, instances), folder)
