@@ -4,12 +4,14 @@ block free after:
 
 - tiny-moe (Qwen3-MoE): the decode server on two ranks with expert parallelism (each holds 4 of the 8
   experts), so the KV crosses from one rank to two and each decode step sums the two halves of the experts;
+  and the other way, from a prefill server on two such ranks to a decode server on one, over NIXL;
 - tiny-swa (Gemma 3's shape): sliding-window layers of 8 tokens and global ones, on prompts many windows
   long, the prefill server sending a window layer's last 7 tokens only (all the decode server reads), the
   bytes moved exactly those; and the same from a prefill server on two ranks, each sending its heads'
   part of every layer's own range;
 - tiny-mla (DeepSeek-V3's shape: latent attention, a dense first layer, then shared and routed experts):
-  the latent cache crosses from one prefill rank to two decode ranks, each receiving the whole latent."""
+  the latent cache crosses from one prefill rank to two decode ranks, each receiving the whole latent,
+  and over NIXL from two prefill ranks (each holding the whole latent, one sending it) to one."""
 
 from __future__ import annotations
 
@@ -24,28 +26,37 @@ from engine.tensor_parallel import Shard
 from tests.engine.oracle import hf_greedy, hf_logits
 from tests.support.cluster import start_cluster
 from tests.support.oracle import chat_prompt_ids, expected_completion, tokenizer
+from tests.transfer.conftest import nixl_available
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
 MESSAGES = [{"role": "user", "content": "Name three colours and say why the sky is blue."}]
-FAMILIES = {  # name: (model, the decode server's engine keys, the prefill server's)
-    "tiny-moe": (TINY_MOE, {"tensor_parallel_size": 2, "expert_parallel_size": 2}, {}),
-    "tiny-swa": (TINY_SWA, {}, {}),
-    "tiny-swa-p2": (TINY_SWA, {}, {"tensor_parallel_size": 2}),
-    "tiny-mla": (TINY_MLA, {"tensor_parallel_size": 2}, {}),
+TP2, EP2 = {"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "expert_parallel_size": 2}
+FAMILIES = {  # name: (model, the decode server's engine keys, the prefill server's, the transfer backend)
+    "tiny-moe": (TINY_MOE, EP2, {}, "zmq"),
+    "tiny-moe-p2-nixl": (TINY_MOE, {}, EP2, "nixl"),
+    "tiny-swa": (TINY_SWA, {}, {}, "zmq"),
+    "tiny-swa-p2": (TINY_SWA, {}, TP2, "zmq"),
+    "tiny-mla": (TINY_MLA, TP2, {}, "zmq"),
+    "tiny-mla-p2-nixl": (TINY_MLA, {}, TP2, "nixl"),
 }
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    spec, decode, prefill = FAMILIES[request.param]
+    spec, decode, prefill, backend = FAMILIES[request.param]
+    if backend == "nixl" and not nixl_available():
+        pytest.skip("nixl not installed")
     model = str(make_tiny(tmp_path_factory.mktemp(request.param), spec))
     c = start_cluster(
         tmp_path_factory,
         "tiny-1p1d",
         model,
-        {"decode": [{"name": "d0", "block_size": 16, "kv_layout": "HND", **decode}]},
+        {
+            "decode": [{"name": "d0", "block_size": 16, "kv_layout": "HND", **decode}],
+            "transfer": {"backend": backend},
+        },
         {"p0": prefill},
     )
     wait_until(
