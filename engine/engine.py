@@ -165,6 +165,7 @@ class LLMEngine:
                 prefix_caching=config.prefix_caching,
                 cache_salt=config.cache_salt,
                 window=max(windows) if windows else None,
+                release_window=max(windows) if windows and len(windows) == len(self.layer_windows) else None,
             ),
             BlockManager(num_blocks, config.block_size),
         )

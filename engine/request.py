@@ -124,6 +124,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # The first this many of block_ids fell out of every layer's sliding window and were released: their
+    # ids stay as placeholders, which attention masks (engine/scheduler.py ``_release_out_of_window``).
+    released_blocks: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)  # for the age of the blocks it holds
@@ -134,6 +137,11 @@ class Request:
     index: int = 0  # the sequence's index among the request's n
     grammar: object | None = None  # engine.structured.Grammar when sampling.structured is set, else None
     prompt_logprobs: list[Logprob | None] | None = None  # gathered chunk by chunk until the first output
+
+    @property
+    def held_block_ids(self) -> list[int]:
+        """The blocks it holds a reference to: ``block_ids`` less the released ones."""
+        return self.block_ids[self.released_blocks :]
 
     @property
     def num_prompt_tokens(self) -> int:

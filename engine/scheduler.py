@@ -73,6 +73,9 @@ class SchedulerConfig:
     prefix_caching: bool
     cache_salt: str  # what besides tokens changes K/V (model, dtype): part of every block hash
     window: int | None = None  # the widest sliding window of the model's layers; None: no layer has one
+    # Every layer's window when every layer has one (their widest): a decoding sequence's blocks before it
+    # are never read again and are released. None: some layer attends over everything.
+    release_window: int | None = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +190,8 @@ class Scheduler:
             if self._is_long(request):
                 budget = min(budget, long_chunk)
             num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks)
+            if num_new and self.config.release_window is not None:
+                self._release_out_of_window(request, self.config.release_window)
             if num_new and self._grow_or_preempt(request, request.num_computed + num_new, plan):
                 plan.chunks.append(self._chunk(request, num_new))
         if plan.preempted:
@@ -270,9 +275,9 @@ class Scheduler:
     def block_counts(self) -> dict[str, int]:
         """Blocks by state. ``free`` counts cached blocks with no owner; a block shared by a
         parked and a running request counts as running."""
-        parked = {b for r in self.parked.values() for b in r.block_ids}
+        parked = {b for r in self.parked.values() for b in r.held_block_ids}
         if parked:
-            parked -= {b for r in self.running for b in r.block_ids}
+            parked -= {b for r in self.running for b in r.held_block_ids}
         reserved = len(parked)
         used = self.blocks.num_used
         return {"free": self.blocks.num_free, "reserved": reserved, "running": used - reserved}
@@ -291,9 +296,9 @@ class Scheduler:
             num_requests=len(self.requests),
             num_running=len(self.running),
             holders=tuple(
-                ("reserved" if self.parked.get(r.request_id) is r else "running", r.arrival_time, len(r.block_ids))
+                ("reserved" if self.parked.get(r.request_id) is r else "running", r.arrival_time, len(r.held_block_ids))
                 for r in self.sequences()
-                if r.block_ids
+                if r.held_block_ids
             ),
         )
 
@@ -303,9 +308,10 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
-        owners = Counter(b for r in self.sequences() for b in r.block_ids)
+        owners = Counter(b for r in self.sequences() for b in r.held_block_ids)
         for request in self.sequences():
-            assert len(request.block_ids) == len(set(request.block_ids)), f"{request.request_id} holds a block twice"
+            held = request.held_block_ids
+            assert len(held) == len(set(held)), f"{request.request_id} holds a block twice"
         for block_id, n in owners.items():
             assert self.blocks.blocks[block_id].ref_count == n, f"block {block_id}: {n} owners"
         assert len(owners) == self.blocks.num_used, f"{len(owners)} blocks owned, {self.blocks.num_used} used"
@@ -402,21 +408,33 @@ class Scheduler:
                 return False
         return True
 
+    def _release_out_of_window(self, request: Request, window: int) -> None:
+        """Release the blocks of a decoding sequence that every layer's window has left: its next query,
+        at ``num_computed``, reads keys (num_computed - window, num_computed] and every later one reads
+        later keys. Once its prompt is computed (and its forks took their share of the prompt's blocks);
+        whole blocks only; a block still cached keeps its K/V for whoever finds it (BlockManager.free)."""
+        if request.num_computed < request.num_prompt_tokens:
+            return
+        below = max(request.num_computed - window + 1, 0) // self.blocks.block_size
+        if below > request.released_blocks:
+            self.blocks.free(request.block_ids[request.released_blocks : below])
+            request.released_blocks = below
+
     def _victim(self) -> Request:
         """The sequence to preempt: the most recently started one of a request holding more
         blocks than an equal share of the cache among the running requests (the greedy one
         yields first: ``n`` long sequences, or a very long one), else of any request."""
         held: Counter[str] = Counter()
         for request in self.running:
-            held[request.request_id] += len(request.block_ids)
+            held[request.request_id] += len(request.held_block_ids)
         share = self.blocks.num_blocks / len(held)
         greedy = [r for r in self.running if held[r.request_id] > share]
         return (greedy or self.running)[-1]
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.blocks.free(request.block_ids)
-        request.block_ids = []
+        self.blocks.free(request.held_block_ids)
+        request.block_ids, request.released_blocks = [], 0
         request.num_computed = request.num_hashed_blocks = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -498,8 +516,8 @@ class Scheduler:
         return record_token(request, token, self.config.eos_token_ids, self.config.max_model_len)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
-        self.blocks.free(request.block_ids)
-        request.block_ids = []
+        self.blocks.free(request.held_block_ids)
+        request.block_ids, request.released_blocks = [], 0
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or reason
         sequences = self.requests[request.request_id]
