@@ -42,6 +42,7 @@ import torch
 
 from engine.config import KV_LAYOUTS, EngineConfig, KvLayout
 from engine.mla import latent_width
+from engine.request import window_start
 from engine.tensor_parallel import Shard
 
 
@@ -62,7 +63,7 @@ def layer_tokens_sent(windows: Sequence[int | None], num_tokens: int, num_cached
     attention): a full layer's every token past the cached ones, a window layer's only those the decode
     server's first query (at position ``num_tokens``) reads, the last ``window - 1``. Times one layer's K
     and V of a token (``bytes_per_token // num_layers``): the bytes a request moves."""
-    first = [num_cached if w is None else max(num_cached, num_tokens - w + 1) for w in windows]
+    first = [num_cached if w is None else max(num_cached, window_start(num_tokens, w)) for w in windows]
     return sum(max(num_tokens - f, 0) for f in first)
 
 

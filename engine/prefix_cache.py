@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from engine.block_manager import BlockManager, block_hash, root_hash
-from engine.request import Request
+from engine.request import Request, window_start
 
 
 def chain_root(engine_salt: str, cache_salt: str | None = None) -> int:
@@ -67,7 +67,7 @@ class PrefixCache:
         only positions from ``num_prompt_tokens - window + 1`` on (the first decode query's window)."""
         if self.window is None:
             return
-        bs, first = self.blocks.block_size, request.num_prompt_tokens - self.window + 1
+        bs, first = self.blocks.block_size, window_start(request.num_prompt_tokens, self.window)
         for i in range(request.num_cached_tokens // bs, len(request.block_ids)):
             self.blocks.blocks[request.block_ids[i]].window_from = min(max(first - i * bs, 0), bs)
 

@@ -60,6 +60,12 @@ class StructuredSpec:
     value: str = Field(max_length=1 << 20)
 
 
+def window_start(position: int, window: int) -> int:
+    """The first key a query at ``position`` reads in a layer with a sliding ``window``: it sees keys
+    (position - window, position], as transformers masks them."""
+    return max(position - window + 1, 0)
+
+
 def kv_blocks_needed(num_prompt_tokens: int, max_tokens: int, n: int, block_size: int) -> int:
     """The most KV blocks a request can hold at once if none of its ``n`` sequences stops
     early: the prompt's full blocks, shared by the sequences, and each sequence's own

@@ -58,6 +58,7 @@ from engine.request import (
     Request,
     RequestStatus,
     StepOutput,
+    window_start,
 )
 from engine.sequences import fork_sequence, record_token
 
@@ -415,7 +416,7 @@ class Scheduler:
         whole blocks only; a block still cached keeps its K/V for whoever finds it (BlockManager.free)."""
         if request.num_computed < request.num_prompt_tokens:
             return
-        below = max(request.num_computed - window + 1, 0) // self.blocks.block_size
+        below = window_start(request.num_computed, window) // self.blocks.block_size
         if below > request.released_blocks:
             self.blocks.free(request.block_ids[request.released_blocks : below])
             request.released_blocks = below

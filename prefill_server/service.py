@@ -39,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine import LLMEngine, PrefillChunk, StepOutput
+from engine.request import window_start
 from kvlink.ports import PrefillLinkFactory
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
@@ -290,8 +291,8 @@ class PrefillService:
                 if job.computing is None:
                     job.computing = time.monotonic()
                 start = max(chunk.start, job.num_cached_tokens)
-                if window is not None:  # the decode server's first query, at num_tokens, reads keys past this
-                    start = max(start, job.num_tokens - window + 1)
+                if window is not None:  # the decode server's first query, at num_tokens, reads keys from here
+                    start = max(start, window_start(job.num_tokens, window))
                 if start < chunk.end:
                     self._sender.push_layer(job.transfer_id, layer, chunk.block_ids, start, chunk.end)
                     job.layer_tokens += chunk.end - start
