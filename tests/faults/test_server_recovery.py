@@ -12,7 +12,6 @@ from prometheus_client import generate_latest
 from decode_server.app import create_app
 from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine, SamplingParams
-from prefill_server.service import PrefillService
 from server_common.faults import FaultInjector
 from server_common.settings import ServerSettings
 from tests.support.scripted import (
@@ -21,7 +20,7 @@ from tests.support.scripted import (
     generate_request,
     prefill_request,
     run_decode_service,
-    scripted_link,
+    run_prefill_service,
 )
 from tests.waiting import until
 from transfer.outcome import DECIDED_BY_DECODE, Outcome
@@ -87,23 +86,6 @@ def test_blocks_by_age_show_a_waiting_reservation(decode_engine):
     run_decode_service(decode_engine, scenario)
 
 
-def run_prefill(engine, scenario):
-    make_link, made = scripted_link()
-    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_link)
-    (sender,) = made
-
-    async def main():
-        await service.start()
-        try:
-            await scenario(service, sender)
-            await until(lambda: service.engine_thread.stats.scheduler.free == 16)
-        finally:
-            await service.stop()
-
-    asyncio.run(main())
-    engine.check_integrity()
-
-
 def test_a_prefill_aborted_before_it_arrived_is_refused_without_any_work(prefill_engine):
     async def scenario(service, sender):
         assert not await service.abort("late")  # the router gave up first
@@ -112,7 +94,7 @@ def test_a_prefill_aborted_before_it_arrived_is_refused_without_any_work(prefill
         assert info.value.code == "aborted"
         assert not [c for c in sender.calls if c[0] == "begin"]
 
-    run_prefill(prefill_engine, scenario)
+    run_prefill_service(prefill_engine, scenario)
 
 
 @pytest.mark.parametrize(
@@ -130,7 +112,7 @@ def test_prefill_failure_passes_the_transfer_outcome_on_unchanged(prefill_engine
         assert (info.value.status, info.value.code) == (502, code)
         assert (info.value.code in DECIDED_BY_DECODE) == decided
 
-    run_prefill(prefill_engine, scenario)
+    run_prefill_service(prefill_engine, scenario)
 
 
 def test_the_admin_fault_routes_exist_only_when_fault_injection_is_on(decode_engine):

@@ -13,9 +13,7 @@ import prefill_server.service
 from engine import EngineConfig, LLMEngine
 from engine.make_model import TINY_SWA, make_tiny
 from engine.request import SamplingParams
-from prefill_server.service import PrefillService
-from server_common.settings import ServerSettings
-from tests.support.scripted import prefill_request, scripted_link
+from tests.support.scripted import prefill_request, run_prefill_service
 from tests.waiting import until
 from transfer.outcome import Outcome
 from wire.replies import WorkerError
@@ -36,23 +34,6 @@ def engine(tiny_model):
     )
 
 
-def run(engine, scenario):
-    make_link, made = scripted_link()
-    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_link)
-    (sender,) = made
-
-    async def main():
-        await service.start()
-        try:
-            await scenario(service, sender)
-            await until(lambda: service.engine_thread.stats.scheduler.free == 16)
-        finally:
-            await service.stop()
-
-    asyncio.run(main())
-    engine.check_integrity()
-
-
 def test_chunked_prompt_pushes_every_layer_and_holds_blocks_until_the_transfer_ended(engine):
     async def scenario(service, sender):
         task = asyncio.ensure_future(service.prefill(prefill_request("a", 13)))
@@ -71,7 +52,7 @@ def test_chunked_prompt_pushes_every_layer_and_holds_blocks_until_the_transfer_e
         exposed = sample("pdserve_transfer_exposed_seconds_sum")
         assert 0.2 <= exposed < sample("pdserve_transfer_seconds_sum") == pytest.approx(result.seconds)
 
-    run(engine, scenario)
+    run_prefill_service(engine, scenario)
 
 
 def test_failed_transfer_answers_502_and_releases_the_blocks(engine):
@@ -83,7 +64,7 @@ def test_failed_transfer_answers_502_and_releases_the_blocks(engine):
             await task
         assert info.value.status == 502 and "checksum mismatch" in info.value.message
 
-    run(engine, scenario)
+    run_prefill_service(engine, scenario)
 
 
 def test_abort_stops_the_job_and_tells_the_sender(engine):
@@ -98,7 +79,7 @@ def test_abort_stops_the_job_and_tells_the_sender(engine):
         sender.end("t-c", Outcome.ABORTED, "aborted")  # late report: nothing left to do
         assert not await service.abort("c")
 
-    run(engine, scenario)
+    run_prefill_service(engine, scenario)
 
 
 def test_bookkeeping_is_empty_once_every_job_ended(engine):
@@ -121,7 +102,7 @@ def test_bookkeeping_is_empty_once_every_job_ended(engine):
         }
         assert idle["timeline_entries"] == 2
 
-    run(engine, scenario)
+    run_prefill_service(engine, scenario)
 
 
 def test_aborted_request_ids_are_remembered_up_to_the_bound(engine, monkeypatch):
@@ -139,7 +120,7 @@ def test_aborted_request_ids_are_remembered_up_to_the_bound(engine, monkeypatch)
         sender.end("t-gone-0", Outcome.OK)
         assert (await task).num_tokens == 5
 
-    run(engine, scenario)
+    run_prefill_service(engine, scenario)
 
 
 def test_expired_reservation_is_refused_before_any_work(engine):
@@ -151,7 +132,7 @@ def test_expired_reservation_is_refused_before_any_work(engine):
             await service.prefill(stale)
         assert info.value.code == "lease_expired" and sender.calls == []
 
-    run(engine, scenario)
+    run_prefill_service(engine, scenario)
 
 
 def test_the_result_has_every_sequence_s_first_token_with_its_logprob_and_the_prompt_s(engine):
@@ -171,7 +152,7 @@ def test_the_result_has_every_sequence_s_first_token_with_its_logprob_and_the_pr
         assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == 9
         assert all(len(lp.top) == 1 for lp in result.prompt_logprobs[1:])
 
-    run(engine, scenario)
+    run_prefill_service(engine, scenario)
 
 
 @pytest.fixture(scope="module")
@@ -197,4 +178,4 @@ def test_window_layers_push_only_the_tokens_the_decode_server_s_first_query_read
         assert result.transfer_bytes == (3 * 7 + 13) * per_layer_token
         assert service.metrics.registry.get_sample_value("pdserve_transfer_bytes_total") == result.transfer_bytes
 
-    run(swa_engine, scenario)
+    run_prefill_service(swa_engine, scenario)

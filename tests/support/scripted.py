@@ -207,3 +207,24 @@ def run_decode_service(engine, scenario, **settings) -> str:
     asyncio.run(main())
     engine.check_integrity()
     return generate_latest(service.metrics.registry).decode()
+
+
+def run_prefill_service(engine, scenario) -> None:
+    """Serve ``engine`` (a prefill engine) as prefill server p0 with a scripted sender, run
+    ``await scenario(service, sender)``, then wait until every block is free again and check the engine."""
+    from prefill_server.service import PrefillService
+
+    make_link, made = scripted_link()
+    service = PrefillService(ServerSettings(name="p0", role="prefill", engine=engine.config), engine, make_link)
+    (sender,) = made
+
+    async def main():
+        await service.start()
+        try:
+            await scenario(service, sender)
+            await until(lambda: service.engine_thread.stats.scheduler.free == engine.config.num_blocks)
+        finally:
+            await service.stop()
+
+    asyncio.run(main())
+    engine.check_integrity()
