@@ -74,41 +74,43 @@ def request_for(kind: str, prompt: str, model: str, max_tokens: int) -> tuple[st
     raise ValueError(f"unknown kind {kind!r}")
 
 
-def send(http: httpx.Client, url: str, path: str, body: dict) -> str:
-    """One request; its result: ``ok``, an HTTP status, ``stream_error``, ``timeout`` or ``transport``."""
+def send(http: httpx.Client, url: str, path: str, body: dict) -> tuple[str, str]:
+    """One request; its result (``ok``, an HTTP status, ``stream_error``, ``timeout`` or ``transport``)
+    and, for an error, what was seen (a body's start, the exception)."""
     try:
         if not body.get("stream"):
             resp = http.post(url + path, json=body)
-            return "ok" if resp.status_code == 200 else str(resp.status_code)
+            return ("ok", "") if resp.status_code == 200 else (str(resp.status_code), resp.text[:300])
         with http.stream("POST", url + path, json=body) as resp:
             if resp.status_code != 200:
-                resp.read()
-                return str(resp.status_code)
+                return str(resp.status_code), resp.read()[:300].decode(errors="replace")
             for line in resp.iter_lines():
                 if line == "data: [DONE]":
-                    return "ok"
+                    return "ok", ""
                 if line.startswith("data: ") and "error" in json.loads(line[len("data: ") :]):
-                    return "stream_error"
-            return "stream_error"  # cut before [DONE]
-    except httpx.TimeoutException:
-        return "timeout"
-    except (httpx.HTTPError, ValueError):
-        return "transport"
+                    return "stream_error", line[:300]
+            return "stream_error", "cut before [DONE]"
+    except httpx.TimeoutException as e:
+        return "timeout", repr(e)
+    except (httpx.HTTPError, ValueError) as e:
+        return "transport", repr(e)
 
 
 @dataclass
 class Tally:
-    """Outcomes by (kind, result), and when each error happened (monotonic)."""
+    """Outcomes by (kind, result), and when each error happened (monotonic) with what was seen."""
 
     counts: Counter = field(default_factory=Counter)
     errors_at: list[tuple[float, str, str]] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, kind: str, result: str, at: float) -> None:
+    def add(self, kind: str, result: str, at: float, detail: str = "") -> None:
         with self.lock:
             self.counts[(kind, result)] += 1
             if result != "ok":
                 self.errors_at.append((at, kind, result))
+                self.details.append(f"{kind} {result}: {detail}")
 
     def total(self) -> int:
         with self.lock:
@@ -168,6 +170,7 @@ class MixLoad:
                 kind = rng.choices(self.kinds, self.weights)[0]
                 prompt = " ".join(rng.choices(WORDS, k=rng.randint(1, self.max_words)))
                 path, body = request_for(kind, prompt, self.model, self.max_tokens)
-                self.tally.add(kind, send(http, self.url, path, body), time.monotonic())
+                result, detail = send(http, self.url, path, body)
+                self.tally.add(kind, result, time.monotonic(), detail)
                 if self._pause_s:
                     self._stop.wait(self._pause_s)  # a client's think time; stop() ends it

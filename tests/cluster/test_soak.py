@@ -50,7 +50,7 @@ def test_after_a_steady_mix_no_request_is_left_and_fds_and_threads_are_back_to_i
             until_answered(primer, 60)
         finally:
             primer.stop()
-        assert primer.tally.errors() == 0, primer.tally.counts
+        assert primer.tally.errors() == 0, (primer.tally.counts, primer.tally.details)
         idle, left, _ = settle(run_dir, cluster.http, headers, [], t0, SETTLE_S)
         assert left == {}
         assert {s.name for s in idle} == {"router", "p0", "d0"}
@@ -65,7 +65,7 @@ def test_after_a_steady_mix_no_request_is_left_and_fds_and_threads_are_back_to_i
             soak.stop()
         final, left, over = settle(run_dir, cluster.http, headers, idle, t0, SETTLE_S, warm)
 
-        assert soak.tally.errors() == 0, soak.tally.counts
+        assert soak.tally.errors() == 0, (soak.tally.counts, soak.tally.details)
         assert {kind for kind, _ in soak.tally.counts} == set(parse_mix(DEFAULT_MIX))  # every kind was sent
         assert left == {}, f"per-request bookkeeping left after the load: {left}"
         assert over == {}, f"fds or threads above idle (idle, now): {over}"

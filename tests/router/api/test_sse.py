@@ -33,3 +33,17 @@ def test_a_chunk_template_writes_what_the_model_would_for_any_text():
             event = template.event(text, reason)
             assert event.startswith("data: ") and event.endswith("\n\n")
             assert json.loads(event[6:]) == json.loads(sse_event(make(text, reason), exclude)[6:])
+
+
+def test_every_event_stays_one_line_for_readers_that_split_with_splitlines():
+    """httpx's ``iter_lines`` splits at U+0085, U+2028 and U+2029 too; a token's text may hold them."""
+
+    def make(text, reason):
+        return out.Completion(
+            id="c", created=1, model="m", choices=[out.CompletionChoice(text=text, finish_reason=reason)]
+        )
+
+    text = "a\x85b\u2028c\u2029d"
+    for event in (sse_event(make(text, None)), sse_event({"t": text}), ChunkTemplate(make).event(text)):
+        assert event.splitlines() == [event.removesuffix("\n\n"), ""]
+        assert text in json.dumps(json.loads(event[6:]), ensure_ascii=False)
