@@ -13,7 +13,9 @@ block; ``match`` finds the longest run of cached blocks for a chain of hashes;
 ``take`` gives a request one more reference to each. A block whose last owner
 frees it keeps its hash and goes to the LRU: it still counts as free for
 capacity and is evicted (its hash dropped) only when a fresh block is needed
-and the free heap is empty. Free blocks are handed out lowest id first, so a
+and the free heap is empty; ``on_evict(block_id, hash)`` is told first, while
+the block still holds that K/V (engine/tiers/kv.py writes it to a lower tier),
+for a block every layer of which holds all its slots. Free blocks are handed out lowest id first, so a
 fresh allocation is usually one contiguous run of ids: the transfer layer
 merges contiguous runs into single writes.
 """
@@ -24,7 +26,7 @@ import hashlib
 import heapq
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.kv_events import KvEventLog
@@ -65,6 +67,7 @@ class BlockManager:
         self._by_hash: dict[int, int] = {}  # hash -> block id, for every block holding a hash
         self.evictions = 0  # cached blocks whose hash was dropped to make room
         self.events = events or KvEventLog()  # every hash stored and evicted (engine/kv_events.py)
+        self.on_evict: Callable[[int, int], None] | None = None  # (block id, hash) of a cached block evicted
 
     @property
     def num_free(self) -> int:
@@ -96,6 +99,8 @@ class BlockManager:
                 self._free_set.remove(block_id)
             else:
                 block_id, _ = self._lru.popitem(last=False)
+                if self.on_evict is not None and self.blocks[block_id].window_from == 0:
+                    self.on_evict(block_id, self.blocks[block_id].block_hash)
                 del self._by_hash[self.blocks[block_id].block_hash]
                 self.events.evicted(self.blocks[block_id].block_hash)
                 self.blocks[block_id].block_hash = NO_HASH

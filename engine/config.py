@@ -39,6 +39,23 @@ ModelLen = Annotated[int, Field(ge=2)]  # a prompt token and one to generate, at
 
 
 @checked_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class KvTiersConfig:
+    """Tiers below the KV cache (engine/tiers/): the blocks the prefix cache evicts are written there and
+    read back when a later prompt's chain continues past the cache. At least one tier."""
+
+    host_bytes: AtLeastOne | None = None  # a host-memory pool of this many bytes; None: none
+    disk_path: str | None = None  # a folder of one file per block (under a subfolder per layout); None: none
+    disk_bytes: AtLeastOne | None = None  # the disk tier's bytes, at most (required with disk_path)
+    queue_blocks: AtLeastOne = 256  # blocks waiting for a tier's writer, at most; past it a write is dropped
+
+    def __post_init__(self) -> None:
+        if self.host_bytes is None and self.disk_path is None:
+            raise ValueError("kv_tiers names no tier: set host_bytes, or disk_path and disk_bytes")
+        if (self.disk_path is None) != (self.disk_bytes is None):
+            raise ValueError("kv_tiers: disk_path and disk_bytes go together")
+
+
+@checked_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
 class EngineConfig:
     """What an engine needs to know; derived values are properties.
 
@@ -71,8 +88,12 @@ class EngineConfig:
     # Decode-only steps replayed as CUDA graphs, one per padded batch size (engine/decode_graphs.py): CUDA,
     # one rank, the Triton backend. Off until measured on a device.
     cuda_graphs: bool = False
+    # Host-memory and disk tiers for evicted prefix blocks (engine/tiers/); None: off. One rank only.
+    kv_tiers: KvTiersConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.kv_tiers is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_tiers hold one rank's blocks: they need tensor_parallel_size 1")
         if self.expert_parallel_size not in (1, self.tensor_parallel_size):
             raise ValueError(
                 f"expert_parallel_size must be 1 or tensor_parallel_size ({self.tensor_parallel_size}), "

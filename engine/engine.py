@@ -28,6 +28,8 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from engine.sequences import record_token
 from engine.structured import StructuredOutputs
 from engine.tensor_parallel import Shard
+from engine.tiers.kv import KvTiers, layout_fingerprint
+from engine.tiers.tier import TierStats
 
 if TYPE_CHECKING:
     from engine.tp_leader import RankProcesses
@@ -71,6 +73,7 @@ class EngineCounters:
     preemptions: int = 0
     prefix_queries_tokens: int = 0  # tokens looked up in the prefix cache
     prefix_hits_tokens: int = 0  # of those, tokens whose K/V was reused, not computed
+    tier_hits_tokens: int = 0  # of those, tokens whose K/V was loaded from a lower tier (engine/tiers/)
 
     def add_prefix_lookup(self, queried: int, hits: int) -> None:
         self.prefix_queries_tokens += queried
@@ -86,6 +89,7 @@ class EngineCounters:
         self.decode_tokens += decode
         self.preemptions += len(plan.preempted)
         self.add_prefix_lookup(plan.prefix_queried, plan.prefix_hits)
+        self.tier_hits_tokens += plan.tier_hits
 
     def copy(self) -> EngineCounters:
         return EngineCounters(
@@ -96,6 +100,7 @@ class EngineCounters:
             self.preemptions,
             self.prefix_queries_tokens,
             self.prefix_hits_tokens,
+            self.tier_hits_tokens,
         )
 
 
@@ -105,6 +110,7 @@ class EngineStats:
 
     scheduler: SchedulerStats = field(default_factory=SchedulerStats)
     counters: EngineCounters = field(default_factory=EngineCounters)
+    tiers: tuple[TierStats, ...] = ()  # each KV tier's counters (engine/tiers/), host first
 
 
 class LLMEngine:
@@ -139,6 +145,7 @@ class LLMEngine:
             config.torch_dtype,
         )
         self.ranks: RankProcesses | None = None
+        self.tiers: KvTiers | None = None
         group = None
         if size > 1:
             from engine.tp_group import COLLECTIVE_TIMEOUT_S, TPGroup
@@ -151,9 +158,15 @@ class LLMEngine:
             self.cache = KVCache.for_shard(cfg, shard, num_blocks, head_dim, config, device)
             if self.ranks is not None:
                 self.ranks.connect()
+            if config.kv_tiers is not None and config.prefix_caching:
+                fingerprint = layout_fingerprint(self.cache, config.cache_salt, config.model)
+                self.tiers = KvTiers.open(config.kv_tiers, self.cache, fingerprint)
         except BaseException:
             self.close()
             raise
+        blocks = BlockManager(num_blocks, config.block_size)
+        if self.tiers is not None:
+            blocks.on_evict = self.tiers.evicted
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -167,7 +180,8 @@ class LLMEngine:
                 window=max(windows) if windows else None,
                 release_window=max(windows) if windows and len(windows) == len(self.layer_windows) else None,
             ),
-            BlockManager(num_blocks, config.block_size),
+            blocks,
+            self.tiers,
         )
         rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
         self.runner = ModelRunner(
@@ -263,7 +277,10 @@ class LLMEngine:
         return None if self.ranks is None else self.ranks.problem()
 
     def close(self) -> None:
-        """Stops the other ranks of a tensor-parallel engine (nothing to do for one rank)."""
+        """Stops the other ranks of a tensor-parallel engine and the KV tiers' writers (after their
+        queued writes)."""
+        if self.tiers is not None:
+            self.tiers.close()
         if self.ranks is not None:
             self.ranks.close()
 
@@ -278,7 +295,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         """What /health and /metrics show: blocks by state, queues, step counters (a copy)."""
-        return EngineStats(self.scheduler.stats(), self.counters.copy())
+        tiers = () if self.tiers is None else self.tiers.stats()
+        return EngineStats(self.scheduler.stats(), self.counters.copy(), tiers)
 
     # ---- stepping ----------------------------------------------------------
     def step(self, layer_hook: LayerHook | None = None) -> list[StepOutput]:

@@ -20,6 +20,7 @@ notes it on the blocks (``Block.window_from``) and ``lookup`` takes a hit of
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 from engine.block_manager import BlockManager, block_hash, root_hash
 from engine.request import Request, window_start
@@ -44,6 +45,18 @@ def chain_hashes(
     return hashes
 
 
+class BlockTiers(Protocol):
+    """Lower tiers holding evicted blocks by hash (engine/tiers/kv.py ``KvTiers``)."""
+
+    def available(self, hashes: Sequence[int]) -> int:
+        """How many of ``hashes``, in a run from the first, some tier lists."""
+        ...
+
+    def load(self, hashes: Sequence[int], block_ids: Sequence[int]) -> int:
+        """Copy blocks ``hashes`` into ``block_ids``, first first, until one is not served; how many."""
+        ...
+
+
 class PrefixCache:
     def __init__(self, blocks: BlockManager, enabled: bool, salt: str, window: int | None = None) -> None:
         """``window``: the widest sliding window of the model's layers (None: no layer has one)."""
@@ -62,6 +75,22 @@ class PrefixCache:
             ids.pop()
         return ids
 
+    def lookup_tiers(self, request: Request, cached: list[int], tiers: BlockTiers | None) -> list[int]:
+        """Hashes of the blocks after ``cached`` (what ``lookup`` found) that ``tiers`` list, in a run, the
+        request's last token always left out; a loaded block holds every layer's K/V, so the run is trimmed
+        only where the window of a hit ending in it would reach a cached block that does not."""
+        if tiers is None or not self.enabled or request.wants_prompt_logprobs:
+            return []
+        limit = (request.num_tokens - 1) // self.blocks.block_size
+        if len(cached) >= limit:
+            return []
+        hashes = self.hashes(request, limit)[len(cached) :]
+        n = tiers.available(hashes)
+        froms = [self.blocks.blocks[i].window_from for i in cached]
+        while n and not self._window_held_from(froms + [0] * n):
+            n -= 1
+        return hashes[:n]
+
     def mark_remote(self, request: Request) -> None:
         """The request's prompt K/V past its cached prefix was written remotely: its window layers hold
         only positions from ``num_prompt_tokens - window + 1`` on (the first decode query's window)."""
@@ -73,12 +102,16 @@ class PrefixCache:
 
     def _window_held(self, ids: list[int]) -> bool:
         """Whether every block of a hit of ``ids`` holds window-layer K/V where the next query reads it."""
+        return self._window_held_from([self.blocks.blocks[i].window_from for i in ids])
+
+    def _window_held_from(self, froms: list[int]) -> bool:
+        """``_window_held`` for a hit whose blocks' ``window_from`` are ``froms``."""
         if self.window is None:
             return True
-        bs, end = self.blocks.block_size, len(ids) * self.blocks.block_size
+        bs, end = self.blocks.block_size, len(froms) * self.blocks.block_size
         first = max(end - self.window + 1, 0)  # the first position a query at ``end`` reads
-        for i in range(first // bs, len(ids)):
-            if self.blocks.blocks[ids[i]].window_from > max(first - i * bs, 0):
+        for i in range(first // bs, len(froms)):
+            if froms[i] > max(first - i * bs, 0):
                 return False
         return True
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.config import EngineMode
-from engine.prefix_cache import PrefixCache
+from engine.prefix_cache import BlockTiers, PrefixCache
 from engine.request import (
     ChunkResult,
     FinishReason,
@@ -100,6 +100,7 @@ class SchedulePlan:
     preempted: list[str] = field(default_factory=list)
     prefix_queried: int = 0  # tokens of the requests admitted this step, looked up in the prefix cache
     prefix_hits: int = 0  # of those, tokens found cached (not computed)
+    tier_hits: int = 0  # of those, tokens loaded from a lower tier (engine/tiers/)
 
     @property
     def num_tokens(self) -> int:
@@ -122,9 +123,11 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, tiers: BlockTiers | None = None) -> None:
+        """``tiers``: where a waiting request's prefix continues past the cache (engine/tiers/kv.py)."""
         self.config = config
         self.blocks = block_manager
+        self.tiers = tiers
         self.prefix = PrefixCache(block_manager, config.prefix_caching, config.cache_salt, config.window)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -365,8 +368,10 @@ class Scheduler:
         assert not request.block_ids and request.num_computed == 0
         looks_up = self.config.prefix_caching and not request.wants_prompt_logprobs
         cached = self.prefix.lookup(request)
-        computed = len(cached) * self.blocks.block_size
-        num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks, computed=computed)
+        tiered = self.prefix.lookup_tiers(request, cached, self.tiers)
+        computed = (len(cached) + len(tiered)) * self.blocks.block_size
+        first_in_plan = not plan.chunks
+        num_new = self._num_new_tokens(request, budget, first_in_plan, computed=computed)
         if num_new == 0:
             return False
         fresh = self.blocks.blocks_needed(computed + num_new) - len(cached)
@@ -374,12 +379,39 @@ class Scheduler:
             return False
         self.blocks.take(cached)
         request.block_ids = cached + self.blocks.allocate(fresh)
+        if tiered:
+            loaded = self._load_tiered(request, tiered, len(cached), budget, first_in_plan)
+            if loaded is None:
+                return False
+            computed = (len(cached) + loaded) * self.blocks.block_size
+            plan.tier_hits += loaded * self.blocks.block_size
         request.num_computed = request.num_cached_tokens = computed
-        request.num_hashed_blocks = len(cached)
+        request.num_hashed_blocks = len(cached)  # loaded blocks are registered once this step ends
         if looks_up:
             plan.prefix_queried += request.num_tokens
             plan.prefix_hits += computed
         return True
+
+    def _load_tiered(
+        self, request: Request, tiered: list[int], num_cached: int, budget: int, first_in_plan: bool
+    ) -> int | None:
+        """Load blocks ``tiered`` into the request's fresh blocks after its ``num_cached`` cached ones;
+        how many loaded. A block no tier served intact ends the run: the rest is computed, within the
+        blocks already taken (fewer tokens cached never need more blocks for the step's chunk); blocks
+        left over are freed. None (and every block freed) when the shorter hit leaves nothing to compute
+        this step."""
+        ids = request.block_ids
+        assert self.tiers is not None
+        loaded = self.tiers.load(tiered, ids[num_cached : num_cached + len(tiered)])
+        if loaded == len(tiered):
+            return loaded
+        computed = (num_cached + loaded) * self.blocks.block_size
+        num_new = self._num_new_tokens(request, budget, first_in_plan, computed=computed)
+        keep = self.blocks.blocks_needed(computed + num_new) if num_new else 0
+        assert keep <= len(ids), (keep, len(ids))
+        self.blocks.free(ids[keep:])
+        del ids[keep:]
+        return loaded if num_new else None
 
     def cached_prefix_tokens(self, request: Request) -> int:
         """Tokens of a request not admitted yet that would be found cached now."""

@@ -64,6 +64,7 @@ def _engine_gauges(r: CollectorRegistry, stats: Callable[[], EngineStats]) -> No
     Gauge("pdserve_torch_threads", "torch CPU threads", registry=r).set_function(torch.get_num_threads)
     r.register(_BlockAges(stats))
     r.register(_EngineSteps(stats))
+    r.register(_KvTiers(stats))
 
 
 class ServerMetrics:
@@ -221,8 +222,46 @@ class _EngineSteps:
             value=c.prefix_hits_tokens,
         )
         yield CounterMetricFamily(
+            "pdserve_prefix_cache_tier_hits_tokens",
+            "Of the prefix cache's hits, tokens whose K/V was loaded from a KV tier (host memory, disk)",
+            value=c.tier_hits_tokens,
+        )
+        yield CounterMetricFamily(
             "pdserve_preemptions", "Running requests preempted (freed, recomputed later)", value=c.preemptions
         )
+
+
+class _KvTiers:
+    """Each KV tier's counters (engine/tiers/), labelled by tier (host, disk); nothing when the server has
+    no tiers."""
+
+    COUNTERS = (
+        ("hits", "pdserve_kv_tier_hits", "Blocks a KV tier served (loaded instead of computed)"),
+        ("misses", "pdserve_kv_tier_misses", "Blocks asked of a KV tier and not served (absent or corrupt)"),
+        ("corrupt", "pdserve_kv_tier_corrupt_entries", "KV tier entries whose checksum or length was wrong"),
+        ("dropped_writes", "pdserve_kv_tier_dropped_writes", "Blocks not written to a KV tier (queue full, too big)"),
+        ("bytes_read", "pdserve_kv_tier_read_bytes", "Bytes loaded from a KV tier"),
+        ("bytes_written", "pdserve_kv_tier_written_bytes", "Bytes written to a KV tier"),
+        ("evictions", "pdserve_kv_tier_evictions", "KV tier entries dropped to stay within its byte limit"),
+    )
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self):
+        tiers = self._stats().tiers
+        for key, name, help_text in self.COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=["tier"])
+            for tier in tiers:
+                family.add_metric([tier.name], getattr(tier, key))
+            yield family
+        held = GaugeMetricFamily("pdserve_kv_tier_held_bytes", "Bytes a KV tier holds now", labels=["tier"])
+        limit = GaugeMetricFamily("pdserve_kv_tier_limit_bytes", "A KV tier's byte limit", labels=["tier"])
+        for tier in tiers:
+            held.add_metric([tier.name], tier.bytes_held)
+            limit.add_metric([tier.name], tier.max_bytes)
+        yield held
+        yield limit
 
 
 class _Discarded:

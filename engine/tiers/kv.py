@@ -1,0 +1,113 @@
+"""KV tiers of one engine: evicted blocks written down, a prefix's next blocks read back up.
+
+The engine's block manager calls ``evicted`` when it drops a cached block's hash
+to reuse the block (engine/block_manager.py ``on_evict``): the block's K/V, every
+layer, is copied out of the paged cache at once (before anything overwrites it)
+and handed to every tier (write-through; each tier writes on its own thread).
+At admission the scheduler asks how many of a request's next hashes, past the
+blocks found in the engine's own cache, some tier lists (``available``), takes
+fresh blocks for them and ``load``s them, tier by tier in order (host, then
+disk); a block no tier serves intact ends the run, and the rest is computed::
+
+    request's chain:  h0 h1 h2 | h3 h4 | h5 h6
+                      engine    tiers    computed
+                      (take)    (load into fresh blocks, then registered as computed)
+
+A block's bytes are the cache's ``kv[:, :, block]`` as stored, [layers, K|V,
+slots and heads in the cache's order, width]: K and V planes alike, latents
+of an MLA model (engine/mla.py) too, so every layout round-trips. One
+rank's cache only: an engine split over ranks has no tiers (engine/config.py
+refuses the combination). A block is written only when every layer holds
+all its slots (``Block.window_from`` 0), so a sliding-window prompt whose
+window layers came partly from a prefill server is never tiered.
+
+The disk tier's folder is named by :func:`layout_fingerprint`, so files
+written under another model, dtype, block size or order are never read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from engine.config import KvTiersConfig
+from engine.kv_cache import KVCache
+from engine.tiers.disk import DiskTier
+from engine.tiers.host import HostTier
+from engine.tiers.tier import Tier, TierStats
+
+
+def layout_fingerprint(cache: KVCache, salt: str, model_dir: str) -> str:
+    """16 hex digits naming everything that makes two caches' block bytes differ: the salt (model path,
+    dtype), one block's shape and order, and the model folder's files (names, sizes, modification times)."""
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_dir).iterdir() if p.is_file())
+    shape = tuple(cache.kv[:, :, 0].shape)
+    text = f"{salt}|{cache.order}|{cache.dtype}|{shape}|{files}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class KvTiers:
+    def __init__(self, cache: KVCache, tiers: Sequence[Tier]) -> None:
+        assert tiers, "no tier"
+        self.cache = cache
+        self.tiers = tuple(tiers)
+        self.block_shape = tuple(cache.kv[:, :, 0].shape)
+        self.block_nbytes = cache.kv[:, :, 0].numel() * cache.kv.element_size()
+
+    @classmethod
+    def open(cls, config: KvTiersConfig, cache: KVCache, fingerprint: str) -> KvTiers:
+        """The tiers ``config`` names, host first; the disk tier in ``disk_path/<fingerprint>``."""
+        tiers: list[Tier] = []
+        if config.host_bytes is not None:
+            tiers.append(HostTier(config.host_bytes, config.queue_blocks))
+        if config.disk_path is not None and config.disk_bytes is not None:
+            tiers.append(DiskTier(Path(config.disk_path) / fingerprint, config.disk_bytes, config.queue_blocks))
+        return cls(cache, tiers)
+
+    def evicted(self, block_id: int, h: int) -> None:
+        """Block ``block_id`` (hash ``h``) is about to be reused: copy its K/V out and queue it to every tier."""
+        block = self.cache.kv[:, :, block_id].to("cpu", memory_format=torch.contiguous_format, copy=True)
+        data = block.reshape(-1).view(torch.uint8)
+        for tier in self.tiers:
+            tier.put(h, data)
+
+    def available(self, hashes: Sequence[int]) -> int:
+        """How many of ``hashes`` (a chain, first first) some tier lists, in a run from the first."""
+        n = 0
+        for h in hashes:
+            if not any(tier.contains(h) for tier in self.tiers):
+                break
+            n += 1
+        return n
+
+    def load(self, hashes: Sequence[int], block_ids: Sequence[int]) -> int:
+        """Copy blocks ``hashes`` into cache blocks ``block_ids`` (every layer), first first, until one
+        no tier serves intact; how many were copied."""
+        for n, (h, block_id) in enumerate(zip(hashes, block_ids)):
+            data = self._read(h)
+            if data is None:
+                return n
+            self.cache.kv[:, :, block_id].copy_(data.view(self.cache.dtype).view(self.block_shape))
+        return len(hashes)
+
+    def stats(self) -> tuple[TierStats, ...]:
+        return tuple(tier.stats() for tier in self.tiers)
+
+    def drain(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every tier stored its queued writes; False on timeout."""
+        return all(tier.drain(timeout_s) for tier in self.tiers)
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+    def _read(self, h: int) -> torch.Tensor | None:
+        """Block ``h`` from the first tier that serves it intact and whole."""
+        for tier in self.tiers:
+            data = tier.get(h)
+            if data is not None and data.numel() == self.block_nbytes:
+                return data
+        return None
