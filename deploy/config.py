@@ -204,6 +204,11 @@ class ResponseStoreConfig(Strict):
     """Seconds a stored response is kept."""
     max_rows: int = Field(default=ResponseStoreSettings.max_rows, ge=1)
     """Stored responses kept at most; beyond it the oldest go."""
+    max_events: int = Field(default=ResponseStoreSettings.max_events, ge=16)
+    """Events a background response keeps at most (about one per generated token); one that would need more
+    stops there, its work on the servers freed, and ends failed."""
+    max_event_bytes: int = Field(default=ResponseStoreSettings.max_event_bytes, ge=4096)
+    """Bytes of events a background response keeps at most; past them it stops as past max_events."""
 
     @model_validator(mode="after")
     def _one_backend(self) -> ResponseStoreConfig:
@@ -214,10 +219,17 @@ class ResponseStoreConfig(Strict):
         return self
 
     def settings(self, default_path: str | None) -> ResponseStoreSettings:
-        if self.url is not None:
-            return ResponseStoreSettings(url=self.url.get_secret_value(), ttl_s=self.ttl_s, max_rows=self.max_rows)
+        url = None if self.url is None else self.url.get_secret_value()
         path = self.path or default_path or ResponseStoreSettings.path
-        return ResponseStoreSettings(path=path, ttl_s=self.ttl_s, max_rows=self.max_rows)
+        return ResponseStoreSettings(
+            path=ResponseStoreSettings.path if url is not None else path,
+            url=url,
+            ttl_s=self.ttl_s,
+            max_rows=self.max_rows,
+            max_events=self.max_events,
+            max_event_bytes=self.max_event_bytes,
+        )
+
 
 
 class RouterConfig(Strict):

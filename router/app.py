@@ -26,6 +26,7 @@ from router.admin import add_admin_routes
 from router.api import api_responses as out
 from router.api import openapi
 from router.api.api_requests import ChatCompletionRequest, CompletionRequest
+from router.api.background import EventLimits
 from router.api.grammar_check import GrammarChecker
 from router.api.limits import RequestLimits, openai_413
 from router.api.model import ServedModel
@@ -215,6 +216,7 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
                 for task in tasks:
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
+                await app.state.responses.shutdown()  # background responses end, their rows written
                 app.state.handlers.shutdown()
                 parts.tracing.shutdown()
                 parts.responses.close()
@@ -265,7 +267,9 @@ async def _build_handlers(
         settings.grammar_limits,
         parts.access,
     )
-    app.state.responses = ResponsesHandler(app.state.handlers, parts.responses)
+    store = settings.response_store
+    event_limits = EventLimits(max_events=store.max_events, max_bytes=store.max_event_bytes)
+    app.state.responses = ResponsesHandler(app.state.handlers, parts.responses, event_limits)
     app.state.discovery = Discovery(
         parts.registry,
         http,
@@ -406,7 +410,7 @@ def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
 
 
 def add_responses_routes(app: FastAPI, parts: RouterParts) -> None:
-    """The Responses API (router/api/responses.py): create, get, delete, input items."""
+    """The Responses API (router/api/responses.py): create, get (or stream again), cancel, delete, input items."""
 
     @app.post(
         "/v1/responses",
@@ -424,12 +428,38 @@ def add_responses_routes(app: FastAPI, parts: RouterParts) -> None:
 
     @app.get(
         "/v1/responses/{response_id}",
-        responses=openapi.answered("The stored response.") | openapi.errors(401, 404, 500),
+        responses=openapi.answered(
+            "The stored response; with `stream=true`, a background response's events after `starting_after`.",
+            events="one typed event as JSON, as POST /v1/responses streams them",
+        )
+        | openapi.errors(400, 401, 404, 500),
     )
-    async def get_response(response_id: str, request: Request) -> JSONResponse:
+    async def get_response(
+        response_id: str, request: Request, stream: bool = False, starting_after: int | None = None
+    ) -> Response:
+        """``stream``: a background response's events numbered above ``starting_after`` (all without it),
+        the stored ones and then the live ones until its last (router/api/background.py)."""
         parts.auth.client(request)
-        stored = await request.app.state.responses.get(response_id, parts.auth.owner(request))
+        owner = parts.auth.owner(request)
+        if stream:
+            events = await request.app.state.responses.events(response_id, owner, starting_after)
+            return StreamingResponse(
+                events,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        stored = await request.app.state.responses.get(response_id, owner)
         return JSONResponse(stored.response)
+
+    @app.post(
+        "/v1/responses/{response_id}/cancel",
+        responses=openapi.answered("The response, `cancelled` (or as it ended, if it had).")
+        | openapi.errors(400, 401, 404, 500),
+    )
+    async def cancel_response(response_id: str, request: Request) -> JSONResponse:
+        """Stops a background response: its work on the servers ends, as on a client's disconnect."""
+        parts.auth.client(request)
+        return JSONResponse(await request.app.state.responses.cancel(response_id, parts.auth.owner(request)))
 
     @app.delete(
         "/v1/responses/{response_id}",

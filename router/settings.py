@@ -57,11 +57,14 @@ class CompileSandbox:
 class ResponseStoreSettings:
     """Where ``/v1/responses`` keeps stored responses (router/api/response_store/): a SQLite file, or
     ``:memory:`` (gone with the router); or, with ``url``, a PostgreSQL database several routers share.
-    Rows live ``ttl_s`` and at most ``max_rows`` are kept."""
+    Rows live ``ttl_s`` and at most ``max_rows`` are kept. A background response keeps at most
+    ``max_events`` events of at most ``max_event_bytes`` in all (router/api/background.py)."""
 
     path: str = ":memory:"
     ttl_s: float = 30 * 24 * 3600.0
     max_rows: int = 100_000
+    max_events: int = 65_536
+    max_event_bytes: int = 64 << 20
     # postgresql://user:password@host/db instead of path; it may hold a password, so no repr shows it.
     url: str | None = field(default=None, repr=False)
 

@@ -19,8 +19,10 @@ The answer's output is a message item with one ``output_text`` part and/or ``fun
 the usage in input/output tokens. Streamed, it is OpenAI's typed events (``response.created`` ...
 ``response.completed``), which reassemble to the same response. ``store`` (default true) keeps it
 (router/api/response_store/) for ``GET``, ``DELETE`` and ``input_items``, visible only to the API
-key that made it. Fields that would change the answer and are not supported (``background``,
-``include``, ``reasoning``, ``truncation: auto``, ``conversation``, ``prompt``, ``top_logprobs``,
+key that made it. ``background: true`` (with ``store``) answers at once and runs the response in a task
+of the router's, its events kept for ``GET ?stream=true&starting_after=N`` and stopped by ``cancel``
+(router/api/background.py). Fields that would change the answer and are not supported (``include``,
+``reasoning``, ``truncation: auto``, ``conversation``, ``prompt``, ``top_logprobs``,
 ``max_tool_calls``, ``parallel_tool_calls: false``, non-function tools, non-text input parts) are a
 400 naming them.
 """
@@ -31,7 +33,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -40,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from router.api import api_responses as out
 from router.api.api_requests import MAX_TOOLS, NEW_TOKENS, AtLeast1, ChatCompletionRequest, Seed
+from router.api.background import BackgroundRuns, EventLimits, Run
 from router.api.fanout import Collected, Prepared, SessionGroup, choice_deltas
 from router.api.openai_handlers import Answered, OpenAIHandlers
 from router.api.response_store import ResponseStore, StoredResponse
@@ -129,6 +132,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     store: bool = True
     stream: bool = False
+    background: bool | None = None  # answer at once, run in the router (needs store)
     max_output_tokens: AtLeast1 | None = Field(default=None, json_schema_extra=NEW_TOKENS)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
@@ -144,7 +148,6 @@ class ResponsesRequest(BaseModel):
     # Not supported: only the value that asks for nothing.
     parallel_tool_calls: Literal[True] | None = Field(default=None, description="an answer may call several tools")
     truncation: Literal["disabled"] | None = Field(default=None, description="auto is not supported")
-    background: Literal[False] | None = Field(default=None, description="not supported")
     include: Annotated[list[str], Field(max_length=0)] | None = Field(default=None, description="not supported")
     reasoning: None = Field(default=None, description="not supported")
     conversation: None = Field(default=None, description="not supported: use previous_response_id")
@@ -331,6 +334,7 @@ class Turn:
     items: list[dict[str, Any]]  # this turn's input items
     history: list[dict[str, Any]]  # the stored conversation it continues (chat messages)
     created_at: float = field(default_factory=time.time)
+    run: Run | None = None  # a background response's: its rows are written by its writer, in order
 
     def response(
         self,
@@ -347,6 +351,7 @@ class Turn:
         return {
             "id": self.response_id,
             "object": "response",
+            "background": bool(r.background),
             "created_at": self.created_at,
             "status": "incomplete" if incomplete and status == "completed" else status,
             "completed_at": time.time() if status == "completed" else None,
@@ -392,14 +397,17 @@ def _sse(event: dict[str, Any]) -> str:
 class ResponsesHandler:
     """The Responses endpoints, over the chat handlers and a store."""
 
-    def __init__(self, handlers: OpenAIHandlers, store: ResponseStore) -> None:
+    def __init__(self, handlers: OpenAIHandlers, store: ResponseStore, limits: EventLimits | None = None) -> None:
         self.handlers = handlers
         self.store = store
+        self.runs = BackgroundRuns(store, limits or EventLimits())
 
     async def create(
         self, req: ResponsesRequest, owner: str, request_id: str, traceparent: str | None = None, body_bytes: int = 0
     ) -> Answered:
         """``owner``: who may read it back (response_store.owner_of the request's API key)."""
+        if req.background and not req.store:
+            raise OpenAIError(400, "background: true needs store: true", param="background")
         history, prefer = [], None
         if req.previous_response_id is not None:
             previous = await asyncio.to_thread(self.store.get, req.previous_response_id, owner)
@@ -419,6 +427,8 @@ class ResponsesHandler:
         except OpenAIError as exc:  # named as the chat path calls it: renamed to this API's field
             raise renamed(exc) from None
         p.prefer_decode = prefer
+        if req.background:
+            return await self._background(turn, p)
         if req.stream:
             sessions = await h.open(p)
             return SessionGroup(sessions), self._stream(turn, p, sessions)
@@ -442,10 +452,35 @@ class ResponsesHandler:
                 turn.conversation(output),
                 decode,
             )
-            await asyncio.to_thread(self.store.put, stored)
+            if turn.run is not None:
+                turn.run.add(stored)
+            else:
+                await asyncio.to_thread(self.store.put, stored)
         return answer
 
-    async def _stream(self, turn: Turn, p: Prepared, sessions: list[Session]) -> AsyncIterator[str]:
+    async def _background(self, turn: Turn, p: Prepared) -> Answered:
+        """Stores the response ``queued`` and starts it in a task of the router's; answers the response
+        (or, with ``stream``, its events as they come)."""
+        model = self.handlers.model.name
+
+        def row(status: str, output: list[dict[str, Any]], error: dict[str, Any] | None) -> StoredResponse:
+            answer = {**turn.response(status, output, None, model), "error": error}
+            conversation = turn.conversation(output)
+            return StoredResponse(turn.response_id, turn.owner, turn.created_at, answer, turn.items, conversation)
+
+        async def begin(run: Run) -> AsyncGenerator[str, None]:
+            turn.run = run
+            sessions = await self.handlers.open(p)
+            return self._stream(turn, p, sessions)
+
+        queued = row("queued", [], None)
+        await asyncio.to_thread(self.store.put, queued)
+        self.runs.start(turn.response_id, begin, row)
+        if turn.req.stream:
+            return SessionGroup([]), self.runs.events(turn.response_id, turn.owner, None)
+        return None, Response(json.dumps(queued.response), media_type="application/json")
+
+    async def _stream(self, turn: Turn, p: Prepared, sessions: list[Session]) -> AsyncGenerator[str, None]:
         model = self.handlers.model.name
         events = OutputEvents(p.request_id)
         got = Collected()
@@ -478,10 +513,19 @@ class ResponsesHandler:
             await self.handlers.close(p, sessions, got.count)
 
     async def get(self, response_id: str, owner: str) -> StoredResponse:
-        stored = await asyncio.to_thread(self.store.get, response_id, owner)
-        if stored is None:
-            raise OpenAIError(404, f"no stored response with id {response_id!r}", param="response_id", code="not_found")
-        return stored
+        return await self.runs.get(response_id, owner)
+
+    async def events(self, response_id: str, owner: str, starting_after: int | None) -> AsyncIterator[str]:
+        """A background response's events after ``starting_after`` (checked first: 404, 400)."""
+        await self.runs.check_stream(await self.get(response_id, owner), starting_after)
+        return self.runs.events(response_id, owner, starting_after)
+
+    async def cancel(self, response_id: str, owner: str) -> dict[str, Any]:
+        return await self.runs.cancel(response_id, owner)
+
+    async def shutdown(self) -> None:
+        """The router stops: the background responses it runs end (``failed``)."""
+        await self.runs.shutdown()
 
     async def delete(self, response_id: str, owner: str) -> dict[str, Any]:
         if not await asyncio.to_thread(self.store.delete, response_id, owner):

@@ -13,6 +13,7 @@ PRUNE_EVERY_S = 60.0  # a store deletes expired and surplus rows at most this of
 COLUMNS = "id, owner, created_at, response, input_items, conversation, decode_worker"
 
 Row = tuple[str, str, float, str, str, str, str | None]
+Event = tuple[int, str]  # a background response's event: its sequence number and its text (one SSE event)
 
 
 def owner_of(api_key: str | None) -> str:
@@ -67,6 +68,26 @@ class ResponseStore(Protocol):
 
     def count(self) -> int:
         """Rows held, expired ones not yet pruned included."""
+        ...
+
+    # A background response's event log: its events numbered 0, 1, ... in order, kept beside its row
+    # (and deleted, pruned, with it), so that any router sharing the store can stream them. The row's
+    # owner guards them: callers read the row (``get``) before its events.
+
+    def append_events(self, response_id: str, events: list[Event]) -> bool:
+        """Adds ``events`` (none: only the question) to the log; whether a cancel was asked for it."""
+        ...
+
+    def events_after(self, response_id: str, after: int, limit: int) -> list[Event]:
+        """At most ``limit`` events numbered above ``after``, in order."""
+        ...
+
+    def event_count(self, response_id: str) -> int:
+        """Events in the log (numbered 0 to this less one)."""
+        ...
+
+    def request_cancel(self, response_id: str) -> None:
+        """Asks whichever router runs the response to stop it (it learns so on its next ``append_events``)."""
         ...
 
     def close(self) -> None: ...

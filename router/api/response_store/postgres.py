@@ -19,7 +19,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow
 
-from router.api.response_store.base import COLUMNS, PRUNE_EVERY_S, StoredResponse
+from router.api.response_store.base import COLUMNS, PRUNE_EVERY_S, Event, StoredResponse
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS responses (
@@ -32,7 +32,15 @@ SCHEMA = (
         decode_worker TEXT           -- the decode server that answered (a routing hint for the next turn)
     )""",
     "CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at)",
+    """CREATE TABLE IF NOT EXISTS response_events (  -- a background response's events, in order
+        response_id TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        data TEXT NOT NULL,
+        PRIMARY KEY (response_id, seq)
+    )""",
+    "CREATE TABLE IF NOT EXISTS response_cancels (response_id TEXT PRIMARY KEY)",  # asked to stop
 )
+EVENT_TABLES = ("response_events", "response_cancels")
 # Routers starting together would race in CREATE TABLE IF NOT EXISTS (a duplicate-key error on the
 # catalog): each holds this advisory lock while it creates the table.
 SCHEMA_LOCK = 0x7064_7365_7276_6531
@@ -103,10 +111,50 @@ class PostgresResponseStore:
 
     def delete(self, response_id: str, owner: str) -> bool:
         # Retried on a new connection after a drop, a delete that went through before it reads as not found.
-        cursor = self._call(
-            lambda conn: conn.execute("DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner))
+        def delete(conn: Connection) -> bool:
+            with conn.transaction():
+                cursor = conn.execute("DELETE FROM responses WHERE id = %s AND owner = %s", (response_id, owner))
+                if cursor.rowcount > 0:
+                    for table in EVENT_TABLES:
+                        conn.execute(f"DELETE FROM {table} WHERE response_id = %s", (response_id,))
+            return cursor.rowcount > 0
+
+        return self._call(delete)
+
+    def append_events(self, response_id: str, events: list[Event]) -> bool:
+        def append(conn: Connection) -> bool:
+            if events:
+                with conn.transaction(), conn.cursor() as cursor:  # retried after a drop: the events already in stay
+                    cursor.executemany(
+                        "INSERT INTO response_events VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
+                        [(response_id, seq, data) for seq, data in events],
+                    )
+            asked = conn.execute("SELECT 1 FROM response_cancels WHERE response_id = %s", (response_id,))
+            return asked.fetchone() is not None
+
+        return self._call(append)
+
+    def events_after(self, response_id: str, after: int, limit: int) -> list[Event]:
+        rows = self._call(
+            lambda conn: conn.execute(
+                "SELECT seq, data FROM response_events WHERE response_id = %s AND seq > %s ORDER BY seq LIMIT %s",
+                (response_id, after, limit),
+            ).fetchall()
         )
-        return cursor.rowcount > 0
+        return [(int(seq), data) for seq, data in rows]
+
+    def event_count(self, response_id: str) -> int:
+        row = self._call(
+            lambda conn: conn.execute(
+                "SELECT COUNT(*) FROM response_events WHERE response_id = %s", (response_id,)
+            ).fetchone()
+        )
+        return 0 if row is None else int(row[0])
+
+    def request_cancel(self, response_id: str) -> None:
+        self._call(
+            lambda conn: conn.execute("INSERT INTO response_cancels VALUES (%s) ON CONFLICT DO NOTHING", (response_id,))
+        )
 
     def count(self) -> int:
         row = self._call(lambda conn: conn.execute("SELECT COUNT(*) FROM responses").fetchone())
@@ -153,3 +201,5 @@ class PostgresResponseStore:
             "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at DESC OFFSET %s)",
             (self.max_rows,),
         )
+        for table in EVENT_TABLES:
+            conn.execute(f"DELETE FROM {table} WHERE response_id NOT IN (SELECT id FROM responses)")

@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from router.api.response_store.base import COLUMNS, PRUNE_EVERY_S, StoredResponse
+from router.api.response_store.base import COLUMNS, PRUNE_EVERY_S, Event, StoredResponse
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -22,6 +22,15 @@ CREATE TABLE IF NOT EXISTS responses (
     decode_worker TEXT           -- the decode server that answered (a routing hint for the next turn)
 );
 CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created_at);
+CREATE TABLE IF NOT EXISTS response_events (  -- a background response's events, in order
+    response_id TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    data TEXT NOT NULL,
+    PRIMARY KEY (response_id, seq)
+);
+CREATE TABLE IF NOT EXISTS response_cancels (  -- background responses a client asked to stop
+    response_id TEXT PRIMARY KEY
+);
 """
 
 
@@ -59,7 +68,42 @@ class SqliteResponseStore:
     def delete(self, response_id: str, owner: str) -> bool:
         with self._lock:
             cursor = self._db.execute("DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner))
+            if cursor.rowcount > 0:
+                self._forget(response_id)
         return cursor.rowcount > 0
+
+    def append_events(self, response_id: str, events: list[Event]) -> bool:
+        with self._lock:
+            if events:
+                self._db.execute("BEGIN")
+                try:  # an event already there (a write retried) stays as it was
+                    self._db.executemany(
+                        "INSERT OR IGNORE INTO response_events VALUES (?, ?, ?)",
+                        [(response_id, seq, data) for seq, data in events],
+                    )
+                except sqlite3.Error:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            asked = "SELECT 1 FROM response_cancels WHERE response_id = ?"
+            return self._db.execute(asked, (response_id,)).fetchone() is not None
+
+    def events_after(self, response_id: str, after: int, limit: int) -> list[Event]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT seq, data FROM response_events WHERE response_id = ? AND seq > ? ORDER BY seq LIMIT ?",
+                (response_id, after, limit),
+            ).fetchall()
+        return [(int(seq), data) for seq, data in rows]
+
+    def event_count(self, response_id: str) -> int:
+        with self._lock:
+            query = "SELECT COUNT(*) FROM response_events WHERE response_id = ?"
+            return int(self._db.execute(query, (response_id,)).fetchone()[0])
+
+    def request_cancel(self, response_id: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR IGNORE INTO response_cancels VALUES (?)", (response_id,))
 
     def count(self) -> int:
         with self._lock:
@@ -77,3 +121,10 @@ class SqliteResponseStore:
             "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at DESC LIMIT -1 OFFSET ?)",
             (self.max_rows,),
         )
+        for table in ("response_events", "response_cancels"):
+            self._db.execute(f"DELETE FROM {table} WHERE response_id NOT IN (SELECT id FROM responses)")
+
+    def _forget(self, response_id: str) -> None:
+        """A deleted response's events and cancel request (the caller holds the lock)."""
+        for table in ("response_events", "response_cancels"):
+            self._db.execute(f"DELETE FROM {table} WHERE response_id = ?", (response_id,))

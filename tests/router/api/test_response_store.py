@@ -241,3 +241,50 @@ def test_two_routers_sharing_a_postgres_database_continue_each_others_conversati
             {"role": "user", "content": "And of Italy?"},
         ]
     )
+
+
+# ---- a background response's event log ----------------------------------------------------------------------
+
+
+def events(n: int, start: int = 0) -> list[tuple[int, str]]:
+    return [(i, f'event: response.output_text.delta\ndata: {{"sequence_number": {i}}}\n\n') for i in range(start, n)]
+
+
+def test_events_come_back_after_a_sequence_number_in_order_and_a_rewrite_changes_nothing(open_on_one_database):
+    store = open_on_one_database()
+    store.put(stored("resp_bg"))
+    assert store.append_events("resp_bg", events(3)) is False
+    assert store.append_events("resp_bg", events(6, start=3)) is False
+    assert store.events_after("resp_bg", -1, 100) == events(6)
+    assert store.events_after("resp_bg", 2, 2) == events(5, start=3)
+    assert store.events_after("resp_bg", 5, 100) == [] and store.event_count("resp_bg") == 6
+    store.append_events("resp_bg", [(4, "a different text")])  # a write retried: the first stays
+    assert store.events_after("resp_bg", 3, 1) == events(5, start=4)
+    other = open_on_one_database()  # another router's store reads the same log
+    assert other.events_after("resp_bg", -1, 100) == events(6) and other.event_count("resp_nope") == 0
+
+
+def test_a_cancel_asked_on_one_store_is_seen_by_the_writer_on_another(open_on_one_database):
+    writer, asker = open_on_one_database(), open_on_one_database()
+    writer.put(stored("resp_bg"))
+    assert writer.append_events("resp_bg", []) is False
+    asker.request_cancel("resp_bg")
+    asker.request_cancel("resp_bg")  # asked twice: once
+    assert writer.append_events("resp_bg", events(1)) is True
+    assert writer.append_events("resp_other", []) is False
+
+
+def test_deleting_or_pruning_a_response_takes_its_events_and_cancel_with_it(open_on_one_database):
+    store = open_on_one_database()
+    store.put(stored("resp_gone"))
+    store.append_events("resp_gone", events(4))
+    store.request_cancel("resp_gone")
+    assert store.delete("resp_gone", OWNER) is True
+    assert store.event_count("resp_gone") == 0 and store.append_events("resp_gone", []) is False
+    pruning = open_on_one_database(ttl_s=60.0)
+    pruning.put(stored("resp_old", created_at=time.time() - 120))  # expired: pruned by this first write
+    pruning.append_events("resp_old", events(2))
+    pruning.request_cancel("resp_old")
+    fresh = open_on_one_database(ttl_s=60.0)
+    fresh.put(stored("resp_new"))  # its first write prunes: the expired row, then what hangs off no row
+    assert fresh.event_count("resp_old") == 0 and fresh.append_events("resp_old", []) is False

@@ -219,7 +219,7 @@ def test_text_format_json_schema_constrains_the_answer_as_chat_does(served):
 @pytest.mark.parametrize(
     "extra,param",
     [
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),  # background needs store
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"include": ["message.output_text.logprobs"]}, "include"),
         ({"truncation": "auto"}, "truncation"),

@@ -1,0 +1,371 @@
+"""Background responses (``background: true`` on ``/v1/responses``): generation owned by the router, not by a request.
+
+``POST /v1/responses`` answers at once with the response ``queued``; a task of the router's (``BackgroundRuns``)
+runs it exactly as a streamed response runs, and keeps its events (the same typed events, numbered by
+``sequence_number`` from 0) in the response store's event log (router/api/response_store/), beside its row,
+so that any router sharing the store serves them:
+
+- ``GET /v1/responses/{id}``: the row; its status goes queued -> in_progress -> completed (or incomplete,
+  failed, cancelled), with the output once it ends;
+- ``GET /v1/responses/{id}?stream=true&starting_after=N``: the events numbered above N, the stored ones and
+  then the live ones until the last (``response.completed``, ``response.incomplete``, ``response.failed``;
+  a cancelled response's stream just ends), each once, in order;
+- ``POST /v1/responses/{id}/cancel``: stops it as a client's disconnect stops a stream (its sessions are
+  closed, so the servers free its work and KV blocks) and answers it ``cancelled``; a response that has
+  ended answers its final state. On another router it is asked through the store, and the router running
+  it stops it at its next write (at most ``CANCEL_POLL_S`` later).
+
+One writer per response writes its row changes and events in the order they happened, batching whatever
+piled up during the previous write. The log is bounded (``EventLimits``, from ``router.response_store``):
+a response whose events would pass ``max_events`` (the closing one counted) or ``max_bytes`` (the closing
+one, which carries the whole response, not counted) stops there, its work on the servers freed, and ends
+``failed`` (error ``server_error`` naming the limits); the events up to there stay, ``response.failed`` last.
+
+The task is the router's: a router that stops ends its responses ``failed``; one killed leaves them
+``in_progress`` in the store (nothing adopts them yet), and their decode servers free them when its
+connections drop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from router.api.response_store import ResponseStore, StoredResponse
+from router.api.response_store.base import Event
+from router.errors import OpenAIError
+
+log = logging.getLogger(__name__)
+
+TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "response.failed"})
+ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
+POLL_S = 0.1  # a stream whose response runs on another router looks for new events this often
+CANCEL_POLL_S = 0.25  # a running response asks the store whether a cancel came at least this often
+CANCEL_WAIT_S = 10.0  # a cancel waits this long for the router running the response to stop it
+EVENTS_PER_READ = 256
+
+StopReason = Literal["cancelled", "shutdown", "event_log_full", "store_failed"]
+# Opens a response's sessions and gives its stream of events (router/api/responses.py).
+Begin = Callable[["Run"], Awaitable[AsyncGenerator[str, None]]]
+# A row for a status: (status, output so far, error or None) -> the row to store.
+RowFor = Callable[[str, list[dict[str, Any]], dict[str, Any] | None], StoredResponse]
+
+
+@dataclass(frozen=True)
+class EventLimits:
+    """How much of a background response's event log is kept (``router.response_store``)."""
+
+    max_events: int = 65_536
+    max_bytes: int = 64 << 20
+
+
+def event_type(sse: str) -> str:
+    """The type of one stored event (``event: <type>\\ndata: <json>\\n\\n``)."""
+    return sse.split("\n", 1)[0].removeprefix("event: ")
+
+
+def sse_data(sse: str) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(sse.split("\ndata: ", 1)[1])
+    return data
+
+
+def sse_of(event: dict[str, Any]) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+class OutputSoFar:
+    """The output items a response's events describe so far: a cancelled or failed response's output."""
+
+    def __init__(self) -> None:
+        self._done: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+
+    def feed(self, event: dict[str, Any]) -> None:
+        kind = event["type"]
+        if kind == "response.output_item.added":
+            self._open = dict(event["item"])
+            if self._open["type"] == "message":
+                self._open["content"] = [{"type": "output_text", "text": "", "annotations": []}]
+        elif kind == "response.output_item.done":
+            self._done.append(event["item"])
+            self._open = None
+        elif kind == "response.output_text.delta" and self._open is not None:
+            self._open["content"][0]["text"] += event["delta"]
+        elif kind == "response.function_call_arguments.delta" and self._open is not None:
+            self._open["arguments"] += event["delta"]
+
+    def items(self) -> list[dict[str, Any]]:
+        """The finished items, then the open one (``incomplete``)."""
+        return self._done + ([] if self._open is None else [{**self._open, "status": "incomplete"}])
+
+
+class Run:
+    """One background response running on this router: its task, the writes waiting for its writer, and
+    what wakes this router's readers when a write lands."""
+
+    def __init__(self, response_id: str) -> None:
+        self.response_id = response_id
+        self.task: asyncio.Task[None] | None = None
+        self.stop_reason: StopReason | None = None
+        self.closing = False  # the generation is over: the writer ends once it has written everything
+        self.final: StoredResponse | None = None  # the ending row, once queued
+        self.done = asyncio.Event()
+        self._ops: list[Event | StoredResponse] = []
+        self._more = asyncio.Event()
+        self._wrote = asyncio.Event()
+
+    def add(self, op: Event | StoredResponse) -> None:
+        """A write, after every one added before it."""
+        if isinstance(op, StoredResponse) and op.response["status"] in ENDED:
+            self.final = op
+        self._ops.append(op)
+        self._more.set()
+
+    def take(self) -> list[Event | StoredResponse]:
+        ops, self._ops = self._ops, []
+        self._more.clear()
+        return ops
+
+    @property
+    def pending(self) -> bool:
+        return bool(self._ops)
+
+    def close(self) -> None:
+        """The generation is over: the writer ends once it has written everything."""
+        self.closing = True
+        self._more.set()
+
+    async def more(self, timeout: float) -> None:
+        """Until a write is added (or ``timeout``)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._more.wait(), timeout)
+
+    def wrote(self) -> None:
+        """A write landed: wakes the readers waiting on ``changed``."""
+        landed, self._wrote = self._wrote, asyncio.Event()
+        landed.set()
+
+    @property
+    def changed(self) -> asyncio.Event:
+        """Set when the next write lands."""
+        return self._wrote
+
+    def stop(self, reason: StopReason) -> None:
+        """Stops the generation (its ``finally`` closes the sessions), unless it is over already."""
+        if self.stop_reason is None and not self.closing and self.task is not None:
+            self.stop_reason = reason
+            self.task.cancel()
+
+
+class BackgroundRuns:
+    """The background responses this router runs, and the reads, streams and cancels of any."""
+
+    def __init__(self, store: ResponseStore, limits: EventLimits) -> None:
+        self.store = store
+        self.limits = limits
+        self.runs: dict[str, Run] = {}
+
+    def start(self, response_id: str, begin: Begin, row: RowFor) -> Run:
+        """Runs the response: ``begin(run)`` opens its sessions and gives its stream of events; ``row``
+        builds its row for a status. The caller stored its ``queued`` row first."""
+        run = Run(response_id)
+        self.runs[response_id] = run
+        run.task = asyncio.create_task(self._run(run, begin, row), name=f"background {response_id}")
+        return run
+
+    async def shutdown(self) -> None:
+        """The router stops: its responses end ``failed``, their rows and events written."""
+        runs = list(self.runs.values())
+        for run in runs:
+            run.stop("shutdown")
+        await asyncio.gather(*(run.done.wait() for run in runs))
+
+    async def _run(self, run: Run, begin: Begin, row: RowFor) -> None:
+        writer = asyncio.create_task(self._write(run))
+        output = OutputSoFar()
+        failure: dict[str, Any] | None = None
+        seq, size, last_kind = -1, 0, ""
+        try:
+            stream = await begin(run)
+            run.add(row("in_progress", [], None))
+            async with contextlib.aclosing(stream):
+                async for sse in stream:
+                    kind = event_type(sse)
+                    if kind not in TERMINAL_EVENTS and (
+                        seq + 3 > self.limits.max_events or size + len(sse) > self.limits.max_bytes
+                    ):  # this one, and room left for the closing one
+                        run.stop_reason = "event_log_full"
+                        break  # closing the stream closes its sessions
+                    event = sse_data(sse)
+                    seq, size, last_kind = event["sequence_number"], size + len(sse), kind
+                    run.add((seq, sse))
+                    output.feed(event)
+                    if kind == "error":
+                        failure = {"code": event.get("code") or "server_error", "message": event["message"]}
+        except asyncio.CancelledError:
+            if run.stop_reason is None:  # not asked for by ``stop``: someone else's cancel, passed on
+                raise
+        except OpenAIError as exc:  # no session opened: no server, or no slot in time
+            failure = {"code": exc.code or str(exc.status), "message": exc.message}
+        self._end(run, row, output, failure, seq, last_kind)
+        run.close()
+        await writer
+        run.done.set()
+        self.runs.pop(run.response_id, None)
+
+    def _end(
+        self, run: Run, row: RowFor, output: OutputSoFar, failure: dict[str, Any] | None, seq: int, last_kind: str
+    ) -> None:
+        """The ending writes: the row for how it ended, and the log's closing event (none when cancelled)."""
+        final = run.final
+        if final is not None and failure is None:  # it completed (maybe while being cancelled)
+            if last_kind not in TERMINAL_EVENTS:  # stopped between its row and its closing event
+                event = {"type": "response.completed", "sequence_number": seq + 1, "response": final.response}
+                run.add((seq + 1, sse_of(event)))
+            return
+        if run.stop_reason == "cancelled" and failure is None:
+            run.add(row("cancelled", output.items(), None))
+            return
+        if failure is None:
+            failure = {
+                "code": "server_error",
+                "message": {
+                    "shutdown": "the router stopped",
+                    "event_log_full": f"the response's events passed router.response_store's limits "
+                    f"({self.limits.max_events} events, {self.limits.max_bytes} bytes)",
+                    "store_failed": "the response store failed",
+                }.get(run.stop_reason or "", "the response ended without an answer"),
+            }
+        failed = row("failed", output.items(), failure)
+        run.add(failed)
+        event = {"type": "response.failed", "sequence_number": seq + 1, "response": failed.response}
+        run.add((seq + 1, sse_of(event)))
+
+    async def _write(self, run: Run) -> None:
+        """Writes the run's rows and events in order, each batch in one call; learns of cancels asked
+        through the store. The ending row goes last, after the closing event queued just after it: a
+        reader that finds the row ended finds every event already there."""
+        try:
+            while True:
+                events: list[Event] = []
+                cancel, ending = False, None
+                for op in run.take():
+                    if isinstance(op, StoredResponse) and op.response["status"] in ENDED:
+                        ending = op
+                    elif isinstance(op, StoredResponse):
+                        if events:
+                            cancel |= await asyncio.to_thread(self.store.append_events, run.response_id, events)
+                            events = []
+                        await asyncio.to_thread(self.store.put, op)
+                    else:
+                        events.append(op)
+                cancel |= await asyncio.to_thread(self.store.append_events, run.response_id, events)
+                if ending is not None:
+                    await asyncio.to_thread(self.store.put, ending)
+                run.wrote()
+                if cancel:
+                    run.stop("cancelled")
+                if run.closing and not run.pending:
+                    return
+                await run.more(CANCEL_POLL_S)
+        except Exception:
+            log.exception("background response %s: the store failed; the response stops", run.response_id)
+            run.stop("store_failed")
+            run.wrote()
+
+    # ---- any router: reading, streaming, cancelling ----------------------------------------------------
+
+    async def get(self, response_id: str, owner: str) -> StoredResponse:
+        stored = await asyncio.to_thread(self.store.get, response_id, owner)
+        if stored is None:
+            raise OpenAIError(404, f"no stored response with id {response_id!r}", param="response_id", code="not_found")
+        return stored
+
+    async def check_stream(self, stored: StoredResponse, starting_after: int | None) -> None:
+        """400 unless ``stored`` is a background response with an event after ``starting_after``."""
+        if not stored.response.get("background"):
+            raise OpenAIError(
+                400, "only a response created with background: true can be streamed again", param="stream"
+            )
+        if starting_after is None:
+            return
+        if starting_after < 0:
+            raise OpenAIError(400, f"starting_after must be >= 0, got {starting_after}", param="starting_after")
+        if stored.response["status"] in ENDED:
+            count = await asyncio.to_thread(self.store.event_count, stored.id)
+            if starting_after > count - 1:
+                raise OpenAIError(
+                    400,
+                    f"starting_after {starting_after} is beyond the response's last event ({count - 1})",
+                    param="starting_after",
+                )
+
+    async def events(self, response_id: str, owner: str, starting_after: int | None) -> AsyncIterator[str]:
+        """The response's events numbered above ``starting_after``: the stored ones, then the live ones
+        until the last."""
+        last = -1 if starting_after is None else starting_after
+        while True:
+            run = self.runs.get(response_id)
+            changed = run.changed if run is not None else None  # taken before the read: no write missed
+            batch = await asyncio.to_thread(self.store.events_after, response_id, last, EVENTS_PER_READ)
+            for seq, sse in batch:
+                yield sse
+                last = seq
+                if event_type(sse) in TERMINAL_EVENTS:
+                    return
+            if len(batch) == EVENTS_PER_READ:
+                continue
+            if not batch:
+                stored = await asyncio.to_thread(self.store.get, response_id, owner)
+                if stored is None:  # deleted meanwhile
+                    return
+                if stored.response["status"] in ENDED:  # its events were all written before its row
+                    for _, sse in await asyncio.to_thread(self.store.events_after, response_id, last, 1 << 30):
+                        yield sse
+                    return
+            if changed is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), POLL_S)
+            else:
+                await asyncio.sleep(POLL_S)
+
+    async def cancel(self, response_id: str, owner: str) -> dict[str, Any]:
+        """Stops the response (here, or through the store on the router running it); its state then."""
+        stored = await self.get(response_id, owner)
+        if not stored.response.get("background"):
+            raise OpenAIError(
+                400, "only a response created with background: true can be cancelled", param="response_id"
+            )
+        if stored.response["status"] in ENDED:
+            return stored.response
+        run = self.runs.get(response_id)
+        if run is not None:
+            run.stop("cancelled")
+            await run.done.wait()
+            return (await self.get(response_id, owner)).response
+        await asyncio.to_thread(self.store.request_cancel, response_id)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CANCEL_WAIT_S
+        while loop.time() < deadline:
+            stored = await self.get(response_id, owner)
+            if stored.response["status"] in ENDED:
+                return stored.response
+            await asyncio.sleep(POLL_S)
+        # No router answered: the one that ran it is gone. Its row says so now.
+        response = {**stored.response, "status": "cancelled"}
+        ended = StoredResponse(
+            stored.id,
+            stored.owner,
+            stored.created_at,
+            response,
+            stored.input_items,
+            stored.conversation,
+            stored.decode_worker,
+        )
+        await asyncio.to_thread(self.store.put, ended)
+        return response
