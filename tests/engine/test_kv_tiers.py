@@ -22,6 +22,7 @@ from engine.make_model import TINY_MLA, TinySpec, make_tiny
 from engine.prefix_cache import chain_hashes
 from engine.tiers.disk import HEADER
 from tests.engine.oracle import hf_greedy
+from tests.engine.remote_kv import copy_prompt_kv
 
 BS = 8
 NUM_BLOCKS = 12  # two prompts of 40 tokens and their 8 answers: a third evicts the first
@@ -219,3 +220,53 @@ def test_the_block_manager_tells_each_evicted_block_holding_every_layer_before_r
     blocks.free([0, 1, 2])
     blocks.check_integrity()
     assert blocks.num_free == 3
+
+
+def prefill_once(engine: LLMEngine, request_id: str, tokens: list[int], hook=None):
+    """A prefill-mode engine's one output for ``tokens`` (its blocks still held)."""
+    engine.add_request(request_id, tokens, SAMPLING)
+    outs: list = []
+    while not outs:
+        outs = engine.step(hook)
+    (out,) = outs
+    assert out.finish_reason == "prefilled"
+    return out
+
+
+def test_a_prefill_server_pushes_blocks_a_tier_served_and_decode_continues_exactly(tiny_model, tmp_path):
+    """P's blocks of A come from its disk tier; the chunk it hands the transfer starts at token 0, so
+    D gets them too; D's greedy tokens equal transformers'."""
+    prefill = LLMEngine(
+        EngineConfig(
+            model=tiny_model,
+            block_size=BS,
+            num_blocks=NUM_BLOCKS,
+            num_threads=1,
+            mode="prefill",
+            kv_tiers=tiers_config("disk", tmp_path),
+        )
+    )
+    decode = LLMEngine(EngineConfig(model=tiny_model, block_size=16, num_blocks=16, num_threads=1, mode="decode"))
+    try:
+        for k, tokens in enumerate((A, B, C, D)):
+            prefill_once(prefill, f"warm{k}", tokens)
+            prefill.release(f"warm{k}")
+        assert prefill.tiers is not None and prefill.tiers.drain()
+        blocks = decode.reserve("r", A, SAMPLING)
+        pushed: list[tuple[int, int]] = []
+        out = prefill_once(prefill, "r", A, lambda layer, chunks: pushed.extend((c.start, c.end) for c in chunks))
+        assert prefill.stats().counters.tier_hits_tokens == A_LOADED
+        assert set(pushed) == {(0, len(A))}  # every layer's chunk: the loaded prefix and the computed rest
+        copy_prompt_kv(prefill, out.block_ids, decode, blocks, len(A))
+        prefill.release("r")
+        (first,) = decode.admit_remote("r", out.new_token_ids)
+        tokens = list(first.new_token_ids)
+        while decode.has_unfinished():
+            tokens += [t for o in decode.step() for t in o.new_token_ids]
+        assert tokens == hf_greedy(tiny_model, A, 8, ignore_eos=True)
+        for engine in (prefill, decode):
+            engine.check_integrity()
+            assert engine.block_counts() == {"free": engine.cache.num_blocks, "reserved": 0, "running": 0}
+    finally:
+        prefill.close()
+        decode.close()
