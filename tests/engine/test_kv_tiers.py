@@ -4,9 +4,12 @@ An engine whose cache holds two prompts' worth of blocks runs prompt A, then B, 
 (which evict A's blocks into the tiers), then A again: A's blocks are loaded from a
 tier, only its last block's tokens are computed, and the greedy tokens equal
 transformers' (float32) every time; for a plain model, one with latent attention
-(MLA) and one whose every layer slides. A corrupted or truncated disk entry is
-counted and its block recomputed; a restarted engine on the same folder serves
-what the last one wrote. Every scenario ends with every block free.
+(MLA) and one whose every layer slides, in both cache orders, and in bfloat16
+(against the same engine computing them). A corrupted, truncated or vanished
+disk entry is counted and its block recomputed; a restarted engine on the same
+folder serves what the last one wrote; blocks a prefill server pushes may come
+from its tier; a block whose window layers arrived only in part is never
+tiered. Every scenario ends with every block free.
 """
 
 from __future__ import annotations
@@ -18,11 +21,12 @@ import pytest
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.config import KvTiersConfig
-from engine.make_model import TINY_MLA, TinySpec, make_tiny
+from engine.make_model import TINY_MLA, TINY_SWA, TinySpec, make_tiny
 from engine.prefix_cache import chain_hashes
 from engine.tiers.disk import HEADER
 from tests.engine.oracle import hf_greedy
 from tests.engine.remote_kv import copy_prompt_kv
+from tests.engine.test_window_remote_kv import PROMPT, WINDOW, remote_tokens
 
 BS = 8
 NUM_BLOCKS = 12  # two prompts of 40 tokens and their 8 answers: a third evicts the first
@@ -55,9 +59,11 @@ def tiers_config(tier: str, tmp_path, disk_bytes: int = 1 << 24) -> KvTiersConfi
     return KvTiersConfig(disk_path=str(tmp_path / "kv"), disk_bytes=disk_bytes)
 
 
-def engine_with(path: str, tiers: KvTiersConfig | None) -> LLMEngine:
+def engine_with(path: str, tiers: KvTiersConfig | None, **knobs) -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model=path, block_size=BS, num_blocks=NUM_BLOCKS, max_num_seqs=1, num_threads=1, kv_tiers=tiers)
+        EngineConfig(
+            model=path, block_size=BS, num_blocks=NUM_BLOCKS, max_num_seqs=1, num_threads=1, kv_tiers=tiers, **knobs
+        )
     )
 
 
@@ -99,6 +105,34 @@ def test_blocks_evicted_to_a_tier_come_back_and_tokens_equal_transformers(reques
         (stats,) = engine.stats().tiers
         assert (stats.name, stats.hits, stats.corrupt, stats.dropped_writes) == (tier, A_LOADED // BS, 0, 0)
         assert stats.bytes_read == A_LOADED // BS * engine.tiers.block_nbytes
+        assert_all_free(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_an_hnd_cache_round_trips_through_a_tier(tiny_model, tmp_path, tier):
+    engine = engine_with(tiny_model, tiers_config(tier, tmp_path), kv_layout="HND")
+    try:
+        evict_a(engine, tiny_model)
+        run(engine, tiny_model, A)
+        assert engine.stats().counters.tier_hits_tokens == A_LOADED
+        assert_all_free(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_bfloat16_blocks_from_a_tier_give_the_tokens_computing_them_gives(tiny_model, tmp_path, tier):
+    """No float32 oracle for bfloat16: the same engine's tokens with A computed are the reference."""
+    engine = engine_with(tiny_model, tiers_config(tier, tmp_path), dtype="bfloat16")
+    try:
+        computed = engine.generate([A], SAMPLING)[0].token_ids
+        for tokens in (B, C, D):
+            engine.generate([tokens], SAMPLING)
+        assert engine.tiers is not None and engine.tiers.drain()
+        assert engine.generate([A], SAMPLING)[0].token_ids == computed
+        assert engine.stats().counters.tier_hits_tokens == A_LOADED
         assert_all_free(engine)
     finally:
         engine.close()
@@ -269,4 +303,31 @@ def test_a_prefill_server_pushes_blocks_a_tier_served_and_decode_continues_exact
             assert engine.block_counts() == {"free": engine.cache.num_blocks, "reserved": 0, "running": 0}
     finally:
         prefill.close()
+        decode.close()
+
+
+def test_blocks_whose_window_layers_came_partly_from_a_prefill_server_are_never_tiered(tmp_path):
+    """A decode engine's remote prompt holds window-layer K/V only from its last ``window - 1`` tokens on (the
+    slots before hold garbage): when those blocks are evicted, only the blocks holding every layer are written,
+    so a later prompt sharing the start finds nothing in the tier, computes it, and stays exact."""
+    swa = str(make_tiny(tmp_path / "swa", TINY_SWA))
+    decode = LLMEngine(
+        EngineConfig(model=swa, block_size=4, num_blocks=24, num_threads=1, kv_tiers=KvTiersConfig(host_bytes=1 << 24))
+    )
+    try:
+        first_read = len(PROMPT) - WINDOW + 1  # 63: blocks 0..15 lack window-layer K/V somewhere
+        assert remote_tokens(swa, PROMPT, first_read, decode) == hf_greedy(swa, PROMPT, 12)
+        for k in range(2):  # two prompts of 80 tokens evict every block of the remote prompt
+            filler = [(7 * i + 5 * k) % 300 + 11 for i in range(80)]
+            assert decode.generate([filler], SAMPLING)[0].token_ids == hf_greedy(swa, filler, 8, ignore_eos=True)
+        assert decode.tiers is not None and decode.tiers.drain()
+        hashes = chain_hashes(decode.config.cache_salt, PROMPT, 4)
+        tiered = [i for i, h in enumerate(hashes) if decode.tiers.available([h])]
+        assert tiered and min(tiered) == 16  # the first block whose every slot every layer holds
+        shorter = PROMPT[:40] + [5, 6, 7]
+        assert decode.generate([shorter], SAMPLING)[0].token_ids == hf_greedy(swa, shorter, 8, ignore_eos=True)
+        assert decode.stats().counters.tier_hits_tokens == 0
+        decode.check_integrity()
+        assert decode.block_counts() == {"free": 24, "reserved": 0, "running": 0}
+    finally:
         decode.close()
