@@ -23,6 +23,7 @@ from engine.block_manager import BlockManager
 from engine.config import KvTiersConfig
 from engine.make_model import TINY_MLA, TINY_SWA, TinySpec, make_tiny
 from engine.prefix_cache import chain_hashes
+from engine.request import Request
 from engine.tiers.disk import HEADER
 from tests.engine.oracle import hf_greedy
 from tests.engine.remote_kv import copy_prompt_kv
@@ -60,11 +61,8 @@ def tiers_config(tier: str, tmp_path, disk_bytes: int = 1 << 24) -> KvTiersConfi
 
 
 def engine_with(path: str, tiers: KvTiersConfig | None, **knobs) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model=path, block_size=BS, num_blocks=NUM_BLOCKS, max_num_seqs=1, num_threads=1, kv_tiers=tiers, **knobs
-        )
-    )
+    base = dict(model=path, block_size=BS, num_blocks=NUM_BLOCKS, max_num_seqs=1, num_threads=1, kv_tiers=tiers)
+    return LLMEngine(EngineConfig(**{**base, **knobs}))
 
 
 def run(engine: LLMEngine, path: str, tokens: list[int]) -> None:
@@ -331,3 +329,45 @@ def test_blocks_whose_window_layers_came_partly_from_a_prefill_server_are_never_
         assert decode.block_counts() == {"free": 24, "reserved": 0, "running": 0}
     finally:
         decode.close()
+
+
+def remote_prompt(prefill: LLMEngine, decode: LLMEngine, request_id: str, tokens: list[int]) -> list[int]:
+    """``tokens`` through a prefill engine into the decode engine's reservation, only the tokens past what
+    the decode engine holds copied (as a transfer writes them); the decode engine's tokens."""
+    blocks = decode.reserve(request_id, tokens, SAMPLING)
+    held = decode.num_cached_tokens(request_id)
+    out = prefill_once(prefill, request_id, tokens)
+    for p in range(held, len(tokens)):  # source and destination both NHD blocks of BS
+        decode.cache.kv[:, :, blocks[p // BS], p % BS] = prefill.cache.kv[:, :, out.block_ids[p // BS], p % BS]
+    prefill.release(request_id)
+    (first,) = decode.admit_remote(request_id, out.new_token_ids)
+    produced = list(first.new_token_ids)
+    while decode.has_unfinished():
+        produced += [t for o in decode.step() for t in o.new_token_ids]
+    return produced
+
+
+def test_a_decode_reservation_holds_blocks_its_tier_served_and_the_rest_arrives_remotely(tiny_model, tmp_path):
+    """D's reservation for A, after A's blocks left D's cache for its tier, pins the 4 blocks the tier served
+    (num_cached_tokens 32): only tokens 32..39 are written remotely, and the tokens equal transformers'."""
+    prefill = engine_with(tiny_model, None, mode="prefill", num_blocks=16)
+    decode = engine_with(tiny_model, tiers_config("disk", tmp_path), mode="decode")
+    try:
+        for k, tokens in enumerate((A, B, C, D)):
+            assert remote_prompt(prefill, decode, f"warm{k}", tokens) == hf_greedy(tiny_model, tokens, 8, True)
+        assert decode.tiers is not None and decode.tiers.drain()
+        assert decode.cached_prefix(A) == A_LOADED  # all of it in the tier, none in the cache
+        assert decode.scheduler.cached_prefix_tokens(_probe(A)) == A_LOADED
+        before = decode.stats().counters.tier_hits_tokens
+        assert remote_prompt(prefill, decode, "again", A) == hf_greedy(tiny_model, A, 8, ignore_eos=True)
+        assert decode.stats().counters.tier_hits_tokens - before == A_LOADED
+        for engine in (prefill, decode):
+            engine.check_integrity()
+            assert engine.block_counts() == {"free": engine.cache.num_blocks, "reserved": 0, "running": 0}
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _probe(tokens: list[int]) -> Request:
+    return Request("probe", list(tokens), SAMPLING)
