@@ -54,13 +54,14 @@ from engine.config import (
     EngineConfig,
     EngineMode,
     KvLayout,
-    KvTiersConfig,
     ModelLen,
 )
 from engine.models import MODEL_CACHE, is_builtin, resolve_model
 from engine.structured import GRAMMAR_CEILING, GrammarLimits
 from engine.tensor_parallel import split_problem
 from router.settings import (
+    DEFAULT_CLASSES,
+    DEFAULT_TENANT,
     CompileSandbox,
     DiscoveryKind,
     DiscoverySettings,
@@ -68,49 +69,13 @@ from router.settings import (
     PrefillFailure,
     ResponseStoreSettings,
     RouterSettings,
+    TenantSettings,
     WorkerSpec,
 )
 from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, DrainMode, is_loopback
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 from server_common.tracing import TracingSettings
 from wire.names import INSTANCE_NAME
-
-
-class KvTiersSettings(Strict):
-    """engine.kv_tiers (or an instance's): tiers below each server's KV cache (engine/tiers/, docs/kv-tiers.md).
-    The blocks its prefix cache evicts are written there and loaded back, instead of computed, when a later
-    prompt's prefix continues past the cache. Off while neither `host_bytes` nor `disk_path` is set; one rank
-    only (tensor_parallel_size 1)."""
-
-    host_bytes: AtLeastOne | None = None
-    """Bytes of host memory holding evicted blocks (on a CPU server, a second pool beside the cache); null: no
-    host tier."""
-    disk_path: str | None = None
-    """A folder of one checksummed file per block; each server writes under `<disk_path>/<its name>/`, so
-    a server restarted on it serves what it wrote before. Null: no disk tier."""
-    disk_bytes: AtLeastOne | None = None
-    """Bytes of files the disk tier keeps, at most (oldest used go first); required with `disk_path`."""
-    queue_blocks: AtLeastOne = KvTiersConfig.queue_blocks
-    """Blocks waiting for a tier's writer, at most; past it a write is dropped (counted), never waited for."""
-
-    @property
-    def on(self) -> bool:
-        return self.host_bytes is not None or self.disk_path is not None
-
-    @model_validator(mode="after")
-    def _whole_disk(self) -> KvTiersSettings:
-        if self.on:
-            KvTiersConfig(**self.model_dump())  # its checks, named here
-        elif self.disk_bytes is not None:
-            raise ValueError("kv_tiers: disk_path and disk_bytes go together")
-        return self
-
-    def for_server(self, name: str) -> KvTiersConfig | None:
-        """Server ``name``'s tiers (its own folder under ``disk_path``); None when off."""
-        if not self.on:
-            return None
-        folder = None if self.disk_path is None else str(Path(self.disk_path) / name)
-        return KvTiersConfig(**{**self.model_dump(), "disk_path": folder})
 
 
 class EngineDefaults(Strict):
@@ -150,8 +115,6 @@ class EngineDefaults(Strict):
     cuda_graphs: bool = EngineConfig.cuda_graphs
     """Replay decode-only steps as CUDA graphs, one per padded batch size (engine/decode_graphs.py); needs
     CUDA, tensor_parallel_size 1 and the Triton backend. Off by default: not yet measured on a device."""
-    kv_tiers: KvTiersSettings = KvTiersSettings()
-    """Host-memory and disk tiers for the blocks each server's prefix cache evicts (off unless a tier is set)."""
 
 
 class Instance(Strict):
@@ -191,8 +154,6 @@ class Instance(Strict):
     """Ranks it splits the model over."""
     expert_parallel_size: AtLeastOne | None = None
     """Ranks it splits a mixture of experts' experts over."""
-    kv_tiers: KvTiersSettings | None = None
-    """Its KV tiers (the whole section: replaces the `engine:` one; `{}` turns them off)."""
 
     @property
     def transfer_port(self) -> int:
@@ -272,6 +233,60 @@ class ResponseStoreConfig(Strict):
             max_event_bytes=self.max_event_bytes,
         )
 
+
+TENANT_NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # a metrics label and a Kubernetes Secret key part
+
+
+class TenantConfig(Strict):
+    """One tenant: the API keys that are its own, its priority class, its share when the cluster is saturated,
+    and its rate limits (router/cluster/tenancy.py)."""
+
+    name: str = Field(pattern=TENANT_NAME)
+    """The tenant's name in metrics and logs (lowercase letters, digits and '-'). `default` is every key listed
+    only under `router.api_keys`; it may be configured here too, without keys of its own."""
+    keys: list[SecretStr] = Field(default_factory=list)
+    """Bearer keys that are this tenant's (they are accepted API keys)."""
+    keys_file: str | None = None
+    """A file with one of its keys per line, instead of `keys` (on Kubernetes, a mounted Secret)."""
+    weight: float = Field(default=1.0, gt=0, le=1000)
+    """Its share of the admitted work (prompt and output tokens) against the other tenants of its class, when
+    requests wait."""
+    priority: str | None = None
+    """Its priority class, one of `router.priority_classes`; null: the middle one."""
+    requests_per_minute: int | None = Field(default=None, ge=1)
+    """Requests it may send per minute (429 with Retry-After past it); null: no limit."""
+    tokens_per_minute: int | None = Field(default=None, ge=1)
+    """Tokens it may ask for per minute: prompts, and `max_tokens` for each choice; null: no limit."""
+
+    @model_validator(mode="after")
+    def _one_key_source(self) -> TenantConfig:
+        if self.keys and self.keys_file is not None:
+            raise ValueError(f"tenant {self.name!r}: set keys or keys_file, not both")
+        return self
+
+    def key_values(self) -> tuple[str, ...]:
+        if self.keys_file is None:
+            return tuple(k.get_secret_value() for k in self.keys)
+        return _read_keys(self.keys_file, f"router.tenants {self.name!r} keys_file")
+
+    def settings(self) -> TenantSettings:
+        return TenantSettings(
+            self.name,
+            self.key_values(),
+            self.weight,
+            self.priority,
+            self.requests_per_minute,
+            self.tokens_per_minute,
+        )
+
+
+def _read_keys(file: str, what: str) -> tuple[str, ...]:
+    path = Path(file).expanduser()
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{what} {str(path)!r}: cannot read it: {exc.strerror}") from None
+    return tuple(line.strip() for line in lines if line.strip())
 
 
 class RouterConfig(Strict):
@@ -359,23 +374,56 @@ class RouterConfig(Strict):
     response_store: ResponseStoreConfig = ResponseStoreConfig()
     """Where /v1/responses keeps stored responses."""
 
+    tenants: list[TenantConfig] = Field(default_factory=list)
+    """Who the API keys are: each tenant's keys, priority class, weight and rate limits. Under saturation waiting
+    requests are admitted by class, then by weighted fair queuing between tenants, not in arrival order."""
+    priority_classes: list[str] = Field(default_factory=lambda: list(DEFAULT_CLASSES), min_length=1, max_length=16)
+    """The priority classes, highest first; a request may ask for a lower class than its tenant's with the
+    `X-Priority-Class` header."""
+
     @model_validator(mode="after")
     def _one_key_source(self) -> RouterConfig:
         if self.api_keys and self.api_keys_file is not None:
             raise ValueError("set router.api_keys or router.api_keys_file, not both")
         if self.reserved_connections >= self.max_connections:
             raise ValueError("router.reserved_connections must be below router.max_connections")
+        self._check_tenants()
         return self
 
+    def _check_tenants(self) -> None:
+        names = [t.name for t in self.tenants]
+        if len(set(names)) < len(names):
+            twice = sorted(n for n in set(names) if names.count(n) > 1)
+            raise ValueError(f"router.tenants: a name is used twice: {twice}")
+        if len(set(self.priority_classes)) < len(self.priority_classes):
+            raise ValueError("router.priority_classes: a class is listed twice")
+        for t in self.tenants:
+            if t.priority is not None and t.priority not in self.priority_classes:
+                raise ValueError(
+                    f"router.tenants {t.name!r}: priority {t.priority!r} is not one of router.priority_classes "
+                    f"({', '.join(self.priority_classes)})"
+                )
+            if t.name == DEFAULT_TENANT and (t.keys or t.keys_file is not None):
+                raise ValueError("router.tenants 'default': its keys are those listed only under router.api_keys")
+
     def api_key_values(self) -> tuple[str, ...]:
-        if self.api_keys_file is None:
-            return tuple(k.get_secret_value() for k in self.api_keys)
-        path = Path(self.api_keys_file).expanduser()
-        try:
-            lines = path.read_text().splitlines()
-        except OSError as exc:
-            raise ConfigError(f"router.api_keys_file {str(path)!r}: cannot read it: {exc.strerror}") from None
-        return tuple(line.strip() for line in lines if line.strip())
+        """Every accepted key: router.api_keys's and each tenant's."""
+        plain = (
+            tuple(k.get_secret_value() for k in self.api_keys)
+            if self.api_keys_file is None
+            else _read_keys(self.api_keys_file, "router.api_keys_file")
+        )
+        return plain + tuple(k for t in self.tenants for k in t.key_values())
+
+    def tenant_settings(self) -> tuple[TenantSettings, ...]:
+        """The tenants, their keys read; a key given to two tenants is an error."""
+        tenants = tuple(t.settings() for t in self.tenants)
+        owners: dict[str, str] = {}
+        for t in tenants:
+            for key in t.keys:
+                if owners.setdefault(key, t.name) != t.name:
+                    raise ConfigError(f"router.tenants: one key is listed for {owners[key]!r} and for {t.name!r}")
+        return tenants
 
 
 # The router: keys whose value RouterSettings takes as is, under the same name (the rest are derived).
@@ -383,7 +431,7 @@ ROUTER_KEYS_AS_IS = tuple(
     sorted(
         set(RouterConfig.model_fields)
         & {f.name for f in dataclasses.fields(RouterSettings)}
-        - {"host", "api_keys", "grammar_limits", "response_store"}
+        - {"host", "api_keys", "grammar_limits", "response_store", "tenants", "priority_classes"}
     )
 )
 
@@ -558,8 +606,6 @@ class ClusterConfig(Strict):
                 raise ValueError(
                     f"{i.name}: expert_parallel_size must be 1 or its tensor_parallel_size ({tp}), got {ep}"
                 )
-            if tp > 1 and (i.kv_tiers or self.engine.kv_tiers).on:
-                raise ValueError(f"{i.name}: kv_tiers hold one rank's blocks: they need tensor_parallel_size 1")
         exposed = [
             f"{i.name} ({self.bind_host_of(i)})" for i in self.instances() if not is_loopback(self.bind_host_of(i))
         ]
@@ -685,6 +731,8 @@ class ClusterConfig(Strict):
             prefill_failure=self.recovery.prefill_failure,
             migration_limit=self.recovery.migration_limit,
             api_keys=r.api_key_values(),
+            tenants=r.tenant_settings(),
+            priority_classes=tuple(r.priority_classes),
             internal_secret=self.security.secret(),
             tracing=self.tracing.settings(),
             discovery=discovery,
@@ -702,7 +750,6 @@ class ClusterConfig(Strict):
             **{key: getattr(inst, key) for key in INSTANCE_ENGINE_KEYS if getattr(inst, key) is not None},
         }
         knobs["device"] = knobs["device"] or self.device
-        knobs["kv_tiers"] = (inst.kv_tiers or self.engine.kv_tiers).for_server(name)
         engine = EngineConfig(
             model=str(model_path), dtype=self.dtype, max_model_len=self.max_model_len, mode=role, **knobs
         )

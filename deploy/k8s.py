@@ -64,7 +64,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
-from deploy.config import ClusterConfig, ConfigError, Instance, load_config, parse_config
+from deploy.config import ClusterConfig, ConfigError, Instance, TenantConfig, load_config, parse_config
 from deploy.k8s_config import KubernetesConfig
 from deploy.version import version
 from engine.models import is_builtin
@@ -138,7 +138,11 @@ def render(
     pod_yaml = pod_cluster_yaml(raw, cluster, names)
     pod_data = yaml.safe_load(pod_yaml)
     parse_config(pod_data, f"{config_path} (rendered for pods)")  # it must load as is
-    keys = (SECRET_KEY_INTERNAL, SECRET_KEY_API) if _has_api_keys(cluster) else (SECRET_KEY_INTERNAL,)
+    keys = (
+        SECRET_KEY_INTERNAL,
+        *((SECRET_KEY_API,) if _has_api_keys(cluster) else ()),
+        *(tenant_secret_key(t.name) for t in _tenants_with_keys(cluster)),
+    )
     pods = _PodParts(cluster, k8s, names, keys, pod_data)
     objects = [
         names.meta_object("v1", "ConfigMap", names.config_map, names.labels("config"), data={"cluster.yaml": pod_yaml})
@@ -215,6 +219,15 @@ def _has_api_keys(cluster: ClusterConfig) -> bool:
     return bool(cluster.router.api_keys) or cluster.router.api_keys_file is not None
 
 
+def tenant_secret_key(tenant: str) -> str:
+    """The Secret's key holding one tenant's API keys, one per line."""
+    return f"tenant-{tenant}-keys"
+
+
+def _tenants_with_keys(cluster: ClusterConfig) -> list[TenantConfig]:
+    return [t for t in cluster.router.tenants if t.keys or t.keys_file is not None]
+
+
 def pod_cluster_yaml(raw: dict, cluster: ClusterConfig, names: _Names) -> str:
     """The user's cluster YAML with the keys that differ in a pod (see the module docstring)."""
     data = copy.deepcopy(raw)
@@ -225,6 +238,13 @@ def pod_cluster_yaml(raw: dict, cluster: ClusterConfig, names: _Names) -> str:
     router = {k: v for k, v in (data.get("router") or {}).items() if k not in ("api_keys", "api_keys_file")}
     if _has_api_keys(cluster):
         router["api_keys_file"] = f"{SECRET_DIR}/{SECRET_KEY_API}"
+    if router.get("tenants"):  # each tenant's keys from its own key of the Secret
+        with_keys = {t.name for t in _tenants_with_keys(cluster)}
+        router["tenants"] = [
+            {k: v for k, v in t.items() if k not in ("keys", "keys_file")}
+            | ({"keys_file": f"{SECRET_DIR}/{tenant_secret_key(t['name'])}"} if t["name"] in with_keys else {})
+            for t in router["tenants"]
+        ]
     data["router"] = {**router, "host": "0.0.0.0"}
     for role, insts in _roles(cluster).items():
         by_name = {i.name: i for i in insts}

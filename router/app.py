@@ -34,6 +34,7 @@ from router.api.openai_handlers import Answered, OpenAIHandlers
 from router.api.response_store import ResponseStore, open_store, owner_of
 from router.api.responses import ResponsesHandler, ResponsesRequest
 from router.api.tokenize import DetokenizeRequest, TokenizeRequest, detokenize_answer, tokenize_answer
+from router.cluster import tenancy
 from router.cluster.admission import Admission, AdmissionSettings
 from router.cluster.discovery import Discovery
 from router.cluster.dispatch import Dispatcher, DispatchSettings
@@ -43,6 +44,7 @@ from router.cluster.kv_events import KvEventPoller
 from router.cluster.kv_index import KvIndex
 from router.cluster.policies import make_policy
 from router.cluster.registry import Worker, WorkerRegistry
+from router.cluster.tenancy import PRIORITY_HEADER, Tenancy
 from router.cluster.worker_client import WorkerClient
 from router.errors import OpenAIError, RequestIdMiddleware, install_error_handlers, request_id_of
 from router.metrics import RouterMetrics
@@ -90,9 +92,13 @@ class Auth:
         if self.api_keys and not token_matches(bearer_token(request.headers.get("authorization", "")), self.api_keys):
             raise OpenAIError(401, "missing or invalid API key", code="invalid_api_key")
 
+    def key(self, request: Request) -> str | None:
+        """The caller's API key (None without keys)."""
+        return bearer_token(request.headers.get("authorization", "")) if self.api_keys else None
+
     def owner(self, request: Request) -> str:
         """Whose stored responses a caller sees: its API key's (everyone's the same without keys)."""
-        return owner_of(bearer_token(request.headers.get("authorization", "")) if self.api_keys else None)
+        return owner_of(self.key(request))
 
     def admin(self, request: Request) -> None:
         if self.internal_secret:
@@ -124,6 +130,7 @@ class RouterParts:
     tracing: Tracing
     access: AccessLog
     auth: Auth
+    tenancy: Tenancy  # each key's tenant: priority class, fair share, rate limits (router/cluster/tenancy.py)
     responses: ResponseStore  # stored /v1/responses (router/api/response_store/): SQLite or PostgreSQL
 
     @classmethod
@@ -174,6 +181,7 @@ class RouterParts:
             tracing=Tracing(settings.tracing, "pdserve-router"),
             access=AccessLog(settings.access_log),  # one line per request (router/access_log.py)
             auth=Auth(settings.api_keys, settings.internal_secret),
+            tenancy=Tenancy(settings.tenants, settings.priority_classes, settings.limit_share),
             responses=open_store(settings.response_store),
         )
 
@@ -348,11 +356,14 @@ async def respond(
     rid = request_id_of(request)
     try:
         parts.auth.client(request)
+        caller = parts.tenancy.caller(parts.auth.key(request), request.headers.get(PRIORITY_HEADER))
     except OpenAIError as exc:
         access.refused(rid, endpoint, exc.status, exc.code)
+        metrics.tenant_answered(parts.tenancy.tenant(parts.auth.key(request)).settings.name, exc.status)
         raise
     metrics.inflight.inc()
     status, code = 500, None
+    token = tenancy.CURRENT.set(caller)
     try:
         answer = await until_disconnect(
             request, call(rid, request.headers.get("traceparent"), len(await request.body()))
@@ -362,11 +373,15 @@ async def respond(
         status, code = exc.status, exc.code
         raise
     finally:
+        tenancy.CURRENT.reset(token)
         metrics.inflight.dec()
         metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
+        metrics.tenant_answered(caller.ticket.tenant, status)
         if status != 200:
             access.refused(rid, endpoint, status, code)
+    limits = parts.tenancy.headers(caller.tenant) if caller.tenant is not None else {}
     if answer[0] is None:
+        answer[1].headers.update(limits)
         return answer[1]  # encoded by the handler (off the event loop when large)
     session, result = answer
     # session.close is idempotent: the stream closes it in `finally`, the
@@ -375,7 +390,7 @@ async def respond(
         result,
         media_type="text/event-stream",
         background=BackgroundTask(session.close),
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **limits},
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import uuid
 
 from fastapi import FastAPI, Request
@@ -47,6 +48,7 @@ class OpenAIError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -54,6 +56,7 @@ class OpenAIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.headers = headers or {}  # sent with the error (a rate limit's x-ratelimit-*)
 
     def body(self) -> dict:
         return error_body(self.status, self.message, param=self.param, code=self.code)
@@ -106,9 +109,9 @@ class RequestIdMiddleware:
 
 
 def error_response(exc: OpenAIError) -> JSONResponse:
-    headers = {}
-    if exc.retry_after is not None:
-        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    headers = dict(exc.headers)
+    if exc.retry_after is not None:  # whole seconds, rounded up: a client that waits as told is not early
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
     return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 

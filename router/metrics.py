@@ -117,10 +117,20 @@ class RouterMetrics:
         self.local_prefills = Counter(
             "pdserve_router_local_prefills", "Requests prefilled on the decode server", registry=r
         )
+        # By configured tenant only (router/cluster/tenancy.py): a request cannot add a label value.
+        self.tenant_requests = Counter(
+            "pdserve_router_tenant_requests",
+            "Finished requests by tenant and HTTP status",
+            ["tenant", "status"],
+            registry=r,
+        )
         self.recovery = RecoveryMetrics(r)
         r.register(_Workers(workers))  # workers join and leave: read at every scrape
         self._worker_metrics(r)
         self._zero_labels()
+
+    def tenant_answered(self, tenant: str, status: int) -> None:
+        self.tenant_requests.labels(tenant=tenant, status=str(status)).inc()
 
     def _latency_metrics(self, r: CollectorRegistry) -> None:
         """What a client waits: TTFT, ITL, TPOT, end to end, the queue; tokens per request."""

@@ -20,7 +20,6 @@ stored (counted as a dropped write).
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import zlib
@@ -55,7 +54,6 @@ class TierStats:
 
 
 _STOP = object()
-log = logging.getLogger(__name__)
 
 
 class Tier(ABC):
@@ -163,9 +161,6 @@ class Tier(ABC):
                 if item is _STOP:
                     return
                 self._store(*item)
-            except Exception:  # a write that failed is a write dropped; the tier goes on
-                log.exception("KV tier %s: a block's write failed", self.name)
-                self._bump("dropped_writes")
             finally:
                 self._queue.task_done()
 

@@ -48,7 +48,6 @@ POLL_S = 0.1  # a stream whose response runs on another router looks for new eve
 CANCEL_POLL_S = 0.25  # a running response asks the store whether a cancel came at least this often
 CANCEL_WAIT_S = 10.0  # a cancel waits this long for the router running the response to stop it
 EVENTS_PER_READ = 256
-MAX_SEQ = 2**31 - 1  # a sequence number fits both databases' INTEGER
 
 StopReason = Literal["cancelled", "shutdown", "event_log_full", "store_failed"]
 # Opens a response's sessions and gives its stream of events (router/api/responses.py).
@@ -295,10 +294,8 @@ class BackgroundRuns:
             )
         if starting_after is None:
             return
-        if not 0 <= starting_after <= MAX_SEQ:
-            raise OpenAIError(
-                400, f"starting_after must be between 0 and {MAX_SEQ}, got {starting_after}", param="starting_after"
-            )
+        if starting_after < 0:
+            raise OpenAIError(400, f"starting_after must be >= 0, got {starting_after}", param="starting_after")
         if stored.response["status"] in ENDED:
             count = await asyncio.to_thread(self.store.event_count, stored.id)
             if starting_after > count - 1:

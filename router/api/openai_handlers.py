@@ -36,6 +36,7 @@ from router.api.sse import DONE, ChunkTemplate, sse_event
 from router.api.structured import one_constraint
 from router.api.tool_calls import ToolCallStream, chat_message
 from router.api.tools import plan_tools
+from router.cluster import tenancy
 from router.cluster.dispatch import Dispatcher, KVShareExceeded
 from router.cluster.session import Session
 from router.errors import OpenAIError
@@ -284,6 +285,14 @@ class OpenAIHandlers:
         """One session per prompt, opened together; if one cannot open, the others are closed."""
         ids = [p.request_id] if len(p.prompts) == 1 else [f"{p.request_id}-{j}" for j in range(len(p.prompts))]
         trace = p.timeline.traceparent
+        try:  # its tokens as OpenAI counts them against a limit: the prompts, and max_tokens for each choice
+            tenancy.CURRENT.get().take_tokens(
+                p.num_prompt_tokens + len(p.prompts) * p.sampling.n * p.sampling.max_tokens
+            )
+        except OpenAIError as refused:
+            p.timeline.failed(refused.code or str(refused.status))
+            p.timeline.close()
+            raise
         opened = await asyncio.gather(
             *(
                 self.dispatcher.start(rid, prompt, p.sampling, trace, prefer=p.prefer_decode)

@@ -418,13 +418,6 @@ class ResponsesHandler:
                     param="previous_response_id",
                     code="not_found",
                 )
-            if previous.response.get("status") in ("queued", "in_progress"):
-                raise OpenAIError(
-                    400,
-                    f"response {req.previous_response_id!r} is still {previous.response['status']}: "
-                    "continue it once it ends",
-                    param="previous_response_id",
-                )
             history, prefer = previous.conversation, previous.decode_worker
         turn = Turn(req, f"resp_{request_id}", owner, normalize_items(req.input), history)
         h = self.handlers
@@ -535,10 +528,6 @@ class ResponsesHandler:
         await self.runs.shutdown()
 
     async def delete(self, response_id: str, owner: str) -> dict[str, Any]:
-        """A background response still running is stopped first (else its ending would store it again)."""
-        stored = await self.get(response_id, owner)
-        if stored.response.get("background") and stored.response["status"] in ("queued", "in_progress"):
-            await self.runs.cancel(response_id, owner)
         if not await asyncio.to_thread(self.store.delete, response_id, owner):
             raise OpenAIError(404, f"no stored response with id {response_id!r}", param="response_id", code="not_found")
         return {"id": response_id, "object": "response", "deleted": True}

@@ -3,8 +3,10 @@
 A request is admitted when some decode server in rotation has a free slot
 (``Worker.inflight < Worker.max_inflight``) and, if it needs a prefill
 server, the prefill servers in rotation have one too. Otherwise it waits
-here, in arrival order, at most ``max_queued_requests`` requests at a time and at
-most ``timeout`` seconds each. A request that finds the waiting room full,
+here, at most ``max_queued_requests`` requests at a time and at most
+``timeout`` seconds each, admitted in the order of their tickets: priority
+class first, then weighted fair queuing between tenants (router/cluster/tenancy.py);
+with no tenants configured, in arrival order. A request that finds the waiting room full,
 or waits too long, is refused at once with 429 and a Retry-After: overload is
 a fast, clear answer, never a 5xx, and the router's memory stays bounded by
 (slots + waiting room) requests. 503 is kept for "no server in rotation".
@@ -27,10 +29,11 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from router.cluster.registry import Worker
+from router.cluster.tenancy import ANYONE, Ticket
 from router.errors import OpenAIError
 from router.settings import RouterSettings
 
@@ -62,11 +65,14 @@ class Admission:
         """``on_wait(seconds)``: called once per admitted request with the time it waited (0: at once)."""
         self.settings = settings
         self._on_wait = on_wait
-        self.waiting = 0  # requests in the waiting room now
         self.refused = 0  # requests answered 429 so far
         self.sessions = 0  # admitted requests not closed yet (a draining router waits for 0)
         self.prefills_pending = 0  # admitted requests for a prefill server whose first prefill has not ended
-        self._freed = asyncio.Event()
+        self._waiters: set[Waiter] = set()  # requests in the waiting room
+        self._seq = 0
+        self._tick: asyncio.TimerHandle | None = None  # the next poll, while requests wait
+        self._virtual = 0.0  # fair queuing's virtual time: the start tag of the last admitted request
+        self._finish: dict[str, float] = {}  # each tenant's last finish tag (configured tenants only)
 
     # ---- slots ------------------------------------------------------------------
     def prefill_is_full(self, prefill_workers: list[Worker]) -> bool:
@@ -103,42 +109,58 @@ class Admission:
 
     # ---- waiting ----------------------------------------------------------------
 
-    async def admit(self, attempt: Callable[[], Awaitable[T | None]]) -> T:
+    async def admit(self, attempt: Callable[[], Awaitable[T | None]], ticket: Ticket = ANYONE, cost: float = 1.0) -> T:
         """``attempt()`` until it returns a result (None: no slot free now).
 
-        A request tries at once unless others already wait, in which case it
-        queues behind them; waiting means the waiting room (429 when full or
-        when the wait runs out)."""
-        if not self.waiting:
+        A request tries at once unless others already wait, in which case it queues behind them;
+        waiting means the waiting room (429 when full or when the wait runs out). Waiters try in
+        the order of their tickets: class first, then start-time fair queuing within the class,
+        ``cost`` being the request's work (its tokens), so each tenant gets its weight's share of
+        what is admitted. With one tenant that order is arrival order."""
+        start = self._tag(ticket, cost)
+        if not self._waiters:
             result = await attempt()
             if result is not None:
-                self._waited(0.0)
+                self._admitted(start, 0.0)
                 return result
         entered = time.monotonic()
-        async with self.waiting_room() as wait:
+        async with self.waiting_room(ticket, start) as wait:
             while True:
                 await wait()
-                waited = time.monotonic() - entered
                 result = await attempt()
                 if result is not None:
-                    self._waited(waited)
+                    self._admitted(start, time.monotonic() - entered)
                     return result
 
-    def _waited(self, seconds: float) -> None:
+    def _tag(self, ticket: Ticket, cost: float) -> float:
+        """The request's fair start tag (SFQ): no earlier than the system's virtual time, nor than the
+        end of its tenant's previous request; that end moves on by the request's cost over its weight."""
+        start = max(self._virtual, self._finish.get(ticket.tenant, 0.0))
+        self._finish[ticket.tenant] = start + cost / ticket.weight
+        return start
+
+    def _admitted(self, start: float, waited: float) -> None:
+        self._virtual = max(self._virtual, start)
         if self._on_wait is not None:
-            self._on_wait(seconds)
+            self._on_wait(waited)
+
+    @property
+    def waiting(self) -> int:
+        """Requests in the waiting room now."""
+        return len(self._waiters)
 
     def slot_freed(self) -> None:
-        """Wake every waiter (in the order they started waiting) to try again."""
-        self._freed.set()
-        self._freed = asyncio.Event()
+        """Wake every waiter to try again, in the order of their tickets: each claims its slot before
+        its first await (``Dispatcher._try_open``), so the first woken takes the slot."""
+        for waiter in sorted(self._waiters):
+            wake(waiter.woken)
 
     @contextlib.asynccontextmanager
-    async def waiting_room(self) -> AsyncIterator[Wait]:
+    async def waiting_room(self, ticket: Ticket = ANYONE, start: float = 0.0) -> AsyncIterator[Wait]:
         """Enter the waiting room for the life of the block, or raise 429 when it is full.
 
-        Yields a ``Wait``: ``await wait()`` sleeps until a slot frees or the
-        poll interval passes, and raises 429 once the request waited ``timeout``.
+        Yields a ``Wait``: ``await wait()`` sleeps until a slot frees or the poll interval passes, and
+        raises 429 once the request waited ``timeout``. ``start``: its fair start tag (``admit``).
         """
         if self.waiting >= self.settings.max_queued_requests:
             self.refused += 1
@@ -146,16 +168,35 @@ class Admission:
                 f"the server is overloaded: {self.waiting} requests are already waiting; retry later",
                 self.settings.retry_after_s,
             )
-        self.waiting += 1
+        self._seq += 1
+        waiter = Waiter(ticket.rank, start, self._seq, asyncio.get_running_loop().create_future())
+        self._waiters.add(waiter)
+        if len(self._waiters) == 1:
+            self._tick = asyncio.get_running_loop().call_later(self.settings.poll, self._poll)
         try:
-            yield Wait(self, time.monotonic() + self.settings.queue_timeout_s)
+            yield Wait(self, waiter, time.monotonic() + self.settings.queue_timeout_s)
         finally:
-            self.waiting -= 1
+            self._waiters.discard(waiter)
+            if not self._waiters and self._tick is not None:
+                self._tick.cancel()
+                self._tick = None
 
-    async def sleep(self, seconds: float) -> None:
-        """Until a slot frees or ``seconds`` pass."""
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._freed.wait(), max(0.0, seconds))
+    def _poll(self) -> None:
+        """Every ``poll`` s while requests wait, all of them try again, in order: what the router learns
+        only by asking (a worker back in rotation, a "no room" cooled down) frees no slot."""
+        self.slot_freed()
+        self._tick = asyncio.get_running_loop().call_later(self.settings.poll, self._poll)
+
+
+@dataclass(order=True)
+class Waiter:
+    rank: int  # its class (0: the highest)
+    start: float  # its fair start tag
+    seq: int  # arrival order, last
+    woken: asyncio.Future[None] = field(compare=False)
+
+    def __hash__(self) -> int:
+        return self.seq
 
 
 class Slot:
@@ -196,9 +237,15 @@ class Slot:
             self._admission.prefills_pending -= 1
 
 
+def wake(woken: asyncio.Future[None]) -> None:
+    if not woken.done():
+        woken.set_result(None)
+
+
 class Wait:
-    def __init__(self, admission: Admission, deadline: float) -> None:
+    def __init__(self, admission: Admission, waiter: Waiter, deadline: float) -> None:
         self._admission = admission
+        self._waiter = waiter
         self._deadline = deadline
 
     async def __call__(self) -> None:
@@ -211,4 +258,10 @@ class Wait:
                 f"the server is overloaded: no capacity freed within {a.settings.queue_timeout_s:g} s; retry later",
                 a.settings.retry_after_s,
             )
-        await a.sleep(min(left, a.settings.poll))
+        woken = self._waiter.woken
+        timer = asyncio.get_running_loop().call_later(left, wake, woken)
+        try:
+            await woken
+        finally:
+            timer.cancel()
+            self._waiter.woken = asyncio.get_running_loop().create_future()

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from engine.request import SamplingParams
+from router.cluster import tenancy
 from router.cluster.admission import Admission, AdmissionSettings, Slot
 from router.cluster.health import PassiveHealth
 from router.cluster.kv_index import KvIndex
@@ -226,7 +227,10 @@ class Dispatcher:
         )
         if generated:
             local = True
-        return await self.admission.admit(lambda: self._try_open(req, prefill_slot, local, prefer, avoid))
+        cost = len(prompt) + sampling.max_tokens * sampling.n  # the work it asks for, in tokens
+        return await self.admission.admit(
+            lambda: self._try_open(req, prefill_slot, local, prefer, avoid), tenancy.CURRENT.get().ticket, cost
+        )
 
     async def _try_open(
         self,

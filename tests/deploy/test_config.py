@@ -167,3 +167,47 @@ def test_a_tensor_parallel_size_the_model_does_not_divide_is_named_before_any_se
     assert cluster.tensor_parallel_problems(Path(tiny_model)) == [
         f"c1: 4 attention heads cannot be split evenly over tensor_parallel_size=3 ({tiny_model})"
     ]
+
+
+def test_tenants_bring_their_keys_classes_and_limits_to_the_router(tmp_path):
+    keys = tmp_path / "batch-keys"
+    keys.write_text("sk-batch-1\n\nsk-batch-2\n")
+    router = {
+        "api_keys": ["sk-plain-key-1"],
+        "priority_classes": ["gold", "silver", "bronze"],
+        "tenants": [
+            {"name": "team-a", "keys": ["sk-team-a-1"], "weight": 3, "priority": "gold", "requests_per_minute": 60},
+            {"name": "batch", "keys_file": str(keys), "priority": "bronze", "tokens_per_minute": 100000},
+            {"name": "default", "requests_per_minute": 600},
+        ],
+    }
+    settings = parse_config({**BASE, "router": router}, "c.yaml").router_settings(tmp_path)
+    assert settings.api_keys == ("sk-plain-key-1", "sk-team-a-1", "sk-batch-1", "sk-batch-2")
+    assert settings.priority_classes == ("gold", "silver", "bronze")
+    a, batch, default = settings.tenants
+    assert (a.name, a.keys, a.weight, a.priority, a.requests_per_minute) == ("team-a", ("sk-team-a-1",), 3, "gold", 60)
+    assert (batch.keys, batch.tokens_per_minute, default.keys) == (("sk-batch-1", "sk-batch-2"), 100000, ())
+    assert "sk-team-a-1" not in repr(settings)
+
+
+@pytest.mark.parametrize(
+    "router, message",
+    [
+        ({"tenants": [{"name": "a", "priority": "vip"}]}, "priority 'vip' is not one of router.priority_classes"),
+        ({"tenants": [{"name": "a"}, {"name": "a"}]}, "a name is used twice: ['a']"),
+        ({"tenants": [{"name": "Team A"}]}, "'router.tenants[0].name'"),
+        ({"tenants": [{"name": "a", "weight": 0}]}, "'router.tenants[0].weight'"),
+        ({"tenants": [{"name": "default", "keys": ["sk-secret-123"]}]}, "its keys are those listed only under"),
+        ({"priority_classes": ["a", "a"]}, "a class is listed twice"),
+        ({"tenants": [{"name": "a", "keys": ["sk-secret-123"], "keys_file": "/k"}]}, "set keys or keys_file"),
+    ],
+)
+def test_bad_tenants_are_refused_naming_what_is_wrong(router, message):
+    error = error_of({**BASE, "router": router})
+    assert message in error and "sk-secret-123" not in error
+
+
+def test_one_key_for_two_tenants_is_refused(tmp_path):
+    router = {"tenants": [{"name": "a", "keys": ["sk-shared-1"]}, {"name": "b", "keys": ["sk-shared-1"]}]}
+    with pytest.raises(ConfigError, match="one key is listed for 'a' and for 'b'"):
+        parse_config({**BASE, "router": router}, "c.yaml").router_settings(tmp_path)
