@@ -21,9 +21,11 @@ a response whose events would pass ``max_events`` (the closing one counted) or `
 one, which carries the whole response, not counted) stops there, its work on the servers freed, and ends
 ``failed`` (error ``server_error`` naming the limits); the events up to there stay, ``response.failed`` last.
 
-The task is the router's: a router that stops ends its responses ``failed``; one killed leaves them
-``in_progress`` in the store (nothing adopts them yet), and their decode servers free them when its
-connections drop.
+The task is the router's: a router that stops ends its responses ``failed``. While it runs one it renews
+a lease on it in the store (``RENEW_S``, ``LEASE_S``); a router killed stops renewing, its decode servers
+free the sequences when its connections drop, and the first read of such a response on any router once the
+lease has lapsed takes the lease (exactly one router does) and ends it ``failed`` after the events the dead
+router kept (``cancelled``, for a cancel). Nothing adopts it and carries its generation on yet.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -46,10 +50,12 @@ TERMINAL_EVENTS = frozenset({"response.completed", "response.incomplete", "respo
 ENDED = frozenset({"completed", "incomplete", "failed", "cancelled"})
 POLL_S = 0.1  # a stream whose response runs on another router looks for new events this often
 CANCEL_POLL_S = 0.25  # a running response asks the store whether a cancel came at least this often
-CANCEL_WAIT_S = 10.0  # a cancel waits this long for the router running the response to stop it
+LEASE_S = 5.0  # a running response's lease lasts this long past each renewal: a router silent longer is gone
+RENEW_S = 1.0  # how often the router running a response renews its lease (and others look for expired ones)
 EVENTS_PER_READ = 256
+MAX_SEQ = 2**31 - 1  # a sequence number fits both databases' INTEGER
 
-StopReason = Literal["cancelled", "shutdown", "event_log_full", "store_failed"]
+StopReason = Literal["cancelled", "shutdown", "event_log_full", "store_failed", "lease_lost"]
 # Opens a response's sessions and gives its stream of events (router/api/responses.py).
 Begin = Callable[["Run"], Awaitable[AsyncGenerator[str, None]]]
 # A row for a status: (status, output so far, error or None) -> the row to store.
@@ -169,13 +175,16 @@ class BackgroundRuns:
         self.store = store
         self.limits = limits
         self.runs: dict[str, Run] = {}
+        self.holder = f"router-{secrets.token_hex(8)}"  # this router, in the leases of what it runs
 
-    def start(self, response_id: str, begin: Begin, row: RowFor) -> Run:
-        """Runs the response: ``begin(run)`` opens its sessions and gives its stream of events; ``row``
-        builds its row for a status. The caller stored its ``queued`` row first."""
-        run = Run(response_id)
-        self.runs[response_id] = run
-        run.task = asyncio.create_task(self._run(run, begin, row), name=f"background {response_id}")
+    async def start(self, queued: StoredResponse, begin: Begin, row: RowFor) -> Run:
+        """Stores the response ``queued``, takes its lease and runs it: ``begin(run)`` opens its sessions and
+        gives its stream of events; ``row`` builds its row for a status."""
+        await asyncio.to_thread(self.store.put, queued)
+        await asyncio.to_thread(self.store.renew_lease, queued.id, self.holder, time.time() + LEASE_S)
+        run = Run(queued.id)
+        self.runs[queued.id] = run
+        run.task = asyncio.create_task(self._run(run, begin, row), name=f"background {queued.id}")
         return run
 
     async def shutdown(self) -> None:
@@ -223,6 +232,8 @@ class BackgroundRuns:
     ) -> None:
         """The ending writes: the row for how it ended, and the log's closing event (none when cancelled)."""
         final = run.final
+        if run.stop_reason == "lease_lost":  # another router found this one gone and ended it
+            return
         if final is not None and failure is None:  # it completed (maybe while being cancelled)
             if last_kind not in TERMINAL_EVENTS:  # stopped between its row and its closing event
                 event = {"type": "response.completed", "sequence_number": seq + 1, "response": final.response}
@@ -250,8 +261,18 @@ class BackgroundRuns:
         """Writes the run's rows and events in order, each batch in one call; learns of cancels asked
         through the store. The ending row goes last, after the closing event queued just after it: a
         reader that finds the row ended finds every event already there."""
+        renewed = time.monotonic()
         try:
             while True:
+                if time.monotonic() - renewed >= RENEW_S:
+                    renewed = time.monotonic()
+                    held = await asyncio.to_thread(
+                        self.store.renew_lease, run.response_id, self.holder, time.time() + LEASE_S
+                    )
+                    if not held:
+                        log.warning("background response %s: its lease was taken; it stops here", run.response_id)
+                        run.stop("lease_lost")
+                        run.take()  # its rows and events are another router's to write now
                 events: list[Event] = []
                 cancel, ending = False, None
                 for op in run.take():
@@ -265,7 +286,9 @@ class BackgroundRuns:
                     else:
                         events.append(op)
                 cancel |= await asyncio.to_thread(self.store.append_events, run.response_id, events)
-                if ending is not None:
+                if ending is not None and await asyncio.to_thread(
+                    self.store.renew_lease, run.response_id, self.holder, time.time() + LEASE_S
+                ):  # not taken meanwhile by a router that found this one gone (and ended it)
                     await asyncio.to_thread(self.store.put, ending)
                 run.wrote()
                 if cancel:
@@ -286,6 +309,38 @@ class BackgroundRuns:
             raise OpenAIError(404, f"no stored response with id {response_id!r}", param="response_id", code="not_found")
         return stored
 
+    async def poll(self, response_id: str, owner: str) -> StoredResponse:
+        """The response as it stands; one whose router is gone (its lease expired) ends ``failed`` first."""
+        stored = await self.get(response_id, owner)
+        if await self._end_orphan(stored, "failed"):
+            stored = await self.get(response_id, owner)
+        return stored
+
+    async def _end_orphan(self, stored: StoredResponse, status: Literal["failed", "cancelled"]) -> bool:
+        """Ends a background response whose router is gone, if this router is the one that takes its
+        expired lease: the closing event (when failed), then the row."""
+        if not stored.response.get("background") or stored.response["status"] in ENDED or stored.id in self.runs:
+            return False
+        now = time.time()
+        if not await asyncio.to_thread(self.store.take_lease, stored.id, self.holder, now + LEASE_S, now):
+            return False
+        logged = await asyncio.to_thread(self.store.events_after, stored.id, -1, 1 << 30)
+        output = OutputSoFar()
+        for _, sse in logged:
+            output.feed(sse_data(sse))
+        items = output.items()
+        error = None if status == "cancelled" else {"code": "server_error", "message": "the router running it stopped"}
+        response = {**stored.response, "status": status, "output": items, "error": error}
+        if status == "failed":
+            seq = logged[-1][0] + 1 if logged else 0
+            event = sse_of({"type": "response.failed", "sequence_number": seq, "response": response})
+            await asyncio.to_thread(self.store.append_events, stored.id, [(seq, event)])
+        ended = StoredResponse(
+            stored.id, stored.owner, stored.created_at, response, stored.input_items, stored.conversation
+        )
+        await asyncio.to_thread(self.store.put, ended)
+        return True
+
     async def check_stream(self, stored: StoredResponse, starting_after: int | None) -> None:
         """400 unless ``stored`` is a background response with an event after ``starting_after``."""
         if not stored.response.get("background"):
@@ -294,8 +349,10 @@ class BackgroundRuns:
             )
         if starting_after is None:
             return
-        if starting_after < 0:
-            raise OpenAIError(400, f"starting_after must be >= 0, got {starting_after}", param="starting_after")
+        if not 0 <= starting_after <= MAX_SEQ:
+            raise OpenAIError(
+                400, f"starting_after must be between 0 and {MAX_SEQ}, got {starting_after}", param="starting_after"
+            )
         if stored.response["status"] in ENDED:
             count = await asyncio.to_thread(self.store.event_count, stored.id)
             if starting_after > count - 1:
@@ -309,6 +366,7 @@ class BackgroundRuns:
         """The response's events numbered above ``starting_after``: the stored ones, then the live ones
         until the last."""
         last = -1 if starting_after is None else starting_after
+        looked = time.monotonic()
         while True:
             run = self.runs.get(response_id)
             changed = run.changed if run is not None else None  # taken before the read: no write missed
@@ -328,6 +386,10 @@ class BackgroundRuns:
                     for _, sse in await asyncio.to_thread(self.store.events_after, response_id, last, 1 << 30):
                         yield sse
                     return
+                if run is None and time.monotonic() - looked >= RENEW_S:  # is the router running it still there?
+                    looked = time.monotonic()
+                    if await self._end_orphan(stored, "failed"):
+                        continue
             if changed is not None:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), POLL_S)
@@ -349,23 +411,10 @@ class BackgroundRuns:
             await run.done.wait()
             return (await self.get(response_id, owner)).response
         await asyncio.to_thread(self.store.request_cancel, response_id)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + CANCEL_WAIT_S
-        while loop.time() < deadline:
+        while True:  # until the router running it stops it, or, gone, its lease expires and this one ends it
+            if await self._end_orphan(stored, "cancelled"):
+                return (await self.get(response_id, owner)).response
             stored = await self.get(response_id, owner)
             if stored.response["status"] in ENDED:
                 return stored.response
             await asyncio.sleep(POLL_S)
-        # No router answered: the one that ran it is gone. Its row says so now.
-        response = {**stored.response, "status": "cancelled"}
-        ended = StoredResponse(
-            stored.id,
-            stored.owner,
-            stored.created_at,
-            response,
-            stored.input_items,
-            stored.conversation,
-            stored.decode_worker,
-        )
-        await asyncio.to_thread(self.store.put, ended)
-        return response

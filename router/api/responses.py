@@ -418,6 +418,13 @@ class ResponsesHandler:
                     param="previous_response_id",
                     code="not_found",
                 )
+            if previous.response.get("status") in ("queued", "in_progress"):
+                raise OpenAIError(
+                    400,
+                    f"response {req.previous_response_id!r} is still {previous.response['status']}: "
+                    "continue it once it ends",
+                    param="previous_response_id",
+                )
             history, prefer = previous.conversation, previous.decode_worker
         turn = Turn(req, f"resp_{request_id}", owner, normalize_items(req.input), history)
         h = self.handlers
@@ -474,8 +481,7 @@ class ResponsesHandler:
             return self._stream(turn, p, sessions)
 
         queued = row("queued", [], None)
-        await asyncio.to_thread(self.store.put, queued)
-        self.runs.start(turn.response_id, begin, row)
+        await self.runs.start(queued, begin, row)
         if turn.req.stream:
             return SessionGroup([]), self.runs.events(turn.response_id, turn.owner, None)
         return None, Response(json.dumps(queued.response), media_type="application/json")
@@ -513,7 +519,8 @@ class ResponsesHandler:
             await self.handlers.close(p, sessions, got.count)
 
     async def get(self, response_id: str, owner: str) -> StoredResponse:
-        return await self.runs.get(response_id, owner)
+        """The stored response; a background one whose router is gone ends ``failed`` first."""
+        return await self.runs.poll(response_id, owner)
 
     async def events(self, response_id: str, owner: str, starting_after: int | None) -> AsyncIterator[str]:
         """A background response's events after ``starting_after`` (checked first: 404, 400)."""
@@ -528,6 +535,10 @@ class ResponsesHandler:
         await self.runs.shutdown()
 
     async def delete(self, response_id: str, owner: str) -> dict[str, Any]:
+        """A background response still running is stopped first (else its ending would store it again)."""
+        stored = await self.get(response_id, owner)
+        if stored.response.get("background") and stored.response["status"] in ("queued", "in_progress"):
+            await self.runs.cancel(response_id, owner)
         if not await asyncio.to_thread(self.store.delete, response_id, owner):
             raise OpenAIError(404, f"no stored response with id {response_id!r}", param="response_id", code="not_found")
         return {"id": response_id, "object": "response", "deleted": True}

@@ -90,4 +90,15 @@ class ResponseStore(Protocol):
         """Asks whichever router runs the response to stop it (it learns so on its next ``append_events``)."""
         ...
 
+    # Who runs a background response: a lease its router renews while it runs. A lease that has expired
+    # is a router gone; ``take_lease`` lets exactly one other router take it over (to end the response).
+
+    def renew_lease(self, response_id: str, holder: str, until: float) -> bool:
+        """Holds the response's lease until ``until`` (time.time()); False if another holder has it."""
+        ...
+
+    def take_lease(self, response_id: str, holder: str, until: float, now: float) -> bool:
+        """Takes the response's lease if it expired before ``now``; True for exactly one caller."""
+        ...
+
     def close(self) -> None: ...

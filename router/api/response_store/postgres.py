@@ -39,8 +39,13 @@ SCHEMA = (
         PRIMARY KEY (response_id, seq)
     )""",
     "CREATE TABLE IF NOT EXISTS response_cancels (response_id TEXT PRIMARY KEY)",  # asked to stop
+    """CREATE TABLE IF NOT EXISTS response_leases (  -- the router running a background response
+        response_id TEXT PRIMARY KEY,
+        holder TEXT NOT NULL,
+        expires_at DOUBLE PRECISION NOT NULL
+    )""",
 )
-EVENT_TABLES = ("response_events", "response_cancels")
+EVENT_TABLES = ("response_events", "response_cancels", "response_leases")
 # Routers starting together would race in CREATE TABLE IF NOT EXISTS (a duplicate-key error on the
 # catalog): each holds this advisory lock while it creates the table.
 SCHEMA_LOCK = 0x7064_7365_7276_6531
@@ -155,6 +160,25 @@ class PostgresResponseStore:
         self._call(
             lambda conn: conn.execute("INSERT INTO response_cancels VALUES (%s) ON CONFLICT DO NOTHING", (response_id,))
         )
+
+    def renew_lease(self, response_id: str, holder: str, until: float) -> bool:
+        cursor = self._call(
+            lambda conn: conn.execute(
+                "INSERT INTO response_leases VALUES (%s, %s, %s) ON CONFLICT (response_id) DO UPDATE "
+                "SET expires_at = EXCLUDED.expires_at WHERE response_leases.holder = EXCLUDED.holder",
+                (response_id, holder, until),
+            )
+        )
+        return cursor.rowcount > 0
+
+    def take_lease(self, response_id: str, holder: str, until: float, now: float) -> bool:
+        cursor = self._call(
+            lambda conn: conn.execute(
+                "UPDATE response_leases SET holder = %s, expires_at = %s WHERE response_id = %s AND expires_at < %s",
+                (holder, until, response_id, now),
+            )
+        )
+        return cursor.rowcount > 0
 
     def count(self) -> int:
         row = self._call(lambda conn: conn.execute("SELECT COUNT(*) FROM responses").fetchone())

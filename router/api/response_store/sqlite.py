@@ -31,7 +31,13 @@ CREATE TABLE IF NOT EXISTS response_events (  -- a background response's events,
 CREATE TABLE IF NOT EXISTS response_cancels (  -- background responses a client asked to stop
     response_id TEXT PRIMARY KEY
 );
+CREATE TABLE IF NOT EXISTS response_leases (  -- the router running a background response, while it renews
+    response_id TEXT PRIMARY KEY,
+    holder TEXT NOT NULL,
+    expires_at REAL NOT NULL
+);
 """
+EVENT_TABLES = ("response_events", "response_cancels", "response_leases")
 
 
 class SqliteResponseStore:
@@ -105,6 +111,23 @@ class SqliteResponseStore:
         with self._lock:
             self._db.execute("INSERT OR IGNORE INTO response_cancels VALUES (?)", (response_id,))
 
+    def renew_lease(self, response_id: str, holder: str, until: float) -> bool:
+        with self._lock:
+            cursor = self._db.execute(
+                "INSERT INTO response_leases VALUES (?, ?, ?) ON CONFLICT (response_id) DO UPDATE "
+                "SET expires_at = excluded.expires_at WHERE response_leases.holder = excluded.holder",
+                (response_id, holder, until),
+            )
+        return cursor.rowcount > 0
+
+    def take_lease(self, response_id: str, holder: str, until: float, now: float) -> bool:
+        with self._lock:
+            cursor = self._db.execute(
+                "UPDATE response_leases SET holder = ?, expires_at = ? WHERE response_id = ? AND expires_at < ?",
+                (holder, until, response_id, now),
+            )
+        return cursor.rowcount > 0
+
     def count(self) -> int:
         with self._lock:
             return int(self._db.execute("SELECT COUNT(*) FROM responses").fetchone()[0])
@@ -121,10 +144,10 @@ class SqliteResponseStore:
             "DELETE FROM responses WHERE id IN (SELECT id FROM responses ORDER BY created_at DESC LIMIT -1 OFFSET ?)",
             (self.max_rows,),
         )
-        for table in ("response_events", "response_cancels"):
+        for table in EVENT_TABLES:
             self._db.execute(f"DELETE FROM {table} WHERE response_id NOT IN (SELECT id FROM responses)")
 
     def _forget(self, response_id: str) -> None:
         """A deleted response's events and cancel request (the caller holds the lock)."""
-        for table in ("response_events", "response_cancels"):
+        for table in EVENT_TABLES:
             self._db.execute(f"DELETE FROM {table} WHERE response_id = ?", (response_id,))

@@ -4,10 +4,14 @@ bounded logs; bad input; two routers sharing one store."""
 
 from __future__ import annotations
 
+import time
+
 import openai
 import pytest
 
+from router.api.background import sse_of
 from router.api.model import ServedModel
+from router.api.response_store import StoredResponse, owner_of
 from router.settings import ResponseStoreSettings
 from tests.router.api.test_responses import ids, router, sdk
 from tests.support.fakes import FakeWorkerClient
@@ -167,3 +171,63 @@ def test_a_router_sharing_the_store_streams_and_cancels_a_response_running_on_an
         events = list(sdk(b).responses.retrieve(made.id, stream=True))
     assert [e.model_dump() for e in events[: len(seen)]] == [e.model_dump() for e in seen]
     assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+def test_a_running_response_cannot_be_continued_and_deleting_it_stops_it_first(served):
+    fake = FakeWorkerClient(reply=ids(served, ANSWER), delay=SLOW_S)
+    with router(served, fake) as c:
+        client = sdk(c)
+        made = client.responses.create(model="tiny", input="Capital of France?", background=True)
+        wait_until(lambda: stored_events(c, made.id) >= 5, what="the first text delta stored")
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="tiny", input="And of Italy?", previous_response_id=made.id)
+        assert refused.value.body["param"] == "previous_response_id" and "in_progress" in refused.value.body["message"]
+        client.responses.delete(made.id)
+        assert fake.aborts != [] and all(s.closed for s in fake.streams)
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(made.id)
+        assert c.app.state.responses.runs.runs == {} and stored_events(c, made.id) == 0
+
+
+def test_starting_after_must_fit_a_sequence_number(served):
+    fake = FakeWorkerClient(reply=ids(served, ANSWER), delay=SLOW_S)
+    with router(served, fake) as c:
+        made = sdk(c).responses.create(model="tiny", input="hi", background=True)
+        with pytest.raises(openai.BadRequestError) as refused:
+            list(sdk(c).responses.retrieve(made.id, stream=True, starting_after=2**63))  # running: not yet checkable
+        assert refused.value.body["param"] == "starting_after"
+        sdk(c).responses.cancel(made.id)
+
+
+def orphan(store, response_id: str, text: str) -> None:
+    """A background response left in_progress by a router gone since: its lease expired, two events logged."""
+    response = {"id": response_id, "object": "response", "background": True, "status": "in_progress", "output": []}
+    store.put(StoredResponse(response_id, owner_of(None), time.time(), response, [], []))
+    store.renew_lease(response_id, "router-gone", time.time() - 1)
+    added = {"type": "message", "id": "msg_0", "role": "assistant", "status": "in_progress", "content": []}
+    logged = [
+        {"type": "response.output_item.added", "sequence_number": 0, "output_index": 0, "item": added},
+        {"type": "response.output_text.delta", "sequence_number": 1, "item_id": "msg_0", "delta": text},
+    ]
+    store.append_events(response_id, [(e["sequence_number"], sse_of(e)) for e in logged])
+
+
+def test_a_response_whose_router_is_gone_ends_failed_when_read_and_cancelled_when_cancelled(served, tmp_path):
+    fake = FakeWorkerClient(reply=ids(served, "unused"))
+    with router(served, fake, response_store=ResponseStoreSettings(path=str(tmp_path / "r.sqlite"))) as c:
+        store = c.app.state.responses.store
+        orphan(store, "resp_polled", "Par")
+        orphan(store, "resp_streamed", "Ro")
+        orphan(store, "resp_cancelled", "Ber")
+        polled = sdk(c).responses.retrieve("resp_polled")
+        assert polled.status == "failed" and polled.error.message == "the router running it stopped"
+        assert polled.output[0].status == "incomplete" and polled.output[0].content[0].text == "Par"
+        events = list(sdk(c).responses.retrieve("resp_streamed", stream=True))
+        assert [(e.type, e.sequence_number) for e in events][1:] == [
+            ("response.output_text.delta", 1),
+            ("response.failed", 2),
+        ]
+        assert events[-1].response.model_dump() == sdk(c).responses.retrieve("resp_streamed").model_dump()
+        cancelled = sdk(c).responses.cancel("resp_cancelled")
+        assert cancelled.status == "cancelled" and cancelled.output[0].content[0].text == "Ber"
+        assert store.event_count("resp_cancelled") == 2 and fake.opened == []

@@ -288,3 +288,17 @@ def test_deleting_or_pruning_a_response_takes_its_events_and_cancel_with_it(open
     fresh = open_on_one_database(ttl_s=60.0)
     fresh.put(stored("resp_new"))  # its first write prunes: the expired row, then what hangs off no row
     assert fresh.event_count("resp_old") == 0 and fresh.append_events("resp_old", []) is False
+
+
+def test_a_lease_is_renewed_by_its_holder_only_and_taken_by_one_router_once_expired(open_on_one_database):
+    a, b, c = open_on_one_database(), open_on_one_database(), open_on_one_database()
+    a.put(stored("resp_bg"))
+    assert a.renew_lease("resp_bg", "router-a", 100.0) is True  # the first holder
+    assert a.renew_lease("resp_bg", "router-a", 200.0) is True
+    assert b.renew_lease("resp_bg", "router-b", 300.0) is False  # held by another
+    assert b.take_lease("resp_bg", "router-b", 400.0, now=150.0) is False  # not expired yet
+    assert b.take_lease("resp_bg", "router-b", 400.0, now=250.0) is True  # expired: b's now
+    assert c.take_lease("resp_bg", "router-c", 400.0, now=250.0) is False  # and nobody else's
+    assert a.renew_lease("resp_bg", "router-a", 500.0) is False and b.renew_lease("resp_bg", "router-b", 500.0)
+    assert a.take_lease("resp_nope", "router-a", 1.0, now=2.0) is False  # no lease: nothing to take
+    assert a.delete("resp_bg", OWNER) and a.renew_lease("resp_bg", "router-c", 1.0) is True  # gone with its row
