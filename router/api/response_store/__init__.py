@@ -17,7 +17,8 @@ Two backends behind ``ResponseStore`` (base.py), picked by ``open_store`` from t
 
 Either keeps rows ``ttl_s`` and at most ``max_rows`` (the oldest go), pruned at most once a minute on a
 write. A background response's events (router/api/background.py) are a log beside its row, and a cancel
-asked for it a row of its own: both go with the response's row. Calls block (milliseconds): the handlers make them off the event loop.
+asked for it a row of its own: both go with the response's row. Calls block (milliseconds): the handlers
+make them off the event loop.
 """
 
 from __future__ import annotations
