@@ -54,6 +54,7 @@ from engine.config import (
     EngineConfig,
     EngineMode,
     KvLayout,
+    KvTiersConfig,
     ModelLen,
 )
 from engine.models import MODEL_CACHE, is_builtin, resolve_model
@@ -76,6 +77,43 @@ from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, Drain
 from server_common.settings import KvFailureAction, ServerSettings, TransferBackendName
 from server_common.tracing import TracingSettings
 from wire.names import INSTANCE_NAME
+
+
+class KvTiersSettings(Strict):
+    """engine.kv_tiers (or an instance's): tiers below each server's KV cache (engine/tiers/, docs/kv-tiers.md).
+    The blocks its prefix cache evicts are written there and loaded back, instead of computed, when a later
+    prompt's prefix continues past the cache. Off while neither `host_bytes` nor `disk_path` is set; one rank
+    only (tensor_parallel_size 1)."""
+
+    host_bytes: AtLeastOne | None = None
+    """Bytes of host memory holding evicted blocks (on a CPU server, a second pool beside the cache); null: no
+    host tier."""
+    disk_path: str | None = None
+    """A folder of one checksummed file per block; each server writes under `<disk_path>/<its name>/`, so
+    a server restarted on it serves what it wrote before. Null: no disk tier."""
+    disk_bytes: AtLeastOne | None = None
+    """Bytes of files the disk tier keeps, at most (oldest used go first); required with `disk_path`."""
+    queue_blocks: AtLeastOne = KvTiersConfig.queue_blocks
+    """Blocks waiting for a tier's writer, at most; past it a write is dropped (counted), never waited for."""
+
+    @property
+    def on(self) -> bool:
+        return self.host_bytes is not None or self.disk_path is not None
+
+    @model_validator(mode="after")
+    def _whole_disk(self) -> KvTiersSettings:
+        if self.on:
+            KvTiersConfig(**self.model_dump())  # its checks, named here
+        elif self.disk_bytes is not None:
+            raise ValueError("kv_tiers: disk_path and disk_bytes go together")
+        return self
+
+    def for_server(self, name: str) -> KvTiersConfig | None:
+        """Server ``name``'s tiers (its own folder under ``disk_path``); None when off."""
+        if not self.on:
+            return None
+        folder = None if self.disk_path is None else str(Path(self.disk_path) / name)
+        return KvTiersConfig(**{**self.model_dump(), "disk_path": folder})
 
 
 class EngineDefaults(Strict):
@@ -115,6 +153,8 @@ class EngineDefaults(Strict):
     cuda_graphs: bool = EngineConfig.cuda_graphs
     """Replay decode-only steps as CUDA graphs, one per padded batch size (engine/decode_graphs.py); needs
     CUDA, tensor_parallel_size 1 and the Triton backend. Off by default: not yet measured on a device."""
+    kv_tiers: KvTiersSettings = KvTiersSettings()
+    """Host-memory and disk tiers for the blocks each server's prefix cache evicts (off unless a tier is set)."""
 
 
 class Instance(Strict):
@@ -154,6 +194,8 @@ class Instance(Strict):
     """Ranks it splits the model over."""
     expert_parallel_size: AtLeastOne | None = None
     """Ranks it splits a mixture of experts' experts over."""
+    kv_tiers: KvTiersSettings | None = None
+    """Its KV tiers (the whole section: replaces the `engine:` one; `{}` turns them off)."""
 
     @property
     def transfer_port(self) -> int:
@@ -606,6 +648,8 @@ class ClusterConfig(Strict):
                 raise ValueError(
                     f"{i.name}: expert_parallel_size must be 1 or its tensor_parallel_size ({tp}), got {ep}"
                 )
+            if tp > 1 and (i.kv_tiers or self.engine.kv_tiers).on:
+                raise ValueError(f"{i.name}: kv_tiers hold one rank's blocks: they need tensor_parallel_size 1")
         exposed = [
             f"{i.name} ({self.bind_host_of(i)})" for i in self.instances() if not is_loopback(self.bind_host_of(i))
         ]
@@ -750,6 +794,7 @@ class ClusterConfig(Strict):
             **{key: getattr(inst, key) for key in INSTANCE_ENGINE_KEYS if getattr(inst, key) is not None},
         }
         knobs["device"] = knobs["device"] or self.device
+        knobs["kv_tiers"] = (inst.kv_tiers or self.engine.kv_tiers).for_server(name)
         engine = EngineConfig(
             model=str(model_path), dtype=self.dtype, max_model_len=self.max_model_len, mode=role, **knobs
         )

@@ -227,6 +227,7 @@ class LLMEngine:
         block_ids = self.scheduler.reserve(request)
         if self.config.prefix_caching and not request.wants_prompt_logprobs:
             self.counters.add_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
+            self.counters.tier_hits_tokens += request.num_tier_tokens
         return block_ids
 
     def num_cached_tokens(self, request_id: str) -> int:

@@ -138,6 +138,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)  # for the age of the blocks it holds
     cache_salt: str | None = None  # requests with different salts never share cached blocks
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when last admitted
+    num_tier_tokens: int = 0  # of those, tokens loaded from a KV tier (engine/tiers/)
     block_hashes: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0
     index: int = 0  # the sequence's index among the request's n

@@ -149,14 +149,20 @@ class Scheduler:
         """
         assert request.request_id not in self.requests, request.request_id
         cached = self.prefix.lookup(request)
+        tiered = self.prefix.lookup_tiers(request, cached, self.tiers)
         fresh = self.blocks.blocks_needed(request.num_prompt_tokens + 1) - len(cached)
         needed = fresh + self.blocks.blocks_to_take(cached)
         if not self.blocks.can_allocate(needed):
             raise NoCapacityError(f"{needed} KV blocks needed, {self.blocks.num_free} free")
         self.blocks.take(cached)
         request.block_ids = cached + self.blocks.allocate(fresh)
-        request.num_cached_tokens = len(cached) * self.blocks.block_size
-        request.num_hashed_blocks = len(cached)
+        loaded = 0
+        if tiered:  # blocks a tier does not serve intact are simply written remotely with the rest
+            assert self.tiers is not None
+            loaded = self.tiers.load(tiered, request.block_ids[len(cached) : len(cached) + len(tiered)])
+        request.num_cached_tokens = (len(cached) + loaded) * self.blocks.block_size
+        request.num_tier_tokens = loaded * self.blocks.block_size
+        request.num_hashed_blocks = len(cached)  # loaded blocks are registered with the rest in admit_remote
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = [request]
         self.parked[request.request_id] = request
@@ -387,6 +393,7 @@ class Scheduler:
             plan.tier_hits += loaded * self.blocks.block_size
         request.num_computed = request.num_cached_tokens = computed
         request.num_hashed_blocks = len(cached)  # loaded blocks are registered once this step ends
+        request.num_tier_tokens = computed - len(cached) * self.blocks.block_size
         if looks_up:
             plan.prefix_queried += request.num_tokens
             plan.prefix_hits += computed
@@ -414,8 +421,10 @@ class Scheduler:
         return loaded if num_new else None
 
     def cached_prefix_tokens(self, request: Request) -> int:
-        """Tokens of a request not admitted yet that would be found cached now."""
-        return len(self.prefix.lookup(request)) * self.blocks.block_size
+        """Tokens of a request not admitted yet that would be found cached now, in the cache or in a
+        tier (whose entries are checked only when loaded: a corrupt one makes the hit shorter)."""
+        cached = self.prefix.lookup(request)
+        return (len(cached) + len(self.prefix.lookup_tiers(request, cached, self.tiers))) * self.blocks.block_size
 
     def _num_new_tokens(self, request: Request, budget: int, first_in_plan: bool, computed: int | None = None) -> int:
         remaining = request.num_tokens - (request.num_computed if computed is None else computed)

@@ -20,6 +20,7 @@ stored (counted as a dropped write).
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import zlib
@@ -54,6 +55,7 @@ class TierStats:
 
 
 _STOP = object()
+log = logging.getLogger(__name__)
 
 
 class Tier(ABC):
@@ -161,6 +163,9 @@ class Tier(ABC):
                 if item is _STOP:
                     return
                 self._store(*item)
+            except Exception:  # a write that failed is a write dropped; the tier goes on
+                log.exception("KV tier %s: a block's write failed", self.name)
+                self._bump("dropped_writes")
             finally:
                 self._queue.task_done()
 

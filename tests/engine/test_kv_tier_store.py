@@ -139,3 +139,16 @@ def test_a_new_disk_tier_indexes_what_the_folder_holds_and_trims_it(tmp_path):
         assert all(torch.equal(second.get(k), block(k)) for k in served)
     finally:
         second.close()
+
+
+def test_a_write_that_fails_is_dropped_counted_and_the_tier_goes_on(tmp_path):
+    tier = DiskTier(tmp_path / "kv", 10 * SIZE)
+    try:
+        tier.put(1, torch.arange(2 * SIZE, dtype=torch.uint8)[::2])  # not contiguous: its checksum raises
+        tier.put(2, block(2))
+        assert tier.drain()
+        assert tier.stats().dropped_writes == 1
+        assert not tier.contains(1) and torch.equal(tier.get(2), block(2))
+        assert not list((tmp_path / "kv").glob("*.tmp"))
+    finally:
+        tier.close()
