@@ -148,7 +148,11 @@ class RouterSettings:
     grammar_limits: GrammarLimits = field(default_factory=GrammarLimits)
     grammar_sandbox: CompileSandbox = field(default_factory=CompileSandbox)
     # Secrets stay out of repr, so a logged settings object shows none.
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: no auth (the tenants' keys included)
+    # Who each key is: its priority class, fair share and rate limits (router/cluster/tenancy.py).
+    tenants: tuple[TenantSettings, ...] = ()
+    priority_classes: tuple[str, ...] = DEFAULT_CLASSES  # highest first
+    limit_share: float = 1.0  # this router's part of every tenant's rate limits (1 / the routers sharing them)
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key
     launch_id: str | None = None  # the `pdserve launch` that started this router, reported in /health
     # Workers must report this launch in /health (None: any): the router's own launch, unless it serves
