@@ -82,8 +82,8 @@ from wire.names import INSTANCE_NAME
 class KvTiersSettings(Strict):
     """engine.kv_tiers (or an instance's): tiers below each server's KV cache (engine/tiers/, docs/kv-tiers.md).
     The blocks its prefix cache evicts are written there and loaded back, instead of computed, when a later
-    prompt's prefix continues past the cache. Off while neither `host_bytes` nor `disk_path` is set; one rank
-    only (tensor_parallel_size 1)."""
+    prompt's prefix continues past the cache. Off while none of `host_bytes`, `disk_path` and `redis_url` is
+    set; one rank only (tensor_parallel_size 1)."""
 
     host_bytes: AtLeastOne | None = None
     """Bytes of host memory holding evicted blocks (on a CPU server, a second pool beside the cache); null: no
@@ -93,17 +93,24 @@ class KvTiersSettings(Strict):
     a server restarted on it serves what it wrote before. Null: no disk tier."""
     disk_bytes: AtLeastOne | None = None
     """Bytes of files the disk tier keeps, at most (oldest used go first); required with `disk_path`."""
+    redis_url: SecretStr | None = None
+    """A Redis server every server shares (redis://[:password@]host:port/db): the blocks any server evicts,
+    read by every server with the same model, dtype, block size and order (engine/tiers/redis_store.py). Its
+    byte limit is the Redis server's (`maxmemory`, with `maxmemory-policy allkeys-lru`). Null: none."""
+    redis_timeout_s: float = Field(default=KvTiersConfig.redis_timeout_s, gt=0)
+    """Seconds a call to the Redis store may take; a slower or failed one is a miss (or a dropped write), and
+    the store is left alone for a while."""
     queue_blocks: AtLeastOne = KvTiersConfig.queue_blocks
     """Blocks waiting for a tier's writer, at most; past it a write is dropped (counted), never waited for."""
 
     @property
     def on(self) -> bool:
-        return self.host_bytes is not None or self.disk_path is not None
+        return self.host_bytes is not None or self.disk_path is not None or self.redis_url is not None
 
     @model_validator(mode="after")
     def _whole_disk(self) -> KvTiersSettings:
         if self.on:
-            KvTiersConfig(**self.model_dump())  # its checks, named here
+            self._engine_config(self.disk_path)  # its checks, named here
         elif self.disk_bytes is not None:
             raise ValueError("kv_tiers: disk_path and disk_bytes go together")
         return self
@@ -112,8 +119,11 @@ class KvTiersSettings(Strict):
         """Server ``name``'s tiers (its own folder under ``disk_path``); None when off."""
         if not self.on:
             return None
-        folder = None if self.disk_path is None else str(Path(self.disk_path) / name)
-        return KvTiersConfig(**{**self.model_dump(), "disk_path": folder})
+        return self._engine_config(None if self.disk_path is None else str(Path(self.disk_path) / name))
+
+    def _engine_config(self, folder: str | None) -> KvTiersConfig:
+        url = None if self.redis_url is None else self.redis_url.get_secret_value()
+        return KvTiersConfig(**{**self.model_dump(), "disk_path": folder, "redis_url": url})
 
 
 class EngineDefaults(Strict):

@@ -46,11 +46,15 @@ class KvTiersConfig:
     host_bytes: AtLeastOne | None = None  # a host-memory pool of this many bytes; None: none
     disk_path: str | None = None  # a folder of one file per block (under a subfolder per layout); None: none
     disk_bytes: AtLeastOne | None = None  # the disk tier's bytes, at most (required with disk_path)
+    # redis://host:port/db of a store every server shares (engine/tiers/redis_store.py); None: none. Its byte
+    # limit is the Redis server's own (maxmemory, allkeys-lru).
+    redis_url: str | None = None
+    redis_timeout_s: Annotated[float, Field(gt=0)] = 0.2  # a store call slower than this is a miss
     queue_blocks: AtLeastOne = 256  # blocks waiting for a tier's writer, at most; past it a write is dropped
 
     def __post_init__(self) -> None:
-        if self.host_bytes is None and self.disk_path is None:
-            raise ValueError("kv_tiers names no tier: set host_bytes, or disk_path and disk_bytes")
+        if self.host_bytes is None and self.disk_path is None and self.redis_url is None:
+            raise ValueError("kv_tiers names no tier: set host_bytes, disk_path and disk_bytes, or redis_url")
         if (self.disk_path is None) != (self.disk_bytes is None):
             raise ValueError("kv_tiers: disk_path and disk_bytes go together")
 

@@ -28,7 +28,7 @@ from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from engine.sequences import record_token
 from engine.structured import StructuredOutputs
 from engine.tensor_parallel import Shard
-from engine.tiers.kv import KvTiers, layout_fingerprint
+from engine.tiers.kv import KvTiers
 from engine.tiers.tier import TierStats
 
 if TYPE_CHECKING:
@@ -159,8 +159,7 @@ class LLMEngine:
             if self.ranks is not None:
                 self.ranks.connect()
             if config.kv_tiers is not None and config.prefix_caching:
-                fingerprint = layout_fingerprint(self.cache, config.cache_salt, config.model)
-                self.tiers = KvTiers.open(config.kv_tiers, self.cache, fingerprint)
+                self.tiers = KvTiers.open(config.kv_tiers, self.cache, config.cache_salt, config.model)
         except BaseException:
             self.close()
             raise

@@ -243,6 +243,7 @@ class _KvTiers:
         ("bytes_read", "pdserve_kv_tier_read_bytes", "Bytes loaded from a KV tier"),
         ("bytes_written", "pdserve_kv_tier_written_bytes", "Bytes written to a KV tier"),
         ("evictions", "pdserve_kv_tier_evictions", "KV tier entries dropped to stay within its byte limit"),
+        ("errors", "pdserve_kv_tier_errors", "Calls to a shared KV store that failed (down, slow): misses"),
     )
 
     def __init__(self, stats: Callable[[], EngineStats]) -> None:

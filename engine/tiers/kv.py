@@ -6,8 +6,9 @@ layer, is copied out of the paged cache at once (before anything overwrites it)
 and handed to every tier (write-through; each tier writes on its own thread).
 At admission the scheduler asks how many of a request's next hashes, past the
 blocks found in the engine's own cache, some tier lists (``available``), takes
-fresh blocks for them and ``load``s them, tier by tier in order (host, then
-disk); a block no tier serves intact ends the run, and the rest is computed::
+fresh blocks for them and ``load``s them, tier by tier in order (host, disk,
+then the shared Redis store); a block no tier serves intact ends the run, and
+the rest is computed::
 
     request's chain:  h0 h1 h2 | h3 h4 | h5 h6
                       engine    tiers    computed
@@ -37,20 +38,26 @@ from engine.config import KvTiersConfig
 from engine.kv_cache import KVCache
 from engine.tiers.disk import DiskTier
 from engine.tiers.host import HostTier
-from engine.tiers.tier import Tier, TierStats
+from engine.tiers.tier import Store, TierStats
 
 
-def layout_fingerprint(cache: KVCache, salt: str, model_dir: str) -> str:
+def layout_fingerprint(cache: KVCache, salt: str, model_dir: str, portable: bool = False) -> str:
     """16 hex digits naming everything that makes two caches' block bytes differ: the salt (model path,
-    dtype), one block's shape and order, and the model folder's files (names, sizes, modification times)."""
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(model_dir).iterdir() if p.is_file())
+    dtype), one block's shape and order, and the model folder's files (names, sizes, and modification times;
+    ``portable``: its config.json's bytes instead of the times, so that servers on other machines with the
+    same model agree: the shared store's namespace)."""
+    folder = Path(model_dir)
+    files = sorted(
+        (p.name, p.stat().st_size, 0 if portable else p.stat().st_mtime_ns) for p in folder.iterdir() if p.is_file()
+    )
+    config = hashlib.sha256((folder / "config.json").read_bytes()).hexdigest() if portable else ""
     shape = tuple(cache.kv[:, :, 0].shape)
-    text = f"{salt}|{cache.order}|{cache.dtype}|{shape}|{files}"
+    text = f"{salt}|{cache.order}|{cache.dtype}|{shape}|{files}|{config}"
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class KvTiers:
-    def __init__(self, cache: KVCache, tiers: Sequence[Tier]) -> None:
+    def __init__(self, cache: KVCache, tiers: Sequence[Store]) -> None:
         assert tiers, "no tier"
         self.cache = cache
         self.tiers = tuple(tiers)
@@ -58,13 +65,20 @@ class KvTiers:
         self.block_nbytes = cache.kv[:, :, 0].numel() * cache.kv.element_size()
 
     @classmethod
-    def open(cls, config: KvTiersConfig, cache: KVCache, fingerprint: str) -> KvTiers:
-        """The tiers ``config`` names, host first; the disk tier in ``disk_path/<fingerprint>``."""
-        tiers: list[Tier] = []
+    def open(cls, config: KvTiersConfig, cache: KVCache, salt: str, model_dir: str) -> KvTiers:
+        """The tiers ``config`` names, nearest first: host, disk (in ``disk_path/<layout fingerprint>``),
+        the shared Redis store (keys under the portable fingerprint)."""
+        tiers: list[Store] = []
         if config.host_bytes is not None:
             tiers.append(HostTier(config.host_bytes, config.queue_blocks))
         if config.disk_path is not None and config.disk_bytes is not None:
-            tiers.append(DiskTier(Path(config.disk_path) / fingerprint, config.disk_bytes, config.queue_blocks))
+            folder = Path(config.disk_path) / layout_fingerprint(cache, salt, model_dir)
+            tiers.append(DiskTier(folder, config.disk_bytes, config.queue_blocks))
+        if config.redis_url is not None:
+            from engine.tiers.redis_store import RedisTier  # redis-py, only where a store is configured
+
+            namespace = layout_fingerprint(cache, salt, model_dir, portable=True)
+            tiers.append(RedisTier(config.redis_url, namespace, config.queue_blocks, config.redis_timeout_s))
         return cls(cache, tiers)
 
     def evicted(self, block_id: int, h: int) -> None:
@@ -76,12 +90,10 @@ class KvTiers:
 
     def available(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes`` (a chain, first first) some tier lists, in a run from the first."""
-        n = 0
-        for h in hashes:
-            if not any(tier.contains(h) for tier in self.tiers):
-                break
-            n += 1
-        return n
+        if not hashes:
+            return 0
+        listed = [any(held) for held in zip(*(tier.held(hashes) for tier in self.tiers))]
+        return listed.index(False) if False in listed else len(listed)
 
     def load(self, hashes: Sequence[int], block_ids: Sequence[int]) -> int:
         """Copy blocks ``hashes`` into cache blocks ``block_ids`` (every layer), first first, until one

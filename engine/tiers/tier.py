@@ -26,7 +26,9 @@ import threading
 import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -52,6 +54,25 @@ class TierStats:
     entries: int = 0
     bytes_held: int = 0
     max_bytes: int = 0
+    errors: int = 0  # calls to a store that failed (down, slow): engine/tiers/redis_store.py
+
+
+class Store(Protocol):
+    """What engine/tiers/kv.py asks of a tier: this module's ``Tier`` and the shared Redis store."""
+
+    name: str
+
+    def put(self, h: int, data: torch.Tensor, checksum: int | None = None) -> bool: ...
+
+    def held(self, hashes: Sequence[int]) -> list[bool]: ...
+
+    def get(self, h: int) -> torch.Tensor | None: ...
+
+    def drain(self, timeout_s: float = 30.0) -> bool: ...
+
+    def close(self) -> None: ...
+
+    def stats(self) -> TierStats: ...
 
 
 _STOP = object()
@@ -116,6 +137,11 @@ class Tier(ABC):
         """Whether the tier lists block ``h`` (it may still turn out corrupt); counts nothing."""
         with self._lock:
             return h in self._index
+
+    def held(self, hashes: Sequence[int]) -> list[bool]:
+        """``contains`` of each of ``hashes``."""
+        with self._lock:
+            return [h in self._index for h in hashes]
 
     def get(self, h: int) -> torch.Tensor | None:
         """Block ``h``'s bytes if held and intact (a hit); None otherwise (a miss). A corrupt entry is

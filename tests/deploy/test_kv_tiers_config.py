@@ -42,3 +42,13 @@ def test_tiers_on_a_server_split_over_ranks_are_refused_before_it_starts():
     decode = [{"name": "d0", "port": 9200, "tensor_parallel_size": 2}]
     msg = error_of({**BASE, "engine": {"kv_tiers": {"host_bytes": 4096}}, "decode": decode})
     assert "d0: kv_tiers hold one rank's blocks: they need tensor_parallel_size 1" in msg
+
+
+def test_a_shared_store_s_url_is_a_secret_every_server_gets():
+    url = "redis://:hunter2-hunter2@kv.internal:6379/0"
+    cluster = parse_config({**BASE, "engine": {"kv_tiers": {"redis_url": url, "redis_timeout_s": 0.05}}}, "c.yaml")
+    for name in ("p0", "d0"):
+        tiers = cluster.server_settings(name, Path("/m")).engine.kv_tiers
+        assert (tiers.redis_url, tiers.redis_timeout_s, tiers.host_bytes) == (url, 0.05, None)
+    assert "hunter2" not in repr(cluster.engine)
+    assert "'engine.kv_tiers.redis_timeout_s'" in error_of({**BASE, "engine": {"kv_tiers": {"redis_timeout_s": 0}}})
