@@ -407,7 +407,7 @@ class ResponsesHandler:
     ) -> Answered:
         """``owner``: who may read it back (response_store.owner_of the request's API key)."""
         if req.background and not req.store:
-            raise OpenAIError(400, "background: true needs store: true", param="background")
+            raise OpenAIError(400, "background: true needs store: true", param="background", code="invalid_value")
         history, prefer = [], None
         if req.previous_response_id is not None:
             previous = await asyncio.to_thread(self.store.get, req.previous_response_id, owner)

@@ -9,7 +9,8 @@ request the schema allows to be accepted, but a JSON schema cannot state the lim
 counted in tokens after the chat template and the tokenizer ran (the prompt within
 ``router.max_prompt_tokens`` and, with ``max_tokens``, within the context), nor compare two
 fields (``min_tokens`` at most ``max_tokens``, ``max_tokens`` 0 only with ``echo``,
-``top_logprobs`` only with ``logprobs``, ``best_of`` equal to ``n``). A 400 naming exactly one of those limits
+``top_logprobs`` only with ``logprobs``, ``best_of`` equal to ``n``, ``background`` only with
+``store``). A 400 naming exactly one of those limits
 (``UNSTATED_LIMITS``: its ``param`` and ``code``) passes. So does a 400 naming a parameter
 that carries a grammar (``GRAMMAR_PARAMS``): whether a JSON schema, regex or Lark grammar
 compiles, whether a request names one constraint or two, and whether ``tool_choice`` names
@@ -47,6 +48,7 @@ UNSTATED_LIMITS = {
     ("input", "invalid_value"),  # /v1/responses: router.max_prompt_tokens
     ("input", "context_length_exceeded"),  # the context
     ("max_output_tokens", "context_length_exceeded"),
+    ("background", "invalid_value"),  # /v1/responses: background true with store false
 }
 
 GRAMMAR_PARAMS = (
