@@ -217,7 +217,10 @@ class BackgroundRuns:
                     if kind == "error":
                         failure = {"code": event.get("code") or "server_error", "message": event["message"]}
         except asyncio.CancelledError:
-            if run.stop_reason is None:  # not asked for by ``stop``: someone else's cancel, passed on
+            if run.stop_reason is None:  # not asked for by ``stop`` (the event loop closing): passed on
+                writer.cancel()
+                self.runs.pop(run.response_id, None)
+                run.done.set()
                 raise
         except OpenAIError as exc:  # no session opened: no server, or no slot in time
             failure = {"code": exc.code or str(exc.status), "message": exc.message}

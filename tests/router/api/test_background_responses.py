@@ -231,3 +231,18 @@ def test_a_response_whose_router_is_gone_ends_failed_when_read_and_cancelled_whe
         cancelled = sdk(c).responses.cancel("resp_cancelled")
         assert cancelled.status == "cancelled" and cancelled.output[0].content[0].text == "Ber"
         assert store.event_count("resp_cancelled") == 2 and fake.opened == []
+
+
+def test_a_router_that_stops_ends_its_running_responses_failed(served, tmp_path):
+    store = ResponseStoreSettings(path=str(tmp_path / "responses.sqlite"))
+    fake = FakeWorkerClient(reply=ids(served, ANSWER), delay=SLOW_S)
+    with router(served, fake, response_store=store) as a:
+        made = sdk(a).responses.create(model="tiny", input="Capital of France?", background=True)
+        wait_until(lambda: stored_events(a, made.id) >= 5, what="the first text delta stored")
+    assert fake.aborts != [] and all(s.closed for s in fake.streams)
+    with router(served, FakeWorkerClient(reply=[]), response_store=store) as b:
+        failed = sdk(b).responses.retrieve(made.id)
+        events = list(sdk(b).responses.retrieve(made.id, stream=True))
+    assert failed.status == "failed" and failed.error.message == "the router stopped"
+    assert events[-1].type == "response.failed" and events[-1].response.model_dump() == failed.model_dump()
+    assert [e.sequence_number for e in events] == list(range(len(events)))
