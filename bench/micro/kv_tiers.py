@@ -1,7 +1,7 @@
 """Loading a prefix's blocks from a KV tier against computing them again: where reading wins.
 
     python -m bench.micro.kv_tiers [--model smollm2] [--lengths 64,256,1024,2048] [--threads 1] \\
-        [--rounds 3] [--json FILE]
+        [--rounds 3] [--redis-url redis://127.0.0.1:6379/0] [--json FILE]
 
 One engine on ``--model`` (float32, block 16, prefix caching off so that every prompt is
 computed), and, over its cache, one host-memory tier and one disk tier (a temporary
@@ -14,6 +14,7 @@ the prompt would load, its last token always computed):
   written, so the OS may serve them from its page cache;
 - ``disk_cold_ms``: the same after each file was synced and dropped from the page cache
   (``posix_fadvise(DONTNEED)``), so the bytes come from the device;
+- ``redis_ms`` (with ``--redis-url``): the same from the shared Redis store (one GET a block);
 - ``*_ratio``: recompute_ms / that tier's ms (above 1: loading wins by that factor), and
   ``*_ms_per_block`` for the crossover: a tier pays per block, a prefill pays per token and,
   for long prompts, per token squared.
@@ -82,7 +83,7 @@ def _fill(tiers, num_blocks: int) -> list[int]:
     return hashes
 
 
-def measure(model: str, lengths: list[int], threads: int, rounds: int) -> list[dict]:
+def measure(model: str, lengths: list[int], threads: int, rounds: int, redis_url: str | None = None) -> list[dict]:
     from engine import EngineConfig, LLMEngine
     from engine.models import MODEL_CACHE, resolve_model
     from engine.tiers.disk import DiskTier
@@ -108,6 +109,11 @@ def measure(model: str, lengths: list[int], threads: int, rounds: int) -> list[d
         host = KvTiers(engine.cache, [HostTier(room, queue_blocks=most)])
         disk_tier = DiskTier(Path(folder), room, queue_blocks=most)
         disk = KvTiers(engine.cache, [disk_tier])
+        shared = None
+        if redis_url is not None:
+            from engine.tiers.redis_store import RedisTier
+
+            shared = KvTiers(engine.cache, [RedisTier(redis_url, f"bench-{os.getpid()}", queue_blocks=most)])
         for length in lengths:
             n = (length - 1) // BLOCK
             recompute = []
@@ -125,29 +131,33 @@ def measure(model: str, lengths: list[int], threads: int, rounds: int) -> list[d
                 "disk_ms": _load_ms(disk, disk_hashes, rounds),
                 "disk_cold_ms": _load_ms(disk, disk_hashes, rounds, lambda files=files: _drop_from_page_cache(files)),
             }
-            for tier in ("host", "disk", "disk_cold"):
+            tiers = ["host", "disk", "disk_cold"]
+            if shared is not None:
+                row["redis_ms"] = _load_ms(shared, _fill(shared, n), rounds)
+                tiers.append("redis")
+            for tier in tiers:
                 row[f"{tier}_ratio"] = row["recompute_ms"] / max(row[f"{tier}_ms"], 1e-6)
                 row[f"{tier}_ms_per_block"] = row[f"{tier}_ms"] / max(n, 1)
             row["recompute_ms_per_block"] = row["recompute_ms"] / max(n, 1)
             rows.append(row)
-        host.close()
-        disk.close()
+        for tiers_open in (host, disk, shared):
+            if tiers_open is not None:
+                tiers_open.close()
     engine.close()
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = (
-        f"{'tokens':>7} {'blocks':>6} {'recompute ms':>12} {'host ms':>8} {'disk ms':>8} {'cold ms':>8} "
-        f"{'host x':>7} {'disk x':>7} {'cold x':>7}"
-    )
-    lines = [head]
+    """One line per length: the times, then recompute / load per tier (Redis's when measured)."""
+    tiers = [("host", "host"), ("disk", "disk"), ("disk_cold", "cold")]
+    if rows and "redis_ms" in rows[0]:
+        tiers.append(("redis", "redis"))
+    head = f"{'tokens':>7} {'blocks':>6} {'recompute ms':>12} " + " ".join(f"{label + ' ms':>8}" for _, label in tiers)
+    lines = [head + " " + " ".join(f"{label + ' x':>7}" for _, label in tiers)]
     for r in rows:
-        lines.append(
-            f"{r['prompt_tokens']:>7} {r['blocks']:>6} {r['recompute_ms']:>12.2f} {r['host_ms']:>8.2f} "
-            f"{r['disk_ms']:>8.2f} {r['disk_cold_ms']:>8.2f} {r['host_ratio']:>7.1f} {r['disk_ratio']:>7.1f} "
-            f"{r['disk_cold_ratio']:>7.1f}"
-        )
+        times = " ".join(f"{r[tier + '_ms']:>8.2f}" for tier, _ in tiers)
+        ratios = " ".join(f"{r[tier + '_ratio']:>7.1f}" for tier, _ in tiers)
+        lines.append(f"{r['prompt_tokens']:>7} {r['blocks']:>6} {r['recompute_ms']:>12.2f} {times} {ratios}")
     return "\n".join(lines)
 
 
@@ -159,12 +169,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default=DEFAULT_LENGTHS, help=f"prompt lengths (default {DEFAULT_LENGTHS})")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--redis-url", help="also time the shared Redis tier on this server (keys left there)")
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     if min(lengths) <= BLOCK:
         parser.error(f"every length must be above one block ({BLOCK} tokens)")
-    rows = measure(args.model, lengths, args.threads, args.rounds)
+    rows = measure(args.model, lengths, args.threads, args.rounds, args.redis_url)
     print(f"{args.model}, float32, block {BLOCK}, {args.threads} thread(s); x = recompute ms / load ms")
     print(table(rows))
     if args.json:

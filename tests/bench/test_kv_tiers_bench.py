@@ -9,6 +9,7 @@ import pytest
 
 from bench.micro.kv_tiers import main
 from engine.loader import head_dim_of, load_config
+from tests.redis_server import RedisServer, missing
 
 
 def test_each_length_s_row_times_every_tier_and_recomputing(tiny_model, tmp_path, capsys):
@@ -32,3 +33,18 @@ def test_each_length_s_row_times_every_tier_and_recomputing(tiny_model, tmp_path
 def test_a_length_of_one_block_or_less_is_refused(tiny_model):
     with pytest.raises(SystemExit):
         main(["--model", tiny_model, "--lengths", "16"])
+
+
+@pytest.mark.skipif(missing() is not None, reason=missing() or "")
+def test_with_a_redis_url_the_shared_store_gets_its_own_columns(tiny_model, tmp_path, capsys):
+    server = RedisServer()
+    try:
+        out = tmp_path / "rows.json"
+        argv = ["--model", tiny_model, "--lengths", "40", "--rounds", "1", "--redis-url", server.url]
+        assert main([*argv, "--json", str(out)]) == 0
+        (row,) = json.loads(out.read_text())["rows"]
+        assert row["redis_ms"] > 0 and row["redis_ratio"] == pytest.approx(row["recompute_ms"] / row["redis_ms"])
+        assert server.client.dbsize() == row["blocks"]
+        assert "redis x" in capsys.readouterr().out
+    finally:
+        server.stop()
