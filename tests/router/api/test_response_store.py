@@ -302,3 +302,26 @@ def test_a_lease_is_renewed_by_its_holder_only_and_taken_by_one_router_once_expi
     assert a.renew_lease("resp_bg", "router-a", 500.0) is False and b.renew_lease("resp_bg", "router-b", 500.0)
     assert a.take_lease("resp_nope", "router-a", 1.0, now=2.0) is False  # no lease: nothing to take
     assert a.delete("resp_bg", OWNER) and a.renew_lease("resp_bg", "router-c", 1.0) is True  # gone with its row
+
+
+def test_two_routers_sharing_a_postgres_database_stream_and_cancel_each_others_background_responses(
+    served, postgres_url
+):
+    store = ResponseStoreSettings(url=postgres_url)
+    answer = "Paris is the capital of France, and a large city on the Seine."
+    fake_a = FakeWorkerClient(reply=ids(served, answer), delay=0.5)  # still answering when b cancels it
+    fake_b = FakeWorkerClient(reply=ids(served, "unused"))
+    with router(served, fake_a, response_store=store) as a, router(served, fake_b, response_store=store) as b:
+        made = sdk(a).responses.create(model="tiny", input="Capital of France?", background=True)
+        seen = []
+        with sdk(b).responses.retrieve(made.id, stream=True) as live:
+            for event in live:
+                seen.append(event)
+                if event.type == "response.output_text.delta":
+                    break
+        assert sdk(b).responses.cancel(made.id).status == "cancelled"
+        assert fake_a.aborts != [] and fake_b.opened == []
+        events = list(sdk(a).responses.retrieve(made.id, stream=True))
+    assert [e.model_dump() for e in events[: len(seen)]] == [e.model_dump() for e in seen]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert answer.startswith("".join(e.delta for e in events if e.type == "response.output_text.delta"))
