@@ -15,7 +15,9 @@ frees it keeps its hash and goes to the LRU: it still counts as free for
 capacity and is evicted (its hash dropped) only when a fresh block is needed
 and the free heap is empty; ``on_evict(block_id, hash)`` is told first, while
 the block still holds that K/V (engine/tiers/kv.py writes it to a lower tier),
-for a block every layer of which holds all its slots. Free blocks are handed out lowest id first, so a
+for a block every layer of which holds all its slots; ``on_cached(block_id,
+hash)`` likewise when such a block's last owner frees it (its K/V final and
+findable: a shared KV tier publishes it then). Free blocks are handed out lowest id first, so a
 fresh allocation is usually one contiguous run of ids: the transfer layer
 merges contiguous runs into single writes.
 """
@@ -68,6 +70,7 @@ class BlockManager:
         self.evictions = 0  # cached blocks whose hash was dropped to make room
         self.events = events or KvEventLog()  # every hash stored and evicted (engine/kv_events.py)
         self.on_evict: Callable[[int, int], None] | None = None  # (block id, hash) of a cached block evicted
+        self.on_cached: Callable[[int, int], None] | None = None  # ... of a cached block its last owner freed
 
     @property
     def num_free(self) -> int:
@@ -136,6 +139,8 @@ class BlockManager:
                 continue
             if block.block_hash != NO_HASH:
                 self._lru[block_id] = None
+                if self.on_cached is not None and block.window_from == 0:
+                    self.on_cached(block_id, block.block_hash)
             else:
                 heapq.heappush(self._free, block_id)
                 self._free_set.add(block_id)

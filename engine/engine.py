@@ -166,6 +166,8 @@ class LLMEngine:
         blocks = BlockManager(num_blocks, config.block_size)
         if self.tiers is not None:
             blocks.on_evict = self.tiers.evicted
+            if self.tiers.shared:
+                blocks.on_cached = self.tiers.released
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,

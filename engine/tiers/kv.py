@@ -14,6 +14,15 @@ the rest is computed::
                       engine    tiers    computed
                       (take)    (load into fresh blocks, then registered as computed)
 
+A shared tier (the Redis store, read by other servers) is written sooner:
+when a block's last owner frees it (``on_cached``: its K/V final, the block
+still findable here), so that the next turn of a conversation finds it on any
+server whose blocks match (same model, dtype, block size and order), the
+generated tokens' blocks included. Each hash is published once per
+``PUBLISHED`` distinct hashes (a prefix every request shares is not copied
+again at every request's end); an eviction writes only to the tiers of this
+server then.
+
 A block's bytes are the cache's ``kv[:, :, block]`` as stored, [layers, K|V,
 slots and heads in the cache's order, width]: K and V planes alike, latents
 of an MLA model (engine/mla.py) too, so every layout round-trips. One
@@ -29,6 +38,7 @@ written under another model, dtype, block size or order are never read.
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -56,11 +66,17 @@ def layout_fingerprint(cache: KVCache, salt: str, model_dir: str, portable: bool
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+PUBLISHED = 1 << 16  # hashes a server remembers having published to its shared tiers
+
+
 class KvTiers:
     def __init__(self, cache: KVCache, tiers: Sequence[Store]) -> None:
         assert tiers, "no tier"
         self.cache = cache
         self.tiers = tuple(tiers)
+        self.local = tuple(t for t in self.tiers if not t.shared)
+        self.shared = tuple(t for t in self.tiers if t.shared)
+        self._published: OrderedDict[int, None] = OrderedDict()  # hashes queued to the shared tiers, oldest first
         self.block_shape = tuple(cache.kv[:, :, 0].shape)
         self.block_nbytes = cache.kv[:, :, 0].numel() * cache.kv.element_size()
 
@@ -82,11 +98,21 @@ class KvTiers:
         return cls(cache, tiers)
 
     def evicted(self, block_id: int, h: int) -> None:
-        """Block ``block_id`` (hash ``h``) is about to be reused: copy its K/V out and queue it to every tier."""
-        block = self.cache.kv[:, :, block_id].to("cpu", memory_format=torch.contiguous_format, copy=True)
-        data = block.reshape(-1).view(torch.uint8)
-        for tier in self.tiers:
+        """Block ``block_id`` (hash ``h``) is about to be reused: copy its K/V out and queue it to every tier
+        (a shared one only if it was not published already)."""
+        publish = self.shared and h not in self._published
+        if not self.local and not publish:
+            return
+        data = self._copy(block_id)
+        for tier in self.local:
             tier.put(h, data)
+        if publish:
+            self._publish(h, data)
+
+    def released(self, block_id: int, h: int) -> None:
+        """Block ``block_id`` (hash ``h``) lost its last owner: publish it to the shared tiers, once."""
+        if self.shared and h not in self._published:
+            self._publish(h, self._copy(block_id))
 
     def available(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes`` (a chain, first first) some tier lists, in a run from the first."""
@@ -115,6 +141,18 @@ class KvTiers:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+
+    def _copy(self, block_id: int) -> torch.Tensor:
+        """Block ``block_id``'s K/V, every layer, as a flat byte tensor of its own (on the CPU)."""
+        block = self.cache.kv[:, :, block_id].to("cpu", memory_format=torch.contiguous_format, copy=True)
+        return block.reshape(-1).view(torch.uint8)
+
+    def _publish(self, h: int, data: torch.Tensor) -> None:
+        """Queue block ``h`` to every shared tier; remembered when every one took it."""
+        if all([tier.put(h, data) for tier in self.shared]):
+            self._published[h] = None
+            if len(self._published) > PUBLISHED:
+                self._published.popitem(last=False)
 
     def _read(self, h: int) -> torch.Tensor | None:
         """Block ``h`` from the first tier that serves it intact and whole."""

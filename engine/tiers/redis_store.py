@@ -45,6 +45,7 @@ COUNTERS = ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "dropped
 
 class RedisTier:
     name = "redis"
+    shared = True
 
     def __init__(
         self, url: str, namespace: str, queue_blocks: int = 256, timeout_s: float = 0.2, retry_s: float = 2.0

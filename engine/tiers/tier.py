@@ -61,6 +61,7 @@ class Store(Protocol):
     """What engine/tiers/kv.py asks of a tier: this module's ``Tier`` and the shared Redis store."""
 
     name: str
+    shared: bool  # read by other servers: a block is published when its last owner frees it, not on eviction
 
     def put(self, h: int, data: torch.Tensor, checksum: int | None = None) -> bool: ...
 
@@ -83,6 +84,7 @@ class Tier(ABC):
     """Byte-bounded LRU of blocks by hash; subclasses say how an entry is stored, read and removed."""
 
     name = "tier"
+    shared = False
 
     def __init__(self, max_bytes: int, queue_blocks: int) -> None:
         assert max_bytes > 0 and queue_blocks > 0

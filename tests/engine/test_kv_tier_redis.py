@@ -8,10 +8,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine import SamplingParams
 from engine.config import KvTiersConfig
 from engine.prefix_cache import chain_hashes
 from engine.tiers.redis_store import RedisTier
-from tests.engine.test_kv_tiers import A_LOADED, BS, A, B, C, assert_all_free, engine_with, evict_a, run
+from tests.engine.oracle import hf_greedy
+from tests.engine.test_kv_tiers import (
+    A_LOADED,
+    BS,
+    A,
+    B,
+    C,
+    assert_all_free,
+    engine_with,
+    evict_a,
+    remote_prompt,
+    run,
+)
 from tests.redis_server import RedisServer, missing
 
 pytestmark = pytest.mark.skipif(missing() is not None, reason=missing() or "")
@@ -96,3 +109,30 @@ def test_the_store_keeps_within_the_redis_server_s_byte_limit():
     finally:
         tier.close()
         server.stop()
+
+
+def test_the_next_turn_s_prefill_loads_the_blocks_the_decode_server_generated_from_the_store(tiny_model, store):
+    """Decode-to-prefill reuse through the shared store: D publishes a finished turn's blocks (its answer's
+    included) when it frees them; P, whose blocks match D's, prefills the next turn loading the answer's
+    blocks from the store and computing only the new tokens; D's tokens equal transformers'."""
+    answer_sampling = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    prefill = engine_with(tiny_model, shared(store), mode="prefill", num_blocks=32)
+    decode = engine_with(tiny_model, shared(store), mode="decode", num_blocks=32)
+    try:
+        answer = remote_prompt(prefill, decode, "turn1", A, answer_sampling)
+        assert answer == hf_greedy(tiny_model, A, 20, ignore_eos=True)
+        assert decode.tiers.drain() and prefill.tiers.drain()
+        turn2 = A + answer + [(11 * i) % 300 + 21 for i in range(10)]  # 70 tokens
+        # P holds A's 5 blocks itself; D computed the answer's K/V up to token 58: blocks 5 and 6 are full
+        before = prefill.stats().counters
+        assert remote_prompt(prefill, decode, "turn2", turn2) == hf_greedy(tiny_model, turn2, 8, ignore_eos=True)
+        after = prefill.stats().counters
+        assert (after.prefix_hits_tokens - before.prefix_hits_tokens, after.tier_hits_tokens) == (56, 16)
+        assert after.prompt_tokens - before.prompt_tokens == len(turn2) - 56
+        assert prefill.stats().tiers[0].hits == 2
+        for engine in (prefill, decode):
+            engine.check_integrity()
+            assert engine.block_counts() == {"free": 32, "reserved": 0, "running": 0}
+    finally:
+        prefill.close()
+        decode.close()

@@ -331,10 +331,12 @@ def test_blocks_whose_window_layers_came_partly_from_a_prefill_server_are_never_
         decode.close()
 
 
-def remote_prompt(prefill: LLMEngine, decode: LLMEngine, request_id: str, tokens: list[int]) -> list[int]:
+def remote_prompt(
+    prefill: LLMEngine, decode: LLMEngine, request_id: str, tokens: list[int], sampling: SamplingParams = SAMPLING
+) -> list[int]:
     """``tokens`` through a prefill engine into the decode engine's reservation, only the tokens past what
     the decode engine holds copied (as a transfer writes them); the decode engine's tokens."""
-    blocks = decode.reserve(request_id, tokens, SAMPLING)
+    blocks = decode.reserve(request_id, tokens, sampling)
     held = decode.num_cached_tokens(request_id)
     out = prefill_once(prefill, request_id, tokens)
     for p in range(held, len(tokens)):  # source and destination both NHD blocks of BS
@@ -371,3 +373,19 @@ def test_a_decode_reservation_holds_blocks_its_tier_served_and_the_rest_arrives_
 
 def _probe(tokens: list[int]) -> Request:
     return Request("probe", list(tokens), SAMPLING)
+
+
+def test_the_block_manager_tells_each_cached_block_whose_last_owner_frees_it():
+    blocks, told = BlockManager(num_blocks=4, block_size=4), []
+    blocks.on_cached = lambda block_id, h: told.append((block_id, h))
+    ids = blocks.allocate(3)
+    for block_id, h in zip(ids[:2], (21, 22)):
+        blocks.cache(block_id, h)
+    blocks.share(ids[:1])  # a second owner of block 0
+    blocks.blocks[ids[1]].window_from = 1
+    blocks.free(ids)  # block 2 holds no hash; block 1 not every layer's K/V; block 0 still owned
+    assert told == []
+    blocks.free(ids[:1])
+    assert told == [(0, 21)]
+    blocks.check_integrity()
+    assert blocks.num_free == 4
