@@ -162,14 +162,21 @@ class Admission:
         Yields a ``Wait``: ``await wait()`` sleeps until a slot frees or the poll interval passes, and
         raises 429 once the request waited ``timeout``. ``start``: its fair start tag (``admit``).
         """
-        if self.waiting >= self.settings.max_queued_requests:
-            self.refused += 1
-            raise overloaded(
-                f"the server is overloaded: {self.waiting} requests are already waiting; retry later",
-                self.settings.retry_after_s,
-            )
         self._seq += 1
         waiter = Waiter(ticket.rank, start, self._seq, asyncio.get_running_loop().create_future())
+        if self.waiting >= self.settings.max_queued_requests:
+            # A full room keeps the waiters that come first: a newcomer ahead of the last one takes its
+            # place (that one gets the 429), so a light tenant is not refused for a heavy one's backlog.
+            last = max(self._waiters, default=None)
+            if last is None or not waiter < last:
+                self.refused += 1
+                raise overloaded(
+                    f"the server is overloaded: {self.waiting} requests are already waiting; retry later",
+                    self.settings.retry_after_s,
+                )
+            self._waiters.discard(last)
+            last.pushed_out = True
+            wake(last.woken)
         self._waiters.add(waiter)
         if len(self._waiters) == 1:
             self._tick = asyncio.get_running_loop().call_later(self.settings.poll, self._poll)
@@ -194,6 +201,7 @@ class Waiter:
     start: float  # its fair start tag
     seq: int  # arrival order, last
     woken: asyncio.Future[None] = field(compare=False)
+    pushed_out: bool = field(default=False, compare=False)  # its place went to a waiter ahead of it
 
     def __hash__(self) -> int:
         return self.seq
@@ -249,9 +257,11 @@ class Wait:
         self._deadline = deadline
 
     async def __call__(self) -> None:
-        """Sleep until a slot frees or the poll interval passes; 429 once waited too long."""
+        """Sleep until a slot frees or the poll interval passes; 429 once waited too long, or once
+        pushed out of a full room by a request ahead of it."""
         a = self._admission
         left = self._deadline - time.monotonic()
+        self._check_place()
         if left <= 0:
             a.refused += 1
             raise overloaded(
@@ -265,3 +275,14 @@ class Wait:
         finally:
             timer.cancel()
             self._waiter.woken = asyncio.get_running_loop().create_future()
+        self._check_place()
+
+    def _check_place(self) -> None:
+        a = self._admission
+        if self._waiter.pushed_out:
+            a.refused += 1
+            raise overloaded(
+                f"the server is overloaded: {a.settings.max_queued_requests} requests ahead of this one are "
+                "waiting; retry later",
+                a.settings.retry_after_s,
+            )

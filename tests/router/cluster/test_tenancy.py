@@ -156,3 +156,32 @@ def test_weights_share_the_admitted_work_and_a_higher_class_goes_first():
     served = serve_in_order(Admission(AdmissionSettings(poll=60)), arrivals, 9)
     assert served[0] == "v"
     assert sorted(served[1:]) == ["a0", "a1", "a2", "a3", "a4", "a5", "b0", "b1"]  # 3:1 by weight
+
+
+def test_a_full_room_gives_the_last_waiters_place_to_a_newcomer_ahead_of_it():
+    heavy, light = Ticket("heavy", 1.0, 1), Ticket("light", 1.0, 1)
+    admission = Admission(AdmissionSettings(max_queued_requests=3, poll=60))
+
+    async def never() -> None:
+        return None
+
+    async def run():
+        heavies = []
+        for i in range(3):
+            heavies.append(asyncio.create_task(admission.admit(never, heavy, 10.0)))
+            await until(lambda i=i: admission.waiting == i + 1, 5.0, "heavy waiting")
+        with pytest.raises(OpenAIError) as full:  # behind all of them: refused at once
+            await admission.admit(never, heavy, 10.0)
+        lighter = asyncio.create_task(admission.admit(never, light, 10.0))
+        await until(lambda: heavies[2].done(), 5.0, "the last heavy pushed out")
+        pushed = heavies[2].exception()
+        assert admission.waiting == 3 and not lighter.done()
+        for task in [*heavies[:2], lighter]:
+            task.cancel()
+        await asyncio.gather(*heavies[:2], lighter, return_exceptions=True)
+        return full.value, pushed
+
+    full, pushed = asyncio.run(run())
+    assert (full.status, full.code) == (429, "overloaded") and "3 requests are already waiting" in full.message
+    assert isinstance(pushed, OpenAIError) and pushed.status == 429 and "ahead of this one" in pushed.message
+    assert admission.waiting == 0 and admission.refused == 2
