@@ -23,12 +23,16 @@ KvLayout = Literal["NHD", "HND"]
 # auto: Triton's kernels on CUDA (engine/triton_attention.py), torch's ops elsewhere (with engine.native's
 # kernels on CPU where they are built); triton on CPU runs only under Triton's interpreter (tests)
 AttentionBackend = Literal["auto", "torch", "triton"]
+# model: the model's weights compute every step; mock: no weights, each step's tokens come from a hash and its
+# time from a step-cost profile (engine/mock.py), for clusters at scale on few cores
+EngineKind = Literal["model", "mock"]
 # the families engine/make_model.py builds tiny ones of
 TINY_ARCHS = ("deepseek_v3", "gemma3", "llama", "mistral", "mixtral", "qwen3", "qwen3_moe")
 DTYPES: tuple[str, ...] = get_args(Dtype)
 MODES: tuple[str, ...] = get_args(EngineMode)
 KV_LAYOUTS: tuple[str, ...] = get_args(KvLayout)
 ATTENTION_BACKENDS: tuple[str, ...] = get_args(AttentionBackend)
+ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
 
 # The bounds of the engine's knobs, written once: EngineConfig checks them when it is made, and the
 # cluster config (deploy/config.py) types its engine keys with them, so a bad value in a file is named
@@ -94,8 +98,17 @@ class EngineConfig:
     cuda_graphs: bool = False
     # Host-memory and disk tiers for evicted prefix blocks (engine/tiers/); None: off. One rank only.
     kv_tiers: KvTiersConfig | None = None
+    # mock: a simulated engine (engine/mock.py) with the real scheduler and block manager, no weights loaded
+    kind: EngineKind = "model"
+    # A mock engine's step times: a `pdserve plan --save-profile` file (bench/plan/profile.py); None: the
+    # built-in figures (engine/mock.py DEFAULT_STEP_COST).
+    mock_profile: str | None = None
 
     def __post_init__(self) -> None:
+        if self.kind == "mock" and (self.tensor_parallel_size > 1 or self.kv_tiers is not None or self.cuda_graphs):
+            raise ValueError("a mock engine runs one rank with no kv_tiers and no cuda_graphs")
+        if self.mock_profile is not None and self.kind != "mock":
+            raise ValueError("mock_profile is read by a mock engine only (kind: mock)")
         if self.kv_tiers is not None and self.tensor_parallel_size > 1:
             raise ValueError("kv_tiers hold one rank's blocks: they need tensor_parallel_size 1")
         if self.expert_parallel_size not in (1, self.tensor_parallel_size):

@@ -45,7 +45,8 @@ ENGINE_STACK_BYTES = 64 << 20
 
 
 def build_engine(config: EngineConfig, rank_module: str | None = None) -> LLMEngine:
-    """``LLMEngine(config, rank_module=...)`` built on a thread that exits once it is built.
+    """``LLMEngine(config, rank_module=...)`` built on a thread that exits once it is built (a mock engine,
+    ``engine.kind: mock``, computes nothing and is built here).
 
     Loading runs torch's CPU kernels, and OpenMP gives every thread that runs them a team of
     worker threads of its own, kept as long as that thread lives. Built on the main thread
@@ -53,6 +54,10 @@ def build_engine(config: EngineConfig, rank_module: str | None = None) -> LLMEng
     OpenMP threads than cores, and OpenMP then stops spinning between kernels and sleeps
     instead, which costs a wake-up per kernel, about a third of a CPU decode step.
     """
+    if config.kind == "mock":  # no model, no torch kernels: engine/mock.py
+        from engine.mock import MockEngine
+
+        return MockEngine(config)
     with ThreadPoolExecutor(1, thread_name_prefix="engine-build") as pool:
         return pool.submit(LLMEngine, config, rank_module=rank_module).result()
 

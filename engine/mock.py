@@ -1,0 +1,247 @@
+"""A simulated engine for clusters at scale: the real scheduler, block manager and prefix cache, no model.
+
+``MockEngine`` is an ``LLMEngine`` whose runner computes nothing. A step is
+scheduled and accounted exactly as a real one (``LLMEngine.step``: the same
+plan, preemptions, prefix hits, block copies and outputs); only the runner
+differs (``MockRunner``):
+
+* its tokens come from a hash of the sequence (its last token, its length,
+  the request's seed and the draw), never an end-of-sequence or stop token,
+  so a request runs to ``max_tokens`` and the same request gives the same
+  tokens on every run, split over a prefill and a decode server or not;
+* it sleeps the step's modelled time: the step-cost model of
+  ``pdserve plan``'s profile (bench/plan/costmodel.py, read here from its
+  JSON), or ``DEFAULT_STEP_COST`` when no profile is given.
+
+No weights are loaded (the model folder's config.json sizes the vocabulary,
+the context and the number of blocks ``kv_cache_bytes`` holds for the real
+model). The KV cache is one layer of one head of width 1: a transfer between
+a mock prefill and a mock decode server runs the real sender, receiver,
+notices, checksums and leases over 2 values a token. A mock server and a
+model server refuse each other at the transfer handshake (their layouts
+differ). Structured outputs are refused: hashed tokens follow no grammar.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.engine import EngineCounters, LLMEngine, _eos_token_ids
+from engine.kv_cache import KVCache, cache_heads
+from engine.loader import head_dim_of, load_config
+from engine.request import LOGPROB_FLOOR, ChunkResult, Logprob, Request
+from engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
+from engine.tensor_parallel import Shard
+
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class MockStepCost:
+    """One step's seconds: ``base + per_token * new_tokens + per_attn * attn_pairs + per_seq * seqs
+    + per_key * decode_keys``, the terms of bench/plan/costmodel.py ``StepCost`` (this package may not
+    import bench; ``step_time`` here and there are one formula)."""
+
+    base: float
+    per_token: float
+    per_attn: float
+    per_seq: float
+    per_key: float = 0.0
+
+    def step_time(self, new_tokens: int, attn_pairs: int, seqs: int, decode_keys: int = 0) -> float:
+        return (
+            self.base
+            + self.per_token * new_tokens
+            + self.per_attn * attn_pairs
+            + self.per_seq * seqs
+            + self.per_key * decode_keys
+        )
+
+    def plan_time(self, plan: SchedulePlan) -> float:
+        """The modelled seconds of one scheduled step: every chunk's tokens, each prompt chunk's attention
+        pairs (causal from position 0, else masked over every key), one sequence per sampling chunk, and
+        each decode's context read (without the padding of decode groups)."""
+        new_tokens = attn_pairs = seqs = keys = 0
+        for chunk in plan.chunks:
+            start, end = chunk.start, chunk.start + chunk.num_tokens
+            new_tokens += chunk.num_tokens
+            seqs += chunk.sample
+            if chunk.num_tokens == 1 and start > 0:
+                keys += end
+            else:
+                attn_pairs += end * (end + 1) // 2 if start == 0 else (end - start) * end
+        return self.step_time(new_tokens, attn_pairs, seqs, keys)
+
+
+# Round figures of a small model's step on a CPU core, not a measurement: a decode step of one 512-token
+# sequence about 5 ms, a 512-token prompt about 55 ms. Give a profile (`engine.mock_profile`) to model a
+# calibrated machine.
+DEFAULT_STEP_COST = MockStepCost(base=0.004, per_token=0.0001, per_attn=1e-8, per_seq=0.0002, per_key=2e-6)
+
+
+def load_step_cost(path: str | Path, threads: int | None = None) -> MockStepCost:
+    """The step cost of a `pdserve plan --save-profile` file (bench/plan/profile.py ``Profile.to_json``) at
+    ``threads`` torch threads: that count's, else the nearest profiled count below it, else the lowest."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        costs = {int(t): c for t, c in data["step_costs"].items()}
+        known = sorted(costs)
+        below = [t for t in known if threads is not None and t <= threads]
+        chosen = costs[below[-1] if below else known[0]]
+        names = [f.name for f in fields(MockStepCost)]
+        return MockStepCost(**{n: float(chosen[n]) for n in names if n in chosen})
+    except OSError as exc:
+        raise FileNotFoundError(f"mock profile {str(path)!r} cannot be read: {exc.strerror}") from None
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise ValueError(f"mock profile {str(path)!r} is not a pdserve profile ({type(exc).__name__}: {exc})") from None
+
+
+def mock_token(last: int, length: int, seed: int, draw: int, vocab: int, banned: frozenset[int]) -> int:
+    """The token after a sequence whose last token is ``last`` and whose length is ``length`` (splitmix64
+    of the four numbers), never one of ``banned``."""
+    x = last * 0x9E3779B97F4A7C15 + length * 0xBF58476D1CE4E5B9 + (seed * 1_000_003 + draw) * 0x94D049BB133111EB
+    x &= _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    token = (x ^ (x >> 31)) % vocab
+    while token in banned:
+        token = (token + 1) % vocab
+    return token
+
+
+class MockRunner:
+    """A runner that computes nothing: hashed tokens, the step's modelled time slept (see the module)."""
+
+    def __init__(
+        self,
+        cost: MockStepCost,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.cost = cost
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.clock = clock
+        self.modelled_seconds = 0.0  # the sum of every step's modelled time
+        self._stop = threading.Event()  # set by close(): a step in its sleep ends it
+
+    def run(self, plan: SchedulePlan, on_layer: Callable[[int], None] | None = None) -> dict[Request, ChunkResult]:
+        """What ``ModelRunner.run`` returns for the plan, after the plan's modelled time since the call."""
+        start = self.clock()
+        seconds = self.cost.plan_time(plan)
+        self.modelled_seconds += seconds
+        results = {}
+        for chunk in plan.chunks:
+            request = chunk.request
+            prompt = self._prompt_logprobs(request, chunk.start, chunk.num_tokens, chunk.sample)
+            if not chunk.sample:
+                if prompt is not None:
+                    results[request] = ChunkResult(prompt_logprobs=prompt)
+                continue
+            tokens = self._draw(request, chunk.start + chunk.num_tokens)
+            k = request.sampling.logprobs
+            logprobs = None if k is None else [self._logprob(t, k) for t in tokens]
+            results[request] = ChunkResult(tokens, logprobs, prompt)
+        left = start + seconds - self.clock()
+        if left > 0:
+            self._stop.wait(left)
+        if on_layer is not None:
+            on_layer(0)  # the mock cache has one layer: it is "computed" at the end of the step
+        return results
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Nothing to copy: the mock cache's bytes mean nothing."""
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _draw(self, request: Request, end: int) -> list[int]:
+        """The tokens a sampling chunk ending at ``end`` draws: n for a request's first, else one."""
+        sampling = request.sampling
+        banned = self.eos_token_ids | frozenset(sampling.stop_token_ids)
+        last = request.token_ids(end - 1, end)[0]
+        seed = sampling.seed or 0
+        return [mock_token(last, end, seed, j, self.vocab_size, banned) for j in range(request.draws_first_tokens)]
+
+    def _prompt_logprobs(self, request: Request, start: int, n: int, sample: bool) -> list[Logprob | None] | None:
+        """A chunk's prompt entries, as ``ModelRunner`` gives them (None first for position 0)."""
+        if not request.wants_prompt_logprobs:
+            return None
+        k = request.sampling.prompt_logprobs or 0
+        targets = request.token_ids(start + 1, start + n if sample else start + n + 1)
+        return ([None] if start == 0 else []) + [self._logprob(t, k) for t in targets]
+
+    def _logprob(self, token: int, k: int) -> Logprob:
+        """Certainty: the token at log-probability 0, then k - 1 others at the floor."""
+        top = [(token, 0.0)] + [((token + i) % self.vocab_size, LOGPROB_FLOOR) for i in range(1, k)]
+        return Logprob(0.0, tuple(top[:k]))
+
+
+class MockEngine(LLMEngine):
+    """An ``LLMEngine`` with ``MockRunner`` in place of the model (see the module)."""
+
+    def __init__(self, config: EngineConfig, rank_module: str = "engine.tp_worker") -> None:
+        """``rank_module`` is accepted as ``LLMEngine`` takes it; a mock engine has one rank."""
+        self.config = config
+        cfg = load_config(config.model)
+        self.hf_config = cfg
+        self.eos_token_ids = _eos_token_ids(config.model, cfg)
+        limit = cfg.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.layer_windows = (None,)
+        heads, width, _ = cache_heads(cfg, Shard(), head_dim_of(cfg))
+        num_blocks = config.num_blocks or KVCache.blocks_for_bytes(
+            config.kv_cache_bytes, cfg.num_hidden_layers, config.block_size, heads, width, config.torch_dtype
+        )  # as many blocks as the real model's cache would hold
+        cpu = torch.device("cpu")
+        self.cache = KVCache(1, num_blocks, config.block_size, 1, 1, config.torch_dtype, cpu, config.kv_layout)
+        self.ranks = None
+        self.tiers = None
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                chunked_prefill=config.chunked_prefill,
+                max_model_len=self.max_model_len,
+                mode=config.mode,
+                eos_token_ids=self.eos_token_ids,
+                prefix_caching=config.prefix_caching,
+                cache_salt=config.cache_salt,
+            ),
+            BlockManager(num_blocks, config.block_size),
+            None,
+        )
+        profile = config.mock_profile
+        cost = DEFAULT_STEP_COST if profile is None else load_step_cost(profile, config.num_threads)
+        self.runner = MockRunner(cost, cfg.vocab_size, self.eos_token_ids)  # type: ignore[assignment]
+        self.counters = EngineCounters()
+        self._structured = None
+        self._tokenizer = None
+
+    @property  # type: ignore[override]
+    def tokenizer(self):
+        """The model folder's tokenizer, loaded on first use (``generate``): the servers never need it."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.config.model, local_files_only=True)
+        return self._tokenizer
+
+    def close(self) -> None:
+        self.runner.close()
+
+    def _new_request(self, request_id, prompt, sampling, cache_salt=None, generated=()) -> Request:
+        if sampling.structured is not None:
+            raise ValueError("a mock engine does not follow structured outputs: its tokens are hashed")
+        return super()._new_request(request_id, prompt, sampling, cache_salt, generated)
