@@ -66,6 +66,7 @@ from router.settings import (
     CompileSandbox,
     DiscoveryKind,
     DiscoverySettings,
+    KvEventsMode,
     PolicyName,
     PrefillFailure,
     ResponseStoreSettings,
@@ -367,8 +368,11 @@ class RouterConfig(Strict):
     that decode server; 0: none is."""
     cache_aware_load_weight: float = Field(default=RouterSettings.cache_aware_load_weight, ge=0)
     """`cache_aware` policy: how much a server's load counts against the share of the prompt it caches."""
+    kv_events: KvEventsMode = RouterSettings.kv_events
+    """How the servers' block-hash events (for `cache_aware` and local prefill) reach the router: push (one
+    stream per server, events as they happen) or poll (every `kv_events_interval_s`)."""
     kv_events_interval_s: float = Field(default=RouterSettings.kv_events_interval_s, gt=0)
-    """Seconds between polls of the servers' block-hash events (for `cache_aware` and local prefill)."""
+    """With `kv_events: poll`, seconds between polls of the servers' block-hash events."""
     health_interval_s: float = Field(default=RouterSettings.health_interval_s, gt=0)
     """Seconds between health checks of a worker that answers."""
     health_timeout_s: float = Field(default=RouterSettings.health_timeout_s, gt=0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 STORED = "stored"
@@ -45,6 +46,11 @@ class KvEventLog:
         self._ring: deque[tuple[int, str, int]] = deque(maxlen=capacity)
         self._seq = 0
         self._held: set[int] = set()
+        self._listeners: list[Callable[[], None]] = []
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        """``callback()`` after each event is added, on the adding thread (it must be quick and thread-safe)."""
+        self._listeners.append(callback)
 
     def stored(self, block_hash: int) -> None:
         self._add(STORED, block_hash)
@@ -60,6 +66,8 @@ class KvEventLog:
                 self._held.add(block_hash)
             else:
                 self._held.discard(block_hash)
+        for callback in self._listeners:
+            callback()
 
     def since(self, after: int, limit: int = 4096) -> KvEventPage:
         """Up to ``limit`` events with seq > ``after``, oldest first."""

@@ -40,7 +40,7 @@ from router.cluster.discovery import Discovery
 from router.cluster.dispatch import Dispatcher, DispatchSettings
 from router.cluster.health import PassiveHealth
 from router.cluster.http_pool import worker_http
-from router.cluster.kv_events import KvEventPoller
+from router.cluster.kv_events import KvEventPoller, KvEventStreams
 from router.cluster.kv_index import KvIndex
 from router.cluster.policies import make_policy
 from router.cluster.registry import Worker, WorkerRegistry
@@ -215,9 +215,11 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
         async with (
             worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http,
             worker_http(n, n, keepalive_s, headers) as health_http,
+            # One event stream held open per worker (router.kv_events: push): a pool of their own.
+            worker_http(settings.worker_connections, 0, keepalive_s, headers) as events_http,
         ):
             await _build_handlers(app, parts, client, http)
-            tasks = _background_tasks(app, parts, client, health_http)
+            tasks = _background_tasks(app, parts, client, health_http, events_http)
             try:
                 yield
             finally:
@@ -289,10 +291,14 @@ async def _build_handlers(
 
 
 def _background_tasks(
-    app: FastAPI, parts: RouterParts, client: WorkerClient | None, health_http: httpx.AsyncClient
+    app: FastAPI,
+    parts: RouterParts,
+    client: WorkerClient | None,
+    health_http: httpx.AsyncClient,
+    events_http: httpx.AsyncClient,
 ) -> list[asyncio.Task]:
-    """Health checks, discovery and the KV index's event polling on the health connections (none
-    with a unit test's client), and the stats line."""
+    """Health checks and discovery on the health connections, the KV index's event streams (or
+    polls) on their own (none with a unit test's client), and the stats line."""
     settings = parts.settings
     tasks = []
     if client is None:
@@ -301,8 +307,12 @@ def _background_tasks(
             asyncio.create_task(app.state.discovery.run()),
         ]
         if parts.kv_index is not None:
-            poller = KvEventPoller(parts.registry, parts.kv_index, health_http, settings.kv_events_interval_s)
-            tasks.append(asyncio.create_task(poller.run()))
+            follower = (
+                KvEventStreams(parts.registry, parts.kv_index, events_http)
+                if settings.kv_events == "push"
+                else KvEventPoller(parts.registry, parts.kv_index, events_http, settings.kv_events_interval_s)
+            )
+            tasks.append(asyncio.create_task(follower.run()))
     if settings.log_stats_interval_s > 0:
         stats = log_stats(parts.snapshot, router_line, settings.log_stats_interval_s)  # type: ignore[arg-type]
         tasks.append(asyncio.create_task(stats))

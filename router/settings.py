@@ -87,6 +87,9 @@ class TenantSettings:
     tokens_per_minute: int | None = None
 
 
+KvEventsMode = Literal["push", "poll"]
+
+
 @dataclass(frozen=True)
 class RouterSettings:
     model_path: str  # local Hugging Face folder (tokenizer, config, chat template)
@@ -98,7 +101,9 @@ class RouterSettings:
     policy: PolicyName = "round_robin"
     local_prefill_threshold: int = 0  # prompts whose uncached part is shorter than this: prefilled on D
     cache_aware_load_weight: float = 1.0  # cache_aware policy: how much load counts against a cached prefix
-    # Seconds between polls of the servers' block-hash events (router/cluster/kv_events.py).
+    # How the servers' block-hash events reach the cache index (router/cluster/kv_events.py): pushed
+    # through one stream per server, or polled every kv_events_interval_s.
+    kv_events: KvEventsMode = "push"
     kv_events_interval_s: float = 0.2
     health_interval_s: float = 2.0  # seconds between health checks of a worker that answers
     # The longest a health check waits. Not tied to the interval: on a loaded machine an idle, live

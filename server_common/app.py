@@ -1,7 +1,8 @@
 """Both servers' FastAPI app: the service starts and stops with it, behind the guard
 (``server_common.guard``), with the routes both share (/abort, /health, /metrics, /kv/events,
-/kv/blocks, /debug/timeline, /debug/bookkeeping, /debug/tracemalloc[/start|/stop], and /admin/faults when fault
-injection is on). Every route but /health and /metrics needs the internal secret (the guard)."""
+/kv/events/stream, /kv/blocks, /debug/timeline, /debug/bookkeeping, /debug/tracemalloc[/start|/stop],
+and /admin/faults when fault injection is on). Every route but /health and /metrics needs the internal
+secret (the guard)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server_common.fault_routes import add_fault_routes
 from server_common.guard import BodyCapMiddleware, install_guard
 from server_common.heap_debug import HeapSnapshots
+from server_common.kv_event_stream import MAX_STREAMS, Changes, event_stream
 from server_common.memory import Trimmer, trim_while_busy
 from server_common.stats_log import log_stats, server_line, server_snapshot
 from server_common.strict_json import StrictJSONRoute
@@ -167,6 +169,37 @@ def _add_kv_cache_routes(app: FastAPI, service) -> None:
                 enabled=engine.prefix_caching,
             ).model_dump(mode="json")
         )
+
+    @app.get("/kv/events/stream")
+    async def kv_event_stream(request: Request, after: int = 0) -> Response:
+        """The events after seq ``after``, then each new batch as it happens, as NDJSON lines
+        (server_common/kv_event_stream.py): the router's cache index follows a server through it."""
+        state = request.app.state
+        if service.drain.draining:
+            return JSONResponse(
+                ErrorReply(error="the server is draining", code=Outcome.DRAINING).model_dump(),
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
+        if getattr(state, "kv_changes", None) is None:
+            state.kv_changes = Changes(service.kv_events, asyncio.get_running_loop())
+        if state.kv_changes.streams >= MAX_STREAMS:
+            return JSONResponse(
+                ErrorReply(error=f"{MAX_STREAMS} event streams are open", code=Outcome.NO_ROOM).model_dump(),
+                status_code=503,
+                headers={"Retry-After": "1"},
+            )
+        engine = service.settings.engine
+        stream = event_stream(
+            service.kv_events,
+            state.kv_changes,
+            after,
+            block_size=engine.block_size,
+            salt=engine.cache_salt,
+            enabled=engine.prefix_caching,
+            ended=lambda: service.drain.draining,
+        )
+        return StreamingResponse(stream, media_type="application/x-ndjson")
 
     @app.get("/kv/blocks")
     async def kv_blocks() -> JSONResponse:
