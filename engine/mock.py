@@ -194,6 +194,8 @@ class MockEngine(LLMEngine):
     def __init__(self, config: EngineConfig, rank_module: str = "engine.tp_worker") -> None:
         """``rank_module`` is accepted as ``LLMEngine`` takes it; a mock engine has one rank."""
         self.config = config
+        if config.num_threads is not None:  # the transfer's copies of the small cache run on them
+            torch.set_num_threads(config.num_threads)
         cfg = load_config(config.model)
         self.hf_config = cfg
         self.eos_token_ids = _eos_token_ids(config.model, cfg)

@@ -147,3 +147,10 @@ def test_config_refuses_what_a_mock_cannot_do(tiny_model):
         EngineConfig(model=tiny_model, kind="mock", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kind: mock"):
         EngineConfig(model=tiny_model, mock_profile="p.json")
+
+
+def test_the_step_formula_is_the_planners():
+    """MockStepCost and bench/plan/costmodel.py StepCost give one time for the same step."""
+    terms = (0.003, 2e-4, 3e-9, 5e-4, 7e-7)
+    features = [(1, 0, 1, 513), (512, 131328, 1, 0), (70, 900, 9, 4000)]
+    assert [MockStepCost(*terms).step_time(*f) for f in features] == [StepCost(*terms).step_time(*f) for f in features]
