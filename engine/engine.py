@@ -165,6 +165,7 @@ class LLMEngine:
             raise
         blocks = BlockManager(num_blocks, config.block_size)
         if self.tiers is not None:
+            self.tiers.watch(blocks.events)  # the router's index learns what the tiers hold
             blocks.on_evict = self.tiers.evicted
             if self.tiers.shared:
                 blocks.on_cached = self.tiers.released

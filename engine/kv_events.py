@@ -2,7 +2,9 @@
 
 Pure Python and thread-safe (the engine thread appends, the HTTP event loop
 reads). Every full block that becomes findable by hash is a ``stored`` event,
-every hash dropped to make room an ``evicted`` one; events are numbered from 1
+every hash dropped to make room an ``evicted`` one; a block one of the
+server's own lower tiers (engine/tiers/: host, disk) now holds is ``tiered``,
+one none of them holds any more ``untiered``; events are numbered from 1
 in the order they happened and the last ``capacity`` are kept. ``epoch`` is
 drawn when the log is made, so a restarted server has a new one. A reader
 that asks for the events after the seq it has seen learns ``oldest``, the
@@ -21,6 +23,8 @@ from dataclasses import dataclass
 
 STORED = "stored"
 EVICTED = "evicted"
+TIERED = "tiered"  # the block can be loaded from one of this server's own lower tiers (engine/tiers/)
+UNTIERED = "untiered"  # it no longer can
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class KvSnapshot:
     epoch: str
     seq: int  # the hashes are those held after event ``seq``
     hashes: list[int]
+    tiered: list[int]  # those its own lower tiers hold
 
 
 class KvEventLog:
@@ -46,6 +51,7 @@ class KvEventLog:
         self._ring: deque[tuple[int, str, int]] = deque(maxlen=capacity)
         self._seq = 0
         self._held: set[int] = set()
+        self._tiered: set[int] = set()
         self._listeners: list[Callable[[], None]] = []
 
     def listen(self, callback: Callable[[], None]) -> None:
@@ -58,14 +64,24 @@ class KvEventLog:
     def evicted(self, block_hash: int) -> None:
         self._add(EVICTED, block_hash)
 
+    def tiered(self, block_hash: int) -> None:
+        self._add(TIERED, block_hash)
+
+    def untiered(self, block_hash: int) -> None:
+        self._add(UNTIERED, block_hash)
+
     def _add(self, kind: str, block_hash: int) -> None:
         with self._lock:
             self._seq += 1
             self._ring.append((self._seq, kind, block_hash))
             if kind == STORED:
                 self._held.add(block_hash)
-            else:
+            elif kind == EVICTED:
                 self._held.discard(block_hash)
+            elif kind == TIERED:
+                self._tiered.add(block_hash)
+            else:
+                self._tiered.discard(block_hash)
         for callback in self._listeners:
             callback()
 
@@ -82,4 +98,4 @@ class KvEventLog:
 
     def snapshot(self) -> KvSnapshot:
         with self._lock:
-            return KvSnapshot(self.epoch, self._seq, sorted(self._held))
+            return KvSnapshot(self.epoch, self._seq, sorted(self._held), sorted(self._tiered))

@@ -573,6 +573,7 @@ def add_operator_routes(app: FastAPI, parts: RouterParts) -> None:
                     "epoch": idx.epoch,
                     "seq": idx.seq,
                     "blocks": len(idx.hashes),
+                    "tiered_blocks": len(idx.tiered),
                     "block_size": idx.block_size,
                     "resyncs": idx.resyncs,
                 }

@@ -210,6 +210,7 @@ def _add_kv_cache_routes(app: FastAPI, service) -> None:
                 epoch=snap.epoch,
                 seq=snap.seq,
                 hashes=snap.hashes,
+                tiered=snap.tiered,
                 block_size=engine.block_size,
                 salt=engine.cache_salt,
                 enabled=engine.prefix_caching,

@@ -205,18 +205,20 @@ class KvEventsReply(Reply):
     epoch: str
     oldest: int
     last: int
-    events: list[tuple[int, Literal["stored", "evicted"], int]]
+    events: list[tuple[int, Literal["stored", "evicted", "tiered", "untiered"], int]]
     block_size: int
     salt: str
     enabled: bool  # prefix caching on
 
 
 class KvBlocksReply(Reply):
-    """GET /kv/blocks: every block hash held now, current as of event ``seq``."""
+    """GET /kv/blocks: every block hash held now, current as of event ``seq``; ``tiered``: those the
+    server's own lower tiers (host memory, disk) hold, which it loads instead of computing."""
 
     epoch: str
     seq: int
     hashes: list[int]
+    tiered: list[int] = Field(default_factory=list)
     block_size: int
     salt: str
     enabled: bool

@@ -38,7 +38,8 @@ written under another model, dtype, block size or order are never read.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,9 +47,10 @@ import torch
 
 from engine.config import KvTiersConfig
 from engine.kv_cache import KVCache
+from engine.kv_events import KvEventLog
 from engine.tiers.disk import DiskTier
 from engine.tiers.host import HostTier
-from engine.tiers.tier import Store, TierStats
+from engine.tiers.tier import Store, Tier, TierStats
 
 
 def layout_fingerprint(cache: KVCache, salt: str, model_dir: str, portable: bool = False) -> str:
@@ -67,6 +69,28 @@ def layout_fingerprint(cache: KVCache, salt: str, model_dir: str, portable: bool
 
 
 PUBLISHED = 1 << 16  # hashes a server remembers having published to its shared tiers
+
+
+def announce(tiers: Sequence[Store], log: KvEventLog) -> None:
+    """Tell ``log`` (the server's block events, for the router's cache index) which blocks ``tiers``
+    (this server's own) hold: ``tiered`` when the first of them lists one, ``untiered`` when the last
+    drops it. The shared store is not among them: every server reads it, so it says nothing of one."""
+    lock, count = threading.Lock(), Counter[int]()
+
+    def changed(h: int, held: bool) -> None:
+        with lock:
+            count[h] += 1 if held else -1
+            if held and count[h] == 1:
+                log.tiered(h)
+            elif not held and count[h] <= 0:
+                del count[h]
+                log.untiered(h)
+
+    for tier in tiers:
+        if isinstance(tier, Tier):
+            tier.on_change = changed
+            for h in tier.listed():  # what a disk tier found at start
+                changed(h, True)
 
 
 class KvTiers:
@@ -96,6 +120,10 @@ class KvTiers:
             namespace = layout_fingerprint(cache, salt, model_dir, portable=True)
             tiers.append(RedisTier(config.redis_url, namespace, config.queue_blocks, config.redis_timeout_s))
         return cls(cache, tiers)
+
+    def watch(self, log: KvEventLog) -> None:
+        """Tell ``log`` which blocks this server's own tiers hold (``announce``)."""
+        announce(self.local, log)
 
     def evicted(self, block_id: int, h: int) -> None:
         """Block ``block_id`` (hash ``h``) is about to be reused: copy its K/V out and queue it to every tier

@@ -26,7 +26,7 @@ import threading
 import zlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -98,6 +98,8 @@ class Tier(ABC):
         self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
         self._thread = threading.Thread(target=self._write_loop, name=f"kv-tier-{self.name}", daemon=True)
         self._closed = False
+        # Called with (hash, True) when an entry is listed, (hash, False) when dropped, under the lock.
+        self.on_change: Callable[[int, bool], None] | None = None
 
     def start(self) -> None:
         """Start the writer thread (after the subclass has read what it already holds)."""
@@ -213,6 +215,7 @@ class Tier(ABC):
             self._index[h] = held
             self._held += held
             self._counts["bytes_written"] += held
+            self._changed(h, True)
             while self._held > self.max_bytes:
                 oldest = next(iter(self._index))
                 self._forget(oldest)
@@ -229,6 +232,16 @@ class Tier(ABC):
         """Drop an entry and its storage (lock held)."""
         self._held -= self._index.pop(h)
         self._discard(h)
+        self._changed(h, False)
+
+    def _changed(self, h: int, held: bool) -> None:
+        if self.on_change is not None:
+            self.on_change(h, held)
+
+    def listed(self) -> list[int]:
+        """Every hash the tier lists now."""
+        with self._lock:
+            return list(self._index)
 
     def _bump(self, counter: str) -> None:
         with self._lock:

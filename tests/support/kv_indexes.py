@@ -20,7 +20,9 @@ def page(log: KvEventLog, after: int, block_size: int = 4) -> KvEventsReply:
 
 def snapshot(log: KvEventLog, block_size: int = 4) -> KvBlocksReply:
     s = log.snapshot()
-    return KvBlocksReply(epoch=s.epoch, seq=s.seq, hashes=s.hashes, block_size=block_size, salt=SALT, enabled=True)
+    return KvBlocksReply(
+        epoch=s.epoch, seq=s.seq, hashes=s.hashes, tiered=s.tiered, block_size=block_size, salt=SALT, enabled=True
+    )
 
 
 def index_holding(blocks: dict[str, int], prompt: list[int], block_size: int = 4) -> KvIndex:

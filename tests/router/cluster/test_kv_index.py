@@ -126,3 +126,26 @@ def test_servers_with_other_block_sizes_are_matched_with_their_own_hashes():
     index = index_holding({"d0": 4}, prompt, block_size=8)  # 32 tokens in blocks of 8
     matched = index.matcher(prompt)
     assert (matched("d0"), matched("d1")) == (32, 0)
+
+
+def test_blocks_in_a_servers_own_tiers_count_as_held_after_its_cached_run():
+    prompt = list(range(1, 30))  # 7 full blocks of 4
+    h = chain_hashes(SALT, prompt, 4)
+    log = KvEventLog(epoch="e1")
+    log.stored(h[0])
+    log.stored(h[1])
+    log.tiered(h[2])
+    log.tiered(h[3])
+    log.tiered(h[5])  # past a gap: the engine's chain stops at h[4]
+    index = KvIndex()
+    index.of("d0").load(snapshot(log))
+    assert index.of("d0").tiered == {h[2], h[3], h[5]}
+    assert index.matcher(prompt)("d0") == 4 * 4  # two cached blocks, then two from the tiers
+    log.untiered(h[3])
+    log.tiered(h[0])  # a block both cached and tiered changes nothing
+    assert index.of("d0").apply(page(log, index.of("d0").seq))
+    assert index.matcher(prompt)("d0") == 3 * 4
+    only_tiered = KvEventLog(epoch="e2")
+    only_tiered.tiered(h[0])  # a server whose cache lost the prefix but whose disk has it
+    index.of("d1").load(snapshot(only_tiered))
+    assert index.matcher(prompt)("d1") == 4
