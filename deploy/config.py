@@ -52,6 +52,7 @@ from engine.config import (
     BlockSize,
     Dtype,
     EngineConfig,
+    EngineKind,
     EngineMode,
     KvLayout,
     KvTiersConfig,
@@ -166,6 +167,14 @@ class EngineDefaults(Strict):
     CUDA, tensor_parallel_size 1 and the Triton backend. Off by default: not yet measured on a device."""
     kv_tiers: KvTiersSettings = KvTiersSettings()
     """Host-memory and disk tiers for the blocks each server's prefix cache evicts (off unless a tier is set)."""
+    kind: EngineKind = EngineConfig.kind
+    """model (the model computes each step) or mock: a simulated engine (engine/mock.py) with the real scheduler,
+    block manager and KV protocol but no weights loaded, hashed tokens and each step's time slept from
+    `mock_profile`; light enough for dozens of servers on a few cores. Prefill and decode servers of one cluster
+    are all mock or all model (their KV layouts differ)."""
+    mock_profile: str | None = EngineConfig.mock_profile
+    """A mock engine's step costs: a `pdserve plan --save-profile` file; null: engine/mock.py's built-in
+    figures."""
 
 
 class Instance(Strict):
@@ -207,6 +216,10 @@ class Instance(Strict):
     """Ranks it splits a mixture of experts' experts over."""
     kv_tiers: KvTiersSettings | None = None
     """Its KV tiers (the whole section: replaces the `engine:` one; `{}` turns them off)."""
+    kind: EngineKind | None = None
+    """model or mock (engine/mock.py)."""
+    mock_profile: str | None = None
+    """Its mock engine's step-cost profile."""
 
     @property
     def transfer_port(self) -> int:
@@ -655,6 +668,16 @@ class ClusterConfig(Strict):
             raise ValueError(
                 f"ports must be unique (router, instance port and kv_port = port + 1 by default), repeated: {dup_ports}"
             )
+        kinds = {i.name: i.kind or self.engine.kind for i in self.instances()}
+        if len(set(kinds.values())) > 1:
+            mock = sorted(n for n, k in kinds.items() if k == "mock")
+            raise ValueError(
+                f"instances {mock} are mock engines and the others are not: mock and model servers cannot "
+                "exchange KV or continue each other's requests; make them all one kind"
+            )
+        profiled = [i.name for i in self.instances() if (i.mock_profile or self.engine.mock_profile)]
+        if profiled and "mock" not in kinds.values():
+            raise ValueError(f"mock_profile is set for {profiled}, which are not mock engines (engine.kind: mock)")
         for i in self.instances():
             tp = self.tensor_parallel_size_of(i)
             ep = i.expert_parallel_size or self.engine.expert_parallel_size
