@@ -10,7 +10,7 @@ from engine.kv_events import KvEventLog
 from engine.prefix_cache import chain_hashes
 from engine.tiers.host import HostTier
 from engine.tiers.kv import announce
-from tests.engine.test_kv_tiers import A, BS, engine_with, evict_a, tiers_config
+from tests.engine.test_kv_tiers import BS, A, engine_with, evict_a, tiers_config
 
 
 def kinds(log: KvEventLog, kind: str) -> list[int]:
