@@ -369,7 +369,16 @@ class RouterConfig(Strict):
     must send (none: no auth)."""
 
     port: int = Field(default=RouterSettings.port, ge=1, le=65535)
-    """The router's HTTP port: the OpenAI API, /health, /metrics, /admin."""
+    """The router's HTTP port: the OpenAI API, /health, /metrics, /admin. With `replicas` > 1 the front (HAProxy,
+    or on Kubernetes the router Service) listens here and the replicas on `replica_ports`."""
+    replicas: int = Field(default=1, ge=1, le=64)
+    """Routers serving the cluster, each a full router. Above 1, `pdserve launch` starts them behind HAProxy
+    (Debian package `haproxy`) on `port`, and `pdserve render k8s` gives the router Deployment this many;
+    each takes its part of every worker's in-flight limit and of every tenant's rate limits, so that together
+    they never allow more than one router would."""
+    replica_ports: list[int] | None = None
+    """The replicas' own HTTP ports under `pdserve launch` when `replicas` > 1, one each; null: `port` + 1 to
+    `port` + `replicas`."""
     host: str | None = None
     """The address clients reach the router at; null: the cluster's `host`."""
     bind_host: str | None = None
@@ -442,7 +451,6 @@ class RouterConfig(Strict):
     """How large a grammar a request may send, and the process the router compiles it in."""
     response_store: ResponseStoreConfig = ResponseStoreConfig()
     """Where /v1/responses keeps stored responses."""
-
     tenants: list[TenantConfig] = Field(default_factory=list)
     """Who the API keys are: each tenant's keys, priority class, weight and rate limits. Under saturation waiting
     requests are admitted by class, then by weighted fair queuing between tenants, not in arrival order."""
@@ -456,6 +464,12 @@ class RouterConfig(Strict):
             raise ValueError("set router.api_keys or router.api_keys_file, not both")
         if self.reserved_connections >= self.max_connections:
             raise ValueError("router.reserved_connections must be below router.max_connections")
+        if self.replica_ports is not None and len(self.replica_ports) != self.replicas:
+            raise ValueError(
+                f"router.replica_ports lists {len(self.replica_ports)} ports for {self.replicas} replicas: one each"
+            )
+        if self.replica_ports is not None and any(not 1 <= p <= 65535 for p in self.replica_ports):
+            raise ValueError(f"router.replica_ports must be ports (1-65535), got {self.replica_ports}")
         self._check_tenants()
         return self
 
@@ -500,7 +514,7 @@ ROUTER_KEYS_AS_IS = tuple(
     sorted(
         set(RouterConfig.model_fields)
         & {f.name for f in dataclasses.fields(RouterSettings)}
-        - {"host", "api_keys", "grammar_limits", "response_store", "tenants", "priority_classes"}
+        - {"host", "port", "api_keys", "grammar_limits", "response_store", "tenants", "priority_classes"}
     )
 )
 
@@ -662,11 +676,23 @@ class ClusterConfig(Strict):
         dup = sorted({n for n in names if names.count(n) > 1})
         if dup:
             raise ValueError(f"instance names must be unique, repeated: {dup}")
-        ports = [self.router.port] + [p for i in self.instances() for p in (i.port, i.transfer_port)]
+        ports = [self.router.port, *self.router_replica_ports]
+        ports += [p for i in self.instances() for p in (i.port, i.transfer_port)]
         dup_ports = sorted({p for p in ports if ports.count(p) > 1})
         if dup_ports:
             raise ValueError(
-                f"ports must be unique (router, instance port and kv_port = port + 1 by default), repeated: {dup_ports}"
+                "ports must be unique (router, its replicas' = router.port + 1.. by default, instance port and "
+                f"kv_port = port + 1 by default), repeated: {dup_ports}"
+            )
+        if any(p > 65535 for p in self.router_replica_ports):
+            raise ValueError(
+                f"router.port + router.replicas passes 65535 ({self.router.port} + {self.router.replicas}): "
+                "set router.replica_ports"
+            )
+        if self.kubernetes.router_replicas not in (None, self.router.replicas):
+            raise ValueError(
+                f"kubernetes.router_replicas ({self.kubernetes.router_replicas}) differs from router.replicas "
+                f"({self.router.replicas}): the routers' shares of each worker follow router.replicas; set that alone"
             )
         kinds = {i.name: i.kind or self.engine.kind for i in self.instances()}
         if len(set(kinds.values())) > 1:
@@ -768,6 +794,17 @@ class ClusterConfig(Strict):
     def router_url(self) -> str:
         return f"http://{self.router_host}:{self.router.port}"
 
+    @property
+    def router_replica_ports(self) -> list[int]:
+        """The replicas' HTTP ports under `pdserve launch`; none for a single router (it serves on `router.port`)."""
+        r = self.router
+        if r.replicas == 1:
+            return []
+        return list(r.replica_ports) if r.replica_ports is not None else [r.port + 1 + k for k in range(r.replicas)]
+
+    def router_replica_url(self, replica: int) -> str:
+        return f"http://{self.router_host}:{self.router_replica_ports[replica]}"
+
     def max_inflight_of(self, instance: Instance) -> int:
         if instance.max_inflight is not None:
             return instance.max_inflight
@@ -779,32 +816,44 @@ class ClusterConfig(Strict):
         """The model folder, built first if it is a built-in model not built yet."""
         return resolve_model(self.model, self.model_cache)
 
-    def router_settings(self, model_path: Path, response_store_file: str | None = None) -> RouterSettings:
+    def router_settings(
+        self, model_path: Path, response_store_file: str | None = None, replica: int | None = None
+    ) -> RouterSettings:
         """With ``discovery.kind: dns`` the router starts with no worker: they join as DNS finds them.
         ``response_store_file``: where stored responses go unless ``router.response_store.path`` says
-        (`pdserve launch` gives its run folder's)."""
+        (`pdserve launch` gives its run folder's). ``replica``: which of ``router.replicas`` this router
+        is under `pdserve launch` (its port, and its exact part of each worker's limit); None: a router
+        that knows only how many there are (a pod of the Kubernetes Deployment), on ``router.port``."""
+        r = self.router
+        if replica is not None and not 0 <= replica < r.replicas:
+            raise ConfigError(f"router replica {replica} does not exist: router.replicas is {r.replicas}")
+
+        def share(limit: int) -> int:
+            return replica_share(limit, r.replicas, replica)
+
         workers = (
             ()
             if self.discovery.kind == "dns"
             else tuple(
                 WorkerSpec(
-                    i.name, "prefill" if i in self.prefill else "decode", self.url_of(i), self.max_inflight_of(i)
+                    i.name, "prefill" if i in self.prefill else "decode", self.url_of(i), share(self.max_inflight_of(i))
                 )
                 for i in self.instances()
             )
         )
-        r = self.router
         discovery = DiscoverySettings(
             kind=self.discovery.kind,
             names=tuple(self.discovery.names),
             interval_s=self.discovery.interval_s,
-            max_inflight=r.max_inflight_per_worker or self.engine.max_num_seqs,
+            max_inflight=share(r.max_inflight_per_worker or self.engine.max_num_seqs),
         )
         return RouterSettings(
             model_path=str(model_path),
             served_model_name=self.model_name,
             workers=workers,
             host=self.router_host,
+            port=r.port if replica is None or r.replicas == 1 else self.router_replica_ports[replica],
+            limit_share=1.0 / r.replicas,
             max_model_len=self.max_model_len,
             drain_timeout_s=self.drain_timeout_s,
             drain=self.drain,
@@ -863,6 +912,17 @@ class ClusterConfig(Strict):
             reserved_connections=self.security.server_reserved_connections,
             trusted_clients=tuple(sorted({self.router_host} | {self.host_of(i) for i in self.instances()})),
         )
+
+
+def replica_share(limit: int, replicas: int, replica: int | None) -> int:
+    """One router's part of a worker's in-flight ``limit`` shared by ``replicas`` routers: ``limit // replicas``,
+    the remainder one each to the first replicas, and at least 1 (a worker's own "no room" answer then
+    bounds what the routers together send it). ``replica`` None (a Kubernetes pod, which has no index):
+    the floor part alone, so that routers that cannot tell which they are still never exceed ``limit``."""
+    part = limit // replicas
+    if replica is not None and replica < limit % replicas:
+        part += 1
+    return max(part, 1)
 
 
 def _where(loc: tuple) -> str:

@@ -6,7 +6,7 @@ For a cluster named N (``kubernetes.name``, default ``pdserve-<config file stem>
     Service      N-prefill-headless   headless: one DNS address per ready prefill pod
     Service      N-decode-headless    (N-colocated-headless for a colocated cluster)
     StatefulSet  N-<instance>         one per named instance, 1 replica, pod N-<instance>-0
-    Deployment   N-router             the router (stateless), kubernetes.router_replicas
+    Deployment   N-router             the routers (stateless), router.replicas of them
     Service      N-router             the OpenAI endpoint, port router.port
     PodDisruptionBudget N-<role>      a node drain evicts one pod of a role at a time
     NetworkPolicy N-<role>            (kubernetes.network_policy) who may reach a role's pods
@@ -456,7 +456,7 @@ def _router_deployment(pods: _PodParts) -> dict:
     )
     labels = names.labels("router")
     spec = {
-        "replicas": k8s.router_replicas,
+        "replicas": cluster.router.replicas,
         "selector": {"matchLabels": names.selector("router")},
         "template": pods.template(labels, cluster.router.port, container, None),
     }

@@ -47,8 +47,9 @@ class KubernetesConfig(Strict):
     """CPU request of each router pod (a Kubernetes quantity, e.g. 500m)."""
     router_memory: str = Field(default="2Gi", pattern=QUANTITY)
     """Memory request and limit of each router pod."""
-    router_replicas: int = Field(default=1, ge=1)
-    """Replicas of the router's Deployment."""
+    router_replicas: int | None = Field(default=None, ge=1)
+    """Replicas of the router's Deployment: `router.replicas` says it now (each router's share of the workers
+    follows it); set here, it must equal that."""
     router_service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     """The type of the router's Service."""
     prestop_s: int = Field(default=10, ge=0, le=600)

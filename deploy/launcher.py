@@ -4,16 +4,20 @@ Order: check that every port the cluster binds is free (``deploy/ports.py``),
 build the model if it is a built-in one not built yet, start every
 prefill/decode/colocated server, wait until each answers /health with this
 launch's nonce, start the router, wait for it, write ``RUN_DIR/cluster.json``
-and print the endpoint.
+and print the endpoint. With ``router.replicas`` N > 1 "the router" is N
+routers (``router-0`` .. on ``router.replica_ports``, each told which it is,
+all on the run folder's one response store) and HAProxy in front of them on
+``router.port`` (deploy/front.py, config ``RUN_DIR/haproxy.cfg``), started
+once they answer; HAProxy is a supervised process like the others.
 Then watch: Ctrl-C or SIGTERM stops every process; a process that fails is
 restarted by ``deploy.supervisor`` (config ``restart:``) while the rest keep
 serving. A server stopped by someone else's SIGTERM drains first and exits
 cleanly; that is an operator's choice, not a failure, so the cluster keeps
 serving as long as the router and at least one server of each role remain.
 
-Stopping drains: the router first (new requests get 503, those in flight
-finish), then the servers (nothing is in flight on them by then); each gets
-``drain_timeout_s`` plus a grace period before SIGKILL. Each process logs to
+Stopping drains: the routers first (new requests get 503, those in flight
+finish), then the front, then the servers (nothing is in flight on them by
+then); each gets ``drain_timeout_s`` plus a grace period before SIGKILL. Each process logs to
 ``RUN_DIR/<name>.log``; while the cluster serves, the launcher's terminal shows
 every process's stats lines (``server_common/stats_log.py``), prefixed with
 its name.
@@ -37,6 +41,7 @@ import httpx
 
 from deploy.config import ClusterConfig, load_config
 from deploy.config_security import GENERATED_SECRET_ENV
+from deploy.front import FRONT_NAME, FrontMissing, haproxy_binary, write_haproxy_config
 from deploy.ports import busy_ports
 from deploy.progress import Heartbeat, seconds_since_process_start
 from deploy.supervisor import Supervisor
@@ -67,6 +72,9 @@ def openmp_spin(cluster: ClusterConfig, only: set[str] | None, cores: int) -> di
             per_rank = inst.num_threads or cluster.engine.num_threads or cores  # None: torch's default, the cores
             threads += per_rank * cluster.tensor_parallel_size_of(inst)
     return {"GOMP_SPINCOUNT": SHARED_CORES_SPINCOUNT} if threads > cores else {}
+
+
+ROUTING_ROLES = ("router", "front")  # processes whose exit is always a failure (no server drains behind them)
 
 
 class LaunchError(RuntimeError):
@@ -104,7 +112,6 @@ class Cluster:
         self.openmp_env = openmp_spin(cluster, only, len(os.sched_getaffinity(0)))
 
     def _spawn(self, role: str, name: str, url: str, args: list[str]) -> Proc:
-        log = self.run_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "deploy.cli", *args, "--config", str(self.config_path)]
         cmd += ["--launch-id", self.launch_id]  # it reports it in /health: what wait_healthy checks
         if self.only is not None and role == "router":
@@ -113,6 +120,10 @@ class Cluster:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         if role != "router":
             env.update(self.openmp_env)
+        return self._popen(role, name, url, cmd, env)
+
+    def _popen(self, role: str, name: str, url: str, cmd: list[str], env: dict[str, str]) -> Proc:
+        log = self.run_dir / f"{name}.log"
         with open(log, "ab") as out:
             popen = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True
@@ -131,12 +142,31 @@ class Cluster:
                 started.append(self._spawn(role, inst.name, self.cluster.url_of(inst), [command, "--name", inst.name]))
         return started
 
-    def router_args(self) -> list[str]:
-        """The router keeps stored /v1/responses in the run folder, so a restarted router still has them."""
-        return ["router", "--response-store", str(self.run_dir / "responses.sqlite")]
+    def router_args(self, replica: int | None = None) -> list[str]:
+        """The router keeps stored /v1/responses in the run folder, so a restarted router still has them;
+        replicas share that one file (SQLite in WAL mode), so any of them serves any stored or background
+        response. ``replica``: which of ``router.replicas`` it is (its port and its shares)."""
+        args = ["router", "--response-store", str(self.run_dir / "responses.sqlite")]
+        return args if replica is None else [*args, "--replica", str(replica)]
 
-    def start_router(self) -> Proc:
-        return self._spawn("router", "router", self.cluster.router_url, self.router_args())
+    @property
+    def replicated(self) -> bool:
+        return self.cluster.router.replicas > 1
+
+    def start_routers(self) -> list[Proc]:
+        """The router, or with ``router.replicas`` > 1 each replica on its own port."""
+        if not self.replicated:
+            return [self._spawn("router", "router", self.cluster.router_url, self.router_args())]
+        return [
+            self._spawn("router", f"router-{k}", self.cluster.router_replica_url(k), self.router_args(k))
+            for k in range(self.cluster.router.replicas)
+        ]
+
+    def start_front(self) -> Proc:
+        """HAProxy in front of the replicas, in the foreground (``-db``), so that its pid is the one to stop."""
+        config = write_haproxy_config(self.cluster, self.run_dir)
+        cmd = [haproxy_binary(), "-db", "-f", str(config)]
+        return self._popen("front", FRONT_NAME, self.cluster.router_url, cmd, dict(os.environ))
 
     def wait_healthy(
         self, procs: list[Proc], timeout: float, stop: threading.Event, on_ready: Callable[[Proc], None] | None = None
@@ -190,8 +220,11 @@ class Cluster:
         if old.popen.poll() is None:
             raise LaunchError(f"{old.role} {name} is still running (pid {old.popen.pid})")
         self.procs.remove(old)
+        if old.role == "front":
+            return self.start_front()
         command = "decode" if old.role == "colocated" else old.role
-        args = self.router_args() if old.role == "router" else [command, "--name", name]
+        replica = int(name.rsplit("-", 1)[1]) if old.role == "router" and self.replicated else None
+        args = self.router_args(replica) if old.role == "router" else [command, "--name", name]
         return self._spawn(old.role, name, old.url, args)
 
     def first_dead(self, skip: Collection[str] = frozenset()) -> Proc | None:
@@ -203,7 +236,7 @@ class Cluster:
             code = proc.popen.poll()
             if code is None:
                 continue
-            drained = proc.role != "router" and code in (0, -signal.SIGTERM)
+            drained = proc.role not in ROUTING_ROLES and code in (0, -signal.SIGTERM)
             if not drained or not any(p.popen.poll() is None for p in self.procs if p.role == proc.role):
                 return proc
             if proc.name not in self.stopped:
@@ -212,12 +245,13 @@ class Cluster:
         return None
 
     def stop_all(self, hurry: threading.Event | None = None) -> None:
-        """Router first (it drains), then the servers; SIGKILL after drain timeout + grace, or at once
-        once ``hurry`` is set (a second Ctrl-C)."""
+        """Routers first (they drain), then the front, then the servers; SIGKILL after drain timeout +
+        grace, or at once once ``hurry`` is set (a second Ctrl-C)."""
         hurry = hurry or threading.Event()
         patience = self.cluster.drain_timeout_s + GRACE_S
         self._stop([p for p in self.procs if p.role == "router"], patience, hurry)
-        self._stop([p for p in self.procs if p.role != "router"], patience, hurry)
+        self._stop([p for p in self.procs if p.role == "front"], patience, hurry)
+        self._stop([p for p in self.procs if p.role not in ROUTING_ROLES], patience, hurry)
 
     @staticmethod
     def _stop(procs: list[Proc], patience: float, hurry: threading.Event) -> None:
@@ -331,9 +365,10 @@ def launch(
         if problem:
             print(f"pdserve launch: error: {config_path}: {problem}", file=sys.stderr, flush=True)
             return 2
-    busy = busy_ports(cluster, only)
-    if busy:  # before anything starts: another cluster's servers would answer our health checks
-        print("pdserve launch: error: " + "\n".join(busy), file=sys.stderr, flush=True)
+    # before anything starts: another cluster's servers would answer our health checks
+    problems = _front_missing(cluster, only) or busy_ports(cluster, only)
+    if problems:
+        print("pdserve launch: error: " + "\n".join(problems), file=sys.stderr, flush=True)
         return 1
     run_dir = Path(run_dir or Path("runs") / time.strftime("%Y%m%d-%H%M%S")).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -369,6 +404,17 @@ def launch(
         c.stop_all(hurry)
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _front_missing(cluster: ClusterConfig, only: set[str] | None) -> list[str]:
+    """Why the front of several routers cannot start here (HAProxy not installed), or nothing."""
+    if cluster.router.replicas == 1 or (only is not None and "router" not in only):
+        return []
+    try:
+        haproxy_binary()
+    except FrontMissing as exc:
+        return [str(exc)]
+    return []
 
 
 def _model_folder(cluster: ClusterConfig, started: float) -> Path:
@@ -418,8 +464,13 @@ def _start_all(c: Cluster, health_timeout: float, stop: threading.Event, started
     )
     c.wait_healthy(servers, health_timeout, stop, ready)
     if only is None or "router" in only:
-        print("pdserve: starting the router", flush=True)
-        c.wait_healthy([c.start_router()], health_timeout, stop, ready)
+        if c.replicated:
+            print(f"pdserve: starting {cluster.router.replicas} routers, then HAProxy in front of them", flush=True)
+        else:
+            print("pdserve: starting the router", flush=True)
+        c.wait_healthy(c.start_routers(), health_timeout, stop, ready)
+        if c.replicated:
+            c.wait_healthy([c.start_front()], health_timeout, stop, ready)
     manifest = c.write_manifest()
     if only is None:
         print(

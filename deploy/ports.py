@@ -32,10 +32,14 @@ class PortUse:
 
 
 def ports_of(cluster: ClusterConfig, only: set[str] | None = None) -> list[PortUse]:
-    """Every (host, port) the cluster's processes listen on: the router's, each server's HTTP
+    """Every (host, port) the cluster's processes listen on: the router's (and its replicas'), each server's HTTP
     port, and the kv_port of each decode server (the ZeroMQ receiver binds it; NIXL's UCX
     listener takes a port of its own choosing). ``only``: of these processes alone."""
     uses = [PortUse(cluster.router_bind_host, cluster.router.port, "router", "router")]
+    uses += [
+        PortUse(cluster.router_bind_host, port, f"router-{k}", "router")
+        for k, port in enumerate(cluster.router_replica_ports)
+    ]
     for inst in cluster.instances():
         uses.append(PortUse(cluster.bind_host_of(inst), inst.port, f"{inst.name} (HTTP)", inst.name))
         if inst in cluster.decode and cluster.transfer.backend == "zmq":

@@ -35,6 +35,14 @@ def add_parsers(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         "router.response_store.path names one (or its url a PostgreSQL database); `pdserve launch` "
         "gives its run folder's responses.sqlite (default: in memory, gone with the router)",
     )
+    p.add_argument(
+        "--replica",
+        type=int,
+        metavar="K",
+        help="which of the config's router.replicas this router is (0 first): it serves on that replica's port "
+        "and takes that replica's part of each worker's in-flight limit (`pdserve launch` passes it; without "
+        "it a router takes router.port and the part every replica gets)",
+    )
     _add_launch_id(p)
     # A router of a multi-host cluster (``launch --only``) reports its launch but accepts workers of any.
     p.add_argument("--any-worker-launch", action="store_true", help=argparse.SUPPRESS)
@@ -87,7 +95,7 @@ def run_router(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, "router")
     cluster = load_config(args.config)
     settings = dataclasses.replace(
-        cluster.router_settings(cluster.model_path(), args.response_store),
+        cluster.router_settings(cluster.model_path(), args.response_store, args.replica),
         launch_id=args.launch_id,
         workers_launch_id=None if args.any_worker_launch else args.launch_id,
     )

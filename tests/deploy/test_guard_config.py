@@ -117,5 +117,6 @@ def test_every_router_key_reaches_the_router_under_its_own_name():
     # or one of these, which the config turns into something else; none is dropped on the way.
     derived = {"host", "api_keys", "api_keys_file", "grammar_limits", "max_inflight_per_worker", "response_store"}
     derived |= {"tenants", "priority_classes"}
+    derived |= {"port", "replicas", "replica_ports"}  # a replica's port, its limit_share and its worker shares
     assert set(RouterConfig.model_fields) == set(ROUTER_KEYS_AS_IS) | derived
     assert not set(ROUTER_KEYS_AS_IS) & derived

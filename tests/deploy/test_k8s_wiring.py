@@ -9,9 +9,12 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from decode_server.app import create_app as decode_app
-from deploy.k8s import CONFIG_FILE, GRACE_MARGIN_S, RUN_AS
+from deploy.cli import main
+from deploy.config import parse_config
+from deploy.k8s import CONFIG_FILE, GRACE_MARGIN_S, RUN_AS, SECRET_DIR, SECRET_KEY_INTERNAL
 from deploy.version import version
 from engine.config import EngineConfig
 from prefill_server.app import create_app as prefill_app
@@ -129,6 +132,37 @@ def test_the_router_discovers_workers_by_the_headless_service_names(config, tmp_
         pod = f"{sts['metadata']['name']}-0"
         ns = sts["metadata"]["namespace"]
         assert cluster.host_of(cluster.instance(name)) == f"{pod}.{service['metadata']['name']}.{ns}.svc.cluster.local"
+
+
+def test_router_replicas_are_the_deployment_s_behind_its_service_each_with_a_replica_s_share(tmp_path, capsys):
+    config = tmp_path / "replicas.yaml"
+    data = {
+        "model": "tiny",
+        "router": {"port": 8000, "replicas": 3, "max_inflight_per_worker": 8},
+        "prefill": [{"name": "p0", "port": 8100}],
+        "decode": [{"name": "d0", "port": 8200}],
+    }
+    config.write_text(yaml.safe_dump(data))
+    m = render(config, tmp_path / "out")
+    deployment = m.named("Deployment", "pdserve-replicas-router")
+    service = m.named("Service", "pdserve-replicas-router")
+    assert deployment["spec"]["replicas"] == 3
+    assert _matches(service["spec"]["selector"], deployment["spec"]["template"]["metadata"]["labels"])
+    assert service["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert port_of(container(deployment), "http") == 8000
+    assert container(deployment)["command"] == ["pdserve", "router", "--config", CONFIG_FILE]  # no pod has an index
+    (cm,) = m.of_kind("ConfigMap")  # what each of the three pods runs with, the Secret mounted here instead
+    (tmp_path / "mounted").mkdir()
+    (tmp_path / "mounted" / SECRET_KEY_INTERNAL).write_text("internal-secret-of-the-test\n")
+    pod = parse_config(yaml.safe_load(cm["data"]["cluster.yaml"].replace(SECRET_DIR, str(tmp_path / "mounted"))), "cm")
+    assert pod.router.replicas == 3
+    router = pod.router_settings(REPO)
+    assert (router.port, router.limit_share, router.discovery.max_inflight) == (8000, 1 / 3, 2)  # 3 x 2 <= 8
+    (budget,) = [b for b in m.of_kind("PodDisruptionBudget") if b["metadata"]["name"].endswith("-router")]
+    assert _matches(budget["spec"]["selector"]["matchLabels"], deployment["spec"]["template"]["metadata"]["labels"])
+    config.write_text(yaml.safe_dump({**data, "kubernetes": {"router_replicas": 2}}))
+    assert main(["render", "k8s", str(config), "--out", str(tmp_path / "again")]) == 2
+    assert "kubernetes.router_replicas (2) differs from router.replicas (3)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=IDS)
