@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -124,13 +124,22 @@ class Admission:
                 self._admitted(start, 0.0)
                 return result
         entered = time.monotonic()
-        async with self.waiting_room(ticket, start) as wait:
+        try:
+            waiter = self._enter(ticket, start)
+        except OpenAIError:  # refused at the door: it took none of its tenant's share
+            if self._finish.get(ticket.tenant) == start + cost / ticket.weight:
+                self._finish[ticket.tenant] = start
+            raise
+        try:
+            wait = Wait(self, waiter, entered + self.settings.queue_timeout_s)
             while True:
                 await wait()
                 result = await attempt()
                 if result is not None:
                     self._admitted(start, time.monotonic() - entered)
                     return result
+        finally:
+            self._leave(waiter)
 
     def _tag(self, ticket: Ticket, cost: float) -> float:
         """The request's fair start tag (SFQ): no earlier than the system's virtual time, nor than the
@@ -155,18 +164,13 @@ class Admission:
         for waiter in sorted(self._waiters):
             wake(waiter.woken)
 
-    @contextlib.asynccontextmanager
-    async def waiting_room(self, ticket: Ticket = ANYONE, start: float = 0.0) -> AsyncIterator[Wait]:
-        """Enter the waiting room for the life of the block, or raise 429 when it is full.
-
-        Yields a ``Wait``: ``await wait()`` sleeps until a slot frees or the poll interval passes, and
-        raises 429 once the request waited ``timeout``. ``start``: its fair start tag (``admit``).
-        """
+    def _enter(self, ticket: Ticket, start: float) -> Waiter:
+        """A place in the waiting room, or 429 when it is full (``start``: the fair start tag, ``admit``).
+        A full room keeps the waiters that come first: a newcomer ahead of the last one takes its place
+        (that one gets the 429), so a light tenant is not refused for a heavy one's backlog."""
         self._seq += 1
         waiter = Waiter(ticket.rank, start, self._seq, asyncio.get_running_loop().create_future())
         if self.waiting >= self.settings.max_queued_requests:
-            # A full room keeps the waiters that come first: a newcomer ahead of the last one takes its
-            # place (that one gets the 429), so a light tenant is not refused for a heavy one's backlog.
             last = max(self._waiters, default=None)
             if last is None or not waiter < last:
                 self.refused += 1
@@ -180,13 +184,13 @@ class Admission:
         self._waiters.add(waiter)
         if len(self._waiters) == 1:
             self._tick = asyncio.get_running_loop().call_later(self.settings.poll, self._poll)
-        try:
-            yield Wait(self, waiter, time.monotonic() + self.settings.queue_timeout_s)
-        finally:
-            self._waiters.discard(waiter)
-            if not self._waiters and self._tick is not None:
-                self._tick.cancel()
-                self._tick = None
+        return waiter
+
+    def _leave(self, waiter: Waiter) -> None:
+        self._waiters.discard(waiter)
+        if not self._waiters and self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
 
     def _poll(self) -> None:
         """Every ``poll`` s while requests wait, all of them try again, in order: what the router learns

@@ -185,3 +185,23 @@ def test_a_full_room_gives_the_last_waiters_place_to_a_newcomer_ahead_of_it():
     assert (full.status, full.code) == (429, "overloaded") and "3 requests are already waiting" in full.message
     assert isinstance(pushed, OpenAIError) and pushed.status == 429 and "ahead of this one" in pushed.message
     assert admission.waiting == 0 and admission.refused == 2
+
+
+def test_a_request_refused_at_a_full_room_takes_none_of_its_tenants_share():
+    heavy, light = Ticket("heavy", 1.0, 1), Ticket("light", 1.0, 1)
+    admission = Admission(AdmissionSettings(max_queued_requests=1, poll=60))
+
+    async def never() -> None:
+        return None
+
+    async def run():
+        waiting = asyncio.create_task(admission.admit(never, light, 10.0))
+        await until(lambda: admission.waiting == 1, 5.0, "light waiting")
+        for _ in range(5):  # the heavy tenant is turned away five times
+            with pytest.raises(OpenAIError):
+                await admission.admit(never, heavy, 10.0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+
+    asyncio.run(run())
+    assert admission._finish["heavy"] == 0.0  # its next request starts where it would have
