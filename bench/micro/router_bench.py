@@ -18,6 +18,8 @@ has the decode stub wait before each token event, so that each reaches the route
 alone, as an engine's steps send them. ``--profile FILE``
 then records the router under the concurrent load with py-spy
 (``pip install py-spy``) and prints the functions with the most samples.
+``--replicas N`` instead compares one router with N behind HAProxy
+(``router.replicas``, as `pdserve launch` runs them) under the concurrent load.
 The numbers are the machine's: run it on an otherwise idle machine.
 """
 
@@ -307,7 +309,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="instead of the phases above: this checkout's router and CHECKOUT's, in front of the same stubs, "
         "under the concurrent load in turn for --rounds rounds; their CPU per token side by side",
     )
-    p.add_argument("--rounds", type=int, default=5, help="rounds of --against (default %(default)s)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead of the phases above: one router, and N routers behind HAProxy (router.replicas, as "
+        "`pdserve launch` starts them), in front of the same stubs, under the concurrent load in turn for "
+        "--rounds rounds; requests/s of each and their ratio (needs haproxy installed)",
+    )
+    p.add_argument("--rounds", type=int, default=5, help="rounds of --against or --replicas (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -321,7 +332,12 @@ def run(args: argparse.Namespace) -> int:
 
         tok = AutoTokenizer.from_pretrained(str(args.model or folder / "model"))
         targets = Targets(cluster, args.tokens, tok(PROMPT)["input_ids"])
-        result = against(args, cluster, targets) if args.against is not None else phases_of(args, cluster, targets)
+        if args.against is not None:
+            result = against(args, cluster, targets)
+        elif args.replicas > 1:
+            result = replicated(args, cluster, targets)
+        else:
+            result = phases_of(args, cluster, targets)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     if not args.keep:
@@ -392,6 +408,63 @@ def against(args: argparse.Namespace, cluster: StubCluster, targets: Targets) ->
     ratio = rows["this"]["cpu_us_per_token_median"] / rows["against"]["cpu_us_per_token_median"]
     print(f"this / against, CPU per token: {ratio:.3f}x")
     return {"tokens": args.tokens, "concurrency": c, "routers": rows, "cpu_ratio_this_over_against": round(ratio, 3)}
+
+
+def replicated(args: argparse.Namespace, cluster: StubCluster, targets: Targets) -> dict:
+    """One router, then ``args.replicas`` routers behind HAProxy, the same concurrent load in turn (the
+    order reversed every round): requests/s, p50 and the CPU of the routers and of HAProxy per request,
+    and the ratio of the medians' requests/s."""
+    front = cluster.add_replicas(args.replicas)
+    replicas = [cluster.procs[f"replica-{k}"].pid for k in range(args.replicas)]
+    sides = {"1 router": (cluster.router_url, [cluster.router_pid]), f"{args.replicas} routers": (front, replicas)}
+    c, n = args.concurrency, args.concurrent_requests
+    samples: dict[str, list[tuple[Phase, float, float]]] = {
+        side: [] for side in sides
+    }  # phase, routers' CPU, HAProxy's
+
+    async def measure() -> None:
+        for url, _ in sides.values():
+            await run_phase(Phase("warmup", c), functools.partial(targets.router, url=url), args.warmup, None)
+        for r in range(args.rounds):
+            for side in list(sides)[:: 1 if r % 2 == 0 else -1]:
+                url, pids = sides[side]
+                cpu0, front0 = sum(cpu_ms(p) for p in pids), cpu_ms(cluster.procs["haproxy"].pid)
+                phase = await run_phase(Phase(side, c), functools.partial(targets.router, url=url), n, None)
+                routers_cpu = sum(cpu_ms(p) for p in pids) - cpu0
+                front_cpu = cpu_ms(cluster.procs["haproxy"].pid) - front0 if pids is replicas else 0.0
+                samples[side].append((phase, routers_cpu, front_cpu))
+
+    asyncio.run(measure())
+    print(f"{args.tokens}-token streamed requests at concurrency {c}, {n} per side and round, {args.rounds} rounds")
+    rows = {}
+    for side, runs in samples.items():
+        served = max(1, sum(p.requests for p, _, _ in runs))
+        rows[side] = {
+            "requests_per_s": [round(p.rps, 1) for p, _, _ in runs],
+            "requests_per_s_median": round(float(np.median([p.rps for p, _, _ in runs])), 1),
+            "p50_ms_median": round(float(np.median([p.pct(p.e2e_ms, 50) for p, _, _ in runs])), 2),
+            "routers_cpu_ms_per_request": round(sum(r for _, r, _ in runs) / served, 3),
+            "haproxy_cpu_ms_per_request": round(sum(f for _, _, f in runs) / served, 3),
+            "errors": sum(p.errors for p, _, _ in runs),
+        }
+        row = rows[side]
+        print(
+            f"{side:10} {row['requests_per_s_median']:8} req/s (rounds {min(row['requests_per_s'])}-"
+            f"{max(row['requests_per_s'])}), p50 {row['p50_ms_median']} ms, routers' CPU "
+            f"{row['routers_cpu_ms_per_request']} ms/req, HAProxy's {row['haproxy_cpu_ms_per_request']} ms/req, "
+            f"{row['errors']} errors"
+        )
+    one, many = rows["1 router"], rows[f"{args.replicas} routers"]
+    ratio = many["requests_per_s_median"] / one["requests_per_s_median"]
+    print(f"{args.replicas} routers behind HAProxy / 1 router, requests/s: {ratio:.2f}x ({os.cpu_count()} CPUs here)")
+    return {
+        "tokens": args.tokens,
+        "concurrency": c,
+        "replicas": args.replicas,
+        "cpus": os.cpu_count(),
+        "sides": rows,
+        "requests_per_s_ratio": round(ratio, 3),
+    }
 
 
 def report(phases: list[Phase], tokens: int) -> dict:

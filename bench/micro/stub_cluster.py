@@ -97,6 +97,31 @@ class StubCluster:
         self._start_router(name, path, url, dict(os.environ, PYTHONPATH=str(repo)), repo, log_level, start_timeout)
         return url
 
+    def add_replicas(self, replicas: int, log_level: str = "warning", start_timeout: float = 60.0) -> str:
+        """``replicas`` routers (``router.replicas``, each its own part of the stubs' limits) and HAProxy in
+        front of them, as `pdserve launch` starts them (deploy/front.py), before the same stubs; returns the
+        front's URL. The processes are ``replica-K`` and ``haproxy``, stopped with the others, by pid."""
+        from deploy.config import load_config
+        from deploy.front import haproxy_binary, haproxy_config
+
+        config = yaml.safe_load(self.config.read_text())
+        front, *ports = free_ports(1 + replicas)
+        config["router"].update(port=front, replicas=replicas, replica_ports=ports)
+        path = self.folder / "cluster-replicas.yaml"
+        path.write_text(yaml.safe_dump(config))
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        for k in range(replicas):
+            argv = [sys.executable, "-m", "deploy.cli", "router", "--config", str(path), "--replica", str(k)]
+            self._start(f"replica-{k}", [*argv, "--log-level", log_level], env)
+        for port in ports:
+            self._wait_ok(f"http://127.0.0.1:{port}/health", start_timeout)
+        haproxy_cfg = self.folder / "haproxy.cfg"
+        haproxy_cfg.write_text(haproxy_config(load_config(path)))
+        self._start("haproxy", [haproxy_binary(), "-db", "-f", str(haproxy_cfg)], env)
+        url = f"http://127.0.0.1:{front}"
+        self._wait_ok(f"{url}/health", start_timeout)
+        return url
+
     def _start_router(
         self, name: str, config: Path, url: str, env: dict, cwd: Path, log_level: str, start_timeout: float
     ) -> None:

@@ -1,14 +1,20 @@
-"""``pdserve bench router --against``: two routers, from two checkouts, in front of the same stubs."""
+"""``pdserve bench router --against``: two routers, from two checkouts, in front of the same stubs; and
+``--replicas``: one router against several behind HAProxy."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from bench.micro import router_bench
 from bench.micro.stub_cluster import REPO
+
+NO_HAPROXY = "haproxy is not installed (the Debian package haproxy; .ci/run installs it)"
 
 
 def test_against_runs_both_routers_on_the_same_stubs_and_stops_them(tmp_path: Path):
@@ -43,3 +49,25 @@ def test_against_runs_both_routers_on_the_same_stubs_and_stops_them(tmp_path: Pa
             except OSError:
                 continue
             assert cwd != str(other), f"process {pid_dir.name} still runs from the other checkout"
+
+
+@pytest.mark.skipif(shutil.which("haproxy", path=f"{os.environ.get('PATH', '')}:/usr/sbin") is None, reason=NO_HAPROXY)
+def test_replicas_runs_one_router_and_two_behind_haproxy_on_the_same_stubs(tmp_path: Path):
+    out = tmp_path / "r.json"
+    keep = tmp_path / "run"
+    argv = ["--replicas", "2", "--tokens", "6", "--concurrency", "4", "--concurrent-requests", "16"]
+    argv += ["--warmup", "2", "--rounds", "2", "--json", str(out), "--keep", str(keep)]
+    assert router_bench.main(argv) == 0
+
+    result = json.loads(out.read_text())
+    assert set(result["sides"]) == {"1 router", "2 routers"}
+    for side in result["sides"].values():
+        assert side["errors"] == 0 and len(side["requests_per_s"]) == 2 and all(v > 0 for v in side["requests_per_s"])
+        assert side["routers_cpu_ms_per_request"] > 0
+    assert result["sides"]["2 routers"]["haproxy_cpu_ms_per_request"] >= 0
+    ratio = result["sides"]["2 routers"]["requests_per_s_median"] / result["sides"]["1 router"]["requests_per_s_median"]
+    assert result["requests_per_s_ratio"] == round(ratio, 3)
+    config = (keep / "haproxy.cfg").read_text()
+    assert config.count("server router-") == 2 and "balance leastconn" in config
+    logs = sorted(p.name for p in keep.glob("*.log"))
+    assert logs == ["d0.log", "haproxy.log", "p0.log", "replica-0.log", "replica-1.log", "router.log"]
