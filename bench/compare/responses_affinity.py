@@ -64,13 +64,19 @@ class Variant:
     endpoint: str
     history: str  # LoadConfig.history
     what: str
+    tiers: bool = False  # every server with a host-memory KV tier of --tier-bytes (engine/tiers/)
 
 
 VARIANTS = {
     "affinity": Variant(RESPONSES, "previous-response", "/v1/responses, previous_response_id: previous decode first"),
     "full-input": Variant(RESPONSES, "messages", "/v1/responses, whole conversation as input, no hint"),
     "chat": Variant(CHAT, "messages", "/v1/chat/completions, whole conversation as messages"),
+    "affinity-tiers": Variant(
+        RESPONSES, "previous-response", "as affinity, every server with a host KV tier", tiers=True
+    ),
+    "chat-tiers": Variant(CHAT, "messages", "as chat, every server with a host KV tier", tiers=True),
 }
+DEFAULT_VARIANTS = ("affinity", "full-input", "chat")
 
 
 def engine_counters(before: dict, after: dict) -> dict[str, float]:
@@ -93,9 +99,12 @@ def run_variant(name: str, rnd: int, args, workload: PrefixWorkload, builder: Pr
     out = Path(args.out) / f"round{rnd}" / name
     out.mkdir(parents=True, exist_ok=True)
     path = out / "1p2d.yaml"
-    path.write_text(
-        yaml.safe_dump(config_for(args.model, True, "round_robin", args.local_prefill_threshold), sort_keys=False)
-    )
+    data = config_for(args.model, True, "round_robin", args.local_prefill_threshold)
+    if args.kv_cache_bytes is not None:
+        data["engine"]["kv_cache_bytes"] = args.kv_cache_bytes
+    if v.tiers:
+        data["engine"]["kv_tiers"] = {"host_bytes": args.tier_bytes}
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
     cluster = launch(path, out / "run", sorted(os.sched_getaffinity(0)))
     try:
         config = LoadConfig(
@@ -261,7 +270,11 @@ def main(argv: list[str] | None = None) -> int:
         "is prefilled there, not on P (default: the config's, 0: always P)",
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help="comma-separated, of " + ", ".join(VARIANTS))
+    p.add_argument("--kv-cache-bytes", type=int, default=None, help="each server's KV cache (default: the config's)")
+    p.add_argument(
+        "--tier-bytes", type=int, default=1 << 28, help="the host KV tier of the *-tiers variants (default 256 MiB)"
+    )
     p.add_argument("--out", default="responses-affinity", help="configs, logs, results.json and report.md go here")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
