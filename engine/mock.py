@@ -28,7 +28,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -40,55 +40,35 @@ from engine.kv_cache import KVCache, cache_heads
 from engine.loader import head_dim_of, load_config
 from engine.request import LOGPROB_FLOOR, ChunkResult, Logprob, Request
 from engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
+from engine.step_cost import StepCost, chunk_attn_pairs
 from engine.tensor_parallel import Shard
 
 _MASK = (1 << 64) - 1
 
 
-@dataclass(frozen=True)
-class MockStepCost:
-    """One step's seconds: ``base + per_token * new_tokens + per_attn * attn_pairs + per_seq * seqs
-    + per_key * decode_keys``, the terms of bench/plan/costmodel.py ``StepCost`` (this package may not
-    import bench; ``step_time`` here and there are one formula)."""
-
-    base: float
-    per_token: float
-    per_attn: float
-    per_seq: float
-    per_key: float = 0.0
-
-    def step_time(self, new_tokens: int, attn_pairs: int, seqs: int, decode_keys: int = 0) -> float:
-        return (
-            self.base
-            + self.per_token * new_tokens
-            + self.per_attn * attn_pairs
-            + self.per_seq * seqs
-            + self.per_key * decode_keys
-        )
-
-    def plan_time(self, plan: SchedulePlan) -> float:
-        """The modelled seconds of one scheduled step: every chunk's tokens, each prompt chunk's attention
-        pairs (causal from position 0, else masked over every key), one sequence per sampling chunk, and
-        each decode's context read (without the padding of decode groups)."""
-        new_tokens = attn_pairs = seqs = keys = 0
-        for chunk in plan.chunks:
-            start, end = chunk.start, chunk.start + chunk.num_tokens
-            new_tokens += chunk.num_tokens
-            seqs += chunk.sample
-            if chunk.num_tokens == 1 and start > 0:
-                keys += end
-            else:
-                attn_pairs += end * (end + 1) // 2 if start == 0 else (end - start) * end
-        return self.step_time(new_tokens, attn_pairs, seqs, keys)
+def plan_time(cost: StepCost, plan: SchedulePlan) -> float:
+    """The modelled seconds of one scheduled step: every chunk's tokens, each prompt chunk's attention
+    pairs (causal from position 0, else masked over every key), one sequence per sampling chunk, and
+    each decode's context read (without the padding of decode groups)."""
+    new_tokens = attn_pairs = seqs = keys = 0
+    for chunk in plan.chunks:
+        start, end = chunk.start, chunk.start + chunk.num_tokens
+        new_tokens += chunk.num_tokens
+        seqs += chunk.sample
+        if chunk.num_tokens == 1 and start > 0:
+            keys += end
+        else:
+            attn_pairs += chunk_attn_pairs(start, end)
+    return cost.step_time(new_tokens, attn_pairs, seqs, keys)
 
 
 # Round figures of a small model's step on a CPU core, not a measurement: a decode step of one 512-token
 # sequence about 5 ms, a 512-token prompt about 55 ms. Give a profile (`engine.mock_profile`) to model a
 # calibrated machine.
-DEFAULT_STEP_COST = MockStepCost(base=0.004, per_token=0.0001, per_attn=1e-8, per_seq=0.0002, per_key=2e-6)
+DEFAULT_STEP_COST = StepCost(base=0.004, per_token=0.0001, per_attn=1e-8, per_seq=0.0002, per_key=2e-6)
 
 
-def load_step_cost(path: str | Path, threads: int | None = None) -> MockStepCost:
+def load_step_cost(path: str | Path, threads: int | None = None) -> StepCost:
     """The step cost of a `pdserve plan --save-profile` file (bench/plan/profile.py ``Profile.to_json``) at
     ``threads`` torch threads: that count's, else the nearest profiled count below it, else the lowest."""
     path = Path(path)
@@ -98,8 +78,8 @@ def load_step_cost(path: str | Path, threads: int | None = None) -> MockStepCost
         known = sorted(costs)
         below = [t for t in known if threads is not None and t <= threads]
         chosen = costs[below[-1] if below else known[0]]
-        names = [f.name for f in fields(MockStepCost)]
-        return MockStepCost(**{n: float(chosen[n]) for n in names if n in chosen})
+        names = [f.name for f in fields(StepCost)]
+        return StepCost(**{n: float(chosen[n]) for n in names if n in chosen})
     except OSError as exc:
         raise FileNotFoundError(f"mock profile {str(path)!r} cannot be read: {exc.strerror}") from None
     except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
@@ -124,7 +104,7 @@ class MockRunner:
 
     def __init__(
         self,
-        cost: MockStepCost,
+        cost: StepCost,
         vocab_size: int,
         eos_token_ids: tuple[int, ...],
         clock: Callable[[], float] = time.perf_counter,
@@ -139,7 +119,7 @@ class MockRunner:
     def run(self, plan: SchedulePlan, on_layer: Callable[[int], None] | None = None) -> dict[Request, ChunkResult]:
         """What ``ModelRunner.run`` returns for the plan, after the plan's modelled time since the call."""
         start = self.clock()
-        seconds = self.cost.plan_time(plan)
+        seconds = plan_time(self.cost, plan)
         self.modelled_seconds += seconds
         results = {}
         for chunk in plan.chunks:

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from bench.plan.costmodel import StepCost
 from bench.plan.profile import Profile
 from engine.config import EngineConfig
-from engine.mock import DEFAULT_STEP_COST, MockEngine, MockStepCost, load_step_cost, mock_token
+from engine.mock import DEFAULT_STEP_COST, MockEngine, load_step_cost, mock_token, plan_time
 from engine.request import SamplingParams, StructuredSpec
 from engine.scheduler import ScheduledChunk, SchedulePlan
+from engine.step_cost import StepCost
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [42] * 30, [1, 2, 3]]
 
@@ -119,9 +119,9 @@ def test_plan_time_counts_what_the_cost_model_counts(tiny_model):
     engine.add_request("b", list(range(1, 5)), SamplingParams(max_tokens=5))
     a, b = (engine.scheduler.requests[r][0] for r in "ab")
     plan = SchedulePlan([ScheduledChunk(a, 10, 1, True), ScheduledChunk(b, 0, 4, True)])
-    cost = MockStepCost(base=1.0, per_token=10.0, per_attn=100.0, per_seq=1000.0, per_key=10000.0)
+    cost = StepCost(base=1.0, per_token=10.0, per_attn=100.0, per_seq=1000.0, per_key=10000.0)
     # 5 new tokens, 4 * 5 / 2 pairs of b's causal prompt, 2 sequences sample, a's decode reads 11 keys
-    assert cost.plan_time(plan) == 1 + 10 * 5 + 100 * 10 + 1000 * 2 + 10000 * 11
+    assert plan_time(cost, plan) == 1 + 10 * 5 + 100 * 10 + 1000 * 2 + 10000 * 11
 
 
 def test_profile_thread_counts_and_bad_files(tmp_path):
@@ -147,10 +147,3 @@ def test_config_refuses_what_a_mock_cannot_do(tiny_model):
         EngineConfig(model=tiny_model, kind="mock", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kind: mock"):
         EngineConfig(model=tiny_model, mock_profile="p.json")
-
-
-def test_the_step_formula_is_the_planners():
-    """MockStepCost and bench/plan/costmodel.py StepCost give one time for the same step."""
-    terms = (0.003, 2e-4, 3e-9, 5e-4, 7e-7)
-    features = [(1, 0, 1, 513), (512, 131328, 1, 0), (70, 900, 9, 4000)]
-    assert [MockStepCost(*terms).step_time(*f) for f in features] == [StepCost(*terms).step_time(*f) for f in features]
