@@ -133,7 +133,6 @@ class LLMEngine:
         check_features(cfg)
         # Each layer's sliding window (None: full attention); a prefill server sends window layers' last tokens only.
         self.layer_windows: tuple[int | None, ...] = tuple(layer_windows(cfg))
-        windows = [w for w in self.layer_windows if w is not None]
         head_dim = head_dim_of(cfg)
         num_kv_heads, width, _ = cache_heads(cfg, shard, head_dim)  # this rank's: every rank holds as many
         num_blocks = config.num_blocks or KVCache.blocks_for_bytes(
@@ -169,22 +168,7 @@ class LLMEngine:
             blocks.on_evict = self.tiers.evicted
             if self.tiers.shared:
                 blocks.on_cached = self.tiers.released
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                chunked_prefill=config.chunked_prefill,
-                max_model_len=self.max_model_len,
-                mode=config.mode,
-                eos_token_ids=self.eos_token_ids,
-                prefix_caching=config.prefix_caching,
-                cache_salt=config.cache_salt,
-                window=max(windows) if windows else None,
-                release_window=max(windows) if windows and len(windows) == len(self.layer_windows) else None,
-            ),
-            blocks,
-            self.tiers,
-        )
+        self.scheduler = Scheduler(self._scheduler_config(config), blocks, self.tiers)
         rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
         self.runner = ModelRunner(
             self.model, self.cache, rope, device, self.eos_token_ids, self.ranks, config.attention_backend
@@ -278,6 +262,23 @@ class LLMEngine:
         """Why a tensor-parallel engine cannot compute (one of its ranks exited); None otherwise.
         Safe from any thread."""
         return None if self.ranks is None else self.ranks.problem()
+
+    def _scheduler_config(self, config: EngineConfig) -> SchedulerConfig:
+        """The scheduler's settings: the engine's, with its context length, end tokens and layer windows
+        (``max_model_len``, ``eos_token_ids`` and ``layer_windows`` set before)."""
+        windows = [w for w in self.layer_windows if w is not None]
+        return SchedulerConfig(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            chunked_prefill=config.chunked_prefill,
+            max_model_len=self.max_model_len,
+            mode=config.mode,
+            eos_token_ids=self.eos_token_ids,
+            prefix_caching=config.prefix_caching,
+            cache_salt=config.cache_salt,
+            window=max(windows) if windows else None,
+            release_window=max(windows) if windows and len(windows) == len(self.layer_windows) else None,
+        )
 
     def close(self) -> None:
         """Stops the other ranks of a tensor-parallel engine and the KV tiers' writers (after their

@@ -39,7 +39,7 @@ from engine.engine import EngineCounters, LLMEngine, _eos_token_ids
 from engine.kv_cache import KVCache, cache_heads
 from engine.loader import head_dim_of, load_config
 from engine.request import LOGPROB_FLOOR, ChunkResult, Logprob, Request
-from engine.scheduler import SchedulePlan, Scheduler, SchedulerConfig
+from engine.scheduler import SchedulePlan, Scheduler
 from engine.step_cost import StepCost, chunk_attn_pairs
 from engine.tensor_parallel import Shard
 
@@ -190,20 +190,7 @@ class MockEngine(LLMEngine):
         self.cache = KVCache(1, num_blocks, config.block_size, 1, 1, config.torch_dtype, cpu, config.kv_layout)
         self.ranks = None
         self.tiers = None
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                chunked_prefill=config.chunked_prefill,
-                max_model_len=self.max_model_len,
-                mode=config.mode,
-                eos_token_ids=self.eos_token_ids,
-                prefix_caching=config.prefix_caching,
-                cache_salt=config.cache_salt,
-            ),
-            BlockManager(num_blocks, config.block_size),
-            None,
-        )
+        self.scheduler = Scheduler(self._scheduler_config(config), BlockManager(num_blocks, config.block_size))
         profile = config.mock_profile
         cost = DEFAULT_STEP_COST if profile is None else load_step_cost(profile, config.num_threads)
         self.runner = MockRunner(cost, cfg.vocab_size, self.eos_token_ids)  # type: ignore[assignment]
