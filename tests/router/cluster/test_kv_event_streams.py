@@ -77,71 +77,73 @@ def until_sync(predicate, what: str) -> None:
     wait_until(predicate, 10.0, what)
 
 
+class Followed:
+    """One worker serving ``log`` (``server``, replaced to restart it on its port) and the router's
+    ``KvEventStreams`` following it into ``index`` while ``follow(steps)`` runs; stopped by the end."""
+
+    def __init__(self, log: KvEventLog) -> None:
+        self.server = EventServer(log)
+        self.port = self.server.port
+        self.registry = WorkerRegistry([Worker("d0", "decode", self.server.url)])
+        self.index = KvIndex()
+
+    async def restart(self, log: KvEventLog) -> None:
+        await asyncio.to_thread(self.server.stop)
+        self.server = await asyncio.to_thread(EventServer, log, self.port)
+
+    def follow(self, steps) -> None:
+        async def run():
+            async with httpx.AsyncClient() as http:
+                follower = asyncio.create_task(KvEventStreams(self.registry, self.index, http, retry_s=0.05).run())
+                try:
+                    await steps(self)
+                finally:
+                    follower.cancel()
+                    await asyncio.gather(follower, return_exceptions=True)
+
+        try:
+            asyncio.run(run())
+        finally:
+            self.server.stop()
+
+
 def test_a_worker_is_loaded_then_followed_and_a_restart_is_loaded_again():
     log = KvEventLog(epoch="e1")
     log.stored(11)
-    server = EventServer(log)
-    port = server.port
-    registry = WorkerRegistry([Worker("d0", "decode", server.url)])
-    index = KvIndex()
-    holder = {"server": server}
+    f = Followed(log)
 
-    async def run():
-        async with httpx.AsyncClient() as http:
-            streams = KvEventStreams(registry, index, http, retry_s=0.05)
-            follower = asyncio.create_task(streams.run())
-            try:
-                await until(lambda: index.of("d0").hashes == {11}, 10.0, "the snapshot loaded")
-                log.stored(22)  # pushed: no poll asks for it
-                log.evicted(11)
-                await until(lambda: index.of("d0").hashes == {22}, 10.0, "events pushed")
-                assert index.of("d0").resyncs == 1 and server.streams_opened == 1
-                restarted = KvEventLog(epoch="e2")  # a new process: another epoch, its own numbers
-                restarted.stored(99)
-                await asyncio.to_thread(holder["server"].stop)
-                holder["server"] = await asyncio.to_thread(EventServer, restarted, port)
-                await until(lambda: index.of("d0").epoch == "e2", 10.0, "the restarted log loaded")
-                restarted.stored(100)
-                await until(lambda: index.of("d0").hashes == {99, 100}, 10.0, "followed again")
-                assert index.of("d0").resyncs == 2
-                registry.forget("d0")
-                await until(lambda: "d0" not in index.workers, 10.0, "a forgotten worker dropped")
-            finally:
-                follower.cancel()
-                await asyncio.gather(follower, return_exceptions=True)
+    async def steps(f: Followed) -> None:
+        d0 = f.index.of
+        await until(lambda: d0("d0").hashes == {11}, 10.0, "the snapshot loaded")
+        log.stored(22)  # pushed: no poll asks for it
+        log.evicted(11)
+        await until(lambda: d0("d0").hashes == {22}, 10.0, "events pushed")
+        assert d0("d0").resyncs == 1 and f.server.streams_opened == 1
+        restarted = KvEventLog(epoch="e2")  # a new process: another epoch, its own numbers
+        restarted.stored(99)
+        await f.restart(restarted)
+        await until(lambda: d0("d0").epoch == "e2", 10.0, "the restarted log loaded")
+        restarted.stored(100)
+        await until(lambda: d0("d0").hashes == {99, 100}, 10.0, "followed again")
+        assert d0("d0").resyncs == 2
+        f.registry.forget("d0")
+        await until(lambda: "d0" not in f.index.workers, 10.0, "a forgotten worker dropped")
 
-    try:
-        asyncio.run(run())
-    finally:
-        holder["server"].stop()
-    assert index.workers == {}
+    f.follow(steps)
+    assert f.index.workers == {}
 
 
 def test_a_worker_that_goes_away_is_followed_again_when_it_comes_back():
     log = KvEventLog(epoch="e1")
     log.stored(1)
-    server = EventServer(log)
-    port = server.port
-    registry = WorkerRegistry([Worker("d0", "decode", server.url)])
-    index = KvIndex()
-    holder = {"server": server}
+    f = Followed(log)
 
-    async def run():
-        async with httpx.AsyncClient() as http:
-            streams = KvEventStreams(registry, index, http, retry_s=0.05)
-            follower = asyncio.create_task(streams.run())
-            try:
-                await until(lambda: index.of("d0").hashes == {1}, 10.0, "loaded")
-                await asyncio.to_thread(holder["server"].stop)
-                log.stored(2)  # while it is away
-                holder["server"] = await asyncio.to_thread(EventServer, log, port)
-                await until(lambda: index.of("d0").hashes == {1, 2}, 10.0, "followed after the gap")
-            finally:
-                follower.cancel()
-                await asyncio.gather(follower, return_exceptions=True)
+    async def steps(f: Followed) -> None:
+        await until(lambda: f.index.of("d0").hashes == {1}, 10.0, "loaded")
+        await asyncio.to_thread(f.server.stop)
+        log.stored(2)  # while it is away
+        f.server = await asyncio.to_thread(EventServer, log, f.port)
+        await until(lambda: f.index.of("d0").hashes == {1, 2}, 10.0, "followed after the gap")
 
-    try:
-        asyncio.run(run())
-    finally:
-        holder["server"].stop()
-    assert index.of("d0").resyncs == 1  # the same epoch: the events after its seq, no snapshot
+    f.follow(steps)
+    assert f.index.of("d0").resyncs == 1  # the same epoch: the events after its seq, no snapshot
