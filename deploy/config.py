@@ -135,6 +135,9 @@ class EngineDefaults(Strict):
     """Tokens per KV block; prefill and decode servers may differ (the transfer converts)."""
     num_threads: AtLeastOne | None = EngineConfig.num_threads
     """Torch threads of each server process; null: torch's own default."""
+    adapt_threads: bool = EngineConfig.adapt_threads
+    """With more than one thread on the CPU: take one off while the server's threads wait for cores (a busy
+    neighbour process) and give it back when they free (engine/contention.py)."""
     device: str | None = None
     """The torch device of each server (cpu, cuda, cuda:1, ...); null: the cluster's `device`."""
     kv_cache_bytes: AtLeastOne = EngineConfig.kv_cache_bytes

@@ -82,6 +82,9 @@ class EngineConfig:
     chunked_prefill: bool = True
     max_model_len: ModelLen | None = None
     num_threads: AtLeastOne | None = None
+    # Take torch threads off the team while the process waits for cores, and give them back when they
+    # free (engine/contention.py); only with more than one thread on the CPU.
+    adapt_threads: bool = True
     mode: EngineMode = "colocated"
     kv_layout: KvLayout = "NHD"
     prefix_caching: bool = True  # reuse the K/V of cached full blocks (engine/block_manager.py)

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.contention import ThreadGovernor, schedstat_available
 from engine.kv_cache import KVCache, cache_heads
 from engine.loader import check_features, check_split, head_dim_of, load_config, load_model
 from engine.model import layer_windows
@@ -120,6 +121,12 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device = config.torch_device
+        threads = torch.get_num_threads()
+        adapt = config.adapt_threads and device.type == "cpu" and config.tensor_parallel_size == 1
+        # A team smaller while a neighbour takes cores (engine/contention.py).
+        self.governor = (
+            ThreadGovernor(threads, torch.set_num_threads) if adapt and threads > 1 and schedstat_available() else None
+        )
         cfg = load_config(config.model)
         self.hf_config = cfg
         size = config.tensor_parallel_size
@@ -316,6 +323,8 @@ class LLMEngine:
         outputs = self.scheduler.update(plan, tokens)
         self.runner.copy_blocks(self.scheduler.take_block_copies())  # forks' blocks, before anyone writes there
         self.counters.add(plan, time.perf_counter() - t0)
+        if self.governor is not None:
+            self.governor.after_step()
         return outputs
 
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams) -> list[GenerationResult]:

@@ -190,6 +190,7 @@ class MockEngine(LLMEngine):
         self.cache = KVCache(1, num_blocks, config.block_size, 1, 1, config.torch_dtype, cpu, config.kv_layout)
         self.ranks = None
         self.tiers = None
+        self.governor = None  # it computes nothing: no team to size
         self.scheduler = Scheduler(self._scheduler_config(config), BlockManager(num_blocks, config.block_size))
         profile = config.mock_profile
         cost = DEFAULT_STEP_COST if profile is None else load_step_cost(profile, config.num_threads)
