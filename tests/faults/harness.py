@@ -45,7 +45,7 @@ class FaultCluster:
         self._stop = threading.Event()
         try:
             self.cluster.wait_healthy(self.cluster.start_servers(), START_TIMEOUT_S, self._stop)
-            self.cluster.wait_healthy([self.cluster.start_router()], START_TIMEOUT_S, self._stop)
+            self.cluster.wait_healthy(self.cluster.start_routers(), START_TIMEOUT_S, self._stop)
         except BaseException:
             self.stop()
             raise
