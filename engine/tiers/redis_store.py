@@ -26,7 +26,6 @@ What the store holds (``entries``, ``bytes_held``) is the server's to say (its
 from __future__ import annotations
 
 import logging
-import queue
 import struct
 import threading
 import time
@@ -36,10 +35,9 @@ import redis
 import torch
 
 from engine.tiers.disk import HEADER, MAGIC
-from engine.tiers.tier import TierStats, block_checksum
+from engine.tiers.tier import TierStats, Writes, block_checksum
 
 log = logging.getLogger(__name__)
-_STOP = object()
 COUNTERS = ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "dropped_writes", "errors")
 
 
@@ -56,10 +54,8 @@ class RedisTier:
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._down_until = 0.0
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
-        self._closed = False
-        self._thread = threading.Thread(target=self._write_loop, name="kv-tier-redis", daemon=True)
-        self._thread.start()
+        self._writes = Writes(self.name, queue_blocks, self._store, lambda: self._bump("dropped_writes"))
+        self._writes.start()
 
     def key(self, h: int) -> str:
         return f"{self.prefix}{h:016x}"
@@ -67,14 +63,7 @@ class RedisTier:
     # ---- the interface (engine/tiers/kv.py) ------------------------------------------
     def put(self, h: int, data: torch.Tensor, checksum: int | None = None) -> bool:
         """Queue block ``h`` for the store; False (counted) when the queue is full or the tier closed."""
-        if self._closed:
-            return False
-        try:
-            self._queue.put_nowait((h, data, checksum))
-        except queue.Full:
-            self._bump("dropped_writes")
-            return False
-        return True
+        return self._writes.offer(h, data, checksum)
 
     def held(self, hashes: Sequence[int]) -> list[bool]:
         """Whether the store holds each of ``hashes`` (one round trip); all False while it is down."""
@@ -115,15 +104,12 @@ class RedisTier:
         return data
 
     def drain(self, timeout_s: float = 30.0) -> bool:
-        with self._queue.all_tasks_done:
-            return self._queue.all_tasks_done.wait_for(lambda: not self._queue.unfinished_tasks, timeout_s)
+        return self._writes.drain(timeout_s)
 
     def close(self) -> None:
-        if self._closed:
+        if self._writes.closed:
             return
-        self._closed = True
-        self._queue.put(_STOP)
-        self._thread.join()
+        self._writes.close()
         self._client.close()
 
     def stats(self) -> TierStats:
@@ -132,19 +118,6 @@ class RedisTier:
             return TierStats(self.name, **counts, errors=self._counts["errors"])
 
     # ---- helpers -------------------------------------------------------------------
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                self._store(*item)
-            except Exception:
-                log.exception("KV tier redis: a block's write failed")
-                self._bump("dropped_writes")
-            finally:
-                self._queue.task_done()
-
     def _store(self, h: int, data: torch.Tensor, checksum: int | None) -> None:
         if self._down():
             self._bump("dropped_writes")

@@ -80,6 +80,66 @@ _STOP = object()
 log = logging.getLogger(__name__)
 
 
+class Writes:
+    """A bounded queue of block writes and the thread that runs ``store(h, data, checksum)`` for each, in
+    order: a full queue (or a closed one) drops the write, counted by ``dropped()``, so that nobody ever
+    waits for a tier; a write that raises is logged and counted the same way, and the tier goes on."""
+
+    def __init__(
+        self,
+        name: str,
+        queue_blocks: int,
+        store: Callable[[int, torch.Tensor, int | None], None],
+        dropped: Callable[[], None],
+    ) -> None:
+        self._name = name
+        self._store, self._dropped = store, dropped
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
+        self._thread = threading.Thread(target=self._loop, name=f"kv-tier-{name}", daemon=True)
+        self.closed = False
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def offer(self, h: int, data: torch.Tensor, checksum: int | None) -> bool:
+        """Queue one write; False (counted) when it was dropped."""
+        if self.closed:
+            return False
+        try:
+            self._queue.put_nowait((h, data, checksum))
+        except queue.Full:
+            self._dropped()
+            return False
+        return True
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every queued write is stored; False on timeout."""
+        with self._queue.all_tasks_done:
+            return self._queue.all_tasks_done.wait_for(lambda: not self._queue.unfinished_tasks, timeout_s)
+
+    def close(self) -> None:
+        """Stop the thread after the queued writes; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        if self._thread.is_alive():
+            self._queue.put(_STOP)
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                self._store(*item)
+            except Exception:  # a write that failed is a write dropped; the tier goes on
+                log.exception("KV tier %s: a block's write failed", self._name)
+                self._dropped()
+            finally:
+                self._queue.task_done()
+
+
 class Tier(ABC):
     """Byte-bounded LRU of blocks by hash; subclasses say how an entry is stored, read and removed."""
 
@@ -95,15 +155,13 @@ class Tier(ABC):
         self._counts = dict.fromkeys(
             ("hits", "misses", "corrupt", "bytes_read", "bytes_written", "dropped_writes", "evictions"), 0
         )
-        self._queue: queue.Queue = queue.Queue(maxsize=queue_blocks)
-        self._thread = threading.Thread(target=self._write_loop, name=f"kv-tier-{self.name}", daemon=True)
-        self._closed = False
+        self._writes = Writes(self.name, queue_blocks, self._store, lambda: self._bump("dropped_writes"))
         # Called with (hash, True) when an entry is listed, (hash, False) when dropped, under the lock.
         self.on_change: Callable[[int, bool], None] | None = None
 
     def start(self) -> None:
         """Start the writer thread (after the subclass has read what it already holds)."""
-        self._thread.start()
+        self._writes.start()
 
     # ---- storage, in subclasses ------------------------------------------------
     @abstractmethod
@@ -128,14 +186,7 @@ class Tier(ABC):
             if h in self._index:
                 self._index.move_to_end(h)
                 return True
-        if self._closed:
-            return False
-        try:
-            self._queue.put_nowait((h, data, checksum))
-        except queue.Full:
-            self._bump("dropped_writes")
-            return False
-        return True
+        return self._writes.offer(h, data, checksum)
 
     def contains(self, h: int) -> bool:
         """Whether the tier lists block ``h`` (it may still turn out corrupt); counts nothing."""
@@ -167,17 +218,11 @@ class Tier(ABC):
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued write is stored (tests, benchmarks, shutdown); False on timeout."""
-        with self._queue.all_tasks_done:
-            return self._queue.all_tasks_done.wait_for(lambda: not self._queue.unfinished_tasks, timeout_s)
+        return self._writes.drain(timeout_s)
 
     def close(self) -> None:
         """Stop the writer after the queued writes; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._thread.is_alive():
-            self._queue.put(_STOP)
-            self._thread.join()
+        self._writes.close()
 
     def stats(self) -> TierStats:
         with self._lock:
@@ -186,19 +231,6 @@ class Tier(ABC):
             )
 
     # ---- helpers -------------------------------------------------------------------
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                self._store(*item)
-            except Exception:  # a write that failed is a write dropped; the tier goes on
-                log.exception("KV tier %s: a block's write failed", self.name)
-                self._bump("dropped_writes")
-            finally:
-                self._queue.task_done()
-
     def _store(self, h: int, data: torch.Tensor, checksum: int | None) -> None:
         if data.numel() > self.max_bytes:
             self._bump("dropped_writes")
