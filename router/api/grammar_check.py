@@ -4,23 +4,33 @@
 anything is compiled, but what the compiler does inside those bounds is
 still the library's: it recurses natively, and a stack overflow there is a
 SIGSEGV that no ``try`` catches. So the router never compiles a grammar in
-its own process. ``GrammarChecker`` keeps one child process (spawned, so it
-inherits none of the router's threads or sockets) that compiles one spec at
-a time under ``RLIMIT_AS``; a compile that outlasts the timeout is killed,
+its own process. ``GrammarChecker`` keeps one child process (a fresh
+interpreter running this module, so it inherits none of the router's
+threads or sockets) that compiles one spec at a time under ``RLIMIT_AS``; a compile that outlasts the timeout is killed,
 one that kills the child is reported as such, and either way the client
 gets a 400 naming the parameter while the child is started again for the
 next request. The servers compile the same spec again in their engine
 thread, within ``GRAMMAR_CEILING``, once the router has let it through.
+
+The child is a plain ``subprocess`` talking over a socket pair, not a
+``multiprocessing`` process: the spawn method starts a second helper (its
+resource tracker) that nobody stops and that outlives the router by a
+moment. Here the router owns exactly one child, by pid, and a child whose
+router died reads end-of-file and exits.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
-import multiprocessing
+import os
 import resource
+import socket
+import subprocess
+import sys
 from multiprocessing.connection import Connection
-from multiprocessing.context import SpawnProcess
+from pathlib import Path
 
 from engine.request import StructuredSpec
 from engine.structured import compile_grammar
@@ -48,14 +58,24 @@ def _serve(conn: Connection, memory_bytes: int) -> None:
         conn.send(answer)
 
 
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m router.api.grammar_check",
+        description="The router's grammar compiler: a child the router starts itself, answering on a socket.",
+    )
+    p.add_argument("--fd", type=int, required=True, help="the socket inherited from the router")
+    p.add_argument("--memory-bytes", type=int, required=True, help="the address-space cap (RLIMIT_AS)")
+    args = p.parse_args(argv)
+    _serve(Connection(args.fd), args.memory_bytes)
+
+
 class GrammarChecker:
     """One compile at a time in a child process; ``check`` raises the client's 400."""
 
     def __init__(self, sandbox: CompileSandbox = CompileSandbox()) -> None:
         self.sandbox = sandbox
-        self._context = multiprocessing.get_context("spawn")
         self._lock = asyncio.Lock()  # one compile at a time: the pipe carries one question and its answer
-        self._child: SpawnProcess | None = None
+        self._child: subprocess.Popen | None = None
         self._conn: Connection | None = None  # to the child: set and cleared with it
         self.crashes = 0  # compiles that killed the child or ran past the timeout (tests read it)
 
@@ -68,7 +88,7 @@ class GrammarChecker:
 
     def _compile(self, spec: StructuredSpec) -> str | None:
         """Blocking, on a worker thread, under the lock."""
-        if self._child is None or not self._child.is_alive():
+        if self._child is None or self._child.poll() is not None:
             self._start()
         conn = self._conn
         assert conn is not None  # _start opened it
@@ -88,22 +108,24 @@ class GrammarChecker:
 
     def _start(self) -> None:
         self._stop()
-        parent, child = self._context.Pipe()
-        self._child = self._context.Process(
-            target=_serve, args=(child, self.sandbox.memory_bytes), name="grammar-check", daemon=True
-        )
-        self._child.start()
-        child.close()
-        self._conn = parent
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            fd = theirs.fileno()
+            argv = [sys.executable, "-m", __name__, "--fd", str(fd), "--memory-bytes", str(self.sandbox.memory_bytes)]
+            root = str(Path(__file__).resolve().parents[2])  # this checkout's code, wherever the router runs
+            path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+            env = dict(os.environ, PYTHONPATH=path)
+            self._child = subprocess.Popen(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL, env=env)
+            self._conn = Connection(ours.detach())
 
     def _stop(self) -> None:
         if self._conn is not None:
             self._conn.close()
             self._conn = None
         if self._child is not None:
-            if self._child.is_alive():
+            if self._child.poll() is None:
                 self._child.kill()
-            self._child.join(timeout=5)
+            self._child.wait()
             self._child = None
 
     def start(self) -> None:
@@ -113,3 +135,7 @@ class GrammarChecker:
 
     def close(self) -> None:
         self._stop()
+
+
+if __name__ == "__main__":
+    main()

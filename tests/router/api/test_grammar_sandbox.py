@@ -54,7 +54,7 @@ def test_a_compile_past_the_timeout_is_a_400_and_its_process_is_killed():
         slow = c._child
         exc = check(c, StructuredSpec(kind="json_schema", value=json.dumps(schema)))
         assert exc.status == 400 and "took longer than 0.001 s" in exc.message
-        assert not slow.is_alive() and c.crashes == 1
+        assert slow.poll() is not None and c.crashes == 1
     finally:
         c.close()
 
@@ -64,6 +64,39 @@ def test_a_bad_grammar_is_the_compilers_message_and_costs_no_restart(checker):
     exc = check(checker, StructuredSpec(kind="regex", value="a("))
     assert exc.status == 400 and exc.message.startswith("guided_grammar: the regular expression does not compile")
     assert checker.crashes == 0 and checker._child.pid == pid
+
+
+def children() -> set[int]:
+    ours = str(os.getpid())
+    found = set()
+    for task in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{task}/stat") as f:
+                ppid = f.read().rsplit(")", 1)[1].split()[1]
+        except OSError:
+            continue
+        if ppid == ours:
+            found.add(int(task))
+    return found
+
+
+def test_the_sandbox_is_one_child_the_checker_stops_and_one_that_ends_when_its_router_goes():
+    before = children()
+    c = GrammarChecker()
+    c.start()
+    try:
+        assert children() - before == {c._child.pid}  # no helper process beside it (a resource tracker)
+        assert check(c, SMALL) is None
+    finally:
+        c.close()
+    assert children() == before
+    c.start()
+    child = c._child
+    c._conn.close()  # what the child sees when its router dies: the end of its socket
+    assert child.wait(timeout=30) == 0
+    c._conn = None
+    c.close()
+    assert children() == before
 
 
 ENGINE_COMPILES = """
