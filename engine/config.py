@@ -104,7 +104,7 @@ class EngineConfig:
     # mock: a simulated engine (engine/mock.py) with the real scheduler and block manager, no weights loaded
     kind: EngineKind = "model"
     # A mock engine's step times: a `pdserve plan --save-profile` file (bench/plan/profile.py); None: the
-    # built-in figures (engine/mock.py DEFAULT_STEP_COST).
+    # built-in figures (engine/step_cost.py DEFAULT_STEP_COST).
     mock_profile: str | None = None
 
     def __post_init__(self) -> None:

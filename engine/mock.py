@@ -10,8 +10,8 @@ differs (``MockRunner``):
   so a request runs to ``max_tokens`` and the same request gives the same
   tokens on every run, split over a prefill and a decode server or not;
 * it sleeps the step's modelled time: the step-cost model of
-  ``pdserve plan``'s profile (bench/plan/costmodel.py, read here from its
-  JSON), or ``DEFAULT_STEP_COST`` when no profile is given.
+  ``pdserve plan``'s profile (bench/plan/costmodel.py, read from its JSON
+  by engine/step_cost.py), or ``DEFAULT_STEP_COST`` when none is given.
 
 No weights are loaded (the model folder's config.json sizes the vocabulary,
 the context and the number of blocks ``kv_cache_bytes`` holds for the real
@@ -24,12 +24,9 @@ differ). Structured outputs are refused: hashed tokens follow no grammar.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import fields
-from pathlib import Path
 
 import torch
 
@@ -40,7 +37,7 @@ from engine.kv_cache import KVCache, cache_heads
 from engine.loader import head_dim_of, load_config
 from engine.request import LOGPROB_FLOOR, ChunkResult, Logprob, Request
 from engine.scheduler import SchedulePlan, Scheduler
-from engine.step_cost import StepCost, chunk_attn_pairs
+from engine.step_cost import DEFAULT_STEP_COST, StepCost, chunk_attn_pairs, load_step_cost
 from engine.tensor_parallel import Shard
 
 _MASK = (1 << 64) - 1
@@ -60,30 +57,6 @@ def plan_time(cost: StepCost, plan: SchedulePlan) -> float:
         else:
             attn_pairs += chunk_attn_pairs(start, end)
     return cost.step_time(new_tokens, attn_pairs, seqs, keys)
-
-
-# Round figures of a small model's step on a CPU core, not a measurement: a decode step of one 512-token
-# sequence about 5 ms, a 512-token prompt about 55 ms. Give a profile (`engine.mock_profile`) to model a
-# calibrated machine.
-DEFAULT_STEP_COST = StepCost(base=0.004, per_token=0.0001, per_attn=1e-8, per_seq=0.0002, per_key=2e-6)
-
-
-def load_step_cost(path: str | Path, threads: int | None = None) -> StepCost:
-    """The step cost of a `pdserve plan --save-profile` file (bench/plan/profile.py ``Profile.to_json``) at
-    ``threads`` torch threads: that count's, else the nearest profiled count below it, else the lowest."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        costs = {int(t): c for t, c in data["step_costs"].items()}
-        known = sorted(costs)
-        below = [t for t in known if threads is not None and t <= threads]
-        chosen = costs[below[-1] if below else known[0]]
-        names = [f.name for f in fields(StepCost)]
-        return StepCost(**{n: float(chosen[n]) for n in names if n in chosen})
-    except OSError as exc:
-        raise FileNotFoundError(f"mock profile {str(path)!r} cannot be read: {exc.strerror}") from None
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise ValueError(f"mock profile {str(path)!r} is not a pdserve profile ({type(exc).__name__}: {exc})") from None
 
 
 def mock_token(last: int, length: int, seed: int, draw: int, vocab: int, banned: frozenset[int]) -> int:
