@@ -1,0 +1,271 @@
+"""The planner in the loop: how many prefill and decode servers the load asks for, decided every interval.
+
+Every ``interval_s`` the planner gets a ``Load`` (what the routers saw over
+the window: prompt and output token rates, request rate, and the share of
+first tokens and of per-token times within the SLOs; deploy/planner_signals.py
+reads it off the routers' /metrics) and the instances in rotation per role,
+and returns a ``Decision``. Its model is the engine's step cost
+(engine/step_cost.py: the profile ``pdserve plan --save-profile`` writes,
+the one the mock engine sleeps): a prefill server computes
+``Capacity.prefill_tps`` prompt tokens a second, a decode server generates
+``Capacity.decode_tps`` tokens a second with its largest batch whose step
+stays within the TPOT target. A role's *demand* is its token rate over that
+capacity, in instances; its *utilisation* is demand over the instances it
+has.
+
+Two ways to act:
+
+* ``pool`` (``pdserve launch``: a fixed set of instances). The planner moves
+  one instance at a time between the roles (a live role switch,
+  router/admin.py) to the split that minimises the busier role's
+  utilisation, and only when that lowers it by ``hysteresis`` (a share of
+  the current figure), the same move was wanted ``confirm`` intervals in a
+  row, ``cooldown_s`` passed since the last move, and no switch is in
+  flight. A role never drops below its ``min_*``.
+* ``scale`` (Kubernetes): each role's count is its demand over
+  ``target_utilisation``, rounded up, within ``min_*`` and ``max_*``;
+  growing waits ``confirm`` intervals, shrinking waits as long and the
+  cooldown too, so a burst does not remove capacity it just added.
+
+The model is corrected by what is observed: when a role misses its SLO
+(attainment below the target) while the model says it has room, its
+capacity is taken to be lower (x0.8 per interval); when it meets its SLO
+while the model says it is over capacity, higher (x1.1); never beyond 4x
+either way. The correction is what the model cannot see itself (another
+process on the cores, a longer context than the mean, transfer waits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from engine.step_cost import StepCost, chunk_attn_pairs
+
+Role = Literal["prefill", "decode"]
+Orchestrator = Literal["pool", "scale"]
+
+CORRECTION_DOWN = 0.8
+CORRECTION_UP = 1.1
+CORRECTION_BOUND = 4.0
+
+
+@dataclass(frozen=True)
+class Slo:
+    """The targets goodput counts against: a request meets them when its TTFT and its TPOT are within."""
+
+    ttft_s: float
+    tpot_s: float
+    attainment: float = 0.9  # the share of requests that must meet each
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the routers saw over one window, all of them together."""
+
+    seconds: float
+    requests: int  # requests that got their first token
+    prompt_tokens: int
+    output_tokens: int
+    ttft_met: float | None = None  # share of first tokens within Slo.ttft_s; None: none in the window
+    tpot_met: float | None = None  # share of finished requests within Slo.tpot_s
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def prompt_len(self) -> float:
+        return self.prompt_tokens / self.requests if self.requests else 0.0
+
+    @property
+    def output_len(self) -> float:
+        return self.output_tokens / self.requests if self.requests else 0.0
+
+
+@dataclass(frozen=True)
+class EngineShape:
+    """The engine settings the capacity depends on (each instance's, from the cluster config)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_tokens: int  # tokens a decode server's KV cache holds
+
+
+@dataclass(frozen=True)
+class Capacity:
+    prefill_tps: float  # prompt tokens a second one prefill server computes
+    decode_tps: float  # tokens a second one decode server generates within the TPOT target
+    decode_batch: int  # the batch that gives it
+
+
+def prefill_seconds(cost: StepCost, prompt_len: int, chunk: int) -> float:
+    """One prompt of ``prompt_len`` tokens through steps of at most ``chunk`` tokens."""
+    total, start = 0.0, 0
+    while start < prompt_len:
+        end = min(prompt_len, start + chunk)
+        total += cost.step_time(end - start, chunk_attn_pairs(start, end), 1)
+        start = end
+    return total
+
+
+def capacity(cost: StepCost, shape: EngineShape, slo: Slo, prompt_len: float, output_len: float) -> Capacity:
+    """Per instance: prompt tokens/s of a prefill server, and tokens/s of a decode server at the largest
+    batch whose step is within the TPOT target and whose sequences fit its KV cache (at least 1)."""
+    prompt = max(1, round(prompt_len))
+    prefill_tps = prompt / prefill_seconds(cost, prompt, max(1, shape.max_num_batched_tokens))
+    context = max(1, round(prompt_len + output_len / 2))
+    fits = max(1, shape.kv_tokens // max(1, round(prompt_len + output_len)))
+    batch = 1
+    for b in range(1, min(shape.max_num_seqs, fits) + 1):
+        if cost.decode_time(b, context) <= slo.tpot_s:
+            batch = b
+    return Capacity(prefill_tps, batch / cost.decode_time(batch, context), batch)
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    orchestrator: Orchestrator = "pool"
+    min_prefill: int = 1
+    min_decode: int = 1
+    max_prefill: int = 8  # scale only
+    max_decode: int = 8  # scale only
+    target_utilisation: float = 0.8  # scale: a role gets demand / this, rounded up
+    hysteresis: float = 0.15  # pool: a move must lower the busier role's utilisation by this share
+    confirm: int = 2  # intervals in a row that must want the same change
+    cooldown_s: float = 30.0  # after a change, before the next one (scale: before shrinking)
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: float
+    action: Literal["hold", "switch", "scale"]
+    prefill: int  # the counts wanted after this decision
+    decode: int
+    reason: str
+    switch_to: Role | None = None  # "switch": one instance of the other role becomes this
+    utilisation: dict[str, float] = field(default_factory=dict)  # per role, at the current counts
+
+
+class Planner:
+    """The decisions of one planner; ``decide`` once an interval. Pure: no clock, no I/O."""
+
+    def __init__(self, settings: PlannerSettings, cost: StepCost, shape: EngineShape, slo: Slo) -> None:
+        if settings.min_prefill < 1 or settings.min_decode < 1:
+            raise ValueError("min_prefill and min_decode must be at least 1: a cluster needs both roles")
+        self.settings = settings
+        self.cost = cost
+        self.shape = shape
+        self.slo = slo
+        self.correction: dict[Role, float] = {"prefill": 1.0, "decode": 1.0}
+        self._wanted: tuple[str, int] | None = None  # the change wanted last interval, and for how many in a row
+        self._streak = 0
+        self._last_change = -math.inf
+
+    def demand(self, load: Load) -> dict[Role, float]:
+        """Each role's load in instances' worth (model capacity times its correction)."""
+        cap = capacity(self.cost, self.shape, self.slo, load.prompt_len, load.output_len)
+        return {
+            "prefill": load.prompt_tps / (cap.prefill_tps * self.correction["prefill"]),
+            "decode": load.output_tps / (cap.decode_tps * self.correction["decode"]),
+        }
+
+    def decide(self, load: Load, prefill: int, decode: int, now: float, switching: bool = False) -> Decision:
+        """The counts ``load`` asks for, with ``prefill`` and ``decode`` instances in rotation now."""
+        if load.requests == 0:
+            self._forget()
+            return Decision(now, "hold", prefill, decode, "no requests in the window")
+        demand = self.demand(load)
+        self._correct(load, self._utilisation(demand, prefill, decode))
+        demand = self.demand(load)  # with this window's correction
+        util = self._utilisation(demand, prefill, decode)
+        if self.settings.orchestrator == "scale":
+            decision = self._scale(demand, prefill, decode, now)
+        else:
+            decision = self._pool(demand, prefill, decode, now, switching)
+        return replace(decision, utilisation={r: round(u, 3) for r, u in util.items()})
+
+    @staticmethod
+    def _utilisation(demand: dict[Role, float], prefill: int, decode: int) -> dict[Role, float]:
+        return {"prefill": demand["prefill"] / max(prefill, 1), "decode": demand["decode"] / max(decode, 1)}
+
+    def _pool(self, demand: dict[Role, float], prefill: int, decode: int, now: float, switching: bool) -> Decision:
+        s = self.settings
+        total = prefill + decode
+
+        def busiest(p: int) -> float:
+            return max(demand["prefill"] / p, demand["decode"] / (total - p))
+
+        choices = range(s.min_prefill, total - s.min_decode + 1)
+        if not choices:
+            self._forget()
+            return Decision(now, "hold", prefill, decode, f"{total} instances cannot hold the roles' minimums")
+        best = min(choices, key=lambda p: (round(busiest(p), 9), abs(p - prefill)))
+        now_u, best_u = busiest(min(max(prefill, s.min_prefill), total - s.min_decode)), busiest(best)
+        if best == prefill or now_u - best_u <= s.hysteresis * now_u:
+            self._forget()
+            why = "balanced" if best == prefill else f"{best}P{total - best}D would gain under {s.hysteresis:.0%}"
+            return Decision(now, "hold", prefill, decode, f"{why} (busiest role at {now_u:.2f})")
+        to: Role = "prefill" if best > prefill else "decode"
+        target = (prefill + 1, decode - 1) if to == "prefill" else (prefill - 1, decode + 1)
+        reason = f"{best}P{total - best}D puts the busiest role at {best_u:.2f} instead of {now_u:.2f}"
+        return self._gate(now, ("switch", to == "prefill"), switching, prefill, decode, reason) or Decision(
+            now, "switch", *target, reason, switch_to=to
+        )
+
+    def _scale(self, demand: dict[Role, float], prefill: int, decode: int, now: float) -> Decision:
+        s = self.settings
+        want_p = min(max(math.ceil(demand["prefill"] / s.target_utilisation), s.min_prefill), s.max_prefill)
+        want_d = min(max(math.ceil(demand["decode"] / s.target_utilisation), s.min_decode), s.max_decode)
+        if (want_p, want_d) == (prefill, decode):
+            self._forget()
+            return Decision(now, "hold", prefill, decode, "the counts meet the demand")
+        reason = f"demand {demand['prefill']:.2f} prefill, {demand['decode']:.2f} decode servers' worth"
+        shrinking = want_p < prefill or want_d < decode
+        held = self._gate(now, ("scale", want_p * 1000 + want_d), False, prefill, decode, reason, cool=shrinking)
+        return held or Decision(now, "scale", want_p, want_d, reason)
+
+    def _gate(
+        self,
+        now: float,
+        wanted: tuple[str, int],
+        switching: bool,
+        prefill: int,
+        decode: int,
+        reason: str,
+        cool: bool = True,
+    ) -> Decision | None:
+        """A hold while the change is not yet confirmed, cooling down or behind a switch in flight; None: go."""
+        self._streak = self._streak + 1 if self._wanted == wanted else 1
+        self._wanted = wanted
+        if switching:
+            return Decision(now, "hold", prefill, decode, f"a switch is in flight; wanted: {reason}")
+        if self._streak < self.settings.confirm:
+            return Decision(now, "hold", prefill, decode, f"wanted {self._streak}/{self.settings.confirm}: {reason}")
+        if cool and now - self._last_change < self.settings.cooldown_s:
+            left = self.settings.cooldown_s - (now - self._last_change)
+            return Decision(now, "hold", prefill, decode, f"cooling down {left:.0f} s more; wanted: {reason}")
+        self._forget()
+        self._last_change = now
+        return None
+
+    def _forget(self) -> None:
+        self._wanted, self._streak = None, 0
+
+    def _correct(self, load: Load, util: dict[Role, float]) -> None:
+        """Move a role's capacity correction toward what its SLO attainment says (module docstring)."""
+        observed: tuple[tuple[Role, float | None], ...] = (("prefill", load.ttft_met), ("decode", load.tpot_met))
+        for role, met in observed:
+            if met is None:
+                continue
+            c = self.correction[role]
+            if met < self.slo.attainment and util[role] < self.settings.target_utilisation:
+                c *= CORRECTION_DOWN
+            elif met >= self.slo.attainment and util[role] > 1.0:
+                c *= CORRECTION_UP
+            self.correction[role] = min(max(c, 1 / CORRECTION_BOUND), CORRECTION_BOUND)

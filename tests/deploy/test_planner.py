@@ -1,0 +1,122 @@
+"""The planner's decisions (deploy/planner.py): capacity from the step cost, moves between roles with
+hysteresis, confirmation and cooldown, scaling within bounds, and the correction from observed SLOs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deploy.planner import EngineShape, Load, Planner, PlannerSettings, Slo, capacity, prefill_seconds
+from engine.step_cost import DEFAULT_STEP_COST, StepCost, chunk_attn_pairs
+
+COST = DEFAULT_STEP_COST
+SHAPE = EngineShape(max_num_seqs=64, max_num_batched_tokens=512, kv_tokens=100_000)
+SLO = Slo(ttft_s=1.0, tpot_s=0.05)
+INTERVAL = 10.0
+
+
+def load(rps: float, prompt: int, output: int, ttft_met: float | None = None, tpot_met: float | None = None) -> Load:
+    n = round(rps * INTERVAL)
+    return Load(INTERVAL, n, n * prompt, n * output, ttft_met, tpot_met)
+
+
+PROMPT_HEAVY = (16.0, 1000, 10)  # about 1.8 prefill servers' worth and 0.4 of a decode server's
+OUTPUT_HEAVY = (4.0, 100, 400)  # about 0.06 and 1.4
+
+
+def test_prefill_capacity_is_a_prompt_over_its_chunked_steps():
+    steps = COST.step_time(512, chunk_attn_pairs(0, 512), 1) + COST.step_time(488, chunk_attn_pairs(512, 1000), 1)
+    assert prefill_seconds(COST, 1000, 512) == pytest.approx(steps)
+    assert capacity(COST, SHAPE, SLO, 1000, 20).prefill_tps == pytest.approx(1000 / steps)
+
+
+def test_decode_capacity_is_the_largest_batch_within_the_tpot_target():
+    cap = capacity(COST, SHAPE, SLO, 1000, 100)
+    context = 1050
+    assert COST.decode_time(cap.decode_batch, context) <= SLO.tpot_s < COST.decode_time(cap.decode_batch + 1, context)
+    assert cap.decode_tps == pytest.approx(cap.decode_batch / COST.decode_time(cap.decode_batch, context))
+    # ... and no more sequences than the KV cache holds; a target no batch meets still leaves one
+    assert capacity(COST, EngineShape(64, 512, kv_tokens=3 * 1100), SLO, 1000, 100).decode_batch == 3
+    assert capacity(COST, SHAPE, Slo(1.0, tpot_s=0.001), 1000, 100).decode_batch == 1
+
+
+def run(planner: Planner, loads, prefill: int, decode: int, start: float = 0.0):
+    """Apply each decision at once (a switch takes no time here); the counts after each interval."""
+    counts, decisions = [], []
+    for i, w in enumerate(loads):
+        d = planner.decide(w, prefill, decode, start + i * INTERVAL)
+        decisions.append(d)
+        prefill, decode = d.prefill, d.decode
+        counts.append((prefill, decode))
+    return counts, decisions
+
+
+def test_a_pool_moves_one_instance_at_a_time_toward_the_split_the_load_asks_for():
+    planner = Planner(PlannerSettings(cooldown_s=25.0), COST, SHAPE, SLO)
+    counts, decisions = run(planner, [load(*PROMPT_HEAVY)] * 12, prefill=1, decode=3)
+    switches = [(i, d.switch_to) for i, d in enumerate(decisions) if d.action == "switch"]
+    # confirmed on the 2nd interval (at 10 s); the next one is confirmed at 30 s but waits out the cooldown
+    assert switches == [(1, "prefill"), (4, "prefill")]
+    assert counts[-1] == (3, 1)
+    assert decisions[2].reason.startswith("wanted 1/2") and decisions[3].reason.startswith("cooling down 5 s")
+    assert decisions[-1].reason.startswith("balanced")
+    counts, _ = run(planner, [load(*OUTPUT_HEAVY)] * 12, *counts[-1], start=1000.0)
+    assert counts[-1] == (1, 3)
+
+
+def test_a_steady_noisy_load_settles_and_then_never_switches():
+    rng = random.Random(7)
+    planner = Planner(PlannerSettings(), COST, SHAPE, SLO)
+    noisy = []
+    for _ in range(300):
+        rps, prompt, output = PROMPT_HEAVY
+        noisy.append(load(rps * rng.uniform(0.9, 1.1), round(prompt * rng.uniform(0.9, 1.1)), output))
+    counts, decisions = run(planner, noisy, prefill=2, decode=2)
+    switched = [i for i, d in enumerate(decisions) if d.action == "switch"]
+    assert switched and switched[-1] < 10  # settled within 100 s
+    assert counts[-1] == (3, 1)
+
+
+def test_a_role_never_goes_below_its_minimum_and_a_switch_in_flight_holds():
+    planner = Planner(PlannerSettings(min_decode=2, confirm=1, cooldown_s=0), COST, SHAPE, SLO)
+    counts, _ = run(planner, [load(*PROMPT_HEAVY)] * 6, prefill=1, decode=3)
+    assert counts[-1] == (2, 2)
+    planner = Planner(PlannerSettings(confirm=1, cooldown_s=0), COST, SHAPE, SLO)
+    d = planner.decide(load(*PROMPT_HEAVY), 1, 3, 0.0, switching=True)
+    assert (d.action, d.prefill, d.decode) == ("hold", 1, 3) and "in flight" in d.reason
+    with pytest.raises(ValueError, match="at least 1"):
+        Planner(PlannerSettings(min_prefill=0), COST, SHAPE, SLO)
+
+
+def test_no_requests_is_a_hold_that_forgets_what_was_wanted():
+    planner = Planner(PlannerSettings(), COST, SHAPE, SLO)
+    assert planner.decide(load(*PROMPT_HEAVY), 1, 3, 0.0).reason.startswith("wanted 1/2")
+    assert planner.decide(Load(INTERVAL, 0, 0, 0), 1, 3, 10.0).reason == "no requests in the window"
+    assert planner.decide(load(*PROMPT_HEAVY), 1, 3, 20.0).reason.startswith("wanted 1/2")
+
+
+def test_scale_grows_after_confirmation_and_shrinks_only_after_the_cooldown():
+    settings = PlannerSettings(orchestrator="scale", max_prefill=3, cooldown_s=60.0)
+    planner = Planner(settings, COST, SHAPE, SLO)
+    heavy = load(PROMPT_HEAVY[0] * 2, *PROMPT_HEAVY[1:])  # 3.7 prefill servers' worth (bounded to 3), 0.8 decode
+    counts, decisions = run(planner, [heavy] * 3, prefill=1, decode=1)
+    assert [d.action for d in decisions] == ["hold", "scale", "hold"]
+    assert counts[1] == (3, 2) and counts[-1] == (3, 2)
+    counts, decisions = run(planner, [load(*OUTPUT_HEAVY)] * 8, 3, 2, start=INTERVAL * 3)
+    scaled = [(i, counts[i]) for i, d in enumerate(decisions) if d.action == "scale"]
+    assert scaled == [(4, (1, 2))]  # 60 s after the growth at 10 s: at 70 s
+    assert "cooling down" in decisions[2].reason
+
+
+def test_a_missed_slo_the_model_did_not_expect_lowers_that_roles_capacity_within_bounds():
+    planner = Planner(PlannerSettings(), COST, SHAPE, SLO)
+    light = (1.0, 500, 50)
+    planner.decide(load(*light, ttft_met=0.5, tpot_met=0.99), 2, 2, 0.0)
+    assert planner.correction == {"prefill": 0.8, "decode": 1.0}
+    for i in range(20):
+        planner.decide(load(*light, ttft_met=0.5), 2, 2, INTERVAL * (i + 1))
+    assert planner.correction["prefill"] == 0.25
+    over = Planner(PlannerSettings(), StepCost(base=0.5, per_token=0.01, per_attn=0, per_seq=0), SHAPE, SLO)
+    over.decide(load(*PROMPT_HEAVY, ttft_met=0.95), 1, 1, 0.0)
+    assert over.correction["prefill"] == pytest.approx(1.1)
