@@ -1,0 +1,151 @@
+"""What the planner reads: the routers' /metrics as a ``Load`` per window, and the workers in rotation.
+
+Each router counts what passes through it (router/metrics.py): prompt and
+generated tokens, and histograms of TTFT and TPOT. The planner scrapes every
+router (every replica, not the front, which would answer for one of them at
+random), adds the figures up, and takes the difference between two scrapes
+as one window. The share of requests within an SLO is read off the
+histogram's buckets, linearly between the two bounds around the target, as
+Prometheus' ``histogram_quantile`` does the other way round. A router that
+restarted (a counter went down) contributes nothing to that window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from deploy.planner import Load, Role
+
+PROMPT = "pdserve_router_prompt_tokens"
+OUTPUT = "pdserve_router_completion_tokens"
+TTFT = "pdserve_router_time_to_first_token_seconds"
+TPOT = "pdserve_router_time_per_output_token_seconds"
+
+
+@dataclass(frozen=True)
+class Histogram:
+    buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count), ascending, +Inf last
+    count: float
+
+    def within(self, bound: float) -> float:
+        """Samples at or under ``bound``: exact at a bucket's bound, linear between two."""
+        lower, below = 0.0, 0.0
+        for le, cumulative in self.buckets:
+            if bound <= le:
+                if le == float("inf"):
+                    return below
+                return below + (cumulative - below) * (bound - lower) / (le - lower)
+            lower, below = le, cumulative
+        return below
+
+    def minus(self, earlier: Histogram) -> Histogram:
+        before = dict(earlier.buckets)
+        return Histogram(tuple((le, c - before.get(le, 0.0)) for le, c in self.buckets), self.count - earlier.count)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """One router's counters at one scrape."""
+
+    prompt_tokens: float = 0.0
+    output_tokens: float = 0.0
+    ttft: Histogram = field(default_factory=lambda: Histogram((), 0.0))
+    tpot: Histogram = field(default_factory=lambda: Histogram((), 0.0))
+
+
+def parse_metrics(text: str) -> Snapshot:
+    """The planner's figures from one /metrics page."""
+    values: dict[str, float] = {}
+    buckets: dict[str, list[tuple[float, float]]] = {TTFT: [], TPOT: []}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in (f"{PROMPT}_total", f"{OUTPUT}_total", f"{TTFT}_count", f"{TPOT}_count"):
+                values[s.name] = s.value
+            elif s.name.endswith("_bucket") and s.name[: -len("_bucket")] in buckets:
+                buckets[s.name[: -len("_bucket")]].append((float(s.labels["le"]), s.value))
+    return Snapshot(
+        values.get(f"{PROMPT}_total", 0.0),
+        values.get(f"{OUTPUT}_total", 0.0),
+        Histogram(tuple(sorted(buckets[TTFT])), values.get(f"{TTFT}_count", 0.0)),
+        Histogram(tuple(sorted(buckets[TPOT])), values.get(f"{TPOT}_count", 0.0)),
+    )
+
+
+def window(
+    before: dict[str, Snapshot], after: dict[str, Snapshot], seconds: float, ttft_s: float, tpot_s: float
+) -> Load:
+    """The load between two scrapes of the same routers (by URL); a router new or restarted since is left out."""
+    prompt = output = requests = 0.0
+    ttft_ok = tpot_ok = tpot_n = 0.0
+    for url, now in after.items():
+        then = before.get(url)
+        if then is None or now.prompt_tokens < then.prompt_tokens or now.ttft.count < then.ttft.count:
+            continue
+        ttft, tpot = now.ttft.minus(then.ttft), now.tpot.minus(then.tpot)
+        prompt += now.prompt_tokens - then.prompt_tokens
+        output += now.output_tokens - then.output_tokens
+        requests += ttft.count
+        ttft_ok += ttft.within(ttft_s)
+        tpot_ok += tpot.within(tpot_s)
+        tpot_n += tpot.count
+    return Load(
+        seconds,
+        round(requests),
+        round(prompt),
+        round(output),
+        ttft_ok / requests if requests else None,
+        tpot_ok / tpot_n if tpot_n else None,
+    )
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    name: str
+    role: str
+    in_rotation: bool
+    inflight: int
+
+
+class Routers:
+    """Scrapes the routers; ``workers`` asks the first that answers (each router knows every worker)."""
+
+    def __init__(self, urls: list[str], secret: str | None, timeout_s: float = 5.0) -> None:
+        self.urls = urls
+        headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        self._http = httpx.Client(timeout=timeout_s, headers=headers)
+
+    def scrape(self) -> dict[str, Snapshot]:
+        """Every router that answers, by URL."""
+        found = {}
+        for url in self.urls:
+            try:
+                r = self._http.get(f"{url}/metrics")
+                r.raise_for_status()
+            except httpx.HTTPError:
+                continue
+            found[url] = parse_metrics(r.text)
+        return found
+
+    def workers(self) -> list[WorkerView]:
+        last: Exception | None = None
+        for url in self.urls:
+            try:
+                r = self._http.get(f"{url}/admin/workers")
+                r.raise_for_status()
+                return [
+                    WorkerView(w["name"], w["role"], bool(w["in_rotation"] and w["healthy"]), int(w["inflight"]))
+                    for w in r.json()["workers"]
+                ]
+            except (httpx.HTTPError, ValueError, KeyError) as exc:
+                last = exc
+        raise ConnectionError(f"no router answered /admin/workers ({last})")
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def in_rotation(workers: list[WorkerView], role: Role) -> int:
+    return sum(1 for w in workers if w.role == role and w.in_rotation)

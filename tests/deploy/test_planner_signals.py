@@ -1,0 +1,58 @@
+"""The planner's reading of the routers' /metrics (deploy/planner_signals.py), off the router's own
+metrics objects (router/metrics.py) as Prometheus renders them."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import generate_latest
+
+from deploy.planner_signals import parse_metrics, window
+from router.cluster.registry import WorkerRegistry
+from router.metrics import RouterMetrics
+
+
+def router_page(ttfts: list[float], tpots: list[float], prompt: int, output: int, metrics=None) -> tuple:
+    m = metrics or RouterMetrics(WorkerRegistry([]))
+    for t in ttfts:
+        m.ttft.observe(t)
+    for t in tpots:
+        m.tpot.observe(t)
+    m.prompt_tokens.inc(prompt)
+    m.completion_tokens.inc(output)
+    return m, generate_latest(m.registry).decode()
+
+
+def test_a_page_gives_tokens_and_the_histograms():
+    _, page = router_page([0.2, 0.4, 3.0], [0.03], prompt=300, output=40)
+    s = parse_metrics(page)
+    assert (s.prompt_tokens, s.output_tokens, s.ttft.count, s.tpot.count) == (300, 40, 3, 1)
+    assert s.ttft.buckets[-1] == (float("inf"), 3)
+
+
+def test_the_share_within_a_target_is_exact_at_a_bound_and_linear_between_two():
+    _, page = router_page([0.2, 0.4, 0.9, 3.0, 5000.0], [], 0, 0)
+    h = parse_metrics(page).ttft
+    bounds = [le for le, _ in h.buckets]
+    assert 0.25 in bounds and 0.5 in bounds and 1.0 in bounds  # the router's buckets around these samples
+    assert h.within(0.25) == 1 and h.within(0.5) == 2 and h.within(1.0) == 3
+    assert h.within(0.375) == pytest.approx(1.5)  # halfway between 0.25 and 0.5
+    assert h.within(1e9) == 4  # past the last finite bound (2560 s): the +Inf bucket is not counted
+
+
+def test_a_window_adds_the_routers_up_and_leaves_out_one_that_restarted():
+    a, a1 = router_page([0.1] * 4, [0.02] * 4, 400, 80)
+    b, b1 = router_page([0.1] * 2, [0.02] * 2, 200, 40)
+    _, a2 = router_page([0.1, 5.0], [0.02, 0.2], 300, 60, metrics=a)  # 2 more on a: one slow
+    _, b2 = router_page([0.1], [0.02], 10, 2)  # b restarted: its counters began again
+    before = {"a": parse_metrics(a1), "b": parse_metrics(b1)}
+    after = {"a": parse_metrics(a2), "b": parse_metrics(b2), "c": parse_metrics(b2)}  # c is new
+    w = window(before, after, 10.0, ttft_s=1.0, tpot_s=0.05)
+    assert (w.requests, w.prompt_tokens, w.output_tokens) == (2, 300, 60)
+    assert (w.ttft_met, w.tpot_met) == (0.5, 0.5)
+    assert (w.prompt_tps, w.output_tps) == (30.0, 6.0)
+
+
+def test_a_quiet_window_has_no_attainment():
+    m, page = router_page([], [], 0, 0)
+    w = window({"a": parse_metrics(page)}, {"a": parse_metrics(page)}, 10.0, 1.0, 0.05)
+    assert (w.requests, w.ttft_met, w.tpot_met) == (0, None, None)
