@@ -1,0 +1,175 @@
+"""The planner's actuators (deploy/planner_act.py). No Kubernetes API server runs on these machines: the
+scale subresource is a small HTTP stand-in on 127.0.0.1 that answers as the API server does
+(autoscaling/v1 Scale), and the official client talks to it."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from deploy.planner import Decision
+from deploy.planner_act import ActError, DeploymentScale, PoolSwitch
+from deploy.planner_signals import WorkerView
+
+SCALE = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
+
+
+class StandIn:
+    """Deployments' scale subresource: GET answers the Scale, PATCH merges spec.replicas; every call kept."""
+
+    def __init__(self, replicas: dict[str, int], namespace: str = "llm") -> None:
+        self.replicas = dict(replicas)
+        self.calls: list[tuple[str, str, str, dict | None]] = []  # method, path, content type, body
+        paths = {SCALE.format(ns=namespace, name=n): n for n in replicas}
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _answer(self, name: str | None) -> None:
+                if name is None:
+                    self.send_response(404)
+                    body = {"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404}
+                else:
+                    self.send_response(200)
+                    body = {
+                        "apiVersion": "autoscaling/v1",
+                        "kind": "Scale",
+                        "metadata": {"name": name, "namespace": namespace},
+                        "spec": {"replicas": stand_in.replicas[name]},
+                        "status": {"replicas": stand_in.replicas[name]},
+                    }
+                data = json.dumps(body).encode()
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                stand_in.calls.append(("GET", self.path, "", None))
+                self._answer(paths.get(self.path))
+
+            def do_PATCH(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stand_in.calls.append(("PATCH", self.path, self.headers["Content-Type"], body))
+                name = paths.get(self.path)
+                if name is not None:
+                    stand_in.replicas[name] = body["spec"]["replicas"]
+                self._answer(name)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> StandIn:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join()
+
+
+@pytest.fixture
+def stand_in() -> Iterator[StandIn]:
+    with StandIn({"pd-prefill": 1, "pd-decode": 3}) as s:
+        yield s
+
+
+def scaler(stand_in: StandIn, deployments=None) -> DeploymentScale:
+    from kubernetes import client
+
+    api = client.ApiClient(client.Configuration(host=stand_in.url))
+    return DeploymentScale("llm", deployments or {"prefill": "pd-prefill", "decode": "pd-decode"}, api)
+
+
+def test_scale_patches_only_the_roles_whose_count_changes(stand_in):
+    s = scaler(stand_in)
+    assert s.replicas() == {"prefill": 1, "decode": 3}
+    stand_in.calls.clear()
+    assert s.apply(Decision(0.0, "scale", prefill=3, decode=3, reason="r")) == {"prefill": 3}
+    patches = [c for c in stand_in.calls if c[0] == "PATCH"]
+    assert patches == [
+        (
+            "PATCH",
+            SCALE.format(ns="llm", name="pd-prefill"),
+            "application/strategic-merge-patch+json",
+            {"spec": {"replicas": 3}},
+        )
+    ]
+    assert stand_in.replicas == {"pd-prefill": 3, "pd-decode": 3}
+    assert s.apply(Decision(1.0, "scale", prefill=3, decode=3, reason="r")) == {}
+
+
+def test_a_deployment_the_api_does_not_know_is_an_act_error_naming_it(stand_in):
+    s = scaler(stand_in, {"prefill": "pd-prefill", "decode": "nope"})
+    with pytest.raises(ActError, match="reading the Deployments' scale: .*404"):
+        s.replicas()
+
+
+class Router:
+    """The router's role route as the planner calls it: the calls kept, the answer scripted."""
+
+    def __init__(self, status: int) -> None:
+        self.calls: list[tuple[str, str, dict]] = []
+        router = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                router.calls.append((self.path, self.headers.get("Authorization", ""), body))
+                data = json.dumps({"error": {"message": "a switch is in flight"}} if status != 200 else {}).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+WORKERS = [
+    WorkerView("p0", "prefill", True, 0),
+    WorkerView("d0", "decode", True, 5),
+    WorkerView("d1", "decode", True, 2),
+    WorkerView("d2", "decode", False, 0),  # draining: not a donor
+]
+
+
+def test_a_switch_takes_the_least_busy_donor_in_rotation_and_names_the_route():
+    router = Router(200)
+    try:
+        switch = PoolSwitch(router.url, "s3cret")
+        assert switch.apply(Decision(0.0, "switch", 2, 2, "r", switch_to="prefill"), WORKERS) == "d1"
+        assert router.calls == [("/admin/workers/d1/role", "Bearer s3cret", {"role": "prefill"})]
+        with pytest.raises(ActError, match="no prefill server in rotation to become decode"):
+            switch.apply(Decision(0.0, "switch", 0, 4, "r", switch_to="decode"), WORKERS[1:])
+        switch.close()
+    finally:
+        router.close()
+
+
+def test_a_refused_switch_is_an_act_error_with_the_routers_answer():
+    router = Router(409)
+    try:
+        switch = PoolSwitch(router.url, None)
+        with pytest.raises(ActError, match="switching d1 to prefill: 409 .*in flight"):
+            switch.apply(Decision(0.0, "switch", 2, 2, "r", switch_to="prefill"), WORKERS)
+        assert router.calls[0][1] == ""
+        switch.close()
+    finally:
+        router.close()
