@@ -17,7 +17,7 @@ import os
 import sys
 
 from bench import cli as bench_cli
-from deploy import launch_cli, model_cli, process_cli, render_cli
+from deploy import launch_cli, model_cli, planner_cli, process_cli, render_cli
 from deploy.version import version
 
 
@@ -37,6 +37,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     launch_cli.add_parser(subparsers)
     render_cli.add_parser(subparsers)
     process_cli.add_parsers(subparsers)
+    planner_cli.add_parser(subparsers)
     bench_cli.add_parser(subparsers, command)
     return parser
 

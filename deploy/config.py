@@ -611,6 +611,54 @@ class TransferConfig(Strict):
     """Seconds a KV handshake (a prefill server connecting to a decode server's transfer backend) may take."""
 
 
+class PlannerConfig(Strict):
+    """The planner in the loop (deploy/planner.py), off by default: every ``interval_s`` it reads what the
+    routers served (prompt and output tokens a second, the share of requests within ``ttft_s`` and
+    ``tpot_s``) and decides how many prefill and decode servers that load asks for, from the engine's step
+    cost (``profile``) corrected by the SLOs it sees met or missed. ``recommend`` logs and exports each
+    decision; ``act`` also carries it out: in a launched cluster (``orchestrator: pool``) by switching one
+    instance's role at a time through the router; on Kubernetes (``orchestrator: kubernetes``) by running
+    the first N of a role's named instances (each a StatefulSet, replicas 1 or 0). It runs as its own
+    process (`pdserve planner`), which `pdserve launch` starts after the routers; its decisions are at
+    ``/decisions`` and its metrics at ``/metrics`` on ``port``."""
+
+    mode: Literal["off", "recommend", "act"] = "off"
+    """off: no planner; recommend: decide and report only; act: decide and carry it out."""
+    orchestrator: Literal["pool", "kubernetes"] = "pool"
+    """pool: the instances this file lists, roles switched in place; kubernetes: instances run or stopped."""
+    interval_s: float = Field(default=10.0, gt=0)
+    """Seconds between two decisions (one window of the routers' figures)."""
+    ttft_s: float = Field(default=2.0, gt=0)
+    """The time-to-first-token target, in seconds."""
+    tpot_s: float = Field(default=0.1, gt=0)
+    """The time-per-output-token target, in seconds."""
+    attainment: float = Field(default=0.9, gt=0, le=1)
+    """The share of requests that must meet each target."""
+    min_prefill: int = Field(default=1, ge=1)
+    """Prefill servers the planner never goes below."""
+    min_decode: int = Field(default=1, ge=1)
+    """Decode servers the planner never goes below."""
+    max_prefill: int = Field(default=8, ge=1)
+    """Prefill servers the planner never goes above (kubernetes; at most the prefill instances listed)."""
+    max_decode: int = Field(default=8, ge=1)
+    """Decode servers the planner never goes above (kubernetes; at most the decode instances listed)."""
+    target_utilisation: float = Field(default=0.8, gt=0, le=1)
+    """kubernetes: each role gets its demand (in servers' worth) over this, rounded up."""
+    hysteresis: float = Field(default=0.15, ge=0, lt=1)
+    """pool: a switch must lower the busier role's utilisation by at least this share."""
+    confirm: int = Field(default=2, ge=1)
+    """Decisions in a row that must want the same change before it is made."""
+    cooldown_s: float = Field(default=30.0, ge=0)
+    """Seconds after a change before the next (kubernetes: before a shrink)."""
+    profile: str | None = None
+    """The step costs to plan with: a `pdserve plan --save-profile` file; null: `engine.mock_profile` when set,
+    else engine/step_cost.py's round figures (the SLO correction then does more of the work)."""
+    port: int = Field(default=8090, ge=1, le=65535)
+    """The planner's HTTP port: /health, /metrics, /decisions."""
+    namespace: str = "default"
+    """kubernetes: the namespace the instances' StatefulSets run in (`pdserve render k8s` names them)."""
+
+
 class ClusterConfig(Strict):
     """The whole file: the model, the sections, and the instances (prefill and decode, or colocated)."""
 
@@ -660,6 +708,8 @@ class ClusterConfig(Strict):
     """How the router finds its workers."""
     kubernetes: KubernetesConfig = KubernetesConfig()
     """What `pdserve render k8s` needs beyond the cluster; read by nothing else."""
+    planner: PlannerConfig = PlannerConfig()
+    """The planner in the loop: how many prefill and decode servers the load asks for (off by default)."""
     fault_injection: bool = ServerSettings.fault_injection
     """Test hook: servers mount /admin/faults to inject faults deterministically; keep it false in service."""
     prefill: list[Instance] = Field(default_factory=list)
@@ -680,6 +730,7 @@ class ClusterConfig(Strict):
         if dup:
             raise ValueError(f"instance names must be unique, repeated: {dup}")
         ports = [self.router.port, *self.router_replica_ports]
+        ports += [self.planner.port] if self.planner.mode != "off" else []
         ports += [p for i in self.instances() for p in (i.port, i.transfer_port)]
         dup_ports = sorted({p for p in ports if ports.count(p) > 1})
         if dup_ports:
@@ -716,6 +767,7 @@ class ClusterConfig(Strict):
                 )
             if tp > 1 and (i.kv_tiers or self.engine.kv_tiers).on:
                 raise ValueError(f"{i.name}: kv_tiers hold one rank's blocks: they need tensor_parallel_size 1")
+        self._check_planner()
         exposed = [
             f"{i.name} ({self.bind_host_of(i)})" for i in self.instances() if not is_loopback(self.bind_host_of(i))
         ]
@@ -736,6 +788,22 @@ class ClusterConfig(Strict):
         if self.served_model_name:
             return self.served_model_name
         return self.model if is_builtin(self.model) else Path(self.model).name
+
+    def _check_planner(self) -> None:
+        p = self.planner
+        if p.mode == "off":
+            return
+        if self.colocated:
+            raise ValueError(
+                "planner: a colocated cluster has no prefill:decode ratio to plan; list prefill and decode"
+            )
+        if p.orchestrator == "pool" and p.min_prefill + p.min_decode > len(self.prefill) + len(self.decode):
+            raise ValueError(
+                f"planner: min_prefill + min_decode ({p.min_prefill} + {p.min_decode}) is more than the "
+                f"{len(self.prefill) + len(self.decode)} instances listed"
+            )
+        if p.orchestrator == "kubernetes" and (p.min_prefill > len(self.prefill) or p.min_decode > len(self.decode)):
+            raise ValueError("planner: min_prefill and min_decode are at most the instances listed for the role")
 
     def instances(self) -> list[Instance]:
         return [*self.prefill, *self.decode, *self.colocated]

@@ -74,7 +74,8 @@ def openmp_spin(cluster: ClusterConfig, only: set[str] | None, cores: int) -> di
     return {"GOMP_SPINCOUNT": SHARED_CORES_SPINCOUNT} if threads > cores else {}
 
 
-ROUTING_ROLES = ("router", "front")  # processes whose exit is always a failure (no server drains behind them)
+# processes whose exit is always a failure (no server drains behind them)
+ROUTING_ROLES = ("planner", "router", "front")
 
 
 class LaunchError(RuntimeError):
@@ -162,6 +163,11 @@ class Cluster:
             for k in range(self.cluster.router.replicas)
         ]
 
+    def start_planner(self) -> Proc:
+        """The planner (deploy/planner_cli.py), once the routers it reads answer."""
+        url = f"http://{self.cluster.router_host}:{self.cluster.planner.port}"
+        return self._spawn("planner", "planner", url, ["planner"])
+
     def start_front(self) -> Proc:
         """HAProxy in front of the replicas, in the foreground (``-db``), so that its pid is the one to stop."""
         config = write_haproxy_config(self.cluster, self.run_dir)
@@ -222,6 +228,8 @@ class Cluster:
         self.procs.remove(old)
         if old.role == "front":
             return self.start_front()
+        if old.role == "planner":
+            return self.start_planner()
         command = "decode" if old.role == "colocated" else old.role
         replica = int(name.rsplit("-", 1)[1]) if old.role == "router" and self.replicated else None
         args = self.router_args(replica) if old.role == "router" else [command, "--name", name]
@@ -245,10 +253,11 @@ class Cluster:
         return None
 
     def stop_all(self, hurry: threading.Event | None = None) -> None:
-        """Routers first (they drain), then the front, then the servers; SIGKILL after drain timeout +
-        grace, or at once once ``hurry`` is set (a second Ctrl-C)."""
+        """The planner first (it acts on the rest), then the routers (they drain), the front, and the servers;
+        SIGKILL after drain timeout + grace, or at once once ``hurry`` is set (a second Ctrl-C)."""
         hurry = hurry or threading.Event()
         patience = self.cluster.drain_timeout_s + GRACE_S
+        self._stop([p for p in self.procs if p.role == "planner"], patience, hurry)
         self._stop([p for p in self.procs if p.role == "router"], patience, hurry)
         self._stop([p for p in self.procs if p.role == "front"], patience, hurry)
         self._stop([p for p in self.procs if p.role not in ROUTING_ROLES], patience, hurry)
@@ -471,6 +480,9 @@ def _start_all(c: Cluster, health_timeout: float, stop: threading.Event, started
         c.wait_healthy(c.start_routers(), health_timeout, stop, ready)
         if c.replicated:
             c.wait_healthy([c.start_front()], health_timeout, stop, ready)
+        if cluster.planner.mode != "off":
+            print(f"pdserve: starting the planner ({cluster.planner.mode}, {cluster.planner.orchestrator})", flush=True)
+            c.wait_healthy([c.start_planner()], health_timeout, stop, ready)
     manifest = c.write_manifest()
     if only is None:
         print(

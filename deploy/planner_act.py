@@ -5,10 +5,11 @@
   API (``POST /admin/workers/NAME/role``, router/admin.py), which drains it,
   flips it in place and puts it back in rotation. The donor is the instance
   with the fewest requests in flight.
-* ``DeploymentScale``: on Kubernetes, the prefill and decode Deployments'
-  ``replicas`` through their scale subresource, with the official client
-  (``kubernetes``), so the planner's service account needs only ``get`` and
-  ``patch`` on ``deployments/scale`` (deploy/k8s.py renders that Role).
+* ``InstanceScale``: on Kubernetes, where each named instance is a
+  StatefulSet of one pod (deploy/k8s.py says why), a role of N runs its
+  first N instances: their ``replicas`` set to 1 or 0 through the scale
+  subresource, with the official client (``kubernetes``), so the planner's
+  service account needs only ``get`` and ``patch`` on ``statefulsets/scale``.
 """
 
 from __future__ import annotations
@@ -57,46 +58,53 @@ class PoolSwitch:
         self._http.close()
 
 
-class DeploymentScale:
-    """The replicas of one Deployment per role, in ``namespace``, through the scale subresource."""
+class InstanceScale:
+    """Each role's named instances on Kubernetes (deploy/k8s.py renders one StatefulSet per instance, because
+    an instance's name is its KV agent's): a role of N runs its first N instances in the config's order, each
+    StatefulSet's ``replicas`` 1, and the rest 0, set through the scale subresource."""
 
-    def __init__(self, namespace: str, deployments: dict[Role, str], api_client: Any | None = None) -> None:
+    def __init__(self, namespace: str, instances: dict[Role, list[str]], api_client: Any | None = None) -> None:
         from kubernetes import client, config
 
         if api_client is None:
             try:
                 config.load_incluster_config()  # type: ignore[no-untyped-call]  # the pod's service account
             except config.ConfigException:
-                config.load_kube_config()  # type: ignore[no-untyped-call]  # an operator's kubeconfig, outside the cluster
+                config.load_kube_config()  # type: ignore[no-untyped-call]  # an operator's kubeconfig
             api_client = client.ApiClient()
         self.namespace = namespace
-        self.deployments = deployments
+        self.instances = instances
         self._apps = client.AppsV1Api(api_client)
         self._errors: tuple[type[Exception], ...] = (client.ApiException, OSError)
 
-    def replicas(self) -> dict[Role, int]:
-        """Each role's desired replicas as the Deployment says now."""
+    def replicas(self) -> dict[str, int]:
+        """Each instance's StatefulSet's replicas now, by StatefulSet name."""
         try:
             scales = {
-                role: self._apps.read_namespaced_deployment_scale(name, self.namespace)
-                for role, name in self.deployments.items()
+                name: self._apps.read_namespaced_stateful_set_scale(name, self.namespace)
+                for names in self.instances.values()
+                for name in names
             }
         except self._errors as exc:
-            raise ActError(f"reading the Deployments' scale: {exc}") from None
-        return {role: int(s.spec.replicas or 0) if s.spec is not None else 0 for role, s in scales.items()}
+            raise ActError(f"reading the instances' scale: {exc}") from None
+        return {name: int(s.spec.replicas or 0) if s.spec is not None else 0 for name, s in scales.items()}
 
-    def apply(self, decision: Decision) -> dict[Role, int]:
-        """Set each role's replicas to the decision's count where it differs; the counts set."""
+    def apply(self, decision: Decision) -> dict[str, int]:
+        """Run the first ``decision.prefill`` prefill and ``decision.decode`` decode instances and no others;
+        the StatefulSets changed, with their new replicas."""
         assert decision.action == "scale"
-        wanted: dict[Role, int] = {"prefill": decision.prefill, "decode": decision.decode}
-        changed = {}
-        for role, count in self.replicas().items():
-            if count == wanted[role]:
-                continue
-            body = {"spec": {"replicas": wanted[role]}}
-            try:
-                self._apps.patch_namespaced_deployment_scale(self.deployments[role], self.namespace, body)
-            except self._errors as exc:
-                raise ActError(f"scaling {self.deployments[role]} to {wanted[role]}: {exc}") from None
-            changed[role] = wanted[role]
+        count: dict[Role, int] = {"prefill": decision.prefill, "decode": decision.decode}
+        if any(count[role] > len(names) for role, names in self.instances.items()):
+            raise ActError(f"{count} is more than the instances the config names ({self.instances})")
+        now, changed = self.replicas(), {}
+        for role, names in self.instances.items():
+            for k, name in enumerate(names):
+                want = 1 if k < count[role] else 0
+                if now[name] == want:
+                    continue
+                try:
+                    self._apps.patch_namespaced_stateful_set_scale(name, self.namespace, {"spec": {"replicas": want}})
+                except self._errors as exc:
+                    raise ActError(f"scaling {name} to {want}: {exc}") from None
+                changed[name] = want
         return changed

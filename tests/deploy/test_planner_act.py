@@ -12,14 +12,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from deploy.planner import Decision
-from deploy.planner_act import ActError, DeploymentScale, PoolSwitch
+from deploy.planner_act import ActError, InstanceScale, PoolSwitch
 from deploy.planner_signals import WorkerView
 
-SCALE = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
+SCALE = "/apis/apps/v1/namespaces/{ns}/statefulsets/{name}/scale"
 
 
 class StandIn:
-    """Deployments' scale subresource: GET answers the Scale, PATCH merges spec.replicas; every call kept."""
+    """StatefulSets' scale subresource: GET answers the Scale, PATCH merges spec.replicas; every call kept."""
 
     def __init__(self, replicas: dict[str, int], namespace: str = "llm") -> None:
         self.replicas = dict(replicas)
@@ -78,39 +78,41 @@ class StandIn:
 
 @pytest.fixture
 def stand_in() -> Iterator[StandIn]:
-    with StandIn({"pd-prefill": 1, "pd-decode": 3}) as s:
+    with StandIn({"pd-p0": 1, "pd-p1": 0, "pd-p2": 0, "pd-d0": 1, "pd-d1": 1}) as s:
         yield s
 
 
-def scaler(stand_in: StandIn, deployments=None) -> DeploymentScale:
+INSTANCES = {"prefill": ["pd-p0", "pd-p1", "pd-p2"], "decode": ["pd-d0", "pd-d1"]}
+
+
+def scaler(stand_in: StandIn, instances=None) -> InstanceScale:
     from kubernetes import client
 
-    api = client.ApiClient(client.Configuration(host=stand_in.url))
-    return DeploymentScale("llm", deployments or {"prefill": "pd-prefill", "decode": "pd-decode"}, api)
+    return InstanceScale("llm", instances or INSTANCES, client.ApiClient(client.Configuration(host=stand_in.url)))
 
 
-def test_scale_patches_only_the_roles_whose_count_changes(stand_in):
+def test_a_role_of_n_runs_its_first_n_instances_and_only_changed_ones_are_patched(stand_in):
     s = scaler(stand_in)
-    assert s.replicas() == {"prefill": 1, "decode": 3}
+    assert s.replicas() == {"pd-p0": 1, "pd-p1": 0, "pd-p2": 0, "pd-d0": 1, "pd-d1": 1}
     stand_in.calls.clear()
-    assert s.apply(Decision(0.0, "scale", prefill=3, decode=3, reason="r")) == {"prefill": 3}
-    patches = [c for c in stand_in.calls if c[0] == "PATCH"]
+    assert s.apply(Decision(0.0, "scale", prefill=3, decode=1, reason="r")) == {"pd-p1": 1, "pd-p2": 1, "pd-d1": 0}
+    patches = [(c[1].split("/")[-2], c[2], c[3]) for c in stand_in.calls if c[0] == "PATCH"]
+    merge = "application/strategic-merge-patch+json"
     assert patches == [
-        (
-            "PATCH",
-            SCALE.format(ns="llm", name="pd-prefill"),
-            "application/strategic-merge-patch+json",
-            {"spec": {"replicas": 3}},
-        )
+        ("pd-p1", merge, {"spec": {"replicas": 1}}),
+        ("pd-p2", merge, {"spec": {"replicas": 1}}),
+        ("pd-d1", merge, {"spec": {"replicas": 0}}),
     ]
-    assert stand_in.replicas == {"pd-prefill": 3, "pd-decode": 3}
-    assert s.apply(Decision(1.0, "scale", prefill=3, decode=3, reason="r")) == {}
+    assert stand_in.replicas == {"pd-p0": 1, "pd-p1": 1, "pd-p2": 1, "pd-d0": 1, "pd-d1": 0}
+    assert s.apply(Decision(1.0, "scale", prefill=3, decode=1, reason="r")) == {}
 
 
-def test_a_deployment_the_api_does_not_know_is_an_act_error_naming_it(stand_in):
-    s = scaler(stand_in, {"prefill": "pd-prefill", "decode": "nope"})
-    with pytest.raises(ActError, match="reading the Deployments' scale: .*404"):
-        s.replicas()
+def test_more_than_the_named_instances_or_an_unknown_one_is_an_act_error(stand_in):
+    with pytest.raises(ActError, match="more than the instances the config names"):
+        scaler(stand_in).apply(Decision(0.0, "scale", prefill=4, decode=1, reason="r"))
+    assert not [c for c in stand_in.calls if c[0] == "PATCH"]
+    with pytest.raises(ActError, match="reading the instances' scale: .*404"):
+        scaler(stand_in, {"prefill": ["pd-p0"], "decode": ["nope"]}).replicas()
 
 
 class Router:

@@ -92,7 +92,7 @@ class Cluster:
             time.sleep(0.2)
         self.manifest = json.loads(manifest.read_text())
         self.router_url = self.manifest["router_url"]
-        self.servers = [p for p in self.manifest["processes"] if p["role"] not in ("router", "front")]
+        self.servers = [p for p in self.manifest["processes"] if p["role"] not in ("router", "front", "planner")]
         # The secret `pdserve launch` generated when the config names none: internal routes need it.
         generated = run_dir / "internal_secret"
         secret = secret or (generated.read_text().strip() if generated.exists() else None)

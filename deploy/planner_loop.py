@@ -1,0 +1,248 @@
+"""The planner in the loop as a process of its own (`pdserve planner`, deploy/planner_cli.py).
+
+Every ``planner.interval_s`` it scrapes the routers (deploy/planner_signals.py),
+asks ``Planner.decide`` (deploy/planner.py) and, in ``act`` mode, carries the
+decision out (deploy/planner_act.py). Each decision is one log line with its
+reason, one JSON line in ``/decisions`` (the last 200) and the
+``pdserve_planner_*`` metrics on ``/metrics``; ``/health`` answers as the
+other processes' do, so `pdserve launch` can wait for it. The HTTP listener
+serves only those three reads, on the cluster's router host.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from deploy.planner import Decision, EngineShape, Load, Orchestrator, Planner, PlannerSettings, Role, Slo
+from deploy.planner_act import ActError, InstanceScale, PoolSwitch
+from deploy.planner_signals import Routers, Snapshot, WorkerView, in_rotation, window
+from engine.step_cost import DEFAULT_STEP_COST, load_step_cost
+
+if TYPE_CHECKING:
+    from deploy.config import ClusterConfig
+
+log = logging.getLogger("pdserve.planner")
+KEPT_DECISIONS = 200
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+class PlannerMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.decisions = Counter("pdserve_planner_decisions", "Decisions by action", ["action"], registry=r)
+        self.act_failures = Counter(
+            "pdserve_planner_act_failures", "Decisions that could not be carried out", registry=r
+        )
+        self.instances = Gauge("pdserve_planner_instances", "Instances in rotation per role", ["role"], registry=r)
+        self.wanted = Gauge(
+            "pdserve_planner_wanted_instances", "Instances the last decision wants", ["role"], registry=r
+        )
+        self.utilisation = Gauge(
+            "pdserve_planner_utilisation", "Each role's demand over its instances (model)", ["role"], registry=r
+        )
+        self.correction = Gauge(
+            "pdserve_planner_capacity_correction", "Observed over modelled capacity per role", ["role"], registry=r
+        )
+        self.rates = Gauge("pdserve_planner_tokens_per_second", "Token rates in the last window", ["kind"], registry=r)
+        self.cpu = Histogram(
+            "pdserve_planner_decision_cpu_seconds",
+            "CPU time of one decision (scrape parsing, model, decision)",
+            buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5),
+            registry=r,
+        )
+        for action in ("hold", "switch", "scale"):
+            self.decisions.labels(action=action)
+
+
+class PlannerLoop:
+    """One planner's state between intervals: the last scrape, the decisions, what was carried out."""
+
+    def __init__(
+        self,
+        planner: Planner,
+        routers: Routers,
+        slo: Slo,
+        act: PoolSwitch | InstanceScale | None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.planner = planner
+        self.routers = routers
+        self.slo = slo
+        self.act = act
+        self.clock = clock
+        self.metrics = PlannerMetrics()
+        self.decisions: deque[dict] = deque(maxlen=KEPT_DECISIONS)
+        self._last: tuple[float, dict[str, Snapshot]] | None = None
+
+    def step(self) -> Decision | None:
+        """One interval: None on the first (it only takes the baseline scrape)."""
+        cpu = time.process_time()
+        now, scraped = self.clock(), self.routers.scrape()
+        last, self._last = self._last, (now, scraped)
+        if last is None:
+            return None
+        load = window(last[1], scraped, now - last[0], self.slo.ttft_s, self.slo.tpot_s)
+        workers = self.routers.workers()
+        counts = {role: in_rotation(workers, role) for role in ROLES}
+        decision = self.planner.decide(load, counts["prefill"], counts["decode"], now)
+        self.metrics.cpu.observe(time.process_time() - cpu)
+        done = self._carry_out(decision, workers)
+        self._record(decision, load, counts, done)
+        if done is not None and decision.action == "switch":
+            self._last = (self.clock(), self.routers.scrape())  # the switch's own seconds are no window
+        return decision
+
+    def _carry_out(self, decision: Decision, workers: list[WorkerView]) -> str | None:
+        if self.act is None or decision.action == "hold":
+            return None
+        try:
+            if isinstance(self.act, PoolSwitch):
+                if decision.action != "switch":
+                    return None
+                return f"switched {self.act.apply(decision, workers)} to {decision.switch_to}"
+            if decision.action != "scale":
+                return None
+            return f"scaled {self.act.apply(decision)}"
+        except ActError as exc:
+            self.metrics.act_failures.inc()
+            log.warning("could not carry out %s: %s", decision.action, exc)
+            return f"failed: {exc}"
+
+    def _record(self, decision: Decision, load: Load, counts: dict[Role, int], done: str | None) -> None:
+        m = self.metrics
+        m.decisions.labels(action=decision.action).inc()
+        for role in ROLES:
+            m.instances.labels(role=role).set(counts[role])
+            m.correction.labels(role=role).set(self.planner.correction[role])
+        m.wanted.labels(role="prefill").set(decision.prefill)
+        m.wanted.labels(role="decode").set(decision.decode)
+        for name, u in decision.utilisation.items():
+            m.utilisation.labels(role=name).set(u)
+        m.rates.labels(kind="prompt").set(load.prompt_tps)
+        m.rates.labels(kind="output").set(load.output_tps)
+        entry = asdict(decision) | {"load": asdict(load), "instances": counts, "carried_out": done}
+        self.decisions.append(entry)
+        log.info(
+            "%s %dP%dD (now %dP%dD): %s%s",
+            decision.action,
+            decision.prefill,
+            decision.decode,
+            counts["prefill"],
+            counts["decode"],
+            decision.reason,
+            f"; {done}" if done else "",
+        )
+
+    def run(self, stop: threading.Event, interval_s: float) -> None:
+        while True:
+            try:
+                self.step()
+            except ConnectionError as exc:  # no router answered: nothing to decide on
+                log.warning("%s", exc)
+            if stop.wait(interval_s):
+                return
+
+
+def serve_reads(loop: PlannerLoop, host: str, port: int, launch_id: str | None) -> ThreadingHTTPServer:
+    """/health, /metrics and /decisions, on a thread of their own."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path == "/health":
+                body, kind = json.dumps({"status": "ok", "instance": "planner", "launch_id": launch_id}), "json"
+            elif self.path == "/metrics":
+                body, kind = generate_latest(loop.metrics.registry).decode(), "plain"
+            elif self.path == "/decisions":
+                body, kind = json.dumps({"decisions": list(loop.decisions)}), "json"
+            else:
+                self.send_error(404)
+                return
+            data = body.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", f"application/{kind}" if kind == "json" else "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    threading.Thread(target=server.serve_forever, name="planner-http", daemon=True).start()
+    return server
+
+
+def build(cluster: ClusterConfig, config_path: Path) -> PlannerLoop:
+    """The planner of ``cluster``'s ``planner`` section, reading its routers."""
+    p = cluster.planner
+    profile = p.profile or cluster.engine.mock_profile
+    cost = load_step_cost(profile) if profile else DEFAULT_STEP_COST
+    engine = cluster.engine
+    kv_tokens = engine.num_blocks * engine.block_size if engine.num_blocks else 1 << 30
+    shape = EngineShape(engine.max_num_seqs, engine.max_num_batched_tokens, kv_tokens)
+    slo = Slo(p.ttft_s, p.tpot_s, p.attainment)
+    orchestrator: Orchestrator = "scale" if p.orchestrator == "kubernetes" else "pool"
+    settings = PlannerSettings(
+        orchestrator,
+        p.min_prefill,
+        p.min_decode,
+        min(p.max_prefill, len(cluster.prefill)) if orchestrator == "scale" else p.max_prefill,
+        min(p.max_decode, len(cluster.decode)) if orchestrator == "scale" else p.max_decode,
+        p.target_utilisation,
+        p.hysteresis,
+        p.confirm,
+        p.cooldown_s,
+    )
+    secret = cluster.security.secret()
+    replicas = cluster.router.replicas
+    urls = [cluster.router_replica_url(k) for k in range(replicas)] if replicas > 1 else [cluster.router_url]
+    act: PoolSwitch | InstanceScale | None = None
+    if p.mode == "act" and orchestrator == "pool":
+        act = PoolSwitch(urls[0], secret)
+    elif p.mode == "act":
+        from deploy.k8s import cluster_name
+
+        name = cluster_name(config_path, cluster.kubernetes)
+        sets: dict[Role, list[str]] = {
+            "prefill": [f"{name}-{i.name}" for i in cluster.prefill],
+            "decode": [f"{name}-{i.name}" for i in cluster.decode],
+        }
+        act = InstanceScale(p.namespace, sets)
+    return PlannerLoop(Planner(settings, cost, shape, slo), Routers(urls, secret), slo, act)
+
+
+def serve(cluster: ClusterConfig, config_path: Path, launch_id: str | None) -> int:
+    """Decide every interval until SIGTERM or SIGINT."""
+    loop = build(cluster, config_path)
+    server = serve_reads(loop, cluster.router_bind_host, cluster.planner.port, launch_id)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    log.info(
+        "%s, %s, every %g s, SLOs TTFT %g s and TPOT %g s at %g%%",
+        cluster.planner.mode,
+        cluster.planner.orchestrator,
+        cluster.planner.interval_s,
+        cluster.planner.ttft_s,
+        cluster.planner.tpot_s,
+        cluster.planner.attainment * 100,
+    )
+    try:
+        loop.run(stop, cluster.planner.interval_s)
+    finally:
+        server.shutdown()
+        server.server_close()
+        loop.routers.close()
+    return 0

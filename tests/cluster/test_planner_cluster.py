@@ -1,0 +1,83 @@
+"""The planner as `pdserve launch` starts it (planner.mode recommend), over a 1P3D cluster of mock engines
+whose prefill is slow: under long prompts it wants decode servers to become prefill servers, says why in
+/decisions and in its metrics, and, recommending only, leaves the roles as they are."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from bench.plan.costmodel import StepCost
+from bench.plan.profile import Profile
+from tests.cluster.test_mock_cluster import MOCK, weightless
+from tests.support.cluster import Cluster, free_ports, make_config
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+PROMPT = "one two three four five six seven eight " * 40  # about 320 tokens: 0.3 s of prefill a prompt
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory, tiny_model):
+    model = weightless(tiny_model, tmp_path_factory.mktemp("weightless") / "tiny")
+    profile = tmp_path_factory.mktemp("profile") / "profile.json"
+    steps = {1: StepCost(base=0.002, per_token=0.001, per_attn=0.0, per_seq=0.0, per_key=0.0)}
+    Profile("tiny", "float32", "cpu", 2, 64, steps, {1: 0.0}, 1e9, 1e-4, "test").save(profile)
+    folder = tmp_path_factory.mktemp("planner")
+    (port,) = free_ports(1)
+    planner = {"mode": "recommend", "interval_s": 1.0, "confirm": 2, "cooldown_s": 0, "port": port}
+    planner |= {"ttft_s": 5.0, "tpot_s": 0.5, "profile": str(profile)}
+    decode = [{"name": f"d{k}", "block_size": 16} for k in range(3)]
+    changes = {**MOCK, "engine": {**MOCK["engine"], "mock_profile": str(profile)}, "planner": planner}
+    changes |= {"decode": decode, "router": {"local_prefill_threshold": 0}}
+    c = Cluster(make_config(folder, "tiny-1p1d", model, changes), folder)
+    c.planner_url = f"http://127.0.0.1:{port}"
+    yield c
+    c.stop()
+
+
+def decisions(c: Cluster) -> list[dict]:
+    return httpx.get(f"{c.planner_url}/decisions", timeout=5).json()["decisions"]
+
+
+def test_long_prompts_make_the_planner_want_prefill_servers_and_recommending_changes_nothing(planned):
+    assert httpx.get(f"{planned.planner_url}/health", timeout=5).json()["instance"] == "planner"
+    stop = threading.Event()
+    client = planned.client()
+
+    def send() -> None:
+        while not stop.is_set():
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
+
+    senders = [threading.Thread(target=send) for _ in range(4)]
+    for t in senders:
+        t.start()
+    try:
+        wait_until(lambda: any(d["action"] == "switch" for d in decisions(planned)), timeout=60)
+    finally:
+        stop.set()
+        for t in senders:
+            t.join()
+    made = decisions(planned)
+    first = next(i for i, d in enumerate(made) if d["action"] == "switch")
+    switch = made[first]
+    assert switch["switch_to"] == "prefill" and (switch["prefill"], switch["decode"]) == (2, 2)
+    assert switch["instances"] == {"prefill": 1, "decode": 3} and switch["carried_out"] is None
+    assert switch["utilisation"]["prefill"] > switch["utilisation"]["decode"]
+    assert switch["load"]["prompt_tokens"] > 0 and "busiest role" in switch["reason"]
+    assert made[first - 1]["reason"].startswith("wanted 1/2")  # confirmed over two windows first
+    metrics = httpx.get(f"{planned.planner_url}/metrics", timeout=5).text
+    assert 'pdserve_planner_decisions_total{action="switch"}' in metrics
+    assert 'pdserve_planner_instances{role="decode"} 3.0' in metrics
+    workers = planned.http.get(f"{planned.router_url}/admin/workers").json()["workers"]
+    assert sorted((w["name"], w["role"]) for w in workers) == [
+        ("d0", "decode"),
+        ("d1", "decode"),
+        ("d2", "decode"),
+        ("p0", "prefill"),
+    ]
+    planned.wait_idle(5.0)
+    assert all(b["free"] == b["total"] for b in planned.blocks().values())
