@@ -21,7 +21,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "/metrics and /decisions on planner.port. `pdserve launch` starts it when planner.mode is not off.",
     )
     p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log this and above"
+    )
     p.add_argument("--launch-id", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
