@@ -102,14 +102,23 @@ class GenerationService:
         make_receiver: ReceiverFactory | None,
         faults: FaultInjector | None = None,
         tracing: Tracing | None = None,
+        *,
+        engine_thread: EngineThread | None = None,
+        role_epoch: int = 0,
     ) -> None:
+        """``engine_thread``: one already running ``engine``, which another role's service used (a role
+        switch in place, deploy/role_server.py): this service takes it over and leaves it running at
+        ``stop``. ``role_epoch``: reported on /health."""
         if (settings.role == "decode") != (make_receiver is not None):
             raise ValueError("a decode server needs a KV receiver, a colocated one has none")
         self.settings = settings
         self.faults = faults
-        self.engine_thread = EngineThread(
-            engine, self._emit, settings.name, between_steps=self._collect_transfers if make_receiver else None
-        )
+        self.role_epoch = role_epoch
+        self._owns_thread = engine_thread is None
+        if engine_thread is None:
+            engine_thread = EngineThread(engine, self._emit, settings.name)
+        engine_thread.rebind(self._emit, between_steps=self._collect_transfers if make_receiver else None)
+        self.engine_thread = engine_thread
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
         self.kv_events = engine.scheduler.blocks.events  # thread-safe: read by GET /kv/events
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
@@ -147,9 +156,17 @@ class GenerationService:
 
     async def stop(self) -> None:
         self.tracing.shutdown()
-        self.engine_thread.stop()
+        if self._owns_thread:
+            self.engine_thread.stop()
         if self._receiver is not None:
             self._receiver.close()
+
+    def quiet(self) -> bool:
+        """Nothing of a request is left here: no stream, no reservation waiting or being cancelled, no
+        transfer open, nothing on the engine (a role switch waits for it)."""
+        sizes = self.bookkeeping()
+        keys = ("active", "streams", "awaiting", "cancelling", "unfilled_claims", "receiver_transfers")
+        return not any(sizes[k] for k in (*keys, "engine_requests"))
 
     async def accept_sender(self, hello: bytes) -> list[bytes]:
         """Every rank's answer to a prefill rank's hello (one: a server without tensor-parallel ranks)."""
@@ -483,4 +500,5 @@ class GenerationService:
             num_requests=len(self._active),
             launch_id=self.settings.launch_id,
             model=self._model_id,
+            role_epoch=self.role_epoch,
         )

@@ -2,7 +2,7 @@
 
 The cluster YAML is read here, in deploy/, and each process's entry function
 gets only its frozen settings: ``RouterSettings`` for router/cli.py,
-``ServerSettings`` for prefill_server/cli.py and decode_server/cli.py. No
+``ServerSettings`` for deploy/role_server.py (either server, whose role can change in place). No
 package below deploy/ reads the cluster config itself.
 """
 
@@ -103,13 +103,13 @@ def run_router(args: argparse.Namespace) -> int:
 
 
 def run_prefill(args: argparse.Namespace) -> int:
-    from prefill_server.cli import run
+    from deploy.role_server import run
 
     return run(_confined(_server_settings(args, ("prefill",))), args.log_level)
 
 
 def run_decode(args: argparse.Namespace) -> int:
-    from decode_server.cli import run
+    from deploy.role_server import run
 
     return run(_confined(_server_settings(args, ("decode", "colocated"))), args.log_level)
 

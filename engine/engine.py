@@ -7,6 +7,7 @@ server owns it from one engine thread.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -18,7 +19,7 @@ import torch
 from transformers import AutoTokenizer
 
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
+from engine.config import EngineConfig, EngineMode
 from engine.contention import ThreadGovernor, schedstat_available
 from engine.kv_cache import KVCache, cache_heads
 from engine.loader import check_features, check_split, head_dim_of, load_config, load_model
@@ -264,6 +265,18 @@ class LLMEngine:
     def release(self, request_id: str) -> None:
         """Prefill mode: the held blocks of a prefilled request may be reused."""
         self.scheduler.release(request_id)
+
+    def set_mode(self, mode: EngineMode) -> None:
+        """The engine serves another role from now on (a role switch in place): a prefill engine parks
+        each prompt once computed, the others generate. Weights, KV cache and prefix cache stay. Only
+        while it holds no request (ValueError otherwise), and not with tensor-parallel ranks, which
+        hold their own transfer agents for the role they started in (ValueError)."""
+        if self.ranks is not None:
+            raise ValueError("a tensor-parallel engine keeps the role it started in")
+        if self.scheduler.requests:
+            raise ValueError(f"the engine still holds {len(self.scheduler.requests)} requests")
+        self.config = dataclasses.replace(self.config, mode=mode)
+        self.scheduler.config = dataclasses.replace(self.scheduler.config, mode=mode)
 
     def rank_problem(self) -> str | None:
         """Why a tensor-parallel engine cannot compute (one of its ranks exited); None otherwise.

@@ -118,12 +118,21 @@ class PrefillService:
         make_link: PrefillLinkFactory,
         faults: FaultInjector | None = None,
         tracing: Tracing | None = None,
+        *,
+        engine_thread: EngineThread | None = None,
+        role_epoch: int = 0,
     ) -> None:
+        """``engine_thread``: one already running ``engine``, which another role's service used (a role
+        switch in place, deploy/role_server.py): this service takes it over and leaves it running at
+        ``stop``. ``role_epoch``: reported on /health."""
         self.settings = settings
         self.faults = faults
-        self.engine_thread = EngineThread(
-            engine, self._on_outputs, settings.name, between_steps=self._collect_transfers, layer_hook=self._on_layer
-        )
+        self.role_epoch = role_epoch
+        self._owns_thread = engine_thread is None
+        if engine_thread is None:
+            engine_thread = EngineThread(engine, self._on_outputs, settings.name)
+        engine_thread.rebind(self._on_outputs, between_steps=self._collect_transfers, layer_hook=self._on_layer)
+        self.engine_thread = engine_thread
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
         self.kv_events = engine.scheduler.blocks.events  # thread-safe: read by GET /kv/events
         self.tracing = tracing or Tracing(settings.tracing, "pdserve-prefill")
@@ -152,8 +161,15 @@ class PrefillService:
 
     async def stop(self) -> None:
         self.tracing.shutdown()
-        self.engine_thread.stop()
+        if self._owns_thread:
+            self.engine_thread.stop()
         self._sender.close()
+
+    def quiet(self) -> bool:
+        """Nothing of a request is left here: no prefill pending, no job, no transfer open, nothing on
+        the engine (a role switch waits for it)."""
+        sizes = self.bookkeeping()
+        return not any(sizes[k] for k in ("jobs", "transfers", "pending", "sender_transfers", "engine_requests"))
 
     async def prefill(self, req: PrefillRequest) -> PrefillResult:
         if self.drain.draining:
@@ -392,4 +408,5 @@ class PrefillService:
             num_requests=self._pending,
             launch_id=self.settings.launch_id,
             model=self._model_id,
+            role_epoch=self.role_epoch,
         )

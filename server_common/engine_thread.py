@@ -74,9 +74,7 @@ class EngineThread:
     ) -> None:
         self._engine = engine
         self._rank_problem = engine.rank_problem  # safe from any thread (it asks the OS, not the engine)
-        self._on_outputs = on_outputs
-        self._between_steps = between_steps
-        self._layer_hook = layer_hook
+        self._hooks = (on_outputs, between_steps, layer_hook)  # replaced whole by ``rebind``
         self._calls: queue.Queue[tuple[Callable[[LLMEngine], Any], Future] | tuple[None, None]] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
@@ -85,7 +83,25 @@ class EngineThread:
         self.last_round = time.monotonic()  # when the loop last went round (between two steps at most)
         self._stepping = False  # inside engine.step()
 
+    def rebind(
+        self,
+        on_outputs: Callable[[LLMEngine, list[StepOutput]], None],
+        *,
+        between_steps: Callable[[LLMEngine], None] | None = None,
+        layer_hook: LayerHook | None = None,
+    ) -> None:
+        """Another service takes the engine (a role switch in place, deploy/role_server.py): the next
+        round calls these. One assignment, so a round sees either the old three or the new three; the
+        caller makes sure the engine holds no request of the old service."""
+        self._hooks = (on_outputs, between_steps, layer_hook)
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
     def start(self) -> None:
+        if self.started:  # a service that takes over a running engine thread (``rebind``)
+            return
         previous = threading.stack_size(ENGINE_STACK_BYTES)  # read by the thread's start alone
         try:
             self._thread.start()
@@ -155,14 +171,15 @@ class EngineThread:
         try:
             while not self._stopping.is_set():
                 self._run_calls(block=not engine.has_unfinished())
-                if self._between_steps is not None:
-                    self._between_steps(engine)
+                on_outputs, between_steps, layer_hook = self._hooks
+                if between_steps is not None:
+                    between_steps(engine)
                 if engine.has_unfinished():
                     self._stepping = True
-                    outputs = engine.step(self._layer_hook)
+                    outputs = engine.step(layer_hook)
                     self._stepping = False
                     if outputs:
-                        self._on_outputs(engine, outputs)
+                        on_outputs(engine, outputs)
                 self.stats = engine.stats()
                 self.last_round = time.monotonic()
         except BaseException as exc:

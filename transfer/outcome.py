@@ -44,6 +44,9 @@ class Outcome(StrEnum):
     PEER_BOUND = "peer_bound"  # a peer name is held by another live instance, or fixed by the config
     UNAUTHORIZED = "unauthorized"  # an internal call without the cluster's internal secret
     TOO_LARGE = "request_too_large"  # a request body over the server's cap
+    WRONG_ROLE = "wrong_role"  # a call for a role the instance no longer has (it switched: deploy/role_server.py)
+    STALE_EPOCH = "stale_epoch"  # a call addressed to an earlier role epoch of the instance
+    SWITCHING = "switch_in_progress"  # the instance is changing role; or a switch asked while one runs
 
     # -- the router's view of a worker
     UNREACHABLE = "unreachable"  # connection refused or reset

@@ -193,6 +193,7 @@ class HealthReport(Reply):
     num_requests: int
     launch_id: str | None = None  # the nonce of the `pdserve launch` that started it (None: started alone)
     model: str = ""  # server_common.model_id.model_fingerprint of the folder it serves
+    role_epoch: int = 0  # bumped by each role switch in place (deploy/role_server.py)
 
 
 class KvEventsReply(Reply):
