@@ -657,6 +657,9 @@ class PlannerConfig(Strict):
     """The planner's HTTP port: /health, /metrics, /decisions."""
     namespace: str = "default"
     """kubernetes: the namespace the instances' StatefulSets run in (`pdserve render k8s` names them)."""
+    routers: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+:\d{1,5}$")
+    """HOST:PORT resolved every interval, each address one router to read (on Kubernetes the routers' headless
+    Service, which `pdserve render k8s` sets); null: the router, or its replicas, as this file places them."""
 
 
 class ClusterConfig(Strict):

@@ -11,6 +11,16 @@ For a cluster named N (``kubernetes.name``, default ``pdserve-<config file stem>
     PodDisruptionBudget N-<role>      a node drain evicts one pod of a role at a time
     NetworkPolicy N-<role>            (kubernetes.network_policy) who may reach a role's pods
 
+and with ``planner.mode`` other than off (deploy/planner.py)::
+
+    Service      N-router-headless    one DNS address per ready router pod: the planner reads each
+    Deployment   N-planner            the planner, one replica
+    ServiceAccount, Role, RoleBinding N-planner
+                                      (planner.mode act, orchestrator kubernetes) get and patch on
+                                      statefulsets/scale of this cluster's prefill and decode
+                                      StatefulSets, by name, and nothing else; every other pod
+                                      mounts no service account token
+
 Every pod runs as user 10001 (deploy/Dockerfile's), with a read-only root
 file system (a writable emptyDir at /tmp, also HOME), no privilege escalation,
 no capabilities and the runtime's seccomp profile; each container's memory
@@ -150,6 +160,8 @@ def render(
     objects += [_headless_service(names, role, insts) for role, insts in _roles(cluster).items()]
     objects += [_statefulset(pods, role, inst) for role, insts in _roles(cluster).items() for inst in insts]
     objects += [_router_deployment(pods), _router_service(cluster, k8s, names)]
+    if cluster.planner.mode != "off":
+        objects += _planner_objects(pods)
     objects += [_disruption_budget(names, role) for role in [*_roles(cluster), "router"]]
     if k8s.network_policy:
         objects += [_network_policy(names, role, [i.port for i in insts]) for role, insts in _roles(cluster).items()]
@@ -254,6 +266,10 @@ def pod_cluster_yaml(raw: dict, cluster: ClusterConfig, names: _Names) -> str:
             for entry in data[role]
         ]
     data["model_cache"] = MODEL_CACHE
+    if cluster.planner.mode != "off":  # the planner reads every router pod, in the pods' namespace
+        planner = data.get("planner") or {}
+        data["planner"] = {**planner, "routers": f"{names.router}-headless:{cluster.router.port}"}
+        data["planner"]["namespace"] = names.k8s.namespace
     # HOST:PORT: a headless Service gives addresses, the port is the one each instance of the role serves on.
     data["discovery"] = {
         "kind": "dns",
@@ -461,6 +477,45 @@ def _router_deployment(pods: _PodParts) -> dict:
         "template": pods.template(labels, cluster.router.port, container, None),
     }
     return names.meta_object("apps/v1", "Deployment", names.router, labels, spec=spec)
+
+
+def _planner_objects(pods: _PodParts) -> list[dict]:
+    """The routers' headless Service, the planner's Deployment and, when it scales instances, its account."""
+    cluster, k8s, names = pods.cluster, pods.k8s, pods.names
+    name, port = f"{names.cluster}-planner", cluster.planner.port
+    headless = {
+        "clusterIP": "None",
+        "selector": names.selector("router"),
+        "ports": [{"name": "http", "port": cluster.router.port, "targetPort": "http", "protocol": "TCP"}],
+    }
+    objects = [names.meta_object("v1", "Service", f"{names.router}-headless", names.labels("router"), spec=headless)]
+    resources = {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "256Mi"}}
+    command = ["pdserve", "planner", "--config", CONFIG_FILE]
+    container = pods.container("planner", command, {"http": port}, resources, PROBE_PATH, env={})
+    labels = names.labels("planner")
+    template = pods.template(labels, port, container, None)
+    scales = cluster.planner.mode == "act" and cluster.planner.orchestrator == "kubernetes"
+    if scales:
+        template["spec"] |= {"serviceAccountName": name, "automountServiceAccountToken": True}
+        sets = [names.statefulset(i) for i in [*cluster.prefill, *cluster.decode]]
+        rule = {"apiGroups": ["apps"], "resources": ["statefulsets/scale"], "resourceNames": sets}
+        objects += [
+            names.meta_object("v1", "ServiceAccount", name, labels, automountServiceAccountToken=False),
+            names.meta_object(
+                "rbac.authorization.k8s.io/v1", "Role", name, labels, rules=[rule | {"verbs": ["get", "patch"]}]
+            ),
+            names.meta_object(
+                "rbac.authorization.k8s.io/v1",
+                "RoleBinding",
+                name,
+                labels,
+                roleRef={"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+                subjects=[{"kind": "ServiceAccount", "name": name, "namespace": k8s.namespace}],
+            ),
+        ]
+    spec = {"replicas": 1, "selector": {"matchLabels": names.selector("planner")}, "template": template}
+    objects.append(names.meta_object("apps/v1", "Deployment", name, labels, spec=spec))
+    return objects
 
 
 def _router_service(cluster: ClusterConfig, k8s: KubernetesConfig, names: _Names) -> dict:

@@ -208,9 +208,10 @@ def build(cluster: ClusterConfig, config_path: Path) -> PlannerLoop:
     secret = cluster.security.secret()
     replicas = cluster.router.replicas
     urls = [cluster.router_replica_url(k) for k in range(replicas)] if replicas > 1 else [cluster.router_url]
+    routers = Routers(urls, secret, dns=p.routers)
     act: PoolSwitch | InstanceScale | None = None
     if p.mode == "act" and orchestrator == "pool":
-        act = PoolSwitch(urls[0], secret)
+        act = PoolSwitch(cluster.router_url if p.routers is None else f"http://{p.routers}", secret)
     elif p.mode == "act":
         from deploy.k8s import cluster_name
 
@@ -220,7 +221,7 @@ def build(cluster: ClusterConfig, config_path: Path) -> PlannerLoop:
             "decode": [f"{name}-{i.name}" for i in cluster.decode],
         }
         act = InstanceScale(p.namespace, sets)
-    return PlannerLoop(Planner(settings, cost, shape, slo), Routers(urls, secret), slo, act)
+    return PlannerLoop(Planner(settings, cost, shape, slo), routers, slo, act)
 
 
 def serve(cluster: ClusterConfig, config_path: Path, launch_id: str | None) -> int:

@@ -12,6 +12,7 @@ restarted (a counter went down) contributes nothing to that window.
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 import httpx
@@ -110,12 +111,27 @@ class WorkerView:
 
 
 class Routers:
-    """Scrapes the routers; ``workers`` asks the first that answers (each router knows every worker)."""
+    """Scrapes the routers; ``workers`` asks the first that answers (each router knows every worker).
+    ``dns`` (HOST:PORT): the routers are the addresses HOST resolves to, looked up at every scrape (a
+    Kubernetes headless Service: one address per ready router pod), instead of ``urls``."""
 
-    def __init__(self, urls: list[str], secret: str | None, timeout_s: float = 5.0) -> None:
-        self.urls = urls
+    def __init__(self, urls: list[str], secret: str | None, timeout_s: float = 5.0, dns: str | None = None) -> None:
+        self._urls = urls
+        self.dns = dns
         headers = {"Authorization": f"Bearer {secret}"} if secret else {}
         self._http = httpx.Client(timeout=timeout_s, headers=headers)
+
+    @property
+    def urls(self) -> list[str]:
+        if self.dns is None:
+            return self._urls
+        host, port = self.dns.rsplit(":", 1)
+        try:
+            found = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError:
+            return []
+        addresses = sorted({str(a[4][0]) for a in found})
+        return [f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addresses]
 
     def scrape(self) -> dict[str, Snapshot]:
         """Every router that answers, by URL."""
