@@ -12,6 +12,17 @@ move to other decode servers at once (``Dispatcher.move_off``: migration,
 router/cluster/session.py), so it is empty within about a prefill of their
 tokens, not after the longest of them; with ``wait`` they finish where they are.
     POST   /admin/workers/{name}/resume    back in rotation
+    POST   /admin/workers/{name}/role {"role": R}
+                                           switch it in place to R (prefill, decode or colocated): out of
+                                           rotation, its requests finish or move, the worker's own
+                                           POST /admin/role drains it, keeps its engine and bumps its role
+                                           epoch (deploy/role_server.py), then it is discovered again in its
+                                           new role (router/cluster/discovery.py). Answers its description
+                                           with "role_epoch" and "seconds". 404: no such worker; 400: an
+                                           unknown role; 409: another switch is in flight
+                                           (switch_in_progress), or it is the last prefill or decode
+                                           server in rotation (no_prefill_left, no_decode_left); the
+                                           worker's own refusal (409) or failure (502) with its code.
 
 A worker can also drain itself (its own ``POST /admin/drain``, or SIGTERM);
 the router then sees ``draining`` in its health report. Admin calls need the
@@ -28,9 +39,15 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from router.cluster.discovery import Discovery, JoinRefused
+from router.cluster.discovery import Discovery, JoinRefused, SwitchRefused
 from router.cluster.registry import Worker, WorkerRegistry
 from router.errors import OpenAIError
+
+
+class RoleRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: str = Field(max_length=32)  # checked by Discovery.switch_role (400 names the roles)
 
 
 class JoinRequest(BaseModel):
@@ -53,6 +70,7 @@ def describe(w: Worker) -> dict:
         "reported_draining": w.reported_draining,
         "inflight": w.inflight,
         "max_inflight": w.max_inflight,
+        "role_epoch": w.role_epoch,
     }
 
 
@@ -115,3 +133,14 @@ def add_admin_routes(
         w = worker(name)
         w.set_draining(False)
         return JSONResponse(describe(w))
+
+    @app.post("/admin/workers/{name}/role", include_in_schema=False)
+    async def switch_role(name: str, body: RoleRequest, request: Request) -> JSONResponse:
+        authorize(request)
+        try:
+            done = await discovery().switch_role(name, body.role, move_off)
+        except SwitchRefused as exc:
+            param = {400: "role", 404: "name"}.get(exc.status)
+            raise OpenAIError(exc.status, str(exc), param=param, code=exc.reason) from None
+        figures = {"seconds": round(done["seconds"], 4), "server_seconds": done["server_seconds"]}
+        return JSONResponse(describe(done["worker"]) | figures)

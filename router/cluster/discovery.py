@@ -20,6 +20,16 @@ server that left is forgotten by every prefill server too
 held for it (NIXL remote agent and descriptor lists, ZeroMQ socket), so a
 replacement at the same name or address is met afresh and churn does not
 grow memory.
+
+Switching a worker's role in place (``switch_role``, the admin API's
+``POST /admin/workers/{name}/role``): the worker leaves rotation and its
+requests finish or move (as a leave), a decode server is forgotten by every
+prefill server, the worker's own ``POST /admin/role`` switches it
+(deploy/role_server.py: it drains, keeps its engine, bumps its role epoch),
+and it is discovered again from its ``/health`` as a worker of its new role:
+a new decode server is announced to the prefill servers, a new prefill
+server is told every decode server. One switch at a time; none that would
+leave no prefill or no decode server in rotation.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from functools import partial
 
@@ -40,6 +51,18 @@ from wire.names import INSTANCE_NAME, is_instance_name
 log = logging.getLogger(__name__)
 ROLES: dict[str, WorkerRole] = {"prefill": "prefill", "decode": "decode", "colocated": "decode"}
 Resolve = Callable[[str], Awaitable[list[str]]]  # host -> its addresses now
+
+
+SWITCH_ROLES = ("prefill", "decode", "colocated")
+SWITCH_CALL_MARGIN_S = 30.0  # the worker's own drain is bounded by its drain_timeout_s; this on top
+
+
+class SwitchRefused(Exception):
+    """A role switch refused or failed: ``status`` (400, 404, 409, 502) and ``reason`` (the error code)."""
+
+    def __init__(self, status: int, reason: str, why: str) -> None:
+        super().__init__(why)
+        self.status, self.reason = status, reason
 
 
 class JoinRefused(Exception):
@@ -82,10 +105,12 @@ class Discovery:
         self._resolve = resolve
         self._leaving: dict[str, asyncio.Task] = {}
         self.found: dict[str, str] = {}  # url -> worker name, of the workers DNS found
+        self.switching: str | None = None  # the worker whose role is being switched (one at a time)
 
     # ---- joining ------------------------------------------------------------------------
-    async def join(self, url: str) -> Worker:
-        """Ask the worker at ``url`` who it is and add it; raises ``JoinRefused``."""
+    async def join(self, url: str, like: Worker | None = None) -> Worker:
+        """Ask the worker at ``url`` who it is and add it; raises ``JoinRefused``. ``like``: the worker it
+        was before a role switch, whose in-flight limit and origin it keeps."""
         url = url.rstrip("/")
         try:
             report = (await self._http.get(f"{url}/health", timeout=5.0)).json()
@@ -102,6 +127,9 @@ class Discovery:
                 return known
             raise self._refused(url, "name_in_use", f"worker name {name!r} is in use by {known.url}")
         worker = Worker(name, role, url, max_inflight=self._settings.max_inflight, discovered=True)
+        if like is not None:
+            worker.max_inflight, worker.discovered = like.max_inflight, like.discovered
+            worker.apply_health(report)  # its role epoch, sent with its calls from the first one
         if role == "decode":
             await self._tell_prefills("POST", "/admin/peers", {"name": name, "url": url})
         else:
@@ -134,6 +162,69 @@ class Discovery:
         self._metrics.workers_left.inc()
         log.info("worker %s (%s) left", name, worker.url)
         return worker
+
+    # ---- switching a role ---------------------------------------------------------------
+    async def switch_role(self, name: str, role: str, move_off: Callable[[str], int] | None = None) -> dict:
+        """Switch worker ``name`` to ``role`` in place (see the module); its new description's fields
+        and the seconds it took. ``move_off(name)`` migrates a decode server's streams (None: they
+        finish there). Raises ``SwitchRefused``."""
+        if role not in SWITCH_ROLES:
+            raise SwitchRefused(400, "unknown_role", f"unknown role {role[:32]!r}: one of {list(SWITCH_ROLES)}")
+        worker = self._registry.find(name)
+        if worker is None:
+            raise SwitchRefused(404, "unknown_worker", f"no worker named {name!r}")
+        if self.switching is not None:
+            raise SwitchRefused(409, "switch_in_progress", f"worker {self.switching!r} is switching role now")
+        if ROLES[role] != worker.role:
+            others = [w for w in self._registry.healthy(worker.role) if w is not worker]
+            if not others:
+                why = f"it is the last {worker.role} server in rotation: the cluster would have none"
+                raise SwitchRefused(409, f"no_{worker.role}_left", why)
+        self.switching = name
+        try:
+            return await self._switch(worker, role, move_off)
+        finally:
+            self.switching = None
+
+    async def _switch(self, worker: Worker, role: str, move_off: Callable[[str], int] | None) -> dict:
+        started = time.monotonic()
+        worker.set_draining(True)  # out of rotation first: nothing migrates back onto it
+        if move_off is not None:
+            move_off(worker.name)
+        await self._registry.drain(worker, self._drain_timeout_s)
+        if worker.role == "decode":
+            await self._tell_prefills("DELETE", f"/admin/peers/{worker.name}")
+        try:
+            resp = await self._http.post(
+                f"{worker.url}/admin/role", json={"role": role}, timeout=self._drain_timeout_s + SWITCH_CALL_MARGIN_S
+            )
+            answer = resp.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            answer, resp = {"error": repr(exc), "code": "unreachable"}, None
+        # Whatever it answered, it is discovered again as it reports itself now (a failed switch left
+        # it in its old role, or in its configured one if it died and was started again).
+        rejoined = await self._rejoin(worker)
+        if resp is None or resp.status_code != 200:
+            status = resp.status_code if resp is not None and resp.status_code in (400, 409) else 502
+            why = f"worker {worker.name!r} did not switch: {str(answer.get('error', answer))[:300]}"
+            raise SwitchRefused(status, str(answer.get("code", "switch_failed"))[:40], why)
+        if rejoined is None:
+            raise SwitchRefused(502, "rejoin_failed", f"worker {worker.name!r} switched but did not join again")
+        seconds = time.monotonic() - started
+        log.info("worker %s switched to %s (role epoch %s) in %.2f s", worker.name, role, rejoined.role_epoch, seconds)
+        return {"worker": rejoined, "seconds": seconds, "server_seconds": answer.get("seconds")}
+
+    async def _rejoin(self, worker: Worker) -> Worker | None:
+        """Forget ``worker`` and discover it again at its address (its role and epoch as it reports
+        them now); back in rotation once its health checks pass. None (and it stays as it was, out of
+        rotation) when it does not answer as a worker of this cluster."""
+        self._registry.forget(worker.name)
+        try:
+            return await self.join(worker.url, like=worker)
+        except JoinRefused as exc:
+            log.warning("worker %s did not join again after its role switch: %s", worker.name, exc)
+            self._registry.add(worker)
+            return None
 
     # ---- DNS ------------------------------------------------------------------------
     async def run(self) -> None:

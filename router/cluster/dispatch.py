@@ -34,8 +34,17 @@ log = logging.getLogger(__name__)
 
 # A decode server that answered with one of these did not take the request: try another one.
 TRY_ANOTHER_DECODE = frozenset(
-    {Outcome.UNREACHABLE, Outcome.TIMED_OUT, Outcome.NO_ROOM, Outcome.DRAINING, Outcome.ENGINE_DOWN}
+    {
+        Outcome.UNREACHABLE,
+        Outcome.TIMED_OUT,
+        Outcome.NO_ROOM,
+        Outcome.DRAINING,
+        Outcome.ENGINE_DOWN,
+        Outcome.WRONG_ROLE,  # it switched role (deploy/role_server.py): out until it joins in its new one
+        Outcome.STALE_EPOCH,
+    }
 )
+TAKEN_OUT = frozenset(TRY_ANOTHER_DECODE - {Outcome.NO_ROOM})
 
 
 class KVShareExceeded(OpenAIError):
@@ -276,7 +285,7 @@ class Dispatcher:
                 stream = await self.client.open_decode(worker, req.model_copy(update={"local_prefill": here}))
             except WorkerFailed as exc:
                 slot.cancel()
-                if exc.outcome in (Outcome.UNREACHABLE, Outcome.TIMED_OUT, Outcome.DRAINING, Outcome.ENGINE_DOWN):
+                if exc.outcome in TAKEN_OUT:
                     # Out of rotation now (or counted): while it is busy, no health check would tell.
                     self.health.failed(worker, exc)
                 elif exc.outcome in TRY_ANOTHER_DECODE:

@@ -28,7 +28,9 @@ from router.cluster.registry import Worker, WorkerRegistry
 from router.cluster.worker_client import WorkerFailed
 from transfer.outcome import Outcome
 
-LEAVES_AT_ONCE = frozenset({Outcome.UNREACHABLE, Outcome.ENGINE_DOWN, Outcome.DRAINING})
+LEAVES_AT_ONCE = frozenset(
+    {Outcome.UNREACHABLE, Outcome.ENGINE_DOWN, Outcome.DRAINING, Outcome.WRONG_ROLE, Outcome.STALE_EPOCH}
+)
 COUNTED = frozenset({Outcome.TIMED_OUT, Outcome.STREAM_CUT, Outcome.WORKER_ERROR})
 
 

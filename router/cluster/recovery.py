@@ -44,6 +44,8 @@ MIGRATES = frozenset(
         Outcome.WORKER_ERROR,
         Outcome.ENGINE_DOWN,
         Outcome.DRAINING,
+        Outcome.WRONG_ROLE,
+        Outcome.STALE_EPOCH,
     }
 )
 

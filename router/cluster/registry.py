@@ -66,6 +66,7 @@ class Worker:
     draining: bool = False  # drained through the router's admin endpoint
     full_until: float = 0.0  # monotonic time until which a "no room" answer is trusted
     discovered: bool = False  # joined at runtime (router/cluster/discovery.py): another launch may have started it
+    role_epoch: int | None = None  # its role epoch (deploy/role_server.py), sent with each call; None: not reported
 
     @property
     def in_rotation(self) -> bool:
@@ -138,6 +139,8 @@ class Worker:
         self.queue_depth = int(report.get("queue_depth", 0))
         self.queued_tokens = int(report.get("queued_tokens", 0))
         self.reported_draining = report.get("status") == "draining"
+        epoch = report.get("role_epoch")
+        self.role_epoch = epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None
         self.total_blocks = int(blocks.get("total", 0))
         self.block_size = int(blocks.get("block_size", 0))
 
@@ -224,6 +227,12 @@ class WorkerRegistry:
                     self.launch_id,
                     worker.name,
                 )
+            reported = report.get("role")
+            if not foreign and reported is not None and {"colocated": "decode"}.get(reported, reported) != worker.role:
+                # It switched role without this router (its own POST /admin/role, or a restart in its configured
+                # role after a switch): out until it joins again in its role (router/admin.py, .../role).
+                self.mark_down(worker, f"it reports role {str(reported)[:16]!r}, not {worker.role}")
+                return
             if foreign:
                 self.mark_down(
                     worker,

@@ -31,6 +31,7 @@ from pydantic import ValidationError
 from router.cluster.registry import Worker
 from router.settings import RouterSettings
 from transfer.outcome import KV_NEVER_ARRIVED, Outcome
+from wire.names import ROLE_EPOCH_HEADER
 from wire.replies import (
     DECODE_EVENT,
     AliveEvent,
@@ -101,6 +102,19 @@ def _unreachable(worker: Worker, exc: httpx.HTTPError, what: str = "") -> Worker
     )
 
 
+# A server that switched role (deploy/role_server.py) refused the call before it touched anything.
+ROLE_REFUSALS = frozenset({Outcome.WRONG_ROLE, Outcome.STALE_EPOCH})
+
+
+def _role_headers(worker: Worker) -> dict[str, str]:
+    """The JSON content type, and the role epoch this router last saw the worker in (when it reports one):
+    a worker in another epoch refuses the call (409 ``stale_epoch``) instead of serving it in a new role."""
+    headers = {"content-type": "application/json"}
+    if worker.role_epoch is not None:
+        headers[ROLE_EPOCH_HEADER] = str(worker.role_epoch)
+    return headers
+
+
 def _ignore(worker: Worker) -> None:
     pass
 
@@ -128,7 +142,7 @@ def _refusal(
         worker,
         f"HTTP {resp.status_code}: {reply.error}",
         reply.code,
-        never_reached=never_reached,
+        never_reached=never_reached or reply.code in ROLE_REFUSALS,
         retry_after=retry_after,
     )
 
@@ -260,7 +274,7 @@ class WorkerClient:
             "POST",
             f"{worker.url}/generate",
             content=req.model_dump_json(),
-            headers={"content-type": "application/json"},
+            headers=_role_headers(worker),
             timeout=httpx.Timeout(10.0, read=self._stream_stall_s),
         )
         try:
@@ -306,7 +320,7 @@ class WorkerClient:
             resp = await self._http.post(
                 f"{worker.url}/prefill",
                 content=req.model_dump_json(),
-                headers={"content-type": "application/json"},
+                headers=_role_headers(worker),
                 timeout=self._prefill_timeout_s,
             )
         except httpx.HTTPError as exc:
