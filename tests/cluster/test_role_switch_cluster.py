@@ -3,10 +3,15 @@
 becomes a decode server and back, and a decode server a prefill server and back, with no failed
 request, every answer the transformers greedy reference, and every KV block back on every server
 after; each switch's time is printed. Bad input: 404, 400, and 409 for a switch that would leave
-no decode server."""
+no decode server. A server killed after a switch comes back in its configured role: the router
+takes it out (its role is not the router's view) until a switch through the router finds it
+again."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import statistics
 import threading
 
@@ -127,4 +132,30 @@ def test_bad_switches_are_refused_with_the_reason(cluster, tiny_model):
     switch(cluster, "d1", "decode")
     out = cluster.client().completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
     assert (out.choices[0].text, out.usage.completion_tokens) == expected_completion(tiny_model, PROMPTS[0], MAX_TOKENS)
+    wait_until(lambda: all_blocks_back(cluster), 10, "every KV block is back on every server")
+
+
+def test_a_server_restarted_in_its_configured_role_is_found_again_by_a_switch(cluster, tiny_model):
+    switch(cluster, "p1", "decode")
+    os.kill(cluster.server("p1")["pid"], signal.SIGKILL)  # its supervisor starts it again as configured
+
+    def restarted() -> bool:
+        path = cluster.run_dir / "restarts.json"
+        done = json.loads(path.read_text())["restarts"] if path.exists() else []
+        return any(r["name"] == "p1" and r["back_after_s"] is not None for r in done)
+
+    wait_until(restarted, 90, "the launcher restarted p1")
+    health = cluster.http.get(f"{cluster.server('p1')['url']}/health").json()
+    assert (health["role"], health["role_epoch"]) == ("prefill", 0)
+
+    def p1() -> dict:
+        workers = cluster.http.get(f"{cluster.router_url}/admin/workers").json()["workers"]
+        return next(w for w in workers if w["name"] == "p1")
+
+    wait_until(lambda: not p1()["healthy"], 30, "the router takes out a worker that reports another role")
+    body = switch(cluster, "p1", "prefill")  # the server is a prefill server already: found again
+    assert (body["role"], body["role_epoch"]) == ("prefill", 0)
+    wait_until(lambda: p1()["in_rotation"], 30, "p1 back in rotation as a prefill server")
+    out = cluster.client().completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
+    assert (out.choices[0].text, out.usage.completion_tokens) == expected_completion(tiny_model, PROMPTS[1], MAX_TOKENS)
     wait_until(lambda: all_blocks_back(cluster), 10, "every KV block is back on every server")
