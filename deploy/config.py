@@ -643,7 +643,8 @@ class PlannerConfig(Strict):
     max_decode: int = Field(default=8, ge=1)
     """Decode servers the planner never goes above (kubernetes; at most the decode instances listed)."""
     target_utilisation: float = Field(default=0.8, gt=0, le=1)
-    """kubernetes: each role gets its demand (in servers' worth) over this, rounded up."""
+    """kubernetes: each role gets its demand (in servers' worth) over this, rounded up; pool: while the busier
+    role's utilisation is below it, no switch."""
     hysteresis: float = Field(default=0.15, ge=0, lt=1)
     """pool: a switch must lower the busier role's utilisation by at least this share."""
     confirm: int = Field(default=2, ge=1)

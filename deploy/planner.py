@@ -18,8 +18,10 @@ Two ways to act:
 * ``pool`` (``pdserve launch``: a fixed set of instances). The planner moves
   one instance at a time between the roles (a live role switch,
   router/admin.py) to the split that minimises the busier role's
-  utilisation, and only when that lowers it by ``hysteresis`` (a share of
-  the current figure), the same move was wanted ``confirm`` intervals in a
+  utilisation, and only when that role is above ``target_utilisation``
+  (below it every role has room, and a switch would only cost its
+  drain), the move lowers it by ``hysteresis`` (a share of the current
+  figure), the same move was wanted ``confirm`` intervals in a
   row, ``cooldown_s`` passed since the last move, and no switch is in
   flight. A role never drops below its ``min_*``.
 * ``scale`` (Kubernetes): each role's count is its demand over
@@ -135,7 +137,7 @@ class PlannerSettings:
     min_decode: int = 1
     max_prefill: int = 8  # scale only
     max_decode: int = 8  # scale only
-    target_utilisation: float = 0.8  # scale: a role gets demand / this, rounded up
+    target_utilisation: float = 0.8  # scale: a role gets demand / this, rounded up; pool: no move below it
     hysteresis: float = 0.15  # pool: a move must lower the busier role's utilisation by this share
     confirm: int = 2  # intervals in a row that must want the same change
     cooldown_s: float = 30.0  # after a change, before the next one (scale: before shrinking)
@@ -207,6 +209,9 @@ class Planner:
             return Decision(now, "hold", prefill, decode, f"{total} instances cannot hold the roles' minimums")
         best = min(choices, key=lambda p: (round(busiest(p), 9), abs(p - prefill)))
         now_u, best_u = busiest(min(max(prefill, s.min_prefill), total - s.min_decode)), busiest(best)
+        if now_u <= s.target_utilisation:
+            self._forget()
+            return Decision(now, "hold", prefill, decode, f"every role has room (busiest at {now_u:.2f})")
         if best == prefill or now_u - best_u <= s.hysteresis * now_u:
             self._forget()
             why = "balanced" if best == prefill else f"{best}P{total - best}D would gain under {s.hysteresis:.0%}"

@@ -20,23 +20,59 @@ pytestmark = pytest.mark.integration
 PROMPT = "one two three four five six seven eight " * 40  # about 320 tokens: 0.3 s of prefill a prompt
 
 
-@pytest.fixture(scope="module")
-def planned(tmp_path_factory, tiny_model):
+def start(tmp_path_factory, tiny_model, mode: str) -> Cluster:
+    """1P3D of mock engines whose prefill costs 1 ms a token, with the planner in ``mode``."""
     model = weightless(tiny_model, tmp_path_factory.mktemp("weightless") / "tiny")
     profile = tmp_path_factory.mktemp("profile") / "profile.json"
     steps = {1: StepCost(base=0.002, per_token=0.001, per_attn=0.0, per_seq=0.0, per_key=0.0)}
     Profile("tiny", "float32", "cpu", 2, 64, steps, {1: 0.0}, 1e9, 1e-4, "test").save(profile)
     folder = tmp_path_factory.mktemp("planner")
     (port,) = free_ports(1)
-    planner = {"mode": "recommend", "interval_s": 1.0, "confirm": 2, "cooldown_s": 0, "port": port}
+    planner = {"mode": mode, "interval_s": 1.0, "confirm": 2, "cooldown_s": 0, "port": port}
     planner |= {"ttft_s": 5.0, "tpot_s": 0.5, "profile": str(profile)}
     decode = [{"name": f"d{k}", "block_size": 16} for k in range(3)]
     changes = {**MOCK, "engine": {**MOCK["engine"], "mock_profile": str(profile)}, "planner": planner}
     changes |= {"decode": decode, "router": {"local_prefill_threshold": 0}}
     c = Cluster(make_config(folder, "tiny-1p1d", model, changes), folder)
     c.planner_url = f"http://127.0.0.1:{port}"
+    return c
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory, tiny_model):
+    c = start(tmp_path_factory, tiny_model, "recommend")
     yield c
     c.stop()
+
+
+class LongPrompts:
+    """Clients sending long prompts for 2 tokens each until stopped; what failed is kept."""
+
+    def __init__(self, c: Cluster, clients: int = 4) -> None:
+        self.stop = threading.Event()
+        self.failures: list[str] = []
+        self.answers = 0
+        self.client = c.client()
+        self.threads = [threading.Thread(target=self._send) for _ in range(clients)]
+
+    def _send(self) -> None:
+        while not self.stop.is_set():
+            try:
+                r = self.client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
+                assert r.usage.completion_tokens == 2
+                self.answers += 1
+            except Exception as exc:  # every failure is reported by the test
+                self.failures.append(repr(exc))
+
+    def __enter__(self) -> LongPrompts:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(60)
 
 
 def decisions(c: Cluster) -> list[dict]:
@@ -45,22 +81,9 @@ def decisions(c: Cluster) -> list[dict]:
 
 def test_long_prompts_make_the_planner_want_prefill_servers_and_recommending_changes_nothing(planned):
     assert httpx.get(f"{planned.planner_url}/health", timeout=5).json()["instance"] == "planner"
-    stop = threading.Event()
-    client = planned.client()
-
-    def send() -> None:
-        while not stop.is_set():
-            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, temperature=0)
-
-    senders = [threading.Thread(target=send) for _ in range(4)]
-    for t in senders:
-        t.start()
-    try:
+    with LongPrompts(planned) as load:
         wait_until(lambda: any(d["action"] == "switch" for d in decisions(planned)), timeout=60)
-    finally:
-        stop.set()
-        for t in senders:
-            t.join()
+    assert load.failures == []
     made = decisions(planned)
     first = next(i for i, d in enumerate(made) if d["action"] == "switch")
     switch = made[first]
@@ -81,3 +104,23 @@ def test_long_prompts_make_the_planner_want_prefill_servers_and_recommending_cha
     ]
     planned.wait_idle(5.0)
     assert all(b["free"] == b["total"] for b in planned.blocks().values())
+
+
+def test_acting_the_planner_switches_decode_servers_to_prefill_under_load_and_fails_nothing(
+    tmp_path_factory, tiny_model
+):
+    c = start(tmp_path_factory, tiny_model, "act")
+    try:
+        with LongPrompts(c) as load:
+            wait_until(lambda: any((d["carried_out"] or "").startswith("switched") for d in decisions(c)), 90)
+        carried = [d["carried_out"] for d in decisions(c) if d["carried_out"]]
+        made = [(d["action"], d["reason"], d["carried_out"]) for d in decisions(c)]
+        assert carried and all(d.startswith("switched d") and d.endswith(" to prefill") for d in carried), made
+        workers = c.http.get(f"{c.router_url}/admin/workers").json()["workers"]
+        roles = sorted(w["role"] for w in workers if w["in_rotation"])
+        assert roles.count("prefill") == 1 + len(carried) and len(roles) == 4
+        assert load.failures == [] and load.answers > 0
+        c.wait_idle(10.0)
+        assert all(b["free"] == b["total"] for b in c.blocks().values())
+    finally:
+        c.stop()

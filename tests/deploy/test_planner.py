@@ -60,9 +60,16 @@ def test_a_pool_moves_one_instance_at_a_time_toward_the_split_the_load_asks_for(
     assert switches == [(1, "prefill"), (4, "prefill")]
     assert counts[-1] == (3, 1)
     assert decisions[2].reason.startswith("wanted 1/2") and decisions[3].reason.startswith("cooling down 5 s")
-    assert decisions[-1].reason.startswith("balanced")
-    counts, _ = run(planner, [load(*OUTPUT_HEAVY)] * 12, *counts[-1], start=1000.0)
-    assert counts[-1] == (1, 3)
+    assert decisions[-1].reason == "every role has room (busiest at 0.61)"
+    counts, decisions = run(planner, [load(*OUTPUT_HEAVY)] * 12, *counts[-1], start=1000.0)
+    assert counts[-1] == (2, 2)  # decode at 0.79 of its servers there: under the target, so no further move
+    assert decisions[-1].reason == "every role has room (busiest at 0.79)"
+
+
+def test_a_light_load_moves_nothing_however_lopsided():
+    planner = Planner(PlannerSettings(confirm=1, cooldown_s=0), COST, SHAPE, SLO)
+    counts, decisions = run(planner, [load(0.5, 100, 400)] * 5, prefill=3, decode=1)
+    assert counts[-1] == (3, 1) and decisions[-1].reason.startswith("every role has room")
 
 
 def test_a_steady_noisy_load_settles_and_then_never_switches():
