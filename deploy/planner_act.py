@@ -42,8 +42,9 @@ class PoolSwitch:
             raise ActError(f"no {source} server in rotation to become {to}")
         return candidates[0]
 
-    def apply(self, decision: Decision, workers: list[WorkerView]) -> str:
-        """Switch one instance; its name. Answers after the router says the switch is done."""
+    def apply(self, decision: Decision, workers: list[WorkerView]) -> tuple[str, float]:
+        """Switch one instance; its name and the seconds the switch took, as the router measured them.
+        Answers after the router says the switch is done."""
         assert decision.action == "switch" and decision.switch_to is not None
         w = self.donor(workers, decision.switch_to)
         try:
@@ -52,7 +53,11 @@ class PoolSwitch:
             raise ActError(f"switching {w.name} to {decision.switch_to}: {exc}") from None
         if r.status_code != 200:
             raise ActError(f"switching {w.name} to {decision.switch_to}: {r.status_code} {r.text[:300]}")
-        return w.name
+        try:
+            seconds = float(r.json()["seconds"])
+        except (ValueError, KeyError, TypeError):
+            seconds = float("nan")  # switched; the router did not say how long it took
+        return w.name, seconds
 
     def close(self) -> None:
         self._http.close()

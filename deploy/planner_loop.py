@@ -111,7 +111,8 @@ class PlannerLoop:
             if isinstance(self.act, PoolSwitch):
                 if decision.action != "switch":
                     return None
-                return f"switched {self.act.apply(decision, workers)} to {decision.switch_to}"
+                name, seconds = self.act.apply(decision, workers)
+                return f"switched {name} to {decision.switch_to} in {seconds:.2f} s"
             if decision.action != "scale":
                 return None
             return f"scaled {self.act.apply(decision)}"

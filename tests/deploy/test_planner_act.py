@@ -129,7 +129,12 @@ class Router:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 router.calls.append((self.path, self.headers.get("Authorization", ""), body))
-                data = json.dumps({"error": {"message": "a switch is in flight"}} if status != 200 else {}).encode()
+                answer = (
+                    {"name": "d1", "seconds": 1.25}
+                    if status == 200
+                    else {"error": {"message": "a switch is in flight"}}
+                )
+                data = json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
@@ -156,7 +161,7 @@ def test_a_switch_takes_the_least_busy_donor_in_rotation_and_names_the_route():
     router = Router(200)
     try:
         switch = PoolSwitch(router.url, "s3cret")
-        assert switch.apply(Decision(0.0, "switch", 2, 2, "r", switch_to="prefill"), WORKERS) == "d1"
+        assert switch.apply(Decision(0.0, "switch", 2, 2, "r", switch_to="prefill"), WORKERS) == ("d1", 1.25)
         assert router.calls == [("/admin/workers/d1/role", "Bearer s3cret", {"role": "prefill"})]
         with pytest.raises(ActError, match="no prefill server in rotation to become decode"):
             switch.apply(Decision(0.0, "switch", 0, 4, "r", switch_to="decode"), WORKERS[1:])
