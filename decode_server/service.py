@@ -115,10 +115,7 @@ class GenerationService:
         self.faults = faults
         self.role_epoch = role_epoch
         self._owns_thread = engine_thread is None
-        if engine_thread is None:
-            engine_thread = EngineThread(engine, self._emit, settings.name)
-        engine_thread.rebind(self._emit, between_steps=self._collect_transfers if make_receiver else None)
-        self.engine_thread = engine_thread
+        self.engine_thread = engine_thread or EngineThread(engine, self._emit, settings.name)
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
         self.kv_events = engine.scheduler.blocks.events  # thread-safe: read by GET /kv/events
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
@@ -140,6 +137,8 @@ class GenerationService:
         # end at once with a "draining" error, on which the router continues them on another decode server.
         self.drain = Drain(lambda: len(self._active), self._move_streams if settings.drain == "migrate" else None)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Last: a running engine thread (another role's, before) calls these from its next round on.
+        self.engine_thread.rebind(self._emit, between_steps=self._collect_transfers if make_receiver else None)
 
     @property
     def _streams(self) -> StreamHub:

@@ -129,10 +129,7 @@ class PrefillService:
         self.faults = faults
         self.role_epoch = role_epoch
         self._owns_thread = engine_thread is None
-        if engine_thread is None:
-            engine_thread = EngineThread(engine, self._on_outputs, settings.name)
-        engine_thread.rebind(self._on_outputs, between_steps=self._collect_transfers, layer_hook=self._on_layer)
-        self.engine_thread = engine_thread
+        self.engine_thread = engine_thread or EngineThread(engine, self._on_outputs, settings.name)
         self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
         self.kv_events = engine.scheduler.blocks.events  # thread-safe: read by GET /kv/events
         self.tracing = tracing or Tracing(settings.tracing, "pdserve-prefill")
@@ -154,6 +151,8 @@ class PrefillService:
         self._aborted = RecentIds(REMEMBER_ABORTED)  # recently aborted request ids; engine thread only
         self._pending = 0  # requests between /prefill and their answer (event loop only)
         self.drain = Drain(lambda: self._pending)  # draining: new prefills are refused, pending ones finish
+        # Last: a running engine thread (another role's, before) calls these from its next round on.
+        self.engine_thread.rebind(self._on_outputs, between_steps=self._collect_transfers, layer_hook=self._on_layer)
 
     async def start(self) -> None:
         self._sender.start()

@@ -166,3 +166,18 @@ def test_the_engine_refuses_a_mode_change_while_it_holds_requests(tiny_model):
     engine.abort("r")
     engine.set_mode("prefill")
     assert engine.config.mode == engine.scheduler.config.mode == "prefill"
+
+
+def test_a_shutting_down_server_does_not_switch_and_its_drain_follows_the_current_role(tiny_model):
+    server = role_server(tiny_model, "colocated")
+
+    async def main() -> None:
+        async with Lifespan(server), client(server) as http:
+            assert (await http.post("/admin/role", json={"role": "decode"})).status_code == 200
+            server.drain.start()  # what SIGTERM does (server_common.run.DrainingServer)
+            assert server.service.drain.draining and (await http.get("/health")).json()["status"] == "draining"
+            refused = await http.post("/admin/role", json={"role": "prefill"})
+            assert (refused.status_code, refused.json()["code"]) == (503, "draining")
+            assert await server.drain.wait_idle(1.0)
+
+    asyncio.run(main())

@@ -1,7 +1,8 @@
 """router/cluster/discovery.py's role switch with scripted workers (httpx MockTransport): the calls it
 makes and in which order, the worker discovered again in its new role and epoch, and the refusals
 (unknown worker or role, the last server of a role, a switch while one is in flight, a worker that
-refuses)."""
+refuses); the role epoch sent with the router's calls, and a worker that reports another role
+taken out of rotation."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ import pytest
 
 from router.cluster.discovery import Discovery, SwitchRefused
 from router.cluster.registry import Worker, WorkerRegistry
+from router.cluster.worker_client import WorkerClient, WorkerFailed
 from router.metrics import RouterMetrics
 from router.settings import DiscoverySettings
 from tests.waiting import until
+from wire.names import ROLE_EPOCH_HEADER
+from wire.requests import GenerateRequest
 
 MODEL = "m0del"
 URLS = {"p0": "http://10.0.0.1:8100", "p1": "http://10.0.0.2:8100", "d0": "http://10.0.0.3:8200"}
@@ -133,3 +137,39 @@ def test_a_worker_that_refuses_stays_in_its_role_and_comes_back_into_rotation():
         assert (worker.role, worker.role_epoch, worker.in_rotation) == ("prefill", 0, True)
 
     run(servers, scenario)
+
+
+def test_calls_carry_the_role_epoch_the_router_last_saw_and_a_stale_answer_is_a_refusal():
+    seen: list[str | None] = []
+
+    def server(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get(ROLE_EPOCH_HEADER))
+        return httpx.Response(409, json={"error": "d0 is in role epoch 3 (decode)", "code": "stale_epoch"})
+
+    async def main() -> WorkerFailed:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
+            client = WorkerClient(http, prefill_timeout_s=5.0)
+            worker = Worker("d0", "decode", URLS["d0"])
+            request = GenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling={"max_tokens": 2})
+            with pytest.raises(WorkerFailed):
+                await client.open_decode(worker, request)  # no epoch reported yet: no header
+            worker.apply_health({"role_epoch": 2})
+            with pytest.raises(WorkerFailed) as refused:
+                await client.open_decode(worker, request)
+            return refused.value
+
+    refused = asyncio.run(main())
+    assert seen == [None, "2"]
+    assert (refused.outcome, refused.never_reached) == ("stale_epoch", True)
+
+
+def test_a_worker_reporting_another_role_is_taken_out_of_rotation():
+    servers = Servers({"p0": "prefill", "p1": "decode", "d0": "decode"})  # p1 switched without this router
+    registry = WorkerRegistry([Worker(n, "decode" if n == "d0" else "prefill", URLS[n]) for n in ("p0", "p1", "d0")])
+
+    async def main() -> None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(servers)) as http:
+            await registry.check_once(http)
+
+    asyncio.run(main())
+    assert {w.name: w.healthy for w in registry.workers} == {"p0": True, "p1": False, "d0": True}
