@@ -283,6 +283,7 @@ class GenerationService:
             lease_s=max(lease_s - (time.monotonic() - started), 1e-3),
             kv_target=expected.target,
             num_cached_tokens=cached,
+            role_epoch=self.role_epoch,
         )
 
     async def events(self, first: ReservationEvent, active: Active) -> AsyncIterator[str]:

@@ -11,13 +11,17 @@ import base64
 
 import httpx
 
-from kvlink.ports import Route
+from kvlink.ports import PeerMovedOn, Route
 from kvlink.ranks import RankSenders
 from server_common.guard import auth_headers
 from server_common.settings import ServerSettings
 from transfer.messages import DecodeGroup, single_rank
-from transfer.outcome import PeerBound
+from transfer.outcome import Outcome, PeerBound
+from wire.names import ROLE_EPOCH_HEADER
 from wire.replies import Reservation
+
+# A decode server's refusals of a handshake from an earlier role epoch (deploy/role_server.py).
+STALE = frozenset({Outcome.STALE_EPOCH.value, Outcome.WRONG_ROLE.value})
 
 
 class UnknownPeer(ValueError):
@@ -47,7 +51,7 @@ class DecodePeers:
         known = self._met.get(target.peer)
         task = known[1] if known is not None and known[0] == target.epoch else None
         if task is None or (task.done() and (task.cancelled() or task.exception() is not None)):
-            task = asyncio.ensure_future(self._handshake(target.peer))
+            task = asyncio.ensure_future(self._handshake(target.peer, reservation.role_epoch))
             self._met[target.peer] = (target.epoch, task)
         name = await asyncio.shield(task)
         group = target.tp
@@ -57,10 +61,11 @@ class DecodePeers:
             self._check_group(target.peer, group, reservation.transfer_id)
         return Route(reservation.transfer_id, group, tuple(reservation.block_ids))
 
-    async def _handshake(self, peer: str) -> str:
+    async def _handshake(self, peer: str, role_epoch: int | None = None) -> str:
         """Only with a decode server of this cluster, at the address the cluster config (or the
         router's discovery) gives it, never one a reservation names: the secret goes nowhere
-        else; and without echoing what it answered."""
+        else; and without echoing what it answered. ``role_epoch``: the reservation's, sent along;
+        a server in another epoch refuses (``PeerMovedOn``)."""
         url = self._known.get(peer)
         if url is None:
             raise UnknownPeer(f"decode server {peer[:64]!r} is not one of this cluster's")
@@ -69,11 +74,15 @@ class DecodePeers:
         sender = self._sender
         hellos = await asyncio.to_thread(sender.rank_hellos)
         answers = []
-        async with httpx.AsyncClient(
-            timeout=self._settings.transfer_timeout_s, headers=auth_headers(self._settings.internal_secret)
-        ) as client:
+        headers = auth_headers(self._settings.internal_secret)
+        if role_epoch is not None:
+            headers[ROLE_EPOCH_HEADER] = str(role_epoch)
+        async with httpx.AsyncClient(timeout=self._settings.transfer_timeout_s, headers=headers) as client:
             for hello in hellos:
                 resp = await client.post(f"{url}/kv/hello", json={"hello": base64.b64encode(hello).decode()})
+                code = _code(resp) if resp.status_code == 409 else ""
+                if code in STALE:
+                    raise PeerMovedOn(f"decode server {peer} left the role epoch of the reservation ({code})")
                 if resp.status_code != 200:
                     raise RuntimeError(f"decode server {peer} refused the handshake (HTTP {resp.status_code})")
                 body = resp.json()
@@ -114,3 +123,12 @@ class DecodePeers:
 
     def known(self) -> dict[str, str]:
         return dict(self._known)
+
+
+def _code(resp: httpx.Response) -> str:
+    """The ``code`` of an ErrorReply body ("" when it is none)."""
+    try:
+        code = resp.json().get("code", "")
+    except (ValueError, AttributeError):
+        return ""
+    return code if isinstance(code, str) else ""

@@ -127,6 +127,11 @@ class PrefillLink:
     peers: DecodePeersPort
 
 
+class PeerMovedOn(RuntimeError):
+    """The decode server a reservation names refused the handshake as stale: it is no longer in the role
+    epoch that made the reservation (409 ``stale_epoch``), or no longer a decode server (``wrong_role``)."""
+
+
 Notify = Callable[[], None]
 ReceiverFactory = Callable[[Notify], KVReceiverPort]
 PrefillLinkFactory = Callable[[Notify], PrefillLink]

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from engine import LLMEngine, PrefillChunk, StepOutput
 from engine.request import window_start
-from kvlink.ports import PrefillLinkFactory
+from kvlink.ports import PeerMovedOn, PrefillLinkFactory
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
 from server_common.guard import Drain
@@ -205,6 +205,8 @@ class PrefillService:
             await self.faults.hold()
         try:
             route = await self._peers.route(res)
+        except PeerMovedOn as exc:  # the decode server decided: its stream (if any) says what happens next
+            raise WorkerError(409, str(exc), Outcome.STALE_RESERVATION) from None
         except Exception as exc:
             raise WorkerError(
                 502, f"cannot connect to decode server {res.instance}: {exc}", Outcome.HANDSHAKE_FAILED

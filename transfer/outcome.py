@@ -47,6 +47,8 @@ class Outcome(StrEnum):
     WRONG_ROLE = "wrong_role"  # a call for a role the instance no longer has (it switched: deploy/role_server.py)
     STALE_EPOCH = "stale_epoch"  # a call addressed to an earlier role epoch of the instance
     SWITCHING = "switch_in_progress"  # the instance is changing role; or a switch asked while one runs
+    # a reservation made in a role epoch its decode server has left (the handshake was refused)
+    STALE_RESERVATION = "stale_reservation"
 
     # -- the router's view of a worker
     UNREACHABLE = "unreachable"  # connection refused or reset
@@ -69,7 +71,7 @@ KV_NEVER_ARRIVED = frozenset(
 
 # Prefill outcomes meaning "the decode server ended this transfer": it says on
 # its own stream what happens next (an error, or it prefills the prompt itself).
-DECIDED_BY_DECODE = frozenset({Outcome.REFUSED, Outcome.CANCELLED, Outcome.LEASE_EXPIRED})
+DECIDED_BY_DECODE = frozenset({Outcome.REFUSED, Outcome.CANCELLED, Outcome.LEASE_EXPIRED, Outcome.STALE_RESERVATION})
 
 
 @dataclass(frozen=True)

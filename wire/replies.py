@@ -63,6 +63,9 @@ class Reservation(Reply):
     lease_s: float = Field(gt=0, le=MAX_LEASE_S)  # finite
     kv_target: KVTarget
     num_cached_tokens: int = Field(default=0, ge=0)
+    # the decode server's role epoch when it reserved (deploy/role_server.py); the prefill server's
+    # handshake carries it and a server in another epoch refuses it. None: a server that reports none.
+    role_epoch: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _fits(self) -> Reservation:

@@ -159,3 +159,21 @@ def test_a_server_restarted_in_its_configured_role_is_found_again_by_a_switch(cl
     out = cluster.client().completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
     assert (out.choices[0].text, out.usage.completion_tokens) == expected_completion(tiny_model, PROMPTS[1], MAX_TOKENS)
     wait_until(lambda: all_blocks_back(cluster), 10, "every KV block is back on every server")
+
+
+def test_a_reservation_from_an_earlier_role_epoch_is_refused_not_served(cluster):
+    d1, p0 = cluster.server("d1")["url"], cluster.server("p0")["url"]
+    epoch = cluster.http.get(f"{d1}/health").json()["role_epoch"]
+    prompt = [100 + i for i in range(40)]
+    body = {"request_id": "stale-1", "prompt_token_ids": prompt, "sampling": {"max_tokens": 4, "temperature": 0}}
+    with cluster.http.stream("POST", f"{d1}/generate", json=body) as resp:  # leaving it cancels the reservation
+        first = json.loads(next(resp.iter_lines()))
+    assert resp.status_code == 200, first
+    reservation = first["reservation"]
+    assert reservation["role_epoch"] == epoch
+    switch(cluster, "d1", "prefill")  # the prefill servers forget d1 ...
+    switch(cluster, "d1", "decode")  # ... and meet it afresh: the handshake carries the reservation's epoch
+    stale = cluster.http.post(f"{p0}/prefill", json={**body, "reservation": reservation})
+    assert (stale.status_code, stale.json()["code"]) == (409, "stale_reservation")
+    assert "left the role epoch of the reservation (stale_epoch)" in stale.json()["error"]
+    wait_until(lambda: all_blocks_back(cluster), 10, "every KV block is back on every server")
