@@ -173,3 +173,36 @@ def test_a_worker_reporting_another_role_is_taken_out_of_rotation():
 
     asyncio.run(main())
     assert {w.name: w.healthy for w in registry.workers} == {"p0": True, "p1": False, "d0": True}
+
+
+def test_a_worker_that_dies_mid_switch_stays_known_and_out_of_rotation_until_switched_again():
+    servers = Servers({"p0": "prefill", "p1": "prefill", "d0": "decode"})
+    dead = {"p1"}
+
+    async def server(request: httpx.Request) -> httpx.Response:
+        if any(str(request.url).startswith(URLS[n]) for n in dead):
+            if request.url.path == "/admin/role":
+                servers.roles["p1"] = "prefill"  # its supervisor starts it again in its configured role
+            raise httpx.ConnectError("connection reset")
+        return await servers(request)
+
+    async def scenario(discovery, registry):
+        with pytest.raises(SwitchRefused) as died:
+            await discovery.switch_role("p1", "decode")
+        assert (died.value.status, died.value.reason) == (502, "unreachable")
+        worker = registry.find("p1")
+        assert (worker.role, worker.in_rotation) == ("prefill", False)  # known, not routed to
+        dead.clear()  # back up, as configured
+        again = await discovery.switch_role("p1", "prefill")
+        assert (again["worker"].role, again["worker"].in_rotation) == ("prefill", True)
+
+    registry = WorkerRegistry([])
+    for name in ("p0", "p1", "d0"):
+        registry.add(Worker(name, "decode" if name.startswith("d") else "prefill", URLS[name]))
+
+    async def main():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
+            discovery = Discovery(registry, http, DiscoverySettings(), MODEL, RouterMetrics(registry), 5.0)
+            await scenario(discovery, registry)
+
+    asyncio.run(main())
