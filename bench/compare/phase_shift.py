@@ -80,6 +80,8 @@ class LayoutRun:
     records: list[tuple[str, float, dict]]  # (phase, start since the trace began, record) for the plot
     decisions: list[dict]
     cpu_per_decision_s: float | None = None
+    t0: float = 0.0  # when the trace began, on the monotonic clock the planner's decisions are stamped with
+    phase_starts: tuple[float, ...] = ()
 
     @property
     def goodput(self) -> float:
@@ -163,7 +165,9 @@ def cluster_config(args, model: Path, profile: Path | None, prefill: int, planne
 
 
 def run_trace(args, cluster: RunningCluster, builder: PromptBuilder, phases: list[str], rates: list[float]):
-    """The phases back to back; each phase's records with its name and start time."""
+    """The phases back to back; each phase's records with its name and start (seconds into the trace), and
+    the trace's start on the monotonic clock (``time.perf_counter`` is CLOCK_MONOTONIC on Linux, as the
+    planner's ``time.monotonic``)."""
     out, t0 = [], time.perf_counter()
     for k, (phase, rate) in enumerate(zip(phases, rates)):
         prompt, output = PHASES[phase]
@@ -175,7 +179,7 @@ def run_trace(args, cluster: RunningCluster, builder: PromptBuilder, phases: lis
         print(f"  phase {phase}: {rate:g} req/s for {args.phase_s:g} s", file=sys.stderr, flush=True)
         result = run_benchmark(config, source, progress=False)
         out.append((phase, started, result.records))
-    return out
+    return out, t0
 
 
 def phase_results(args, trace) -> list[PhaseResult]:
@@ -187,13 +191,13 @@ def phase_results(args, trace) -> list[PhaseResult]:
     return results
 
 
-def plot_points(trace) -> list[tuple[str, float, dict]]:
-    points = []
-    for phase, started, records in trace:
-        first = min((r.start for r in records), default=0.0)
-        for r in records:
-            points.append((phase, started + r.start - first, {"ok": r.ok, "ttft": r.ttft, "tpot": r.tpot}))
-    return points
+def plot_points(args, trace, t0: float) -> list[tuple[str, float, dict]]:
+    """Each request: its phase, when it was sent (seconds into the trace), and whether it met both SLOs."""
+    return [
+        (phase, r.start - t0, {"ok": r.ok, "met": r.meets(args.ttft, args.tpot)})
+        for phase, _, records in trace
+        for r in records
+    ]
 
 
 def run_layout(args, model, profile, builder, phases, rates, prefill: int | None, out: Path) -> LayoutRun:
@@ -205,7 +209,7 @@ def run_layout(args, model, profile, builder, phases, rates, prefill: int | None
     print(f"{name}: starting {n} instances", file=sys.stderr, flush=True)
     cluster = launch(config, folder / "run", cores=sorted(os.sched_getaffinity(0)))
     try:
-        trace = run_trace(args, cluster, builder, phases, rates)
+        trace, t0 = run_trace(args, cluster, builder, phases, rates)
         decisions, cpu = [], None
         if prefill is None:
             planner_url = f"http://127.0.0.1:{yaml.safe_load(config.read_text())['planner']['port']}"
@@ -215,7 +219,8 @@ def run_layout(args, model, profile, builder, phases, rates, prefill: int | None
         left = cluster.stop()
         if left:
             print(f"{name}: killed {left} after the launcher stopped", file=sys.stderr)
-    return LayoutRun(name, phase_results(args, trace), plot_points(trace), decisions, cpu)
+    starts = tuple(started for _, started, _ in trace)
+    return LayoutRun(name, phase_results(args, trace), plot_points(args, trace, t0), decisions, cpu, t0, starts)
 
 
 def decision_cpu(metrics: str) -> float | None:
@@ -229,16 +234,13 @@ def decision_cpu(metrics: str) -> float | None:
 
 
 def switches(run: LayoutRun) -> list[dict]:
-    """Each switch carried out: when (seconds into the run's decisions), which way, how long it took."""
-    if not run.decisions:
-        return []
-    t0 = run.decisions[0]["at"]
+    """Each switch carried out: when (seconds into the trace), which way, how long it took."""
     done = []
     for d in run.decisions:
         text = d.get("carried_out") or ""
         if text.startswith("switched "):
             seconds = float(text.rsplit(" in ", 1)[1].split()[0])
-            done.append({"at_s": round(d["at"] - t0, 1), "what": text.split(" in ")[0], "seconds": seconds})
+            done.append({"at_s": round(d["at"] - run.t0, 1), "what": text.split(" in ")[0], "seconds": seconds})
     return done
 
 
@@ -280,27 +282,32 @@ def report(runs: list[LayoutRun], phases: list[str]) -> tuple[str, dict]:
     return "\n".join(lines), summary
 
 
-def plot(run: LayoutRun, phase_s: float, path: Path) -> None:
+def plot(run: LayoutRun, path: Path) -> None:
+    """The planner's instances per role over the trace, and the share of requests meeting both SLOs per
+    10 s (by when they were sent); dashed lines where a phase begins."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    if run.decisions:
-        t0 = run.decisions[0]["at"]
-        xs = [d["at"] - t0 for d in run.decisions]
-        top.step(xs, [d["instances"]["prefill"] for d in run.decisions], where="post", label="prefill servers")
-        top.step(xs, [d["instances"]["decode"] for d in run.decisions], where="post", label="decode servers")
+    xs = [d["at"] - run.t0 for d in run.decisions]
+    top.step(xs, [d["instances"]["prefill"] for d in run.decisions], where="post", label="prefill servers")
+    top.step(xs, [d["instances"]["decode"] for d in run.decisions], where="post", label="decode servers")
     top.set_ylabel("instances in rotation")
     top.legend()
     buckets: dict[int, list[bool]] = {}
     for _, at, rec in run.records:
-        buckets.setdefault(int(at // 10), []).append(bool(rec["ok"]))
-    xs = sorted(buckets)
-    bottom.plot([10 * x + 5 for x in xs], [sum(buckets[x]) / len(buckets[x]) for x in xs], marker="o")
-    bottom.set_ylabel("requests answered (share, per 10 s)")
-    bottom.set_xlabel(f"seconds into the trace (phases every {phase_s:g} s)")
+        buckets.setdefault(int(at // 10), []).append(bool(rec["met"]))
+    keys = sorted(buckets)
+    bottom.plot([10 * k + 5 for k in keys], [sum(buckets[k]) / len(buckets[k]) for k in keys], marker="o")
+    bottom.set_ylabel("SLO attainment (per 10 s)")
+    bottom.set_ylim(-0.05, 1.05)
+    bottom.set_xlabel("seconds into the trace")
+    for axis in (top, bottom):
+        for start in run.phase_starts:
+            axis.axvline(start, color="grey", linestyle="--", linewidth=0.8)
+    top.set_xlim(left=-5)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -330,11 +337,19 @@ def run(args: argparse.Namespace) -> int:
     table, summary = report(runs, phases)
     print(table)
     planner = runs[-1]
-    plot(planner, args.phase_s, out / "planner.png")
+    plot(planner, out / "planner.png")
     data = {
         "args": vars(args),
         "runs": [
-            {"name": r.name, "goodput": r.goodput, "phases": [vars(p) for p in r.phases], "decisions": r.decisions}
+            {
+                "name": r.name,
+                "goodput": r.goodput,
+                "phases": [vars(p) for p in r.phases],
+                "phase_starts": r.phase_starts,
+                "decisions": r.decisions,
+                "t0": r.t0,
+                "requests": r.records,
+            }
             for r in runs
         ],
         "summary": summary,
