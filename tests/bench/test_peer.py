@@ -29,7 +29,7 @@ from bench.peer.report import (
     goodput_samples,
     rows,
 )
-from bench.peer.run import parse_args, pdserve_config
+from bench.peer.run import parse_args, pdserve_config, start_noise, stop_noise
 from tests.waiting import wait_until
 
 MODEL = Path("/models/smollm2")
@@ -323,3 +323,13 @@ def test_without_a_measured_pair_there_is_no_ratio_table():
         text.splitlines()[2]
         == "| 1x5 128/128 | float32 | vLLM P/D split (NIXL, vllm-router) | 9.3 | 450.0 | 67.0 | 67.0 | 0.5 |"
     )
+
+
+def test_noise_is_busy_loops_on_the_given_cores_stopped_by_their_pids():
+    loops = start_noise(2, CORE)
+    try:
+        assert [os.sched_getaffinity(loop.pid) for loop in loops] == [set(CORE), set(CORE)]
+        assert all(loop.poll() is None for loop in loops)
+    finally:
+        stop_noise(loops)
+    assert all(loop.returncode is not None for loop in loops)
