@@ -4,7 +4,10 @@ Each router counts what passes through it (router/metrics.py): prompt and
 generated tokens, and histograms of TTFT and TPOT. The planner scrapes every
 router (every replica, not the front, which would answer for one of them at
 random), adds the figures up, and takes the difference between two scrapes
-as one window. The share of requests within an SLO is read off the
+as one window. Output tokens are counted as they stream (a first token
+in the TTFT histogram, every later one in the inter-token histogram),
+not when their request finishes, so a window of long answers is not
+seen a whole answer late. The share of requests within an SLO is read off the
 histogram's buckets, linearly between the two bounds around the target, as
 Prometheus' ``histogram_quantile`` does the other way round. A router that
 restarted (a counter went down) contributes nothing to that window.
@@ -24,6 +27,7 @@ PROMPT = "pdserve_router_prompt_tokens"
 OUTPUT = "pdserve_router_completion_tokens"
 TTFT = "pdserve_router_time_to_first_token_seconds"
 TPOT = "pdserve_router_time_per_output_token_seconds"
+ITL = "pdserve_router_inter_token_latency_seconds"
 
 
 @dataclass(frozen=True)
@@ -52,7 +56,8 @@ class Snapshot:
     """One router's counters at one scrape."""
 
     prompt_tokens: float = 0.0
-    output_tokens: float = 0.0
+    output_tokens: float = 0.0  # counted when a request finishes
+    later_tokens: float = 0.0  # every token after a request's first, counted as it streams (the ITL samples)
     ttft: Histogram = field(default_factory=lambda: Histogram((), 0.0))
     tpot: Histogram = field(default_factory=lambda: Histogram((), 0.0))
 
@@ -63,13 +68,14 @@ def parse_metrics(text: str) -> Snapshot:
     buckets: dict[str, list[tuple[float, float]]] = {TTFT: [], TPOT: []}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in (f"{PROMPT}_total", f"{OUTPUT}_total", f"{TTFT}_count", f"{TPOT}_count"):
+            if s.name in (f"{PROMPT}_total", f"{OUTPUT}_total", f"{TTFT}_count", f"{TPOT}_count", f"{ITL}_count"):
                 values[s.name] = s.value
             elif s.name.endswith("_bucket") and s.name[: -len("_bucket")] in buckets:
                 buckets[s.name[: -len("_bucket")]].append((float(s.labels["le"]), s.value))
     return Snapshot(
         values.get(f"{PROMPT}_total", 0.0),
         values.get(f"{OUTPUT}_total", 0.0),
+        values.get(f"{ITL}_count", 0.0),
         Histogram(tuple(sorted(buckets[TTFT])), values.get(f"{TTFT}_count", 0.0)),
         Histogram(tuple(sorted(buckets[TPOT])), values.get(f"{TPOT}_count", 0.0)),
     )
@@ -87,7 +93,7 @@ def window(
             continue
         ttft, tpot = now.ttft.minus(then.ttft), now.tpot.minus(then.tpot)
         prompt += now.prompt_tokens - then.prompt_tokens
-        output += now.output_tokens - then.output_tokens
+        output += now.later_tokens - then.later_tokens + ttft.count  # tokens as they streamed, first ones too
         requests += ttft.count
         ttft_ok += ttft.within(ttft_s)
         tpot_ok += tpot.within(tpot_s)

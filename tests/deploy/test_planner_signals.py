@@ -12,9 +12,13 @@ from router.metrics import RouterMetrics
 
 
 def router_page(ttfts: list[float], tpots: list[float], prompt: int, output: int, metrics=None) -> tuple:
+    """A router's page after these requests: ``output`` tokens streamed over them, ``len(ttfts)`` of them first
+    tokens (the rest are inter-token samples), counted at finish too."""
     m = metrics or RouterMetrics(WorkerRegistry([]))
     for t in ttfts:
         m.ttft.observe(t)
+    for _ in range(output - len(ttfts)):
+        m.itl.observe(0.01)
     for t in tpots:
         m.tpot.observe(t)
     m.prompt_tokens.inc(prompt)
@@ -25,12 +29,12 @@ def router_page(ttfts: list[float], tpots: list[float], prompt: int, output: int
 def test_a_page_gives_tokens_and_the_histograms():
     _, page = router_page([0.2, 0.4, 3.0], [0.03], prompt=300, output=40)
     s = parse_metrics(page)
-    assert (s.prompt_tokens, s.output_tokens, s.ttft.count, s.tpot.count) == (300, 40, 3, 1)
+    assert (s.prompt_tokens, s.output_tokens, s.later_tokens, s.ttft.count, s.tpot.count) == (300, 40, 37, 3, 1)
     assert s.ttft.buckets[-1] == (float("inf"), 3)
 
 
 def test_the_share_within_a_target_is_exact_at_a_bound_and_linear_between_two():
-    _, page = router_page([0.2, 0.4, 0.9, 3.0, 5000.0], [], 0, 0)
+    _, page = router_page([0.2, 0.4, 0.9, 3.0, 5000.0], [], 0, 5)
     h = parse_metrics(page).ttft
     bounds = [le for le, _ in h.buckets]
     assert 0.25 in bounds and 0.5 in bounds and 1.0 in bounds  # the router's buckets around these samples
@@ -53,6 +57,6 @@ def test_a_window_adds_the_routers_up_and_leaves_out_one_that_restarted():
 
 
 def test_a_quiet_window_has_no_attainment():
-    m, page = router_page([], [], 0, 0)
+    _, page = router_page([], [], 0, 0)
     w = window({"a": parse_metrics(page)}, {"a": parse_metrics(page)}, 10.0, 1.0, 0.05)
     assert (w.requests, w.ttft_met, w.tpot_met) == (0, None, None)
