@@ -13,6 +13,7 @@ PRUNE_EVERY_S = 60.0  # a store deletes expired and surplus rows at most this of
 COLUMNS = "id, owner, created_at, response, input_items, conversation, decode_worker"
 
 Row = tuple[str, str, float, str, str, str, str | None]
+ENDED_HOLDER, ENDED_UNTIL = "ended", 1e18  # the lease of a response that ended: held by nobody, for ever
 Event = tuple[int, str]  # a background response's event: its sequence number and its text (one SSE event)
 
 
@@ -90,8 +91,20 @@ class ResponseStore(Protocol):
         """Asks whichever router runs the response to stop it (it learns so on its next ``append_events``)."""
         ...
 
+    # What a background response was asked, kept so that another router can carry it on (its request
+    # body as JSON, the API's own schema): written once, when it starts, and gone with its row.
+
+    def keep_request(self, response_id: str, request: str) -> None:
+        """Keeps the response's request (replacing one kept before)."""
+        ...
+
+    def request_of(self, response_id: str) -> str | None:
+        """The response's kept request, if any."""
+        ...
+
     # Who runs a background response: a lease its router renews while it runs. A lease that has expired
-    # is a router gone; ``take_lease`` lets exactly one other router take it over (to end the response).
+    # is a router gone; ``take_lease`` lets exactly one other router take it over (to carry it on, or
+    # end it).
 
     def renew_lease(self, response_id: str, holder: str, until: float) -> bool:
         """Holds the response's lease until ``until`` (time.time()); False if another holder has it."""
@@ -99,6 +112,15 @@ class ResponseStore(Protocol):
 
     def take_lease(self, response_id: str, holder: str, until: float, now: float) -> bool:
         """Takes the response's lease if it expired before ``now``; True for exactly one caller."""
+        ...
+
+    def end_lease(self, response_id: str) -> None:
+        """The response ended: its lease never expires again, so no router takes it and its last holder
+        cannot renew it (a router that stalled past its lease must never write again)."""
+        ...
+
+    def lapsed_leases(self, now: float, limit: int) -> list[tuple[str, str]]:
+        """At most ``limit`` responses whose lease expired before ``now`` (id, owner): their router is gone."""
         ...
 
     def close(self) -> None: ...

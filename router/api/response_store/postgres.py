@@ -19,7 +19,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow
 
-from router.api.response_store.base import COLUMNS, PRUNE_EVERY_S, Event, StoredResponse
+from router.api.response_store.base import COLUMNS, ENDED_HOLDER, ENDED_UNTIL, PRUNE_EVERY_S, Event, StoredResponse
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS responses (
@@ -44,8 +44,12 @@ SCHEMA = (
         holder TEXT NOT NULL,
         expires_at DOUBLE PRECISION NOT NULL
     )""",
+    """CREATE TABLE IF NOT EXISTS response_requests (  -- a background response's request, for a router adopting it
+        response_id TEXT PRIMARY KEY,
+        request TEXT NOT NULL
+    )""",
 )
-EVENT_TABLES = ("response_events", "response_cancels", "response_leases")
+EVENT_TABLES = ("response_events", "response_cancels", "response_leases", "response_requests")
 # Routers starting together would race in CREATE TABLE IF NOT EXISTS (a duplicate-key error on the
 # catalog): each holds this advisory lock while it creates the table.
 SCHEMA_LOCK = 0x7064_7365_7276_6531
@@ -161,6 +165,23 @@ class PostgresResponseStore:
             lambda conn: conn.execute("INSERT INTO response_cancels VALUES (%s) ON CONFLICT DO NOTHING", (response_id,))
         )
 
+    def keep_request(self, response_id: str, request: str) -> None:
+        self._call(
+            lambda conn: conn.execute(
+                "INSERT INTO response_requests VALUES (%s, %s) ON CONFLICT (response_id) DO UPDATE "
+                "SET request = EXCLUDED.request",
+                (response_id, request),
+            )
+        )
+
+    def request_of(self, response_id: str) -> str | None:
+        row = self._call(
+            lambda conn: conn.execute(
+                "SELECT request FROM response_requests WHERE response_id = %s", (response_id,)
+            ).fetchone()
+        )
+        return None if row is None else str(row[0])
+
     def renew_lease(self, response_id: str, holder: str, until: float) -> bool:
         cursor = self._call(
             lambda conn: conn.execute(
@@ -179,6 +200,24 @@ class PostgresResponseStore:
             )
         )
         return cursor.rowcount > 0
+
+    def end_lease(self, response_id: str) -> None:
+        self._call(
+            lambda conn: conn.execute(
+                "UPDATE response_leases SET holder = %s, expires_at = %s WHERE response_id = %s",
+                (ENDED_HOLDER, ENDED_UNTIL, response_id),
+            )
+        )
+
+    def lapsed_leases(self, now: float, limit: int) -> list[tuple[str, str]]:
+        rows = self._call(
+            lambda conn: conn.execute(
+                "SELECT l.response_id, r.owner FROM response_leases l JOIN responses r ON r.id = l.response_id "
+                "WHERE l.expires_at < %s ORDER BY l.expires_at LIMIT %s",
+                (now, limit),
+            ).fetchall()
+        )
+        return [(str(rid), str(owner)) for rid, owner in rows]
 
     def count(self) -> int:
         row = self._call(lambda conn: conn.execute("SELECT COUNT(*) FROM responses").fetchone())

@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from router.api.response_store.base import COLUMNS, PRUNE_EVERY_S, Event, StoredResponse
+from router.api.response_store.base import COLUMNS, ENDED_HOLDER, ENDED_UNTIL, PRUNE_EVERY_S, Event, StoredResponse
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -36,8 +36,12 @@ CREATE TABLE IF NOT EXISTS response_leases (  -- the router running a background
     holder TEXT NOT NULL,
     expires_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS response_requests (  -- a background response's request, for a router adopting it
+    response_id TEXT PRIMARY KEY,
+    request TEXT NOT NULL
+);
 """
-EVENT_TABLES = ("response_events", "response_cancels", "response_leases")
+EVENT_TABLES = ("response_events", "response_cancels", "response_leases", "response_requests")
 
 
 class SqliteResponseStore:
@@ -111,6 +115,16 @@ class SqliteResponseStore:
         with self._lock:
             self._db.execute("INSERT OR IGNORE INTO response_cancels VALUES (?)", (response_id,))
 
+    def keep_request(self, response_id: str, request: str) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO response_requests VALUES (?, ?)", (response_id, request))
+
+    def request_of(self, response_id: str) -> str | None:
+        with self._lock:
+            query = "SELECT request FROM response_requests WHERE response_id = ?"
+            row = self._db.execute(query, (response_id,)).fetchone()
+        return None if row is None else str(row[0])
+
     def renew_lease(self, response_id: str, holder: str, until: float) -> bool:
         with self._lock:
             cursor = self._db.execute(
@@ -127,6 +141,22 @@ class SqliteResponseStore:
                 (holder, until, response_id, now),
             )
         return cursor.rowcount > 0
+
+    def end_lease(self, response_id: str) -> None:
+        with self._lock:
+            self._db.execute(
+                "UPDATE response_leases SET holder = ?, expires_at = ? WHERE response_id = ?",
+                (ENDED_HOLDER, ENDED_UNTIL, response_id),
+            )
+
+    def lapsed_leases(self, now: float, limit: int) -> list[tuple[str, str]]:
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT l.response_id, r.owner FROM response_leases l JOIN responses r ON r.id = l.response_id "
+                "WHERE l.expires_at < ? ORDER BY l.expires_at LIMIT ?",
+                (now, limit),
+            ).fetchall()
+        return [(str(rid), str(owner)) for rid, owner in rows]
 
     def count(self) -> int:
         with self._lock:
