@@ -298,7 +298,8 @@ def _background_tasks(
     events_http: httpx.AsyncClient,
 ) -> list[asyncio.Task]:
     """Health checks and discovery on the health connections, the KV index's event streams (or
-    polls) on their own (none with a unit test's client), and the stats line."""
+    polls) on their own, the sweep for background responses whose router is gone (none of these with a
+    unit test's client), and the stats line."""
     settings = parts.settings
     tasks = []
     if client is None:
@@ -313,6 +314,7 @@ def _background_tasks(
                 else KvEventPoller(parts.registry, parts.kv_index, events_http, settings.kv_events_interval_s)
             )
             tasks.append(asyncio.create_task(follower.run()))
+        tasks.append(asyncio.create_task(app.state.responses.runs.sweep()))  # background responses orphaned
     if settings.log_stats_interval_s > 0:
         stats = log_stats(parts.snapshot, router_line, settings.log_stats_interval_s)  # type: ignore[arg-type]
         tasks.append(asyncio.create_task(stats))

@@ -22,10 +22,18 @@ one, which carries the whole response, not counted) stops there, its work on the
 ``failed`` (error ``server_error`` naming the limits); the events up to there stay, ``response.failed`` last.
 
 The task is the router's: a router that stops ends its responses ``failed``. While it runs one it renews
-a lease on it in the store (``RENEW_S``, ``LEASE_S``); a router killed stops renewing, its decode servers
-free the sequences when its connections drop, and the first read of such a response on any router once the
-lease has lapsed takes the lease (exactly one router does) and ends it ``failed`` after the events the dead
-router kept (``cancelled``, for a cancel). Nothing adopts it and carries its generation on yet.
+a lease on it in the store (``RENEW_S``, ``LEASE_S``); a router killed stops renewing, and its decode
+servers free the sequences when its connections drop. The first read of such a response on any router once
+the lease has lapsed (a poll, or a stream waiting for its next event) takes the lease (one compare-and-set:
+exactly one router does) and adopts it: it runs the response's request again, kept in the store when it
+started (``keep_request``), from the prompt, and passes on only what the log does not have yet. The run
+again is deterministic: greedy, or seeded (a background response asked without a seed gets one when it is
+made), so its text starts with the logged text; ``Replay`` cuts that text into the pieces the log has, so
+the events it makes are the logged ones, numbered alike, and the log goes on after its last event with no
+gap and no event twice. A run again whose text leaves the logged text (a different engine, a batch that
+changed a greedy choice) ends ``failed`` there, naming why; so does a response that cannot be run again
+(its request not kept, tool calls parsed out of its text). A cancel of such a response ends it
+``cancelled`` instead of adopting it.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ import json
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -52,6 +61,8 @@ POLL_S = 0.1  # a stream whose response runs on another router looks for new eve
 CANCEL_POLL_S = 0.25  # a running response asks the store whether a cancel came at least this often
 LEASE_S = 5.0  # a running response's lease lasts this long past each renewal: a router silent longer is gone
 RENEW_S = 1.0  # how often the router running a response renews its lease (and others look for expired ones)
+SWEEP_S = 2.0  # how often a router looks for responses whose router is gone, that nobody reads
+SWEEP_BATCH = 16  # responses a sweep takes at most
 EVENTS_PER_READ = 256
 MAX_SEQ = 2**31 - 1  # a sequence number fits both databases' INTEGER
 
@@ -60,6 +71,9 @@ StopReason = Literal["cancelled", "shutdown", "event_log_full", "store_failed", 
 Begin = Callable[["Run"], Awaitable[AsyncGenerator[str, None]]]
 # A row for a status: (status, output so far, error or None) -> the row to store.
 RowFor = Callable[[str, list[dict[str, Any]], dict[str, Any] | None], StoredResponse]
+# How this router carries on a response another router ran: (its row, its logged events) -> how to run it
+# again, or None when it cannot be (it then ends failed) (router/api/responses.py).
+CarryOn = Callable[[StoredResponse, list[Event]], Awaitable[tuple[Begin, RowFor] | None]]
 
 
 @dataclass(frozen=True)
@@ -82,6 +96,54 @@ def sse_data(sse: str) -> dict[str, Any]:
 
 def sse_of(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {json.dumps(event)}\n\n"
+
+
+class Diverged(OpenAIError):
+    """A response run again gave another text than the one its log already has."""
+
+    def __init__(self, why: str) -> None:
+        message = f"the response, carried on by another router, diverged from its logged text: {why}"
+        super().__init__(500, message, code="server_error")
+
+
+class Replay:
+    """The text a response's log already has, in the pieces it was logged in. The same generation run
+    again gives its text through ``feed``: first in exactly those pieces (each checked), then as it comes,
+    so that the events made from it are the logged ones, numbered alike, and then the new ones."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self._pieces = deque(piece for piece in pieces if piece)
+        self._held = ""
+
+    def feed(self, text: str) -> list[str]:
+        """The pieces ``text`` completes (the logged ones first); raises ``Diverged``."""
+        self._held += text
+        pieces: list[str] = []
+        while self._pieces:
+            want = self._pieces[0]
+            if len(self._held) < len(want):
+                if not want.startswith(self._held):
+                    raise Diverged(f"{self._held!r} where the log has {want!r}")
+                return pieces
+            if not self._held.startswith(want):
+                raise Diverged(f"{self._held[: len(want)]!r} where the log has {want!r}")
+            pieces.append(want)
+            self._held = self._held[len(want) :]
+            self._pieces.popleft()
+        if self._held:
+            pieces.append(self._held)
+            self._held = ""
+        return pieces
+
+    def end(self) -> None:
+        """The generation ended: raises ``Diverged`` if it gave less text than the log has."""
+        if self._pieces:
+            raise Diverged(f"it ended {sum(map(len, self._pieces)) - len(self._held)} characters short of it")
+
+    @staticmethod
+    def of(logged: list[Event]) -> Replay:
+        """The logged text's pieces: its ``response.output_text.delta`` events'."""
+        return Replay([sse_data(sse)["delta"] for _, sse in logged if event_type(sse) == "response.output_text.delta"])
 
 
 class OutputSoFar:
@@ -176,15 +238,22 @@ class BackgroundRuns:
         self.limits = limits
         self.runs: dict[str, Run] = {}
         self.holder = f"router-{secrets.token_hex(8)}"  # this router, in the leases of what it runs
+        self.carry_on: CarryOn | None = None  # how to run again a response adopted from a router gone
+        self.adopted = 0  # responses this router took over and carried on
 
-    async def start(self, queued: StoredResponse, begin: Begin, row: RowFor) -> Run:
-        """Stores the response ``queued``, takes its lease and runs it: ``begin(run)`` opens its sessions and
-        gives its stream of events; ``row`` builds its row for a status."""
+    async def start(self, queued: StoredResponse, begin: Begin, row: RowFor, request: str) -> Run:
+        """Stores the response ``queued`` and its ``request`` (JSON: what another router runs again if this
+        one dies), takes its lease and runs it: ``begin(run)`` opens its sessions and gives its stream of
+        events; ``row`` builds its row for a status."""
+        await asyncio.to_thread(self.store.keep_request, queued.id, request)
         await asyncio.to_thread(self.store.put, queued)
         await asyncio.to_thread(self.store.renew_lease, queued.id, self.holder, time.time() + LEASE_S)
-        run = Run(queued.id)
-        self.runs[queued.id] = run
-        run.task = asyncio.create_task(self._run(run, begin, row), name=f"background {queued.id}")
+        return self._launch(queued.id, begin, row, [])
+
+    def _launch(self, response_id: str, begin: Begin, row: RowFor, logged: list[Event]) -> Run:
+        run = Run(response_id)
+        self.runs[response_id] = run
+        run.task = asyncio.create_task(self._run(run, begin, row, logged), name=f"background {response_id}")
         return run
 
     async def shutdown(self) -> None:
@@ -194,11 +263,18 @@ class BackgroundRuns:
             run.stop("shutdown")
         await asyncio.gather(*(run.done.wait() for run in runs))
 
-    async def _run(self, run: Run, begin: Begin, row: RowFor) -> None:
+    async def _run(self, run: Run, begin: Begin, row: RowFor, logged: list[Event]) -> None:
+        """``logged``: the events a router gone kept (an adopted response): the stream gives them again
+        first, and only what follows them is added."""
         writer = asyncio.create_task(self._write(run))
         output = OutputSoFar()
         failure: dict[str, Any] | None = None
-        seq, size, last_kind = -1, 0, ""
+        seq, size, last_kind = logged[-1][0] if logged else -1, 0, ""
+        for _, sse in logged:
+            size, last_kind = size + len(sse), event_type(sse)
+            output.feed(sse_data(sse))
+        kinds = {n: event_type(sse) for n, sse in logged}
+        after = seq
         try:
             stream = await begin(run)
             run.add(row("in_progress", [], None))
@@ -211,6 +287,14 @@ class BackgroundRuns:
                         run.stop_reason = "event_log_full"
                         break  # closing the stream closes its sessions
                     event = sse_data(sse)
+                    if event["sequence_number"] <= after:  # logged already (an adopted response's)
+                        if kind != "error" and kind not in TERMINAL_EVENTS:
+                            logged_kind = kinds.get(event["sequence_number"])
+                            if logged_kind != kind:
+                                raise Diverged(f"a {kind} event where the log has a {logged_kind}")
+                            continue
+                        event = {**event, "sequence_number": after + 1}
+                        sse = sse_of(event)
                     seq, size, last_kind = event["sequence_number"], size + len(sse), kind
                     run.add((seq, sse))
                     output.feed(event)
@@ -293,6 +377,7 @@ class BackgroundRuns:
                     self.store.renew_lease, run.response_id, self.holder, time.time() + LEASE_S
                 ):  # not taken meanwhile by a router that found this one gone (and ended it)
                     await asyncio.to_thread(self.store.put, ending)
+                    await asyncio.to_thread(self.store.end_lease, run.response_id)
                 run.wrote()
                 if cancel:
                     run.stop("cancelled")
@@ -313,21 +398,54 @@ class BackgroundRuns:
         return stored
 
     async def poll(self, response_id: str, owner: str) -> StoredResponse:
-        """The response as it stands; one whose router is gone (its lease expired) ends ``failed`` first."""
+        """The response as it stands; one whose router is gone (its lease expired) is adopted first (or,
+        when it cannot be carried on, ends ``failed``)."""
         stored = await self.get(response_id, owner)
-        if await self._end_orphan(stored, "failed"):
+        if await self._take_orphan(stored, "failed"):
             stored = await self.get(response_id, owner)
         return stored
 
-    async def _end_orphan(self, stored: StoredResponse, status: Literal["failed", "cancelled"]) -> bool:
-        """Ends a background response whose router is gone, if this router is the one that takes its
-        expired lease: the closing event (when failed), then the row."""
+    async def _take_orphan(self, stored: StoredResponse, status: Literal["failed", "cancelled"]) -> bool:
+        """Takes a background response whose router is gone, if this router is the one that takes its
+        expired lease: carries it on (``status`` failed: what it comes to when it cannot be) or ends it."""
         if not stored.response.get("background") or stored.response["status"] in ENDED or stored.id in self.runs:
             return False
         now = time.time()
         if not await asyncio.to_thread(self.store.take_lease, stored.id, self.holder, now + LEASE_S, now):
             return False
         logged = await asyncio.to_thread(self.store.events_after, stored.id, -1, 1 << 30)
+        if status == "failed" and not (logged and event_type(logged[-1][1]) in TERMINAL_EVENTS):
+            how = None
+            if self.carry_on is not None:
+                try:
+                    how = await self.carry_on(stored, logged)
+                except Exception:  # whatever it is, the response ends failed rather than hanging
+                    log.exception("background response %s: it cannot be carried on", stored.id)
+            if how is not None:
+                log.warning(
+                    "background response %s: its router is gone; carried on here after event %d",
+                    stored.id,
+                    logged[-1][0] if logged else -1,
+                )
+                self.adopted += 1
+                self._launch(stored.id, *how, logged)
+                return True
+        await self._end_orphan(stored, status, logged)
+        return True
+
+    async def _end_orphan(
+        self, stored: StoredResponse, status: Literal["failed", "cancelled"], logged: list[Event]
+    ) -> None:
+        """Ends a background response whose router is gone (its lease now this router's): the closing
+        event (when failed and the log has none yet), then the row."""
+        if logged and event_type(logged[-1][1]) in TERMINAL_EVENTS:  # the router died between the two
+            response = sse_data(logged[-1][1])["response"]
+            ended = StoredResponse(
+                stored.id, stored.owner, stored.created_at, response, stored.input_items, stored.conversation
+            )
+            await asyncio.to_thread(self.store.put, ended)
+            await asyncio.to_thread(self.store.end_lease, stored.id)
+            return
         output = OutputSoFar()
         for _, sse in logged:
             output.feed(sse_data(sse))
@@ -342,7 +460,28 @@ class BackgroundRuns:
             stored.id, stored.owner, stored.created_at, response, stored.input_items, stored.conversation
         )
         await asyncio.to_thread(self.store.put, ended)
-        return True
+        await asyncio.to_thread(self.store.end_lease, stored.id)
+
+    async def sweep(self) -> None:
+        """Every ``SWEEP_S``, ``sweep_once``: a response whose router died goes on even if nobody reads it."""
+        while True:
+            await asyncio.sleep(SWEEP_S)
+            try:
+                await self.sweep_once()
+            except Exception:  # the store is down: the next sweep tries again
+                log.exception("background responses: the sweep for responses whose router is gone failed")
+
+    async def sweep_once(self) -> int:
+        """Takes the responses whose lease lapsed (their router is gone), as their first read would; how
+        many this router took."""
+        taken = 0
+        for response_id, owner in await asyncio.to_thread(self.store.lapsed_leases, time.time(), SWEEP_BATCH):
+            stored = await asyncio.to_thread(self.store.get, response_id, owner)
+            if stored is not None and stored.response["status"] in ENDED:  # ended before its lease did
+                await asyncio.to_thread(self.store.end_lease, response_id)
+            elif stored is not None:
+                taken += await self._take_orphan(stored, "failed")
+        return taken
 
     async def check_stream(self, stored: StoredResponse, starting_after: int | None) -> None:
         """400 unless ``stored`` is a background response with an event after ``starting_after``."""
@@ -391,7 +530,7 @@ class BackgroundRuns:
                     return
                 if run is None and time.monotonic() - looked >= RENEW_S:  # is the router running it still there?
                     looked = time.monotonic()
-                    if await self._end_orphan(stored, "failed"):
+                    if await self._take_orphan(stored, "failed"):
                         continue
             if changed is not None:
                 with contextlib.suppress(TimeoutError):
@@ -415,7 +554,7 @@ class BackgroundRuns:
             return (await self.get(response_id, owner)).response
         await asyncio.to_thread(self.store.request_cancel, response_id)
         while True:  # until the router running it stops it, or, gone, its lease expires and this one ends it
-            if await self._end_orphan(stored, "cancelled"):
+            if await self._take_orphan(stored, "cancelled"):
                 return (await self.get(response_id, owner)).response
             stored = await self.get(response_id, owner)
             if stored.response["status"] in ENDED:

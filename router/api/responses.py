@@ -42,10 +42,11 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from router.api import api_responses as out
 from router.api.api_requests import MAX_TOOLS, NEW_TOKENS, AtLeast1, ChatCompletionRequest, Seed
-from router.api.background import BackgroundRuns, EventLimits, Run
+from router.api.background import BackgroundRuns, Begin, EventLimits, Replay, RowFor, Run
 from router.api.fanout import Collected, Prepared, SessionGroup, choice_deltas
 from router.api.openai_handlers import Answered, OpenAIHandlers
 from router.api.response_store import ResponseStore, StoredResponse
+from router.api.response_store.base import Event
 from router.api.tool_calls import ToolCallStream, chat_message
 from router.cluster.session import Session
 from router.errors import OpenAIError
@@ -401,6 +402,7 @@ class ResponsesHandler:
         self.handlers = handlers
         self.store = store
         self.runs = BackgroundRuns(store, limits or EventLimits())
+        self.runs.carry_on = self._carry_on
 
     async def create(
         self, req: ResponsesRequest, owner: str, request_id: str, traceparent: str | None = None, body_bytes: int = 0
@@ -426,6 +428,9 @@ class ResponsesHandler:
                     param="previous_response_id",
                 )
             history, prefer = previous.conversation, previous.decode_worker
+        if req.background and req.seed is None and req.temperature != 0:
+            # Seeded, so that a router adopting it (its own gone) runs it again to the same text.
+            req = req.model_copy(update={"seed": secrets.randbelow(2**31)})
         turn = Turn(req, f"resp_{request_id}", owner, normalize_items(req.input), history)
         h = self.handlers
         try:
@@ -468,6 +473,16 @@ class ResponsesHandler:
     async def _background(self, turn: Turn, p: Prepared) -> Answered:
         """Stores the response ``queued`` and starts it in a task of the router's; answers the response
         (or, with ``stream``, its events as they come)."""
+        begin, row = self._runner(turn, p, None)
+        queued = row("queued", [], None)
+        await self.runs.start(queued, begin, row, turn.req.model_dump_json(exclude_unset=True, by_alias=True))
+        if turn.req.stream:
+            return SessionGroup([]), self.runs.events(turn.response_id, turn.owner, None)
+        return None, Response(json.dumps(queued.response), media_type="application/json")
+
+    def _runner(self, turn: Turn, p: Prepared, replay: Replay | None) -> tuple[Begin, RowFor]:
+        """How a background response runs: what opens its sessions and gives its events, and its row for
+        a status (``replay``: the text its log has, for a response carried on)."""
         model = self.handlers.model.name
 
         def row(status: str, output: list[dict[str, Any]], error: dict[str, Any] | None) -> StoredResponse:
@@ -478,15 +493,34 @@ class ResponsesHandler:
         async def begin(run: Run) -> AsyncGenerator[str, None]:
             turn.run = run
             sessions = await self.handlers.open(p)
-            return self._stream(turn, p, sessions)
+            return self._stream(turn, p, sessions, replay)
 
-        queued = row("queued", [], None)
-        await self.runs.start(queued, begin, row)
-        if turn.req.stream:
-            return SessionGroup([]), self.runs.events(turn.response_id, turn.owner, None)
-        return None, Response(json.dumps(queued.response), media_type="application/json")
+        return begin, row
 
-    async def _stream(self, turn: Turn, p: Prepared, sessions: list[Session]) -> AsyncGenerator[str, None]:
+    async def _carry_on(self, stored: StoredResponse, logged: list[Event]) -> tuple[Begin, RowFor] | None:
+        """How this router runs again a background response whose router is gone, from its kept request;
+        None when it cannot be (no request kept, or tool calls to parse out of its text)."""
+        kept = await asyncio.to_thread(self.store.request_of, stored.id)
+        if kept is None:
+            return None
+        req = ResponsesRequest.model_validate_json(kept)
+        this_turn = chat_messages(stored.input_items)  # the conversation stored is the history, then these
+        history = stored.conversation[: len(stored.conversation) - len(this_turn)]
+        turn = Turn(req, stored.id, stored.owner, stored.input_items, history, stored.created_at)
+        request_id = stored.id.removeprefix("resp_")
+        h = self.handlers
+        chat = chat_request(req, history, turn.items)
+        p = await h._prepare(lambda: h.prepare_chat(chat, request_id, None, "responses"), len(kept))
+        if p.tools.parse:
+            p.timeline.close()
+            return None
+        return self._runner(turn, p, Replay.of(logged))
+
+    async def _stream(
+        self, turn: Turn, p: Prepared, sessions: list[Session], replay: Replay | None = None
+    ) -> AsyncGenerator[str, None]:
+        """The response's events. ``replay``: the text its log already has (a background response run
+        again by the router that adopted it), cut into the pieces it was logged in."""
         model = self.handlers.model.name
         events = OutputEvents(p.request_id)
         got = Collected()
@@ -496,7 +530,8 @@ class ResponsesHandler:
             yield events.event("response.in_progress", response=turn.response("in_progress", [], None, model))
             async for d in choice_deltas(p, sessions, self.handlers.model.tokenizer):
                 got.add(d)
-                pieces: list[Any] = [d.text] if calls is None else calls.feed(d.text, d.finish_reason is not None)
+                texts = [d.text] if replay is None else replay.feed(d.text)
+                pieces: list[Any] = texts if calls is None else calls.feed(d.text, d.finish_reason is not None)
                 for piece in pieces:
                     if isinstance(piece, out.ToolCallsDelta):
                         for e in (e for c in piece.tool_calls for e in events.call(c)):
@@ -504,6 +539,8 @@ class ResponsesHandler:
                     elif piece:
                         for e in events.text(piece):
                             yield e
+            if replay is not None:
+                replay.end()
             if events.index < 0:  # no text and no call: an empty message, as the whole response has
                 for e in events.text(""):
                     yield e

@@ -1,20 +1,21 @@
 """Background responses (router/api/background.py) on a real 1P1D cluster with the openai SDK: a stream read
 in part, resumed on a new connection after its last event, gives every event once, in order, and the text
 of the same request answered in the foreground (and by transformers); a cancel mid-generation frees every
-KV block; a response polled to its end. The decode server pauses after its k-th token (server_common.faults),
-so "mid-generation" is a place in the answer, not a moment."""
+KV block; a response polled to its end; a router killed mid-response, its response adopted by another. The
+decode server pauses after its k-th token (server_common.faults), so "mid-generation" is a place in the
+answer, not a moment."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 
 import openai
 import pytest
+import yaml
 
 from tests.engine.oracle import hf_greedy
-from tests.support.cluster import start_cluster
+from tests.support.cluster import Cluster, free_ports, make_config
 from tests.support.oracle import tokenizer
 from tests.waiting import wait_until
 
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.integration
 
 QUESTION = "Write a long story about the sea."
 MAX_TOKENS = 48
+LONG_TOKENS = 120  # a response long enough to be mid-generation when its router dies
 PAUSE_S = 30.0  # the longest the decode server stays paused if a test fails before releasing it
 
 
@@ -128,50 +130,70 @@ def test_a_background_response_polled_to_its_end_equals_transformers(served, tin
 
 
 @pytest.mark.slow
-def test_a_router_killed_mid_response_leaves_it_failed_for_the_next_router_and_frees_its_blocks(
+def test_a_router_killed_mid_response_is_adopted_by_the_other_and_the_resumed_stream_is_whole(
     tmp_path_factory, tiny_model
 ):
-    """Nothing adopts a background response yet: the router the launcher restarts finds its lease expired,
-    ends it failed after the events it had kept, and the decode server frees the sequence the dead router's
-    connection held."""
-    c = start_cluster(
-        tmp_path_factory, "tiny-1p1d", tiny_model, {"fault_injection": True, "engine": {"prefix_caching": False}}
+    """Two routers (router.replicas, one SQLite store) in front of 1P1D. Router 0 runs a background
+    response; killed (SIGKILL) with the decode server paused after its 4th token, it stops renewing its
+    lease and its stream drops, so the decode server frees the sequence. Once the lease lapses, one router
+    adopts it (router 1 on the client's resumed stream, or whichever sweeps first) and runs it again; the
+    client, resumed on router 1 with the SDK after the last event it read, has every event once, in order,
+    and transformers' greedy text."""
+    folder = tmp_path_factory.mktemp("two-routers")
+    config = make_config(
+        folder,
+        "tiny-1p1d",
+        tiny_model,
+        {"fault_injection": True, "engine": {"prefix_caching": False}, "router": {"replicas": 2}},
     )
+    data = yaml.safe_load(config.read_text())
+    taken = {data["router"]["port"], *(i[k] for i in (*data["prefill"], *data["decode"]) for k in ("port", "kv_port"))}
+    data["router"]["replica_ports"] = [p for p in free_ports(8) if p not in taken][:2]
+    config.write_text(yaml.safe_dump(data))
+    c = Cluster(config, folder)
     try:
-        wait_until(
-            lambda: all(w["healthy"] for w in c.http.get(f"{c.router_url}/health").json()["workers"]),
-            30,
-            "every server in the router's rotation",
-        )
+        routers = {p["name"]: p for p in c.manifest["processes"] if p["role"] == "router"}
+        clients = {
+            n: openai.OpenAI(base_url=f"{p['url']}/v1", api_key="test", max_retries=0) for n, p in routers.items()
+        }
+        for name, router in routers.items():
+            wait_until(
+                lambda url=router["url"]: all(w["healthy"] for w in c.http.get(f"{url}/health").json()["workers"]),
+                30,
+                f"every server in {name}'s rotation",
+            )
         arm(c, pause_after_tokens=4, pause_timeout_s=PAUSE_S)
-        made = c.client().responses.create(
-            model="tiny", input=QUESTION, max_output_tokens=400, temperature=0, background=True
+        made = clients["router-0"].responses.create(
+            model="tiny", input=QUESTION, max_output_tokens=LONG_TOKENS, temperature=0, background=True
         )
         first = []
-        with fresh_client(c) as reader, reader.responses.retrieve(made.id, stream=True) as live:
+        with clients["router-0"].responses.retrieve(made.id, stream=True) as live:
             for event in live:
                 first.append(event)
                 if event.type == "response.output_text.delta":
                     break
         wait_until(lambda: paused(c), 10, "the decode server paused after its 4th token")
-        router = next(p for p in c.manifest["processes"] if p["role"] == "router")
-        os.kill(router["pid"], signal.SIGKILL)
+        os.kill(routers["router-0"]["pid"], signal.SIGKILL)
         arm(c)
         c.wait_idle(timeout=10.0)  # the dead router's stream dropped: the decode server aborted the sequence
         assert all(b["free"] == b["total"] for b in c.blocks().values())
 
-        def restarted() -> bool:
-            path = c.run_dir / "restarts.json"
-            done = json.loads(path.read_text())["restarts"] if path.exists() else []
-            return any(r["name"] == "router" and r["back_after_s"] is not None for r in done)
-
-        wait_until(restarted, 60, "the launcher restarted the router")
-        rest = list(fresh_client(c).responses.retrieve(made.id, stream=True, starting_after=first[-1].sequence_number))
+        after = first[-1].sequence_number
+        rest = list(clients["router-1"].responses.retrieve(made.id, stream=True, starting_after=after))
         both = first + rest
         assert [e.sequence_number for e in both] == list(range(len(both)))
-        assert rest[-1].type == "response.failed"
-        failed = c.client().responses.retrieve(made.id)
-        assert failed.status == "failed" and failed.error.message == "the router running it stopped"
-        assert failed.output[0].content[0].text == deltas(both) != ""
+        assert rest[-1].type == "response.completed"
+        expected = greedy_answer(tiny_model, QUESTION, LONG_TOKENS)
+        assert deltas(both) == expected
+        done = clients["router-1"].responses.retrieve(made.id)
+        assert done.status in ("completed", "incomplete") and done.output_text == expected
+        assert rest[-1].response.output_text == expected
+        c.wait_idle(timeout=10.0)
+        assert all(b["free"] == b["total"] for b in c.blocks().values())
+        adopted = f"background response {made.id}: its router is gone; carried on here after event"
+        logs = [(folder / f"{name}.log").read_text() for name in routers]  # router-0's: its restart's too
+        assert sum(log.count(adopted) for log in logs) == 1  # one router adopted it, once
+        for client in clients.values():
+            client.close()
     finally:
         c.stop()
