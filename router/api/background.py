@@ -33,7 +33,9 @@ the events it makes are the logged ones, numbered alike, and the log goes on aft
 gap and no event twice. A run again whose text leaves the logged text (a different engine, a batch that
 changed a greedy choice) ends ``failed`` there, naming why; so does a response that cannot be run again
 (its request not kept, tool calls parsed out of its text). A cancel of such a response ends it
-``cancelled`` instead of adopting it.
+``cancelled`` instead of adopting it. A router's events are written only while it holds the lease (checked
+in the write's transaction: ``append_events(..., holder)``), so one that stalled past its lease, not dead,
+writes nothing after the router that took it, and stops at its next write.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from router.api.response_store import ResponseStore, StoredResponse
-from router.api.response_store.base import Event
+from router.api.response_store.base import Event, LeaseLost
 from router.errors import OpenAIError
 
 log = logging.getLogger(__name__)
@@ -367,12 +369,14 @@ class BackgroundRuns:
                         ending = op
                     elif isinstance(op, StoredResponse):
                         if events:
-                            cancel |= await asyncio.to_thread(self.store.append_events, run.response_id, events)
+                            cancel |= await asyncio.to_thread(
+                                self.store.append_events, run.response_id, events, self.holder
+                            )
                             events = []
                         await asyncio.to_thread(self.store.put, op)
                     else:
                         events.append(op)
-                cancel |= await asyncio.to_thread(self.store.append_events, run.response_id, events)
+                cancel |= await asyncio.to_thread(self.store.append_events, run.response_id, events, self.holder)
                 if ending is not None and await asyncio.to_thread(
                     self.store.renew_lease, run.response_id, self.holder, time.time() + LEASE_S
                 ):  # not taken meanwhile by a router that found this one gone (and ended it)
@@ -384,6 +388,11 @@ class BackgroundRuns:
                 if run.closing and not run.pending:
                     return
                 await run.more(CANCEL_POLL_S)
+        except LeaseLost:
+            log.warning("background response %s: its lease was taken; it stops here", run.response_id)
+            run.stop("lease_lost")
+            run.take()
+            run.wrote()
         except Exception:
             log.exception("background response %s: the store failed; the response stops", run.response_id)
             run.stop("store_failed")
@@ -455,7 +464,7 @@ class BackgroundRuns:
         if status == "failed":
             seq = logged[-1][0] + 1 if logged else 0
             event = sse_of({"type": "response.failed", "sequence_number": seq, "response": response})
-            await asyncio.to_thread(self.store.append_events, stored.id, [(seq, event)])
+            await asyncio.to_thread(self.store.append_events, stored.id, [(seq, event)], self.holder)
         ended = StoredResponse(
             stored.id, stored.owner, stored.created_at, response, stored.input_items, stored.conversation
         )

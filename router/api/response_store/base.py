@@ -17,6 +17,10 @@ ENDED_HOLDER, ENDED_UNTIL = "ended", 1e18  # the lease of a response that ended:
 Event = tuple[int, str]  # a background response's event: its sequence number and its text (one SSE event)
 
 
+class LeaseLost(RuntimeError):
+    """A write fenced by a lease its writer no longer holds (another router took it)."""
+
+
 def owner_of(api_key: str | None) -> str:
     """The owner a request's key stands for: a hash, so the store never holds a key."""
     return "" if not api_key else hashlib.sha256(api_key.encode()).hexdigest()
@@ -75,8 +79,10 @@ class ResponseStore(Protocol):
     # (and deleted, pruned, with it), so that any router sharing the store can stream them. The row's
     # owner guards them: callers read the row (``get``) before its events.
 
-    def append_events(self, response_id: str, events: list[Event]) -> bool:
-        """Adds ``events`` (none: only the question) to the log; whether a cancel was asked for it."""
+    def append_events(self, response_id: str, events: list[Event], holder: str | None = None) -> bool:
+        """Adds ``events`` (none: only the question) to the log; whether a cancel was asked for it.
+        ``holder``: only while it holds the response's lease, checked in the same transaction (else
+        ``LeaseLost``, nothing written): a router that lost the lease never writes after the one that took it."""
         ...
 
     def events_after(self, response_id: str, after: int, limit: int) -> list[Event]:

@@ -19,7 +19,15 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import TupleRow
 
-from router.api.response_store.base import COLUMNS, ENDED_HOLDER, ENDED_UNTIL, PRUNE_EVERY_S, Event, StoredResponse
+from router.api.response_store.base import (
+    COLUMNS,
+    ENDED_HOLDER,
+    ENDED_UNTIL,
+    PRUNE_EVERY_S,
+    Event,
+    LeaseLost,
+    StoredResponse,
+)
 
 SCHEMA = (
     """CREATE TABLE IF NOT EXISTS responses (
@@ -130,10 +138,15 @@ class PostgresResponseStore:
 
         return self._call(delete)
 
-    def append_events(self, response_id: str, events: list[Event]) -> bool:
+    def append_events(self, response_id: str, events: list[Event], holder: str | None = None) -> bool:
         def append(conn: Connection) -> bool:
             if events:
                 with conn.transaction(), conn.cursor() as cursor:  # retried after a drop: the events already in stay
+                    if holder is not None:  # the lease's row locked till COMMIT: take_lease waits for it
+                        query = "SELECT holder FROM response_leases WHERE response_id = %s FOR UPDATE"
+                        held = cursor.execute(query, (response_id,)).fetchone()
+                        if held is None or held[0] != holder:
+                            raise LeaseLost(f"background response {response_id}: its lease is not {holder}'s")
                     cursor.executemany(
                         "INSERT INTO response_events VALUES (%s, %s, %s) ON CONFLICT DO NOTHING",
                         [(response_id, seq, data) for seq, data in events],

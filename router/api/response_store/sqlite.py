@@ -9,7 +9,15 @@ import threading
 import time
 from pathlib import Path
 
-from router.api.response_store.base import COLUMNS, ENDED_HOLDER, ENDED_UNTIL, PRUNE_EVERY_S, Event, StoredResponse
+from router.api.response_store.base import (
+    COLUMNS,
+    ENDED_HOLDER,
+    ENDED_UNTIL,
+    PRUNE_EVERY_S,
+    Event,
+    LeaseLost,
+    StoredResponse,
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -82,16 +90,21 @@ class SqliteResponseStore:
                 self._forget(response_id)
         return cursor.rowcount > 0
 
-    def append_events(self, response_id: str, events: list[Event]) -> bool:
+    def append_events(self, response_id: str, events: list[Event], holder: str | None = None) -> bool:
         with self._lock:
             if events:
-                self._db.execute("BEGIN")
+                self._db.execute("BEGIN IMMEDIATE")  # the write lock first: the lease read stays true till COMMIT
                 try:  # an event already there (a write retried) stays as it was
+                    if holder is not None:
+                        query = "SELECT holder FROM response_leases WHERE response_id = ?"
+                        held = self._db.execute(query, (response_id,)).fetchone()
+                        if held is None or held[0] != holder:
+                            raise LeaseLost(f"background response {response_id}: its lease is not {holder}'s")
                     self._db.executemany(
                         "INSERT OR IGNORE INTO response_events VALUES (?, ?, ?)",
                         [(response_id, seq, data) for seq, data in events],
                     )
-                except sqlite3.Error:
+                except (sqlite3.Error, LeaseLost):
                     self._db.execute("ROLLBACK")
                     raise
                 self._db.execute("COMMIT")

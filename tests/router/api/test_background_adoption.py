@@ -17,7 +17,7 @@ import pytest
 
 from router.api.background import Diverged, Replay
 from router.api.model import ServedModel
-from router.api.response_store import StoredResponse
+from router.api.response_store import SqliteResponseStore, StoredResponse, owner_of
 from router.api.response_store.base import COLUMNS
 from router.settings import ResponseStoreSettings
 from tests.router.api.test_responses import ids, router, sdk
@@ -172,3 +172,25 @@ def test_the_sweep_adopts_a_response_nobody_reads_and_forgets_an_ended_one(serve
     assert done.status == "completed" and done.output_text == ANSWER and len(fake_b.opened) == 1
     assert [e.sequence_number for e in events] == list(range(len(whole)))
     assert [e.model_dump() for e in events[: last + 1]] == [e.model_dump() for e in whole[: last + 1]]
+
+
+def test_a_router_whose_lease_was_taken_stops_and_writes_nothing_more(served, tmp_path):
+    """A router silent past its lease (not dead: stalled) finds it taken at its next write: its events are
+    fenced by the lease, so it writes nothing after the router that took it, and stops its generation."""
+    path = tmp_path / "responses.sqlite"
+    fake = FakeWorkerClient(reply=ids(served, ANSWER), delay=0.5)
+    with router(served, fake, response_store=ResponseStoreSettings(path=str(path))) as a:
+        store = a.app.state.responses.store
+        made = sdk(a).responses.create(model="tiny", input="Capital of France?", background=True)
+        wait_until(lambda: store.event_count(made.id) >= 5, what="the first text delta stored")
+        with sqlite3.connect(path) as db:  # what another router's take_lease leaves
+            db.execute("UPDATE response_leases SET holder = 'router-b' WHERE response_id = ?", (made.id,))
+        wait_until(lambda: a.app.state.responses.runs.runs == {}, what="router A stopped it")
+        written = store.event_count(made.id)
+        assert fake.aborts != [] and all(s.closed for s in fake.streams)
+    left = SqliteResponseStore(str(path))
+    try:  # nothing more at A's shutdown either: no closing event, no ending row; B's to go on
+        assert left.event_count(made.id) == written
+        assert left.get(made.id, owner_of(None)).response["status"] == "in_progress"
+    finally:
+        left.close()

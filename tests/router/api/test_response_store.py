@@ -12,6 +12,7 @@ import pytest
 
 from router.api.model import ServedModel
 from router.api.response_store import ResponseStore, SqliteResponseStore, StoredResponse, open_store, owner_of
+from router.api.response_store.base import LeaseLost
 from router.settings import ResponseStoreSettings
 from tests.postgres_server import PostgresServer, missing
 from tests.router.api.test_responses import ids, router, sdk
@@ -316,6 +317,21 @@ def test_an_ended_lease_never_lapses_and_lapsed_ones_are_listed_oldest_first(ope
     assert a.renew_lease("resp_done", "router-a", 1e9) is False  # its last holder cannot take it back
     assert b.take_lease("resp_early", "router-b", 600.0, now=500.0) is True
     assert a.lapsed_leases(now=500.0, limit=10) == [("resp_late", OWNER)]
+
+
+def test_events_fenced_by_a_lease_are_written_only_while_their_writer_holds_it(open_on_one_database):
+    a, b = open_on_one_database(), open_on_one_database()
+    a.put(stored("resp_bg"))
+    with pytest.raises(LeaseLost):  # no lease yet: nobody's
+        a.append_events("resp_bg", events(1), "router-a")
+    assert a.renew_lease("resp_bg", "router-a", 100.0)
+    assert a.append_events("resp_bg", events(2), "router-a") is False
+    assert b.take_lease("resp_bg", "router-b", 200.0, now=150.0)  # a went silent past its lease
+    with pytest.raises(LeaseLost, match="resp_bg"):  # a, back, writes nothing more
+        a.append_events("resp_bg", events(4, start=2), "router-a")
+    assert b.append_events("resp_bg", events(3, start=2), "router-b") is False
+    assert a.events_after("resp_bg", -1, 100) == events(3)
+    assert a.append_events("resp_bg", [], "router-a") is False  # only the question: not fenced
 
 
 def test_a_kept_request_is_read_back_exactly_and_goes_with_its_response(open_on_one_database):
