@@ -194,3 +194,36 @@ def test_a_router_whose_lease_was_taken_stops_and_writes_nothing_more(served, tm
         assert left.get(made.id, owner_of(None)).response["status"] == "in_progress"
     finally:
         left.close()
+
+
+def test_an_adopted_turn_of_a_conversation_runs_again_with_its_history(served, tmp_path):
+    path = tmp_path / "responses.sqlite"
+    fake_a = FakeWorkerClient(reply=ids(served, ANSWER))
+    with router(served, fake_a, response_store=ResponseStoreSettings(path=str(path))) as a:
+        first = sdk(a).responses.create(model="tiny", input="Capital of France?", instructions="Be brief.")
+        made = sdk(a).responses.create(
+            model="tiny", input="And its river?", previous_response_id=first.id, background=True, temperature=0
+        )
+        wait_until(lambda: sdk(a).responses.retrieve(made.id).status == "completed", what="it completed on A")
+        whole = events_of(sdk(a), made.id)
+        holder = a.app.state.responses.runs.holder
+    last = [e.sequence_number for e in whole if e.type == "response.output_text.delta"][2]
+    rewind(path, made.id, last, holder)
+    fake_b = FakeWorkerClient(reply=ids(served, ANSWER))
+    with router(served, fake_b, response_store=ResponseStoreSettings(path=str(path))) as b:
+        rest = events_of(sdk(b), made.id, last)
+        done = sdk(b).responses.retrieve(made.id)
+        third = sdk(b).responses.create(model="tiny", input="Thanks.", previous_response_id=made.id)
+    assert [e.sequence_number for e in whole[: last + 1] + rest] == list(range(len(whole)))
+    assert done.status == "completed" and done.output_text == ANSWER and done.previous_response_id == first.id
+    assert fake_b.opened[0][1].prompt_token_ids == fake_a.opened[1][1].prompt_token_ids  # the same history
+    assert fake_b.opened[1][1].prompt_token_ids == served.encode_chat(
+        [
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": ANSWER},
+            {"role": "user", "content": "And its river?"},
+            {"role": "assistant", "content": ANSWER},
+            {"role": "user", "content": "Thanks."},
+        ]
+    )
+    assert third.output_text == ANSWER
