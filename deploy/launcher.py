@@ -11,7 +11,8 @@ all on the run folder's one response store) and HAProxy in front of them on
 once they answer; HAProxy is a supervised process like the others.
 Then watch: Ctrl-C or SIGTERM stops every process; a process that fails is
 restarted by ``deploy.supervisor`` (config ``restart:``) while the rest keep
-serving. A server stopped by someone else's SIGTERM drains first and exits
+serving; a server restarts in the role it was last switched to, which it records in
+``RUN_DIR/roles/<name>.json`` (deploy/role_file.py). A server stopped by someone else's SIGTERM drains first and exits
 cleanly; that is an operator's choice, not a failure, so the cluster keeps
 serving as long as the router and at least one server of each role remain.
 
@@ -44,6 +45,7 @@ from deploy.config_security import GENERATED_SECRET_ENV
 from deploy.front import FRONT_NAME, FrontMissing, haproxy_binary, write_haproxy_config
 from deploy.ports import busy_ports
 from deploy.progress import Heartbeat, seconds_since_process_start
+from deploy.role_file import RoleFile
 from deploy.supervisor import Supervisor
 from engine.models import needs_build
 
@@ -140,8 +142,22 @@ class Cluster:
             for inst in getattr(self.cluster, role):
                 if self.only is not None and inst.name not in self.only:
                     continue
-                started.append(self._spawn(role, inst.name, self.cluster.url_of(inst), [command, "--name", inst.name]))
+                started.append(
+                    self._spawn(role, inst.name, self.cluster.url_of(inst), self.server_args(command, inst.name))
+                )
         return started
+
+    def role_file(self, name: str) -> Path:
+        """Where server ``name`` records its role (deploy/role_file.py): a restart starts in that role."""
+        return self.run_dir / "roles" / f"{name}.json"
+
+    def last_role(self, name: str) -> str | None:
+        """The role server ``name`` recorded last, which a restart starts in (None: none recorded)."""
+        record = RoleFile(self.role_file(name), name, self.launch_id).read()
+        return None if record is None else record.role
+
+    def server_args(self, command: str, name: str) -> list[str]:
+        return [command, "--name", name, "--role-file", str(self.role_file(name))]
 
     def router_args(self, replica: int | None = None) -> list[str]:
         """The router keeps stored /v1/responses in the run folder, so a restarted router still has them;
@@ -221,7 +237,8 @@ class Cluster:
         return resp.status_code == 200
 
     def restart(self, name: str) -> Proc:
-        """Start process ``name`` again once it has exited (fault tests kill servers on purpose)."""
+        """Start process ``name`` again once it has exited (fault tests kill servers on purpose); a server
+        starts in the role its role file recorded (the one it was last switched to)."""
         old = next(p for p in self.procs if p.name == name)
         if old.popen.poll() is None:
             raise LaunchError(f"{old.role} {name} is still running (pid {old.popen.pid})")
@@ -231,8 +248,14 @@ class Cluster:
         if old.role == "planner":
             return self.start_planner()
         command = "decode" if old.role == "colocated" else old.role
+        last = self.last_role(name) if old.role != "router" else None
+        if last is not None and last != old.role:
+            print(
+                f"pdserve: {old.role} {name} starts again as a {last} server, the role it was last switched to",
+                flush=True,
+            )
         replica = int(name.rsplit("-", 1)[1]) if old.role == "router" and self.replicated else None
-        args = self.router_args(replica) if old.role == "router" else [command, "--name", name]
+        args = self.router_args(replica) if old.role == "router" else self.server_args(command, name)
         return self._spawn(old.role, name, old.url, args)
 
     def first_dead(self, skip: Collection[str] = frozenset()) -> Proc | None:

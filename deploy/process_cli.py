@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from deploy.role_file import RoleFile
     from server_common.settings import ServerSettings
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -78,6 +80,8 @@ def _add_server_parser(
     p.add_argument("--name", required=True, help="this instance's name in the config")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log this and above (default info)")
     _add_launch_id(p)
+    # Where the server records its role; a restarted one starts in the role recorded (deploy/role_file.py).
+    p.add_argument("--role-file", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=func)
 
 
@@ -105,13 +109,20 @@ def run_router(args: argparse.Namespace) -> int:
 def run_prefill(args: argparse.Namespace) -> int:
     from deploy.role_server import run
 
-    return run(_confined(_server_settings(args, ("prefill",))), args.log_level)
+    return run(_confined(_server_settings(args, ("prefill",))), args.log_level, _role_file(args))
 
 
 def run_decode(args: argparse.Namespace) -> int:
     from deploy.role_server import run
 
-    return run(_confined(_server_settings(args, ("decode", "colocated"))), args.log_level)
+    return run(_confined(_server_settings(args, ("decode", "colocated"))), args.log_level, _role_file(args))
+
+
+def _role_file(args: argparse.Namespace) -> RoleFile | None:
+    """The server's role file (``pdserve launch`` names one in its run folder), or None."""
+    from deploy.role_file import RoleFile
+
+    return None if args.role_file is None else RoleFile(Path(args.role_file), args.name, args.launch_id)
 
 
 def _server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]) -> ServerSettings:

@@ -31,7 +31,19 @@ draining (shutting down) server (503). A drain that does not end within ``drain_
 gives the switch up: the old role resumes (503 ``switch_in_progress``). Should the new role
 fail to start, the old one is started again; should that fail too, the process ends with
 ``EXIT_SWITCH_FAILED`` and its supervisor (``deploy/supervisor.py``) starts it again in its
-configured role (epoch 0).
+configured role.
+
+Restarts: under ``pdserve launch`` the server records its role and epoch in its role file
+(``deploy/role_file.py``, ``--role-file``, in the run folder) when it starts, when a drained
+switch commits to the new role (before the old role's link closes), when a failed switch restores
+the old role, and (its configured role) before ``EXIT_SWITCH_FAILED``. A process that dies after a
+switch, or in one past its drain, is started again directly in the role it was switched to (the
+one the planner or the operator last decided), in the epoch after the recorded one: stale
+reservations and calls of its earlier life are still refused, and the router, seeing a new
+epoch, joins it again in that role (``router.cluster.discovery.Discovery.readmit``). One that
+dies while still draining comes back in its old role, which the router joins again just as
+well. A Kubernetes pod has no run folder: a restarted container starts in its configured role
+at epoch 0, the router joins it again in that role, and the planner decides its role anew.
 """
 
 from __future__ import annotations
@@ -49,6 +61,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from deploy.role_file import RoleFile, RoleRecord, resumed
 from engine import LLMEngine
 from engine.config import MODES, EngineMode
 from server_common.engine_thread import EngineThread
@@ -123,21 +136,27 @@ class FollowingDrain(Drain):
 class RoleServer:
     """The process's ASGI app (see the module): the current role's app, the role switch route, and
     the refusals of stale calls. ``make(role, settings, engine_thread, epoch)`` builds a role's service
-    and its app."""
+    and its app. ``start``: the role and epoch it starts in (default: its configured role, epoch 0), whose
+    engine ``engine`` is built in; ``role_file``: where it records its role (``deploy.role_file``)."""
 
     def __init__(
         self,
         settings: ServerSettings,
         engine: LLMEngine,
         make: Callable[[EngineMode, ServerSettings, EngineThread, int], tuple[Any, FastAPI]],
+        start: RoleRecord | None = None,
+        role_file: RoleFile | None = None,
     ) -> None:
+        start = start or RoleRecord(settings.role, 0)
         self.settings = settings
         self.engine = engine
-        self.epoch = 0
+        self.epoch = start.role_epoch
+        self.role_file = role_file
         self.switches: list[dict[str, Any]] = []  # each switch's figures, newest last (at most 32)
         self._make = make
         self.engine_thread = EngineThread(engine, lambda e, outputs: None, settings.name)
-        self._current = self._build(settings.role)
+        self._current = self._build(start.role)
+        self._record(start)
         self._switching: asyncio.Lock = asyncio.Lock()
         self.drain = FollowingDrain(lambda: self._current.service.drain)
         self._control = InternalAuthMiddleware(self._control_app(), settings.internal_secret)
@@ -224,6 +243,11 @@ class RoleServer:
             await stack.aclose()
 
     # ---- switching ---------------------------------------------------------------------
+    def _record(self, record: RoleRecord) -> None:
+        """The role a restart of this process starts in (see the module); nothing without a role file."""
+        if self.role_file is not None:
+            self.role_file.write(record)
+
     def describe(self) -> dict[str, Any]:
         return {
             "instance": self.settings.name,
@@ -262,6 +286,7 @@ class RoleServer:
             message = f"{self.settings.name} still had work after {self.settings.drain_timeout_s:g} s of draining"
             raise SwitchRefused(503, f"{message}; it stays a {old.role} server", Outcome.SWITCHING)
         drained = time.monotonic()
+        self._record(RoleRecord(role, self.epoch + 1))  # from here on, a restart completes the switch
         # The old service is quiet: nothing runs on the engine thread while it is handed on.
         await self.engine_thread.run(lambda e: self.engine_thread.rebind(lambda e, outputs: None))
         await self._leave(old)  # its KV link closes (a decode server's port is free again)
@@ -296,11 +321,13 @@ class RoleServer:
             if self.engine.config.mode != role:  # a switch that failed before the mode changed left it
                 await self.engine_thread.run(lambda e: e.set_mode(role))
             self.epoch += 1
+            self._record(RoleRecord(role, self.epoch))
             back = self._build(role)
             await self._enter(back)
             self._current = back
         except Exception:
             log.exception("nor did the %s role start again; exiting for the supervisor", role)
+            self._record(RoleRecord(self.settings.role, self.epoch))  # restarted as configured
             os._exit(EXIT_SWITCH_FAILED)
 
     async def _wait_quiet(self, service: Any, timeout: float) -> bool:
@@ -364,8 +391,9 @@ def make_role(
     return make
 
 
-def run(settings: ServerSettings, log_level: str) -> int:
-    """`pdserve prefill|decode`'s process: a ``RoleServer`` in the configured role."""
+def run(settings: ServerSettings, log_level: str, role_file: RoleFile | None = None) -> int:
+    """`pdserve prefill|decode`'s process: a ``RoleServer`` in the role ``role_file`` recorded (a restart
+    under ``pdserve launch``), or else the configured role (``deploy.role_file.resumed``)."""
     from server_common.kernel_cache import bound_kernel_caches
 
     bound_kernel_caches()  # before the engine's first oneDNN kernel (server_common/kernel_cache.py)
@@ -374,10 +402,14 @@ def run(settings: ServerSettings, log_level: str) -> int:
     from server_common.engine_thread import build_engine
     from server_common.run import serve
 
-    engine = build_engine(settings.engine, RANK_AGENT)  # ranks hold their KV senders or receivers
+    start = resumed(role_file, settings.role)
+    if start.role != settings.role:
+        log.info("starting as a %s server (role epoch %d), the role it was last in", start.role, start.role_epoch)
+    # ranks hold their KV senders or receivers
+    engine = build_engine(dataclasses.replace(settings.engine, mode=start.role), RANK_AGENT)
     faults = FaultInjector() if settings.fault_injection else None
     guard = server_guard(settings)
-    server = RoleServer(settings, engine, make_role(settings, engine, faults, guard))
+    server = RoleServer(settings, engine, make_role(settings, engine, faults, guard), start, role_file)
     serve(
         server,
         settings.listen_host,

@@ -9,6 +9,10 @@ Policy (config section ``restart:``, ``deploy.config.RestartConfig``; defaults s
       max_restarts: 5      # failures of one process within window_s before the launcher gives up
       window_s: 300.0
 
+A server restarts in the role it recorded last (``RUN_DIR/roles/<name>.json``,
+deploy/role_file.py: the role a switch took it to, in the epoch after its last)
+and the router joins it again in that role; the launcher's line says which.
+
 A failure is an exit the operator did not ask for: a crash, a kill -9, a
 server that ended itself because a thread died (``server_common/vitals.py``).
 A server that drained and stopped on someone else's SIGTERM is not one
