@@ -30,6 +30,20 @@ and it is discovered again from its ``/health`` as a worker of its new role:
 a new decode server is announced to the prefill servers, a new prefill
 server is told every decode server. One switch at a time; none that would
 leave no prefill or no decode server in rotation.
+
+Joining again (``readmit``, told by the registry's health checks): a known
+worker whose ``/health`` reports another role or another role epoch than
+this router's view (a process restarted by ``pdserve launch`` in the role it
+was last switched to, in a new epoch, deploy/role_file.py; a pod restarted in
+its configured role; a switch made at the server itself or through another
+router replica), or one lost during a switch that answers again, is out of
+rotation at once and joins again as it reports itself (the new view takes
+the old one's place in one step: the name stays known), as a switch's end
+does: a decode server it was is forgotten by the prefill servers, a decode
+server it is now is announced to them, a prefill server it is now is told
+every decode server. It is never routed to under the view it left. This
+counts as the one change at a time: while another worker switches it waits
+for a later health check.
 """
 
 from __future__ import annotations
@@ -105,7 +119,9 @@ class Discovery:
         self._resolve = resolve
         self._leaving: dict[str, asyncio.Task] = {}
         self.found: dict[str, str] = {}  # url -> worker name, of the workers DNS found
-        self.switching: str | None = None  # the worker whose role is being switched (one at a time)
+        self.switching: str | None = None  # the worker whose role is being switched or rejoined (one at a time)
+        self._readmits: set[asyncio.Task] = set()
+        registry.on_changed = self.readmit
 
     # ---- joining ------------------------------------------------------------------------
     async def join(self, url: str, like: Worker | None = None) -> Worker:
@@ -122,7 +138,7 @@ class Discovery:
         if model != self._model_id:
             raise self._refused(url, "other_model", f"it serves model {model!r}, this router {self._model_id!r}")
         known = self._registry.find(name)
-        if known is not None:
+        if known is not None and known is not like:
             if known.url == url:
                 return known
             raise self._refused(url, "name_in_use", f"worker name {name!r} is in use by {known.url}")
@@ -131,15 +147,21 @@ class Discovery:
             worker.max_inflight, worker.discovered = like.max_inflight, like.discovered
             worker.apply_health(report)  # its role epoch, sent with its calls from the first one
         if role == "decode":
-            await self._tell_prefills("POST", "/admin/peers", {"name": name, "url": url})
+            await self._tell_prefills("POST", "/admin/peers", {"name": name, "url": url}, besides=known)
         else:
             await asyncio.gather(
                 *(
                     self._peer_call(worker, "POST", "/admin/peers", {"name": d.name, "url": d.url})
                     for d in self._registry.of_role("decode")
+                    if d is not known
                 )
             )
-        self._registry.add(worker)
+        if known is not None:  # ``like``, joined again: in its place at once
+            self._registry.replace(known, worker)
+        else:
+            if like is not None:  # another instance answers at its address now
+                self._registry.forget(like.name)
+            self._registry.add(worker)
         self._metrics.workers_joined.inc()
         log.info("worker %s (%s, %s) joined", name, role, url)
         return worker
@@ -214,16 +236,40 @@ class Discovery:
         log.info("worker %s switched to %s (role epoch %s) in %.2f s", worker.name, role, rejoined.role_epoch, seconds)
         return {"worker": rejoined, "seconds": seconds, "server_seconds": answer.get("seconds")}
 
+    def readmit(self, worker: Worker) -> None:
+        """``worker`` reports another role or epoch (see the module; the registry took it out): join it
+        again as it reports itself, unless a switch or leave is under way (a later check asks again)."""
+        if self.switching is not None or worker.name in self._leaving or self._registry.find(worker.name) is not worker:
+            return
+        self.switching = worker.name
+        task = asyncio.create_task(self._readmit(worker))
+        self._readmits.add(task)
+        task.add_done_callback(self._readmits.discard)
+
+    async def _readmit(self, worker: Worker) -> None:
+        drained = worker.draining and not worker.rejoin  # drained through the admin API: it stays drained
+        try:
+            if worker.role == "decode":  # as a switch does: the prefill servers meet what it is now afresh
+                await self._tell_prefills("DELETE", f"/admin/peers/{worker.name}")
+            rejoined = await self._rejoin(worker)
+            if rejoined is not None:
+                rejoined.set_draining(drained)
+                log.info("worker %s joined again: %s, role epoch %s", worker.name, rejoined.role, rejoined.role_epoch)
+        finally:
+            self.switching = None
+
     async def _rejoin(self, worker: Worker) -> Worker | None:
-        """Forget ``worker`` and discover it again at its address (its role and epoch as it reports
-        them now); back in rotation once its health checks pass. None (and it stays as it was, out of
-        rotation) when it does not answer as a worker of this cluster."""
-        self._registry.forget(worker.name)
+        """Discover ``worker`` again at its address (its role and epoch as it reports them now), in its
+        place in the registry; back in rotation once its health checks pass. None (and it stays known,
+        out of rotation, until it answers and joins again: ``readmit``) when it does not answer as a
+        worker of this cluster."""
         try:
             return await self.join(worker.url, like=worker)
         except JoinRefused as exc:
             log.warning("worker %s did not join again after its role switch: %s", worker.name, exc)
-            self._registry.add(worker)
+            worker.lost_in_switch()  # joined again once it answers (``readmit``)
+            if self._registry.find(worker.name) is None:
+                self._registry.add(worker)
             return None
 
     # ---- DNS ------------------------------------------------------------------------
@@ -257,8 +303,12 @@ class Discovery:
         self._leaving.pop(name, None)
 
     # ---- helpers ------------------------------------------------------------------------
-    async def _tell_prefills(self, method: str, path: str, body: dict | None = None) -> None:
-        await asyncio.gather(*(self._peer_call(p, method, path, body) for p in self._registry.of_role("prefill")))
+    async def _tell_prefills(
+        self, method: str, path: str, body: dict | None = None, besides: Worker | None = None
+    ) -> None:
+        """Every prefill server but ``besides`` (a worker joining again, as what it was)."""
+        prefills = [p for p in self._registry.of_role("prefill") if p is not besides]
+        await asyncio.gather(*(self._peer_call(p, method, path, body) for p in prefills))
 
     async def _peer_call(self, worker: Worker, method: str, path: str, body: dict | None) -> None:
         """Best effort: a prefill server that misses it learns a joined decode server when it joins

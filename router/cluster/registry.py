@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
@@ -67,6 +68,7 @@ class Worker:
     full_until: float = 0.0  # monotonic time until which a "no room" answer is trusted
     discovered: bool = False  # joined at runtime (router/cluster/discovery.py): another launch may have started it
     role_epoch: int | None = None  # its role epoch (deploy/role_server.py), sent with each call; None: not reported
+    rejoin: bool = False  # lost during a role switch: joined again (its peers told) once it answers
 
     @property
     def in_rotation(self) -> bool:
@@ -128,6 +130,29 @@ class Worker:
     def full_for(self, cooldown: float) -> None:
         """It said its KV cache is full: skip it for ``cooldown`` s (or until one of its calls frees blocks)."""
         self.full_until = time.monotonic() + cooldown
+
+    def lost_in_switch(self) -> None:
+        """It did not answer after its role switch: out of rotation until it answers and joins again."""
+        self.draining, self.rejoin = True, True
+
+    def other_role(self, report: dict) -> str | None:
+        """Why ``report`` (its /health) is of another role than this router's view, or None."""
+        reported = report.get("role")
+        if reported is not None and {"colocated": "decode"}.get(reported, reported) != self.role:
+            return f"it reports role {str(reported)[:16]!r}, not {self.role}"
+        return None
+
+    def changed_since(self, report: dict) -> str | None:
+        """Why ``report`` (its /health) is not the worker this router knows, or None: another role (it
+        switched without this router, or was restarted in another role), another role epoch (a switch,
+        or a new process), or it was lost during a switch."""
+        other = self.other_role(report)
+        if other is not None:
+            return other
+        epoch = report.get("role_epoch")
+        if self.role_epoch is not None and isinstance(epoch, int) and epoch != self.role_epoch:
+            return f"it reports role epoch {epoch}, not {self.role_epoch}"
+        return "it answers again after its role switch" if self.rejoin else None
 
     def set_draining(self, draining: bool) -> None:
         """Drained (or resumed) through the router's admin endpoint."""
@@ -195,6 +220,8 @@ class WorkerRegistry:
         # a busy worker silent this long (no answer to any call) is no longer let off
         self.stream_stall_s = stream_stall_s
         self._client: httpx.AsyncClient | None = None  # set by run(): new workers are watched at once
+        # Told of a worker that changed (``Worker.changed_since``); router.cluster.discovery joins it again.
+        self.on_changed: Callable[[Worker], None] | None = None
         self._watches: dict[str, asyncio.Task] = {}
 
     def healthy(self, role: WorkerRole) -> list[Worker]:
@@ -227,11 +254,16 @@ class WorkerRegistry:
                     self.launch_id,
                     worker.name,
                 )
-            reported = report.get("role")
-            if not foreign and reported is not None and {"colocated": "decode"}.get(reported, reported) != worker.role:
-                # It switched role without this router (its own POST /admin/role, or a restart in its configured
-                # role after a switch): out until it joins again in its role (router/admin.py, .../role).
-                self.mark_down(worker, f"it reports role {str(reported)[:16]!r}, not {worker.role}")
+            changed = None if foreign else worker.changed_since(report)
+            if changed is not None and self.on_changed is not None:
+                # A new role or epoch (switched without this router, restarted): out of rotation until it joins
+                # again as it reports itself (router.cluster.discovery.Discovery.readmit), never half-served.
+                self.mark_down(worker, changed)
+                self.on_changed(worker)
+                return
+            other = None if foreign else worker.other_role(report)
+            if other is not None:  # and nothing here joins it again: out
+                self.mark_down(worker, other)
                 return
             if foreign:
                 self.mark_down(
@@ -283,6 +315,16 @@ class WorkerRegistry:
         self.workers.append(worker)
         if self._client is not None:
             self._watches[worker.name] = asyncio.create_task(self._watch(self._client, worker))
+
+    def replace(self, old: Worker, new: Worker) -> None:
+        """``new`` takes ``old``'s place (the same worker, joined again: router.cluster.discovery), in one
+        step: the name is never missing from the registry meanwhile."""
+        self.workers[self.workers.index(old)] = new
+        watch = self._watches.pop(old.name, None)
+        if watch is not None:
+            watch.cancel()
+        if self._client is not None:
+            self._watches[new.name] = asyncio.create_task(self._watch(self._client, new))
 
     def forget(self, name: str) -> Worker | None:
         """A worker leaves: no health checks, no requests (callers drain it first)."""
