@@ -3,9 +3,10 @@
 becomes a decode server and back, and a decode server a prefill server and back, with no failed
 request, every answer the transformers greedy reference, and every KV block back on every server
 after; each switch's time is printed. Bad input: 404, 400, and 409 for a switch that would leave
-no decode server. A server killed after a switch comes back in its configured role: the router
-takes it out (its role is not the router's view) until a switch through the router finds it
-again."""
+no decode server. A server killed (SIGKILL) after a switch is started again by the launcher in
+the role it was switched to (its role file, deploy/role_file.py), in the epoch after, and the
+router puts it back in rotation in that role: it serves the greedy reference, and every block is
+back."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import os
 import signal
 import statistics
 import threading
+import time
 
 import pytest
 
@@ -135,29 +137,53 @@ def test_bad_switches_are_refused_with_the_reason(cluster, tiny_model):
     wait_until(lambda: all_blocks_back(cluster), 10, "every KV block is back on every server")
 
 
-def test_a_server_restarted_in_its_configured_role_is_found_again_by_a_switch(cluster, tiny_model):
-    switch(cluster, "p1", "decode")
-    os.kill(cluster.server("p1")["pid"], signal.SIGKILL)  # its supervisor starts it again as configured
+def pid_of(cluster, name: str) -> int:
+    """``name``'s pid now, from the run folder's manifest (the launcher rewrites it on each restart)."""
+    processes = json.loads((cluster.run_dir / "cluster.json").read_text())["processes"]
+    return next(p["pid"] for p in processes if p["name"] == name)
+
+
+def in_rotation_as(cluster, name: str) -> tuple[str, int] | None:
+    """The role and role epoch the router routes to ``name`` in; None while it is out of rotation."""
+    workers = cluster.http.get(f"{cluster.router_url}/admin/workers").json()["workers"]
+    worker = next(w for w in workers if w["name"] == name)  # known all along, also while it joins again
+    return (worker["role"], worker["role_epoch"]) if worker["in_rotation"] else None
+
+
+@pytest.mark.parametrize(("name", "role", "back"), [("p1", "decode", "prefill"), ("d1", "prefill", "decode")])
+def test_a_server_killed_after_a_switch_comes_back_in_its_switched_role_and_serves(
+    cluster, tiny_model, name, role, back
+):
+    expected = {p: expected_completion(tiny_model, p, MAX_TOKENS) for p in PROMPTS}
+    epoch = switch(cluster, name, role)["role_epoch"]
+    record = json.loads((cluster.run_dir / "roles" / f"{name}.json").read_text())
+    assert (record["instance"], record["role"], record["role_epoch"]) == (name, role, epoch)
+    killed, started = pid_of(cluster, name), time.monotonic()
+    os.kill(killed, signal.SIGKILL)  # its supervisor starts it again, in the role it recorded
 
     def restarted() -> bool:
         path = cluster.run_dir / "restarts.json"
         done = json.loads(path.read_text())["restarts"] if path.exists() else []
-        return any(r["name"] == "p1" and r["back_after_s"] is not None for r in done)
+        return any(r["name"] == name and r["pid"] != killed and r["back_after_s"] is not None for r in done)
 
-    wait_until(restarted, 90, "the launcher restarted p1")
-    health = cluster.http.get(f"{cluster.server('p1')['url']}/health").json()
-    assert (health["role"], health["role_epoch"]) == ("prefill", 0)
-
-    def p1() -> dict:
-        workers = cluster.http.get(f"{cluster.router_url}/admin/workers").json()["workers"]
-        return next(w for w in workers if w["name"] == "p1")
-
-    wait_until(lambda: not p1()["healthy"], 30, "the router takes out a worker that reports another role")
-    body = switch(cluster, "p1", "prefill")  # the server is a prefill server already: found again
-    assert (body["role"], body["role_epoch"]) == ("prefill", 0)
-    wait_until(lambda: p1()["in_rotation"], 30, "p1 back in rotation as a prefill server")
-    out = cluster.client().completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0)
-    assert (out.choices[0].text, out.usage.completion_tokens) == expected_completion(tiny_model, PROMPTS[1], MAX_TOKENS)
+    wait_until(restarted, 90, f"the launcher restarted {name}")
+    health = cluster.http.get(f"{cluster.server(name)['url']}/health").json()
+    assert (health["role"], health["role_epoch"]) == (role, epoch + 1)  # a new life: the epoch after
+    wait_until(
+        lambda: in_rotation_as(cluster, name) == (role, epoch + 1),
+        30,
+        f"the router has {name} in rotation as a {role} server again",
+    )
+    print(f"{name} killed as a {role} server: in rotation again as one after {time.monotonic() - started:.1f} s")
+    with Load(cluster) as load:
+        wait_until(lambda: served(cluster, name, role) >= 2, 60, f"{name} serves as a {role} server again")
+        before = len(load.answers)
+        wait_until(lambda: len(load.answers) >= before + 3, 60, "the load goes on")
+    assert load.failures == []
+    wrong = [(p, text, n) for p, text, n in load.answers if (text, n) != expected[p]]
+    assert wrong == [] and load.answers
+    wait_until(lambda: all_blocks_back(cluster), 10, "every KV block is back on every server")
+    assert switch(cluster, name, back)["role_epoch"] == epoch + 2  # switched as any other server
     wait_until(lambda: all_blocks_back(cluster), 10, "every KV block is back on every server")
 
 
