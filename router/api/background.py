@@ -241,6 +241,10 @@ class BackgroundRuns:
         self.runs: dict[str, Run] = {}
         self.holder = f"router-{secrets.token_hex(8)}"  # this router, in the leases of what it runs
         self.carry_on: CarryOn | None = None  # how to run again a response adopted from a router gone
+        # A running response's conversation (history, then its input) with its output: the ending row's.
+        self.with_output: Callable[[list[dict[str, Any]], list[dict[str, Any]]], list[dict[str, Any]]] = (
+            lambda conversation, output: conversation
+        )
         self.adopted = 0  # responses this router took over and carried on
 
     async def start(self, queued: StoredResponse, begin: Begin, row: RowFor, request: str) -> Run:
@@ -449,8 +453,9 @@ class BackgroundRuns:
         event (when failed and the log has none yet), then the row."""
         if logged and event_type(logged[-1][1]) in TERMINAL_EVENTS:  # the router died between the two
             response = sse_data(logged[-1][1])["response"]
+            conversation = self.with_output(stored.conversation, response["output"])
             ended = StoredResponse(
-                stored.id, stored.owner, stored.created_at, response, stored.input_items, stored.conversation
+                stored.id, stored.owner, stored.created_at, response, stored.input_items, conversation
             )
             await asyncio.to_thread(self.store.put, ended)
             await asyncio.to_thread(self.store.end_lease, stored.id)

@@ -403,6 +403,7 @@ class ResponsesHandler:
         self.store = store
         self.runs = BackgroundRuns(store, limits or EventLimits())
         self.runs.carry_on = self._carry_on
+        self.runs.with_output = lambda conversation, output: conversation + chat_messages(output)
 
     async def create(
         self, req: ResponsesRequest, owner: str, request_id: str, traceparent: str | None = None, body_bytes: int = 0

@@ -227,3 +227,30 @@ def test_an_adopted_turn_of_a_conversation_runs_again_with_its_history(served, t
         ]
     )
     assert third.output_text == ANSWER
+
+
+def test_a_router_killed_between_its_closing_event_and_its_row_leaves_the_row_to_write(served, tmp_path):
+    path = tmp_path / "responses.sqlite"
+    with router(
+        served, FakeWorkerClient(reply=ids(served, ANSWER)), response_store=ResponseStoreSettings(path=str(path))
+    ) as a:
+        made = sdk(a).responses.create(model="tiny", input="Capital of France?", background=True, temperature=0)
+        wait_until(lambda: sdk(a).responses.retrieve(made.id).status == "completed", what="it completed on A")
+        whole = events_of(sdk(a), made.id)
+        holder = a.app.state.responses.runs.holder
+    rewind(path, made.id, whole[-1].sequence_number, holder)  # every event, the row still in_progress
+    fake_b = FakeWorkerClient(reply=ids(served, ANSWER))
+    with router(served, fake_b, response_store=ResponseStoreSettings(path=str(path))) as b:
+        done = sdk(b).responses.retrieve(made.id)
+        assert b.app.state.responses.runs.adopted == 0 and fake_b.opened == []  # nothing to run again
+        events = events_of(sdk(b), made.id)
+        sdk(b).responses.create(model="tiny", input="Thanks.", previous_response_id=made.id)
+    assert done.model_dump() == whole[-1].response.model_dump()
+    assert [e.model_dump() for e in events] == [e.model_dump() for e in whole]
+    assert fake_b.opened[0][1].prompt_token_ids == served.encode_chat(
+        [
+            {"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": ANSWER},
+            {"role": "user", "content": "Thanks."},
+        ]
+    )
