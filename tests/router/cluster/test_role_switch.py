@@ -175,7 +175,7 @@ def test_a_worker_reporting_another_role_is_taken_out_of_rotation():
     assert {w.name: w.healthy for w in registry.workers} == {"p0": True, "p1": False, "d0": True}
 
 
-def test_a_worker_that_dies_mid_switch_stays_known_and_out_of_rotation_until_switched_again():
+def test_a_worker_that_dies_mid_switch_stays_known_out_of_rotation_and_a_switch_brings_it_back():
     servers = Servers({"p0": "prefill", "p1": "prefill", "d0": "decode"})
     dead = {"p1"}
 
