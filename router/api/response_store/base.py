@@ -126,7 +126,8 @@ class ResponseStore(Protocol):
         ...
 
     def lapsed_leases(self, now: float, limit: int) -> list[tuple[str, str]]:
-        """At most ``limit`` responses whose lease expired before ``now`` (id, owner): their router is gone."""
+        """At most ``limit`` responses whose lease expired before ``now`` (id, owner): their router is gone.
+        The latest to expire first: a router that just died comes before leases left by older versions."""
         ...
 
     def close(self) -> None: ...

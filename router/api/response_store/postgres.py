@@ -226,7 +226,7 @@ class PostgresResponseStore:
         rows = self._call(
             lambda conn: conn.execute(
                 "SELECT l.response_id, r.owner FROM response_leases l JOIN responses r ON r.id = l.response_id "
-                "WHERE l.expires_at < %s ORDER BY l.expires_at LIMIT %s",
+                "WHERE l.expires_at < %s ORDER BY l.expires_at DESC LIMIT %s",
                 (now, limit),
             ).fetchall()
         )

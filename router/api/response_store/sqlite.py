@@ -166,7 +166,7 @@ class SqliteResponseStore:
         with self._lock:
             rows = self._db.execute(
                 "SELECT l.response_id, r.owner FROM response_leases l JOIN responses r ON r.id = l.response_id "
-                "WHERE l.expires_at < ? ORDER BY l.expires_at LIMIT ?",
+                "WHERE l.expires_at < ? ORDER BY l.expires_at DESC LIMIT ?",
                 (now, limit),
             ).fetchall()
         return [(str(rid), str(owner)) for rid, owner in rows]

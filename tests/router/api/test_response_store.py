@@ -305,18 +305,18 @@ def test_a_lease_is_renewed_by_its_holder_only_and_taken_by_one_router_once_expi
     assert a.delete("resp_bg", OWNER) and a.renew_lease("resp_bg", "router-c", 1.0) is True  # gone with its row
 
 
-def test_an_ended_lease_never_lapses_and_lapsed_ones_are_listed_oldest_first(open_on_one_database):
+def test_an_ended_lease_never_lapses_and_lapsed_ones_are_listed_latest_first(open_on_one_database):
     a, b = open_on_one_database(), open_on_one_database()
     for rid, until in (("resp_late", 120.0), ("resp_early", 110.0), ("resp_live", 900.0), ("resp_done", 100.0)):
         a.put(stored(rid))
         assert a.renew_lease(rid, "router-a", until)
     a.end_lease("resp_done")  # it ended: held by nobody, for ever
-    assert b.lapsed_leases(now=500.0, limit=10) == [("resp_early", OWNER), ("resp_late", OWNER)]
-    assert b.lapsed_leases(now=500.0, limit=1) == [("resp_early", OWNER)]
+    assert b.lapsed_leases(now=500.0, limit=10) == [("resp_late", OWNER), ("resp_early", OWNER)]
+    assert b.lapsed_leases(now=500.0, limit=1) == [("resp_late", OWNER)]
     assert b.take_lease("resp_done", "router-b", 600.0, now=1e9) is False
     assert a.renew_lease("resp_done", "router-a", 1e9) is False  # its last holder cannot take it back
-    assert b.take_lease("resp_early", "router-b", 600.0, now=500.0) is True
-    assert a.lapsed_leases(now=500.0, limit=10) == [("resp_late", OWNER)]
+    assert b.take_lease("resp_late", "router-b", 600.0, now=500.0) is True
+    assert a.lapsed_leases(now=500.0, limit=10) == [("resp_early", OWNER)]
 
 
 def test_events_fenced_by_a_lease_are_written_only_while_their_writer_holds_it(open_on_one_database):
