@@ -280,6 +280,7 @@ async def _build_handlers(
     store = settings.response_store
     event_limits = EventLimits(max_events=store.max_events, max_bytes=store.max_event_bytes)
     app.state.responses = ResponsesHandler(app.state.handlers, parts.responses, event_limits)
+    app.state.responses.runs.on_adopted = parts.metrics.background_adoptions.inc
     app.state.discovery = Discovery(
         parts.registry,
         http,

@@ -125,6 +125,12 @@ class RouterMetrics:
             registry=r,
         )
         self.recovery = RecoveryMetrics(r)
+        # Background responses whose router died, carried on here (router/api/background.py).
+        self.background_adoptions = Counter(
+            "pdserve_router_background_adoptions",
+            "Background responses this router took over from a router gone and carried on",
+            registry=r,
+        )
         r.register(_Workers(workers))  # workers join and leave: read at every scrape
         self._worker_metrics(r)
         self._zero_labels()

@@ -246,6 +246,7 @@ class BackgroundRuns:
             lambda conversation, output: conversation
         )
         self.adopted = 0  # responses this router took over and carried on
+        self.on_adopted: Callable[[], None] = lambda: None  # each adoption, told (the router's metric)
 
     async def start(self, queued: StoredResponse, begin: Begin, row: RowFor, request: str) -> Run:
         """Stores the response ``queued`` and its ``request`` (JSON: what another router runs again if this
@@ -441,6 +442,7 @@ class BackgroundRuns:
                     logged[-1][0] if logged else -1,
                 )
                 self.adopted += 1
+                self.on_adopted()
                 self._launch(stored.id, *how, logged)
                 return True
         await self._end_orphan(stored, status, logged)

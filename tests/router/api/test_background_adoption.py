@@ -102,6 +102,7 @@ def test_a_response_whose_router_died_is_carried_on_by_another_every_event_once(
         rest = events_of(sdk(b), made.id, last)  # waits for the lease to lapse, adopts, streams on
         done = sdk(b).responses.retrieve(made.id)
         assert b.app.state.responses.runs.adopted == 1 and b.app.state.responses.runs.runs == {}
+        assert "pdserve_router_background_adoptions_total 1.0" in b.get("/metrics").text.splitlines()
         again = events_of(sdk(b), made.id)
     both = before + rest
     assert [e.sequence_number for e in both] == list(range(len(whole)))
