@@ -627,7 +627,9 @@ class PlannerConfig(Strict):
     orchestrator: Literal["pool", "kubernetes"] = "pool"
     """pool: the instances this file lists, roles switched in place; kubernetes: instances run or stopped."""
     interval_s: float = Field(default=10.0, gt=0)
-    """Seconds between two decisions (one window of the routers' figures)."""
+    """Seconds between two decisions."""
+    window_s: float = Field(default=20.0, gt=0)
+    """Seconds of the routers' figures each decision reads (at least `interval_s`)."""
     ttft_s: float = Field(default=2.0, gt=0)
     """The time-to-first-token target, in seconds."""
     tpot_s: float = Field(default=0.1, gt=0)

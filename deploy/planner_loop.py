@@ -67,7 +67,12 @@ class PlannerMetrics:
 
 
 class PlannerLoop:
-    """One planner's state between intervals: the last scrape, the decisions, what was carried out."""
+    """One planner's state between intervals: the recent scrapes, the decisions, what was carried out.
+
+    Each decision reads the last ``window_s`` seconds of the routers' figures (the difference between the
+    newest scrape and the oldest one within that span), however short the interval between decisions: a
+    window must hold enough first tokens to say something (one long prompt a second gives a 1 s window
+    none half the time). After a switch the history starts again."""
 
     def __init__(
         self,
@@ -75,6 +80,7 @@ class PlannerLoop:
         routers: Routers,
         slo: Slo,
         act: PoolSwitch | InstanceScale | None,
+        window_s: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.planner = planner
@@ -84,24 +90,28 @@ class PlannerLoop:
         self.clock = clock
         self.metrics = PlannerMetrics()
         self.decisions: deque[dict] = deque(maxlen=KEPT_DECISIONS)
-        self._last: tuple[float, dict[str, Snapshot]] | None = None
+        self.window_s = window_s
+        self._history: deque[tuple[float, dict[str, Snapshot]]] = deque()
 
     def step(self) -> Decision | None:
         """One interval: None on the first (it only takes the baseline scrape)."""
         cpu = time.process_time()
         now, scraped = self.clock(), self.routers.scrape()
-        last, self._last = self._last, (now, scraped)
-        if last is None:
+        while len(self._history) > 1 and now - self._history[1][0] >= self.window_s:
+            self._history.popleft()  # the oldest kept is the newest at least window_s old, or the only one
+        self._history.append((now, scraped))
+        if len(self._history) == 1:
             return None
-        load = window(last[1], scraped, now - last[0], self.slo.ttft_s, self.slo.tpot_s)
+        since, base = self._history[0]
+        load = window(base, scraped, now - since, self.slo.ttft_s, self.slo.tpot_s)
         workers = self.routers.workers()
         counts = {role: in_rotation(workers, role) for role in ROLES}
         decision = self.planner.decide(load, counts["prefill"], counts["decode"], now)
         self.metrics.cpu.observe(time.process_time() - cpu)
         done = self._carry_out(decision, workers)
         self._record(decision, load, counts, done)
-        if done is not None and decision.action == "switch":
-            self._last = (self.clock(), self.routers.scrape())  # the switch's own seconds are no window
+        if done is not None and decision.action == "switch":  # the counts changed: what came before is no guide
+            self._history = deque([(self.clock(), self.routers.scrape())])
         return decision
 
     def _carry_out(self, decision: Decision, workers: list[WorkerView]) -> str | None:
@@ -222,7 +232,7 @@ def build(cluster: ClusterConfig, config_path: Path) -> PlannerLoop:
             "decode": [f"{name}-{i.name}" for i in cluster.decode],
         }
         act = InstanceScale(p.namespace, sets)
-    return PlannerLoop(Planner(settings, cost, shape, slo), routers, slo, act)
+    return PlannerLoop(Planner(settings, cost, shape, slo), routers, slo, act, max(p.window_s, p.interval_s))
 
 
 def serve(cluster: ClusterConfig, config_path: Path, launch_id: str | None) -> int:

@@ -105,6 +105,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slow-down", type=float, default=1.0, help="multiply the built-in profile's costs")
     p.add_argument("--interval-s", type=float, default=2.0, help="the planner's interval (default 2)")
     p.add_argument("--cooldown-s", type=float, default=4.0, help="the planner's cooldown (default 4)")
+    p.add_argument("--window-s", type=float, default=8.0, help="the seconds each decision reads (default 8)")
     p.add_argument("--seed", type=int, default=0, help="the trace's seed (default 0)")
     p.add_argument("--out", default="runs/phase-shift", help="folder for configs, logs, JSON and the plot")
     p.add_argument("--skip-statics", action="store_true", help="run the planner alone (no ratios)")
@@ -151,6 +152,7 @@ def cluster_config(args, model: Path, profile: Path | None, prefill: int, planne
         data["planner"] = {
             "mode": "act",
             "interval_s": args.interval_s,
+            "window_s": args.window_s,
             "confirm": 2,
             "cooldown_s": args.cooldown_s,
             "ttft_s": args.ttft,

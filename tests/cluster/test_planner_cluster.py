@@ -17,18 +17,19 @@ from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-PROMPT = "one two three four five six seven eight " * 40  # about 320 tokens: 0.3 s of prefill a prompt
+PROMPT = "one two three four five six seven eight " * 40  # about 320 tokens: 1.3 s of prefill a prompt
 
 
 def start(tmp_path_factory, tiny_model, mode: str) -> Cluster:
-    """1P3D of mock engines whose prefill costs 1 ms a token, with the planner in ``mode``."""
+    """1P3D of mock engines whose prefill costs 4 ms a token, with the planner in ``mode``: a prompt's prefill
+    takes long beside what a loaded machine adds to a request, so the prefill server is busy all the time."""
     model = weightless(tiny_model, tmp_path_factory.mktemp("weightless") / "tiny")
     profile = tmp_path_factory.mktemp("profile") / "profile.json"
-    steps = {1: StepCost(base=0.002, per_token=0.001, per_attn=0.0, per_seq=0.0, per_key=0.0)}
+    steps = {1: StepCost(base=0.002, per_token=0.004, per_attn=0.0, per_seq=0.0, per_key=0.0)}
     Profile("tiny", "float32", "cpu", 2, 64, steps, {1: 0.0}, 1e9, 1e-4, "test").save(profile)
     folder = tmp_path_factory.mktemp("planner")
     (port,) = free_ports(1)
-    planner = {"mode": mode, "interval_s": 1.0, "confirm": 2, "cooldown_s": 0, "port": port}
+    planner = {"mode": mode, "interval_s": 1.0, "window_s": 4.0, "confirm": 2, "cooldown_s": 0, "port": port}
     planner |= {"ttft_s": 5.0, "tpot_s": 0.5, "profile": str(profile)}
     decode = [{"name": f"d{k}", "block_size": 16} for k in range(3)]
     changes = {**MOCK, "engine": {**MOCK["engine"], "mock_profile": str(profile)}, "planner": planner}

@@ -1,0 +1,75 @@
+"""The planner's loop (deploy/planner_loop.py): each decision reads the last window_s of the routers' figures,
+records what it decided and did, and starts its history again after a switch."""
+
+from __future__ import annotations
+
+from deploy.planner import EngineShape, Planner, PlannerSettings, Slo
+from deploy.planner_act import PoolSwitch
+from deploy.planner_loop import PlannerLoop
+from deploy.planner_signals import Histogram, Snapshot, WorkerView
+from engine.step_cost import DEFAULT_STEP_COST
+
+SLO = Slo(ttft_s=1.0, tpot_s=0.05)
+WORKERS = [WorkerView("p0", "prefill", True, 0)] + [WorkerView(f"d{k}", "decode", True, 0) for k in range(3)]
+
+
+def snapshot(requests: int, prompt_tokens: int) -> dict[str, Snapshot]:
+    """One router after ``requests`` first tokens, all fast, and ``prompt_tokens`` prompt tokens."""
+    ttft = Histogram(((0.5, float(requests)), (float("inf"), float(requests))), float(requests))
+    return {"r": Snapshot(float(prompt_tokens), 0.0, 0.0, ttft, Histogram((), 0.0))}
+
+
+class Routers:
+    def __init__(self, pages: list[dict[str, Snapshot]]) -> None:
+        self.pages = pages
+        self.scrapes = 0
+
+    def scrape(self) -> dict[str, Snapshot]:
+        self.scrapes += 1
+        return self.pages.pop(0)
+
+    def workers(self) -> list[WorkerView]:
+        return WORKERS
+
+
+class Switch(PoolSwitch):
+    """The router's role route, as answered: one switch of d0, half a second."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def apply(self, decision, workers) -> tuple[str, float]:
+        self.calls += 1
+        return "d0", 0.5
+
+
+def loop(pages, act=None, window_s: float = 10.0) -> tuple[PlannerLoop, list[float]]:
+    times = [0.0, 2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 16.0, 18.0, 20.0, 22.0]
+    clock = iter(times)
+    shape = EngineShape(64, 512, 100_000)
+    planner = Planner(PlannerSettings(confirm=2, cooldown_s=0), DEFAULT_STEP_COST, shape, SLO)
+    return PlannerLoop(planner, Routers(pages), SLO, act, window_s, clock=lambda: next(clock)), times
+
+
+def test_each_decision_reads_the_last_window_of_the_routers_figures():
+    # a steady 1 request and 1,000 prompt tokens a second: every window says so, whatever its length
+    pages = [snapshot(2 * k, 2000 * k) for k in range(8)]
+    planner_loop, _ = loop(pages, window_s=4.0)
+    assert planner_loop.step() is None  # the baseline
+    decisions = [planner_loop.step() for _ in range(6)]
+    loads = [d["load"] for d in planner_loop.decisions]
+    assert [round(x["seconds"]) for x in loads] == [2, 4, 4, 4, 4, 4]
+    assert all(x["prompt_tokens"] == 1000 * x["seconds"] and x["ttft_met"] == 1.0 for x in loads)
+    assert all(d is not None for d in decisions)
+
+
+def test_a_switch_carried_out_starts_the_history_again_and_says_what_it_did():
+    pages = [snapshot(10 * k, 60_000 * k) for k in range(12)]  # 30,000 prompt tokens a second: P is the need
+    switch = Switch()
+    planner_loop, _ = loop(pages, act=switch)
+    planner_loop.step()
+    first, second = planner_loop.step(), planner_loop.step()
+    assert (first.action, second.action, second.switch_to) == ("hold", "switch", "prefill")
+    assert switch.calls == 1 and planner_loop.decisions[-1]["carried_out"] == "switched d0 to prefill in 0.50 s"
+    planner_loop.step()  # the window after the switch reaches back only to the scrape taken right after it
+    assert planner_loop.decisions[-1]["load"]["seconds"] == 2.0
