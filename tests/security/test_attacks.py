@@ -317,13 +317,13 @@ def test_the_router_answers_400_to_a_nan_temperature(target):
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "temperature"
 
 
-@pytest.mark.parametrize("server", ["d0", "p0"])
-def test_a_64_mib_body_gets_413_before_it_is_read(target, server):
+@pytest.mark.parametrize(("server", "path"), [("d0", "/generate"), ("p0", "/prefill")])
+def test_a_64_mib_body_gets_413_before_it_is_read(target, server, path):
     url = httpx.URL(target.cluster.server(server)["url"])
     started = time.monotonic()
     with socket.create_connection((url.host, url.port)) as sock:
         sock.sendall(
-            f"POST /generate HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {target.secret}\r\n"
+            f"POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {target.secret}\r\n"
             f"content-type: application/json\r\ncontent-length: {64 << 20}\r\n\r\n".encode()
         )
         sock.settimeout(10)
