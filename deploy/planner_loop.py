@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.planner")
 KEPT_DECISIONS = 200
+READ_TIMEOUT_S = 5.0
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
 
@@ -167,9 +168,12 @@ class PlannerLoop:
 
 
 def serve_reads(loop: PlannerLoop, host: str, port: int, launch_id: str | None) -> ThreadingHTTPServer:
-    """/health, /metrics and /decisions, on a thread of their own."""
+    """/health, /metrics and /decisions, on a thread of their own. Nothing a caller sends is read beyond the
+    request line and headers; any other method or path is a 404 or 501."""
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = READ_TIMEOUT_S  # a client that sends its request slowly, or never, is dropped
+
         def log_message(self, *args: object) -> None:
             pass
 

@@ -73,3 +73,31 @@ def test_a_switch_carried_out_starts_the_history_again_and_says_what_it_did():
     assert switch.calls == 1 and planner_loop.decisions[-1]["carried_out"] == "switched d0 to prefill in 0.50 s"
     planner_loop.step()  # the window after the switch reaches back only to the scrape taken right after it
     assert planner_loop.decisions[-1]["load"]["seconds"] == 2.0
+
+
+def test_the_planner_serves_three_reads_and_drops_a_client_that_never_sends(monkeypatch):
+    import socket
+
+    import httpx
+
+    import deploy.planner_loop as planner_loop_module
+    from deploy.planner_loop import serve_reads
+    from tests.support.cluster import free_ports
+
+    monkeypatch.setattr(planner_loop_module, "READ_TIMEOUT_S", 0.2)
+    planner_loop, _ = loop([snapshot(0, 0)])
+    (port,) = free_ports(1)
+    server = serve_reads(planner_loop, "127.0.0.1", port, "L1")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "instance": "planner", "launch_id": "L1"}
+        assert httpx.get(f"{url}/decisions").json() == {"decisions": []}
+        assert 'pdserve_planner_decisions_total{action="switch"} 0.0' in httpx.get(f"{url}/metrics").text
+        assert httpx.get(f"{url}/admin/role").status_code == 404
+        assert httpx.post(f"{url}/health").status_code == 501
+        with socket.create_connection(("127.0.0.1", port)) as idle:
+            idle.settimeout(10)
+            assert idle.recv(1) == b""  # closed by the server after its read timeout, not by us
+    finally:
+        server.shutdown()
+        server.server_close()
