@@ -193,11 +193,12 @@ def phase_results(args, trace) -> list[PhaseResult]:
     return results
 
 
-def plot_points(args, trace, t0: float) -> list[tuple[str, float, dict]]:
-    """Each request: its phase, when it was sent (seconds into the trace), and whether it met both SLOs."""
+def plot_points(args, trace) -> list[tuple[str, float, dict]]:
+    """Each request: its phase, when it was sent (seconds into the trace: a record's times count from its
+    phase's start), and whether it met both SLOs."""
     return [
-        (phase, r.start - t0, {"ok": r.ok, "met": r.meets(args.ttft, args.tpot)})
-        for phase, _, records in trace
+        (phase, started + r.start, {"ok": r.ok, "met": r.meets(args.ttft, args.tpot)})
+        for phase, started, records in trace
         for r in records
     ]
 
@@ -222,7 +223,7 @@ def run_layout(args, model, profile, builder, phases, rates, prefill: int | None
         if left:
             print(f"{name}: killed {left} after the launcher stopped", file=sys.stderr)
     starts = tuple(started for _, started, _ in trace)
-    return LayoutRun(name, phase_results(args, trace), plot_points(args, trace, t0), decisions, cpu, t0, starts)
+    return LayoutRun(name, phase_results(args, trace), plot_points(args, trace), decisions, cpu, t0, starts)
 
 
 def decision_cpu(metrics: str) -> float | None:
