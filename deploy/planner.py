@@ -165,7 +165,7 @@ class Planner:
         self.shape = shape
         self.slo = slo
         self.correction: dict[Role, float] = {"prefill": 1.0, "decode": 1.0}
-        self._wanted: tuple[str, int] | None = None  # the change wanted last interval, and for how many in a row
+        self._wanted: str | None = None  # the change wanted last interval ("to prefill", "to 3P2D")
         self._streak = 0
         self._last_change = -math.inf
 
@@ -219,7 +219,7 @@ class Planner:
         to: Role = "prefill" if best > prefill else "decode"
         target = (prefill + 1, decode - 1) if to == "prefill" else (prefill - 1, decode + 1)
         reason = f"{best}P{total - best}D puts the busiest role at {best_u:.2f} instead of {now_u:.2f}"
-        return self._gate(now, ("switch", to == "prefill"), switching, prefill, decode, reason) or Decision(
+        return self._gate(now, f"to {to}", switching, prefill, decode, reason) or Decision(
             now, "switch", *target, reason, switch_to=to
         )
 
@@ -232,13 +232,13 @@ class Planner:
             return Decision(now, "hold", prefill, decode, "the counts meet the demand")
         reason = f"demand {demand['prefill']:.2f} prefill, {demand['decode']:.2f} decode servers' worth"
         shrinking = want_p < prefill or want_d < decode
-        held = self._gate(now, ("scale", want_p * 1000 + want_d), False, prefill, decode, reason, cool=shrinking)
+        held = self._gate(now, f"to {want_p}P{want_d}D", False, prefill, decode, reason, cool=shrinking)
         return held or Decision(now, "scale", want_p, want_d, reason)
 
     def _gate(
         self,
         now: float,
-        wanted: tuple[str, int],
+        wanted: str,
         switching: bool,
         prefill: int,
         decode: int,
