@@ -109,28 +109,29 @@ class PlannerLoop:
         counts = {role: in_rotation(workers, role) for role in ROLES}
         decision = self.planner.decide(load, counts["prefill"], counts["decode"], now)
         self.metrics.cpu.observe(time.process_time() - cpu)
-        done = self._carry_out(decision, workers)
+        done, changed = self._carry_out(decision, workers)
         self._record(decision, load, counts, done)
-        if done is not None and decision.action == "switch":  # the counts changed: what came before is no guide
+        if changed and decision.action == "switch":  # the counts changed: what came before is no guide
             self._history = deque([(self.clock(), self.routers.scrape())])
         return decision
 
-    def _carry_out(self, decision: Decision, workers: list[WorkerView]) -> str | None:
+    def _carry_out(self, decision: Decision, workers: list[WorkerView]) -> tuple[str | None, bool]:
+        """What was done about ``decision`` (None: nothing to do), and whether anything changed."""
         if self.act is None or decision.action == "hold":
-            return None
+            return None, False
         try:
             if isinstance(self.act, PoolSwitch):
                 if decision.action != "switch":
-                    return None
+                    return None, False
                 name, seconds = self.act.apply(decision, workers)
-                return f"switched {name} to {decision.switch_to} in {seconds:.2f} s"
+                return f"switched {name} to {decision.switch_to} in {seconds:.2f} s", True
             if decision.action != "scale":
-                return None
-            return f"scaled {self.act.apply(decision)}"
+                return None, False
+            return f"scaled {self.act.apply(decision)}", True
         except ActError as exc:
             self.metrics.act_failures.inc()
             log.warning("could not carry out %s: %s", decision.action, exc)
-            return f"failed: {exc}"
+            return f"failed: {exc}", False
 
     def _record(self, decision: Decision, load: Load, counts: dict[Role, int], done: str | None) -> None:
         m = self.metrics

@@ -4,7 +4,7 @@ records what it decided and did, and starts its history again after a switch."""
 from __future__ import annotations
 
 from deploy.planner import EngineShape, Planner, PlannerSettings, Slo
-from deploy.planner_act import PoolSwitch
+from deploy.planner_act import ActError, PoolSwitch
 from deploy.planner_loop import PlannerLoop
 from deploy.planner_signals import Histogram, Snapshot, WorkerView
 from engine.step_cost import DEFAULT_STEP_COST
@@ -73,6 +73,29 @@ def test_a_switch_carried_out_starts_the_history_again_and_says_what_it_did():
     assert switch.calls == 1 and planner_loop.decisions[-1]["carried_out"] == "switched d0 to prefill in 0.50 s"
     planner_loop.step()  # the window after the switch reaches back only to the scrape taken right after it
     assert planner_loop.decisions[-1]["load"]["seconds"] == 2.0
+
+
+class Refused(PoolSwitch):
+    """The router's role route refusing every switch."""
+
+    def __init__(self) -> None:
+        pass
+
+    def apply(self, decision, workers) -> tuple[str, float]:
+        raise ActError("switching d0 to prefill: 409 switch_in_progress")
+
+
+def test_a_refused_switch_is_counted_and_changes_nothing_the_window_reads():
+    pages = [snapshot(10 * k, 60_000 * k) for k in range(12)]
+    planner_loop, _ = loop(pages, act=Refused())
+    for _ in range(4):
+        planner_loop.step()
+    made = list(planner_loop.decisions)
+    refused = "failed: switching d0 to prefill: 409 switch_in_progress"
+    assert [(d["action"], d["carried_out"]) for d in made] == [("hold", None), ("switch", refused), ("hold", None)]
+    registry = planner_loop.metrics.registry
+    assert registry.get_sample_value("pdserve_planner_act_failures_total") == 1.0
+    assert [d["load"]["seconds"] for d in made] == [2.0, 4.0, 6.0]  # no reset: the window kept growing
 
 
 def test_the_planner_serves_three_reads_and_drops_a_client_that_never_sends(monkeypatch):
