@@ -8,6 +8,7 @@ import threading
 
 import httpx
 import pytest
+import yaml
 
 from bench.plan.costmodel import StepCost
 from bench.plan.profile import Profile
@@ -28,13 +29,18 @@ def start(tmp_path_factory, tiny_model, mode: str) -> Cluster:
     steps = {1: StepCost(base=0.002, per_token=0.004, per_attn=0.0, per_seq=0.0, per_key=0.0)}
     Profile("tiny", "float32", "cpu", 2, 64, steps, {1: 0.0}, 1e9, 1e-4, "test").save(profile)
     folder = tmp_path_factory.mktemp("planner")
-    (port,) = free_ports(1)
-    planner = {"mode": mode, "interval_s": 1.0, "window_s": 4.0, "confirm": 2, "cooldown_s": 0, "port": port}
+    planner = {"mode": mode, "interval_s": 1.0, "window_s": 4.0, "confirm": 2, "cooldown_s": 0}
     planner |= {"ttft_s": 5.0, "tpot_s": 0.5, "profile": str(profile)}
     decode = [{"name": f"d{k}", "block_size": 16} for k in range(3)]
     changes = {**MOCK, "engine": {**MOCK["engine"], "mock_profile": str(profile)}, "planner": planner}
     changes |= {"decode": decode, "router": {"local_prefill_threshold": 0}}
-    c = Cluster(make_config(folder, "tiny-1p1d", model, changes), folder)
+    config = make_config(folder, "tiny-1p1d", model, changes)
+    data = yaml.safe_load(config.read_text())
+    taken = {data["router"]["port"]} | {i[k] for i in data["prefill"] + data["decode"] for k in ("port", "kv_port")}
+    port = next(p for p in iter(lambda: free_ports(1)[0], None) if p not in taken)  # free and not the cluster's
+    data["planner"]["port"] = port
+    config.write_text(yaml.safe_dump(data))
+    c = Cluster(config, folder)
     c.planner_url = f"http://127.0.0.1:{port}"
     return c
 
