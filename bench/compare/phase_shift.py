@@ -133,8 +133,9 @@ def weightless(model: Path, folder: Path) -> Path:
 
 def cluster_config(args, model: Path, profile: Path | None, prefill: int, planner: bool, folder: Path) -> Path:
     n = args.instances
-    router, planner_port = free_ports(2)
     ports = free_port_pairs(n)
+    taken = set(ports) | {p + 1 for p in ports}
+    router, planner_port = next(pair for pair in iter(lambda: free_ports(2), None) if not taken & set(pair))
     instances = [{"name": f"i{k}", "port": ports[k], "kv_port": ports[k] + 1} for k in range(n)]
     data: dict = {
         "model": str(model),
