@@ -670,8 +670,8 @@ class ClusterConfig(Strict):
 
     model: str
     """A local Hugging Face folder (Llama, Mistral, Qwen2/3, Qwen3-MoE, Mixtral, Gemma 3 or DeepSeek-V3
-    family), or a built-in model built on first use: tiny, tiny-moe, tiny-swa, tiny-mla, smollm2 or
-    gemma3-270m."""
+    family), or a built-in model built on first use: tiny, tiny-moe, tiny-swa, tiny-mla, smollm2,
+    gemma3-270m or qwen2.5-coder-0.5b."""
     served_model_name: str | None = None
     """The model's name in the API; null: the built-in model's name, or the folder's name."""
     model_cache: str = MODEL_CACHE

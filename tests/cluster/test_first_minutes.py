@@ -83,7 +83,7 @@ def test_a_model_folder_that_does_not_exist_is_named_as_missing(tmp_path):
     folder = tmp_path / "no-such-model"
     assert proc.stderr.splitlines()[0] == (
         f"pdserve launch: error: model folder {folder} does not exist (a model is a local folder, or one of "
-        "the built-in models tiny, tiny-moe, tiny-swa, tiny-mla, smollm2, gemma3-270m)"
+        "the built-in models tiny, tiny-moe, tiny-swa, tiny-mla, smollm2, gemma3-270m, qwen2.5-coder-0.5b)"
     )
     assert proc.stderr.splitlines()[-1] == "2 False False"
     assert not (tmp_path / "run" / "cluster.json").exists()
