@@ -5,8 +5,9 @@
         [--model-cache DIR] [--json FILE]
 
 For every family (a built-in model, built into ``--model-cache`` if missing;
-with ``--real`` also gemma3-270m and smollm2 where already built there) and
-batch size, in one process on ``--threads`` torch threads, float32:
+with ``--real`` also gemma3-270m, smollm2 and qwen2.5-coder-0.5b where already
+built there) and batch size, in one process on ``--threads`` torch threads,
+float32:
 
 * prefill tok/s: ``batch`` prompts of ``--prompt-len`` tokens, computed and
   one token sampled (the engine's ``generate`` with ``max_tokens=1``;
@@ -33,7 +34,7 @@ import time
 from collections.abc import Callable
 
 FAMILIES = ("tiny", "tiny-moe", "tiny-swa", "tiny-mla")
-REAL = ("gemma3-270m", "smollm2")
+REAL = ("gemma3-270m", "smollm2", "qwen2.5-coder-0.5b")
 
 
 def kv_bytes(engine, prompt_len: int) -> dict[str, int]:
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m bench.micro.families", description=__doc__.split("\n")[0])
     p.add_argument("--families", default=",".join(FAMILIES), help="built-in models, comma-separated")
-    p.add_argument("--real", action="store_true", help="also gemma3-270m and smollm2 where already built")
+    p.add_argument("--real", action="store_true", help=f"also the real models ({', '.join(REAL)}) where already built")
     p.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=16)
