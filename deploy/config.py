@@ -59,6 +59,7 @@ from engine.config import (
     ModelLen,
 )
 from engine.models import MODEL_CACHE, is_builtin, resolve_model
+from engine.request import TENANT_NAME
 from engine.structured import GRAMMAR_CEILING, GrammarLimits
 from engine.tensor_parallel import split_problem
 from router.settings import (
@@ -102,6 +103,13 @@ class KvTiersSettings(Strict):
     redis_timeout_s: float = Field(default=KvTiersConfig.redis_timeout_s, gt=0)
     """Seconds a call to the Redis store may take; a slower or failed one is a miss (or a dropped write), and
     the store is left alone for a while."""
+    redis_max_bytes_per_tenant: AtLeastOne | None = None
+    """Each tenant's share of the Redis store, in bytes (`router.tenants`; without API keys every request is
+    the `default` tenant's): a block is charged to the tenant whose request computed it (a block two tenants
+    share, to the first that wrote it), and a tenant's write past its share evicts that tenant's own least
+    recently used blocks, never another's; counted on the Redis server itself (engine/tiers/redis_shares.py).
+    Run that Redis with `maxmemory-policy noeviction` and a `maxmemory` above the tenants' shares together.
+    Null: no shares (Redis's own LRU over everything)."""
     queue_blocks: AtLeastOne = KvTiersConfig.queue_blocks
     """Blocks waiting for a tier's writer, at most; past it a write is dropped (counted), never waited for."""
 
@@ -115,6 +123,8 @@ class KvTiersSettings(Strict):
             self._engine_config(self.disk_path)  # its checks, named here
         elif self.disk_bytes is not None:
             raise ValueError("kv_tiers: disk_path and disk_bytes go together")
+        elif self.redis_max_bytes_per_tenant is not None:
+            KvTiersConfig(host_bytes=1, redis_max_bytes_per_tenant=self.redis_max_bytes_per_tenant)  # its message
         return self
 
     def for_server(self, name: str) -> KvTiersConfig | None:
@@ -301,9 +311,6 @@ class ResponseStoreConfig(Strict):
             max_events=self.max_events,
             max_event_bytes=self.max_event_bytes,
         )
-
-
-TENANT_NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"  # a metrics label and a Kubernetes Secret key part
 
 
 class TenantConfig(Strict):

@@ -55,6 +55,8 @@ class Block:
     # Slots before this one hold no K/V in sliding-window layers: a remote prompt's block whose window
     # layers arrived only for the prompt's last tokens (engine/prefix_cache.py trims hits over it).
     window_from: int = 0
+    # Whose request made it findable here (``cache``): the tenant its copy in a shared KV tier is charged to.
+    tenant: str | None = None
 
 
 class BlockManager:
@@ -107,6 +109,7 @@ class BlockManager:
                 del self._by_hash[self.blocks[block_id].block_hash]
                 self.events.evicted(self.blocks[block_id].block_hash)
                 self.blocks[block_id].block_hash = NO_HASH
+                self.blocks[block_id].tenant = None
                 self.evictions += 1
             block = self.blocks[block_id]
             assert block.ref_count == 0
@@ -176,8 +179,8 @@ class BlockManager:
                 del self._lru[block_id]
             block.ref_count += 1
 
-    def cache(self, block_id: int, h: int) -> bool:
-        """Make a full, computed, owned block findable by hash ``h``.
+    def cache(self, block_id: int, h: int, tenant: str | None = None) -> bool:
+        """Make a full, computed, owned block findable by hash ``h``; ``tenant``: the request's that did.
 
         False when another block already holds that hash (two requests computed
         the same prefix at once): this one stays unhashed and is freed as usual.
@@ -190,6 +193,7 @@ class BlockManager:
         if h in self._by_hash:
             return False
         block.block_hash = h
+        block.tenant = tenant
         self._by_hash[h] = block_id
         self.events.stored(h)
         return True

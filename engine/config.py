@@ -54,6 +54,9 @@ class KvTiersConfig:
     # limit is the Redis server's own (maxmemory, allkeys-lru).
     redis_url: str | None = None
     redis_timeout_s: Annotated[float, Field(gt=0)] = 0.2  # a store call slower than this is a miss
+    # Each tenant's share of the Redis store, in bytes of values (engine/tiers/redis_store.py): a tenant's write
+    # past it evicts that tenant's own oldest blocks, never another's. None: no shares (Redis's own LRU only).
+    redis_max_bytes_per_tenant: AtLeastOne | None = None
     queue_blocks: AtLeastOne = 256  # blocks waiting for a tier's writer, at most; past it a write is dropped
 
     def __post_init__(self) -> None:
@@ -61,6 +64,8 @@ class KvTiersConfig:
             raise ValueError("kv_tiers names no tier: set host_bytes, disk_path and disk_bytes, or redis_url")
         if (self.disk_path is None) != (self.disk_bytes is None):
             raise ValueError("kv_tiers: disk_path and disk_bytes go together")
+        if self.redis_max_bytes_per_tenant is not None and self.redis_url is None:
+            raise ValueError("kv_tiers: redis_max_bytes_per_tenant is a share of the Redis store: set redis_url")
 
 
 @checked_dataclass(frozen=True, config=ConfigDict(extra="forbid"))

@@ -173,9 +173,10 @@ class LLMEngine:
         blocks = BlockManager(num_blocks, config.block_size)
         if self.tiers is not None:
             self.tiers.watch(blocks.events)  # the router's index learns what the tiers hold
-            blocks.on_evict = self.tiers.evicted
-            if self.tiers.shared:
-                blocks.on_cached = self.tiers.released
+            tiers = self.tiers  # a block's tenant: the request's that computed it here (engine/tiers/kv.py)
+            blocks.on_evict = lambda block_id, h: tiers.evicted(block_id, h, blocks.blocks[block_id].tenant)
+            if tiers.shared:
+                blocks.on_cached = lambda block_id, h: tiers.released(block_id, h, blocks.blocks[block_id].tenant)
         self.scheduler = Scheduler(self._scheduler_config(config), blocks, self.tiers)
         rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
         self.runner = ModelRunner(
@@ -198,18 +199,26 @@ class LLMEngine:
         sampling: SamplingParams,
         cache_salt: str | None = None,
         generated: Sequence[int] = (),
+        tenant: str | None = None,
     ) -> None:
-        """Queue a request; ``cache_salt`` keeps its cached blocks apart from other salts' (tenants).
+        """Queue a request; ``cache_salt`` keeps its cached blocks apart from other salts' (tenants);
+        ``tenant``: whose share of the shared KV store the blocks it computes count against (None: the
+        default tenant's).
 
         ``generated``: a sequence that continues (a request migrated from another server): the
         tokens it already produced after ``prompt_token_ids``. They are computed with the prompt
         and start its output, as a preempted sequence's are: token i is still drawn with (seed, i),
         its grammar has taken them, and ``min_tokens`` / ``max_tokens`` count them. Only for a
         request of one sequence (``sampling.n`` 1)."""
-        self.scheduler.add(self._new_request(request_id, prompt_token_ids, sampling, cache_salt, generated))
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, sampling, cache_salt, generated, tenant))
 
     def reserve(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str | None = None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> list[int]:
         """Decode mode: reserve blocks for a prompt whose KV another engine writes.
 
@@ -217,7 +226,7 @@ class LLMEngine:
         returned blocks (the cached prefix, pinned for this request): only the
         rest is to be written.
         """
-        request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt)
+        request = self._new_request(request_id, prompt_token_ids, sampling, cache_salt, tenant=tenant)
         block_ids = self.scheduler.reserve(request)
         if self.config.prefix_caching and not request.wants_prompt_logprobs:
             self.counters.add_prefix_lookup(request.num_prompt_tokens, request.num_cached_tokens)
@@ -368,6 +377,7 @@ class LLMEngine:
         sampling: SamplingParams,
         cache_salt: str | None = None,
         generated: Sequence[int] = (),
+        tenant: str | None = None,
     ) -> Request:
         if not prompt:
             raise ValueError("the prompt is empty")
@@ -407,7 +417,7 @@ class LLMEngine:
                     f"{needed} KV blocks; this server's cache holds {blocks.num_blocks}"
                 )
         grammar = None if sampling.structured is None else self._structured_outputs().grammar(sampling.structured)
-        request = Request(request_id, list(prompt), sampling, cache_salt=cache_salt, grammar=grammar)
+        request = Request(request_id, list(prompt), sampling, cache_salt=cache_salt, tenant=tenant, grammar=grammar)
         for position, token in enumerate(generated):
             if record_token(request, token, self.eos_token_ids, self.max_model_len) is not None:
                 raise ValueError(f"generated token {position} ({token}) ends the sequence: nothing is left to generate")

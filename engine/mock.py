@@ -184,7 +184,7 @@ class MockEngine(LLMEngine):
     def close(self) -> None:
         self.runner.close()
 
-    def _new_request(self, request_id, prompt, sampling, cache_salt=None, generated=()) -> Request:
+    def _new_request(self, request_id, prompt, sampling, cache_salt=None, generated=(), tenant=None) -> Request:
         if sampling.structured is not None:
             raise ValueError("a mock engine does not follow structured outputs: its tokens are hashed")
-        return super()._new_request(request_id, prompt, sampling, cache_salt, generated)
+        return super()._new_request(request_id, prompt, sampling, cache_salt, generated, tenant)

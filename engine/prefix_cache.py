@@ -124,7 +124,7 @@ class PrefixCache:
             return
         hashes = self.hashes(request, full)
         for i in range(request.num_hashed_blocks, full):
-            self.blocks.cache(request.block_ids[i], hashes[i])
+            self.blocks.cache(request.block_ids[i], hashes[i], request.tenant)
         request.num_hashed_blocks = full
 
     def hashes(self, request: Request, num_blocks: int) -> list[int]:

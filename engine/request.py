@@ -48,6 +48,11 @@ MAX_N = 16  # sequences per request
 MAX_LOGPROBS = 20  # top log-probabilities per token at most (OpenAI's limit)
 MAX_STOP_TOKEN_IDS = 1024
 TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+# Who a request is for: a configured tenant's name (router.tenants in deploy/config.py), checked wherever one
+# arrives. It names the share of the shared KV store its blocks count against (engine/tiers/redis_store.py),
+# goes into metric labels and store key names, and so is short and plain: lowercase letters, digits, '-'.
+TENANT_NAME = r"^[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?$"
+DEFAULT_TENANT = "default"  # every key no tenant lists, and every request when no API keys are configured
 _CHECKED = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
@@ -137,6 +142,7 @@ class Request:
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)  # for the age of the blocks it holds
     cache_salt: str | None = None  # requests with different salts never share cached blocks
+    tenant: str | None = None  # whose share of the shared KV store the blocks it computes count against
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache when last admitted
     num_tier_tokens: int = 0  # of those, tokens loaded from a KV tier (engine/tiers/)
     block_hashes: list[int] = field(default_factory=list)

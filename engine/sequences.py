@@ -57,6 +57,7 @@ def fork_sequence(parent: Request, index: int) -> Request:
         parent.sampling.for_sequence(index),
         arrival_time=parent.arrival_time,
         cache_salt=parent.cache_salt,
+        tenant=parent.tenant,
         index=index,
         grammar=None if parent.grammar is None else parent.grammar.fork(),
     )

@@ -2,8 +2,9 @@
 redis-server``; its service is neither needed nor started).
 
 ``RedisServer(max_bytes)`` runs it on 127.0.0.1 on a free port, nothing saved to disk, at most
-``max_bytes`` of data with least-recently-used eviction (the shared KV tier's byte limit), and returns once
-it answers PING. ``stop()`` stops it by its pid. ``missing()`` says what is not there, for a skip that names
+``max_bytes`` of data with least-recently-used eviction (the shared KV tier's byte limit; ``policy``: another
+``maxmemory-policy``, such as ``noeviction`` for a store held to per-tenant shares), and returns once it
+answers PING. ``stop()`` stops it by its pid. ``missing()`` says what is not there, for a skip that names
 it.
 """
 
@@ -26,12 +27,12 @@ def missing() -> str | None:
 
 
 class RedisServer:
-    def __init__(self, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, max_bytes: int = 64 << 20, policy: str = "allkeys-lru") -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         args = ["--bind", "127.0.0.1", "--port", str(self.port), "--save", "", "--appendonly", "no"]
-        args += ["--maxmemory", str(max_bytes), "--maxmemory-policy", "allkeys-lru", "--dir", str(self.dir)]
+        args += ["--maxmemory", str(max_bytes), "--maxmemory-policy", policy, "--dir", str(self.dir)]
         self.process = subprocess.Popen(
             ["redis-server", *args], stdout=open(self.dir / "redis.log", "wb"), stderr=subprocess.STDOUT
         )

@@ -118,16 +118,25 @@ class KvTiers:
             from engine.tiers.redis_store import RedisTier  # redis-py, only where a store is configured
 
             namespace = layout_fingerprint(cache, salt, model_dir, portable=True)
-            tiers.append(RedisTier(config.redis_url, namespace, config.queue_blocks, config.redis_timeout_s))
+            tiers.append(
+                RedisTier(
+                    config.redis_url,
+                    namespace,
+                    config.queue_blocks,
+                    config.redis_timeout_s,
+                    share_bytes=config.redis_max_bytes_per_tenant,
+                )
+            )
         return cls(cache, tiers)
 
     def watch(self, log: KvEventLog) -> None:
         """Tell ``log`` which blocks this server's own tiers hold (``announce``)."""
         announce(self.local, log)
 
-    def evicted(self, block_id: int, h: int) -> None:
+    def evicted(self, block_id: int, h: int, tenant: str | None = None) -> None:
         """Block ``block_id`` (hash ``h``) is about to be reused: copy its K/V out and queue it to every tier
-        (a shared one only if it was not published already)."""
+        (a shared one only if it was not published already, charged to ``tenant``: the tenant of the request
+        that computed it here)."""
         publish = self.shared and h not in self._published
         if not self.local and not publish:
             return
@@ -135,12 +144,13 @@ class KvTiers:
         for tier in self.local:
             tier.put(h, data)
         if publish:
-            self._publish(h, data)
+            self._publish(h, data, tenant)
 
-    def released(self, block_id: int, h: int) -> None:
-        """Block ``block_id`` (hash ``h``) lost its last owner: publish it to the shared tiers, once."""
+    def released(self, block_id: int, h: int, tenant: str | None = None) -> None:
+        """Block ``block_id`` (hash ``h``) lost its last owner: publish it to the shared tiers, once, charged
+        to ``tenant``."""
         if self.shared and h not in self._published:
-            self._publish(h, self._copy(block_id))
+            self._publish(h, self._copy(block_id), tenant)
 
     def available(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes`` (a chain, first first) some tier lists, in a run from the first."""
@@ -175,9 +185,9 @@ class KvTiers:
         block = self.cache.kv[:, :, block_id].to("cpu", memory_format=torch.contiguous_format, copy=True)
         return block.reshape(-1).view(torch.uint8)
 
-    def _publish(self, h: int, data: torch.Tensor) -> None:
+    def _publish(self, h: int, data: torch.Tensor, tenant: str | None) -> None:
         """Queue block ``h`` to every shared tier; remembered when every one took it."""
-        if all([tier.put(h, data) for tier in self.shared]):
+        if all([tier.put(h, data, tenant=tenant) for tier in self.shared]):
             self._published[h] = None
             if len(self._published) > PUBLISHED:
                 self._published.popitem(last=False)

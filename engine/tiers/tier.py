@@ -40,6 +40,19 @@ def block_checksum(data: torch.Tensor) -> int:
 
 
 @dataclass(frozen=True)
+class TenantShare:
+    """One tenant's part of a shared store held to per-tenant shares (engine/tiers/redis_store.py): the bytes
+    the store counts for it now (every server's writes), and what this server's writes for it were refused or
+    evicted of its own blocks to stay within ``share``."""
+
+    tenant: str
+    bytes_held: int = 0
+    share: int = 0
+    refused_writes: int = 0  # a block over the share, or the store out of memory
+    evictions: int = 0  # its own oldest blocks dropped to make room for its new ones
+
+
+@dataclass(frozen=True)
 class TierStats:
     """A tier's counters since it opened, and what it holds now."""
 
@@ -55,6 +68,7 @@ class TierStats:
     bytes_held: int = 0
     max_bytes: int = 0
     errors: int = 0  # calls to a store that failed (down, slow): engine/tiers/redis_store.py
+    tenants: tuple[TenantShare, ...] = ()  # the shared store's tenants, when it holds each to a share
 
 
 class Store(Protocol):
@@ -63,7 +77,7 @@ class Store(Protocol):
     name: str
     shared: bool  # read by other servers: a block is published when its last owner frees it, not on eviction
 
-    def put(self, h: int, data: torch.Tensor, checksum: int | None = None) -> bool: ...
+    def put(self, h: int, data: torch.Tensor, checksum: int | None = None, tenant: str | None = None) -> bool: ...
 
     def held(self, hashes: Sequence[int]) -> list[bool]: ...
 
@@ -81,7 +95,7 @@ log = logging.getLogger(__name__)
 
 
 class Writes:
-    """A bounded queue of block writes and the thread that runs ``store(h, data, checksum)`` for each, in
+    """A bounded queue of block writes and the thread that runs ``store(h, data, checksum, tenant)`` for each, in
     order: a full queue (or a closed one) drops the write, counted by ``dropped()``, so that nobody ever
     waits for a tier; a write that raises is logged and counted the same way, and the tier goes on."""
 
@@ -89,7 +103,7 @@ class Writes:
         self,
         name: str,
         queue_blocks: int,
-        store: Callable[[int, torch.Tensor, int | None], None],
+        store: Callable[[int, torch.Tensor, int | None, str | None], None],
         dropped: Callable[[], None],
     ) -> None:
         self._name = name
@@ -101,12 +115,12 @@ class Writes:
     def start(self) -> None:
         self._thread.start()
 
-    def offer(self, h: int, data: torch.Tensor, checksum: int | None) -> bool:
+    def offer(self, h: int, data: torch.Tensor, checksum: int | None, tenant: str | None = None) -> bool:
         """Queue one write; False (counted) when it was dropped."""
         if self.closed:
             return False
         try:
-            self._queue.put_nowait((h, data, checksum))
+            self._queue.put_nowait((h, data, checksum, tenant))
         except queue.Full:
             self._dropped()
             return False
@@ -178,10 +192,10 @@ class Tier(ABC):
         """Remove one block's storage, under the lock."""
 
     # ---- the interface -------------------------------------------------------------
-    def put(self, h: int, data: torch.Tensor, checksum: int | None = None) -> bool:
+    def put(self, h: int, data: torch.Tensor, checksum: int | None = None, tenant: str | None = None) -> bool:
         """Queue block ``h`` (a flat uint8 CPU tensor nobody writes again) for storing; ``checksum``: its
         CRC32, computed on the writer thread when None. A block held already is only marked recently used.
-        False when the write was dropped (queue full, closed)."""
+        False when the write was dropped (queue full, closed). ``tenant`` counts only in a shared store."""
         with self._lock:
             if h in self._index:
                 self._index.move_to_end(h)
@@ -231,7 +245,7 @@ class Tier(ABC):
             )
 
     # ---- helpers -------------------------------------------------------------------
-    def _store(self, h: int, data: torch.Tensor, checksum: int | None) -> None:
+    def _store(self, h: int, data: torch.Tensor, checksum: int | None, tenant: str | None) -> None:
         if data.numel() > self.max_bytes:
             self._bump("dropped_writes")
             return

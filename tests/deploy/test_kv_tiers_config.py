@@ -52,3 +52,17 @@ def test_a_shared_store_s_url_is_a_secret_every_server_gets():
         assert (tiers.redis_url, tiers.redis_timeout_s, tiers.host_bytes) == (url, 0.05, None)
     assert "hunter2" not in repr(cluster.engine)
     assert "'engine.kv_tiers.redis_timeout_s'" in error_of({**BASE, "engine": {"kv_tiers": {"redis_timeout_s": 0}}})
+
+
+def test_each_tenant_s_share_of_the_shared_store_reaches_every_server_and_needs_the_store():
+    tiers = {"redis_url": "redis://kv:6379/0", "redis_max_bytes_per_tenant": 1 << 30}
+    cluster = parse_config({**BASE, "engine": {"kv_tiers": tiers}}, "c.yaml")
+    for name in ("p0", "d0"):
+        assert cluster.server_settings(name, Path("/m")).engine.kv_tiers.redis_max_bytes_per_tenant == 1 << 30
+    alone = {"redis_max_bytes_per_tenant": 1 << 30}
+    beside_host = {"host_bytes": 4096, "redis_max_bytes_per_tenant": 1 << 30}
+    for wrong in (alone, beside_host):
+        msg = error_of({**BASE, "engine": {"kv_tiers": wrong}})
+        assert "redis_max_bytes_per_tenant is a share of the Redis store: set redis_url" in msg
+    zero = {**tiers, "redis_max_bytes_per_tenant": 0}
+    assert "'engine.kv_tiers.redis_max_bytes_per_tenant'" in error_of({**BASE, "engine": {"kv_tiers": zero}})
