@@ -75,6 +75,7 @@ class Awaiting:
     request_id: str
     prompt: list[int]
     sampling: SamplingParams
+    tenant: str | None = None  # whose share of the shared KV store its blocks count against
     reserved_at: float = field(default_factory=time.monotonic)
 
 
@@ -212,7 +213,7 @@ class GenerationService:
 
             def add(e: LLMEngine) -> int:
                 cached = e.cached_prefix(req.prompt_token_ids + req.generated_token_ids, sampling)
-                e.add_request(rid, req.prompt_token_ids, sampling, generated=req.generated_token_ids)
+                e.add_request(rid, req.prompt_token_ids, sampling, generated=req.generated_token_ids, tenant=req.tenant)
                 return cached
 
             cached = await self.engine_thread.run(add)
@@ -245,7 +246,7 @@ class GenerationService:
             cached = e.cached_prefix(prompt, sampling)
             if cached and cached >= len(prompt) - 1:
                 return None
-            block_ids = e.reserve(rid, prompt, sampling)
+            block_ids = e.reserve(rid, prompt, sampling, tenant=req.tenant)
             cached = e.num_cached_tokens(rid)
             writable_from = cached // e.config.block_size
             unfilled = len(block_ids) - writable_from
@@ -261,7 +262,7 @@ class GenerationService:
                 e.abort(rid)
                 raise
             self.unfilled.claim(caller, expected.transfer_id, unfilled)
-            self._awaiting[expected.transfer_id] = Awaiting(rid, prompt, sampling)
+            self._awaiting[expected.transfer_id] = Awaiting(rid, prompt, sampling, req.tenant)
             return block_ids, expected, cached
 
         reserved = await self.engine_thread.run(reserve)
@@ -440,7 +441,7 @@ class GenerationService:
         rid = pending.request_id
         if action == "local":
             log.warning("request %s: remote KV failed (%s: %s); prefilling it here", rid, outcome, reason)
-            e.add_request(rid, pending.prompt, pending.sampling)
+            e.add_request(rid, pending.prompt, pending.sampling, tenant=pending.tenant)
             self.metrics.reprefills.labels(outcome=outcome).inc()
             self._streams.publish(
                 rid, ReprefillEvent(message=f"remote KV failed ({reason}); prefilling locally", code=outcome)

@@ -222,7 +222,7 @@ class PrefillService:
                 raise WorkerError(409, f"request id {rid!r} is already active", Outcome.DUPLICATE_REQUEST)
             if rid in self._aborted:
                 raise WorkerError(409, f"request {rid} was aborted", Outcome.ABORTED)
-            e.add_request(rid, req.prompt_token_ids, sampling)  # ValueError: nothing to undo
+            e.add_request(rid, req.prompt_token_ids, sampling, tenant=req.tenant)  # ValueError: nothing to undo
             try:
                 self._sender.begin(route, lease_s)  # IncompatiblePeer (a ValueError) before any part starts
             except BaseException:

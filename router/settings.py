@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engine.request import DEFAULT_TENANT as DEFAULT_TENANT  # every API key no tenant lists (re-exported)
 from engine.structured import GrammarLimits
 from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, DrainMode
 from server_common.tracing import TracingSettings
@@ -73,7 +74,6 @@ class ResponseStoreSettings:
             raise ValueError("a response store is a SQLite path or a PostgreSQL url, not both")
 
 
-DEFAULT_TENANT = "default"  # every API key no tenant lists
 DEFAULT_CLASSES = ("interactive", "standard", "batch")  # priority classes, highest first
 
 

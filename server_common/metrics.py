@@ -263,6 +263,37 @@ class _KvTiers:
             limit.add_metric([tier.name], tier.max_bytes)
         yield held
         yield limit
+        yield from self._tenants(tiers)
+
+    @staticmethod
+    def _tenants(tiers):
+        """The shared store's per-tenant shares (engine/tiers/redis_shares.py), when it holds tenants to them:
+        labelled by tenant, each a configured tenant's name (checked where it arrived)."""
+        held = GaugeMetricFamily(
+            "pdserve_kv_store_tenant_bytes",
+            "Bytes the shared KV store charges a tenant, as counted at this server's last write to it",
+            labels=["tenant"],
+        )
+        share = GaugeMetricFamily(
+            "pdserve_kv_store_tenant_share_bytes", "Each tenant's share of the shared KV store", labels=["tenant"]
+        )
+        refused = CounterMetricFamily(
+            "pdserve_kv_store_tenant_refused_writes",
+            "This server's writes to the shared KV store refused for a tenant (over its share, or the store full)",
+            labels=["tenant"],
+        )
+        evicted = CounterMetricFamily(
+            "pdserve_kv_store_tenant_evictions",
+            "A tenant's own blocks this server's writes for it evicted from the shared KV store to stay in its share",
+            labels=["tenant"],
+        )
+        for tier in tiers:
+            for t in tier.tenants:
+                held.add_metric([t.tenant], t.bytes_held)
+                share.add_metric([t.tenant], t.share)
+                refused.add_metric([t.tenant], t.refused_writes)
+                evicted.add_metric([t.tenant], t.evictions)
+        yield from (held, share, refused, evicted)
 
 
 class _Discarded:

@@ -5,13 +5,19 @@ mismatch is a bug to surface, not a client to tolerate. Every number is
 finite and ranged (NaN, infinities and 2^63 are refused with 422), so
 nothing a caller sends reaches the engine as a value it cannot hold. What a
 request asks for is the engine's own ``SamplingParams``, bounds included.
+
+``tenant`` is the name (never the key) of the router's tenant the request is
+for (router/cluster/tenancy.py); the servers charge the blocks it computes to
+that tenant's share of the shared KV store (engine/tiers/redis_shares.py). A
+name that is not a tenant's name (length, characters) is refused with 422;
+none is the default tenant.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from engine.request import SamplingParams, TokenId
+from engine.request import TENANT_NAME, SamplingParams, TokenId
 from wire.names import INSTANCE_NAME
 from wire.replies import Reservation
 
@@ -45,6 +51,7 @@ class GenerateRequest(Strict):
     local_prefill: bool = False
     trace: str | None = Field(default=None, max_length=128)  # the router's W3C traceparent (tracing on)
     generated_token_ids: list[TokenId] = Field(default_factory=list, max_length=MAX_PROMPT)
+    tenant: str | None = Field(default=None, pattern=TENANT_NAME)  # who it is for: TENANT_NAME
 
     @model_validator(mode="after")
     def _continuation(self) -> GenerateRequest:
@@ -69,6 +76,7 @@ class PrefillRequest(Strict):
     sampling: SamplingParams  # the engine's own, with its bounds
     reservation: Reservation
     trace: str | None = Field(default=None, max_length=128)  # the router's W3C traceparent (tracing on)
+    tenant: str | None = Field(default=None, pattern=TENANT_NAME)  # who it is for: TENANT_NAME
 
 
 class AbortRequest(Strict):

@@ -233,6 +233,7 @@ class Dispatcher:
             local_prefill=bool(local) or bool(generated),
             trace=trace,
             generated_token_ids=generated or [],
+            tenant=tenancy.CURRENT.get().ticket.tenant,  # the name, never the key: whose share of the KV store
         )
         if generated:
             local = True

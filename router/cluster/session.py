@@ -46,6 +46,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 
 from engine.request import SamplingParams
+from router.cluster import tenancy
 from router.cluster.admission import Admission, Slot
 from router.cluster.health import PassiveHealth
 from router.cluster.policies import Policy
@@ -119,6 +120,7 @@ class Session:
         self._prompt = prompt
         self._sampling = sampling
         self._trace = trace  # the request's traceparent, passed to every server it reaches
+        self._tenant = tenancy.CURRENT.get().ticket.tenant  # whose share of the shared KV store it fills
         # The current attempt's decode streams; the first one's slot also holds the request's prefill slot.
         self._legs: list[Leg] = [Leg(stream, slot, request_id)]
         self._first_slot = slot
@@ -247,6 +249,7 @@ class Session:
                         sampling=self._sampling,
                         reservation=reservation.model_copy(update={"lease_s": left}),
                         trace=self._trace,
+                        tenant=self._tenant,
                     )
                     self.prefill_result = await ctx.client.prefill(worker, req)
                 queue.put_nowait(self.prefill_result)
