@@ -108,8 +108,9 @@ class KvTiersSettings(Strict):
     the `default` tenant's): a block is charged to the tenant whose request computed it (a block two tenants
     share, to the first that wrote it), and a tenant's write past its share evicts that tenant's own least
     recently used blocks, never another's; counted on the Redis server itself (engine/tiers/redis_shares.py).
-    Run that Redis with `maxmemory-policy noeviction` and a `maxmemory` above the tenants' shares together.
-    Null: no shares (Redis's own LRU over everything)."""
+    A name that `router.tenants` does not list is charged to `default`. Run that Redis with
+    `maxmemory-policy noeviction` and a `maxmemory` above the tenants' shares together. Null: no shares
+    (Redis's own LRU over everything)."""
     queue_blocks: AtLeastOne = KvTiersConfig.queue_blocks
     """Blocks waiting for a tier's writer, at most; past it a write is dropped (counted), never waited for."""
 
@@ -127,15 +128,17 @@ class KvTiersSettings(Strict):
             KvTiersConfig(host_bytes=1, redis_max_bytes_per_tenant=self.redis_max_bytes_per_tenant)  # its message
         return self
 
-    def for_server(self, name: str) -> KvTiersConfig | None:
-        """Server ``name``'s tiers (its own folder under ``disk_path``); None when off."""
+    def for_server(self, name: str, tenants: tuple[str, ...] = ()) -> KvTiersConfig | None:
+        """Server ``name``'s tiers (its own folder under ``disk_path``); None when off. ``tenants``: the
+        router's, the only names the store's shares keep apart."""
         if not self.on:
             return None
-        return self._engine_config(None if self.disk_path is None else str(Path(self.disk_path) / name))
+        return self._engine_config(None if self.disk_path is None else str(Path(self.disk_path) / name), tenants)
 
-    def _engine_config(self, folder: str | None) -> KvTiersConfig:
+    def _engine_config(self, folder: str | None, tenants: tuple[str, ...] = ()) -> KvTiersConfig:
         url = None if self.redis_url is None else self.redis_url.get_secret_value()
-        return KvTiersConfig(**{**self.model_dump(), "disk_path": folder, "redis_url": url})
+        shares = tenants if self.redis_max_bytes_per_tenant is not None else ()
+        return KvTiersConfig(**{**self.model_dump(), "disk_path": folder, "redis_url": url, "redis_tenants": shares})
 
 
 class EngineDefaults(Strict):
@@ -964,7 +967,8 @@ class ClusterConfig(Strict):
             **{key: getattr(inst, key) for key in INSTANCE_ENGINE_KEYS if getattr(inst, key) is not None},
         }
         knobs["device"] = knobs["device"] or self.device
-        knobs["kv_tiers"] = (inst.kv_tiers or self.engine.kv_tiers).for_server(name)
+        tenants = (DEFAULT_TENANT, *(t.name for t in self.router.tenants if t.name != DEFAULT_TENANT))
+        knobs["kv_tiers"] = (inst.kv_tiers or self.engine.kv_tiers).for_server(name, tenants)
         engine = EngineConfig(
             model=str(model_path), dtype=self.dtype, max_model_len=self.max_model_len, mode=role, **knobs
         )

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Annotated, Literal, get_args
 from pydantic import ConfigDict, Field
 from pydantic.dataclasses import dataclass as checked_dataclass
 
+from engine.request import TENANT_NAME
+
 if TYPE_CHECKING:
     import torch
 
@@ -40,6 +42,7 @@ ENGINE_KINDS: tuple[str, ...] = get_args(EngineKind)
 BlockSize = Annotated[int, Field(ge=1, le=256)]  # tokens per KV block
 AtLeastOne = Annotated[int, Field(ge=1)]  # blocks, bytes, sequences, tokens, threads
 ModelLen = Annotated[int, Field(ge=2)]  # a prompt token and one to generate, at least
+TenantName = Annotated[str, Field(pattern=TENANT_NAME)]
 
 
 @checked_dataclass(frozen=True, config=ConfigDict(extra="forbid"))
@@ -57,6 +60,9 @@ class KvTiersConfig:
     # Each tenant's share of the Redis store, in bytes of values (engine/tiers/redis_store.py): a tenant's write
     # past it evicts that tenant's own oldest blocks, never another's. None: no shares (Redis's own LRU only).
     redis_max_bytes_per_tenant: AtLeastOne | None = None
+    # The tenants the shares keep apart (the router's, filled in by deploy/config.py): a block for any other
+    # name is charged to the default tenant, so a caller cannot open accounts of its own. Empty: every name.
+    redis_tenants: tuple[TenantName, ...] = ()
     queue_blocks: AtLeastOne = 256  # blocks waiting for a tier's writer, at most; past it a write is dropped
 
     def __post_init__(self) -> None:

@@ -125,6 +125,7 @@ class KvTiers:
                     config.queue_blocks,
                     config.redis_timeout_s,
                     share_bytes=config.redis_max_bytes_per_tenant,
+                    tenants=frozenset(config.redis_tenants),
                 )
             )
         return cls(cache, tiers)

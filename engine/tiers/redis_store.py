@@ -59,11 +59,15 @@ class RedisTier:
         timeout_s: float = 0.2,
         retry_s: float = 2.0,
         share_bytes: int | None = None,
+        tenants: frozenset[str] = frozenset(),
     ) -> None:
+        """``share_bytes``: each tenant's share (None: no shares); ``tenants``: the names the shares keep
+        apart, any other charged to the default tenant (empty: every name)."""
         assert share_bytes is None or share_bytes > 0
         self.prefix = f"pdserve:kv:{namespace}:"
         self.meta = f"pdserve:kvshare:{namespace}:"  # the per-tenant accounts (engine/tiers/redis_shares.py)
         self.share_bytes = share_bytes
+        self.tenants = tenants
         self.retry_s = retry_s
         self._client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
         self._lock = threading.Lock()
@@ -158,7 +162,7 @@ class RedisTier:
         crc = block_checksum(data) if checksum is None else checksum
         value = HEADER.pack(MAGIC, crc, 0, data.numel()) + data.numpy().tobytes()
         if self.share_bytes is not None:
-            self._store_shared(h, value, tenant or DEFAULT_TENANT)
+            self._store_shared(h, value, self._account(tenant))
             return
         try:
             self._client.set(self.key(h), value, nx=True)
@@ -198,6 +202,13 @@ class RedisTier:
                 held = redis_shares.accounts(flat)
                 for name, counts in self._tenants.items():
                     counts["bytes_held"] = held.get(name, 0)
+
+    def _account(self, tenant: str | None) -> str:
+        """Whose share a block for ``tenant`` is charged to: its own when it is one of ``tenants`` (or any
+        name, when none are listed); the default tenant's otherwise."""
+        if tenant is None or (self.tenants and tenant not in self.tenants):
+            return DEFAULT_TENANT
+        return tenant
 
     def _read(self, h: int) -> bytes | None:
         """Block ``h``'s stored value; with shares, the read also refreshes its place in its owner's LRU (or

@@ -56,9 +56,14 @@ def test_a_shared_store_s_url_is_a_secret_every_server_gets():
 
 def test_each_tenant_s_share_of_the_shared_store_reaches_every_server_and_needs_the_store():
     tiers = {"redis_url": "redis://kv:6379/0", "redis_max_bytes_per_tenant": 1 << 30}
-    cluster = parse_config({**BASE, "engine": {"kv_tiers": tiers}}, "c.yaml")
+    router = {"tenants": [{"name": "team-b", "keys": ["kb"]}, {"name": "team-a", "keys": ["ka"]}]}
+    cluster = parse_config({**BASE, "engine": {"kv_tiers": tiers}, "router": router}, "c.yaml")
     for name in ("p0", "d0"):
-        assert cluster.server_settings(name, Path("/m")).engine.kv_tiers.redis_max_bytes_per_tenant == 1 << 30
+        got = cluster.server_settings(name, Path("/m")).engine.kv_tiers
+        assert (got.redis_max_bytes_per_tenant, got.redis_tenants) == (1 << 30, ("default", "team-b", "team-a"))
+    plain = {"kv_tiers": {"redis_url": "redis://kv:6379/0"}}
+    no_shares = parse_config({**BASE, "engine": plain, "router": router}, "c.yaml")
+    assert no_shares.server_settings("p0", Path("/m")).engine.kv_tiers.redis_tenants == ()
     alone = {"redis_max_bytes_per_tenant": 1 << 30}
     beside_host = {"host_bytes": 4096, "redis_max_bytes_per_tenant": 1 << 30}
     for wrong in (alone, beside_host):

@@ -47,7 +47,7 @@ def block(h: int) -> torch.Tensor:
     return torch.full((BLOCK,), h % 251, dtype=torch.uint8)
 
 
-def write(tier: RedisTier, tenant: str, hashes: range | list[int]) -> None:
+def write(tier: RedisTier, tenant: str | None, hashes: range | list[int]) -> None:
     for h in hashes:
         assert tier.put(h, block(h), tenant=tenant)
     assert tier.drain(30)
@@ -177,6 +177,19 @@ def test_a_tenant_that_is_not_a_name_is_refused(store, tier):
     assert not readable(tier, 1)
     assert tier.stats().dropped_writes == 1
     assert assert_exact(store, tier) == {}
+
+
+def test_a_name_that_is_no_configured_tenant_is_charged_to_the_default_tenant(store):
+    tier = RedisTier(store.url, "shares-known", share_bytes=SHARE, tenants=frozenset({"default", "known"}))
+    try:
+        write(tier, "known", [1])
+        write(tier, "made-up", [2])
+        write(tier, None, [3])
+        assert all(readable(tier, h) for h in (1, 2, 3))
+        assert assert_exact(store, tier) == {"known": VALUE, "default": 2 * VALUE}
+        assert set(shares(tier)) == {"known", "default"}  # no label for a made-up name
+    finally:
+        tier.close()
 
 
 SAMPLING = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
