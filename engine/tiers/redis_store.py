@@ -215,13 +215,17 @@ class RedisTier:
         unlists it when its key is gone), in the same round trip."""
         if self.share_bytes is None:
             return self._client.get(self.key(h))
+        key, args = self.key(h), [self.meta, f"{h:016x}"]
         pipe = self._client.pipeline(transaction=False)
-        pipe.get(self.key(h))
-        self._touch_script(keys=[self.key(h)], args=[self.meta, f"{h:016x}"], client=pipe)
+        pipe.get(key)
+        # By its digest: a script handed to the pipeline itself would cost a SCRIPT EXISTS round trip per read.
+        pipe.evalsha(self._touch_script.sha, 1, key, *args)
         raw, touched = pipe.execute(raise_on_error=False)
         if isinstance(raw, Exception):
             raise raw
-        if isinstance(touched, Exception):
+        if isinstance(touched, redis.exceptions.NoScriptError):  # the store restarted since: load it, run it
+            self._touch_script(keys=[key], args=args)
+        elif isinstance(touched, Exception):
             raise touched
         return raw
 
