@@ -1,10 +1,11 @@
 """Per-tenant shares of the shared Redis store (engine/tiers/redis_shares.py), on a real Redis server
 (tests/redis_server.py, ``maxmemory-policy noeviction``): a tenant writing past its share loses its own oldest
 blocks and never another's, a block two tenants write is charged once to the first, a block over the share is
-refused, reads keep a tenant's used blocks, keys gone under the accounts are uncharged, and a full store refuses
-writes without being taken for down. After every scenario the store's counters equal the bytes it really holds,
-block by block. Through an engine: the tenant of the request that computed a block is the one charged, and
-another tenant's blocks still serve a second engine, its tokens equal to transformers'."""
+refused, reads keep a tenant's used blocks, keys gone under the accounts are uncharged, a full store refuses
+writes without being taken for down, and a store killed is a miss, never an error raised. After every scenario
+the store's counters equal the bytes it really holds, block by block. Through an engine: the tenant of the
+request that computed a block is the one charged, and another tenant's blocks still serve a second engine, its
+tokens equal to transformers'."""
 
 from __future__ import annotations
 
@@ -177,6 +178,23 @@ def test_a_tenant_that_is_not_a_name_is_refused(store, tier):
     assert not readable(tier, 1)
     assert tier.stats().dropped_writes == 1
     assert assert_exact(store, tier) == {}
+
+
+def test_a_store_killed_under_shares_is_a_miss_and_a_dropped_write_never_an_error_raised():
+    server = RedisServer(policy="noeviction")
+    tier = RedisTier(server.url, "shares-down", share_bytes=SHARE, timeout_s=0.2, retry_s=0.0)
+    try:
+        write(tier, "a", [1])
+        assert readable(tier, 1)
+        server.stop()
+        write(tier, "a", [2])
+        assert not readable(tier, 1) and not readable(tier, 2)
+        stats = tier.stats()
+        assert (stats.hits, stats.dropped_writes) == (1, 1) and stats.errors >= 2
+        assert shares(tier) == {"a": (VALUE, 0, 0)}  # as last counted; nothing refused for the tenant
+    finally:
+        tier.close()
+        server.stop()
 
 
 def test_a_name_that_is_no_configured_tenant_is_charged_to_the_default_tenant(store):
