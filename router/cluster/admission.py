@@ -6,10 +6,13 @@ server, the prefill servers in rotation have one too. Otherwise it waits
 here, at most ``max_queued_requests`` requests at a time and at most
 ``timeout`` seconds each, admitted in the order of their tickets: priority
 class first, then weighted fair queuing between tenants (router/cluster/tenancy.py);
-with no tenants configured, in arrival order. A request that finds the waiting room full,
-or waits too long, is refused at once with 429 and a Retry-After: overload is
-a fast, clear answer, never a 5xx, and the router's memory stays bounded by
-(slots + waiting room) requests. 503 is kept for "no server in rotation".
+with no tenants configured, in arrival order. While tenants compete, a tenant
+holding its share of a decode server's slots leaves one free there for each
+tenant that used less (router/cluster/fair_share.py), so a light tenant finds a
+slot on arrival. A request that finds the waiting room full, or waits too long,
+is refused at once with 429 and a Retry-After: overload is a fast, clear answer,
+never a 5xx, and the router's memory stays bounded by (slots + waiting room)
+requests. 503 is kept for "no server in rotation".
 
 Waiters wake when a slot frees (a request attempt ended, so blocks were
 freed too) and at least every ``poll`` seconds, for what the router learns
@@ -32,6 +35,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from router.cluster.fair_share import SlotShares
 from router.cluster.registry import Worker
 from router.cluster.tenancy import ANYONE, Ticket
 from router.errors import OpenAIError
@@ -47,6 +51,9 @@ class AdmissionSettings:
     queue_timeout_s: float = RouterSettings.queue_timeout_s  # the longest a request waits for a slot before 429
     retry_after_s: float = RouterSettings.retry_after_s  # seconds, sent in Retry-After with every 429
     poll: float = 0.25  # waiters also re-try this often (a worker back in rotation, a "no room" cooled down)
+    # how long a tenant that stopped asking still has slots kept for it, and the span of each tenant's
+    # average use of a server (router/cluster/fair_share.py); 0: no shares, fair queuing's order alone
+    share_window_s: float = 10.0
 
 
 def overloaded(message: str, retry_after: float) -> OpenAIError:
@@ -73,6 +80,8 @@ class Admission:
         self._tick: asyncio.TimerHandle | None = None  # the next poll, while requests wait
         self._virtual = 0.0  # fair queuing's virtual time: the start tag of the last admitted request
         self._finish: dict[str, float] = {}  # each tenant's last finish tag (configured tenants only)
+        self.shares = SlotShares(settings.share_window_s)  # each tenant's slots on each decode server
+        self._round = 0  # wake-ups so far: a waiter that tried in the current one found nothing it may take
 
     # ---- slots ------------------------------------------------------------------
     def prefill_is_full(self, prefill_workers: list[Worker]) -> bool:
@@ -82,11 +91,17 @@ class Admission:
             return False  # none in rotation is the prefill call's own error; no limit, no slot
         return self.prefills_pending >= sum(limits)
 
-    def claim(self, worker: Worker, prefill_slot: bool) -> Slot:
-        """A slot on decode server ``worker``, and one of the prefill slots with ``prefill_slot``."""
+    def may_take(self, worker: Worker, ticket: Ticket) -> bool:
+        """``ticket``'s tenant may take one of ``worker``'s free slots: below its share, or leaving one
+        free for each tenant that used less (router/cluster/fair_share.py)."""
+        return self.shares.may_take(worker, ticket)
+
+    def claim(self, worker: Worker, prefill_slot: bool, tenant: str = ANYONE.tenant) -> Slot:
+        """A slot on decode server ``worker`` for ``tenant``, and one of the prefill slots with ``prefill_slot``."""
         worker.started()
+        self.shares.took(worker.name, tenant)
         self.prefills_pending += prefill_slot
-        return Slot(self, worker, prefill_slot)
+        return Slot(self, worker, prefill_slot, tenant)
 
     def no_room(self, worker: Worker, cooldown: float) -> None:
         """``worker`` said its KV cache is full: skip it for ``cooldown`` s, or until one of its slots frees."""
@@ -112,20 +127,25 @@ class Admission:
     async def admit(self, attempt: Callable[[], Awaitable[T | None]], ticket: Ticket = ANYONE, cost: float = 1.0) -> T:
         """``attempt()`` until it returns a result (None: no slot free now).
 
-        A request tries at once unless others already wait, in which case it queues behind them;
-        waiting means the waiting room (429 when full or when the wait runs out). Waiters try in
-        the order of their tickets: class first, then start-time fair queuing within the class,
-        ``cost`` being the request's work (its tokens), so each tenant gets its weight's share of
-        what is admitted. With one tenant that order is arrival order."""
+        A request tries at once unless a waiter ahead of it has yet to try for the slots free now,
+        in which case it queues behind them: a slot the waiters ahead could not take (not theirs to
+        take, ``may_take``) is taken at once, not at the next wake-up. Waiting means the waiting
+        room (429 when full or when the wait runs out). Waiters try in the order of their tickets:
+        class first, then start-time fair queuing within the class, ``cost`` being the request's
+        work (its tokens), so each tenant gets its weight's share of what is admitted. With one
+        tenant that order is arrival order."""
         start = self._tag(ticket, cost)
-        if not self._waiters:
+        self.shares.asked(ticket)
+        tried = -1
+        if self._ahead_have_tried(ticket.rank, start):
+            tried = self._round
             result = await attempt()
             if result is not None:
                 self._admitted(start, 0.0)
                 return result
         entered = time.monotonic()
         try:
-            waiter = self._enter(ticket, start)
+            waiter = self._enter(ticket, start, tried)
         except OpenAIError:  # refused at the door: it took none of its tenant's share
             if self._finish.get(ticket.tenant) == start + cost / ticket.weight:
                 self._finish[ticket.tenant] = start
@@ -134,12 +154,19 @@ class Admission:
             wait = Wait(self, waiter, entered + self.settings.queue_timeout_s)
             while True:
                 await wait()
+                self.shares.asked(ticket)  # still asking: its tenant stays active while it waits
+                waiter.tried = self._round
                 result = await attempt()
                 if result is not None:
                     self._admitted(start, time.monotonic() - entered)
                     return result
         finally:
             self._leave(waiter)
+
+    def _ahead_have_tried(self, rank: int, start: float) -> bool:
+        """Every waiter that a newcomer of (``rank``, ``start``) would queue behind has tried since the
+        last wake-up, so whatever is free now was not theirs to take."""
+        return all(w.tried == self._round for w in self._waiters if (w.rank, w.start) <= (rank, start))
 
     def _tag(self, ticket: Ticket, cost: float) -> float:
         """The request's fair start tag (SFQ): no earlier than the system's virtual time, nor than the
@@ -161,15 +188,17 @@ class Admission:
     def slot_freed(self) -> None:
         """Wake every waiter to try again, in the order of their tickets: each claims its slot before
         its first await (``Dispatcher._try_open``), so the first woken takes the slot."""
+        self._round += 1
         for waiter in sorted(self._waiters):
             wake(waiter.woken)
 
-    def _enter(self, ticket: Ticket, start: float) -> Waiter:
-        """A place in the waiting room, or 429 when it is full (``start``: the fair start tag, ``admit``).
+    def _enter(self, ticket: Ticket, start: float, tried: int) -> Waiter:
+        """A place in the waiting room, or 429 when it is full (``start``: the fair start tag, ``admit``;
+        ``tried``: the wake-up it last tried in, -1 for none).
         A full room keeps the waiters that come first: a newcomer ahead of the last one takes its place
         (that one gets the 429), so a light tenant is not refused for a heavy one's backlog."""
         self._seq += 1
-        waiter = Waiter(ticket.rank, start, self._seq, asyncio.get_running_loop().create_future())
+        waiter = Waiter(ticket.rank, start, self._seq, asyncio.get_running_loop().create_future(), tried=tried)
         if self.waiting >= self.settings.max_queued_requests:
             last = max(self._waiters, default=None)
             if last is None or not waiter < last:
@@ -206,6 +235,7 @@ class Waiter:
     seq: int  # arrival order, last
     woken: asyncio.Future[None] = field(compare=False)
     pushed_out: bool = field(default=False, compare=False)  # its place went to a waiter ahead of it
+    tried: int = field(default=-1, compare=False)  # the wake-up (``Admission._round``) it last tried in
 
     def __hash__(self) -> int:
         return self.seq
@@ -216,9 +246,10 @@ class Slot:
     that needs a prefill server, on one of the prefill slots). Each part is
     given back exactly once, whichever of these runs first."""
 
-    def __init__(self, admission: Admission, worker: Worker, prefill: bool) -> None:
+    def __init__(self, admission: Admission, worker: Worker, prefill: bool, tenant: str) -> None:
         self._admission = admission
         self.worker = worker
+        self.tenant = tenant
         self._decode_held = True
         self._prefill_held = prefill
 
@@ -236,6 +267,7 @@ class Slot:
         if self._decode_held:
             self._decode_held = False
             self.worker.ended(freed=True)
+            self._admission.shares.gave_back(self.worker.name, self.tenant)
             self._admission.slot_freed()
 
     def cancel(self) -> None:
@@ -244,6 +276,7 @@ class Slot:
         if self._decode_held:
             self._decode_held = False
             self.worker.ended()
+            self._admission.shares.gave_back(self.worker.name, self.tenant)
         if self._prefill_held:
             self._prefill_held = False
             self._admission.prefills_pending -= 1

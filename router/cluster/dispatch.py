@@ -238,21 +238,24 @@ class Dispatcher:
         if generated:
             local = True
         cost = len(prompt) + sampling.max_tokens * sampling.n  # the work it asks for, in tokens
+        ticket = tenancy.CURRENT.get().ticket
         return await self.admission.admit(
-            lambda: self._try_open(req, prefill_slot, local, prefer, avoid), tenancy.CURRENT.get().ticket, cost
+            lambda: self._try_open(req, ticket, prefill_slot, local, prefer, avoid), ticket, cost
         )
 
     async def _try_open(
         self,
         req: GenerateRequest,
+        ticket: tenancy.Ticket,
         prefill_slot: bool,
         local: bool | None,
         prefer: str | None = None,
         avoid: frozenset[str] = frozenset(),
     ) -> tuple[DecodeStream, Slot] | None:
-        """None when every decode server in rotation is full (or, with ``prefill_slot``, the prefill
-        servers are). The prefill slot is claimed with the decode slot, so that no prefill server is
-        sent more than its share and no reservation is made that could not be prefilled soon."""
+        """None when every decode server in rotation is full or keeps its free slots for other
+        tenants (``Admission.may_take``), or, with ``prefill_slot``, the prefill servers are full.
+        The prefill slot is claimed with the decode slot, so that no prefill server is sent more
+        than its share and no reservation is made that could not be prefilled soon."""
         in_rotation = [w for w in self.registry.healthy("decode") if w.name not in avoid]
         if not in_rotation:
             raise OpenAIError(503, "no healthy decode server", retry_after=1)
@@ -274,14 +277,15 @@ class Dispatcher:
         prefill_full = prefill_slot and self.admission.prefill_is_full(self.registry.healthy("prefill"))
         prompt = req.prompt_token_ids
         matched = self.kv_index.matcher(prompt) if self.kv_index is not None else (lambda name: 0)
-        order = self.decode_policy.order([w for w in in_rotation if w.has_room()], prompt)
+        free = [w for w in in_rotation if w.has_room() and self.admission.may_take(w, ticket)]
+        order = self.decode_policy.order(free, prompt)
         if prefer is not None:  # first, if it is in rotation and has room; then the policy's order
             order = sorted(order, key=lambda w: w.name != prefer)
         for worker in order:
             here = local if local is not None else self.wants_local_prefill(len(prompt) - matched(worker.name))
             if not here and prefill_full:  # it would need a prefill server, and they are all busy
                 continue
-            slot = self.admission.claim(worker, prefill_slot and not here)
+            slot = self.admission.claim(worker, prefill_slot and not here, ticket.tenant)
             try:
                 stream = await self.client.open_decode(worker, req.model_copy(update={"local_prefill": here}))
             except WorkerFailed as exc:

@@ -1,0 +1,279 @@
+"""Tenants' shares of a decode server's slots (router/cluster/fair_share.py): who may take a free
+slot while tenants compete, and the order admission then serves them in."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine.request import SamplingParams
+from router.cluster import tenancy
+from router.cluster.admission import Admission, AdmissionSettings, Slot
+from router.cluster.dispatch import Dispatcher, DispatchSettings
+from router.cluster.fair_share import SlotShares
+from router.cluster.policies import RoundRobin
+from router.cluster.registry import Worker, WorkerRegistry
+from router.cluster.tenancy import Caller, Ticket
+from tests.support.fakes import FakeWorkerClient
+from tests.waiting import until
+
+HEAVY, LIGHT = Ticket("heavy", 1.0, 1), Ticket("light", 1.0, 1)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def take(shares: SlotShares, worker: Worker, ticket: Ticket) -> None:
+    """``ticket``'s tenant takes a slot, as ``Admission.claim`` counts one."""
+    shares.asked(ticket)
+    assert worker.has_room() and shares.may_take(worker, ticket), f"{ticket.tenant} may not take a slot"
+    worker.started()
+    shares.took(worker.name, ticket.tenant)
+
+
+def give_back(shares: SlotShares, worker: Worker, tenant: str) -> None:
+    worker.ended(freed=True)
+    shares.gave_back(worker.name, tenant)
+
+
+def test_a_lone_tenant_uses_every_slot():
+    shares, worker = SlotShares(10.0, Clock()), Worker("d0", "decode", "u", max_inflight=4)
+    for _ in range(4):
+        take(shares, worker, HEAVY)
+    assert worker.inflight == 4 and shares.held("d0", "heavy") == 4
+
+
+def test_a_heavy_tenant_at_its_share_keeps_a_slot_free_for_a_light_one():
+    clock = Clock()
+    shares, worker = SlotShares(10.0, clock), Worker("d0", "decode", "u", max_inflight=2)
+    take(shares, worker, HEAVY)
+    take(shares, worker, HEAVY)  # alone: both slots
+    clock.now += 5.0
+    shares.asked(LIGHT)  # the light tenant waits
+    give_back(shares, worker, "heavy")
+    assert not shares.may_take(worker, HEAVY)  # at its share (1 of 2): the free slot is kept
+    assert shares.may_take(worker, LIGHT)
+    take(shares, worker, LIGHT)
+    give_back(shares, worker, "heavy")
+    assert shares.may_take(worker, HEAVY)  # below its share: it always gets that much
+    take(shares, worker, HEAVY)
+    clock.now += 1.0
+    give_back(shares, worker, "light")
+    assert not shares.may_take(worker, HEAVY) and worker.inflight == 1  # the light tenant's slot stays free
+    clock.now += 10.1  # the light tenant asked nothing for a whole window: no longer active
+    assert shares.may_take(worker, HEAVY)
+
+
+def test_a_light_tenant_may_go_past_its_share_while_it_used_less_than_the_other():
+    clock = Clock()
+    shares, worker = SlotShares(10.0, clock), Worker("d0", "decode", "u", max_inflight=2)
+    take(shares, worker, HEAVY)
+    take(shares, worker, HEAVY)
+    clock.now += 5.0
+    give_back(shares, worker, "heavy")
+    take(shares, worker, LIGHT)
+    give_back(shares, worker, "heavy")
+    # The light tenant holds its share (1) and the heavy one holds none, but it used less lately.
+    assert shares.average("d0", "light") < shares.average("d0", "heavy")
+    assert shares.may_take(worker, LIGHT) and shares.may_take(worker, HEAVY)
+
+
+def test_two_heavy_tenants_fill_a_server_between_them():
+    """Whenever a slot is free, one of them may take it: the one that used less lately."""
+    clock = Clock()
+    a, b = Ticket("a", 1.0, 1), Ticket("b", 1.0, 1)
+    shares, worker = SlotShares(10.0, clock), Worker("d0", "decode", "u", max_inflight=4)
+    for _ in range(3):
+        take(shares, worker, a)
+    clock.now += 5.0
+    take(shares, worker, b)
+    clock.now += 1.0
+    give_back(shares, worker, "a")  # a: 2 (its share), b: 1
+    assert (shares.may_take(worker, a), shares.may_take(worker, b)) == (False, True)
+    take(shares, worker, b)
+    clock.now += 1.0
+    give_back(shares, worker, "b")  # a: 2, b: 1; b used less: a keeps the slot for it
+    assert (shares.may_take(worker, a), shares.may_take(worker, b)) == (False, True)
+    take(shares, worker, b)
+    give_back(shares, worker, "a")  # a: 1, below its share
+    assert shares.may_take(worker, a)
+    assert worker.inflight == 3
+
+
+def test_shares_follow_weights_and_each_active_tenant_keeps_at_least_one():
+    heavy3 = Ticket("heavy", 3.0, 1)
+    active = {"heavy": heavy3, "light": LIGHT}
+    assert [SlotShares.share(t, active, 8) for t in (heavy3, LIGHT)] == [6, 2]
+    assert [SlotShares.share(t, active, 2) for t in (heavy3, LIGHT)] == [1, 1]
+    three = {**active, "third": Ticket("third", 1.0, 1)}
+    assert [SlotShares.share(t, three, 2) for t in three.values()] == [1, 1, 1]
+
+
+def test_a_higher_class_is_never_held_back_for_a_lower_one():
+    clock = Clock()
+    vip, batch = Ticket("vip", 1.0, 0), Ticket("batch", 1.0, 2)
+    shares, worker = SlotShares(10.0, clock), Worker("d0", "decode", "u", max_inflight=2)
+    take(shares, worker, batch)
+    take(shares, worker, batch)  # alone: both slots
+    clock.now += 5.0
+    shares.asked(vip)  # the vip tenant waits
+    give_back(shares, worker, "batch")
+    assert not shares.may_take(worker, batch)  # at its share: the slot is kept for the vip tenant
+    take(shares, worker, vip)
+    give_back(shares, worker, "batch")
+    take(shares, worker, vip)  # the vip tenant takes both: nothing is kept for a lower class
+    give_back(shares, worker, "vip")
+    give_back(shares, worker, "vip")
+    take(shares, worker, batch)
+    assert not shares.may_take(worker, batch)  # the vip tenant, who used less, asked within the window
+    clock.now += 10.1
+    shares.asked(batch)
+    assert shares.may_take(worker, batch)  # the vip tenant is gone: the batch one may use both
+
+
+def test_no_window_or_no_limit_keeps_nothing_free():
+    off, limited = SlotShares(0.0, Clock()), Worker("d0", "decode", "u", max_inflight=2)
+    off.asked(LIGHT)
+    take(off, limited, HEAVY)
+    take(off, limited, HEAVY)
+    on, unlimited = SlotShares(10.0, Clock()), Worker("d1", "decode", "u")
+    on.asked(LIGHT)
+    for _ in range(3):
+        take(on, unlimited, HEAVY)
+
+
+def admit_in_order(settings: AdmissionSettings, script) -> tuple[list[str], list[float]]:
+    """Admission in front of one 2-slot decode server; ``script(request, release)`` drives it, where
+    ``request(name, ticket)`` starts a request and ``release(name)`` ends an admitted one. Returns the
+    names in the order they were admitted, and each one's wait."""
+    waits: list[float] = []
+    admission = Admission(settings, on_wait=waits.append)
+    worker = Worker("d0", "decode", "u", max_inflight=2)
+    admitted: list[str] = []
+    slots: dict[str, Slot] = {}
+
+    def attempt(name: str, ticket: Ticket):
+        async def go() -> Slot | None:
+            if not (worker.has_room() and admission.may_take(worker, ticket)):
+                return None
+            slots[name] = admission.claim(worker, False, ticket.tenant)
+            admitted.append(name)
+            return slots[name]
+
+        return go
+
+    async def run() -> None:
+        tasks: list[asyncio.Task] = []
+
+        async def request(name: str, ticket: Ticket) -> None:
+            before = admission.waiting + len(admitted)
+            tasks.append(asyncio.create_task(admission.admit(attempt(name, ticket), ticket, 10.0)))
+            await until(lambda: admission.waiting + len(admitted) == before + 1, 5.0, f"{name} in or waiting")
+
+        def all_tried() -> bool:  # every waiter tried since the last wake-up (``Admission.admit``)
+            return all(w.tried == admission._round for w in admission._waiters)
+
+        async def release(name: str) -> None:
+            slots[name].release()
+            await until(all_tried, 5.0, f"every waiter tried for the slot {name} freed")
+
+        await script(request, release)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for slot in slots.values():
+            slot.release()
+        assert worker.inflight == 0 and admission.shares.held("d0", "heavy") == 0
+        assert admission.shares.held("d0", "light") == 0
+
+    asyncio.run(run())
+    return admitted, waits
+
+
+def test_a_light_request_takes_the_kept_slot_at_once_while_heavy_ones_wait():
+    async def script(request, release):
+        for i in range(4):
+            await request(f"h{i}", HEAVY)  # h0, h1 take both slots; h2, h3 wait
+        await request("l0", LIGHT)  # waits, first in fair order
+        await release("h0")  # l0 takes it
+        await release("l0")  # heavy holds its share (1): the slot is kept for the light tenant
+        await request("l1", LIGHT)  # so the next light request finds it free, without waiting
+        await release("h1")  # below its share now: the first heavy waiter goes in
+        await release("l1")
+
+    admitted, waits = admit_in_order(AdmissionSettings(poll=60), script)
+    assert admitted == ["h0", "h1", "l0", "l1", "h2"]
+    assert waits[3] == 0.0  # l1 was admitted at once
+
+
+def test_without_shares_a_heavy_waiter_takes_every_slot_that_frees():
+    async def script(request, release):
+        for i in range(4):
+            await request(f"h{i}", HEAVY)
+        await request("l0", LIGHT)
+        await release("h0")
+        await release("l0")  # h2 takes it
+        await request("l1", LIGHT)  # finds both slots taken: waits
+        await release("h1")  # l1 first in fair order
+
+    admitted, waits = admit_in_order(AdmissionSettings(poll=60, share_window_s=0.0), script)
+    assert admitted == ["h0", "h1", "l0", "h2", "l1"]
+    assert waits[4] > 0.0
+
+
+def test_with_one_tenant_a_freed_slot_goes_to_the_first_waiter():
+    async def script(request, release):
+        for i in range(4):
+            await request(f"h{i}", HEAVY)
+        await release("h0")
+        await release("h1")
+
+    admitted, waits = admit_in_order(AdmissionSettings(poll=60), script)
+    assert admitted == ["h0", "h1", "h2", "h3"]
+
+
+def test_the_dispatcher_claims_each_slot_for_the_callers_tenant_and_gives_it_back():
+    workers = [Worker("p0", "prefill", "u"), Worker("d0", "decode", "u", max_inflight=2)]
+    fake = FakeWorkerClient(reply=[1, 2])
+    admission = Admission(AdmissionSettings(poll=60))
+    registry = WorkerRegistry(workers)
+    dispatcher = Dispatcher(registry, RoundRobin(), RoundRobin(), fake, DispatchSettings(), admission=admission)
+    sampling = SamplingParams(max_tokens=2, temperature=0)
+
+    async def start(rid: str, ticket: Ticket):
+        tenancy.CURRENT.set(Caller(ticket))
+        return await dispatcher.start(rid, [1], sampling)
+
+    async def finish(session) -> None:
+        async for _ in session.deltas():
+            pass
+        await session.close()
+
+    async def run():
+        h0 = await asyncio.create_task(start("h0", HEAVY))
+        h1 = await asyncio.create_task(start("h1", HEAVY))
+        light = asyncio.create_task(start("l0", LIGHT))
+        await until(lambda: admission.waiting == 1, 5.0, "l0 waiting")
+        assert (admission.shares.held("d0", "heavy"), admission.shares.held("d0", "light")) == (2, 0)
+        await finish(h0)
+        l0 = await asyncio.wait_for(light, 5.0)
+        assert (admission.shares.held("d0", "heavy"), admission.shares.held("d0", "light")) == (1, 1)
+        await finish(h1)
+        await finish(l0)
+
+    asyncio.run(run())
+    assert [req.request_id for _, req in fake.opened] == ["h0", "h1", "l0"]
+    assert (admission.shares.held("d0", "heavy"), admission.shares.held("d0", "light")) == (0, 0)
+    assert workers[1].inflight == 0 and admission.sessions == 0
+
+
+def test_giving_back_a_slot_not_held_is_a_bug():
+    shares = SlotShares(10.0, Clock())
+    with pytest.raises(AssertionError):
+        shares.gave_back("d0", "heavy")
