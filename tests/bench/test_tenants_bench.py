@@ -34,3 +34,14 @@ def test_the_four_phases_report_each_key_and_the_limited_heavy_key_is_refused(tm
     assert ratios["light_served_vs_share_fair"] == phases["fair"]["light"]["answered"] / phases["fair"]["light"]["sent"]
     assert ratios["limit_refill_interval_s"] == 30.0
     assert "wrote" in capsys.readouterr().out
+
+
+def test_some_phases_for_longer_report_the_ratios_they_have(tmp_path):
+    out = tmp_path / "tenants.json"
+    argv = ["--phases", "fair,alone", "--seconds", "3", "--light-rps", "2", "--heavy-x", "4", "--out", str(out)]
+    assert main(argv) == 0
+    report = json.loads(out.read_text())
+    assert list(report["phases"]) == ["alone", "fair"]  # in the bench's order
+    ratios = report["ratios"]
+    assert set(ratios) == {"light_p99_ttft_vs_alone_fair", "light_served_vs_share_fair", "heavy_answered_per_s_fair"}
+    assert ratios["heavy_answered_per_s_fair"] == report["phases"]["fair"]["heavy"]["answered_per_s"]
