@@ -470,6 +470,11 @@ class RouterConfig(Strict):
     priority_classes: list[str] = Field(default_factory=lambda: list(DEFAULT_CLASSES), min_length=1, max_length=16)
     """The priority classes, highest first; a request may ask for a lower class than its tenant's with the
     `X-Priority-Class` header."""
+    tenant_share_window_s: float = Field(default=RouterSettings.tenant_share_window_s, ge=0)
+    """While more than one tenant has asked for a slot within this many seconds, a tenant holding its weighted
+    share of a decode server's slots leaves one free there for each tenant that used that server less (its slots
+    averaged over the same span), so a light tenant finds a slot on arrival; costs a heavy tenant up to one slot
+    per server and light tenant (router/cluster/fair_share.py). 0: no shares, fair queuing's order alone."""
 
     @model_validator(mode="after")
     def _one_key_source(self) -> RouterConfig:

@@ -150,6 +150,7 @@ class RouterParts:
             AdmissionSettings(
                 max_queued_requests=settings.max_queued_requests,
                 queue_timeout_s=settings.queue_timeout_s,
+                share_window_s=settings.tenant_share_window_s,
                 retry_after_s=settings.retry_after_s,
             ),
             on_wait=metrics.queue_time.observe,

@@ -158,6 +158,9 @@ class RouterSettings:
     tenants: tuple[TenantSettings, ...] = ()
     priority_classes: tuple[str, ...] = DEFAULT_CLASSES  # highest first
     limit_share: float = 1.0  # this router's part of every tenant's rate limits (1 / the routers sharing them)
+    # how long a tenant that stopped asking still has decode slots kept for it, and the span of its average
+    # use (router/cluster/fair_share.py); 0: no slot shares, fair queuing's order alone
+    tenant_share_window_s: float = 10.0
     internal_secret: str | None = field(default=None, repr=False)  # sent to prefill/decode servers; admin key
     launch_id: str | None = None  # the `pdserve launch` that started this router, reported in /health
     # Workers must report this launch in /health (None: any): the router's own launch, unless it serves

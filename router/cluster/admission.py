@@ -53,7 +53,7 @@ class AdmissionSettings:
     poll: float = 0.25  # waiters also re-try this often (a worker back in rotation, a "no room" cooled down)
     # how long a tenant that stopped asking still has slots kept for it, and the span of each tenant's
     # average use of a server (router/cluster/fair_share.py); 0: no shares, fair queuing's order alone
-    share_window_s: float = 10.0
+    share_window_s: float = RouterSettings.tenant_share_window_s
 
 
 def overloaded(message: str, retry_after: float) -> OpenAIError:

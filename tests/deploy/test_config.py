@@ -180,10 +180,12 @@ def test_tenants_bring_their_keys_classes_and_limits_to_the_router(tmp_path):
             {"name": "batch", "keys_file": str(keys), "priority": "bronze", "tokens_per_minute": 100000},
             {"name": "default", "requests_per_minute": 600},
         ],
+        "tenant_share_window_s": 4.5,
     }
     settings = parse_config({**BASE, "router": router}, "c.yaml").router_settings(tmp_path)
     assert settings.api_keys == ("sk-plain-key-1", "sk-team-a-1", "sk-batch-1", "sk-batch-2")
     assert settings.priority_classes == ("gold", "silver", "bronze")
+    assert settings.tenant_share_window_s == 4.5
     a, batch, default = settings.tenants
     assert (a.name, a.keys, a.weight, a.priority, a.requests_per_minute) == ("team-a", ("sk-team-a-1",), 3, "gold", 60)
     assert (batch.keys, batch.tokens_per_minute, default.keys) == (("sk-batch-1", "sk-batch-2"), 100000, ())
@@ -199,6 +201,7 @@ def test_tenants_bring_their_keys_classes_and_limits_to_the_router(tmp_path):
         ({"tenants": [{"name": "a", "weight": 0}]}, "'router.tenants[0].weight'"),
         ({"tenants": [{"name": "default", "keys": ["sk-secret-123"]}]}, "its keys are those listed only under"),
         ({"priority_classes": ["a", "a"]}, "a class is listed twice"),
+        ({"tenant_share_window_s": -1}, "'router.tenant_share_window_s'"),
         ({"tenants": [{"name": "a", "keys": ["sk-secret-123"], "keys_file": "/k"}]}, "set keys or keys_file"),
     ],
 )
