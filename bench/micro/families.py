@@ -12,9 +12,10 @@ float32:
 * prefill tok/s: ``batch`` prompts of ``--prompt-len`` tokens, computed and
   one token sampled (the engine's ``generate`` with ``max_tokens=1``;
   transformers' forward over the unpadded ``[batch, prompt_len]`` batch);
-* decode tok/s: ``--new-tokens`` more tokens per prompt, the prefill time
-  above taken off (the engine's ``generate``; transformers' ``generate``,
-  greedy, EOS ignored);
+* decode tok/s: ``--new-tokens`` more tokens per prompt, only the decode
+  steps timed, after the prompts' own step (the engine's ``step`` once every
+  prompt has its first token; transformers' forward of one token per row
+  over its past key values, greedy, EOS ignored);
 * ratio: the engine's tok/s over transformers'.
 
 Each timing is the best of ``--rounds`` after one warm-up. KV columns come
@@ -96,22 +97,52 @@ def measure_batch(engine, hf, batch: int, args: argparse.Namespace) -> dict:
     ps = prompts(batch, args.prompt_len, engine.hf_config.vocab_size)
     ids, new = torch.tensor(ps), args.new_tokens
     first = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    more = SamplingParams(max_tokens=1 + new, temperature=0, ignore_eos=True)
     e_prefill = best(lambda: engine.generate(ps, first), args.rounds)
-    e_total = best(lambda: engine.generate(ps, more), args.rounds)
-    generate = {"do_sample": False, "max_new_tokens": 1 + new, "min_new_tokens": 1 + new, "eos_token_id": None}
+    e_decode = best_of(lambda: engine_decode_s(engine, ps, new), args.rounds)
     with torch.no_grad():
         h_prefill = best(lambda: hf(ids), args.rounds)
-        h_total = best(
-            lambda: hf.generate(ids, attention_mask=torch.ones_like(ids), pad_token_id=0, **generate), args.rounds
-        )
+        h_decode = best_of(lambda: hf_decode_s(hf, ids, new), args.rounds)
     row = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": new}
-    for side, prefill, total in (("engine", e_prefill, e_total), ("hf", h_prefill, h_total)):
+    for side, prefill, decode in (("engine", e_prefill, e_decode), ("hf", h_prefill, h_decode)):
         row[f"{side}_prefill_tok_s"] = round(batch * args.prompt_len / prefill, 1)
-        row[f"{side}_decode_tok_s"] = round(batch * new / max(total - prefill, 1e-9), 1)
+        row[f"{side}_decode_tok_s"] = round(batch * new / decode, 1)
     for kind in ("prefill", "decode"):
         row[f"{kind}_ratio"] = round(row[f"engine_{kind}_tok_s"] / row[f"hf_{kind}_tok_s"], 2)
     return row
+
+
+def best_of(timed: Callable[[], float], rounds: int) -> float:
+    """The smallest of ``rounds`` times that ``timed`` measured itself, after one warm-up call."""
+    timed()
+    return min(timed() for _ in range(rounds))
+
+
+def engine_decode_s(engine, ps: list[list[int]], new: int) -> float:
+    """Seconds of the engine's steps after every prompt has its first token, until each has ``new`` more."""
+    from engine import SamplingParams
+
+    sampling = SamplingParams(max_tokens=1 + new, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate(ps):
+        engine.add_request(f"decode-{i}", prompt, sampling)
+    waiting_first = set(range(len(ps)))
+    while waiting_first:
+        for out in engine.step():
+            waiting_first.discard(int(out.request_id.removeprefix("decode-")))
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - started
+
+
+def hf_decode_s(hf, ids, new: int) -> float:
+    """Seconds of transformers' ``new`` one-token forwards per row over its past key values, greedy."""
+    out = hf(ids, use_cache=True)
+    past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    started = time.perf_counter()
+    for _ in range(new):
+        out = hf(token, past_key_values=past, use_cache=True)
+        past, token = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    return time.perf_counter() - started
 
 
 def table(rows: list[dict]) -> str:
