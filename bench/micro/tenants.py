@@ -9,7 +9,9 @@ the other, each ``--seconds`` long, on routers started for them:
 1. **alone**: the light key only: its own TTFT, the reference;
 2. **fifo**: both keys in one tenant (``router.api_keys`` only): today's first come, first served;
 3. **fair**: each key its own tenant of equal weight (``router.tenants``): weighted fair queuing,
-   and each tenant's share of the decode slots (router/cluster/fair_share.py);
+   and each tenant's share of the decode slots (router/cluster/fair_share.py); with ``--phases``
+   also **queued**, the same without slot shares (``router.tenant_share_window_s: 0``), fair
+   queuing alone;
 4. **limited**: as fair, the heavy tenant with ``requests_per_minute`` below what it sends, so that
    its excess gets 429 ``rate_limit_exceeded`` with Retry-After at once instead of waiting.
 
@@ -22,7 +24,7 @@ written as JSON next to ``--out``.
 
 A phase sends the light key about ``--light-rps`` x ``--seconds`` requests (18 by default), so its
 p99 is nearly its slowest one: for a steadier ratio run fewer phases for longer, e.g.
-``--phases alone,fair --seconds 80``.
+``--phases alone,queued,fair --seconds 45`` (under 3 minutes).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ import numpy as np
 from bench.micro.stub_cluster import StubCluster
 
 KEYS = {"light": "sk-bench-light-0001", "heavy": "sk-bench-heavy-0001"}
-PHASES = ("alone", "fifo", "fair", "limited")
+PHASES = ("alone", "fifo", "queued", "fair", "limited")
+DEFAULT_PHASES = ("alone", "fifo", "fair", "limited")
 
 
 @dataclass
@@ -129,6 +132,8 @@ def router_config(kind: str, slots: int, heavy_rpm: int) -> dict:
     base = {"max_inflight_per_worker": slots, "max_queued_requests": 64, "queue_timeout_s": 20.0}
     if kind == "fifo":
         return {**base, "api_keys": list(KEYS.values())}
+    if kind == "queued":
+        base["tenant_share_window_s"] = 0.0
     tenants = [{"name": name, "keys": [key]} for name, key in KEYS.items()]
     if kind == "limited":
         tenants[1]["requests_per_minute"] = heavy_rpm
@@ -146,8 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heavy-rpm", type=int, default=60, help="the heavy tenant's limit in the last phase")
     p.add_argument(
         "--phases",
-        default=",".join(PHASES),
-        help="the phases to run, comma-separated (alone and one more: a longer run of the ratio wanted)",
+        default=",".join(DEFAULT_PHASES),
+        help=f"the phases to run, comma-separated, of {', '.join(PHASES)}; 'alone' always",
     )
     p.add_argument("--out", type=Path, default=Path("bench-tenants.json"))
     args = p.parse_args(argv)
@@ -170,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     ph = report["phases"]
     alone_p99 = ph["alone"]["light"]["ttft_p99_ms"]
     ratios: dict = {}
-    for kind in ("fifo", "fair"):
+    for kind in ("fifo", "queued", "fair"):
         if kind in ph:
             ratios[f"light_p99_ttft_vs_alone_{kind}"] = round(ph[kind]["light"]["ttft_p99_ms"] / alone_p99, 2)
             ratios[f"light_served_vs_share_{kind}"] = served(ph[kind]["light"])

@@ -38,10 +38,16 @@ def test_the_four_phases_report_each_key_and_the_limited_heavy_key_is_refused(tm
 
 def test_some_phases_for_longer_report_the_ratios_they_have(tmp_path):
     out = tmp_path / "tenants.json"
-    argv = ["--phases", "fair,alone", "--seconds", "3", "--light-rps", "2", "--heavy-x", "4", "--out", str(out)]
+    phases = ["--phases", "fair,alone,queued"]
+    argv = [*phases, "--seconds", "3", "--light-rps", "2", "--heavy-x", "4", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
-    assert list(report["phases"]) == ["alone", "fair"]  # in the bench's order
+    assert list(report["phases"]) == ["alone", "queued", "fair"]  # in the bench's order
     ratios = report["ratios"]
-    assert set(ratios) == {"light_p99_ttft_vs_alone_fair", "light_served_vs_share_fair", "heavy_answered_per_s_fair"}
-    assert ratios["heavy_answered_per_s_fair"] == report["phases"]["fair"]["heavy"]["answered_per_s"]
+    assert set(ratios) == {f"{r}_{kind}" for r in RATIOS for kind in ("queued", "fair")}
+    for kind in ("queued", "fair"):
+        assert ratios[f"heavy_answered_per_s_{kind}"] == report["phases"][kind]["heavy"]["answered_per_s"]
+        assert report["phases"][kind]["heavy"]["errors"] == 0
+
+
+RATIOS = ("light_p99_ttft_vs_alone", "light_served_vs_share", "heavy_answered_per_s")
