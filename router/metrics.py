@@ -210,7 +210,7 @@ class RouterMetrics:
 
 
 class _Workers:
-    """Each worker's rotation, in-flight and draining state, as the registry holds it now."""
+    """Each worker's rotation, in-flight, queued and draining state, as the registry holds it now."""
 
     def __init__(self, workers: WorkerRegistry) -> None:
         self._workers = workers
@@ -222,6 +222,11 @@ class _Workers:
         inflight = GaugeMetricFamily(
             "pdserve_router_worker_inflight", "Requests this router has on the worker", labels=["worker", "role"]
         )
+        queued = GaugeMetricFamily(
+            "pdserve_router_worker_queued_tokens",
+            "Prompt tokens the worker reports not computed yet (its last health report)",
+            labels=["worker", "role"],
+        )
         draining = GaugeMetricFamily(
             "pdserve_router_worker_draining",
             "1 when the worker is draining (admin, its own report, or leaving)",
@@ -231,7 +236,9 @@ class _Workers:
             labels = [w.name, w.role]
             healthy.add_metric(labels, 1.0 if w.healthy else 0.0)
             inflight.add_metric(labels, w.inflight)
+            queued.add_metric(labels, w.queued_tokens)
             draining.add_metric(labels, 1.0 if w.draining or w.reported_draining else 0.0)
         yield healthy
         yield inflight
+        yield queued
         yield draining
