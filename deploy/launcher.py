@@ -57,15 +57,16 @@ SHARED_CORES_SPINCOUNT = "10000"
 
 def openmp_spin(cluster: ClusterConfig, only: set[str] | None, cores: int) -> dict[str, str]:
     """The OpenMP environment of the servers this launcher starts: a short spin when their torch
-    threads outnumber its cores, nothing otherwise.
+    threads outnumber its cores, or fill them beside the router it also starts here, nothing otherwise.
 
     A server's OpenMP workers spin between the kernels of a step (libgomp's default, about 300000
     pause iterations), which is what makes a CPU step fast when they have cores of their own
-    (server_common/engine_thread.py ``build_engine``). On cores shared with other servers a long
-    spin takes the time another server computes in, and no spin at all (``OMP_WAIT_POLICY=PASSIVE``)
-    makes every kernel a wake-up; ``GOMP_SPINCOUNT=10000`` spans the gap between one step's kernels
-    and yields soon after (measured: docs/architecture.md, Threads). Nothing is set when
-    ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is (the operator's choice stands)."""
+    (server_common/engine_thread.py ``build_engine``). On cores shared with other servers, or with
+    the router that streams their tokens (and the clients beside it), a long spin takes the time the
+    other process needs, and its work then waits for the spinner's step; no spin at all
+    (``OMP_WAIT_POLICY=PASSIVE``) makes every kernel a wake-up. ``GOMP_SPINCOUNT=10000`` spans the gap
+    between one step's kernels and yields soon after (measured: docs/architecture.md, Threads). Nothing
+    is set when ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is (the operator's choice stands)."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return {}
     threads = 0
@@ -73,7 +74,9 @@ def openmp_spin(cluster: ClusterConfig, only: set[str] | None, cores: int) -> di
         if only is None or inst.name in only:
             per_rank = inst.num_threads or cluster.engine.num_threads or cores  # None: torch's default, the cores
             threads += per_rank * cluster.tensor_parallel_size_of(inst)
-    return {"GOMP_SPINCOUNT": SHARED_CORES_SPINCOUNT} if threads > cores else {}
+    routes_here = only is None or "router" in only
+    shared = threads > cores or (threads == cores and routes_here)
+    return {"GOMP_SPINCOUNT": SHARED_CORES_SPINCOUNT} if shared else {}
 
 
 # processes whose exit is always a failure (no server drains behind them)
@@ -483,7 +486,7 @@ def _start_all(c: Cluster, health_timeout: float, stop: threading.Event, started
 
     if c.openmp_env:
         print(
-            f"pdserve: the servers' torch threads outnumber this host's {len(os.sched_getaffinity(0))} cores: "
+            f"pdserve: the servers' torch threads fill or outnumber this host's {len(os.sched_getaffinity(0))} cores: "
             f"{' '.join(f'{k}={v}' for k, v in c.openmp_env.items())} for them, a short OpenMP spin "
             "(set OMP_WAIT_POLICY or GOMP_SPINCOUNT to choose)",
             flush=True,

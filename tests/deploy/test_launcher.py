@@ -49,15 +49,20 @@ def test_with_restarts_off_a_dying_server_stops_the_whole_cluster(tmp_path, tiny
         cluster.stop()
 
 
-def test_openmp_spins_briefly_only_where_threads_outnumber_cores(monkeypatch):
+def test_openmp_spins_briefly_only_where_threads_outnumber_cores_or_fill_them_beside_the_router(monkeypatch):
     for name in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
         monkeypatch.delenv(name, raising=False)
     short = {"GOMP_SPINCOUNT": "10000"}
     data = yaml.safe_load((CONFIGS / "1p1d.yaml").read_text())  # p0 and d0, engine.num_threads 2
     cluster = parse_config(data, "1p1d.yaml")
-    assert openmp_spin(cluster, None, cores=4) == {}  # 2 + 2 threads on 4 cores
+    assert openmp_spin(cluster, None, cores=5) == {}  # 2 + 2 threads on 5 cores: one left for the router
+    assert openmp_spin(cluster, None, cores=4) == short  # 2 + 2 threads fill 4 cores beside the router
     assert openmp_spin(cluster, None, cores=3) == short
-    assert openmp_spin(cluster, {"d0", "router"}, cores=2) == {}  # this host starts d0 alone
+    assert openmp_spin(cluster, {"d0"}, cores=2) == {}  # this host starts d0 alone: its cores are its own
+    assert openmp_spin(cluster, {"d0", "router"}, cores=2) == short  # d0 fills them beside the router
+    assert openmp_spin(cluster, {"d0", "router"}, cores=3) == {}
+    colocated = parse_config(yaml.safe_load((CONFIGS / "colocated.yaml").read_text()), "colocated.yaml")
+    assert openmp_spin(colocated, None, cores=2) == short  # the default demo: c0's 2 threads and the router
     unset = parse_config({**data, "engine": {**data["engine"], "num_threads": None}}, "1p1d.yaml")
     assert openmp_spin(unset, {"p0"}, cores=8) == {}  # torch's default: one thread per core
     assert openmp_spin(unset, None, cores=8) == short
@@ -86,6 +91,6 @@ def test_servers_sharing_cores_are_launched_with_a_short_openmp_spin(tmp_path, t
         router = next(p for p in cluster.manifest["processes"] if p["role"] == "router")
         assert "GOMP_SPINCOUNT" not in environ(router["pid"])
         said = (tmp_path / "launcher.log").read_text()
-        assert f"torch threads outnumber this host's {cores} cores: GOMP_SPINCOUNT=10000 for them" in said
+        assert f"torch threads fill or outnumber this host's {cores} cores: GOMP_SPINCOUNT=10000 for them" in said
     finally:
         cluster.stop()
