@@ -13,6 +13,17 @@ stays within the TPOT target. A role's *demand* is its token rate over that
 capacity, in instances; its *utilisation* is demand over the instances it
 has.
 
+The rates count a prompt when the router admits it, so a queue would stay
+unseen: a backlog being served looks like load, and one growing ahead of
+the servers looks like none. The ``Load`` also says what is queued at the
+window's start and end: prompt tokens at the prefill servers, and requests
+in the routers' waiting rooms (each owing a mean prompt and a mean answer,
+so both roles). While a role's queue grows, the rate that drains it
+within one window is added to that role's demand, so a growing prefill
+queue asks for prefill capacity sooner; a queue that stays or shrinks is
+being served and adds nothing, and while the prefill queue shrinks, missed
+TTFTs (the backlog's wait) do not lower prefill's capacity (below).
+
 Two ways to act:
 
 * ``pool`` (``pdserve launch``: a fixed set of instances). The planner moves
@@ -72,6 +83,10 @@ class Load:
     output_tokens: int
     ttft_met: float | None = None  # share of first tokens within Slo.ttft_s; None: none in the window
     tpot_met: float | None = None  # share of finished requests within Slo.tpot_s
+    queued_tokens: int = 0  # prompt tokens queued at the prefill servers at the window's end
+    waiting: int = 0  # requests in the routers' waiting rooms at the window's end
+    queued_tokens_before: int = 0  # the same two at the window's start
+    waiting_before: int = 0
 
     @property
     def prompt_tps(self) -> float:
@@ -88,6 +103,26 @@ class Load:
     @property
     def output_len(self) -> float:
         return self.output_tokens / self.requests if self.requests else 0.0
+
+    @property
+    def prefill_queue(self) -> float:
+        """Prompt tokens still to prefill at the window's end: those queued at the prefill servers, and the
+        waiting requests' at the window's mean prompt length."""
+        return self.queued_tokens + self.waiting * self.prompt_len
+
+    @property
+    def prefill_queue_before(self) -> float:
+        return self.queued_tokens_before + self.waiting_before * self.prompt_len
+
+    @property
+    def queue_tps(self) -> dict[Role, float]:
+        """Tokens a second each role needs on top of the window's rates to drain its queue within a window,
+        while that queue grows; one that did not grow is being served, and is no new demand (0)."""
+        if self.seconds <= 0:
+            return {"prefill": 0.0, "decode": 0.0}
+        prefill = self.prefill_queue if self.prefill_queue > self.prefill_queue_before else 0.0
+        decode = self.waiting * self.output_len if self.waiting > self.waiting_before else 0.0
+        return {"prefill": prefill / self.seconds, "decode": decode / self.seconds}
 
 
 @dataclass(frozen=True)
@@ -169,12 +204,14 @@ class Planner:
         self._streak = 0
         self._last_change = -math.inf
 
-    def demand(self, load: Load) -> dict[Role, float]:
-        """Each role's load in instances' worth (model capacity times its correction)."""
+    def demand(self, load: Load, queues: bool = True) -> dict[Role, float]:
+        """Each role's load in instances' worth (model capacity times its correction): its token rate, and
+        with ``queues`` what its growing queue adds (``Load.queue_tps``)."""
         cap = capacity(self.cost, self.shape, self.slo, load.prompt_len, load.output_len)
+        queued = load.queue_tps if queues else {"prefill": 0.0, "decode": 0.0}
         return {
-            "prefill": load.prompt_tps / (cap.prefill_tps * self.correction["prefill"]),
-            "decode": load.output_tps / (cap.decode_tps * self.correction["decode"]),
+            "prefill": (load.prompt_tps + queued["prefill"]) / (cap.prefill_tps * self.correction["prefill"]),
+            "decode": (load.output_tps + queued["decode"]) / (cap.decode_tps * self.correction["decode"]),
         }
 
     def decide(self, load: Load, prefill: int, decode: int, now: float, switching: bool = False) -> Decision:
@@ -190,7 +227,19 @@ class Planner:
             decision = self._scale(demand, prefill, decode, now)
         else:
             decision = self._pool(demand, prefill, decode, now, switching)
-        return replace(decision, utilisation={r: round(u, 3) for r, u in util.items()})
+        reason = decision.reason + self._queue_note(load, demand)
+        return replace(decision, reason=reason, utilisation={r: round(u, 3) for r, u in util.items()})
+
+    def _queue_note(self, load: Load, demand: dict[Role, float]) -> str:
+        """What the growing queues added to the demand, for the reason; "" when they added nothing."""
+        plain = self.demand(load, queues=False)
+        added = {role: round(demand[role] - plain[role], 2) for role in demand}  # as the reason shows it
+        notes = []
+        if added["prefill"] > 0:
+            notes.append(f"prefill queue of {load.prefill_queue:.0f} tokens: +{added['prefill']:.2f} prefill")
+        if added["decode"] > 0:
+            notes.append(f"waiting room of {load.waiting} requests: +{added['decode']:.2f} decode")
+        return f"; growing {' and '.join(notes)} servers' worth" if notes else ""
 
     @staticmethod
     def _utilisation(demand: dict[Role, float], prefill: int, decode: int) -> dict[Role, float]:
@@ -265,10 +314,13 @@ class Planner:
     def _correct(self, load: Load, util: dict[Role, float]) -> None:
         """Move a role's capacity correction toward what its SLO attainment says (module docstring)."""
         observed: tuple[tuple[Role, float | None], ...] = (("prefill", load.ttft_met), ("decode", load.tpot_met))
+        draining = load.prefill_queue < load.prefill_queue_before  # TTFT misses: the backlog's wait
         for role, met in observed:
             if met is None:
                 continue
             c = self.correction[role]
+            if role == "prefill" and draining and met < self.slo.attainment:
+                continue
             if met < self.slo.attainment and util[role] < self.settings.target_utilisation:
                 c *= CORRECTION_DOWN
             elif met >= self.slo.attainment and util[role] > 1.0:

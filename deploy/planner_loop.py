@@ -57,6 +57,16 @@ class PlannerMetrics:
             "pdserve_planner_capacity_correction", "Observed over modelled capacity per role", ["role"], registry=r
         )
         self.rates = Gauge("pdserve_planner_tokens_per_second", "Token rates in the last window", ["kind"], registry=r)
+        self.queued = Gauge(
+            "pdserve_planner_prefill_queued_tokens",
+            "Prompt tokens queued at the prefill servers at the last window's end",
+            registry=r,
+        )
+        self.waiting = Gauge(
+            "pdserve_planner_waiting_requests",
+            "Requests in the routers' waiting rooms at the last window's end",
+            registry=r,
+        )
         self.cpu = Histogram(
             "pdserve_planner_decision_cpu_seconds",
             "CPU time of one decision (scrape parsing, model, decision)",
@@ -145,6 +155,8 @@ class PlannerLoop:
             m.utilisation.labels(role=name).set(u)
         m.rates.labels(kind="prompt").set(load.prompt_tps)
         m.rates.labels(kind="output").set(load.output_tps)
+        m.queued.set(load.queued_tokens)
+        m.waiting.set(load.waiting)
         entry = asdict(decision) | {"load": asdict(load), "instances": counts, "carried_out": done}
         self.decisions.append(entry)
         log.info(

@@ -11,6 +11,12 @@ seen a whole answer late. The share of requests within an SLO is read off the
 histogram's buckets, linearly between the two bounds around the target, as
 Prometheus' ``histogram_quantile`` does the other way round. A router that
 restarted (a counter went down) contributes nothing to that window.
+
+What is queued is read at both ends of the window: the requests in each
+router's waiting room (its own, so added up), and the prompt tokens each
+prefill server reported queued in its last health check (every router
+polls every server, so each server is counted once, at the most any
+router saw).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ OUTPUT = "pdserve_router_completion_tokens"
 TTFT = "pdserve_router_time_to_first_token_seconds"
 TPOT = "pdserve_router_time_per_output_token_seconds"
 ITL = "pdserve_router_inter_token_latency_seconds"
+WAITING = "pdserve_router_waiting_requests"
+QUEUED = "pdserve_router_worker_queued_tokens"
 
 
 @dataclass(frozen=True)
@@ -60,16 +68,23 @@ class Snapshot:
     later_tokens: float = 0.0  # every token after a request's first, counted as it streams (the ITL samples)
     ttft: Histogram = field(default_factory=lambda: Histogram((), 0.0))
     tpot: Histogram = field(default_factory=lambda: Histogram((), 0.0))
+    waiting: float = 0.0  # requests in its waiting room
+    queued: tuple[tuple[str, float], ...] = ()  # (prefill server, prompt tokens it reported queued)
 
 
 def parse_metrics(text: str) -> Snapshot:
     """The planner's figures from one /metrics page."""
     values: dict[str, float] = {}
     buckets: dict[str, list[tuple[float, float]]] = {TTFT: [], TPOT: []}
+    queued: list[tuple[str, float]] = []
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in (f"{PROMPT}_total", f"{OUTPUT}_total", f"{TTFT}_count", f"{TPOT}_count", f"{ITL}_count"):
                 values[s.name] = s.value
+            elif s.name == WAITING:
+                values[s.name] = s.value
+            elif s.name == QUEUED and s.labels.get("role") == "prefill":
+                queued.append((s.labels["worker"], s.value))
             elif s.name.endswith("_bucket") and s.name[: -len("_bucket")] in buckets:
                 buckets[s.name[: -len("_bucket")]].append((float(s.labels["le"]), s.value))
     return Snapshot(
@@ -78,19 +93,34 @@ def parse_metrics(text: str) -> Snapshot:
         values.get(f"{ITL}_count", 0.0),
         Histogram(tuple(sorted(buckets[TTFT])), values.get(f"{TTFT}_count", 0.0)),
         Histogram(tuple(sorted(buckets[TPOT])), values.get(f"{TPOT}_count", 0.0)),
+        values.get(WAITING, 0.0),
+        tuple(sorted(queued)),
     )
+
+
+def prefill_queued(snapshots: list[Snapshot]) -> float:
+    """Prompt tokens queued at the prefill servers: each server once, at the most any router saw."""
+    most: dict[str, float] = {}
+    for snapshot in snapshots:
+        for worker, tokens in snapshot.queued:
+            most[worker] = max(most.get(worker, 0.0), tokens)
+    return sum(most.values())
 
 
 def window(
     before: dict[str, Snapshot], after: dict[str, Snapshot], seconds: float, ttft_s: float, tpot_s: float
 ) -> Load:
-    """The load between two scrapes of the same routers (by URL); a router new or restarted since is left out."""
+    """The load between two scrapes of the same routers (by URL); a router new or restarted since is left out
+    (of the queues too: its waiting room at the start is not known)."""
     prompt = output = requests = 0.0
     ttft_ok = tpot_ok = tpot_n = 0.0
+    waiting = waiting_before = 0.0
     for url, now in after.items():
         then = before.get(url)
         if then is None or now.prompt_tokens < then.prompt_tokens or now.ttft.count < then.ttft.count:
             continue
+        waiting += now.waiting
+        waiting_before += then.waiting
         ttft, tpot = now.ttft.minus(then.ttft), now.tpot.minus(then.tpot)
         prompt += now.prompt_tokens - then.prompt_tokens
         output += now.later_tokens - then.later_tokens + ttft.count  # tokens as they streamed, first ones too
@@ -105,6 +135,10 @@ def window(
         round(output),
         ttft_ok / requests if requests else None,
         tpot_ok / tpot_n if tpot_n else None,
+        round(prefill_queued(list(after.values()))),
+        round(waiting),
+        round(prefill_queued(list(before.values()))),
+        round(waiting_before),
     )
 
 

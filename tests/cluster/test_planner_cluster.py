@@ -90,6 +90,8 @@ def test_long_prompts_make_the_planner_want_prefill_servers_and_recommending_cha
     assert httpx.get(f"{planned.planner_url}/health", timeout=5).json()["instance"] == "planner"
     with LongPrompts(planned) as load:
         wait_until(lambda: any(d["action"] == "switch" for d in decisions(planned)), timeout=60)
+        # four clients, one prefill server: prompts queue there, and the planner reads it off the router
+        wait_until(lambda: any(d["load"]["queued_tokens"] > 0 for d in decisions(planned)), timeout=60)
     assert load.failures == []
     made = decisions(planned)
     first = next(i for i, d in enumerate(made) if d["action"] == "switch")
@@ -102,6 +104,7 @@ def test_long_prompts_make_the_planner_want_prefill_servers_and_recommending_cha
     metrics = httpx.get(f"{planned.planner_url}/metrics", timeout=5).text
     assert 'pdserve_planner_decisions_total{action="switch"}' in metrics
     assert 'pdserve_planner_instances{role="decode"} 3.0' in metrics
+    assert "pdserve_planner_prefill_queued_tokens " in metrics and "pdserve_planner_waiting_requests " in metrics
     workers = planned.http.get(f"{planned.router_url}/admin/workers").json()["workers"]
     assert sorted((w["name"], w["role"]) for w in workers) == [
         ("d0", "decode"),

@@ -4,6 +4,7 @@ hysteresis, confirmation and cooldown, scaling within bounds, and the correction
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -127,3 +128,58 @@ def test_a_missed_slo_the_model_did_not_expect_lowers_that_roles_capacity_within
     over = Planner(PlannerSettings(), StepCost(base=0.5, per_token=0.01, per_attn=0, per_seq=0), SHAPE, SLO)
     over.decide(load(*PROMPT_HEAVY, ttft_met=0.95), 1, 1, 0.0)
     assert over.correction["prefill"] == pytest.approx(1.1)
+
+
+def queued(base: Load, tokens: tuple[int, int] = (0, 0), waiting: tuple[int, int] = (0, 0)) -> Load:
+    """``base`` with (start, end) prompt tokens queued at the prefill servers and requests in the waiting rooms."""
+    return replace(
+        base, queued_tokens_before=tokens[0], queued_tokens=tokens[1], waiting_before=waiting[0], waiting=waiting[1]
+    )
+
+
+def test_a_growing_prefill_queue_asks_for_prefill_capacity_and_the_reason_names_it():
+    moderate = load(12.0, 1000, 10)  # 1.38 prefill servers' worth: 0.69 of two, room enough without the queue
+    planner = Planner(PlannerSettings(), COST, SHAPE, SLO)
+    assert planner.decide(moderate, 2, 2, 0.0).reason == "every role has room (busiest at 0.69)"
+    # 10,000 queued prompt tokens at the start, 40,000 at the end: draining them in a window adds 4,000 a second
+    growing = queued(moderate, tokens=(10_000, 40_000))
+    assert growing.queue_tps == {"prefill": 4000.0, "decode": 0.0}
+    counts, decisions = run(planner, [growing] * 2, prefill=2, decode=2)
+    note = "; growing prefill queue of 40000 tokens: +0.46 prefill servers' worth"
+    assert [d.action for d in decisions] == ["hold", "switch"]  # still confirmed over two intervals
+    assert decisions[0].reason == "wanted 1/2: 3P1D puts the busiest role at 0.61 instead of 0.92" + note
+    assert decisions[1].reason == "3P1D puts the busiest role at 0.61 instead of 0.92" + note
+    assert counts[-1] == (3, 1) and decisions[1].utilisation["prefill"] == 0.917
+
+
+def test_a_queue_that_shrinks_or_stays_is_no_new_demand():
+    moderate = load(12.0, 1000, 10)
+    for tokens, waiting in (((40_000, 10_000), (0, 0)), ((20_000, 20_000), (5, 5)), ((0, 0), (30, 3))):
+        planner = Planner(PlannerSettings(confirm=1, cooldown_s=0), COST, SHAPE, SLO)
+        d = planner.decide(queued(moderate, tokens, waiting), 2, 2, 0.0)
+        assert (d.action, d.reason) == ("hold", "every role has room (busiest at 0.69)")
+        assert d.utilisation == {"prefill": 0.688, "decode": 0.151}
+
+
+def test_a_growing_waiting_room_owes_both_roles_a_prompt_and_an_answer_each():
+    base = load(4.0, 100, 400)  # 40 requests: 100 prompt and 400 output tokens each
+    w = queued(base, waiting=(10, 35))
+    # 35 waiting: 3,500 prompt tokens and 14,000 output tokens, drained over the 10 s window
+    assert w.prefill_queue == 3500 and w.queue_tps == {"prefill": 350.0, "decode": 1400.0}
+    planner = Planner(PlannerSettings(orchestrator="scale", confirm=1), COST, SHAPE, SLO)
+    d = planner.decide(w, 1, 1, 0.0)
+    assert (d.action, d.prefill, d.decode) == ("scale", 1, 4)  # 2.95 decode servers' worth: 4 at 0.8 each
+    assert d.reason == (
+        "demand 0.11 prefill, 2.95 decode servers' worth; growing prefill queue of 3500 tokens: +0.05 prefill"
+        " and waiting room of 35 requests: +1.37 decode servers' worth"
+    )
+    assert planner.decide(base, 1, 1, 10.0).prefill == 1 and planner.decide(base, 1, 1, 20.0).decode == 2
+
+
+def test_missed_first_tokens_while_the_prefill_queue_shrinks_do_not_lower_its_capacity():
+    light = load(1.0, 500, 50, ttft_met=0.5, tpot_met=0.99)
+    planner = Planner(PlannerSettings(), COST, SHAPE, SLO)
+    planner.decide(queued(light, tokens=(30_000, 20_000)), 2, 2, 0.0)  # the backlog's wait, being served
+    assert planner.correction == {"prefill": 1.0, "decode": 1.0}
+    planner.decide(queued(light, tokens=(20_000, 20_000)), 2, 2, 10.0)  # not shrinking: missed all the same
+    assert planner.correction == {"prefill": 0.8, "decode": 1.0}

@@ -3,6 +3,8 @@ records what it decided and did, and starts its history again after a switch."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from deploy.planner import EngineShape, Planner, PlannerSettings, Slo
 from deploy.planner_act import ActError, PoolSwitch
 from deploy.planner_loop import PlannerLoop
@@ -124,3 +126,22 @@ def test_the_planner_serves_three_reads_and_drops_a_client_that_never_sends(monk
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_queues_read_are_exported_and_named_in_the_decision():
+    pages = [snapshot(2 * k, 2000 * k) for k in range(3)]  # 1,000 prompt tokens a second
+    for k, page in enumerate(pages):  # 5,000 more prompt tokens queued at p0 and one more request waiting each 2 s
+        page["r"] = replace(page["r"], waiting=float(k), queued=(("p0", 5000.0 * k),))
+    planner_loop, _ = loop(pages)
+    planner_loop.step()
+    decision = planner_loop.step()
+    # 5,000 queued at p0 and one request of 1,000 prompt tokens waiting: 6,000 to drain over the 2 s window
+    assert decision.reason == (
+        "every role has room (busiest at 0.46); growing prefill queue of 6000 tokens: +0.34 prefill servers' worth"
+    )
+    registry = planner_loop.metrics.registry
+    assert registry.get_sample_value("pdserve_planner_prefill_queued_tokens") == 5000.0
+    assert registry.get_sample_value("pdserve_planner_waiting_requests") == 1.0
+    load = planner_loop.decisions[-1]["load"]
+    queues = (load["queued_tokens_before"], load["queued_tokens"], load["waiting_before"], load["waiting"])
+    assert queues == (0, 5000, 0, 1)

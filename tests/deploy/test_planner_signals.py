@@ -3,11 +3,14 @@ metrics objects (router/metrics.py) as Prometheus renders them."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from prometheus_client import generate_latest
 
 from deploy.planner_signals import parse_metrics, window
-from router.cluster.registry import WorkerRegistry
+from router.cluster.admission import Admission, AdmissionSettings
+from router.cluster.registry import Worker, WorkerRegistry
 from router.metrics import RouterMetrics
 
 
@@ -60,3 +63,40 @@ def test_a_quiet_window_has_no_attainment():
     _, page = router_page([], [], 0, 0)
     w = window({"a": parse_metrics(page)}, {"a": parse_metrics(page)}, 10.0, 1.0, 0.05)
     assert (w.requests, w.ttft_met, w.tpot_met) == (0, None, None)
+
+
+def queue_page(queued: dict[str, int], waiting: int) -> str:
+    """A router's page with these prompt tokens reported queued per worker and ``waiting`` requests in its
+    waiting room (real requests, admitted by nothing until the page is rendered)."""
+    workers = [Worker(name, "prefill" if name.startswith("p") else "decode", f"http://{name}:1") for name in queued]
+    for w in workers:
+        w.apply_health({"queued_tokens": queued[w.name]})
+    m = RouterMetrics(WorkerRegistry(workers))
+    admission = Admission(AdmissionSettings(queue_timeout_s=60.0, poll=60.0))
+    m.watch_admission(admission)
+
+    async def render() -> str:
+        async def no_slot() -> None:
+            return None
+
+        tasks = [asyncio.create_task(admission.admit(no_slot)) for _ in range(waiting)]
+        while admission.waiting < waiting:
+            await asyncio.sleep(0)  # each task runs to its place in the room
+        page = generate_latest(m.registry).decode()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert admission.waiting == 0
+        return page
+
+    return asyncio.run(render())
+
+
+def test_the_queues_are_the_waiting_rooms_added_up_and_each_prefill_server_once():
+    a1, b1 = queue_page({"p0": 100, "p1": 0, "d0": 999}, 2), queue_page({"p0": 90, "p1": 0}, 0)
+    a2, b2 = queue_page({"p0": 3000, "p1": 500, "d0": 7}, 4), queue_page({"p0": 2900, "p1": 600}, 3)
+    assert parse_metrics(a2).waiting == 4 and parse_metrics(a2).queued == (("p0", 3000), ("p1", 500))
+    before = {"a": parse_metrics(a1), "b": parse_metrics(b1)}
+    w = window(before, {"a": parse_metrics(a2), "b": parse_metrics(b2)}, 10.0, 1.0, 0.05)
+    # a decode server's queue is no prefill demand; two routers' reports of one server count once, the most
+    assert (w.queued_tokens_before, w.queued_tokens, w.waiting_before, w.waiting) == (100, 3600, 2, 7)
