@@ -155,7 +155,8 @@ class RouterParts:
             ),
             on_wait=metrics.queue_time.observe,
         )
-        metrics.watch_admission(admission)
+        tenants = Tenancy(settings.tenants, settings.priority_classes, settings.limit_share)
+        metrics.watch_admission(admission, tenants.tenants)
         # Slow and greedy clients (server_common.connections): `pdserve router` serves with its protocol class.
         connections = ConnectionGuard(
             settings.header_timeout_s,
@@ -182,7 +183,7 @@ class RouterParts:
             tracing=Tracing(settings.tracing, "pdserve-router"),
             access=AccessLog(settings.access_log),  # one line per request (router/access_log.py)
             auth=Auth(settings.api_keys, settings.internal_secret),
-            tenancy=Tenancy(settings.tenants, settings.priority_classes, settings.limit_share),
+            tenancy=tenants,
             responses=open_store(settings.response_store),
         )
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 # Annotations only: both halves (router/api/, router/cluster/) import this module, so at run time it imports
 # neither (the acyclic_siblings contract in pyproject.toml).
@@ -203,10 +203,39 @@ class RouterMetrics:
         for refusal in get_args(JoinRefusal):
             self.workers_refused.labels(reason=refusal)
 
-    def watch_admission(self, admission: Admission) -> None:
+    def watch_admission(self, admission: Admission, tenants: Iterable[str] = ()) -> None:
+        """``tenants``: the configured tenants' names, the only label values of the per-tenant metrics."""
         Gauge(
             "pdserve_router_waiting_requests", "Requests waiting for a free slot", registry=self.registry
         ).set_function(lambda: admission.waiting)
+        self.registry.register(_TenantSlots(admission, tuple(tenants)))
+
+
+class _TenantSlots:
+    """Each configured tenant's decode slots and the requests its share held back (router/cluster/fair_share.py),
+    read from admission at every scrape; every configured tenant exported, at 0 before its first request."""
+
+    def __init__(self, admission: Admission, tenants: tuple[str, ...]) -> None:
+        self._admission = admission
+        self._tenants = tenants
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        slots = GaugeMetricFamily(
+            "pdserve_router_tenant_slots",
+            "Decode slots the tenant's requests hold now (this router's)",
+            labels=["tenant"],
+        )
+        held_back = CounterMetricFamily(
+            "pdserve_router_tenant_held_back",
+            "Requests that found a free decode slot the tenant's share left for other tenants, "
+            "and none it could take (each counted once)",
+            labels=["tenant"],
+        )
+        for name in self._tenants:
+            slots.add_metric([name], self._admission.shares.holding(name))
+            held_back.add_metric([name], self._admission.held_back[name])
+        yield slots
+        yield held_back
 
 
 class _Workers:

@@ -31,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -56,6 +58,19 @@ class AdmissionSettings:
     share_window_s: float = RouterSettings.tenant_share_window_s
 
 
+@dataclass
+class Asking:
+    """One request's tries for a slot (``Admission.admit``): whether the current try found a free slot its
+    tenant's share left for other tenants, and whether the request was counted as held back already."""
+
+    refused: bool = False
+    counted: bool = False
+
+
+# The request whose try runs now, in its own task: ``may_take`` notes a share's refusal on it.
+_ASKING: ContextVar[Asking | None] = ContextVar("pdserve_asking", default=None)
+
+
 def overloaded(message: str, retry_after: float) -> OpenAIError:
     return OpenAIError(429, message, code="overloaded", retry_after=retry_after)
 
@@ -73,6 +88,8 @@ class Admission:
         self.settings = settings
         self._on_wait = on_wait
         self.refused = 0  # requests answered 429 so far
+        # per tenant: requests that found a free decode slot kept for other tenants by its share (once each)
+        self.held_back: Counter[str] = Counter()
         self.sessions = 0  # admitted requests not closed yet (a draining router waits for 0)
         self.prefills_pending = 0  # admitted requests for a prefill server whose first prefill has not ended
         self._waiters: set[Waiter] = set()  # requests in the waiting room
@@ -93,8 +110,13 @@ class Admission:
 
     def may_take(self, worker: Worker, ticket: Ticket) -> bool:
         """``ticket``'s tenant may take one of ``worker``'s free slots: below its share, or leaving one
-        free for each tenant that used less (router/cluster/fair_share.py)."""
-        return self.shares.may_take(worker, ticket)
+        free for each tenant that used less (router/cluster/fair_share.py). A refusal is noted on the
+        request trying (``held_back``)."""
+        allowed = self.shares.may_take(worker, ticket)
+        asking = _ASKING.get()
+        if not allowed and asking is not None:
+            asking.refused = True
+        return allowed
 
     def claim(self, worker: Worker, prefill_slot: bool, tenant: str = ANYONE.tenant) -> Slot:
         """A slot on decode server ``worker`` for ``tenant``, and one of the prefill slots with ``prefill_slot``."""
@@ -133,13 +155,24 @@ class Admission:
         room (429 when full or when the wait runs out). Waiters try in the order of their tickets:
         class first, then start-time fair queuing within the class, ``cost`` being the request's
         work (its tokens), so each tenant gets its weight's share of what is admitted. With one
-        tenant that order is arrival order."""
+        tenant that order is arrival order. A request one of whose tries found a free slot that its
+        tenant's share left for others, and no other, is counted once in ``held_back``."""
+        asking = Asking()
+        token = _ASKING.set(asking)
+        try:
+            return await self._admit(attempt, ticket, cost, asking)
+        finally:
+            _ASKING.reset(token)
+
+    async def _admit(
+        self, attempt: Callable[[], Awaitable[T | None]], ticket: Ticket, cost: float, asking: Asking
+    ) -> T:
         start = self._tag(ticket, cost)
         self.shares.asked(ticket)
         tried = -1
         if self._ahead_have_tried(ticket.rank, start):
             tried = self._round
-            result = await attempt()
+            result = await self._try(attempt, ticket, asking)
             if result is not None:
                 self._admitted(start, 0.0)
                 return result
@@ -156,12 +189,21 @@ class Admission:
                 await wait()
                 self.shares.asked(ticket)  # still asking: its tenant stays active while it waits
                 waiter.tried = self._round
-                result = await attempt()
+                result = await self._try(attempt, ticket, asking)
                 if result is not None:
                     self._admitted(start, time.monotonic() - entered)
                     return result
         finally:
             self._leave(waiter)
+
+    async def _try(self, attempt: Callable[[], Awaitable[T | None]], ticket: Ticket, asking: Asking) -> T | None:
+        """One try; a try that got no slot although a share refused one counts the request held back."""
+        asking.refused = False
+        result = await attempt()
+        if result is None and asking.refused and not asking.counted:
+            asking.counted = True
+            self.held_back[ticket.tenant] += 1
+        return result
 
     def _ahead_have_tried(self, rank: int, start: float) -> bool:
         """Every waiter that a newcomer of (``rank``, ``start``) would queue behind has tried since the

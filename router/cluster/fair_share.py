@@ -77,6 +77,10 @@ class SlotShares:
         use.held -= 1
         self._holding[tenant] -= 1
 
+    def holding(self, tenant: str) -> int:
+        """The slots ``tenant`` holds on all decode servers now."""
+        return self._holding[tenant]
+
     def held(self, worker: str, tenant: str) -> int:
         return self._use(worker, tenant).held
 

@@ -65,3 +65,23 @@ def test_priority_classes_named_in_the_header_are_checked(model):
     assert unknown.status_code == 400 and "'gold'" in unknown.json()["error"]["message"]
     assert unknown.json()["error"]["param"] == "x-priority-class"
     assert len(fake.opened) == 1
+
+
+def test_metrics_show_each_configured_tenants_slots_and_held_back_requests_never_a_key(model):
+    fake = FakeWorkerClient(reply=reply_ids(model, "one two three four five six seven eight"), delay=0.2)
+    with make_client(model, fake, api_keys=("key-a", "key-b"), tenants=TENANTS) as c:
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 16, "stream": True}
+        with c.stream("POST", "/v1/completions", json=body, headers={"Authorization": "Bearer key-b"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            next(lines)  # answering: its decode slot is held until its stream ends
+            during = c.get("/metrics").text.splitlines()
+            rest = list(lines)
+        after = c.get("/metrics").text.splitlines()
+    assert [line for line in rest if line][-1] == "data: [DONE]"
+    assert 'pdserve_router_tenant_slots{tenant="batchers"} 1.0' in during
+    assert 'pdserve_router_tenant_slots{tenant="team-a"} 0.0' in during
+    for tenant in ("team-a", "batchers", "small", "default"):
+        assert f'pdserve_router_tenant_slots{{tenant="{tenant}"}} 0.0' in after
+        assert f'pdserve_router_tenant_held_back_total{{tenant="{tenant}"}} 0.0' in after
+    assert not [line for line in during + after if "pdserve_router_tenant_" in line and "key-" in line]

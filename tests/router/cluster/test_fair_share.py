@@ -148,12 +148,16 @@ def test_no_window_or_no_limit_keeps_nothing_free():
         take(on, unlimited, HEAVY)
 
 
-def admit_in_order(settings: AdmissionSettings, script) -> tuple[list[str], list[float]]:
+def admit_in_order(
+    settings: AdmissionSettings, script, seen: list[Admission] | None = None
+) -> tuple[list[str], list[float]]:
     """Admission in front of one 2-slot decode server; ``script(request, release)`` drives it, where
     ``request(name, ticket)`` starts a request and ``release(name)`` ends an admitted one. Returns the
-    names in the order they were admitted, and each one's wait."""
+    names in the order they were admitted, and each one's wait; ``seen`` gets the admission."""
     waits: list[float] = []
     admission = Admission(settings, on_wait=waits.append)
+    if seen is not None:
+        seen.append(admission)
     worker = Worker("d0", "decode", "u", max_inflight=2)
     admitted: list[str] = []
     slots: dict[str, Slot] = {}
@@ -210,6 +214,31 @@ def test_a_light_request_takes_the_kept_slot_at_once_while_heavy_ones_wait():
     admitted, waits = admit_in_order(AdmissionSettings(poll=60), script)
     assert admitted == ["h0", "h1", "l0", "l1", "h2"]
     assert waits[3] == 0.0  # l1 was admitted at once
+
+
+def test_each_request_a_share_held_back_is_counted_once_and_slots_held_per_tenant_are_known():
+    holding: list[tuple[int, int]] = []
+    seen: list[Admission] = []
+
+    async def script(request, release):
+        def held() -> None:
+            shares = seen[0].shares
+            holding.append((shares.holding("heavy"), shares.holding("light")))
+
+        for i in range(4):
+            await request(f"h{i}", HEAVY)  # h2, h3 wait: the server is full, no share holds them back
+        await request("l0", LIGHT)
+        held()
+        await release("h0")  # l0 takes it
+        held()
+        await release("l0")  # the slot is kept for the light tenant: h2 and h3 held back, once each
+        await release("h1")  # h2 goes in, below its share; h3 stays held back (counted already)
+        held()
+
+    admitted, _ = admit_in_order(AdmissionSettings(poll=60), script, seen)
+    assert admitted == ["h0", "h1", "l0", "h2"]
+    assert holding == [(2, 0), (1, 1), (1, 0)]
+    assert seen[0].held_back == {"heavy": 2}
 
 
 def test_without_shares_a_heavy_waiter_takes_every_slot_that_frees():
@@ -277,3 +306,4 @@ def test_giving_back_a_slot_not_held_is_a_bug():
     shares = SlotShares(10.0, Clock())
     with pytest.raises(AssertionError):
         shares.gave_back("d0", "heavy")
+
