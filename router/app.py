@@ -283,6 +283,7 @@ async def _build_handlers(
     event_limits = EventLimits(max_events=store.max_events, max_bytes=store.max_event_bytes)
     app.state.responses = ResponsesHandler(app.state.handlers, parts.responses, event_limits)
     app.state.responses.runs.on_adopted = parts.metrics.background_adoptions.inc
+    app.state.responses.tenancy = parts.tenancy  # an adopted response runs for the tenant kept with it
     app.state.discovery = Discovery(
         parts.registry,
         http,

@@ -26,7 +26,9 @@ a lease on it in the store (``RENEW_S``, ``LEASE_S``); a router killed stops ren
 servers free the sequences when its connections drop. The first read of such a response on any router once
 the lease has lapsed (a poll, or a stream waiting for its next event) takes the lease (one compare-and-set:
 exactly one router does) and adopts it: it runs the response's request again, kept in the store when it
-started (``keep_request``), from the prompt, and passes on only what the log does not have yet. The run
+started (``keep_request``), from the prompt, for the tenant and priority class kept with it (a
+request kept without them, or for a tenant this router does not configure, counts toward no tenant's
+slots: router/cluster/tenancy.py ``UNATTRIBUTED``), and passes on only what the log does not have yet. The run
 again is deterministic: greedy, or seeded (a background response asked without a seed gets one when it is
 made), so its text starts with the logged text; ``Replay`` cuts that text into the pieces the log has, so
 the events it makes are the logged ones, numbered alike, and the log goes on after its last event with no
@@ -52,7 +54,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from router.api.response_store import ResponseStore, StoredResponse
-from router.api.response_store.base import Event, LeaseLost
+from router.api.response_store.base import Event, KeptCaller, LeaseLost
 from router.errors import OpenAIError
 
 log = logging.getLogger(__name__)
@@ -248,11 +250,13 @@ class BackgroundRuns:
         self.adopted = 0  # responses this router took over and carried on
         self.on_adopted: Callable[[], None] = lambda: None  # each adoption, told (the router's metric)
 
-    async def start(self, queued: StoredResponse, begin: Begin, row: RowFor, request: str) -> Run:
+    async def start(
+        self, queued: StoredResponse, begin: Begin, row: RowFor, request: str, caller: KeptCaller | None = None
+    ) -> Run:
         """Stores the response ``queued`` and its ``request`` (JSON: what another router runs again if this
-        one dies), takes its lease and runs it: ``begin(run)`` opens its sessions and gives its stream of
-        events; ``row`` builds its row for a status."""
-        await asyncio.to_thread(self.store.keep_request, queued.id, request)
+        one dies) with its ``caller`` (whom that router runs it for), takes its lease and runs it:
+        ``begin(run)`` opens its sessions and gives its stream of events; ``row`` builds its row for a status."""
+        await asyncio.to_thread(self.store.keep_request, queued.id, request, caller)
         await asyncio.to_thread(self.store.put, queued)
         await asyncio.to_thread(self.store.renew_lease, queued.id, self.holder, time.time() + LEASE_S)
         return self._launch(queued.id, begin, row, [])

@@ -46,8 +46,9 @@ from router.api.background import BackgroundRuns, Begin, EventLimits, Replay, Ro
 from router.api.fanout import Collected, Prepared, SessionGroup, choice_deltas
 from router.api.openai_handlers import Answered, OpenAIHandlers
 from router.api.response_store import ResponseStore, StoredResponse
-from router.api.response_store.base import Event
+from router.api.response_store.base import Event, KeptCaller
 from router.api.tool_calls import ToolCallStream, chat_message
+from router.cluster import tenancy
 from router.cluster.session import Session
 from router.errors import OpenAIError
 from router.metrics import FinishReason
@@ -403,6 +404,8 @@ class ResponsesHandler:
         self.store = store
         self.runs = BackgroundRuns(store, limits or EventLimits())
         self.runs.carry_on = self._carry_on
+        # The router's tenants: whom an adopted response runs for (None: no tenant is known, ``UNATTRIBUTED``).
+        self.tenancy: tenancy.Tenancy | None = None
         self.runs.with_output = lambda conversation, output: conversation + chat_messages(output)
 
     async def create(
@@ -476,14 +479,27 @@ class ResponsesHandler:
         (or, with ``stream``, its events as they come)."""
         begin, row = self._runner(turn, p, None)
         queued = row("queued", [], None)
-        await self.runs.start(queued, begin, row, turn.req.model_dump_json(exclude_unset=True, by_alias=True))
+        request = turn.req.model_dump_json(exclude_unset=True, by_alias=True)
+        await self.runs.start(queued, begin, row, request, self._kept_caller())
         if turn.req.stream:
             return SessionGroup([]), self.runs.events(turn.response_id, turn.owner, None)
         return None, Response(json.dumps(queued.response), media_type="application/json")
 
-    def _runner(self, turn: Turn, p: Prepared, replay: Replay | None) -> tuple[Begin, RowFor]:
+    @staticmethod
+    def _kept_caller() -> KeptCaller | None:
+        """The request's tenant and priority class, by name, kept so that a router adopting it runs it for
+        them (None when the request has no configured tenant)."""
+        caller = tenancy.CURRENT.get()
+        if caller.tenancy is None or not caller.ticket.counted:
+            return None
+        return KeptCaller(caller.ticket.tenant, caller.tenancy.class_of(caller.ticket))
+
+    def _runner(
+        self, turn: Turn, p: Prepared, replay: Replay | None, caller: tenancy.Caller | None = None
+    ) -> tuple[Begin, RowFor]:
         """How a background response runs: what opens its sessions and gives its events, and its row for
-        a status (``replay``: the text its log has, for a response carried on)."""
+        a status (``replay``: the text its log has, for a response carried on; ``caller``: whom that one
+        runs for, set in its own task)."""
         model = self.handlers.model.name
 
         def row(status: str, output: list[dict[str, Any]], error: dict[str, Any] | None) -> StoredResponse:
@@ -493,6 +509,8 @@ class ResponsesHandler:
 
         async def begin(run: Run) -> AsyncGenerator[str, None]:
             turn.run = run
+            if caller is not None:  # in the run's task: its context is its own
+                tenancy.CURRENT.set(caller)
             sessions = await self.handlers.open(p)
             return self._stream(turn, p, sessions, replay)
 
@@ -504,6 +522,7 @@ class ResponsesHandler:
         kept = await asyncio.to_thread(self.store.request_of, stored.id)
         if kept is None:
             return None
+        caller = await self._adopted_caller(stored.id)
         req = ResponsesRequest.model_validate_json(kept)
         this_turn = chat_messages(stored.input_items)  # the conversation stored is the history, then these
         history = stored.conversation[: len(stored.conversation) - len(this_turn)]
@@ -511,11 +530,23 @@ class ResponsesHandler:
         request_id = stored.id.removeprefix("resp_")
         h = self.handlers
         chat = chat_request(req, history, turn.items)
-        p = await h._prepare(lambda: h.prepare_chat(chat, request_id, None, "responses"), len(kept))
+        token = tenancy.CURRENT.set(caller)  # not the reader's that found it: its tokens were counted once
+        try:
+            p = await h._prepare(lambda: h.prepare_chat(chat, request_id, None, "responses"), len(kept))
+        finally:
+            tenancy.CURRENT.reset(token)
         if p.tools.parse:
             p.timeline.close()
             return None
-        return self._runner(turn, p, Replay.of(logged))
+        return self._runner(turn, p, Replay.of(logged), caller)
+
+    async def _adopted_caller(self, response_id: str) -> tenancy.Caller:
+        """Whom an adopted response runs for: the tenant and class kept with its request, as this router
+        configures them; ``UNATTRIBUTED`` when none was kept (an older router's) or none is configured."""
+        kept = await asyncio.to_thread(self.store.caller_of, response_id)
+        if kept is None or self.tenancy is None:
+            return tenancy.Caller(tenancy.UNATTRIBUTED)
+        return self.tenancy.carried_on(kept.tenant, kept.priority_class)
 
     async def _stream(
         self, turn: Turn, p: Prepared, sessions: list[Session], replay: Replay | None = None

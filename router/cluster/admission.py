@@ -212,7 +212,10 @@ class Admission:
 
     def _tag(self, ticket: Ticket, cost: float) -> float:
         """The request's fair start tag (SFQ): no earlier than the system's virtual time, nor than the
-        end of its tenant's previous request; that end moves on by the request's cost over its weight."""
+        end of its tenant's previous request; that end moves on by the request's cost over its weight.
+        An uncounted request starts at the virtual time and moves no tenant's end."""
+        if not ticket.counted:
+            return self._virtual
         start = max(self._virtual, self._finish.get(ticket.tenant, 0.0))
         self._finish[ticket.tenant] = start + cost / ticket.weight
         return start

@@ -233,7 +233,8 @@ class Dispatcher:
             local_prefill=bool(local) or bool(generated),
             trace=trace,
             generated_token_ids=generated or [],
-            tenant=tenancy.CURRENT.get().ticket.tenant,  # the name, never the key: whose share of the KV store
+            # the name, never the key: whose share of the KV store (none for an unattributed request)
+            tenant=tenancy.CURRENT.get().ticket.tenant or None,
         )
         if generated:
             local = True

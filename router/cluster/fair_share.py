@@ -19,7 +19,9 @@ reserves slots and llm-d's flow control keeps tenants apart:
 
 With one active tenant (no tenants configured, or only one sending) nothing is held back: every
 slot is used. A higher class is never held back for a lower one. Whatever this allows, the server's
-own "no room" answer stays the last word (``Admission.no_room``).
+own "no room" answer stays the last word (``Admission.no_room``). A request whose tenant cannot be
+known (``tenancy.UNATTRIBUTED``) is outside the shares: it makes no tenant active, its slots are no
+tenant's, and no share holds it back.
 """
 
 from __future__ import annotations
@@ -65,13 +67,17 @@ class SlotShares:
 
     def asked(self, ticket: Ticket) -> None:
         """A request of ``ticket``'s tenant asks for a slot (on arrival, and on each try while it waits)."""
-        self._asked[ticket.tenant] = (self._clock(), ticket)
+        if ticket.counted:
+            self._asked[ticket.tenant] = (self._clock(), ticket)
 
     def took(self, worker: str, tenant: str) -> None:
-        self._use(worker, tenant).held += 1
-        self._holding[tenant] += 1
+        if tenant:  # an unattributed request's slot is no tenant's
+            self._use(worker, tenant).held += 1
+            self._holding[tenant] += 1
 
     def gave_back(self, worker: str, tenant: str) -> None:
+        if not tenant:
+            return
         use = self._use(worker, tenant)
         assert use.held > 0 and self._holding[tenant] > 0, f"{tenant} gave back a slot on {worker} it did not hold"
         use.held -= 1
@@ -90,7 +96,7 @@ class SlotShares:
     def may_take(self, worker: Worker, ticket: Ticket) -> bool:
         """Whether ``ticket``'s tenant may take one of ``worker``'s free slots now (the module's rule)."""
         limit = worker.max_inflight
-        if self.window_s <= 0 or limit is None:
+        if self.window_s <= 0 or limit is None or not ticket.counted:
             return True
         active = self.active()
         active[ticket.tenant] = ticket

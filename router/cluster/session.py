@@ -120,7 +120,7 @@ class Session:
         self._prompt = prompt
         self._sampling = sampling
         self._trace = trace  # the request's traceparent, passed to every server it reaches
-        self._tenant = tenancy.CURRENT.get().ticket.tenant  # whose share of the shared KV store it fills
+        self._tenant = tenancy.CURRENT.get().ticket.tenant or None  # whose share of the shared KV store it fills
         # The current attempt's decode streams; the first one's slot also holds the request's prefill slot.
         self._legs: list[Leg] = [Leg(stream, slot, request_id)]
         self._first_slot = slot

@@ -41,14 +41,24 @@ PRIORITY_HEADER = "x-priority-class"
 class Ticket:
     """Who waits for a slot, and what for: admission orders waiters by (``rank``, fair start tag)."""
 
-    tenant: str
+    tenant: str  # a configured tenant's name; "" for a request whose tenant cannot be known (``UNATTRIBUTED``)
     weight: float
     rank: int  # its class: 0 is the highest
+
+    @property
+    def counted(self) -> bool:
+        """Whether the request counts toward its tenant's activity, slots and fair queuing order."""
+        return bool(self.tenant)
 
 
 # A request with no caller set: a stream moved to another decode server mid-answer is admitted first,
 # since it is already being served.
 ANYONE = Ticket(DEFAULT_TENANT, 1.0, 0)
+# A request whose tenant cannot be known: a background response adopted from a router gone that kept no
+# caller with it (router/api/background.py), or whose tenant this router does not configure. It counts
+# toward no tenant (no slots of a share, no activity that keeps slots free for it, no fair queuing tag,
+# no KV store share) and no share holds it back; already being served, it is admitted first.
+UNATTRIBUTED = Ticket("", 1.0, 0)
 
 
 class Bucket:
@@ -200,6 +210,21 @@ class Tenancy:
                 code="priority_not_allowed",
             )
         return Ticket(tenant.ticket.tenant, tenant.ticket.weight, rank)
+
+    def class_of(self, ticket: Ticket) -> str | None:
+        """The name of ``ticket``'s priority class (None for an uncounted ticket)."""
+        return self.classes[ticket.rank] if ticket.counted else None
+
+    def carried_on(self, tenant: str | None, priority_class: str | None) -> Caller:
+        """The caller of a background response this router carries on for a router gone: the tenant and
+        class kept with its request, as this router configures them (a class it does not know, or one
+        now above the tenant's: the tenant's own). Its tokens were counted when it was asked, so none
+        are taken again. A tenant not kept, or not configured here: ``UNATTRIBUTED``."""
+        found = self.tenants.get(tenant) if tenant else None
+        if found is None:
+            return Caller(UNATTRIBUTED)
+        rank = self.classes.index(priority_class) if priority_class in self.classes else found.ticket.rank
+        return Caller(Ticket(found.ticket.tenant, found.ticket.weight, max(rank, found.ticket.rank)))
 
     def take_request(self, tenant: Tenant) -> None:
         """Count one request against ``requests_per_minute``, or refuse it with 429."""

@@ -17,6 +17,14 @@ ENDED_HOLDER, ENDED_UNTIL = "ended", 1e18  # the lease of a response that ended:
 Event = tuple[int, str]  # a background response's event: its sequence number and its text (one SSE event)
 
 
+@dataclass(frozen=True)
+class KeptCaller:
+    """Whom a background response runs for: its tenant's and priority class's configured names."""
+
+    tenant: str
+    priority_class: str | None = None
+
+
 class LeaseLost(RuntimeError):
     """A write fenced by a lease its writer no longer holds (another router took it)."""
 
@@ -98,14 +106,19 @@ class ResponseStore(Protocol):
         ...
 
     # What a background response was asked, kept so that another router can carry it on (its request
-    # body as JSON, the API's own schema): written once, when it starts, and gone with its row.
+    # body as JSON, the API's own schema), and for whom (its caller's tenant and priority class, by
+    # configured name, never the key): written once, when it starts, and gone with its row.
 
-    def keep_request(self, response_id: str, request: str) -> None:
-        """Keeps the response's request (replacing one kept before)."""
+    def keep_request(self, response_id: str, request: str, caller: KeptCaller | None = None) -> None:
+        """Keeps the response's request and its ``caller`` (replacing those kept before; None: none kept)."""
         ...
 
     def request_of(self, response_id: str) -> str | None:
         """The response's kept request, if any."""
+        ...
+
+    def caller_of(self, response_id: str) -> KeptCaller | None:
+        """The caller kept with the response's request, if any (none for one kept by an older router)."""
         ...
 
     # Who runs a background response: a lease its router renews while it runs. A lease that has expired

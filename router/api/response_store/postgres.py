@@ -25,6 +25,7 @@ from router.api.response_store.base import (
     ENDED_UNTIL,
     PRUNE_EVERY_S,
     Event,
+    KeptCaller,
     LeaseLost,
     StoredResponse,
 )
@@ -56,8 +57,14 @@ SCHEMA = (
         response_id TEXT PRIMARY KEY,
         request TEXT NOT NULL
     )""",
+    # Whom that request runs for, by configured name: a table of its own, as in the SQLite store.
+    """CREATE TABLE IF NOT EXISTS response_callers (
+        response_id TEXT PRIMARY KEY,
+        tenant TEXT NOT NULL,
+        priority_class TEXT
+    )""",
 )
-EVENT_TABLES = ("response_events", "response_cancels", "response_leases", "response_requests")
+EVENT_TABLES = ("response_events", "response_cancels", "response_leases", "response_requests", "response_callers")
 # Routers starting together would race in CREATE TABLE IF NOT EXISTS (a duplicate-key error on the
 # catalog): each holds this advisory lock while it creates the table.
 SCHEMA_LOCK = 0x7064_7365_7276_6531
@@ -178,14 +185,22 @@ class PostgresResponseStore:
             lambda conn: conn.execute("INSERT INTO response_cancels VALUES (%s) ON CONFLICT DO NOTHING", (response_id,))
         )
 
-    def keep_request(self, response_id: str, request: str) -> None:
-        self._call(
-            lambda conn: conn.execute(
-                "INSERT INTO response_requests VALUES (%s, %s) ON CONFLICT (response_id) DO UPDATE "
-                "SET request = EXCLUDED.request",
-                (response_id, request),
-            )
-        )
+    def keep_request(self, response_id: str, request: str, caller: KeptCaller | None = None) -> None:
+        def keep(conn: Connection) -> None:
+            with conn.transaction():
+                conn.execute(
+                    "INSERT INTO response_requests VALUES (%s, %s) ON CONFLICT (response_id) DO UPDATE "
+                    "SET request = EXCLUDED.request",
+                    (response_id, request),
+                )
+                conn.execute("DELETE FROM response_callers WHERE response_id = %s", (response_id,))
+                if caller is not None:
+                    conn.execute(
+                        "INSERT INTO response_callers VALUES (%s, %s, %s)",
+                        (response_id, caller.tenant, caller.priority_class),
+                    )
+
+        self._call(keep)
 
     def request_of(self, response_id: str) -> str | None:
         row = self._call(
@@ -194,6 +209,14 @@ class PostgresResponseStore:
             ).fetchone()
         )
         return None if row is None else str(row[0])
+
+    def caller_of(self, response_id: str) -> KeptCaller | None:
+        row = self._call(
+            lambda conn: conn.execute(
+                "SELECT tenant, priority_class FROM response_callers WHERE response_id = %s", (response_id,)
+            ).fetchone()
+        )
+        return None if row is None else KeptCaller(str(row[0]), None if row[1] is None else str(row[1]))
 
     def renew_lease(self, response_id: str, holder: str, until: float) -> bool:
         cursor = self._call(

@@ -15,6 +15,7 @@ from router.api.response_store.base import (
     ENDED_UNTIL,
     PRUNE_EVERY_S,
     Event,
+    KeptCaller,
     LeaseLost,
     StoredResponse,
 )
@@ -48,8 +49,15 @@ CREATE TABLE IF NOT EXISTS response_requests (  -- a background response's reque
     response_id TEXT PRIMARY KEY,
     request TEXT NOT NULL
 );
+-- Whom that request runs for, by configured name. A table of its own, not columns of response_requests:
+-- a router of an earlier version sharing the file still writes its two-value rows there.
+CREATE TABLE IF NOT EXISTS response_callers (
+    response_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    priority_class TEXT
+);
 """
-EVENT_TABLES = ("response_events", "response_cancels", "response_leases", "response_requests")
+EVENT_TABLES = ("response_events", "response_cancels", "response_leases", "response_requests", "response_callers")
 
 
 class SqliteResponseStore:
@@ -128,15 +136,33 @@ class SqliteResponseStore:
         with self._lock:
             self._db.execute("INSERT OR IGNORE INTO response_cancels VALUES (?)", (response_id,))
 
-    def keep_request(self, response_id: str, request: str) -> None:
+    def keep_request(self, response_id: str, request: str, caller: KeptCaller | None = None) -> None:
         with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO response_requests VALUES (?, ?)", (response_id, request))
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("INSERT OR REPLACE INTO response_requests VALUES (?, ?)", (response_id, request))
+                self._db.execute("DELETE FROM response_callers WHERE response_id = ?", (response_id,))
+                if caller is not None:
+                    self._db.execute(
+                        "INSERT INTO response_callers VALUES (?, ?, ?)",
+                        (response_id, caller.tenant, caller.priority_class),
+                    )
+            except sqlite3.Error:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
 
     def request_of(self, response_id: str) -> str | None:
         with self._lock:
             query = "SELECT request FROM response_requests WHERE response_id = ?"
             row = self._db.execute(query, (response_id,)).fetchone()
         return None if row is None else str(row[0])
+
+    def caller_of(self, response_id: str) -> KeptCaller | None:
+        with self._lock:
+            query = "SELECT tenant, priority_class FROM response_callers WHERE response_id = ?"
+            row = self._db.execute(query, (response_id,)).fetchone()
+        return None if row is None else KeptCaller(str(row[0]), None if row[1] is None else str(row[1]))
 
     def renew_lease(self, response_id: str, holder: str, until: float) -> bool:
         with self._lock:

@@ -18,8 +18,9 @@ import pytest
 from router.api.background import Diverged, Replay
 from router.api.model import ServedModel
 from router.api.response_store import SqliteResponseStore, StoredResponse, owner_of
-from router.api.response_store.base import COLUMNS
-from router.settings import ResponseStoreSettings
+from router.api.response_store.base import COLUMNS, KeptCaller
+from router.cluster.tenancy import Ticket
+from router.settings import ResponseStoreSettings, TenantSettings
 from tests.router.api.test_responses import ids, router, sdk
 from tests.support.fakes import FakeWorkerClient
 from tests.waiting import wait_until
@@ -255,3 +256,47 @@ def test_a_router_killed_between_its_closing_event_and_its_row_leaves_the_row_to
             {"role": "user", "content": "Thanks."},
         ]
     )
+
+
+LIGHT = TenantSettings("light", ("key-l",), weight=2.0)
+
+
+@pytest.mark.parametrize("case", ["kept", "kept by an older router", "not configured here"])
+def test_an_adopted_response_runs_for_the_tenant_and_class_kept_with_it_or_for_none(served, tmp_path, case):
+    """The sweep adopts it in no request's context: it runs for the tenant and class it was asked with,
+    as the adopting router configures them. A response kept without them (a router of an earlier version)
+    or for a tenant this router does not configure counts toward no tenant: not the built-in ``default``,
+    which would keep a slot free on every server for a tenant that is not asking."""
+    path = tmp_path / "responses.sqlite"
+    keys = {"api_keys": ("key-l",), "response_store": ResponseStoreSettings(path=str(path))}
+    with router(served, FakeWorkerClient(reply=ids(served, ANSWER)), tenants=(LIGHT,), **keys) as a:
+        made = sdk(a, "key-l").responses.create(
+            model="tiny", input="Capital of France?", background=True, extra_headers={"X-Priority-Class": "batch"}
+        )
+        wait_until(lambda: sdk(a, "key-l").responses.retrieve(made.id).status == "completed", what="completed on A")
+        whole = events_of(sdk(a, "key-l"), made.id)
+        holder = a.app.state.responses.runs.holder
+        assert a.app.state.responses.store.caller_of(made.id) == KeptCaller("light", "batch")
+    last = [e.sequence_number for e in whole if e.type == "response.output_text.delta"][1]
+    rewind(path, made.id, last, holder)
+    if case == "kept by an older router":
+        with sqlite3.connect(path) as db:
+            db.execute("DELETE FROM response_callers WHERE response_id = ?", (made.id,))
+    tenants = () if case == "not configured here" else (LIGHT,)
+    fake_b = FakeWorkerClient(reply=ids(served, ANSWER))
+    with router(served, fake_b, tenants=tenants, tenant_share_window_s=600.0, **keys) as b:
+        runs = b.app.state.responses.runs
+        assert b.portal.call(runs.sweep_once) == 1
+        wait_until(lambda: runs.runs == {}, what="the adopted response ran to its end")
+        done = sdk(b, "key-l").responses.retrieve(made.id)
+        admission = b.app.state.handlers.dispatcher.admission
+        active, held = admission.shares.active(), admission.shares.holding
+        metrics = b.get("/metrics").text.splitlines()
+    assert done.status == "completed" and done.output_text == ANSWER
+    ((_, sent),) = fake_b.opened
+    if case == "kept":
+        assert sent.tenant == "light" and active == {"light": Ticket("light", 2.0, 2)}  # batch: the third class
+    else:
+        assert sent.tenant is None and active == {}  # no tenant's KV share, no tenant made active
+    assert held("light") == 0 and held("default") == 0 and admission.held_back == {}
+    assert "pdserve_router_background_adoptions_total 1.0" in metrics

@@ -5,6 +5,7 @@ naming what is missing."""
 
 from __future__ import annotations
 
+import sqlite3
 import time
 from collections.abc import Callable, Iterator
 
@@ -12,7 +13,8 @@ import pytest
 
 from router.api.model import ServedModel
 from router.api.response_store import ResponseStore, SqliteResponseStore, StoredResponse, open_store, owner_of
-from router.api.response_store.base import LeaseLost
+from router.api.response_store.base import KeptCaller, LeaseLost
+from router.api.response_store.sqlite import SCHEMA
 from router.settings import ResponseStoreSettings
 from tests.postgres_server import PostgresServer, missing
 from tests.router.api.test_responses import ids, router, sdk
@@ -340,9 +342,32 @@ def test_a_kept_request_is_read_back_exactly_and_goes_with_its_response(open_on_
     request = '{"model": "tiny", "input": "Capital of France? \\u0000 \u00e9", "background": true, "seed": 7}'
     a.keep_request("resp_bg", request)
     assert b.request_of("resp_bg") == request and b.request_of("resp_nope") is None
-    a.keep_request("resp_bg", "{}")  # kept again: replaced
-    assert b.request_of("resp_bg") == "{}"
-    assert a.delete("resp_bg", OWNER) and b.request_of("resp_bg") is None
+    assert b.caller_of("resp_bg") is None  # kept without its caller (as a router of an earlier version does)
+    a.keep_request("resp_bg", "{}", KeptCaller("light", "batch"))  # kept again: replaced
+    assert b.request_of("resp_bg") == "{}" and b.caller_of("resp_bg") == KeptCaller("light", "batch")
+    a.keep_request("resp_bg", "{}", KeptCaller("light"))
+    assert b.caller_of("resp_bg") == KeptCaller("light", None) and b.caller_of("resp_nope") is None
+    a.keep_request("resp_bg", "{}")
+    assert b.caller_of("resp_bg") is None
+    a.keep_request("resp_bg", "{}", KeptCaller("light", "batch"))
+    assert a.delete("resp_bg", OWNER) and b.request_of("resp_bg") is None and b.caller_of("resp_bg") is None
+
+
+def test_a_file_an_earlier_version_made_gains_the_callers_table_and_its_kept_requests_have_none(tmp_path):
+    """The schema grows by tables (CREATE TABLE IF NOT EXISTS), never by columns: a file made before
+    ``response_callers`` opens, and a router of the earlier version still writes its requests in it."""
+    path = tmp_path / "responses.sqlite"
+    earlier = SCHEMA.split("-- Whom that request runs for")[0]
+    with sqlite3.connect(path) as db:
+        db.executescript(earlier)
+    store = SqliteResponseStore(str(path))
+    store.put(stored("resp_old"))
+    with sqlite3.connect(path) as db:  # the earlier router's own write
+        db.execute("INSERT OR REPLACE INTO response_requests VALUES (?, ?)", ("resp_old", "{}"))
+    assert store.request_of("resp_old") == "{}" and store.caller_of("resp_old") is None
+    store.keep_request("resp_new", "{}", KeptCaller("light", "batch"))
+    assert store.caller_of("resp_new") == KeptCaller("light", "batch")
+    store.close()
 
 
 def test_two_routers_sharing_a_postgres_database_stream_and_cancel_each_others_background_responses(

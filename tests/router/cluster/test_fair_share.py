@@ -14,7 +14,7 @@ from router.cluster.dispatch import Dispatcher, DispatchSettings
 from router.cluster.fair_share import SlotShares
 from router.cluster.policies import RoundRobin
 from router.cluster.registry import Worker, WorkerRegistry
-from router.cluster.tenancy import Caller, Ticket
+from router.cluster.tenancy import ANYONE, UNATTRIBUTED, Caller, Ticket
 from tests.support.fakes import FakeWorkerClient
 from tests.waiting import until
 
@@ -307,3 +307,33 @@ def test_giving_back_a_slot_not_held_is_a_bug():
     with pytest.raises(AssertionError):
         shares.gave_back("d0", "heavy")
 
+
+def test_an_unattributed_request_is_outside_the_shares_where_anyone_keeps_a_slot_free():
+    """A request whose tenant cannot be known (an adopted background response kept without one) makes no
+    tenant active and holds no tenant's slot: a lone tenant uses every slot. The built-in ``ANYONE``
+    ticket, by contrast, is the default tenant in the top class: a tenant at its share keeps it a slot."""
+    clock = Clock()
+    shares, worker = SlotShares(10.0, clock), Worker("d0", "decode", "u", max_inflight=3)
+    take(shares, worker, UNATTRIBUTED)
+    take(shares, worker, HEAVY)
+    clock.now += 5.0
+    assert shares.active() == {"heavy": HEAVY} and (shares.holding(""), shares.holding("heavy")) == (0, 1)
+    assert shares.may_take(worker, HEAVY)  # alone among tenants: the last slot is its to take
+    shares.asked(ANYONE)
+    assert not shares.may_take(worker, HEAVY)  # at its share (1 of 3 over 2 tenants): one kept for default
+    assert shares.may_take(worker, UNATTRIBUTED)  # no share holds it back
+    give_back(shares, worker, "")
+    assert shares.held("d0", "heavy") == 1 and worker.inflight == 1
+
+
+def test_an_unattributed_request_moves_no_tenants_fair_queuing_tag():
+    admission = Admission(AdmissionSettings(poll=60))
+    worker = Worker("d0", "decode", "u", max_inflight=2)
+
+    async def attempt() -> Slot:
+        return admission.claim(worker, False, UNATTRIBUTED.tenant)
+
+    slot = asyncio.run(admission.admit(attempt, UNATTRIBUTED, 100.0))
+    assert admission._finish == {} and admission.shares.active() == {} and admission.held_back == {}
+    slot.release()
+    assert worker.inflight == 0
