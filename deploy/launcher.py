@@ -55,6 +55,12 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_CORES_SPINCOUNT = "10000"
 
 
+def routes_here(only: set[str] | None) -> bool:
+    """Whether this launcher starts the router (and what routes beside it): on every host of ``--only``'s
+    list that names it, or the one host of a cluster launched whole."""
+    return only is None or "router" in only
+
+
 def openmp_spin(cluster: ClusterConfig, only: set[str] | None, cores: int) -> dict[str, str]:
     """The OpenMP environment of the servers this launcher starts: a short spin when their torch
     threads outnumber its cores, or fill them beside the router it also starts here, nothing otherwise.
@@ -74,8 +80,7 @@ def openmp_spin(cluster: ClusterConfig, only: set[str] | None, cores: int) -> di
         if only is None or inst.name in only:
             per_rank = inst.num_threads or cluster.engine.num_threads or cores  # None: torch's default, the cores
             threads += per_rank * cluster.tensor_parallel_size_of(inst)
-    routes_here = only is None or "router" in only
-    shared = threads > cores or (threads == cores and routes_here)
+    shared = threads > cores or (threads == cores and routes_here(only))
     return {"GOMP_SPINCOUNT": SHARED_CORES_SPINCOUNT} if shared else {}
 
 
@@ -443,7 +448,7 @@ def launch(
 
 def _front_missing(cluster: ClusterConfig, only: set[str] | None) -> list[str]:
     """Why the front of several routers cannot start here (HAProxy not installed), or nothing."""
-    if cluster.router.replicas == 1 or (only is not None and "router" not in only):
+    if cluster.router.replicas == 1 or not routes_here(only):
         return []
     try:
         haproxy_binary()
@@ -498,7 +503,7 @@ def _start_all(c: Cluster, health_timeout: float, stop: threading.Event, started
         flush=True,
     )
     c.wait_healthy(servers, health_timeout, stop, ready)
-    if only is None or "router" in only:
+    if routes_here(only):
         if c.replicated:
             print(f"pdserve: starting {cluster.router.replicas} routers, then HAProxy in front of them", flush=True)
         else:

@@ -54,13 +54,19 @@ def kv_bytes(engine, prompt_len: int) -> dict[str, int]:
 
 def best(fn: Callable[[], object], rounds: int) -> float:
     """Seconds of the fastest of ``rounds`` calls, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(rounds):
+
+    def timed() -> float:
         t0 = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        return time.perf_counter() - t0
+
+    return best_of(timed, rounds)
+
+
+def best_of(timed: Callable[[], float], rounds: int) -> float:
+    """The smallest of ``rounds`` times that ``timed`` measured itself, after one warm-up call."""
+    timed()
+    return min(timed() for _ in range(rounds))
 
 
 def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
@@ -109,12 +115,6 @@ def measure_batch(engine, hf, batch: int, args: argparse.Namespace) -> dict:
     for kind in ("prefill", "decode"):
         row[f"{kind}_ratio"] = round(row[f"engine_{kind}_tok_s"] / row[f"hf_{kind}_tok_s"], 2)
     return row
-
-
-def best_of(timed: Callable[[], float], rounds: int) -> float:
-    """The smallest of ``rounds`` times that ``timed`` measured itself, after one warm-up call."""
-    timed()
-    return min(timed() for _ in range(rounds))
 
 
 def engine_decode_s(engine, ps: list[list[int]], new: int) -> float:
