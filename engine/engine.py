@@ -24,13 +24,15 @@ from engine.contention import ThreadGovernor, schedstat_available
 from engine.kv_cache import KVCache, cache_heads
 from engine.loader import check_features, check_split, head_dim_of, load_config, load_model
 from engine.model import layer_windows
-from engine.request import FinishReason, Request, SamplingParams, StepOutput
+from engine.prefix_cache import chain_hashes
+from engine.request import FinishReason, Request, RequestStatus, SamplingParams, StepOutput
 from engine.runner import ModelRunner, RoPE
 from engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from engine.sequences import record_token
 from engine.structured import StructuredOutputs
 from engine.tensor_parallel import Shard
 from engine.tiers.kv import KvTiers
+from engine.tiers.offered import OfferedBlocks, cut_blocks, read_tokens
 from engine.tiers.tier import TierStats
 
 if TYPE_CHECKING:
@@ -178,6 +180,7 @@ class LLMEngine:
             if tiers.shared:
                 blocks.on_cached = lambda block_id, h: tiers.released(block_id, h, blocks.blocks[block_id].tenant)
         self.scheduler = Scheduler(self._scheduler_config(config), blocks, self.tiers)
+        self.offered = OfferedBlocks(self.cache, self.tiers)  # the scheduler asks it only while it holds some
         rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
         self.runner = ModelRunner(
             self.model, self.cache, rope, device, self.eos_token_ids, self.ranks, config.attention_backend
@@ -244,6 +247,62 @@ class LLMEngine:
         taken): none when it wants its prompt's log-probabilities."""
         probe = Request("probe", list(prompt_token_ids), sampling or SamplingParams(), cache_salt=cache_salt)
         return self.scheduler.cached_prefix_tokens(probe)
+
+    def read_reserved(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Decode mode: every layer's K/V of tokens [start, end) of a reservation's cached prefix, which the
+        reservation pins (nothing evicts or reuses those blocks while it waits for remote KV), as a CPU
+        tensor [layers, K|V, tokens, heads, width]: what a prefill server reads back (decode-to-prefill
+        reuse, engine/tiers/offered.py). KeyError: no reservation waiting for remote KV under that id;
+        ValueError: a range past the cached prefix, or an engine split over ranks (rank 0 holds a slice)."""
+        request = self.scheduler.parked.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise KeyError(f"no reservation waiting for remote KV with id {request_id!r}")
+        if self.ranks is not None:
+            raise ValueError("an engine split over ranks holds a slice of each block on each rank")
+        if not 0 <= start < end <= request.num_cached_tokens:
+            raise ValueError(f"tokens [{start}, {end}) are not in the {request.num_cached_tokens} cached ones")
+        return read_tokens(self.cache, request.block_ids, start, end)
+
+    def offer_prefix(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        start: int,
+        tokens: torch.Tensor,
+        cache_salt: str | None = None,
+    ) -> int:
+        """Prefill mode: ``tokens`` ([layers, K|V, n, heads, width], as ``read_reserved`` gives them) hold
+        the K/V of prompt tokens [start, start + n), read from another server. Its whole blocks here (the
+        last prompt token always left to compute) are offered to the request ``request_id`` about to be
+        added: its admission loads them instead of computing them. How many tokens were offered: none
+        without prefix caching, with sliding-window layers (their blocks would be registered as holding
+        every position) or with ranks. ValueError: ``start`` not on a block, or a shape that is not this
+        cache's. ``withdraw_prefix`` once the request is prefilled or gone."""
+        bs = self.config.block_size
+        if not self.config.prefix_caching or self.ranks is not None or any(w is not None for w in self.layer_windows):
+            return 0
+        if start % bs:
+            raise ValueError(f"an offered prefix starts at token {start}, not on a block of {bs}")
+        c = self.cache
+        if tokens.dim() != 5 or tuple(tokens.shape[i] for i in (0, 1, 3, 4)) != (
+            c.num_layers,
+            2,
+            c.num_kv_heads,
+            c.head_dim,
+        ):
+            raise ValueError(f"an offered prefix of shape {tuple(tokens.shape)} does not fit this cache")
+        first, end = start // bs, min((start + tokens.shape[2]) // bs, (len(prompt_token_ids) - 1) // bs)
+        if end <= first:
+            return 0
+        hashes = chain_hashes(self.scheduler.prefix.salt, prompt_token_ids[: end * bs], bs, cache_salt)[first:]
+        self.offered.offer(request_id, hashes, cut_blocks(c, tokens[:, :, : (end - first) * bs]))
+        self.scheduler.tiers = self.offered
+        return (end - first) * bs
+
+    def withdraw_prefix(self, request_id: str) -> None:
+        """Prefill mode: forget what ``offer_prefix`` offered for ``request_id``."""
+        if self.offered.withdraw(request_id) and not len(self.offered):
+            self.scheduler.tiers = self.tiers
 
     def remote_token_problem(self, request_id: str, first_token_ids: list[int]) -> str | None:
         """Why a reserved request cannot continue from the first tokens a prefill server sent

@@ -1,0 +1,99 @@
+"""Blocks another server sent for a prompt about to be admitted here: decode-to-prefill reuse.
+
+A prefill server whose reservation says the decode server holds a longer prefix
+than its own cache does reads that prefix's K/V from the decode server
+(prefill_server/service.py, kvlink/prefix_read.py), cuts it into blocks of its
+own size and order, and offers them under its own chain hashes before it adds
+the request. At admission the scheduler finds them as it finds a tier's blocks
+(``available`` / ``load``, engine/prefix_cache.py ``lookup_tiers``): it copies
+them into fresh blocks, computes only the rest, and registers them with the
+computed ones, so this server's cache holds the prefix afterwards. The offer is
+withdrawn when the request's prefill ends, used or not. Past the offered run,
+the engine's own tiers (engine/tiers/kv.py) are asked as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.kv_cache import KVCache
+from engine.prefix_cache import BlockTiers
+
+
+class OfferedBlocks:
+    """Offered blocks by hash (each ``kv[:, :, block]``'s shape), in front of ``inner`` (the engine's tiers)."""
+
+    def __init__(self, cache: KVCache, inner: BlockTiers | None) -> None:
+        self.cache = cache
+        self.inner = inner
+        self._blocks: dict[int, torch.Tensor] = {}
+        self._by_request: dict[str, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def offer(self, request_id: str, hashes: Sequence[int], blocks: Sequence[torch.Tensor]) -> None:
+        """Blocks ``blocks`` hold the K/V of chain hashes ``hashes``, for request ``request_id``."""
+        assert len(hashes) == len(blocks), (len(hashes), len(blocks))
+        self.withdraw(request_id)
+        for h, block in zip(hashes, blocks):
+            self._blocks[h] = block
+        self._by_request[request_id] = list(hashes)
+
+    def withdraw(self, request_id: str) -> int:
+        """Forget what was offered for ``request_id`` (a prompt sharing the hashes finds them no more); how
+        many blocks."""
+        hashes = self._by_request.pop(request_id, [])
+        for h in hashes:
+            self._blocks.pop(h, None)
+        return len(hashes)
+
+    def available(self, hashes: Sequence[int]) -> int:
+        """The run of ``hashes`` offered, continued by what the inner tiers list."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._blocks:
+            n += 1
+        if self.inner is not None and n < len(hashes):
+            n += self.inner.available(hashes[n:])
+        return n
+
+    def load(self, hashes: Sequence[int], block_ids: Sequence[int]) -> int:
+        """Copy the offered blocks of ``hashes`` into ``block_ids``, then ask the inner tiers for the rest;
+        how many were copied in a run from the first."""
+        n = 0
+        while n < len(hashes) and (block := self._blocks.get(hashes[n])) is not None:
+            self.cache.kv[:, :, block_ids[n]].copy_(block)
+            n += 1
+        if self.inner is not None and n < len(hashes):
+            n += self.inner.load(hashes[n:], block_ids[n:])
+        return n
+
+
+def read_tokens(cache: KVCache, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
+    """Every layer's K and V of tokens [start, end) of a request whose blocks are ``block_ids``, as one
+    contiguous CPU tensor [layers, K|V, tokens, heads, width] whatever the cache's block size and order."""
+    bs = cache.block_size
+    first, last = start // bs, -(-end // bs)
+    ids = torch.tensor(list(block_ids[first:last]), dtype=torch.long, device=cache.kv.device)
+    picked = cache.kv.index_select(2, ids)  # [layers, 2, n, slots..., width]
+    if cache.order == "HND":
+        picked = picked.transpose(3, 4)
+    tokens = picked.reshape(cache.num_layers, 2, -1, cache.num_kv_heads, cache.head_dim)
+    return tokens[:, :, start - first * bs : end - first * bs].to("cpu").contiguous()
+
+
+def cut_blocks(cache: KVCache, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """``tokens`` ([layers, K|V, n, heads, width], n a multiple of the block size) as ``kv[:, :, block]``
+    tensors of ``cache``'s block size and order, on its device."""
+    bs = cache.block_size
+    assert tokens.shape[2] % bs == 0, (tokens.shape, bs)
+    data = tokens.to(cache.kv.device, cache.dtype)
+    blocks = []
+    for i in range(tokens.shape[2] // bs):
+        block = data[:, :, i * bs : (i + 1) * bs]
+        if cache.order == "HND":
+            block = block.transpose(2, 3)
+        blocks.append(block.contiguous())
+    return blocks

@@ -1,0 +1,104 @@
+"""Decode-to-prefill reuse in the engine (engine/tiers/offered.py): a decode engine's reservation for a
+conversation's next turn pins the earlier turn's blocks (the answer's included); a prefill engine with
+an empty cache reads that prefix from it (``read_reserved``), is offered it in blocks of its own size and
+order (``offer_prefix``), computes only the new tokens, and the decode engine's greedy tokens equal
+transformers' (float32). P and D have different block sizes (4 and 16) and orders (NHD, HND), as in
+configs/tiny-1p1d.yaml. Every scenario ends with every block free on both engines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from tests.engine.oracle import hf_greedy
+
+SAMPLING = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+TURN1 = [(17 * i + 3) % 400 + 20 for i in range(40)]
+NEW = [(11 * i + 7) % 300 + 30 for i in range(10)]
+
+
+def engines(path: str) -> tuple[LLMEngine, LLMEngine]:
+    prefill = LLMEngine(EngineConfig(model=path, block_size=4, num_blocks=40, num_threads=1, mode="prefill"))
+    decode = LLMEngine(
+        EngineConfig(model=path, block_size=16, num_blocks=12, num_threads=1, mode="decode", kv_layout="HND")
+    )
+    return prefill, decode
+
+
+def write_remote(src: LLMEngine, src_blocks, dst: LLMEngine, dst_blocks, start: int, end: int) -> None:
+    """Tokens [start, end) of a prompt's K/V from a prefill engine (NHD) into a decode engine's blocks (HND)."""
+    sb, db = src.cache.block_size, dst.cache.block_size
+    for p in range(start, end):
+        dst.cache.kv[:, :, dst_blocks[p // db], :, p % db] = src.cache.kv[:, :, src_blocks[p // sb], p % sb]
+
+
+def prefill_remote(prefill: LLMEngine, decode: LLMEngine, rid: str, tokens: list[int], pull: bool) -> list[int]:
+    """One request through both engines: D reserves; P (reading D's pinned prefix first when ``pull``)
+    prefills; the tokens past D's prefix are copied over; D decodes. D's tokens."""
+    blocks = decode.reserve(rid, tokens, SAMPLING)
+    held = decode.num_cached_tokens(rid)
+    if pull and held:
+        offered = prefill.offer_prefix(rid, tokens, 0, decode.read_reserved(rid, 0, held))
+        assert offered == held == 32
+    prefill.add_request(rid, tokens, SAMPLING)
+    outs: list = []
+    while not outs:
+        outs = prefill.step()
+    (out,) = outs
+    prefill.withdraw_prefix(rid)
+    write_remote(prefill, out.block_ids, decode, blocks, held, len(tokens))
+    prefill.release(rid)
+    (first,) = decode.admit_remote(rid, out.new_token_ids)
+    produced = list(first.new_token_ids)
+    while decode.has_unfinished():
+        produced += [t for o in decode.step() for t in o.new_token_ids]
+    return produced
+
+
+def all_free(*engines: LLMEngine) -> None:
+    for engine in engines:
+        engine.check_integrity()
+        assert engine.block_counts() == {"free": engine.cache.num_blocks, "reserved": 0, "running": 0}
+
+
+@pytest.mark.parametrize("pull", [True, False])
+def test_the_next_turn_is_prefilled_from_the_decode_engines_blocks_and_stays_exact(tiny_model, pull):
+    prefill, decode = engines(tiny_model)
+    other = LLMEngine(EngineConfig(model=tiny_model, block_size=4, num_blocks=40, num_threads=1, mode="prefill"))
+    try:
+        answer = prefill_remote(prefill, decode, "t1", TURN1, pull=False)
+        assert answer == hf_greedy(tiny_model, TURN1, 8, ignore_eos=True)
+        turn2 = TURN1 + answer + NEW  # 58 tokens: D holds 2 blocks of 16 of it (the answer's last token has no K/V)
+        before = other.stats().counters
+        assert prefill_remote(other, decode, "t2", turn2, pull) == hf_greedy(tiny_model, turn2, 8, ignore_eos=True)
+        after = other.stats().counters
+        computed = after.prompt_tokens - before.prompt_tokens
+        assert computed == (len(turn2) - 32 if pull else len(turn2))
+        assert after.prefix_hits_tokens - before.prefix_hits_tokens == (32 if pull else 0)
+        assert len(other.offered) == 0 and other.scheduler.tiers is None
+        all_free(prefill, decode, other)
+    finally:
+        for engine in (prefill, decode, other):
+            engine.close()
+
+
+def test_a_read_is_refused_outside_a_waiting_reservations_cached_prefix(tiny_model):
+    prefill, decode = engines(tiny_model)
+    try:
+        with pytest.raises(KeyError):
+            decode.read_reserved("nobody", 0, 16)
+        decode.reserve("r", TURN1, SAMPLING)  # nothing cached: no prefix to read
+        with pytest.raises(ValueError):
+            decode.read_reserved("r", 0, 16)
+        decode.abort("r")
+        with pytest.raises(ValueError):  # a range not starting on one of P's blocks
+            prefill.offer_prefix("x", TURN1, 2, torch.zeros(2, 2, 16, 2, 16))
+        with pytest.raises(ValueError):  # another cache's shape
+            prefill.offer_prefix("x", TURN1, 0, torch.zeros(2, 2, 16, 3, 16))
+        assert prefill.offer_prefix("x", TURN1[:4], 0, torch.zeros(2, 2, 4, 2, 16)) == 0  # its last token's block
+        assert len(prefill.offered) == 0 and prefill.scheduler.tiers is None
+        all_free(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
