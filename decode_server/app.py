@@ -9,10 +9,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from decode_server.service import GenerationService
+from kvlink.prefix_read import CONTENT_TYPE
 from server_common.app import service_app
 from transfer.outcome import Outcome
 from wire.replies import ErrorReply, WorkerError
-from wire.requests import GenerateRequest, KVHello
+from wire.requests import GenerateRequest, KVHello, KVPrefixRead
 
 
 def create_app(service: GenerationService) -> FastAPI:
@@ -46,5 +47,15 @@ def create_app(service: GenerationService) -> FastAPI:
             return JSONResponse(reply.model_dump(mode="json"), status_code=400)
         first, *ranks = [base64.b64encode(a).decode() for a in answers]
         return JSONResponse(KVHello(hello=first, ranks=ranks).model_dump())
+
+    @app.post("/kv/read")
+    async def kv_read(req: KVPrefixRead) -> Response:
+        """A prefill server reads a reservation's cached prefix (decode-to-prefill reuse): msgpack
+        ``PrefixKV`` (kvlink/prefix_read.py) while the reservation waits for its KV; 409 after."""
+        try:
+            payload = await service.read_prefix(req)
+        except WorkerError as exc:
+            return JSONResponse(exc.reply().model_dump(mode="json"), status_code=exc.status)
+        return Response(payload, media_type=CONTENT_TYPE)
 
     return app

@@ -33,10 +33,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import anyio
+import torch
 
 from decode_server.stream_trace import StreamTrace
 from engine import LLMEngine, NoCapacityError, SamplingParams, StepOutput
 from kvlink.ports import Expected, KVReceiverPort, ReceiverFactory
+from kvlink.prefix_read import encode_prefix
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
 from server_common.guard import Drain
@@ -62,7 +64,7 @@ from wire.replies import (
     WorkerError,
     tokens_event,
 )
-from wire.requests import GenerateRequest
+from wire.requests import GenerateRequest, KVPrefixRead
 
 log = logging.getLogger(__name__)
 BACKSTOP_S = 5.0
@@ -180,6 +182,35 @@ class GenerationService:
             self.metrics.peer_refusals.labels(reason="bound_to_live_instance").inc()
             log.warning("refused a KV handshake: %s", exc)
             raise WorkerError(409, str(exc), Outcome.PEER_BOUND) from None
+
+    async def read_prefix(self, req: KVPrefixRead) -> bytes:
+        """A prefill server reads tokens [start, end) of the cached prefix reservation ``transfer_id`` pins
+        (decode-to-prefill reuse, kvlink/prefix_read.py): copied out on the engine thread while the
+        reservation still waits for its KV, so its blocks are neither freed nor reused mid-read (the
+        reservation's pin covers the read; nothing else is taken or released). WorkerError when no
+        reservation waits under that id (409) or the range is not in its cached prefix (400)."""
+        if self._receiver is None:
+            reason = f"{self.settings.name} is a colocated server: it holds no reservations"
+            raise WorkerError(409, reason, Outcome.WRONG_ROLE)
+
+        def read(e: LLMEngine) -> torch.Tensor:
+            pending = self._awaiting.get(req.transfer_id)
+            if pending is None:
+                raise WorkerError(409, "no reservation waits for KV under that transfer id", Outcome.STALE_RESERVATION)
+            try:
+                return e.read_reserved(pending.request_id, req.start, req.end)
+            except ValueError as exc:
+                raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from None
+
+        try:
+            tokens = await self.engine_thread.run(read)
+        except WorkerError as exc:
+            self.metrics.prefix_reads.labels(outcome=exc.code).inc()
+            raise
+        corrupt = self.faults is not None and self.faults.take("corrupt_reads")
+        payload = await asyncio.to_thread(encode_prefix, req.transfer_id, req.start, req.end, tokens, corrupt)
+        self.metrics.prefix_reads.labels(outcome=Outcome.OK).inc()
+        return payload
 
     # ---- requests -------------------------------------------------------------
     async def open(self, req: GenerateRequest, caller: str = "") -> tuple[ReservationEvent, Active]:

@@ -10,8 +10,10 @@ import asyncio
 import base64
 
 import httpx
+import torch
 
 from kvlink.ports import PeerMovedOn, Route
+from kvlink.prefix_read import CONTENT_TYPE, PrefixReadError, decode_prefix
 from kvlink.ranks import RankSenders
 from server_common.guard import auth_headers
 from server_common.settings import ServerSettings
@@ -92,6 +94,32 @@ class DecodePeers:
             raise RuntimeError(f"decode server {peer} answered the prefill ranks as different groups: {met}")
         self._ranks[peer] = tuple(met[0])
         return met[0][0]
+
+    async def read_prefix(self, reservation: Reservation, start: int, end: int, timeout_s: float) -> torch.Tensor:
+        """Tokens [start, end) of the cached prefix ``reservation`` pins on its decode server, read back
+        (kvlink/prefix_read.py), checked; within ``timeout_s``. Only from a decode server of this cluster at
+        its known address (the secret goes nowhere else), and one without ranks. PrefixReadError otherwise."""
+        target = reservation.kv_target
+        url = self._known.get(target.peer)
+        if url is None:
+            raise PrefixReadError(Outcome.REFUSED, f"decode server {target.peer[:64]!r} is not one of this cluster's")
+        if target.tp is not None:
+            raise PrefixReadError(Outcome.INCOMPATIBLE_PEER, "a decode server with ranks holds a slice on each")
+        headers = auth_headers(self._settings.internal_secret)
+        if reservation.role_epoch is not None:
+            headers[ROLE_EPOCH_HEADER] = str(reservation.role_epoch)
+        body = {"transfer_id": reservation.transfer_id, "start": start, "end": end}
+        try:
+            async with httpx.AsyncClient(timeout=timeout_s, headers=headers) as client:
+                resp = await client.post(f"{url}/kv/read", json=body)
+        except httpx.TimeoutException:
+            raise PrefixReadError(Outcome.TIMED_OUT, f"decode server {target.peer} did not answer in time") from None
+        except httpx.HTTPError as exc:
+            raise PrefixReadError(Outcome.UNREACHABLE, f"decode server {target.peer}: {exc}") from None
+        if resp.status_code != 200 or resp.headers.get("content-type") != CONTENT_TYPE:
+            reason = f"decode server {target.peer} refused the read (HTTP {resp.status_code} {_code(resp)})"
+            raise PrefixReadError(Outcome.REFUSED, reason)
+        return await asyncio.to_thread(decode_prefix, resp.content, reservation.transfer_id, start, end)
 
     def _check_group(self, peer: str, group: DecodeGroup, transfer_id: str) -> None:
         """Every rank the group names must be one its decode server answered the handshake with,

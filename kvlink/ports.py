@@ -34,6 +34,7 @@ Prefill side (``PrefillLinkFactory``: the sender and the decode peers it meets):
     link.sender.push_layer(tid, layer, src_block_ids, start, end)   # layer hook: queued, not sent inline
     link.sender.finish(tid, first_tokens)                 # the notice goes once the writes landed
     link.sender.abort(tid)
+    tokens = await link.peers.read_prefix(reservation, start, end, timeout_s)   # decode-to-prefill reuse
     link.sender.take_finished()                           # then the prefill server releases the blocks
 
 An outcome is a ``transfer.outcome.Outcome``; the servers pass it on unchanged.
@@ -43,7 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from transfer.messages import DecodeGroup
 from transfer.outcome import TransferEnded
@@ -113,6 +114,11 @@ class DecodePeersPort(Protocol):
     """A prefill server's decode peers (``kvlink.peers.DecodePeers``). Event loop only."""
 
     async def route(self, reservation: Reservation) -> Route: ...  # its decode server met if need be
+
+    async def read_prefix(self, reservation: Reservation, start: int, end: int, timeout_s: float) -> Any:
+        """Tokens [start, end) of the prefix the reservation pins, read back from its decode server: a
+        CPU tensor [layers, K|V, tokens, heads, width] (kvlink/prefix_read.py; PrefixReadError: a miss)."""
+        ...
 
     def add(self, name: str, url: str) -> None: ...  # the router announced one (PeerBound: refused)
 

@@ -12,8 +12,12 @@ only then are the blocks released and the HTTP call answered. Jobs are
 touched on the engine thread only.
 
 The decode server's cached prefix (``Reservation.num_cached_tokens``) is not
-sent: every layer push starts past it. The prompt is still computed here up
-to what this engine's own prefix cache holds. A sliding-window layer (window
+sent: every layer push starts past it. When the decode server holds whole
+blocks of it past what this engine's own cache (and tiers) hold, they are read
+from it first (decode-to-prefill reuse, kvlink/prefix_read.py: under the
+reservation's transfer id, within its lease, checksummed) and offered to the
+engine (engine/tiers/offered.py), which then computes only the rest; a read
+that fails is a miss, counted, and the prefix is computed here as before. A sliding-window layer (window
 W) sends only the prompt's last W - 1 positions: the decode server's first
 query, at position ``num_tokens``, sees keys (num_tokens - W, num_tokens],
 the last of which it writes itself, and it computes no prompt
@@ -37,10 +41,12 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine import LLMEngine, PrefillChunk, StepOutput
 from engine.request import window_start
 from kvlink.ports import PeerMovedOn, PrefillLinkFactory
+from kvlink.prefix_read import PrefixReadError
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
 from server_common.guard import Drain
@@ -146,6 +152,13 @@ class PrefillService:
         c = engine.cache
         self._bytes_per_layer_token = c.bytes_per_token * c.num_kv_heads_total // c.num_kv_heads // c.num_layers
         self._windows = engine.layer_windows  # each layer's sliding window, None for full attention
+        # Decode-to-prefill reuse: only where the engine can take an offered prefix (LLMEngine.offer_prefix).
+        self._pulls = (
+            settings.pull_prefix
+            and engine.config.prefix_caching
+            and engine.ranks is None
+            and all(w is None for w in self._windows)
+        )
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
         self._aborted = RecentIds(REMEMBER_ABORTED)  # recently aborted request ids; engine thread only
@@ -211,6 +224,9 @@ class PrefillService:
             raise WorkerError(
                 502, f"cannot connect to decode server {res.instance}: {exc}", Outcome.HANDSHAKE_FAILED
             ) from exc
+        pulled = None
+        if self._pulls:  # within the lease: the read is answered only while the reservation waits
+            pulled = await self._pull_prefix(req, res.lease_s - (time.monotonic() - received))
         lease_s = res.lease_s - (time.monotonic() - received)
         if lease_s <= 0:
             raise WorkerError(409, f"the reservation on {res.instance} has expired", Outcome.LEASE_EXPIRED)
@@ -222,11 +238,19 @@ class PrefillService:
                 raise WorkerError(409, f"request id {rid!r} is already active", Outcome.DUPLICATE_REQUEST)
             if rid in self._aborted:
                 raise WorkerError(409, f"request {rid} was aborted", Outcome.ABORTED)
-            e.add_request(rid, req.prompt_token_ids, sampling, tenant=req.tenant)  # ValueError: nothing to undo
+            try:
+                if pulled is not None:  # a shape that does not fit this cache: ValueError, nothing offered
+                    start, tokens = pulled
+                    self.metrics.prefix_pulled_tokens.inc(e.offer_prefix(rid, req.prompt_token_ids, start, tokens))
+                e.add_request(rid, req.prompt_token_ids, sampling, tenant=req.tenant)
+            except BaseException:
+                e.withdraw_prefix(rid)
+                raise
             try:
                 self._sender.begin(route, lease_s)  # IncompatiblePeer (a ValueError) before any part starts
             except BaseException:
                 e.abort(rid)
+                e.withdraw_prefix(rid)
                 raise
             self._jobs[rid] = job
             self._by_transfer[res.transfer_id] = rid
@@ -239,6 +263,28 @@ class PrefillService:
             return await job.done
         finally:
             self._trace_job(span, job)
+
+    async def _pull_prefix(self, req: PrefillRequest, lease_s: float) -> tuple[int, Any] | None:
+        """(first token, K/V) of the whole blocks of the decode server's cached prefix that this engine's
+        cache and tiers lack, read from it (kvlink/prefix_read.py); None when there is none or the read
+        failed (a miss, counted in ``pdserve_kv_prefix_pulls_total``: the prompt is computed here)."""
+        res, bs = req.reservation, self.settings.engine.block_size
+        end = res.num_cached_tokens
+        if end < bs or req.sampling.prompt_logprobs is not None:
+            return None
+        prompt, sampling = req.prompt_token_ids, req.sampling
+        start = await self.engine_thread.run(lambda e: e.cached_prefix(prompt, sampling))
+        if (end - start) // bs <= 0:
+            return None
+        try:
+            tokens = await self._peers.read_prefix(res, start, end, min(self.settings.transfer_timeout_s, lease_s / 2))
+        except PrefixReadError as exc:
+            self.metrics.prefix_pulls.labels(outcome=exc.outcome).inc()
+            log.warning("request %s: prefix read from %s failed (%s); computing it", req.request_id, res.instance, exc)
+            return None
+        self.metrics.prefix_pulls.labels(outcome=Outcome.OK).inc()
+        self.metrics.prefix_pulled_bytes.inc(tokens.numel() * tokens.element_size())
+        return start, tokens
 
     def _trace_job(self, span: object | None, job: Job) -> None:
         """The job's stages into the timeline log and as spans (tracing on). Its timestamps were
@@ -292,6 +338,7 @@ class PrefillService:
         the transfer id, so whatever they carry is never used."""
         job = self._jobs.pop(request_id, None)
         e.abort(request_id)
+        e.withdraw_prefix(request_id)
         self._aborted.add(request_id)
         if job is None:
             return False
@@ -323,6 +370,7 @@ class PrefillService:
                 e.abort(out.request_id)
                 continue
             assert out.finish_reason == "prefilled", out
+            e.withdraw_prefix(out.request_id)  # the prompt is computed: an offered prefix was taken, or not
             job.prefilled_out = out
             job.prefilled = time.monotonic()
             computing = job.computing if job.computing is not None else job.prefilled
@@ -341,6 +389,7 @@ class PrefillService:
         if rid is None or job is None:
             return  # aborted earlier
         job.ended = ended
+        e.withdraw_prefix(rid)
         out = job.prefilled_out
         if out is not None:
             e.release(rid)

@@ -12,6 +12,8 @@ releases. Faults and where they act::
     drop_notices n      P  the next n completion notices are lost on the wire
     delay_notices n     P  the next n notices leave notice_delay_s late
     corrupt_writes n    D  one byte of each of the next n KV writes received is flipped
+    corrupt_reads n     D  one byte of each of the next n prefix reads sent (decode-to-prefill reuse) is
+                            flipped after its checksum was computed
     step_delay_s        D  the engine thread sleeps after each step that produced tokens
     pause_after_tokens k D  the engine thread stops (once) right after it streamed its k-th token
                             since the plan was armed: the tokens so far are on their way, no more come
@@ -31,7 +33,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
-COUNTERS = ("drop_notices", "delay_notices", "corrupt_writes", "break_transport")
+COUNTERS = ("drop_notices", "delay_notices", "corrupt_writes", "corrupt_reads", "break_transport")
 
 
 class FaultPlan(BaseModel):
@@ -43,6 +45,7 @@ class FaultPlan(BaseModel):
     delay_notices: int = Field(default=0, ge=0)
     notice_delay_s: float = Field(default=0.0, ge=0, le=60)
     corrupt_writes: int = Field(default=0, ge=0)
+    corrupt_reads: int = Field(default=0, ge=0)
     break_transport: int = Field(default=0, ge=0)
     step_delay_s: float = Field(default=0.0, ge=0, le=5)
     pause_after_tokens: int | None = Field(default=None, ge=1)
@@ -70,6 +73,7 @@ class FaultInjector:
             "notices_dropped": 0,
             "notices_delayed": 0,
             "writes_corrupted": 0,
+            "reads_corrupted": 0,
             "transport_broken": 0,
         }
 
@@ -100,7 +104,8 @@ class FaultInjector:
 
     # ---- hooks ---------------------------------------------------------------------
     def take(self, counter: str) -> bool:
-        """Consume one armed ``drop_notices`` / ``delay_notices`` / ``corrupt_writes`` / ``break_transport``."""
+        """Consume one armed ``drop_notices`` / ``delay_notices`` / ``corrupt_writes`` / ``corrupt_reads`` /
+        ``break_transport``."""
         assert counter in COUNTERS, counter
         with self._lock:
             left = getattr(self._plan, counter)
@@ -111,6 +116,7 @@ class FaultInjector:
                 "drop_notices": "notices_dropped",
                 "delay_notices": "notices_delayed",
                 "corrupt_writes": "writes_corrupted",
+                "corrupt_reads": "reads_corrupted",
                 "break_transport": "transport_broken",
             }[counter]
             self._injected[done] += 1

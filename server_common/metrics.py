@@ -124,6 +124,31 @@ class ServerMetrics:
             registry=r,
         )
 
+        # Decode-to-prefill reuse (kvlink/prefix_read.py): a decode server's reads of a reservation's cached
+        # prefix; a prefill server's reads of it, by outcome (anything but ok is a miss, computed instead).
+        self.prefix_reads = Counter(
+            "pdserve_kv_prefix_reads",
+            "Decode server: reads of a reservation's cached prefix by a prefill server, by outcome code",
+            ["outcome"],
+            registry=r,
+        )
+        self.prefix_pulls = Counter(
+            "pdserve_kv_prefix_pulls",
+            "Prefill server: reads of a decode server's cached prefix, by outcome code (not ok: computed here)",
+            ["outcome"],
+            registry=r,
+        )
+        self.prefix_pulled_tokens = Counter(
+            "pdserve_kv_prefix_pulled_tokens",
+            "Prefill server: prompt tokens whose K/V was read from the decode server instead of computed",
+            registry=r,
+        )
+        self.prefix_pulled_bytes = Counter(
+            "pdserve_kv_prefix_pulled_bytes",
+            "Prefill server: bytes of K/V read from decode servers' cached prefixes",
+            registry=r,
+        )
+
     def _stage_metrics(self, r: CollectorRegistry) -> None:
         """How long a request spent in each stage on this server."""
         self.kv_wait_seconds = Histogram(

@@ -95,6 +95,16 @@ class KVHello(Strict):
     ranks: list[str] = Field(default_factory=list, max_length=64)
 
 
+class KVPrefixRead(Strict):
+    """POST /kv/read on a decode server, from a prefill server: every layer's K/V of tokens
+    [start, end) of the cached prefix that reservation ``transfer_id`` pins (decode-to-prefill
+    reuse, kvlink/prefix_read.py). Answered while the reservation waits for its KV, only."""
+
+    transfer_id: str = Field(min_length=1, max_length=200)
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+
 class DecodePeer(Strict):
     """POST /admin/peers on a prefill server (from the router's discovery): a decode server
     that joined the cluster, which this prefill server may now hand KV to."""

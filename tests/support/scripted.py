@@ -14,6 +14,7 @@ from decode_server.service import GenerationService
 from engine import EngineConfig, LLMEngine
 from engine.request import SamplingParams
 from kvlink.ports import Expected, PrefillLink, Route
+from kvlink.prefix_read import PrefixReadError
 from server_common.settings import ServerSettings
 from tests.waiting import until
 from transfer.layout import KVLayout
@@ -137,12 +138,18 @@ class ScriptedPeers:
 
     def __init__(self) -> None:
         self.added: dict[str, str] = {}
+        self.reads: list[tuple[str, int, int]] = []
 
     async def route(self, reservation: Reservation) -> Route:
         """A decode server of one rank with the reservation's own transfer."""
         peer, tid = reservation.kv_target.peer, reservation.transfer_id
         layout = KVLayout(num_layers=1, num_kv_heads_total=1, head_ids=(0,), head_dim=1, block_size=1, num_blocks=1)
         return Route(tid, single_rank(tid, peer, layout), tuple(reservation.block_ids))
+
+    async def read_prefix(self, reservation: Reservation, start: int, end: int, timeout_s: float):
+        """No decode server behind it to read a prefix from: every read is a miss (refused), recorded."""
+        self.reads.append((reservation.transfer_id, start, end))
+        raise PrefixReadError(Outcome.REFUSED, "scripted peers hold no prefix")
 
     def add(self, name: str, url: str) -> None:
         self.added[name] = url
