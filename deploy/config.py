@@ -624,6 +624,10 @@ class TransferConfig(Strict):
     """zmq (ZeroMQ over TCP) or nixl (NIXL over UCX)."""
     timeout_s: float = Field(default=ServerSettings.transfer_timeout_s, gt=0)
     """Seconds a KV handshake (a prefill server connecting to a decode server's transfer backend) may take."""
+    pull_prefix: bool = ServerSettings.pull_prefix
+    """A prefill server reads the part of a prompt's prefix that the decode server's reservation holds and
+    its own cache lacks from that decode server instead of computing it (decode-to-prefill reuse,
+    docs/kv-tiers.md); a failed read is computed."""
 
 
 class PlannerConfig(Strict):
@@ -988,6 +992,7 @@ class ClusterConfig(Strict):
             transfer_backend=self.transfer.backend,
             lease_s=self.lease_s,
             transfer_timeout_s=self.transfer.timeout_s,
+            pull_prefix=self.transfer.pull_prefix,
             lease_expiry=self.recovery.lease_expiry,
             checksum_failure=self.recovery.checksum_failure,
             fault_injection=self.fault_injection,
