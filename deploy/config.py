@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
@@ -46,6 +47,7 @@ from pydantic import Field, SecretStr, ValidationError, model_validator
 from deploy.config_security import ConfigError as ConfigError  # callers catch it as deploy.config's
 from deploy.config_security import SecurityConfig, Strict, looks_secret
 from deploy.k8s_config import KubernetesConfig
+from deploy.kv_memory import AUTO, HostMemory, ServerMemory, auto_kv_cache_bytes, server_memory
 from engine.config import (
     AtLeastOne,
     AttentionBackend,
@@ -153,8 +155,13 @@ class EngineDefaults(Strict):
     neighbour process) and give it back when they free (engine/contention.py)."""
     device: str | None = None
     """The torch device of each server (cpu, cuda, cuda:1, ...); null: the cluster's `device`."""
-    kv_cache_bytes: AtLeastOne = EngineConfig.kv_cache_bytes
-    """Bytes of KV cache per server (`num_blocks` wins when both are set)."""
+    kv_cache_bytes: AtLeastOne | Literal["auto"] = EngineConfig.kv_cache_bytes
+    """Bytes of KV cache per server (`num_blocks` wins when both are set); auto: a share of the memory its host
+    has available at the start, after every server's weights there (`kv_cache_memory_fraction`;
+    deploy/kv_memory.py)."""
+    kv_cache_memory_fraction: float = Field(default=0.5, gt=0, le=0.9)
+    """With `kv_cache_bytes: auto`: the share of a host's available memory, after the weights and runtime of
+    the servers it starts, that their KV caches take together (split evenly over their ranks)."""
     num_blocks: AtLeastOne | None = EngineConfig.num_blocks
     """KV blocks per server; null: as many as `kv_cache_bytes` holds."""
     max_num_seqs: AtLeastOne = EngineConfig.max_num_seqs
@@ -216,8 +223,8 @@ class Instance(Strict):
     """Its torch threads."""
     device: str | None = None
     """Its torch device."""
-    kv_cache_bytes: AtLeastOne | None = None
-    """Its bytes of KV cache."""
+    kv_cache_bytes: AtLeastOne | Literal["auto"] | None = None
+    """Its bytes of KV cache (auto: sized from its host's memory)."""
     num_blocks: AtLeastOne | None = None
     """Its KV blocks."""
     max_num_seqs: AtLeastOne | None = None
@@ -968,13 +975,47 @@ class ClusterConfig(Strict):
             **{name: getattr(r, name) for name in ROUTER_KEYS_AS_IS},
         )
 
-    def server_settings(self, name: str, model_path: Path) -> ServerSettings:
+    def engine_knob(self, name: str, key: str) -> Any:
+        """Instance ``name``'s value of engine key ``key``: its own, else the ``engine:`` section's."""
+        own = getattr(self.instance(name), key)
+        return getattr(self.engine, key) if own is None else own
+
+    def kv_memory(self, name: str, model_path: Path) -> ServerMemory:
+        """What instance ``name`` asks of its host's memory (deploy/kv_memory.py)."""
+        return server_memory(
+            name,
+            model_path,
+            EngineConfig(model=str(model_path), dtype=self.dtype).torch_dtype,
+            self.engine_knob(name, "tensor_parallel_size"),
+            self.engine_knob(name, "expert_parallel_size") > 1,
+            self.max_model_len,
+            self.engine_knob(name, "max_num_seqs"),
+            weights_loaded=self.engine_knob(name, "kind") == "model",
+        )
+
+    def auto_kv_cache_bytes(self, names: Collection[str], model_path: Path, memory: HostMemory) -> dict[str, int]:
+        """``kv_cache_bytes`` of each of ``names`` whose setting is ``auto``, when ``names`` are the servers one
+        host starts together (raises KvMemoryError where the host has too little)."""
+        auto = [n for n in names if self.engine_knob(n, "kv_cache_bytes") == AUTO]
+        if not auto:
+            return {}
+        servers = [self.kv_memory(n, model_path) for n in names]
+        sizes = auto_kv_cache_bytes(memory, servers, self.engine.kv_cache_memory_fraction)
+        return {n: sizes[n] for n in auto}
+
+    def server_settings(self, name: str, model_path: Path, kv_cache_bytes: int | None = None) -> ServerSettings:
+        """Server ``name``'s settings; ``kv_cache_bytes``: its KV cache as its launcher sized it, else the
+        config's (``auto``: sized here, as the only server on its host)."""
         role = self.role_of(name)
         inst = self.instance(name)
         knobs = {
-            **self.engine.model_dump(),
+            **self.engine.model_dump(exclude={"kv_cache_memory_fraction"}),
             **{key: getattr(inst, key) for key in INSTANCE_ENGINE_KEYS if getattr(inst, key) is not None},
         }
+        if kv_cache_bytes is not None:
+            knobs["kv_cache_bytes"] = kv_cache_bytes
+        elif knobs["kv_cache_bytes"] == AUTO:
+            knobs["kv_cache_bytes"] = self.auto_kv_cache_bytes([name], model_path, HostMemory.read())[name]
         knobs["device"] = knobs["device"] or self.device
         tenants = (DEFAULT_TENANT, *(t.name for t in self.router.tenants if t.name != DEFAULT_TENANT))
         knobs["kv_tiers"] = (inst.kv_tiers or self.engine.kv_tiers).for_server(name, tenants)

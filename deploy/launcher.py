@@ -43,6 +43,7 @@ import httpx
 from deploy.config import ClusterConfig, load_config
 from deploy.config_security import GENERATED_SECRET_ENV
 from deploy.front import FRONT_NAME, FrontMissing, haproxy_binary, write_haproxy_config
+from deploy.kv_memory import HostMemory, KvMemoryError, describe
 from deploy.ports import busy_ports
 from deploy.progress import Heartbeat, seconds_since_process_start
 from deploy.role_file import RoleFile
@@ -121,6 +122,8 @@ class Cluster:
         # Every child reports it in /health: an answer without it comes from a process this launch did not start.
         self.launch_id = secrets.token_hex(8)
         self.openmp_env = openmp_spin(cluster, only, len(os.sched_getaffinity(0)))
+        # Each server's KV cache where the config says auto, sized for this host's servers together.
+        self.kv_cache_bytes: dict[str, int] = {}
 
     def _spawn(self, role: str, name: str, url: str, args: list[str]) -> Proc:
         cmd = [sys.executable, "-m", "deploy.cli", *args, "--config", str(self.config_path)]
@@ -165,7 +168,22 @@ class Cluster:
         return None if record is None else record.role
 
     def server_args(self, command: str, name: str) -> list[str]:
-        return [command, "--name", name, "--role-file", str(self.role_file(name))]
+        args = [command, "--name", name, "--role-file", str(self.role_file(name))]
+        if name in self.kv_cache_bytes:
+            args += ["--kv-cache-bytes", str(self.kv_cache_bytes[name])]
+        return args
+
+    def size_kv_caches(self, model: Path) -> str | None:
+        """Size the KV cache of each server this host starts whose config says ``kv_cache_bytes: auto``, from
+        the memory the host has now, before any of them takes some (deploy/kv_memory.py); the line saying
+        what was chosen, or None where no server's is auto. KvMemoryError where the host has too little."""
+        names = [i.name for i in self.cluster.instances() if self.only is None or i.name in self.only]
+        memory = HostMemory.read()
+        self.kv_cache_bytes = self.cluster.auto_kv_cache_bytes(names, model, memory)
+        if not self.kv_cache_bytes:
+            return None
+        servers = [self.cluster.kv_memory(n, model) for n in names if n in self.kv_cache_bytes]
+        return describe(memory, servers, self.kv_cache_bytes, self.cluster.engine.kv_cache_memory_fraction)
 
     def router_args(self, replica: int | None = None) -> list[str]:
         """The router keeps stored /v1/responses in the run folder, so a restarted router still has them;
@@ -419,7 +437,13 @@ def launch(
     c = Cluster(config_path, cluster, run_dir, only)
     up = False
     try:
-        _model_folder(cluster, started)
+        model = _model_folder(cluster, started)
+        try:
+            sized = c.size_kv_caches(model)
+        except KvMemoryError as exc:
+            raise LaunchError(str(exc)) from None
+        if sized:
+            print(f"pdserve: {sized}", flush=True)
         _start_all(c, health_timeout, stop, started)
         up = True
         if _supervise(c, stop):

@@ -79,10 +79,24 @@ def _add_server_parser(
     p.add_argument("--config", required=True, help="cluster YAML file (see configs/)")
     p.add_argument("--name", required=True, help="this instance's name in the config")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help="log this and above (default info)")
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=_positive_int,
+        metavar="N",
+        help="this server's KV cache in bytes (per rank), instead of the config's kv_cache_bytes; `pdserve launch` "
+        "passes it where that is auto, having sized every server of the host together (deploy/kv_memory.py)",
+    )
     _add_launch_id(p)
     # Where the server records its role; a restarted one starts in the role recorded (deploy/role_file.py).
     p.add_argument("--role-file", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=func)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _add_launch_id(parser: argparse.ArgumentParser) -> None:
@@ -134,7 +148,8 @@ def _server_settings(args: argparse.Namespace, expected_roles: tuple[str, ...]) 
     role = cluster.role_of(args.name)
     if role not in expected_roles:
         raise ConfigError(f"{args.config}: instance {args.name!r} is a {role} instance, not {'/'.join(expected_roles)}")
-    return dataclasses.replace(cluster.server_settings(args.name, cluster.model_path()), launch_id=args.launch_id)
+    settings = cluster.server_settings(args.name, cluster.model_path(), args.kv_cache_bytes)
+    return dataclasses.replace(settings, launch_id=args.launch_id)
 
 
 def _confined(settings: ServerSettings) -> ServerSettings:

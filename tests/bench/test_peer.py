@@ -247,7 +247,7 @@ def test_pdserve_runs_the_shipped_configs_with_the_model_dtype_a_thread_per_core
     assert (colocated["model"], colocated["dtype"], colocated["engine"]["num_threads"]) == (str(MODEL), "bfloat16", 2)
     assert colocated["engine"]["block_size"] == 16  # the rest of the shipped config is kept
     split = pdserve_config("1p1d", MODEL, "float32", 2)
-    assert split["engine"]["kv_cache_bytes"] == 268435456 and split["transfer"]["backend"] == "nixl"
+    assert split["engine"]["kv_cache_bytes"] == "auto" and split["transfer"]["backend"] == "nixl"
     (p,), (d,) = split["prefill"], split["decode"]
     ports = {split["router"]["port"], p["port"], p["kv_port"], d["port"], d["kv_port"]}
     assert len(ports) == 5 and p["kv_port"] == p["port"] + 1

@@ -94,3 +94,25 @@ def test_servers_sharing_cores_are_launched_with_a_short_openmp_spin(tmp_path, t
         assert f"torch threads fill or outnumber this host's {cores} cores: GOMP_SPINCOUNT=10000 for them" in said
     finally:
         cluster.stop()
+
+
+def cmdline(pid: int) -> list[str]:
+    return open(f"/proc/{pid}/cmdline", "rb").read().decode().split("\0")
+
+
+@pytest.mark.integration
+def test_auto_kv_caches_are_sized_by_the_launcher_for_its_servers_together(tmp_path, tiny_model):
+    auto = {"engine": {"kv_cache_bytes": "auto", "num_blocks": None, "max_num_seqs": 4}}
+    cluster = Cluster(make_config(tmp_path, "tiny-1p1d", tiny_model, auto), tmp_path)
+    try:
+        full = 4 * 4096 * 2 * 2 * 2 * 16 * 4  # sequences x tokens x (2 layers, K and V, 2 heads of 16 floats)
+        for server in cluster.servers:
+            args = cmdline(server["pid"])
+            assert args[args.index("--kv-cache-bytes") + 1] == str(full), server["name"]
+        blocks = cluster.blocks()
+        assert blocks["p0"]["total"] == full // (4 * 2 * 2 * 2 * 16 * 4)  # P's blocks of 4 tokens
+        assert blocks["d0"]["total"] == full // (16 * 2 * 2 * 2 * 16 * 4)  # D's of 16
+        said = (tmp_path / "launcher.log").read_text()
+        assert "pdserve: KV cache (kv_cache_bytes: auto): p0 8 MiB, d0 8 MiB per rank, from " in said
+    finally:
+        cluster.stop()
