@@ -670,11 +670,18 @@ class PlannerConfig(Strict):
     """Prefill servers the planner never goes above (kubernetes; at most the prefill instances listed)."""
     max_decode: int = Field(default=8, ge=1)
     """Decode servers the planner never goes above (kubernetes; at most the decode instances listed)."""
+    max_instances: int | None = Field(default=None, ge=2)
+    """pool: the most instances `pdserve launch` may run, the listed ones included: with `act` it starts one more
+    (in the role the load is short of) when the listed ones are not enough, and drains and stops such an added
+    one when the load falls (never a listed one); null: the listed instances, roles switched only."""
     target_utilisation: float = Field(default=0.8, gt=0, le=1)
     """kubernetes: each role gets its demand (in servers' worth) over this, rounded up; pool: while the busier
     role's utilisation is below it, no switch."""
     hysteresis: float = Field(default=0.15, ge=0, lt=1)
     """pool: a switch must lower the busier role's utilisation by at least this share."""
+    max_moves: int = Field(default=1, ge=1)
+    """pool: instances one decision may switch toward the split the load asks for, one after another (a large
+    pool's best split can be many instances away)."""
     confirm: int = Field(default=2, ge=1)
     """Decisions in a row that must want the same change before it is made."""
     cooldown_s: float = Field(default=30.0, ge=0)
@@ -833,6 +840,14 @@ class ClusterConfig(Strict):
             raise ValueError(
                 f"planner: min_prefill + min_decode ({p.min_prefill} + {p.min_decode}) is more than the "
                 f"{len(self.prefill) + len(self.decode)} instances listed"
+            )
+        listed = len(self.prefill) + len(self.decode)
+        if p.max_instances is not None and p.orchestrator != "pool":
+            raise ValueError("planner.max_instances: only with orchestrator pool (kubernetes runs the listed ones)")
+        if p.max_instances is not None and p.max_instances < listed:
+            raise ValueError(
+                f"planner.max_instances ({p.max_instances}) is fewer than the {listed} prefill and decode instances "
+                "listed: it counts them too"
             )
         if p.orchestrator == "kubernetes" and (p.min_prefill > len(self.prefill) or p.min_decode > len(self.decode)):
             raise ValueError("planner: min_prefill and min_decode are at most the instances listed for the role")

@@ -27,14 +27,24 @@ TTFTs (the backlog's wait) do not lower prefill's capacity (below).
 Two ways to act:
 
 * ``pool`` (``pdserve launch``: a fixed set of instances). The planner moves
-  one instance at a time between the roles (a live role switch,
-  router/admin.py) to the split that minimises the busier role's
-  utilisation, and only when that role is above ``target_utilisation``
+  instances between the roles (a live role switch, router/admin.py) toward
+  the split that minimises the busier role's utilisation, at most
+  ``max_moves`` in one decision (one by default; a large pool, whose best
+  split can be many instances away, may move several, switched one after
+  another), and only when that role is above ``target_utilisation``
   (below it every role has room, and a switch would only cost its
   drain), the move lowers it by ``hysteresis`` (a share of the current
   figure), the same move was wanted ``confirm`` intervals in a
   row, ``cooldown_s`` passed since the last move, and no switch is in
-  flight. A role never drops below its ``min_*``.
+  flight. A role never drops below its ``min_*``. With ``max_instances``
+  (a launcher that can start instances) the pool also grows and shrinks,
+  one instance a decision: when the roles' demand over
+  ``target_utilisation``, rounded up per role, is more instances than it
+  has, it asks for one more in the role short of the most (below
+  ``max_instances``); when one instance fewer would still leave the role it
+  comes from below ``target_utilisation`` less ``hysteresis``, it asks for
+  one fewer there (above ``min_instances``, the instances listed). Growing
+  waits ``confirm`` intervals; shrinking also the cooldown.
 * ``scale`` (Kubernetes): each role's count is its demand over
   ``target_utilisation``, rounded up, within ``min_*`` and ``max_*``;
   growing waits ``confirm`` intervals, shrinking waits as long and the
@@ -174,8 +184,11 @@ class PlannerSettings:
     max_decode: int = 8  # scale only
     target_utilisation: float = 0.8  # scale: a role gets demand / this, rounded up; pool: no move below it
     hysteresis: float = 0.15  # pool: a move must lower the busier role's utilisation by this share
+    max_moves: int = 1  # pool: instances one decision may switch (one after another, never two at once)
     confirm: int = 2  # intervals in a row that must want the same change
     cooldown_s: float = 30.0  # after a change, before the next one (scale: before shrinking)
+    min_instances: int = 0  # pool with max_instances: never fewer instances than this (the ones listed)
+    max_instances: int | None = None  # pool: None: a fixed pool; else it may grow to this many
 
 
 @dataclass(frozen=True)
@@ -185,7 +198,9 @@ class Decision:
     prefill: int  # the counts wanted after this decision
     decode: int
     reason: str
-    switch_to: Role | None = None  # "switch": one instance of the other role becomes this
+    switch_to: Role | None = None  # "switch": ``moves`` instances of the other role become this; "scale" in a
+    # pool: the role of the instance to start (the counts grow) or to stop (they shrink)
+    moves: int = 1  # "switch": how many, one after another
     utilisation: dict[str, float] = field(default_factory=dict)  # per role, at the current counts
 
 
@@ -195,6 +210,8 @@ class Planner:
     def __init__(self, settings: PlannerSettings, cost: StepCost, shape: EngineShape, slo: Slo) -> None:
         if settings.min_prefill < 1 or settings.min_decode < 1:
             raise ValueError("min_prefill and min_decode must be at least 1: a cluster needs both roles")
+        if settings.max_moves < 1:
+            raise ValueError("max_moves must be at least 1")
         self.settings = settings
         self.cost = cost
         self.shape = shape
@@ -245,9 +262,46 @@ class Planner:
     def _utilisation(demand: dict[Role, float], prefill: int, decode: int) -> dict[Role, float]:
         return {"prefill": demand["prefill"] / max(prefill, 1), "decode": demand["decode"] / max(decode, 1)}
 
+    def _resize(
+        self, demand: dict[Role, float], prefill: int, decode: int, now: float, switching: bool
+    ) -> Decision | None:
+        """A pool with ``max_instances``: one instance more or fewer (module docstring), a hold while that
+        waits, or None: the size is right, and the split is the question."""
+        s = self.settings
+        if s.max_instances is None:
+            return None
+        have: dict[Role, int] = {"prefill": prefill, "decode": decode}
+        low: dict[Role, int] = {"prefill": s.min_prefill, "decode": s.min_decode}
+        want = {r: max(math.ceil(round(demand[r] / s.target_utilisation, 9)), low[r]) for r in have}
+        total = prefill + decode
+        if sum(want.values()) > total and total < s.max_instances:
+            role: Role = max(have, key=lambda r: (want[r] - have[r], r == "prefill"))
+            step = 1
+        else:
+            spare = [
+                r
+                for r in have
+                if have[r] > low[r] and demand[r] / (have[r] - 1) <= s.target_utilisation * (1 - s.hysteresis)
+            ]
+            if total <= s.min_instances or sum(want.values()) > total - 1 or not spare:
+                return None
+            role = max(spare, key=lambda r: (have[r] - want[r], r == "decode"))
+            step = -1
+        counts = (prefill + step, decode) if role == "prefill" else (prefill, decode + step)
+        verb = "start" if step > 0 else "stop"
+        reason = (
+            f"demand {demand['prefill']:.2f} prefill, {demand['decode']:.2f} decode servers' worth: "
+            f"{verb} a {role} server ({total} instances now, at most {s.max_instances})"
+        )
+        held = self._gate(now, f"to {counts[0]}P{counts[1]}D", switching, prefill, decode, reason, cool=step < 0)
+        return held or Decision(now, "scale", *counts, reason, switch_to=role)
+
     def _pool(self, demand: dict[Role, float], prefill: int, decode: int, now: float, switching: bool) -> Decision:
         s = self.settings
         total = prefill + decode
+        resized = self._resize(demand, prefill, decode, now, switching)
+        if resized is not None:
+            return resized
 
         def busiest(p: int) -> float:
             return max(demand["prefill"] / p, demand["decode"] / (total - p))
@@ -266,10 +320,11 @@ class Planner:
             why = "balanced" if best == prefill else f"{best}P{total - best}D would gain under {s.hysteresis:.0%}"
             return Decision(now, "hold", prefill, decode, f"{why} (busiest role at {now_u:.2f})")
         to: Role = "prefill" if best > prefill else "decode"
-        target = (prefill + 1, decode - 1) if to == "prefill" else (prefill - 1, decode + 1)
+        moves = min(abs(best - prefill), s.max_moves)
+        target = (prefill + moves, decode - moves) if to == "prefill" else (prefill - moves, decode + moves)
         reason = f"{best}P{total - best}D puts the busiest role at {best_u:.2f} instead of {now_u:.2f}"
         return self._gate(now, f"to {to}", switching, prefill, decode, reason) or Decision(
-            now, "switch", *target, reason, switch_to=to
+            now, "switch", *target, reason, switch_to=to, moves=moves
         )
 
     def _scale(self, demand: dict[Role, float], prefill: int, decode: int, now: float) -> Decision:

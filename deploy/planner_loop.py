@@ -5,8 +5,13 @@ asks ``Planner.decide`` (deploy/planner.py) and, in ``act`` mode, carries the
 decision out (deploy/planner_act.py). Each decision is one log line with its
 reason, one JSON line in ``/decisions`` (the last 200) and the
 ``pdserve_planner_*`` metrics on ``/metrics``; ``/health`` answers as the
-other processes' do, so `pdserve launch` can wait for it. The HTTP listener
-serves only those three reads, on the cluster's router host.
+other processes' do, so `pdserve launch` can wait for it. In a pool that may
+grow (``planner.max_instances``) a decision to start or stop an instance is
+the launcher's to carry out, since it owns the processes: the planner says
+what it wants at ``/wanted``, which the launcher reads every interval
+(deploy/launch_scale.py), and holds its next change until the routers show
+the new count in rotation (or ``RESIZE_PATIENCE_S`` passed). The HTTP
+listener serves only those four reads, on the cluster's router host.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("pdserve.planner")
 KEPT_DECISIONS = 200
+RESIZE_PATIENCE_S = 300.0  # a start or stop the routers never show is given up after this
 READ_TIMEOUT_S = 5.0
 ROLES: tuple[Role, ...] = ("prefill", "decode")
 
@@ -103,6 +109,10 @@ class PlannerLoop:
         self.decisions: deque[dict] = deque(maxlen=KEPT_DECISIONS)
         self.window_s = window_s
         self._history: deque[tuple[float, dict[str, Snapshot]]] = deque()
+        # What the launcher is asked for (``/wanted``): the pool's size per role, and the last change's
+        # role and direction; ``seq`` counts the asks.
+        self.wanted: dict | None = None
+        self._asked_at = -float("inf")
 
     def step(self) -> Decision | None:
         """One interval: None on the first (it only takes the baseline scrape)."""
@@ -117,24 +127,46 @@ class PlannerLoop:
         load = window(base, scraped, now - since, self.slo.ttft_s, self.slo.tpot_s)
         workers = self.routers.workers()
         counts = {role: in_rotation(workers, role) for role in ROLES}
-        decision = self.planner.decide(load, counts["prefill"], counts["decode"], now)
+        decision = self.planner.decide(load, counts["prefill"], counts["decode"], now, self._resizing(counts, now))
         self.metrics.cpu.observe(time.process_time() - cpu)
-        done, changed = self._carry_out(decision, workers)
+        done, changed = self._carry_out(decision, workers, counts, now)
         self._record(decision, load, counts, done)
         if changed and decision.action == "switch":  # the counts changed: what came before is no guide
             self._history = deque([(self.clock(), self.routers.scrape())])
         return decision
 
-    def _carry_out(self, decision: Decision, workers: list[WorkerView]) -> tuple[str | None, bool]:
+    def _resizing(self, counts: dict[Role, int], now: float) -> bool:
+        """Whether the launcher's start or stop of an instance is still to show in the routers' counts."""
+        if self.wanted is None or now - self._asked_at > RESIZE_PATIENCE_S:
+            return False
+        return sum(counts.values()) != self.wanted["prefill"] + self.wanted["decode"]
+
+    def _ask_launcher(self, decision: Decision, counts: dict[Role, int], now: float) -> str:
+        """Publish a pool's new size at ``/wanted`` for the launcher (deploy/launch_scale.py)."""
+        assert decision.switch_to is not None
+        grow = decision.prefill + decision.decode > sum(counts.values())
+        seq = 1 if self.wanted is None else self.wanted["seq"] + 1
+        self.wanted = {
+            "seq": seq,
+            "prefill": decision.prefill,
+            "decode": decision.decode,
+            "change": "start" if grow else "stop",
+            "role": decision.switch_to,
+        }
+        self._asked_at = now
+        return f"asked the launcher to {self.wanted['change']} a {decision.switch_to} server"
+
+    def _carry_out(
+        self, decision: Decision, workers: list[WorkerView], counts: dict[Role, int], now: float
+    ) -> tuple[str | None, bool]:
         """What was done about ``decision`` (None: nothing to do), and whether anything changed."""
         if self.act is None or decision.action == "hold":
             return None, False
         try:
             if isinstance(self.act, PoolSwitch):
-                if decision.action != "switch":
-                    return None, False
-                name, seconds = self.act.apply(decision, workers)
-                return f"switched {name} to {decision.switch_to} in {seconds:.2f} s", True
+                if decision.action == "scale":
+                    return self._ask_launcher(decision, counts, now), False
+                return self._switch(decision, workers)
             if decision.action != "scale":
                 return None, False
             return f"scaled {self.act.apply(decision)}", True
@@ -142,6 +174,25 @@ class PlannerLoop:
             self.metrics.act_failures.inc()
             log.warning("could not carry out %s: %s", decision.action, exc)
             return f"failed: {exc}", False
+
+    def _switch(self, decision: Decision, workers: list[WorkerView]) -> tuple[str, bool]:
+        """The decision's ``moves`` switches, one after another (each donor chosen from the routers' view
+        after the last switch); what was done ("switched A to prefill in 0.11 s; switched B ..."), stopping
+        at the first that fails."""
+        assert isinstance(self.act, PoolSwitch)
+        done: list[str] = []
+        for k in range(decision.moves):
+            try:
+                name, seconds = self.act.apply(decision, workers if k == 0 else self.routers.workers())
+            except ActError as exc:
+                if not done:
+                    raise
+                self.metrics.act_failures.inc()
+                log.warning("could not carry out switch %d of %d: %s", k + 1, decision.moves, exc)
+                done.append(f"failed: {exc}")
+                break
+            done.append(f"switched {name} to {decision.switch_to} in {seconds:.2f} s")
+        return "; ".join(done), True
 
     def _record(self, decision: Decision, load: Load, counts: dict[Role, int], done: str | None) -> None:
         m = self.metrics
@@ -197,6 +248,8 @@ def serve_reads(loop: PlannerLoop, host: str, port: int, launch_id: str | None) 
                 body, kind = generate_latest(loop.metrics.registry).decode(), "plain"
             elif self.path == "/decisions":
                 body, kind = json.dumps({"decisions": list(loop.decisions)}), "json"
+            elif self.path == "/wanted":
+                body, kind = json.dumps({"launch_id": launch_id, "wanted": loop.wanted}), "json"
             else:
                 self.send_error(404)
                 return
@@ -230,8 +283,11 @@ def build(cluster: ClusterConfig, config_path: Path) -> PlannerLoop:
         min(p.max_decode, len(cluster.decode)) if orchestrator == "scale" else p.max_decode,
         p.target_utilisation,
         p.hysteresis,
+        p.max_moves,
         p.confirm,
         p.cooldown_s,
+        min_instances=len(cluster.prefill) + len(cluster.decode),
+        max_instances=p.max_instances if orchestrator == "pool" else None,
     )
     secret = cluster.security.secret()
     replicas = cluster.router.replicas

@@ -67,6 +67,43 @@ def test_a_pool_moves_one_instance_at_a_time_toward_the_split_the_load_asks_for(
     assert decisions[-1].reason == "every role has room (busiest at 0.79)"
 
 
+def test_a_large_pool_moves_up_to_max_moves_in_one_decision_and_no_further_than_the_best_split():
+    heavy = load(PROMPT_HEAVY[0] * 8, *PROMPT_HEAVY[1:])  # about 14.6 prefill servers' worth, 3.4 decode
+    planner = Planner(PlannerSettings(max_moves=4, confirm=1, cooldown_s=0), COST, SHAPE, SLO)
+    counts, decisions = run(planner, [heavy] * 6, prefill=4, decode=28)
+    assert [d.moves for d in decisions if d.action == "switch"] == [4, 4, 4, 4]
+    assert [c[0] for c in counts] == [8, 12, 16, 20, 20, 20]  # 20P12D is the best split: the last move stops there
+    assert all(sum(c) == 32 for c in counts)
+    one = Planner(PlannerSettings(confirm=1, cooldown_s=0), COST, SHAPE, SLO).decide(heavy, 4, 28, 0.0)
+    assert (one.moves, one.prefill, one.decode) == (1, 5, 27)  # the default: one instance a decision
+    with pytest.raises(ValueError, match="max_moves"):
+        Planner(PlannerSettings(max_moves=0), COST, SHAPE, SLO)
+
+
+def test_a_pool_that_may_grow_adds_the_role_short_of_most_up_to_max_and_gives_back_down_to_the_listed():
+    settings = PlannerSettings(max_instances=4, min_instances=2, confirm=1, cooldown_s=0)
+    planner = Planner(settings, COST, SHAPE, SLO)
+    counts, decisions = run(planner, [load(*PROMPT_HEAVY)] * 3, prefill=1, decode=1)
+    assert counts == [(2, 1), (3, 1), (3, 1)]  # 1.83 prefill servers' worth: 3 at 0.8 each; then the ceiling
+    assert [(d.action, d.switch_to) for d in decisions[:2]] == [("scale", "prefill")] * 2
+    assert decisions[0].reason.endswith("start a prefill server (2 instances now, at most 4)")
+    counts, decisions = run(planner, [load(*OUTPUT_HEAVY)] * 3, 3, 1, start=100.0)
+    assert counts == [(2, 1), (1, 2), (1, 2)]  # one prefill server too many stops, one more switches to decode
+    assert (decisions[0].action, decisions[0].switch_to, decisions[1].action) == ("scale", "prefill", "switch")
+    counts, decisions = run(planner, [load(0.5, 100, 40)] * 3, 1, 2, start=200.0)
+    assert counts == [(1, 1)] * 3  # never below the listed two, nor a role below its minimum
+    assert decisions[0].reason.endswith("stop a decode server (3 instances now, at most 4)")
+
+
+def test_shrinking_waits_for_the_cooldown_and_a_resize_in_flight_holds():
+    planner = Planner(PlannerSettings(max_instances=4, min_instances=2, confirm=1, cooldown_s=50), COST, SHAPE, SLO)
+    assert planner.decide(load(*PROMPT_HEAVY), 1, 1, 0.0).action == "scale"  # growing waits for no cooldown
+    held = planner.decide(load(*PROMPT_HEAVY), 2, 1, 10.0, switching=True)
+    assert (held.action, held.prefill) == ("hold", 2) and "in flight" in held.reason
+    assert planner.decide(load(0.5, 100, 40), 3, 1, 20.0).reason.startswith("cooling down 30 s")
+    assert planner.decide(load(0.5, 100, 40), 3, 1, 60.0).action == "scale"
+
+
 def test_a_light_load_moves_nothing_however_lopsided():
     planner = Planner(PlannerSettings(confirm=1, cooldown_s=0), COST, SHAPE, SLO)
     counts, decisions = run(planner, [load(0.5, 100, 400)] * 5, prefill=3, decode=1)

@@ -77,6 +77,36 @@ def test_a_switch_carried_out_starts_the_history_again_and_says_what_it_did():
     assert planner_loop.decisions[-1]["load"]["seconds"] == 2.0
 
 
+class Donors(PoolSwitch):
+    """The router's role route switching the decode servers in turn; the second switch refused."""
+
+    def __init__(self) -> None:
+        self.donors: list[list[str]] = []
+
+    def apply(self, decision, workers) -> tuple[str, float]:
+        self.donors.append([w.name for w in workers])
+        if len(self.donors) == 2:
+            raise ActError("switching d1 to prefill: 409 switch_in_progress")
+        return f"d{len(self.donors) - 1}", 0.25
+
+
+def test_several_moves_are_switched_one_after_another_each_from_the_routers_view_then():
+    pages = [snapshot(10 * k, 60_000 * k) for k in range(12)]
+    donors = Donors()
+    planner_loop, _ = loop(pages, act=donors)
+    planner_loop.planner.settings = replace(planner_loop.planner.settings, max_moves=3)
+    for _ in range(3):
+        planner_loop.step()
+    decision = planner_loop.decisions[-1]
+    assert (decision["action"], decision["moves"], decision["prefill"]) == ("switch", 2, 3)  # 3P1D is the best
+    assert decision["carried_out"] == (
+        "switched d0 to prefill in 0.25 s; failed: switching d1 to prefill: 409 switch_in_progress"
+    )
+    assert len(donors.donors) == 2 and planner_loop.routers.scrapes == 4  # the history started again
+    registry = planner_loop.metrics.registry
+    assert registry.get_sample_value("pdserve_planner_act_failures_total") == 1.0
+
+
 class Refused(PoolSwitch):
     """The router's role route refusing every switch."""
 
@@ -100,6 +130,21 @@ def test_a_refused_switch_is_counted_and_changes_nothing_the_window_reads():
     assert [d["load"]["seconds"] for d in made] == [2.0, 4.0, 6.0]  # no reset: the window kept growing
 
 
+def test_a_pool_that_may_grow_asks_the_launcher_and_holds_until_the_routers_show_the_new_count():
+    pages = [snapshot(10 * k, 60_000 * k) for k in range(12)]  # 30,000 prompt tokens a second
+    switch = Switch()
+    planner_loop, _ = loop(pages, act=switch)
+    planner_loop.planner.settings = replace(planner_loop.planner.settings, max_instances=6, min_instances=4)
+    for _ in range(5):
+        planner_loop.step()
+    made = [(d["action"], d["switch_to"], d["carried_out"]) for d in planner_loop.decisions]
+    assert made[1] == ("scale", "prefill", "asked the launcher to start a prefill server")
+    assert planner_loop.wanted == {"seq": 1, "prefill": 2, "decode": 3, "change": "start", "role": "prefill"}
+    # the routers still show 1P3D: the start is in flight, and nothing else is decided meanwhile
+    assert [d["action"] for d in planner_loop.decisions][2:] == ["hold", "hold"]
+    assert "in flight" in planner_loop.decisions[-1]["reason"] and switch.calls == 0
+
+
 def test_the_planner_serves_three_reads_and_drops_a_client_that_never_sends(monkeypatch):
     import socket
 
@@ -117,6 +162,7 @@ def test_the_planner_serves_three_reads_and_drops_a_client_that_never_sends(monk
         url = f"http://127.0.0.1:{port}"
         assert httpx.get(f"{url}/health").json() == {"status": "ok", "instance": "planner", "launch_id": "L1"}
         assert httpx.get(f"{url}/decisions").json() == {"decisions": []}
+        assert httpx.get(f"{url}/wanted").json() == {"launch_id": "L1", "wanted": None}
         assert 'pdserve_planner_decisions_total{action="switch"} 0.0' in httpx.get(f"{url}/metrics").text
         assert httpx.get(f"{url}/admin/role").status_code == 404
         assert httpx.post(f"{url}/health").status_code == 501
