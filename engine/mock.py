@@ -39,6 +39,7 @@ from engine.request import LOGPROB_FLOOR, ChunkResult, Logprob, Request
 from engine.scheduler import SchedulePlan, Scheduler
 from engine.step_cost import DEFAULT_STEP_COST, StepCost, chunk_attn_pairs, load_step_cost
 from engine.tensor_parallel import Shard
+from engine.tiers.offered import OfferedBlocks
 
 _MASK = (1 << 64) - 1
 
@@ -163,6 +164,7 @@ class MockEngine(LLMEngine):
         self.cache = KVCache(1, num_blocks, config.block_size, 1, 1, config.torch_dtype, cpu, config.kv_layout)
         self.ranks = None
         self.tiers = None
+        self.offered = OfferedBlocks(self.cache, self.tiers)  # a prefix read from a decode server, as LLMEngine's
         self.governor = None  # it computes nothing: no team to size
         self.scheduler = Scheduler(self._scheduler_config(config), BlockManager(num_blocks, config.block_size))
         profile = config.mock_profile
