@@ -38,6 +38,7 @@ from router.cluster import tenancy
 from router.cluster.admission import Admission, AdmissionSettings
 from router.cluster.discovery import Discovery
 from router.cluster.dispatch import Dispatcher, DispatchSettings
+from router.cluster.h1_client import H1Client
 from router.cluster.health import PassiveHealth
 from router.cluster.http_pool import worker_http
 from router.cluster.kv_events import KvEventPoller, KvEventStreams
@@ -215,12 +216,14 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
         keepalive_s = settings.worker_keepalive_s
         n = HEALTH_CONNECTIONS  # workers may join at runtime: not sized by today's count
         async with (
+            # The requests' own client (router/cluster/h1_client.py); discovery's calls go on httpx.
+            H1Client(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as requests_http,
             worker_http(settings.worker_connections, settings.worker_keepalive, keepalive_s, headers) as http,
             worker_http(n, n, keepalive_s, headers) as health_http,
             # One event stream held open per worker (router.kv_events: push): a pool of their own.
             worker_http(settings.worker_connections, 0, keepalive_s, headers) as events_http,
         ):
-            await _build_handlers(app, parts, client, http)
+            await _build_handlers(app, parts, client, requests_http, http)
             tasks = _background_tasks(app, parts, client, health_http, events_http)
             try:
                 yield
@@ -237,13 +240,13 @@ def lifespan(parts: RouterParts, client: WorkerClient | None) -> Callable[[FastA
 
 
 async def _build_handlers(
-    app: FastAPI, parts: RouterParts, client: WorkerClient | None, http: httpx.AsyncClient
+    app: FastAPI, parts: RouterParts, client: WorkerClient | None, requests_http: H1Client, http: httpx.AsyncClient
 ) -> None:
     """What the routes call (``app.state.handlers``, ``responses``, ``discovery``), over one
-    dispatcher and the workers' request connections."""
+    dispatcher and the workers' request connections (``http``: discovery's)."""
     settings = parts.settings
     worker_client = client or WorkerClient(
-        http,
+        requests_http,
         prefill_timeout_s=settings.prefill_timeout_s,
         answered=parts.passive_health.answered,
         stream_stall_s=settings.stream_stall_s,

@@ -1,4 +1,6 @@
-"""The router's HTTP client to the workers: httpx, with a pool scan linear in its connections.
+"""The router's httpx clients to the workers (health checks, KV events, discovery), with a pool scan
+linear in its connections. Requests (``/generate``, ``/prefill``, ``/abort``) go on
+router/cluster/h1_client.py.
 
 httpcore's connection pool (1.0) re-examines every connection each time a
 request enters or leaves it, and for each idle one counts all connections

@@ -1,4 +1,4 @@
-"""The router's HTTP calls to prefill and decode servers (httpx).
+"""The router's HTTP calls to prefill and decode servers (router/cluster/h1_client.py).
 
 Every way a call can fail is one ``WorkerFailed`` whose ``outcome`` says
 why, in the servers' own vocabulary (``transfer.outcome.Outcome``): the code
@@ -11,8 +11,8 @@ router/cluster/health.py). A decode stream silent for ``stream_stall_s`` seconds
 ``STREAM_HEARTBEAT_S`` when it has nothing else to send, so only a stopped
 (frozen, paused, cut off) one is silent that long.
 
-Connections are kept alive and reused (the pool is the ``httpx.AsyncClient``
-router/app.py makes): a decode stream is read to its end after its last
+Connections are kept alive and reused (the pool is the ``H1Client``
+router/app.py makes; its failures are httpx's exceptions): a decode stream is read to its end after its last
 event, so its connection goes back to the pool; a prefill reply is always
 read, even when the caller stops waiting for it (the request finished or was
 aborted), so a cancelled call does not cost a connection. Only a stream
@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable
 import httpx
 from pydantic import ValidationError
 
+from router.cluster.h1_client import H1Client, Reply
 from router.cluster.registry import Worker
 from router.settings import RouterSettings
 from transfer.outcome import KV_NEVER_ARRIVED, Outcome
@@ -121,7 +122,7 @@ def _ignore(worker: Worker) -> None:
 
 def _refusal(
     worker: Worker,
-    resp: httpx.Response,
+    resp: Reply,
     default: Outcome,
     *,
     never_reached: bool = False,
@@ -174,7 +175,7 @@ class DecodeStream:
     def __init__(
         self,
         worker: Worker,
-        response: httpx.Response,
+        response: Reply,
         lines: AsyncIterator[bytes],
         answered: Callable[[Worker], None] = _ignore,
         sequences: int = 1,
@@ -254,7 +255,7 @@ class WorkerClient:
 
     def __init__(
         self,
-        http: httpx.AsyncClient,
+        http: H1Client,
         *,
         prefill_timeout_s: float,
         answered: Callable[[Worker], None] = _ignore,
@@ -270,15 +271,16 @@ class WorkerClient:
 
     async def open_decode(self, worker: Worker, req: GenerateRequest) -> DecodeStream:
         """Start ``/generate``; returns once the reservation (first event) is in."""
-        request = self._http.build_request(
-            "POST",
-            f"{worker.url}/generate",
-            content=req.model_dump_json(),
-            headers=_role_headers(worker),
-            timeout=httpx.Timeout(10.0, read=self._stream_stall_s),
-        )
         try:
-            response = await self._http.send(request, stream=True)
+            response = await self._http.request(
+                "POST",
+                f"{worker.url}/generate",
+                req.model_dump_json(),
+                _role_headers(worker),
+                timeout=10.0,
+                read_timeout=self._stream_stall_s,
+                stream=True,
+            )
         except httpx.HTTPError as exc:
             raise _unreachable(worker, exc) from exc
         if response.status_code != 200:
@@ -317,10 +319,11 @@ class WorkerClient:
 
     async def _prefill(self, worker: Worker, req: PrefillRequest) -> PrefillResult:
         try:
-            resp = await self._http.post(
+            resp = await self._http.request(
+                "POST",
                 f"{worker.url}/prefill",
-                content=req.model_dump_json(),
-                headers=_role_headers(worker),
+                req.model_dump_json(),
+                _role_headers(worker),
                 timeout=self._prefill_timeout_s,
             )
         except httpx.HTTPError as exc:
@@ -338,10 +341,11 @@ class WorkerClient:
     async def abort(self, worker: Worker, request_id: str) -> None:
         """Best effort: the worker may already be gone or done with it."""
         try:
-            await self._http.post(
+            await self._http.request(
+                "POST",
                 f"{worker.url}/abort",
-                content=AbortRequest(request_id=request_id).model_dump_json(),
-                headers={"content-type": "application/json"},
+                AbortRequest(request_id=request_id).model_dump_json(),
+                {"content-type": "application/json"},
                 timeout=2.0,
             )
         except httpx.HTTPError as exc:

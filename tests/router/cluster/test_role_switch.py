@@ -1,8 +1,8 @@
 """router/cluster/discovery.py's role switch with scripted workers (httpx MockTransport): the calls it
 makes and in which order, the worker discovered again in its new role and epoch, and the refusals
 (unknown worker or role, the last server of a role, a switch while one is in flight, a worker that
-refuses); the role epoch sent with the router's calls, and a worker that reports another role
-taken out of rotation."""
+refuses); the role epoch sent with the router's calls (to a server on 127.0.0.1), and a worker that
+reports another role taken out of rotation."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from router.cluster.discovery import Discovery, SwitchRefused
+from router.cluster.h1_client import H1Client
 from router.cluster.registry import Worker, WorkerRegistry
 from router.cluster.worker_client import WorkerClient, WorkerFailed
 from router.metrics import RouterMetrics
@@ -141,15 +142,28 @@ def test_a_worker_that_refuses_stays_in_its_role_and_comes_back_into_rotation():
 
 def test_calls_carry_the_role_epoch_the_router_last_saw_and_a_stale_answer_is_a_refusal():
     seen: list[str | None] = []
+    refusal = json.dumps({"error": "d0 is in role epoch 3 (decode)", "code": "stale_epoch"}).encode()
 
-    def server(request: httpx.Request) -> httpx.Response:
-        seen.append(request.headers.get(ROLE_EPOCH_HEADER))
-        return httpx.Response(409, json={"error": "d0 is in role epoch 3 (decode)", "code": "stale_epoch"})
+    async def server(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A decode server on 127.0.0.1 that records each call's epoch header and refuses it."""
+        while True:
+            head = []
+            while (line := await reader.readline()) not in (b"\r\n", b""):
+                head.append(line.decode().rstrip("\r\n").split(": ", 1))
+            if not head:
+                return
+            headers = {name.lower(): value for name, value in head[1:]}
+            await reader.readexactly(int(headers["content-length"]))
+            seen.append(headers.get(ROLE_EPOCH_HEADER.lower()))
+            writer.write(b"HTTP/1.1 409 Conflict\r\ncontent-length: %d\r\n\r\n%s" % (len(refusal), refusal))
+            await writer.drain()
 
     async def main() -> WorkerFailed:
-        async with httpx.AsyncClient(transport=httpx.MockTransport(server)) as http:
+        listening = await asyncio.start_server(server, "127.0.0.1", 0)
+        port = listening.sockets[0].getsockname()[1]
+        async with listening, H1Client(4, 4, 5.0) as http:
             client = WorkerClient(http, prefill_timeout_s=5.0)
-            worker = Worker("d0", "decode", URLS["d0"])
+            worker = Worker("d0", "decode", f"http://127.0.0.1:{port}")
             request = GenerateRequest(request_id="r", prompt_token_ids=[1, 2], sampling={"max_tokens": 2})
             with pytest.raises(WorkerFailed):
                 await client.open_decode(worker, request)  # no epoch reported yet: no header
