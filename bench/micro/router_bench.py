@@ -18,6 +18,8 @@ has the decode stub wait before each token event, so that each reaches the route
 alone, as an engine's steps send them. ``--profile FILE``
 then records the router under the concurrent load with py-spy
 (``pip install py-spy``) and prints the functions with the most samples.
+``--against CHECKOUT`` instead runs this checkout's router and another's in front of
+the same stubs, in turn, and prints both side by side with their ratios.
 ``--replicas N`` instead compares one router with N behind HAProxy
 (``router.replicas``, as `pdserve launch` runs them) under the concurrent load.
 The numbers are the machine's: run it on an otherwise idle machine.
@@ -307,7 +309,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="CHECKOUT",
         help="instead of the phases above: this checkout's router and CHECKOUT's, in front of the same stubs, "
-        "under the concurrent load in turn for --rounds rounds; their CPU per token side by side",
+        "in turn for --rounds rounds: what each adds to the stub's p50/p99 at concurrency 1, and under the "
+        "concurrent load its requests/s and CPU per token, side by side",
     )
     p.add_argument(
         "--replicas",
@@ -371,43 +374,80 @@ def phases_of(args: argparse.Namespace, cluster: StubCluster, targets: Targets) 
 
 
 def against(args: argparse.Namespace, cluster: StubCluster, targets: Targets) -> dict:
-    """This checkout's router and ``args.against``'s, the same concurrent load in turn (the order
-    reversed every round): requests/s and CPU per token of each, and the ratio of their medians."""
+    """This checkout's router and ``args.against``'s in front of the same stubs, in turn every round (the
+    order reversed every round): at concurrency 1 each one's p50/p99 over the decode stub's own (measured
+    in the same round), and under the concurrent load its requests/s (and over the stub's own) and CPU per
+    token; the medians over the rounds and the ratios of this one's to the other's."""
     routers = {"this": (cluster.router_url, cluster.router_pid)}
     url = cluster.add_router("against", args.against.resolve())
     routers["against"] = (url, cluster.procs["against"].pid)
     c, n = args.concurrency, args.concurrent_requests
-    samples: dict[str, list[Phase]] = {side: [] for side in routers}
+    samples: dict[str, list[Phase]] = {side: [] for side in routers}  # concurrent phases
+    single: dict[str, list[Phase]] = {side: [] for side in [*routers, "direct"]}  # concurrency 1
 
     async def measure() -> None:
+        await run_phase(Phase("direct", 1), targets.direct, args.warmup, None)
         for side, (url, _) in routers.items():
             await run_phase(Phase(side, c), functools.partial(targets.router, url=url), args.warmup, None)
         for r in range(args.rounds):
-            for side in list(routers)[:: 1 if r % 2 == 0 else -1]:
+            order = list(routers)[:: 1 if r % 2 == 0 else -1]
+            single["direct"].append(await run_phase(Phase("direct", 1), targets.direct, args.requests, None))
+            for side in order:
+                url, pid = routers[side]
+                call = functools.partial(targets.router, url=url)
+                single[side].append(await run_phase(Phase(side, 1), call, args.requests, pid))
+            samples.setdefault("direct", []).append(await run_phase(Phase("direct", c), targets.direct, n, None))
+            for side in order:
                 url, pid = routers[side]
                 phase = await run_phase(Phase(side, c), functools.partial(targets.router, url=url), n, pid)
                 samples[side].append(phase)
 
     asyncio.run(measure())
-    print(f"{args.tokens}-token streamed requests at concurrency {c}, {n} per side and round, {args.rounds} rounds")
+    print(
+        f"{args.tokens}-token streamed requests, {args.rounds} rounds: {args.requests} per side at concurrency 1, "
+        f"{n} at {c}"
+    )
     print(f"  this:    {REPO}\n  against: {args.against.resolve()}")
+    med = lambda values: float(np.median(values))  # noqa: E731
+    direct_rps = med([p.rps for p in samples["direct"]])
+    direct_p50 = med([p.pct(p.e2e_ms, 50) for p in single["direct"]])
+    print(f"decode stub alone: p50 {direct_p50:.3f} ms at 1, {direct_rps:.1f} req/s at {c}")
     rows = {}
-    for side, phases in samples.items():
+    for side in routers:
+        phases, ones = samples[side], single[side]
         cpu = [p.router_cpu_ms * 1000 / max(1, p.requests * args.tokens) for p in phases if p.router_cpu_ms is not None]
-        errors = sum(p.errors for p in phases)
+        pairs = list(zip(ones, single["direct"], strict=True))
         rows[side] = {
+            "added_p50_ms": round(med([o.pct(o.e2e_ms, 50) - d.pct(d.e2e_ms, 50) for o, d in pairs]), 3),
+            "added_p99_ms": round(med([o.pct(o.e2e_ms, 99) - d.pct(d.e2e_ms, 99) for o, d in pairs]), 3),
+            "cpu_ms_per_request_c1": round(med([o.router_cpu_ms / max(1, o.requests) for o in ones]), 3),
             "cpu_us_per_token": [round(v, 1) for v in cpu],
-            "cpu_us_per_token_median": round(float(np.median(cpu)), 1),
-            "requests_per_s_median": round(float(np.median([p.rps for p in phases])), 2),
-            "errors": errors,
+            "cpu_us_per_token_median": round(med(cpu), 1),
+            "requests_per_s_median": round(med([p.rps for p in phases]), 2),
+            "of_direct": round(med([p.rps / d.rps for p, d in zip(phases, samples["direct"], strict=True)]), 3),
+            "p50_ms_concurrent": round(med([p.pct(p.e2e_ms, 50) for p in phases]), 2),
+            "p99_ms_concurrent": round(med([p.pct(p.e2e_ms, 99) for p in phases]), 2),
+            "errors": sum(p.errors for p in phases + ones),
         }
+        row = rows[side]
         print(
-            f"{side:8} router CPU {rows[side]['cpu_us_per_token_median']:7.1f} us/token "
-            f"(rounds {min(cpu):.1f}-{max(cpu):.1f}), {rows[side]['requests_per_s_median']} req/s, {errors} errors"
+            f"{side:8} adds p50 {row['added_p50_ms']:6.3f} ms, p99 {row['added_p99_ms']:6.3f} ms at 1 "
+            f"({row['cpu_ms_per_request_c1']} ms CPU/req); at {c}: {row['requests_per_s_median']} req/s "
+            f"({row['of_direct']}x the stub's), p50 {row['p50_ms_concurrent']} ms, "
+            f"CPU {row['cpu_us_per_token_median']:.1f} us/token (rounds {min(cpu):.1f}-{max(cpu):.1f}), "
+            f"{row['errors']} errors"
         )
     ratio = rows["this"]["cpu_us_per_token_median"] / rows["against"]["cpu_us_per_token_median"]
-    print(f"this / against, CPU per token: {ratio:.3f}x")
-    return {"tokens": args.tokens, "concurrency": c, "routers": rows, "cpu_ratio_this_over_against": round(ratio, 3)}
+    rps_ratio = rows["this"]["requests_per_s_median"] / rows["against"]["requests_per_s_median"]
+    print(f"this / against: CPU per token {ratio:.3f}x, requests/s {rps_ratio:.3f}x")
+    return {
+        "tokens": args.tokens,
+        "concurrency": c,
+        "direct_requests_per_s_median": round(direct_rps, 2),
+        "routers": rows,
+        "cpu_ratio_this_over_against": round(ratio, 3),
+        "rps_ratio_this_over_against": round(rps_ratio, 3),
+    }
 
 
 def replicated(args: argparse.Namespace, cluster: StubCluster, targets: Targets) -> dict:

@@ -31,7 +31,8 @@ def test_against_runs_both_routers_on_the_same_stubs_and_stops_them(tmp_path: Pa
     out = tmp_path / "r.json"
     keep = tmp_path / "run"
     argv = ["--against", str(other), "--tokens", "6", "--token-delay", "0.002", "--concurrency", "2"]
-    argv += ["--concurrent-requests", "4", "--warmup", "1", "--rounds", "2", "--json", str(out), "--keep", str(keep)]
+    argv += ["--requests", "3", "--concurrent-requests", "4", "--warmup", "1", "--rounds", "2"]
+    argv += ["--json", str(out), "--keep", str(keep)]
     assert router_bench.main(argv) == 0
 
     result = json.loads(out.read_text())
@@ -39,6 +40,9 @@ def test_against_runs_both_routers_on_the_same_stubs_and_stops_them(tmp_path: Pa
     for side in result["routers"].values():
         assert side["errors"] == 0
         assert len(side["cpu_us_per_token"]) == 2 and all(v > 0 for v in side["cpu_us_per_token"])
+        assert side["requests_per_s_median"] > 0 and side["of_direct"] > 0 and side["cpu_ms_per_request_c1"] > 0
+        assert side["added_p50_ms"] == side["added_p50_ms"]  # measured (not NaN): the stub's and the router's
+    assert result["direct_requests_per_s_median"] > 0
     assert (other / "router" / "imported").exists() and not (REPO / "router" / "imported").exists()
     logs = sorted(p.name for p in keep.glob("*.log"))
     assert logs == ["against.log", "d0.log", "p0.log", "router.log"]
