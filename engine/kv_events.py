@@ -18,7 +18,7 @@ from __future__ import annotations
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 STORED = "stored"
@@ -95,6 +95,15 @@ class KvEventLog:
                 [self._ring[i] for i in range(skip, min(len(self._ring), skip + limit))] if start <= self._seq else []
             )
             return KvEventPage(self.epoch, oldest, self._seq, events)
+
+    def held_run(self, hashes: Sequence[int]) -> int:
+        """How many of ``hashes`` (a chain, first first), in a run from the first, the cache or this server's
+        own tiers hold now. From any thread; a hint only: the engine may evict any of them at its next step."""
+        with self._lock:
+            for n, h in enumerate(hashes):
+                if h not in self._held and h not in self._tiered:
+                    return n
+            return len(hashes)
 
     def snapshot(self) -> KvSnapshot:
         with self._lock:

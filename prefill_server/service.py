@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import LLMEngine, PrefillChunk, StepOutput
+from engine.prefix_cache import chain_hashes
 from engine.request import window_start
 from kvlink.ports import PeerMovedOn, PrefillLinkFactory
 from kvlink.prefix_read import PrefixReadError
@@ -152,6 +153,7 @@ class PrefillService:
         c = engine.cache
         self._bytes_per_layer_token = c.bytes_per_token * c.num_kv_heads_total // c.num_kv_heads // c.num_layers
         self._windows = engine.layer_windows  # each layer's sliding window, None for full attention
+        self._salt = engine.scheduler.prefix.salt  # the root of this engine's block hash chains
         # Decode-to-prefill reuse: only where the engine can take an offered prefix (LLMEngine.offer_prefix).
         self._pulls = (
             settings.pull_prefix
@@ -272,10 +274,15 @@ class PrefillService:
         end = res.num_cached_tokens
         if end < bs or req.sampling.prompt_logprobs is not None:
             return None
-        prompt, sampling = req.prompt_token_ids, req.sampling
-        start = await self.engine_thread.run(lambda e: e.cached_prefix(prompt, sampling))
+        # What this server holds of the prompt, from its block events (thread-safe, no wait for the engine
+        # thread): a hint; the offered blocks go by hash, so a block evicted or cached meanwhile only makes
+        # the admission take fewer of them (engine/tiers/offered.py).
+        limit = (len(req.prompt_token_ids) - 1) // bs
+        hashes = chain_hashes(self._salt, req.prompt_token_ids[: limit * bs], bs)
+        start = self.kv_events.held_run(hashes) * bs
         if (end - start) // bs <= 0:
             return None
+        asked = time.monotonic()
         try:
             tokens = await self._peers.read_prefix(res, start, end, min(self.settings.transfer_timeout_s, lease_s / 2))
         except PrefixReadError as exc:
@@ -283,6 +290,7 @@ class PrefillService:
             log.warning("request %s: prefix read from %s failed (%s); computing it", req.request_id, res.instance, exc)
             return None
         self.metrics.prefix_pulls.labels(outcome=Outcome.OK).inc()
+        self.metrics.prefix_pull_seconds.observe(time.monotonic() - asked)
         self.metrics.prefix_pulled_bytes.inc(tokens.numel() * tokens.element_size())
         return start, tokens
 

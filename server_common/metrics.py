@@ -148,6 +148,12 @@ class ServerMetrics:
             "Prefill server: bytes of K/V read from decode servers' cached prefixes",
             registry=r,
         )
+        self.prefix_pull_seconds = Histogram(
+            "pdserve_kv_prefix_pull_seconds",
+            "Prefill server: one read of a decode server's cached prefix, asked to checked (ok ones)",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
 
     def _stage_metrics(self, r: CollectorRegistry) -> None:
         """How long a request spent in each stage on this server."""

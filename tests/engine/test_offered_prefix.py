@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.kv_events import KvEventLog
 from tests.engine.oracle import hf_greedy
 
 SAMPLING = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
@@ -102,3 +103,14 @@ def test_a_read_is_refused_outside_a_waiting_reservations_cached_prefix(tiny_mod
     finally:
         prefill.close()
         decode.close()
+
+
+def test_the_block_events_say_how_much_of_a_chain_a_server_holds():
+    """The prefill server's probe (no engine thread): a run from the first hash, cache or own tiers."""
+    log = KvEventLog()
+    for h in (1, 2, 4):
+        log.stored(h)
+    log.tiered(3)
+    assert log.held_run([1, 2, 3, 4, 5]) == 4
+    log.evicted(2)
+    assert log.held_run([1, 2, 3]) == 1 and log.held_run([]) == 0
