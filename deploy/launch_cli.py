@@ -27,8 +27,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace) -> int:
+    from deploy.launch_scale import start_pool_scaler
     from deploy.launcher import launch
 
     os.environ.setdefault("TQDM_DISABLE", "1")  # the launcher prints plain progress lines instead (deploy/progress.py)
     only = {n.strip() for n in args.only.split(",") if n.strip()} if args.only else None
-    return launch(args.config, args.run_dir, args.health_timeout, only)
+    return launch(
+        args.config, args.run_dir, args.health_timeout, only, on_up=lambda c: start_pool_scaler(c, args.health_timeout)
+    )

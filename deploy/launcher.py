@@ -122,11 +122,13 @@ class Cluster:
         # Every child reports it in /health: an answer without it comes from a process this launch did not start.
         self.launch_id = secrets.token_hex(8)
         self.openmp_env = openmp_spin(cluster, only, len(os.sched_getaffinity(0)))
+        # The config of each server the config file does not list (deploy/launch_scale.py adds them).
+        self.configs: dict[str, Path] = {}
         # Each server's KV cache where the config says auto, sized for this host's servers together.
         self.kv_cache_bytes: dict[str, int] = {}
 
     def _spawn(self, role: str, name: str, url: str, args: list[str]) -> Proc:
-        cmd = [sys.executable, "-m", "deploy.cli", *args, "--config", str(self.config_path)]
+        cmd = [sys.executable, "-m", "deploy.cli", *args, "--config", str(self.configs.get(name, self.config_path))]
         cmd += ["--launch-id", self.launch_id]  # it reports it in /health: what wait_healthy checks
         if self.only is not None and role == "router":
             cmd += ["--any-worker-launch"]  # a multi-host cluster's other hosts run servers of other launches
@@ -411,9 +413,12 @@ def launch(
     run_dir: str | Path | None = None,
     health_timeout: float = 600.0,
     only: set[str] | None = None,
+    on_up: Callable[[Cluster], Callable[[], None]] | None = None,
 ) -> int:
     """``only``: start just these processes (instance names, ``router``): one host of a multi-host
-    cluster, whose other hosts run the rest with the same config."""
+    cluster, whose other hosts run the rest with the same config. ``on_up(cluster)``: called once every
+    process is up, before the supervision; what it returns is called when the supervision ends, before
+    anything stops (`pdserve launch` starts deploy/launch_scale.py's pool scaler this way)."""
     # "up in X s" counts from the process's start: the CLI's own imports are part of the wait.
     started = time.monotonic() - (seconds_since_process_start() or 0.0)
     config_path = Path(config_path)
@@ -446,8 +451,13 @@ def launch(
             print(f"pdserve: {sized}", flush=True)
         _start_all(c, health_timeout, stop, started)
         up = True
-        if _supervise(c, stop):
-            return 1
+        done = on_up(c) if on_up is not None else None
+        try:
+            if _supervise(c, stop):
+                return 1
+        finally:
+            if done is not None:
+                done()
         print("pdserve: stopping", flush=True)
         return 0
     except KeyboardInterrupt:
