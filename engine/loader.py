@@ -179,6 +179,19 @@ def load_model(
     for module in model.modules():
         if isinstance(module, GroupLimitedGate):
             module.float()  # DeepSeek-V3's router stays float32 in any model dtype, as transformers keeps it
+    _load_weights(model, cfg, model_dir, shard)
+    model.eval()
+    if torch.device(device).type == "cpu":
+        model.pack_for_cpu()  # weights laid out for the CPU's matmul kernels (engine/model.py Linear)
+    return model, cfg
+
+
+def _load_weights(model: CausalLM, cfg, model_dir: str, shard: Shard) -> None:
+    """Copies the folder's weights (``shard``'s part of each) into ``model``'s parameters. Its references
+    to those parameters, the fused parts and the files' tensors end when it returns: packing for the CPU
+    replaces each projection's weight with its own layouts, and frees the old one as it goes only when
+    nothing else holds it (float32 Qwen2.5-Coder-0.5B: 6.5 GB at the peak when they outlived the packing,
+    4.6 GB, the packed model itself, without)."""
     params = dict(model.named_parameters())
     parts: dict[str, dict[int, torch.Tensor]] = {}
     loaded: set[str] = set()
@@ -217,10 +230,6 @@ def load_model(
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"{model_dir}: weights missing for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    model.eval()
-    if torch.device(device).type == "cpu":
-        model.pack_for_cpu()  # weights laid out for the CPU's matmul kernels (engine/model.py Linear)
-    return model, cfg
 
 
 @contextlib.contextmanager
