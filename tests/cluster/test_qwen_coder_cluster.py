@@ -19,7 +19,7 @@ import torch
 
 from engine.models import MODEL_CACHE, resolve_model
 from tests.cluster.test_tensor_parallel_cluster import ranks_of
-from tests.engine.oracle import hf_greedy, hf_logits
+from tests.engine.oracle import hf_greedy, hf_logits, hf_release
 from tests.support.cluster import start_cluster
 from tests.support.oracle import chat_prompt_ids, tokenizer
 from tests.waiting import wait_until
@@ -53,12 +53,13 @@ def coder() -> str:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, coder):
-    """The cluster, and transformers' answers to both requests, computed while the servers load (one
-    transformers model for the module; the servers' start is mostly reading 2.5 GB of weights each)."""
+    """The cluster, and transformers' answers to both requests, computed while the servers load (their
+    start is mostly reading and laying out the weights); the transformers model is dropped once they are
+    computed, before the servers hold all of theirs."""
     tok = tokenizer(coder)
     prompts = {"chat": (chat_prompt_ids(coder, MESSAGES), CHAT_TOKENS), "code": (tok(CODE)["input_ids"], CODE_TOKENS)}
     with ThreadPoolExecutor(1) as pool:
-        want = {key: pool.submit(reference, coder, prompt, n) for key, (prompt, n) in prompts.items()}
+        want = pool.submit(references, coder, prompts)
         c = start_cluster(
             tmp_path_factory,
             "tiny-1p1d",
@@ -72,17 +73,24 @@ def served(tmp_path_factory, coder):
                 120,
                 "both servers in the router's rotation",
             )
-            yield c, {key: (prompts[key][0], *future.result()) for key, future in want.items()}
+            yield c, want.result()
         finally:
             c.stop()
 
 
-def reference(path: str, prompt: list[int], max_tokens: int) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy ids (stopping on the generation config's stop tokens) and the log-softmax row
-    each was chosen from, from one forward pass over the prompt and the answer."""
-    ids = hf_greedy(path, prompt, max_tokens)
-    rows = torch.log_softmax(hf_logits(path, prompt + ids), dim=-1)[len(prompt) - 1 : len(prompt) - 1 + len(ids)]
-    return ids, rows
+def references(path: str, prompts: dict[str, tuple[list[int], int]]) -> dict[str, tuple]:
+    """For each prompt (and its max_tokens): the prompt, transformers' greedy ids (stopping on the generation
+    config's stop tokens) and the log-softmax row each was chosen from, from one forward pass over the
+    prompt and the answer."""
+    out = {}
+    try:
+        for key, (prompt, max_tokens) in prompts.items():
+            ids = hf_greedy(path, prompt, max_tokens)
+            logits = hf_logits(path, prompt + ids)[len(prompt) - 1 : len(prompt) - 1 + len(ids)]
+            out[key] = (prompt, ids, torch.log_softmax(logits, dim=-1))
+    finally:
+        hf_release()
+    return out
 
 
 def check_top(path: str, got: dict[str, float], row: torch.Tensor, token: int, with_chosen: bool) -> None:

@@ -19,6 +19,12 @@ def _hf_model(path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
+def hf_release() -> None:
+    """Drops the transformers models kept for later calls: a real model's float32 weights (2.5 GB for
+    Qwen2.5-Coder-0.5B) are freed before servers of the same model need the memory."""
+    _hf_model.cache_clear()
+
+
 def hf_greedy(path: str, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
     """Greedy completion token ids from transformers ``generate`` (float32, CPU).
 
