@@ -36,8 +36,9 @@ class ServerSettings:
     lease_expiry: KvFailureAction = "fail"
     checksum_failure: KvFailureAction = "fail"
     # A prefill server reads the whole blocks of a reservation's cached prefix its own cache lacks from the
-    # decode server instead of computing them (decode-to-prefill reuse, kvlink/prefix_read.py).
-    pull_prefix: bool = True
+    # decode server instead of computing them (decode-to-prefill reuse, kvlink/prefix_read.py). Off by
+    # default: on a loaded CPU the read costs about what computing those blocks does (docs/kv-tiers.md).
+    pull_prefix: bool = False
     fault_injection: bool = False  # mount /admin/faults (tests only)
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     drain: DrainMode = "migrate"  # a decode server told to drain (SIGTERM, POST /admin/drain): see DrainMode

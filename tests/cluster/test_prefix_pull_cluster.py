@@ -33,7 +33,12 @@ def cluster(tmp_path_factory, tiny_model):
         tmp_path_factory,
         "tiny-1p1d",
         tiny_model,
-        {"max_model_len": MAX_MODEL_LEN, "router": {"local_prefill_threshold": THRESHOLD}, "fault_injection": True},
+        {
+            "max_model_len": MAX_MODEL_LEN,
+            "router": {"local_prefill_threshold": THRESHOLD},
+            "transfer": {"pull_prefix": True},
+            "fault_injection": True,
+        },
     )
     yield c
     c.stop()
