@@ -1,11 +1,12 @@
 """Multi-turn chats on 1P2D through ``/v1/responses``: the router's decode affinity against no hint.
 
     python3 -m bench.compare.responses_affinity [--model tiny|DIR] [--conversations 3] [--turns 4]
-        [--prompt-len 64] [--output-len 16] [--rounds 2] [--out DIR]
+        [--prompt-len 64] [--output-len 16] [--rounds 2] [--layout 1p2d|2p2d] [--out DIR]
 
-Every variant runs on a fresh cluster from configs/1p2d.yaml (the model changed, prefix caching on,
-router policy round_robin, one torch thread per server) and is sent the same chats: ``--conversations``
-side by side, ``--turns`` turns each, a new question of ``--prompt-len`` tokens a turn, answers of up
+Every variant runs on a fresh cluster from configs/1p2d.yaml (or ``--layout``'s; the model changed,
+prefix caching on, router policy round_robin, one torch thread per server) and is sent the same chats:
+``--conversations`` side by side, ``--turns`` turns each, a new question of ``--prompt-len`` tokens a
+turn, answers of up
 to ``--output-len`` tokens at temperature 0 (no ``ignore_eos``: the Responses API has none, so no
 variant sends it), turn t of a chat sent once turn t-1 is answered (bench/load/loadgen.py, history):
 
@@ -18,6 +19,10 @@ variant sends it), turn t of a chat sent once turn t-1 is answered (bench/load/l
   this is the same endpoint and the same prompt without it.
 * ``chat``: ``/v1/chat/completions`` with the whole conversation as messages, round robin: how a
   stateless client continues a chat today.
+* ``affinity-pull``, ``chat-pull``: as ``affinity`` and ``chat`` with ``transfer.pull_prefix`` on: a
+  prefill server reads the part of the prompt its own cache lacks and the decode server's reservation
+  holds back from that decode server instead of computing it (decode-to-prefill reuse,
+  docs/kv-tiers.md); ``pulled tok/req`` is what they read (``pdserve_kv_prefix_pulled_tokens_total``).
 
 The three send token-identical prompts when the answers are the same (greedy, the same model). Per
 turn it reports TTFT p50/p99 and, from each answer's usage, input tokens, cached tokens (found in the
@@ -65,6 +70,7 @@ class Variant:
     history: str  # LoadConfig.history
     what: str
     tiers: bool = False  # every server with a host-memory KV tier of --tier-bytes (engine/tiers/)
+    pull: bool = False  # transfer.pull_prefix: prefill servers read the decode server's cached prefix
 
 
 VARIANTS = {
@@ -75,22 +81,35 @@ VARIANTS = {
         RESPONSES, "previous-response", "as affinity, every server with a host KV tier", tiers=True
     ),
     "chat-tiers": Variant(CHAT, "messages", "as chat, every server with a host KV tier", tiers=True),
+    "affinity-pull": Variant(
+        RESPONSES, "previous-response", "as affinity, decode-to-prefill reuse on (pull_prefix)", pull=True
+    ),
+    "chat-pull": Variant(CHAT, "messages", "as chat, decode-to-prefill reuse on (pull_prefix)", pull=True),
 }
 DEFAULT_VARIANTS = ("affinity", "full-input", "chat")
 
 
-def engine_counters(before: dict, after: dict) -> dict[str, float]:
+def engine_counters(before: dict, after: dict, servers: tuple[str, ...] = SERVERS) -> dict[str, float]:
     """What the run added: prompt tokens computed per server, prefix-cache hit tokens per server, and the
-    KV bytes the prefill server sent."""
+    KV bytes the prefill servers sent and the prompt tokens they read back from decode servers."""
     delta = {s: {k: v - before.get(s, {}).get(k, 0.0) for k, v in after.get(s, {}).items()} for s in after}
     out = {}
-    for s in SERVERS:
+    for s in servers:
         out[f"{s}_prompt_computed"] = sum(
             v for k, v in delta.get(s, {}).items() if k.startswith("pdserve_engine_tokens_total{") and 'prompt"' in k
         )
         out[f"{s}_prefix_hits"] = counter(delta, s, "pdserve_prefix_cache_hits_tokens_total")
-    out["kv_bytes"] = counter(delta, "p0", "pdserve_transfer_bytes_total")
+    prefill = [s for s in servers if s.startswith("p")]
+    out["kv_bytes"] = sum(counter(delta, s, "pdserve_transfer_bytes_total") for s in prefill)
+    out["pulled_tokens"] = sum(counter(delta, s, "pdserve_kv_prefix_pulled_tokens_total") for s in prefill)
+    out["pulls"] = sum(counter(delta, s, "pdserve_kv_prefix_pull_seconds_count") for s in prefill)
+    out["pull_seconds"] = sum(counter(delta, s, "pdserve_kv_prefix_pull_seconds_sum") for s in prefill)
     return out
+
+
+def servers_of(counters: dict[str, float]) -> list[str]:
+    """The servers a run's counters name, in their order."""
+    return [k.removesuffix("_prompt_computed") for k in counters if k.endswith("_prompt_computed")]
 
 
 def run_variant(name: str, rnd: int, args, workload: PrefixWorkload, builder: PromptBuilder) -> dict:
@@ -98,8 +117,10 @@ def run_variant(name: str, rnd: int, args, workload: PrefixWorkload, builder: Pr
     v = VARIANTS[name]
     out = Path(args.out) / f"round{rnd}" / name
     out.mkdir(parents=True, exist_ok=True)
-    path = out / "1p2d.yaml"
-    data = config_for(args.model, True, "round_robin", args.local_prefill_threshold)
+    path = out / f"{args.layout}.yaml"
+    data = config_for(args.model, True, "round_robin", args.local_prefill_threshold, layout=args.layout)
+    data["transfer"] = {**(data.get("transfer") or {}), "pull_prefix": v.pull}
+    servers = tuple(i["name"] for i in (*data["prefill"], *data["decode"]))
     if args.kv_cache_bytes is not None:
         data["engine"]["kv_cache_bytes"] = args.kv_cache_bytes
     if v.tiers:
@@ -133,7 +154,7 @@ def run_variant(name: str, rnd: int, args, workload: PrefixWorkload, builder: Pr
         "round": rnd,
         "records": result.records,
         "duration_s": result.duration_s,
-        "counters": engine_counters(before, after),
+        "counters": engine_counters(before, after, servers),
     }
 
 
@@ -142,8 +163,10 @@ def pooled(runs: list[dict]) -> dict:
     records: list[RequestRecord] = [r for run in runs for r in run["records"]]
     ok = [r for r in records if r.ok]
     summary = summarize(records, sum(run["duration_s"] for run in runs))
-    totals = {k: sum(run["counters"][k] for run in runs) for k in runs[0]["counters"]}
+    totals = {k: sum(run["counters"].get(k, 0.0) for run in runs) for k in runs[0]["counters"]}
+    servers = servers_of(runs[0]["counters"])
     n = max(1, len(ok))
+    later = [r for r in records if r.turn is not None and r.turn >= 2]
     return {
         "completed": summary.completed,
         "failed": summary.failed,
@@ -156,9 +179,12 @@ def pooled(runs: list[dict]) -> dict:
         "output_tokens_per_req": sum(r.output_tokens for r in ok) / n,
         "input_tokens_per_req": sum(r.server_prompt_tokens or 0 for r in ok) / n,
         "cached_tokens_per_req": sum(r.cached_tokens or 0 for r in ok) / n,
-        "prompt_computed_per_req": {s: totals[f"{s}_prompt_computed"] / n for s in SERVERS},
-        "prefix_hits_per_req": {s: totals[f"{s}_prefix_hits"] / n for s in SERVERS},
+        "ttft_p50_from_turn3_ms": summarize(later).ttft.p50 if later else None,
+        "prompt_computed_per_req": {s: totals[f"{s}_prompt_computed"] / n for s in servers},
+        "prefix_hits_per_req": {s: totals[f"{s}_prefix_hits"] / n for s in servers},
         "kv_mb_per_req": totals["kv_bytes"] / n / 1e6,
+        "pulled_tokens_per_req": totals.get("pulled_tokens", 0.0) / n,
+        "pull_ms_per_read": 1e3 * totals.get("pull_seconds", 0.0) / max(1.0, totals.get("pulls", 0.0)),
         "per_turn": [t.to_json() for t in per_turn(records)],
     }
 
@@ -180,7 +206,8 @@ def report(results: dict, command: str) -> str:
     names = list(results["variants"])
     base = names[0]
     lines = [
-        f"Workload: {results['workload']}; {results['rounds']} round(s), a fresh 1P2D cluster per variant "
+        f"Workload: {results['workload']}; {results['rounds']} round(s), a fresh "
+        f"{results.get('layout', '1p2d').upper()} cluster per variant "
         f"and round (prefix caching on, round_robin, local_prefill_threshold "
         f"{results.get('local_prefill_threshold') or 0}); model {results['model']}.",
         "",
@@ -228,16 +255,19 @@ def report(results: dict, command: str) -> str:
     lines += [
         "",
         "| variant | ok / failed | TTFT p50 / p99 ms (all turns) | TTFT p50 per round ms | output tok/req "
-        "| prompt tokens computed/req P, D0, D1 | KV sent/req |",
-        "|---|---|---|---|---|---|---|",
+        f"| prompt tokens computed/req {', '.join(results['variants'][base]['prompt_computed_per_req'])} "
+        "| KV sent/req | pulled tok/req (ms/read) | TTFT p50 from turn 3 ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
         v = results["variants"][name]
-        computed = ", ".join(f"{v['prompt_computed_per_req'][s]:.0f}" for s in SERVERS)
+        computed = ", ".join(f"{c:.0f}" for c in v["prompt_computed_per_req"].values())
         rounds = ", ".join(_ms(x) for x in v["round_ttft_p50_ms"])
         lines.append(
             f"| {name} | {v['completed']} / {v['failed']} | {_ms(v['ttft_p50_ms'])} / {_ms(v['ttft_p99_ms'])} | "
-            f"{rounds} | {v['output_tokens_per_req']:.1f} | {computed} | {v['kv_mb_per_req']:.3f} MB |"
+            f"{rounds} | {v['output_tokens_per_req']:.1f} | {computed} | {v['kv_mb_per_req']:.3f} MB | "
+            f"{v.get('pulled_tokens_per_req', 0.0):.1f} ({v.get('pull_ms_per_read', 0.0):.1f}) | "
+            f"{_ms(v.get('ttft_p50_from_turn3_ms'))} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -275,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--tier-bytes", type=int, default=1 << 28, help="the host KV tier of the *-tiers variants (default 256 MiB)"
     )
+    p.add_argument(
+        "--layout", default="1p2d", choices=("1p2d", "2p2d"), help="configs/<layout>.yaml (default %(default)s)"
+    )
     p.add_argument("--out", default="responses-affinity", help="configs, logs, results.json and report.md go here")
     args = p.parse_args(argv)
     names = [n.strip() for n in args.variants.split(",") if n.strip()]
@@ -302,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "command": command,
         "model": args.model,
+        "layout": args.layout,
         "local_prefill_threshold": args.local_prefill_threshold,
         "workload": str(workload),
         "rounds": args.rounds,
