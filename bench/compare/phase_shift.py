@@ -17,16 +17,34 @@ with the highest goodput over the whole trace; the per-phase oracle takes
 each phase's best static layout. Ratios: the planner's goodput over the
 best static layout's (whole trace) and over the oracle's (each phase). The
 planner run also reports each switch and its seconds, and the planner's CPU
-per decision; a plot of its prefill share and attainment over time is
-written next to the JSON.
+per decision, twice: the decision's own CPU (the planner's histogram: scrape
+parsing, model, decision) and the planner process's whole CPU over the trace
+(``/proc/PID/stat``: its HTTP reads, the scrapes' I/O, the switches' calls)
+over the decisions it made; the switches made in each phase (a steady trace,
+``--phases mixed,mixed,mixed``, should make none after its first phase). A
+plot of its prefill share and attainment over time is written next to the
+JSON.
+
+Each layout's results are written to ``OUT/<layout>/layout.json`` as it ends;
+``--reuse`` takes a layout's from there instead of running it again, so a
+long comparison (32 instances: a minute to start each layout) can be run in
+parts, each invocation a few layouts (``--statics``), the last one reporting
+them all.
 
 ``--engine mock`` (the default) runs the simulated engine (engine/mock.py)
 on a model folder without weights, its step times from ``--profile`` or a
 built-in profile whose prefill costs ``--prefill-ms-per-token`` per token
 and decode ``--decode-ms-per-seq`` per sequence and step, both multiplied by
-``--slow-down`` (give 32 instances ``--slow-down 8`` and the same rates:
-each instance does an eighth, so the router's work stays what one core
-carries). ``--engine model`` runs the real engine on the model.
+``--slow-down`` (each instance does 1/S of the work, so 32 instances at the
+rates of 4 keep the router's and the clients' work what the cores carry;
+every request then takes S times as long, so give ``--ttft`` and ``--tpot``
+S times their targets too). ``--engine model`` runs the real engine on the
+model. With ``--max-moves`` the planner may switch several instances in one
+decision (``planner.max_moves``), one after another.
+
+Each instance's ports are picked below the host's ephemeral range: a prefill
+server does not bind its KV port, and with 32 instances an outgoing
+connection's local port had taken one, so its switch to decode failed.
 """
 
 from __future__ import annotations
@@ -36,6 +54,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -44,11 +63,12 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.load.cluster import RunningCluster, free_port_pairs, free_ports, launch
+from bench.load.cluster import RunningCluster, free_ports, launch
 from bench.load.loadgen import LoadConfig
 from bench.load.prompts import PromptBuilder, load_tokenizer
 from bench.load.serve import request_source, run_benchmark
 from bench.load.workload import Workload
+from bench.micro.mock_scale import cpu_seconds
 from bench.plan.costmodel import StepCost
 from bench.plan.profile import Profile
 from engine.models import MODEL_CACHE, resolve_model
@@ -80,6 +100,7 @@ class LayoutRun:
     records: list[tuple[str, float, dict]]  # (phase, start since the trace began, record) for the plot
     decisions: list[dict]
     cpu_per_decision_s: float | None = None
+    process_cpu_per_decision_s: float | None = None  # the planner process's CPU over the trace / its decisions
     t0: float = 0.0  # when the trace began, on the monotonic clock the planner's decisions are stamped with
     phase_starts: tuple[float, ...] = ()
 
@@ -106,9 +127,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--interval-s", type=float, default=2.0, help="the planner's interval (default 2)")
     p.add_argument("--cooldown-s", type=float, default=4.0, help="the planner's cooldown (default 4)")
     p.add_argument("--window-s", type=float, default=8.0, help="the seconds each decision reads (default 8)")
+    p.add_argument("--max-moves", type=int, default=1, help="instances one decision may switch (default 1)")
     p.add_argument("--seed", type=int, default=0, help="the trace's seed (default 0)")
     p.add_argument("--out", default="runs/phase-shift", help="folder for configs, logs, JSON and the plot")
     p.add_argument("--skip-statics", action="store_true", help="run the planner alone (no ratios)")
+    p.add_argument("--skip-planner", action="store_true", help="run the static layouts alone")
+    p.add_argument("--reuse", action="store_true", help="take a layout's results from OUT/<layout>/layout.json")
 
 
 def built_in_profile(args: argparse.Namespace, path: Path) -> Path:
@@ -131,9 +155,40 @@ def weightless(model: Path, folder: Path) -> Path:
     return folder
 
 
+def ephemeral_range() -> tuple[int, int]:
+    """The ports this host gives outgoing connections (Linux's ``ip_local_port_range``)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def switchable_port_pairs(count: int, start: int = 20000) -> list[int]:
+    """Ports p, from ``start`` up and below the ephemeral range, with p and p + 1 free now. An instance's
+    KV port is bound only while it is a decode server: one in the ephemeral range can be taken meanwhile by
+    an outgoing connection's local port (many, with 32 instances), and the switch to decode then fails
+    with "address already in use"."""
+    found: list[int] = []
+    port, (stop, _) = start, ephemeral_range()
+    while len(found) < count and port + 1 < stop:
+        try:
+            for q in (port, port + 1):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+        except OSError:
+            port += 1
+            continue
+        found.append(port)
+        port += 2
+    if len(found) < count:
+        raise RuntimeError(f"fewer than {count} free port pairs between {start} and {stop}")
+    return found
+
+
 def cluster_config(args, model: Path, profile: Path | None, prefill: int, planner: bool, folder: Path) -> Path:
     n = args.instances
-    ports = free_port_pairs(n)
+    ports = switchable_port_pairs(n)
     taken = set(ports) | {p + 1 for p in ports}
     router, planner_port = next(pair for pair in iter(lambda: free_ports(2), None) if not taken & set(pair))
     instances = [{"name": f"i{k}", "port": ports[k], "kv_port": ports[k] + 1} for k in range(n)]
@@ -156,6 +211,7 @@ def cluster_config(args, model: Path, profile: Path | None, prefill: int, planne
             "window_s": args.window_s,
             "confirm": 2,
             "cooldown_s": args.cooldown_s,
+            "max_moves": args.max_moves,
             "ttft_s": args.ttft,
             "tpot_s": args.tpot,
             "port": planner_port,
@@ -167,10 +223,17 @@ def cluster_config(args, model: Path, profile: Path | None, prefill: int, planne
     return path
 
 
-def run_trace(args, cluster: RunningCluster, builder: PromptBuilder, phases: list[str], rates: list[float]):
+def run_trace(
+    args,
+    cluster: RunningCluster,
+    builder: PromptBuilder,
+    phases: list[str],
+    rates: list[float],
+    after_phase=lambda: None,
+):
     """The phases back to back; each phase's records with its name and start (seconds into the trace), and
     the trace's start on the monotonic clock (``time.perf_counter`` is CLOCK_MONOTONIC on Linux, as the
-    planner's ``time.monotonic``)."""
+    planner's ``time.monotonic``). ``after_phase`` is called as each phase ends."""
     out, t0 = [], time.perf_counter()
     for k, (phase, rate) in enumerate(zip(phases, rates)):
         prompt, output = PHASES[phase]
@@ -182,6 +245,7 @@ def run_trace(args, cluster: RunningCluster, builder: PromptBuilder, phases: lis
         print(f"  phase {phase}: {rate:g} req/s for {args.phase_s:g} s", file=sys.stderr, flush=True)
         result = run_benchmark(config, source, progress=False)
         out.append((phase, started, result.records))
+        after_phase()
     return out, t0
 
 
@@ -196,12 +260,37 @@ def phase_results(args, trace) -> list[PhaseResult]:
 
 def plot_points(args, trace) -> list[tuple[str, float, dict]]:
     """Each request: its phase, when it was sent (seconds into the trace: a record's times count from its
-    phase's start), and whether it met both SLOs."""
+    phase's start), whether it met both SLOs, and its error if it failed."""
     return [
-        (phase, started + r.start, {"ok": r.ok, "met": r.meets(args.ttft, args.tpot)})
+        (phase, started + r.start, {"ok": r.ok, "met": r.meets(args.ttft, args.tpot), "error": r.error})
         for phase, started, records in trace
         for r in records
     ]
+
+
+class PlannerReads:
+    """What the bench reads off the planner of a run: its decisions (collected after every phase, as
+    ``/decisions`` keeps only the last 200), its decisions' CPU, and its process's CPU over the trace."""
+
+    def __init__(self, url: str, pid: int) -> None:
+        self.url, self.pid = url, pid
+        self.decisions: dict[float, dict] = {}
+        self._cpu0, self._count0 = cpu_seconds(pid), decision_count(self._metrics())
+
+    def _metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", timeout=10).text
+
+    def collect(self) -> None:
+        for d in httpx.get(f"{self.url}/decisions", timeout=10).json()["decisions"]:
+            self.decisions[d["at"]] = d
+
+    def finish(self) -> tuple[list[dict], float | None, float | None]:
+        """The decisions in order, the mean CPU of a decision, and the process's CPU a decision."""
+        cpu = cpu_seconds(self.pid) - self._cpu0
+        page = self._metrics()
+        self.collect()
+        made = decision_count(page) - self._count0
+        return [self.decisions[at] for at in sorted(self.decisions)], decision_cpu(page), cpu / made if made else None
 
 
 def run_layout(args, model, profile, builder, phases, rates, prefill: int | None, out: Path) -> LayoutRun:
@@ -209,22 +298,47 @@ def run_layout(args, model, profile, builder, phases, rates, prefill: int | None
     n = args.instances
     name = "planner" if prefill is None else f"{prefill}P{n - prefill}D"
     folder = out / name
+    if args.reuse and (folder / "layout.json").is_file():
+        print(f"{name}: results of an earlier run, {folder / 'layout.json'}", file=sys.stderr, flush=True)
+        return load_layout(folder / "layout.json")
     config = cluster_config(args, model, profile, prefill or n // 2, prefill is None, folder)
     print(f"{name}: starting {n} instances", file=sys.stderr, flush=True)
     cluster = launch(config, folder / "run", cores=sorted(os.sched_getaffinity(0)))
     try:
-        trace, t0 = run_trace(args, cluster, builder, phases, rates)
-        decisions, cpu = [], None
+        reads = None
         if prefill is None:
             planner_url = f"http://127.0.0.1:{yaml.safe_load(config.read_text())['planner']['port']}"
-            decisions = httpx.get(f"{planner_url}/decisions", timeout=10).json()["decisions"]
-            cpu = decision_cpu(httpx.get(f"{planner_url}/metrics", timeout=10).text)
+            reads = PlannerReads(planner_url, cluster.processes("planner")[0]["pid"])
+        trace, t0 = run_trace(args, cluster, builder, phases, rates, reads.collect if reads else lambda: None)
+        decisions, cpu, process_cpu = reads.finish() if reads else ([], None, None)
     finally:
         left = cluster.stop()
         if left:
             print(f"{name}: killed {left} after the launcher stopped", file=sys.stderr)
     starts = tuple(started for _, started, _ in trace)
-    return LayoutRun(name, phase_results(args, trace), plot_points(args, trace), decisions, cpu, t0, starts)
+    run = LayoutRun(name, phase_results(args, trace), plot_points(args, trace), decisions, cpu, process_cpu, t0, starts)
+    save_layout(run, folder / "layout.json")
+    return run
+
+
+def save_layout(run: LayoutRun, path: Path) -> None:
+    data = vars(run) | {"phases": [vars(p) for p in run.phases]}
+    path.write_text(json.dumps(data, default=str))
+
+
+def load_layout(path: Path) -> LayoutRun:
+    data = json.loads(path.read_text())
+    data["phases"] = [PhaseResult(**p) for p in data["phases"]]
+    data["records"] = [tuple(r) for r in data["records"]]
+    data["phase_starts"] = tuple(data["phase_starts"])
+    return LayoutRun(**data)
+
+
+def decision_count(metrics: str) -> float:
+    """The decisions the planner made, every action together."""
+    return sum(
+        float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("pdserve_planner_decisions_total{")
+    )
 
 
 def decision_cpu(metrics: str) -> float | None:
@@ -237,15 +351,32 @@ def decision_cpu(metrics: str) -> float | None:
     return values["pdserve_planner_decision_cpu_seconds_sum"] / count if count else None
 
 
+def switches_per_phase(run: LayoutRun, made: list[dict]) -> list[int]:
+    """How many of ``made`` (``switches``) began in each phase."""
+    bounds = [*run.phase_starts[1:], math.inf]
+    return [sum(1 for s in made if lo <= s["at_s"] < hi) for lo, hi in zip((-math.inf, *bounds[:-1]), bounds)]
+
+
 def switches(run: LayoutRun) -> list[dict]:
     """Each switch carried out: when (seconds into the trace), which way, how long it took."""
     done = []
     for d in run.decisions:
-        text = d.get("carried_out") or ""
-        if text.startswith("switched "):
-            seconds = float(text.rsplit(" in ", 1)[1].split()[0])
-            done.append({"at_s": round(d["at"] - run.t0, 1), "what": text.split(" in ")[0], "seconds": seconds})
+        for text in (d.get("carried_out") or "").split("; "):  # a decision's moves, one after another
+            if text.startswith("switched "):
+                seconds = float(text.rsplit(" in ", 1)[1].split()[0])
+                done.append({"at_s": round(d["at"] - run.t0, 1), "what": text.split(" in ")[0], "seconds": seconds})
     return done
+
+
+def failure_kinds(runs: list[LayoutRun]) -> dict[str, dict[str, int]]:
+    """Per layout with failed requests: how many failed with each error (its first 80 characters)."""
+    out: dict[str, dict[str, int]] = {}
+    for r in runs:
+        for _, _, rec in r.records:
+            if not rec["ok"]:
+                kind = str(rec.get("error") or "")[:80]
+                out.setdefault(r.name, {})[kind] = out.get(r.name, {}).get(kind, 0) + 1
+    return out
 
 
 def report(runs: list[LayoutRun], phases: list[str]) -> tuple[str, dict]:
@@ -256,6 +387,10 @@ def report(runs: list[LayoutRun], phases: list[str]) -> tuple[str, dict]:
     for r in runs:
         cells = [f"{p.goodput:.2f} ({p.attainment:.0%}{f', {p.failed} failed' if p.failed else ''})" for p in r.phases]
         lines.append(f"| {r.name} | " + " | ".join(cells) + f" | {r.goodput:.2f} |")
+    errors = failure_kinds(runs)
+    if errors:
+        lines.append("")
+        lines.append("failed requests: " + "; ".join(f"{name}: {kinds}" for name, kinds in errors.items()))
     summary: dict = {}
     if statics and planner is not None:
         best = max(statics, key=lambda r: r.goodput)
@@ -275,14 +410,24 @@ def report(runs: list[LayoutRun], phases: list[str]) -> tuple[str, dict]:
             lines.append(f"planner / per-phase oracle ({o.name}) in {p}: {summary['planner_over_oracle'][p]:.2f}x")
     if planner is not None:
         made = switches(planner)
+        per_phase = switches_per_phase(planner, made) if planner.phase_starts else []
         summary["switches"] = made
+        summary["switches_per_phase"] = per_phase
         summary["planner_cpu_per_decision_s"] = planner.cpu_per_decision_s
+        summary["planner_process_cpu_per_decision_s"] = planner.process_cpu_per_decision_s
         lines.append("")
         lines.append(
             f"switches: {len(made)}; " + "; ".join(f"{s['what']} at {s['at_s']} s ({s['seconds']:.2f} s)" for s in made)
         )
+        if per_phase:
+            lines.append("switches per phase: " + ", ".join(f"{p} {k}" for p, k in zip(phases, per_phase)))
         if planner.cpu_per_decision_s is not None:
             lines.append(f"planner CPU per decision: {planner.cpu_per_decision_s * 1000:.2f} ms")
+        if planner.process_cpu_per_decision_s is not None:
+            lines.append(
+                f"planner process CPU per decision (all its work over the trace): "
+                f"{planner.process_cpu_per_decision_s * 1000:.2f} ms"
+            )
     return "\n".join(lines), summary
 
 
@@ -321,8 +466,11 @@ def run(args: argparse.Namespace) -> int:
     phases = args.phases.split(",")
     rates = [float(r) for r in args.rates.split(",")]
     unknown = [p for p in phases if p not in PHASES]
-    if unknown or len(rates) != len(phases) or args.instances < 2:
-        print(f"phase_shift: error: phases from {list(PHASES)}, one rate each, 2 or more instances", file=sys.stderr)
+    if unknown or len(rates) != len(phases) or args.instances < 2 or (args.skip_statics and args.skip_planner):
+        print(
+            f"phase_shift: error: phases from {list(PHASES)}, one rate each, 2 or more instances, and a layout to run",
+            file=sys.stderr,
+        )
         return 2
     n = args.instances
     statics = [int(k) for k in args.statics.split(",")] if args.statics else None
@@ -336,12 +484,13 @@ def run(args: argparse.Namespace) -> int:
         model = weightless(model, out / "model")
         profile = Path(args.profile) if args.profile else built_in_profile(args, out / "profile.json")
     builder = PromptBuilder(load_tokenizer(model))
-    layouts: list[int | None] = ([] if args.skip_statics else list(statics)) + [None]
+    layouts: list[int | None] = ([] if args.skip_statics else list(statics)) + ([] if args.skip_planner else [None])
     runs = [run_layout(args, model, profile, builder, phases, rates, k, out) for k in layouts]
     table, summary = report(runs, phases)
     print(table)
-    planner = runs[-1]
-    plot(planner, out / "planner.png")
+    planner = next((r for r in runs if r.name == "planner"), None)
+    if planner is not None:
+        plot(planner, out / "planner.png")
     data = {
         "args": vars(args),
         "runs": [

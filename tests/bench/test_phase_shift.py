@@ -6,7 +6,20 @@ from __future__ import annotations
 
 import pytest
 
-from bench.compare.phase_shift import LayoutRun, PhaseResult, decision_cpu, main, report, switches
+from bench.compare.phase_shift import (
+    LayoutRun,
+    PhaseResult,
+    decision_count,
+    decision_cpu,
+    ephemeral_range,
+    load_layout,
+    main,
+    report,
+    save_layout,
+    switchable_port_pairs,
+    switches,
+    switches_per_phase,
+)
 
 PHASES = ["prompt", "output"]
 
@@ -53,7 +66,43 @@ def test_cpu_per_decision_is_the_histograms_mean():
     assert switches(LayoutRun("planner", [], [], [])) == []
 
 
-@pytest.mark.parametrize("argv", [["--phases", "prompt,nope"], ["--rates", "1"], ["--instances", "1"]])
+def test_a_decisions_several_moves_are_each_a_switch_counted_in_the_phase_it_began():
+    decisions = [
+        {"at": 105.0, "carried_out": "switched i1 to decode in 0.11 s; switched i2 to decode in 0.09 s"},
+        {"at": 112.0, "carried_out": "switched i3 to decode in 0.10 s; failed: switching i4 to decode: 502"},
+        {"at": 131.0, "carried_out": "switched i3 to prefill in 0.20 s"},
+    ]
+    run = LayoutRun("planner", [], [], decisions, t0=100.0, phase_starts=(0.0, 10.0, 20.0))
+    made = switches(run)
+    assert [(s["at_s"], s["what"], s["seconds"]) for s in made] == [
+        (5.0, "switched i1 to decode", 0.11),
+        (5.0, "switched i2 to decode", 0.09),
+        (12.0, "switched i3 to decode", 0.1),
+        (31.0, "switched i3 to prefill", 0.2),
+    ]
+    assert switches_per_phase(run, made) == [2, 1, 1]
+
+
+def test_the_process_cpu_is_read_over_every_action_and_a_saved_layout_reads_back(tmp_path):
+    page = 'pdserve_planner_decisions_total{action="hold"} 40.0\npdserve_planner_decisions_total{action="switch"} 3.0\n'
+    assert decision_count(page) == 43.0
+    phases = [PhaseResult("prompt", 10.0, 4, 3, 1)]
+    records = [("prompt", 1.5, {"ok": True, "met": True})]
+    run = LayoutRun("planner", phases, records, [{"at": 3.0}], 0.001, 0.004, 2.0, (0.0,))
+    save_layout(run, tmp_path / "layout.json")
+    assert load_layout(tmp_path / "layout.json") == run
+
+
+def test_kv_ports_are_picked_below_the_ephemeral_range_and_never_overlap():
+    ports = switchable_port_pairs(8)
+    assert len(set(ports) | {p + 1 for p in ports}) == 16
+    assert all(p + 1 < ephemeral_range()[0] for p in ports)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--phases", "prompt,nope"], ["--rates", "1"], ["--instances", "1"], ["--skip-statics", "--skip-planner"]],
+)
 def test_a_trace_it_cannot_run_is_refused_before_anything_starts(argv, capsys):
     assert main(argv) == 2
     assert "phase_shift: error" in capsys.readouterr().err
