@@ -126,6 +126,8 @@ class DecodePeersPort(Protocol):
 
     def known(self) -> dict[str, str]: ...
 
+    async def close(self) -> None: ...  # the server stops
+
 
 @dataclass(frozen=True)
 class PrefillLink:

@@ -178,6 +178,7 @@ class PrefillService:
         if self._owns_thread:
             self.engine_thread.stop()
         self._sender.close()
+        await self._peers.close()
 
     def quiet(self) -> bool:
         """Nothing of a request is left here: no prefill pending, no job, no transfer open, nothing on

@@ -160,6 +160,9 @@ class ScriptedPeers:
     def known(self) -> dict[str, str]:
         return dict(self.added)
 
+    async def close(self) -> None:
+        """Nothing to close."""
+
 
 def scripted_link():
     """A prefill server's link factory (a ScriptedSender, ScriptedPeers) that keeps the sender it
