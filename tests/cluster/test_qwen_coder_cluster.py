@@ -83,12 +83,17 @@ def references(path: str, prompts: dict[str, tuple[list[int], int]]) -> dict[str
     config's stop tokens) and the log-softmax row each was chosen from, from one forward pass over the
     prompt and the answer."""
     out = {}
+    threads = torch.get_num_threads()
+    # One thread beside the servers loading on the same cores: a team of two spins at every kernel's end
+    # for whichever of its threads the others descheduled (transformers' side: 11 CPU-seconds against 19).
+    torch.set_num_threads(1)
     try:
         for key, (prompt, max_tokens) in prompts.items():
             ids = hf_greedy(path, prompt, max_tokens)
             logits = hf_logits(path, prompt + ids)[len(prompt) - 1 : len(prompt) - 1 + len(ids)]
             out[key] = (prompt, ids, torch.log_softmax(logits, dim=-1))
     finally:
+        torch.set_num_threads(threads)
         hf_release()
     return out
 
