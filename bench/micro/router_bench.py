@@ -423,6 +423,7 @@ def against(args: argparse.Namespace, cluster: StubCluster, targets: Targets) ->
             "cpu_ms_per_request_c1": round(med([o.router_cpu_ms / max(1, o.requests) for o in ones]), 3),
             "cpu_us_per_token": [round(v, 1) for v in cpu],
             "cpu_us_per_token_median": round(med(cpu), 1),
+            "requests_per_s": [round(p.rps, 1) for p in phases],
             "requests_per_s_median": round(med([p.rps for p in phases]), 2),
             "of_direct": round(med([p.rps / d.rps for p, d in zip(phases, samples["direct"], strict=True)]), 3),
             "p50_ms_concurrent": round(med([p.pct(p.e2e_ms, 50) for p in phases]), 2),
