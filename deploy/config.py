@@ -1005,6 +1005,7 @@ class ClusterConfig(Strict):
             self.engine_knob(name, "expert_parallel_size") > 1,
             self.max_model_len,
             self.engine_knob(name, "max_num_seqs"),
+            self.engine_knob(name, "device") or self.device,
             weights_loaded=self.engine_knob(name, "kind") == "model",
         )
 

@@ -7,7 +7,7 @@ user for a number (``VLLM_CPU_KVCACHE_SPACE``) or takes a fixed fraction of
 the whole machine. Here ``auto`` gives the KV caches of the servers one host
 starts a share of what that host has available when they start:
 
-    left     = available - for each rank (its weights + RANK_OVERHEAD_BYTES)
+    left     = available - for each rank (its weights as held + RANK_OVERHEAD_BYTES)
     per rank = kv_cache_memory_fraction * left / ranks
 
 rounded down to a MiB and capped, per server, at what its ``max_num_seqs``
@@ -42,6 +42,10 @@ GIB = 1 << 30
 # A server or rank process's own memory besides its weights and KV cache: the interpreter, torch, the
 # tokenizer, the HTTP stack and each step's activations (a SmolLM2 server's RSS less both is about 400 MiB).
 RANK_OVERHEAD_BYTES = 512 * MIB
+# Copies of the weights a rank keeps on a CPU: engine/model.py's Linear.pack_for_cpu holds each projection in
+# oneDNN's packed layout beside the layout its few-row kernels read (Qwen2.5-Coder-0.5B: 2.5 GB of float32
+# weights, 4.6 GB held).
+CPU_WEIGHT_COPIES = 2
 CGROUP = Path("/sys/fs/cgroup")
 SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
 
@@ -108,10 +112,12 @@ def server_memory(
     expert_parallel: bool,
     max_model_len: int | None,
     max_num_seqs: int,
+    device: str = "cpu",
     weights_loaded: bool = True,
 ) -> ServerMemory:
-    """What server ``name`` of model ``model_dir`` asks for (``weights_loaded`` False: a mock engine's,
-    which loads none). A rank holds about 1/``tensor_parallel_size`` of the weights. Imports torch and the
+    """What server ``name`` of model ``model_dir`` on ``device`` asks of its host's memory (``weights_loaded``
+    False: a mock engine's, which loads none). A rank holds about 1/``tensor_parallel_size`` of the weights,
+    CPU_WEIGHT_COPIES times over on a CPU; on a GPU they are the device's, not the host's. Imports torch and the
     model's config: the router, which reads the cluster file too, never calls it."""
     import torch
 
@@ -123,7 +129,8 @@ def server_memory(
     heads, width, _ = cache_heads(cfg, Shard(0, tensor_parallel_size, expert_parallel), head_dim_of(cfg))
     item = torch.tensor([], dtype=dtype).element_size()
     per_token = 2 * cfg.num_hidden_layers * heads * width * item
-    weights = model_weight_bytes(model_dir, item) // tensor_parallel_size if weights_loaded else 0
+    copies = CPU_WEIGHT_COPIES if device.split(":")[0] == "cpu" else 0
+    weights = copies * model_weight_bytes(model_dir, item) // tensor_parallel_size if weights_loaded else 0
     limit = cfg.max_position_embeddings
     return ServerMemory(
         name, tensor_parallel_size, weights, per_token, min(max_model_len or limit, limit), max_num_seqs
@@ -180,6 +187,6 @@ def describe(memory: HostMemory, servers: Sequence[ServerMemory], sizes: dict[st
     weights = sum(s.ranks * s.weight_bytes_per_rank for s in servers)
     return (
         f"KV cache (kv_cache_bytes: auto): {each} per rank, from {memory.available / GIB:.1f} GiB available "
-        f"of {memory.total / GIB:.1f} GiB, less {weights / GIB:.2f} GiB of weights and "
+        f"of {memory.total / GIB:.1f} GiB, less {weights / GIB:.2f} GiB of weights as held and "
         f"{RANK_OVERHEAD_BYTES // MIB} MiB per process, times {fraction:g}"
     )

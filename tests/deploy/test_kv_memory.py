@@ -18,6 +18,7 @@ from deploy.kv_memory import (
     ServerMemory,
     auto_kv_cache_bytes,
     model_weight_bytes,
+    server_memory,
 )
 from engine.loader import load_model
 from tests.support.cluster import CONFIGS
@@ -83,6 +84,16 @@ def test_weight_bytes_are_the_loaded_models_parameters(tiny_llama_model):
     assert len(tied) == len(model.state_dict())  # untied: each stored tensor loads once
     assert model_weight_bytes(Path(tiny_llama_model), 4) == loaded
     assert model_weight_bytes(Path(tiny_llama_model), 2) == loaded // 2
+
+
+def test_a_cpu_rank_holds_its_part_of_the_weights_twice_and_a_gpu_rank_none_of_them_in_host_memory(tiny_llama_model):
+    folder = Path(tiny_llama_model)
+    weights = model_weight_bytes(folder, 4)
+    cpu = server_memory("d0", folder, torch.float32, 2, False, None, 8, "cpu")
+    assert cpu.weight_bytes_per_rank == 2 * weights // 2 and cpu.ranks == 2
+    assert server_memory("d0", folder, torch.float32, 1, False, None, 8, "cuda:1").weight_bytes_per_rank == 0
+    mock = server_memory("d0", folder, torch.float32, 1, False, None, 8, weights_loaded=False)
+    assert mock.weight_bytes_per_rank == 0
 
 
 def test_shipped_smollm2_configs_size_their_caches_from_the_host():
