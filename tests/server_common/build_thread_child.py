@@ -19,7 +19,8 @@ WARMUP, STEPS = 5, 30
 def main() -> None:
     where, model = sys.argv[1], sys.argv[2]
     os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2])
-    config = EngineConfig(model=model, block_size=16, num_blocks=64, num_threads=2)
+    # adapt_threads off: on a busy machine the governor would take the team down to one thread (no team)
+    config = EngineConfig(model=model, block_size=16, num_blocks=64, num_threads=2, adapt_threads=False)
     engine = LLMEngine(config) if where == "main" else build_engine(config)
     result: dict[str, float] = {}
 
