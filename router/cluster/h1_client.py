@@ -58,6 +58,8 @@ from urllib.parse import urlsplit
 import httptools
 import httpx
 
+from router.cluster.net_backend import wait_for, wake
+
 HIGH_WATER = 1 << 20  # bytes of body buffered unread at which the transport stops reading (resumed below a quarter)
 
 Origin = tuple[str, str, int]  # scheme, host, port
@@ -127,19 +129,19 @@ class _Connection(asyncio.Protocol):
             self.error = httpx.RemoteProtocolError(f"malformed answer: {exc}")
             self.keep_alive = False
             self._close()
-        self._wake(self.waiter)
+        wake(self.waiter)
 
     def eof_received(self) -> bool:
         self.ended = True
-        self._wake(self.waiter)
+        wake(self.waiter)
         return False  # the transport closes: HTTP/1.1 writes nothing after the server's end
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.ended = True
         if exc is not None and self.error is None:
             self.error = httpx.ReadError(str(exc) or repr(exc))
-        self._wake(self.waiter)
-        self._wake(self.drained)
+        wake(self.waiter)
+        wake(self.drained)
         self.client._lost(self)
 
     def pause_writing(self) -> None:
@@ -147,7 +149,7 @@ class _Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.writing_paused = False
-        self._wake(self.drained)
+        wake(self.drained)
 
     # httptools' callbacks, while feed_data runs
 
@@ -199,28 +201,6 @@ class _Connection(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.close()
 
-    @staticmethod
-    def _wake(waiter: asyncio.Future | None) -> None:
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-def _expire(waiter: asyncio.Future, kind: type[Exception], what: str) -> None:
-    if not waiter.done():
-        waiter.set_exception(kind(what))
-
-
-async def _wait(waiter: asyncio.Future, timeout: float | None, kind: type[Exception], what: str) -> None:
-    """``waiter``, or ``kind(what)`` raised after ``timeout`` s (a timer only when there is one)."""
-    if timeout is None:
-        await waiter
-        return
-    timer = asyncio.get_running_loop().call_later(timeout, _expire, waiter, kind, what)
-    try:
-        await waiter
-    finally:
-        timer.cancel()
-
 
 class Reply:
     """A worker's answer: its status and headers; the body read (``content``) or to read (``aiter_bytes``)."""
@@ -253,7 +233,7 @@ class Reply:
                 raise conn.failure()
             conn.waiter = asyncio.get_running_loop().create_future()
             try:
-                await _wait(conn.waiter, self._read_timeout, httpx.ReadTimeout, "no data within the read timeout")
+                await wait_for(conn.waiter, self._read_timeout, httpx.ReadTimeout, "no data within the read timeout")
             except BaseException:
                 self._drop()  # timed out or cancelled halfway through the body: the connection is not reusable
                 raise
@@ -346,7 +326,7 @@ class H1Client:
                     raise conn.failure()
                 conn.waiter = asyncio.get_running_loop().create_future()
                 try:
-                    await _wait(conn.waiter, read_timeout, httpx.ReadTimeout, "no answer within the read timeout")
+                    await wait_for(conn.waiter, read_timeout, httpx.ReadTimeout, "no answer within the read timeout")
                 finally:
                     conn.waiter = None
         except BaseException:
@@ -368,7 +348,7 @@ class H1Client:
         if conn.writing_paused:
             conn.drained = asyncio.get_running_loop().create_future()
             try:
-                await _wait(conn.drained, timeout, httpx.WriteTimeout, "nothing written within the write timeout")
+                await wait_for(conn.drained, timeout, httpx.WriteTimeout, "nothing written within the write timeout")
             finally:
                 conn.drained = None
             if conn.error is not None:
@@ -392,7 +372,7 @@ class H1Client:
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
-                await _wait(waiter, max(0.0, deadline - time.monotonic()), httpx.PoolTimeout, "no free connection")
+                await wait_for(waiter, max(0.0, deadline - time.monotonic()), httpx.PoolTimeout, "no free connection")
             except BaseException:
                 self._wake_one()  # a wake-up this waiter may have taken goes to the next one
                 raise

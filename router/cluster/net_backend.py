@@ -56,30 +56,31 @@ class _Connection(asyncio.Protocol):
         if self.buffered >= HIGH_WATER and not self.reading_paused and self.transport is not None:
             self.transport.pause_reading()
             self.reading_paused = True
-        self._wake(self.readable)
+        wake(self.readable)
 
     def eof_received(self) -> bool:
         self.ended = True
-        self._wake(self.readable)
+        wake(self.readable)
         return False  # the transport closes: HTTP/1.1 writes nothing after the server's end
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.ended = True
         self.error = exc
-        self._wake(self.readable)
-        self._wake(self.drained)
+        wake(self.readable)
+        wake(self.drained)
 
     def pause_writing(self) -> None:
         self.writing_paused = True
 
     def resume_writing(self) -> None:
         self.writing_paused = False
-        self._wake(self.drained)
+        wake(self.drained)
 
-    @staticmethod
-    def _wake(waiter: asyncio.Future | None) -> None:
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+
+def wake(waiter: asyncio.Future | None) -> None:
+    """Resolves ``waiter``, the one reader or writer a protocol's callback may be keeping waiting (none: nothing)."""
+    if waiter is not None and not waiter.done():
+        waiter.set_result(None)
 
 
 def _expire(waiter: asyncio.Future, kind: type[Exception], what: str) -> None:
@@ -87,8 +88,9 @@ def _expire(waiter: asyncio.Future, kind: type[Exception], what: str) -> None:
         waiter.set_exception(kind(what))
 
 
-async def _wait(waiter: asyncio.Future, timeout: float | None, kind: type[Exception], what: str) -> None:
-    """``waiter``, or ``kind(what)`` raised after ``timeout`` s (a timer only when there is one)."""
+async def wait_for(waiter: asyncio.Future, timeout: float | None, kind: type[Exception], what: str) -> None:
+    """``waiter``, or ``kind(what)`` raised after ``timeout`` s (a timer only when there is one); also
+    router/cluster/h1_client.py's."""
     if timeout is None:
         await waiter
         return
@@ -109,7 +111,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if not conn.chunks and not conn.ended:
             conn.readable = self._loop.create_future()
             try:
-                await _wait(conn.readable, timeout, httpcore.ReadTimeout, "no data within the read timeout")
+                await wait_for(conn.readable, timeout, httpcore.ReadTimeout, "no data within the read timeout")
             finally:
                 conn.readable = None
         if not conn.chunks:
@@ -137,7 +139,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if conn.writing_paused:
             conn.drained = self._loop.create_future()
             try:
-                await _wait(conn.drained, timeout, httpcore.WriteTimeout, "nothing written within the write timeout")
+                await wait_for(conn.drained, timeout, httpcore.WriteTimeout, "nothing written within the write timeout")
             finally:
                 conn.drained = None
             if conn.error is not None:
