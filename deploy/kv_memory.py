@@ -40,7 +40,8 @@ AUTO = "auto"
 MIB = 1 << 20
 GIB = 1 << 30
 # A server or rank process's own memory besides its weights and KV cache: the interpreter, torch, the
-# tokenizer, the HTTP stack and each step's activations (a SmolLM2 server's RSS less both is about 400 MiB).
+# tokenizer, the HTTP stack and each step's activations (a mock server, which holds neither weights nor a
+# cache, runs in about 250 MiB RSS; a step's activations come on top).
 RANK_OVERHEAD_BYTES = 512 * MIB
 # Copies of the weights a rank keeps on a CPU: engine/model.py's Linear.pack_for_cpu holds each projection in
 # oneDNN's packed layout beside the layout its few-row kernels read (Qwen2.5-Coder-0.5B: 2.5 GB of float32
