@@ -31,7 +31,9 @@ def test_against_runs_both_routers_on_the_same_stubs_and_stops_them(tmp_path: Pa
     out = tmp_path / "r.json"
     keep = tmp_path / "run"
     argv = ["--against", str(other), "--tokens", "6", "--token-delay", "0.002", "--concurrency", "2"]
-    argv += ["--requests", "3", "--concurrent-requests", "4", "--warmup", "1", "--rounds", "2"]
+    # /proc's CPU times count whole clock ticks (10 ms): each phase must cost the router several, or its
+    # CPU reads 0 (three requests at about 1.7 ms each did, now and then)
+    argv += ["--requests", "20", "--concurrent-requests", "24", "--warmup", "1", "--rounds", "2"]
     argv += ["--json", str(out), "--keep", str(keep)]
     assert router_bench.main(argv) == 0
 
@@ -59,7 +61,8 @@ def test_against_runs_both_routers_on_the_same_stubs_and_stops_them(tmp_path: Pa
 def test_replicas_runs_one_router_and_two_behind_haproxy_on_the_same_stubs(tmp_path: Path):
     out = tmp_path / "r.json"
     keep = tmp_path / "run"
-    argv = ["--replicas", "2", "--tokens", "6", "--concurrency", "4", "--concurrent-requests", "16"]
+    # enough requests that each router's CPU is several of /proc's 10 ms ticks, never a truncated 0
+    argv = ["--replicas", "2", "--tokens", "6", "--concurrency", "4", "--concurrent-requests", "48"]
     argv += ["--warmup", "2", "--rounds", "2", "--json", str(out), "--keep", str(keep)]
     assert router_bench.main(argv) == 0
 
