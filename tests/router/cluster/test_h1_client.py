@@ -8,39 +8,19 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
-from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
-import uvloop
 
 from engine.request import SamplingParams
 from router.cluster import h1_client
 from router.cluster.h1_client import H1Client
 from router.cluster.registry import Worker
 from router.cluster.worker_client import WorkerClient, WorkerFailed
+from tests.support.loopback import Handler, refused_port, serve
 from tests.waiting import until
 from transfer.outcome import Outcome
 from wire.requests import GenerateRequest
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def run(request) -> Callable[[Awaitable[None]], None]:
-    """Runs a test's coroutine to its end on the loop the parameter names."""
-    factory = uvloop.new_event_loop if request.param == "uvloop" else asyncio.new_event_loop
-
-    def go(coro: Awaitable[None]) -> None:
-        with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(coro)  # type: ignore[arg-type]
-
-    return go
-
-
-async def serve(handler: Handler) -> tuple[asyncio.Server, int]:
-    server = await asyncio.start_server(handler, "127.0.0.1", 0)
-    return server, server.sockets[0].getsockname()[1]
 
 
 async def read_request(reader: asyncio.StreamReader) -> tuple[list[bytes], bytes] | None:
@@ -68,12 +48,6 @@ def reset(writer: asyncio.StreamWriter) -> None:
     """Close with SO_LINGER 0: the peer sees a reset, not an end."""
     writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.transport.abort()
-
-
-def refused_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def body_of(reply: h1_client.Reply) -> bytes:

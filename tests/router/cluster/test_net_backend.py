@@ -10,36 +10,16 @@ import ipaddress
 import socket
 import ssl
 import struct
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import httpcore
 import httpx
 import pytest
-import uvloop
 
 from router.cluster import net_backend
 from router.cluster.http_pool import worker_http
 from router.cluster.net_backend import AsyncioBackend, AsyncioStream
-
-Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def run(request) -> Callable[[Awaitable[None]], None]:
-    """Runs a test's coroutine to its end on the loop the parameter names."""
-    factory = uvloop.new_event_loop if request.param == "uvloop" else asyncio.new_event_loop
-
-    def go(coro: Awaitable[None]) -> None:
-        with asyncio.Runner(loop_factory=factory) as runner:
-            runner.run(coro)  # type: ignore[arg-type]
-
-    return go
-
-
-async def serve(handler: Handler, ssl_context: ssl.SSLContext | None = None) -> tuple[asyncio.Server, int]:
-    server = await asyncio.start_server(handler, "127.0.0.1", 0, ssl=ssl_context)
-    return server, server.sockets[0].getsockname()[1]
+from tests.support.loopback import Handler, refused_port, serve
 
 
 def sends(data: bytes, after: asyncio.Event | None = None) -> Handler:
@@ -59,13 +39,6 @@ def reset(writer: asyncio.StreamWriter) -> None:
     """Close with SO_LINGER 0: the peer sees a reset, not an end."""
     writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     writer.transport.abort()
-
-
-def refused_port() -> int:
-    """A port on 127.0.0.1 that nothing listens on (bound, never listened, then closed)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def read_all(stream: httpcore.AsyncNetworkStream, timeout: float = 10.0) -> bytes:
