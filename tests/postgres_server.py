@@ -16,12 +16,13 @@ import os
 import pwd
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from bench.load.cluster import free_ports
 
 BINARIES = ("initdb", "postgres", "pg_ctl", "pg_isready")
 # Where distributions put the server binaries when they are not on PATH (Debian, Ubuntu; Fedora, RHEL).
@@ -66,9 +67,8 @@ def missing() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    (port,) = free_ports(1)
+    return port
 
 
 class PostgresServer:

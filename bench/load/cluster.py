@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -28,37 +29,62 @@ class ClusterError(RuntimeError):
     """The cluster did not come up; the message says which process and where its log is."""
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1 now (held together while they are picked)."""
-    socks = []
+LISTEN_FLOOR = 10000  # servers' ports are picked from here up to the ephemeral range (below: well-known services)
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports this host gives outgoing connections their local end from (Linux's ``ip_local_port_range``)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _free_run(width: int, host: str, taken: set[int]) -> int:
+    """A port p with p .. p + width - 1 free on ``host`` now and none of them in ``taken``, drawn at random
+    below the ephemeral range. A port picked there stays free until its server binds it: one in the
+    ephemeral range can meanwhile become an outgoing connection's local end (a server binding it then fails
+    with "address already in use", and a decode server's KV port is bound only while it decodes). Drawn at
+    random so that processes picking at the same time rarely draw the same port."""
+    top = ephemeral_range()[0] - width
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(LISTEN_FLOOR, top) if top > LISTEN_FLOOR else _any_free(host)
+        run = range(port, port + width)
+        if port + width - 1 > 65535 or taken.intersection(run):
+            continue
+        try:
+            for q in run:
+                with socket.socket() as s:
+                    s.bind((host, q))
+        except OSError:
+            continue
+        return port
+    raise ClusterError(f"could not find {width} free consecutive port(s) on {host}")
+
+
+def _any_free(host: str) -> int:
+    """A port the kernel finds free on ``host`` (where the ephemeral range leaves nothing below it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct ports free on ``host`` now, below the ephemeral range (``_free_run``)."""
+    found: list[int] = []
     for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+        found.append(_free_run(1, host, set(found)))
+    return found
 
 
 def free_port_pairs(count: int, host: str = "127.0.0.1") -> list[int]:
-    """Ports p with p and p + 1 free (a server's HTTP port and its KV port)."""
+    """Ports p with p and p + 1 free (a server's HTTP port and its KV port), below the ephemeral range."""
     found: list[int] = []
-    for _ in range(200):
-        if len(found) == count:
-            return found
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port + 1 > 65535 or port in found or port + 1 in found or port - 1 in found:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port + 1))
-            except OSError:
-                continue
-        found.append(port)
-    raise ClusterError(f"could not find {count} free port pairs on {host}")
+    for _ in range(count):
+        found.append(_free_run(2, host, {q for p in found for q in (p, p + 1)}))
+    return found
 
 
 def cpu_list(text: str | None) -> list[int]:

@@ -1,6 +1,7 @@
 """bench compare's pieces that need no running cluster."""
 
 import os
+import socket
 from dataclasses import replace
 
 import pytest
@@ -8,7 +9,7 @@ import pytest
 from bench.compare.compare_report import wire_ms, write_report
 from bench.compare.compare_run import Run, pooled, predict, round_order, split_rounds
 from bench.compare.scenarios import EngineKnobs, Scenario, cluster_config, default_scenarios, parse_rates, select
-from bench.load.cluster import cpu_list, free_port_pairs
+from bench.load.cluster import LISTEN_FLOOR, cpu_list, ephemeral_range, free_port_pairs, free_ports
 from bench.load.metrics import RequestRecord, summarize
 from bench.load.workload import Workload
 from bench.plan.costmodel import Overheads
@@ -71,6 +72,17 @@ def test_free_port_pairs_are_distinct_and_leave_room_for_the_kv_port():
     ports = free_port_pairs(4)
     used = ports + [p + 1 for p in ports]
     assert len(set(used)) == 8
+
+
+def test_free_ports_are_drawn_below_the_ephemeral_range_and_bindable():
+    """Outgoing connections take their local ports from the ephemeral range; a server's port picked there
+    could be taken before the server binds it."""
+    low, _ = ephemeral_range()
+    ports = free_ports(6) + free_port_pairs(3)
+    assert len(set(ports)) == 9 and all(LISTEN_FLOOR <= p and p + 1 < low for p in ports)
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
 
 
 def test_wire_time_is_bytes_over_bandwidth():

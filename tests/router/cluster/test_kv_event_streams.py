@@ -5,7 +5,6 @@ own stream (server_common/kv_event_stream.py) and snapshot from real event logs.
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 
 import httpx
@@ -13,6 +12,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import Response, StreamingResponse
 
+from bench.load.cluster import free_ports
 from engine.kv_events import KvEventLog
 from router.cluster.kv_events import KvEventStreams
 from router.cluster.kv_index import KvIndex
@@ -68,9 +68,8 @@ class EventServer:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    (port,) = free_ports(1)
+    return port
 
 
 def until_sync(predicate, what: str) -> None:
