@@ -108,10 +108,12 @@ class GenerationService:
         *,
         engine_thread: EngineThread | None = None,
         role_epoch: int = 0,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         """``engine_thread``: one already running ``engine``, which another role's service used (a role
         switch in place, deploy/role_server.py): this service takes it over and leaves it running at
-        ``stop``. ``role_epoch``: reported on /health."""
+        ``stop``. ``role_epoch``: reported on /health. ``metrics``: the process's, which the services of
+        its earlier roles counted in (else its own)."""
         if (settings.role == "decode") != (make_receiver is not None):
             raise ValueError("a decode server needs a KV receiver, a colocated one has none")
         self.settings = settings
@@ -119,7 +121,7 @@ class GenerationService:
         self.role_epoch = role_epoch
         self._owns_thread = engine_thread is None
         self.engine_thread = engine_thread or EngineThread(engine, self._emit, settings.name)
-        self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
+        self.metrics = metrics or ServerMetrics(lambda: self.engine_thread.stats)
         self.kv_events = engine.scheduler.blocks.events  # thread-safe: read by GET /kv/events
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
         self.vitals.add(self.engine_thread.problem)

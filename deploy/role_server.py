@@ -67,6 +67,7 @@ from engine.config import MODES, EngineMode
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
 from server_common.guard import Drain, InternalAuthMiddleware
+from server_common.metrics import ServerMetrics
 from server_common.settings import ServerSettings
 from transfer.outcome import Outcome
 from wire.names import ROLE_EPOCH_HEADER
@@ -365,9 +366,16 @@ def make_role(
     settings: ServerSettings, engine: LLMEngine, faults: FaultInjector | None, guard: Any
 ) -> Callable[[EngineMode, ServerSettings, EngineThread, int], tuple[Any, FastAPI]]:
     """What builds each role's service and app over ``engine`` (the KV link of the role, built from
-    the role's settings); ``guard`` (the connection guard) reports in each service's metrics."""
+    the role's settings). Every role's service counts in the same metrics, made with the first (the
+    engine thread is the same one, handed on): a switch never sends a counter back to zero. ``guard``
+    (the connection guard) reports in them."""
+    metrics: ServerMetrics | None = None
 
     def make(role: EngineMode, role_settings: ServerSettings, thread: EngineThread, epoch: int) -> tuple[Any, FastAPI]:
+        nonlocal metrics
+        if metrics is None:
+            metrics = ServerMetrics(lambda: thread.stats)
+            metrics.registry.register(guard)
         service: Any
         if role == "prefill":
             from kvlink.factory import prefill_link_factory
@@ -375,7 +383,9 @@ def make_role(
             from prefill_server.service import PrefillService
 
             link = prefill_link_factory(role_settings, engine, faults)
-            service = PrefillService(role_settings, engine, link, faults, engine_thread=thread, role_epoch=epoch)
+            service = PrefillService(
+                role_settings, engine, link, faults, engine_thread=thread, role_epoch=epoch, metrics=metrics
+            )
             app = prefill_app(service)
         else:
             from decode_server.app import create_app as decode_app
@@ -383,9 +393,10 @@ def make_role(
             from kvlink.factory import receiver_factory
 
             receiver = receiver_factory(role_settings, engine, faults) if role == "decode" else None
-            service = GenerationService(role_settings, engine, receiver, faults, engine_thread=thread, role_epoch=epoch)
+            service = GenerationService(
+                role_settings, engine, receiver, faults, engine_thread=thread, role_epoch=epoch, metrics=metrics
+            )
             app = decode_app(service)
-        service.metrics.registry.register(guard)
         return service, app
 
     return make

@@ -128,16 +128,18 @@ class PrefillService:
         *,
         engine_thread: EngineThread | None = None,
         role_epoch: int = 0,
+        metrics: ServerMetrics | None = None,
     ) -> None:
         """``engine_thread``: one already running ``engine``, which another role's service used (a role
         switch in place, deploy/role_server.py): this service takes it over and leaves it running at
-        ``stop``. ``role_epoch``: reported on /health."""
+        ``stop``. ``role_epoch``: reported on /health. ``metrics``: the process's, which the services of
+        its earlier roles counted in (else its own)."""
         self.settings = settings
         self.faults = faults
         self.role_epoch = role_epoch
         self._owns_thread = engine_thread is None
         self.engine_thread = engine_thread or EngineThread(engine, self._on_outputs, settings.name)
-        self.metrics = ServerMetrics(lambda: self.engine_thread.stats)
+        self.metrics = metrics or ServerMetrics(lambda: self.engine_thread.stats)
         self.kv_events = engine.scheduler.blocks.events  # thread-safe: read by GET /kv/events
         self.tracing = tracing or Tracing(settings.tracing, "pdserve-prefill")
         self.timeline = TimelineLog()

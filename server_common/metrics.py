@@ -7,6 +7,7 @@ a failure is labelled with its ``transfer.outcome.Outcome`` code."""
 from __future__ import annotations
 
 import time
+from collections import Counter as Tally
 from collections.abc import Callable
 
 import torch
@@ -87,6 +88,7 @@ class ServerMetrics:
         self._transfer_metrics(r)
         self._stage_metrics(r)
         self._zero_labels()
+        self._discarded: _Discarded | None = None
 
     def _transfer_metrics(self, r: CollectorRegistry) -> None:
         """A KV transfer's bytes, time and rate, failures by outcome, what came of failures."""
@@ -188,8 +190,13 @@ class ServerMetrics:
             self.peer_refusals.labels(reason=reason)
 
     def watch_transfers(self, counters: Callable[[], dict[str, int]]) -> None:
-        """Export a KV receiver's counters: writes and notices discarded by transfer id."""
-        self.registry.register(_Discarded(counters))
+        """Export a KV receiver's counters: writes and notices discarded by transfer id. A later receiver
+        (a server switched back to decode, deploy/role_server.py) carries the counts on from the last one's."""
+        if self._discarded is None:
+            self._discarded = _Discarded(counters)
+            self.registry.register(self._discarded)
+        else:
+            self._discarded.follow(counters)
 
 
 class _BlockAges:
@@ -330,9 +337,15 @@ class _KvTiers:
 class _Discarded:
     def __init__(self, counters: Callable[[], dict[str, int]]) -> None:
         self._counters = counters
+        self._before: Tally[str] = Tally()  # the counts of the receivers before this one
+
+    def follow(self, counters: Callable[[], dict[str, int]]) -> None:
+        """Count from ``counters`` now, on top of everything counted so far: a counter never goes back."""
+        self._before.update(self._counters())
+        self._counters = counters
 
     def collect(self):
-        counts = self._counters()
+        counts = self._before + Tally(self._counters())
         family = CounterMetricFamily(
             "pdserve_transfers_discarded",
             "KV writes and notices dropped by transfer id, never applied",

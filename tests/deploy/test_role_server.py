@@ -18,6 +18,7 @@ from server_common.engine_thread import build_engine
 from server_common.settings import ServerSettings
 from tests.support.cluster import free_ports
 from wire.names import ROLE_EPOCH_HEADER
+from wire.requests import GenerateRequest
 
 SECRET = "role-secret"
 AUTH = {"authorization": f"Bearer {SECRET}"}
@@ -97,6 +98,37 @@ def test_a_switch_keeps_the_engine_and_its_thread_and_bumps_the_epoch(tiny_model
         (4, "decode", 4, "decode"),
     ]
     assert not thread.alive  # the process's shutdown stops it, once
+
+
+def sample(text: str, name: str) -> float | None:
+    """The value of the sample ``name`` (with its labels) in a /metrics page, None where it is absent."""
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + " ")]
+    assert len(values) <= 1, f"{name} is exported {len(values)} times"
+    return values[0] if values else None
+
+
+def test_a_switch_keeps_every_counter_the_earlier_roles_counted(tiny_model):
+    server = role_server(tiny_model, "colocated")
+    ask = GenerateRequest(
+        request_id="g1", prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=4), local_prefill=True
+    )
+    served = 'pdserve_requests_total{outcome="ok"}'
+
+    async def main() -> None:
+        async with Lifespan(server), client(server) as http:
+            answer = await http.post("/generate", json=ask.model_dump(mode="json"))
+            assert answer.status_code == 200, answer.text
+            before = (await http.get("/metrics")).text
+            assert sample(before, served) == 1 and sample(before, "pdserve_generated_tokens_total") == 4
+            for role in ("decode", "prefill", "decode", "colocated"):
+                assert (await http.post("/admin/role", json={"role": role})).status_code == 200
+                now = (await http.get("/metrics")).text
+                assert sample(now, served) == 1 and sample(now, "pdserve_generated_tokens_total") == 4, role
+                assert sample(now, "pdserve_connections_open") is not None  # the guard's, once
+            # the receivers' discards, exported once however many receivers the process has had
+            assert sample(now, 'pdserve_transfers_discarded_total{reason="unknown"}') == 0
+
+    asyncio.run(main())
 
 
 def test_stale_calls_are_refused_with_409_and_a_named_code(tiny_model):

@@ -18,3 +18,18 @@ def test_prefix_cache_queries_hits_and_cached_blocks_are_exported():
     assert sample("pdserve_kv_blocks_cached") == 4
     assert sample("pdserve_kv_blocks", {"state": "free"}) == 10
     assert b"pdserve_prefix_cache_hits_tokens_total 96.0" in generate_latest(metrics.registry)
+
+
+def test_a_later_receiver_s_discards_count_on_from_the_last_one_s():
+    """A server switched back to decode (deploy/role_server.py) has a new KV receiver, counting from 0:
+    the exported counter carries on from what the earlier one counted, never going back."""
+    metrics = ServerMetrics(lambda: EngineStats(SchedulerStats(free=16, cached=0, total=16), EngineCounters()))
+    first = {"dropped_unknown": 3, "dropped_expired": 1}
+    metrics.watch_transfers(lambda: first)
+    sample = metrics.registry.get_sample_value
+    assert sample("pdserve_transfers_discarded_total", {"reason": "unknown"}) == 3
+    first["dropped_unknown"] = 5
+    metrics.watch_transfers(lambda: {"dropped_unknown": 2})
+    assert sample("pdserve_transfers_discarded_total", {"reason": "unknown"}) == 7
+    assert sample("pdserve_transfers_discarded_total", {"reason": "expired"}) == 1
+    assert sample("pdserve_transfers_discarded_total", {"reason": "malformed"}) == 0
