@@ -62,7 +62,9 @@ class PlannerMetrics:
         self.correction = Gauge(
             "pdserve_planner_capacity_correction", "Observed over modelled capacity per role", ["role"], registry=r
         )
-        self.rates = Gauge("pdserve_planner_tokens_per_second", "Token rates in the last window", ["kind"], registry=r)
+        self.rates = Gauge(
+            "pdserve_planner_tokens_per_second", "Token rates arriving in the last window", ["kind"], registry=r
+        )
         self.queued = Gauge(
             "pdserve_planner_prefill_queued_tokens",
             "Prompt tokens queued at the prefill servers at the last window's end",
@@ -204,8 +206,9 @@ class PlannerLoop:
         m.wanted.labels(role="decode").set(decision.decode)
         for name, u in decision.utilisation.items():
             m.utilisation.labels(role=name).set(u)
-        m.rates.labels(kind="prompt").set(load.prompt_tps)
-        m.rates.labels(kind="output").set(load.output_tps)
+        rate = self.planner.work(load).rate
+        m.rates.labels(kind="prompt").set(rate["prefill"])
+        m.rates.labels(kind="output").set(rate["decode"])
         m.queued.set(load.queued_tokens)
         m.waiting.set(load.waiting)
         entry = asdict(decision) | {"load": asdict(load), "instances": counts, "carried_out": done}

@@ -12,6 +12,12 @@ histogram's buckets, linearly between the two bounds around the target, as
 Prometheus' ``histogram_quantile`` does the other way round. A router that
 restarted (a counter went down) contributes nothing to that window.
 
+The work arriving is counted apart, as each request comes in, before the
+waiting room: requests, their prompt tokens and the tokens they may
+generate (max_tokens); and as each finishes, the max_tokens it had, beside
+the tokens it generated. The planner's demand is these arrivals, not what
+the routers admit: a backlog being admitted is not new work.
+
 What is queued is read at both ends of the window: the requests in each
 router's waiting room (its own, so added up), and the prompt tokens each
 prefill server reported queued in its last health check (every router
@@ -36,6 +42,11 @@ TPOT = "pdserve_router_time_per_output_token_seconds"
 ITL = "pdserve_router_inter_token_latency_seconds"
 WAITING = "pdserve_router_waiting_requests"
 QUEUED = "pdserve_router_worker_queued_tokens"
+ARRIVED = "pdserve_router_arrived_requests"
+ARRIVED_PROMPT = "pdserve_router_arrived_prompt_tokens"
+ARRIVED_MAX = "pdserve_router_arrived_max_tokens"
+FINISHED_MAX = "pdserve_router_finished_max_tokens"
+COUNTERS = (PROMPT, OUTPUT, ARRIVED, ARRIVED_PROMPT, ARRIVED_MAX, FINISHED_MAX)
 
 
 @dataclass(frozen=True)
@@ -70,6 +81,10 @@ class Snapshot:
     tpot: Histogram = field(default_factory=lambda: Histogram((), 0.0))
     waiting: float = 0.0  # requests in its waiting room
     queued: tuple[tuple[str, float], ...] = ()  # (prefill server, prompt tokens it reported queued)
+    arrived: float | None = None  # requests arrived (before the waiting room); None: a router that does not count
+    arrived_prompt: float = 0.0  # their prompt tokens
+    arrived_max: float = 0.0  # the tokens they may generate (max_tokens)
+    finished_max: float = 0.0  # the tokens the finished requests could have generated
 
 
 def parse_metrics(text: str) -> Snapshot:
@@ -79,7 +94,7 @@ def parse_metrics(text: str) -> Snapshot:
     queued: list[tuple[str, float]] = []
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name in (f"{PROMPT}_total", f"{OUTPUT}_total", f"{TTFT}_count", f"{TPOT}_count", f"{ITL}_count"):
+            if s.name in (*(f"{c}_total" for c in COUNTERS), f"{TTFT}_count", f"{TPOT}_count", f"{ITL}_count"):
                 values[s.name] = s.value
             elif s.name == WAITING:
                 values[s.name] = s.value
@@ -95,6 +110,10 @@ def parse_metrics(text: str) -> Snapshot:
         Histogram(tuple(sorted(buckets[TPOT])), values.get(f"{TPOT}_count", 0.0)),
         values.get(WAITING, 0.0),
         tuple(sorted(queued)),
+        values.get(f"{ARRIVED}_total"),
+        values.get(f"{ARRIVED_PROMPT}_total", 0.0),
+        values.get(f"{ARRIVED_MAX}_total", 0.0),
+        values.get(f"{FINISHED_MAX}_total", 0.0),
     )
 
 
@@ -111,8 +130,11 @@ def window(
     before: dict[str, Snapshot], after: dict[str, Snapshot], seconds: float, ttft_s: float, tpot_s: float
 ) -> Load:
     """The load between two scrapes of the same routers (by URL); a router new or restarted since is left out
-    (of the queues too: its waiting room at the start is not known)."""
+    (of the queues too: its waiting room at the start is not known). The arrivals are counted only when every
+    router counts them (a router of an earlier version does not)."""
     prompt = output = requests = 0.0
+    arrived: float | None = 0.0
+    arrived_prompt = arrived_max = finished = finished_max = 0.0
     ttft_ok = tpot_ok = tpot_n = 0.0
     waiting = waiting_before = 0.0
     for url, now in after.items():
@@ -128,6 +150,14 @@ def window(
         ttft_ok += ttft.within(ttft_s)
         tpot_ok += tpot.within(tpot_s)
         tpot_n += tpot.count
+        finished += now.output_tokens - then.output_tokens
+        finished_max += now.finished_max - then.finished_max
+        if arrived is None or now.arrived is None or then.arrived is None:
+            arrived = None
+            continue
+        arrived += now.arrived - then.arrived
+        arrived_prompt += now.arrived_prompt - then.arrived_prompt
+        arrived_max += now.arrived_max - then.arrived_max
     return Load(
         seconds,
         round(requests),
@@ -139,6 +169,11 @@ def window(
         round(waiting),
         round(prefill_queued(list(before.values()))),
         round(waiting_before),
+        None if arrived is None else round(arrived),
+        round(arrived_prompt),
+        round(arrived_max),
+        round(finished),
+        round(finished_max),
     )
 
 

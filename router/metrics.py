@@ -110,6 +110,18 @@ class RouterMetrics:
         self.inflight = Gauge("pdserve_router_inflight_requests", "Requests in flight", registry=r)
         self.prompt_tokens = Counter("pdserve_router_prompt_tokens", "Prompt tokens", registry=r)
         self.completion_tokens = Counter("pdserve_router_completion_tokens", "Generated tokens", registry=r)
+        # Counted as a request arrives, before the waiting room: the work coming in, which the planner
+        # reads as demand (deploy/planner.py), apart from the backlog being admitted.
+        self.arrived_requests = Counter("pdserve_router_arrived_requests", "Requests arrived", registry=r)
+        self.arrived_prompt_tokens = Counter(
+            "pdserve_router_arrived_prompt_tokens", "Prompt tokens of the requests arrived", registry=r
+        )
+        self.arrived_max_tokens = Counter(
+            "pdserve_router_arrived_max_tokens", "Tokens the requests arrived may generate (max_tokens)", registry=r
+        )
+        self.finished_max_tokens = Counter(
+            "pdserve_router_finished_max_tokens", "Tokens the finished requests could have generated", registry=r
+        )
         self._latency_metrics(r)
         self.finished = Counter(
             "pdserve_router_finished_requests", "Finished requests by finish reason", ["finish_reason"], registry=r

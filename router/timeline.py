@@ -35,6 +35,7 @@ class RequestTimeline:
         self._metrics = metrics
         self._access, self._endpoint = access, endpoint
         self._prompt_tokens = 0
+        self._max_tokens = 0  # the most it may generate, all choices together
         self._tracing = tracing
         self._log = log
         self._request_id = request_id
@@ -52,6 +53,14 @@ class RequestTimeline:
     def traceparent(self) -> str | None:
         """What the decode and prefill servers get, so that their spans nest under this request."""
         return self._tracing.traceparent(self._span)
+
+    def came_in(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """The request came in (before the waiting room): ``max_tokens`` for all its choices together."""
+        self._max_tokens = max_tokens
+        m = self._metrics
+        m.arrived_requests.inc()
+        m.arrived_prompt_tokens.inc(num_prompt_tokens)
+        m.arrived_max_tokens.inc(max_tokens)
 
     def opened(self, num_prompt_tokens: int, local_prefill: bool) -> None:
         """The decode stream is open: admission and the reservation are done."""
@@ -82,6 +91,7 @@ class RequestTimeline:
         m = self._metrics
         m.e2e.observe(time.monotonic() - self.arrived)
         m.completion_tokens.inc(num_tokens)
+        m.finished_max_tokens.inc(self._max_tokens)
         m.generation_tokens_per_request.observe(num_tokens)
         m.finished.labels(finish_reason=reason).inc()
         if num_tokens > 1 and self._first is not None and self._last is not None:

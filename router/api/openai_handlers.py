@@ -285,14 +285,14 @@ class OpenAIHandlers:
         """One session per prompt, opened together; if one cannot open, the others are closed."""
         ids = [p.request_id] if len(p.prompts) == 1 else [f"{p.request_id}-{j}" for j in range(len(p.prompts))]
         trace = p.timeline.traceparent
+        max_tokens = len(p.prompts) * p.sampling.n * p.sampling.max_tokens
         try:  # its tokens as OpenAI counts them against a limit: the prompts, and max_tokens for each choice
-            tenancy.CURRENT.get().take_tokens(
-                p.num_prompt_tokens + len(p.prompts) * p.sampling.n * p.sampling.max_tokens
-            )
+            tenancy.CURRENT.get().take_tokens(p.num_prompt_tokens + max_tokens)
         except OpenAIError as refused:
             p.timeline.failed(refused.code or str(refused.status))
             p.timeline.close()
             raise
+        p.timeline.came_in(p.num_prompt_tokens, max_tokens)
         opened = await asyncio.gather(
             *(
                 self.dispatcher.start(rid, prompt, p.sampling, trace, prefer=p.prefer_decode)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from deploy.planner import EngineShape, Load, Planner, PlannerSettings, Slo, capacity, prefill_seconds
+from deploy.planner import EngineShape, Load, Planner, PlannerSettings, Slo, capacity, prefill_seconds, work
 from engine.step_cost import DEFAULT_STEP_COST, StepCost, chunk_attn_pairs
 
 COST = DEFAULT_STEP_COST
@@ -180,7 +180,7 @@ def test_a_growing_prefill_queue_asks_for_prefill_capacity_and_the_reason_names_
     assert planner.decide(moderate, 2, 2, 0.0).reason == "every role has room (busiest at 0.69)"
     # 10,000 queued prompt tokens at the start, 40,000 at the end: draining them in a window adds 4,000 a second
     growing = queued(moderate, tokens=(10_000, 40_000))
-    assert growing.queue_tps == {"prefill": 4000.0, "decode": 0.0}
+    assert work(growing).backlog_tps == {"prefill": 4000.0, "decode": 0.0}
     counts, decisions = run(planner, [growing] * 2, prefill=2, decode=2)
     note = "; growing prefill queue of 40000 tokens: +0.46 prefill servers' worth"
     assert [d.action for d in decisions] == ["hold", "switch"]  # still confirmed over two intervals
@@ -202,7 +202,7 @@ def test_a_growing_waiting_room_owes_both_roles_a_prompt_and_an_answer_each():
     base = load(4.0, 100, 400)  # 40 requests: 100 prompt and 400 output tokens each
     w = queued(base, waiting=(10, 35))
     # 35 waiting: 3,500 prompt tokens and 14,000 output tokens, drained over the 10 s window
-    assert w.prefill_queue == 3500 and w.queue_tps == {"prefill": 350.0, "decode": 1400.0}
+    assert work(w).backlog["prefill"] == 3500 and work(w).backlog_tps == {"prefill": 350.0, "decode": 1400.0}
     planner = Planner(PlannerSettings(orchestrator="scale", confirm=1), COST, SHAPE, SLO)
     d = planner.decide(w, 1, 1, 0.0)
     assert (d.action, d.prefill, d.decode) == ("scale", 1, 4)  # 2.95 decode servers' worth: 4 at 0.8 each
@@ -220,3 +220,100 @@ def test_missed_first_tokens_while_the_prefill_queue_shrinks_do_not_lower_its_ca
     assert planner.correction == {"prefill": 1.0, "decode": 1.0}
     planner.decide(queued(light, tokens=(20_000, 20_000)), 2, 2, 10.0)  # not shrinking: missed all the same
     assert planner.correction == {"prefill": 0.8, "decode": 1.0}
+
+
+def arrivals(base: Load, rps: float, prompt: int, output: int) -> Load:
+    """``base`` with the routers' arrival counts: ``rps`` requests a second of ``prompt`` tokens asking for
+    ``output`` (max_tokens), and every request that finished having used all of its max_tokens."""
+    n = round(rps * INTERVAL)
+    return replace(
+        base,
+        arrived=n,
+        arrived_prompt_tokens=n * prompt,
+        arrived_max_tokens=n * output,
+        finished_output_tokens=base.output_tokens,
+        finished_max_tokens=base.output_tokens,
+    )
+
+
+def backlog_admitted(waiting: tuple[int, int]) -> Load:
+    """A window just after a prompt-heavy phase: the routers admit its backlog at 12 requests a second of
+    1000 prompt tokens (what three prefill servers prefill) and stream their 10-token answers; 20,000 prompt
+    tokens stay queued at the prefill servers (as many as their slots hold) and ``waiting`` is the waiting
+    room at the window's (start, end)."""
+    return queued(load(12.0, 1000, 10), tokens=(20_000, 20_000), waiting=waiting)
+
+
+def test_a_prompt_phases_backlog_does_not_hold_prefill_once_the_arrivals_say_decode():
+    rooms = [(30, 45), (45, 30), (30, 10), (10, 0)]  # the new requests join the room, then it drains
+    for reading in ("arrivals", "admitted"):
+        planner = Planner(PlannerSettings(), COST, SHAPE, SLO)
+        steady = arrivals(load(*PROMPT_HEAVY), *PROMPT_HEAVY)
+        counts, _ = run(planner, [steady] * 3, prefill=3, decode=1)
+        assert counts[-1] == (3, 1)  # settled on the prompt phase
+        windows = [backlog_admitted(room) for room in rooms]
+        if reading == "arrivals":
+            windows = [arrivals(w, *OUTPUT_HEAVY) for w in windows]
+        counts, decisions = run(planner, windows, 3, 1, start=100.0)
+        if reading == "admitted":
+            # the admitted backlog read as the rate of prompt tokens: 1.37 prefill servers' worth, so the
+            # output phase looks like none, and its room's growth at the backlog's prompt length as prefill
+            assert counts == [(3, 1)] * 4
+            assert decisions[0].reason.startswith("every role has room (busiest at 0.71); growing prefill queue")
+            continue
+        # the arrivals: 400 prompt and 1,600 output tokens a second. The first decision after the switch
+        # wants decode and the second (``confirm`` = 2 in a row) moves; the backlog, shrinking, adds nothing
+        assert [d.action for d in decisions] == ["hold", "switch", "hold", "hold"]
+        assert decisions[0].reason.startswith("wanted 1/2: 1P3D")
+        assert decisions[1].switch_to == "decode" and counts[1] == (2, 2)
+        assert decisions[1].utilisation == {"prefill": 0.019, "decode": 1.571}  # 1,600 tokens/s: 1.57 servers
+        assert decisions[1].reason == "1P3D puts the busiest role at 0.52 instead of 1.57"
+        assert decisions[-1].reason == "every role has room (busiest at 0.79)"
+
+
+def test_a_backlog_growing_under_steady_arrivals_asks_for_that_role_and_a_standing_one_does_not():
+    moderate = arrivals(load(12.0, 1000, 10), 12.0, 1000, 10)  # 1.38 prefill servers' worth: 0.69 of two
+    growing = [queued(moderate, tokens=(10_000 * k, 10_000 * (k + 1))) for k in range(1, 4)]
+    planner = Planner(PlannerSettings(), COST, SHAPE, SLO)
+    counts, decisions = run(planner, growing, prefill=2, decode=2)
+    assert [d.action for d in decisions] == ["hold", "switch", "hold"]
+    assert decisions[0].reason == (
+        "wanted 1/2: 3P1D puts the busiest role at 0.53 instead of 0.80;"
+        " growing prefill queue of 20000 tokens: +0.23 prefill servers' worth"
+    )
+    assert counts[1] == (3, 1)
+    # the same backlog standing at 40,000 tokens is being drained by the servers there: no more of them
+    planner = Planner(PlannerSettings(confirm=1, cooldown_s=0), COST, SHAPE, SLO)
+    counts, decisions = run(planner, [queued(moderate, tokens=(40_000, 40_000))] * 5, prefill=2, decode=2)
+    assert counts == [(2, 2)] * 5 and decisions[-1].reason == "every role has room (busiest at 0.69)"
+
+
+def test_a_steady_noisy_load_read_from_arrivals_with_a_standing_backlog_never_switches_after_settling():
+    rng = random.Random(11)
+    planner = Planner(PlannerSettings(), COST, SHAPE, SLO)
+    noisy = []
+    for _ in range(300):
+        rps, prompt, output = PROMPT_HEAVY
+        w = load(rps * rng.uniform(0.9, 1.1), round(prompt * rng.uniform(0.9, 1.1)), output)
+        w = arrivals(w, rps * rng.uniform(0.9, 1.1), round(prompt * rng.uniform(0.9, 1.1)), output)
+        room = (rng.randint(0, 10), rng.randint(0, 10))  # up one window, down the next
+        noisy.append(queued(w, tokens=(rng.randint(3_000, 7_000), rng.randint(3_000, 7_000)), waiting=room))
+    counts, decisions = run(planner, noisy, prefill=2, decode=2)
+    switched = [i for i, d in enumerate(decisions) if d.action == "switch"]
+    assert switched and switched[-1] < 10  # settled within 100 s
+    assert counts[-1] == (3, 1)
+
+
+def test_the_answers_length_is_max_tokens_times_the_share_the_finished_ones_used():
+    base = arrivals(load(*OUTPUT_HEAVY), 4.0, 100, 800)  # asking for 800, the finished ones used half
+    half = replace(base, finished_output_tokens=4_000, finished_max_tokens=8_000)
+    planner = Planner(PlannerSettings(), COST, SHAPE, SLO)
+    assert half.fill == 0.5 and work(half, fill=1.0).rate == {"prefill": 400.0, "decode": 1600.0}
+    planner.decide(half, 2, 2, 0.0)
+    none_finished = replace(base, finished_output_tokens=0, finished_max_tokens=0)
+    assert none_finished.fill is None and planner.fill == 0.5  # the last share seen stands in
+    assert planner.work(none_finished).rate["decode"] == 1600.0 and planner.work(none_finished).output_len == 400
+    # counted arrivals and none came: the backlog being admitted is no rate of either role
+    idle = replace(backlog_admitted((5, 0)), arrived=0)
+    assert planner.work(idle).rate == {"prefill": 0.0, "decode": 0.0}
+    assert planner.decide(idle, 3, 1, 10.0).reason == "every role has room (busiest at 0.00)"

@@ -100,3 +100,29 @@ def test_the_queues_are_the_waiting_rooms_added_up_and_each_prefill_server_once(
     w = window(before, {"a": parse_metrics(a2), "b": parse_metrics(b2)}, 10.0, 1.0, 0.05)
     # a decode server's queue is no prefill demand; two routers' reports of one server count once, the most
     assert (w.queued_tokens_before, w.queued_tokens, w.waiting_before, w.waiting) == (100, 3600, 2, 7)
+
+
+def arrived_page(metrics: RouterMetrics, requests: int, prompt: int, max_tokens: int, finished_max: int) -> str:
+    """The page after ``requests`` more arrived with these prompt tokens and max_tokens, and requests that
+    could have generated ``finished_max`` tokens finished."""
+    metrics.arrived_requests.inc(requests)
+    metrics.arrived_prompt_tokens.inc(prompt)
+    metrics.arrived_max_tokens.inc(max_tokens)
+    metrics.finished_max_tokens.inc(finished_max)
+    return generate_latest(metrics.registry).decode()
+
+
+def test_a_window_counts_the_arrivals_apart_from_what_was_admitted_and_finished():
+    a, b = RouterMetrics(WorkerRegistry([])), RouterMetrics(WorkerRegistry([]))
+    before = {"a": parse_metrics(arrived_page(a, 3, 300, 30, 0)), "b": parse_metrics(arrived_page(b, 1, 50, 8, 0))}
+    _, admitted = router_page([0.1, 0.1], [0.02], prompt=2000, output=16, metrics=a)  # a backlog admitted
+    after = {"a": parse_metrics(arrived_page(a, 10, 480, 1600, 16)), "b": parse_metrics(arrived_page(b, 2, 96, 320, 0))}
+    assert after["a"].arrived == 13 and parse_metrics(admitted).arrived == 3
+    w = window(before, after, 10.0, 1.0, 0.05)
+    assert (w.arrived, w.arrived_prompt_tokens, w.arrived_max_tokens) == (12, 576, 1920)
+    assert (w.prompt_tokens, w.finished_output_tokens, w.finished_max_tokens, w.fill) == (2000, 16, 16, 1.0)
+    # a router that does not count arrivals (an earlier version): the window has none, not a share of them
+    old = generate_latest(b.registry).decode()
+    old = "\n".join(line for line in old.splitlines() if "arrived" not in line) + "\n"
+    assert parse_metrics(old).arrived is None
+    assert window(before, {**after, "b": parse_metrics(old)}, 10.0, 1.0, 0.05).arrived is None

@@ -108,6 +108,21 @@ def test_full_decode_server_is_skipped_and_all_full_is_429_with_retry_after(mode
     assert r.json()["error"]["type"] == "rate_limit_error" and r.json()["error"]["code"] == "overloaded"
 
 
+def test_arrivals_are_counted_before_admission_and_one_refused_for_want_of_a_slot_too(model):
+    fake = FakeWorkerClient(reply=reply_ids(model, "a"))
+    with make_client(model, fake) as c:
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "xy", "max_tokens": 5}).status_code == 200
+        fake.full.update({"d0", "d1"})
+        assert c.post("/v1/completions", json={"model": "tiny", "prompt": "xy", "max_tokens": 3}).status_code == 429
+        text = c.get("/metrics").text
+    assert "pdserve_router_arrived_requests_total 2.0" in text
+    assert "pdserve_router_arrived_max_tokens_total 8.0" in text
+    assert "pdserve_router_finished_max_tokens_total 5.0" in text  # the one that ran
+    prompt = [line for line in text.splitlines() if line.startswith("pdserve_router_prompt_tokens_total")]
+    arrived = [line for line in text.splitlines() if line.startswith("pdserve_router_arrived_prompt_tokens_total")]
+    assert float(arrived[0].split()[-1]) == 2 * float(prompt[0].split()[-1])  # both came, one was admitted
+
+
 @pytest.mark.parametrize(
     "body, status, param",
     [

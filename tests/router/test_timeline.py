@@ -106,6 +106,21 @@ def test_a_request_with_one_token_has_no_time_per_output_token_and_a_local_prefi
     assert access.lines == [("r1", "", "ok", 4, 1, 0.25, 0.25, "local", "d0")]
 
 
+def test_a_request_is_counted_as_it_arrives_and_its_max_tokens_again_as_it_finishes(clock):
+    m = metrics()
+    timeline = RequestTimeline(m, Tracing(TracingSettings(), "router"), TimelineLog(), "r1")
+    timeline.came_in(7, max_tokens=20)
+    assert sample(m, "pdserve_router_arrived_requests_total") == 1.0
+    assert sample(m, "pdserve_router_arrived_prompt_tokens_total") == 7.0
+    assert sample(m, "pdserve_router_arrived_max_tokens_total") == 20.0
+    assert sample(m, "pdserve_router_prompt_tokens_total") == 0.0  # not yet admitted
+    timeline.opened(7, local_prefill=False)
+    timeline.tokens(1)
+    timeline.finished("stop", 5)
+    assert sample(m, "pdserve_router_completion_tokens_total") == 5.0
+    assert sample(m, "pdserve_router_finished_max_tokens_total") == 20.0  # it used a quarter of them
+
+
 def test_a_request_neither_finished_nor_failed_is_logged_cancelled_once(clock):
     access, log = Served(), TimelineLog()
     timeline = RequestTimeline(metrics(), Tracing(TracingSettings(), "router"), log, "r1", access=access)
