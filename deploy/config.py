@@ -635,6 +635,10 @@ class TransferConfig(Strict):
     """A prefill server reads the part of a prompt's prefix that the decode server's reservation holds and
     its own cache lacks from that decode server instead of computing it (decode-to-prefill reuse,
     docs/kv-tiers.md); a failed read is computed."""
+    pull_prefix_margin: float = Field(default=ServerSettings.pull_prefix_margin, ge=0)
+    """With `pull_prefix`: a prefix is read only when computing its tokens is estimated to take at least this
+    many times as long as reading them (from the prefill server's own observed prefill throughput and past
+    reads, prefill_server/pull_rule.py); skipped reads count as `not_worth_it`. 0: always read."""
 
 
 class PlannerConfig(Strict):
@@ -1050,6 +1054,7 @@ class ClusterConfig(Strict):
             lease_s=self.lease_s,
             transfer_timeout_s=self.transfer.timeout_s,
             pull_prefix=self.transfer.pull_prefix,
+            pull_prefix_margin=self.transfer.pull_prefix_margin,
             lease_expiry=self.recovery.lease_expiry,
             checksum_failure=self.recovery.checksum_failure,
             fault_injection=self.fault_injection,

@@ -48,6 +48,7 @@ from engine.prefix_cache import chain_hashes
 from engine.request import window_start
 from kvlink.ports import PeerMovedOn, PrefillLinkFactory
 from kvlink.prefix_read import PrefixReadError
+from prefill_server.pull_rule import PullRule
 from server_common.engine_thread import EngineThread
 from server_common.faults import FaultInjector
 from server_common.guard import Drain
@@ -163,6 +164,8 @@ class PrefillService:
             and engine.ranks is None
             and all(w is None for w in self._windows)
         )
+        self._pull_rule = PullRule(settings.pull_prefix_margin)  # read or compute; event loop only
+        self._bytes_per_token = c.bytes_per_token  # every layer's K and V of a token: what a read moves per token
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
         self._aborted = RecentIds(REMEMBER_ABORTED)  # recently aborted request ids; engine thread only
@@ -271,8 +274,9 @@ class PrefillService:
 
     async def _pull_prefix(self, req: PrefillRequest, lease_s: float) -> tuple[int, Any] | None:
         """(first token, K/V) of the whole blocks of the decode server's cached prefix that this engine's
-        cache and tiers lack, read from it (kvlink/prefix_read.py); None when there is none or the read
-        failed (a miss, counted in ``pdserve_kv_prefix_pulls_total``: the prompt is computed here)."""
+        cache and tiers lack, read from it (kvlink/prefix_read.py); None when there is none, when computing
+        them is estimated faster (prefill_server/pull_rule.py), or when the read failed (both counted in
+        ``pdserve_kv_prefix_pulls_total``: the prompt is computed here)."""
         res, bs = req.reservation, self.settings.engine.block_size
         end = res.num_cached_tokens
         if end < bs or req.sampling.prompt_logprobs is not None:
@@ -285,6 +289,12 @@ class PrefillService:
         start = self.kv_events.held_run(hashes) * bs
         if (end - start) // bs <= 0:
             return None
+        counters = self.engine_thread.stats.counters
+        rule = self._pull_rule
+        rule.observe_engine(counters.prompt_tokens, counters.step_seconds["prefill"] + counters.step_seconds["mixed"])
+        if not rule.worth_reading(end - start, (end - start) * self._bytes_per_token):
+            self.metrics.prefix_pulls.labels(outcome=Outcome.NOT_WORTH_IT).inc()
+            return None
         asked = time.monotonic()
         try:
             tokens = await self._peers.read_prefix(res, start, end, min(self.settings.transfer_timeout_s, lease_s / 2))
@@ -292,9 +302,11 @@ class PrefillService:
             self.metrics.prefix_pulls.labels(outcome=exc.outcome).inc()
             log.warning("request %s: prefix read from %s failed (%s); computing it", req.request_id, res.instance, exc)
             return None
+        seconds, nbytes = time.monotonic() - asked, tokens.numel() * tokens.element_size()
+        rule.observe_read(nbytes, seconds)
         self.metrics.prefix_pulls.labels(outcome=Outcome.OK).inc()
-        self.metrics.prefix_pull_seconds.observe(time.monotonic() - asked)
-        self.metrics.prefix_pulled_bytes.inc(tokens.numel() * tokens.element_size())
+        self.metrics.prefix_pull_seconds.observe(seconds)
+        self.metrics.prefix_pulled_bytes.inc(nbytes)
         return start, tokens
 
     def _trace_job(self, span: object | None, job: Job) -> None:

@@ -136,7 +136,8 @@ class ServerMetrics:
         )
         self.prefix_pulls = Counter(
             "pdserve_kv_prefix_pulls",
-            "Prefill server: reads of a decode server's cached prefix, by outcome code (not ok: computed here)",
+            "Prefill server: reads of a decode server's cached prefix, by outcome code (not ok: computed here; "
+            "not_worth_it: not asked for, computing was estimated faster)",
             ["outcome"],
             registry=r,
         )

@@ -39,6 +39,9 @@ class ServerSettings:
     # decode server instead of computing them (decode-to-prefill reuse, kvlink/prefix_read.py). Off by
     # default: on a loaded CPU the read costs about what computing those blocks does (docs/kv-tiers.md).
     pull_prefix: bool = False
+    # ... and only when computing those tokens is estimated to take at least this many times as long as
+    # reading them (prefill_server/pull_rule.py); 0 reads whenever the decode server holds more.
+    pull_prefix_margin: float = 1.0
     fault_injection: bool = False  # mount /admin/faults (tests only)
     drain_timeout_s: float = DRAIN_TIMEOUT_S
     drain: DrainMode = "migrate"  # a decode server told to drain (SIGTERM, POST /admin/drain): see DrainMode

@@ -49,6 +49,8 @@ class Outcome(StrEnum):
     SWITCHING = "switch_in_progress"  # the instance is changing role; or a switch asked while one runs
     # a reservation made in a role epoch its decode server has left (the handshake was refused)
     STALE_RESERVATION = "stale_reservation"
+    # a decode server's cached prefix not read: computing it was estimated faster (prefill_server/pull_rule.py)
+    NOT_WORTH_IT = "not_worth_it"
 
     # -- the router's view of a worker
     UNREACHABLE = "unreachable"  # connection refused or reset

@@ -3,7 +3,9 @@ store: the second turn of a conversation is reserved on d0, which holds the firs
 p0 holds only the first prompt, reads the rest of d0's pinned prefix back (POST /kv/read under the
 reservation's transfer id, checksummed), computes only the tokens after it, and the greedy tokens equal
 transformers'. A read whose bytes were corrupted on the way is a miss, counted: p0 computes the prefix, the
-answer is the same. Blocks are all back on both servers after every scenario."""
+answer is the same. That cluster reads whatever a read costs (``pull_prefix_margin: 0``); a second one, whose
+margin no read of the tiny model can meet, skips the read as not worth it and computes the prefix. Blocks are
+all back on both servers after every scenario."""
 
 from __future__ import annotations
 
@@ -36,8 +38,26 @@ def cluster(tmp_path_factory, tiny_model):
         {
             "max_model_len": MAX_MODEL_LEN,
             "router": {"local_prefill_threshold": THRESHOLD},
-            "transfer": {"pull_prefix": True},
+            "transfer": {"pull_prefix": True, "pull_prefix_margin": 0},  # read whatever it costs
             "fault_injection": True,
+        },
+    )
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def weighing(tmp_path_factory, tiny_model):
+    """As ``cluster``, but a read is asked for only when computing its tokens is estimated to take a million
+    times as long as reading them: never, once p0 computed a prompt (prefill_server/pull_rule.py)."""
+    c = start_cluster(
+        tmp_path_factory,
+        "tiny-1p1d",
+        tiny_model,
+        {
+            "max_model_len": MAX_MODEL_LEN,
+            "router": {"local_prefill_threshold": THRESHOLD},
+            "transfer": {"pull_prefix": True, "pull_prefix_margin": 1e6},
         },
     )
     yield c
@@ -62,6 +82,7 @@ def counts(cluster: Cluster) -> dict[str, float]:
         "pulled": ("p0", "pdserve_kv_prefix_pulled_tokens_total"),
         "pulls_ok": ("p0", f'{PULLS}{{outcome="ok"}}'),
         "pulls_bad": ("p0", f'{PULLS}{{outcome="checksum_mismatch"}}'),
+        "pulls_skipped": ("p0", f'{PULLS}{{outcome="not_worth_it"}}'),
         "reads_ok": ("d0", 'pdserve_kv_prefix_reads_total{outcome="ok"}'),
         "d_hits": ("d0", "pdserve_prefix_cache_hits_tokens_total"),
     }
@@ -107,3 +128,16 @@ def test_a_read_for_no_waiting_reservation_is_refused(served):
     r = served.http.post(url, json={"transfer_id": "none-such", "start": 0, "end": 16})
     assert r.status_code == 409 and r.json()["code"] == "stale_reservation"
     all_back(served)
+
+
+def test_a_read_estimated_slower_than_computing_is_skipped_and_the_prefix_is_computed(weighing, tiny_model):
+    first = turn1(2)
+    answer = complete(weighing, tiny_model, first)  # p0 computes these 60 tokens: its throughput is known
+    before = counts(weighing)
+    second = first + answer + new_tokens(2)
+    complete(weighing, tiny_model, second)
+    grew = {k: v - before[k] for k, v in counts(weighing).items()}
+    assert grew["d_hits"] == 96
+    assert grew["pulls_skipped"] == 1 and grew["pulls_ok"] == grew["reads_ok"] == grew["pulled"] == 0
+    assert grew["p_prompt"] == len(second) - 60  # p0 computed the 36 tokens d0 held past its own 60
+    all_back(weighing)
