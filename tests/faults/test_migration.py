@@ -8,7 +8,9 @@ every server is free. Then the outcomes with nothing to migrate to: both decode 
 (a clear error in the stream), and a client that leaves while its request migrates (nothing
 leaked). Last, draining with ``drain: migrate``: a decode server drained through the router's
 admin API, and one sent SIGTERM, hand their streams to the other decode server at once; a prefill
-server sent SIGTERM mid-transfer finishes that transfer before it exits."""
+server sent SIGTERM mid-transfer finishes that transfer before it exits. Decode-to-prefill reuse is on
+(``transfer.pull_prefix``, every read asked for): a decode server killed while the prefill server is about to
+read its cached prefix makes that read a counted miss, and the request ends on the other decode server."""
 
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ import httpx
 import jsonschema
 import pytest
 
+from tests.engine.oracle import hf_greedy
 from tests.faults.harness import FaultCluster, fault_config
-from tests.support.oracle import expected_chat, expected_completion
+from tests.support.oracle import expected_chat, expected_completion, tokenizer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -44,7 +47,10 @@ USAGE = {"stream_options": {"include_usage": True}}
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, tiny_model):
     folder = tmp_path_factory.mktemp("migration")
-    changes = {"router": {"health_interval_s": 0.5, "health_backoff_max_s": 1.0}}
+    changes = {
+        "router": {"health_interval_s": 0.5, "health_backoff_max_s": 1.0},
+        "transfer": {"pull_prefix": True, "pull_prefix_margin": 0},  # every read asked for, whatever it costs
+    }
     c = FaultCluster(fault_config(folder, tiny_model, 1, 2, changes), folder)
     yield c
     c.stop()
@@ -332,4 +338,42 @@ def test_a_draining_decode_server_moves_its_streams_and_a_draining_prefill_serve
     assert c.proc(p0).popen.wait(WAIT_S) == -signal.SIGTERM
     c.restart(p0)
     c.wait_back([p0])
+    all_free(c)
+
+
+def test_a_prefix_read_from_a_decode_server_killed_before_it_answers_is_a_miss_and_nothing_is_lost(cluster, tiny_model):
+    """Turn 2 of a conversation is reserved on the decode server that holds turn 1's prompt and answer (the
+    other one drained meanwhile); p0 holds its /prefill (``hold_prefill``) while that server is killed, so
+    p0's read of the 36 tokens it lacks finds nobody: an ``unreachable`` miss. p0 computes the prompt, the
+    router continues the request on the other decode server, the tokens equal transformers', and every
+    block is back on every server once the killed one is restarted."""
+    c = cluster
+    (p0,) = c.prefill
+    first = [(29 * i + 53) % 400 + 40 for i in range(60)]
+    body = {"model": "tiny", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    ok = 'pdserve_requests_total{outcome="ok"}'
+    served = {d: c.metric(d, ok) for d in c.decode}
+    reply = answer(run(c, "completions", {**body, "prompt": first}))
+    answer1 = hf_greedy(tiny_model, first, 40, ignore_eos=True)
+    assert reply["choices"][0]["text"] == tokenizer(tiny_model).decode(answer1, skip_special_tokens=True)
+    holder = next(d for d in c.decode if c.metric(d, ok) > served[d])  # holds 96 tokens: 6 blocks of 16
+    other = next(d for d in c.decode if d != holder)
+    second = first + answer1 + [(7 * i + 11) % 300 + 60 for i in range(20)]
+    pulls = {o: f'pdserve_kv_prefix_pulls_total{{outcome="{o}"}}' for o in ("ok", "unreachable")}
+    before = {o: c.metric(p0, sample) for o, sample in pulls.items()}
+
+    c.http.post(f"{c.router_url}/admin/workers/{other}/drain").raise_for_status()  # turn 2 goes to holder
+    c.arm(p0, hold_prefill=True, pause_timeout_s=WAIT_S)
+    call = Call(c.router_url, "completions", {**body, "prompt": second})
+    call.start()
+    wait_until(lambda: c.faults(p0)["held"] == 1, WAIT_S, "p0 holds turn 2's prefill")
+    c.http.post(f"{c.router_url}/admin/workers/{other}/resume").raise_for_status()
+    c.kill(holder)
+    c.release(p0)
+    call.join(WAIT_S)
+    want = hf_greedy(tiny_model, second, 40, ignore_eos=True)
+    assert answer(call)["choices"][0]["text"] == tokenizer(tiny_model).decode(want, skip_special_tokens=True)
+    assert c.metric(p0, pulls["unreachable"]) == before["unreachable"] + 1
+    assert c.metric(p0, pulls["ok"]) == before["ok"]
+    c.restart(holder)
     all_free(c)
