@@ -2,8 +2,8 @@
 
 uvicorn closes idle keep-alive connections but waits forever for a request
 that arrives a byte at a time, so a few dozen slow clients could hold a
-server's connections indefinitely. ``ConnectionGuard`` gives uvicorn's h11
-protocol (``protocol_class``) three limits, on the router (config
+server's connections indefinitely. ``ConnectionGuard`` gives uvicorn's
+httptools protocol (``protocol_class``) these limits, on the router (config
 ``router:``) and on every prefill and decode server (config ``security:``,
 ``server_*``):
 
@@ -22,47 +22,59 @@ protocol (``protocol_class``) three limits, on the router (config
   strangers' connections cannot keep the router from reaching a server. The
   cap is also kept under the process's file-descriptor limit (raised to its
   hard limit at start), which a flood would otherwise exhaust, refusing
-  everyone.
+  everyone;
+* ``MAX_HEADER_BYTES``: a request's line and headers; llhttp (httptools'
+  parser) sets no limit of its own, so past it the request is answered 431.
+
+httptools rather than h11: the router parses and frames every request and
+streamed chunk through this protocol, and llhttp does in C what h11's state
+machine does in Python per event (``pdserve bench router --against``: less
+CPU per token; bench/README.md). A request uvicorn cannot parse is answered
+uvicorn's 400, as before.
 
 A connection that passes a limit is closed and counted in
-``pdserve_router_connections_refused{reason="header_timeout|body_timeout|too_many|full"}``
+``pdserve_router_connections_refused{reason="header_timeout|body_timeout|too_many|full|header_too_large"}``
 (``pdserve_connections_refused`` on the servers); the connections open now are
 ``pdserve_router_connections_open`` (``pdserve_connections_open``).
 A response being streamed is never cut: the timers stop once the request has
-been read.
+been read, and a next request's start only once that response has ended.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import resource
 import socket
 from collections.abc import Iterable
 
-import h11
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-REASONS = ("header_timeout", "body_timeout", "too_many", "full")
+REASONS = ("header_timeout", "body_timeout", "too_many", "full", "header_too_large")
 LOOPBACK = frozenset({"127.0.0.1", "::1"})
 FD_HEADROOM = 256  # descriptors kept for everything but client connections (model files, peers, pipes)
+MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers; as uvicorn's h11 protocol allowed
 
 
-def _refusal(message: str) -> bytes:
-    """What a connection over a cap gets before it is closed: in OpenAI's error shape, which the
-    servers' ErrorReply readers take as well."""
-    body = (
-        b'{"error":{"message":"' + message.encode() + b'","type":"server_error","param":null,'
-        b'"code":"too_many_connections"}}'
-    )
-    return (
-        b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-        b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
-    )
+def _refusal(message: str, status: str = "503 Service Unavailable", code: str = "too_many_connections") -> bytes:
+    """What a connection refused here gets before it is closed: in OpenAI's error shape, which the
+    servers' ErrorReply readers take as well. A 503 asks the client to retry in a second."""
+    kind, retry = ("server_error", "retry-after: 1\r\n") if status.startswith("503") else ("invalid_request_error", "")
+    body = json.dumps(
+        {"error": {"message": message, "type": kind, "param": None, "code": code}}, separators=(",", ":")
+    ).encode()
+    head = f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n{retry}connection: close\r\n"
+    return f"{head}content-length: {len(body)}\r\n\r\n".encode() + body
 
 
 TOO_MANY = _refusal("too many open connections from this address; close some and retry")
 FULL = _refusal("the server has too many open connections; retry shortly")
+HEADER_TOO_LARGE = _refusal(
+    f"the request line and headers are over {MAX_HEADER_BYTES} bytes",
+    "431 Request Header Fields Too Large",
+    "request_header_fields_too_large",
+)
 
 
 def usable_connections(wanted: int) -> int:
@@ -148,9 +160,9 @@ class ConnectionGuard:
             self.metric.removesuffix("_refused") + "_open", f"Client connections open on {self.who}", value=self.total
         )
 
-    def protocol_class(self) -> type[H11Protocol]:
-        """uvicorn's h11 protocol with this guard's limits (pass as ``uvicorn.Config(http=...)``)."""
-        return type("GuardedH11Protocol", (_GuardedH11,), {"guard": self})
+    def protocol_class(self) -> type[HttpToolsProtocol]:
+        """uvicorn's httptools protocol with this guard's limits (pass as ``uvicorn.Config(http=...)``)."""
+        return type("GuardedHttpToolsProtocol", (_GuardedHttpTools,), {"guard": self})
 
 
 def server_guard(settings) -> ConnectionGuard:
@@ -167,7 +179,14 @@ def server_guard(settings) -> ConnectionGuard:
     )
 
 
-class _GuardedH11(H11Protocol):
+class _GuardedHttpTools(HttpToolsProtocol):
+    """uvicorn's httptools protocol (llhttp, in C) with the guard's caps, timers and header limit.
+
+    What is being read decides the timer: a request's headers (from the connection's start, or the
+    first byte of a kept-alive connection's next request), then its body, then none. A request read
+    while an earlier response is still being written waits on the server, not on its client: its
+    timer starts when that response ends."""
+
     guard: ConnectionGuard
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -175,6 +194,10 @@ class _GuardedH11(H11Protocol):
         self._claimed: str | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._phase = ""
+        self._reading = "headers"  # what is awaited: "headers", "body", or "" between requests
+        self._in_message = False  # the parser is inside a request (from its first byte to its end)
+        self._read_size, self._read_starts_request = 0, True
+        self._header_bytes = 0
         client = self.client[0] if self.client else ""
         refusal = self.guard.claim(client)
         if refusal is not None:
@@ -182,7 +205,7 @@ class _GuardedH11(H11Protocol):
             transport.close()  # after the write is flushed
             return
         self._claimed = client
-        self._arm("header_timeout", self.guard.header_timeout_s)
+        self._follow()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -191,28 +214,48 @@ class _GuardedH11(H11Protocol):
             self._claimed = None
         super().connection_lost(exc)
 
-    def handle_events(self) -> None:
-        super().handle_events()
+    def data_received(self, data: bytes) -> None:
+        self._read_size, self._read_starts_request = len(data), not self._in_message
+        super().data_received(data)
+        if self._reading == "headers" and not self.transport.is_closing():
+            self._header_bytes += len(data)
+            if self._header_bytes > MAX_HEADER_BYTES:
+                self._refuse_headers()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._reading, self._in_message = "headers", True
+        # A request that began after an earlier one within a read is counted from the next read
+        # (where in the read it began is not known): one read more, at most, before the limit.
+        self._header_bytes = 0 if self._read_starts_request else -self._read_size
+        self._read_starts_request = False
+        self._follow()
+
+    def on_headers_complete(self) -> None:
+        self._reading = "body"
+        super().on_headers_complete()  # starts the request, or queues it behind the one in flight
+        self._follow()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._reading, self._in_message = "", False
         self._follow()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if self.conn.their_state is h11.IDLE and not self.conn.trailing_data[0]:
-            self._disarm()  # idle between requests: uvicorn's keep-alive timer closes it in time
-        else:
-            self._follow()  # the next request had begun to arrive
+        super().on_response_complete()  # starts a queued request, if any
+        self._follow()
 
     def _follow(self) -> None:
-        """Header timer while a request's headers arrive, body timer while its body does, none after."""
-        state = self.conn.their_state
-        if state is h11.IDLE:
+        """Header timer while a request's headers arrive, body timer while its body does, none
+        while the server is the one that keeps it waiting, or between requests."""
+        if self._reading == "headers" and (self.cycle is None or self.cycle.response_complete):
             if self._phase != "header_timeout":
                 self._arm("header_timeout", self.guard.header_timeout_s)
-        elif state is h11.SEND_BODY:
+        elif self._reading == "body" and not self.pipeline:
             if self._phase != "body_timeout":
                 self._arm("body_timeout", self.guard.body_timeout_s)
         else:
-            self._disarm()
+            self._disarm()  # idle between requests: uvicorn's keep-alive timer closes it in time
 
     def _arm(self, phase: str, seconds: float) -> None:
         self._disarm()
@@ -229,3 +272,12 @@ class _GuardedH11(H11Protocol):
         self._timer, self._phase = None, ""
         if not self.transport.is_closing():
             self.transport.close()
+
+    def _refuse_headers(self) -> None:
+        """llhttp sets no limit on a request's headers; past ``MAX_HEADER_BYTES`` the connection gets
+        a 431 (unless a response is being written on it) and is closed."""
+        self._disarm()
+        self.guard.refused["header_too_large"] += 1
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.write(HEADER_TOO_LARGE)
+        self.transport.close()
