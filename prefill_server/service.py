@@ -166,6 +166,7 @@ class PrefillService:
         )
         self._pull_rule = PullRule(settings.pull_prefix_margin)  # read or compute; event loop only
         self._bytes_per_token = c.bytes_per_token  # every layer's K and V of a token: what a read moves per token
+        self.metrics.prefix_read_bytes_per_s.set(self._pull_rule.bytes_per_s)
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
         self._aborted = RecentIds(REMEMBER_ABORTED)  # recently aborted request ids; engine thread only
@@ -292,6 +293,7 @@ class PrefillService:
         counters = self.engine_thread.stats.counters
         rule = self._pull_rule
         rule.observe_engine(counters.prompt_tokens, counters.step_seconds["prefill"] + counters.step_seconds["mixed"])
+        self.metrics.prefix_compute_tokens_per_s.set(rule.tokens_per_s or 0.0)
         if not rule.worth_reading(end - start, (end - start) * self._bytes_per_token):
             self.metrics.prefix_pulls.labels(outcome=Outcome.NOT_WORTH_IT).inc()
             return None
@@ -304,6 +306,7 @@ class PrefillService:
             return None
         seconds, nbytes = time.monotonic() - asked, tokens.numel() * tokens.element_size()
         rule.observe_read(nbytes, seconds)
+        self.metrics.prefix_read_bytes_per_s.set(rule.bytes_per_s)
         self.metrics.prefix_pulls.labels(outcome=Outcome.OK).inc()
         self.metrics.prefix_pull_seconds.observe(seconds)
         self.metrics.prefix_pulled_bytes.inc(nbytes)

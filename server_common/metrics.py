@@ -157,6 +157,18 @@ class ServerMetrics:
             buckets=STAGE_BUCKETS,
             registry=r,
         )
+        # The read-versus-compute rule's current estimates (prefill_server/pull_rule.py): a read of N tokens
+        # costs about 5 ms + N * bytes a token / the first; computing them, N / the second.
+        self.prefix_read_bytes_per_s = Gauge(
+            "pdserve_kv_prefix_read_bytes_per_second",
+            "Prefill server: the bandwidth of prefix reads beyond their fixed cost, as estimated (EWMA)",
+            registry=r,
+        )
+        self.prefix_compute_tokens_per_s = Gauge(
+            "pdserve_kv_prefix_compute_tokens_per_second",
+            "Prefill server: its engine's prefill throughput that a prefix read is weighed against (EWMA)",
+            registry=r,
+        )
 
     def _stage_metrics(self, r: CollectorRegistry) -> None:
         """How long a request spent in each stage on this server."""

@@ -37,7 +37,7 @@ class ServerSettings:
     checksum_failure: KvFailureAction = "fail"
     # A prefill server reads the whole blocks of a reservation's cached prefix its own cache lacks from the
     # decode server instead of computing them (decode-to-prefill reuse, kvlink/prefix_read.py). Off by
-    # default: on a loaded CPU the read costs about what computing those blocks does (docs/kv-tiers.md).
+    # default (docs/kv-tiers.md, "Decode-to-prefill reuse without a store").
     pull_prefix: bool = False
     # ... and only when computing those tokens is estimated to take at least this many times as long as
     # reading them (prefill_server/pull_rule.py); 0 reads whenever the decode server holds more.

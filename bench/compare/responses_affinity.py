@@ -22,7 +22,9 @@ variant sends it), turn t of a chat sent once turn t-1 is answered (bench/load/l
 * ``affinity-pull``, ``chat-pull``: as ``affinity`` and ``chat`` with ``transfer.pull_prefix`` on: a
   prefill server reads the part of the prompt its own cache lacks and the decode server's reservation
   holds back from that decode server instead of computing it (decode-to-prefill reuse,
-  docs/kv-tiers.md); ``pulled tok/req`` is what they read (``pdserve_kv_prefix_pulled_tokens_total``).
+  docs/kv-tiers.md); ``pulled tok/req`` is what they read (``pdserve_kv_prefix_pulled_tokens_total``),
+  results.json's ``reads`` and ``reads_skipped`` the reads used and those not asked for because computing
+  was estimated faster (prefill_server/pull_rule.py, ``transfer.pull_prefix_margin``).
 
 The three send token-identical prompts when the answers are the same (greedy, the same model). Per
 turn it reports TTFT p50/p99 and, from each answer's usage, input tokens, cached tokens (found in the
@@ -104,6 +106,8 @@ def engine_counters(before: dict, after: dict, servers: tuple[str, ...] = SERVER
     out["pulled_tokens"] = sum(counter(delta, s, "pdserve_kv_prefix_pulled_tokens_total") for s in prefill)
     out["pulls"] = sum(counter(delta, s, "pdserve_kv_prefix_pull_seconds_count") for s in prefill)
     out["pull_seconds"] = sum(counter(delta, s, "pdserve_kv_prefix_pull_seconds_sum") for s in prefill)
+    skipped = 'pdserve_kv_prefix_pulls_total{outcome="not_worth_it"}'  # computing was estimated faster
+    out["pulls_skipped"] = sum(counter(delta, s, skipped) for s in prefill)
     return out
 
 
@@ -155,6 +159,20 @@ def run_variant(name: str, rnd: int, args, workload: PrefixWorkload, builder: Pr
         "records": result.records,
         "duration_s": result.duration_s,
         "counters": engine_counters(before, after, servers),
+        "pull_estimates": pull_estimates(after, servers),
+    }
+
+
+def pull_estimates(after: dict, servers: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Each prefill server's read-versus-compute estimates at the end of a run (prefill_server/pull_rule.py):
+    read MB/s beyond a read's fixed 5 ms, and prompt tokens/s of its engine."""
+    return {
+        s: {
+            "read_mb_per_s": after.get(s, {}).get("pdserve_kv_prefix_read_bytes_per_second", 0.0) / 1e6,
+            "compute_tokens_per_s": after.get(s, {}).get("pdserve_kv_prefix_compute_tokens_per_second", 0.0),
+        }
+        for s in servers
+        if s.startswith("p")
     }
 
 
@@ -185,6 +203,9 @@ def pooled(runs: list[dict]) -> dict:
         "kv_mb_per_req": totals["kv_bytes"] / n / 1e6,
         "pulled_tokens_per_req": totals.get("pulled_tokens", 0.0) / n,
         "pull_ms_per_read": 1e3 * totals.get("pull_seconds", 0.0) / max(1.0, totals.get("pulls", 0.0)),
+        "reads": totals.get("pulls", 0.0),  # reads asked for and used
+        "reads_skipped": totals.get("pulls_skipped", 0.0),  # not asked for: not worth it (pull_rule.py)
+        "pull_estimates_per_round": [run.get("pull_estimates", {}) for run in runs],
         "per_turn": [t.to_json() for t in per_turn(records)],
     }
 

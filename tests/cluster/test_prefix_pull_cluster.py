@@ -140,4 +140,5 @@ def test_a_read_estimated_slower_than_computing_is_skipped_and_the_prefix_is_com
     assert grew["d_hits"] == 96
     assert grew["pulls_skipped"] == 1 and grew["pulls_ok"] == grew["reads_ok"] == grew["pulled"] == 0
     assert grew["p_prompt"] == len(second) - 60  # p0 computed the 36 tokens d0 held past its own 60
+    assert weighing.metric("p0", "pdserve_kv_prefix_compute_tokens_per_second") > 0  # learned from turn 1
     all_back(weighing)
