@@ -25,6 +25,12 @@ over every layer, and what a prefill server moves for a prompt of
 prompt's last ``window - 1`` tokens: engine/kv_cache.py ``layer_tokens_sent``),
 per request and per prompt token. A short run by default (tiny models,
 seconds each).
+
+``wide``, ``wide-moe``, ``wide-swa`` and ``wide-mla`` are the tiny
+families' shapes with heads of 64 values (``wide-mla``: DeepSeek-V3's latent
+sizes, 512 + 64), random and deterministic, built by this bench into
+``--model-cache``/bench-wide: the width vLLM's CPU attention takes
+(``python -m bench.peer.families`` sets vLLM beside the engine on them).
 """
 
 from __future__ import annotations
@@ -33,9 +39,49 @@ import argparse
 import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 FAMILIES = ("tiny", "tiny-moe", "tiny-swa", "tiny-mla")
+WIDE = ("wide", "wide-moe", "wide-swa", "wide-mla")
 REAL = ("gemma3-270m", "smollm2", "qwen2.5-coder-0.5b")
+
+
+def wide_spec(family: str):
+    """The ``wide-`` form of a tiny family: its built-in spec with heads of 64 values (engine/make_model.py)."""
+    import dataclasses
+
+    from engine.make_model import TINY_MLA, TINY_MOE, TINY_SWA, TinySpec
+
+    wide = {"hidden": 256, "heads": 4, "kv_heads": 2, "head_dim": 64, "intermediate": 512}
+    if family == "wide":
+        return TinySpec(arch="qwen3", **wide)
+    if family == "wide-moe":
+        return dataclasses.replace(TINY_MOE, moe_intermediate=128, **wide)
+    if family == "wide-swa":
+        return dataclasses.replace(TINY_SWA, **wide)
+    if family == "wide-mla":
+        latent = {"kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128}
+        return dataclasses.replace(
+            TINY_MLA, hidden=256, heads=4, intermediate=512, moe_intermediate=128, q_lora_rank=64, **latent
+        )
+    raise ValueError(f"unknown family {family!r}: the wide ones are {', '.join(WIDE)}")
+
+
+def wide_folder(family: str, model_cache: str) -> Path:
+    """The ``wide-`` family's folder under ``model_cache``/bench-wide, built there first if missing."""
+    from engine.make_model import make_tiny
+
+    folder = Path(model_cache).expanduser() / "bench-wide" / family
+    if not (folder / "model.safetensors").is_file():
+        make_tiny(folder, wide_spec(family))
+    return folder
+
+
+def family_folder(family: str, model_cache: str) -> Path:
+    """A family's folder: this bench's ``wide-`` ones (built here), else a built-in model (or a folder)."""
+    from engine.models import resolve_model
+
+    return wide_folder(family, model_cache) if family in WIDE else resolve_model(family, model_cache)
 
 
 def kv_bytes(engine, prompt_len: int) -> dict[str, int]:
@@ -108,7 +154,10 @@ def measure_batch(engine, hf, batch: int, args: argparse.Namespace) -> dict:
     with torch.no_grad():
         h_prefill = best(lambda: hf(ids), args.rounds)
         h_decode = best_of(lambda: hf_decode_s(hf, ids, new), args.rounds)
-    row = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": new}
+    row: dict = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": new}
+    if getattr(args, "greedy_tokens", False):  # the engine's greedy tokens for the first prompt (bench.peer)
+        greedy = SamplingParams(max_tokens=1 + new, temperature=0, ignore_eos=True)
+        row["engine_tokens"] = list(engine.generate([ps[0]], greedy)[0].token_ids)
     for side, prefill, decode in (("engine", e_prefill, e_decode), ("hf", h_prefill, h_decode)):
         row[f"{side}_prefill_tok_s"] = round(batch * args.prompt_len / prefill, 1)
         row[f"{side}_decode_tok_s"] = round(batch * new / decode, 1)
@@ -164,11 +213,15 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    from engine.models import MODEL_CACHE, needs_build, resolve_model
+def arguments(p: argparse.ArgumentParser, default_families: tuple[str, ...] = FAMILIES) -> None:
+    """The options of this bench (and of bench.peer.families, which adds vLLM's side)."""
+    from engine.models import MODEL_CACHE
 
-    p = argparse.ArgumentParser(prog="python -m bench.micro.families", description=__doc__.split("\n")[0])
-    p.add_argument("--families", default=",".join(FAMILIES), help="built-in models, comma-separated")
+    p.add_argument(
+        "--families",
+        default=",".join(default_families),
+        help=f"comma-separated: built-in models, or this bench's {', '.join(WIDE)}",
+    )
     p.add_argument("--real", action="store_true", help=f"also the real models ({', '.join(REAL)}) where already built")
     p.add_argument("--batch", default="1,8", help="batch sizes, comma-separated")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -178,22 +231,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-prompt-len", type=int, default=4096, help="the prompt the KV columns are for")
     p.add_argument("--model-cache", default=MODEL_CACHE, help="where built-in models are (built tiny ones too)")
     p.add_argument("--json", help="also write the rows to this file")
-    args = p.parse_args(argv)
+
+
+def families_of(args: argparse.Namespace) -> list[str]:
+    """``--families``, and with ``--real`` the real models already built (the others named as left out)."""
+    from engine.models import needs_build
+
     families = [f for f in args.families.split(",") if f]
     if args.real:
         families += [m for m in REAL if not needs_build(m, args.model_cache)]
         missing = [m for m in REAL if needs_build(m, args.model_cache)]
         if missing:
             print(f"not built in {args.model_cache}, left out: {', '.join(missing)}")
-    batches = [int(b) for b in args.batch.split(",")]
-    rows = []
-    for family in families:
-        folder = str(resolve_model(family, args.model_cache))
-        rows += [{"family": family, **row} for row in measure(folder, batches, args)]
-    print(table(rows))
+    return families
+
+
+def write(rows: list[dict], text: str, args: argparse.Namespace) -> None:
+    print(text)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.micro.families", description=__doc__.split("\n")[0])
+    arguments(p)
+    args = p.parse_args(argv)
+    batches = [int(b) for b in args.batch.split(",")]
+    rows = []
+    for family in families_of(args):
+        folder = family_folder(family, args.model_cache)
+        rows += [{"family": family, **row} for row in measure(str(folder), batches, args)]
+    write(rows, table(rows), args)
     return 0
 
 
