@@ -54,7 +54,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -63,7 +62,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from bench.load.cluster import RunningCluster, free_ports, launch
+from bench.load.cluster import RunningCluster, free_port_pairs, free_ports, launch
 from bench.load.loadgen import LoadConfig
 from bench.load.prompts import PromptBuilder, load_tokenizer
 from bench.load.serve import request_source, run_benchmark
@@ -155,40 +154,9 @@ def weightless(model: Path, folder: Path) -> Path:
     return folder
 
 
-def ephemeral_range() -> tuple[int, int]:
-    """The ports this host gives outgoing connections (Linux's ``ip_local_port_range``)."""
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def switchable_port_pairs(count: int, start: int = 20000) -> list[int]:
-    """Ports p, from ``start`` up and below the ephemeral range, with p and p + 1 free now. An instance's
-    KV port is bound only while it is a decode server: one in the ephemeral range can be taken meanwhile by
-    an outgoing connection's local port (many, with 32 instances), and the switch to decode then fails
-    with "address already in use"."""
-    found: list[int] = []
-    port, (stop, _) = start, ephemeral_range()
-    while len(found) < count and port + 1 < stop:
-        try:
-            for q in (port, port + 1):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-        except OSError:
-            port += 1
-            continue
-        found.append(port)
-        port += 2
-    if len(found) < count:
-        raise RuntimeError(f"fewer than {count} free port pairs between {start} and {stop}")
-    return found
-
-
 def cluster_config(args, model: Path, profile: Path | None, prefill: int, planner: bool, folder: Path) -> Path:
     n = args.instances
-    ports = switchable_port_pairs(n)
+    ports = free_port_pairs(n)  # below the ephemeral range: see bench.load.cluster._free_run
     taken = set(ports) | {p + 1 for p in ports}
     router, planner_port = next(pair for pair in iter(lambda: free_ports(2), None) if not taken & set(pair))
     instances = [{"name": f"i{k}", "port": ports[k], "kv_port": ports[k] + 1} for k in range(n)]

@@ -11,12 +11,10 @@ from bench.compare.phase_shift import (
     PhaseResult,
     decision_count,
     decision_cpu,
-    ephemeral_range,
     load_layout,
     main,
     report,
     save_layout,
-    switchable_port_pairs,
     switches,
     switches_per_phase,
 )
@@ -91,12 +89,6 @@ def test_the_process_cpu_is_read_over_every_action_and_a_saved_layout_reads_back
     run = LayoutRun("planner", phases, records, [{"at": 3.0}], 0.001, 0.004, 2.0, (0.0,))
     save_layout(run, tmp_path / "layout.json")
     assert load_layout(tmp_path / "layout.json") == run
-
-
-def test_kv_ports_are_picked_below_the_ephemeral_range_and_never_overlap():
-    ports = switchable_port_pairs(8)
-    assert len(set(ports) | {p + 1 for p in ports}) == 16
-    assert all(p + 1 < ephemeral_range()[0] for p in ports)
 
 
 @pytest.mark.parametrize(
