@@ -24,7 +24,11 @@ httptools protocol (``protocol_class``) these limits, on the router (config
   hard limit at start), which a flood would otherwise exhaust, refusing
   everyone;
 * ``MAX_HEADER_BYTES``: a request's line and headers; llhttp (httptools'
-  parser) sets no limit of its own, so past it the request is answered 431.
+  parser) sets no limit of its own, so past it the request is answered 431;
+* ``MAX_PIPELINED``: requests sent ahead on one connection while an earlier
+  one is served (llhttp parses all of a read at once, where h11 took one
+  request at a time): those past it are dropped unread, and the connection
+  closes once the ones before them are answered.
 
 httptools rather than h11: the router parses and frames every request and
 streamed chunk through this protocol, and llhttp does in C what h11's state
@@ -33,7 +37,7 @@ CPU per token; bench/README.md). A request uvicorn cannot parse is answered
 uvicorn's 400, as before.
 
 A connection that passes a limit is closed and counted in
-``pdserve_router_connections_refused{reason="header_timeout|body_timeout|too_many|full|header_too_large"}``
+``pdserve_router_connections_refused{reason="header_timeout|body_timeout|too_many|full|header_too_large|pipelined"}``
 (``pdserve_connections_refused`` on the servers); the connections open now are
 ``pdserve_router_connections_open`` (``pdserve_connections_open``).
 A response being streamed is never cut: the timers stop once the request has
@@ -51,10 +55,11 @@ from collections.abc import Iterable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-REASONS = ("header_timeout", "body_timeout", "too_many", "full", "header_too_large")
+REASONS = ("header_timeout", "body_timeout", "too_many", "full", "header_too_large", "pipelined")
 LOOPBACK = frozenset({"127.0.0.1", "::1"})
 FD_HEADROOM = 256  # descriptors kept for everything but client connections (model files, peers, pipes)
 MAX_HEADER_BYTES = 16 * 1024  # a request's line and headers; as uvicorn's h11 protocol allowed
+MAX_PIPELINED = 16  # requests read on one connection while an earlier one is served
 
 
 def _refusal(message: str, status: str = "503 Service Unavailable", code: str = "too_many_connections") -> bytes:
@@ -198,6 +203,7 @@ class _GuardedHttpTools(HttpToolsProtocol):
         self._in_message = False  # the parser is inside a request (from its first byte to its end)
         self._read_size, self._read_starts_request = 0, True
         self._header_bytes = 0
+        self._dropping = False  # past MAX_PIPELINED: nothing more is read
         client = self.client[0] if self.client else ""
         refusal = self.guard.claim(client)
         if refusal is not None:
@@ -215,6 +221,8 @@ class _GuardedHttpTools(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._dropping:
+            return
         self._read_size, self._read_starts_request = len(data), not self._in_message
         super().data_received(data)
         if self._reading == "headers" and not self.transport.is_closing():
@@ -223,6 +231,8 @@ class _GuardedHttpTools(HttpToolsProtocol):
                 self._refuse_headers()
 
     def on_message_begin(self) -> None:
+        if self._dropping:
+            return
         super().on_message_begin()
         self._reading, self._in_message = "headers", True
         # A request that began after an earlier one within a read is counted from the next read
@@ -231,12 +241,31 @@ class _GuardedHttpTools(HttpToolsProtocol):
         self._read_starts_request = False
         self._follow()
 
+    def on_url(self, url: bytes) -> None:
+        if not self._dropping:
+            super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._dropping:
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        if self._dropping:
+            return
+        if len(self.pipeline) >= MAX_PIPELINED:
+            self._drop_the_rest()
+            return
         self._reading = "body"
         super().on_headers_complete()  # starts the request, or queues it behind the one in flight
         self._follow()
 
+    def on_body(self, body: bytes) -> None:
+        if not self._dropping:
+            super().on_body(body)
+
     def on_message_complete(self) -> None:
+        if self._dropping:
+            return
         super().on_message_complete()
         self._reading, self._in_message = "", False
         self._follow()
@@ -272,6 +301,15 @@ class _GuardedHttpTools(HttpToolsProtocol):
         self._timer, self._phase = None, ""
         if not self.transport.is_closing():
             self.transport.close()
+
+    def _drop_the_rest(self) -> None:
+        """Past ``MAX_PIPELINED`` queued requests: this one and all after it are dropped unread, and the
+        connection closes after the last queued request's response (sent with ``connection: close``)."""
+        self._dropping = True
+        self._reading, self._in_message = "", False
+        self.guard.refused["pipelined"] += 1
+        self.pipeline[0][0].keep_alive = False  # the newest queued; appendleft'ed by uvicorn
+        self._follow()
 
     def _refuse_headers(self) -> None:
         """llhttp sets no limit on a request's headers; past ``MAX_HEADER_BYTES`` the connection gets

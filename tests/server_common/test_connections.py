@@ -19,6 +19,8 @@ from server_common.connections import (
     FULL,
     HEADER_TOO_LARGE,
     MAX_HEADER_BYTES,
+    MAX_PIPELINED,
+    REASONS,
     TOO_MANY,
     ConnectionGuard,
 )
@@ -33,7 +35,14 @@ def test_the_last_connections_are_kept_for_trusted_addresses():
     assert [guard.claim("127.0.0.1"), guard.claim("::1")] == [None, FULL]  # loopback is trusted; now 10 open
     guard.release("10.0.1.0")
     assert guard.claim("10.0.1.7") == FULL and guard.claim("127.0.0.1") is None
-    assert guard.refused == {"header_timeout": 0, "body_timeout": 0, "too_many": 1, "full": 4, "header_too_large": 0}
+    assert guard.refused == {
+        "header_timeout": 0,
+        "body_timeout": 0,
+        "too_many": 1,
+        "full": 4,
+        "header_too_large": 0,
+        "pipelined": 0,
+    }
     assert guard.total == 10
 
 
@@ -153,7 +162,7 @@ def test_headers_sent_a_byte_at_a_time_are_cut_at_the_header_timeout():
                 time.sleep(0.01)  # the client's pace under test: a byte every 10 ms
         assert _closed(sock) == b""
         assert 0.4 < time.monotonic() - started < 5 and sent < 1000
-    assert guard.refused == {"header_timeout": 1, "body_timeout": 0, "too_many": 0, "full": 0, "header_too_large": 0}
+    assert guard.refused == dict.fromkeys(REASONS, 0) | {"header_timeout": 1}
 
 
 def test_a_body_that_stops_coming_is_cut_at_the_body_timeout():
@@ -244,3 +253,23 @@ def test_a_streamed_response_is_not_cut_by_the_next_requests_headers_timing_out(
         assert sock.recv(4096) == b""
         assert 0.4 < time.monotonic() - started < 5
     assert guard.refused["header_timeout"] == 1
+
+
+def test_requests_sent_ahead_past_the_pipelining_cap_are_dropped_and_the_connection_closes():
+    """llhttp parses every request of a read at once; past MAX_PIPELINED waiting behind the one being
+    served, the rest go unread and the last queued answer ends the connection."""
+    guard = ConnectionGuard(header_timeout_s=5, body_timeout_s=5, max_per_client=8)
+    app = _Slow()
+    request = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}"
+    with _serving(guard, app) as address, socket.create_connection(address) as sock:
+        sock.settimeout(10)
+        sock.sendall(b"GET /slow HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert _answer(sock, b"sl").startswith(b"HTTP/1.1 200")
+        sock.sendall(request * (MAX_PIPELINED + 500))
+        wait_until(lambda: guard.refused["pipelined"] == 1, 10.0, "the requests past the cap dropped")
+        app.finish.set()
+        answers = _closed(sock).split(b"HTTP/1.1 ")
+    assert answers[0] == b"ow" and len(answers) == 1 + MAX_PIPELINED
+    assert all(a.startswith(b"200 OK") and a.endswith(b"\r\n\r\nok") for a in answers[1:])
+    assert b"connection: close" in answers[-1] and not any(b"connection: close" in a for a in answers[1:-1])
+    assert guard.refused == dict.fromkeys(REASONS, 0) | {"pipelined": 1}
