@@ -292,7 +292,7 @@ class _GuardedHttpTools(HttpToolsProtocol):
         self._timer = self.loop.call_later(seconds, self._expired)
 
     def _disarm(self) -> None:
-        if getattr(self, "_timer", None) is not None:
+        if self._timer is not None:
             self._timer.cancel()
         self._timer, self._phase = None, ""
 
