@@ -185,7 +185,7 @@ def server_guard(settings) -> ConnectionGuard:
 
 
 class _GuardedHttpTools(HttpToolsProtocol):
-    """uvicorn's httptools protocol (llhttp, in C) with the guard's caps, timers and header limit.
+    """uvicorn's httptools protocol (llhttp, in C) with the guard's caps, timers and limits.
 
     What is being read decides the timer: a request's headers (from the connection's start, or the
     first byte of a kept-alive connection's next request), then its body, then none. A request read
