@@ -109,9 +109,9 @@ class Admission:
         return self.prefills_pending >= sum(limits)
 
     def may_take(self, worker: Worker, ticket: Ticket) -> bool:
-        """``ticket``'s tenant may take one of ``worker``'s free slots: below its share, or leaving one
-        free for each tenant that used less (router/cluster/fair_share.py). A refusal is noted on the
-        request trying (``held_back``)."""
+        """``ticket``'s tenant may take one of ``worker``'s free slots: below its share, or leaving free
+        what is kept for each tenant that used less, one or up to its recent peak plus one
+        (router/cluster/fair_share.py). A refusal is noted on the request trying (``held_back``)."""
         allowed = self.shares.may_take(worker, ticket)
         asking = _ASKING.get()
         if not allowed and asking is not None:

@@ -9,12 +9,15 @@ reserves slots and llm-d's flow control keeps tenants apart:
 - a tenant's **share** of a server with ``max_inflight`` L is L times its weight over the weights of
   the active tenants of its priority class and the higher ones (itself included), rounded down, at
   least 1. Below its share a tenant always takes a free slot;
-- at or above its share it takes one more only if one slot stays free on that server for each other
-  active tenant (of its class or a higher one) whose recent **use** of that server, per unit of
+- at or above its share it takes one more only if enough slots stay free on that server for each
+  other active tenant (of its class or a higher one) whose recent **use** of that server, per unit of
   weight, is below its own. Use is the slots it held there, averaged exponentially over
-  ``window_s``. So a light tenant finds a slot free on arrival rather than one slot time later,
-  while two heavy tenants still fill the server between them (each lets the other, lagging one,
-  catch up, the way fair queuing favours sparse flows);
+  ``window_s``. What is kept for such a tenant follows its own bursts (``kept_for``): up to one
+  more than the most it held there at once within the window, bounded by its share, and at least
+  one. So a light tenant finds a slot free on arrival rather than one slot time later, and a light
+  tenant whose requests overlap finds room for as many as it recently ran together, while two heavy
+  tenants still fill the server between them (each lets the other, lagging one, catch up, the way
+  fair queuing favours sparse flows);
 - a tenant is **active** while it holds a slot or has asked for one within ``window_s``.
 
 With one active tenant (no tenants configured, or only one sending) nothing is held back: every
@@ -28,21 +31,33 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.cluster.registry import Worker
 from router.cluster.tenancy import Ticket
 
 
+def kept_for(held: int, peak: int, share: int) -> int:
+    """The slots kept free on a server for a tenant that used it less than the one asking: enough for
+    one more request than the most it ran there at once lately (``peak``), but not past its ``share``
+    of the server, and always at least one, so it finds a slot free on arrival. ``held``: what it
+    holds there now."""
+    return max(1, min(peak + 1, share) - held)
+
+
 @dataclass
 class Use:
-    """One tenant's slots on one server: how many it holds now, and their average over the window."""
+    """One tenant's slots on one server: how many it holds now, their average over the window, and the
+    most it held at once within the window."""
 
     held: int = 0
     average: float = 0.0
     at: float = 0.0  # when ``average`` was last brought up to date
+    # (when, slots held just after a take) for takes within the window, the slots strictly decreasing:
+    # a take that an equal or higher later one outlasts can never be the window's most again
+    tops: deque[tuple[float, int]] = field(default_factory=deque)
 
     def catch_up(self, now: float, window_s: float) -> None:
         """Move ``average`` to ``now``: ``held`` was constant since ``at``, so the exponential
@@ -50,6 +65,19 @@ class Use:
         if now > self.at:
             self.average = self.held + (self.average - self.held) * math.exp(-(now - self.at) / window_s)
             self.at = now
+
+    def took(self, now: float) -> None:
+        """One more slot held from ``now``."""
+        self.held += 1
+        while self.tops and self.tops[-1][1] <= self.held:
+            self.tops.pop()
+        self.tops.append((now, self.held))
+
+    def peak(self, now: float, window_s: float) -> int:
+        """The most slots held at once by a take within ``window_s`` before ``now``, or now."""
+        while self.tops and now - self.tops[0][0] > window_s:
+            self.tops.popleft()
+        return max(self.held, self.tops[0][1]) if self.tops else self.held
 
 
 class SlotShares:
@@ -72,7 +100,7 @@ class SlotShares:
 
     def took(self, worker: str, tenant: str) -> None:
         if tenant:  # an unattributed request's slot is no tenant's
-            self._use(worker, tenant).held += 1
+            self._use(worker, tenant).took(self._clock())
             self._holding[tenant] += 1
 
     def gave_back(self, worker: str, tenant: str) -> None:
@@ -93,6 +121,10 @@ class SlotShares:
     def average(self, worker: str, tenant: str) -> float:
         return self._use(worker, tenant).average
 
+    def peak(self, worker: str, tenant: str) -> int:
+        """The most slots ``tenant`` held at once on ``worker`` within the window."""
+        return self._use(worker, tenant).peak(self._clock(), self.window_s)
+
     def may_take(self, worker: Worker, ticket: Ticket) -> bool:
         """Whether ``ticket``'s tenant may take one of ``worker``'s free slots now (the module's rule)."""
         limit = worker.max_inflight
@@ -107,7 +139,12 @@ class SlotShares:
         if mine.held < self.share(ticket, active, limit):
             return True
         pace = mine.average / ticket.weight
-        keep = sum(1 for t in rivals if self._use(worker.name, t.tenant).average / t.weight < pace)
+        keep = 0
+        for rival in rivals:
+            use = self._use(worker.name, rival.tenant)
+            if use.average / rival.weight < pace:
+                peak = use.peak(self._clock(), self.window_s)
+                keep += kept_for(use.held, peak, self.share(rival, active, limit))
         return limit - worker.inflight - 1 >= keep
 
     def active(self) -> dict[str, Ticket]:

@@ -11,7 +11,7 @@ from engine.request import SamplingParams
 from router.cluster import tenancy
 from router.cluster.admission import Admission, AdmissionSettings, Slot
 from router.cluster.dispatch import Dispatcher, DispatchSettings
-from router.cluster.fair_share import SlotShares
+from router.cluster.fair_share import SlotShares, Use, kept_for
 from router.cluster.policies import RoundRobin
 from router.cluster.registry import Worker, WorkerRegistry
 from router.cluster.tenancy import ANYONE, UNATTRIBUTED, Caller, Ticket
@@ -104,6 +104,58 @@ def test_two_heavy_tenants_fill_a_server_between_them():
     give_back(shares, worker, "a")  # a: 1, below its share
     assert shares.may_take(worker, a)
     assert worker.inflight == 3
+
+
+def test_what_is_kept_for_a_tenant_follows_its_recent_peak_within_its_share():
+    assert kept_for(held=0, peak=0, share=4) == 1  # a newcomer: one slot, to find on arrival
+    assert kept_for(held=1, peak=1, share=4) == 1  # never more than one at once: room for the next
+    assert kept_for(held=1, peak=3, share=4) == 3  # ran 3 at once lately: room for 4 in all
+    assert kept_for(held=1, peak=6, share=4) == 3  # but no more than its share
+    assert kept_for(held=4, peak=6, share=4) == 1  # at its share, or past it: one, as before
+    assert kept_for(held=0, peak=5, share=1) == 1
+
+
+def test_a_tenants_peak_is_the_most_it_held_at_once_within_the_window():
+    use = Use(at=100.0)
+    for now in (100.0, 101.0, 102.0):
+        use.took(now)  # 3 at once at 102
+    use.held -= 2
+    use.took(104.0)  # 2 at 104
+    use.held -= 1
+    assert use.peak(105.0, 10.0) == 3
+    assert use.peak(112.5, 10.0) == 2  # the take to 3 is older than the window; the one to 2 is not
+    assert use.peak(114.5, 10.0) == 1  # none within it: what it holds now
+    assert list(use.tops) == []
+
+
+def test_a_light_tenant_that_ran_several_at_once_lately_finds_that_many_free():
+    """At 8 slots a heavy tenant at its share (4) keeps one slot free for a light tenant that never
+    overlaps, but up to its recent peak plus one for one whose requests came 3 at once."""
+    clock = Clock()
+    shares, worker = SlotShares(10.0, clock), Worker("d0", "decode", "u", max_inflight=8)
+    for _ in range(4):
+        take(shares, worker, HEAVY)
+    clock.now += 5.0
+    for _ in range(3):
+        take(shares, worker, LIGHT)  # below its share (4): it always may
+    clock.now += 1.0
+    give_back(shares, worker, "light")
+    give_back(shares, worker, "light")  # light holds 1, ran 3 at once: 4 - 1 = 3 kept, 3 free
+    assert shares.average("d0", "light") < shares.average("d0", "heavy") and shares.peak("d0", "light") == 3
+    assert not shares.may_take(worker, HEAVY) and shares.may_take(worker, LIGHT)
+    take(shares, worker, LIGHT)
+    take(shares, worker, LIGHT)
+    take(shares, worker, LIGHT)  # light at its share (4) and at most 1 kept for it now: the server is full
+    assert worker.inflight == 8
+    for _ in range(3):
+        give_back(shares, worker, "light")
+    clock.now += 10.1
+    shares.asked(LIGHT)  # still active, but its 3 and 4 at once are older than the window
+    assert shares.peak("d0", "light") == 1
+    assert shares.may_take(worker, HEAVY)  # 3 free, one kept for the light tenant: heavy may take 2
+    take(shares, worker, HEAVY)
+    take(shares, worker, HEAVY)
+    assert not shares.may_take(worker, HEAVY) and worker.inflight == 7
 
 
 def test_shares_follow_weights_and_each_active_tenant_keeps_at_least_one():
