@@ -13,7 +13,8 @@ pytestmark = pytest.mark.integration
 
 def test_the_four_phases_report_each_key_and_the_limited_heavy_key_is_refused(tmp_path, capsys):
     out = tmp_path / "tenants.json"
-    argv = ["--seconds", "3", "--light-rps", "2", "--heavy-x", "4", "--heavy-rpm", "2", "--out", str(out)]
+    argv = ["--seconds", "3", "--light-rps", "2", "--heavy-x", "4", "--heavy-rpm", "2", "--token-delay", "0.01"]
+    argv += ["--out", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     phases = report["phases"]
@@ -39,7 +40,7 @@ def test_the_four_phases_report_each_key_and_the_limited_heavy_key_is_refused(tm
 def test_some_phases_for_longer_report_the_ratios_they_have(tmp_path):
     out = tmp_path / "tenants.json"
     phases = ["--phases", "fair,alone,queued"]
-    argv = [*phases, "--seconds", "3", "--light-rps", "2", "--heavy-x", "4", "--out", str(out)]
+    argv = [*phases, "--seconds", "3", "--light-rps", "2", "--heavy-x", "4", "--token-delay", "0.01", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads(out.read_text())
     assert list(report["phases"]) == ["alone", "queued", "fair"]  # in the bench's order
