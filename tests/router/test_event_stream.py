@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 
 from bench.micro.stub_cluster import StubCluster
 from bench.micro.stubs import STUB_TOKENS
+from tests.router.test_router_load import aborted_on_both
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -54,12 +55,4 @@ def test_a_client_that_leaves_while_no_token_comes_is_aborted_on_both_servers_at
             with http.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
                 wait_until(lambda: cluster.stats("decode")["open_streams"] == 1, 30.0, "the decode stream open")
-        wait_until(
-            lambda: cluster.stats("decode")["aborts"] == 1 and cluster.stats("prefill")["aborts"] == 1,
-            30.0,
-            "an abort on both stubs",
-        )
-        wait_until(lambda: cluster.stats("decode")["open_streams"] == 0, 30.0, "the decode stream closed")
-        decode, prefill = cluster.stats("decode"), cluster.stats("prefill")
-    assert (decode["requests"], decode["aborts"]) == (1, 1)
-    assert (prefill["requests"], prefill["aborts"]) == (1, 1)
+        aborted_on_both(cluster)

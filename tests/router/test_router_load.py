@@ -80,12 +80,17 @@ def test_a_client_that_leaves_mid_stream_is_aborted_on_both_servers(tmp_path):
                 lines = r.iter_lines()
                 assert next(line for line in lines if line.startswith("data: "))  # one token streamed
         # The client is gone: the router closes the decode stream and aborts the request on both servers.
-        wait_until(
-            lambda: cluster.stats("decode")["aborts"] == 1 and cluster.stats("prefill")["aborts"] == 1,
-            30.0,
-            "an abort on both stubs",
-        )
-        wait_until(lambda: cluster.stats("decode")["open_streams"] == 0, 30.0, "the decode stream closed")
-        decode, prefill = cluster.stats("decode"), cluster.stats("prefill")
+        aborted_on_both(cluster)
+
+
+def aborted_on_both(cluster: StubCluster) -> None:
+    """The one request a test sent is aborted on both stubs, and the decode stream is closed."""
+    wait_until(
+        lambda: cluster.stats("decode")["aborts"] == 1 and cluster.stats("prefill")["aborts"] == 1,
+        30.0,
+        "an abort on both stubs",
+    )
+    wait_until(lambda: cluster.stats("decode")["open_streams"] == 0, 30.0, "the decode stream closed")
+    decode, prefill = cluster.stats("decode"), cluster.stats("prefill")
     assert (decode["requests"], decode["aborts"]) == (1, 1)
     assert (prefill["requests"], prefill["aborts"]) == (1, 1)
