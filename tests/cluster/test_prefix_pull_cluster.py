@@ -29,39 +29,29 @@ def new_tokens(k: int) -> list[int]:
     return [(7 * i + 11 * k) % 300 + 60 for i in range(20)]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory, tiny_model):
-    c = start_cluster(
-        tmp_path_factory,
-        "tiny-1p1d",
-        tiny_model,
-        {
-            "max_model_len": MAX_MODEL_LEN,
-            "router": {"local_prefill_threshold": THRESHOLD},
-            "transfer": {"pull_prefix": True, "pull_prefix_margin": 0},  # read whatever it costs
-            "fault_injection": True,
-        },
-    )
+def pulling(tmp_path_factory, tiny_model, margin: float, **settings):
+    """tiny-1p1d with the pull on, a read asked for when computing its tokens is estimated to take ``margin``
+    times as long as reading them (prefill_server/pull_rule.py); started for a module, stopped after it."""
+    config = {
+        "max_model_len": MAX_MODEL_LEN,
+        "router": {"local_prefill_threshold": THRESHOLD},
+        "transfer": {"pull_prefix": True, "pull_prefix_margin": margin},
+        **settings,
+    }
+    c = start_cluster(tmp_path_factory, "tiny-1p1d", tiny_model, config)
     yield c
     c.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, tiny_model):
+    yield from pulling(tmp_path_factory, tiny_model, 0, fault_injection=True)  # read whatever it costs
 
 
 @pytest.fixture(scope="module")
 def weighing(tmp_path_factory, tiny_model):
-    """As ``cluster``, but a read is asked for only when computing its tokens is estimated to take a million
-    times as long as reading them: never, once p0 computed a prompt (prefill_server/pull_rule.py)."""
-    c = start_cluster(
-        tmp_path_factory,
-        "tiny-1p1d",
-        tiny_model,
-        {
-            "max_model_len": MAX_MODEL_LEN,
-            "router": {"local_prefill_threshold": THRESHOLD},
-            "transfer": {"pull_prefix": True, "pull_prefix_margin": 1e6},
-        },
-    )
-    yield c
-    c.stop()
+    """A read only where computing its tokens would take a million times as long: never, once p0 computed."""
+    yield from pulling(tmp_path_factory, tiny_model, 1e6)
 
 
 def complete(cluster: Cluster, model: str, tokens: list[int]) -> list[int]:
