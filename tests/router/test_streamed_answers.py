@@ -1,4 +1,4 @@
-"""The router's streamed answers (router/api/event_stream.py) over real HTTP, against stub servers
+"""The router's streamed answers (router/app.py, `respond`) over real HTTP, against stub servers
 (bench/micro/stubs.py): every chunk arrives whole and in order for the official openai SDK, and a
 client that leaves is aborted on both servers at once, even while no token comes."""
 
