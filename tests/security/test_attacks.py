@@ -23,6 +23,7 @@ from tests.security.conftest import (
     SERVER_RESERVED_CONNECTIONS,
 )
 from tests.security.wire import bound_socket, connect_as, ping, sender_hello, write_frames
+from tests.support.loopback import closed_by_peer
 from tests.support.oracle import PROMPTS, expected_completion
 from tests.waiting import wait_until
 from transfer.messages import Done, encode
@@ -44,20 +45,6 @@ def still_correct(target, tiny_model, n: int = 2) -> None:
     target.cluster.wait_idle(10.0)
     for server in target.cluster.servers:
         assert target.cluster.http.get(f"{server['url']}/health").status_code == 200
-
-
-def closed_by_peer(sock: socket.socket) -> bytes | None:
-    """Waits (up to the socket's timeout) for the other end to close: what it sent before its EOF
-    (or before a reset, when it closed with our unread bytes in its buffer); None if it never did."""
-    received = b""
-    try:
-        while chunk := sock.recv(1024):
-            received += chunk
-    except ConnectionResetError:
-        pass
-    except TimeoutError:
-        return None
-    return received
 
 
 class Reservation:

@@ -24,6 +24,7 @@ from server_common.connections import (
     TOO_MANY,
     ConnectionGuard,
 )
+from tests.support.loopback import closed_by_peer
 from tests.waiting import wait_until
 
 
@@ -118,17 +119,6 @@ def _answer(sock: socket.socket, end: bytes = b"\r\n\r\nok") -> bytes:
     return received
 
 
-def _closed(sock: socket.socket) -> bytes:
-    """Everything the server sends until it closes (a reset counts as a close)."""
-    received = b""
-    try:
-        while chunk := sock.recv(4096):
-            received += chunk
-    except ConnectionResetError:
-        pass
-    return received
-
-
 def test_an_idle_kept_alive_connection_outlives_the_header_timeout():
     """A client that waits between requests on one connection (httpx keeps an idle one 5 s) is not cut
     by the header timeout: that starts at the next request's first byte; idle is uvicorn's keep-alive."""
@@ -160,7 +150,7 @@ def test_headers_sent_a_byte_at_a_time_are_cut_at_the_header_timeout():
                 if guard.refused["header_timeout"]:
                     break
                 time.sleep(0.01)  # the client's pace under test: a byte every 10 ms
-        assert _closed(sock) == b""
+        assert closed_by_peer(sock) == b""
         assert 0.4 < time.monotonic() - started < 5 and sent < 1000
     assert guard.refused == dict.fromkeys(REASONS, 0) | {"header_timeout": 1}
 
@@ -171,7 +161,7 @@ def test_a_body_that_stops_coming_is_cut_at_the_body_timeout():
         sock.settimeout(10)
         sock.sendall(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n\r\n" + b"{" * 10)
         started = time.monotonic()
-        assert _closed(sock) == b""
+        assert closed_by_peer(sock) == b""
         assert 0.4 < time.monotonic() - started < 4.5  # the body's timer, not the header's
     assert guard.refused["body_timeout"] == 1 and guard.refused["header_timeout"] == 0
 
@@ -183,7 +173,7 @@ def test_one_connection_past_the_per_client_cap_gets_the_503_at_once():
             wait_until(lambda: guard.total == 2, 10.0, "both connections claimed")
             with socket.create_connection(address) as third:
                 third.settimeout(10)
-                assert _closed(third) == TOO_MANY
+                assert closed_by_peer(third) == TOO_MANY
             for sock in (first, second):  # the two within the cap are served
                 sock.settimeout(10)
                 sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
@@ -199,7 +189,7 @@ def test_connections_past_the_total_cap_get_the_503_at_once():
             wait_until(lambda: guard.total == 3, 10.0, "three connections claimed")
             with socket.create_connection(address) as fourth:
                 fourth.settimeout(10)
-                assert _closed(fourth) == FULL
+                assert closed_by_peer(fourth) == FULL
         finally:
             for sock in held:
                 sock.close()
@@ -217,12 +207,12 @@ def test_headers_over_the_limit_get_a_431_and_headers_under_it_are_served():
         with socket.create_connection(address) as sock:
             sock.settimeout(10)
             sock.sendall(head + b"x-big: " + b"a" * MAX_HEADER_BYTES)  # all read at once, still no end
-            assert _closed(sock) == HEADER_TOO_LARGE
+            assert closed_by_peer(sock) == HEADER_TOO_LARGE
         with socket.create_connection(address) as sock:  # a flood: cut after the limit, before its end
             sock.settimeout(10)
             with contextlib.suppress(OSError):
                 sock.sendall(head + b"x-big: " + b"a" * (64 << 20))
-            assert _closed(sock) in (b"", HEADER_TOO_LARGE)
+            assert closed_by_peer(sock) in (b"", HEADER_TOO_LARGE)
     assert guard.refused["header_too_large"] == 2
 
 
@@ -231,7 +221,7 @@ def test_an_invalid_request_gets_uvicorns_400_and_its_connection_is_released():
     with _serving(guard) as address, socket.create_connection(address) as sock:
         sock.settimeout(10)
         sock.sendall(b"GET / HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n")
-        assert _closed(sock).startswith(b"HTTP/1.1 400 Bad Request")
+        assert closed_by_peer(sock).startswith(b"HTTP/1.1 400 Bad Request")
     assert sum(guard.refused.values()) == 0
 
 
@@ -268,7 +258,7 @@ def test_requests_sent_ahead_past_the_pipelining_cap_are_dropped_and_the_connect
         sock.sendall(request * (MAX_PIPELINED + 500))
         wait_until(lambda: guard.refused["pipelined"] == 1, 10.0, "the requests past the cap dropped")
         app.finish.set()
-        answers = _closed(sock).split(b"HTTP/1.1 ")
+        answers = closed_by_peer(sock).split(b"HTTP/1.1 ")
     assert answers[0] == b"ow" and len(answers) == 1 + MAX_PIPELINED
     assert all(a.startswith(b"200 OK") and a.endswith(b"\r\n\r\nok") for a in answers[1:])
     assert b"connection: close" in answers[-1] and not any(b"connection: close" in a for a in answers[1:-1])

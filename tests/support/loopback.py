@@ -1,5 +1,5 @@
-"""Scripted servers on 127.0.0.1 for the router's connection tests: a handler per connection, and a port
-nothing listens on."""
+"""Scripted servers on 127.0.0.1 for the router's connection tests: a handler per connection, a port
+nothing listens on, and what a server sent before it closed a connection."""
 
 from __future__ import annotations
 
@@ -21,3 +21,17 @@ def refused_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def closed_by_peer(sock: socket.socket) -> bytes | None:
+    """Waits (up to the socket's timeout) for the other end to close: what it sent before its EOF
+    (or before a reset, when it closed with our unread bytes in its buffer); None if it never did."""
+    received = b""
+    try:
+        while chunk := sock.recv(1024):
+            received += chunk
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return None
+    return received
