@@ -34,6 +34,10 @@ def start(tmp_path_factory, tiny_model, mode: str) -> Cluster:
     decode = [{"name": f"d{k}", "block_size": 16} for k in range(3)]
     changes = {**MOCK, "engine": {**MOCK["engine"], "mock_profile": str(profile)}, "planner": planner}
     changes |= {"decode": decode, "router": {"local_prefill_threshold": 0}}
+    # The one prefill server is overloaded on purpose until the planner moves a decode server to it: on a
+    # busy machine a prompt can wait past the default 10 s lease before it is computed, and its request then
+    # fails for that, not for anything the planner did (as in test_planner_grow_cluster.py).
+    changes["lease_s"] = 60
     config = make_config(folder, "tiny-1p1d", model, changes)
     data = yaml.safe_load(config.read_text())
     taken = {data["router"]["port"]} | {i[k] for i in data["prefill"] + data["decode"] for k in ("port", "kv_port")}
