@@ -110,6 +110,14 @@ def test_a_light_load_moves_nothing_however_lopsided():
     assert counts[-1] == (3, 1) and decisions[-1].reason.startswith("every role has room")
 
 
+def settles_at_3p1d(planner: Planner, loads: list) -> None:
+    """From 2P2D, ``loads`` one a decision: the last switch within the first 10 (100 s), then none, at 3P1D."""
+    counts, decisions = run(planner, loads, prefill=2, decode=2)
+    switched = [i for i, d in enumerate(decisions) if d.action == "switch"]
+    assert switched and switched[-1] < 10  # settled within 100 s
+    assert counts[-1] == (3, 1)
+
+
 def test_a_steady_noisy_load_settles_and_then_never_switches():
     rng = random.Random(7)
     planner = Planner(PlannerSettings(), COST, SHAPE, SLO)
@@ -117,10 +125,7 @@ def test_a_steady_noisy_load_settles_and_then_never_switches():
     for _ in range(300):
         rps, prompt, output = PROMPT_HEAVY
         noisy.append(load(rps * rng.uniform(0.9, 1.1), round(prompt * rng.uniform(0.9, 1.1)), output))
-    counts, decisions = run(planner, noisy, prefill=2, decode=2)
-    switched = [i for i, d in enumerate(decisions) if d.action == "switch"]
-    assert switched and switched[-1] < 10  # settled within 100 s
-    assert counts[-1] == (3, 1)
+    settles_at_3p1d(planner, noisy)
 
 
 def test_a_role_never_goes_below_its_minimum_and_a_switch_in_flight_holds():
@@ -298,10 +303,7 @@ def test_a_steady_noisy_load_read_from_arrivals_with_a_standing_backlog_never_sw
         w = arrivals(w, rps * rng.uniform(0.9, 1.1), round(prompt * rng.uniform(0.9, 1.1)), output)
         room = (rng.randint(0, 10), rng.randint(0, 10))  # up one window, down the next
         noisy.append(queued(w, tokens=(rng.randint(3_000, 7_000), rng.randint(3_000, 7_000)), waiting=room))
-    counts, decisions = run(planner, noisy, prefill=2, decode=2)
-    switched = [i for i, d in enumerate(decisions) if d.action == "switch"]
-    assert switched and switched[-1] < 10  # settled within 100 s
-    assert counts[-1] == (3, 1)
+    settles_at_3p1d(planner, noisy)
 
 
 def test_the_answers_length_is_max_tokens_times_the_share_the_finished_ones_used():
