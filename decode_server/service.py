@@ -209,6 +209,8 @@ class GenerationService:
         except WorkerError as exc:
             self.metrics.prefix_reads.labels(outcome=exc.code).inc()
             raise
+        if self.faults is not None:
+            await self.faults.hold_read()  # hold_reads: a read in flight, its tokens out, its answer not sent
         corrupt = self.faults is not None and self.faults.take("corrupt_reads")
         payload = await asyncio.to_thread(encode_prefix, req.transfer_id, req.start, req.end, tokens, corrupt)
         self.metrics.prefix_reads.labels(outcome=Outcome.OK).inc()

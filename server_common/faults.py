@@ -8,6 +8,8 @@ otherwise neither exists and no code path below runs. A test arms a
 releases. Faults and where they act::
 
     hold_prefill        P  /prefill waits before its request reaches the engine
+    hold_reads          D  a prefix read (/kv/read) waits with its tokens copied out, before it answers:
+                            a read in flight, for a test that kills the decode server during it
     stall_after_layer   P  the engine thread stops after pushing layer k (once)
     drop_notices n      P  the next n completion notices are lost on the wire
     delay_notices n     P  the next n notices leave notice_delay_s late
@@ -40,6 +42,7 @@ class FaultPlan(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     hold_prefill: bool = False
+    hold_reads: bool = False
     stall_after_layer: int | None = Field(default=None, ge=0)
     drop_notices: int = Field(default=0, ge=0)
     delay_notices: int = Field(default=0, ge=0)
@@ -55,6 +58,7 @@ class FaultPlan(BaseModel):
 class FaultStatus(BaseModel):
     plan: FaultPlan  # what is still armed (counters count down)
     held: int  # /prefill calls waiting in hold_prefill now
+    held_reads: int  # /kv/read calls waiting in hold_reads now
     stalled: bool  # the engine thread is stopped in stall_after_layer now
     injected: dict[str, int]  # faults injected since start, by kind
 
@@ -64,11 +68,12 @@ class FaultInjector:
         self._lock = threading.Lock()
         self._plan = FaultPlan()
         self._release = threading.Event()
-        self._held = 0
+        self._held = {"hold_prefill": 0, "hold_reads": 0}  # calls waiting in each hold now
         self._stalled = False
         self._tokens = 0  # streamed since the plan was armed (pause_after_tokens)
         self._injected = {
             "held": 0,
+            "reads_held": 0,
             "stalled": 0,
             "notices_dropped": 0,
             "notices_delayed": 0,
@@ -91,6 +96,7 @@ class FaultInjector:
             self._plan = self._plan.model_copy(
                 update={
                     "hold_prefill": False,
+                    "hold_reads": False,
                     "stall_after_layer": None,
                     "step_delay_s": 0.0,
                     "pause_after_tokens": None,
@@ -100,7 +106,13 @@ class FaultInjector:
 
     def status(self) -> FaultStatus:
         with self._lock:
-            return FaultStatus(plan=self._plan, held=self._held, stalled=self._stalled, injected=dict(self._injected))
+            return FaultStatus(
+                plan=self._plan,
+                held=self._held["hold_prefill"],
+                held_reads=self._held["hold_reads"],
+                stalled=self._stalled,
+                injected=dict(self._injected),
+            )
 
     # ---- hooks ---------------------------------------------------------------------
     def take(self, counter: str) -> bool:
@@ -134,19 +146,27 @@ class FaultInjector:
 
     async def hold(self) -> None:
         """Event loop: wait here while hold_prefill is armed (polls: no thread per held call)."""
+        await self._hold("hold_prefill", "held")
+
+    async def hold_read(self) -> None:
+        """Event loop, a decode server's prefix read with its tokens copied out: wait here while
+        hold_reads is armed."""
+        await self._hold("hold_reads", "reads_held")
+
+    async def _hold(self, switch: str, injected: str) -> None:
         with self._lock:
-            if not self._plan.hold_prefill:
+            if not getattr(self._plan, switch):
                 return
             release, timeout = self._release, self._plan.pause_timeout_s
-            self._held += 1
-            self._injected["held"] += 1
+            self._held[switch] += 1
+            self._injected[injected] += 1
         deadline = time.monotonic() + timeout
         try:
             while not release.is_set() and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
         finally:
             with self._lock:
-                self._held -= 1
+                self._held[switch] -= 1
 
     def streamed(self, num_tokens: int) -> None:
         """Engine thread, after a step's tokens were handed to their streams: stop once, until

@@ -80,6 +80,25 @@ def test_a_hold_ends_by_itself_after_its_timeout():
     assert faults.status().injected["held"] == 1 and faults.status().held == 0
 
 
+def test_a_read_hold_holds_only_prefix_reads_until_released():
+    faults = FaultInjector()
+    faults.arm(FaultPlan(hold_reads=True, pause_timeout_s=30))
+
+    async def run():
+        await faults.hold()  # /prefill: not held by hold_reads
+        read = asyncio.create_task(faults.hold_read())
+        while faults.status().held_reads != 1:
+            await asyncio.sleep(0.01)
+        assert not read.done() and faults.status().held == 0
+        faults.release()
+        await asyncio.wait_for(read, 2)
+
+    asyncio.run(run())
+    status = faults.status()
+    assert (status.held_reads, status.injected["reads_held"], status.injected["held"]) == (0, 1, 0)
+    assert not status.plan.hold_reads
+
+
 LAYOUT = KVLayout.for_engine_cache(
     num_layers=2, num_blocks=8, block_size=4, num_kv_heads=2, head_dim=8, dtype="float32"
 )

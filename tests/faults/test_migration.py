@@ -10,7 +10,8 @@ leaked). Last, draining with ``drain: migrate``: a decode server drained through
 admin API, and one sent SIGTERM, hand their streams to the other decode server at once; a prefill
 server sent SIGTERM mid-transfer finishes that transfer before it exits. Decode-to-prefill reuse is on
 (``transfer.pull_prefix``, every read asked for): a decode server killed while the prefill server is about to
-read its cached prefix makes that read a counted miss, and the request ends on the other decode server."""
+read its cached prefix makes that read a counted miss, and the request ends on the other decode server; so
+does one killed while the read is in flight (``hold_reads``)."""
 
 from __future__ import annotations
 
@@ -341,6 +342,35 @@ def test_a_draining_decode_server_moves_its_streams_and_a_draining_prefill_serve
     all_free(c)
 
 
+TURN_BODY = {"model": "tiny", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+PULLS = {o: f'pdserve_kv_prefix_pulls_total{{outcome="{o}"}}' for o in ("ok", "unreachable")}
+
+
+def turn_one(c: FaultCluster, tiny_model, seed: int) -> tuple[str, str, list[int]]:
+    """Turn 1 of a conversation (``seed``: one no other test used, so p0 holds nothing of its answer), its
+    answer checked against transformers': (the decode server that holds its prompt and answer, 96 tokens in
+    6 blocks of 16; the other one; turn 2's prompt, 36 tokens of it beyond what p0 holds)."""
+    first = [(29 * i + seed) % 400 + 40 for i in range(60)]
+    ok = 'pdserve_requests_total{outcome="ok"}'
+    served = {d: c.metric(d, ok) for d in c.decode}
+    reply = answer(run(c, "completions", {**TURN_BODY, "prompt": first}))
+    answer1 = hf_greedy(tiny_model, first, 40, ignore_eos=True)
+    assert reply["choices"][0]["text"] == tokenizer(tiny_model).decode(answer1, skip_special_tokens=True)
+    holder = next(d for d in c.decode if c.metric(d, ok) > served[d])
+    other = next(d for d in c.decode if d != holder)
+    return holder, other, first + answer1 + [(7 * i + 11) % 300 + 60 for i in range(20)]
+
+
+def turn_two_ends_as_computed(c: FaultCluster, tiny_model, call: Call, second: list[int], before: dict) -> None:
+    """Turn 2, whose read was an ``unreachable`` miss, answered with transformers' tokens."""
+    call.join(WAIT_S)
+    want = hf_greedy(tiny_model, second, 40, ignore_eos=True)
+    assert answer(call)["choices"][0]["text"] == tokenizer(tiny_model).decode(want, skip_special_tokens=True)
+    (p0,) = c.prefill
+    assert c.metric(p0, PULLS["unreachable"]) == before["unreachable"] + 1
+    assert c.metric(p0, PULLS["ok"]) == before["ok"]
+
+
 def test_a_prefix_read_from_a_decode_server_killed_before_it_answers_is_a_miss_and_nothing_is_lost(cluster, tiny_model):
     """Turn 2 of a conversation is reserved on the decode server that holds turn 1's prompt and answer (the
     other one drained meanwhile); p0 holds its /prefill (``hold_prefill``) while that server is killed, so
@@ -349,31 +379,39 @@ def test_a_prefix_read_from_a_decode_server_killed_before_it_answers_is_a_miss_a
     block is back on every server once the killed one is restarted."""
     c = cluster
     (p0,) = c.prefill
-    first = [(29 * i + 53) % 400 + 40 for i in range(60)]
-    body = {"model": "tiny", "max_tokens": 40, "temperature": 0, "ignore_eos": True}
-    ok = 'pdserve_requests_total{outcome="ok"}'
-    served = {d: c.metric(d, ok) for d in c.decode}
-    reply = answer(run(c, "completions", {**body, "prompt": first}))
-    answer1 = hf_greedy(tiny_model, first, 40, ignore_eos=True)
-    assert reply["choices"][0]["text"] == tokenizer(tiny_model).decode(answer1, skip_special_tokens=True)
-    holder = next(d for d in c.decode if c.metric(d, ok) > served[d])  # holds 96 tokens: 6 blocks of 16
-    other = next(d for d in c.decode if d != holder)
-    second = first + answer1 + [(7 * i + 11) % 300 + 60 for i in range(20)]
-    pulls = {o: f'pdserve_kv_prefix_pulls_total{{outcome="{o}"}}' for o in ("ok", "unreachable")}
-    before = {o: c.metric(p0, sample) for o, sample in pulls.items()}
+    holder, other, second = turn_one(c, tiny_model, 53)
+    before = {o: c.metric(p0, sample) for o, sample in PULLS.items()}
 
     c.http.post(f"{c.router_url}/admin/workers/{other}/drain").raise_for_status()  # turn 2 goes to holder
     c.arm(p0, hold_prefill=True, pause_timeout_s=WAIT_S)
-    call = Call(c.router_url, "completions", {**body, "prompt": second})
+    call = Call(c.router_url, "completions", {**TURN_BODY, "prompt": second})
     call.start()
     wait_until(lambda: c.faults(p0)["held"] == 1, WAIT_S, "p0 holds turn 2's prefill")
     c.http.post(f"{c.router_url}/admin/workers/{other}/resume").raise_for_status()
     c.kill(holder)
     c.release(p0)
-    call.join(WAIT_S)
-    want = hf_greedy(tiny_model, second, 40, ignore_eos=True)
-    assert answer(call)["choices"][0]["text"] == tokenizer(tiny_model).decode(want, skip_special_tokens=True)
-    assert c.metric(p0, pulls["unreachable"]) == before["unreachable"] + 1
-    assert c.metric(p0, pulls["ok"]) == before["ok"]
+    turn_two_ends_as_computed(c, tiny_model, call, second, before)
+    c.restart(holder)
+    all_free(c)
+
+
+def test_a_decode_server_killed_during_a_prefix_read_makes_it_a_miss_and_nothing_is_lost(cluster, tiny_model):
+    """As above, but the read is in flight when the decode server dies: it holds the read (``hold_reads``)
+    with the 36 tokens copied out of its cache and its answer not sent, and is killed there. p0's open read
+    breaks: an ``unreachable`` miss, p0 computes the prompt, the request ends on the other decode server
+    with transformers' tokens, and every block is back on every server once the killed one is restarted."""
+    c = cluster
+    (p0,) = c.prefill
+    holder, other, second = turn_one(c, tiny_model, 71)
+    before = {o: c.metric(p0, sample) for o, sample in PULLS.items()}
+
+    c.http.post(f"{c.router_url}/admin/workers/{other}/drain").raise_for_status()  # turn 2 goes to holder
+    c.arm(holder, hold_reads=True, pause_timeout_s=WAIT_S)
+    call = Call(c.router_url, "completions", {**TURN_BODY, "prompt": second})
+    call.start()
+    wait_until(lambda: c.faults(holder)["held_reads"] == 1, WAIT_S, "the holder holds p0's read")
+    c.http.post(f"{c.router_url}/admin/workers/{other}/resume").raise_for_status()
+    c.kill(holder)
+    turn_two_ends_as_computed(c, tiny_model, call, second, before)
     c.restart(holder)
     all_free(c)
