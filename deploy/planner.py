@@ -65,6 +65,24 @@ Two ways to act:
   growing waits ``confirm`` intervals, shrinking waits as long and the
   cooldown too, so a burst does not remove capacity it just added.
 
+A shift in the mix is read from the window's last part: each decision also
+gets ``recent``, the load since the last scrape, and when a role's arriving
+tokens there depart from the rest of the window's rate by more than
+``SHIFT_Z`` standard deviations (``shifted``: Poisson arrivals of the rest's
+mean request, their sizes as varied as an exponential's), the demand is
+read from the recent part alone, and the decision says so (``shifted``) so
+that the loop starts its window again there. Without it a window of 8 s
+holds the last phase for 4 intervals after a phase changes, and the move
+comes several intervals late; a steady load seldom departs by that much,
+and a move still needs ``confirm`` intervals, the target and the hysteresis.
+
+A move toward a split several instances away (``max_moves`` short of it)
+carries on at the next decision without a new confirmation or the
+cooldown, when the counts show the move made and that decision still
+wants the same direction: the confirmation was of the direction, and the
+cooldown is against turning back, which carrying on is not. Any other
+outcome ends it.
+
 The model is corrected by what is observed: when a role misses its SLO
 (attainment below the target) while the model says it has room, its
 capacity is taken to be lower (x0.8 per interval); when it meets its SLO
@@ -87,6 +105,7 @@ Orchestrator = Literal["pool", "scale"]
 CORRECTION_DOWN = 0.8
 CORRECTION_UP = 1.1
 CORRECTION_BOUND = 4.0
+SHIFT_Z = 3.0  # standard deviations the recent arrivals must depart by to be a shift in the mix
 
 
 @dataclass(frozen=True)
@@ -194,6 +213,32 @@ def work(load: Load, fill: float = 1.0) -> Work:
     )
 
 
+def shifted(load: Load, recent: Load) -> list[Role]:
+    """The roles whose arriving tokens in ``recent`` (the last part of ``load``'s window) depart from the rate
+    of the rest of the window by more than ``SHIFT_Z`` standard deviations; [] when either is too short to
+    say or the routers do not count arrivals. The deviation is that of Poisson arrivals at the rest's rate
+    (at least one request's worth), each of the whole window's mean size (what no shift would give), with
+    sizes as varied as an exponential's (variance twice the square of the mean), so that requests of mixed
+    lengths do not read as a shift; the rest's rate is itself a count of such arrivals, and its own
+    deviation, scaled to the recent part, is added."""
+    if load.arrived is None or recent.arrived is None:
+        return []
+    seconds, count = load.seconds - recent.seconds, load.arrived - recent.arrived
+    if seconds <= 0 or recent.seconds <= 0 or count <= 0:
+        return []
+    tokens: dict[Role, tuple[float, float]] = {  # (the rest's, the recent part's)
+        "prefill": (load.arrived_prompt_tokens - recent.arrived_prompt_tokens, recent.arrived_prompt_tokens),
+        "decode": (load.arrived_max_tokens - recent.arrived_max_tokens, recent.arrived_max_tokens),
+    }
+    expected_count = max(count / seconds * recent.seconds, 1.0)
+    out: list[Role] = []
+    for role, (before, now) in tokens.items():
+        spread = (before + now) / load.arrived * math.sqrt(2 * expected_count * (1 + recent.seconds / seconds))
+        if spread > 0 and abs(now - before / seconds * recent.seconds) > SHIFT_Z * spread:
+            out.append(role)
+    return out
+
+
 @dataclass(frozen=True)
 class EngineShape:
     """The engine settings the capacity depends on (each instance's, from the cluster config)."""
@@ -261,6 +306,7 @@ class Decision:
     # pool: the role of the instance to start (the counts grow) or to stop (they shrink)
     moves: int = 1  # "switch": how many, one after another
     utilisation: dict[str, float] = field(default_factory=dict)  # per role, at the current counts
+    shifted: bool = False  # the demand was read from the recent part alone (``shifted``): the window starts again
 
 
 class Planner:
@@ -280,6 +326,8 @@ class Planner:
         self._wanted: str | None = None  # the change wanted last interval ("to prefill", "to 3P2D")
         self._streak = 0
         self._last_change = -math.inf
+        # a switch short of its best split: the role it moved instances to, and the counts it left
+        self._heading: tuple[Role, tuple[int, int]] | None = None
 
     def work(self, load: Load) -> Work:
         """The window's work (``work``), answers' lengths at the share of max_tokens last seen."""
@@ -296,23 +344,39 @@ class Planner:
             "decode": (w.rate["decode"] + backlog["decode"]) / (cap.decode_tps * self.correction["decode"]),
         }
 
-    def decide(self, load: Load, prefill: int, decode: int, now: float, switching: bool = False) -> Decision:
-        """The counts ``load`` asks for, with ``prefill`` and ``decode`` instances in rotation now."""
+    def decide(
+        self,
+        load: Load,
+        prefill: int,
+        decode: int,
+        now: float,
+        switching: bool = False,
+        recent: Load | None = None,
+    ) -> Decision:
+        """The counts ``load`` asks for, with ``prefill`` and ``decode`` instances in rotation now; ``recent``:
+        the window's last part (since the last scrape), read alone when the mix has shifted (``shifted``)."""
         if load.requests == 0 and not load.arrived:
             self._forget()
+            self._heading = None
             return Decision(now, "hold", prefill, decode, "no requests in the window")
         if load.fill is not None:
             self.fill = load.fill
         demand = self.demand(load)
         self._correct(load, self._utilisation(demand, prefill, decode))
-        demand = self.demand(load)  # with this window's correction
+        moved = shifted(load, recent) if recent is not None else []
+        basis = recent if recent is not None and moved else load
+        demand = self.demand(basis)  # with this window's correction
         util = self._utilisation(demand, prefill, decode)
         if self.settings.orchestrator == "scale":
             decision = self._scale(demand, prefill, decode, now)
         else:
             decision = self._pool(demand, prefill, decode, now, switching)
-        reason = decision.reason + self._queue_note(load, demand)
-        return replace(decision, reason=reason, utilisation={r: round(u, 3) for r, u in util.items()})
+        reason = decision.reason + self._queue_note(basis, demand)
+        if moved:
+            reason += f"; the mix shifted ({' and '.join(moved)} arrivals): read from the last {basis.seconds:.1f} s"
+        return replace(
+            decision, reason=reason, utilisation={r: round(u, 3) for r, u in util.items()}, shifted=bool(moved)
+        )
 
     def _queue_note(self, load: Load, demand: dict[Role, float]) -> str:
         """What the growing backlogs added to the demand, for the reason; "" when they added nothing."""
@@ -367,6 +431,7 @@ class Planner:
     def _pool(self, demand: dict[Role, float], prefill: int, decode: int, now: float, switching: bool) -> Decision:
         s = self.settings
         total = prefill + decode
+        heading, self._heading = self._heading, None  # kept only by a switch short of its split (below)
         resized = self._resize(demand, prefill, decode, now, switching)
         if resized is not None:
             return resized
@@ -391,9 +456,19 @@ class Planner:
         moves = min(abs(best - prefill), s.max_moves)
         target = (prefill + moves, decode - moves) if to == "prefill" else (prefill - moves, decode + moves)
         reason = f"{best}P{total - best}D puts the busiest role at {best_u:.2f} instead of {now_u:.2f}"
-        return self._gate(now, f"to {to}", switching, prefill, decode, reason) or Decision(
-            now, "switch", *target, reason, switch_to=to, moves=moves
-        )
+        carrying_on = heading == (to, (prefill, decode))  # the last switch was carried out and fell short
+        if carrying_on and not switching:  # carrying on toward the split (module docstring)
+            self._forget()
+            self._last_change = now
+            reason += f"; carrying on to {to}"
+        else:
+            held = self._gate(now, f"to {to}", switching, prefill, decode, reason)
+            if held is not None:
+                self._heading = heading if carrying_on else None  # a switch in flight pauses a carrying on
+                return held
+        if moves < abs(best - prefill):
+            self._heading = (to, target)
+        return Decision(now, "switch", *target, reason, switch_to=to, moves=moves)
 
     def _scale(self, demand: dict[Role, float], prefill: int, decode: int, now: float) -> Decision:
         s = self.settings

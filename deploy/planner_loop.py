@@ -91,7 +91,8 @@ class PlannerLoop:
     Each decision reads the last ``window_s`` seconds of the routers' figures (the difference between the
     newest scrape and the oldest one within that span), however short the interval between decisions: a
     window must hold enough first tokens to say something (one long prompt a second gives a 1 s window
-    none half the time). After a switch the history starts again."""
+    none half the time). After a switch the history starts again, and after a shift in the mix (the
+    planner's ``shifted``) it starts at the scrape before the last."""
 
     def __init__(
         self,
@@ -127,14 +128,19 @@ class PlannerLoop:
             return None
         since, base = self._history[0]
         load = window(base, scraped, now - since, self.slo.ttft_s, self.slo.tpot_s)
+        last, previous = self._history[-2]
+        recent = window(previous, scraped, now - last, self.slo.ttft_s, self.slo.tpot_s)
         workers = self.routers.workers()
         counts = {role: in_rotation(workers, role) for role in ROLES}
-        decision = self.planner.decide(load, counts["prefill"], counts["decode"], now, self._resizing(counts, now))
+        resizing = self._resizing(counts, now)
+        decision = self.planner.decide(load, counts["prefill"], counts["decode"], now, resizing, recent)
         self.metrics.cpu.observe(time.process_time() - cpu)
         done, changed = self._carry_out(decision, workers, counts, now)
         self._record(decision, load, counts, done)
         if changed and decision.action == "switch":  # the counts changed: what came before is no guide
             self._history = deque([(self.clock(), self.routers.scrape())])
+        elif decision.shifted:  # the mix shifted since the last scrape: the window starts there
+            self._history = deque([(last, previous), (now, scraped)])
         return decision
 
     def _resizing(self, counts: dict[Role, int], now: float) -> bool:

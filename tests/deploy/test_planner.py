@@ -3,12 +3,23 @@ hysteresis, confirmation and cooldown, scaling within bounds, and the correction
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import replace
 
 import pytest
 
-from deploy.planner import EngineShape, Load, Planner, PlannerSettings, Slo, capacity, prefill_seconds, work
+from deploy.planner import (
+    EngineShape,
+    Load,
+    Planner,
+    PlannerSettings,
+    Slo,
+    capacity,
+    prefill_seconds,
+    shifted,
+    work,
+)
 from engine.step_cost import DEFAULT_STEP_COST, StepCost, chunk_attn_pairs
 
 COST = DEFAULT_STEP_COST
@@ -57,14 +68,31 @@ def test_a_pool_moves_one_instance_at_a_time_toward_the_split_the_load_asks_for(
     planner = Planner(PlannerSettings(cooldown_s=25.0), COST, SHAPE, SLO)
     counts, decisions = run(planner, [load(*PROMPT_HEAVY)] * 12, prefill=1, decode=3)
     switches = [(i, d.switch_to) for i, d in enumerate(decisions) if d.action == "switch"]
-    # confirmed on the 2nd interval (at 10 s); the next one is confirmed at 30 s but waits out the cooldown
-    assert switches == [(1, "prefill"), (4, "prefill")]
-    assert counts[-1] == (3, 1)
-    assert decisions[2].reason.startswith("wanted 1/2") and decisions[3].reason.startswith("cooling down 5 s")
+    # confirmed on the 2nd interval (at 10 s); 3P1D is one more away, and the next decision carries on there
+    # without a new confirmation or the cooldown
+    assert switches == [(1, "prefill"), (2, "prefill")]
+    assert counts[:3] == [(1, 3), (2, 2), (3, 1)] and counts[-1] == (3, 1)
+    assert decisions[2].reason == "3P1D puts the busiest role at 0.61 instead of 0.92; carrying on to prefill"
     assert decisions[-1].reason == "every role has room (busiest at 0.61)"
     counts, decisions = run(planner, [load(*OUTPUT_HEAVY)] * 12, *counts[-1], start=1000.0)
     assert counts[-1] == (2, 2)  # decode at 0.79 of its servers there: under the target, so no further move
     assert decisions[-1].reason == "every role has room (busiest at 0.79)"
+
+
+def test_turning_back_waits_out_the_cooldown_and_a_refused_move_does_not_carry_on():
+    planner = Planner(PlannerSettings(cooldown_s=25.0), COST, SHAPE, SLO)
+    counts, _ = run(planner, [load(*PROMPT_HEAVY)] * 3, prefill=1, decode=3)  # switched at 10 and 20 s
+    assert counts[-1] == (3, 1)
+    counts, decisions = run(planner, [load(*OUTPUT_HEAVY)] * 4, 3, 1, start=30.0)
+    assert [d.action for d in decisions] == ["hold", "hold", "switch", "hold"]
+    assert decisions[0].reason.startswith("wanted 1/2: 1P3D")
+    assert decisions[1].reason.startswith("cooling down 5 s more; wanted: 1P3D")  # at 40 s, 20 s after 20 s
+    assert counts[-1] == (2, 2)
+    # the routers still show 1P3D after a switch to 2P2D (refused, or not yet seen): the next decision confirms
+    refused = Planner(PlannerSettings(cooldown_s=0.0), COST, SHAPE, SLO)
+    counts, decisions = run(refused, [load(*PROMPT_HEAVY)] * 2, prefill=1, decode=3)
+    assert decisions[-1].action == "switch" and counts[-1] == (2, 2)
+    assert refused.decide(load(*PROMPT_HEAVY), 1, 3, 20.0).reason.startswith("wanted 1/2: 3P1D")
 
 
 def test_a_large_pool_moves_up_to_max_moves_in_one_decision_and_no_further_than_the_best_split():
@@ -319,3 +347,99 @@ def test_the_answers_length_is_max_tokens_times_the_share_the_finished_ones_used
     idle = replace(backlog_admitted((5, 0)), arrived=0)
     assert planner.work(idle).rate == {"prefill": 0.0, "decode": 0.0}
     assert planner.decide(idle, 3, 1, 10.0).reason == "every role has room (busiest at 0.00)"
+
+
+def arriving(seconds: float, *parts: tuple[int, int, int]) -> Load:
+    """A window of ``seconds`` in which ``parts`` (count, prompt tokens, max_tokens) arrived and were served in
+    it, every SLO met and every answer as long as its max_tokens."""
+    n = sum(count for count, _, _ in parts)
+    prompt = sum(count * p for count, p, _ in parts)
+    output = sum(count * o for count, _, o in parts)
+    met = 1.0 if n else None
+    arrivals = {"arrived": n, "arrived_prompt_tokens": prompt, "arrived_max_tokens": output}
+    finished = {"finished_output_tokens": output, "finished_max_tokens": output}
+    return Load(seconds, n, prompt, output, met, met, **arrivals, **finished)
+
+
+def test_a_shift_in_the_mix_is_read_from_the_last_part_of_the_window():
+    # 6 s of the prompt-heavy load (16 a second of 1000/10), then 2 s of the output-heavy one (4 of 100/400)
+    window, recent = arriving(8.0, (96, 1000, 10), (8, 100, 400)), arriving(2.0, (8, 100, 400))
+    assert shifted(window, recent) == ["prefill", "decode"]
+    blended = Planner(PlannerSettings(), COST, SHAPE, SLO).decide(window, 3, 1, 0.0)
+    assert not blended.shifted and blended.reason == "wanted 1/2: 2P2D puts the busiest role at 0.69 instead of 1.14"
+    planner = Planner(PlannerSettings(), COST, SHAPE, SLO)
+    first = planner.decide(window, 3, 1, 0.0, recent=recent)
+    assert first.shifted and first.reason == (
+        "wanted 1/2: 1P3D puts the busiest role at 0.48 instead of 1.43;"
+        " the mix shifted (prefill and decode arrivals): read from the last 2.0 s"
+    )
+    # the loop's window starts again at the recent part: 4 s of the output-heavy load, no shift within it
+    window, recent = arriving(4.0, (16, 100, 400)), arriving(2.0, (8, 100, 400))
+    second = planner.decide(window, 3, 1, 2.0, recent=recent)
+    assert (second.action, second.prefill, second.decode, second.shifted) == ("switch", 2, 2, False)
+    assert second.reason == "1P3D puts the busiest role at 0.43 instead of 1.30"
+
+
+def test_no_shift_without_counted_arrivals_or_a_part_before_the_recent_one():
+    recent = arriving(2.0, (8, 100, 400))
+    assert shifted(replace(arriving(8.0, (96, 1000, 10), (8, 100, 400)), arrived=None), recent) == []
+    assert shifted(recent, recent) == []  # the window is the recent part: the first after a switch
+    assert shifted(arriving(8.0, (8, 100, 400)), recent) == []  # all 8 came in the last 2 s: no earlier rate
+
+
+def poisson(rng: random.Random, mean: float) -> int:
+    """A Poisson count of ``mean`` (Knuth's: ``mean`` is small here)."""
+    limit, k, product = math.exp(-mean), 0, rng.random()
+    while product > limit:
+        k, product = k + 1, product * rng.random()
+    return k
+
+
+def steady_intervals(rng: random.Random, count: int, rps: float, prompt: int, output: int, spread: bool):
+    """``count`` intervals of 2 s of Poisson arrivals at ``rps`` of ``prompt``/``output`` tokens: each request of
+    exactly those lengths, or with ``spread`` of lengths drawn from an exponential of that mean."""
+    out = []
+    for _ in range(count):
+        n = poisson(rng, rps * 2)
+        sizes = [
+            (max(1, round(rng.expovariate(1 / prompt))), max(1, round(rng.expovariate(1 / output))))
+            if spread
+            else (prompt, output)
+            for _ in range(n)
+        ]
+        out.append(arriving(2.0, *((1, p, o) for p, o in sizes)) if sizes else arriving(2.0))
+    return out
+
+
+def joined(parts: list[Load]) -> Load:
+    """The window the loop reads over ``parts``, consecutive intervals."""
+    total = arriving(sum(p.seconds for p in parts))
+    keys = ("requests", "prompt_tokens", "output_tokens", "arrived", "arrived_prompt_tokens", "arrived_max_tokens")
+    keys += ("finished_output_tokens", "finished_max_tokens")
+    return replace(total, **{k: sum(getattr(p, k) for p in parts) for k in keys})
+
+
+def test_steady_poisson_arrivals_seldom_read_as_a_shift():
+    rng = random.Random(3)
+    for spread, most in ((False, 5), (True, 30)):  # of 1,000 windows of 8 s: 0.5 % and 3 % at most
+        intervals = steady_intervals(rng, 1003, 2.5, 900, 8, spread)
+        found = sum(1 for k in range(1000) if shifted(joined(intervals[k : k + 4]), intervals[k + 3]))
+        assert found <= most
+
+
+def test_a_steady_poisson_load_read_with_its_recent_part_settles_and_then_never_switches():
+    """The loop's windows (deploy/planner_loop.py): the last 4 intervals of 2 s, again from the interval after a
+    switch, and from the last interval after a shift."""
+    rng = random.Random(5)
+    for spread in (False, True):
+        planner = Planner(PlannerSettings(cooldown_s=4.0), COST, SHAPE, SLO)
+        prefill, decode, kept, switched = 2, 2, [], []
+        for k, interval in enumerate(steady_intervals(rng, 300, *PROMPT_HEAVY, spread)):
+            kept = [*kept, interval][-4:]
+            d = planner.decide(joined(kept), prefill, decode, 2.0 * k, recent=interval)
+            if d.action == "switch":
+                switched.append(k)
+                prefill, decode, kept = d.prefill, d.decode, []
+            elif d.shifted:
+                kept = [interval]
+        assert switched and switched[-1] < 10 and (prefill, decode) == (3, 1)

@@ -191,3 +191,24 @@ def test_the_queues_read_are_exported_and_named_in_the_decision():
     load = planner_loop.decisions[-1]["load"]
     queues = (load["queued_tokens_before"], load["queued_tokens"], load["waiting_before"], load["waiting"])
     assert queues == (0, 5000, 0, 1)
+
+
+def arriving_page(requests: int, prompt_tokens: int, max_tokens: int) -> dict[str, Snapshot]:
+    """One router that has counted ``requests`` arrivals with these tokens in all, each also served."""
+    page = snapshot(requests, prompt_tokens)
+    return {"r": replace(page["r"], arrived=float(requests), arrived_prompt=prompt_tokens, arrived_max=max_tokens)}
+
+
+def test_a_shift_in_the_mix_starts_the_window_at_the_scrape_before_the_last():
+    # 2 s apart: three intervals of 5 requests of 1000/10 tokens, then 10 a scrape of 100/400
+    totals = [(5 * k, 5000 * k, 50 * k) for k in range(4)]
+    totals += [(15 + 10 * k, 15_000 + 1000 * k, 150 + 4000 * k) for k in range(1, 5)]
+    planner_loop, _ = loop([arriving_page(*t) for t in totals], window_s=8.0)
+    for _ in range(7):
+        planner_loop.step()
+    made = list(planner_loop.decisions)
+    assert [d["shifted"] for d in made] == [False, False, False, True, False, False]
+    assert made[3]["reason"].endswith("; the mix shifted (decode arrivals): read from the last 2.0 s")
+    # the window: growing to 6 s, then from the scrape before the shift's: 4 s, then 6 s
+    assert [d["load"]["seconds"] for d in made] == [2.0, 4.0, 6.0, 8.0, 4.0, 6.0]
+    assert made[4]["load"]["arrived"] == 20 and made[4]["load"]["arrived_prompt_tokens"] == 2000
