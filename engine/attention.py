@@ -100,6 +100,8 @@ class AttentionMetadata:
     # engine/triton_attention.py's prefill_attention over ``prefill_batch``; None: one torch call per chunk
     prefill_kernel: Callable | None = None
     prefill_batch: PrefillBatch | None = None
+    # The window layers' own, when they keep their blocks apart (engine/window_pool.py); None: they use this
+    window: AttentionMetadata | None = None
 
 
 # A decode starts a new group when its context is both twice the group's

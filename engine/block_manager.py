@@ -166,6 +166,11 @@ class BlockManager:
             ids.append(block_id)
         return ids
 
+    def match_all(self, hashes: Sequence[int]) -> list[int] | None:
+        """Block ids of every one of ``hashes``, in order; None when one is not cached."""
+        ids = [self._by_hash.get(h) for h in hashes]
+        return None if None in ids else [i for i in ids if i is not None]
+
     def blocks_to_take(self, cached_ids: Sequence[int]) -> int:
         """How many free blocks taking ``cached_ids`` uses up (those with no owner now)."""
         return sum(1 for block_id in cached_ids if self.blocks[block_id].ref_count == 0)

@@ -112,6 +112,11 @@ class EngineConfig:
     cuda_graphs: bool = False
     # Host-memory and disk tiers for evicted prefix blocks (engine/tiers/); None: off. One rank only.
     kv_tiers: KvTiersConfig | None = None
+    # Blocks of a cache of their own for the sliding-window layers of a model that mixes them with full-attention
+    # layers (Gemma 3; engine/window_pool.py): a sequence's window layers then hold only the blocks their window
+    # reads, and num_blocks (or what kv_cache_bytes leaves) are the full-attention layers' blocks. None: one
+    # block table for every layer. Colocated, one rank, no kv_tiers, no cuda_graphs.
+    window_kv_blocks: AtLeastOne | None = None
     # mock: a simulated engine (engine/mock.py) with the real scheduler and block manager, no weights loaded
     kind: EngineKind = "model"
     # A mock engine's step times: a `pdserve plan --save-profile` file (bench/plan/profile.py); None: the
@@ -125,6 +130,17 @@ class EngineConfig:
             raise ValueError("mock_profile is read by a mock engine only (kind: mock)")
         if self.kv_tiers is not None and self.tensor_parallel_size > 1:
             raise ValueError("kv_tiers hold one rank's blocks: they need tensor_parallel_size 1")
+        if self.window_kv_blocks is not None and (
+            self.mode != "colocated"
+            or self.tensor_parallel_size > 1
+            or self.kv_tiers is not None
+            or self.cuda_graphs
+            or self.kind == "mock"
+        ):
+            raise ValueError(
+                "window_kv_blocks needs mode colocated, tensor_parallel_size 1, no kv_tiers, no cuda_graphs and "
+                "kind model (a transfer, a rank, a tier and a graph address one block table for every layer)"
+            )
         if self.expert_parallel_size not in (1, self.tensor_parallel_size):
             raise ValueError(
                 f"expert_parallel_size must be 1 or tensor_parallel_size ({self.tensor_parallel_size}), "

@@ -34,6 +34,7 @@ from engine.tensor_parallel import Shard
 from engine.tiers.kv import KvTiers
 from engine.tiers.offered import OfferedBlocks, cut_blocks, read_tokens
 from engine.tiers.tier import TierStats
+from engine.window_pool import WindowPool
 
 if TYPE_CHECKING:
     from engine.tp_leader import RankProcesses
@@ -145,9 +146,16 @@ class LLMEngine:
         self.layer_windows: tuple[int | None, ...] = tuple(layer_windows(cfg))
         head_dim = head_dim_of(cfg)
         num_kv_heads, width, _ = cache_heads(cfg, shard, head_dim)  # this rank's: every rank holds as many
+        window_layers = self._window_layers(config)  # the layers a window pool holds; () without one
+        per_layer_block = KVCache.block_bytes_of(1, config.block_size, num_kv_heads, width, config.torch_dtype)
+        budget = config.kv_cache_bytes - (config.window_kv_blocks or 0) * sum(window_layers) * per_layer_block
+        if config.num_blocks is None and budget < per_layer_block:
+            raise ValueError(
+                f"window_kv_blocks {config.window_kv_blocks} take all of kv_cache_bytes {config.kv_cache_bytes}"
+            )
         num_blocks = config.num_blocks or KVCache.blocks_for_bytes(
-            config.kv_cache_bytes,
-            cfg.num_hidden_layers,
+            budget,
+            cfg.num_hidden_layers - sum(window_layers),
             config.block_size,
             num_kv_heads,
             width,
@@ -164,7 +172,9 @@ class LLMEngine:
             self.ranks = RankProcesses(config, group, num_blocks, self.max_model_len, rank_module)
         try:
             self.model, _ = load_model(config.model, config.torch_dtype, device, shard, group)
-            self.cache = KVCache.for_shard(cfg, shard, num_blocks, head_dim, config, device)
+            self.cache = KVCache.for_shard(
+                cfg, shard, num_blocks, head_dim, config, device, window_layers, config.window_kv_blocks or 0
+            )
             if self.ranks is not None:
                 self.ranks.connect()
             if config.kv_tiers is not None and config.prefix_caching:
@@ -179,7 +189,11 @@ class LLMEngine:
             blocks.on_evict = lambda block_id, h: tiers.evicted(block_id, h, blocks.blocks[block_id].tenant)
             if tiers.shared:
                 blocks.on_cached = lambda block_id, h: tiers.released(block_id, h, blocks.blocks[block_id].tenant)
-        self.scheduler = Scheduler(self._scheduler_config(config), blocks, self.tiers)
+        pool = None
+        if window_layers:
+            window = max(w for w in self.layer_windows if w is not None)
+            pool = WindowPool(BlockManager(self.cache.num_window_blocks, config.block_size), window)
+        self.scheduler = Scheduler(self._scheduler_config(config), blocks, self.tiers, pool)
         self.offered = OfferedBlocks(self.cache, self.tiers)  # the scheduler asks it only while it holds some
         rope = RoPE(cfg, head_dim, self.max_model_len, config.torch_dtype, device)
         self.runner = ModelRunner(
@@ -341,6 +355,8 @@ class LLMEngine:
         hold their own transfer agents for the role they started in (ValueError)."""
         if self.ranks is not None:
             raise ValueError("a tensor-parallel engine keeps the role it started in")
+        if self.scheduler.window_pool is not None and mode != "colocated":
+            raise ValueError("window_kv_blocks serve colocated only: a transfer addresses one block table")
         if self.scheduler.requests:
             raise ValueError(f"the engine still holds {len(self.scheduler.requests)} requests")
         self.config = dataclasses.replace(self.config, mode=mode)
@@ -350,6 +366,41 @@ class LLMEngine:
         """Why a tensor-parallel engine cannot compute (one of its ranks exited); None otherwise.
         Safe from any thread."""
         return None if self.ranks is None else self.ranks.problem()
+
+    def _window_layers(self, config: EngineConfig) -> tuple[bool, ...]:
+        """Which layers a window pool holds (``window_kv_blocks``, engine/window_pool.py): the window layers of a
+        model mixing them with full-attention layers; () without ``window_kv_blocks``. ValueError for a model
+        that mixes nothing, or too few blocks for one sequence's largest step."""
+        if config.window_kv_blocks is None:
+            return ()
+        windows = [w for w in self.layer_windows if w is not None]
+        if not windows or len(windows) == len(self.layer_windows):
+            raise ValueError(
+                f"window_kv_blocks is for a model mixing sliding-window and full-attention layers; {config.model} "
+                f"has {len(windows)} window layers of {len(self.layer_windows)}"
+            )
+        bs = config.block_size
+        # A step computes at most max_num_batched_tokens of a sequence, reading from its window's first key.
+        least = min(-(-(max(windows) - 1 + config.max_num_batched_tokens) // bs) + 1, -(-self.max_model_len // bs))
+        if config.window_kv_blocks < least:
+            raise ValueError(
+                f"window_kv_blocks {config.window_kv_blocks} is fewer than one sequence's step may hold ({least}: "
+                f"a window of {max(windows)} and max_num_batched_tokens {config.max_num_batched_tokens} "
+                f"in blocks of {bs})"
+            )
+        return tuple(w is not None for w in self.layer_windows)
+
+    def sequence_kv_bytes(self, num_tokens: int) -> int:
+        """K and V bytes a decoding sequence of ``num_tokens`` tokens holds: a block of every layer for each
+        ``block_size`` tokens, or with a window pool, of the full-attention layers for each and of the window
+        layers only for those its next query reads."""
+        blocks = self.scheduler.blocks.blocks_needed(num_tokens)
+        pool = self.scheduler.window_pool
+        if pool is None:
+            return blocks * self.cache.bytes_per_block
+        return blocks * self.cache.bytes_per_block + (blocks - pool.first_block(num_tokens - 1)) * (
+            self.cache.bytes_per_window_block
+        )
 
     def _scheduler_config(self, config: EngineConfig) -> SchedulerConfig:
         """The scheduler's settings: the engine's, with its context length, end tokens and layer windows

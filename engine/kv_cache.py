@@ -32,6 +32,13 @@ tensor-parallel rank (one head, replicated)::
 
     kv: [num_layers, 2, num_blocks, block_size, 1, L / 2]      (NHD)
                K plane = latent[:L/2], V plane = latent[L/2:]
+
+With a window pool (``window_kv_blocks``, engine/window_pool.py) a model mixing sliding-window and
+full-attention layers keeps them apart, each tensor with its own blocks, and ``layers`` gives each
+model layer its own::
+
+    kv:        [full layers,   2, num_blocks,        ...]   block table: Request.block_ids
+    window_kv: [window layers, 2, num_window_blocks, ...]   block table: Request.window_block_ids
 """
 
 from __future__ import annotations
@@ -80,8 +87,13 @@ class KVCache:
         order: KvLayout,
         shard: Shard = Shard(),
         num_kv_heads_total: int | None = None,
+        window_layers: Sequence[bool] = (),
+        num_window_blocks: int = 0,
     ) -> None:
+        """``window_layers`` (one per layer) and ``num_window_blocks``: with blocks, the layers marked True
+        are cached in ``window_kv``, apart (a window pool); without, every layer is in ``kv``."""
         assert order in KV_LAYOUTS, order
+        assert not num_window_blocks or (len(window_layers) == num_layers and 0 < sum(window_layers) < num_layers)
         self.tp_rank, self.tp_size = shard.rank, shard.size
         self.num_kv_heads_total = num_kv_heads if num_kv_heads_total is None else num_kv_heads_total
         self.head_ids = shard.kv_heads(self.num_kv_heads_total)
@@ -94,13 +106,28 @@ class KVCache:
         self.dtype = dtype
         self.order = order
         inner = (block_size, num_kv_heads) if order == "NHD" else (num_kv_heads, block_size)
-        self.kv = torch.zeros((num_layers, 2, num_blocks, *inner, head_dim), dtype=dtype, device=device)
+        windowed = list(window_layers) if num_window_blocks else [False] * num_layers
+        self.num_window_blocks = num_window_blocks
+        self.window_kv: torch.Tensor | None = None
+        self.kv = torch.zeros((windowed.count(False), 2, num_blocks, *inner, head_dim), dtype=dtype, device=device)
+        if num_window_blocks:
+            shape = (windowed.count(True), 2, num_window_blocks, *inner, head_dim)
+            self.window_kv = torch.zeros(shape, dtype=dtype, device=device)
+        # Each model layer's K|V planes: a view of kv, or of window_kv for a window layer of a window pool.
+        self.layers: list[torch.Tensor] = []
+        seen = {False: 0, True: 0}
+        for is_window in windowed:
+            source = self.window_kv if is_window else self.kv
+            assert source is not None
+            self.layers.append(source[seen[is_window]])
+            seen[is_window] += 1
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies every layer's K and V of each (source, destination) block; all sources
         are read before any destination is written."""
         if not pairs:
             return
+        assert self.window_kv is None, "with a window pool a fork is computed again, not copied"
         src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.kv.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.kv.device)
         self.kv[:, :, dst] = self.kv[:, :, src]
@@ -111,16 +138,35 @@ class KVCache:
         return self.block_size * self.num_kv_heads * self.head_dim * self.kv.element_size()
 
     @property
+    def bytes_per_block(self) -> int:
+        """K and V of one block of ``kv`` (every layer's, or the full layers' with a window pool)."""
+        return 2 * self.kv.shape[0] * self.block_bytes
+
+    @property
+    def bytes_per_window_block(self) -> int:
+        """K and V of one block of ``window_kv`` (the window layers'); 0 without a window pool."""
+        return 0 if self.window_kv is None else 2 * self.window_kv.shape[0] * self.block_bytes
+
+    @property
     def bytes_per_token(self) -> int:
         """K and V of one token over all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv.element_size()
 
     @classmethod
     def for_shard(
-        cls, cfg, shard: Shard, num_blocks: int, head_dim: int, config: EngineConfig, device: torch.device
+        cls,
+        cfg,
+        shard: Shard,
+        num_blocks: int,
+        head_dim: int,
+        config: EngineConfig,
+        device: torch.device,
+        window_layers: Sequence[bool] = (),
+        num_window_blocks: int = 0,
     ) -> KVCache:
         """Rank ``shard``'s slice of model ``cfg``'s cache: every layer, its KV heads (:func:`cache_heads`),
-        ``num_blocks`` blocks (every rank of an instance holds as many, under the same block table)."""
+        ``num_blocks`` blocks (every rank of an instance holds as many, under the same block table); with
+        ``num_window_blocks``, the ``window_layers`` apart in a window pool."""
         heads, width, total = cache_heads(cfg, shard, head_dim)
         return cls(
             cfg.num_hidden_layers,
@@ -133,11 +179,17 @@ class KVCache:
             order=config.kv_layout,
             shard=shard,
             num_kv_heads_total=total,
+            window_layers=window_layers,
+            num_window_blocks=num_window_blocks,
         )
 
     @staticmethod
     def blocks_for_bytes(
         budget: int, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> int:
-        per_block = 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-        return max(1, budget // per_block)
+        return max(1, budget // KVCache.block_bytes_of(num_layers, block_size, num_kv_heads, head_dim, dtype))
+
+    @staticmethod
+    def block_bytes_of(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """K and V of one block of ``num_layers`` layers."""
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()

@@ -14,7 +14,7 @@ over the ranks and gathers the logits on rank 0.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -223,6 +223,8 @@ class Attention(nn.Module):
             q = self.q_norm(qkv[:, : self.q_size].view(n, self.num_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].view(n, self.num_kv_heads, self.head_dim))
             q, k = rotate(q, cos, sin_signed), rotate(k, cos, sin_signed)
+        if self.window is not None and meta.window is not None:
+            meta = meta.window  # its blocks are the window pool's (engine/window_pool.py)
         write_kv(cache_layer, k, v, meta)
         out = paged_attention(q, k, v, cache_layer, meta, self.scale, self.window)
         return self.o_proj(out.view(n, self.q_size))
@@ -473,7 +475,7 @@ class CausalLM(nn.Module):
         input_ids: torch.Tensor,
         cos: torch.Tensor,
         sin_signed: torch.Tensor,
-        kv: torch.Tensor,
+        kv: torch.Tensor | Sequence[torch.Tensor],
         meta: AttentionMetadata,
         logits_rows: torch.Tensor,
         on_layer: Callable[[int], None] | None = None,

@@ -15,6 +15,9 @@ notes it on the blocks (``Block.window_from``) and ``lookup`` takes a hit of
     remote prompt of n tokens, window W:   ..... | ..... | ..WWW | WWWW.
     positions with window-layer K/V: W     (from n - W + 1 on; decoded ones too)
     a hit ending at c reads (c - W, c):    ok only if those are all W
+
+With a window pool (engine/window_pool.py) the window layers' blocks are found by the same hashes in the
+pool's own block manager, and a hit is taken only as far as the pool still holds the blocks of (c - W, c).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Protocol
 
 from engine.block_manager import BlockManager, block_hash, root_hash
 from engine.request import Request, window_start
+from engine.window_pool import WindowPool
 
 
 def chain_root(engine_salt: str, cache_salt: str | None = None) -> int:
@@ -58,12 +62,21 @@ class BlockTiers(Protocol):
 
 
 class PrefixCache:
-    def __init__(self, blocks: BlockManager, enabled: bool, salt: str, window: int | None = None) -> None:
-        """``window``: the widest sliding window of the model's layers (None: no layer has one)."""
+    def __init__(
+        self,
+        blocks: BlockManager,
+        enabled: bool,
+        salt: str,
+        window: int | None = None,
+        window_pool: WindowPool | None = None,
+    ) -> None:
+        """``window``: the widest sliding window of the model's layers (None: no layer has one);
+        ``window_pool``: where the window layers' blocks are, when not in ``blocks`` (engine/window_pool.py)."""
         self.blocks = blocks
         self.enabled = enabled
         self.salt = salt
         self.window = window
+        self.window_pool = window_pool
 
     def lookup(self, request: Request) -> list[int]:
         """Cached blocks of the request's longest cached prefix, its last token always left out; none
@@ -71,9 +84,16 @@ class PrefixCache:
         if not self.enabled or request.wants_prompt_logprobs:
             return []
         ids = self.blocks.match(self.hashes(request, (request.num_tokens - 1) // self.blocks.block_size))
-        while ids and not self._window_held(ids):
+        while ids and not (self._window_held(ids) and self.window_hit(request, len(ids)) is not None):
             ids.pop()
         return ids
+
+    def window_hit(self, request: Request, num_blocks: int) -> list[int] | None:
+        """The window pool's blocks a hit of the request's first ``num_blocks`` blocks takes (``[]`` with no
+        window pool); None when the pool lacks one of them."""
+        if self.window_pool is None:
+            return []
+        return self.window_pool.hit(self.hashes(request, num_blocks))
 
     def lookup_tiers(self, request: Request, cached: list[int], tiers: BlockTiers | None) -> list[int]:
         """Hashes of the blocks after ``cached`` (what ``lookup`` found) that ``tiers`` list, in a run, the
@@ -125,6 +145,8 @@ class PrefixCache:
         hashes = self.hashes(request, full)
         for i in range(request.num_hashed_blocks, full):
             self.blocks.cache(request.block_ids[i], hashes[i], request.tenant)
+        if self.window_pool is not None:
+            self.window_pool.register(request, hashes, request.num_hashed_blocks)
         request.num_hashed_blocks = full
 
     def hashes(self, request: Request, num_blocks: int) -> list[int]:

@@ -138,6 +138,11 @@ class Request:
     # The first this many of block_ids fell out of every layer's sliding window and were released: their
     # ids stay as placeholders, which attention masks (engine/scheduler.py ``_release_out_of_window``).
     released_blocks: int = 0
+    # Where window layers keep their K/V apart from the full-attention layers' (engine/window_pool.py): the
+    # window layers' block table, its first ``window_released`` entries placeholders for blocks their window
+    # left (released, or never taken from a prefix hit).
+    window_block_ids: list[int] = field(default_factory=list)
+    window_released: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     arrival_time: float = field(default_factory=time.monotonic)  # for the age of the blocks it holds
@@ -155,6 +160,11 @@ class Request:
     def held_block_ids(self) -> list[int]:
         """The blocks it holds a reference to: ``block_ids`` less the released ones."""
         return self.block_ids[self.released_blocks :]
+
+    @property
+    def held_window_block_ids(self) -> list[int]:
+        """The window layers' blocks it holds a reference to (engine/window_pool.py)."""
+        return self.window_block_ids[self.window_released :]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -182,6 +182,7 @@ class ModelRunner:
         # Decodes first, shortest context first (decode groups are runs of similar length).
         chunks = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start if c.num_tokens == 1 else 0))
         num_decodes = sum(1 for c in chunks if c.num_tokens == 1)
+        pooled = self.cache.window_kv is not None  # window layers have their own blocks (engine/window_pool.py)
         inputs = StepInputs(copies=self._pending_copies)
         self._pending_copies = []
         sampled: list[tuple[ScheduledChunk, int]] = []  # (chunk, its row of logits)
@@ -195,6 +196,11 @@ class ModelRunner:
             inputs.slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             if n != 1:
                 inputs.prefills.append((row, n, start, table[: -(-(start + n) // bs)]))
+            if pooled:
+                table = request.window_block_ids
+                inputs.window_slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+                if n != 1:
+                    inputs.window_prefills.append((row, n, start, table[: -(-(start + n) // bs)]))
             if request.wants_prompt_logprobs:  # every row but the sampled one predicts a prompt token
                 count = n - 1 if chunk.sample else n
                 prompt_rows.append((chunk, len(inputs.logits_rows), count))
@@ -204,6 +210,8 @@ class ModelRunner:
                 inputs.logits_rows.append(row + n - 1)
         if num_decodes:
             inputs.decodes = self._decode_groups(chunks[:num_decodes])
+            if pooled:
+                inputs.window_decodes = self._decode_groups(chunks[:num_decodes], window=True)
         if self.ranks is not None:
             self.ranks.send_step(inputs)  # the other ranks compute their shards of the same step
         logits = self.forward(inputs, on_layer)
@@ -236,18 +244,37 @@ class ModelRunner:
             self.cache.copy_blocks(inputs.copies)
         if self.graphs is not None and on_layer is None and self.graphs.fits(inputs):
             return self.graphs.run(inputs)
+        meta = self._metadata(inputs.slots, inputs.prefills, inputs.decodes)
+        if inputs.window_slots:  # the window layers' blocks are a window pool's (engine/window_pool.py)
+            meta.window = self._metadata(inputs.window_slots, inputs.window_prefills, inputs.window_decodes)
+        pos = torch.tensor(inputs.positions, dtype=torch.long, device=device)
+        cos = self.rope.cos.index_select(1, pos).unsqueeze(2)  # [tables, tokens, 1, head_dim]
+        sin_signed = self.rope.sin_signed.index_select(1, pos).unsqueeze(2)
+        ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=device)
+        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=device)
+        return self.model(ids, cos, sin_signed, self.cache.layers, meta, rows, on_layer)
+
+    def _metadata(
+        self,
+        slots: list[int],
+        spans: list[tuple[int, int, int, list[int]]],
+        groups: list[tuple[int, list[int], list[list[int]]]],
+    ) -> AttentionMetadata:
+        """Attention's view of a step over one block table: each token's slot, the prefill chunks (row,
+        length, cached tokens before it, blocks) and the decode groups (first row, lengths, table)."""
+        device = self.device
         prefills: list[PrefillSpan] = []
         prefill_batch = None
-        if self.kernels.prefill is not None and inputs.prefills:
-            prefill_batch = self._prefill_batch(inputs.prefills)
+        if self.kernels.prefill is not None and spans:
+            prefill_batch = self._prefill_batch(spans)
         else:
             prefills = [
                 PrefillSpan(row, n, start, torch.tensor(blocks, dtype=torch.long, device=device))
-                for row, n, start, blocks in inputs.prefills
+                for row, n, start, blocks in spans
             ]
         bs = self.cache.block_size
         decodes = []
-        for start, lengths, table in inputs.decodes:
+        for start, lengths, table in groups:
             lens = torch.tensor(lengths, dtype=torch.long, device=device)
             blocks = torch.tensor(table, dtype=torch.long, device=device)
             mask = None  # the native kernel reads each row's own length
@@ -260,9 +287,9 @@ class ModelRunner:
                 mask.masked_fill_(padding, -torch.inf)
                 mask = mask[:, None, None, :]
             decodes.append(DecodeGroup(start, len(lengths), blocks, lens, mask))
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(inputs.slots, dtype=torch.long, device=device),
-            num_decodes=sum(len(lengths) for _, lengths, _ in inputs.decodes),
+        return AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decodes=sum(len(lengths) for _, lengths, _ in groups),
             decodes=decodes,
             prefills=prefills,
             hnd=self.cache.order == "HND",
@@ -272,12 +299,6 @@ class ModelRunner:
             prefill_kernel=self.kernels.prefill,
             prefill_batch=prefill_batch,
         )
-        pos = torch.tensor(inputs.positions, dtype=torch.long, device=device)
-        cos = self.rope.cos.index_select(1, pos).unsqueeze(2)  # [tables, tokens, 1, head_dim]
-        sin_signed = self.rope.sin_signed.index_select(1, pos).unsqueeze(2)
-        ids = torch.tensor(inputs.token_ids, dtype=torch.long, device=device)
-        rows = torch.tensor(inputs.logits_rows, dtype=torch.long, device=device)
-        return self.model(ids, cos, sin_signed, self.cache.kv, meta, rows, on_layer)
 
     def _prefill_batch(self, spans: list[tuple[int, int, int, list[int]]]) -> PrefillBatch:
         """The step's prefill chunks (row, length, cached tokens before it, blocks) as one kernel's input."""
@@ -311,9 +332,10 @@ class ModelRunner:
             at += count
         return out
 
-    def _decode_groups(self, decodes) -> list[tuple[int, list[int], list[list[int]]]]:
+    def _decode_groups(self, decodes, window: bool = False) -> list[tuple[int, list[int], list[list[int]]]]:
         """(first row, context lengths, block table padded to the longest) of each decode group. A decode
-        kernel (native or Triton) reads each row's own context (no padding): all decodes are one group."""
+        kernel (native or Triton) reads each row's own context (no padding): all decodes are one group.
+        ``window``: the tables of the window layers' blocks (engine/window_pool.py)."""
         bs = self.cache.block_size
         lengths = [c.start + 1 for c in decodes]  # sorted ascending by run()
         groups = []
@@ -321,6 +343,9 @@ class ModelRunner:
         for start, count in runs:
             group = lengths[start : start + count]
             max_blocks = -(-max(group) // bs)
-            table = [c.request.block_ids[: -(-n // bs)] for c, n in zip(decodes[start : start + count], group)]
+            table = [
+                (c.request.window_block_ids if window else c.request.block_ids)[: -(-n // bs)]
+                for c, n in zip(decodes[start : start + count], group)
+            ]
             groups.append((start, group, [t + [0] * (max_blocks - len(t)) for t in table]))
         return groups

@@ -20,6 +20,11 @@ running requests. In prefill mode a request stops once its prompt is
 computed and its first token sampled; it keeps its blocks (PREFILLED) until
 ``release``.
 
+A model mixing sliding-window and full-attention layers may keep the window layers' blocks in a pool
+of their own (``window_pool``, engine/window_pool.py; colocated only): each sequence then grows two
+tables, gives back the window blocks its next query no longer reads before each step, and is admitted or
+grown only when both pools have the blocks; a preempted or finished one frees both.
+
 Prefix caching (engine/prefix_cache.py): a waiting request with no blocks
 first takes the longest run of cached full blocks of its tokens, leaving at
 least its last token to compute so that a token is sampled, and starts with
@@ -37,7 +42,8 @@ block holding the prompt's partial last block, written past the prompt. The
 copies are queued in ``block_copies`` for the engine to make right after the
 call that forked, before anything can write into their sources. A fork that
 finds no free block for its copy, or ``max_num_seqs`` sequences running,
-waits to be recomputed like a preempted sequence. Sequences run, are
+waits to be recomputed like a preempted sequence (as every fork does with a window pool, where
+the parent gave back its prompt's first window blocks). Sequences run, are
 preempted and finish on their own (when a drawn token ends one:
 ``record_token`` in engine/sequences.py); ``abort`` ends them all. ``requests`` maps a request id to its live sequences.
 """
@@ -61,6 +67,7 @@ from engine.request import (
     window_start,
 )
 from engine.sequences import fork_sequence, record_token
+from engine.window_pool import WindowPool
 
 
 @dataclass(frozen=True)
@@ -123,12 +130,22 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, tiers: BlockTiers | None = None) -> None:
-        """``tiers``: where a waiting request's prefix continues past the cache (engine/tiers/kv.py)."""
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        tiers: BlockTiers | None = None,
+        window_pool: WindowPool | None = None,
+    ) -> None:
+        """``tiers``: where a waiting request's prefix continues past the cache (engine/tiers/kv.py);
+        ``window_pool``: the window layers' own blocks (engine/window_pool.py; ``block_manager`` then holds
+        the full-attention layers' only). A scheduler with a window pool computes every request itself."""
+        assert window_pool is None or (config.mode == "colocated" and tiers is None), "a window pool is colocated"
         self.config = config
         self.blocks = block_manager
         self.tiers = tiers
-        self.prefix = PrefixCache(block_manager, config.prefix_caching, config.cache_salt, config.window)
+        self.window_pool = window_pool
+        self.prefix = PrefixCache(block_manager, config.prefix_caching, config.cache_salt, config.window, window_pool)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.parked: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV and PREFILLED (sequence 0 only)
@@ -148,6 +165,7 @@ class Scheduler:
         the remote side writes only the tokens after it.
         """
         assert request.request_id not in self.requests, request.request_id
+        assert self.window_pool is None, "a window pool is colocated: nothing is written remotely"
         cached = self.prefix.lookup(request)
         tiered = self.prefix.lookup_tiers(request, cached, self.tiers)
         fresh = self.blocks.blocks_needed(request.num_prompt_tokens + 1) - len(cached)
@@ -202,6 +220,8 @@ class Scheduler:
             num_new = self._num_new_tokens(request, budget, first_in_plan=not plan.chunks)
             if num_new and self.config.release_window is not None:
                 self._release_out_of_window(request, self.config.release_window)
+            if num_new and self.window_pool is not None:
+                self.window_pool.release(request)
             if num_new and self._grow_or_preempt(request, request.num_computed + num_new, plan):
                 plan.chunks.append(self._chunk(request, num_new))
         if plan.preempted:
@@ -328,6 +348,8 @@ class Scheduler:
         counts = self.block_counts()
         assert counts["free"] + counts["reserved"] + counts["running"] == self.blocks.num_blocks
         assert self.blocks.num_cached_free <= counts["free"]
+        if self.window_pool is not None:
+            self.window_pool.check_integrity(self.sequences())
 
     # ---- helpers -------------------------------------------------------------
     def _admit(self, plan: SchedulePlan, long_chunk: int) -> None:
@@ -383,8 +405,17 @@ class Scheduler:
         fresh = self.blocks.blocks_needed(computed + num_new) - len(cached)
         if not self.blocks.can_allocate(fresh + self.blocks.blocks_to_take(cached)):
             return False
+        window_ids = self.prefix.window_hit(request, len(cached))
+        assert window_ids is not None  # lookup kept only a hit whose window blocks are cached
+        if self.window_pool is not None and not self.window_pool.blocks.can_allocate(
+            fresh + self.window_pool.blocks.blocks_to_take(window_ids)
+        ):
+            return False
         self.blocks.take(cached)
         request.block_ids = cached + self.blocks.allocate(fresh)
+        if self.window_pool is not None:
+            self.window_pool.take(request, len(cached), window_ids)
+            self.window_pool.grow(request, computed + num_new)
         if tiered:
             loaded = self._load_tiered(request, tiered, len(cached), budget, first_in_plan)
             if loaded is None:
@@ -441,13 +472,25 @@ class Scheduler:
     def _grow_or_preempt(self, request: Request, num_tokens: int, plan: SchedulePlan) -> bool:
         """Blocks for ``request`` up to ``num_tokens``, preempting sequences until they fit; False
         when the request itself was preempted. A preempted sequence's chunk leaves the plan."""
-        while not self.blocks.grow(request.block_ids, num_tokens):
+        while not self._grow(request, num_tokens):
             victim = self._victim()
             self._preempt(victim)
             plan.preempted.append(victim.request_id)
             plan.chunks = [c for c in plan.chunks if c.request is not victim]
             if victim is request:
                 return False
+        return True
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        """Extend the request's block tables to hold ``num_tokens``; False (nothing taken) if blocks ran out."""
+        pool = self.window_pool
+        if pool is None:
+            return self.blocks.grow(request.block_ids, num_tokens)
+        missing = max(self.blocks.blocks_needed(num_tokens) - len(request.block_ids), 0)
+        if not (self.blocks.can_allocate(missing) and pool.blocks.can_allocate(pool.missing(request, num_tokens))):
+            return False
+        self.blocks.grow(request.block_ids, num_tokens)
+        pool.grow(request, num_tokens)
         return True
 
     def _release_out_of_window(self, request: Request, window: int) -> None:
@@ -475,8 +518,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
-        self.blocks.free(request.held_block_ids)
-        request.block_ids, request.released_blocks = [], 0
+        self._free_blocks(request)
         request.num_computed = request.num_hashed_blocks = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
@@ -504,7 +546,13 @@ class Scheduler:
         """Share the parent's full prompt blocks and copy its partial last one; with no
         free block for the copy, or ``max_num_seqs`` running, wait to be recomputed."""
         full, partial = divmod(parent.num_prompt_tokens, self.blocks.block_size)
-        if not self.blocks.can_allocate(1 if partial else 0) or len(self.running) >= self.config.max_num_seqs:
+        # With a window pool the parent released the prompt's first window blocks: the fork recomputes (its
+        # prompt found in the prefix cache where it is on).
+        if (
+            self.window_pool is not None
+            or not self.blocks.can_allocate(1 if partial else 0)
+            or len(self.running) >= self.config.max_num_seqs
+        ):
             child.status = RequestStatus.WAITING
             self.waiting.appendleft(child)
             return
@@ -557,9 +605,15 @@ class Scheduler:
     def _record(self, request: Request, token: int) -> FinishReason | None:
         return record_token(request, token, self.config.eos_token_ids, self.config.max_model_len)
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
+    def _free_blocks(self, request: Request) -> None:
+        """Give back every block the request holds, in both pools."""
         self.blocks.free(request.held_block_ids)
         request.block_ids, request.released_blocks = [], 0
+        if self.window_pool is not None:
+            self.window_pool.free(request)
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        self._free_blocks(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or reason
         sequences = self.requests[request.request_id]

@@ -37,9 +37,15 @@ class StepInputs:
     prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)  # row, n, context start, blocks
     decodes: list[tuple[int, list[int], list[list[int]]]] = field(default_factory=list)  # row, lengths, table
     copies: list[tuple[int, int]] = field(default_factory=list)  # blocks to copy (source, destination) first
+    # The window layers' slots, prefill blocks and decode tables, with a window pool (engine/window_pool.py:
+    # one rank only, never sent to another)
+    window_slots: list[int] = field(default_factory=list)
+    window_prefills: list[tuple[int, int, int, list[int]]] = field(default_factory=list)
+    window_decodes: list[tuple[int, list[int], list[list[int]]]] = field(default_factory=list)
 
 
 def encode(inputs: StepInputs) -> torch.Tensor:
+    assert not inputs.window_slots, "a window pool runs on one rank"
     out = [len(inputs.token_ids), len(inputs.logits_rows), len(inputs.prefills), len(inputs.decodes)]
     out.append(len(inputs.copies))
     out += inputs.token_ids + inputs.positions + inputs.slots + inputs.logits_rows
