@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import transformers
 from jinja2 import TemplateError
 
+from router.api.fast_tokens import Encode, encoder
 from router.api.tools import template_uses_tools
 from router.errors import OpenAIError
 
@@ -78,6 +80,16 @@ class ServedModel:
             chars_per_token=_chars_per_token(tokenizer),
         )
 
+    @cached_property
+    def _encode_text(self) -> Encode:
+        """A prompt's text -> ids, special tokens added (on the tokenizer's backend: router/api/fast_tokens.py)."""
+        return encoder(self.tokenizer, add_special_tokens=True)
+
+    @cached_property
+    def _encode_templated(self) -> Encode:
+        """A rendered chat template -> ids, which already holds its special tokens."""
+        return encoder(self.tokenizer, add_special_tokens=False)
+
     @property
     def max_prompt_chars(self) -> int:
         """A text prompt longer than this cannot fit the context in any tokenization."""
@@ -117,11 +129,11 @@ class ServedModel:
             )
         except TemplateError as exc:
             raise OpenAIError(400, f"chat template rejected the messages: {exc}", param="messages") from exc
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._encode_templated(text)
 
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return list(self.tokenizer(prompt)["input_ids"])
+            return self._encode_text(prompt)
         vocab = self.vocab_size
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:

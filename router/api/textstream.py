@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from router.api.fast_tokens import decoder
+
 REPLACEMENT = "\ufffd"
 # How many prompt tokens to keep as context so the first output token
 # decodes with the right leading space.
@@ -26,13 +28,10 @@ PROMPT_CONTEXT = 5
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int]) -> None:
-        self._tokenizer = tokenizer
+        self._decode = decoder(tokenizer)  # skipping special tokens, no clean-up (router/api/fast_tokens.py)
         self._ids: list[int] = list(prompt_token_ids[-PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add tokens; return the text that is now certain."""
