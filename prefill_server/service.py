@@ -284,8 +284,9 @@ class PrefillService:
             return None
         # What this server holds of the prompt, from its block events (thread-safe, no wait for the engine
         # thread): a hint; the offered blocks go by hash, so a block evicted or cached meanwhile only makes
-        # the admission take fewer of them (engine/tiers/offered.py).
-        limit = (len(req.prompt_token_ids) - 1) // bs
+        # the admission take fewer of them (engine/tiers/offered.py). Only as far as D's cached prefix: nothing
+        # past it can be read, and hashing a long prompt here would hold the event loop.
+        limit = min(len(req.prompt_token_ids) - 1, end) // bs
         hashes = chain_hashes(self._salt, req.prompt_token_ids[: limit * bs], bs)
         start = self.kv_events.held_run(hashes) * bs
         if (end - start) // bs <= 0:
