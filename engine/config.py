@@ -115,7 +115,9 @@ class EngineConfig:
     # Blocks of a cache of their own for the sliding-window layers of a model that mixes them with full-attention
     # layers (Gemma 3; engine/window_pool.py): a sequence's window layers then hold only the blocks their window
     # reads, and num_blocks (or what kv_cache_bytes leaves) are the full-attention layers' blocks. None: one
-    # block table for every layer. Colocated, one rank, no kv_tiers, no cuda_graphs.
+    # block table for every layer. Colocated, one rank, no kv_tiers, no cuda_graphs. A decoding sequence holds
+    # at most ceil((window - 1) / block_size) + 1 of them, and a step's prompt chunks about one more per
+    # block_size tokens: about max_num_seqs x that + max_num_batched_tokens / block_size hold every window.
     window_kv_blocks: AtLeastOne | None = None
     # mock: a simulated engine (engine/mock.py) with the real scheduler and block manager, no weights loaded
     kind: EngineKind = "model"
