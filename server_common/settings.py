@@ -36,9 +36,10 @@ class ServerSettings:
     lease_expiry: KvFailureAction = "fail"
     checksum_failure: KvFailureAction = "fail"
     # A prefill server reads the whole blocks of a reservation's cached prefix its own cache lacks from the
-    # decode server instead of computing them (decode-to-prefill reuse, kvlink/prefix_read.py). Off by
-    # default (docs/kv-tiers.md, "Decode-to-prefill reuse without a store").
-    pull_prefix: bool = False
+    # decode server instead of computing them (decode-to-prefill reuse, kvlink/prefix_read.py). On by
+    # default: a prompt with nothing to read costs a comparison, or hashing D's cached prefix (docs/kv-tiers.md,
+    # "Decode-to-prefill reuse without a store").
+    pull_prefix: bool = True
     # ... and only when computing those tokens is estimated to take at least this many times as long as
     # reading them (prefill_server/pull_rule.py); 0 reads whenever the decode server holds more.
     pull_prefix_margin: float = 1.0

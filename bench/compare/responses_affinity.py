@@ -1,14 +1,17 @@
 """Multi-turn chats on 1P2D through ``/v1/responses``: the router's decode affinity against no hint.
 
     python3 -m bench.compare.responses_affinity [--model tiny|DIR] [--conversations 3] [--turns 4]
-        [--prompt-len 64] [--output-len 16] [--rounds 2] [--layout 1p2d|2p2d] [--out DIR]
+        [--concurrency N] [--prompt-len 64] [--output-len 16] [--rounds 2] [--layout 1p2d|2p2d] [--out DIR]
 
 Every variant runs on a fresh cluster from configs/1p2d.yaml (or ``--layout``'s; the model changed,
 prefix caching on, router policy round_robin, one torch thread per server) and is sent the same chats:
 ``--conversations`` side by side, ``--turns`` turns each, a new question of ``--prompt-len`` tokens a
 turn, answers of up
 to ``--output-len`` tokens at temperature 0 (no ``ignore_eos``: the Responses API has none, so no
-variant sends it), turn t of a chat sent once turn t-1 is answered (bench/load/loadgen.py, history):
+variant sends it), turn t of a chat sent once turn t-1 is answered (bench/load/loadgen.py, history),
+at most ``--concurrency`` requests in flight (default: one per chat). With ``--turns 1`` every prompt is
+unshared, a new question alone: ``--variants chat,chat-pull`` then measures what the pull costs
+traffic that has nothing to read.
 
 * ``affinity``: ``/v1/responses``, each turn only its new question with the previous turn's
   ``previous_response_id``; the router tries the decode server that answered the previous turn first
@@ -19,7 +22,8 @@ variant sends it), turn t of a chat sent once turn t-1 is answered (bench/load/l
   this is the same endpoint and the same prompt without it.
 * ``chat``: ``/v1/chat/completions`` with the whole conversation as messages, round robin: how a
   stateless client continues a chat today.
-* ``affinity-pull``, ``chat-pull``: as ``affinity`` and ``chat`` with ``transfer.pull_prefix`` on: a
+* ``affinity-pull``, ``chat-pull``: as ``affinity`` and ``chat`` with ``transfer.pull_prefix`` on (the
+  default; every other variant turns it off): a
   prefill server reads the part of the prompt its own cache lacks and the decode server's reservation
   holds back from that decode server instead of computing it (decode-to-prefill reuse,
   docs/kv-tiers.md); ``pulled tok/req`` is what they read (``pdserve_kv_prefix_pulled_tokens_total``),
@@ -136,7 +140,7 @@ def run_variant(name: str, rnd: int, args, workload: PrefixWorkload, builder: Pr
             url=cluster.url,
             model=cluster.model,
             endpoint=v.endpoint,
-            concurrency=args.conversations,
+            concurrency=args.concurrency or args.conversations,
             num_requests=args.conversations * args.turns,
             temperature=0.0,
             ignore_eos=False,
@@ -303,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="tiny", help="a local model folder, or a built-in one (default %(default)s)")
     p.add_argument("--conversations", type=int, default=3, help="chats side by side (default %(default)s)")
     p.add_argument("--turns", type=int, default=4, help="turns per chat (default %(default)s)")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="requests in flight at once (default: --conversations); with --turns 1, short unshared prompts",
+    )
     p.add_argument("--prompt-len", default="64", help="new question tokens a turn (default %(default)s)")
     p.add_argument("--output-len", default="16", help="max_output_tokens (default %(default)s)")
     p.add_argument("--rounds", type=int, default=2, help="fresh clusters per variant (default %(default)s)")
@@ -335,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown or not names:
         p.error(f"unknown variants {unknown}: pick from {', '.join(VARIANTS)}")
-    if args.rounds < 1 or args.conversations < 1 or args.turns < 1:
-        p.error("--rounds, --conversations and --turns must be >= 1")
+    if args.rounds < 1 or args.conversations < 1 or args.turns < 1 or (args.concurrency or 1) < 1:
+        p.error("--rounds, --conversations, --turns and --concurrency must be >= 1")
     question, output = LengthDist.parse(args.prompt_len), LengthDist.parse(args.output_len)
     workload = PrefixWorkload("multi_turn", question, output, turns=args.turns, conversations=args.conversations)
     builder = PromptBuilder(load_tokenizer(resolve_model(args.model, MODEL_CACHE)))
