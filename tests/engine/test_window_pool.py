@@ -13,6 +13,7 @@ from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.block_manager import BlockManager
 from engine.make_model import TINY_SWA, make_tiny
 from engine.request import Request, window_start
+from engine.window_pool import WindowPool
 from tests.engine.oracle import hf_greedy
 
 WINDOW, BS, LAYERS = 8, 4, 4
@@ -184,3 +185,26 @@ def evict_oldest(blocks: BlockManager, count: int) -> None:
     """Drop the ``count`` least recently freed cached blocks from the prefix cache, as the block manager does
     to make room: every block of the free heap and then those are handed out, and freed again."""
     blocks.free(blocks.allocate(blocks.num_free - blocks.num_cached_free + count))
+
+
+def test_the_pool_s_bookkeeping_on_exact_block_ids():
+    pool = WindowPool(BlockManager(8, BS), WINDOW)
+    seq = Request("s", list(range(40)), SamplingParams())
+    pool.grow(seq, 16)  # positions 0..15: blocks 0..3
+    assert seq.window_block_ids == [0, 1, 2, 3] and pool.missing(seq, 22) == 2
+    seq.num_computed = 16  # the next query, at 16, reads keys 9..16: blocks 2.. (placeholders before)
+    pool.release(seq)
+    assert (seq.window_released, seq.held_window_block_ids, pool.blocks.num_free) == (2, [2, 3], 6)
+    hashes = [100 + i for i in range(4)]
+    pool.register(seq, hashes, 0)  # the released blocks are not registered again (nor held)
+    assert pool.blocks.match_all(hashes[2:]) == [2, 3] and pool.blocks.match_all(hashes) is None
+    # a hit of 4 blocks (16 tokens) reads keys 9..15: blocks 2 and 3; of 3 blocks, keys 5..11: 1 is gone
+    assert pool.hit(hashes) == [2, 3] and pool.hit(hashes[:3]) is None and pool.hit([]) == []
+    other = Request("o", list(range(40)), SamplingParams())
+    pool.take(other, 4, [2, 3])
+    assert (other.window_block_ids[2:], other.window_released, pool.blocks.blocks[2].ref_count) == ([2, 3], 2, 2)
+    pool.free(seq)
+    pool.free(other)
+    assert seq.window_block_ids == other.window_block_ids == [] and other.window_released == 0
+    assert (pool.blocks.num_free, pool.blocks.num_cached_free) == (8, 2)  # 2 and 3 still findable
+    pool.check_integrity([seq, other])
