@@ -17,7 +17,7 @@ from typing import Literal, TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
@@ -27,6 +27,7 @@ from router.api import api_responses as out
 from router.api import openapi
 from router.api.api_requests import ChatCompletionRequest, CompletionRequest
 from router.api.background import EventLimits
+from router.api.event_stream import EventStream
 from router.api.grammar_check import GrammarChecker
 from router.api.limits import RequestLimits, openai_413
 from router.api.model import ServedModel
@@ -405,12 +406,7 @@ async def respond(
     session, result = answer
     # session.close is idempotent: the stream closes it in `finally`, the
     # background task covers a client that left before the first chunk.
-    return StreamingResponse(
-        result,
-        media_type="text/event-stream",
-        background=BackgroundTask(session.close),
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **limits},
-    )
+    return EventStream(result, headers=limits, background=BackgroundTask(session.close))
 
 
 def add_openai_routes(app: FastAPI, parts: RouterParts) -> None:
@@ -477,11 +473,7 @@ def add_responses_routes(app: FastAPI, parts: RouterParts) -> None:
         owner = parts.auth.owner(request)
         if stream:
             events = await request.app.state.responses.events(response_id, owner, starting_after)
-            return StreamingResponse(
-                events,
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return EventStream(events)
         stored = await request.app.state.responses.get(response_id, owner)
         return JSONResponse(stored.response)
 
