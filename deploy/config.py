@@ -190,6 +190,13 @@ class EngineDefaults(Strict):
     CUDA, tensor_parallel_size 1 and the Triton backend. Off by default: not yet measured on a device."""
     kv_tiers: KvTiersSettings = KvTiersSettings()
     """Host-memory and disk tiers for the blocks each server's prefix cache evicts (off unless a tier is set)."""
+    window_kv_blocks: AtLeastOne | None = EngineConfig.window_kv_blocks
+    """For a model mixing sliding-window and full-attention layers (Gemma 3): KV blocks of a cache of their own
+    for the window layers (engine/window_pool.py), so that each sequence's window layers hold only the blocks
+    their window reads; `num_blocks` (or what `kv_cache_bytes` leaves) are then the full-attention layers'.
+    About `max_num_seqs` x (ceil((window - 1) / block_size) + 1) + `max_num_batched_tokens` / block_size hold
+    every window. null: one block table for every layer. Colocated clusters only, one rank, no `kv_tiers`,
+    no `cuda_graphs`, kind model."""
     kind: EngineKind = EngineConfig.kind
     """model (the model computes each step) or mock: a simulated engine (engine/mock.py) with the real scheduler,
     block manager and KV protocol but no weights loaded, hashed tokens and each step's time slept from
@@ -810,6 +817,15 @@ class ClusterConfig(Strict):
                 )
             if tp > 1 and (i.kv_tiers or self.engine.kv_tiers).on:
                 raise ValueError(f"{i.name}: kv_tiers hold one rank's blocks: they need tensor_parallel_size 1")
+            tiers = (i.kv_tiers or self.engine.kv_tiers).on
+            if self.engine.window_kv_blocks is not None and (
+                not self.colocated or tp > 1 or tiers or self.engine.cuda_graphs or kinds[i.name] == "mock"
+            ):
+                raise ValueError(
+                    f"{i.name}: engine.window_kv_blocks needs a colocated cluster, tensor_parallel_size 1, no "
+                    "kv_tiers, no cuda_graphs and kind model (a transfer, a rank, a tier and a graph address one "
+                    "block table)"
+                )
         self._check_planner()
         exposed = [
             f"{i.name} ({self.bind_host_of(i)})" for i in self.instances() if not is_loopback(self.bind_host_of(i))

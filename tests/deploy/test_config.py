@@ -215,3 +215,14 @@ def test_one_key_for_two_tenants_is_refused(tmp_path):
     router = {"tenants": [{"name": "a", "keys": ["sk-shared-1"]}, {"name": "b", "keys": ["sk-shared-1"]}]}
     with pytest.raises(ConfigError, match="one key is listed for 'a' and for 'b'"):
         parse_config({**BASE, "router": router}, "c.yaml").router_settings(tmp_path)
+
+
+def test_window_kv_blocks_reach_a_colocated_server_and_nothing_else(tmp_path):
+    colocated = {"model": "/models/m", "colocated": [{"name": "c0", "port": 9300}]}
+    pooled = {**colocated, "engine": {"window_kv_blocks": 64}}
+    assert parse_config(pooled, "c.yaml").server_settings("c0", tmp_path).engine.window_kv_blocks == 64
+    assert parse_config(colocated, "c.yaml").server_settings("c0", tmp_path).engine.window_kv_blocks is None
+    refused = "engine.window_kv_blocks needs a colocated cluster, tensor_parallel_size 1, no kv_tiers"
+    assert f"p0: {refused}" in error_of({**BASE, "engine": {"window_kv_blocks": 64}})
+    split = {**colocated, "engine": {"window_kv_blocks": 64, "tensor_parallel_size": 2}}
+    assert f"c0: {refused}" in error_of(split)

@@ -1,0 +1,60 @@
+"""A colocated server of tiny-swa (Gemma 3's shape: window layers of 8 tokens beside a global one) with
+``engine.window_kv_blocks``, through the router with the openai SDK: the window layers keep their blocks
+apart (engine/window_pool.py), the greedy answers and log-probabilities stay transformers' on prompts many
+windows long, the server's KV blocks are the full layer's (what the router budgets requests with), and
+every block is free after."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.make_model import TINY_SWA, make_tiny
+from tests.engine.oracle import hf_greedy, hf_logits
+from tests.support.cluster import start_cluster
+from tests.support.oracle import chat_prompt_ids, expected_completion, tokenizer
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = [{"role": "user", "content": "Name three colours and say why the sky is blue."}]
+WINDOW_BLOCKS = 160  # of 16 tokens; at least ceil((8 - 1 + 2048) / 16) + 1 = 130 (one step's largest chunk)
+LAYER_BLOCK = 16 * 256  # one layer's K and V of 16 tokens: 2 KV heads of 16, float32
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    model = str(make_tiny(tmp_path_factory.mktemp("tiny-swa"), TINY_SWA))
+    c = start_cluster(tmp_path_factory, "colocated", model, {"engine": {"window_kv_blocks": WINDOW_BLOCKS}})
+    wait_until(
+        lambda: all(w["healthy"] for w in c.http.get(f"{c.router_url}/health").json()["workers"]),
+        60,
+        "the colocated server in the router's rotation",
+    )
+    yield c, model
+    c.stop()
+
+
+def test_answers_and_logprobs_equal_transformers_with_the_window_layers_apart(cluster):
+    c, model = cluster
+    client = c.client()
+    long = "Zebras graze while the kettle sings: " + " ".join(str(i * 7) for i in range(30))
+    for prompt in ("Hello, world! How are you today?", long):
+        want, _ = expected_completion(model, prompt, 12)
+        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert got.choices[0].text == want
+    prompt = chat_prompt_ids(model, MESSAGES)
+    ids = hf_greedy(model, prompt, 8, ignore_eos=True)
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
+    )
+    tok = tokenizer(model)
+    rows = torch.log_softmax(hf_logits(model, prompt + ids), dim=-1)
+    content = r.choices[0].logprobs.content
+    assert [x.token for x in content] == [tok.decode([i]) for i in ids]
+    for k, (x, token) in enumerate(zip(content, ids)):
+        assert abs(x.logprob - rows[len(prompt) - 1 + k][token].item()) < 1e-4
+    c.wait_idle(timeout=10)
+    # 16 MiB less the window pool's 160 blocks of 3 layers, in blocks of the one full layer
+    assert c.blocks()["c0"]["total"] == ((16 << 20) - WINDOW_BLOCKS * 3 * LAYER_BLOCK) // LAYER_BLOCK == 3616
+    assert all(b["free"] == b["total"] for b in c.blocks().values())
