@@ -73,10 +73,10 @@ def run_one(engine: LLMEngine, prompt: list[int], preempt_at: int | None = None)
     return tokens, seen
 
 
-@pytest.mark.parametrize("backend", ["torch", "auto"])
+@pytest.mark.parametrize("backend, layout", [("torch", "NHD"), ("auto", "NHD"), ("torch", "HND")])
 @pytest.mark.parametrize("prefix_caching", [False, True])
-def test_window_layers_hold_only_their_window_and_answer_as_transformers(swa, backend, prefix_caching):
-    engine = pooled(swa, prefix_caching=prefix_caching, attention_backend=backend)
+def test_window_layers_hold_only_their_window_and_answer_as_transformers(swa, backend, layout, prefix_caching):
+    engine = pooled(swa, prefix_caching=prefix_caching, attention_backend=backend, kv_layout=layout)
     tokens, seen = run_one(engine, PROMPT)
     assert tokens == hf_greedy(swa, PROMPT, 40)
     assert [n for n, *_ in seen] == list(range(len(PROMPT), len(PROMPT) + 39))  # the last step finishes it
