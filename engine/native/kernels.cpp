@@ -317,6 +317,9 @@ inline __m512 sums_of_16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(h01, h23, 0x88), _mm512_shuffle_f32x4(h01, h23, 0xDD));
 }
 
+// How far ahead of the token being scored decode attention's far prefetch runs (see decode_rows).
+constexpr int64_t kFarAhead = 32;
+
 inline __mmask16 first_lanes(int64_t n) { return static_cast<__mmask16>(n >= 16 ? 0xFFFF : (1u << n) - 1); }
 
 template <typename T>
@@ -364,6 +367,14 @@ void decode_rows(const torch::Tensor& q, const torch::Tensor& k, const torch::Te
         for (int64_t i = 0; i < n; ++i)
           for (int64_t line = 0; line < dim * int64_t(sizeof(T)); line += 64)
             _mm_prefetch(reinterpret_cast<const char*>(slot(vp, t0 + i)) + line, _MM_HINT_T1);
+        // One step ahead of the next keys is not enough to hide memory's latency: the 16 tokens after
+        // them are requested too, their keys into L2 and values into L3, so that more lines are in
+        // flight at once.
+        for (int64_t i = t0 + kFarAhead; i < std::min<int64_t>(length, t0 + kFarAhead + 16); ++i)
+          for (int64_t line = 0; line < dim * int64_t(sizeof(T)); line += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(slot(kp, i)) + line, _MM_HINT_T1);
+            _mm_prefetch(reinterpret_cast<const char*>(slot(vp, i)) + line, _MM_HINT_T2);
+          }
         for (int64_t g = 0; g < group; ++g) {
           for (int64_t i = 0; i < 16; ++i) {
             dots[i] = _mm512_setzero_ps();
