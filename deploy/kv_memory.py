@@ -43,10 +43,6 @@ GIB = 1 << 30
 # tokenizer, the HTTP stack and each step's activations (a mock server, which holds neither weights nor a
 # cache, runs in about 250 MiB RSS; a step's activations come on top).
 RANK_OVERHEAD_BYTES = 512 * MIB
-# Copies of the weights a rank keeps on a CPU: engine/model.py's Linear.pack_for_cpu holds each projection in
-# oneDNN's packed layout beside the layout its few-row kernels read (Qwen2.5-Coder-0.5B: 2.5 GB of float32
-# weights, 4.6 GB held).
-CPU_WEIGHT_COPIES = 2
 CGROUP = Path("/sys/fs/cgroup")
 SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
 
@@ -118,20 +114,28 @@ def server_memory(
 ) -> ServerMemory:
     """What server ``name`` of model ``model_dir`` on ``device`` asks of its host's memory (``weights_loaded``
     False: a mock engine's, which loads none). A rank holds about 1/``tensor_parallel_size`` of the weights,
-    CPU_WEIGHT_COPIES times over on a CPU; on a GPU they are the device's, not the host's. Imports torch and the
-    model's config: the router, which reads the cluster file too, never calls it."""
+    on a CPU as many times over as engine/model.py's ``cpu_weight_copies`` says for ``dtype`` (bfloat16 twice:
+    oneDNN's packed copy beside the plain weight its few-row kernel reads; float32 twice as well, or once with
+    ``PDSERVE_F32_WEIGHT_COPIES=1``, read from this process's environment, which the servers it sizes inherit),
+    and a tied float32 lm_head's own input-major copy of the embedding; on a GPU they are the device's, not
+    the host's (Qwen2.5-Coder-0.5B in float32: 2.5 GB of weights, 4.5 GB held, 2.5 GB with one copy).
+    Imports torch and the model's config: the router, which reads the cluster file too, never calls it."""
     import torch
 
     from engine.kv_cache import cache_heads
     from engine.loader import head_dim_of, load_config
+    from engine.model import cpu_weight_copies
     from engine.tensor_parallel import Shard
 
     cfg = load_config(str(model_dir))
     heads, width, _ = cache_heads(cfg, Shard(0, tensor_parallel_size, expert_parallel), head_dim_of(cfg))
     item = torch.tensor([], dtype=dtype).element_size()
     per_token = 2 * cfg.num_hidden_layers * heads * width * item
-    copies = CPU_WEIGHT_COPIES if device.split(":")[0] == "cpu" else 0
-    weights = copies * model_weight_bytes(model_dir, item) // tensor_parallel_size if weights_loaded else 0
+    on_cpu = device.split(":")[0] == "cpu"
+    weights = cpu_weight_copies(dtype) * model_weight_bytes(model_dir, item) if on_cpu and weights_loaded else 0
+    if weights and dtype == torch.float32 and getattr(cfg, "tie_word_embeddings", False):
+        weights += cfg.vocab_size * cfg.hidden_size * item  # the lm_head's input-major copy (CausalLM.pack_for_cpu)
+    weights //= tensor_parallel_size
     limit = cfg.max_position_embeddings
     return ServerMemory(
         name, tensor_parallel_size, weights, per_token, min(max_model_len or limit, limit), max_num_seqs

@@ -14,6 +14,7 @@ over the ranks and gathers the logits on rank 0.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -133,6 +134,30 @@ def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach()
 
 
+F32_WEIGHT_COPIES = "PDSERVE_F32_WEIGHT_COPIES"  # 1 or 2: how a float32 projection is held on CPU (Linear)
+F32_WEIGHT_COPIES_DEFAULT = 2  # one copy costs prefill ~4 % (Linear)
+
+
+def float32_weight_copies() -> int:
+    """How many copies of each float32 projection :meth:`Linear.pack_for_cpu` keeps on CPU: 1, its input-major
+    weight alone, or 2, a oneDNN-packed copy beside it for many rows (``PDSERVE_F32_WEIGHT_COPIES``)."""
+    value = os.environ.get(F32_WEIGHT_COPIES, str(F32_WEIGHT_COPIES_DEFAULT))
+    if value not in ("1", "2"):
+        raise ValueError(f"{F32_WEIGHT_COPIES} must be 1 or 2, not {value!r}")
+    return int(value)
+
+
+def cpu_weight_copies(dtype: torch.dtype) -> int:
+    """How many times a CPU rank holds each projection's weight in ``dtype`` (:meth:`Linear.pack_for_cpu`):
+    bfloat16 twice (the packed copy and the plain weight its few-row kernel reads), float32
+    :func:`float32_weight_copies`, any other dtype once (plain ``F.linear``)."""
+    if dtype == torch.bfloat16:
+        return 2
+    if dtype == torch.float32:
+        return float32_weight_copies()
+    return 1
+
+
 class Linear(nn.Linear):
     """``nn.Linear`` whose weight can be laid out for the CPU's matmul kernels.
 
@@ -147,9 +172,14 @@ class Linear(nn.Linear):
     - float32: the weight becomes a transposed view of an input-major [in, out] tensor. Up to
       ``FEW_ROWS[float32]`` rows go to ``engine.native``'s ``gemv_f32``, which streams that
       tensor at memory speed for one to eight rows; without it, one row goes to torch's matmul
-      (which streams that layout fastest). A oneDNN-packed copy serves more rows (prefill, and
-      without ``gemv_f32`` from ``packed_min_rows``), where packing wins. float32 then holds its
-      projections twice.
+      (which streams that layout fastest). More rows (prefill, and without ``gemv_f32`` from
+      ``packed_min_rows``) go to oneDNN's matmul (torch's, MKL's, is over 2x slower here in
+      either layout: bench/micro/f32_layouts.py), over a oneDNN-packed copy: the projections held
+      twice. With ``PDSERVE_F32_WEIGHT_COPIES=1`` (:func:`float32_weight_copies`) they are held
+      once: oneDNN reads the input-major tensor in place (``packed`` is that view), a 0.5B
+      model's resident memory 1.8 GB less, its prefill about 4 % slower and decode steps of 9 to
+      16 sequences up to 10 % (gate_up, wide, loses most: 6 to 15 % at 16 to 2048 rows; steps of
+      up to eight sequences are gemv_f32's either way; bench/micro/f32_copies.py).
 
     ``weight`` keeps its [out, in] shape and values either way, so reading or sharding it
     elsewhere is unchanged.
@@ -169,12 +199,17 @@ class Linear(nn.Linear):
             return
         if weight.dtype not in (torch.bfloat16, torch.float32):
             return
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
         self.packed_all = weight.dtype == torch.bfloat16
-        if weight.dtype == torch.bfloat16 and weight.is_contiguous():
-            self.few_rows = native.kernel("gemv_bf16")
+        if weight.dtype == torch.bfloat16:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            if weight.is_contiguous():
+                self.few_rows = native.kernel("gemv_bf16")
         if weight.dtype == torch.float32:  # input-major, for gemv_f32 or the one-row matmul
+            if float32_weight_copies() == 2:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
             self.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
+            if self.packed is None:  # one copy: oneDNN reads the input-major tensor in place
+                self.packed = self.weight.detach()
             self.few_rows = native.kernel("gemv_f32")
         if self.few_rows is not None:
             self.few_rows_max = self.FEW_ROWS[weight.dtype]

@@ -21,6 +21,7 @@ from deploy.kv_memory import (
     server_memory,
 )
 from engine.loader import load_model
+from engine.model import Linear
 from tests.support.cluster import CONFIGS
 
 GIB = 1 << 30
@@ -86,14 +87,35 @@ def test_weight_bytes_are_the_loaded_models_parameters(tiny_llama_model):
     assert model_weight_bytes(Path(tiny_llama_model), 2) == loaded // 2
 
 
-def test_a_cpu_rank_holds_its_part_of_the_weights_twice_and_a_gpu_rank_none_of_them_in_host_memory(tiny_llama_model):
+def test_a_cpu_rank_holds_its_part_of_the_weights_as_packed_and_a_gpu_rank_none_in_host_memory(
+    tiny_llama_model, monkeypatch
+):
+    monkeypatch.setenv("PDSERVE_F32_WEIGHT_COPIES", "1")
     folder = Path(tiny_llama_model)
     weights = model_weight_bytes(folder, 4)
     cpu = server_memory("d0", folder, torch.float32, 2, False, None, 8, "cpu")
-    assert cpu.weight_bytes_per_rank == 2 * weights // 2 and cpu.ranks == 2
+    assert cpu.weight_bytes_per_rank == weights // 2 and cpu.ranks == 2  # float32: once
+    bf16 = server_memory("d0", folder, torch.bfloat16, 2, False, None, 8, "cpu")
+    assert bf16.weight_bytes_per_rank == 2 * model_weight_bytes(folder, 2) // 2  # packed besides the plain weight
+    monkeypatch.setenv("PDSERVE_F32_WEIGHT_COPIES", "2")
+    assert server_memory("d0", folder, torch.float32, 2, False, None, 8, "cpu").weight_bytes_per_rank == weights
     assert server_memory("d0", folder, torch.float32, 1, False, None, 8, "cuda:1").weight_bytes_per_rank == 0
     mock = server_memory("d0", folder, torch.float32, 1, False, None, 8, weights_loaded=False)
     assert mock.weight_bytes_per_rank == 0
+
+
+@pytest.mark.parametrize("copies", ["1", "2"])
+def test_a_float32_cpu_rank_is_counted_the_bytes_its_model_holds(tiny_model, monkeypatch, copies):
+    monkeypatch.setenv("PDSERVE_F32_WEIGHT_COPIES", copies)
+    model, _ = load_model(tiny_model, torch.float32, torch.device("cpu"))  # tied: the lm_head an input-major copy
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    packed = [
+        m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None and m.packed.is_mkldnn
+    ]
+    held.update({id(p): p.numel() * p.element_size() for p in packed})  # oneDNN's own copies, where kept
+    counted = server_memory("d0", Path(tiny_model), torch.float32, 1, False, None, 8, "cpu").weight_bytes_per_rank
+    norms = sum(p.nbytes for name, p in model.named_parameters() if "norm" in name)
+    assert counted == sum(held.values()) + (norms if copies == "2" else 0)  # two copies: the norms counted twice
 
 
 def test_shipped_smollm2_configs_size_their_caches_from_the_host():

@@ -69,6 +69,58 @@ def test_packed_linear_equals_plain_linear(dtype, bias):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def held_bytes(model) -> int:
+    """The bytes of every distinct storage the model's parameters and its Linear layers' packed tensors hold
+    (a oneDNN-packed copy, opaque, holds its own)."""
+    tensors = [*model.state_dict().values()]
+    tensors += [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+    storages = {
+        id(t) if t.is_mkldnn else t.untyped_storage().data_ptr(): (
+            t.numel() * t.element_size() if t.is_mkldnn else t.untyped_storage().nbytes()
+        )
+        for t in tensors
+    }
+    return sum(storages.values())
+
+
+def test_a_float32_projection_on_cpu_can_hold_its_weight_once(monkeypatch):
+    monkeypatch.setenv("PDSERVE_F32_WEIGHT_COPIES", "1")
+    linear = Linear(96, 160).float()
+    linear.pack_for_cpu()
+    assert linear.packed is not None and not linear.packed.is_mkldnn  # oneDNN reads the weight in place
+    assert linear.packed.untyped_storage().data_ptr() == linear.weight.untyped_storage().data_ptr()
+    assert linear.packed.shape == (160, 96) and linear.weight.t().is_contiguous()
+
+
+def test_a_float32_projection_keeps_a_packed_copy_where_asked(monkeypatch):
+    monkeypatch.setenv("PDSERVE_F32_WEIGHT_COPIES", "2")
+    linear = Linear(96, 160).float()
+    weight = linear.weight.detach().clone()
+    linear.pack_for_cpu()
+    assert linear.packed is not None and linear.packed.is_mkldnn
+    x = torch.randn(65, 96)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear(x), F.linear(x, weight, linear.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_a_float32_model_holds_its_weights_once_and_a_tied_lm_head_twice(tiny_model, monkeypatch):
+    monkeypatch.setenv("PDSERVE_F32_WEIGHT_COPIES", "1")
+    model, _ = load_model(tiny_model, torch.float32, torch.device("cpu"))
+    # tied: the embedding stored once, and the lm_head's input-major copy beside it (both in the state dict)
+    loaded = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert held_bytes(model) == loaded
+    monkeypatch.setenv("PDSERVE_F32_WEIGHT_COPIES", "2")
+    model, _ = load_model(tiny_model, torch.float32, torch.device("cpu"))
+    projections = sum(m.weight.nbytes for m in model.modules() if isinstance(m, Linear))
+    assert held_bytes(model) == loaded + projections  # every projection's packed copy besides
+
+
+def test_a_float32_weight_copies_setting_other_than_one_or_two_is_refused(monkeypatch):
+    monkeypatch.setenv("PDSERVE_F32_WEIGHT_COPIES", "3")
+    with pytest.raises(ValueError, match="PDSERVE_F32_WEIGHT_COPIES must be 1 or 2, not '3'"):
+        Linear(96, 160).float().pack_for_cpu()
+
+
 def test_packing_a_tied_model_keeps_the_embedding_rows(tiny_model):
     model, _ = load_model(tiny_model, torch.float32, torch.device("cpu"))  # tied embeddings; packed on load
     embedding = model.embed_tokens.weight

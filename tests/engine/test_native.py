@@ -201,8 +201,10 @@ def test_float32_gemv_refuses_what_it_does_not_compute():
 
 
 @needs_cpu
+@pytest.mark.parametrize("copies", ["1", "2"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_sends_up_to_eight_float32_rows_to_the_kernel_and_more_to_onednn(bias):
+def test_linear_sends_up_to_eight_float32_rows_to_the_kernel_and_more_to_onednn(bias, copies, monkeypatch):
+    monkeypatch.setenv("PDSERVE_F32_WEIGHT_COPIES", copies)  # oneDNN over a packed copy (2) or the weight (1)
     torch.manual_seed(2)
     linear = Linear(96, 160, bias=bias).float()
     weight = linear.weight.detach().clone()
@@ -215,8 +217,11 @@ def test_linear_sends_up_to_eight_float32_rows_to_the_kernel_and_more_to_onednn(
         for rows in (1, 5, 8):
             assert torch.equal(linear(x[:rows]), native.kernels().gemv_f32(x[:rows], linear.weight, b))
         assert linear(x[:0]).shape == (0, 160)  # no rows (an empty step's slice): not the kernel's
-        packed = torch.ops.mkldnn._linear_pointwise(x, linear.packed, b, "none", [], "")
-        assert torch.equal(linear(x), packed)  # more rows: the packed copy
+        assert linear.packed is not None and linear.packed.is_mkldnn == (copies == "2")
+        if copies == "1":
+            assert linear.packed.data_ptr() == linear.weight.data_ptr()  # the input-major weight itself
+        onednn = torch.ops.mkldnn._linear_pointwise(x, linear.packed, b, "none", [], "")
+        assert torch.equal(linear(x), onednn)  # more rows: oneDNN
         assert torch.allclose(linear(x), F.linear(x, weight, b), atol=1e-5)
 
 
