@@ -50,12 +50,13 @@ def create_app(service: GenerationService) -> FastAPI:
 
     @app.post("/kv/read")
     async def kv_read(req: KVPrefixRead) -> Response:
-        """A prefill server reads a reservation's cached prefix (decode-to-prefill reuse): msgpack
-        ``PrefixKV`` (kvlink/prefix_read.py) while the reservation waits for its KV; 409 after."""
+        """A prefill server reads a reservation's cached prefix (decode-to-prefill reuse): the tokens' K/V
+        as the body, what they are in headers (kvlink/prefix_read.py), while the reservation waits for its
+        KV; 409 after."""
         try:
-            payload = await service.read_prefix(req)
+            headers, body = await service.read_prefix(req)
         except WorkerError as exc:
             return JSONResponse(exc.reply().model_dump(mode="json"), status_code=exc.status)
-        return Response(payload, media_type=CONTENT_TYPE)
+        return Response(body, media_type=CONTENT_TYPE, headers=headers)
 
     return app

@@ -185,11 +185,12 @@ class GenerationService:
             log.warning("refused a KV handshake: %s", exc)
             raise WorkerError(409, str(exc), Outcome.PEER_BOUND) from None
 
-    async def read_prefix(self, req: KVPrefixRead) -> bytes:
+    async def read_prefix(self, req: KVPrefixRead) -> tuple[dict[str, str], memoryview]:
         """A prefill server reads tokens [start, end) of the cached prefix reservation ``transfer_id`` pins
         (decode-to-prefill reuse, kvlink/prefix_read.py): copied out on the engine thread while the
         reservation still waits for its KV, so its blocks are neither freed nor reused mid-read (the
-        reservation's pin covers the read; nothing else is taken or released). WorkerError when no
+        reservation's pin covers the read; nothing else is taken or released); the answer's headers and
+        body (``encode_prefix``: the copied-out tensor's memory, checksummed). WorkerError when no
         reservation waits under that id (409) or the range is not in its cached prefix (400)."""
         if self._receiver is None:
             reason = f"{self.settings.name} is a colocated server: it holds no reservations"
@@ -212,9 +213,9 @@ class GenerationService:
         if self.faults is not None:
             await self.faults.hold_read()  # hold_reads: a read in flight, its tokens out, its answer not sent
         corrupt = self.faults is not None and self.faults.take("corrupt_reads")
-        payload = await asyncio.to_thread(encode_prefix, req.transfer_id, req.start, req.end, tokens, corrupt)
+        answer = await asyncio.to_thread(encode_prefix, req.transfer_id, req.start, req.end, tokens, corrupt)
         self.metrics.prefix_reads.labels(outcome=Outcome.OK).inc()
-        return payload
+        return answer
 
     # ---- requests -------------------------------------------------------------
     async def open(self, req: GenerateRequest, caller: str = "") -> tuple[ReservationEvent, Active]:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import torch
 
 from kvlink.ports import PeerMovedOn, Route
-from kvlink.prefix_read import CONTENT_TYPE, PrefixReadError, decode_prefix
+from kvlink.prefix_read import PrefixReadError, fetch_prefix
 from kvlink.ranks import RankSenders
 from server_common.guard import auth_headers
 from server_common.settings import ServerSettings
@@ -24,6 +26,7 @@ from wire.replies import Reservation
 
 # A decode server's refusals of a handshake from an earlier role epoch (deploy/role_server.py).
 STALE = frozenset({Outcome.STALE_EPOCH.value, Outcome.WRONG_ROLE.value})
+READ_THREADS = 4  # prefix reads at once (kvlink/prefix_read.py); more wait for a thread
 
 
 class UnknownPeer(ValueError):
@@ -45,9 +48,9 @@ class DecodePeers:
         self._configured: dict[str, str] = dict(settings.decode_peers)
         self._known: dict[str, str] = dict(self._configured)
         self._ranks: dict[str, tuple[str, ...]] = {}  # decode server -> its ranks' agent names, as met
-        # Prefix reads' client, made at the first read and kept: making one costs 80-300 ms here (its TLS
-        # context), more than a read.
-        self._reads: httpx.AsyncClient | None = None
+        # Prefix reads block a thread each (kvlink/prefix_read.py fetch_prefix) for up to their timeout: threads
+        # of their own, so that reads held by a slow decode server never hold up handshakes.
+        self._reads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="prefix-read")
 
     async def route(self, reservation: Reservation) -> Route:
         """Where the reservation's KV goes, its decode server met if need be. Raises (UnknownPeer,
@@ -111,19 +114,11 @@ class DecodePeers:
         headers = auth_headers(self._settings.internal_secret)
         if reservation.role_epoch is not None:
             headers[ROLE_EPOCH_HEADER] = str(reservation.role_epoch)
-        body = {"transfer_id": reservation.transfer_id, "start": start, "end": end}
-        if self._reads is None:
-            self._reads = httpx.AsyncClient()
+        read = functools.partial(fetch_prefix, url, headers, reservation.transfer_id, start, end, timeout_s)
         try:
-            resp = await self._reads.post(f"{url}/kv/read", json=body, headers=headers, timeout=timeout_s)
-        except httpx.TimeoutException:
-            raise PrefixReadError(Outcome.TIMED_OUT, f"decode server {target.peer} did not answer in time") from None
-        except httpx.HTTPError as exc:
-            raise PrefixReadError(Outcome.UNREACHABLE, f"decode server {target.peer}: {exc}") from None
-        if resp.status_code != 200 or resp.headers.get("content-type") != CONTENT_TYPE:
-            reason = f"decode server {target.peer} refused the read (HTTP {resp.status_code} {_code(resp)})"
-            raise PrefixReadError(Outcome.REFUSED, reason)
-        return await asyncio.to_thread(decode_prefix, resp.content, reservation.transfer_id, start, end)
+            return await asyncio.get_running_loop().run_in_executor(self._reads, read)
+        except PrefixReadError as exc:
+            raise PrefixReadError(exc.outcome, f"decode server {target.peer}: {exc}") from None
 
     def _check_group(self, peer: str, group: DecodeGroup, transfer_id: str) -> None:
         """Every rank the group names must be one its decode server answered the handshake with,
@@ -157,10 +152,9 @@ class DecodePeers:
         return dict(self._known)
 
     async def close(self) -> None:
-        """Close the prefix reads' client (the server stops)."""
-        if self._reads is not None:
-            await self._reads.aclose()
-            self._reads = None
+        """The server stops: reads not started are dropped, those under way end by their timeout (each has
+        a connection of its own; nothing is kept open between reads)."""
+        self._reads.shutdown(wait=False, cancel_futures=True)
 
 
 def _code(resp: httpx.Response) -> str:
