@@ -73,27 +73,33 @@ class OfferedBlocks:
 
 def read_tokens(cache: KVCache, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
     """Every layer's K and V of tokens [start, end) of a request whose blocks are ``block_ids``, as one
-    contiguous CPU tensor [layers, K|V, tokens, heads, width] whatever the cache's block size and order."""
+    contiguous CPU tensor [layers, K|V, tokens, heads, width] whatever the cache's block size and order.
+    On the CPU each block's part is copied once, straight into the result; on an accelerator the blocks
+    are gathered there and come over in one copy."""
     bs = cache.block_size
     first, last = start // bs, -(-end // bs)
-    ids = torch.tensor(list(block_ids[first:last]), dtype=torch.long, device=cache.kv.device)
-    picked = cache.kv.index_select(2, ids)  # [layers, 2, n, slots..., width]
-    if cache.order == "HND":
-        picked = picked.transpose(3, 4)
-    tokens = picked.reshape(cache.num_layers, 2, -1, cache.num_kv_heads, cache.head_dim)
-    return tokens[:, :, start - first * bs : end - first * bs].to("cpu").contiguous()
+    blocks = cache.kv.transpose(3, 4) if cache.order == "HND" else cache.kv  # [layers, 2, n, slot, head, width]
+    if cache.kv.device.type != "cpu":
+        ids = torch.tensor(list(block_ids[first:last]), dtype=torch.long, device=cache.kv.device)
+        tokens = blocks.index_select(2, ids).flatten(2, 3)
+        return tokens[:, :, start - first * bs : end - first * bs].to("cpu").contiguous()
+    layers, _, _, _, heads, width = blocks.shape
+    out = torch.empty((layers, 2, end - start, heads, width), dtype=cache.dtype)
+    for i in range(first, last):
+        a, b = max(start, i * bs), min(end, (i + 1) * bs)
+        out[:, :, a - start : b - start].copy_(blocks[:, :, block_ids[i], a - i * bs : b - i * bs])
+    return out
 
 
 def cut_blocks(cache: KVCache, tokens: torch.Tensor) -> list[torch.Tensor]:
     """``tokens`` ([layers, K|V, n, heads, width], n a multiple of the block size) as ``kv[:, :, block]``
-    tensors of ``cache``'s block size and order, on its device."""
+    tensors of ``cache``'s block size and order, on its device: views of ``tokens`` where its device and
+    dtype are the cache's (``OfferedBlocks.load`` copies each into the cache once), copies otherwise."""
     bs = cache.block_size
     assert tokens.shape[2] % bs == 0, (tokens.shape, bs)
     data = tokens.to(cache.kv.device, cache.dtype)
     blocks = []
     for i in range(tokens.shape[2] // bs):
         block = data[:, :, i * bs : (i + 1) * bs]
-        if cache.order == "HND":
-            block = block.transpose(2, 3)
-        blocks.append(block.contiguous())
+        blocks.append(block.transpose(2, 3) if cache.order == "HND" else block)
     return blocks
