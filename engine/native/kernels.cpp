@@ -152,6 +152,12 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w, const c1
 // row's result is the same alone or with others, on any number of threads.
 constexpr int64_t kF32Rows = 8;
 constexpr int64_t kF32Lanes = 16;
+// A thread's columns are taken kF32BlockUnits units (4096 columns) at a time, every chunk of the input over
+// one block before the next: the rows' partial sums of a block (16 KB a row) stay in cache between chunks,
+// where over a whole wide projection (a 262,144-token vocabulary: 1 MB a row) each chunk would write them
+// out to memory and read them back. On Gemma 3's lm_head (640 x 262,144), one thread, CPU time: 8 rows
+// 58 -> 39 ms, 4 rows 38 -> 31 ms, 1 and 2 rows as before (a plain read of the weight: 17 ms).
+constexpr int64_t kF32BlockUnits = 256;
 
 // The units [col, col + Z * 16) of y's rows over wt's rows [k0, k1): sums start at zero (k0 == 0) or from
 // y, and end with the bias when k1 is the last input row. Masked: one unit of fewer than 16 columns.
@@ -197,7 +203,9 @@ void f32_rows(const float* x, int64_t in, const float* wt, int64_t out, const fl
   constexpr int64_t kChunk = M <= 4 ? 16 : 32;
   const int64_t full = out / kF32Lanes, tail = out % kF32Lanes;
   const __mmask16 mask = static_cast<__mmask16>((1u << tail) - 1);
-  at::parallel_for(0, full + (tail != 0), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, full + (tail != 0), 1, [&](int64_t range_begin, int64_t range_end) {
+   for (int64_t begin = range_begin; begin < range_end; begin += kF32BlockUnits) {
+    const int64_t end = std::min(range_end, begin + kF32BlockUnits);
     const int64_t last = std::min(end, full);  // units [begin, last) are whole; [last, end) is the masked one
     const int64_t passes = (last - begin + Z - 1) / Z;
     for (int64_t k0 = 0; k0 < in; k0 += kChunk) {
@@ -220,6 +228,7 @@ void f32_rows(const float* x, int64_t in, const float* wt, int64_t out, const fl
       }
       if (last < end) f32_units<M, 1, true>(x, in, wt, out, bias, y, k0, k1, last * kF32Lanes, mask);
     }
+   }
   });
 }
 

@@ -149,10 +149,13 @@ def input_major(w: torch.Tensor) -> torch.Tensor:
 
 
 @needs_cpu
-@pytest.mark.parametrize(("inputs", "outputs"), [(576, 960), (1536, 576), (40, 7), (19, 37), (64, 200), (5, 16)])
+@pytest.mark.parametrize(
+    ("inputs", "outputs"), [(576, 960), (1536, 576), (40, 7), (19, 37), (64, 200), (5, 16), (33, 9000)]
+)
 def test_float32_gemv_gives_each_row_its_projection_exactly_where_float32_holds_it(inputs, outputs):
     # Small integers: every partial sum is exact in float32, so any wrong row, column, tail or bias shows.
-    # outputs 200 and 37 end in a unit of fewer than 16 columns; 960 and 200 leave a thread a short last pass.
+    # outputs 200 and 37 end in a unit of fewer than 16 columns; 960 and 200 leave a thread a short last pass;
+    # 9000 (562.5 units) spans several of a thread's 4096-column blocks, its last one short and masked.
     g = torch.Generator().manual_seed(inputs * outputs)
     w = input_major(torch.randint(-4, 5, (outputs, inputs), generator=g).float())
     b = torch.randint(-50, 51, (outputs,), generator=g).float()
@@ -169,7 +172,8 @@ def test_float32_gemv_gives_each_row_its_projection_exactly_where_float32_holds_
 @needs_cpu
 def test_float32_gemv_rounds_like_float32_and_a_row_s_result_is_the_same_alone_with_others_and_on_one_thread():
     torch.manual_seed(3)
-    w, b, x = input_major(torch.randn(200, 300)), torch.randn(200), torch.randn(8, 300)
+    # 9000 columns: several 4096-column blocks a thread (a wide projection such as a 262k-token lm_head)
+    w, b, x = input_major(torch.randn(9000, 300)), torch.randn(9000), torch.randn(8, 300)
     gemv = native.kernels().gemv_f32
     every = gemv(x, w, b)
     exact = x.double() @ w.double().T + b.double()
