@@ -65,22 +65,58 @@ HEALTH_CONNECTIONS = 64  # the health checks' own client: at most this many chec
 T = TypeVar("T")
 
 
+class _DisconnectWatch:
+    """Every ``DISCONNECT_POLL_S`` while armed, whether the client of ``request`` went away; if it did,
+    ``task`` is cancelled. Costs one timer while nothing is due (a request's work is mostly shorter)."""
+
+    def __init__(self, request: Request, task: asyncio.Task) -> None:
+        self.request, self.task = request, task
+        self.cancelled = False  # whether this watch cancelled the task
+        self._check: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(DISCONNECT_POLL_S, self._due)
+
+    def _due(self) -> None:
+        self._check = asyncio.ensure_future(self._poll())
+
+    async def _poll(self) -> None:
+        gone = await self.request.is_disconnected()
+        if self._timer is None:  # disarmed meanwhile: the work is over
+            return
+        if gone:
+            self.cancelled = True
+            self.task.cancel()
+        else:
+            self._timer = asyncio.get_running_loop().call_later(DISCONNECT_POLL_S, self._due)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._check is not None and not self._check.done():
+            self._check.cancel()
+
+
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work``; cancel it (its ``finally`` aborts the request on the servers)
-    if the client goes away first. Streams notice a disconnect by themselves."""
-    task = asyncio.ensure_future(work)
+    """Run ``work``; cancel it (its ``finally`` aborts the request on the servers), and answer 499, if
+    the client goes away first. Streams notice a disconnect by themselves.
+
+    ``work`` runs in the request's own task (no task of its own per request); the watch cancels that
+    task only while it waits in ``work``, since it is disarmed before anything else is awaited."""
+    task = asyncio.current_task()
+    assert task is not None  # ASGI apps run in a task
+    watch = _DisconnectWatch(request, task)
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                raise OpenAIError(499, "client closed the request")
+        result = await work
+    except BaseException:
+        if not watch.cancelled:
+            raise
+    else:
+        if not watch.cancelled:  # finished before (or despite) the cancellation
+            return result
     finally:
-        if not task.done():
-            task.cancel()
+        watch.disarm()
+    task.uncancel()  # the watch's own cancellation, for the client that left
+    raise OpenAIError(499, "client closed the request")
 
 
 class Auth:

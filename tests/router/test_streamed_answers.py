@@ -1,8 +1,12 @@
 """The router's streamed answers (router/app.py, `respond`) over real HTTP, against stub servers
 (bench/micro/stubs.py): every chunk arrives whole and in order for the official openai SDK, and a
-client that leaves is aborted on both servers at once, even while no token comes."""
+client that leaves is aborted on both servers at once, even while no token comes (and one that leaves
+before a whole answer, too)."""
 
 from __future__ import annotations
+
+import json
+import socket
 
 import httpx
 import openai
@@ -55,4 +59,20 @@ def test_a_client_that_leaves_while_no_token_comes_is_aborted_on_both_servers_at
             with http.stream("POST", "/v1/completions", json=body) as r:
                 assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
                 wait_until(lambda: cluster.stats("decode")["open_streams"] == 1, 30.0, "the decode stream open")
+        aborted_on_both(cluster)
+
+
+def test_a_client_that_leaves_before_a_whole_answer_is_aborted_on_both_servers(tmp_path):
+    """The same for an answer that is not streamed: the router notices the closed connection while it
+    waits for the tokens (router/app.py, ``until_disconnect``) and aborts the request on both servers."""
+    with StubCluster(tmp_path, router={"stream_stall_s": 600.0}, token_delay=120.0) as cluster:
+        body = json.dumps({"model": "stub", "prompt": "hello there", "max_tokens": 8, "ignore_eos": True}).encode()
+        host, port = cluster.router_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            wait_until(lambda: cluster.stats("decode")["open_streams"] == 1, 30.0, "the decode stream open")
         aborted_on_both(cluster)
