@@ -264,8 +264,8 @@ class PrefillService:
             self._jobs[rid] = job
             self._by_transfer[res.transfer_id] = rid
 
-        try:
-            await self.engine_thread.run(add)
+        try:  # counted as queued from now, the engine thread busy with a step or not
+            await self.engine_thread.run(add, prompt_tokens=len(req.prompt_token_ids))
         except ValueError as exc:
             raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from exc
         try:

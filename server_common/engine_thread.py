@@ -12,9 +12,13 @@ queue until a call or a wake arrives (``stop`` sends one too), so an idle
 server costs no CPU.
 Each step's outputs go to ``on_outputs(engine, outputs)``, on the engine thread; a
 prefill server's ``layer_hook`` sees each layer's K/V as soon as it is
-computed. After every iteration the thread publishes ``stats`` (an
-``EngineStats`` copy) that /health and /metrics read without touching the
-engine.
+computed. After every iteration the thread publishes an ``EngineStats``
+copy that /health and /metrics read as ``stats`` without touching the
+engine. A prompt handed with ``call(..., prompt_tokens=n)`` counts in
+``stats`` as waiting (``queue_depth`` and ``queued_tokens``) from the call
+until the first copy taken after it ran: prompts that arrive during a step
+wait in the call queue, and a copy taken after the step would not show them
+(the planner would read a prefill server's backlog as nothing).
 
 ``build_engine`` builds the engine on a short-lived thread, never on the thread
 that later serves HTTP (see its docstring).
@@ -29,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from engine import EngineConfig, EngineStats, LLMEngine, StepOutput
@@ -36,7 +41,7 @@ from engine.engine import LayerHook
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-_WAKE = (None, None)  # a queue item that only ends the idle wait
+_WAKE = (None, None, None)  # a queue item that only ends the idle wait
 # The engine thread compiles requests' grammars, and llguidance compiles recursively in native code
 # (engine/structured.py: GRAMMAR_CEILING is what fits 8 MiB with room to spare). Its stack is set here
 # rather than inherited from `ulimit -s`, which differs between hosts and containers. Address space
@@ -75,10 +80,16 @@ class EngineThread:
         self._engine = engine
         self._rank_problem = engine.rank_problem  # safe from any thread (it asks the OS, not the engine)
         self._hooks = (on_outputs, between_steps, layer_hook)  # replaced whole by ``rebind``
-        self._calls: queue.Queue[tuple[Callable[[LLMEngine], Any], Future] | tuple[None, None]] = queue.Queue()
+        # (fn, its future, the prompt tokens it hands the engine or None)
+        self._calls: queue.Queue[tuple[Callable[[LLMEngine], Any], Future, int | None] | tuple[None, None, None]] = (
+            queue.Queue()
+        )
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"engine-{name}", daemon=True)
-        self.stats: EngineStats = engine.stats()
+        self._lock = threading.Lock()  # the published copy and the prompts it does not show yet, together
+        self._published: EngineStats = engine.stats()
+        self._handed = (0, 0)  # prompts called and not in ``_published``: (requests, tokens)
+        self._ran = (0, 0)  # of those, the ones run since the last copy; engine thread only
         self.error: BaseException | None = None  # set if a step failed: the server is broken
         self.last_round = time.monotonic()  # when the loop last went round (between two steps at most)
         self._stepping = False  # inside engine.step()
@@ -113,6 +124,18 @@ class EngineThread:
         self.wake()
         self._thread.join(timeout)
 
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's last published copy, with the prompts handed since and not in it counted as
+        waiting (safe from any thread)."""
+        with self._lock:
+            stats, (requests, tokens) = self._published, self._handed
+        if not requests:
+            return stats
+        s = stats.scheduler
+        scheduler = replace(s, queue_depth=s.queue_depth + requests, queued_tokens=s.queued_tokens + tokens)
+        return replace(stats, scheduler=scheduler)
+
     def wake(self) -> None:
         """From any thread: an idle engine thread looks for work now (it waits for nothing else)."""
         self._calls.put(_WAKE)
@@ -135,36 +158,52 @@ class EngineThread:
             return f"engine thread made no progress for {stalled:.0f} s with work queued"
         return None
 
-    def call(self, fn: Callable[[LLMEngine], T]) -> Future[T]:
-        """Run ``fn(engine)`` on the engine thread between steps."""
+    def call(self, fn: Callable[[LLMEngine], T], *, prompt_tokens: int | None = None) -> Future[T]:
+        """Run ``fn(engine)`` on the engine thread between steps. ``prompt_tokens``: ``fn`` adds a
+        request with a prompt of that many tokens to compute, which ``stats`` counts as waiting meanwhile."""
         fut: Future[T] = Future()
         if not self.alive and self._thread.ident is not None:
             fut.set_exception(RuntimeError(f"engine thread is not running: {self.error!r}"))
             return fut
-        self._calls.put((fn, fut))
+        if prompt_tokens is not None:
+            self._count_handed(1, prompt_tokens)
+        self._calls.put((fn, fut, prompt_tokens))
         if self._thread.ident is not None and not self._thread.is_alive():
             self._fail_pending()  # it died between the check and the put
         return fut
 
-    async def run(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def run(self, fn: Callable[[LLMEngine], T], *, prompt_tokens: int | None = None) -> T:
         """``call`` for the event loop."""
-        return await asyncio.wrap_future(self.call(fn))
+        return await asyncio.wrap_future(self.call(fn, prompt_tokens=prompt_tokens))
+
+    def _count_handed(self, requests: int, tokens: int) -> None:
+        with self._lock:
+            self._handed = (self._handed[0] + requests, self._handed[1] + tokens)
 
     def _run_calls(self, block: bool) -> None:
         try:
-            fn, fut = self._calls.get() if block else self._calls.get_nowait()
+            fn, fut, tokens = self._calls.get() if block else self._calls.get_nowait()
         except queue.Empty:
             return
         while True:
-            if fut is not None and fut.set_running_or_notify_cancel():
+            if fn is not None and fut is not None and fut.set_running_or_notify_cancel():
                 try:
                     fut.set_result(fn(self._engine))
                 except BaseException as exc:  # handed to the caller, who decides
                     fut.set_exception(exc)
+            if tokens is not None:  # added or refused: the next copy says which
+                self._ran = (self._ran[0] + 1, self._ran[1] + tokens)
             try:
-                fn, fut = self._calls.get_nowait()
+                fn, fut, tokens = self._calls.get_nowait()
             except queue.Empty:
                 return
+
+    def _publish(self, stats: EngineStats) -> None:
+        """``stats`` becomes the copy readers see; the prompts run before it was taken are in it."""
+        ran, self._ran = self._ran, (0, 0)
+        with self._lock:
+            self._published = stats
+            self._handed = (self._handed[0] - ran[0], self._handed[1] - ran[1])
 
     def _loop(self) -> None:
         engine = self._engine
@@ -180,19 +219,23 @@ class EngineThread:
                     self._stepping = False
                     if outputs:
                         on_outputs(engine, outputs)
-                self.stats = engine.stats()
+                self._publish(engine.stats())
                 self.last_round = time.monotonic()
         except BaseException as exc:
             log.exception("engine thread died")
             self.error = exc
         finally:
+            ran, self._ran = self._ran, (0, 0)
+            self._count_handed(-ran[0], -ran[1])
             self._fail_pending()
 
     def _fail_pending(self) -> None:
         while True:
             try:
-                _, fut = self._calls.get_nowait()
+                _, fut, tokens = self._calls.get_nowait()
             except queue.Empty:
                 return
+            if tokens is not None:
+                self._count_handed(-1, -tokens)
             if fut is not None and fut.set_running_or_notify_cancel():
                 fut.set_exception(RuntimeError("engine thread stopped"))

@@ -6,6 +6,7 @@ the transfer ended, and aborts free everything."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -101,6 +102,39 @@ def test_bookkeeping_is_empty_once_every_job_ended(engine):
             "aborted_remembered": 0,
         }
         assert idle["timeline_entries"] == 2
+
+    run_prefill_service(engine, scenario)
+
+
+def test_prompts_waiting_for_the_engine_thread_count_as_queued_until_computed(engine):
+    """Prompts that reach the server while the engine thread is busy (a step, here a held call) are in
+    the queue /health and /metrics report (what the router and the planner read), each prompt token
+    once; a refused one leaves it when refused, computed ones when computed."""
+
+    async def scenario(service, sender):
+        assert not await service.abort("gone")  # its /prefill comes after: refused by the engine thread
+        held = threading.Event()
+        service.engine_thread.call(lambda e: held.wait())
+        try:
+            sizes = {"q1": 5, "q2": 7, "q3": 9, "gone": 6}
+            tasks = [asyncio.ensure_future(service.prefill(prefill_request(rid, n))) for rid, n in sizes.items()]
+            await until(lambda: service.health().queue_depth == 4, 5)
+            assert (service.health().queued_tokens, service.health().num_requests) == (27, 4)
+            assert service.metrics.registry.get_sample_value("pdserve_queued_tokens") == 27
+            assert service.metrics.registry.get_sample_value("pdserve_waiting_requests") == 4
+            assert service.engine_thread.stats.scheduler.num_requests == 0  # none reached the engine yet
+        finally:
+            held.set()
+        with pytest.raises(WorkerError) as info:
+            await tasks[-1]
+        assert info.value.code == Outcome.ABORTED
+        await until(lambda: sum(c[0] == "finish" for c in sender.calls) == 3)
+        await until(lambda: service.health().queued_tokens == 0)
+        assert service.health().queue_depth == 0
+        assert service.metrics.registry.get_sample_value("pdserve_queued_tokens") == 0
+        for rid in ("q1", "q2", "q3"):
+            sender.end(f"t-{rid}", Outcome.OK)
+        assert [(await t).num_tokens for t in tasks[:3]] == [5, 7, 9]
 
     run_prefill_service(engine, scenario)
 
