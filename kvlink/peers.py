@@ -101,10 +101,18 @@ class DecodePeers:
         self._ranks[peer] = tuple(met[0])
         return met[0][0]
 
-    async def read_prefix(self, reservation: Reservation, start: int, end: int, timeout_s: float) -> torch.Tensor:
+    async def read_prefix(
+        self,
+        reservation: Reservation,
+        start: int,
+        end: int,
+        timeout_s: float,
+        fits: tuple[int, int, int, int] | None = None,
+    ) -> torch.Tensor:
         """Tokens [start, end) of the cached prefix ``reservation`` pins on its decode server, read back
-        (kvlink/prefix_read.py), checked; within ``timeout_s``. Only from a decode server of this cluster at
-        its known address (the secret goes nowhere else), and one without ranks. PrefixReadError otherwise."""
+        (kvlink/prefix_read.py), checked (``fits``: the layers, 2, heads, width the answer must have);
+        within ``timeout_s``. Only from a decode server of this cluster at its known address (the secret
+        goes nowhere else), and one without ranks. PrefixReadError otherwise."""
         target = reservation.kv_target
         url = self._known.get(target.peer)
         if url is None:
@@ -114,7 +122,7 @@ class DecodePeers:
         headers = auth_headers(self._settings.internal_secret)
         if reservation.role_epoch is not None:
             headers[ROLE_EPOCH_HEADER] = str(reservation.role_epoch)
-        read = functools.partial(fetch_prefix, url, headers, reservation.transfer_id, start, end, timeout_s)
+        read = functools.partial(fetch_prefix, url, headers, reservation.transfer_id, start, end, timeout_s, fits)
         try:
             return await asyncio.get_running_loop().run_in_executor(self._reads, read)
         except PrefixReadError as exc:

@@ -115,9 +115,17 @@ class DecodePeersPort(Protocol):
 
     async def route(self, reservation: Reservation) -> Route: ...  # its decode server met if need be
 
-    async def read_prefix(self, reservation: Reservation, start: int, end: int, timeout_s: float) -> Any:
+    async def read_prefix(
+        self,
+        reservation: Reservation,
+        start: int,
+        end: int,
+        timeout_s: float,
+        fits: tuple[int, int, int, int] | None = None,
+    ) -> Any:
         """Tokens [start, end) of the prefix the reservation pins, read back from its decode server: a
-        CPU tensor [layers, K|V, tokens, heads, width] (kvlink/prefix_read.py; PrefixReadError: a miss)."""
+        CPU tensor [layers, K|V, tokens, heads, width], of ``fits`` (layers, 2, heads, width) where given
+        (kvlink/prefix_read.py; PrefixReadError: a miss)."""
         ...
 
     def add(self, name: str, url: str) -> None: ...  # the router announced one (PeerBound: refused)

@@ -104,11 +104,17 @@ def encode_prefix(
 
 
 def check_header(
-    headers: Mapping[str, str], length: int | None, transfer_id: str, start: int, end: int
+    headers: Mapping[str, str],
+    length: int | None,
+    transfer_id: str,
+    start: int,
+    end: int,
+    fits: tuple[int, int, int, int] | None = None,
 ) -> PrefixHeader:
     """An answer's headers and body length (``Content-Length``), checked before its body is read: the
     transfer and range asked for, a known dtype, a shape of those tokens that holds exactly ``length``
-    bytes. PrefixReadError otherwise."""
+    bytes and, given ``fits`` (layers, 2, heads, width of the reader's cache), one the reader's cache can
+    take. PrefixReadError otherwise."""
     try:
         first, last = (int(n) for n in headers[RANGE_HEADER].split("-"))
         shape = tuple(int(n) for n in headers[SHAPE_HEADER].split(","))
@@ -121,6 +127,8 @@ def check_header(
         raise PrefixReadError(Outcome.BAD_NOTICE, "a prefix read's answer is for another transfer or range")
     if len(shape) != 5 or shape[2] != end - start or min(shape) <= 0:
         raise PrefixReadError(Outcome.BAD_NOTICE, f"a prefix read's answer has shape {shape[:8]}")
+    if fits is not None and (shape[0], shape[1], shape[3], shape[4]) != fits:
+        raise PrefixReadError(Outcome.BAD_NOTICE, f"a prefix read's answer of shape {shape} does not fit {fits}")
     if length != meta.nbytes:
         raise PrefixReadError(Outcome.BAD_NOTICE, "a prefix read's answer does not hold its shape's bytes")
     return meta
@@ -136,10 +144,17 @@ def decode_prefix(meta: PrefixHeader, data: bytearray) -> torch.Tensor:
 
 
 def fetch_prefix(
-    url: str, headers: Mapping[str, str], transfer_id: str, start: int, end: int, timeout_s: float
+    url: str,
+    headers: Mapping[str, str],
+    transfer_id: str,
+    start: int,
+    end: int,
+    timeout_s: float,
+    fits: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """POST ``{url}/kv/read`` for tokens [start, end) of ``transfer_id``, on a connection of its own, and
-    its checked answer (blocking: run on a worker thread). Within ``timeout_s`` in all; PrefixReadError."""
+    its checked answer (``check_header``; blocking: run on a worker thread). Within ``timeout_s`` in all;
+    PrefixReadError."""
     deadline = time.monotonic() + timeout_s
     parts = urlsplit(url)
     kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
@@ -154,7 +169,8 @@ def fetch_prefix(
             raise PrefixReadError(Outcome.REFUSED, f"the decode server refused the read (HTTP {resp.status} {code})")
         length = resp.getheader("content-length")
         answer = {k.lower(): v for k, v in resp.getheaders()}
-        meta = check_header(answer, int(length) if length and length.isdigit() else None, transfer_id, start, end)
+        size = int(length) if length and length.isdigit() else None
+        meta = check_header(answer, size, transfer_id, start, end, fits)
         data = bytearray(meta.nbytes)
         view = memoryview(data)
         while at < len(data):

@@ -166,6 +166,9 @@ class PrefillService:
         )
         self._pull_rule = PullRule(settings.pull_prefix_margin)  # read or compute; event loop only
         self._bytes_per_token = c.bytes_per_token  # every layer's K and V of a token: what a read moves per token
+        # What a read's answer must be, but for its tokens, to be offered to this cache (LLMEngine.offer_prefix):
+        # any other shape is refused before its body is read, a miss, never a failed request.
+        self._pull_fits = (c.num_layers, 2, c.num_kv_heads, c.head_dim)
         self.metrics.prefix_read_bytes_per_s.set(self._pull_rule.bytes_per_s)
         self._jobs: dict[str, Job] = {}  # request id -> job; engine thread only
         self._by_transfer: dict[str, str] = {}  # transfer id -> request id; engine thread only
@@ -300,7 +303,8 @@ class PrefillService:
             return None
         asked = time.monotonic()
         try:
-            tokens = await self._peers.read_prefix(res, start, end, min(self.settings.transfer_timeout_s, lease_s / 2))
+            timeout_s = min(self.settings.transfer_timeout_s, lease_s / 2)
+            tokens = await self._peers.read_prefix(res, start, end, timeout_s, self._pull_fits)
         except PrefixReadError as exc:
             self.metrics.prefix_pulls.labels(outcome=exc.outcome).inc()
             log.warning("request %s: prefix read from %s failed (%s); computing it", req.request_id, res.instance, exc)

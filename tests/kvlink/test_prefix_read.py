@@ -70,6 +70,17 @@ def test_a_header_that_does_not_fit_the_read_is_refused_before_the_body(change):
     assert err.value.outcome is Outcome.BAD_NOTICE
 
 
+def test_an_answer_the_readers_cache_cannot_take_is_refused_before_the_body():
+    """Another model's layers, heads or width (a decode server answering with what the handshake did not
+    agree): a miss before a byte of it is read, never an error of the request the read was for."""
+    headers, body = answer()
+    assert check_header(headers, len(body), "t1", 16, 21, fits=(2, 2, 3, 4)).shape == (2, 2, 5, 3, 4)
+    for fits in ((3, 2, 3, 4), (2, 2, 1, 4), (2, 2, 3, 8)):
+        with pytest.raises(PrefixReadError) as err:
+            check_header(headers, len(body), "t1", 16, 21, fits=fits)
+        assert err.value.outcome is Outcome.BAD_NOTICE and "does not fit" in str(err.value)
+
+
 def test_a_missing_header_or_a_length_that_is_not_the_shapes_is_refused():
     headers, body = answer()
     for missing in (TRANSFER_HEADER, SHAPE_HEADER):
@@ -130,7 +141,7 @@ def test_a_read_is_asked_for_its_range_and_its_answer_checked(server):
     url, answers = server
     headers, body = answer()
     answers.next = (200, {**headers, "content-type": CONTENT_TYPE}, body, None)
-    tokens = fetch_prefix(url, {"authorization": "Bearer s"}, "t1", 16, 21, 5.0)
+    tokens = fetch_prefix(url, {"authorization": "Bearer s"}, "t1", 16, 21, 5.0, fits=(2, 2, 3, 4))
     assert torch.equal(tokens, TOKENS)
     assert answers.asked == [{"transfer_id": "t1", "start": 16, "end": 21}]
 
