@@ -78,7 +78,7 @@ def build_key() -> str:
 def cache_dir() -> Path:
     """One folder per ``build_key``: a build is reused by every process whose build would be the same,
     and never rebuilt over by one whose build differs."""
-    root = os.environ.get("PDSERVE_NATIVE_CACHE", "~/.cache/pdserve/native")
+    root = os.environ.get("PDSERVE_NATIVE_CACHE") or "~/.cache/pdserve/native"  # set but empty: the default
     return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '_')}-{build_key()}"
 
 

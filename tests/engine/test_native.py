@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -74,6 +75,14 @@ def test_the_build_folder_is_keyed_by_everything_the_build_depends_on(monkeypatc
     with monkeypatch.context() as m:
         m.setattr(native, "CFLAGS", [*native.CFLAGS, "-g"])
         assert native.cache_dir() != here
+
+
+def test_the_cache_folder_is_the_one_named_and_an_empty_name_is_the_default(monkeypatch, tmp_path):
+    # An empty PDSERVE_NATIVE_CACHE (a script's unset variable) once built into the working directory.
+    monkeypatch.setenv("PDSERVE_NATIVE_CACHE", str(tmp_path))
+    assert native.cache_dir().parent == tmp_path
+    monkeypatch.setenv("PDSERVE_NATIVE_CACHE", "")
+    assert native.cache_dir().parent == Path("~/.cache/pdserve/native").expanduser()
 
 
 @needs_cpu
