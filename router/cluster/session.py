@@ -97,6 +97,16 @@ class SessionContext:
     live: set[Session] = field(default_factory=set)  # sessions not closed yet (``Dispatcher.move_off``)
 
 
+_RELEASING: set[asyncio.Task] = set()  # sessions' releases under way (held: a task is only weakly kept)
+
+
+def _released(task: asyncio.Task) -> None:
+    _RELEASING.discard(task)
+    exc = None if task.cancelled() else task.exception()
+    if exc is not None:  # also raised to the close that awaits it, unless that was cancelled
+        log.warning("releasing a session failed: %r", exc)
+
+
 class Session:
     def __init__(
         self,
@@ -390,11 +400,19 @@ class Session:
         task.add_done_callback(self._background.discard)
 
     async def close(self) -> None:
-        """Release everything; aborts on both servers unless the request finished."""
+        """Release everything; aborts on both servers unless the request finished. Once begun, the release
+        runs to its end in a task of its own, however its caller is cancelled meanwhile (the close is
+        marked done at once, so a second close could not finish it)."""
         if self._closed:
             return
         self._closed = True
         self._ctx.live.discard(self)
+        task = asyncio.ensure_future(self._release())
+        _RELEASING.add(task)
+        task.add_done_callback(_released)
+        await asyncio.shield(task)
+
+    async def _release(self) -> None:
         await self._end_attempt()
         self._first_slot.release_prefill()
         self._ctx.admission.session_ended()

@@ -189,6 +189,45 @@ def test_closing_an_unfinished_request_aborts_it_on_both_servers_once():
     assert cluster.balanced()
 
 
+@dataclass
+class SlowClose(Stream):
+    """A stream whose close waits for ``go`` (a connection slow to shut), saying when it started."""
+
+    closing: asyncio.Event = field(default_factory=asyncio.Event)
+    go: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def aclose(self) -> None:
+        self.closing.set()
+        await self.go.wait()
+        self.closed = True
+
+
+def test_a_close_whose_caller_is_cancelled_midway_still_aborts_and_releases_everything_once():
+    """A client gone while its request's close awaits the stream: the close goes on to its end."""
+    cluster = Cluster(FakeWorkerClient(reply=[1]))
+
+    async def run():
+        stream = SlowClose(cluster.d0, reservation(), [tokens(1)], hold=True)
+        session = cluster.session(stream)
+        deltas = session.deltas()
+        await deltas.__anext__()
+        await until(lambda: session.prefill_result is not None, what="the prefill server answered")
+        await deltas.aclose()
+        closing = asyncio.ensure_future(session.close())
+        await stream.closing.wait()
+        closing.cancel()
+        await asyncio.gather(closing, return_exceptions=True)
+        assert closing.cancelled() and not cluster.client.aborts  # the release waits for the stream
+        stream.go.set()
+        await until(lambda: cluster.balanced(), what="the session released")
+        await session.close()  # nothing aborted or released twice
+        return stream
+
+    stream = asyncio.run(run())
+    assert cluster.client.aborts == [("d0", "r1"), ("p0", "r1")]
+    assert stream.closed and cluster.balanced()
+
+
 def test_move_off_migrates_only_a_session_streaming_from_that_server_with_the_tokens_sent():
     cluster = Cluster(FakeWorkerClient(reply=[]))
     stream = Stream(cluster.d0, None, [tokens(7)], hold=True)  # prefilled on the decode server: no prefill slot
