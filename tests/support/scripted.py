@@ -146,7 +146,14 @@ class ScriptedPeers:
         layout = KVLayout(num_layers=1, num_kv_heads_total=1, head_ids=(0,), head_dim=1, block_size=1, num_blocks=1)
         return Route(tid, single_rank(tid, peer, layout), tuple(reservation.block_ids))
 
-    async def read_prefix(self, reservation: Reservation, start: int, end: int, timeout_s: float):
+    async def read_prefix(
+        self,
+        reservation: Reservation,
+        start: int,
+        end: int,
+        timeout_s: float,
+        fits: tuple[int, int, int, int] | None = None,
+    ):
         """No decode server behind it to read a prefix from: every read is a miss (refused), recorded."""
         self.reads.append((reservation.transfer_id, start, end))
         raise PrefixReadError(Outcome.REFUSED, "scripted peers hold no prefix")
