@@ -68,10 +68,11 @@ def family(request, tmp_path_factory):
     c.stop()
 
 
-def test_answers_and_logprobs_equal_transformers(family):
-    cluster, model = family
+def answers_and_logprobs_equal_transformers(cluster, model: str, prompts: tuple[str, ...]) -> None:
+    """Greedy completions of ``prompts`` are transformers' text, and a chat answer's tokens and their
+    log-probabilities transformers' (within 1e-4), through the router with the openai SDK."""
     client = cluster.client()
-    for prompt in ("Hello, world! How are you today?", "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 2026."):
+    for prompt in prompts:
         want, _ = expected_completion(model, prompt, 12)
         got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
         assert got.choices[0].text == want
@@ -86,6 +87,12 @@ def test_answers_and_logprobs_equal_transformers(family):
     assert [x.token for x in content] == [tok.decode([i]) for i in ids]
     for k, (x, token) in enumerate(zip(content, ids)):
         assert abs(x.logprob - rows[len(prompt) - 1 + k][token].item()) < 1e-4
+
+
+def test_answers_and_logprobs_equal_transformers(family):
+    cluster, model = family
+    prompts = ("Hello, world! How are you today?", "Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 100 1000 2026.")
+    answers_and_logprobs_equal_transformers(cluster, model, prompts)
     assert cluster.metric("p0", 'pdserve_requests_total{outcome="ok"}') >= 3  # every prompt prefilled on p0
     cluster.wait_idle(timeout=10)
     assert all(b["free"] == b["total"] for b in cluster.blocks().values())

@@ -7,17 +7,14 @@ every block is free after."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.make_model import TINY_SWA, make_tiny
-from tests.engine.oracle import hf_greedy, hf_logits
+from tests.cluster.test_model_families_cluster import answers_and_logprobs_equal_transformers
 from tests.support.cluster import start_cluster
-from tests.support.oracle import chat_prompt_ids, expected_completion, tokenizer
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
-MESSAGES = [{"role": "user", "content": "Name three colours and say why the sky is blue."}]
 WINDOW_BLOCKS = 160  # of 16 tokens; at least ceil((8 - 1 + 2048) / 16) + 1 = 130 (one step's largest chunk)
 LAYER_BLOCK = 16 * 256  # one layer's K and V of 16 tokens: 2 KV heads of 16, float32
 
@@ -37,23 +34,8 @@ def cluster(tmp_path_factory):
 
 def test_answers_and_logprobs_equal_transformers_with_the_window_layers_apart(cluster):
     c, model = cluster
-    client = c.client()
     long = "Zebras graze while the kettle sings: " + " ".join(str(i * 7) for i in range(30))
-    for prompt in ("Hello, world! How are you today?", long):
-        want, _ = expected_completion(model, prompt, 12)
-        got = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
-        assert got.choices[0].text == want
-    prompt = chat_prompt_ids(model, MESSAGES)
-    ids = hf_greedy(model, prompt, 8, ignore_eos=True)
-    r = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, extra_body={"ignore_eos": True}
-    )
-    tok = tokenizer(model)
-    rows = torch.log_softmax(hf_logits(model, prompt + ids), dim=-1)
-    content = r.choices[0].logprobs.content
-    assert [x.token for x in content] == [tok.decode([i]) for i in ids]
-    for k, (x, token) in enumerate(zip(content, ids)):
-        assert abs(x.logprob - rows[len(prompt) - 1 + k][token].item()) < 1e-4
+    answers_and_logprobs_equal_transformers(c, model, ("Hello, world! How are you today?", long))
     c.wait_idle(timeout=10)
     # 16 MiB less the window pool's 160 blocks of 3 layers, in blocks of the one full layer
     assert c.blocks()["c0"]["total"] == ((16 << 20) - WINDOW_BLOCKS * 3 * LAYER_BLOCK) // LAYER_BLOCK == 3616
