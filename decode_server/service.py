@@ -92,6 +92,7 @@ class Active:
     moved: bool = False  # draining moved it off: its engine request is already dropped
     sequences: int = 1  # how many sequences' last events the stream waits for (sampling.n)
     started: float = field(default_factory=time.monotonic)
+    opened: bool = False  # its open returned: what it took is the stream's to free (else the open's)
 
 
 class GenerationService:
@@ -240,9 +241,12 @@ class GenerationService:
         )
         self._active[rid] = active
         try:
+            if self.faults is not None:
+                await self.faults.hold_open()  # hold_opens: an open slower than the router waits for
             if not local:
                 reservation = await self._reserve(req, sampling, active, caller)
                 if reservation is not None:
+                    await self._opened(active)
                     return ReservationEvent(
                         reservation=reservation, num_cached_tokens=reservation.num_cached_tokens
                     ), active
@@ -253,6 +257,7 @@ class GenerationService:
                 return cached
 
             cached = await self.engine_thread.run(add)
+            await self._opened(active)
             active.trace.prefilled_here()
             self.metrics.paths.labels(path="local_prefill").inc()
             return ReservationEvent(reservation=None, num_cached_tokens=cached), active
@@ -266,6 +271,19 @@ class GenerationService:
         except BaseException:
             self._forget(active)
             raise
+
+    async def _opened(self, active: Active) -> None:
+        """The open took its blocks (a reservation, or the engine's request). Closed meanwhile (its caller
+        aborted it: a router whose wait for this open ran out tries again under another attempt id), it
+        frees them here, as ``close`` would have, and the open answers 409 ``aborted``."""
+        if self._active.get(active.request_id) is active:
+            active.opened = True
+            return
+        if active.lease is not None:
+            active.lease.cancel()
+        rid, transfer_id = active.request_id, active.transfer_id
+        await asyncio.wrap_future(self.engine_thread.call(lambda e: self._drop(e, rid, transfer_id)))
+        raise WorkerError(409, f"request {rid!r} was aborted while it opened; its blocks are freed", Outcome.ABORTED)
 
     async def _reserve(
         self, req: GenerateRequest, sampling: SamplingParams, active: Active, caller: str = ""
@@ -380,6 +398,8 @@ class GenerationService:
             self.metrics.requests.labels(outcome=Outcome.OK).inc()
             return
         self.metrics.requests.labels(outcome=Outcome.ABORTED).inc()
+        if not active.opened:
+            return  # its open is still under way: it frees what it took when it sees the request closed
         await asyncio.wrap_future(self.engine_thread.call(lambda e: self._drop(e, request_id, active.transfer_id)))
 
     async def abort(self, request_id: str) -> bool:
@@ -412,7 +432,9 @@ class GenerationService:
         self._loop.call_soon_threadsafe(end_all)
 
     def _forget(self, active: Active, outcome: Outcome = Outcome.CANCELLED) -> None:
-        self._active.pop(active.request_id, None)
+        if self._active.get(active.request_id) is not active:
+            return  # closed already (aborted while it opened); the id may be another request's now
+        self._active.pop(active.request_id)
         self._streams.close(active.request_id)
         active.trace.close(outcome)
 

@@ -10,6 +10,8 @@ releases. Faults and where they act::
     hold_prefill        P  /prefill waits before its request reaches the engine
     hold_reads          D  a prefix read (/kv/read) waits with its tokens copied out, before it answers:
                             a read in flight, for a test that kills the decode server during it
+    hold_opens n        D  the next n /generate opens wait before their reservation (or local admission),
+                            their stream not started: an open slower than the router's stream_stall_s
     stall_after_layer   P  the engine thread stops after pushing layer k (once)
     drop_notices n      P  the next n completion notices are lost on the wire
     delay_notices n     P  the next n notices leave notice_delay_s late
@@ -43,6 +45,7 @@ class FaultPlan(BaseModel):
 
     hold_prefill: bool = False
     hold_reads: bool = False
+    hold_opens: int = Field(default=0, ge=0)
     stall_after_layer: int | None = Field(default=None, ge=0)
     drop_notices: int = Field(default=0, ge=0)
     delay_notices: int = Field(default=0, ge=0)
@@ -59,6 +62,7 @@ class FaultStatus(BaseModel):
     plan: FaultPlan  # what is still armed (counters count down)
     held: int  # /prefill calls waiting in hold_prefill now
     held_reads: int  # /kv/read calls waiting in hold_reads now
+    held_opens: int  # /generate opens waiting in hold_opens now
     stalled: bool  # the engine thread is stopped in stall_after_layer now
     injected: dict[str, int]  # faults injected since start, by kind
 
@@ -68,12 +72,13 @@ class FaultInjector:
         self._lock = threading.Lock()
         self._plan = FaultPlan()
         self._release = threading.Event()
-        self._held = {"hold_prefill": 0, "hold_reads": 0}  # calls waiting in each hold now
+        self._held = {"hold_prefill": 0, "hold_reads": 0, "hold_opens": 0}  # calls waiting in each hold now
         self._stalled = False
         self._tokens = 0  # streamed since the plan was armed (pause_after_tokens)
         self._injected = {
             "held": 0,
             "reads_held": 0,
+            "opens_held": 0,
             "stalled": 0,
             "notices_dropped": 0,
             "notices_delayed": 0,
@@ -97,6 +102,7 @@ class FaultInjector:
                 update={
                     "hold_prefill": False,
                     "hold_reads": False,
+                    "hold_opens": 0,
                     "stall_after_layer": None,
                     "step_delay_s": 0.0,
                     "pause_after_tokens": None,
@@ -110,6 +116,7 @@ class FaultInjector:
                 plan=self._plan,
                 held=self._held["hold_prefill"],
                 held_reads=self._held["hold_reads"],
+                held_opens=self._held["hold_opens"],
                 stalled=self._stalled,
                 injected=dict(self._injected),
             )
@@ -153,10 +160,18 @@ class FaultInjector:
         hold_reads is armed."""
         await self._hold("hold_reads", "reads_held")
 
+    async def hold_open(self) -> None:
+        """Event loop, a decode server's ``/generate`` open before its reservation: the next
+        ``hold_opens`` opens wait here (one of the count each)."""
+        await self._hold("hold_opens", "opens_held")
+
     async def _hold(self, switch: str, injected: str) -> None:
         with self._lock:
-            if not getattr(self._plan, switch):
+            armed = getattr(self._plan, switch)
+            if not armed:
                 return
+            if armed is not True:  # a count: this call takes one
+                self._plan = self._plan.model_copy(update={switch: armed - 1})
             release, timeout = self._release, self._plan.pause_timeout_s
             self._held[switch] += 1
             self._injected[injected] += 1

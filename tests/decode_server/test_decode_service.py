@@ -5,9 +5,12 @@ until the receiver confirms its transfer id ended (no write can land after)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from engine.request import SamplingParams
+from server_common.faults import FaultInjector, FaultPlan
 from tests.support.scripted import decode_engine, event_lines, generate_request, run_decode_service
 from tests.waiting import until
 from transfer.outcome import Outcome
@@ -118,6 +121,39 @@ def test_duplicate_request_id_is_refused(engine):
         assert info.value.status == 409
         await service.close("f")
         receiver.end("t0", Outcome.CANCELLED, "cancelled")
+
+    run_decode_service(engine, scenario)
+
+
+@pytest.mark.parametrize("local", [False, True], ids=["reservation", "local_prefill"])
+def test_an_open_aborted_before_it_took_its_blocks_frees_them_once_it_took_them(engine, local):
+    # A router that waited longer than its stall time for this open aborts it and opens again under
+    # another id; the open, held before its reservation (hold_opens), goes on only after the abort.
+    per_request = ("active", "streams", "awaiting", "cancelling", "unfilled_claims", "receiver_transfers")
+
+    async def scenario(service, receiver):
+        service.faults = faults = FaultInjector()
+        faults.arm(FaultPlan(hold_opens=1, pause_timeout_s=30))
+        req = generate_request("slow").model_copy(update={"local_prefill": local})
+        opening = asyncio.create_task(service.open(req))
+        await until(lambda: faults.status().held_opens == 1, what="the open held before its reservation")
+        assert await service.abort("slow")  # it is active: the abort found it
+        assert service.bookkeeping()["active"] == 0 and not opening.done()
+        faults.release()
+        with pytest.raises(WorkerError) as info:
+            await opening
+        assert (info.value.status, info.value.code) == (409, Outcome.ABORTED)
+        if not local:  # the reservation it made is cancelled, and freed once the receiver confirms
+            assert receiver.cancelled == ["t0"]
+            receiver.end("t0", Outcome.CANCELLED, "cancelled")
+        await until(lambda: blocks(service) == (8, 0, 0) and service.bookkeeping()["engine_requests"] == 0)
+        idle = service.bookkeeping()
+        assert {k: idle[k] for k in per_request} == dict.fromkeys(per_request, 0)
+        assert faults.status().injected["opens_held"] == 1
+        first, active = await service.open(generate_request("next"))  # the hold was for one open only
+        assert first.reservation is not None
+        await service.close("next")
+        receiver.end(first.reservation.transfer_id, Outcome.CANCELLED, "cancelled")
 
     run_decode_service(engine, scenario)
 

@@ -163,3 +163,22 @@ def test_a_write_corrupted_in_transit_fails_the_checksum():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_an_open_hold_holds_the_next_n_opens_only_until_released():
+    faults = FaultInjector()
+    faults.arm(FaultPlan(hold_opens=1, pause_timeout_s=30))
+
+    async def run():
+        await faults.hold_read()  # /kv/read: not held by hold_opens
+        first = asyncio.create_task(faults.hold_open())
+        while faults.status().held_opens != 1:
+            await asyncio.sleep(0.01)
+        await asyncio.wait_for(faults.hold_open(), 2)  # the count is spent: the next open goes on
+        assert not first.done() and faults.status().plan.hold_opens == 0
+        faults.release()
+        await asyncio.wait_for(first, 2)
+
+    asyncio.run(run())
+    status = faults.status()
+    assert (status.held_opens, status.injected["opens_held"], status.injected["reads_held"]) == (0, 1, 0)
