@@ -9,6 +9,7 @@ whose first event is the reservation, then hands both to a
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 
@@ -45,6 +46,32 @@ TRY_ANOTHER_DECODE = frozenset(
     }
 )
 TAKEN_OUT = frozenset(TRY_ANOTHER_DECODE - {Outcome.NO_ROOM})
+# An open that ended with one of these, after its request was sent, may still be under way on its
+# decode server (a reservation being made, or made and not yet answered): it is aborted there, and the
+# next open goes under another attempt id.
+MAY_LINGER = frozenset({Outcome.TIMED_OUT, Outcome.UNREACHABLE, Outcome.STREAM_CUT, Outcome.WORKER_ERROR})
+
+
+class OpenIds:
+    """The attempt ids one ``Dispatcher.open_stream`` opens under: its own id first, then
+    ``<id>-open<k>`` once an open may have left an attempt on a decode server (``MAY_LINGER``) or a
+    decode server holds the id already (409 ``duplicate_request``): no open ever meets an earlier
+    one of its own under the same id, and every later call (the prefill server's, an abort) names
+    the attempt that answered (``DecodeStream.request_id``)."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.reopened = 0
+
+    @property
+    def current(self) -> str:
+        return f"{self.request_id}-open{self.reopened}" if self.reopened else self.request_id
+
+    def spend(self) -> str:
+        """The current id, which no later open of this request uses."""
+        spent = self.current
+        self.reopened += 1
+        return spent
 
 
 class KVShareExceeded(OpenAIError):
@@ -117,6 +144,7 @@ class Dispatcher:
         self.admission = admission or Admission(AdmissionSettings())
         self.drain = drain  # the router's own: once draining, no new session starts
         self.recovery = recovery or RecoveryMetrics(CollectorRegistry())
+        self._aborts: set[asyncio.Future] = set()  # aborts of opens given up on (held: tasks are weakly kept)
         self._sessions = SessionContext(
             client=client,
             registry=registry,
@@ -240,9 +268,17 @@ class Dispatcher:
             local = True
         cost = len(prompt) + sampling.max_tokens * sampling.n  # the work it asks for, in tokens
         ticket = tenancy.CURRENT.get().ticket
+        ids = OpenIds(request_id)
         return await self.admission.admit(
-            lambda: self._try_open(req, ticket, prefill_slot, local, prefer, avoid), ticket, cost
+            lambda: self._try_open(req, ticket, prefill_slot, local, prefer, avoid, ids), ticket, cost
         )
+
+    def _abort_open(self, worker: Worker, attempt_id: str) -> None:
+        """Abort an open given up on (its answer did not come in time, or the caller left): the decode
+        server frees whatever it reserved for it, also when its open ends only after the abort came."""
+        task = asyncio.ensure_future(self.client.abort(worker, attempt_id))
+        self._aborts.add(task)
+        task.add_done_callback(self._aborts.discard)
 
     async def _try_open(
         self,
@@ -252,11 +288,14 @@ class Dispatcher:
         local: bool | None,
         prefer: str | None = None,
         avoid: frozenset[str] = frozenset(),
+        ids: OpenIds | None = None,
     ) -> tuple[DecodeStream, Slot] | None:
         """None when every decode server in rotation is full or keeps its free slots for other
         tenants (``Admission.may_take``), or, with ``prefill_slot``, the prefill servers are full.
+        ``ids``: the attempt ids the request opens under, one per open that may linger (``OpenIds``).
         The prefill slot is claimed with the decode slot, so that no prefill server is sent more
         than its share and no reservation is made that could not be prefilled soon."""
+        ids = ids or OpenIds(req.request_id)
         in_rotation = [w for w in self.registry.healthy("decode") if w.name not in avoid]
         if not in_rotation:
             raise OpenAIError(503, "no healthy decode server", retry_after=1)
@@ -287,10 +326,18 @@ class Dispatcher:
             if not here and prefill_full:  # it would need a prefill server, and they are all busy
                 continue
             slot = self.admission.claim(worker, prefill_slot and not here, ticket.tenant)
+            attempt = req.model_copy(update={"local_prefill": here, "request_id": ids.current})
             try:
-                stream = await self.client.open_decode(worker, req.model_copy(update={"local_prefill": here}))
+                stream = await self.client.open_decode(worker, attempt)
             except WorkerFailed as exc:
                 slot.cancel()
+                if exc.outcome in MAY_LINGER and not exc.never_reached:
+                    log.warning("request %s: open on %s given up (%s); aborted", ids.current, worker.name, exc)
+                    self._abort_open(worker, ids.spend())
+                if exc.outcome is Outcome.DUPLICATE_REQUEST:  # the id is taken there: the next try takes another
+                    log.warning("request %s: %s; opening under another id", ids.current, exc)
+                    ids.spend()
+                    continue
                 if exc.outcome in TAKEN_OUT:
                     # Out of rotation now (or counted): while it is busy, no health check would tell.
                     self.health.failed(worker, exc)
@@ -299,8 +346,9 @@ class Dispatcher:
                 else:
                     raise OpenAIError(500, f"{exc} (request id {req.request_id})", code=exc.outcome) from exc
                 continue
-            except BaseException:
+            except BaseException:  # the caller left while the open was under way
                 slot.cancel()
+                self._abort_open(worker, ids.spend())
                 raise
             if stream.reservation is None:  # the decode server prefills it itself
                 slot.release_prefill()

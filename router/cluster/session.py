@@ -119,7 +119,7 @@ class Session:
         trace: str | None = None,
     ) -> None:
         self.request_id = request_id
-        self.attempt_id = request_id  # what the servers call the current attempt
+        self.attempt_id = stream.request_id or request_id  # what the servers call the current attempt
         self.decode: Worker = stream.worker
         self.prefill: Worker | None = None
         self.prefill_result: PrefillResult | None = None
@@ -132,7 +132,7 @@ class Session:
         self._trace = trace  # the request's traceparent, passed to every server it reaches
         self._tenant = tenancy.CURRENT.get().ticket.tenant or None  # whose share of the shared KV store it fills
         # The current attempt's decode streams; the first one's slot also holds the request's prefill slot.
-        self._legs: list[Leg] = [Leg(stream, slot, request_id)]
+        self._legs: list[Leg] = [Leg(stream, slot, self.attempt_id)]
         self._first_slot = slot
         self._tasks: list[asyncio.Task] = []  # the current attempt's decode pumps and prefill call
         self._background: set[asyncio.Future] = set()  # aborts of an abandoned prefill or a dead attempt
@@ -324,11 +324,17 @@ class Session:
         stream, slot = await ctx.open_stream(
             self.attempt_id, self._prompt, self._sampling, decision.action == "local", self._trace, [], frozenset()
         )
-        self._opened(Leg(stream, slot, self.attempt_id))
+        self._opened(Leg(stream, slot, self._attempt_of(stream, self.attempt_id)))
 
     def _failed(self, failure: WorkerFailed, why: str = "") -> OpenAIError:
         why = f"; {why}" if why else ""
         return OpenAIError(500, f"{failure}{why} (request id {self.request_id})", code=failure.outcome)
+
+    def _attempt_of(self, stream: DecodeStream, asked: str) -> str:
+        """The id ``stream`` was opened under (``asked``, or another one if an open under ``asked`` was
+        given up on: router.cluster.dispatch.OpenIds); the request's current attempt from now on."""
+        self.attempt_id = stream.request_id or asked
+        return self.attempt_id
 
     def _opened(self, leg: Leg) -> None:
         """``leg`` joins the current attempt (its first: the one whose reservation a prefill server fills)."""
@@ -357,12 +363,12 @@ class Session:
         try:
             if not self._tokens_sent:  # nothing reached the client: open again, as a new request would
                 self._tried_prefill = set()
-                opened = await ctx.open_stream(attempt, self._prompt, sampling, None, self._trace, [], avoid)
-                self._opened(Leg(*opened, attempt))
+                stream, slot = await ctx.open_stream(attempt, self._prompt, sampling, None, self._trace, [], avoid)
+                self._opened(Leg(stream, slot, self._attempt_of(stream, attempt)))
             elif sampling.n == 1:
                 generated = self._generated[0]
                 opened = await ctx.open_stream(attempt, self._prompt, sampling, True, self._trace, generated, avoid)
-                self._opened(Leg(*opened, attempt))
+                self._opened(Leg(*opened, self._attempt_of(opened[0], attempt)))
             else:
                 for i in sorted(self._unfinished):
                     one = replace(sampling.for_sequence(i), n=1)
@@ -370,7 +376,7 @@ class Session:
                         one = replace(one, prompt_logprobs=None)
                     rid = f"{attempt}-{i}"
                     opened = await ctx.open_stream(rid, self._prompt, one, True, self._trace, self._generated[i], avoid)
-                    self._opened(Leg(*opened, rid, index=i))
+                    self._opened(Leg(*opened, opened[0].request_id or rid, index=i))
         except OpenAIError as exc:  # no decode server left (or none with room in time)
             raise self._failed(failure, f"no other decode server could continue it: {exc.message}") from exc
 

@@ -170,7 +170,9 @@ async def ndjson_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 class DecodeStream:
-    """One open ``/generate`` stream; ``reservation`` is its first event."""
+    """One open ``/generate`` stream; ``reservation`` is its first event. ``request_id``: the attempt id
+    it was opened under, which the decode server (and a prefill server filling its reservation) knows
+    it by."""
 
     def __init__(
         self,
@@ -179,8 +181,11 @@ class DecodeStream:
         lines: AsyncIterator[bytes],
         answered: Callable[[Worker], None] = _ignore,
         sequences: int = 1,
+        *,
+        request_id: str = "",
     ) -> None:
         self.worker = worker
+        self.request_id = request_id
         self.sequences = sequences  # the request's n: the stream ends after each one's last event
         self.reservation: Reservation | None = None
         self.num_cached_tokens = 0  # prompt tokens the decode server found in its prefix cache
@@ -295,7 +300,8 @@ class WorkerClient:
                     retry_after=float(response.headers.get("retry-after", "1")),
                 )
             raise _refusal(worker, response, Outcome.WORKER_ERROR)
-        stream = DecodeStream(worker, response, ndjson_lines(response.aiter_bytes()), self._answered, req.sampling.n)
+        lines = ndjson_lines(response.aiter_bytes())
+        stream = DecodeStream(worker, response, lines, self._answered, req.sampling.n, request_id=req.request_id)
         try:
             await stream.read_reservation()
         except BaseException:

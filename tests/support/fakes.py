@@ -38,6 +38,7 @@ class FakeStream:
     delay: float = 0.0
     closed: bool = False
     num_cached_tokens: int = 0
+    request_id: str = ""  # the attempt id it was opened under
 
     async def events(self):
         for event in self.events_to_send:
@@ -81,7 +82,9 @@ class FakeWorkerClient:
                 kv_target={"peer": worker.name},
             )
         events = [e for i in range(req.sampling.n) for e in self.sequence(req, i)]
-        stream = FakeStream(worker, reservation, events, self.delay, num_cached_tokens=self.cached_tokens)
+        stream = FakeStream(
+            worker, reservation, events, self.delay, num_cached_tokens=self.cached_tokens, request_id=req.request_id
+        )
         self.streams.append(stream)
         return stream
 

@@ -78,6 +78,37 @@ def test_unreachable_decode_server_is_skipped_and_marked_down():
     assert fake.opened[0][0] == "d1"
 
 
+def test_an_open_given_up_on_is_aborted_and_the_request_opens_again_under_another_id():
+    # d0's first open does not answer within stream_stall_s; the next one meets an attempt holding its id.
+    tried: list[str] = []
+
+    class SlowThenTaken(FakeWorkerClient):
+        async def open_decode(self, worker, req):
+            tried.append(req.request_id)
+            if len(tried) == 1:
+                raise WorkerFailed.of(worker, "timed out: ReadTimeout()", Outcome.TIMED_OUT)
+            if len(tried) == 2:
+                raise WorkerFailed.of(worker, "HTTP 409: already active", Outcome.DUPLICATE_REQUEST)
+            return await super().open_decode(worker, req)
+
+    fake = SlowThenTaken(reply=[7, 8])
+    _, dispatcher = make(fake, admission=AdmissionSettings(poll=0.01))
+
+    async def run():
+        session = await dispatcher.start("r9", [1, 2, 3], SAMPLING)
+        assert session.attempt_id == "r9-open2"
+        tokens = await drain(session)
+        await asyncio.gather(*dispatcher._aborts)
+        return tokens
+
+    assert asyncio.run(run()) == [[7], [8]]
+    assert tried == ["r9", "r9-open1", "r9-open2"]
+    assert fake.aborts == [("d0", "r9")]  # the open given up on; the refused one left nothing there
+    assert [(name, req.request_id, req.reservation.request_id) for name, req in fake.prefills] == [
+        ("p0", "r9-open2", "r9-open2")
+    ]
+
+
 def test_no_room_anywhere_waits_up_to_the_queue_timeout_then_429():
     fake = FakeWorkerClient(reply=[1], full={"d0"})
     _, dispatcher = make(

@@ -58,6 +58,7 @@ class Stream:
     hold: bool = False
     num_cached_tokens: int = 0
     sent: int = 0
+    request_id: str = ""  # the attempt id it was opened under (open_stream's)
     closed: bool = False
 
     async def events(self):
@@ -103,6 +104,7 @@ class Cluster:
         # ``generated`` as it was asked for: the session goes on appending to its own list
         self.opened.append((attempt_id, prompt, sampling, local, trace, list(generated), avoid))
         stream = self.next_streams.pop(attempt_id)
+        stream.request_id = attempt_id
         return stream, self.admission.claim(stream.worker, prefill_slot=False)
 
     def session(self, stream: Stream, sampling: SamplingParams = GREEDY) -> Session:
