@@ -3,8 +3,12 @@
 * ``PoolSwitch``: in a cluster of fixed instances (``pdserve launch``), one
   instance of the donor role becomes the other through the router's admin
   API (``POST /admin/workers/NAME/role``, router/admin.py), which drains it,
-  flips it in place and puts it back in rotation. The donor is the instance
-  with the fewest requests in flight.
+  flips it in place and puts it back in rotation. The donors are the
+  instances with the fewest requests in flight. A decision of several
+  moves takes all its donors out of rotation at once first (``drain``), so the
+  streams each one migrates off land on servers that stay in their role,
+  never on the next donor (where they would migrate again, and a third
+  move is past the router's ``migration_limit``: a failed request).
 * ``InstanceScale``: on Kubernetes, where each named instance is a
   StatefulSet of one pod (deploy/k8s.py says why), a role of N runs its
   first N instances: their ``replicas`` set to 1 or 0 through the scale
@@ -32,32 +36,54 @@ class PoolSwitch:
         self.router_url = router_url
         self._http = httpx.Client(timeout=timeout_s, headers=headers)
 
-    def donor(self, workers: list[WorkerView], to: Role) -> WorkerView:
-        """The instance of the other role, in rotation, with the fewest requests in flight (then by name)."""
+    def donors(self, workers: list[WorkerView], to: Role, count: int = 1) -> list[WorkerView]:
+        """The ``count`` instances of the other role in rotation with the fewest requests in flight (then by
+        name); fewer when the role has fewer."""
         source = "decode" if to == "prefill" else "prefill"
         candidates = sorted(
             (w for w in workers if w.role == source and w.in_rotation), key=lambda w: (w.inflight, w.name)
         )
         if not candidates:
             raise ActError(f"no {source} server in rotation to become {to}")
-        return candidates[0]
+        return candidates[:count]
+
+    def donor(self, workers: list[WorkerView], to: Role) -> WorkerView:
+        """The one donor of a single switch (``donors``)."""
+        return self.donors(workers, to)[0]
+
+    def _post(self, path: str, body: dict | None, what: str) -> httpx.Response:
+        try:
+            r = self._http.post(f"{self.router_url}{path}", json=body)
+        except httpx.HTTPError as exc:
+            raise ActError(f"{what}: {exc}") from None
+        if r.status_code != 200:
+            raise ActError(f"{what}: {r.status_code} {r.text[:300]}")
+        return r
+
+    def drain(self, names: list[str]) -> None:
+        """Take ``names`` out of the router's rotation together (``POST /admin/workers/drain``): nothing new
+        goes to them, and each decode server's streams migrate off at once, onto servers that stay in
+        rotation, none onto another of ``names``."""
+        self._post("/admin/workers/drain", {"names": names}, f"draining {', '.join(names)}")
+
+    def resume(self, name: str) -> None:
+        """Put ``name`` back in rotation (a donor drained for a switch that was not made)."""
+        self._post(f"/admin/workers/{name}/resume", None, f"resuming {name}")
+
+    def switch(self, name: str, to: Role) -> float:
+        """Switch ``name`` to ``to`` through the router's role route; the seconds it took, as the router
+        measured them. Answers after the router says the switch is done."""
+        r = self._post(f"/admin/workers/{name}/role", {"role": to}, f"switching {name} to {to}")
+        try:
+            return float(r.json()["seconds"])
+        except (ValueError, KeyError, TypeError):
+            return float("nan")  # switched; the router did not say how long it took
 
     def apply(self, decision: Decision, workers: list[WorkerView]) -> tuple[str, float]:
-        """Switch one instance; its name and the seconds the switch took, as the router measured them.
-        Answers after the router says the switch is done."""
+        """Switch one instance (the donor of ``workers``); its name and the seconds the switch took."""
         assert decision.action == "switch" and decision.switch_to is not None
         w = self.donor(workers, decision.switch_to)
-        try:
-            r = self._http.post(f"{self.router_url}/admin/workers/{w.name}/role", json={"role": decision.switch_to})
-        except httpx.HTTPError as exc:
-            raise ActError(f"switching {w.name} to {decision.switch_to}: {exc}") from None
-        if r.status_code != 200:
-            raise ActError(f"switching {w.name} to {decision.switch_to}: {r.status_code} {r.text[:300]}")
-        try:
-            seconds = float(r.json()["seconds"])
-        except (ValueError, KeyError, TypeError):
-            seconds = float("nan")  # switched; the router did not say how long it took
-        return w.name, seconds
+        return w.name, self.switch(w.name, decision.switch_to)
 
     def close(self) -> None:
         self._http.close()

@@ -184,23 +184,42 @@ class PlannerLoop:
             return f"failed: {exc}", False
 
     def _switch(self, decision: Decision, workers: list[WorkerView]) -> tuple[str, bool]:
-        """The decision's ``moves`` switches, one after another (each donor chosen from the routers' view
-        after the last switch); what was done ("switched A to prefill in 0.11 s; switched B ..."), stopping
-        at the first that fails."""
-        assert isinstance(self.act, PoolSwitch)
+        """The decision's ``moves`` switches, one after another, so no two are in flight; what was done
+        ("switched A to prefill in 0.11 s; switched B ..."), stopping at the first that fails. The donors of
+        several moves are chosen together and taken out of rotation at once before the first switch: a decode
+        server's streams migrate off it then, and only onto servers that stay decode servers, not onto a
+        donor switched next (which would move them again; a third move fails them, past the router's
+        ``migration_limit``). A donor drained and not switched is put back in rotation."""
+        assert isinstance(self.act, PoolSwitch) and decision.switch_to is not None
+        to = decision.switch_to
+        if decision.moves == 1:
+            name, seconds = self.act.apply(decision, workers)
+            return f"switched {name} to {to} in {seconds:.2f} s", True
+        donors = [w.name for w in self.act.donors(workers, to, decision.moves)]
+        self.act.drain(donors)  # all or none (the router checks every name first)
         done: list[str] = []
-        for k in range(decision.moves):
+        for k, name in enumerate(donors):
             try:
-                name, seconds = self.act.apply(decision, workers if k == 0 else self.routers.workers())
+                seconds = self.act.switch(name, to)
             except ActError as exc:
+                self._resume(self.act, donors[k:])  # a refused switch leaves its donor drained, as the rest
                 if not done:
                     raise
                 self.metrics.act_failures.inc()
                 log.warning("could not carry out switch %d of %d: %s", k + 1, decision.moves, exc)
                 done.append(f"failed: {exc}")
                 break
-            done.append(f"switched {name} to {decision.switch_to} in {seconds:.2f} s")
+            done.append(f"switched {name} to {to} in {seconds:.2f} s")
         return "; ".join(done), True
+
+    @staticmethod
+    def _resume(act: PoolSwitch, names: list[str]) -> None:
+        """Put drained donors back in rotation; one the router will not resume is logged and left."""
+        for name in names:
+            try:
+                act.resume(name)
+            except ActError as exc:
+                log.warning("could not put %s back in rotation: %s", name, exc)
 
     def _record(self, decision: Decision, load: Load, counts: dict[Role, int], done: str | None) -> None:
         m = self.metrics

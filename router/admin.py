@@ -11,6 +11,12 @@ With ``drain: migrate`` (the default) the requests a decode server streams
 move to other decode servers at once (``Dispatcher.move_off``: migration,
 router/cluster/session.py), so it is empty within about a prefill of their
 tokens, not after the longest of them; with ``wait`` they finish where they are.
+    POST   /admin/workers/drain {"names": [N, ...]}
+                                           several at once: every one out of rotation before any
+                                           one's streams move, so none moves onto another of them
+                                           (the planner's donors of several switches,
+                                           deploy/planner_loop.py); 404 naming an unknown one,
+                                           before any is drained
     POST   /admin/workers/{name}/resume    back in rotation
     POST   /admin/workers/{name}/role {"role": R}
                                            switch it in place to R (prefill, decode or colocated): out of
@@ -48,6 +54,12 @@ class RoleRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: str = Field(max_length=32)  # checked by Discovery.switch_role (400 names the roles)
+
+
+class DrainRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    names: list[str] = Field(min_length=1, max_length=256)
 
 
 class JoinRequest(BaseModel):
@@ -118,6 +130,17 @@ def add_admin_routes(
         if left is None:  # another call made it leave meanwhile
             raise OpenAIError(404, f"no worker named {name!r}", param="name")
         return JSONResponse(describe(left) | {"left": True})
+
+    @app.post("/admin/workers/drain", include_in_schema=False)
+    async def drain_several(body: DrainRequest, request: Request) -> JSONResponse:
+        authorize(request)
+        chosen = list({w.name: w for w in map(worker, body.names)}.values())  # each known, before any drains
+        for w in chosen:
+            w.set_draining(True)
+        if move_off is not None:
+            for w in chosen:
+                move_off(w.name)
+        return JSONResponse({"workers": [describe(w) for w in chosen]})
 
     @app.post("/admin/workers/{name}/drain", include_in_schema=False)
     async def drain(name: str, request: Request, wait_s: float = Query(0.0, ge=0, le=600)) -> JSONResponse:

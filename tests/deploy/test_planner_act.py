@@ -55,7 +55,8 @@ class StandIn:
                 self._answer(paths.get(self.path))
 
             def do_PATCH(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.loads(raw) if raw else None
                 stand_in.calls.append(("PATCH", self.path, self.headers["Content-Type"], body))
                 name = paths.get(self.path)
                 if name is not None:
@@ -119,7 +120,7 @@ class Router:
     """The router's role route as the planner calls it: the calls kept, the answer scripted."""
 
     def __init__(self, status: int) -> None:
-        self.calls: list[tuple[str, str, dict]] = []
+        self.calls: list[tuple[str, str, dict | None]] = []
         router = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -127,7 +128,8 @@ class Router:
                 pass
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = json.loads(raw) if raw else None
                 router.calls.append((self.path, self.headers.get("Authorization", ""), body))
                 answer = (
                     {"name": "d1", "seconds": 1.25}
@@ -165,6 +167,25 @@ def test_a_switch_takes_the_least_busy_donor_in_rotation_and_names_the_route():
         assert router.calls == [("/admin/workers/d1/role", "Bearer s3cret", {"role": "prefill"})]
         with pytest.raises(ActError, match="no prefill server in rotation to become decode"):
             switch.apply(Decision(0.0, "switch", 0, 4, "r", switch_to="decode"), WORKERS[1:])
+        switch.close()
+    finally:
+        router.close()
+
+
+def test_several_donors_are_the_least_busy_and_drain_and_resume_name_their_routes():
+    router = Router(200)
+    try:
+        switch = PoolSwitch(router.url, "s3cret")
+        assert [w.name for w in switch.donors(WORKERS, "prefill", 3)] == ["d1", "d0"]  # d2 is out of rotation
+        assert [w.name for w in switch.donors(WORKERS, "decode", 2)] == ["p0"]
+        switch.drain(["d1", "d0"])
+        switch.resume("d1")
+        assert switch.switch("d1", "prefill") == 1.25
+        assert [(path, body) for path, _, body in router.calls] == [
+            ("/admin/workers/drain", {"names": ["d1", "d0"]}),
+            ("/admin/workers/d1/resume", None),
+            ("/admin/workers/d1/role", {"role": "prefill"}),
+        ]
         switch.close()
     finally:
         router.close()

@@ -77,32 +77,104 @@ def test_a_switch_carried_out_starts_the_history_again_and_says_what_it_did():
     assert planner_loop.decisions[-1]["load"]["seconds"] == 2.0
 
 
-class Donors(PoolSwitch):
-    """The router's role route switching the decode servers in turn; the second switch refused."""
+class MigratingRouter(PoolSwitch):
+    """A router's view of p0 and decode servers d0.. with their streams, as the admin routes change it:
+    a decode server drained or switched has its streams migrate to the decode server in rotation with the
+    fewest (the router's ``least_loaded`` pick; any pick may land on the next donor), each stream's moves
+    counted; ``refuse``: the switch of that worker is refused (409), leaving it as it was."""
 
-    def __init__(self) -> None:
-        self.donors: list[list[str]] = []
+    def __init__(self, streams: list[int], refuse: str | None = None) -> None:
+        self.role = {"p0": "prefill"} | {f"d{k}": "decode" for k in range(len(streams))}
+        self.rotation = set(self.role)
+        self.streams: dict[str, list[str]] = {"p0": []} | {
+            f"d{k}": [f"d{k}-s{j}" for j in range(n)] for k, n in enumerate(streams)
+        }
+        self.moves: dict[str, int] = {s: 0 for held in self.streams.values() for s in held}
+        self.refuse = refuse
+        self.calls: list[str] = []
 
-    def apply(self, decision, workers) -> tuple[str, float]:
-        self.donors.append([w.name for w in workers])
-        if len(self.donors) == 2:
-            raise ActError("switching d1 to prefill: 409 switch_in_progress")
-        return f"d{len(self.donors) - 1}", 0.25
+    def view(self) -> list[WorkerView]:
+        return [WorkerView(n, self.role[n], n in self.rotation, len(self.streams[n])) for n in sorted(self.role)]
+
+    def _move_off(self, name: str) -> None:
+        for stream in self.streams[name]:
+            others = [n for n in sorted(self.rotation) if self.role[n] == "decode" and n != name]
+            target = min(others, key=lambda n: len(self.streams[n]))
+            self.streams[target].append(stream)
+            self.moves[stream] += 1
+        self.streams[name] = []
+
+    def drain(self, names: list[str]) -> None:  # all out of rotation, then each one's streams move
+        self.calls.append(f"drain {' '.join(names)}")
+        self.rotation.difference_update(names)
+        for name in names:
+            if self.role[name] == "decode":
+                self._move_off(name)
+
+    def resume(self, name: str) -> None:
+        self.calls.append(f"resume {name}")
+        self.rotation.add(name)
+
+    def switch(self, name: str, to) -> float:
+        self.calls.append(f"switch {name}")
+        if name == self.refuse:
+            raise ActError(f"switching {name} to {to}: 409 switch_in_progress")
+        self.rotation.discard(name)  # out of rotation first, as the router's role route does
+        self._move_off(name)
+        self.role[name] = to
+        self.rotation.add(name)
+        return 0.25
+
+    def apply(self, decision, workers) -> tuple[str, float]:  # one move: the donor from the view given
+        name = self.donor(workers, decision.switch_to).name
+        return name, self.switch(name, decision.switch_to)
 
 
-def test_several_moves_are_switched_one_after_another_each_from_the_routers_view_then():
-    pages = [snapshot(10 * k, 60_000 * k) for k in range(12)]
-    donors = Donors()
-    planner_loop, _ = loop(pages, act=donors)
-    planner_loop.planner.settings = replace(planner_loop.planner.settings, max_moves=3)
+def migrating_loop(router: MigratingRouter, max_moves: int) -> PlannerLoop:
+    pages = [snapshot(10 * k, 60_000 * k) for k in range(12)]  # 30,000 prompt tokens a second: P is the need
+    planner_loop, _ = loop(pages, act=router)
+    planner_loop.routers.workers = router.view  # type: ignore[method-assign]
+    planner_loop.planner.settings = replace(planner_loop.planner.settings, max_moves=max_moves)
+    return planner_loop
+
+
+def test_several_moves_drain_their_donors_first_so_no_stream_lands_on_the_next_donor():
+    # The decode servers hold 1, 1, 2, 2, 3 and 3 streams. Donor by donor from the view after each switch,
+    # d0's stream would go to d1, d1 would be the next donor (2 streams now, first by name), and that
+    # stream would move again, and again: past the router's migration_limit of 2, a failed request.
+    router = MigratingRouter([1, 1, 2, 2, 3, 3])
+    planner_loop = migrating_loop(router, max_moves=4)
     for _ in range(3):
         planner_loop.step()
     decision = planner_loop.decisions[-1]
-    assert (decision["action"], decision["moves"], decision["prefill"]) == ("switch", 2, 3)  # 3P1D is the best
+    assert (decision["action"], decision["moves"], decision["prefill"]) == ("switch", 4, 5)  # toward 6P1D
+    assert router.calls == ["drain d0 d1 d2 d3", "switch d0", "switch d1", "switch d2", "switch d3"]
+    assert decision["carried_out"] == "; ".join(f"switched d{k} to prefill in 0.25 s" for k in range(4))
+    assert max(router.moves.values()) == 1  # every stream moved once, onto d4 or d5, which stay decode
+    assert sorted(len(router.streams[n]) for n in ("d4", "d5")) == [6, 6]
+    assert planner_loop.routers.scrapes == 4  # the history started again
+
+
+def test_one_move_is_switched_without_a_drain_of_its_own():
+    router = MigratingRouter([2, 1])
+    planner_loop = migrating_loop(router, max_moves=1)
+    for _ in range(3):
+        planner_loop.step()
+    assert router.calls == ["switch d1"] and planner_loop.decisions[-1]["moves"] == 1
+    assert router.streams["d0"] == ["d0-s0", "d0-s1", "d1-s0"]
+
+
+def test_a_refused_move_puts_the_donors_not_switched_back_in_rotation():
+    router = MigratingRouter([1, 1, 2, 2, 3, 3], refuse="d1")
+    planner_loop = migrating_loop(router, max_moves=3)
+    for _ in range(3):
+        planner_loop.step()
+    decision = planner_loop.decisions[-1]
     assert decision["carried_out"] == (
         "switched d0 to prefill in 0.25 s; failed: switching d1 to prefill: 409 switch_in_progress"
     )
-    assert len(donors.donors) == 2 and planner_loop.routers.scrapes == 4  # the history started again
+    assert router.calls == ["drain d0 d1 d2", "switch d0", "switch d1", "resume d1", "resume d2"]
+    assert router.rotation == set(router.role) and router.role["d0"] == "prefill"
     registry = planner_loop.metrics.registry
     assert registry.get_sample_value("pdserve_planner_act_failures_total") == 1.0
 
