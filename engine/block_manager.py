@@ -4,6 +4,7 @@ Every block is in one of three states::
 
     FREE          ref_count 0, no hash       in the free heap (lowest id first)
     CACHED-FREE   ref_count 0, hash set      in the LRU (oldest first), still findable by hash
+    TAIL-FREE     ref_count 0, tail set      in the LRU, findable by its parent's hash (below)
     USED          ref_count >= 1             owned by that many requests (hash set if full and computed)
 
 A full block whose K/V is computed is identified by a hash chained over its
@@ -20,6 +21,16 @@ hash)`` likewise when such a block's last owner frees it (its K/V final and
 findable: a shared KV tier publishes it then). Free blocks are handed out lowest id first, so a
 fresh allocation is usually one contiguous run of ids: the transfer layer
 merges contiguous runs into single writes.
+
+A finished request's last block is usually partial: the end of its prompt, or
+of its answer (the next turn of a conversation starts with both). ``keep_tail``
+keeps such a block, when its owner frees it, findable by its parent's hash
+(the block before it, or the chain's root) with the tokens whose K/V it holds
+(``Block.tail``): one tail per parent, the latest. ``take_tail`` gives it to a
+request whose next tokens start with those tokens; the request owns it alone
+(nobody else can find it any more) and writes its own tokens after them, so no
+copy is made. A tail is never written to a tier or logged as a KV event, and an
+evicted one is simply forgotten.
 """
 
 from __future__ import annotations
@@ -57,6 +68,8 @@ class Block:
     window_from: int = 0
     # Whose request made it findable here (``cache``): the tenant its copy in a shared KV tier is charged to.
     tenant: str | None = None
+    # A kept tail (``keep_tail``): its parent's hash and the tokens whose K/V its first slots hold.
+    tail: tuple[int, tuple[int, ...]] | None = None
 
 
 class BlockManager:
@@ -69,6 +82,7 @@ class BlockManager:
         self._free_set: set[int] = set(self._free)
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached blocks with no owner, oldest first
         self._by_hash: dict[int, int] = {}  # hash -> block id, for every block holding a hash
+        self._tails: dict[int, int] = {}  # parent hash -> block id of the tail kept after it (``keep_tail``)
         self.evictions = 0  # cached blocks whose hash was dropped to make room
         self.events = events or KvEventLog()  # every hash stored and evicted (engine/kv_events.py)
         self.on_evict: Callable[[int, int], None] | None = None  # (block id, hash) of a cached block evicted
@@ -104,13 +118,14 @@ class BlockManager:
                 self._free_set.remove(block_id)
             else:
                 block_id, _ = self._lru.popitem(last=False)
-                if self.on_evict is not None and self.blocks[block_id].window_from == 0:
-                    self.on_evict(block_id, self.blocks[block_id].block_hash)
-                del self._by_hash[self.blocks[block_id].block_hash]
-                self.events.evicted(self.blocks[block_id].block_hash)
-                self.blocks[block_id].block_hash = NO_HASH
-                self.blocks[block_id].tenant = None
-                self.evictions += 1
+                if not self._forget_tail(block_id):  # a kept tail is just forgotten
+                    if self.on_evict is not None and self.blocks[block_id].window_from == 0:
+                        self.on_evict(block_id, self.blocks[block_id].block_hash)
+                    del self._by_hash[self.blocks[block_id].block_hash]
+                    self.events.evicted(self.blocks[block_id].block_hash)
+                    self.blocks[block_id].block_hash = NO_HASH
+                    self.blocks[block_id].tenant = None
+                    self.evictions += 1
             block = self.blocks[block_id]
             assert block.ref_count == 0
             block.ref_count = 1
@@ -144,6 +159,8 @@ class BlockManager:
                 self._lru[block_id] = None
                 if self.on_cached is not None and block.window_from == 0:
                     self.on_cached(block_id, block.block_hash)
+            elif block.tail is not None:
+                self._lru[block_id] = None
             else:
                 heapq.heappush(self._free, block_id)
                 self._free_set.add(block_id)
@@ -203,6 +220,66 @@ class BlockManager:
         self.events.stored(h)
         return True
 
+    # ---- tails: a finished request's last, partial block ----------------------
+    def keep_tail(self, block_id: int, parent: int, token_ids: Sequence[int]) -> bool:
+        """Keep block ``block_id``, unhashed and owned by the caller alone, whose first ``len(token_ids)``
+        slots hold the K/V of ``token_ids`` after the chain ``parent``, findable by ``parent`` once the
+        caller frees it (at once: a tail is never owned); a tail kept after ``parent`` before is freed."""
+        block = self.blocks[block_id]
+        assert block.ref_count > 0, f"block {block_id} is not owned"
+        if block.ref_count != 1 or block.block_hash != NO_HASH or not 0 < len(token_ids) < self.block_size:
+            return False  # shared (its other owner may write it), full, or nothing to keep
+        old = self._tails.get(parent)
+        if old is not None:  # unowned: a tail is only kept by its last owner, who frees it at once
+            del self._lru[old]
+            self._forget_tail(old)
+            heapq.heappush(self._free, old)
+            self._free_set.add(old)
+        block.tail = (parent, tuple(token_ids))
+        self._tails[parent] = block_id
+        return True
+
+    def tail_after(self, parent: int, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` the tail kept after ``parent`` holds: all of its own
+        tokens when ``token_ids`` starts with them, else 0 (nothing is taken)."""
+        block_id = self._tails.get(parent)
+        if block_id is None:
+            return 0
+        tail = self.blocks[block_id].tail
+        assert tail is not None
+        n = len(tail[1])
+        return n if n <= len(token_ids) and tuple(token_ids[:n]) == tail[1] else 0
+
+    def take_tail(self, parent: int, token_ids: Sequence[int]) -> tuple[int, int] | None:
+        """Hand the tail kept after ``parent`` to a request whose next tokens are ``token_ids`` (it starts
+        with the tail's tokens): (block id, tokens it holds), the block owned by the caller alone and
+        findable no more; None when there is no such tail."""
+        n = self.tail_after(parent, token_ids)
+        if not n:
+            return None
+        block_id = self._tails[parent]
+        block = self.blocks[block_id]
+        del self._lru[block_id]
+        self._forget_tail(block_id)
+        block.ref_count = 1
+        block.window_from = 0
+        return block_id, n
+
+    def _forget_tail(self, block_id: int) -> bool:
+        """Drop block ``block_id``'s kept tail, if it has one (the caller moves the block)."""
+        block = self.blocks[block_id]
+        if block.tail is None:
+            return False
+        if self._tails.get(block.tail[0]) == block_id:
+            del self._tails[block.tail[0]]
+        block.tail = None
+        return True
+
+    @property
+    def num_tails(self) -> int:
+        """Tails kept now, owned or not."""
+        return len(self._tails)
+
     def check_integrity(self) -> None:
         """free + cached-free + used == total, and every list agrees with the ref counts and hashes."""
         assert len(self._free) == len(self._free_set), "duplicate ids in the free list"
@@ -213,8 +290,13 @@ class BlockManager:
             if block.block_id in self._free_set:
                 assert block.block_hash == NO_HASH, f"free block {block.block_id} holds a hash"
             if block.block_id in self._lru:
-                assert block.block_hash != NO_HASH, f"cached-free block {block.block_id} holds no hash"
+                assert (block.block_hash != NO_HASH) != (block.tail is not None), (
+                    f"cached-free block {block.block_id} holds no hash or tail, or both"
+                )
+            if block.tail is not None:
+                assert self._tails.get(block.tail[0]) == block.block_id, f"tail block {block.block_id} not indexed"
             if block.block_hash != NO_HASH:
                 assert self._by_hash.get(block.block_hash) == block.block_id, f"block {block.block_id} not indexed"
         assert len(self._by_hash) == sum(1 for b in self.blocks if b.block_hash != NO_HASH)
+        assert len(self._tails) == sum(1 for b in self.blocks if b.tail is not None)
         assert len(self._free) + len(self._lru) + self.num_used == self.num_blocks

@@ -111,6 +111,50 @@ class PrefixCache:
             n -= 1
         return hashes[:n]
 
+    # ---- tails (engine/block_manager.py, ``keep_tail``) ------------------------
+    def _tails_on(self, request: Request) -> bool:
+        """Whether tails are kept and taken for this request: prefix caching on, no sliding window (a
+        tail would need its window's K/V tracked slot by slot), no log-probabilities of its prompt."""
+        return self.enabled and self.window is None and self.window_pool is None and not request.wants_prompt_logprobs
+
+    def _tail_key(self, request: Request, num_blocks: int) -> int:
+        """The parent hash of the request's block ``num_blocks``: its chain up to there."""
+        return self.hashes(request, num_blocks)[-1] if num_blocks else chain_root(self.salt, request.cache_salt)
+
+    def keep_tail(self, request: Request) -> None:
+        """Before a finished request's blocks are freed: keep its last block, when partial and computed
+        in part, findable by the chain before it (the next turn of its conversation starts with it)."""
+        if not self._tails_on(request) or request.released_blocks:
+            return
+        bs = self.blocks.block_size
+        full = request.num_computed // bs
+        k = request.num_computed - full * bs
+        if k == 0 or full >= len(request.block_ids) or full > request.num_hashed_blocks:
+            return
+        tokens = request.token_ids(full * bs, request.num_computed)
+        self.blocks.keep_tail(request.block_ids[full], self._tail_key(request, full), tokens)
+
+    def _tail_tokens(self, request: Request, num_cached: int) -> list[int]:
+        """What a tail after the request's first ``num_cached`` blocks may cover: the next tokens, at most
+        a block's less one, its last token always left out."""
+        start = num_cached * self.blocks.block_size
+        return request.token_ids(start, min(start + self.blocks.block_size - 1, request.num_tokens - 1))
+
+    def tail_hit(self, request: Request, num_cached: int) -> int:
+        """Tokens a kept tail would add after the request's first ``num_cached`` cached blocks (nothing is
+        taken)."""
+        if not self._tails_on(request) or not self.blocks.num_tails:
+            return 0
+        tokens = self._tail_tokens(request, num_cached)
+        return self.blocks.tail_after(self._tail_key(request, num_cached), tokens) if tokens else 0
+
+    def take_tail(self, request: Request, num_cached: int) -> tuple[int, int] | None:
+        """Take the kept tail after the request's first ``num_cached`` cached blocks: (block id, tokens it
+        holds), the block now the request's alone; None when none fits."""
+        if not self.tail_hit(request, num_cached):
+            return None
+        return self.blocks.take_tail(self._tail_key(request, num_cached), self._tail_tokens(request, num_cached))
+
     def mark_remote(self, request: Request) -> None:
         """The request's prompt K/V past its cached prefix was written remotely: its window layers hold
         only positions from ``num_prompt_tokens - window + 1`` on (the first decode query's window)."""

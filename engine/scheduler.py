@@ -168,17 +168,19 @@ class Scheduler:
         assert self.window_pool is None, "a window pool is colocated: nothing is written remotely"
         cached = self.prefix.lookup(request)
         tiered = self.prefix.lookup_tiers(request, cached, self.tiers)
+        tail = 0 if tiered else self.prefix.tail_hit(request, len(cached))
         fresh = self.blocks.blocks_needed(request.num_prompt_tokens + 1) - len(cached)
         needed = fresh + self.blocks.blocks_to_take(cached)
         if not self.blocks.can_allocate(needed):
             raise NoCapacityError(f"{needed} KV blocks needed, {self.blocks.num_free} free")
         self.blocks.take(cached)
-        request.block_ids = cached + self.blocks.allocate(fresh)
+        taken = self.prefix.take_tail(request, len(cached)) if tail else None  # before allocate can evict it
+        request.block_ids = cached + ([taken[0]] if taken else []) + self.blocks.allocate(fresh - (1 if taken else 0))
         loaded = 0
         if tiered:  # blocks a tier does not serve intact are simply written remotely with the rest
             assert self.tiers is not None
             loaded = self.tiers.load(tiered, request.block_ids[len(cached) : len(cached) + len(tiered)])
-        request.num_cached_tokens = (len(cached) + loaded) * self.blocks.block_size
+        request.num_cached_tokens = (len(cached) + loaded) * self.blocks.block_size + (taken[1] if taken else 0)
         request.num_tier_tokens = loaded * self.blocks.block_size
         request.num_hashed_blocks = len(cached)  # loaded blocks are registered with the rest in admit_remote
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
@@ -397,7 +399,8 @@ class Scheduler:
         looks_up = self.config.prefix_caching and not request.wants_prompt_logprobs
         cached = self.prefix.lookup(request)
         tiered = self.prefix.lookup_tiers(request, cached, self.tiers)
-        computed = (len(cached) + len(tiered)) * self.blocks.block_size
+        tail = 0 if tiered else self.prefix.tail_hit(request, len(cached))
+        computed = (len(cached) + len(tiered)) * self.blocks.block_size + tail
         first_in_plan = not plan.chunks
         num_new = self._num_new_tokens(request, budget, first_in_plan, computed=computed)
         if num_new == 0:
@@ -412,7 +415,9 @@ class Scheduler:
         ):
             return False
         self.blocks.take(cached)
-        request.block_ids = cached + self.blocks.allocate(fresh)
+        taken = self.prefix.take_tail(request, len(cached)) if tail else None  # before allocate can evict it
+        assert bool(taken) == bool(tail) and (taken is None or taken[1] == tail), (taken, tail)
+        request.block_ids = cached + ([taken[0]] if taken else []) + self.blocks.allocate(fresh - (1 if taken else 0))
         if self.window_pool is not None:
             self.window_pool.take(request, len(cached), window_ids)
             self.window_pool.grow(request, computed + num_new)
@@ -424,7 +429,7 @@ class Scheduler:
             plan.tier_hits += loaded * self.blocks.block_size
         request.num_computed = request.num_cached_tokens = computed
         request.num_hashed_blocks = len(cached)  # loaded blocks are registered once this step ends
-        request.num_tier_tokens = computed - len(cached) * self.blocks.block_size
+        request.num_tier_tokens = computed - len(cached) * self.blocks.block_size - tail
         if looks_up:
             plan.prefix_queried += request.num_tokens
             plan.prefix_hits += computed
@@ -455,7 +460,9 @@ class Scheduler:
         """Tokens of a request not admitted yet that would be found cached now, in the cache or in a
         tier (whose entries are checked only when loaded: a corrupt one makes the hit shorter)."""
         cached = self.prefix.lookup(request)
-        return (len(cached) + len(self.prefix.lookup_tiers(request, cached, self.tiers))) * self.blocks.block_size
+        tiered = self.prefix.lookup_tiers(request, cached, self.tiers)
+        tail = 0 if tiered else self.prefix.tail_hit(request, len(cached))
+        return (len(cached) + len(tiered)) * self.blocks.block_size + tail
 
     def _num_new_tokens(self, request: Request, budget: int, first_in_plan: bool, computed: int | None = None) -> int:
         remaining = request.num_tokens - (request.num_computed if computed is None else computed)
@@ -613,6 +620,8 @@ class Scheduler:
             self.window_pool.free(request)
 
     def _finish(self, request: Request, reason: FinishReason) -> None:
+        if reason != "abort":  # its last, partial block stays findable for the next turn
+            self.prefix.keep_tail(request)
         self._free_blocks(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = request.finish_reason or reason

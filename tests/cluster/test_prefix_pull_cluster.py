@@ -17,7 +17,7 @@ from tests.support.oracle import tokenizer
 
 pytestmark = pytest.mark.integration
 
-ANSWER = 40  # turn 1's answer: d0 then holds 60 + 39 tokens' K/V, 6 whole blocks of 16 (96 tokens)
+ANSWER = 40  # turn 1's answer: d0 then holds 60 + 39 tokens' K/V, 6 whole blocks of 16 and a kept tail of 3
 PULLS = "pdserve_kv_prefix_pulls_total"
 
 
@@ -88,13 +88,13 @@ def test_the_next_turn_reads_the_answer_from_the_decode_server_and_computes_only
     first = turn1(0)
     answer = complete(served, tiny_model, first)
     before = counts(served)
-    second = first + answer + new_tokens(0)  # 120 tokens: d0 holds 96, p0 its own 60 (15 blocks of 4)
+    second = first + answer + new_tokens(0)  # 120 tokens: d0 holds 99, p0 its own 60 (15 blocks of 4)
     complete(served, tiny_model, second)
     grew = {k: v - before[k] for k, v in counts(served).items()}
-    assert grew["d_hits"] == 96
+    assert grew["d_hits"] == 99  # 6 blocks and the tail of the 7th (engine/block_manager.py, keep_tail)
     assert grew["pulls_ok"] == grew["reads_ok"] == 1
-    assert grew["pulled"] == 96 - 60  # 9 blocks of 4 read from d0
-    assert grew["p_prompt"] == len(second) - 96  # only the tokens d0 did not hold
+    assert grew["pulled"] == 96 - 60  # 9 blocks of 4 read from d0: whole blocks of p0's
+    assert grew["p_prompt"] == len(second) - 96  # only the tokens past them; p0 pushes those past 99
     all_back(served)
 
 
@@ -127,8 +127,8 @@ def test_a_read_estimated_slower_than_computing_is_skipped_and_the_prefix_is_com
     second = first + answer + new_tokens(2)
     complete(weighing, tiny_model, second)
     grew = {k: v - before[k] for k, v in counts(weighing).items()}
-    assert grew["d_hits"] == 96
+    assert grew["d_hits"] == 99
     assert grew["pulls_skipped"] == 1 and grew["pulls_ok"] == grew["reads_ok"] == grew["pulled"] == 0
-    assert grew["p_prompt"] == len(second) - 60  # p0 computed the 36 tokens d0 held past its own 60
+    assert grew["p_prompt"] == len(second) - 60  # p0 computed the 39 tokens d0 held past its own 60
     assert weighing.metric("p0", "pdserve_kv_prefix_compute_tokens_per_second") > 0  # learned from turn 1
     all_back(weighing)

@@ -201,3 +201,65 @@ def test_a_reservation_pins_the_cached_prefix_and_counts_what_it_takes_from_free
         s.reserve(req("big", range(1, 26)))
     assert (s.block_counts()["free"], s.stats().cached, "big" in s.requests) == (6, 2, False)
     s.check_integrity()
+
+
+# ---- kept tails: a finished request's last, partial block ------------------------------------------------
+def test_a_tail_is_kept_taken_by_the_next_turn_and_forgotten_when_evicted():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    a, b = bm.allocate(2)
+    assert not bm.keep_tail(a, 11, [1, 2, 3, 4])  # a whole block is hashed, not kept as a tail
+    assert bm.keep_tail(b, 11, [5, 6])
+    bm.free([a, b])
+    assert (bm.num_free, bm.num_cached_free, bm.num_tails) == (3, 1, 1)
+    assert bm.tail_after(11, [5, 6, 7]) == 2 and bm.tail_after(11, [5, 9]) == 0 and bm.tail_after(12, [5, 6]) == 0
+    assert bm.take_tail(11, [5, 7]) is None  # other tokens: nothing taken
+    assert bm.take_tail(11, [5, 6, 7]) == (b, 2)
+    assert (bm.blocks[b].ref_count, bm.num_tails, bm.num_free) == (1, 0, 2)
+    assert bm.take_tail(11, [5, 6, 7]) is None  # the block is the taker's alone now
+    bm.check_integrity()
+    assert bm.keep_tail(b, 11, [5, 6, 8])
+    bm.free([b])
+    seq = bm.events.since(0).last
+    assert bm.allocate(3) == [a, 2, b]  # free blocks first, the tail last: then it is forgotten
+    assert (bm.num_tails, bm.evictions, bm.events.since(0).last) == (0, 0, seq)  # no eviction, no KV event
+    bm.check_integrity()
+
+
+def test_a_newer_tail_after_the_same_chain_replaces_the_older():
+    bm = BlockManager(num_blocks=2, block_size=4)
+    a, b = bm.allocate(2)
+    assert bm.keep_tail(a, 11, [5])
+    bm.free([a])
+    assert bm.keep_tail(b, 11, [6, 7])
+    bm.free([b])
+    assert (bm.num_tails, bm.num_cached_free, bm.tail_after(11, [6, 7, 8]), bm.tail_after(11, [5, 6])) == (1, 1, 2, 0)
+    bm.check_integrity()
+
+
+def test_the_next_turn_takes_the_answer_s_computed_tokens_and_computes_only_the_new_ones():
+    s = make(num_blocks=8, block_size=4)
+    s.add(req("t1", range(1, 10), max_tokens=3))  # 9 tokens and 3 answer tokens, 2 of them fed back
+    run_to_end(s, token=7)
+    assert s.stats().cached == 3 and s.blocks.num_tails == 1  # blocks 0, 1 and the tail [9, 7, 7] of block 2
+    s.add(req("t2", [*range(1, 10), 7, 7, 7, 50, 51, 52, 53], max_tokens=1))
+    plan = s.schedule()
+    assert plan_shape(plan) == [("t2", 11, 5, True)]  # 8 cached tokens, 3 of the tail, the last 5 computed
+    assert s.requests["t2"][0].block_ids[:3] == [0, 1, 2]
+    assert (plan.prefix_queried, plan.prefix_hits) == (16, 11)
+    update(s, plan, {"t2": 7})
+    s.check_integrity()
+    assert s.block_counts() == {"free": 8, "reserved": 0, "running": 0}
+
+
+def test_a_reservation_pins_a_kept_tail_and_the_remote_side_writes_after_it():
+    s = make(num_blocks=8, block_size=4, mode="decode")
+    s.reserve(req("t1", range(1, 10), max_tokens=3))
+    s.admit_remote("t1", [7])  # 9 prompt tokens written remotely, the first token drawn there
+    run_to_end(s, token=7)  # two more: the first two answer tokens' K/V computed here
+    r = req("t2", [*range(1, 10), 7, 7, 7, 50, 51], max_tokens=1)
+    assert s.reserve(r) == [0, 1, 2, 3]
+    assert r.num_cached_tokens == 11  # 2 blocks and the tail: the remote side writes tokens [11, 14)
+    assert s.block_counts() == {"free": 4, "reserved": 4, "running": 0}
+    s.abort("t2")  # an aborted request keeps no tail: what it was to write never came
+    assert s.blocks.num_tails == 0 and s.block_counts()["free"] == 8
+    s.check_integrity()

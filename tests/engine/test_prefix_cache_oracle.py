@@ -60,14 +60,24 @@ def test_identical_prompts_arriving_at_once_are_exact(tiny_model):
 
 def test_multi_turn_reuses_the_previous_turn_and_its_answer(tiny_model):
     e = engine(tiny_model)
-    prompt = list(BASE)
+    prompt, hits, computed = list(BASE), [], []
     for turn in range(3):
+        before = e.stats().counters
         answer = e.generate([prompt], SAMPLING)[0].token_ids
         assert answer == hf_greedy(tiny_model, prompt, 8, ignore_eos=True)
+        after = e.stats().counters
+        hits.append(after.prefix_hits_tokens - before.prefix_hits_tokens)
+        computed.append(after.prompt_tokens - before.prompt_tokens)
+        assert hits[-1] + computed[-1] == len(prompt)
         prompt = prompt + answer + tail(5, turn)
-    c = e.stats().counters
-    # turn 2 reuses turn 1's prompt and the first 7 of its answer's tokens (whose K/V was computed)
-    assert c.prefix_hits_tokens == 40 + 56
+    # A turn reuses the turn before, prompt and answer, as far as K/V was computed: all but the answer's
+    # last token (sampled, never fed back). Turn 1: 5 whole blocks and the kept tail of block 5 (the
+    # answer's first 7 tokens); turn 2: 7 whole blocks and the tail of block 7 (4 tokens). Only the new
+    # tokens are computed: the answer's last one and the 5 of the new question.
+    assert hits == [0, 40 + 7, 56 + 4]
+    assert computed == [40, 6, 6]
+    e.check_integrity()
+    assert e.block_counts() == {"free": 64, "reserved": 0, "running": 0}
 
 
 def test_cache_far_smaller_than_the_working_set_evicts_and_stays_exact(tiny_model):
