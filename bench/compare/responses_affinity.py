@@ -22,8 +22,11 @@ traffic that has nothing to read.
   this is the same endpoint and the same prompt without it.
 * ``chat``: ``/v1/chat/completions`` with the whole conversation as messages, round robin: how a
   stateless client continues a chat today.
+* ``affinity-tiers``, ``chat-tiers``: every server with a host-memory KV tier of ``--tier-bytes``.
+* ``affinity-tiers-pull``, ``chat-tiers-pull``: the tiers and the pull (below) both on, against
+  ``affinity`` or ``chat`` with both off: KV that outlives one server's cache, all of it.
 * ``affinity-pull``, ``chat-pull``: as ``affinity`` and ``chat`` with ``transfer.pull_prefix`` on (the
-  default; every other variant turns it off): a
+  default; the variants without ``-pull`` turn it off): a
   prefill server reads the part of the prompt its own cache lacks and the decode server's reservation
   holds back from that decode server instead of computing it (decode-to-prefill reuse,
   docs/kv-tiers.md); ``pulled tok/req`` is what they read (``pdserve_kv_prefix_pulled_tokens_total``),
@@ -91,6 +94,10 @@ VARIANTS = {
         RESPONSES, "previous-response", "as affinity, decode-to-prefill reuse on (pull_prefix)", pull=True
     ),
     "chat-pull": Variant(CHAT, "messages", "as chat, decode-to-prefill reuse on (pull_prefix)", pull=True),
+    "affinity-tiers-pull": Variant(
+        RESPONSES, "previous-response", "as affinity, host KV tiers and the pull both on", tiers=True, pull=True
+    ),
+    "chat-tiers-pull": Variant(CHAT, "messages", "as chat, host KV tiers and the pull both on", tiers=True, pull=True),
 }
 DEFAULT_VARIANTS = ("affinity", "full-input", "chat")
 
