@@ -3,13 +3,23 @@
     python -m bench.micro.row_padding [--model smollm2] [--lengths 17,65,129,...] [--threads 1] \\
         [--rounds 5] [--json FILE]
 
-One engine; each prompt length is prefilled with the rows padded (as served) and with
-``bucket_rows`` patched to return the rows unchanged, the two in turn, the order reversed each
-round, and the median of ``--rounds`` kept for each. The default lengths include the worst
-case of each octave (one row past a bucket: 129 rows run as 160). ratio = padded ms / unpadded
-ms: above 1, padding costs that much more. The decode side, padded in engine.native's
-DecodeLayer as well, is measured against an earlier checkout by bench/micro/decode_step.py
-(``--against DIR``).
+One engine; each prompt length is prefilled three ways, in turn, the order rotated each round,
+and the median of ``--rounds`` kept for each:
+
+- ``served``: the rows padded as served, a count that padding would grow by more than a
+  sixteenth cut into pieces first (``row_pieces``);
+- ``one_piece``: the rows padded whole to their bucket (``row_pieces`` patched to one piece:
+  how it was served before pieces);
+- ``unpadded``: ``bucket_rows`` patched to return the rows unchanged (a new oneDNN kernel for
+  every count).
+
+The default lengths include the worst case of each octave (one row past a bucket: 129 rows
+padded whole run as 160) and the steps of concurrent 1024-token prompts (1027: a prompt beside
+three decodes; 2050: two beside two). Ratios: served / unpadded and one_piece / served (above 1,
+the first costs that much more). With ``--threads 1`` the times are this thread's CPU time (what
+the machine's other work takes from it is not counted), else wall time. The decode side, padded in
+engine.native's DecodeLayer as well, is measured against an earlier checkout by
+bench/micro/decode_step.py (``--against DIR``).
 """
 
 from __future__ import annotations
@@ -19,23 +29,33 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from unittest import mock
 
 import torch
 
-DEFAULT_LENGTHS = "17,40,65,100,129,200,257,400,513,700,1025,1500,2000"
+DEFAULT_LENGTHS = "17,40,65,100,129,200,257,400,513,700,1025,1027,1500,2000,2050"
+SIDES = ("served", "one_piece", "unpadded")
 
 
-def _prefill_ms(engine, length: int, salt: int) -> float:
+def _prefill_ms(engine, length: int, salt: int, clock) -> float:
     from engine import SamplingParams
 
     prompt = [(31 * i + 7 * salt) % 500 + 3 for i in range(length)]
     engine.add_request(f"p{salt}", prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
-    start = time.perf_counter()
+    start = clock()
     while engine.has_unfinished():
         engine.step()
-    return 1000 * (time.perf_counter() - start)
+    return 1000 * (clock() - start)
+
+
+def _patch(side: str):
+    if side == "one_piece":
+        return mock.patch("engine.row_buckets.row_pieces", lambda rows: [rows])
+    if side == "unpadded":
+        return mock.patch("engine.row_buckets.bucket_rows", lambda rows: rows)
+    return nullcontext()
 
 
 def measure(model: str, lengths: list[int], threads: int, rounds: int) -> list[dict]:
@@ -43,6 +63,7 @@ def measure(model: str, lengths: list[int], threads: int, rounds: int) -> list[d
     from engine.models import MODEL_CACHE, resolve_model
 
     torch.set_num_threads(threads)
+    clock = time.thread_time if threads == 1 else time.perf_counter
     engine = LLMEngine(
         EngineConfig(
             model=str(resolve_model(model, MODEL_CACHE)),
@@ -53,23 +74,26 @@ def measure(model: str, lengths: list[int], threads: int, rounds: int) -> list[d
             prefix_caching=False,
         )
     )
-    unpadded = mock.patch("engine.row_buckets.bucket_rows", lambda rows: rows)
     salt = 0
     rows = []
     for length in lengths:
-        times: dict[str, list[float]] = {"padded": [], "unpadded": []}
-        for r in range(rounds + 1):  # round 0 warms both shapes up
-            for side in ("padded", "unpadded") if r % 2 else ("unpadded", "padded"):
+        times: dict[str, list[float]] = {side: [] for side in SIDES}
+        for r in range(rounds + 1):  # round 0 warms every shape up
+            for side in SIDES[r % 3 :] + SIDES[: r % 3]:
                 salt += 1
-                if side == "unpadded":
-                    with unpadded:
-                        ms = _prefill_ms(engine, length, salt)
-                else:
-                    ms = _prefill_ms(engine, length, salt)
+                with _patch(side):
+                    ms = _prefill_ms(engine, length, salt, clock)
                 if r:
                     times[side].append(ms)
-        padded, plain = statistics.median(times["padded"]), statistics.median(times["unpadded"])
-        rows.append({"prompt_tokens": length, "padded_ms": padded, "unpadded_ms": plain, "ratio": padded / plain})
+        ms = {side: statistics.median(times[side]) for side in SIDES}
+        rows.append(
+            {"prompt_tokens": length}
+            | {f"{side}_ms": ms[side] for side in SIDES}
+            | {
+                "served_vs_unpadded": ms["served"] / ms["unpadded"],
+                "one_piece_vs_served": ms["one_piece"] / ms["served"],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -88,8 +112,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     rows = measure(args.model, lengths, args.threads, args.rounds)
-    ratios = [row["ratio"] for row in rows]
-    summary = {"geomean_ratio": statistics.geometric_mean(ratios), "max_ratio": max(ratios)}
+    summary = {
+        key: {"geomean": statistics.geometric_mean(r[key] for r in rows), "max": max(r[key] for r in rows)}
+        for key in ("served_vs_unpadded", "one_piece_vs_served")
+    }
     print(json.dumps(summary))
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "threads": args.threads, "rows": rows, **summary}))

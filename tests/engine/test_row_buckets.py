@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.model import Linear
-from engine.row_buckets import bucket_rows, packed_linear
+from engine.row_buckets import bucket_rows, packed_linear, row_pieces
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
 
@@ -26,13 +26,30 @@ def test_up_to_2048_rows_there_are_28_sizes_none_a_quarter_above_the_rows_past_6
     assert all(n <= bucket_rows(n) <= max(64, n * 1.25) for n in range(1, 8193))
 
 
+def test_rows_just_past_a_bucket_are_cut_into_buckets():
+    assert row_pieces(1027) == [1024, 3]  # a 1024-token prompt beside three decodes: 1280 rows padded whole
+    assert row_pieces(2050) == [2048, 2]
+    assert row_pieces(1100) == [1024, 76] and row_pieces(1089) == [1024, 65]
+    # where the rest would be a matmul of many rows for a little padding, the rows are padded whole
+    assert row_pieces(300) == [300] and row_pieces(1279) == [1279] and row_pieces(1024) == [1024]
+    assert row_pieces(40) == [40] and row_pieces(65) == [65]
+    for rows in range(1, 8193):
+        pieces = row_pieces(rows)
+        assert sum(pieces) == rows and len(pieces) <= 4
+        assert sum(bucket_rows(p) for p in pieces) <= bucket_rows(rows), rows
+    # the pieces' kernels are the buckets': no size beyond the 28 up to 2048 rows
+    assert {bucket_rows(p) for rows in range(1, 2049) for p in row_pieces(rows)} <= {
+        bucket_rows(n) for n in range(1, 2049)
+    }
+
+
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padded_projection_keeps_each_rows_numbers_bit_for_bit(dtype):
     torch.manual_seed(0)
     weight, bias = torch.randn(96, 64).to(dtype), torch.randn(96).to(dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-    for rows in (2, 9, 17, 64, 65, 100, 129, 300):
+    for rows in (2, 9, 17, 64, 65, 100, 129, 300, 1027, 1100):
         x = torch.randn(rows, 64).to(dtype)
         plain = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
         padded = packed_linear(x, packed, bias)
