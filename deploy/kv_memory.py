@@ -117,11 +117,13 @@ def server_memory(
     on a CPU as many times over as engine/model.py's ``cpu_weight_copies`` says for ``dtype`` (bfloat16 twice:
     oneDNN's packed copy beside the plain weight its few-row kernel reads; float32 twice as well, or once with
     ``PDSERVE_F32_WEIGHT_COPIES=1``, read from this process's environment, which the servers it sizes inherit),
-    and a tied float32 lm_head's own input-major copy of the embedding; on a GPU they are the device's, not
+    and a tied float32 lm_head's own input-major copy of the embedding (and no packed copy where engine.native's
+    ``logits_f32`` reads the embedding's rows instead); on a GPU they are the device's, not
     the host's (Qwen2.5-Coder-0.5B in float32: 2.5 GB of weights, 4.5 GB held, 2.5 GB with one copy).
     Imports torch and the model's config: the router, which reads the cluster file too, never calls it."""
     import torch
 
+    from engine import native
     from engine.kv_cache import cache_heads
     from engine.loader import head_dim_of, load_config
     from engine.model import cpu_weight_copies
@@ -132,9 +134,13 @@ def server_memory(
     item = torch.tensor([], dtype=dtype).element_size()
     per_token = 2 * cfg.num_hidden_layers * heads * width * item
     on_cpu = device.split(":")[0] == "cpu"
-    weights = cpu_weight_copies(dtype) * model_weight_bytes(model_dir, item) if on_cpu and weights_loaded else 0
+    copies = cpu_weight_copies(dtype)
+    weights = copies * model_weight_bytes(model_dir, item) if on_cpu and weights_loaded else 0
     if weights and dtype == torch.float32 and getattr(cfg, "tie_word_embeddings", False):
-        weights += cfg.vocab_size * cfg.hidden_size * item  # the lm_head's input-major copy (CausalLM.pack_for_cpu)
+        head = cfg.vocab_size * cfg.hidden_size * item
+        weights += head  # the lm_head's input-major copy (CausalLM.pack_for_cpu)
+        if tensor_parallel_size == 1 and native.kernel("logits_f32") and not native.kernel("gemv_f32"):
+            weights -= (copies - 1) * head  # and no packed one (engine/model.py Linear.read_rows)
     weights //= tensor_parallel_size
     limit = cfg.max_position_embeddings
     return ServerMemory(

@@ -94,6 +94,11 @@ class BlockManager:
         return len(self._free) + len(self._lru)
 
     @property
+    def num_plain_free(self) -> int:
+        """Free blocks that hold nothing findable: taking one evicts nothing."""
+        return len(self._free)
+
+    @property
     def num_cached_free(self) -> int:
         return len(self._lru)
 

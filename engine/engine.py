@@ -288,7 +288,9 @@ class LLMEngine:
         """Prefill mode: ``tokens`` ([layers, K|V, n, heads, width], as ``read_reserved`` gives them) hold
         the K/V of prompt tokens [start, start + n), read from another server. Its whole blocks here (the
         last prompt token always left to compute) are offered to the request ``request_id`` about to be
-        added: its admission loads them instead of computing them. How many tokens were offered: none
+        added: its admission loads them instead of computing them; what is left, less than a block, is kept
+        as a tail after them (engine/block_manager.py, ``keep_tail``; only where a free block holds nothing
+        cached), which the admission takes too. How many tokens were offered: none
         without prefix caching, with sliding-window layers (their blocks would be registered as holding
         every position) or with ranks. ValueError: ``start`` not on a block, or a shape that is not this
         cache's. ``withdraw_prefix`` once the request is prefilled or gone."""
@@ -311,6 +313,18 @@ class LLMEngine:
         hashes = chain_hashes(self.scheduler.prefix.salt, prompt_token_ids[: end * bs], bs, cache_salt)[first:]
         self.offered.offer(request_id, hashes, cut_blocks(c, tokens[:, :, : (end - first) * bs]))
         self.scheduler.tiers = self.offered
+        # The rest, less than a block (the prompt's last token always left out), becomes a kept tail after the
+        # offered run (engine/block_manager.py): admission takes it as the next turn takes a finished one's.
+        rest = min(start + tokens.shape[2], len(prompt_token_ids) - 1) - end * bs
+        blocks = self.scheduler.blocks
+        if rest > 0 and blocks.num_plain_free:  # never evict a cached block for it
+            part = torch.zeros((c.num_layers, 2, bs, c.num_kv_heads, c.head_dim), dtype=tokens.dtype)
+            part[:, :, :rest] = tokens[:, :, (end - first) * bs : (end - first) * bs + rest]
+            (block_id,) = blocks.allocate(1)
+            c.kv[:, :, block_id].copy_(cut_blocks(c, part)[0])
+            kept = blocks.keep_tail(block_id, hashes[-1], prompt_token_ids[end * bs : end * bs + rest])
+            blocks.free([block_id])
+            return (end - first) * bs + (rest if kept else 0)
         return (end - first) * bs
 
     def withdraw_prefix(self, request_id: str) -> None:

@@ -192,6 +192,8 @@ class Linear(nn.Linear):
     packed: torch.Tensor | None = None
     packed_all = False  # the packed copy serves every batch size
     few_rows: Callable | None = None  # the native kernel for up to few_rows_max rows
+    rows: torch.Tensor | None = None  # a tied lm_head's embedding rows, read by rows_kernel (read_rows)
+    rows_kernel: Callable | None = None
 
     def pack_for_cpu(self) -> None:
         weight = self.weight.detach()
@@ -205,7 +207,7 @@ class Linear(nn.Linear):
             if weight.is_contiguous():
                 self.few_rows = native.kernel("gemv_bf16")
         if weight.dtype == torch.float32:  # input-major, for gemv_f32 or the one-row matmul
-            if float32_weight_copies() == 2:
+            if float32_weight_copies() == 2 and self.rows_kernel is None:  # read_rows: none for many rows
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
             self.weight = nn.Parameter(weight.t().contiguous().t(), requires_grad=False)
             if self.packed is None:  # one copy: oneDNN reads the input-major tensor in place
@@ -214,7 +216,28 @@ class Linear(nn.Linear):
         if self.few_rows is not None:
             self.few_rows_max = self.FEW_ROWS[weight.dtype]
 
+    def read_rows(self, rows: torch.Tensor) -> bool:
+        """A float32 lm_head tied to the embedding ``rows`` ([vocab, hidden], contiguous), on a CPU where
+        engine.native's ``logits_f32`` is built (AVX2 and FMA) and its ``gemv_f32`` is not: 2 to
+        ``FEW_ROWS[float32]`` rows (decode steps of a few sequences) go to that kernel over the embedding
+        itself, which reads each row once for all of them (at 8 rows 1.3x faster than oneDNN's packed copy:
+        bench/micro/decode_step.py ``--lm-head``), and no oneDNN-packed copy is kept; one row stays torch's
+        matmul over the input-major copy (which streams it at memory speed), more than eight oneDNN reading
+        that copy in place. Call before :meth:`pack_for_cpu`. False where it does not apply."""
+        weight = self.weight.detach()
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or self.bias is not None:
+            return False
+        if rows.dtype != torch.float32 or rows.shape != weight.shape or not rows.is_contiguous():
+            return False
+        kernel = native.kernel("logits_f32")
+        if kernel is None or native.kernel("gemv_f32") is not None:
+            return False
+        self.rows, self.rows_kernel = rows, kernel
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_kernel is not None and 1 < x.shape[0] <= self.FEW_ROWS[torch.float32]:
+            return self.rows_kernel(x, self.rows)
         if self.few_rows is not None and 0 < x.shape[0] <= self.few_rows_max:
             return self.few_rows(x, self.weight, self.bias)
         if self.packed is not None and (self.packed_all or x.shape[0] >= self.packed_min_rows):
@@ -496,7 +519,10 @@ class CausalLM(nn.Module):
     def pack_for_cpu(self) -> None:
         """Lays every projection's weight out for the CPU (:class:`Linear`), and gives bfloat16 norms
         their CPU kernel (:class:`RMSNorm`). A float32 tied lm_head gets its own input-major copy;
-        the embedding keeps the rows its lookups read."""
+        the embedding keeps the rows its lookups read, which a few rows' logits read too where
+        engine.native's ``logits_f32`` serves them (:meth:`Linear.read_rows`)."""
+        if self.group is None and self.lm_head.weight is self.embed_tokens.weight:
+            self.lm_head.read_rows(self.embed_tokens.weight.detach())
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()

@@ -399,8 +399,9 @@ class Scheduler:
         looks_up = self.config.prefix_caching and not request.wants_prompt_logprobs
         cached = self.prefix.lookup(request)
         tiered = self.prefix.lookup_tiers(request, cached, self.tiers)
-        tail = 0 if tiered else self.prefix.tail_hit(request, len(cached))
-        computed = (len(cached) + len(tiered)) * self.blocks.block_size + tail
+        found = len(cached) + len(tiered)
+        tail = self.prefix.tail_hit(request, found)  # after the tiers' blocks too (an offered prefix's end)
+        computed = found * self.blocks.block_size + tail
         first_in_plan = not plan.chunks
         num_new = self._num_new_tokens(request, budget, first_in_plan, computed=computed)
         if num_new == 0:
@@ -415,9 +416,12 @@ class Scheduler:
         ):
             return False
         self.blocks.take(cached)
-        taken = self.prefix.take_tail(request, len(cached)) if tail else None  # before allocate can evict it
+        taken = self.prefix.take_tail(request, found) if tail else None  # before allocate can evict it
         assert bool(taken) == bool(tail) and (taken is None or taken[1] == tail), (taken, tail)
-        request.block_ids = cached + ([taken[0]] if taken else []) + self.blocks.allocate(fresh - (1 if taken else 0))
+        request.block_ids = cached + self.blocks.allocate(len(tiered))
+        if taken:
+            request.block_ids.append(taken[0])
+        request.block_ids += self.blocks.allocate(fresh - len(tiered) - (1 if taken else 0))
         if self.window_pool is not None:
             self.window_pool.take(request, len(cached), window_ids)
             self.window_pool.grow(request, computed + num_new)
@@ -425,7 +429,9 @@ class Scheduler:
             loaded = self._load_tiered(request, tiered, len(cached), budget, first_in_plan)
             if loaded is None:
                 return False
-            computed = (len(cached) + loaded) * self.blocks.block_size
+            if loaded < len(tiered):  # the tail, if taken, is past the run: its block is computed over
+                tail = 0
+            computed = (len(cached) + loaded) * self.blocks.block_size + tail
             plan.tier_hits += loaded * self.blocks.block_size
         request.num_computed = request.num_cached_tokens = computed
         request.num_hashed_blocks = len(cached)  # loaded blocks are registered once this step ends
@@ -461,8 +467,8 @@ class Scheduler:
         tier (whose entries are checked only when loaded: a corrupt one makes the hit shorter)."""
         cached = self.prefix.lookup(request)
         tiered = self.prefix.lookup_tiers(request, cached, self.tiers)
-        tail = 0 if tiered else self.prefix.tail_hit(request, len(cached))
-        return (len(cached) + len(tiered)) * self.blocks.block_size + tail
+        found = len(cached) + len(tiered)
+        return found * self.blocks.block_size + self.prefix.tail_hit(request, found)
 
     def _num_new_tokens(self, request: Request, budget: int, first_in_plan: bool, computed: int | None = None) -> int:
         remaining = request.num_tokens - (request.num_computed if computed is None else computed)

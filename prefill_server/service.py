@@ -282,7 +282,7 @@ class PrefillService:
         them is estimated faster (prefill_server/pull_rule.py), or when the read failed (both counted in
         ``pdserve_kv_prefix_pulls_total``: the prompt is computed here)."""
         res, bs = req.reservation, self.settings.engine.block_size
-        end = res.num_cached_tokens // bs * bs  # whole blocks here: D's may end in a kept tail (block_manager.py)
+        end = res.num_cached_tokens  # D's may end in a kept tail (engine/block_manager.py): read that too
         if end < bs or req.sampling.prompt_logprobs is not None:
             return None
         # What this server holds of the prompt, from its block events (thread-safe, no wait for the engine

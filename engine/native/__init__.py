@@ -21,7 +21,13 @@ kernel well below memory speed, ``kernels.cpp`` does the work in one call:
   (``engine.model.DecoderLayer``), bit for bit the layer run op by op: one
   call where the layer makes some twenty.
 
-They need AVX-512 with BF16 (Intel Cooper Lake, Sapphire Rapids and later;
+``logits.cpp`` builds apart, for any x86-64 CPU with AVX2 and FMA:
+
+- ``logits_f32``: the float32 logits of one to eight rows over a weight
+  [vocab, hidden] as stored: a tied lm_head's few rows read the embedding
+  matrix itself (``engine.model.Linear.read_rows``), each row once for all.
+
+The kernels of ``kernels.cpp`` need AVX-512 with BF16 (Intel Cooper Lake, Sapphire Rapids and later;
 AMD Zen 4 and later).
 
 The source is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and
@@ -55,16 +61,20 @@ SOURCE = Path(__file__).with_name("kernels.cpp")
 NEEDS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")  # /proc/cpuinfo flags the kernel's instructions need
 # -fopenmp: at::parallel_for is inline OpenMP, compiled into calls to the runtime torch has loaded
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"]
+LOGITS_SOURCE = Path(__file__).with_name("logits.cpp")
+LOGITS_NEEDS = ("avx2", "fma")
+LOGITS_CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx2", "-mfma"]
 
 
-def build_key() -> str:
+def build_key(source: Path | None = None, cflags: list[str] | None = None) -> str:
     """Everything the build depends on: the source (its path, which the build names, and its bytes),
     the flags, the compiler named by CXX, the interpreter and the torch it links (their paths, so two
     virtual environments of one torch version still build apart: each build's commands name its own
     include folders, and ninja rebuilds a folder whose commands changed)."""
+    source, cflags = source or SOURCE, CFLAGS if cflags is None else cflags
     parts = [
-        str(SOURCE.resolve()),
-        " ".join(CFLAGS),
+        str(source.resolve()),
+        " ".join(cflags),
         os.environ.get("CXX", "c++"),
         sys.executable,
         sys.version,
@@ -72,14 +82,14 @@ def build_key() -> str:
         str(Path(torch.__file__).resolve().parent),
         str(torch._C._GLIBCXX_USE_CXX11_ABI),
     ]
-    return hashlib.sha256("\0".join(parts).encode() + b"\0" + SOURCE.read_bytes()).hexdigest()[:12]
+    return hashlib.sha256("\0".join(parts).encode() + b"\0" + source.read_bytes()).hexdigest()[:12]
 
 
-def cache_dir() -> Path:
+def cache_dir(source: Path | None = None, cflags: list[str] | None = None) -> Path:
     """One folder per ``build_key``: a build is reused by every process whose build would be the same,
     and never rebuilt over by one whose build differs."""
     root = os.environ.get("PDSERVE_NATIVE_CACHE") or "~/.cache/pdserve/native"  # set but empty: the default
-    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '_')}-{build_key()}"
+    return Path(root).expanduser() / f"torch-{torch.__version__.replace('+', '_')}-{build_key(source, cflags)}"
 
 
 def cpu_flags() -> set[str]:
@@ -91,62 +101,83 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def unavailable() -> str | None:
+def unavailable(needs: tuple[str, ...] | None = None) -> str | None:
     """Why the kernels cannot run here (None: they can, once built)."""
     if os.environ.get("PDSERVE_NATIVE", "1") == "0":
         return "PDSERVE_NATIVE=0"
-    missing = [flag for flag in NEEDS if flag not in cpu_flags()]
+    missing = [flag for flag in (NEEDS if needs is None else needs) if flag not in cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     return None
 
 
-_failure: str | None = None
+_failures: dict[str, str | None] = {}
 
 
-@functools.cache
-def kernels() -> ModuleType | None:
-    """The built kernels, building them first if needed; None where they cannot run or be built."""
-    global _failure
-    _failure = unavailable()
-    if _failure is not None:
+def _build(name: str, source: Path, cflags: list[str], needs: tuple[str, ...]) -> ModuleType | None:
+    """One module built (once per ``build_key``) and loaded; None where it cannot run or be built, with
+    the reason in ``_failures[name]``."""
+    _failures[name] = unavailable(needs)
+    if _failures[name] is not None:
         return None
     from torch.utils.cpp_extension import load
 
-    folder = cache_dir()
+    folder = cache_dir(source, cflags)
     started = time.monotonic()
     fresh = False
     try:
         folder.mkdir(parents=True, exist_ok=True)  # a read-only cache folder is a failed build, not a crash
-        fresh = not any(folder.glob("pdserve_native*.so"))
+        fresh = not any(folder.glob(f"{name}*.so"))
         if fresh:
-            log.warning("pdserve: building the native CPU kernels into %s (once; tens of seconds)", folder)
-        module = load(
-            name="pdserve_native",
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            build_directory=str(folder),
-            verbose=False,
-        )
+            log.warning(
+                "pdserve: building the native CPU kernels of %s into %s (once; tens of seconds)", source.name, folder
+            )
+        module = load(name=name, sources=[str(source)], extra_cflags=cflags, build_directory=str(folder), verbose=False)
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
         last = (str(exc).strip().splitlines() or [""])[-1]
-        _failure = f"the build failed: {type(exc).__name__}: {last}"
-        log.warning("pdserve: native CPU kernels not used: %s; torch's kernels serve instead", _failure)
+        _failures[name] = f"the build failed: {type(exc).__name__}: {last}"
+        log.warning(
+            "pdserve: native CPU kernels of %s not used: %s; torch's kernels serve instead",
+            source.name,
+            _failures[name],
+        )
         return None
     if fresh or time.monotonic() - started > 5:
-        log.warning("pdserve: native CPU kernels built in %.0f s", time.monotonic() - started)
+        log.warning("pdserve: native CPU kernels of %s built in %.0f s", source.name, time.monotonic() - started)
     return module
+
+
+@functools.cache
+def kernels() -> ModuleType | None:
+    """The built kernels of kernels.cpp, building them first if needed; None where they cannot run or be built."""
+    return _build("pdserve_native", SOURCE, CFLAGS, NEEDS)
+
+
+@functools.cache
+def logits_kernels() -> ModuleType | None:
+    """The built kernel of logits.cpp (AVX2 and FMA), building it first if needed; None where it cannot
+    run or be built."""
+    return _build("pdserve_logits", LOGITS_SOURCE, LOGITS_CFLAGS, LOGITS_NEEDS)
 
 
 def kernel(name: str) -> Callable | None:
     """One kernel of the module by name, or None where the kernels are not in use (torch's path then)."""
-    found = kernels()
+    found = logits_kernels() if name == "logits_f32" else kernels()
     return None if found is None else getattr(found, name)
 
 
 def status() -> str:
     """One line: whether the kernels are in use here, and why not."""
-    return "native CPU kernels: in use" if kernels() is not None else f"native CPU kernels: not used ({_failure})"
+    if kernels() is not None:
+        return "native CPU kernels: in use"
+    return f"native CPU kernels: not used ({_failures['pdserve_native']})"
+
+
+def logits_status() -> str:
+    """One line: whether the logits kernel is in use here, and why not."""
+    if logits_kernels() is not None:
+        return "native logits kernel: in use"
+    return f"native logits kernel: not used ({_failures['pdserve_logits']})"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
     print(f"{status()} ({cache_dir()})")
+    print(f"{logits_status()} ({cache_dir(LOGITS_SOURCE, LOGITS_CFLAGS)})")
     return 1 if args.require and kernels() is None else 0
 
 

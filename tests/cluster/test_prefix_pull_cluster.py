@@ -93,8 +93,8 @@ def test_the_next_turn_reads_the_answer_from_the_decode_server_and_computes_only
     grew = {k: v - before[k] for k, v in counts(served).items()}
     assert grew["d_hits"] == 99  # 6 blocks and the tail of the 7th (engine/block_manager.py, keep_tail)
     assert grew["pulls_ok"] == grew["reads_ok"] == 1
-    assert grew["pulled"] == 96 - 60  # 9 blocks of 4 read from d0: whole blocks of p0's
-    assert grew["p_prompt"] == len(second) - 96  # only the tokens past them; p0 pushes those past 99
+    assert grew["pulled"] == 99 - 60  # 9 blocks of 4 read from d0, and the 3 tokens of a tenth: p0 keeps a tail
+    assert grew["p_prompt"] == len(second) - 99  # only the tokens d0 did not hold
     all_back(served)
 
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine, SamplingParams, native
 from engine.attention import AttentionMetadata, DecodeGroup
+from engine.loader import load_model
 from engine.model import DecoderLayer, Linear, RMSNorm
 from engine.runner import RoPE
 from engine.tensor_parallel import Shard
@@ -495,3 +496,65 @@ def counted(fused, rows_seen: list[int]):
         return fused(x, *args)
 
     return call
+
+
+LOGITS_CAN_RUN = native.unavailable(native.LOGITS_NEEDS) is None
+needs_logits = pytest.mark.skipif(
+    not LOGITS_CAN_RUN, reason=f"the logits kernel cannot run here: {native.unavailable(native.LOGITS_NEEDS)}"
+)
+
+
+def test_the_logits_kernel_builds_wherever_the_cpu_can_run_it():
+    if LOGITS_CAN_RUN:
+        assert native.logits_kernels() is not None, native.logits_status()
+        assert native.logits_status() == "native logits kernel: in use"
+    else:
+        assert native.logits_kernels() is None
+
+
+@needs_logits
+def test_float32_logits_round_like_float32_and_a_row_s_are_the_same_alone_with_others_and_on_one_thread():
+    torch.manual_seed(4)
+    # 1003 rows (not a multiple of any pass's 1, 2, 4 or 8), 300 inputs (a tail of 4 after 8-value loads)
+    w, x = torch.randn(1003, 300), torch.randn(8, 300)
+    logits = native.kernel("logits_f32")
+    every = logits(x, w)
+    exact = x.double() @ w.double().T
+    bound = 300 * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    assert every.shape == (8, 1003) and ((every.double() - exact).abs() <= bound).all()
+    small = torch.randint(-4, 5, (8, 300)).float(), torch.randint(-50, 51, (1003, 300)).float()
+    assert torch.equal(logits(*small).double(), small[0].double() @ small[1].double().T)  # exact where float32 is
+    for rows in range(1, 8):
+        assert torch.equal(logits(x[:rows], w), every[:rows])
+        assert torch.equal(logits(x[rows : rows + 1], w), every[rows : rows + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(logits(x, w), every)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_logits
+def test_float32_logits_refuse_what_they_do_not_compute():
+    logits = native.kernel("logits_f32")
+    for x in (torch.zeros(9, 32), torch.zeros(0, 32), torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(1, 16)):
+        with pytest.raises(RuntimeError, match="logits_f32"):
+            logits(x, torch.zeros(8, 32))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        logits(torch.zeros(1, 32), torch.zeros(32, 8).t())  # an input-major weight: not the rows it reads
+
+
+@needs_logits
+def test_a_few_rows_of_a_float32_tied_lm_head_read_the_embedding_itself(tiny_model):
+    model, _ = load_model(tiny_model, torch.float32, torch.device("cpu"))  # tied embeddings; packed on load
+    head, embedding = model.lm_head, model.embed_tokens.weight
+    if native.kernel("gemv_f32") is not None:  # the input-major copy serves a few rows there
+        assert head.rows_kernel is None
+        return
+    assert head.rows_kernel is not None and head.rows is not None
+    assert head.rows.data_ptr() == embedding.data_ptr() and embedding.is_contiguous()
+    x = torch.randn(12, embedding.shape[1])
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 8, 9, 12):  # the kernel from two to eight rows, the input-major copy otherwise
+            torch.testing.assert_close(head(x[:rows]), F.linear(x[:rows], embedding), rtol=1e-5, atol=1e-5)
