@@ -12,6 +12,18 @@ of an earlier commit) and the two take turns, the order reversed each round,
 so a change is measured as one ratio from one run on the same machine
 (ratio = DIR's ms / this checkout's ms: above 1, this checkout is faster).
 
+``--lm-head`` times the model's lm_head alone instead (its shape from the
+model's config, float32, random weights, ``--threads`` threads, in this process):
+for each batch size, the path a tied lm_head took before engine.native's
+``logits_f32`` (one row: ``F.linear`` over the input-major copy; more:
+oneDNN's packed copy) beside the path it takes now where ``gemv_f32`` is not
+built (one row as before; two to eight: ``logits_f32`` over the embedding's
+rows, engine/model.py ``Linear.read_rows``), ``logits_f32`` alone, and torch's own ways over the rows
+(``F.linear``; oneDNN reading it in place); with a sum over the weight as the
+memory-speed bound (GB/s = the weight's bytes / time). Rounds alternate the
+order; each line gives wall-clock median and best, this process's CPU time
+(less swayed by other work on the cores) and the load average.
+
 ``--profile-dir DIR`` runs a single side under ``py-spy record`` (``pip
 install py-spy``) and writes one speedscope/flame file per batch size.
 """
@@ -25,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
@@ -70,6 +83,77 @@ def _worker(model: str, dtype: str, threads: int) -> None:
         while engine.has_unfinished():
             engine.step()
         print(json.dumps({"ms_per_step": ms}), file=results, flush=True)
+
+
+# ---- the lm_head alone ----------------------------------------------------------------------------
+
+
+def _lm_head(args, batches: list[int]) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    from engine import native
+    from engine.loader import load_config
+    from engine.models import MODEL_CACHE, resolve_model
+    from engine.row_buckets import packed_linear
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(str(resolve_model(args.model, MODEL_CACHE)))
+    vocab, hidden = cfg.vocab_size, cfg.hidden_size
+    kernel = native.kernel("logits_f32")
+    print(native.logits_status(), flush=True)
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, hidden, generator=gen) * 0.02  # [vocab, hidden]: the embedding's rows
+    input_major = weight.t().contiguous().t()  # the float32 Linear's weight before (Linear.pack_for_cpu)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    xs = {b: torch.randn(b, hidden, generator=gen) for b in batches}
+    ways: dict[str, Callable] = {
+        "old (input-major / packed)": lambda x: (
+            F.linear(x, input_major) if x.shape[0] == 1 else packed_linear(x, packed, None)
+        ),
+        "F.linear over the rows": lambda x: F.linear(x, weight),
+        "oneDNN over the rows": lambda x: packed_linear(x, weight, None),
+    }
+    if kernel is not None:  # the tied lm_head's path now (Linear.read_rows) where gemv_f32 is not built
+        ways["new (input-major / logits_f32)"] = lambda x: (
+            F.linear(x, input_major) if x.shape[0] == 1 else kernel(x, weight)
+        )
+        ways["logits_f32 over the rows"] = lambda x: kernel(x, weight)
+    for b in batches:  # every way gives the same logits (float32 sums in other orders)
+        want = xs[b].double() @ weight.double().t()
+        for name, way in ways.items():
+            err = (way(xs[b]).double() - want).abs().max().item()
+            assert err < 1e-4, (name, b, err)
+    cases = [("sum (memory bound)", 1, lambda x: weight.sum())] + [(n, b, w) for b in batches for n, w in ways.items()]
+    wall: dict[tuple[str, int], list[float]] = {}
+    cpu: dict[tuple[str, int], list[float]] = {}
+    loads = []
+    for r in range(args.rounds):
+        loads.append(Path("/proc/loadavg").read_text().split()[0])
+        for name, b, way in cases if r % 2 == 0 else reversed(cases):
+            way(xs[b])
+            for _ in range(3):
+                w0, c0 = time.perf_counter(), time.process_time()
+                way(xs[b])
+                wall.setdefault((name, b), []).append(time.perf_counter() - w0)
+                cpu.setdefault((name, b), []).append(time.process_time() - c0)
+    mb = weight.nbytes / 1e6
+    print(f"lm_head [{vocab} x {hidden}] float32 ({mb:.0f} MB), {args.threads} threads, {args.rounds} rounds x 3;"
+          f" load average at each round: {' '.join(loads)}")  # fmt: skip
+    print(
+        f"{'':32} {'batch':>5} {'wall med':>9} {'best':>7} {'cpu med':>8} {'GB/s':>6}   old / this (wall med, cpu med)"
+    )
+    for (name, b), ws in wall.items():
+        cs, key = cpu[(name, b)], ("old (input-major / packed)", b)
+        ratio = ""
+        if key in wall and not name.startswith("sum"):
+            by_wall = statistics.median(wall[key]) / statistics.median(ws)
+            ratio = f"   {by_wall:.2f}x {statistics.median(cpu[key]) / statistics.median(cs):.2f}x"
+        print(
+            f"{name:32} {b:>5} {statistics.median(ws) * 1e3:8.1f}ms {min(ws) * 1e3:6.1f}ms"
+            f" {statistics.median(cs) * 1e3:7.1f}ms {mb / 1e3 / min(ws):6.1f}{ratio}"
+        )
+    return 0
 
 
 # ---- driver --------------------------------------------------------------------------------------
@@ -130,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--against", type=Path, default=None, help="another checkout to measure beside this one")
+    p.add_argument("--lm-head", action="store_true", help="time the lm_head's ways alone (in this process)")
     p.add_argument("--profile-dir", type=Path, default=None, help="py-spy record this checkout's worker")
     p.add_argument("--json", default=None, help="write every sample here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -141,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cores = cpu_list(args.cpus)
     batches = [int(b) for b in args.batch.split(",")]
+    if args.lm_head:
+        return _lm_head(args, batches)
     if args.profile_dir is not None:
         if args.against is not None:
             p.error("--profile-dir profiles this checkout alone: drop --against")
