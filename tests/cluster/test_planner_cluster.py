@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 PROMPT = "one two three four five six seven eight " * 40  # about 320 tokens: 1.3 s of prefill a prompt
 
 
-def start(tmp_path_factory, tiny_model, mode: str) -> Cluster:
+def start(tmp_path_factory, tiny_model, mode: str, max_moves: int = 1) -> Cluster:
     """1P3D of mock engines whose prefill costs 4 ms a token, with the planner in ``mode``: a prompt's prefill
     takes long beside what a loaded machine adds to a request, so the prefill server is busy all the time."""
     model = weightless(tiny_model, tmp_path_factory.mktemp("weightless") / "tiny")
@@ -29,7 +29,7 @@ def start(tmp_path_factory, tiny_model, mode: str) -> Cluster:
     steps = {1: StepCost(base=0.002, per_token=0.004, per_attn=0.0, per_seq=0.0, per_key=0.0)}
     Profile("tiny", "float32", "cpu", 2, 64, steps, {1: 0.0}, 1e9, 1e-4, "test").save(profile)
     folder = tmp_path_factory.mktemp("planner")
-    planner = {"mode": mode, "interval_s": 1.0, "window_s": 4.0, "confirm": 2, "cooldown_s": 0}
+    planner = {"mode": mode, "interval_s": 1.0, "window_s": 4.0, "confirm": 2, "cooldown_s": 0, "max_moves": max_moves}
     planner |= {"ttft_s": 5.0, "tpot_s": 0.5, "profile": str(profile)}
     decode = [{"name": f"d{k}", "block_size": 16} for k in range(3)]
     changes = {**MOCK, "engine": {**MOCK["engine"], "mock_profile": str(profile)}, "planner": planner}
@@ -123,16 +123,22 @@ def test_long_prompts_make_the_planner_want_prefill_servers_and_recommending_cha
 def test_acting_the_planner_switches_decode_servers_to_prefill_under_load_and_fails_nothing(
     tmp_path_factory, tiny_model
 ):
-    c = start(tmp_path_factory, tiny_model, "act")
+    # up to two moves a decision: the long prompts want 3P1D, two away, so one decision drains two decode
+    # servers together (POST /admin/workers/drain) and switches them one after the other
+    c = start(tmp_path_factory, tiny_model, "act", max_moves=2)
     try:
         with LongPrompts(c) as load:
             wait_until(lambda: any((d["carried_out"] or "").startswith("switched") for d in decisions(c)), 90)
         carried = [d["carried_out"] for d in decisions(c) if d["carried_out"]]
         made = [(d["action"], d["reason"], d["carried_out"]) for d in decisions(c)]
-        assert carried and all(d.startswith("switched d") and " to prefill in " in d for d in carried), made
+        switches = [one for d in carried for one in d.split("; ")]
+        assert switches and all(d.startswith("switched d") and " to prefill in " in d for d in switches), made
+        assert any(
+            d["moves"] == 2 and d["carried_out"].count("switched") == 2 for d in decisions(c) if d["carried_out"]
+        ), made
         workers = c.http.get(f"{c.router_url}/admin/workers").json()["workers"]
         roles = sorted(w["role"] for w in workers if w["in_rotation"])
-        assert roles.count("prefill") == 1 + len(carried) and len(roles) == 4
+        assert roles.count("prefill") == 1 + len(switches) and len(roles) == 4
         assert load.failures == [] and load.answers > 0
         c.wait_idle(10.0)
         assert all(b["free"] == b["total"] for b in c.blocks().values())
