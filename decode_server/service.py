@@ -268,6 +268,9 @@ class GenerationService:
         except ValueError as exc:
             self._forget(active, Outcome.BAD_REQUEST)
             raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from exc
+        except WorkerError as exc:  # _opened: aborted, or moved off by a drain, while it opened
+            self._forget(active, exc.code)
+            raise
         except BaseException:
             self._forget(active)
             raise
@@ -275,15 +278,28 @@ class GenerationService:
     async def _opened(self, active: Active) -> None:
         """The open took its blocks (a reservation, or the engine's request). Closed meanwhile (its caller
         aborted it: a router whose wait for this open ran out tries again under another attempt id), it
-        frees them here, as ``close`` would have, and the open answers 409 ``aborted``."""
-        if self._active.get(active.request_id) is active:
+        frees them here, as ``close`` would have, and the open answers 409 ``aborted``. Moved off meanwhile
+        (the server began draining with ``drain: migrate``), it frees them too and answers 503 ``draining``,
+        on which the router opens the request on another decode server."""
+        closed = self._active.get(active.request_id) is not active
+        if not closed and not active.moved:
             active.opened = True
             return
         if active.lease is not None:
             active.lease.cancel()
         rid, transfer_id = active.request_id, active.transfer_id
         await asyncio.wrap_future(self.engine_thread.call(lambda e: self._drop(e, rid, transfer_id)))
-        raise WorkerError(409, f"request {rid!r} was aborted while it opened; its blocks are freed", Outcome.ABORTED)
+        if closed:
+            raise WorkerError(
+                409, f"request {rid!r} was aborted while it opened; its blocks are freed", Outcome.ABORTED
+            )
+        self.metrics.requests.labels(outcome=Outcome.DRAINING).inc()
+        raise WorkerError(
+            503,
+            f"{self.settings.name} began draining while {rid!r} opened; its blocks are freed",
+            Outcome.DRAINING,
+            retry_after=1,
+        )
 
     async def _reserve(
         self, req: GenerateRequest, sampling: SamplingParams, active: Active, caller: str = ""
@@ -422,8 +438,10 @@ class GenerationService:
             for active in list(self._active.values()):
                 if active.finished:
                     continue
-                active.queue.put_nowait(ErrorEvent(message=message, code=Outcome.DRAINING))
                 active.moved = True
+                if not active.opened:
+                    continue  # its open is still under way: it frees what it took and answers 503 draining
+                active.queue.put_nowait(ErrorEvent(message=message, code=Outcome.DRAINING))
                 rid, transfer_id = active.request_id, active.transfer_id
                 self.engine_thread.call(functools.partial(self._drop, request_id=rid, transfer_id=transfer_id))
             if self._active:

@@ -158,6 +158,40 @@ def test_an_open_aborted_before_it_took_its_blocks_frees_them_once_it_took_them(
     run_decode_service(engine, scenario)
 
 
+@pytest.mark.parametrize("local", [False, True], ids=["reservation", "local_prefill"])
+def test_an_open_under_way_when_the_server_drains_with_migrate_is_refused_and_frees_what_it_took(engine, local):
+    # A role switch or an admin drain with drain: migrate while an open, held before its reservation
+    # (hold_opens), is still reserving: the open goes on after the drain began. It must not hand out a
+    # reservation whose stream already moved off (its blocks would wait out the lease); it answers 503
+    # draining, which the router answers by opening the request on another decode server.
+    per_request = ("active", "streams", "awaiting", "cancelling", "unfilled_claims", "receiver_transfers")
+
+    async def scenario(service, receiver):
+        service.faults = faults = FaultInjector()
+        faults.arm(FaultPlan(hold_opens=1, pause_timeout_s=30))
+        req = generate_request("slow").model_copy(update={"local_prefill": local})
+        opening = asyncio.create_task(service.open(req))
+        await until(lambda: faults.status().held_opens == 1, what="the open held before its reservation")
+        active = service._active["slow"]
+        service.drain.start()
+        await until(lambda: active.moved, what="the drain moved the open's stream off")
+        faults.release()
+        with pytest.raises(WorkerError) as info:
+            await opening
+        assert (info.value.status, info.value.code, info.value.retry_after) == (503, Outcome.DRAINING, 1)
+        if not local:  # the reservation it made is cancelled at once, and freed once the receiver confirms
+            assert receiver.cancelled == ["t0"]
+            receiver.end("t0", Outcome.CANCELLED, "cancelled")
+        await until(lambda: blocks(service) == (8, 0, 0) and service.bookkeeping()["engine_requests"] == 0)
+        idle = service.bookkeeping()
+        assert {k: idle[k] for k in per_request} == dict.fromkeys(per_request, 0)
+        assert service.drain.inflight == 0
+
+    metrics = run_decode_service(engine, scenario, drain="migrate")
+    assert 'pdserve_transfer_failures_total{outcome="lease_expired"} 0.0' in metrics
+    assert 'pdserve_requests_total{outcome="draining"} 1.0' in metrics
+
+
 def test_n_sequences_stream_with_their_index_and_the_stream_ends_after_the_last_one(engine):
     async def scenario(service, receiver):
         req = GenerateRequest(
