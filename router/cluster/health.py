@@ -3,10 +3,11 @@
 A worker that streams tokens or answers calls is alive, whatever its
 ``/health`` would say under load. Every answer the router gets from a worker
 (a decode event, a prefill reply) is noted here (``answered``: it sets
-``Worker.last_seen`` and clears ``Worker.request_failures``); the registry's
-active check (router/cluster/registry.py) skips a worker heard from within the last
-check interval, so active checks run only for workers that are idle or
-failing, on their own HTTP client (router/app.py).
+``Worker.last_seen`` and clears ``Worker.request_failures``). The registry's
+active check (router/cluster/registry.py) polls every worker, on its own HTTP
+client (router/app.py), busy ones too, since only the poll reports a worker's
+load; a check of a busy worker that times out is not counted while its
+requests speak for it.
 
 A failed call takes a worker out of rotation (``WorkerRegistry.mark_down``,
 until an active check passes) when it proves the worker cannot take work:

@@ -3,9 +3,9 @@
 Workers come from config, and join and leave at runtime (``add`` and
 ``forget``, called by ``router.cluster.discovery``). A background task per
 worker polls its ``GET /health`` every ``health_interval_s`` seconds (waiting
-``health_timeout_s`` for the answer) unless real traffic already showed the
-worker alive within that interval (passive health, router/cluster/health.py,
-which also takes a worker out on failed requests): a worker that fails
+``health_timeout_s`` for the answer), busy or not: real traffic shows a worker
+alive (passive health, router/cluster/health.py, which also takes a worker out
+on failed requests) but says nothing of its load, which only the poll reports. A worker that fails
 ``unhealthy_after`` checks in a row is taken out of rotation; the next
 successful check brings it back. A check that times out counts only while
 this router has nothing in flight on the worker: a busy worker answers its
@@ -289,11 +289,6 @@ class WorkerRegistry:
         if worker.check_missed(self.unhealthy_after):
             log.warning("worker %s (%s) unhealthy: %s", worker.name, worker.url, exc)
 
-    def needs_check(self, worker: Worker, now: float | None = None) -> bool:
-        """Failing, or not heard from (by a real call) within the last interval."""
-        now = time.monotonic() if now is None else now
-        return not worker.healthy or worker.failures > 0 or now - worker.last_seen >= self.health_interval_s
-
     def next_check_in(self, worker: Worker) -> float:
         """Seconds to the worker's next check: ``health_interval_s`` while it answers, then doubling."""
         if worker.failures == 0:
@@ -352,7 +347,6 @@ class WorkerRegistry:
             await asyncio.gather(*watches, return_exceptions=True)
 
     async def _watch(self, client: httpx.AsyncClient, worker: Worker) -> None:
-        while True:
-            if self.needs_check(worker):
-                await self._check(client, worker)
+        while True:  # a busy worker too: its load (queued tokens, free blocks) is only known from this
+            await self._check(client, worker)
             await asyncio.sleep(self.next_check_in(worker))

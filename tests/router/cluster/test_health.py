@@ -8,6 +8,7 @@ import httpx
 from router.cluster.health import PassiveHealth
 from router.cluster.registry import Worker, WorkerRegistry
 from router.cluster.worker_client import WorkerFailed
+from tests.waiting import until
 from transfer.outcome import Outcome
 
 
@@ -61,17 +62,35 @@ def test_a_refused_health_check_counts_even_while_busy():
     assert not worker.healthy
 
 
-def test_a_worker_that_answered_a_real_call_within_the_interval_is_not_checked():
-    worker = Worker("d0", "decode", "http://d0")
-    registry = WorkerRegistry([worker], health_interval_s=2.0)
-    health = PassiveHealth(registry)
-    assert registry.needs_check(worker)  # never heard from
-    health.answered(worker)
-    now = worker.last_seen
-    assert not registry.needs_check(worker, now + 1.9)
-    assert registry.needs_check(worker, now + 2.0)
-    worker.healthy = False  # a failing worker is checked whatever its traffic
-    assert registry.needs_check(worker, now + 0.1)
+def test_a_worker_answering_real_calls_is_polled_all_the_same_and_its_load_is_the_reported_one():
+    """Real calls show a worker alive but say nothing of its load: a prefill server that answered one just
+    now is polled at once all the same, so the queued tokens the router reads (its least-loaded policy, and
+    the planner through the router's metrics) are the server's now, not those of the last poll before the
+    traffic began (a busy server once read 900 queued tokens through a whole phase of 48-token prompts)."""
+    worker = Worker("p0", "prefill", "http://p0")
+    worker.queue_depth, worker.queued_tokens, worker.free_blocks = 1, 900, 2  # its report before the traffic
+    registry = WorkerRegistry([worker], health_interval_s=60.0)  # one poll in this test: the first
+    PassiveHealth(registry).answered(worker)
+    polls = []
+
+    def report(request):
+        polls.append(request.url.path)
+        kv = {"free": 14, "reserved": 0, "running": 2, "total": 16, "block_size": 4}
+        return httpx.Response(200, json={"status": "ok", "queue_depth": 0, "queued_tokens": 0, "kv_blocks": kv})
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(report)) as client:
+            watch = asyncio.create_task(registry.run(client))
+            try:
+                await until(lambda: worker.queued_tokens == 0, 5)
+            finally:
+                watch.cancel()
+                await asyncio.gather(watch, return_exceptions=True)
+
+    asyncio.run(run())
+    assert polls == ["/health"]
+    assert (worker.queue_depth, worker.queued_tokens, worker.free_blocks) == (0, 0, 14)
+    assert worker.healthy and worker.failures == 0
 
 
 def test_connection_refused_on_a_real_call_takes_the_worker_out_at_once():
