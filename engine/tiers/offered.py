@@ -51,23 +51,38 @@ class OfferedBlocks:
         return len(hashes)
 
     def available(self, hashes: Sequence[int]) -> int:
-        """The run of ``hashes`` offered, continued by what the inner tiers list."""
+        """The run of ``hashes`` that is offered or listed by the inner tiers, in any alternation (this
+        server's own tier often holds a conversation's first turns, the offer the later ones)."""
         n = 0
-        while n < len(hashes) and hashes[n] in self._blocks:
-            n += 1
-        if self.inner is not None and n < len(hashes):
-            n += self.inner.available(hashes[n:])
+        while n < len(hashes):
+            m = n
+            while m < len(hashes) and hashes[m] in self._blocks:
+                m += 1
+            if m == n and self.inner is not None:
+                m += self.inner.available(hashes[n:])
+            if m == n:
+                break
+            n = m
         return n
 
     def load(self, hashes: Sequence[int], block_ids: Sequence[int]) -> int:
-        """Copy the offered blocks of ``hashes`` into ``block_ids``, then ask the inner tiers for the rest;
-        how many were copied in a run from the first."""
+        """Copy the blocks of ``hashes`` into ``block_ids``: offered ones from the offer, the others from
+        the inner tiers; how many were copied in a run from the first."""
         n = 0
-        while n < len(hashes) and (block := self._blocks.get(hashes[n])) is not None:
-            self.cache.kv[:, :, block_ids[n]].copy_(block)
-            n += 1
-        if self.inner is not None and n < len(hashes):
-            n += self.inner.load(hashes[n:], block_ids[n:])
+        while n < len(hashes):
+            if (block := self._blocks.get(hashes[n])) is not None:
+                self.cache.kv[:, :, block_ids[n]].copy_(block)
+                n += 1
+                continue
+            if self.inner is None:
+                break
+            m = n
+            while m < len(hashes) and hashes[m] not in self._blocks:
+                m += 1
+            got = self.inner.load(hashes[n:m], block_ids[n:m])
+            n += got
+            if n < m:  # the inner tiers did not serve one intact: the run ends there
+                break
         return n
 
 

@@ -51,3 +51,38 @@ def test_blocks_cut_from_a_read_load_into_another_caches_blocks(src_order, dst_o
     for p in range(24):
         assert torch.equal(token(dst, dst_ids, p), token(src, src_ids, p))
     assert offered.withdraw("r") == 6
+
+
+class HeldBlocks:
+    """A lower tier holding whole blocks by hash (engine/prefix_cache.py ``BlockTiers``), for the offer's
+    ``inner``: what this server's own tier holds of a conversation."""
+
+    def __init__(self, cache: KVCache, blocks: dict[int, torch.Tensor]) -> None:
+        self.cache, self.blocks = cache, blocks
+
+    def available(self, hashes) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.blocks:
+            n += 1
+        return n
+
+    def load(self, hashes, block_ids) -> int:
+        n = 0
+        while n < len(hashes) and hashes[n] in self.blocks:
+            self.cache.kv[:, :, block_ids[n]].copy_(self.blocks[hashes[n]])
+            n += 1
+        return n
+
+
+def test_an_offer_continues_the_run_this_servers_own_tier_holds_and_the_tier_continues_the_offer():
+    """Blocks 0-1 in this server's tier (its earlier turns), 2-3 offered (read from D), 4 in the tier again,
+    5 nowhere: a run of 5 whichever holds each, every block copied from the one that holds it."""
+    dst = cache(4, "NHD", blocks=8)
+    src = [torch.full(dst.kv[:, :, 0].shape, float(h)) for h in range(6)]
+    dst.kv.zero_()
+    offered = OfferedBlocks(dst, HeldBlocks(dst, {0: src[0], 1: src[1], 4: src[4]}))
+    offered.offer("r", [2, 3], [src[2], src[3]])
+    assert offered.available(list(range(6))) == 5 and offered.available([5, 0]) == 0
+    ids = [7, 6, 5, 4, 3, 2]
+    assert offered.load(list(range(6)), ids) == 5
+    assert [int(dst.kv[0, 0, i, 0, 0, 0]) for i in ids] == [0, 1, 2, 3, 4, 0]
