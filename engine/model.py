@@ -173,13 +173,15 @@ class Linear(nn.Linear):
       ``FEW_ROWS[float32]`` rows go to ``engine.native``'s ``gemv_f32``, which streams that
       tensor at memory speed for one to eight rows; without it, one row goes to torch's matmul
       (which streams that layout fastest). More rows (prefill, and without ``gemv_f32`` from
-      ``packed_min_rows``) go to oneDNN's matmul (torch's, MKL's, is over 2x slower here in
+      ``packed_min_rows``) go to oneDNN's matmul (torch's, MKL's, is over 2x slower on AVX-512 in
       either layout: bench/micro/f32_layouts.py), over a oneDNN-packed copy: the projections held
-      twice. With ``PDSERVE_F32_WEIGHT_COPIES=1`` (:func:`float32_weight_copies`) they are held
-      once: oneDNN reads the input-major tensor in place (``packed`` is that view), a 0.5B
-      model's resident memory 1.8 GB less, its prefill about 4 % slower and decode steps of 9 to
-      16 sequences up to 10 % (gate_up, wide, loses most: 6 to 15 % at 16 to 2048 rows; steps of
-      up to eight sequences are gemv_f32's either way; bench/micro/f32_copies.py).
+      twice; on a CPU with AVX2 and no AVX-512, ``MKL_MIN_ROWS`` rows and more go to torch's matmul
+      over the input-major tensor, faster there. With ``PDSERVE_F32_WEIGHT_COPIES=1``
+      (:func:`float32_weight_copies`) they are held once: oneDNN reads the input-major tensor in
+      place (``packed`` is that view), a 0.5B model's resident memory 1.8 GB less, its prefill
+      about 4 % slower and decode steps of 9 to 16 sequences up to 10 % (gate_up, wide, loses
+      most: 6 to 15 % at 16 to 2048 rows; steps of up to eight sequences are gemv_f32's either
+      way; bench/micro/f32_copies.py).
 
     ``weight`` keeps its [out, in] shape and values either way, so reading or sharding it
     elsewhere is unchanged.
@@ -191,6 +193,14 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     packed_all = False  # the packed copy serves every batch size
+    # float32 on a CPU whose best vectors are AVX2 (no AVX-512): this many rows and more (prefill chunks) go to
+    # torch's matmul (MKL) over the input-major weight, which computes them faster there than oneDNN's packed
+    # copy (a 1027-token prefill of SmolLM2 1.21x as fast, 2050 tokens 1.07x, one thread's CPU time; a closed loop
+    # of long prompts: bench/micro/long_prompts.py); on AVX-512 oneDNN's is the faster one (f32_layouts.py). Not
+    # the lm_head (its rows are a step's sampled ones).
+    MKL_MIN_ROWS = 512
+    MKL_MAX_OUT = 16384
+    mkl_min_rows = 0  # 0: none
     few_rows: Callable | None = None  # the native kernel for up to few_rows_max rows
     rows: torch.Tensor | None = None  # a tied lm_head's embedding rows, read by rows_kernel (read_rows)
     rows_kernel: Callable | None = None
@@ -213,6 +223,8 @@ class Linear(nn.Linear):
             if self.packed is None:  # one copy: oneDNN reads the input-major tensor in place
                 self.packed = self.weight.detach()
             self.few_rows = native.kernel("gemv_f32")
+            if torch.backends.cpu.get_cpu_capability() == "AVX2" and self.out_features <= self.MKL_MAX_OUT:
+                self.mkl_min_rows = self.MKL_MIN_ROWS
         if self.few_rows is not None:
             self.few_rows_max = self.FEW_ROWS[weight.dtype]
 
@@ -240,6 +252,8 @@ class Linear(nn.Linear):
             return self.rows_kernel(x, self.rows)
         if self.few_rows is not None and 0 < x.shape[0] <= self.few_rows_max:
             return self.few_rows(x, self.weight, self.bias)
+        if self.mkl_min_rows and x.shape[0] >= self.mkl_min_rows:
+            return F.linear(x, self.weight, self.bias)
         if self.packed is not None and (self.packed_all or x.shape[0] >= self.packed_min_rows):
             return packed_linear(x, self.packed, self.bias)  # rows padded to a few sizes (engine/row_buckets.py)
         return F.linear(x, self.weight, self.bias)

@@ -69,6 +69,29 @@ def test_packed_linear_equals_plain_linear(dtype, bias):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_float32_prefill_rows_go_to_torchs_matmul_on_avx2_alone(bias):
+    """On a CPU whose best vectors are AVX2, MKL_MIN_ROWS rows and more of a float32 projection are torch's
+    matmul over the input-major weight (oneDNN's packed copy is slower there); elsewhere oneDNN's; never
+    the lm_head's wide matrix."""
+    torch.manual_seed(0)
+    linear, wide = Linear(96, 160, bias=bias), Linear(8, Linear.MKL_MAX_OUT + 1, bias=False)
+    weight = linear.weight.detach().clone()
+    b = None if linear.bias is None else linear.bias.detach().clone()
+    linear.pack_for_cpu()
+    wide.pack_for_cpu()
+    avx2 = torch.backends.cpu.get_cpu_capability() == "AVX2" and linear.packed is not None
+    assert linear.mkl_min_rows == (Linear.MKL_MIN_ROWS if avx2 else 0)
+    assert wide.mkl_min_rows == 0
+    for rows in (Linear.MKL_MIN_ROWS - 1, Linear.MKL_MIN_ROWS, 1027):
+        x = torch.randn(rows, 96)
+        with torch.inference_mode():
+            got = linear(x)
+            if avx2 and rows >= Linear.MKL_MIN_ROWS:
+                assert torch.equal(got, F.linear(x, linear.weight, linear.bias))
+            torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+
+
 def held_bytes(model) -> int:
     """The bytes of every distinct storage the model's parameters and its Linear layers' packed tensors hold
     (a oneDNN-packed copy, opaque, holds its own)."""
