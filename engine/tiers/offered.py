@@ -8,8 +8,10 @@ the request. At admission the scheduler finds them as it finds a tier's blocks
 (``available`` / ``load``, engine/prefix_cache.py ``lookup_tiers``): it copies
 them into fresh blocks, computes only the rest, and registers them with the
 computed ones, so this server's cache holds the prefix afterwards. The offer is
-withdrawn when the request's prefill ends, used or not. Past the offered run,
-the engine's own tiers (engine/tiers/kv.py) are asked as before.
+withdrawn when the request's prefill ends, used or not. A run of blocks may
+alternate between the offer and the engine's own tiers (engine/tiers/kv.py):
+this server's tier often holds a conversation's first turns, the offer the
+later ones; each block is taken from whichever holds it.
 """
 
 from __future__ import annotations
