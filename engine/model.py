@@ -211,9 +211,12 @@ class Linear(nn.Linear):
             return
         if weight.dtype not in (torch.bfloat16, torch.float32):
             return
-        self.packed_all = weight.dtype == torch.bfloat16
         if weight.dtype == torch.bfloat16:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            # oneDNN packs bfloat16 only where the CPU converts it (AVX-512 BW/VL/DQ or AVX-NE-CONVERT); on an
+            # AVX2 CPU its reorder raises, and torch's own bfloat16 matmul serves every row count instead
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+                self.packed_all = True
             if weight.is_contiguous():
                 self.few_rows = native.kernel("gemv_bf16")
         if weight.dtype == torch.float32:  # input-major, for gemv_f32 or the one-row matmul
