@@ -26,7 +26,10 @@ def main() -> None:
 
     def serve() -> None:  # the engine thread of a server
         sampling = SamplingParams(max_tokens=WARMUP + STEPS + 2, temperature=0, ignore_eos=True)
-        engine.add_request("r", list(range(3, 40)), sampling)
+        # four streams: a step of four rows runs every projection as a parallel kernel on any CPU (one row
+        # is a single-threaded matrix-vector product where the AVX-512 kernels are not built)
+        for i in range(4):
+            engine.add_request(f"r{i}", list(range(3 + i, 40 + i)), sampling)
         for _ in range(WARMUP):
             engine.step()
         before = resource.getrusage(resource.RUSAGE_SELF).ru_nvcsw
