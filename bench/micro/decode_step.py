@@ -34,11 +34,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from bench.micro.worker_side import WorkerSide
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -159,43 +160,17 @@ def _lm_head(args, batches: list[int]) -> int:
 # ---- driver --------------------------------------------------------------------------------------
 
 
-class Side:
+class Side(WorkerSide):
     def __init__(self, name: str, root: Path, args, cores: list[int], profile: Path | None = None) -> None:
-        self.name = name
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, str(HERE), "--worker", "--model", args.model, "--dtype", args.dtype]
         cmd += ["--threads", str(args.threads)]
         if profile is not None:
             cmd = ["py-spy", "record", "--format", "speedscope", "-o", str(profile), "--", *cmd]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=root,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, cores),
-        )
+        super().__init__(name, cmd, cwd=root, env=env, preexec_fn=lambda: os.sched_setaffinity(0, cores))
 
     def run(self, batch: int, steps: int, prompt_len: int) -> float:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps({"batch": batch, "steps": steps, "prompt_len": prompt_len}) + "\n")
-        self.proc.stdin.flush()
-        while True:  # py-spy, when it wraps the worker, writes its own lines here too
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError(f"{self.name} worker exited ({self.proc.wait()})")
-            if line.startswith("{"):
-                return float(json.loads(line)["ms_per_step"])
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        return float(self.ask({"batch": batch, "steps": steps, "prompt_len": prompt_len})["ms_per_step"])
 
 
 def main(argv: list[str] | None = None) -> int:

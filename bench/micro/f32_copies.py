@@ -19,10 +19,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.micro.worker_side import WorkerSide
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -101,35 +102,15 @@ def _worker(model: str, threads: int) -> None:
               file=results, flush=True)  # fmt: skip
 
 
-class Side:
+class Side(WorkerSide):
     def __init__(self, name: str, args) -> None:
-        self.name = name
         env = {**os.environ, "PDSERVE_F32_WEIGHT_COPIES": SIDES[name]}
         cmd = [sys.executable, str(HERE), "--worker", "--model", args.model, "--threads", str(args.threads)]
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        super().__init__(name, cmd, cwd=REPO, env=env)
         self.loaded_rss = self.read()["rss_mib"]
 
-    def read(self) -> dict:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.name} worker exited ({self.proc.wait()})")
-        return json.loads(line)
-
     def run(self, cmd: dict) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        return self.ask(cmd)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,10 +23,11 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.micro.worker_side import WorkerSide
 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[2]
@@ -88,39 +89,14 @@ def _round(engine, clock, salt: int, streams: int, total: int, prompt_len: int, 
     }
 
 
-class Side:
+class Side(WorkerSide):
     def __init__(self, name: str, root: Path, args, cores: list[int]) -> None:
-        self.name = name
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, str(HERE), "--worker", "--model", args.model, "--threads", str(args.threads)]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=root,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            preexec_fn=lambda: os.sched_setaffinity(0, cores),
-        )
+        super().__init__(name, cmd, cwd=root, env=env, preexec_fn=lambda: os.sched_setaffinity(0, cores))
 
     def run(self, streams: int, requests: int, prompt_len: int, output_len: int) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        cmd = {"streams": streams, "requests": requests, "prompt_len": prompt_len, "output_len": output_len}
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{self.name} worker exited ({self.proc.wait()})")
-        return json.loads(line)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        return self.ask({"streams": streams, "requests": requests, "prompt_len": prompt_len, "output_len": output_len})
 
 
 def main(argv: list[str] | None = None) -> int:
