@@ -30,6 +30,7 @@ import functools
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import anyio
@@ -37,6 +38,7 @@ import torch
 
 from decode_server.stream_trace import StreamTrace
 from engine import LLMEngine, NoCapacityError, SamplingParams, StepOutput
+from engine.tiers.offered import PinnedRead
 from kvlink.ports import Expected, KVReceiverPort, ReceiverFactory
 from kvlink.prefix_read import encode_prefix
 from server_common.engine_thread import EngineThread
@@ -68,6 +70,7 @@ from wire.requests import GenerateRequest, KVPrefixRead
 
 log = logging.getLogger(__name__)
 BACKSTOP_S = 5.0
+READ_COPY_THREADS = 2  # prefix reads copied out at once; the others queue, their blocks pinned meanwhile
 
 
 @dataclass(frozen=True)
@@ -143,6 +146,8 @@ class GenerationService:
         # end at once with a "draining" error, on which the router continues them on another decode server.
         self.drain = Drain(lambda: len(self._active), self._move_streams if settings.drain == "migrate" else None)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Prefix reads' copies (``read_prefix``), off the engine thread: numpy copies (no OpenMP team).
+        self._copies = ThreadPoolExecutor(READ_COPY_THREADS, thread_name_prefix=f"kv-read-{settings.name}")
         # Last: a running engine thread (another role's, before) calls these from its next round on.
         self.engine_thread.rebind(self._emit, between_steps=self._collect_transfers if make_receiver else None)
 
@@ -161,6 +166,8 @@ class GenerationService:
 
     async def stop(self) -> None:
         self.tracing.shutdown()
+        # Copies not started are cancelled (and unpin); a running one ends on its own and unpins.
+        self._copies.shutdown(wait=False, cancel_futures=True)
         if self._owns_thread:
             self.engine_thread.stop()
         if self._receiver is not None:
@@ -171,7 +178,7 @@ class GenerationService:
         transfer open, nothing on the engine (a role switch waits for it)."""
         sizes = self.bookkeeping()
         keys = ("active", "streams", "awaiting", "cancelling", "unfilled_claims", "receiver_transfers")
-        return not any(sizes[k] for k in (*keys, "engine_requests"))
+        return not any(sizes[k] for k in (*keys, "engine_requests", "read_pins"))
 
     async def accept_sender(self, hello: bytes) -> list[bytes]:
         """Every rank's answer to a prefill rank's hello (one: a server without tensor-parallel ranks)."""
@@ -188,35 +195,62 @@ class GenerationService:
 
     async def read_prefix(self, req: KVPrefixRead) -> tuple[dict[str, str], memoryview]:
         """A prefill server reads tokens [start, end) of the cached prefix reservation ``transfer_id`` pins
-        (decode-to-prefill reuse, kvlink/prefix_read.py): copied out on the engine thread while the
-        reservation still waits for its KV, so its blocks are neither freed nor reused mid-read (the
-        reservation's pin covers the read; nothing else is taken or released); the answer's headers and
-        body (``encode_prefix``: the copied-out tensor's memory, checksummed). WorkerError when no
-        reservation waits under that id (409) or the range is not in its cached prefix (400)."""
+        (decode-to-prefill reuse, kvlink/prefix_read.py) while the reservation still waits for its KV. The
+        engine thread only pins the blocks holding them (``LLMEngine.pin_reserved``: a reference each) and
+        hands the pin to a copy job (``_copy_out``), which copies their bytes on a thread of the service's
+        own and then has the engine thread drop the pin, whatever happens to this call or the reservation
+        meanwhile: no step waits on a read's copy, and no pinned block is freed, evicted or handed out
+        mid-copy. The answer's headers and body (``encode_prefix``: the copied-out tensor's memory,
+        checksummed). WorkerError when no reservation waits under that id (409) or the range is not in its
+        cached prefix (400)."""
         if self._receiver is None:
             reason = f"{self.settings.name} is a colocated server: it holds no reservations"
             raise WorkerError(409, reason, Outcome.WRONG_ROLE)
 
-        def read(e: LLMEngine) -> torch.Tensor:
+        def pin(e: LLMEngine) -> Future[torch.Tensor]:
             pending = self._awaiting.get(req.transfer_id)
             if pending is None:
                 raise WorkerError(409, "no reservation waits for KV under that transfer id", Outcome.STALE_RESERVATION)
             try:
-                return e.read_reserved(pending.request_id, req.start, req.end)
+                read = e.pin_reserved(pending.request_id, req.start, req.end)
             except ValueError as exc:
                 raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from None
+            return self._copy_out(read)  # the pin is the copy job's from here: it drops it
 
         try:
-            tokens = await self.engine_thread.run(read)
+            # A call left before it ran takes nothing (the engine thread skips it); one that ran handed its pin on.
+            copied = await self.engine_thread.run(pin)
         except WorkerError as exc:
             self.metrics.prefix_reads.labels(outcome=exc.code).inc()
             raise
+        tokens = await asyncio.wrap_future(copied)
         if self.faults is not None:
             await self.faults.hold_read()  # hold_reads: a read in flight, its tokens out, its answer not sent
         corrupt = self.faults is not None and self.faults.take("corrupt_reads")
         answer = await asyncio.to_thread(encode_prefix, req.transfer_id, req.start, req.end, tokens, corrupt)
         self.metrics.prefix_reads.labels(outcome=Outcome.OK).inc()
         return answer
+
+    def _copy_out(self, read: PinnedRead) -> Future[torch.Tensor]:
+        """On the engine thread: a job on the copy threads that copies ``read``'s tokens out and then, copied
+        or failed, has the engine thread drop its pin (``unpin`` at its next round)."""
+
+        def unpin() -> None:
+            self.engine_thread.call(lambda e: e.unpin(read))  # refused only by an engine thread that ended
+
+        def job() -> torch.Tensor:
+            try:
+                return read.copy()
+            finally:
+                unpin()
+
+        def cancelled(f: Future[torch.Tensor]) -> None:
+            if f.cancelled():  # before it ran (the service stopping): the pin is dropped all the same
+                unpin()
+
+        copied = self._copies.submit(job)
+        copied.add_done_callback(cancelled)
+        return copied
 
     # ---- requests -------------------------------------------------------------
     async def open(self, req: GenerateRequest, caller: str = "") -> tuple[ReservationEvent, Active]:
@@ -544,7 +578,8 @@ class GenerationService:
     def bookkeeping(self) -> dict[str, int]:
         """Entries of each map here that grows with traffic (GET /debug/bookkeeping). Per request, 0 once
         idle: ``active``, ``streams``, ``awaiting``, ``cancelling``, ``unfilled_claims``,
-        ``receiver_transfers``, ``engine_requests``. Bounded: ``timeline_entries``, ``prefix_cached_blocks``
+        ``receiver_transfers``, ``engine_requests``, ``read_pins`` (prefix reads whose blocks are pinned
+        while they are copied out). Bounded: ``timeline_entries``, ``prefix_cached_blocks``
         (the cache's blocks)."""
         scheduler = self.engine_thread.stats.scheduler
         return {
@@ -555,6 +590,7 @@ class GenerationService:
             "unfilled_claims": len(self.unfilled),
             "receiver_transfers": self._receiver.open_transfers() if self._receiver is not None else 0,
             "engine_requests": scheduler.num_requests,
+            "read_pins": scheduler.read_pins,
             "timeline_entries": len(self.timeline),
             "prefix_cached_blocks": scheduler.cached,
         }

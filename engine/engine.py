@@ -32,7 +32,7 @@ from engine.sequences import record_token
 from engine.structured import StructuredOutputs
 from engine.tensor_parallel import Shard
 from engine.tiers.kv import KvTiers
-from engine.tiers.offered import OfferedBlocks, cut_blocks, read_tokens
+from engine.tiers.offered import OfferedBlocks, PinnedRead, cut_blocks
 from engine.tiers.tier import TierStats
 from engine.window_pool import WindowPool
 
@@ -262,12 +262,14 @@ class LLMEngine:
         probe = Request("probe", list(prompt_token_ids), sampling or SamplingParams(), cache_salt=cache_salt)
         return self.scheduler.cached_prefix_tokens(probe)
 
-    def read_reserved(self, request_id: str, start: int, end: int) -> torch.Tensor:
-        """Decode mode: every layer's K/V of tokens [start, end) of a reservation's cached prefix, which the
-        reservation pins (nothing evicts or reuses those blocks while it waits for remote KV), as a CPU
-        tensor [layers, K|V, tokens, heads, width]: what a prefill server reads back (decode-to-prefill
-        reuse, engine/tiers/offered.py). KeyError: no reservation waiting for remote KV under that id;
-        ValueError: a range past the cached prefix, or an engine split over ranks (rank 0 holds a slice)."""
+    def pin_reserved(self, request_id: str, start: int, end: int) -> PinnedRead:
+        """Decode mode: pin the blocks holding tokens [start, end) of a reservation's cached prefix for a
+        read by a prefill server (decode-to-prefill reuse, engine/tiers/offered.py): one more reference
+        to each (``Scheduler.pin``), so that none is freed, evicted or handed out while the read's
+        ``copy`` runs on another thread, even if the reservation ends meanwhile; ``unpin`` it after, on
+        this engine's thread, on every path. KeyError: no reservation waiting for remote KV under that
+        id; ValueError: a range past the cached prefix, or an engine split over ranks (rank 0 holds a
+        slice)."""
         request = self.scheduler.parked.get(request_id)
         if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
             raise KeyError(f"no reservation waiting for remote KV with id {request_id!r}")
@@ -275,7 +277,24 @@ class LLMEngine:
             raise ValueError("an engine split over ranks holds a slice of each block on each rank")
         if not 0 <= start < end <= request.num_cached_tokens:
             raise ValueError(f"tokens [{start}, {end}) are not in the {request.num_cached_tokens} cached ones")
-        return read_tokens(self.cache, request.block_ids, start, end)
+        bs = self.cache.block_size
+        first, last = start // bs, -(-end // bs)
+        block_ids = request.block_ids[first:last]
+        pin_id = self.scheduler.pin(block_ids)
+        return PinnedRead(pin_id, self.cache, tuple(block_ids), start - first * bs, end - first * bs)
+
+    def unpin(self, read: PinnedRead) -> None:
+        """Drop the pin ``pin_reserved`` took (once: KeyError after)."""
+        self.scheduler.unpin(read.pin_id)
+
+    def read_reserved(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """``pin_reserved``, its ``copy`` and ``unpin`` at once, on this thread: every layer's K/V of tokens
+        [start, end) of a reservation's cached prefix, a CPU tensor [layers, K|V, tokens, heads, width]."""
+        read = self.pin_reserved(request_id, start, end)
+        try:
+            return read.copy()
+        finally:
+            self.unpin(read)
 
     def offer_prefix(
         self,

@@ -16,7 +16,10 @@ tokens it already produced (recompute, not swap).
 Requests whose KV is written by someone else are parked in
 WAITING_FOR_REMOTE_KV with their blocks reserved and never scheduled until
 ``admit_remote`` marks the prompt computed; from then on they are ordinary
-running requests. In prefill mode a request stops once its prompt is
+running requests. A read of a reservation's cached prefix by another server
+``pin``s the blocks it reads (one more reference each, ``unpin`` drops it): the
+bytes are copied off the engine thread meanwhile, and a pinned block is never
+freed, evicted or handed out, even when its reservation ends first. In prefill mode a request stops once its prompt is
 computed and its first token sampled; it keeps its blocks (PREFILLED) until
 ``release``.
 
@@ -51,6 +54,7 @@ preempted and finish on their own (when a drawn token ends one:
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
@@ -125,6 +129,7 @@ class SchedulerStats:
     queued_tokens: int = 0  # prompt tokens not computed yet
     num_requests: int = 0  # requests held in any state
     num_running: int = 0  # requests being computed
+    read_pins: int = 0  # reads of a reservation's prefix holding its blocks now (``Scheduler.pin``)
     # (state, arrival time.monotonic(), blocks) of every request holding blocks; state: reserved | running
     holders: tuple[tuple[str, float, int], ...] = ()
 
@@ -151,6 +156,8 @@ class Scheduler:
         self.parked: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV and PREFILLED (sequence 0 only)
         self.requests: dict[str, list[Request]] = {}  # request id -> its live sequences
         self.block_copies: list[tuple[int, int]] = []  # (source, destination) blocks of forks, to copy now
+        self.pins: dict[int, list[int]] = {}  # pin id -> blocks a read holds one reference to (``pin``)
+        self._next_pin = 0
 
     # ---- admission -------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -204,6 +211,20 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return self._start_sequences(request, ChunkResult(list(first_token_ids)), None)
+
+    def pin(self, block_ids: Sequence[int]) -> int:
+        """One more reference to each of ``block_ids`` (owned blocks: a reservation's cached prefix), for a
+        read that copies them off the engine thread: none of them is freed, evicted or handed out until
+        ``unpin`` with the id returned, whoever else lets go of them first."""
+        self.blocks.share(block_ids)
+        self._next_pin += 1
+        self.pins[self._next_pin] = list(block_ids)
+        return self._next_pin
+
+    def unpin(self, pin_id: int) -> None:
+        """Drop the references ``pin`` took (blocks no request holds any more go back to free or cached-free).
+        KeyError: no such pin (each is dropped once)."""
+        self.blocks.free(self.pins.pop(pin_id))
 
     # ---- one step ---------------------------------------------------------
     def schedule(self) -> SchedulePlan:
@@ -306,8 +327,10 @@ class Scheduler:
 
     def block_counts(self) -> dict[str, int]:
         """Blocks by state. ``free`` counts cached blocks with no owner; a block shared by a
-        parked and a running request counts as running."""
+        parked and a running request counts as running; one a read's pin alone holds (its reservation
+        gone) counts as reserved."""
         parked = {b for r in self.parked.values() for b in r.held_block_ids}
+        parked.update(b for ids in self.pins.values() for b in ids)
         if parked:
             parked -= {b for r in self.running for b in r.held_block_ids}
         reserved = len(parked)
@@ -327,6 +350,7 @@ class Scheduler:
             queued_tokens=sum(max(0, r.num_prompt_tokens - r.num_computed) for r in [*self.waiting, *self.running]),
             num_requests=len(self.requests),
             num_running=len(self.running),
+            read_pins=len(self.pins),
             holders=tuple(
                 ("reserved" if self.parked.get(r.request_id) is r else "running", r.arrival_time, len(r.held_block_ids))
                 for r in self.sequences()
@@ -341,6 +365,7 @@ class Scheduler:
     def check_integrity(self) -> None:
         self.blocks.check_integrity()
         owners = Counter(b for r in self.sequences() for b in r.held_block_ids)
+        owners.update(b for ids in self.pins.values() for b in ids)
         for request in self.sequences():
             held = request.held_block_ids
             assert len(held) == len(set(held)), f"{request.request_id} holds a block twice"

@@ -8,8 +8,9 @@ of computing them, under the reservation's transfer id and within its lease::
 
     router ── /generate ──▶ D  reserve: cached prefix pinned, transfer id T, lease
     router ── /prefill  ──▶ P  P holds less than num_cached_tokens:
-                               P ── POST /kv/read {T, start, end} ──▶ D   (engine thread: T still waits
-                               P ◀── tokens' K/V; headers: T, range, CRC32    for its KV, the range is pinned)
+                               P ── POST /kv/read {T, start, end} ──▶ D   (engine thread: T still waits for
+                               P ◀── tokens' K/V; headers: T, range, CRC32    its KV, the range's blocks pinned;
+                                                                              copied out on another thread)
                                P checks the checksum, offers the blocks to its engine
                                (engine/tiers/offered.py), computes only the rest and pushes
                                tokens [num_cached_tokens, n) into T as always

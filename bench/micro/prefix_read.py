@@ -5,7 +5,7 @@
 For each length L (tokens of the prefix read), on caches of ``--model``'s shape (float32; D's blocks of 16
 HND, P's blocks of 16 NHD, as the SmolLM2 clusters use), the median over ``--rounds`` of:
 
-- ``d_copy_ms``: ``read_tokens`` on D's engine thread (the blocks picked out of D's cache, made contiguous);
+- ``d_copy_ms``: ``read_tokens`` on one of D's copy threads (the pinned blocks picked out of its cache, contiguous);
 - ``d_encode_ms``: ``encode_prefix`` (the answer's headers and the tensor's memory as its body, CRC32);
 - ``fetch_ms``: ``fetch_prefix`` (P's read, on a worker thread) against POST /kv/read of a Starlette app in
   another process served by uvicorn, answering the same precomputed headers and body with the decode

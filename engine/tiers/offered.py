@@ -17,7 +17,9 @@ later ones; each block is taken from whichever holds it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.kv_cache import KVCache
@@ -91,8 +93,10 @@ class OfferedBlocks:
 def read_tokens(cache: KVCache, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
     """Every layer's K and V of tokens [start, end) of a request whose blocks are ``block_ids``, as one
     contiguous CPU tensor [layers, K|V, tokens, heads, width] whatever the cache's block size and order.
-    On the CPU each block's part is copied once, straight into the result; on an accelerator the blocks
-    are gathered there and come over in one copy."""
+    On the CPU each block's part is copied once, straight into the result, by numpy: one thread, no
+    OpenMP team (this runs off the engine thread, whose team must stay the only one, see
+    server_common/engine_thread.py ``build_engine``), and the GIL released while it copies. On an
+    accelerator the blocks are gathered there and come over in one copy."""
     bs = cache.block_size
     first, last = start // bs, -(-end // bs)
     blocks = cache.kv.transpose(3, 4) if cache.order == "HND" else cache.kv  # [layers, 2, n, slot, head, width]
@@ -102,10 +106,30 @@ def read_tokens(cache: KVCache, block_ids: Sequence[int], start: int, end: int) 
         return tokens[:, :, start - first * bs : end - first * bs].to("cpu").contiguous()
     layers, _, _, _, heads, width = blocks.shape
     out = torch.empty((layers, 2, end - start, heads, width), dtype=cache.dtype)
+    # As bytes (the width's last): numpy knows no bfloat16.
+    src, dst = blocks.view(torch.uint8).numpy(), out.view(torch.uint8).numpy()
     for i in range(first, last):
         a, b = max(start, i * bs), min(end, (i + 1) * bs)
-        out[:, :, a - start : b - start].copy_(blocks[:, :, block_ids[i], a - i * bs : b - i * bs])
+        np.copyto(dst[:, :, a - start : b - start], src[:, :, block_ids[i], a - i * bs : b - i * bs])
     return out
+
+
+@dataclass(frozen=True)
+class PinnedRead:
+    """Tokens of a reservation's cached prefix whose blocks a read pins (``LLMEngine.pin_reserved``):
+    ``copy`` them from any thread, then ``LLMEngine.unpin`` on the engine thread. While pinned no block
+    is freed, evicted or handed out, and nothing writes the slots read: full blocks are immutable once
+    cached, and a kept tail's owner writes only past the tokens it was kept with."""
+
+    pin_id: int
+    cache: KVCache
+    block_ids: tuple[int, ...]  # the blocks holding the tokens, the first one first
+    start: int  # the first token, counted from the first block's first slot
+    end: int
+
+    def copy(self) -> torch.Tensor:
+        """The tokens' K/V ([layers, K|V, tokens, heads, width], a CPU tensor of their own)."""
+        return read_tokens(self.cache, self.block_ids, self.start, self.end)
 
 
 def cut_blocks(cache: KVCache, tokens: torch.Tensor) -> list[torch.Tensor]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, NoCapacityError, SamplingParams
 from engine.kv_events import KvEventLog
 from tests.engine.oracle import hf_greedy
 
@@ -115,3 +115,35 @@ def test_the_block_events_say_how_much_of_a_chain_a_server_holds():
     assert log.held_run([1, 2, 3, 4, 5]) == 4
     log.evicted(2)
     assert log.held_run([1, 2, 3]) == 1 and log.held_run([]) == 0
+
+
+def test_a_pinned_read_keeps_its_blocks_out_of_every_free_list_after_its_reservation_ends(tiny_model):
+    """A read pins the 3 blocks holding D's cached 47 tokens (2 of 16 and the kept tail of 15); the
+    reservation is aborted meanwhile: the pinned blocks count as reserved, a request taking every block
+    left gets none of them, and their bytes are what they were; unpinned, every block is free again."""
+    prefill, decode = engines(tiny_model)
+    try:
+        answer = prefill_remote(prefill, decode, "t1", TURN1, pull=False)
+        turn2 = TURN1 + answer + NEW
+        decode.reserve("t2", turn2, SAMPLING)
+        assert decode.num_cached_tokens("t2") == 47
+        before = decode.read_reserved("t2", 0, 47)
+        read = decode.pin_reserved("t2", 5, 47)
+        assert (len(read.block_ids), read.start, read.end) == (3, 5, 47)
+        assert decode.block_counts() == {"free": 12 - 4, "reserved": 4, "running": 0}  # 59 tokens: 4 blocks
+        decode.abort("t2")
+        assert decode.block_counts() == {"free": 12 - 3, "reserved": 3, "running": 0}
+        decode.check_integrity()
+        taken = decode.reserve("other", [7] * (9 * 16 - 1), SAMPLING)  # every block left, evicting the cached ones
+        assert not set(taken) & set(read.block_ids)
+        with pytest.raises(NoCapacityError):
+            decode.reserve("more", [5] * 8, SAMPLING)
+        assert torch.equal(read.copy(), before[:, :, 5:])
+        decode.abort("other")
+        decode.unpin(read)
+        with pytest.raises(KeyError):
+            decode.unpin(read)
+        all_free(prefill, decode)
+    finally:
+        prefill.close()
+        decode.close()
