@@ -66,15 +66,22 @@ Two ways to act:
   cooldown too, so a burst does not remove capacity it just added.
 
 A shift in the mix is read from the window's last part: each decision also
-gets ``recent``, the load since the last scrape, and when a role's arriving
-tokens there depart from the rest of the window's rate by more than
-``SHIFT_Z`` standard deviations (``shifted``: Poisson arrivals of the rest's
-mean request, their sizes as varied as an exponential's), the demand is
-read from the recent part alone, and the decision says so (``shifted``) so
-that the loop starts its window again there. Without it a window of 8 s
-holds the last phase for 4 intervals after a phase changes, and the move
-comes several intervals late; a steady load seldom departs by that much,
-and a move still needs ``confirm`` intervals, the target and the hysteresis.
+gets ``recent``, the load since the last scrape, and tests its arrivals
+against the rest of the window (``shift_parts``: the likelihood ratio of each
+part with a request rate and, per role, a mean request of its own against
+both sharing them, as Poisson arrivals of exponential sizes). When a role's
+figure is beyond ``SHIFT_LIMIT`` (as unlikely without a shift as ``SHIFT_Z``
+standard deviations) the mix has shifted, and the decision says so
+(``shifted``). Until the window holds nothing from before that shift, its
+demand is read from the arrivals since the shift: their sizes at the
+window's request rate when only the sizes departed (a new mix at about the
+same rate: a phase's first seconds hold too few requests to say the rate,
+and the window's hold enough), or the arrivals since alone when the rate
+departed too; and each later part is tested against the arrivals since the
+shift, not the window's rest (another mix). Without it a window of 8 s holds
+the last phase for 4 intervals after a phase changes, and the move comes
+several intervals late; a steady load seldom departs by that much, and a
+move still needs ``confirm`` intervals, the target and the hysteresis.
 
 A move toward a split several instances away (``max_moves`` short of it)
 carries on at the next decision without a new confirmation or the
@@ -105,7 +112,8 @@ Orchestrator = Literal["pool", "scale"]
 CORRECTION_DOWN = 0.8
 CORRECTION_UP = 1.1
 CORRECTION_BOUND = 4.0
-SHIFT_Z = 3.0  # standard deviations the recent arrivals must depart by to be a shift in the mix
+SHIFT_Z = 3.0  # a shift in the mix is as unlikely without one as this many standard deviations...
+SHIFT_LIMIT = -2 * math.log(math.erfc(SHIFT_Z / math.sqrt(2)))  # ...the chi-squared (2 degrees) beyond it: 11.8
 
 
 @dataclass(frozen=True)
@@ -213,30 +221,85 @@ def work(load: Load, fill: float = 1.0) -> Work:
     )
 
 
-def shifted(load: Load, recent: Load) -> list[Role]:
-    """The roles whose arriving tokens in ``recent`` (the last part of ``load``'s window) depart from the rate
-    of the rest of the window by more than ``SHIFT_Z`` standard deviations; [] when either is too short to
-    say or the routers do not count arrivals. The deviation is that of Poisson arrivals at the rest's rate
-    (at least one request's worth), each of the whole window's mean size (what no shift would give), with
-    sizes as varied as an exponential's (variance twice the square of the mean), so that requests of mixed
-    lengths do not read as a shift; the rest's rate is itself a count of such arrivals, and its own
-    deviation, scaled to the recent part, is added."""
+def shift_parts(load: Load, recent: Load) -> tuple[float, dict[Role, float]]:
+    """How far the arrivals in ``recent`` (the last part of ``load``'s window) depart from those of the rest of
+    the window: twice the log-likelihood ratio of each part with a request rate of its own against both
+    sharing one (Poisson arrivals), and per role the same for its mean tokens a request (each an
+    exponential's). Under no shift the first is chi-squared with 1 degree of freedom, and so is each role's
+    second. (0, {}) when either part is too short to say (no time, or no request before the recent part) or
+    the routers do not count arrivals.
+
+    The mean request is a term of its own, each part's against the shared one: a shift in the mix moves it
+    (48-token prompts, then 400-token ones at about the same request rate). A test of the recent tokens
+    against the rest's rate, with a spread from the whole window's mean request, is blunted by the shift it
+    looks for: the new long prompts in the window raise that mean, and the spread with it, and a part of a
+    few requests (a phase's first second or two) stays within it."""
     if load.arrived is None or recent.arrived is None:
-        return []
+        return 0.0, {}
     seconds, count = load.seconds - recent.seconds, load.arrived - recent.arrived
     if seconds <= 0 or recent.seconds <= 0 or count <= 0:
-        return []
+        return 0.0, {}
+    now, total = recent.arrived, load.arrived
+    rate_part = 2 * (
+        _xlog(count, load.seconds * count / (total * seconds))
+        + _xlog(now, load.seconds * now / (total * recent.seconds))
+    )
     tokens: dict[Role, tuple[float, float]] = {  # (the rest's, the recent part's)
         "prefill": (load.arrived_prompt_tokens - recent.arrived_prompt_tokens, recent.arrived_prompt_tokens),
         "decode": (load.arrived_max_tokens - recent.arrived_max_tokens, recent.arrived_max_tokens),
     }
-    expected_count = max(count / seconds * recent.seconds, 1.0)
-    out: list[Role] = []
-    for role, (before, now) in tokens.items():
-        spread = (before + now) / load.arrived * math.sqrt(2 * expected_count * (1 + recent.seconds / seconds))
-        if spread > 0 and abs(now - before / seconds * recent.seconds) > SHIFT_Z * spread:
-            out.append(role)
-    return out
+    sizes: dict[Role, float] = {}
+    for role, (before, after) in tokens.items():
+        size_part = 0.0
+        if now > 0 and before + after > 0:
+            if before <= 0 or after <= 0:  # requests of no tokens in one part only: as far apart as sizes go
+                size_part = math.inf
+            else:
+                shared = (before + after) / total
+                size_part = 2 * (
+                    total * math.log(shared) - count * math.log(before / count) - now * math.log(after / now)
+                )
+        sizes[role] = max(size_part, 0.0)
+    return max(rate_part, 0.0), sizes
+
+
+def shift_statistic(load: Load, recent: Load) -> dict[Role, float]:
+    """Per role, the rate's and its sizes' departures (``shift_parts``) together: chi-squared with 2 degrees of
+    freedom under no shift; {} when there is nothing to compare."""
+    rate_part, sizes = shift_parts(load, recent)
+    return {role: rate_part + size for role, size in sizes.items()}
+
+
+def joined(first: Load, then: Load) -> Load:
+    """Two consecutive windows as one: counts added, the queues at the first's start and the second's end,
+    the shares within the SLOs the second's (what is read of it is its arrivals and queues)."""
+    arrived = None if first.arrived is None or then.arrived is None else first.arrived + then.arrived
+    return replace(
+        then,
+        seconds=first.seconds + then.seconds,
+        requests=first.requests + then.requests,
+        prompt_tokens=first.prompt_tokens + then.prompt_tokens,
+        output_tokens=first.output_tokens + then.output_tokens,
+        queued_tokens_before=first.queued_tokens_before,
+        waiting_before=first.waiting_before,
+        arrived=arrived,
+        arrived_prompt_tokens=first.arrived_prompt_tokens + then.arrived_prompt_tokens,
+        arrived_max_tokens=first.arrived_max_tokens + then.arrived_max_tokens,
+        finished_output_tokens=first.finished_output_tokens + then.finished_output_tokens,
+        finished_max_tokens=first.finished_max_tokens + then.finished_max_tokens,
+    )
+
+
+def _xlog(x: float, ratio: float) -> float:
+    """x log(ratio), 0 when x is (the limit)."""
+    return x * math.log(ratio) if x > 0 else 0.0
+
+
+def shifted(load: Load, recent: Load) -> list[Role]:
+    """The roles whose arrivals in ``recent`` depart from the rest of ``load``'s window by more than
+    ``SHIFT_LIMIT`` (``shift_statistic``: as unlikely under no shift as ``SHIFT_Z`` standard deviations);
+    [] when either part is too short to say or the routers do not count arrivals."""
+    return [role for role, value in shift_statistic(load, recent).items() if value > SHIFT_LIMIT]
 
 
 @dataclass(frozen=True)
@@ -307,6 +370,7 @@ class Decision:
     moves: int = 1  # "switch": how many, one after another
     utilisation: dict[str, float] = field(default_factory=dict)  # per role, at the current counts
     shifted: bool = False  # the demand was read from the recent part alone (``shifted``): the window starts again
+    shift: dict[str, float] = field(default_factory=dict)  # per role, ``shift_statistic`` ({}: not tested)
 
 
 class Planner:
@@ -328,6 +392,10 @@ class Planner:
         self._last_change = -math.inf
         # a switch short of its best split: the role it moved instances to, and the counts it left
         self._heading: tuple[Role, tuple[int, int]] | None = None
+        # the arrivals since the last shift the window still holds time before (``_shift_basis``), and whether
+        # their rate departed (read alone) or only their sizes (the window's requests at their sizes)
+        self._since: Load | None = None
+        self._rate_moved = False
 
     def work(self, load: Load) -> Work:
         """The window's work (``work``), answers' lengths at the share of max_tokens last seen."""
@@ -357,26 +425,60 @@ class Planner:
         the window's last part (since the last scrape), read alone when the mix has shifted (``shifted``)."""
         if load.requests == 0 and not load.arrived:
             self._forget()
-            self._heading = None
+            self._heading = self._since = None
             return Decision(now, "hold", prefill, decode, "no requests in the window")
         if load.fill is not None:
             self.fill = load.fill
         demand = self.demand(load)
         self._correct(load, self._utilisation(demand, prefill, decode))
-        moved = shifted(load, recent) if recent is not None else []
-        basis = recent if recent is not None and moved else load
+        basis, note, statistic, moved = self._read_shift(load, recent)
         demand = self.demand(basis)  # with this window's correction
         util = self._utilisation(demand, prefill, decode)
         if self.settings.orchestrator == "scale":
             decision = self._scale(demand, prefill, decode, now)
         else:
             decision = self._pool(demand, prefill, decode, now, switching)
-        reason = decision.reason + self._queue_note(basis, demand)
-        if moved:
-            reason += f"; the mix shifted ({' and '.join(moved)} arrivals): read from the last {basis.seconds:.1f} s"
         return replace(
-            decision, reason=reason, utilisation={r: round(u, 3) for r, u in util.items()}, shifted=bool(moved)
+            decision,
+            reason=decision.reason + self._queue_note(basis, demand) + note,
+            utilisation={r: round(u, 3) for r, u in util.items()},
+            shifted=bool(moved),
+            shift={r: round(v, 2) for r, v in statistic.items()},
         )
+
+    def _read_shift(self, load: Load, recent: Load | None) -> tuple[Load, str, dict[str, float], list[Role]]:
+        """What the demand is read from (module docstring), the reason's note on it, the shift test's figures
+        (``shift_parts``: "rate", and each role's rate and sizes together) and the roles that shifted. The
+        recent part is tested against the window's rest, or, while the window still holds time before the
+        last shift, against the arrivals since that shift: the ones before it are another mix."""
+        since = self._since
+        if recent is None or (since is not None and since.seconds + recent.seconds >= load.seconds - 1e-9):
+            since = None  # the window holds nothing before the last shift (it started again after a switch)
+        reference = load if since is None or recent is None else joined(since, recent)
+        rate_part, sizes = shift_parts(reference, recent) if recent is not None else (0.0, {})
+        statistic = {role: rate_part + size for role, size in sizes.items()}
+        moved = [role for role, value in statistic.items() if value > SHIFT_LIMIT]
+        figures: dict[str, float] = {"rate": rate_part} if sizes else {}
+        for role, value in statistic.items():
+            figures[role] = value
+        if moved and recent is not None:
+            since, self._rate_moved = recent, rate_part > SHIFT_Z**2
+        elif since is not None:
+            since = reference
+        self._since = since
+        if since is None:
+            return load, "", figures, moved
+        what = f"the mix shifted ({' and '.join(moved)} arrivals)" if moved else "since the shift"
+        if self._rate_moved or not since.arrived or not load.arrived:
+            return since, f"; {what}: read from the last {since.seconds:.1f} s", figures, moved
+        per_request = load.arrived / since.arrived
+        basis = replace(
+            load,
+            arrived_prompt_tokens=round(since.arrived_prompt_tokens * per_request),
+            arrived_max_tokens=round(since.arrived_max_tokens * per_request),
+        )
+        note = f"; {what}: the window's requests at the sizes of the last {since.seconds:.1f} s"
+        return basis, note, figures, moved
 
     def _queue_note(self, load: Load, demand: dict[Role, float]) -> str:
         """What the growing backlogs added to the demand, for the reason; "" when they added nothing."""

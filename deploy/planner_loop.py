@@ -91,8 +91,8 @@ class PlannerLoop:
     Each decision reads the last ``window_s`` seconds of the routers' figures (the difference between the
     newest scrape and the oldest one within that span), however short the interval between decisions: a
     window must hold enough first tokens to say something (one long prompt a second gives a 1 s window
-    none half the time). After a switch the history starts again, and after a shift in the mix (the
-    planner's ``shifted``) it starts at the scrape before the last."""
+    none half the time). After a switch the history starts again. Each decision also gets the window's last
+    part, since the scrape before (the planner's ``shift_parts``: a shift in the arrivals)."""
 
     def __init__(
         self,
@@ -136,11 +136,9 @@ class PlannerLoop:
         decision = self.planner.decide(load, counts["prefill"], counts["decode"], now, resizing, recent)
         self.metrics.cpu.observe(time.process_time() - cpu)
         done, changed = self._carry_out(decision, workers, counts, now)
-        self._record(decision, load, counts, done)
+        self._record(decision, load, recent, counts, done)
         if changed and decision.action == "switch":  # the counts changed: what came before is no guide
             self._history = deque([(self.clock(), self.routers.scrape())])
-        elif decision.shifted:  # the mix shifted since the last scrape: the window starts there
-            self._history = deque([(last, previous), (now, scraped)])
         return decision
 
     def _resizing(self, counts: dict[Role, int], now: float) -> bool:
@@ -221,7 +219,7 @@ class PlannerLoop:
             except ActError as exc:
                 log.warning("could not put %s back in rotation: %s", name, exc)
 
-    def _record(self, decision: Decision, load: Load, counts: dict[Role, int], done: str | None) -> None:
+    def _record(self, decision: Decision, load: Load, recent: Load, counts: dict[Role, int], done: str | None) -> None:
         m = self.metrics
         m.decisions.labels(action=decision.action).inc()
         for role in ROLES:
@@ -236,10 +234,15 @@ class PlannerLoop:
         m.rates.labels(kind="output").set(rate["decode"])
         m.queued.set(load.queued_tokens)
         m.waiting.set(load.waiting)
-        entry = asdict(decision) | {"load": asdict(load), "instances": counts, "carried_out": done}
+        entry = asdict(decision) | {
+            "load": asdict(load),
+            "recent": asdict(recent),
+            "instances": counts,
+            "carried_out": done,
+        }
         self.decisions.append(entry)
         log.info(
-            "%s %dP%dD (now %dP%dD): %s%s",
+            "%s %dP%dD (now %dP%dD): %s%s%s",
             decision.action,
             decision.prefill,
             decision.decode,
@@ -247,6 +250,7 @@ class PlannerLoop:
             counts["decode"],
             decision.reason,
             f"; {done}" if done else "",
+            recent_note(recent),
         )
 
     def run(self, stop: threading.Event, interval_s: float) -> None:
@@ -257,6 +261,16 @@ class PlannerLoop:
                 log.warning("%s", exc)
             if stop.wait(interval_s):
                 return
+
+
+def recent_note(recent: Load) -> str:
+    """The window's last part as the log line gives it: what arrived, and the test against the rest."""
+    if recent.arrived is None or recent.seconds <= 0:
+        return f" [last {recent.seconds:.1f} s: {recent.requests} first tokens]"
+    return (
+        f" [last {recent.seconds:.1f} s: {recent.arrived} arrived, {recent.arrived_prompt_tokens / recent.seconds:.0f}"
+        f" prompt and {recent.arrived_max_tokens / recent.seconds:.0f} max tokens a second]"
+    )
 
 
 def serve_reads(loop: PlannerLoop, host: str, port: int, launch_id: str | None) -> ThreadingHTTPServer:

@@ -3,13 +3,16 @@ records what it decided and did, and starts its history again after a switch."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
-from deploy.planner import EngineShape, Planner, PlannerSettings, Slo
+import numpy as np
+
+from deploy.planner import SHIFT_LIMIT, EngineShape, Planner, PlannerSettings, Slo
 from deploy.planner_act import ActError, PoolSwitch
 from deploy.planner_loop import PlannerLoop
 from deploy.planner_signals import Histogram, Snapshot, WorkerView
-from engine.step_cost import DEFAULT_STEP_COST
+from engine.step_cost import DEFAULT_STEP_COST, StepCost
 
 SLO = Slo(ttft_s=1.0, tpot_s=0.05)
 WORKERS = [WorkerView("p0", "prefill", True, 0)] + [WorkerView(f"d{k}", "decode", True, 0) for k in range(3)]
@@ -271,7 +274,7 @@ def arriving_page(requests: int, prompt_tokens: int, max_tokens: int) -> dict[st
     return {"r": replace(page["r"], arrived=float(requests), arrived_prompt=prompt_tokens, arrived_max=max_tokens)}
 
 
-def test_a_shift_in_the_mix_starts_the_window_at_the_scrape_before_the_last():
+def test_after_a_shift_in_the_mix_the_window_goes_on_and_its_requests_are_read_at_the_new_sizes():
     # 2 s apart: three intervals of 5 requests of 1000/10 tokens, then 10 a scrape of 100/400
     totals = [(5 * k, 5000 * k, 50 * k) for k in range(4)]
     totals += [(15 + 10 * k, 15_000 + 1000 * k, 150 + 4000 * k) for k in range(1, 5)]
@@ -280,7 +283,107 @@ def test_a_shift_in_the_mix_starts_the_window_at_the_scrape_before_the_last():
         planner_loop.step()
     made = list(planner_loop.decisions)
     assert [d["shifted"] for d in made] == [False, False, False, True, False, False]
-    assert made[3]["reason"].endswith("; the mix shifted (decode arrivals): read from the last 2.0 s")
-    # the window: growing to 6 s, then from the scrape before the shift's: 4 s, then 6 s
-    assert [d["load"]["seconds"] for d in made] == [2.0, 4.0, 6.0, 8.0, 4.0, 6.0]
-    assert made[4]["load"]["arrived"] == 20 and made[4]["load"]["arrived_prompt_tokens"] == 2000
+    assert made[3]["reason"].endswith(
+        "; the mix shifted (prefill and decode arrivals): the window's requests at the sizes of the last 2.0 s"
+    )
+    assert made[3]["shift"] == {"rate": 2.71, "prefill": 26.44, "decode": 69.4}
+    # tested against the arrivals since the shift, not the window's rest (another mix): no shift again
+    assert [d["shift"]["prefill"] for d in made[4:]] == [0.0, 0.0]
+    assert made[4]["reason"].endswith("; since the shift: the window's requests at the sizes of the last 4.0 s")
+    assert made[5]["reason"].endswith("; since the shift: the window's requests at the sizes of the last 6.0 s")
+    # the window is not started again: it grows to 8 s and slides
+    assert [d["load"]["seconds"] for d in made] == [2.0, 4.0, 6.0, 8.0, 8.0, 8.0]
+    # each decision's last part is kept beside its window
+    assert [d["recent"]["arrived"] for d in made] == [5, 5, 5, 10, 10, 10]
+    assert made[4]["recent"]["arrived_max_tokens"] == 4000 and made[4]["load"]["arrived"] == 30
+
+
+class TraceRouters:
+    """One router counting the arrivals of a list of (time, prompt tokens, max_tokens), each also served
+    within its SLOs, at the time ``clock`` says; its workers as ``roles`` (name to role) hold them."""
+
+    def __init__(self, events: list[tuple[float, int, int]], roles: dict[str, str]) -> None:
+        self.events, self.roles, self.now = events, roles, 0.0
+
+    def scrape(self) -> dict[str, Snapshot]:
+        came = [e for e in self.events if e[0] < self.now]
+        return arriving_page(len(came), sum(p for _, p, _ in came), sum(m for _, _, m in came))
+
+    def workers(self) -> list[WorkerView]:
+        return [WorkerView(name, role, True, 0) for name, role in self.roles.items()]
+
+
+class TraceSwitch(PoolSwitch):
+    """Switches one instance of the other role at once, and remembers when."""
+
+    def __init__(self, routers: TraceRouters) -> None:
+        self.routers, self.made = routers, []
+
+    def apply(self, decision, workers) -> tuple[str, float]:
+        name = next(n for n, r in self.routers.roles.items() if r != decision.switch_to)
+        self.routers.roles[name] = decision.switch_to
+        self.made.append((round(self.routers.now, 2), decision.switch_to))
+        return name, 0.1
+
+
+def phase_trace(gap: float = 0.95) -> list[tuple[float, int, int]]:
+    """The arrivals of `python -m bench.compare.phase_shift --rates 2.5,5,4 --phase-s 30` across its
+    output-heavy -> mixed boundary, as its open loop draws them (seed k + 7919 for phase k; the first at 0):
+    30 s of 5 a second of 48/160 tokens, then, ``gap`` later (the phase's last answers ending), 4 a second of
+    400/60, the boundary at 0."""
+
+    def draws(rate: float, seed: int) -> list[float]:
+        rng, t, out = np.random.default_rng(seed + 7919), 0.0, []
+        while t < 30.0:
+            out.append(t)
+            t += float(rng.exponential(1 / rate))
+        return out
+
+    return [(t - 30 - gap, 48, 160) for t in draws(5, 1)] + [(t, 400, 60) for t in draws(4, 2)]
+
+
+def test_a_shift_into_the_mixed_phase_is_read_at_the_first_decision_in_it(caplog):
+    """Decisions every 2.02 s, the first in the mixed phase 1.1 s into it (as in the runs that missed the
+    shift). Its last 2 s hold 3 requests of 400 prompt tokens after 23 of 48 in the 6 s before: within 3
+    standard deviations of the window's mean request (80 tokens, raised by the 3 themselves) for the test of
+    tokens against the rest's rate, as were the next decision's 4 after a rest that held those 3 (so the first
+    move came 7.16 s in); a change of the mean request is what the new mix is, and reads at once. The phase's
+    first 3 s bring 7 requests where 12 are its mean, so its arrivals alone would ask for no move: the
+    window's request rate at the new sizes does."""
+    routers = TraceRouters(phase_trace(), {"i0": "prefill", "i1": "decode", "i2": "decode", "i3": "decode"})
+    act = TraceSwitch(routers)
+    cost = StepCost(base=0.002, per_token=0.001, per_attn=0.0, per_seq=0.001)  # the bench's mock profile
+    slo = Slo(ttft_s=2.0, tpot_s=0.1)
+    planner = Planner(PlannerSettings(confirm=2, cooldown_s=4.0), cost, EngineShape(64, 2048, 1 << 30), slo)
+    ticks = [round(1.1 + 2.02 * k, 2) for k in range(-7, 6)]  # -13.04 ... 11.2
+    planner_loop = PlannerLoop(planner, routers, slo, act, 8.0, clock=lambda: routers.now)
+    made = []
+    caplog.set_level(logging.INFO, logger="pdserve.planner")
+    for tick in ticks:
+        routers.now = tick
+        d = planner_loop.step()
+        if d is not None and tick > -2:
+            made.append(
+                (tick, d.action, d.shifted, [r for r in ("prefill", "decode") if d.shift.get(r, 0) > SHIFT_LIMIT])
+            )
+    assert made[:3] == [
+        (-0.92, "hold", False, []),  # the output phase's last decision
+        (1.1, "hold", True, ["prefill"]),
+        (3.12, "switch", False, []),
+    ]
+    first = planner_loop.decisions[-len(made) + 1]
+    assert first["recent"]["arrived"] == 3 and first["recent"]["arrived_prompt_tokens"] == 1200
+    assert first["shift"] == {"rate": 2.95, "prefill": 22.11, "decode": 4.95}
+    assert first["reason"] == (
+        "wanted 1/2: 3P1D puts the busiest role at 0.43 instead of 1.30;"
+        " the mix shifted (prefill arrivals): the window's requests at the sizes of the last 2.0 s"
+    )
+    # the window's 24 requests at 400 prompt tokens each: 1.20 prefill servers' worth; read from the 7 of the
+    # last 4 s alone they would be 0.70, and no move (the runs that missed the shift moved 7.2 s in)
+    assert planner_loop.decisions[-len(made) + 2]["reason"] == (
+        "3P1D puts the busiest role at 0.40 instead of 1.20;"
+        " since the shift: the window's requests at the sizes of the last 4.0 s"
+    )
+    assert act.made == [(3.12, "prefill"), (9.18, "prefill")]
+    lines = [r.getMessage() for r in caplog.records if r.name == "pdserve.planner"]
+    assert lines[-len(made) + 1].endswith("[last 2.0 s: 3 arrived, 594 prompt and 89 max tokens a second]")
