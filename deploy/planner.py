@@ -369,8 +369,8 @@ class Decision:
     # pool: the role of the instance to start (the counts grow) or to stop (they shrink)
     moves: int = 1  # "switch": how many, one after another
     utilisation: dict[str, float] = field(default_factory=dict)  # per role, at the current counts
-    shifted: bool = False  # the demand was read from the recent part alone (``shifted``): the window starts again
-    shift: dict[str, float] = field(default_factory=dict)  # per role, ``shift_statistic`` ({}: not tested)
+    shifted: bool = False  # the mix shifted in the recent part (``shifted``): the demand is read from there on
+    shift: dict[str, float] = field(default_factory=dict)  # the shift test: "rate", and each role's (``shift_parts``)
 
 
 class Planner:
@@ -392,7 +392,7 @@ class Planner:
         self._last_change = -math.inf
         # a switch short of its best split: the role it moved instances to, and the counts it left
         self._heading: tuple[Role, tuple[int, int]] | None = None
-        # the arrivals since the last shift the window still holds time before (``_shift_basis``), and whether
+        # the arrivals since the last shift the window still holds time before (``_read_shift``), and whether
         # their rate departed (read alone) or only their sizes (the window's requests at their sizes)
         self._since: Load | None = None
         self._rate_moved = False
@@ -422,7 +422,7 @@ class Planner:
         recent: Load | None = None,
     ) -> Decision:
         """The counts ``load`` asks for, with ``prefill`` and ``decode`` instances in rotation now; ``recent``:
-        the window's last part (since the last scrape), read alone when the mix has shifted (``shifted``)."""
+        the window's last part (since the last scrape), tested for a shift in the mix (``_read_shift``)."""
         if load.requests == 0 and not load.arrived:
             self._forget()
             self._heading = self._since = None
@@ -443,7 +443,7 @@ class Planner:
             reason=decision.reason + self._queue_note(basis, demand) + note,
             utilisation={r: round(u, 3) for r, u in util.items()},
             shifted=bool(moved),
-            shift={r: round(v, 2) for r, v in statistic.items()},
+            shift={r: round(min(v, 1e6), 2) for r, v in statistic.items()},  # inf: tokens in one part only
         )
 
     def _read_shift(self, load: Load, recent: Load | None) -> tuple[Load, str, dict[str, float], list[Role]]:

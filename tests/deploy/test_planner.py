@@ -376,11 +376,23 @@ def test_a_shift_in_the_mix_is_read_from_the_last_part_of_the_window():
         "wanted 1/2: 1P3D puts the busiest role at 0.48 instead of 1.43;"
         " the mix shifted (prefill and decode arrivals): read from the last 2.0 s"
     )
-    # the loop's window starts again at the recent part: 4 s of the output-heavy load, no shift within it
-    window, recent = arriving(4.0, (16, 100, 400)), arriving(2.0, (8, 100, 400))
+    # 2 s on, the window's 8 s hold 4 of each load; the next 2 s are tested against the 2 since the shift (no
+    # shift within the output-heavy load), and its rate departed too: the demand is the 4 s since it alone
+    window, recent = arriving(8.0, (64, 1000, 10), (16, 100, 400)), arriving(2.0, (8, 100, 400))
     second = planner.decide(window, 3, 1, 2.0, recent=recent)
     assert (second.action, second.prefill, second.decode, second.shifted) == ("switch", 2, 2, False)
-    assert second.reason == "1P3D puts the busiest role at 0.43 instead of 1.30"
+    assert second.shift == {"rate": 0.0, "prefill": 0.0, "decode": 0.0}
+    assert second.reason == (
+        "1P3D puts the busiest role at 0.43 instead of 1.30; since the shift: read from the last 4.0 s"
+    )
+    # until the window holds nothing from before the shift (at 6 s), then it is read whole again
+    window = arriving(8.0, (32, 1000, 10), (24, 100, 400))
+    assert planner.decide(window, 2, 2, 4.0, recent=recent).reason.endswith(
+        "; since the shift: read from the last 6.0 s"
+    )
+    assert planner.decide(arriving(8.0, (32, 100, 400)), 2, 2, 6.0, recent=recent).reason == (
+        "every role has room (busiest at 0.65)"
+    )
 
 
 def test_no_shift_without_counted_arrivals_or_a_part_before_the_recent_one():
