@@ -215,15 +215,23 @@ class GenerationService:
                 read = e.pin_reserved(pending.request_id, req.start, req.end)
             except ValueError as exc:
                 raise WorkerError(400, str(exc), Outcome.BAD_REQUEST) from None
-            return self._copy_out(read)  # the pin is the copy job's from here: it drops it
+            try:
+                return self._copy_out(read)  # the pin is the copy job's from here: it drops it
+            except RuntimeError:  # the service stopped: no copy thread takes it
+                e.unpin(read)
+                raise WorkerError(503, f"{self.settings.name} is stopping", Outcome.ENGINE_DOWN) from None
 
+        # A call left before it ran takes nothing (the engine thread skips it); one that ran handed its pin on.
+        pinning = self.engine_thread.call(pin)
         try:
-            # A call left before it ran takes nothing (the engine thread skips it); one that ran handed its pin on.
-            copied = await self.engine_thread.run(pin)
+            copied = await asyncio.wrap_future(pinning)
         except WorkerError as exc:
             self.metrics.prefix_reads.labels(outcome=exc.code).inc()
             raise
-        tokens = await asyncio.wrap_future(copied)
+        except asyncio.CancelledError:  # the caller left as it pinned: a copy not started is not made
+            pinning.add_done_callback(lambda f: f.cancelled() or f.exception() is not None or f.result().cancel())
+            raise
+        tokens = await asyncio.wrap_future(copied)  # left: a copy not started is cancelled, which unpins
         if self.faults is not None:
             await self.faults.hold_read()  # hold_reads: a read in flight, its tokens out, its answer not sent
         corrupt = self.faults is not None and self.faults.take("corrupt_reads")

@@ -197,3 +197,28 @@ def test_a_read_for_no_waiting_reservation_or_past_its_prefix_pins_nothing(tiny_
         receiver.end(tid, Outcome.CANCELLED, "cancelled")
 
     serve(tiny_model, scenario)
+
+
+def test_a_read_whose_caller_leaves_before_its_copy_started_drops_its_pin_at_once(tiny_model, monkeypatch):
+    """Three reads, two copy threads: the third waits for a thread, its blocks pinned; its caller leaves, its
+    copy is cancelled before it ran, and its pin goes at once while the two others still copy."""
+    held = HeldCopies(monkeypatch)
+
+    async def scenario(service, receiver):
+        tid = await next_turn_reserved(service, receiver)
+        read = KVPrefixRead(transfer_id=tid, start=0, end=12)
+        copying = [asyncio.create_task(service.read_prefix(read)) for _ in range(2)]
+        await until(lambda: held.started == 2, what="both copy threads busy")
+        waiting = asyncio.create_task(service.read_prefix(read))
+        await until(lambda: service.bookkeeping()["read_pins"] == 3, what="the third read pinned, queued")
+        waiting.cancel()
+        await until(lambda: service.bookkeeping()["read_pins"] == 2, what="the queued read's pin dropped")
+        assert held.started == 2 and await exact_counts(service) == (BLOCKS - 5, 5, 0)
+        held.go.set()
+        answers = await asyncio.gather(*copying)
+        assert len({bytes(body) for _, body in answers}) == 1 and held.started == 2
+        await until(lambda: service.bookkeeping()["read_pins"] == 0, what="every pin dropped")
+        await service.close("b")
+        receiver.end(tid, Outcome.CANCELLED, "cancelled")
+
+    serve(tiny_model, scenario)
