@@ -34,7 +34,9 @@ The source is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and
 ninja) into ``~/.cache/pdserve/native`` (``PDSERVE_NATIVE_CACHE``), once per
 everything the build depends on (``build_key``): ``scripts/install.sh`` does it (``python -m
 engine.native``), else the first engine that needs it, tens of seconds, with
-a line saying so. Where the CPU lacks the instructions, or there is no
+a line saying so. Processes that start together build once: the others wait,
+with a line saying so, under a lock the kernel drops when its holder dies
+(a build killed half way holds up no one). Where the CPU lacks the instructions, or there is no
 compiler, or ``PDSERVE_NATIVE=0``, :func:`kernels` is None and the engine
 keeps torch's paths (as on CUDA); :func:`status` says which and why.
 """
@@ -42,6 +44,8 @@ keeps torch's paths (as on CUDA); :func:`status` says which and why.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -49,7 +53,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -114,6 +118,26 @@ def unavailable(needs: tuple[str, ...] | None = None) -> str | None:
 _failures: dict[str, str | None] = {}
 
 
+@contextlib.contextmanager
+def _build_lock(folder: Path, what: str) -> Iterator[None]:
+    """One build or load at a time in ``folder``, held with ``flock``, which the kernel lets go of when
+    its holder dies. torch's own lock is a file that only the process that made it removes: a process
+    killed while it built (a test's timeout, the OOM killer, Ctrl-C twice) left one behind, and every
+    later process on the host then waited for it forever, at the start of every server. Under this lock
+    no other pdserve build is under way, so a torch lock file found here is such a leftover and goes."""
+    with open(folder / "pdserve-build.lock", "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("pdserve: waiting for another process's build of %s in %s", what, folder)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        stale = folder / "lock"
+        if stale.exists():
+            log.warning("pdserve: removing %s, left by a build that did not finish", stale)
+            stale.unlink(missing_ok=True)
+        yield  # the lock goes with the file's closing
+
+
 def _build(name: str, source: Path, cflags: list[str], needs: tuple[str, ...]) -> ModuleType | None:
     """One module built (once per ``build_key``) and loaded; None where it cannot run or be built, with
     the reason in ``_failures[name]``."""
@@ -127,12 +151,17 @@ def _build(name: str, source: Path, cflags: list[str], needs: tuple[str, ...]) -
     fresh = False
     try:
         folder.mkdir(parents=True, exist_ok=True)  # a read-only cache folder is a failed build, not a crash
-        fresh = not any(folder.glob(f"{name}*.so"))
-        if fresh:
-            log.warning(
-                "pdserve: building the native CPU kernels of %s into %s (once; tens of seconds)", source.name, folder
+        with _build_lock(folder, source.name):
+            fresh = not any(folder.glob(f"{name}*.so"))
+            if fresh:
+                log.warning(
+                    "pdserve: building the native CPU kernels of %s into %s (once; tens of seconds)",
+                    source.name,
+                    folder,
+                )
+            module = load(
+                name=name, sources=[str(source)], extra_cflags=cflags, build_directory=str(folder), verbose=False
             )
-        module = load(name=name, sources=[str(source)], extra_cflags=cflags, build_directory=str(folder), verbose=False)
     except (RuntimeError, OSError, ImportError, subprocess.CalledProcessError) as exc:
         last = (str(exc).strip().splitlines() or [""])[-1]
         _failures[name] = f"the build failed: {type(exc).__name__}: {last}"

@@ -9,6 +9,7 @@ layer run op by op, in the cache it writes too."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -558,3 +559,60 @@ def test_a_few_rows_of_a_float32_tied_lm_head_read_the_embedding_itself(tiny_mod
     with torch.inference_mode():
         for rows in (1, 2, 3, 8, 9, 12):  # the kernel from two to eight rows, the input-major copy otherwise
             torch.testing.assert_close(head(x[:rows]), F.linear(x[:rows], embedding), rtol=1e-5, atol=1e-5)
+
+
+@needs_logits
+def test_a_lock_left_by_a_build_that_was_killed_does_not_hold_up_the_next_process(tmp_path):
+    # torch's build lock is a file only its maker removes: a process killed while it built left one, and
+    # every later server on the host then waited for it forever before it could load the model.
+    assert native.logits_kernels() is not None, native.logits_status()  # built once (install.sh does it)
+    built = native.cache_dir(native.LOGITS_SOURCE, native.LOGITS_CFLAGS)
+    cache = tmp_path / "native"
+    folder = cache / built.name
+    shutil.copytree(built, folder, ignore=shutil.ignore_patterns("lock", "pdserve-build.lock"))
+    (folder / "lock").write_text("")  # what the killed build left
+    code = "from engine import native; print(native.logits_status())"
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PDSERVE_NATIVE_CACHE": str(cache)},
+        timeout=120,
+    )
+    assert run.returncode == 0 and run.stdout == "native logits kernel: in use\n", run.stdout + run.stderr
+    assert f"removing {folder / 'lock'}, left by a build that did not finish" in run.stderr
+    assert not (folder / "lock").exists()
+
+
+@needs_logits
+def test_a_second_process_waits_for_a_build_under_way_and_says_so(tmp_path):
+    import fcntl
+
+    assert native.logits_kernels() is not None, native.logits_status()
+    built = native.cache_dir(native.LOGITS_SOURCE, native.LOGITS_CFLAGS)
+    cache = tmp_path / "native"
+    folder = cache / built.name
+    shutil.copytree(built, folder, ignore=shutil.ignore_patterns("lock", "pdserve-build.lock"))
+    code = "from engine import native; print(native.logits_status(), flush=True)"
+    with open(folder / "pdserve-build.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a build under way in this process
+        child = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PDSERVE_NATIVE_CACHE": str(cache)},
+        )
+        try:
+            assert child.stderr is not None
+            line = child.stderr.readline()  # it says it waits, and waits: it has printed nothing else
+            assert line == f"pdserve: waiting for another process's build of logits.cpp in {folder}\n"
+            assert child.poll() is None
+        except BaseException:
+            child.kill()
+            child.wait()
+            raise
+    out, err = child.communicate(timeout=120)
+    assert child.returncode == 0 and out == "native logits kernel: in use\n", out + err
