@@ -130,7 +130,7 @@ class GenerationService:
         self.vitals = Vitals(settings.stuck_after_s)  # /health and the watchdog: engine and transfer threads
         self.vitals.add(self.engine_thread.problem)
         self.tracing = tracing or Tracing(settings.tracing, f"pdserve-{settings.role}")
-        self.timeline = TimelineLog()
+        self.timeline = TimelineLog(settings.timeline_entries)
         self._model_id = model_fingerprint(settings.engine.model)  # reported on /health
         self._receiver: KVReceiverPort | None = None
         if make_receiver is not None:

@@ -740,6 +740,9 @@ class ClusterConfig(Strict):
     transfers it started."""
     log_stats_interval_s: float = Field(default=ServerSettings.log_stats_interval_s, ge=0)
     """Seconds between the stats lines each process logs while it has traffic (launch shows them); 0: none."""
+    timeline_entries: int = Field(default=ServerSettings.timeline_entries, ge=1)
+    """The latest requests each prefill and decode server keeps the stage times of, on `GET /debug/timeline`
+    (`pdserve bench serve --timeline` joins them); the oldest go first. A few hundred bytes each."""
     security: SecurityConfig = SecurityConfig()
     """The internal secret, and the prefill and decode servers' connection limits."""
     engine: EngineDefaults = EngineDefaults()
@@ -1077,6 +1080,7 @@ class ClusterConfig(Strict):
             drain_timeout_s=self.drain_timeout_s,
             drain=self.drain,
             log_stats_interval_s=self.log_stats_interval_s,
+            timeline_entries=self.timeline_entries,
             internal_secret=self.security.secret(),
             tracing=self.tracing.settings(),
             decode_peers=tuple((i.name, self.url_of(i)) for i in self.decode),

@@ -143,7 +143,7 @@ class PrefillService:
         self.metrics = metrics or ServerMetrics(lambda: self.engine_thread.stats)
         self.kv_events = engine.scheduler.blocks.events  # thread-safe: read by GET /kv/events
         self.tracing = tracing or Tracing(settings.tracing, "pdserve-prefill")
-        self.timeline = TimelineLog()
+        self.timeline = TimelineLog(settings.timeline_entries)
         self._model_id = model_fingerprint(settings.engine.model)  # reported on /health
         link = make_link(self.engine_thread.wake)
         self._sender, self._peers = link.sender, link.peers

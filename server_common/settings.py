@@ -11,6 +11,7 @@ from typing import Literal
 
 from engine.config import EngineConfig, EngineMode
 from server_common.process_defaults import DRAIN_TIMEOUT_S, LOOPBACK_HOST, DrainMode
+from server_common.timeline_log import TimelineLog
 from server_common.tracing import TracingSettings
 
 TransferBackendName = Literal["zmq", "nixl"]  # transfer's in-process backend is for tests inside one process
@@ -64,6 +65,7 @@ class ServerSettings:
     max_body_bytes: int = 16 << 20  # larger bodies get 413 before they are read (a 1M-token prompt fits)
     log_stats_interval_s: float = 10.0  # a stats line this often while there is traffic (0: none; stats_log.py)
     stuck_after_s: float = 60.0  # /health: a thread with work that made no progress this long is stuck
+    timeline_entries: int = TimelineLog.CAPACITY  # the latest requests GET /debug/timeline keeps
     launch_id: str | None = None  # reported in /health; from `pdserve launch` (deploy/process_cli.py)
     tracing: TracingSettings = field(default_factory=TracingSettings)  # off unless an endpoint is set
 
