@@ -93,7 +93,14 @@ def test_bookkeeping_holds_a_reservation_until_its_transfer_ended_then_nothing(e
         # The engine's stats are a copy published after its steps: waiting on them alone could pass
         # before the engine thread took the receiver's answer. Every count must reach 0, and stay there.
         await until(lambda: service.bookkeeping()["cancelling"] == 0)
-        await until(lambda: blocks(service) == (8, 0, 0) and service.bookkeeping()["engine_requests"] == 0)
+        # The blocks come back on the engine thread; the per-request entries go on the event loop after.
+        await until(
+            lambda: (
+                blocks(service) == (8, 0, 0)
+                and all(service.bookkeeping()[k] == 0 for k in ("engine_requests", *per_request))
+            ),
+            what="every block free and every per-request entry gone",
+        )
         idle = service.bookkeeping()
         assert {k: idle[k] for k in per_request} == dict.fromkeys(per_request, 0)
 
@@ -146,7 +153,14 @@ def test_an_open_aborted_before_it_took_its_blocks_frees_them_once_it_took_them(
         if not local:  # the reservation it made is cancelled, and freed once the receiver confirms
             assert receiver.cancelled == ["t0"]
             receiver.end("t0", Outcome.CANCELLED, "cancelled")
-        await until(lambda: blocks(service) == (8, 0, 0) and service.bookkeeping()["engine_requests"] == 0)
+        # The blocks come back on the engine thread; the per-request entries go on the event loop after.
+        await until(
+            lambda: (
+                blocks(service) == (8, 0, 0)
+                and all(service.bookkeeping()[k] == 0 for k in ("engine_requests", *per_request))
+            ),
+            what="every block free and every per-request entry gone",
+        )
         idle = service.bookkeeping()
         assert {k: idle[k] for k in per_request} == dict.fromkeys(per_request, 0)
         assert faults.status().injected["opens_held"] == 1
@@ -182,7 +196,14 @@ def test_an_open_under_way_when_the_server_drains_with_migrate_is_refused_and_fr
         if not local:  # the reservation it made is cancelled at once, and freed once the receiver confirms
             assert receiver.cancelled == ["t0"]
             receiver.end("t0", Outcome.CANCELLED, "cancelled")
-        await until(lambda: blocks(service) == (8, 0, 0) and service.bookkeeping()["engine_requests"] == 0)
+        # The blocks come back on the engine thread; the per-request entries go on the event loop after.
+        await until(
+            lambda: (
+                blocks(service) == (8, 0, 0)
+                and all(service.bookkeeping()[k] == 0 for k in ("engine_requests", *per_request))
+            ),
+            what="every block free and every per-request entry gone",
+        )
         idle = service.bookkeeping()
         assert {k: idle[k] for k in per_request} == dict.fromkeys(per_request, 0)
         assert service.drain.inflight == 0
