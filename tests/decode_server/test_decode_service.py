@@ -28,6 +28,21 @@ def blocks(service) -> tuple[int, int, int]:
     return s.free, s.reserved, s.running
 
 
+PER_REQUEST = ("active", "streams", "awaiting", "cancelling", "unfilled_claims", "receiver_transfers")
+
+
+async def until_all_back(service) -> None:
+    """Every block free, and no per-request entry left. The blocks come back on the engine thread; a
+    request's entries go on the event loop when the engine's outputs reach it, a moment later."""
+    keys = ("engine_requests", *PER_REQUEST)
+    await until(
+        lambda: blocks(service) == (8, 0, 0) and all(service.bookkeeping()[k] == 0 for k in keys),
+        what="every block free and every per-request entry gone",
+    )
+    idle = service.bookkeeping()
+    assert {k: idle[k] for k in keys} == dict.fromkeys(keys, 0)
+
+
 def test_reservation_then_kv_then_tokens_until_max_tokens(engine):
     async def scenario(service, receiver):
         first, active = await service.open(generate_request("a"))
@@ -81,28 +96,17 @@ def test_client_leaving_cancels_and_frees_only_when_the_receiver_confirms(engine
 
 
 def test_bookkeeping_holds_a_reservation_until_its_transfer_ended_then_nothing(engine):
-    per_request = ("active", "streams", "awaiting", "cancelling", "unfilled_claims", "receiver_transfers")
-
     async def scenario(service, receiver):
         await service.open(generate_request("c"))
         held = service.bookkeeping()
-        assert {k: held[k] for k in per_request} == dict.fromkeys(per_request, 1) | {"cancelling": 0}
+        assert {k: held[k] for k in PER_REQUEST} == dict.fromkeys(PER_REQUEST, 1) | {"cancelling": 0}
         await service.close("c")  # the client left: cancelled, waiting for the receiver to confirm
         assert service.bookkeeping()["cancelling"] == 1
         receiver.end("t0", Outcome.CANCELLED, "cancelled")
         # The engine's stats are a copy published after its steps: waiting on them alone could pass
         # before the engine thread took the receiver's answer. Every count must reach 0, and stay there.
         await until(lambda: service.bookkeeping()["cancelling"] == 0)
-        # The blocks come back on the engine thread; the per-request entries go on the event loop after.
-        await until(
-            lambda: (
-                blocks(service) == (8, 0, 0)
-                and all(service.bookkeeping()[k] == 0 for k in ("engine_requests", *per_request))
-            ),
-            what="every block free and every per-request entry gone",
-        )
-        idle = service.bookkeeping()
-        assert {k: idle[k] for k in per_request} == dict.fromkeys(per_request, 0)
+        await until_all_back(service)
 
     run_decode_service(engine, scenario)
 
@@ -136,8 +140,6 @@ def test_duplicate_request_id_is_refused(engine):
 def test_an_open_aborted_before_it_took_its_blocks_frees_them_once_it_took_them(engine, local):
     # A router that waited longer than its stall time for this open aborts it and opens again under
     # another id; the open, held before its reservation (hold_opens), goes on only after the abort.
-    per_request = ("active", "streams", "awaiting", "cancelling", "unfilled_claims", "receiver_transfers")
-
     async def scenario(service, receiver):
         service.faults = faults = FaultInjector()
         faults.arm(FaultPlan(hold_opens=1, pause_timeout_s=30))
@@ -153,16 +155,7 @@ def test_an_open_aborted_before_it_took_its_blocks_frees_them_once_it_took_them(
         if not local:  # the reservation it made is cancelled, and freed once the receiver confirms
             assert receiver.cancelled == ["t0"]
             receiver.end("t0", Outcome.CANCELLED, "cancelled")
-        # The blocks come back on the engine thread; the per-request entries go on the event loop after.
-        await until(
-            lambda: (
-                blocks(service) == (8, 0, 0)
-                and all(service.bookkeeping()[k] == 0 for k in ("engine_requests", *per_request))
-            ),
-            what="every block free and every per-request entry gone",
-        )
-        idle = service.bookkeeping()
-        assert {k: idle[k] for k in per_request} == dict.fromkeys(per_request, 0)
+        await until_all_back(service)
         assert faults.status().injected["opens_held"] == 1
         first, active = await service.open(generate_request("next"))  # the hold was for one open only
         assert first.reservation is not None
@@ -178,8 +171,6 @@ def test_an_open_under_way_when_the_server_drains_with_migrate_is_refused_and_fr
     # (hold_opens), is still reserving: the open goes on after the drain began. It must not hand out a
     # reservation whose stream already moved off (its blocks would wait out the lease); it answers 503
     # draining, which the router answers by opening the request on another decode server.
-    per_request = ("active", "streams", "awaiting", "cancelling", "unfilled_claims", "receiver_transfers")
-
     async def scenario(service, receiver):
         service.faults = faults = FaultInjector()
         faults.arm(FaultPlan(hold_opens=1, pause_timeout_s=30))
@@ -196,16 +187,7 @@ def test_an_open_under_way_when_the_server_drains_with_migrate_is_refused_and_fr
         if not local:  # the reservation it made is cancelled at once, and freed once the receiver confirms
             assert receiver.cancelled == ["t0"]
             receiver.end("t0", Outcome.CANCELLED, "cancelled")
-        # The blocks come back on the engine thread; the per-request entries go on the event loop after.
-        await until(
-            lambda: (
-                blocks(service) == (8, 0, 0)
-                and all(service.bookkeeping()[k] == 0 for k in ("engine_requests", *per_request))
-            ),
-            what="every block free and every per-request entry gone",
-        )
-        idle = service.bookkeeping()
-        assert {k: idle[k] for k in per_request} == dict.fromkeys(per_request, 0)
+        await until_all_back(service)
         assert service.drain.inflight == 0
 
     metrics = run_decode_service(engine, scenario, drain="migrate")
