@@ -561,15 +561,21 @@ def test_a_few_rows_of_a_float32_tied_lm_head_read_the_embedding_itself(tiny_mod
             torch.testing.assert_close(head(x[:rows]), F.linear(x[:rows], embedding), rtol=1e-5, atol=1e-5)
 
 
+def built_logits_copy(tmp_path: Path) -> tuple[Path, Path]:
+    """A cache of its own holding a copy of the built logits kernel (built once; install.sh does it), without
+    any lock: (the cache, the kernel's folder in it)."""
+    assert native.logits_kernels() is not None, native.logits_status()
+    built = native.cache_dir(native.LOGITS_SOURCE, native.LOGITS_CFLAGS)
+    cache = tmp_path / "native"
+    shutil.copytree(built, cache / built.name, ignore=shutil.ignore_patterns("lock", "pdserve-build.lock"))
+    return cache, cache / built.name
+
+
 @needs_logits
 def test_a_lock_left_by_a_build_that_was_killed_does_not_hold_up_the_next_process(tmp_path):
     # torch's build lock is a file only its maker removes: a process killed while it built left one, and
     # every later server on the host then waited for it forever before it could load the model.
-    assert native.logits_kernels() is not None, native.logits_status()  # built once (install.sh does it)
-    built = native.cache_dir(native.LOGITS_SOURCE, native.LOGITS_CFLAGS)
-    cache = tmp_path / "native"
-    folder = cache / built.name
-    shutil.copytree(built, folder, ignore=shutil.ignore_patterns("lock", "pdserve-build.lock"))
+    cache, folder = built_logits_copy(tmp_path)
     (folder / "lock").write_text("")  # what the killed build left
     code = "from engine import native; print(native.logits_status())"
     run = subprocess.run(
@@ -589,11 +595,7 @@ def test_a_lock_left_by_a_build_that_was_killed_does_not_hold_up_the_next_proces
 def test_a_second_process_waits_for_a_build_under_way_and_says_so(tmp_path):
     import fcntl
 
-    assert native.logits_kernels() is not None, native.logits_status()
-    built = native.cache_dir(native.LOGITS_SOURCE, native.LOGITS_CFLAGS)
-    cache = tmp_path / "native"
-    folder = cache / built.name
-    shutil.copytree(built, folder, ignore=shutil.ignore_patterns("lock", "pdserve-build.lock"))
+    cache, folder = built_logits_copy(tmp_path)
     code = "from engine import native; print(native.logits_status(), flush=True)"
     with open(folder / "pdserve-build.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # a build under way in this process
